@@ -1,0 +1,14 @@
+"""FORGE for JAX: Flax layers whose backward applies the optimizer.
+
+* :class:`Dense` -- a drop-in for ``flax.linen.Dense``;
+* :func:`adamw` -- ``optax.adamw`` that also drives FORGE layers;
+* :func:`make_step` -- the training step that ties them together.
+"""
+
+from forge_jax.dense import Dense
+from forge_jax.step import make_step
+from forge_jax.transforms import ForgeSpec, ForgeTransformation, adamw
+from pallas_kernels import classify
+
+__all__ = ["Dense", "ForgeSpec", "ForgeTransformation", "adamw", "classify",
+           "make_step"]

@@ -1,0 +1,75 @@
+"""The per-step context through which `make_step` talks to FORGE layers.
+
+A training step traces the user's loss function twice, under two contexts:
+
+* ``discover``: every FORGE layer reports its kernel path and that it was
+  called (a second call of the same layer is an error: paper Remark 2);
+* ``fused``: every FORGE layer finds its optimizer slots and this step's
+  hyperparameters here and runs its fused backward; the backward records that
+  it was traced, which tells the step which kernels received a gradient
+  (Remark 1).
+
+Outside `make_step` no context is active and `forge_jax.Dense` is exactly
+`flax.linen.Dense`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, NamedTuple
+
+import jax
+
+Path = tuple[str, ...]
+
+
+class LayerInputs(NamedTuple):
+  """What one FORGE layer's backward reads (and returns the new values of)."""
+
+  slots: tuple[jax.Array, ...]
+  hparams: jax.Array
+  touched: jax.Array  # fp32 scalar; its "cotangent" is 1 when the bwd ran.
+
+
+@dataclasses.dataclass
+class LayerInfo:
+  path: Path
+  kernel_shape: tuple[int, ...]
+  kernel_dtype: Any
+  calls: int = 0
+
+
+@dataclasses.dataclass
+class StepContext:
+  mode: str  # "discover" | "fused"
+  rule: Any = None  # the pallas_kernels.UpdateRule of the step's optimizer
+  inputs: dict[Path, LayerInputs] = dataclasses.field(default_factory=dict)
+  layers: dict[Path, LayerInfo] = dataclasses.field(default_factory=dict)
+  bwd_traced: set[Path] = dataclasses.field(default_factory=set)
+
+
+_STATE = threading.local()
+
+
+def current() -> StepContext | None:
+  return getattr(_STATE, "ctx", None)
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext):
+  prev = current()
+  if prev is not None:
+    raise RuntimeError(
+        "forge_jax: a FORGE step is already being traced on this thread; "
+        "make_step steps cannot be nested")
+  _STATE.ctx = ctx
+  try:
+    yield ctx
+  finally:
+    _STATE.ctx = prev
+
+
+def layer_name(path: Path) -> str:
+  return "/".join(path) or "<root>"

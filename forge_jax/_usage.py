@@ -1,0 +1,74 @@
+"""Trace-time check that each FORGE kernel has one consumer (paper Remark 2).
+
+A kernel updated in place by its layer's backward must not be read by any
+other op of the step (a tied head, a reuse through ``module.variables``):
+AD would add that op's gradient to the returned *new kernel* -- a silent
+corruption. We trace the loss once and follow each kernel's jaxpr variable,
+through call-like primitives, to every op that reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+from forge_jax import _context
+
+# Primitives whose sub-jaxpr receives the operands one-to-one.
+_CALL_PARAMS = {
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+}
+
+
+def _is_fused_linear(eqn) -> bool:
+  from forge_jax.dense import _fused_linear_bwd
+  bwd = eqn.params.get("bwd")
+  return (eqn.primitive.name == "custom_vjp_call"
+          and getattr(bwd, "f", None) is _fused_linear_bwd)
+
+
+def _open(jaxpr):
+  return getattr(jaxpr, "jaxpr", jaxpr)
+
+
+def _consumers(jaxpr, var, out: list[str]) -> None:
+  for eqn in jaxpr.eqns:
+    positions = [i for i, v in enumerate(eqn.invars)
+                 if not isinstance(v, jex_core.Literal) and v is var]
+    if not positions:
+      continue
+    if _is_fused_linear(eqn):
+      out.extend(["fused"] * len(positions))
+      continue
+    sub_name = _CALL_PARAMS.get(eqn.primitive.name)
+    sub = _open(eqn.params.get(sub_name)) if sub_name else None
+    if sub is not None and len(sub.invars) == len(eqn.invars):
+      for i in positions:
+        _consumers(sub, sub.invars[i], out)
+    else:
+      out.extend([eqn.primitive.name] * len(positions))
+
+
+def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any]):
+  """Raises ValueError if a FORGE kernel is read by anything but its layer."""
+  closed = jax.make_jaxpr(fn)(params, inputs)
+  flat, _ = jax.tree_util.tree_flatten_with_path((params, inputs))
+  index = {tuple(kp[1:]): i for i, (kp, _) in enumerate(flat)
+           if kp and kp[0] == jax.tree_util.SequenceKey(0)}
+  for path, kp in kpaths.items():
+    var = closed.jaxpr.invars[index[kp]]
+    uses: list[str] = []
+    _consumers(closed.jaxpr, var, uses)
+    foreign = [u for u in uses if u != "fused"]
+    if foreign or uses.count("fused") > 1:
+      raise ValueError(
+          f"the kernel of forge_jax.Dense at {_context.layer_name(path)!r} is "
+          f"also read outside its own layer (by: {', '.join(foreign) or 'a second fused call'})."
+          " FORGE updates a kernel in place during its backward, so it may "
+          "have one consumer per step (paper Remark 2: tied or shared "
+          "weights). Give this layer fused=False to keep it on the standard "
+          "path.")

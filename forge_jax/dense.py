@@ -1,0 +1,139 @@
+"""`forge_jax.Dense`: `flax.linen.Dense` whose backward updates its own kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import flax.linen as nn
+from flax.linen import dtypes as flax_dtypes
+
+import pallas_kernels
+from forge_jax import _context
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+  """Static (non-array) arguments of the fused linear op."""
+
+  path: _context.Path
+  rule: pallas_kernels.UpdateRule
+  dtype: Any
+  precision: Any
+  config: pallas_kernels.BlockConfig | None
+
+
+def _matmul(x, kernel, precision):
+  return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                         precision=precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_linear(static: _Static, x, kernel, inputs: _context.LayerInputs):
+  return _matmul(x, kernel.astype(static.dtype), static.precision)
+
+
+def _fused_linear_fwd(static, x, kernel, inputs):
+  y = _matmul(x, kernel.astype(static.dtype), static.precision)
+  return y, (x, kernel, inputs)
+
+
+def _fused_linear_bwd(static, res, dy):
+  """Returns dx and, in place of the kernel's and slots' cotangents, their
+  updated values (make_step reads them as such)."""
+  x, kernel, inputs = res
+  # dx must read the pre-update kernel: it is computed from `kernel` before
+  # the fused kernel (which aliases that buffer) writes it.
+  k = kernel.astype(static.dtype)
+  dx = lax.dot_general(dy, k, (((dy.ndim - 1,), (1,)), ((), ())),
+                       precision=static.precision)
+  new_kernel, new_slots = pallas_kernels.fused_wgrad_update(
+      x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
+      config=static.config)
+  ctx = _context.current()
+  if ctx is not None:
+    ctx.bwd_traced.add(static.path)
+  return dx.astype(x.dtype), new_kernel, _context.LayerInputs(
+      slots=new_slots,
+      hparams=jnp.zeros_like(inputs.hparams),
+      touched=jnp.ones_like(inputs.touched))
+
+
+_fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
+
+
+class Dense(nn.Dense):
+  """A drop-in for :class:`flax.linen.Dense` whose backward applies the optimizer.
+
+  Same attributes, defaults and parameter tree as ``nn.Dense`` (``kernel``
+  ``(in, out)``, ``bias`` ``(out,)``). Called outside a FORGE step it *is*
+  ``nn.Dense``. Inside a step built by :func:`forge_jax.make_step`, its
+  backward computes ``dx`` from the pre-update kernel, then updates the kernel
+  and its optimizer slots in place with the fused weight-gradient kernel, so
+  the kernel's gradient never exists in memory. The bias takes the ordinary
+  path and is updated exactly as optax would.
+
+  Extra attributes (after ``nn.Dense``'s, all optional):
+    fused: ``False`` keeps this layer on the standard path (its kernel gets an
+      ordinary gradient and an ordinary optax update), e.g. for a module that
+      is called more than once per step.
+    block_config: tiling of the fused kernel; a heuristic when ``None``.
+
+  Example:
+    >>> import forge_jax, jax, jax.numpy as jnp
+    >>> layer = forge_jax.Dense(features=4)
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((1, 3)))
+  """
+
+  fused: bool = True
+  block_config: pallas_kernels.BlockConfig | None = None
+
+  @nn.compact
+  def __call__(self, inputs):
+    ctx = _context.current()
+    if ctx is None or not self.fused:
+      return super().__call__(inputs)
+    if self.dot_general is not None or self.dot_general_cls is not None:
+      raise ValueError(
+          f"forge_jax.Dense at {_context.layer_name(self.path)!r}: a custom "
+          "dot_general cannot be fused; set fused=False for this layer")
+    path = tuple(self.path)
+    if ctx.mode == "discover":
+      kernel_shape = (jnp.shape(inputs)[-1], self.features)
+      info = ctx.layers.setdefault(
+          path, _context.LayerInfo(path, kernel_shape, self.param_dtype))
+      info.calls += 1
+      if info.calls > 1:
+        raise ValueError(
+            f"forge_jax.Dense at {_context.layer_name(path)!r} is called more "
+            "than once in one step. FORGE updates a kernel in place during "
+            "its backward, so each kernel may have one consumer per step "
+            "(paper Remark 2). Give this layer fused=False (or use "
+            "flax.linen.Dense) to keep it on the standard path.")
+      return super().__call__(inputs)
+
+    kernel = self.param('kernel', self.kernel_init,
+                        (jnp.shape(inputs)[-1], self.features),
+                        self.param_dtype)
+    bias = (self.param('bias', self.bias_init, (self.features,),
+                       self.param_dtype) if self.use_bias else None)
+    inputs_c, _, bias_c = self.promote_dtype(inputs, kernel, bias,
+                                             dtype=self.dtype)
+    dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
+                                           dtype=self.dtype)
+    if path not in ctx.inputs:
+      raise RuntimeError(
+          f"forge_jax.Dense at {_context.layer_name(path)!r} was not seen when "
+          "the step discovered its FORGE layers: the loss function must call "
+          "the same layers on every trace")
+    layer_inputs = ctx.inputs[path]
+    static = _Static(path=path, rule=ctx.rule, dtype=dtype,
+                     precision=self.precision, config=self.block_config)
+    y = _fused_linear(static, inputs_c, kernel, layer_inputs)
+    if bias_c is not None:
+      y += jnp.reshape(bias_c, (1,) * (y.ndim - 1) + (-1,))
+    return y

@@ -1,0 +1,265 @@
+"""Fused weight gradient + optimizer update: ``G = x^T dy`` never leaves registers.
+
+For a linear layer ``y = x @ W`` (``W`` of shape ``(in, out)``) the weight
+gradient of a step is ``G = x^T dy``, a sum over the ``BT`` token rows. This
+kernel computes ``G`` one ``(block_in, block_out)`` output tile at a time,
+accumulating over ``BT`` chunks in fp32, then applies an elementwise optimizer
+rule (:class:`pallas_kernels.rules.UpdateRule`) to that tile in the epilogue:
+it loads the tile of ``W`` and of each state slot, updates them and stores them
+back in place (``input_output_aliases``). ``G`` is never written to memory.
+
+The caller must have read the *pre-update* ``W`` (for ``dx = dy @ W^T``)
+before this kernel runs; inside ``jax.jit`` data dependencies order that.
+
+The same module holds the pure-``jnp`` reference, :func:`fused_wgrad_update_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
+
+_MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and (n & (n - 1)) == 0
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """Tiling of the fused kernel.
+
+  Attributes:
+    block_in: rows of a ``G`` tile (the layer's input dimension).
+    block_out: columns of a ``G`` tile (the layer's output dimension).
+    block_bt: token rows reduced per main-loop iteration.
+    group_in: tiles along ``in`` visited together before moving along
+      ``out`` (grouped order, so neighbouring programs share ``dy`` chunks in
+      L2); 1 is plain row-major order.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining stages of the main loop.
+  """
+
+  block_in: int = 64
+  block_out: int = 128
+  block_bt: int = 64
+  group_in: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_in", "block_out", "block_bt"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or not _is_pow2(v) or v < _MIN_BLOCK:
+        raise ValueError(
+            f"{name}={v!r} must be a power of two >= {_MIN_BLOCK}")
+    if not isinstance(self.group_in, int) or self.group_in < 1:
+      raise ValueError(f"group_in={self.group_in!r} must be an int >= 1")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps={self.num_warps!r} must be 1, 2, 4, 8 or 16")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages!r} must be an int >= 1")
+
+  @classmethod
+  def default(cls, bt: int, n_in: int, n_out: int) -> "BlockConfig":
+    """A heuristic tiling: the measured-best 64x128x64 tile, shrunk to fit."""
+    clamp = lambda b, n: max(_MIN_BLOCK, min(b, _next_pow2(n)))
+    return cls(
+        block_in=clamp(64, n_in),
+        block_out=clamp(128, n_out),
+        block_bt=clamp(64, bt),
+    )
+
+
+def _float_dtype_check(name: str, a) -> None:
+  if not jnp.issubdtype(a.dtype, jnp.floating):
+    raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
+
+
+def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule):
+  for name, a in (("x", x), ("dy", dy), ("w", w)):
+    _float_dtype_check(name, a)
+  if w.ndim != 2:
+    raise ValueError(f"w must be 2-D (in, out), got shape {w.shape}")
+  if x.ndim < 1 or dy.ndim < 1:
+    raise ValueError(
+        f"x and dy need at least one dimension, got {x.shape} and {dy.shape}")
+  n_in, n_out = w.shape
+  if x.shape[-1] != n_in:
+    raise ValueError(f"x's last dimension {x.shape[-1]} != w.shape[0]={n_in}")
+  if dy.shape[-1] != n_out:
+    raise ValueError(
+        f"dy's last dimension {dy.shape[-1]} != w.shape[1]={n_out}")
+  if x.shape[:-1] != dy.shape[:-1]:
+    raise ValueError(
+        f"x and dy must share leading (token) dimensions, got {x.shape} and "
+        f"{dy.shape}")
+  if len(slots) != len(rule.slots):
+    raise ValueError(
+        f"rule {rule.name!r} needs slots {rule.slots}, got {len(slots)} arrays")
+  for name, s in zip(rule.slots, slots):
+    _float_dtype_check(f"slot {name!r}", s)
+    if s.shape != w.shape:
+      raise ValueError(
+          f"slot {name!r} has shape {s.shape}, expected w's shape {w.shape}")
+  if hparams.shape != (HPARAM_VECTOR_LEN,) or hparams.dtype != jnp.float32:
+    raise ValueError(
+        f"hparams must be a float32 vector of length {HPARAM_VECTOR_LEN} (use"
+        f" rule.pack(...)), got {hparams.dtype}{list(hparams.shape)}")
+
+
+def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
+                  cfg: BlockConfig, bt: int, n_in: int, n_out: int,
+                  precision):
+  n_state = 1 + len(rule.slots)
+  in_refs, out_refs = refs[:n_state], refs[n_state:]
+  bi, bo, bk = cfg.block_in, cfg.block_out, cfg.block_bt
+
+  # Grouped tile order: program p walks `group_in` tiles down `in` before
+  # moving to the next `out` column, so the programs in flight share chunks of
+  # dy (and the grid's x chunks stay hot across groups).
+  pid = pl.program_id(0)
+  tiles_in = pl.cdiv(n_in, bi)
+  tiles_out = pl.cdiv(n_out, bo)
+  per_group = cfg.group_in * tiles_out
+  group = pid // per_group
+  first_in = group * cfg.group_in
+  group_size = jnp.minimum(tiles_in - first_in, cfg.group_in)
+  ti = first_in + (pid % per_group) % group_size
+  to = (pid % per_group) // group_size
+
+  rows = ti * bi + jnp.arange(bi)
+  cols = to * bo + jnp.arange(bo)
+  row_ok = rows < n_in
+  col_ok = cols < n_out
+
+  def body(k, acc):
+    ks = k * bk + jnp.arange(bk)
+    k_ok = ks < bt
+    xk = plgpu.load(
+        x_ref.at[pl.ds(k * bk, bk), pl.ds(ti * bi, bi)],
+        mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+    dyk = plgpu.load(
+        dy_ref.at[pl.ds(k * bk, bk), pl.ds(to * bo, bo)],
+        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    return acc + plgpu.dot(xk, dyk, trans_a=True, precision=precision)
+
+  g = lax.fori_loop(0, pl.cdiv(bt, bk), body,
+                    jnp.zeros((bi, bo), jnp.float32))
+
+  # Epilogue: the optimizer on this tile, reading and writing W and its state
+  # in place. `g` (fp32) is consumed here and never stored.
+  tile = (pl.ds(ti * bi, bi), pl.ds(to * bo, bo))
+  mask = row_ok[:, None] & col_ok[None, :]
+  old = [plgpu.load(r.at[tile], mask=mask, other=0.0).astype(jnp.float32)
+         for r in in_refs]
+  h = rule.unpack(h_ref)
+  w_new, slots_new = rule.update(g, old[0], tuple(old[1:]), h)
+  for r, v in zip(out_refs, (w_new, *slots_new)):
+    plgpu.store(r.at[tile], v.astype(r.dtype), mask=mask)
+
+
+def _flatten_tokens(x, dy):
+  return x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+
+
+def default_interpret() -> bool:
+  """Pallas interpret mode unless the default backend is a GPU."""
+  return jax.default_backend() != "gpu"
+
+
+def _dot_precision(x, dy, w):
+  # fp32 parameters get IEEE fp32 products, not TF32, so fp32 parity holds.
+  if jnp.float32 in (x.dtype, dy.dtype, w.dtype):
+    return lax.Precision.HIGHEST
+  return None
+
+
+def fused_wgrad_update(
+    x: jax.Array,
+    dy: jax.Array,
+    w: jax.Array,
+    slots: Sequence[jax.Array],
+    hparams: jax.Array,
+    *,
+    rule: UpdateRule,
+    config: BlockConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """One optimizer step of ``w`` from ``G = x^T dy``, without storing ``G``.
+
+  Args:
+    x: layer input, ``(..., in)``; leading dimensions are the tokens.
+    dy: gradient of the layer output, ``(..., out)``, same leading dims.
+    w: the weight, ``(in, out)``, fp32 or bf16. Written in place.
+    slots: the rule's state arrays (``rule.slots``), each of ``w``'s shape, in
+      any float dtype (e.g. ``mu`` in ``mu_dtype``). Written in place.
+    hparams: ``rule.pack(...)``: this step's runtime hyperparameters.
+    rule: the optimizer family's elementwise update.
+    config: tiling; :meth:`BlockConfig.default` when ``None``.
+    interpret: run in Pallas interpret mode (CPU); default: unless on a GPU.
+
+  Returns:
+    ``(w_new, slots_new)``, aliasing the buffers of ``w`` and ``slots`` when
+    the caller donates them.
+
+  Example:
+    >>> from pallas_kernels import ADAMW, fused_wgrad_update
+    >>> h = ADAMW.pack(lr=1e-3, b1=0.9, b2=0.999, one_minus_b1=0.1,
+    ...                one_minus_b2=0.001, eps=1e-8, eps_root=0.0,
+    ...                weight_decay=1e-4, bc1=0.1, bc2=0.001, bc1_next=0.19)
+    >>> w, (mu, nu) = fused_wgrad_update(x, dy, w, (mu, nu), h, rule=ADAMW)
+  """
+  slots = tuple(slots)
+  _check_inputs(x, dy, w, slots, hparams, rule)
+  x2, dy2 = _flatten_tokens(x, dy)
+  bt = x2.shape[0]
+  n_in, n_out = w.shape
+  cfg = config or BlockConfig.default(bt, n_in, n_out)
+  if interpret is None:
+    interpret = default_interpret()
+  if bt == 0:
+    # No tokens: G = 0, the optimizer still steps (moments decay, weight decay).
+    return rule.apply(jnp.zeros(w.shape, jnp.float32), w, slots, hparams)
+
+  n_tiles = pl.cdiv(n_in, cfg.block_in) * pl.cdiv(n_out, cfg.block_out)
+  kernel = functools.partial(
+      _fused_kernel, rule=rule, cfg=cfg, bt=bt, n_in=n_in, n_out=n_out,
+      precision=_dot_precision(x, dy, w))
+  state = (w, *slots)
+  first_state_arg = 3  # after x, dy, hparams
+  out = pl.pallas_call(
+      kernel,
+      out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state),
+      grid=(n_tiles,),
+      input_output_aliases={first_state_arg + i: i for i in range(len(state))},
+      compiler_params=plgpu.CompilerParams(
+          num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=interpret,
+      name=f"fused_wgrad_{rule.name}",
+  )(x2, dy2, hparams, *state)
+  return out[0], tuple(out[1:])
+
+
+def fused_wgrad_update_reference(x, dy, w, slots, hparams, *, rule: UpdateRule):
+  """Pure-``jnp`` reference: form ``G`` in fp32, then apply ``rule``."""
+  slots = tuple(slots)
+  _check_inputs(x, dy, w, slots, hparams, rule)
+  x2, dy2 = _flatten_tokens(x, dy)
+  g = jnp.dot(x2.T, dy2, precision=lax.Precision.HIGHEST,
+              preferred_element_type=jnp.float32)
+  return rule.apply(g, w, slots, hparams)
