@@ -97,10 +97,12 @@ class Dense(nn.Dense):
     ctx = _context.current()
     if ctx is None or not self.fused:
       return super().__call__(inputs)
-    if self.dot_general is not None or self.dot_general_cls is not None:
+    if (self.dot_general is not None or self.dot_general_cls is not None
+        or self.promote_dtype is not flax_dtypes.promote_dtype):
       raise ValueError(
           f"forge_jax.Dense at {_context.layer_name(self.path)!r}: a custom "
-          "dot_general cannot be fused; set fused=False for this layer")
+          "dot_general or promote_dtype cannot be fused; set fused=False for "
+          "this layer")
     path = tuple(self.path)
     if ctx.mode == "discover":
       kernel_shape = (jnp.shape(inputs)[-1], self.features)
@@ -121,10 +123,11 @@ class Dense(nn.Dense):
                         self.param_dtype)
     bias = (self.param('bias', self.bias_init, (self.features,),
                        self.param_dtype) if self.use_bias else None)
-    inputs_c, _, bias_c = self.promote_dtype(inputs, kernel, bias,
-                                             dtype=self.dtype)
     dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
                                            dtype=self.dtype)
+    # The kernel is cast inside the fused op: the raw parameter must be its
+    # only consumer (see _usage).
+    inputs_c, bias_c = flax_dtypes.promote_dtype(inputs, bias, dtype=dtype)
     if path not in ctx.inputs:
       raise RuntimeError(
           f"forge_jax.Dense at {_context.layer_name(path)!r} was not seen when "

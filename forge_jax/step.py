@@ -32,20 +32,34 @@ def _replace_leaves(tree, new: dict[KeyPath, Any]):
       lambda kp, x: new.get(tuple(kp), x), tree, is_leaf=lambda x: x is None)
 
 
-def _map_slot_trees(state, fields: tuple[str, ...], fn):
-  """Rebuilds an optax state with ``fn(field, tree)`` applied to slot trees."""
+def _map_slot_trees(state, fields, fn):
+  """Rebuilds an optax state with ``fn(field, tree)`` applied to slot trees.
+
+  A field is a name (any NamedTuple state's field of that name) or a
+  ``(StateClass, name)`` pair (that field of states of that class only);
+  ``fn`` receives the entry of ``fields`` that matched.
+  """
   if hasattr(state, "_fields"):  # a NamedTuple state
-    return type(state)(*[
-        fn(name, value) if name in fields else
-        _map_slot_trees(value, fields, fn)
-        for name, value in zip(state._fields, state)])
+    def matching(name):
+      for f in fields:
+        if f == name or (isinstance(f, tuple) and isinstance(state, f[0])
+                         and f[1] == name):
+          return f
+      return None
+
+    rebuilt = []
+    for name, value in zip(state._fields, state):
+      f = matching(name)
+      rebuilt.append(_map_slot_trees(value, fields, fn) if f is None
+                     else fn(f, value))
+    return type(state)(*rebuilt)
   if isinstance(state, (tuple, list)):
     return type(state)(_map_slot_trees(s, fields, fn) for s in state)
   return state
 
 
-def _slot_trees(state, fields) -> dict[str, Any]:
-  found: dict[str, Any] = {}
+def _slot_trees(state, fields) -> dict[Any, Any]:
+  found: dict[Any, Any] = {}
 
   def record(name, tree):
     if name in found:
@@ -122,8 +136,9 @@ def make_step(
     slot_trees = _slot_trees(opt_state, spec.slot_fields)
     h = spec.hparams(opt_state)
     packed = {
-        wd_on: spec.rule.pack(**{**h, "weight_decay": h["weight_decay"]
-                                 if wd_on else 0.0})
+        # Families without decoupled weight decay have no such entry.
+        wd_on: spec.rule.pack(**(h if wd_on or "weight_decay" not in h
+                                 else {**h, "weight_decay": 0.0}))
         for wd_on in (True, False)
     }
     inputs = {}

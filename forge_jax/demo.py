@@ -1,0 +1,428 @@
+"""FORGE vs optax, side by side, on scikit-learn's digits.
+
+Trains one small Flax MLP classifier twice, from the same initialisation and
+on the same batches:
+
+* arm ``forge``: layers are :class:`forge_jax.Dense`, the optimizer is
+  :func:`forge_jax.adamw` and the step is :func:`forge_jax.make_step` (jitted,
+  parameters and optimizer state donated) -- each kernel is updated inside its
+  own backward by the fused Pallas kernel, and its gradient never exists;
+* arm ``optax``: the same model with :class:`flax.linen.Dense`,
+  :func:`optax.adamw` and a plain jitted ``value_and_grad`` + update step.
+
+Same hyperparameters in both (AdamW, warmup-cosine learning rate, weight decay
+masked off the biases). On the CPU the Pallas kernel runs in interpret mode;
+on a GPU it is compiled by Triton, and the demo also reports each arm's step
+time and the compiled step's memory.
+
+Run::
+
+  python -m forge_jax.demo                     # fp32: arms must agree to 1e-4
+  python -m forge_jax.demo --dtype bfloat16    # bf16 params: prints the gap
+
+Writes ``<out>/losses.csv`` (step, arm, loss) and ``<out>/losses.png``. The
+exit status is 1 if fp32 arms differ by more than 1e-4 (relative, see
+:func:`param_diff`) or a loss is not finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+# The Triton backend of Pallas is deprecated since jax 0.11 (id
+# ``jax-pallas-triton``; the message does not contain the id). It is what this
+# project targets, so keep the warning out of the demo's output.
+warnings.filterwarnings(
+    "ignore", message=r"The Pallas Triton backend is deprecated",
+    category=DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import forge_jax  # noqa: E402
+
+FP32_TOLERANCE = 1e-4
+ARMS = ("forge", "optax")
+
+
+# --------------------------------------------------------------------------
+# Data and model
+
+
+def load_digits_split(seed: int, test_fraction: float = 0.2):
+  """Standardised digits features (fit on the train split) and int labels."""
+  from sklearn.datasets import load_digits
+  from sklearn.model_selection import train_test_split
+  from sklearn.preprocessing import StandardScaler
+
+  x, y = load_digits(return_X_y=True)
+  x_tr, x_te, y_tr, y_te = train_test_split(
+      x.astype(np.float32), y.astype(np.int32), test_size=test_fraction,
+      random_state=seed, stratify=y)
+  scaler = StandardScaler().fit(x_tr)
+  return ((scaler.transform(x_tr).astype(np.float32), y_tr),
+          (scaler.transform(x_te).astype(np.float32), y_te))
+
+
+def batch_indices(n: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
+  """``(steps, batch_size)`` row indices: shuffled epochs, last partial batch
+  of each epoch dropped."""
+  if batch_size > n:
+    raise ValueError(f"--batch-size {batch_size} exceeds the {n} train rows")
+  rng = np.random.default_rng(seed)
+  per_epoch = n // batch_size
+  out = []
+  while len(out) < steps:
+    perm = rng.permutation(n)
+    out.extend(perm[i * batch_size:(i + 1) * batch_size]
+               for i in range(per_epoch))
+  return np.stack(out[:steps])
+
+
+class MLP(nn.Module):
+  """``in -> hidden -> hidden -> classes`` with ReLU; ``dense`` is the layer
+  class (``flax.linen.Dense`` or ``forge_jax.Dense``), the only difference
+  between the arms' models. Layers compute in ``param_dtype`` (bf16 params:
+  bf16 activations and gradients, as in bf16 training); logits are cast to
+  fp32 for the loss."""
+
+  dense: Callable[..., nn.Module]
+  hidden: int
+  classes: int
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=self.param_dtype, param_dtype=self.param_dtype)
+    x = nn.relu(self.dense(self.hidden, **kw)(x))
+    x = nn.relu(self.dense(self.hidden, **kw)(x))
+    return self.dense(self.classes, **kw)(x)
+
+
+def make_loss(model: nn.Module):
+  def loss_fn(variables, batch):
+    x, y = batch
+    logits = model.apply(variables, x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return loss_fn
+
+
+def decay_mask(params):
+  """Weight decay on kernels only (not on biases)."""
+  return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def make_schedule(lr: float, steps: int) -> optax.Schedule:
+  warmup = max(1, steps // 10)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=lr / 10, peak_value=lr, warmup_steps=warmup,
+      decay_steps=max(steps, warmup + 1), end_value=lr / 100)
+
+
+# --------------------------------------------------------------------------
+# The two arms
+
+
+def build_arms(hidden: int, classes: int, param_dtype, lr: float,
+               weight_decay: float, steps: int):
+  """``{arm: (jitted step, optimizer)}``; a step is
+  ``(variables, opt_state, batch) -> (loss, variables, opt_state)``."""
+  schedule = make_schedule(lr, steps)
+  hp = dict(weight_decay=weight_decay, mask=decay_mask)
+
+  # forge: forge_jax.Dense + forge_jax.adamw + forge_jax.make_step.
+  forge_model = MLP(forge_jax.Dense, hidden, classes, param_dtype)
+  forge_tx = forge_jax.adamw(schedule, **hp)
+  forge_step = jax.jit(forge_jax.make_step(make_loss(forge_model), forge_tx),
+                       donate_argnums=(0, 1))
+
+  # optax: flax.linen.Dense + optax.adamw, plain value_and_grad + update.
+  optax_model = MLP(nn.Dense, hidden, classes, param_dtype)
+  optax_tx = optax.adamw(schedule, **hp)
+  optax_loss = make_loss(optax_model)
+
+  def optax_step_fn(variables, opt_state, batch):
+    loss, grads = jax.value_and_grad(optax_loss)(variables, batch)
+    updates, opt_state = optax_tx.update(grads["params"], opt_state,
+                                         variables["params"])
+    params = optax.apply_updates(variables["params"], updates)
+    return loss, {**variables, "params": params}, opt_state
+
+  # Donated too, so that the two arms' memory figures compare like with like.
+  optax_step = jax.jit(optax_step_fn, donate_argnums=(0, 1))
+  return ({"forge": (forge_step, forge_tx), "optax": (optax_step, optax_tx)},
+          optax_model)
+
+
+def param_diff(a, b) -> dict[str, Any]:
+  """Largest difference between two parameter trees, over every leaf.
+
+  ``max_abs``: ``max |a - b|`` over all elements of all leaves.
+  ``max_rel``: the largest per-leaf ``max |a - b| / max |b|`` (a leaf's
+  difference relative to its own scale; elementwise ratios are meaningless
+  for entries that pass near zero). ``worst_leaf``: where ``max_rel`` is.
+  """
+  flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+  flat_b = jax.tree.leaves(b)
+  max_abs, max_rel, worst = 0.0, 0.0, ""
+  for (path, x), y in zip(flat_a, flat_b, strict=True):
+    x = np.asarray(x, np.float32)
+    y = np.asarray(y, np.float32)
+    d = float(np.max(np.abs(x - y)))
+    r = d / max(float(np.max(np.abs(y))), 1e-30)
+    max_abs = max(max_abs, d)
+    if r >= max_rel:
+      max_rel, worst = r, jax.tree_util.keystr(path)
+  return {"max_abs": max_abs, "max_rel": max_rel, "worst_leaf": worst}
+
+
+def accuracy(model, variables, x, y) -> float:
+  logits = jax.jit(model.apply)(variables, x)
+  return float(np.mean(np.asarray(jnp.argmax(logits, -1)) == y))
+
+
+# --------------------------------------------------------------------------
+# GPU measurements
+
+
+def median_step_time(step, variables, opt_state, batch, warmup: int,
+                     iters: int) -> float:
+  """Median wall time of one step (seconds), blocking on every result,
+  after ``warmup`` steps (the first of which compiles)."""
+  times = []
+  for i in range(warmup + iters):
+    t0 = time.perf_counter()
+    loss, variables, opt_state = step(variables, opt_state, batch)
+    jax.block_until_ready((loss, variables, opt_state))
+    if i >= warmup:
+      times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def compiled_memory(step, variables, opt_state, batch) -> dict[str, int]:
+  """The compiled step's own buffers (``memory_analysis()``), in bytes."""
+  m = step.lower(variables, opt_state, batch).compile().memory_analysis()
+  out = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+         for k in ("argument", "output", "alias", "temp")}
+  out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+  return out
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:8.3f} MiB"
+
+
+# --------------------------------------------------------------------------
+# Output
+
+
+def write_csv(path: str, losses: dict[str, list[float]]) -> None:
+  with open(path, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["step", "arm", "loss"])
+    for arm in ARMS:
+      for i, l in enumerate(losses[arm]):
+        w.writerow([i, arm, repr(float(l))])
+
+
+def write_plot(path: str, losses: dict[str, list[float]], title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  styles = {"forge": dict(lw=2.2, color="tab:orange"),
+            "optax": dict(lw=1.0, ls="--", color="black")}
+  for arm in ARMS:
+    ax.plot(np.arange(len(losses[arm])), losses[arm], label=arm,
+            **styles[arm])
+  ax.set_yscale("log")
+  ax.set_xlabel("step")
+  ax.set_ylabel("train loss (cross-entropy)")
+  ax.set_title(title, fontsize=10)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# --------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      prog="python -m forge_jax.demo",
+      description=("Train one MLP on sklearn digits with forge_jax "
+                   "(Dense + adamw + make_step) and with flax/optax, from the "
+                   "same init on the same batches, and compare."),
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--steps", type=int, default=200, help="training steps")
+  p.add_argument("--batch-size", type=int, default=128)
+  p.add_argument("--hidden", type=int, default=128, help="MLP hidden width")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                 default="float32", help="parameter (and optimizer state) "
+                 "dtype; fp32 runs must match to 1e-4 relative")
+  p.add_argument("--lr", type=float, default=3e-3,
+                 help="peak learning rate (warmup-cosine schedule)")
+  p.add_argument("--weight-decay", type=float, default=1e-2,
+                 help="AdamW decoupled weight decay (not on biases)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="init, train/test split and batch order")
+  p.add_argument("--out", default=os.path.join("out", "demo"),
+                 help="output folder for losses.csv and losses.png")
+  p.add_argument("--log-every", type=int, default=25,
+                 help="print both losses every N steps (0: never)")
+  p.add_argument("--bench", choices=("auto", "on", "off"), default="auto",
+                 help="time steps and report compiled memory (auto: on GPU)")
+  p.add_argument("--bench-steps", type=int, default=100,
+                 help="timed steps per arm (after 10 warm-up steps)")
+  p.add_argument("--no-progress", action="store_true",
+                 help="no tqdm progress bar")
+  args = p.parse_args(argv)
+  if args.steps < 1 or args.batch_size < 1 or args.hidden < 1:
+    p.error("--steps, --batch-size and --hidden must be positive")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the demo; returns a summary (also printed). ``result["ok"]`` is
+  False if fp32 arms diverge beyond 1e-4 relative or a loss is not finite."""
+  from tqdm.auto import tqdm
+
+  args = parse_args(argv)
+  param_dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+  backend = jax.default_backend()
+  on_gpu = backend == "gpu"
+  bench = args.bench == "on" or (args.bench == "auto" and on_gpu)
+  mode = ("compiled Triton kernels" if on_gpu else
+          "Pallas interpret mode" if backend == "cpu" else
+          "Pallas interpret mode (non-GPU backend)")
+  print(f"backend: {backend} ({jax.devices()[0].device_kind}) -> {mode}")
+
+  (x_tr, y_tr), (x_te, y_te) = load_digits_split(args.seed)
+  classes = int(max(y_tr.max(), y_te.max())) + 1
+  idx = batch_indices(len(x_tr), args.batch_size, args.steps, args.seed)
+  print(f"data: sklearn digits, {x_tr.shape[1]} features, {classes} classes, "
+        f"{len(x_tr)} train / {len(x_te)} test rows")
+  print(f"model: MLP {x_tr.shape[1]}-{args.hidden}-{args.hidden}-{classes}, "
+        f"params {args.dtype}; AdamW lr {args.lr:g} (warmup-cosine), "
+        f"weight decay {args.weight_decay:g} (kernels only); "
+        f"{args.steps} steps x batch {args.batch_size}, seed {args.seed}")
+
+  # fp32 parity needs IEEE fp32 matmuls everywhere (XLA's GPU default is TF32).
+  precision = (jax.default_matmul_precision("highest")
+               if param_dtype == jnp.float32 else contextlib.nullcontext())
+  with precision:
+    arms, eval_model = build_arms(args.hidden, classes, param_dtype, args.lr,
+                                  args.weight_decay, args.steps)
+    init = eval_model.init(jax.random.key(args.seed), x_tr[:1])
+    state = {}
+    for arm, (_, tx) in arms.items():
+      variables = jax.tree.map(jnp.array, init)  # own buffers: steps donate
+      state[arm] = (variables, tx.init(variables["params"]))
+
+    losses: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    t_start = time.perf_counter()
+    bar = tqdm(range(args.steps), desc="train", unit="step",
+               disable=args.no_progress, dynamic_ncols=True, leave=True)
+    for i in bar:
+      batch = (jnp.asarray(x_tr[idx[i]]), jnp.asarray(y_tr[idx[i]]))
+      for arm in ARMS:
+        step = arms[arm][0]
+        loss, variables, opt_state = step(*state[arm], batch)
+        state[arm] = (variables, opt_state)
+        losses[arm].append(float(loss))
+      bar.set_postfix(forge=f"{losses['forge'][-1]:.5f}",
+                      optax=f"{losses['optax'][-1]:.5f}")
+      if args.log_every and (i % args.log_every == 0 or i == args.steps - 1):
+        tqdm.write(f"step {i:5d}  forge {losses['forge'][-1]:.7f}  "
+                   f"optax {losses['optax'][-1]:.7f}")
+    bar.close()
+    train_s = time.perf_counter() - t_start
+
+    acc = {arm: accuracy(eval_model, state[arm][0], x_te, y_te)
+           for arm in ARMS}
+    diff = param_diff(state["forge"][0]["params"], state["optax"][0]["params"])
+
+    bench_res: dict[str, Any] = {}
+    if bench:
+      batch = (jnp.asarray(x_tr[idx[0]]), jnp.asarray(y_tr[idx[0]]))
+      for arm in ARMS:
+        step = arms[arm][0]
+        variables = jax.tree.map(jnp.array, state[arm][0])
+        opt_state = jax.tree.map(jnp.array, state[arm][1])
+        mem = compiled_memory(step, variables, opt_state, batch)
+        t = median_step_time(step, variables, opt_state, batch, warmup=10,
+                             iters=args.bench_steps)
+        bench_res[arm] = {"median_step_s": t, "memory": mem}
+
+  os.makedirs(args.out, exist_ok=True)
+  csv_path = os.path.join(args.out, "losses.csv")
+  png_path = os.path.join(args.out, "losses.png")
+  write_csv(csv_path, losses)
+  write_plot(png_path, losses,
+             f"sklearn digits MLP, {args.dtype} params, {backend} ({mode}): "
+             f"forge_jax vs optax")
+
+  finite = all(np.isfinite(losses[a]).all() for a in ARMS)
+  fp32 = param_dtype == jnp.float32
+  ok = finite and (not fp32 or diff["max_rel"] <= FP32_TOLERANCE)
+
+  print(f"trained {args.steps} steps x 2 arms in {train_s:.1f} s "
+        f"(incl. compilation)")
+  print(f"final train loss  forge {losses['forge'][-1]:.7f}  "
+        f"optax {losses['optax'][-1]:.7f}")
+  print(f"test accuracy     forge {acc['forge']:.4f}  "
+        f"optax {acc['optax']:.4f}")
+  print(f"param difference  max abs {diff['max_abs']:.3e}  max rel "
+        f"{diff['max_rel']:.3e} (per leaf max|forge-optax|/max|optax|, worst "
+        f"at {diff['worst_leaf']})")
+  if bench:
+    if not on_gpu:
+      print("benchmark (interpret mode: times are NOT representative)")
+    for arm in ARMS:
+      r = bench_res[arm]
+      m = r["memory"]
+      print(f"{arm:5s} median step {r['median_step_s'] * 1e3:9.3f} ms "
+            f"({args.bench_steps} steps after warm-up)")
+    print("compiled step memory (jit(step).lower(...).compile()."
+          "memory_analysis(); one step's own buffers, not a device peak):")
+    for arm in ARMS:
+      m = bench_res[arm]["memory"]
+      print(f"  {arm:5s} temp {_mib(m['temp'])}  argument "
+            f"{_mib(m['argument'])}  output {_mib(m['output'])}  alias "
+            f"{_mib(m['alias'])}  -> arg+out-alias+temp {_mib(m['total'])}")
+  print(f"wrote {csv_path} and {png_path}")
+  if fp32:
+    verdict = "PASS" if ok else "FAIL"
+    print(f"{verdict}: fp32 arms differ by {diff['max_rel']:.1e} relative "
+          f"(tolerance {FP32_TOLERANCE:.0e})" + ("" if finite else
+                                                  "; a loss is not finite"))
+  else:
+    print(f"bf16: arms differ by {diff['max_rel']:.1e} relative (not checked: "
+          "FORGE reads the fp32 accumulator, optax a bf16-rounded gradient)"
+          + ("" if finite else "; FAIL: a loss is not finite"))
+
+  return {"ok": ok, "backend": backend, "dtype": args.dtype,
+          "steps": args.steps, "losses": losses, "test_accuracy": acc,
+          "max_abs_param_diff": diff["max_abs"],
+          "max_rel_param_diff": diff["max_rel"],
+          "worst_leaf": diff["worst_leaf"], "train_seconds": train_s,
+          "bench": bench_res, "csv": csv_path, "png": png_path}
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main()["ok"] else 1)

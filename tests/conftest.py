@@ -1,0 +1,27 @@
+import warnings
+
+import jax
+import pytest
+
+warnings.filterwarnings(
+    "ignore", message="The Pallas Triton backend is deprecated",
+    category=DeprecationWarning)
+
+
+def _has_gpu() -> bool:
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+  if HAS_GPU:
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200)")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)

@@ -1,0 +1,50 @@
+"""End-to-end check of `python -m forge_jax.demo` with a tiny config."""
+import csv
+import math
+
+import pytest
+
+from forge_jax import demo
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("demo")
+  result = demo.main([
+      "--steps", str(STEPS), "--hidden", "32", "--batch-size", "32",
+      "--log-every", "4", "--seed", "1", "--no-progress", "--out", str(out)])
+  return out, result
+
+
+def test_writes_nonempty_plot_and_csv(run):
+  out, result = run
+  for name in ("losses.png", "losses.csv"):
+    assert (out / name).is_file() and (out / name).stat().st_size > 0
+  assert (out / "losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert result["png"] == str(out / "losses.png")
+
+
+def test_csv_has_one_finite_loss_per_step_per_arm(run):
+  out, _ = run
+  with open(out / "losses.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  for arm in ("forge", "optax"):
+    mine = [r for r in rows if r["arm"] == arm]
+    assert [int(r["step"]) for r in mine] == list(range(STEPS))
+    losses = [float(r["loss"]) for r in mine]
+    assert all(math.isfinite(l) for l in losses)
+    assert losses[-1] < losses[0]
+  assert {r["arm"] for r in rows} == {"forge", "optax"}
+
+
+def test_fp32_arms_agree(run):
+  _, result = run
+  assert result["ok"]
+  assert result["dtype"] == "float32"
+  assert result["max_rel_param_diff"] <= 1e-5
+  assert result["max_abs_param_diff"] <= 1e-5
+  for arm in ("forge", "optax"):
+    assert len(result["losses"][arm]) == STEPS
+    assert 0.0 <= result["test_accuracy"][arm] <= 1.0

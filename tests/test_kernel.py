@@ -1,0 +1,241 @@
+"""The fused weight-gradient kernel against its pure-jnp reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels as pk
+from tests.tolerances import assert_close, tol
+
+# (tokens..., in, out): odd sizes no block divides, sizes below the minimum
+# block, leading batch dimensions, and one multi-tile case.
+SHAPES = [
+    ((37,), 70, 130),
+    ((1,), 16, 16),
+    ((3,), 5, 7),
+    ((2, 19), 33, 17),
+    ((100,), 64, 160),
+]
+
+# (x/dy dtype, w dtype, mu dtype, nu dtype)
+DTYPES = [
+    (jnp.float32, jnp.float32, jnp.float32, jnp.float32),
+    (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    (jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.bfloat16),  # mu_dtype=f32
+]
+
+
+def adamw_hparams(rule=pk.ADAMW, lr=3e-2, wd=1e-2, t=3, b1=0.9, b2=0.999):
+  return rule.pack(lr=lr, b1=b1, b2=b2, one_minus_b1=1 - b1,
+                   one_minus_b2=1 - b2, eps=1e-8, eps_root=1e-12,
+                   weight_decay=wd, bc1=1 - b1**t, bc2=1 - b2**t,
+                   bc1_next=1 - b1**(t + 1))
+
+
+def make_case(seed, tokens, n_in, n_out, dtypes):
+  xd, wd, md, vd = dtypes
+  k = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(k[0], (*tokens, n_in)).astype(xd)
+  dy = jax.random.normal(k[1], (*tokens, n_out)).astype(xd)
+  w = jax.random.normal(k[2], (n_in, n_out)).astype(wd)
+  mu = (0.1 * jax.random.normal(k[3], (n_in, n_out))).astype(md)
+  nu = (0.1 * jax.random.uniform(k[4], (n_in, n_out))).astype(vd)
+  return x, dy, w, (mu, nu)
+
+
+def check_against_reference(x, dy, w, slots, h, rule, config=None,
+                            interpret=True):
+  got_w, got_slots = pk.fused_wgrad_update(
+      x, dy, w, slots, h, rule=rule, config=config, interpret=interpret)
+  ref_w, ref_slots = pk.fused_wgrad_update_reference(x, dy, w, slots, h,
+                                                     rule=rule)
+  assert got_w.dtype == w.dtype and got_w.shape == w.shape
+  assert_close(got_w, ref_w, what="w")
+  for name, g, r, s in zip(rule.slots, got_slots, ref_slots, slots):
+    assert g.dtype == s.dtype and g.shape == s.shape
+    assert_close(g, r, what=name)
+  # The step must have changed every state array (no silent no-op).
+  assert not np.allclose(np.asarray(got_w, np.float32),
+                         np.asarray(w, np.float32))
+  for g, s in zip(got_slots, slots):
+    assert not np.allclose(np.asarray(g, np.float32), np.asarray(s, np.float32))
+
+
+@pytest.mark.parametrize("tokens,n_in,n_out", SHAPES)
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(
+    jnp.dtype(t).name for t in d))
+def test_kernel_matches_reference(tokens, n_in, n_out, dtypes):
+  x, dy, w, slots = make_case(n_in * n_out, tokens, n_in, n_out, dtypes)
+  check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW)
+
+
+def test_nesterov_rule_matches_reference():
+  rule = pk.adamw_rule(nesterov=True)
+  x, dy, w, slots = make_case(1, (37,), 70, 130, DTYPES[0])
+  check_against_reference(x, dy, w, slots, adamw_hparams(rule), rule)
+
+
+@pytest.mark.parametrize("config", [
+    pk.BlockConfig(block_in=16, block_out=16, block_bt=16, group_in=3),
+    pk.BlockConfig(block_in=32, block_out=64, block_bt=16, group_in=2),
+    pk.BlockConfig(block_in=128, block_out=16, block_bt=32),
+])
+def test_tilings_and_tile_orders_agree(config):
+  # Many tiles, partial tiles on every edge, grouped orders with a ragged
+  # last group: each output tile must be visited exactly once.
+  x, dy, w, slots = make_case(2, (45,), 70, 130, DTYPES[0])
+  check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW, config)
+
+
+def test_kernel_reference_is_independent_of_the_rule_plumbing():
+  # Check the reference itself against hand-written AdamW (optax's formula).
+  x, dy, w, (mu, nu) = make_case(3, (37,), 70, 130, DTYPES[0])
+  lr, wd, t, b1, b2, eps, eps_root = 3e-2, 1e-2, 3, 0.9, 0.999, 1e-8, 1e-12
+  g = np.asarray(x, np.float64).T @ np.asarray(dy, np.float64)
+  m = b1 * np.asarray(mu, np.float64) + (1 - b1) * g
+  v = b2 * np.asarray(nu, np.float64) + (1 - b2) * g * g
+  upd = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t) + eps_root) + eps)
+  w64 = np.asarray(w, np.float64)
+  w_expected = w64 - lr * (upd + wd * w64)
+  ref_w, (ref_m, ref_v) = pk.fused_wgrad_update_reference(
+      x, dy, w, (mu, nu), adamw_hparams(), rule=pk.ADAMW)
+  assert_close(ref_w, w_expected, what="w")
+  assert_close(ref_m, m, what="mu")
+  assert_close(ref_v, v, what="nu")
+
+
+def test_zero_tokens_still_steps_the_optimizer():
+  x, dy, w, slots = make_case(4, (0,), 20, 24, DTYPES[0])
+  got_w, got_slots = pk.fused_wgrad_update(x, dy, w, slots, adamw_hparams(),
+                                           rule=pk.ADAMW, interpret=True)
+  ref_w, ref_slots = pk.ADAMW.apply(jnp.zeros(w.shape), w, slots,
+                                    adamw_hparams())
+  assert_close(got_w, ref_w)
+  assert_close(got_slots[0], ref_slots[0])
+  assert_close(got_slots[1], ref_slots[1])
+
+
+def test_hyperparameters_are_runtime_values():
+  x, dy, w, slots = make_case(5, (37,), 70, 130, DTYPES[0])
+  traces = []
+
+  @jax.jit
+  def step(h):
+    traces.append(1)
+    return pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW,
+                                 interpret=True)
+
+  w1, _ = step(adamw_hparams(lr=1e-2))
+  w2, _ = step(adamw_hparams(lr=2e-2))
+  assert len(traces) == 1, "a new learning rate must not retrace"
+  # w' - w is (up to the decayed part) proportional to lr.
+  d1 = np.asarray(w1) - np.asarray(w)
+  d2 = np.asarray(w2) - np.asarray(w)
+  # (w is O(1), so the differences carry ~1e-7 absolute rounding.)
+  np.testing.assert_allclose(d2, 2 * d1, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_in=48), "block_in=48 must be a power of two >= 16"),
+    (dict(block_out=8), "block_out=8 must be a power of two >= 16"),
+    (dict(block_bt=0), "block_bt=0"),
+    (dict(num_warps=3), "num_warps=3"),
+    (dict(num_stages=0), "num_stages=0"),
+    (dict(group_in=0), "group_in=0"),
+])
+def test_invalid_block_configs_fail_clearly(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    pk.BlockConfig(**kwargs)
+
+
+def test_default_config_fits_small_shapes():
+  cfg = pk.BlockConfig.default(bt=3, n_in=5, n_out=1000)
+  assert (cfg.block_in, cfg.block_out, cfg.block_bt) == (16, 128, 16)
+
+
+def _bad_inputs():
+  x, dy, w, slots = make_case(6, (8,), 16, 32, DTYPES[0])
+  h = adamw_hparams()
+  return [
+      ((x[:, :15], dy, w, slots, h), ValueError, "x's last dimension 15"),
+      ((x, dy[:, :31], w, slots, h), ValueError, "dy's last dimension 31"),
+      ((x[:7], dy, w, slots, h), ValueError, "share leading"),
+      ((x, dy, w[None], slots, h), ValueError, "w must be 2-D"),
+      ((x, dy, w.astype(jnp.int32), slots, h), TypeError, "w must have a floating"),
+      ((x.astype(jnp.int8), dy, w, slots, h), TypeError, "x must have a floating"),
+      ((x, dy, w, slots[:1], h), ValueError, "needs slots"),
+      ((x, dy, w, (slots[0], slots[1][:, :3]), h), ValueError, "slot 'nu' has shape"),
+      ((x, dy, w, slots, h[:11]), ValueError, "rule.pack"),
+      ((x, dy, w, slots, h.astype(jnp.bfloat16)), ValueError, "float32 vector"),
+  ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_bad_inputs_fail_clearly(case):
+  args, exc, match = _bad_inputs()[case]
+  with pytest.raises(exc, match=match):
+    pk.fused_wgrad_update(*args, rule=pk.ADAMW, interpret=True)
+  with pytest.raises(exc, match=match):
+    pk.fused_wgrad_update_reference(*args, rule=pk.ADAMW)
+
+
+def test_pack_names_missing_and_unexpected_hyperparameters():
+  with pytest.raises(ValueError, match=r"missing \['bc1_next'\].*unexpected \['beta'\]"):
+    pk.ADAMW.pack(lr=1, b1=1, b2=1, one_minus_b1=1, one_minus_b2=1, eps=1,
+                  eps_root=1, weight_decay=1, bc1=1, bc2=1, beta=2)
+
+
+@pytest.mark.parametrize("dtypes", DTYPES[:2], ids=["f32", "bf16"])
+def test_lowers_for_cuda_without_a_gpu(dtypes):
+  """Deviceless AOT lowering catches Triton lowering errors on the CPU."""
+  dev = AbstractDevice("NVIDIA H200", 132, "gpu")
+  mesh = AbstractMesh((1,), ("x",), abstract_device=dev)
+  sh = NamedSharding(mesh, P())
+  xd, wd, md, vd = dtypes
+  specs = [((37, 70), xd), ((37, 130), xd), ((70, 130), wd), ((70, 130), md),
+           ((70, 130), vd), ((pk.HPARAM_VECTOR_LEN,), jnp.float32)]
+  args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in specs]
+
+  def step(x, dy, w, mu, nu, h):
+    return pk.fused_wgrad_update(x, dy, w, (mu, nu), h, rule=pk.ADAMW,
+                                 interpret=False)
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    lowered = jax.jit(step, donate_argnums=(2, 3, 4)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  calls = [l for l in text.splitlines() if "xla.gpu.triton" in l]
+  assert len(calls) == 1, "expected exactly one Triton kernel"
+  # W, mu and nu are written in place: three operand/output aliases.
+  assert text.count("output_operand_alias") >= 3 or text.count(
+      "operand_index") >= 3
+  # The donated W/mu/nu parameters alias the outputs (no fresh buffers).
+  assert text.count("tf.aliasing_output") == 3
+
+
+# --- GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,n_in,n_out", SHAPES + [((512,), 1024, 768)])
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(
+    jnp.dtype(t).name for t in d))
+def test_compiled_kernel_matches_reference_on_gpu(tokens, n_in, n_out, dtypes):
+  x, dy, w, slots = make_case(n_in + n_out, tokens, n_in, n_out, dtypes)
+  check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
+                          interpret=False)
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_updates_in_place_on_gpu():
+  x, dy, w, slots = make_case(7, (256,), 512, 384, DTYPES[1])
+  ptrs = [a.unsafe_buffer_pointer() for a in (w, *slots)]
+  step = jax.jit(functools.partial(pk.fused_wgrad_update, rule=pk.ADAMW),
+                 donate_argnums=(2, 3))
+  new_w, new_slots = step(x, dy, w, slots, adamw_hparams())
+  assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs

@@ -1,0 +1,58 @@
+"""The one per-dtype tolerance table every numerical test reads.
+
+Errors are relative norms, ``||actual - expected|| / ||expected||``, of whole
+arrays. fp32 parity with the reference optimizer is the project's bar (1e-5);
+bf16 storage rounds each stored value to 8 mantissa bits (relative 2**-9), and
+a changed summation order can flip that rounding, so bf16 comparisons of
+stored values allow a few ulps.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+TOLERANCES = {
+    jnp.dtype(jnp.float32): 1e-5,
+    jnp.dtype(jnp.bfloat16): 1.6e-2,  # 2**-9 per value, a few ulps of slack
+    jnp.dtype(jnp.float16): 4e-3,
+}
+
+
+def tol(dtype) -> float:
+  """The relative tolerance for values stored in ``dtype``."""
+  return TOLERANCES[jnp.dtype(dtype)]
+
+
+def rel_err(actual, expected) -> float:
+  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  if a.shape != e.shape:
+    raise AssertionError(f"shape {a.shape} != expected {e.shape}")
+  denom = np.linalg.norm(e)
+  return float(np.linalg.norm(a - e) / (denom if denom > 0 else 1.0))
+
+
+def assert_close(actual, expected, rtol=None, what="value"):
+  """Asserts a relative-norm match; reports how many elements differ, and where."""
+  rtol = tol(jnp.asarray(actual).dtype) if rtol is None else rtol
+  err = rel_err(actual, expected)
+  if not np.isfinite(err) or err > rtol:
+    a = np.asarray(jnp.asarray(actual, jnp.float32))
+    e = np.asarray(jnp.asarray(expected, jnp.float32))
+    diff = np.abs(a - e)
+    bad = diff > rtol * (np.abs(e) + np.abs(e).mean() + 1e-30)
+    worst = np.unravel_index(np.argmax(diff), diff.shape) if diff.size else ()
+    raise AssertionError(
+        f"{what}: relative error {err:.3g} > {rtol:.3g}; {int(bad.sum())} of "
+        f"{diff.size} elements off; worst at {tuple(int(i) for i in worst)}: "
+        f"{a[worst] if diff.size else None} vs {e[worst] if diff.size else None}")
+
+
+def assert_trees_close(actual, expected, rtol=None, what="tree"):
+  """`assert_close` on every leaf; names the leaf path of the first failure."""
+  import jax
+  a_leaves = jax.tree_util.tree_flatten_with_path(actual)[0]
+  e_leaves, e_def = jax.tree_util.tree_flatten(expected)
+  assert len(a_leaves) == len(e_leaves), (
+      f"{what}: {len(a_leaves)} leaves vs {len(e_leaves)} expected")
+  for (path, a), e in zip(a_leaves, e_leaves):
+    assert_close(a, e, rtol, what=f"{what}{jax.tree_util.keystr(path)}")
