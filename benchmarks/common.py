@@ -1,0 +1,101 @@
+"""Shared benchmark plumbing: shapes, timing, the results CSV and its plot."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+# Llama-3.1-8B projection shapes (in, out), one place for tests and benches.
+LLAMA8B_SHAPES = {
+    "q/o 4096x4096": (4096, 4096),
+    "k/v 4096x1024": (4096, 1024),
+    "up/gate 4096x14336": (4096, 14336),
+    "down 14336x4096": (14336, 4096),
+}
+TOKENS = (512, 2048, 4096)
+
+CSV_FIELDS = ["benchmark", "case", "provider", "shape", "dtypes", "metric",
+              "p20", "p50", "p80", "unit", "device", "versions", "timestamp"]
+
+
+def versions() -> str:
+  parts = [f"python {platform.python_version()}", f"jax {jax.__version__}"]
+  for mod in ("jaxlib", "flax", "optax", "triton", "torch"):
+    try:
+      parts.append(f"{mod} {__import__(mod).__version__}")
+    except Exception:  # noqa: BLE001 -- optional packages
+      pass
+  return "; ".join(parts)
+
+
+def device_name() -> str:
+  d = jax.devices()[0]
+  return f"{d.platform}:{d.device_kind}"
+
+
+def quantiles(xs):
+  xs = sorted(xs)
+  if len(xs) == 1:
+    return xs[0], xs[0], xs[0]
+  q = statistics.quantiles(xs, n=10, method="inclusive")
+  return q[1], statistics.median(xs), q[7]
+
+
+def time_loop(step: Callable, state, n_inner: int = 50, n_outer: int = 7):
+  """Seconds per step: ``step(state) -> state`` run ``n_inner`` times inside
+  one jitted ``fori_loop`` (donated), ``n_outer`` timed calls after a warm-up.
+  Returns (p20, p50, p80) and the final state."""
+  loop = jax.jit(lambda s: jax.lax.fori_loop(0, n_inner, lambda i, s: step(s), s),
+                 donate_argnums=0)
+  state = loop(state)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(n_outer):
+    t0 = time.perf_counter()
+    state = loop(state)
+    jax.block_until_ready(state)
+    times.append((time.perf_counter() - t0) / n_inner)
+  return quantiles(times), state
+
+
+def copy_ceiling_bytes_per_s(nbytes: int = 2 << 30) -> float:
+  """Measured device-to-device copy bandwidth (bytes read + written / s)."""
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  f = jax.jit(lambda a: a + 1.0)
+  (p20, p50, p80), _ = time_loop(f, x, n_inner=10, n_outer=5)
+  return 2 * nbytes / p50
+
+
+class Results:
+  """Rows appended to one CSV (created with a header if new)."""
+
+  def __init__(self, path: str, benchmark: str):
+    self.path, self.benchmark = path, benchmark
+    self.device, self.versions = device_name(), versions()
+    self.stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if not os.path.exists(path):
+      with open(path, "w", newline="") as f:
+        csv.DictWriter(f, CSV_FIELDS).writeheader()
+
+  def add(self, case, provider, shape, dtypes, metric, q, unit):
+    p20, p50, p80 = q if isinstance(q, tuple) else (q, q, q)
+    with open(self.path, "a", newline="") as f:
+      csv.DictWriter(f, CSV_FIELDS).writerow(dict(
+          benchmark=self.benchmark, case=case, provider=provider, shape=shape,
+          dtypes=dtypes, metric=metric, p20=f"{p20:.6g}", p50=f"{p50:.6g}",
+          p80=f"{p80:.6g}", unit=unit, device=self.device,
+          versions=self.versions, timestamp=self.stamp))
+
+
+def read_rows(path: str):
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))

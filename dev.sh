@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# forge-jax developer entry point. Sets up everything it needs from nothing
+# (a Python >= 3.12 virtualenv with the pinned dependencies), then:
+#
+#   ./dev.sh train [flags]   the main job: a Flax MLP on scikit-learn's digits,
+#                            FORGE beside optax (python -m forge_jax.demo --help)
+#   ./dev.sh test [args]     the test suite (pytest args pass through)
+#   ./dev.sh python [args]   the project's Python, e.g. for benchmarks/
+#
+# FORGE_VENV overrides the virtualenv location (default: .venv here).
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${FORGE_VENV:-.venv}"
+
+is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
+
+find_python() {
+  local c
+  for c in python3.13 python3.12 python3 python; do
+    if command -v "$c" >/dev/null && is_py312 "$(command -v "$c")"; then
+      command -v "$c"; return 0
+    fi
+  done
+  # pyenv installs that are not on the PATH (jax >= 0.11 needs Python 3.12).
+  local root="${PYENV_ROOT:-$HOME/.pyenv}"
+  command -v pyenv >/dev/null && root="$(pyenv root)"
+  for c in "$root"/versions/3.1[2-9]*/bin/python "$root"/versions/3.[2-9][0-9]*/bin/python; do
+    if [ -x "$c" ] && is_py312 "$c"; then echo "$c"; return 0; fi
+  done
+  return 1
+}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ] || ! is_py312 "$VENV/bin/python"; then
+    local py
+    py="$(find_python)" || {
+      echo "error: forge-jax needs Python >= 3.12 (jax >= 0.11 does), and none" \
+           "was found on the PATH or under pyenv. Install one (e.g." \
+           "'pyenv install 3.12') and run again." >&2
+      exit 2
+    }
+    echo "== creating $VENV with $py ($("$py" --version 2>&1))"
+    rm -rf "$VENV"
+    "$py" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.forge-installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "== installing forge-jax and its dependencies into $VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e ".[demo,test,torch]"
+    touch "$stamp"
+  fi
+}
+
+cmd="${1:-}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  train)  setup; exec "$VENV/bin/python" -m forge_jax.demo "$@" ;;
+  test)   setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  python) setup; exec "$VENV/bin/python" "$@" ;;
+  *) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac
