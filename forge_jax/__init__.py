@@ -7,8 +7,22 @@
 
 from forge_jax.dense import Dense
 from forge_jax.step import make_step
-from forge_jax.transforms import ForgeSpec, ForgeTransformation, adamw
+from forge_jax.transforms import (
+    ForgeSpec,
+    ForgeTransformation,
+    adagrad,
+    adam,
+    adamax,
+    adamw,
+    lion,
+    nadam,
+    nadamw,
+    radam,
+    rmsprop,
+    sgd,
+)
 from pallas_kernels import classify
 
-__all__ = ["Dense", "ForgeSpec", "ForgeTransformation", "adamw", "classify",
-           "make_step"]
+__all__ = ["Dense", "ForgeSpec", "ForgeTransformation", "adagrad", "adam",
+           "adamax", "adamw", "classify", "lion", "make_step", "nadam",
+           "nadamw", "radam", "rmsprop", "sgd"]

@@ -18,11 +18,24 @@ from pallas_kernels.regimes import (
     Regime,
     classify,
 )
-from pallas_kernels.rules import ADAMW, HPARAM_VECTOR_LEN, UpdateRule, adamw_rule
+from pallas_kernels.rules import (
+    ADAMW,
+    HPARAM_VECTOR_LEN,
+    UpdateRule,
+    adagrad_rule,
+    adam_rule,
+    adamax_rule,
+    adamw_rule,
+    lion_rule,
+    radam_rule,
+    rmsprop_rule,
+    sgd_rule,
+)
 
 __all__ = [
     "ADAMW", "BlockConfig", "Declaration", "ExecutionPath", "FAMILIES",
-    "HPARAM_VECTOR_LEN", "Reads", "Regime", "UpdateRule", "adamw_rule",
-    "classify", "default_interpret", "fused_wgrad_update",
-    "fused_wgrad_update_reference",
+    "HPARAM_VECTOR_LEN", "Reads", "Regime", "UpdateRule", "adagrad_rule",
+    "adam_rule", "adamax_rule", "adamw_rule", "classify", "default_interpret",
+    "fused_wgrad_update", "fused_wgrad_update_reference", "lion_rule",
+    "radam_rule", "rmsprop_rule", "sgd_rule",
 ]

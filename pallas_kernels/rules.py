@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # Triton blocks need a power-of-two number of elements: the hyperparameter
 # vector is padded to this length.
@@ -81,24 +82,156 @@ class UpdateRule:
             tuple(n.astype(s.dtype) for n, s in zip(slots_new, slots)))
 
 
-def _adamw_update(nesterov: bool) -> UpdateFn:
-  # optax.adamw = scale_by_adam -> add_decayed_weights -> scale_by_lr, with the
-  # same operation order as optax so fp32 results agree to rounding.
-  def update(g, w, slots, h):
-    mu, nu = slots
-    mu = h["one_minus_b1"] * g + h["b1"] * mu
-    nu = h["one_minus_b2"] * (g * g) + h["b2"] * nu
-    if nesterov:
-      mu_hat = h["b1"] * (mu / h["bc1_next"]) + h["one_minus_b1"] * (
-          g / h["bc1"])
-    else:
-      mu_hat = mu / h["bc1"]
-    nu_hat = nu / h["bc2"]
-    u = mu_hat / (jnp.sqrt(nu_hat + h["eps_root"]) + h["eps"])
-    u = u + h["weight_decay"] * w
-    return w + (-h["lr"]) * u, (mu, nu)
+# Each family's update mirrors the operation order of its optax counterpart
+# (optax 0.2.8), so fp32 results agree to rounding. Constants such as
+# ``1 - b1`` arrive as their own hyperparameters: optax computes them from
+# Python floats in double precision, and rounding them once to fp32 (rather
+# than subtracting in fp32 here) reproduces its values exactly.
+#
+# optax applies the learning rate as ``u * -lr`` (``scale_by_learning_rate``)
+# and the result as ``w + u`` (``apply_updates``); `_descend` is that.
 
-  return update
+
+def _descend(w, u, h):
+  return w + (-h["lr"]) * u
+
+
+def _ema(g, m, one_minus_decay, decay):
+  """``optax.tree.update_moment``: ``(1 - decay) * g + decay * m``."""
+  return one_minus_decay * g + decay * m
+
+
+def _trace(u, t, decay, nesterov: bool):
+  """``optax.trace``: returns ``(update, new_trace)``."""
+  t = u + decay * t
+  return (u + decay * t if nesterov else t), t
+
+
+def _adam_moments(g, mu, nu, h, nesterov: bool):
+  """``scale_by_adam``'s moments and bias-corrected ``(mu_hat, nu_hat)``."""
+  mu = _ema(g, mu, h["one_minus_b1"], h["b1"])
+  nu = _ema(g * g, nu, h["one_minus_b2"], h["b2"])
+  if nesterov:
+    mu_hat = h["b1"] * (mu / h["bc1_next"]) + h["one_minus_b1"] * (
+        g / h["bc1"])
+  else:
+    mu_hat = mu / h["bc1"]
+  return mu, nu, mu_hat, nu / h["bc2"]
+
+
+def _adam_scale(mu_hat, nu_hat, h):
+  return mu_hat / (jnp.sqrt(nu_hat + h["eps_root"]) + h["eps"])
+
+
+_ADAM_HPARAMS = ("lr", "b1", "b2", "one_minus_b1", "one_minus_b2", "eps",
+                 "eps_root", "bc1", "bc2", "bc1_next")
+
+
+def _suffix(name: str, **flags: bool) -> str:
+  return "_".join([name, *(f for f, on in flags.items() if on)])
+
+
+def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
+  """SGD as ``optax.sgd`` computes it: ``trace`` (if ``momentum``), then lr.
+
+  Slots: ``("trace",)`` with momentum, none without. Hyperparameters: ``lr``,
+  and ``decay`` (the momentum) with momentum. ``nesterov`` only matters with
+  momentum (as in optax).
+  """
+  nesterov = nesterov and momentum
+
+  def update(g, w, slots, h):
+    if not momentum:
+      return _descend(w, g, h), ()
+    u, t = _trace(g, slots[0], h["decay"], nesterov)
+    return _descend(w, u, h), (t,)
+
+  return UpdateRule(
+      name=_suffix("sgd", momentum=momentum, nesterov=nesterov),
+      slots=("trace",) if momentum else (),
+      hparams=("lr", "decay") if momentum else ("lr",),
+      update=update)
+
+
+def adagrad_rule() -> UpdateRule:
+  """Adagrad as ``optax.adagrad`` computes it (``scale_by_rss``, then lr).
+
+  Slots: ``("sum_of_squares",)``. Hyperparameters: ``lr``, ``eps``.
+  """
+
+  def update(g, w, slots, h):
+    (sum_of_squares,) = slots
+    sum_of_squares = g * g + sum_of_squares
+    scale = jnp.where(sum_of_squares > 0,
+                      lax.rsqrt(sum_of_squares + h["eps"]), 0.0)
+    return _descend(w, scale * g, h), (sum_of_squares,)
+
+  return UpdateRule(name="adagrad", slots=("sum_of_squares",),
+                    hparams=("lr", "eps"), update=update)
+
+
+def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
+                 bias_correction: bool = False, momentum: bool = False,
+                 nesterov: bool = False) -> UpdateRule:
+  """RMSprop as ``optax.rmsprop`` computes it.
+
+  ``scale_by_rms`` (or ``scale_by_stddev`` when ``centered``), then the
+  learning rate, then ``trace`` when ``momentum`` -- so the trace holds
+  lr-scaled updates, as in optax.
+
+  Slots: ``("nu",)`` or, centered, ``("mu", "nu")``; then ``"trace"`` with
+  momentum. Hyperparameters: ``lr``, ``decay``, ``one_minus_decay``, ``eps``;
+  ``bc = 1 - decay**t`` with ``bias_correction``; ``momentum`` with momentum.
+  """
+  nesterov = nesterov and momentum
+
+  def update(g, w, slots, h):
+    mu, nu, *trace = slots if centered else (None, *slots)
+    nu = _ema(g * g, nu, h["one_minus_decay"], h["decay"])
+    nu_hat = nu / h["bc"] if bias_correction else nu
+    if centered:
+      mu = _ema(g, mu, h["one_minus_decay"], h["decay"])
+      mu_hat = mu / h["bc"] if bias_correction else mu
+      var = nu_hat - mu_hat * mu_hat
+    else:
+      var = nu_hat
+    if eps_in_sqrt:
+      scale = lax.rsqrt(var + h["eps"])
+    else:
+      scale = 1.0 / (jnp.sqrt(var) + h["eps"])
+    u = (-h["lr"]) * (scale * g)
+    new = (mu, nu) if centered else (nu,)
+    if momentum:
+      u, t = _trace(u, trace[0], h["momentum"], nesterov)
+      new = (*new, t)
+    return w + u, new
+
+  return UpdateRule(
+      name=_suffix("rmsprop", centered=centered,
+                   eps_outside_sqrt=not eps_in_sqrt,
+                   bias_correction=bias_correction, momentum=momentum,
+                   nesterov=nesterov),
+      slots=(("mu", "nu") if centered else ("nu",))
+      + (("trace",) if momentum else ()),
+      hparams=("lr", "decay", "one_minus_decay", "eps")
+      + (("bc",) if bias_correction else ())
+      + (("momentum",) if momentum else ()),
+      update=update)
+
+
+def adam_rule(nesterov: bool = False) -> UpdateRule:
+  """Adam as ``optax.adam`` computes it (``nesterov=True``: ``optax.nadam``).
+
+  Slots ``("mu", "nu")``; hyperparameters as :func:`adamw_rule` without
+  ``weight_decay``.
+  """
+
+  def update(g, w, slots, h):
+    mu, nu, mu_hat, nu_hat = _adam_moments(g, *slots, h, nesterov)
+    return _descend(w, _adam_scale(mu_hat, nu_hat, h), h), (mu, nu)
+
+  return UpdateRule(name=_suffix("adam", nesterov=nesterov),
+                    slots=("mu", "nu"), hparams=_ADAM_HPARAMS, update=update)
 
 
 def adamw_rule(nesterov: bool = False) -> UpdateRule:
@@ -111,13 +244,80 @@ def adamw_rule(nesterov: bool = False) -> UpdateRule:
   the bias corrections ``bc1 = 1 - b1**t``, ``bc2 = 1 - b2**t`` and
   ``bc1_next = 1 - b1**(t + 1)`` for step ``t`` (1-based).
   """
+
+  # optax.adamw = scale_by_adam -> add_decayed_weights -> scale_by_lr.
+  def update(g, w, slots, h):
+    mu, nu, mu_hat, nu_hat = _adam_moments(g, *slots, h, nesterov)
+    u = _adam_scale(mu_hat, nu_hat, h) + h["weight_decay"] * w
+    return _descend(w, u, h), (mu, nu)
+
   return UpdateRule(
-      name="adamw_nesterov" if nesterov else "adamw",
+      name=_suffix("adamw", nesterov=nesterov),
       slots=("mu", "nu"),
-      hparams=("lr", "b1", "b2", "one_minus_b1", "one_minus_b2", "eps",
-               "eps_root", "weight_decay", "bc1", "bc2", "bc1_next"),
-      update=_adamw_update(nesterov),
+      hparams=_ADAM_HPARAMS + ("weight_decay",),
+      update=update,
   )
+
+
+def adamax_rule() -> UpdateRule:
+  """Adamax as ``optax.adamax`` computes it.
+
+  Slots ``("mu", "nu")`` (``nu`` the infinity moment). Hyperparameters:
+  ``lr``, ``b1``, ``one_minus_b1``, ``b2``, ``eps``, ``bc1 = 1 - b1**t``.
+  """
+
+  def update(g, w, slots, h):
+    mu, nu = slots
+    mu = _ema(g, mu, h["one_minus_b1"], h["b1"])
+    nu = jnp.maximum(jnp.abs(g) + h["eps"], h["b2"] * nu)
+    return _descend(w, (mu / h["bc1"]) / nu, h), (mu, nu)
+
+  return UpdateRule(name="adamax", slots=("mu", "nu"),
+                    hparams=("lr", "b1", "one_minus_b1", "b2", "eps", "bc1"),
+                    update=update)
+
+
+def radam_rule(nesterov: bool = False) -> UpdateRule:
+  """RAdam as ``optax.radam`` computes it.
+
+  Slots ``("mu", "nu")``. Hyperparameters: Adam's (:func:`adam_rule`) plus
+  the step's rectification, computed by the caller from the step count as
+  ``scale_by_radam`` does: ``rectify`` (1 if ``rho_t >= threshold`` else 0)
+  and ``r`` (the rectification factor; unused when ``rectify`` is 0).
+  """
+
+  def update(g, w, slots, h):
+    mu, nu, mu_hat, nu_hat = _adam_moments(g, *slots, h, nesterov)
+    u = jnp.where(h["rectify"] > 0,
+                  h["r"] * mu_hat / (jnp.sqrt(nu_hat + h["eps_root"])
+                                     + h["eps"]),
+                  mu_hat)
+    return _descend(w, u, h), (mu, nu)
+
+  return UpdateRule(name=_suffix("radam", nesterov=nesterov),
+                    slots=("mu", "nu"), hparams=_ADAM_HPARAMS + ("r", "rectify"),
+                    update=update)
+
+
+def lion_rule() -> UpdateRule:
+  """Lion as ``optax.lion`` computes it (``scale_by_lion`` in its default
+  ``'hard'`` mode, then decoupled weight decay, then lr).
+
+  Slots ``("mu",)``. Hyperparameters: ``lr``, ``b1``, ``one_minus_b1``,
+  ``b2``, ``one_minus_b2``, ``weight_decay`` (0 where the mask excludes the
+  weight).
+  """
+
+  def update(g, w, slots, h):
+    (mu,) = slots
+    u = jnp.sign(_ema(g, mu, h["one_minus_b1"], h["b1"]))
+    mu = _ema(g, mu, h["one_minus_b2"], h["b2"])
+    return _descend(w, u + h["weight_decay"] * w, h), (mu,)
+
+  return UpdateRule(name="lion", slots=("mu",),
+                    hparams=("lr", "b1", "one_minus_b1", "b2", "one_minus_b2",
+                             "weight_decay"),
+                    update=update)
 
 
 ADAMW = adamw_rule()
