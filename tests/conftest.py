@@ -25,3 +25,14 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fp32_matmuls_are_ieee():
+  """fp32 references run with IEEE fp32 dots: XLA's GPU default is TF32.
+
+  (The fused kernel already uses IEEE fp32 for fp32 operands; this puts the
+  optax/nn.Dense references and the layers' forward/dx on the same footing.)
+  """
+  with jax.default_matmul_precision("highest"):
+    yield
