@@ -1,0 +1,228 @@
+"""Peak GPU memory of one training step: forge_torch vs torch's fused AdamW.
+
+    PYTHONPATH=. python benchmarks/torch_memory.py --out out/gpu/torch_memory.csv
+
+Model: ``--layers`` (8) bias-free ``Linear(dim, dim)`` (4096) layers in bf16,
+loss ``mean(out.float()**2)``, a batch of ``BT`` token rows. Two arms:
+
+  torch   ``nn.Linear`` + ``torch.optim.AdamW(fused=True)``: backward writes a
+          bf16 gradient per weight, kept until ``zero_grad()``;
+  forge   the same model after ``forge_torch.convert`` +
+          ``forge_torch.AdamW``: each layer's backward updates its weight and
+          moments in place (through the Pallas kernel, DLPack, zero-copy), no
+          gradient is ever allocated.
+
+Each (arm, BT) runs in its own subprocess (JAX's peak counter cannot be reset).
+After two warm-up steps, ``torch.cuda.reset_peak_memory_stats()``, one step,
+then ``torch.cuda.max_memory_allocated()``. Also recorded: bytes allocated
+right after ``backward()`` (before ``step()``, where torch holds the whole
+gradient pool), JAX's own ``peak_bytes_in_use`` (not part of torch's counter;
+it should stay tiny when the kernel writes torch's memory in place), the
+bridge's in-place/copied counts, and the median step time over ``--steps``
+steps (CUDA events).
+
+The gradient pool is ``layers * dim**2 * 2`` bytes (256 MiB by default).
+Whether the *peak* of a step drops by all of it depends on where the peak is:
+torch's arm peaks at the end of backward (every gradient alive, activations
+freed), FORGE's at the start of backward (the saved activations, ``BT * dim *
+2`` bytes per layer). At large ``BT`` the activations set FORGE's peak and the
+peak saving is smaller than the pool; at small ``BT`` it approaches the pool.
+The script reports the saving at every BT and asserts (``--min-saved``, 0.9)
+that (a) the pool itself is gone at every BT (allocated bytes after backward)
+and (b) the peak saving reaches the bar at the BTs in ``--assert-peak-bt``.
+Exits 0 with a message when no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# JAX shares the GPU with torch: no 75% preallocation (before JAX starts).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend.*")
+
+FIELDS = ["arm", "device", "torch_version", "jax_version", "layers", "dim",
+          "bt", "dtype", "peak_bytes", "after_backward_bytes",
+          "jax_peak_bytes", "grad_pool_bytes", "peak_saved_bytes",
+          "peak_saved_frac", "pool_saved_frac", "step_time_median_ms",
+          "bridge_in_place", "bridge_copied", "timestamp"]
+
+
+def child(arm: str, layers: int, dim: int, bt: int, steps: int) -> dict:
+  import torch
+  from torch import nn
+
+  dev, dtype = "cuda", torch.bfloat16
+  torch.manual_seed(0)
+  model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)]
+                        ).to(dev, dtype)
+  stats = None
+  if arm == "torch":
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+  else:
+    import forge_torch
+    assert len(forge_torch.convert(model)) == layers
+    opt = forge_torch.AdamW(model.parameters(), lr=1e-4)
+    stats = forge_torch.bridge_stats
+  x = torch.randn(bt, dim, device=dev, dtype=dtype)
+
+  def step():
+    loss = model(x).float().square().mean()
+    loss.backward()
+    after_backward = torch.cuda.memory_allocated()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return after_backward
+
+  for _ in range(2):
+    step()
+  torch.cuda.synchronize()
+  if stats is not None:
+    stats.reset()
+  torch.cuda.reset_peak_memory_stats()
+  after_backward = step()
+  torch.cuda.synchronize()
+  peak = torch.cuda.max_memory_allocated()
+  in_place = stats.in_place if stats is not None else 0
+  copied = stats.copied if stats is not None else 0
+
+  times = []
+  for _ in range(steps):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+        enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    times.append(start.elapsed_time(end))
+
+  jax_peak, jax_version = 0, ""
+  if arm == "forge":
+    import jax
+    jax_version = jax.__version__
+    ms = jax.devices()[0].memory_stats() or {}
+    jax_peak = int(ms.get("peak_bytes_in_use", 0))
+  else:
+    try:
+      import jax
+      jax_version = jax.__version__
+    except ImportError:
+      pass
+  return dict(
+      arm=arm, device=torch.cuda.get_device_name(), torch_version=torch.__version__,
+      jax_version=jax_version, layers=layers, dim=dim, bt=bt, dtype="bfloat16",
+      peak_bytes=peak, after_backward_bytes=after_backward,
+      jax_peak_bytes=jax_peak, grad_pool_bytes=layers * dim * dim * 2,
+      step_time_median_ms=round(statistics.median(times), 4),
+      bridge_in_place=in_place, bridge_copied=copied)
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", required=True, help="CSV file (appended)")
+  ap.add_argument("--layers", type=int, default=8)
+  ap.add_argument("--dim", type=int, default=4096)
+  ap.add_argument("--bt", default="2048,256",
+                  help="comma-separated token counts (rows of the batch)")
+  ap.add_argument("--steps", type=int, default=20, help="timed steps")
+  ap.add_argument("--min-saved", type=float, default=0.9)
+  ap.add_argument("--assert-peak-bt", default="256",
+                  help="BTs at which the peak saving must reach --min-saved")
+  ap.add_argument("--child", nargs=2, metavar=("ARM", "BT"),
+                  help=argparse.SUPPRESS)
+  args = ap.parse_args()
+
+  try:
+    import torch
+  except ImportError:
+    print("torch_memory: torch is not installed; nothing to measure.")
+    return 0
+  if not torch.cuda.is_available():
+    print("torch_memory: no CUDA device (torch.cuda.is_available() is False); "
+          "this benchmark needs the GPU. Nothing measured.")
+    return 0
+
+  if args.child:
+    arm, bt = args.child[0], int(args.child[1])
+    print("RESULT " + json.dumps(child(arm, args.layers, args.dim, bt,
+                                       args.steps)))
+    return 0
+
+  bts = [int(b) for b in args.bt.split(",") if b]
+  assert_bts = {int(b) for b in args.assert_peak_bt.split(",") if b}
+  rows, failures = [], []
+  for bt in bts:
+    res = {}
+    for arm in ("torch", "forge"):
+      cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out,
+             "--layers", str(args.layers), "--dim", str(args.dim),
+             "--steps", str(args.steps), "--child", arm, str(bt)]
+      proc = subprocess.run(cmd, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+      lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+      if proc.returncode != 0 or not lines:
+        print(f"[{arm} BT={bt}] FAILED (rc={proc.returncode})\n"
+              f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        failures.append(f"{arm} BT={bt} did not run")
+        continue
+      res[arm] = json.loads(lines[-1][len("RESULT "):])
+    if len(res) != 2:
+      continue
+    t, f = res["torch"], res["forge"]
+    pool = t["grad_pool_bytes"]
+    saved = t["peak_bytes"] - f["peak_bytes"]
+    pool_saved = t["after_backward_bytes"] - f["after_backward_bytes"]
+    f.update(peak_saved_bytes=saved, peak_saved_frac=round(saved / pool, 4),
+             pool_saved_frac=round(pool_saved / pool, 4))
+    stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    for r in (t, f):
+      r["timestamp"] = stamp
+      rows.append(r)
+    mib = lambda b: f"{b / 2**20:8.1f} MiB"
+    print(f"BT={bt}: grad pool {mib(pool)}")
+    for r in (t, f):
+      print(f"  {r['arm']:5s} peak {mib(r['peak_bytes'])}  after backward "
+            f"{mib(r['after_backward_bytes'])}  jax peak "
+            f"{mib(r['jax_peak_bytes'])}  step {r['step_time_median_ms']:.3f} ms")
+    print(f"  peak saved {mib(saved)} = {saved / pool:.1%} of the pool; "
+          f"pool saved after backward {pool_saved / pool:.1%}; bridge "
+          f"in-place {f['bridge_in_place']}, copied {f['bridge_copied']}")
+    if f["bridge_copied"]:
+      print("  NOTE: the bridge copied results back (donation did not alias): "
+            "FORGE's step is NOT zero-copy on this stack")
+    if pool_saved / pool < args.min_saved:
+      failures.append(f"BT={bt}: gradient pool saved {pool_saved / pool:.1%} "
+                      f"< {args.min_saved:.0%}")
+    if bt in assert_bts and saved / pool < args.min_saved:
+      failures.append(f"BT={bt}: peak saved {saved / pool:.1%} of the pool "
+                      f"< {args.min_saved:.0%}")
+
+  if rows:
+    new = not os.path.exists(args.out)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a", newline="") as fh:
+      w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
+      if new:
+        w.writeheader()
+      w.writerows(rows)
+    print(f"wrote {len(rows)} rows to {args.out}")
+  if failures:
+    print("FAILED:\n  " + "\n  ".join(failures))
+    return 1
+  print("OK: the gradient pool is gone and the peak saving reaches "
+        f"{args.min_saved:.0%} at BT in {sorted(assert_bts)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

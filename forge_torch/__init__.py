@@ -1,0 +1,24 @@
+"""FORGE for PyTorch: ``nn.Linear`` layers whose backward applies the optimizer.
+
+* :class:`Linear` -- a drop-in for ``torch.nn.Linear``;
+* :func:`convert` -- turns a model's eligible ``nn.Linear`` layers into it;
+* :class:`AdamW` -- ``torch.optim.AdamW`` that drives those layers.
+
+The fused kernel is the JAX/Pallas one (``pallas_kernels``), called on the
+torch tensors through DLPack (:mod:`forge_torch._bridge`). torch is an
+optional dependency of the project: only this package imports it.
+
+Importing this package sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (unless
+set) so that JAX, sharing the GPU with torch, does not reserve 75% of its
+memory; it only takes effect if JAX has not initialised its GPU backend yet.
+"""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from forge_torch._bridge import STATS as bridge_stats  # noqa: E402
+from forge_torch.linear import Linear, convert, is_forge_weight  # noqa: E402
+from forge_torch.optim import AdamW  # noqa: E402
+
+__all__ = ["AdamW", "Linear", "bridge_stats", "convert", "is_forge_weight"]

@@ -1,0 +1,234 @@
+"""`forge_torch.Linear`: `torch.nn.Linear` whose backward updates its own weight.
+
+torch stores a linear weight as ``(out, in)``, the transpose of the kernel's
+``(in, out)`` layout. Calling the fused kernel with ``x := grad_output`` and
+``dy := input`` computes ``G' = grad_output^T input``, which *is* torch's
+weight gradient in torch's own layout, so the weight is updated where it lies
+and no transpose is ever materialised.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+import pallas_kernels
+from forge_torch import _bridge
+
+# Parameters created (or adopted) by a forge_torch.Linear as its weight.
+_FORGE_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# FORGE weight -> weakref to the forge_torch optimizer that owns it.
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _mark(weight: torch.Tensor) -> None:
+  _FORGE_WEIGHTS[weight] = True
+
+
+def is_forge_weight(p: torch.Tensor) -> bool:
+  """Whether ``p`` is the weight of a ``forge_torch.Linear``."""
+  return p in _FORGE_WEIGHTS
+
+
+def owner_of(p: torch.Tensor):
+  """The live forge_torch optimizer that owns FORGE weight ``p``, or ``None``."""
+  ref = _OWNERS.get(p)
+  return ref() if ref is not None else None
+
+
+def _set_owner(p: torch.Tensor, optimizer) -> None:
+  _OWNERS[p] = weakref.ref(optimizer)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Handle:
+  """What a layer's backward needs besides tensors."""
+
+  optimizer: Any  # weakref.ref to the owning optimizer
+  weight: nn.Parameter  # the Parameter itself (saved tensors may be aliases)
+  config: pallas_kernels.BlockConfig | None
+  layer: str
+
+
+class _FusedLinearFn(torch.autograd.Function):
+  """``y = x W^T + b``; the backward updates ``W`` instead of returning its grad."""
+
+  @staticmethod
+  def forward(ctx, input, weight, bias, handle):
+    ctx.save_for_backward(input, weight)
+    ctx.handle = handle
+    ctx.has_bias = bias is not None
+    return F.linear(input, weight, bias)
+
+  @staticmethod
+  @once_differentiable
+  def backward(ctx, grad_output):
+    input, weight = ctx.saved_tensors
+    handle = ctx.handle
+    if handle is None:
+      raise RuntimeError(
+          "backward ran twice through the same forward of a FORGE-managed "
+          "forge_torch.Linear (retain_graph=True?). Its first backward already "
+          "applied the optimizer to the weight; a second one cannot be fused.")
+    ctx.handle = None
+    n_out, n_in = weight.shape
+    # grad_input reads the PRE-update weight: computed (queued) before the
+    # fused kernel, which waits for torch's stream, overwrites the weight.
+    grad_input = (grad_output.matmul(weight) if ctx.needs_input_grad[0]
+                  else None)
+    g2 = grad_output.reshape(-1, n_out)
+    grad_bias = (g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2]
+                 else None)
+    optimizer = handle.optimizer()
+    if optimizer is None:
+      raise RuntimeError(
+          f"forge_torch.Linear {handle.layer}: the optimizer that owned this "
+          "weight was garbage-collected between forward and backward")
+    # `weight` (unpacked) may be an alias of the Parameter, e.g. under
+    # activation checkpointing; the optimizer keys its state by the Parameter.
+    optimizer._forge_fused_update(handle.weight, g2, input.reshape(-1, n_in),
+                                  config=handle.config, layer=handle.layer)
+    # No gradient for the weight: it has been updated already (grad stays None).
+    return grad_input, None, grad_bias, None
+
+
+class Linear(nn.Linear):
+  """A drop-in for :class:`torch.nn.Linear` whose backward applies the optimizer.
+
+  Same constructor, parameters (``weight`` ``(out, in)``, ``bias``
+  ``(out,)``), initialisation and forward as ``nn.Linear``. When the weight is
+  owned by a forge_torch optimizer (e.g. :class:`forge_torch.AdamW`), the
+  backward computes ``grad_input`` from the pre-update weight, then updates the
+  weight and its optimizer state in place with the fused weight-gradient
+  kernel; ``weight.grad`` stays ``None`` and the weight's gradient never exists
+  in memory. The bias takes the ordinary path (its ``.grad`` is set and
+  ``optimizer.step()`` updates it).
+
+  Outside autograd (``torch.no_grad()``, a weight with ``requires_grad=False``)
+  or with ``fused = False`` it *is* ``nn.Linear``.
+
+  Attributes (beside ``nn.Linear``'s):
+    fused: ``False`` keeps this layer on the standard path.
+    block_config: tiling of the fused kernel (``pallas_kernels.BlockConfig``);
+      a heuristic when ``None``.
+
+  Each managed layer may run once per optimizer step (one forward, one
+  backward): FORGE updates the weight during that backward (paper Remark 2).
+  """
+
+  fused: bool = True
+  block_config: pallas_kernels.BlockConfig | None = None
+
+  def __init__(self, in_features: int, out_features: int, bias: bool = True,
+               device=None, dtype=None, *,
+               block_config: pallas_kernels.BlockConfig | None = None) -> None:
+    super().__init__(in_features, out_features, bias=bias, device=device,
+                     dtype=dtype)
+    self.fused = True
+    self.block_config = block_config
+    _mark(self.weight)
+
+  def __setstate__(self, state):
+    # copy.deepcopy / pickle make new Parameters: mark the new weight.
+    super().__setstate__(state)
+    if isinstance(self._parameters.get("weight"), torch.Tensor):
+      _mark(self.weight)
+
+  @classmethod
+  def from_linear(cls, linear: nn.Linear, *,
+                  block_config: pallas_kernels.BlockConfig | None = None
+                  ) -> "Linear":
+    """A ``forge_torch.Linear`` sharing ``linear``'s weight and bias Parameters.
+
+    The new module holds the very same Parameter objects (no copy), so an
+    optimizer built afterwards over either module's parameters sees the same
+    tensors. Hooks registered on ``linear`` are not carried over; use
+    :func:`convert` to convert a model in place.
+    """
+    if not isinstance(linear, nn.Linear):
+      raise TypeError(
+          f"from_linear needs an nn.Linear, got {type(linear).__name__}")
+    new = cls(linear.in_features, linear.out_features,
+              bias=linear.bias is not None, device="meta",
+              dtype=linear.weight.dtype, block_config=block_config)
+    new.weight = linear.weight
+    new.bias = linear.bias
+    new.train(linear.training)
+    _mark(new.weight)
+    return new
+
+  def extra_repr(self) -> str:
+    return super().extra_repr() + f", fused={self.fused}"
+
+  def _layer_name(self) -> str:
+    return f"Linear({self.in_features}, {self.out_features}) @ {id(self):#x}"
+
+  def forward(self, input: torch.Tensor) -> torch.Tensor:
+    w = self.weight
+    if not (self.fused and torch.is_grad_enabled() and w.requires_grad
+            and is_forge_weight(w)):
+      return F.linear(input, w, self.bias)
+    optimizer = owner_of(w)
+    if optimizer is None:
+      raise RuntimeError(
+          f"forge_torch.Linear {self._layer_name()} ran with autograd on, but "
+          "its weight is not registered in a forge_torch optimizer. FORGE "
+          "updates the weight inside backward, so build the optimizer first "
+          "(e.g. forge_torch.AdamW(model.parameters())) over parameters that "
+          "include this weight (after forge_torch.convert(), not before); or "
+          "run under torch.no_grad(), or set layer.fused = False.")
+    optimizer._forge_before_forward(w, input, layer=self._layer_name())
+    handle = _Handle(weakref.ref(optimizer), w, self.block_config,
+                     self._layer_name())
+    return _FusedLinearFn.apply(input, w, self.bias, handle)
+
+
+def convert(model: nn.Module, *,
+            block_config: pallas_kernels.BlockConfig | None = None
+            ) -> list[str]:
+  """Turns every eligible ``nn.Linear`` of ``model`` into a ``forge_torch.Linear``.
+
+  In place: each eligible module's class is switched to
+  :class:`forge_torch.Linear` (same object, same Parameters, same hooks), so
+  references held elsewhere stay valid. Build the optimizer *after* this.
+
+  Eligible: modules whose type is exactly ``nn.Linear`` (subclasses, e.g.
+  ``MultiheadAttention``'s ``out_proj`` whose weight is read by functional
+  code, are left alone), with a float32 or bfloat16 weight that appears once in
+  ``model.named_parameters(remove_duplicate=False)``. A weight appearing more
+  than once -- tied to an embedding, or one module used in two places --
+  stays on the standard path (paper Remark 2).
+
+  Returns:
+    The qualified names of the converted modules.
+  """
+  if type(model) is nn.Linear:
+    raise ValueError(
+        "convert() replaces submodules in place; for a bare nn.Linear use "
+        "forge_torch.Linear.from_linear(layer)")
+  uses = collections.Counter(
+      id(p) for _, p in model.named_parameters(remove_duplicate=False))
+  converted = []
+  for name, module in model.named_modules():
+    if type(module) is not nn.Linear:
+      continue
+    w = module.weight
+    if uses[id(w)] > 1 or w.dtype not in _bridge.SUPPORTED_DTYPES:
+      continue
+    module.__class__ = Linear
+    module.fused = True
+    module.block_config = block_config
+    _mark(w)
+    converted.append(name)
+  return converted
+
+
+__all__ = ["Linear", "convert", "is_forge_weight", "owner_of"]
