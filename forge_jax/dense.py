@@ -51,6 +51,10 @@ def _fused_linear_bwd(static, res, dy):
   k = kernel.astype(static.dtype)
   dx = lax.dot_general(dy, k, (((dy.ndim - 1,), (1,)), ((), ())),
                        precision=static.precision)
+  # The barrier makes the in-place write data-dependent on dx, so XLA orders
+  # the dx GEMM's read of the kernel before the fused kernel overwrites it
+  # instead of protecting the read with a kernel-sized copy.
+  dx, kernel = lax.optimization_barrier((dx, kernel))
   new_kernel, new_slots = pallas_kernels.fused_wgrad_update(
       x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
       config=static.config)

@@ -1,6 +1,7 @@
 """forge_jax.Dense + forge_jax.adamw + make_step against nn.Dense + optax.adamw."""
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -394,34 +395,54 @@ def test_bf16_fused_error_not_worse_than_unfused_bf16_on_gpu():
   assert fused <= unfused, (fused, unfused)
 
 
-@pytest.mark.gpu
-def test_4096_layer_step_has_no_kernel_sized_temporary_on_gpu():
-  """The compiled step updates W, mu, nu in place and never holds a G buffer."""
-  n = 4096
-
-  class One(nn.Module):
+def _stack_step(dense, layers, n=4096, bt=512):
+  class Stack(nn.Module):
     @nn.compact
     def __call__(self, x):
-      return forge_jax.Dense(n, use_bias=False, param_dtype=jnp.bfloat16,
-                             dtype=jnp.bfloat16)(x)
+      for _ in range(layers):
+        x = nn.relu(dense(n, use_bias=False, param_dtype=jnp.bfloat16,
+                          dtype=jnp.bfloat16)(x))
+      return x
 
-  model = One()
-  x = jnp.ones((512, n), jnp.bfloat16)
+  model = Stack()
+  x = jnp.ones((bt, n), jnp.bfloat16)
   variables = model.init(jax.random.key(0), x)
-  tx = forge_jax.adamw(1e-3)
-  opt_state = tx.init(variables["params"])
   loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
-  step = jax.jit(forge_jax.make_step(loss_fn, tx), donate_argnums=(0, 1))
-  compiled = step.lower(variables, opt_state, x).compile()
-  mem = compiled.memory_analysis()
+  if dense is forge_jax.Dense:
+    tx = forge_jax.adamw(1e-3)
+    step = forge_jax.make_step(loss_fn, tx)
+  else:
+    tx = optax.adamw(1e-3)
+    def step(v, s, b):
+      loss, g = jax.value_and_grad(loss_fn)(v, b)
+      u, s = tx.update(g["params"], s, v["params"])
+      return loss, {"params": optax.apply_updates(v["params"], u)}, s
+  opt_state = tx.init(variables["params"])
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  return jitted, jitted.lower(variables, opt_state, x).compile(), (
+      variables, opt_state, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", [1, 4])
+def test_4096_layer_step_has_no_kernel_sized_temporary_on_gpu(layers):
+  """No G buffer, no kernel copies, W/mu/nu updated in place."""
+  n = 4096
+  jitted, compiled, (variables, opt_state, x) = _stack_step(
+      forge_jax.Dense, layers, n)
+  _, ref_compiled, _ = _stack_step(nn.Dense, layers, n)
   kernel_bytes = n * n * 2
-  assert mem.temp_size_in_bytes < kernel_bytes, mem
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  ref_temp = ref_compiled.memory_analysis().temp_size_in_bytes
+  # optax's step holds G (kernel-sized); FORGE's must not. (Both hold XLA's
+  # 32 MiB cuBLAS workspace, hence the comparison instead of an absolute.)
+  assert temp <= ref_temp - kernel_bytes, (temp, ref_temp)
   hlo = compiled.as_text()
-  copies = [l for l in hlo.splitlines() if " copy(" in l and "[4096,4096]" in l]
-  assert not copies, copies
-  ptrs = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(
-      (variables["params"], opt_state[0].mu, opt_state[0].nu))]
-  _, new_v, new_s = step(variables, opt_state, x)
-  new_ptrs = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(
-      (new_v["params"], new_s[0].mu, new_s[0].nu))]
-  assert new_ptrs == ptrs
+  kernel_sized = [l.strip()[:160] for l in hlo.splitlines()
+                  if re.search(rf"= (bf16|f32)\[{n},{n}\]", l)
+                  and not re.search(r"parameter\(|get-tuple-element\(|bitcast\(", l)]
+  assert not kernel_sized, kernel_sized  # no copy, no G, no fresh kernel
+  leaves = lambda v, s: jax.tree.leaves((v["params"], s[0].mu, s[0].nu))
+  ptrs = [a.unsafe_buffer_pointer() for a in leaves(variables, opt_state)]
+  _, new_v, new_s = jitted(variables, opt_state, x)
+  assert [a.unsafe_buffer_pointer() for a in leaves(new_v, new_s)] == ptrs
