@@ -1,0 +1,47 @@
+"""Plots a kernel-benchmark CSV: step time per shape, XLA unfused vs FORGE.
+
+    ./dev.sh python benchmarks/plot.py out/bench/kernel.csv out/bench/kernel.png
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from benchmarks import common
+
+PROVIDERS = ["xla_unfused", "xla_gemm", "xla_adamw", "forge_mainloop", "forge"]
+
+
+def main(src, dst):
+  rows = [r for r in common.read_rows(src)
+          if r["metric"] == "time" and r["provider"] in PROVIDERS]
+  cases = sorted({(r["dtypes"], r["shape"]) for r in rows},
+                 key=lambda c: (c[0], int(c[1].split()[0][3:]), c[1]))
+  fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cases)), 5))
+  width = 0.8 / len(PROVIDERS)
+  for i, prov in enumerate(PROVIDERS):
+    vals = []
+    for dt, shape in cases:
+      v = [float(r["p50"]) for r in rows if (r["dtypes"], r["shape"],
+                                            r["provider"]) == (dt, shape, prov)]
+      vals.append(v[-1] if v else 0.0)
+    ax.bar([j + i * width for j in range(len(cases))], vals, width, label=prov)
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+  ax.set_xticklabels([f"{s}\n{d}" for d, s in cases], fontsize=7)
+  ax.set_ylabel("median step time (µs)")
+  device = rows[0]["device"] if rows else "?"
+  ax.set_title(f"One layer's weight-gradient + AdamW step ({device})")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(dst, dpi=120)
+  print(f"wrote {dst}")
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:3])
