@@ -19,7 +19,7 @@ from forge_jax import _context
 # Primitives whose sub-jaxpr receives the operands one-to-one.
 _CALL_PARAMS = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+    "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
 }
 
@@ -64,6 +64,16 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any]):
     uses: list[str] = []
     _consumers(closed.jaxpr, var, uses)
     foreign = [u for u in uses if u != "fused"]
+    if foreign and "fused" not in uses:
+      # The layer was seen at discovery but its fused op is missing: a
+      # transform inside loss_fn (jax.checkpoint, jax.jit) reused a trace
+      # cached from the discovery pass.
+      raise ValueError(
+          f"forge_jax.Dense at {_context.layer_name(path)!r} ran its standard "
+          "path inside the FORGE step: loss_fn wraps the model in a JAX "
+          "transform that caches traces (jax.checkpoint or jax.jit inside "
+          "loss_fn). Apply remat per module with flax.linen.remat (supported) "
+          "and jit the whole step instead, or give this layer fused=False.")
     if foreign or uses.count("fused") > 1:
       raise ValueError(
           f"the kernel of forge_jax.Dense at {_context.layer_name(path)!r} is "

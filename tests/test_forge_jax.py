@@ -451,3 +451,36 @@ def test_4096_layer_step_has_no_kernel_sized_temporary_on_gpu(layers):
   ptrs = [a.unsafe_buffer_pointer() for a in leaves(variables, opt_state)]
   _, new_v, new_s = jitted(variables, opt_state, x)
   assert [a.unsafe_buffer_pointer() for a in leaves(new_v, new_s)] == ptrs
+
+
+# --- Rematerialisation (paper Remark 3) -------------------------------------------
+
+
+class RematMLP(nn.Module):
+  dense: type = nn.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    layer = nn.remat(self.dense)
+    x = nn.relu(layer(70)(x))
+    x = nn.relu(layer(130)(x))
+    return layer(5)(x)
+
+
+def test_per_module_remat_composes_exactly():
+  kwargs = dict(learning_rate=SCHEDULE, weight_decay=1e-2, mask=wd_mask)
+  (ref_v, ref_s), (f_v, f_s) = train_both(
+      RematMLP(nn.Dense), RematMLP(forge_jax.Dense), optax.adamw(**kwargs),
+      forge_jax.adamw(**kwargs), data(steps=8))
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+
+
+def test_checkpoint_around_the_loss_is_refused_clearly():
+  model = MLP(forge_jax.Dense)
+  batch = data(steps=1)[0]
+  variables = model.init(jax.random.key(0), batch[0])
+  tx = forge_jax.adamw(1e-3)
+  step = forge_jax.make_step(jax.checkpoint(mse(model)), tx)
+  with pytest.raises(ValueError, match="flax.linen.remat"):
+    step(variables, tx.init(variables["params"]), batch)
