@@ -2,7 +2,9 @@
 
 * :class:`Linear` -- a drop-in for ``torch.nn.Linear``;
 * :func:`convert` -- turns a model's eligible ``nn.Linear`` layers into it;
-* :class:`AdamW` -- ``torch.optim.AdamW`` that drives those layers.
+* :class:`SGD`, :class:`Adagrad`, :class:`RMSprop`, :class:`Adam`,
+  :class:`AdamW`, :class:`Adamax`, :class:`NAdam`, :class:`RAdam` -- the
+  ``torch.optim`` optimizers of those names, driving those layers.
 
 The fused kernel is the JAX/Pallas one (``pallas_kernels``), called on the
 torch tensors through DLPack (:mod:`forge_torch._bridge`). torch is an
@@ -19,6 +21,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from forge_torch._bridge import STATS as bridge_stats  # noqa: E402
 from forge_torch.linear import Linear, convert, is_forge_weight  # noqa: E402
-from forge_torch.optim import AdamW  # noqa: E402
+from forge_torch.optim import (  # noqa: E402
+    SGD,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    NAdam,
+    RAdam,
+    RMSprop,
+)
 
-__all__ = ["AdamW", "Linear", "bridge_stats", "convert", "is_forge_weight"]
+__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Adamax", "Linear", "NAdam",
+           "RAdam", "RMSprop", "bridge_stats", "convert", "is_forge_weight"]

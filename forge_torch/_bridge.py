@@ -3,7 +3,7 @@
 torch and JAX share the tensors through DLPack (``jax.dlpack.from_dlpack`` /
 ``torch.from_dlpack``); nothing is converted through host memory.
 
-* **GPU.** The JAX call is jitted with the weight and its moments donated, and
+* **GPU.** The JAX call is jitted with the weight and its state donated, and
   the kernel aliases them to its outputs (``input_output_aliases``), so the
   fused kernel writes the torch tensors' own memory. After the call the
   bridge checks ``unsafe_buffer_pointer()`` of each JAX output against the
@@ -11,9 +11,10 @@ torch and JAX share the tensors through DLPack (``jax.dlpack.from_dlpack`` /
   the donation) is copied back with ``tensor.copy_`` and counted in
   :data:`STATS` (``copied``), so a lost zero-copy is visible, never silent.
 * **CPU** (CI). The kernel runs in Pallas interpret mode; XLA's CPU client does
-  not alias donated DLPack imports, so nothing is donated and the three
-  results (weight, ``exp_avg``, ``exp_avg_sq``) are copied back: three extra
-  passes over ``3 x`` the weight's bytes per layer and step.
+  not alias donated DLPack imports, so nothing is donated and the results
+  (the weight and each state slot of the rule, e.g. ``exp_avg`` and
+  ``exp_avg_sq`` for Adam) are copied back: one extra pass per state tensor
+  over the weight's bytes per layer and step.
 * **Streams.** ``torch.cuda.current_stream().synchronize()`` before JAX reads
   the tensors (``grad_output``, the layer input and the weight are produced or
   read by work queued on torch's stream, including ``grad_input = grad_output
@@ -33,77 +34,14 @@ from typing import Sequence
 
 import numpy as np
 import jax
-import jax.numpy as jnp
 import torch
 
 import pallas_kernels
-from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
+from pallas_kernels.rules import UpdateRule
+# Re-exported: the original AdamW rule, and fused_update's default.
+from forge_torch._rules import TORCH_ADAMW, torch_adamw_hparams
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-
-
-# --------------------------------------------------------------------------
-# The update rule, in torch.optim.AdamW's operation order.
-# --------------------------------------------------------------------------
-
-
-def _torch_adamw_update(g, w, slots, h):
-  """``torch.optim.AdamW`` (single-tensor / foreach, non-amsgrad) on fp32 tiles.
-
-  The same operations in the same order as torch, so that given the same
-  ``G`` the result is the same to the last bit in fp32 (the fused kernel's
-  ``G`` differs from torch's only by the token-axis summation order):
-
-    param.mul_(1 - lr * wd)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / sqrt(1 - beta2**t)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**t))
-  """
-  exp_avg, exp_avg_sq = slots
-  w = w * h["decay"]
-  wt = h["one_minus_b1"]
-  # torch's lerp: self + w * (end - self) if |w| < 0.5 else end - (end - self) * (1 - w)
-  exp_avg = jnp.where(jnp.abs(wt) < 0.5, exp_avg + wt * (g - exp_avg),
-                      g - (g - exp_avg) * (1.0 - wt))
-  exp_avg_sq = exp_avg_sq * h["b2"] + h["one_minus_b2"] * g * g
-  denom = jnp.sqrt(exp_avg_sq) / h["bc2_sqrt"] + h["eps"]
-  w = w + h["neg_step_size"] * (exp_avg / denom)
-  return w, (exp_avg, exp_avg_sq)
-
-
-TORCH_ADAMW = UpdateRule(
-    name="adamw_torch",
-    slots=("exp_avg", "exp_avg_sq"),
-    hparams=("decay", "one_minus_b1", "b2", "one_minus_b2", "bc2_sqrt", "eps",
-             "neg_step_size"),
-    update=_torch_adamw_update,
-)
-
-
-def torch_adamw_hparams(*, lr: float, beta1: float, beta2: float, eps: float,
-                        weight_decay: float, step: float) -> np.ndarray:
-  """``TORCH_ADAMW``'s packed fp32 vector for 1-based step ``step``.
-
-  Every scalar is computed in Python doubles exactly as torch computes it and
-  rounded once to fp32 (as torch does when it applies a Python scalar to an
-  fp32 tensor).
-  """
-  bc1 = 1 - beta1**step
-  bc2 = 1 - beta2**step
-  values = {
-      "decay": (1 - lr * weight_decay) if weight_decay != 0 else 1.0,
-      "one_minus_b1": 1 - beta1,
-      "b2": beta2,
-      "one_minus_b2": 1 - beta2,
-      "bc2_sqrt": bc2**0.5,
-      "eps": eps,
-      "neg_step_size": -(lr / bc1),
-  }
-  vec = np.zeros(HPARAM_VECTOR_LEN, np.float32)
-  for i, name in enumerate(TORCH_ADAMW.hparams):
-    vec[i] = values[name]
-  return vec
 
 
 # --------------------------------------------------------------------------
@@ -113,7 +51,7 @@ def torch_adamw_hparams(*, lr: float, beta1: float, beta2: float, eps: float,
 
 @dataclasses.dataclass
 class BridgeStats:
-  """Counters of the bridge (per state tensor: weight, exp_avg, exp_avg_sq).
+  """Counters of the bridge (per state tensor: the weight and each rule slot).
 
   Attributes:
     calls: fused updates run.

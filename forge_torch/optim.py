@@ -1,27 +1,40 @@
-"""`forge_torch.AdamW`: ``torch.optim.AdamW`` that also drives FORGE layers.
+"""forge_torch optimizers: ``torch.optim`` optimizers that also drive FORGE layers.
+
+``forge_torch.SGD``, ``Adagrad``, ``RMSprop``, ``Adam``, ``AdamW``,
+``Adamax``, ``NAdam`` and ``RAdam`` each subclass their ``torch.optim``
+counterpart: same constructor (inherited: same signature and defaults),
+``param_groups``, ``state`` (torch's names, dtypes and devices) and
+``state_dict()``, so checkpoints interchange with the torch optimizer.
 
 Semantics of a step. torch's loop is::
 
     loss.backward(); opt.step(); opt.zero_grad(); sched.step()
 
-torch's AdamW updates every parameter in ``opt.step()``, first incrementing
-``state["step"]`` to ``t`` and using ``bc1 = 1 - beta1**t``,
-``bc2 = 1 - beta2**t`` and the group's current ``lr``. Here a FORGE-managed
-weight is updated during ``loss.backward()`` instead, with exactly that ``t``
-(``state["step"] + 1``; ``state["step"]`` is incremented right after the
-update) and the group's ``lr`` *at backward time* -- the same value
-``opt.step()`` would read, since a scheduler only changes it after
-``opt.step()``. ``opt.step()`` then updates every other parameter as
-``torch.optim.AdamW.step`` does (it *is* that method; managed weights have
+torch updates every parameter in ``opt.step()``, first incrementing
+``state["step"]`` to ``t`` (families with a step count) and using the group's
+current ``lr``. Here a FORGE-managed weight is updated during
+``loss.backward()`` instead, with exactly that ``t`` (``state["step"] + 1``;
+``state["step"]`` is incremented right after the update) and the group's
+hyperparameters *at backward time* -- the values ``opt.step()`` would read,
+since a scheduler only changes them after ``opt.step()``. ``opt.step()`` then
+updates every other parameter with torch's own ``step`` (managed weights have
 ``grad is None`` and are skipped by it). The trajectory is torch's.
 
 A managed weight whose layer ran no backward in a step is not touched, as
-torch's AdamW skips a parameter whose ``grad`` is ``None``.
+torch skips a parameter whose ``grad`` is ``None``.
+
+Structure. :class:`_ForgeOptimizer` is the one implementation of the managed
+weight machinery (registration on ``forge_torch.Linear`` weights, per-weight
+state, step counting, the fused call, ``state_dict`` round trip, misuse
+errors). A family is a small subclass of it and of its torch optimizer that
+says which rule a param group uses (:mod:`forge_torch._rules`, slot names =
+torch's state names), how torch initialises a parameter's state, and how to
+compute the rule's scalars from the group and the step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _get_value
@@ -29,13 +42,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import pallas_kernels
 from forge_torch import _bridge
+from forge_torch import _rules
 from forge_torch import linear as _linear
+from pallas_kernels.rules import UpdateRule
 
-_UNSUPPORTED = {
-    "amsgrad": False,
-    "maximize": False,
-    "capturable": False,
-    "differentiable": False,
+# Options torch has that no family fuses: option -> (value that is supported,
+# why the other is not).
+_REFUSED: dict[str, tuple[Any, str]] = {
+    "capturable": (False, "the fused update runs inside backward through JAX "
+                   "with host synchronisations, which CUDA-graph capture "
+                   "cannot record"),
+    "differentiable": (False, "the fused update happens inside backward and "
+                       "is not itself differentiable"),
 }
 
 
@@ -50,62 +68,114 @@ def _scalar(v) -> float:
   return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
 
 
-class AdamW(torch.optim.AdamW):
-  """``torch.optim.AdamW`` whose FORGE-managed weights update in backward.
+def _zeros(p: torch.Tensor) -> torch.Tensor:
+  return torch.zeros_like(p, memory_format=torch.preserve_format)
 
-  Same signature, defaults, ``param_groups``, ``state`` (``step``,
-  ``exp_avg``, ``exp_avg_sq`` per parameter, torch's names and dtypes) and
-  ``state_dict()`` as ``torch.optim.AdamW``. Parameters that are weights of
-  :class:`forge_torch.Linear` layers (*managed* weights) are registered with
-  this optimizer at construction; their layers' backward applies AdamW to them
-  with the fused kernel. ``step()`` updates every other parameter exactly as
-  ``torch.optim.AdamW`` does. Param groups (their ``lr``, ``betas``, ``eps``,
-  ``weight_decay``) apply to managed weights too, and LR schedulers work.
 
-  Not supported (``ValueError``): ``amsgrad``, ``maximize``, ``capturable``,
-  ``differentiable``. ``foreach`` and ``fused`` select torch's implementation
-  for the non-managed parameters.
+def _zero_step(p: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+  """``state["step"]`` as torch's ``_init_group`` creates it.
 
-  Raises at run time (clear errors): a managed layer run twice before
-  ``step()`` (or gradient accumulation over micro-batches); input and weight on
-  different devices or of different dtypes; a weight that is not float32 or
-  bfloat16; autocast; a managed weight that also received an ordinary gradient
-  in the step (a tied/shared weight: keep that layer an ``nn.Linear``).
+  On the parameter's device in fp32 for ``fused`` groups (Adam, AdamW,
+  Adagrad), else a CPU scalar of torch's default scalar dtype. (``capturable``,
+  torch's other on-device case, is refused.)
+  """
+  fused = group.get("fused")
+  if fused:
+    return torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused),
+                       device=p.device)
+  return torch.tensor(0.0, dtype=_get_scalar_dtype())
 
-  If a managed weight is given to a second forge_torch optimizer, the newest
-  one owns it.
+
+def _prologue(group: Mapping[str, Any], *, decoupled: bool = False
+              ) -> dict[str, float]:
+  """The shared rule hparams: maximize sign, coupled / decoupled decay."""
+  wd = _scalar(group["weight_decay"])
+  lr = _scalar(group["lr"])
+  return {
+      "grad_sign": -1.0 if group.get("maximize") else 1.0,
+      "weight_decay": 0.0 if decoupled else wd,
+      "decay": (1 - lr * wd) if (decoupled and wd != 0) else 1.0,
+  }
+
+
+class _ForgeOptimizer:
+  """The managed-weight machinery shared by every forge_torch optimizer.
+
+  Mixed in *before* a ``torch.optim`` optimizer (``class SGD(_ForgeOptimizer,
+  torch.optim.SGD)``), whose constructor is inherited unchanged. A family
+  implements three hooks:
+
+  * :meth:`_forge_rule` -- the :class:`UpdateRule` for a param group (its
+    static options pick it; raise ``ValueError`` for a combination that cannot
+    be fused). Its slots are torch's state names.
+  * :meth:`_forge_init_state` -- a new parameter's state, exactly as torch's
+    ``_init_group`` creates it (``{}`` if torch keeps none).
+  * :meth:`_forge_hparams` -- the rule's scalars for this update, in Python
+    doubles as torch computes them, plus any scalar state tensors to store
+    after the update (e.g. NAdam's ``mu_product``). ``state["step"]``, if
+    the family has one, is counted here in the base.
   """
 
-  def __init__(self, params, lr: float | torch.Tensor = 1e-3,
-               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-               weight_decay: float = 1e-2, amsgrad: bool = False, *,
-               maximize: bool = False, foreach: bool | None = None,
-               capturable: bool = False, differentiable: bool = False,
-               fused: bool | None = None) -> None:
-    _check_supported(dict(amsgrad=amsgrad, maximize=maximize,
-                          capturable=capturable, differentiable=differentiable))
-    # Managed weight -> index of its param group (set by add_param_group,
-    # which torch's __init__ calls).
-    self._forge_managed = WeakIdKeyDictionary()
+  # The torch optimizer this class extends (set by __init_subclass__).
+  _forge_torch: ClassVar[type[torch.optim.Optimizer]]
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    base = next((b for b in cls.__mro__
+                 if issubclass(b, torch.optim.Optimizer)
+                 and not issubclass(b, _ForgeOptimizer)), None)
+    if base is not None:  # None for intermediate mixins (_AdamMoments)
+      cls._forge_torch = base
+
+  # -- family hooks -----------------------------------------------------------
+
+  def _forge_rule(self, group: Mapping[str, Any]) -> UpdateRule:
+    raise NotImplementedError
+
+  def _forge_init_state(self, p: torch.Tensor, group: Mapping[str, Any]
+                        ) -> dict[str, torch.Tensor]:
+    raise NotImplementedError
+
+  def _forge_hparams(self, group: Mapping[str, Any], state: Mapping[str, Any],
+                     t: float | None, fresh: bool
+                     ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """``(values, scalar_state_updates)`` for step ``t`` (``None`` without a
+    step count); ``fresh``: the state was created for this update."""
+    raise NotImplementedError
+
+  # -- registration -----------------------------------------------------------
+
+  def _forge_reset_step(self) -> None:
     self._forge_calls = WeakIdKeyDictionary()    # forwards since step()
     self._forge_updated = WeakIdKeyDictionary()  # fused updates since step()
-    super().__init__(params, lr, betas, eps, weight_decay, amsgrad,
-                     maximize=maximize, foreach=foreach, capturable=capturable,
-                     differentiable=differentiable, fused=fused)
 
-  # -- registration ---------------------------------------------------------
+  def _forge_check_options(self, group: Mapping[str, Any]) -> None:
+    bad = [k for k, (ok, _) in _REFUSED.items()
+           if k in group and bool(group[k]) != ok]
+    if bad:
+      name = type(self).__name__
+      raise ValueError(
+          f"forge_torch.{name} does not support "
+          f"{', '.join(f'{k}=True' for k in bad)}: "
+          + "; ".join(f"{k}: {_REFUSED[k][1]}" for k in bad)
+          + f" (use torch.optim.{name} for these options)")
 
   def add_param_group(self, param_group: dict[str, Any]) -> None:
-    _check_supported({k: param_group.get(k, self.defaults.get(k, False))
-                      for k in _UNSUPPORTED})
+    if "_forge_managed" not in self.__dict__:
+      # First call, from torch's __init__: managed weight -> group index.
+      self._forge_managed = WeakIdKeyDictionary()
+      self._forge_reset_step()
     super().add_param_group(param_group)
     index = len(self.param_groups) - 1
-    managed = [p for p in self.param_groups[index]["params"]
-               if _linear.is_forge_weight(p)]
+    group = self.param_groups[index]
+    managed = [p for p in group["params"] if _linear.is_forge_weight(p)]
     try:
+      self._forge_check_options(group)
       for p in managed:
         _bridge.check_dtype(p, "a forge_torch.Linear weight")
-    except TypeError:
+      if managed:
+        self._forge_rule(group)  # refuses unfusable combinations now
+    except (TypeError, ValueError):
       self.param_groups.pop()
       raise
     for p in managed:
@@ -121,8 +191,7 @@ class AdamW(torch.optim.AdamW):
       for p in group["params"]:
         if p in self._forge_managed:
           self._forge_managed[p] = index
-    self._forge_calls = WeakIdKeyDictionary()
-    self._forge_updated = WeakIdKeyDictionary()
+    self._forge_reset_step()
 
   @property
   def managed_params(self) -> list[torch.Tensor]:
@@ -130,7 +199,7 @@ class AdamW(torch.optim.AdamW):
     return [p for g in self.param_groups for p in g["params"]
             if p in self._forge_managed]
 
-  # -- called by forge_torch.Linear -----------------------------------------
+  # -- called by forge_torch.Linear -------------------------------------------
 
   def _forge_before_forward(self, w: torch.Tensor, x: torch.Tensor, *,
                             layer: str) -> None:
@@ -173,7 +242,7 @@ class AdamW(torch.optim.AdamW):
                           input: torch.Tensor, *,
                           config: pallas_kernels.BlockConfig | None,
                           layer: str) -> None:
-    """AdamW on managed weight ``p`` from ``G = grad_output^T input``."""
+    """This family's step on managed weight ``p``, ``G = grad_output^T input``."""
     if p not in self._forge_managed:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
@@ -183,41 +252,47 @@ class AdamW(torch.optim.AdamW):
           f"forge_torch.Linear {layer}: a second backward reached this weight "
           "before optimizer.step(); FORGE applies one update per step")
     group = self.param_groups[self._forge_managed[p]]
-    state = self.state[p]
-    if len(state) == 0:  # as torch.optim.Adam._init_group
-      state["step"] = (
-          torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]),
-                      device=p.device)
-          if group["capturable"] or group["fused"]
-          else torch.tensor(0.0, dtype=_get_scalar_dtype()))
-      state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-      state["exp_avg_sq"] = torch.zeros_like(
-          p, memory_format=torch.preserve_format)
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    for name, s in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    rule = self._forge_rule(group)
+    state = self.state[p] if p in self.state else {}
+    fresh = len(state) == 0
+    if fresh:  # as torch's _init_group (which keeps no entry when it has none)
+      init = self._forge_init_state(p, group)
+      if init:
+        state = self.state[p]
+        state.update(init)
+    slots = []
+    for name in rule.slots:
+      s = state.get(name)
+      if not isinstance(s, torch.Tensor):
+        raise RuntimeError(
+            f"forge_torch.Linear {layer}: optimizer state has no {name!r} "
+            f"tensor (state keys {sorted(state)}); were the group's options "
+            "(e.g. momentum, centered, amsgrad) changed after its state was "
+            "created?")
       if s.shape != p.shape or s.device != p.device or s.dtype != p.dtype:
         raise RuntimeError(
             f"forge_torch.Linear {layer}: optimizer state {name!r} is "
             f"{s.dtype}{list(s.shape)} on {s.device}, the weight "
             f"{p.dtype}{list(p.shape)} on {p.device} (was the model moved or "
             "cast after the optimizer state was created?)")
-    beta1, beta2 = (_scalar(b) for b in group["betas"])
-    t = _get_value(state["step"]) + 1
-    h = _bridge.torch_adamw_hparams(
-        lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2,
-        eps=_scalar(group["eps"]),
-        weight_decay=_scalar(group["weight_decay"]), step=t)
+      slots.append(s)
+    t = _get_value(state["step"]) + 1 if "step" in state else None
+    values, scalar_updates = self._forge_hparams(group, state, t, fresh)
     # Kernel layout: x := grad_output (BT, out), dy := input (BT, in),
     # w := weight (out, in), so G' = grad_output^T input is torch's own grad.
-    _bridge.fused_update(grad_output, input, p.data, (exp_avg, exp_avg_sq), h,
-                         config=config)
-    state["step"] += 1  # as torch's `step_t += 1`, once the update is done
+    _bridge.fused_update(grad_output, input, p.data, slots,
+                         _rules.pack(rule, values), rule=rule, config=config)
+    # Scalar state advances once the update is done (torch: `step_t += 1`).
+    if "step" in state:
+      state["step"] += 1
+    for name, value in scalar_updates.items():
+      state[name].copy_(value)
     self._forge_updated[p] = True
 
   # -- the step ---------------------------------------------------------------
 
   def step(self, closure=None):
-    """``torch.optim.AdamW.step`` for every non-managed parameter.
+    """The torch optimizer's ``step`` for every non-managed parameter.
 
     Managed weights were already updated during backward (their ``grad`` is
     ``None``, so torch's step skips them). A managed weight that did *not* get
@@ -237,9 +312,8 @@ class AdamW(torch.optim.AdamW):
             "the same step (a tied or shared weight). FORGE cannot sum two "
             "consumers (paper Remark 2): keep the layers that share this "
             "weight as nn.Linear (forge_torch.convert() does so).")
-    _unhooked(torch.optim.AdamW.step)(self)
-    self._forge_calls = WeakIdKeyDictionary()
-    self._forge_updated = WeakIdKeyDictionary()
+    _unhooked(self._forge_torch.step)(self)
+    self._forge_reset_step()
     return loss
 
 
@@ -248,13 +322,266 @@ def _in_backward() -> bool:
   return get is not None and get() != -1
 
 
-def _check_supported(options: dict[str, Any]) -> None:
-  bad = [k for k, v in options.items() if bool(v) != _UNSUPPORTED[k]]
-  if bad:
-    raise ValueError(
-        f"forge_torch.AdamW does not support {', '.join(f'{k}=True' for k in bad)}"
-        ": the fused kernel implements plain AdamW (use torch.optim.AdamW for"
-        " these options)")
+_COMMON_DOC = """
+  Same constructor (signature and defaults: inherited), ``param_groups``,
+  ``state`` and ``state_dict()`` as ``torch.optim.{name}``, whose checkpoints
+  it loads and which loads its checkpoints. Parameters that are weights of
+  :class:`forge_torch.Linear` layers (*managed* weights) are registered with
+  this optimizer at construction (or ``add_param_group``); their layers'
+  backward applies the update with the fused kernel, in torch's operation
+  order (:mod:`forge_torch._rules`). ``step()`` updates every other parameter
+  with ``torch.optim.{name}.step`` itself. Param groups and LR schedulers
+  apply to managed weights too; ``foreach`` / ``fused`` only choose torch's
+  implementation for the non-managed parameters.
+
+  Not supported (``ValueError`` at construction or in ``add_param_group``):
+  ``capturable=True``, ``differentiable=True``.
+
+  Raises at run time (clear errors): a managed layer run twice before
+  ``step()`` (or gradient accumulation over micro-batches); input and weight on
+  different devices or of different dtypes; a weight that is not float32 or
+  bfloat16; autocast; a managed weight that also received an ordinary gradient
+  in the step (a tied/shared weight: keep that layer an ``nn.Linear``); group
+  options changed after a weight's state was created so that the state lacks a
+  tensor the update needs (e.g. RMSprop ``momentum`` turned on later).
+
+  If a managed weight is given to a second forge_torch optimizer, the newest
+  one owns it.
+"""
 
 
-__all__ = ["AdamW"]
+def _doc(cls):
+  cls.__doc__ = ((cls.__doc__ or "").rstrip() + "\n"
+                 + _COMMON_DOC.format(name=cls.__name__))
+  return cls
+
+
+# ----------------------------------------------------------------------------
+# The families.
+# ----------------------------------------------------------------------------
+
+
+@_doc
+class SGD(_ForgeOptimizer, torch.optim.SGD):
+  """``torch.optim.SGD`` whose FORGE-managed weights update in backward.
+
+  All options: ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``,
+  ``maximize``. State: ``momentum_buffer`` (with momentum; created by the
+  first step as ``grad``, as in torch), nothing otherwise.
+  """
+
+  def _forge_rule(self, group):
+    return _rules.sgd_rule(momentum=group["momentum"] != 0,
+                           nesterov=bool(group["nesterov"]))
+
+  def _forge_init_state(self, p, group):
+    return {"momentum_buffer": _zeros(p)} if group["momentum"] != 0 else {}
+
+  def _forge_hparams(self, group, state, t, fresh):
+    momentum = _scalar(group["momentum"])
+    return {
+        **_prologue(group),
+        "neg_lr": -_scalar(group["lr"]),
+        # torch's first step: buf = grad.clone() == 0 * 0 + 1 * grad.
+        "buf_decay": 0.0 if fresh else momentum,
+        "one_minus_dampening": 1.0 if fresh else 1 - _scalar(group["dampening"]),
+        "momentum": momentum,
+    }, {}
+
+
+@_doc
+class Adagrad(_ForgeOptimizer, torch.optim.Adagrad):
+  """``torch.optim.Adagrad`` whose FORGE-managed weights update in backward.
+
+  All options: ``lr_decay``, ``weight_decay``, ``initial_accumulator_value``,
+  ``eps``, ``maximize``. State: ``step``, ``sum`` (created at construction,
+  as torch does).
+  """
+
+  def _forge_rule(self, group):
+    return _rules.adagrad_rule()
+
+  def _forge_init_state(self, p, group):
+    # torch reads the initial value from the defaults, not the group.
+    return {"step": _zero_step(p, group),
+            "sum": torch.full_like(p, self.defaults["initial_accumulator_value"],
+                                   memory_format=torch.preserve_format)}
+
+  def _forge_hparams(self, group, state, t, fresh):
+    clr = _scalar(group["lr"]) / (1 + (t - 1) * _scalar(group["lr_decay"]))
+    return {**_prologue(group), "eps": _scalar(group["eps"]),
+            "neg_clr": -clr}, {}
+
+
+@_doc
+class RMSprop(_ForgeOptimizer, torch.optim.RMSprop):
+  """``torch.optim.RMSprop`` whose FORGE-managed weights update in backward.
+
+  All options: ``alpha``, ``eps``, ``weight_decay``, ``momentum``,
+  ``centered``, ``maximize``. State: ``step``, ``square_avg``, and
+  ``momentum_buffer`` (momentum > 0), ``grad_avg`` (centered).
+  """
+
+  def _forge_rule(self, group):
+    return _rules.rmsprop_rule(centered=bool(group["centered"]),
+                               momentum=group["momentum"] > 0)
+
+  def _forge_init_state(self, p, group):
+    state = {"step": _zero_step(p, group), "square_avg": _zeros(p)}
+    if group["momentum"] > 0:
+      state["momentum_buffer"] = _zeros(p)
+    if group["centered"]:
+      state["grad_avg"] = _zeros(p)
+    return state
+
+  def _forge_hparams(self, group, state, t, fresh):
+    alpha = _scalar(group["alpha"])
+    return {**_prologue(group), "alpha": alpha, "one_minus_alpha": 1 - alpha,
+            "eps": _scalar(group["eps"]), "neg_lr": -_scalar(group["lr"]),
+            "momentum": _scalar(group["momentum"])}, {}
+
+
+class _AdamMoments(_ForgeOptimizer):
+  """State and scalars shared by the Adam-style families."""
+
+  _forge_extra_scalars: ClassVar[dict[str, float]] = {}
+
+  def _forge_init_state(self, p, group):
+    state = {"step": _zero_step(p, group)}
+    for name, value in self._forge_extra_scalars.items():
+      state[name] = torch.tensor(value, dtype=_get_scalar_dtype())
+    state["exp_avg"] = _zeros(p)
+    state["exp_avg_sq"] = _zeros(p)
+    return state
+
+  def _forge_betas(self, group):
+    beta1, beta2 = (_scalar(b) for b in group["betas"])
+    return beta1, beta2, {
+        **_prologue(group, decoupled=self._forge_decoupled(group)),
+        "one_minus_b1": 1 - beta1, "b2": beta2, "one_minus_b2": 1 - beta2,
+        "eps": _scalar(group["eps"])}
+
+  def _forge_decoupled(self, group) -> bool:
+    return bool(group.get("decoupled_weight_decay", False))
+
+
+@_doc
+class Adam(_AdamMoments, torch.optim.Adam):
+  """``torch.optim.Adam`` whose FORGE-managed weights update in backward.
+
+  All options: ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
+  ``maximize``, ``decoupled_weight_decay``. State: ``step``, ``exp_avg``,
+  ``exp_avg_sq``, and ``max_exp_avg_sq`` (amsgrad).
+  """
+
+  def _forge_rule(self, group):
+    return _rules.adam_rule(amsgrad=bool(group["amsgrad"]))
+
+  def _forge_init_state(self, p, group):
+    state = super()._forge_init_state(p, group)
+    if group["amsgrad"]:
+      state["max_exp_avg_sq"] = _zeros(p)
+    return state
+
+  def _forge_hparams(self, group, state, t, fresh):
+    beta1, beta2, values = self._forge_betas(group)
+    bc1 = 1 - beta1**t
+    bc2 = 1 - beta2**t
+    values["bc2_sqrt"] = bc2**0.5
+    values["neg_step_size"] = -(_scalar(group["lr"]) / bc1)
+    return values, {}
+
+
+@_doc
+class AdamW(Adam, torch.optim.AdamW):
+  """``torch.optim.AdamW`` whose FORGE-managed weights update in backward.
+
+  All options: ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
+  ``maximize``. State: ``step``, ``exp_avg``, ``exp_avg_sq``, and
+  ``max_exp_avg_sq`` (amsgrad). (The Adam rule with decoupled weight decay,
+  as torch's AdamW is its Adam with ``decoupled_weight_decay=True``.)
+  """
+
+  def _forge_decoupled(self, group) -> bool:
+    return True
+
+
+@_doc
+class Adamax(_AdamMoments, torch.optim.Adamax):
+  """``torch.optim.Adamax`` whose FORGE-managed weights update in backward.
+
+  All options: ``betas``, ``eps``, ``weight_decay``, ``maximize``. State:
+  ``step``, ``exp_avg``, ``exp_inf``.
+  """
+
+  def _forge_rule(self, group):
+    return _rules.adamax_rule()
+
+  def _forge_init_state(self, p, group):
+    return {"step": _zero_step(p, group), "exp_avg": _zeros(p),
+            "exp_inf": _zeros(p)}
+
+  def _forge_hparams(self, group, state, t, fresh):
+    beta1, _, values = self._forge_betas(group)
+    values["neg_clr"] = -(_scalar(group["lr"]) / (1 - beta1**t))
+    return values, {}
+
+
+@_doc
+class NAdam(_AdamMoments, torch.optim.NAdam):
+  """``torch.optim.NAdam`` whose FORGE-managed weights update in backward.
+
+  All options: ``betas``, ``eps``, ``weight_decay``, ``momentum_decay``,
+  ``decoupled_weight_decay``, ``maximize``. State: ``step``, ``mu_product``
+  (a scalar tensor, advanced with torch's own fp32 multiply), ``exp_avg``,
+  ``exp_avg_sq``.
+  """
+
+  _forge_extra_scalars = {"mu_product": 1.0}
+
+  def _forge_rule(self, group):
+    return _rules.nadam_rule()
+
+  def _forge_hparams(self, group, state, t, fresh):
+    beta1, beta2, values = self._forge_betas(group)
+    lr = _scalar(group["lr"])
+    md = _scalar(group["momentum_decay"])
+    mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * md)))
+    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * md)))
+    mu_product = state["mu_product"] * mu  # torch: mu_product *= mu
+    mp = _get_value(mu_product)
+    values["bc2"] = 1 - beta2**t
+    values["c_grad"] = -lr * (1.0 - mu) / (1.0 - mp)
+    values["c_avg"] = (-lr * mu_next) / (1.0 - mp * mu_next)
+    return values, {"mu_product": mu_product}
+
+
+@_doc
+class RAdam(_AdamMoments, torch.optim.RAdam):
+  """``torch.optim.RAdam`` whose FORGE-managed weights update in backward.
+
+  All options: ``betas``, ``eps``, ``weight_decay``,
+  ``decoupled_weight_decay``, ``maximize``. State: ``step``, ``exp_avg``,
+  ``exp_avg_sq``.
+  """
+
+  def _forge_rule(self, group):
+    return _rules.radam_rule()
+
+  def _forge_hparams(self, group, state, t, fresh):
+    beta1, beta2, values = self._forge_betas(group)
+    bc2 = 1 - beta2**t
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * t * (beta2**t) / bc2
+    rectify = rho_t > 5.0
+    values.update(
+        bc1=1 - beta1**t, lr=_scalar(group["lr"]), bc2_sqrt=bc2**0.5,
+        rectify=1.0 if rectify else 0.0,
+        rect=((rho_t - 4) * (rho_t - 2) * rho_inf
+              / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
+        if rectify else 0.0)
+    return values, {}
+
+
+__all__ = ["Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
+           "SGD"]

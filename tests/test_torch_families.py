@@ -1,0 +1,307 @@
+"""forge_torch's optimizer families against their torch.optim counterparts.
+
+Every family (SGD, Adagrad, RMSprop, Adam, AdamW, Adamax, NAdam, RAdam) and its
+main options: a small fp32 MLP (odd widths 37->70->130->5, batch 48) trained 20
+steps with forge_torch.Linear + forge_torch.<Family> and with nn.Linear +
+torch.optim.<Family> from the same init, data and LR schedule; every parameter
+and every state tensor must agree to the fp32 bar. Plus constructor
+signatures, state_dict interchange with the torch optimizer, and the refused
+options.
+"""
+
+import copy
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax.numpy as jnp  # noqa: E402
+
+import forge_torch  # noqa: E402
+from tests.test_torch_bridge import (  # noqa: E402
+    batches, forge_copy, make_mlp, train)
+from tests.tolerances import assert_close, rel_err, tol  # noqa: E402
+
+FP32_TOL = tol(jnp.float32)
+CUDA = torch.cuda.is_available()
+FAMILIES = ("SGD", "Adagrad", "RMSprop", "Adam", "AdamW", "Adamax", "NAdam",
+            "RAdam")
+
+
+def _has_option(family: str, option: str) -> bool:
+  return option in inspect.signature(getattr(torch.optim, family)).parameters
+
+
+def _case(id_, family, kwargs, split=False, sched="lambda"):
+  marks = [pytest.mark.skipif(not _has_option(family, k),
+                              reason=f"torch.optim.{family} has no {k}")
+           for k in kwargs]
+  return pytest.param(family, kwargs, split, sched, id=id_, marks=marks)
+
+
+WD = 1e-2
+CASES = [
+    _case("sgd", "SGD", dict(lr=0.05)),
+    _case("sgd-momentum-dampening-wd", "SGD",
+          dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=WD),
+          split=True, sched="cosine"),
+    _case("sgd-nesterov-wd-maximize", "SGD",
+          dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=WD,
+               maximize=True)),
+    _case("sgd-momentum-foreach", "SGD",
+          dict(lr=0.05, momentum=0.8, foreach=True)),
+    _case("adagrad", "Adagrad",
+          dict(lr=0.05, lr_decay=1e-2, weight_decay=WD,
+               initial_accumulator_value=0.1), split=True),
+    _case("rmsprop-wd", "RMSprop", dict(lr=1e-3, weight_decay=WD)),
+    _case("rmsprop-centered", "RMSprop", dict(lr=1e-3, centered=True)),
+    _case("rmsprop-momentum", "RMSprop", dict(lr=1e-3, momentum=0.9),
+          split=True, sched="cosine"),
+    _case("rmsprop-centered-momentum-maximize", "RMSprop",
+          dict(lr=1e-3, alpha=0.9, centered=True, momentum=0.5,
+               weight_decay=WD, maximize=True)),
+    _case("adam-wd", "Adam", dict(lr=1e-2, weight_decay=WD), split=True),
+    _case("adam-amsgrad-maximize", "Adam",
+          dict(lr=1e-2, amsgrad=True, maximize=True)),
+    _case("adam-decoupled", "Adam",
+          dict(lr=1e-2, weight_decay=WD, decoupled_weight_decay=True)),
+    _case("adam-fused", "Adam", dict(lr=1e-2, weight_decay=WD, fused=True)),
+    _case("adamw-amsgrad", "AdamW", dict(lr=1e-2, amsgrad=True),
+          sched="cosine"),
+    _case("adamax-wd", "Adamax", dict(lr=1e-2, weight_decay=WD), split=True),
+    _case("nadam-wd", "NAdam", dict(lr=1e-2, weight_decay=WD)),
+    _case("nadam-decoupled", "NAdam",
+          dict(lr=1e-2, weight_decay=WD, decoupled_weight_decay=True,
+               momentum_decay=8e-3), split=True, sched="cosine"),
+    _case("radam-wd", "RAdam", dict(lr=1e-2, weight_decay=WD)),
+    _case("radam-decoupled", "RAdam",
+          dict(lr=1e-2, weight_decay=WD, decoupled_weight_decay=True),
+          split=True),
+]
+
+SCHEDULERS = {
+    "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(
+        o, lambda s: min(1.0, (s + 1) / 5) * 0.9**s),
+    "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(
+        o, T_max=20, eta_min=1e-4),
+}
+
+
+def groups(model, split, kwargs):
+  ps = list(model.parameters())
+  if not split:
+    return ps
+  return [{"params": ps[:2]},
+          {"params": ps[2:4], "lr": 2 * kwargs["lr"]},
+          {"params": ps[4:], "weight_decay": 0.0}]
+
+
+def np32(t) -> np.ndarray:
+  return t.detach().cpu().float().numpy()
+
+
+def run_family(family, kwargs, split=False, sched="lambda", device="cpu",
+               steps=20):
+  """Trains torch vs forge_torch; asserts parity; returns relative errors."""
+  ref = make_mlp(device)
+  fm = forge_copy(ref)
+  init = copy.deepcopy(ref)
+  o_ref = getattr(torch.optim, family)(groups(ref, split, kwargs), **kwargs)
+  o_f = getattr(forge_torch, family)(groups(fm, split, kwargs), **kwargs)
+  assert len(o_f.managed_params) == 3
+  s_ref, s_f = SCHEDULERS[sched](o_ref), SCHEDULERS[sched](o_f)
+  data = batches(steps, device)
+  train(ref, o_ref, s_ref, data)
+  calls = forge_torch.bridge_stats.calls
+  train(fm, o_f, s_f, data)
+  # Every managed weight took the fused path, every step.
+  assert forge_torch.bridge_stats.calls - calls == 3 * steps
+  errs = {}
+  for (name, pf), pr, p0 in zip(fm.named_parameters(), ref.parameters(),
+                                init.parameters()):
+    assert rel_err(np32(pf), np32(p0)) > 1e-3, f"{name} did not move"
+    errs[name] = rel_err(np32(pf), np32(pr))
+    sf, sr = o_f.state.get(pf, {}), o_ref.state.get(pr, {})
+    assert list(sf) == list(sr), f"{name}: state keys {list(sf)} != {list(sr)}"
+    for k, vr in sr.items():
+      vf = sf[k]
+      assert (vf.dtype, vf.device, vf.shape) == (vr.dtype, vr.device, vr.shape)
+      if vr.dim() == 0:  # step, mu_product: the same scalar ops as torch
+        assert torch.equal(vf, vr), (name, k, vf, vr)
+      else:
+        errs[f"{name}.{k}"] = rel_err(np32(vf), np32(vr))
+  for name, (pf, pr) in zip([n for n, _ in fm.named_parameters()],
+                            zip(fm.parameters(), ref.parameters())):
+    assert_close(np32(pf), np32(pr), FP32_TOL, what=f"{family} {name}")
+    for k, vr in o_ref.state.get(pr, {}).items():
+      if vr.dim():
+        assert_close(np32(o_f.state[pf][k]), np32(vr), FP32_TOL,
+                     what=f"{family} {name}.{k}")
+  sd_f, sd_r = o_f.state_dict(), o_ref.state_dict()
+  assert sd_f["param_groups"] == sd_r["param_groups"]
+  assert sd_f["state"].keys() == sd_r["state"].keys()
+  return errs
+
+
+@pytest.mark.parametrize("family,kwargs,split,sched", CASES)
+def test_fp32_parity_with_torch(family, kwargs, split, sched):
+  errs = run_family(family, kwargs, split, sched)
+  worst = max(errs, key=errs.get)
+  print(f"{family} {kwargs}: worst relative error {errs[worst]:.3g} ({worst})")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+def test_gpu_fp32_parity_all_families():
+  """Every case on CUDA in one test (one process warm-up, shared compiles).
+
+  torch defaults to its ``foreach`` implementations on CUDA, which reassociate
+  a few scalar products; the bar is the same.
+  """
+  stats = forge_torch.bridge_stats
+  stats.reset()
+  failures, worst = {}, {}
+  for case in CASES:
+    family, kwargs, split, sched = case.values
+    if any(not _has_option(family, k) for k in kwargs):
+      continue
+    try:
+      errs = run_family(family, kwargs, split, sched, device="cuda")
+      w = max(errs, key=errs.get)
+      worst[case.id] = (errs[w], w)
+    except AssertionError as e:
+      failures[case.id] = str(e)
+  for cid, (err, where) in worst.items():
+    print(f"{cid}: worst relative error {err:.3g} ({where})")
+  print("bridge:", stats)
+  assert not failures, failures
+  assert stats.copied == 0, f"zero copy lost on some rule: {stats}"
+
+
+@pytest.mark.parametrize("family,kwargs", [
+    ("SGD", dict(lr=0.05, momentum=0.9, nesterov=True)),
+    # NAdam at its default lr: its step-1 update is ~1.6 lr per coordinate and
+    # sign-like where |g| is tiny, so bf16 G rounding moves it by O(lr) (at
+    # lr=1e-2 torch's own foreach and single-tensor NAdam differ by 1e-2).
+    ("NAdam", dict(lr=2e-3, weight_decay=WD, decoupled_weight_decay=True))])
+def test_bfloat16_matches_torch(family, kwargs):
+  """bf16 weights and state: torch rounds after every op, the kernel once."""
+  ref = make_mlp(dtype=torch.bfloat16)
+  fm = forge_copy(ref)
+  o_ref = getattr(torch.optim, family)(ref.parameters(), **kwargs)
+  o_f = getattr(forge_torch, family)(fm.parameters(), **kwargs)
+  data = batches(3, dtype=torch.bfloat16)
+  train(ref, o_ref, None, data)
+  train(fm, o_f, None, data)
+  for (name, pf), pr in zip(fm.named_parameters(), ref.parameters()):
+    assert pf.dtype == torch.bfloat16
+    assert_close(np32(pf), np32(pr), tol(jnp.bfloat16), what=name)
+    for k, v in o_ref.state[pr].items():
+      assert o_f.state[pf][k].dtype == v.dtype, k
+
+
+# --- the constructor is torch's -------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_subclass_signature_and_defaults_match_torch(family):
+  cls, base = getattr(forge_torch, family), getattr(torch.optim, family)
+  assert issubclass(cls, base)
+  assert inspect.signature(cls) == inspect.signature(base)
+  layer = forge_torch.Linear(4, 3)
+  ours = cls(layer.parameters())
+  theirs = base(forge_torch.Linear(4, 3).parameters())
+  assert ours.defaults == theirs.defaults
+  assert ours.managed_params == [layer.weight]
+
+
+# --- checkpoints ----------------------------------------------------------------
+
+MAIN = {"SGD": dict(lr=0.05, momentum=0.9), "Adagrad": dict(lr=0.05),
+        "RMSprop": dict(lr=1e-3, centered=True, momentum=0.9),
+        "Adam": dict(lr=1e-2, amsgrad=True), "AdamW": dict(lr=1e-2),
+        "Adamax": dict(lr=1e-2), "NAdam": dict(lr=1e-2),
+        "RAdam": dict(lr=1e-2)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_interchanges_with_torch(family):
+  """forge_torch.<Family>'s checkpoint loads into torch's and back."""
+  kw = MAIN[family]
+  forge_cls, torch_cls = getattr(forge_torch, family), getattr(torch.optim,
+                                                               family)
+  data = batches(10)
+  fm = forge_copy(make_mlp())
+  o_f = forge_cls(fm.parameters(), **kw)
+  train(fm, o_f, None, data[:5])
+  ref = make_mlp()
+  ref.load_state_dict(fm.state_dict())
+  o_ref = torch_cls(ref.parameters(), **kw)
+  o_ref.load_state_dict(copy.deepcopy(o_f.state_dict()))
+  back = forge_copy(make_mlp())
+  back.load_state_dict(ref.state_dict())
+  o_back = forge_cls(back.parameters(), **kw)
+  o_back.load_state_dict(copy.deepcopy(o_ref.state_dict()))
+  assert len(o_back.managed_params) == 3
+  for m, o in ((fm, o_f), (ref, o_ref), (back, o_back)):
+    train(m, o, None, data[5:])
+  for pf, pr, pb in zip(fm.parameters(), ref.parameters(), back.parameters()):
+    assert_close(np32(pr), np32(pf), FP32_TOL, what=f"{family} torch-resumed")
+    assert torch.equal(pb, pf)
+    for k, v in o_f.state[pf].items():
+      assert torch.equal(o_back.state[pb][k], v), k
+
+
+def test_sgd_without_momentum_keeps_no_state():
+  model = forge_copy(make_mlp())
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  train(model, opt, None, batches(2))
+  assert opt.state_dict()["state"] == {}
+
+
+def test_adagrad_state_exists_from_construction_like_torch():
+  layer = forge_torch.Linear(6, 4)
+  opt = forge_torch.Adagrad(layer.parameters(), initial_accumulator_value=0.5)
+  st = opt.state[layer.weight]
+  assert st["step"].item() == 0 and torch.all(st["sum"] == 0.5)
+  late = forge_torch.Linear(6, 4)
+  opt.add_param_group({"params": [late.weight],
+                       "initial_accumulator_value": 9.0})
+  late(torch.randn(3, 6)).sum().backward()
+  opt.step()
+  # torch's lazy init reads the *defaults'* initial value, not the group's.
+  ref = torch.full_like(late.weight, 0.5)
+  assert opt.state[late.weight]["step"].item() == 1
+  assert torch.all(opt.state[late.weight]["sum"] > ref - 1e-6)
+  assert torch.all(opt.state[late.weight]["sum"] < 9.0)
+
+
+def test_option_turned_on_after_state_exists_raises_clearly():
+  layer = forge_torch.Linear(6, 4)
+  opt = forge_torch.RMSprop(layer.parameters())
+  x = torch.randn(3, 6)
+  layer(x).sum().backward()
+  opt.step()
+  opt.param_groups[0]["momentum"] = 0.9  # torch itself would KeyError
+  with pytest.raises(RuntimeError, match="no 'momentum_buffer'"):
+    layer(x).sum().backward()
+
+
+# --- refused options --------------------------------------------------------------
+
+REFUSED = [pytest.param(f, o, id=f"{f}-{o}") for f in FAMILIES
+           for o in ("capturable", "differentiable") if _has_option(f, o)]
+
+
+@pytest.mark.parametrize("family,option", REFUSED)
+def test_refused_options_raise(family, option):
+  cls = getattr(forge_torch, family)
+  layer = forge_torch.Linear(4, 3)
+  with pytest.raises(ValueError, match=f"does not support {option}=True"):
+    cls(layer.parameters(), **{option: True})
+  opt = cls([layer.bias])
+  with pytest.raises(ValueError, match=f"does not support {option}=True"):
+    opt.add_param_group({"params": [layer.weight], option: True})
+  assert opt.managed_params == [] and len(opt.param_groups) == 1
