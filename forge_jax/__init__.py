@@ -1,8 +1,14 @@
 """FORGE for JAX: Flax layers whose backward applies the optimizer.
 
 * :class:`Dense` -- a drop-in for ``flax.linen.Dense``;
-* :func:`adamw` -- ``optax.adamw`` that also drives FORGE layers;
-* :func:`make_step` -- the training step that ties them together.
+* :func:`adamw` (and the other optax families below) -- the optax transform
+  itself, plus what FORGE layers need to drive it;
+* :func:`make_step` -- the training step that ties them together;
+* :func:`classify`, :func:`refuse_reason` -- which regime a family is in, and
+  why forge_jax refuses one (global-norm clipping: regime 4).
+
+Asking for a known family that forge_jax does not provide (e.g.
+``forge_jax.clip_by_global_norm``) raises an ``AttributeError`` that says why.
 """
 
 from forge_jax.dense import Dense
@@ -10,19 +16,39 @@ from forge_jax.step import make_step
 from forge_jax.transforms import (
     ForgeSpec,
     ForgeTransformation,
+    adafactor,
     adagrad,
     adam,
     adamax,
     adamw,
+    lamb,
     lion,
+    muon,
     nadam,
     nadamw,
     radam,
+    refuse_reason,
     rmsprop,
     sgd,
+    sm3,
 )
 from pallas_kernels import classify
 
-__all__ = ["Dense", "ForgeSpec", "ForgeTransformation", "adagrad", "adam",
-           "adamax", "adamw", "classify", "lion", "make_step", "nadam",
-           "nadamw", "radam", "rmsprop", "sgd"]
+__all__ = ["Dense", "ForgeSpec", "ForgeTransformation", "adafactor",
+           "adagrad", "adam", "adamax", "adamw", "classify", "lamb", "lion",
+           "make_step", "muon", "nadam", "nadamw", "radam", "refuse_reason",
+           "rmsprop", "sgd", "sm3"]
+
+
+def __getattr__(name):
+  # A known optimizer family (or alias) that forge_jax does not provide gets
+  # the reason, e.g. forge_jax.clip_by_global_norm -> regime 4, not fusable.
+  if not name.startswith("_"):
+    import pallas_kernels
+    try:
+      pallas_kernels.classify(name)
+    except (ValueError, TypeError):
+      pass
+    else:
+      raise AttributeError(f"forge_jax has no {name!r}: {refuse_reason(name)}")
+  raise AttributeError(f"module 'forge_jax' has no attribute {name!r}")

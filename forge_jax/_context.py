@@ -26,11 +26,22 @@ Path = tuple[str, ...]
 
 
 class LayerInputs(NamedTuple):
-  """What one FORGE layer's backward reads (and returns the new values of)."""
+  """What one FORGE layer's backward reads (and returns the new values of).
+
+  ``slots`` are this kernel's optimizer-state arrays, written back (their
+  "cotangents" are their new values): the epilogue's slots (regimes 1-2,
+  each of the kernel's shape) or, for a deferred family (regime 3), every
+  array the optax state holds for this kernel, of any shape (Adafactor's
+  ``v_row``/``v_col``, SM3's per-axis maxima). ``shared`` is read only (its
+  cotangents are zeros): state shared by all parameters that the layer's
+  update reads -- step counts, Muon's Newton-Schulz coefficients; the global
+  optax update advances it.
+  """
 
   slots: tuple[jax.Array, ...]
-  hparams: jax.Array
+  hparams: Any  # the kernel's packed fp32 vector (regimes 1-2), or ()
   touched: jax.Array  # fp32 scalar; its "cotangent" is 1 when the bwd ran.
+  shared: Any = ()
 
 
 @dataclasses.dataclass
@@ -45,6 +56,8 @@ class LayerInfo:
 class StepContext:
   mode: str  # "discover" | "fused"
   rule: Any = None  # the pallas_kernels.UpdateRule of the step's optimizer
+  spec: Any = None  # the step's forge_jax.ForgeSpec (None: `rule`, regime 1)
+  layouts: dict[Path, Any] = dataclasses.field(default_factory=dict)
   inputs: dict[Path, LayerInputs] = dataclasses.field(default_factory=dict)
   layers: dict[Path, LayerInfo] = dataclasses.field(default_factory=dict)
   bwd_traced: set[Path] = dataclasses.field(default_factory=set)

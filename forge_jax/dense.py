@@ -14,6 +14,7 @@ from flax.linen import dtypes as flax_dtypes
 
 import pallas_kernels
 from forge_jax import _context
+from forge_jax import _paths
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -21,10 +22,14 @@ class _Static:
   """Static (non-array) arguments of the fused linear op."""
 
   path: _context.Path
-  rule: pallas_kernels.UpdateRule
+  rule: pallas_kernels.UpdateRule | None
   dtype: Any
   precision: Any
   config: pallas_kernels.BlockConfig | None
+  # The step's ForgeSpec (picks the path: epilogue / epilogue + layer pass /
+  # deferred) and where this kernel's state lives; None: `rule`, regime 1.
+  spec: Any = None
+  layout: Any = None
 
 
 def _matmul(x, kernel, precision):
@@ -44,7 +49,13 @@ def _fused_linear_fwd(static, x, kernel, inputs):
 
 def _fused_linear_bwd(static, res, dy):
   """Returns dx and, in place of the kernel's and slots' cotangents, their
-  updated values (make_step reads them as such)."""
+  updated values (make_step reads them as such).
+
+  The optimizer step itself takes the spec's path (``forge_jax._paths``):
+  the fused kernel's epilogue (regime 1), the epilogue then a per-layer pass
+  over the new state (regime 2), or deferred: ``G`` formed, consumed and
+  freed here (regime 3).
+  """
   x, kernel, inputs = res
   # dx must read the pre-update kernel: it is computed from `kernel` before
   # the fused kernel (which aliases that buffer) writes it.
@@ -55,16 +66,21 @@ def _fused_linear_bwd(static, res, dy):
   # the dx GEMM's read of the kernel before the fused kernel overwrites it
   # instead of protecting the read with a kernel-sized copy.
   dx, kernel = lax.optimization_barrier((dx, kernel))
-  new_kernel, new_slots = pallas_kernels.fused_wgrad_update(
-      x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
-      config=static.config)
+  if static.spec is None:
+    new_kernel, new_slots = pallas_kernels.fused_wgrad_update(
+        x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
+        config=static.config)
+  else:
+    new_kernel, new_slots = _paths.step_in_backward(
+        static.spec, static.layout, x, dy, kernel, inputs, static.config)
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.add(static.path)
   return dx.astype(x.dtype), new_kernel, _context.LayerInputs(
       slots=new_slots,
-      hparams=jnp.zeros_like(inputs.hparams),
-      touched=jnp.ones_like(inputs.touched))
+      hparams=jax.tree.map(jnp.zeros_like, inputs.hparams),
+      touched=jnp.ones_like(inputs.touched),
+      shared=jax.tree.map(_paths.zero_cotangent, inputs.shared))
 
 
 _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
@@ -139,7 +155,8 @@ class Dense(nn.Dense):
           "the same layers on every trace")
     layer_inputs = ctx.inputs[path]
     static = _Static(path=path, rule=ctx.rule, dtype=dtype,
-                     precision=self.precision, config=self.block_config)
+                     precision=self.precision, config=self.block_config,
+                     spec=ctx.spec, layout=ctx.layouts.get(path))
     y = _fused_linear(static, inputs_c, kernel, layer_inputs)
     if bias_c is not None:
       y += jnp.reshape(bias_c, (1,) * (y.ndim - 1) + (-1,))

@@ -10,6 +10,8 @@ from jax import lax
 import optax
 
 from forge_jax import _context
+from forge_jax import _paths
+from forge_jax import _state
 from forge_jax import _usage
 from forge_jax.transforms import ForgeTransformation
 
@@ -18,12 +20,6 @@ KeyPath = tuple[Any, ...]
 
 def _kernel_keypath(path: _context.Path) -> KeyPath:
   return tuple(jax.tree_util.DictKey(p) for p in (*path, "kernel"))
-
-
-def _get(tree, keypath: KeyPath):
-  for k in keypath:
-    tree = tree[k.key]
-  return tree
 
 
 def _replace_leaves(tree, new: dict[KeyPath, Any]):
@@ -39,23 +35,14 @@ def _map_slot_trees(state, fields, fn):
   ``(StateClass, name)`` pair (that field of states of that class only);
   ``fn`` receives the entry of ``fields`` that matched.
   """
-  if hasattr(state, "_fields"):  # a NamedTuple state
-    def matching(name):
-      for f in fields:
-        if f == name or (isinstance(f, tuple) and isinstance(state, f[0])
-                         and f[1] == name):
-          return f
-      return None
 
-    rebuilt = []
-    for name, value in zip(state._fields, state):
-      f = matching(name)
-      rebuilt.append(_map_slot_trees(value, fields, fn) if f is None
-                     else fn(f, value))
-    return type(state)(*rebuilt)
-  if isinstance(state, (tuple, list)):
-    return type(state)(_map_slot_trees(s, fields, fn) for s in state)
-  return state
+  def matching(owner, name):
+    return next((f for f in fields
+                 if _state.field_matches(f, owner, name)), None)
+
+  return _state.walk(
+      state, lambda v, owner, name: matching(owner, name) is not None,
+      lambda i, owner, name, tree: fn(matching(owner, name), tree))
 
 
 def _slot_trees(state, fields) -> dict[Any, Any]:
@@ -92,6 +79,28 @@ def _weight_decay_on(mask, params, keypath: KeyPath) -> bool:
   return bool(tree)
 
 
+def _select_slots(fields: list[_state.Field], spec) -> tuple[int, ...]:
+  """The per-parameter fields that travel as a FORGE layer's slots.
+
+  Regimes 1-2: the fields the spec names, in ``rule.slots`` order; regime 3:
+  all of them, in traversal order.
+  """
+  if spec.slot_fields is None:
+    return tuple(f.index for f in fields)
+  chosen = []
+  for name in spec.slot_fields:
+    hits = [f for f in fields if f.matches(name)]
+    if len(hits) > 1:
+      raise ValueError(f"optimizer state has more than one {name!r} field")
+    chosen.append(hits[0].index if hits else None)
+  missing = [n for n, i in zip(spec.slot_fields, chosen) if i is None]
+  if missing:
+    raise ValueError(
+        f"opt_state has no {missing} field(s): was it made by this "
+        "transform's init()?")
+  return tuple(chosen)
+
+
 def make_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     tx: ForgeTransformation,
@@ -100,22 +109,34 @@ def make_step(
 
   ``loss_fn(variables, batch)`` returns a scalar loss and calls
   ``model.apply(variables, ...)``. In the step, each ``forge_jax.Dense``
-  updates its kernel and optimizer slots inside its own backward with the
-  fused kernel; every other parameter is updated by ``tx`` exactly as optax
-  would. ``opt_state = tx.init(variables["params"])``.
+  updates its kernel and optimizer state inside its own backward, on the
+  path its family's regime allows (``pallas_kernels.classify``): in the
+  fused kernel's epilogue (regime 1), in the epilogue then a per-layer pass
+  over the new state (regime 2: LAMB, Muon), or deferred -- the layer's
+  gradient formed, consumed and freed in that backward (regime 3: Adafactor,
+  SM3). Every other parameter is updated by ``tx`` exactly as optax would.
+  ``opt_state = tx.init(variables["params"])``.
 
   The step is a pure function; use it as
   ``jax.jit(step, donate_argnums=(0, 1))`` so that kernels and slots are
   updated in place.
 
-  Raises (at trace time): ``ValueError`` if a FORGE layer is called twice in
-  a step, or its kernel is also read by anything other than its own layer
-  (paper Remark 2) -- give that layer ``fused=False``.
+  Raises: ``TypeError`` if ``tx`` is not a forge_jax transform (an optax
+  chain is not one; a regime-4 transform such as global-norm clipping cannot
+  be fused at all: ``forge_jax.refuse_reason``); at trace time,
+  ``ValueError`` if a FORGE layer is called twice in a step, or its kernel is
+  also read by anything other than its own layer (paper Remark 2) -- give
+  that layer ``fused=False``.
   """
   if not isinstance(tx, ForgeTransformation):
     raise TypeError(
         "make_step needs a forge_jax transform (e.g. forge_jax.adamw(...)); "
-        f"got {type(tx).__name__}")
+        f"got {type(tx).__name__}. An optax transform or chain is not one: "
+        "FORGE layers update themselves in their own backward, so the step "
+        "must know the optimizer's family. A chain with a cross-layer "
+        "statistic such as optax.clip_by_global_norm cannot be fused at all "
+        "(regime 4; see forge_jax.refuse_reason('clip_by_global_norm')): "
+        "train it with optax on the standard path.")
   spec = tx.spec
 
   def step(variables, opt_state, batch):
@@ -124,75 +145,120 @@ def make_step(
     params = variables["params"]
 
     # 1. Which layers are FORGE layers (and is each called once)?
+    # A fresh closure: eval_shape caches traces by function and shapes, and a
+    # cache hit would skip the layers' discovery side effects (a retrace of
+    # the step, e.g. under a second jax.jit, found no layers).
     with _context.step_context(_context.StepContext("discover")) as found:
-      jax.eval_shape(loss_fn, variables, batch)
+      jax.eval_shape(lambda v, b: loss_fn(v, b), variables, batch)
     layers = found.layers
     if not layers:
       raise ValueError(
           "no forge_jax.Dense layer was called by loss_fn; use optax directly")
     kpaths = {p: _kernel_keypath(p) for p in layers}
 
-    # 2. Their slots and this step's hyperparameters.
-    slot_trees = _slot_trees(opt_state, spec.slot_fields)
-    h = spec.hparams(opt_state)
-    packed = {
-        # Families without decoupled weight decay have no such entry.
-        wd_on: spec.rule.pack(**(h if wd_on or "weight_decay" not in h
-                                 else {**h, "weight_decay": 0.0}))
-        for wd_on in (True, False)
-    }
-    inputs = {}
+    # 2. Each kernel's slice of the optimizer state, and this step's
+    # hyperparameters. A per-parameter field of the state (one whose
+    # structure has the params' as a prefix) holds a subtree per kernel.
+    params_def = jax.tree.structure(params)
+    fields = _state.per_param_fields(opt_state, params_def)
+    slot_ids = _select_slots(fields, spec)
+    if spec.regime == 3:
+      # Deferred: the layer runs optax's own update on its slice of the
+      # state; what is not per-parameter (step counts) is read, not written.
+      holed = _state.map_per_param(opt_state, params_def,
+                                   lambda i, t: _state.Hole())
+      shared, shared_def = jax.tree.flatten(holed)
+      skeleton = jax.tree.map(lambda _: None, params)
+      packed = {True: (), False: ()}
+    else:
+      shared, shared_def, skeleton = spec.shared(opt_state), None, None
+      h = spec.hparams(opt_state)
+      packed = {
+          # Families without decoupled weight decay have no such entry.
+          wd_on: spec.rule.pack(**(h if wd_on or "weight_decay" not in h
+                                   else {**h, "weight_decay": 0.0}))
+          for wd_on in (True, False)
+      }
+    inputs, layouts = {}, {}
     for p, kp in kpaths.items():
+      subtrees = [_state.get_subtree(fields[i].tree, kp) for i in slot_ids]
+      for f in fields:
+        if f.index not in slot_ids and jax.tree.leaves(
+            _state.get_subtree(f.tree, kp)):
+          raise ValueError(
+              f"optimizer state field {f.name!r} holds arrays for the kernel "
+              f"of forge_jax.Dense at {_context.layer_name(p)!r} that this "
+              f"transform's FORGE path does not update ({spec.family})")
+      flat = [jax.tree.flatten(t) for t in subtrees]
+      slots = tuple(a for leaves, _ in flat for a in leaves)
+      bad = [a.dtype for a in slots if not jnp.issubdtype(a.dtype, jnp.inexact)]
+      if bad:
+        raise TypeError(
+            f"the optimizer state of {_context.layer_name(p)!r} has non-float"
+            f" per-parameter arrays ({bad}); FORGE returns new state values as"
+            " cotangents, which must be floating point")
+      layouts[p] = _state.KernelLayout(
+          keypath=kp, slot_ids=slot_ids, slot_defs=tuple(d for _, d in flat),
+          shared_def=shared_def, params_skeleton=skeleton)
       inputs[p] = _context.LayerInputs(
-          slots=tuple(_get(slot_trees[f], kp) for f in spec.slot_fields),
-          hparams=packed[_weight_decay_on(spec.weight_decay_mask, params, kp)],
-          touched=jnp.zeros((), jnp.float32))
+          slots=slots,
+          hparams=packed[spec.regime == 3 or _weight_decay_on(
+              spec.weight_decay_mask, params, kp)],
+          touched=jnp.zeros((), jnp.float32),
+          shared=shared)
 
-    ctx = _context.StepContext("fused", rule=spec.rule)
+    ctx = _context.StepContext("fused", rule=spec.rule, spec=spec,
+                               layouts=layouts)
 
     def loss_of(params, inputs):
       ctx.inputs = inputs  # the traced values, so that AD sees them
       return loss_fn({**variables, "params": params}, batch)
 
-    # 3. The backward: FORGE kernels come back already updated.
+    # 3. The backward: FORGE kernels and their state come back updated.
+    # (Integer inputs -- a deferred family's step counts, read only -- get
+    # float0 cotangents: allow_int.)
     with _context.step_context(ctx):
       _usage.check_single_use(loss_of, params, inputs, kpaths)
       loss, (grads, new_inputs) = jax.value_and_grad(
-          loss_of, argnums=(0, 1))(params, inputs)
+          loss_of, argnums=(0, 1), allow_int=True)(params, inputs)
 
-    new_kernels, new_slots = {}, {}
+    new_kernels, new_subtrees = {}, {}
     for p, kp in kpaths.items():
-      kernel, slots = _get(grads, kp), new_inputs[p].slots
+      kernel, slots = _state.get_subtree(grads, kp), new_inputs[p].slots
       if p not in ctx.bwd_traced:
         # Remark 1: the layer's output did not reach the loss, so no fused
         # backward ran. Give it what optax gives a zero gradient. (If the
         # backward did run but was not traced here -- a cached transpose --
         # `touched` says so at run time.)
         def zero_grad_step(p=p, kp=kp):
-          return spec.rule.apply(
-              jnp.zeros(layers[p].kernel_shape, jnp.float32),
-              _get(params, kp), inputs[p].slots, inputs[p].hparams)
+          return _paths.step_from_grad(
+              spec, layouts[p], jnp.zeros(layers[p].kernel_shape, jnp.float32),
+              _state.get_subtree(params, kp), inputs[p])
         kernel, slots = lax.cond(new_inputs[p].touched > 0,
                                  lambda k=kernel, s=slots: (k, s),
                                  zero_grad_step)
       new_kernels[kp] = kernel
-      new_slots[kp] = slots
+      new_subtrees[kp] = dict(zip(slot_ids, layouts[p].split(list(slots))))
 
     # 4. Every other parameter: the optax transform itself, with FORGE
-    # kernels cut out of the gradient, parameter and slot trees.
+    # kernels cut out of the gradient, parameter and state trees.
     cut = {kp: None for kp in kpaths.values()}
     grads_rest = _replace_leaves(grads, cut)
     params_rest = _replace_leaves(params, cut)
-    state_rest = _map_slot_trees(opt_state, spec.slot_fields,
-                                 lambda _, t: _replace_leaves(t, cut))
+    state_rest = _state.map_per_param(
+        opt_state, params_def, lambda i, t: _state.replace_subtrees(t, cut))
     updates, new_state = tx.update(grads_rest, state_rest, params_rest)
     new_params = optax.apply_updates(params_rest, updates)
     new_params = _replace_leaves(new_params, new_kernels)
-    slot_index = {f: i for i, f in enumerate(spec.slot_fields)}
-    new_state = _map_slot_trees(
-        new_state, spec.slot_fields,
-        lambda f, t: _replace_leaves(
-            t, {kp: s[slot_index[f]] for kp, s in new_slots.items()}))
+
+    # ... and the FORGE kernels' new state put back (fields they do not own,
+    # such as another partition's MaskedNode, as they were).
+    def put_back(i, tree):
+      return _state.replace_subtrees(tree, {
+          kp: new_subtrees[kp][i] if i in new_subtrees[kp]
+          else _state.get_subtree(fields[i].tree, kp) for kp in cut})
+
+    new_state = _state.map_per_param(new_state, params_def, put_back)
     return loss, {**variables, "params": new_params}, new_state
 
   return step

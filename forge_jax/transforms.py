@@ -6,6 +6,15 @@ uses to hand FORGE layers their slots and this step's hyperparameters. Every
 parameter that is not a FORGE kernel is updated by the optax transform itself,
 so it is updated exactly as optax would; a checkpoint of the state reads the
 same as optax's.
+
+The spec's ``family`` is classified (``pallas_kernels.classify``) and its
+regime picks the path the layer's backward takes (``forge_jax._paths``):
+regime 1 (SGD ... Lion) fuses entirely into the kernel's epilogue; regime 2
+(:func:`lamb`, :func:`muon`) advances the state in the epilogue and updates
+the weight in a per-layer pass over that state; regime 3 (:func:`adafactor`,
+:func:`sm3`) is deferred: the layer's ``G`` is formed and consumed inside its
+own backward. Regime 4 (global-norm clipping) cannot be fused and is refused
+(:func:`refuse_reason`).
 """
 
 from __future__ import annotations
@@ -28,26 +37,75 @@ from optax.transforms._adding import WeightDecaySchedule as _WeightDecaySchedule
 import pallas_kernels
 
 
+def _no_shared(state):
+  del state
+  return ()
+
+
 @dataclasses.dataclass(frozen=True)
 class ForgeSpec:
-  """How a FORGE transform's state maps onto the fused kernel.
+  """How a FORGE transform's state maps onto a FORGE layer's backward.
 
   Attributes:
-    rule: the kernel's elementwise update.
+    rule: the kernel's elementwise epilogue (regimes 1 and 2; ``None`` for a
+      deferred family).
     slot_fields: for each of ``rule.slots``, the field of the inner optax
       state that holds that slot as a params-shaped tree: a field name, or a
       ``(StateClass, field_name)`` pair where a name alone is ambiguous (two
-      states of the chain with a ``mu``).
+      states of the chain with a ``mu``). ``None`` (deferred families): every
+      per-parameter field of the state travels with the layer.
     hparams: ``hparams(opt_state) -> dict`` of this step's hyperparameters by
       ``rule.hparams`` name, read from the state *before* the step (the
       ``weight_decay`` entry, for families that have one, unmasked).
     weight_decay_mask: optax's ``mask`` argument (tree, prefix or callable).
+    family: the optimizer family, classified by ``pallas_kernels.classify``;
+      its regime picks the layer's path (``regime``). Regime 4 is refused.
+    layer_pass: regime 2: ``layer_pass(w, slots, outputs, h, shared) ->
+      (w_new, slots)``, run in the layer's backward right after the epilogue
+      on the *new* slots, the rule's ``outputs``, ``h = rule.unpack(...)`` and
+      ``shared``; it never sees ``G``.
+    update: regime 3: the optax ``update`` applied, inside the layer's
+      backward, to that one parameter and its slice of the state.
+    shared: regime 2: ``shared(opt_state)``, read-only arrays the layer pass
+      needs (Muon's Newton-Schulz coefficients). Regime 3 derives its shared
+      inputs (step counts) from the state itself.
   """
 
-  rule: pallas_kernels.UpdateRule
-  slot_fields: tuple[Union[str, tuple[type, str]], ...]
+  rule: Optional[pallas_kernels.UpdateRule]
+  slot_fields: Optional[tuple[Union[str, tuple[type, str]], ...]]
   hparams: Callable[[Any], dict[str, jax.Array]]
   weight_decay_mask: Any = None
+  family: Optional[str] = None
+  layer_pass: Optional[Callable[..., Any]] = None
+  update: Optional[optax.TransformUpdateFn] = None
+  shared: Callable[[Any], Any] = _no_shared
+  regime: int = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    if self.family is None:
+      raise ValueError(
+          "ForgeSpec needs its optimizer family (e.g. family='adamw'): "
+          "pallas_kernels.classify(family) picks the layer's path")
+    regime = pallas_kernels.classify(self.family)
+    if regime.number == 4:
+      raise ValueError(refuse_reason(self.family))
+    n = regime.number
+    object.__setattr__(self, "regime", n)
+    need = {
+        1: dict(rule=True, slot_fields=True, layer_pass=False, update=False),
+        2: dict(rule=True, slot_fields=True, layer_pass=True, update=False),
+        3: dict(rule=False, slot_fields=False, layer_pass=False, update=True),
+    }[n]
+    for name, wanted in need.items():
+      if (getattr(self, name) is not None) != wanted:
+        raise ValueError(
+            f"ForgeSpec for {regime.family!r} (regime {n}: "
+            f"{regime.path.description}) {'needs' if wanted else 'takes no'} "
+            f"{name}")
+    if n == 2 and self.rule.updates_weight:
+      raise ValueError(
+          f"ForgeSpec for {regime.family!r}: a regime-2 epilogue rule must "
+          "leave the weight to the layer pass (updates_weight=False)")
 
 
 class ForgeTransformation(NamedTuple):
@@ -85,27 +143,44 @@ def _forge(inner: optax.GradientTransformation,
            learning_rate: optax.ScalarOrSchedule,
            hparams: Callable[[Any], dict[str, Any]] = lambda state: {},
            *,
+           family: str,
            weight_decay: Optional[optax.ScalarOrSchedule] = None,
-           mask: Any = None) -> ForgeTransformation:
+           mask: Any = None,
+           layer_pass: Optional[Callable[..., Any]] = None,
+           shared: Callable[[Any], Any] = _no_shared,
+           scope: Callable[[Any], Any] = lambda state: state,
+           ) -> ForgeTransformation:
   """``inner`` itself, plus the :class:`ForgeSpec` that drives FORGE layers.
 
   ``hparams(state)`` gives the family's own hyperparameters; this adds the
   step's ``lr`` (read at ``scale_by_learning_rate``'s count, as optax does)
   and, where the family has decoupled weight decay, ``weight_decay`` (read at
-  ``add_decayed_weights``' count).
+  ``add_decayed_weights``' count). ``scope(state)`` is the part of the state
+  that FORGE kernels' transforms live in (Muon: its ``'muon'`` partition).
   """
 
   def all_hparams(state):
     h = dict(hparams(state))
+    sub = scope(state)
     h["lr"] = _schedule_value(
-        learning_rate, _field(state, optax.ScaleByScheduleState, "count"))
+        learning_rate, _field(sub, optax.ScaleByScheduleState, "count"))
     if weight_decay is not None:
       h["weight_decay"] = _schedule_value(
-          weight_decay, _field(state, _WeightDecaySchedule, "count"))
+          weight_decay, _field(sub, _WeightDecaySchedule, "count"))
     return h
 
   spec = ForgeSpec(rule=rule, slot_fields=tuple(slot_fields),
-                   hparams=all_hparams, weight_decay_mask=mask)
+                   hparams=all_hparams, weight_decay_mask=mask, family=family,
+                   layer_pass=layer_pass, shared=shared)
+  return ForgeTransformation(inner.init, inner.update, spec)
+
+
+def _forge_deferred(inner: optax.GradientTransformation,
+                    family: str) -> ForgeTransformation:
+  """``inner`` itself, run per FORGE kernel inside its layer's backward
+  (regime 3): the spec carries optax's own ``update``."""
+  spec = ForgeSpec(rule=None, slot_fields=None, hparams=lambda state: {},
+                   family=family, update=inner.update)
   return ForgeTransformation(inner.init, inner.update, spec)
 
 
@@ -154,7 +229,8 @@ def sgd(
   rule = pallas_kernels.sgd_rule(momentum=momentum is not None,
                                  nesterov=nesterov)
   return _forge(inner, rule, rule.slots, learning_rate,
-                lambda state: {} if momentum is None else dict(decay=momentum))
+                lambda state: {} if momentum is None else dict(decay=momentum),
+                family="sgd" if momentum is None else "sgd_momentum")
 
 
 def adagrad(
@@ -186,7 +262,7 @@ def adagrad(
                         initial_accumulator_value=initial_accumulator_value,
                         eps=eps)
   return _forge(inner, pallas_kernels.adagrad_rule(), ("sum_of_squares",),
-                learning_rate, lambda state: dict(eps=eps))
+                learning_rate, lambda state: dict(eps=eps), family="adagrad")
 
 
 def rmsprop(
@@ -243,7 +319,8 @@ def rmsprop(
       h["momentum"] = momentum
     return h
 
-  return _forge(inner, rule, rule.slots, learning_rate, hparams)
+  return _forge(inner, rule, rule.slots, learning_rate, hparams,
+                family="rmsprop")
 
 
 def adam(
@@ -283,7 +360,8 @@ def adam(
                      mu_dtype=mu_dtype, nesterov=nesterov)
   return _forge(inner, pallas_kernels.adam_rule(nesterov=nesterov),
                 ("mu", "nu"), learning_rate,
-                lambda state: _adam_hparams(state, b1, b2, eps, eps_root))
+                lambda state: _adam_hparams(state, b1, b2, eps, eps_root),
+                family="nadam" if nesterov else "adam")
 
 
 nadam = functools.partial(adam, nesterov=True)
@@ -341,7 +419,7 @@ def adamw(
   return _forge(inner, pallas_kernels.adamw_rule(nesterov=nesterov),
                 ("mu", "nu"), learning_rate,
                 lambda state: _adam_hparams(state, b1, b2, eps, eps_root),
-                weight_decay=weight_decay, mask=mask)
+                weight_decay=weight_decay, mask=mask, family="adamw")
 
 
 nadamw = functools.partial(adamw, nesterov=True)
@@ -381,7 +459,7 @@ def adamax(
     return dict(b1=b1, one_minus_b1=1 - b1, b2=b2, eps=eps, bc1=1 - b1**t)
 
   return _forge(inner, pallas_kernels.adamax_rule(), ("mu", "nu"),
-                learning_rate, hparams)
+                learning_rate, hparams, family="adamax")
 
 
 def radam(
@@ -430,7 +508,7 @@ def radam(
                 r=jnp.where(rectify, r, 0.0), rectify=rectify)
 
   return _forge(inner, pallas_kernels.radam_rule(nesterov=nesterov),
-                ("mu", "nu"), learning_rate, hparams)
+                ("mu", "nu"), learning_rate, hparams, family="radam")
 
 
 def lion(
@@ -470,4 +548,297 @@ def lion(
       inner, pallas_kernels.lion_rule(), ("mu",), learning_rate,
       lambda state: dict(b1=b1, one_minus_b1=1 - b1, b2=b2,
                          one_minus_b2=1 - b2),
-      weight_decay=weight_decay, mask=mask)
+      weight_decay=weight_decay, mask=mask, family="lion")
+
+
+# --- Regime 2: the epilogue advances the state, a layer pass updates W ---------
+
+
+def lamb(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    eps_root: float = 0.0,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+) -> ForgeTransformation:
+  r"""LAMB: ``optax.lamb``, FORGE-enabled (regime 2).
+
+  .. math::
+    m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t,\quad
+    v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2,\\
+    u_t = \frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t) + \epsilon_{root}}
+          + \epsilon} + \lambda w_{t-1},\quad
+    w_t = w_{t-1} - \eta_t \frac{\|w_{t-1}\|}{\|u_t\|} u_t
+
+  (the trust ratio is 1 where either norm is 0). In a FORGE layer the fused
+  kernel's epilogue advances only the moments (``G`` stays in registers) and
+  leaves ``W``; a per-layer pass in the same backward then forms ``u_t`` from
+  the *new* moments, the trust ratio from the two layer norms (optax's own
+  ``scale_by_trust_ratio``) and the new weight. Same signature, defaults and
+  state as :func:`optax.lamb`.
+
+  Args:
+    learning_rate: a scalar or an optax schedule.
+    b1, b2, eps, eps_root: Adam's constants, as in optax.
+    weight_decay: weight decay rate (scalar or schedule), added before the
+      trust ratio.
+    mask: which parameters get weight decay (tree, prefix or callable).
+
+  Returns:
+    A :class:`ForgeTransformation`.
+
+  Example:
+    >>> tx = forge_jax.lamb(optax.linear_schedule(2e-3, 0.0, 1000),
+    ...                     weight_decay=1e-2)
+  """
+  inner = optax.lamb(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                     weight_decay=weight_decay, mask=mask)
+  trust_ratio = optax.scale_by_trust_ratio()
+
+  def layer_pass(w, slots, outputs, h, shared):
+    del outputs, shared
+    mu, nu = slots
+    # scale_by_adam's update from the new moments, then add_decayed_weights,
+    # scale_by_trust_ratio (optax's own) and the learning rate.
+    u = (mu / h["bc1"]) / (jnp.sqrt(nu / h["bc2"] + h["eps_root"]) + h["eps"])
+    u = u + h["weight_decay"] * w
+    u, _ = trust_ratio.update(u, optax.EmptyState(), w)
+    return w + (-h["lr"]) * u, slots
+
+  return _forge(inner, pallas_kernels.lamb_rule(), ("mu", "nu"),
+                learning_rate,
+                lambda state: _adam_hparams(state, b1, b2, eps, eps_root),
+                family="lamb", weight_decay=weight_decay, mask=mask,
+                layer_pass=layer_pass)
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs: Any = (3.4445, -4.7750, 2.0315),
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    weight_decay_mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    mu_dtype: Optional[Any] = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = 'frobenius',
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
+    adam_eps_root: float = 0.0,
+    adam_weight_decay: float = 0.0,
+    adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    muon_weight_dimension_numbers: Any = None,
+    consistent_rms: Optional[float] = None,
+) -> ForgeTransformation:
+  r"""Muon: ``optax.contrib.muon``, FORGE-enabled (regime 2).
+
+  .. math::
+    B_t = \beta B_{t-1} + (1-\beta) G_t,\quad
+    \hat B_t = B_t / (1-\beta^t)
+    \ (\text{nesterov: } \beta B_t/(1-\beta^{t+1}) + (1-\beta) G_t/(1-\beta^t)),\\
+    w_t = w_{t-1} - \eta_t\big(s\,\mathrm{NS}(\hat B_t) + \lambda w_{t-1}\big)
+
+  with :math:`\mathrm{NS}` optax's Newton-Schulz orthogonalisation and
+  :math:`s` its shape scaling. In a FORGE layer the weight-gradient GEMM
+  accumulates straight into the momentum: the fused kernel's epilogue
+  writes :math:`B_t` and :math:`\hat B_t` (the Nesterov term's ``G`` is
+  consumed in registers) and leaves ``W``; no weight-sized ``G`` is ever
+  stored. A per-layer pass in the same backward then runs optax's own
+  ``orthogonalize_via_newton_schulz`` on :math:`\hat B_t` and updates ``W``.
+  Parameters that are not 2-D (biases) go through Muon's AdamW part, run by
+  optax itself. Same signature, defaults and state as
+  :func:`optax.contrib.muon`.
+
+  Args:
+    learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay,
+      weight_decay_mask, mu_dtype, nesterov, adaptive, preconditioning,
+      adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate,
+      consistent_rms: as in :func:`optax.contrib.muon`.
+    muon_weight_dimension_numbers: must be ``None`` (every 2-D parameter is a
+      Muon matrix with axes ``(0, 1)``, which is what FORGE kernels are).
+
+  Returns:
+    A :class:`ForgeTransformation`.
+
+  Raises:
+    ValueError: ``muon_weight_dimension_numbers`` is given.
+
+  Example:
+    >>> tx = forge_jax.muon(optax.cosine_decay_schedule(2e-2, 1000))
+  """
+  from optax.contrib import _muon
+
+  if muon_weight_dimension_numbers is not None:
+    raise ValueError(
+        "forge_jax.muon: muon_weight_dimension_numbers is not supported on "
+        "the FORGE path: FORGE kernels are 2-D (in, out) matrices, which Muon"
+        " orthogonalises with its default dimension numbers (0, 1). Use "
+        "optax.contrib.muon with fused=False layers for other layouts.")
+  inner = optax.contrib.muon(
+      learning_rate, ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta,
+      eps=eps, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
+      mu_dtype=mu_dtype, nesterov=nesterov, adaptive=adaptive,
+      preconditioning=preconditioning, adam_b1=adam_b1, adam_b2=adam_b2,
+      adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay,
+      adam_learning_rate=adam_learning_rate,
+      muon_weight_dimension_numbers=muon_weight_dimension_numbers,
+      consistent_rms=consistent_rms)
+  dims = _muon.MuonDimensionNumbers()
+  shape_scale = _muon.scale_by_shape(dims, consistent_rms)
+
+  def scope(state):  # FORGE kernels are 2-D: Muon's partition
+    return state.inner_states["muon"]
+
+  def hparams(state):
+    t = _count_after(scope(state), _muon.MuonState)
+    return dict(b1=beta, one_minus_b1=1 - beta,
+                # optax.tree.bias_correction's denominators, same expressions.
+                bc1=1 - beta**t,
+                bc1_next=1 - beta**numerics.safe_increment(t))
+
+  def shared(state):
+    return _field(scope(state), _muon.MuonState, "ns_coeffs")
+
+  def layer_pass(w, slots, outputs, h, ns_coeffs_):
+    # scale_by_muon from the epilogue's mu_hat, then scale_by_shape,
+    # add_decayed_weights and the learning rate, as optax chains them.
+    (mu_hat,) = outputs
+    u = _muon.orthogonalize_via_newton_schulz(
+        mu_hat, ns_coeffs_, ns_steps, preconditioning, eps, dims)
+    if adaptive:
+      u = jnp.sum(mu_hat.conj() * u) * u
+    u, _ = shape_scale.update(u, optax.EmptyState())
+    u = u + h["weight_decay"] * w
+    return w + (-h["lr"]) * u, slots
+
+  return _forge(inner, pallas_kernels.muon_rule(nesterov=nesterov),
+                ((_muon.MuonState, "mu"),), learning_rate, hparams,
+                family="muon", weight_decay=weight_decay,
+                mask=weight_decay_mask, layer_pass=layer_pass, shared=shared,
+                scope=scope)
+
+
+# --- Regime 3: deferred, one layer's G at a time ------------------------------
+
+
+def adafactor(
+    learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    min_dim_size_to_factor: int = 128,
+    decay_rate: float = 0.8,
+    decay_offset: int = 0,
+    multiply_by_parameter_scale: bool = True,
+    clipping_threshold: Optional[float] = 1.0,
+    momentum: Optional[float] = None,
+    dtype_momentum: Any = jnp.float32,
+    weight_decay_rate: Optional[optax.ScalarOrSchedule] = None,
+    eps: float = 1e-30,
+    factored: bool = True,
+    weight_decay_mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+) -> ForgeTransformation:
+  r"""Adafactor: ``optax.adafactor``, FORGE-enabled (regime 3, deferred).
+
+  Its state update reads row and column means of :math:`G^{\odot 2}` (the
+  factored second moment), which no output tile can close, so a FORGE layer
+  forms its ``G = x^T dy`` in fp32 inside its own backward, applies optax's
+  own Adafactor update to that one kernel (its ``v_row``, ``v_col``, ``v``
+  and momentum slices) and frees ``G`` there: at most one layer's gradient
+  is live, never the whole pool. Same signature, defaults and state as
+  :func:`optax.adafactor`.
+
+  Args:
+    learning_rate, min_dim_size_to_factor, decay_rate, decay_offset,
+      multiply_by_parameter_scale, clipping_threshold, momentum,
+      dtype_momentum, weight_decay_rate, eps, factored, weight_decay_mask: as
+      in :func:`optax.adafactor`.
+
+  Returns:
+    A :class:`ForgeTransformation`.
+
+  Example:
+    >>> tx = forge_jax.adafactor(optax.linear_schedule(1e-2, 1e-3, 1000))
+  """
+  inner = optax.adafactor(
+      learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
+      decay_rate=decay_rate, decay_offset=decay_offset,
+      multiply_by_parameter_scale=multiply_by_parameter_scale,
+      clipping_threshold=clipping_threshold, momentum=momentum,
+      dtype_momentum=dtype_momentum, weight_decay_rate=weight_decay_rate,
+      eps=eps, factored=factored, weight_decay_mask=weight_decay_mask)
+  return _forge_deferred(inner, "adafactor")
+
+
+def sm3(learning_rate: float, momentum: float = 0.9) -> ForgeTransformation:
+  r"""SM3: ``optax.sm3``, FORGE-enabled (regime 3, deferred).
+
+  Its state update reads row and column maxima of the accumulated
+  :math:`G^{\odot 2}` (the cover sets' statistics), so a FORGE layer forms its
+  ``G`` in fp32 inside its own backward, applies optax's own SM3 update to
+  that one kernel (its per-axis ``mu`` and its ``nu``) and frees ``G`` there.
+  Same signature, defaults and state as :func:`optax.sm3` (whose learning
+  rate is a scalar, not a schedule).
+
+  Args:
+    learning_rate: the (scalar) learning rate.
+    momentum: as in :func:`optax.sm3`.
+
+  Returns:
+    A :class:`ForgeTransformation`.
+
+  Example:
+    >>> tx = forge_jax.sm3(1e-2)
+  """
+  return _forge_deferred(optax.sm3(learning_rate, momentum=momentum), "sm3")
+
+
+# --- What forge_jax does not fuse ----------------------------------------------
+
+# pallas_kernels family name -> the forge_jax transform that implements it.
+IMPLEMENTED = {
+    "sgd": "sgd", "sgd_momentum": "sgd", "adagrad": "adagrad",
+    "rmsprop": "rmsprop", "adam": "adam", "adamw": "adamw",
+    "adamax": "adamax", "nadam": "nadam", "radam": "radam", "lion": "lion",
+    "lamb": "lamb", "muon": "muon", "adafactor": "adafactor", "sm3": "sm3",
+}
+
+
+def refuse_reason(family: str) -> Optional[str]:
+  """Why ``forge_jax`` cannot drive FORGE layers with ``family``, or ``None``.
+
+  ``family`` is a name ``pallas_kernels.classify`` knows (aliases such as
+  ``"clip_by_global_norm"`` included). A regime-4 family (global-norm
+  clipping) is refused for good: its state update reads a statistic of
+  *every* layer's gradient, which exists only after the whole backward, so no
+  layer can update itself in its own backward -- use optax on the standard
+  path (``flax.linen.Dense``, or ``forge_jax.Dense(fused=False)``). A known
+  regime-1-3 family that forge_jax does not implement yet, and an unknown
+  name, are refused with a reason too.
+
+  Example:
+    >>> forge_jax.refuse_reason("adamw") is None
+    True
+    >>> print(forge_jax.refuse_reason("clip_by_global_norm"))  # doctest: +ELLIPSIS
+    global_norm_clip is regime 4: ...
+  """
+  try:
+    regime = pallas_kernels.classify(family)
+  except (ValueError, TypeError) as e:
+    return f"forge_jax cannot fuse {family!r}: {e}"
+  if regime.number == 4:
+    return (
+        f"{regime.reason} FORGE updates each layer inside its own backward, "
+        "before later layers' gradients exist, so a regime-4 transform cannot"
+        " be fused: forge_jax refuses it (there is no "
+        f"forge_jax.{family}). Train with optax on the standard path "
+        "(flax.linen.Dense, or forge_jax.Dense(fused=False)) -- e.g. "
+        "optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...)) -- or "
+        "drop the clipping and use a forge_jax transform.")
+  if regime.family in IMPLEMENTED:
+    return None
+  return (f"{regime.reason} forge_jax does not implement {regime.family!r} "
+          f"yet (its path would be: {regime.path.description}); implemented:"
+          f" {', '.join(sorted(IMPLEMENTED))}.")

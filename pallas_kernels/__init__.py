@@ -26,7 +26,9 @@ from pallas_kernels.rules import (
     adam_rule,
     adamax_rule,
     adamw_rule,
+    lamb_rule,
     lion_rule,
+    muon_rule,
     radam_rule,
     rmsprop_rule,
     sgd_rule,
@@ -36,6 +38,6 @@ __all__ = [
     "ADAMW", "BlockConfig", "Declaration", "ExecutionPath", "FAMILIES",
     "HPARAM_VECTOR_LEN", "Reads", "Regime", "UpdateRule", "adagrad_rule",
     "adam_rule", "adamax_rule", "adamw_rule", "classify", "default_interpret",
-    "fused_wgrad_update", "fused_wgrad_update_reference", "lion_rule",
-    "radam_rule", "rmsprop_rule", "sgd_rule",
+    "fused_wgrad_update", "fused_wgrad_update_reference", "lamb_rule",
+    "lion_rule", "muon_rule", "radam_rule", "rmsprop_rule", "sgd_rule",
 ]

@@ -125,7 +125,9 @@ def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule):
 def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
                   cfg: BlockConfig, bt: int, n_in: int, n_out: int,
                   precision):
-  n_state = 1 + len(rule.slots)
+  # Inputs: (W if the rule updates it), slots. Outputs: the same, aliased,
+  # then the rule's write-only outputs.
+  n_state = int(rule.updates_weight) + len(rule.slots)
   in_refs, out_refs = refs[:n_state], refs[n_state:]
   bi, bo, bk = cfg.block_in, cfg.block_out, cfg.block_bt
 
@@ -168,8 +170,12 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
   old = [plgpu.load(r.at[tile], mask=mask, other=0.0).astype(jnp.float32)
          for r in in_refs]
   h = rule.unpack(h_ref)
-  w_new, slots_new = rule.update(g, old[0], tuple(old[1:]), h)
-  for r, v in zip(out_refs, (w_new, *slots_new)):
+  if rule.updates_weight:
+    w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
+    new = (w_new, *new)
+  else:  # regime 2: the state only; W stays in HBM, untouched.
+    _, new = rule.update(g, None, tuple(old), h)
+  for r, v in zip(out_refs, new):
     plgpu.store(r.at[tile], v.astype(r.dtype), mask=mask)
 
 
@@ -215,7 +221,10 @@ def fused_wgrad_update(
 
   Returns:
     ``(w_new, slots_new)``, aliasing the buffers of ``w`` and ``slots`` when
-    the caller donates them.
+    the caller donates them. For a rule with ``outputs`` (Muon's ``mu_hat``),
+    ``slots_new`` continues with those fresh arrays (``w``'s shape,
+    ``rule.output_dtype``). For a rule with ``updates_weight=False`` the
+    kernel does not touch ``w`` and ``w_new`` is ``w``.
 
   Example:
     >>> from pallas_kernels import ADAMW, fused_wgrad_update
@@ -240,11 +249,15 @@ def fused_wgrad_update(
   kernel = functools.partial(
       _fused_kernel, rule=rule, cfg=cfg, bt=bt, n_in=n_in, n_out=n_out,
       precision=_dot_precision(x, dy, w))
-  state = (w, *slots)
+  state = (w, *slots) if rule.updates_weight else slots
+  out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
+  outputs = tuple(jax.ShapeDtypeStruct(w.shape, out_dtype)
+                  for _ in rule.outputs)
   first_state_arg = 3  # after x, dy, hparams
   out = pl.pallas_call(
       kernel,
-      out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state),
+      out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
+      + outputs,
       grid=(n_tiles,),
       input_output_aliases={first_state_arg + i: i for i in range(len(state))},
       compiler_params=plgpu.CompilerParams(
@@ -252,7 +265,9 @@ def fused_wgrad_update(
       interpret=interpret,
       name=f"fused_wgrad_{rule.name}",
   )(x2, dy2, hparams, *state)
-  return out[0], tuple(out[1:])
+  if rule.updates_weight:
+    return out[0], tuple(out[1:])
+  return w, tuple(out)
 
 
 def fused_wgrad_update_reference(x, dy, w, slots, hparams, *, rule: UpdateRule):

@@ -42,19 +42,40 @@ class UpdateRule:
     hparams: names of the runtime scalars the update reads, in order.
     update: ``update(g, w, slots, h)`` on fp32 arrays, ``h`` a mapping from
       hyperparameter name to an fp32 scalar; returns the new weight and the new
-      slots (fp32; the caller casts to storage dtypes).
+      slots followed by the ``outputs`` (fp32; the caller casts to storage
+      dtypes).
+    updates_weight: ``False`` for a rule that only advances the state (the
+      epilogue of a regime-2 family: LAMB, Muon): the kernel neither loads nor
+      stores ``W``, ``update`` receives ``w=None`` and its returned weight is
+      ignored.
+    outputs: names of write-only arrays of the weight's shape that the
+      epilogue produces beside the slots (e.g. Muon's Nesterov look-ahead
+      ``"mu_hat"``, computed from ``G`` in registers for the layer pass that
+      follows). Stored in ``output_dtype``; never read by the kernel.
   """
 
   name: str
   slots: tuple[str, ...]
   hparams: tuple[str, ...]
   update: UpdateFn
+  updates_weight: bool = True
+  outputs: tuple[str, ...] = ()
 
   def __post_init__(self):
     if len(self.hparams) > HPARAM_VECTOR_LEN:
       raise ValueError(
           f"rule {self.name!r} has {len(self.hparams)} hyperparameters; at most"
           f" {HPARAM_VECTOR_LEN} fit the kernel's hyperparameter vector")
+    if not self.updates_weight and not (self.slots or self.outputs):
+      raise ValueError(
+          f"rule {self.name!r} writes neither the weight nor any slot or "
+          "output: its epilogue would do nothing")
+
+  @staticmethod
+  def output_dtype(w_dtype, slot_dtypes=()):
+    """Storage dtype of ``outputs``: the weight's and slots' promoted dtype
+    (what optax's arithmetic on ``G`` and the state produces)."""
+    return jnp.result_type(w_dtype, *slot_dtypes)
 
   def pack(self, **values) -> jax.Array:
     """Packs named hyperparameters into the kernel's fp32 vector."""
@@ -73,13 +94,20 @@ class UpdateRule:
     return {n: vec[i] for i, n in enumerate(self.hparams)}
 
   def apply(self, g, w, slots: Sequence[jax.Array], hparams: jax.Array):
-    """The rule on whole arrays in fp32, cast back to the storage dtypes."""
+    """The rule on whole arrays in fp32, cast back to the storage dtypes.
+
+    Returns ``(w_new, new_slots + outputs)``; ``w_new`` is ``w`` itself when
+    the rule does not update the weight.
+    """
     f32 = jnp.float32
-    w_new, slots_new = self.update(
-        g.astype(f32), w.astype(f32), tuple(s.astype(f32) for s in slots),
-        self.unpack(hparams))
-    return (w_new.astype(w.dtype),
-            tuple(n.astype(s.dtype) for n, s in zip(slots_new, slots)))
+    slots = tuple(slots)
+    w_new, new = self.update(
+        g.astype(f32), w.astype(f32) if self.updates_weight else None,
+        tuple(s.astype(f32) for s in slots), self.unpack(hparams))
+    out_dtype = self.output_dtype(w.dtype, [s.dtype for s in slots])
+    dtypes = [s.dtype for s in slots] + [out_dtype] * len(self.outputs)
+    return (w_new.astype(w.dtype) if self.updates_weight else w,
+            tuple(n.astype(d) for n, d in zip(new, dtypes)))
 
 
 # Each family's update mirrors the operation order of its optax counterpart
@@ -318,6 +346,64 @@ def lion_rule() -> UpdateRule:
                     hparams=("lr", "b1", "one_minus_b1", "b2", "one_minus_b2",
                              "weight_decay"),
                     update=update)
+
+
+# --- Regime 2: the epilogue advances the state only ---------------------------
+# The weight update reads a layer statistic of the new state (LAMB's norms,
+# Muon's Newton-Schulz), so it runs in a per-layer pass after the kernel
+# (``forge_jax``); these rules leave ``W`` untouched and never store ``G``.
+
+
+def lamb_rule() -> UpdateRule:
+  """LAMB's state update (``optax.lamb``'s ``scale_by_adam`` moments) alone.
+
+  Slots ``("mu", "nu")``; ``W`` is neither read nor written. The per-layer
+  pass that follows forms the Adam update from the new moments, adds weight
+  decay, scales by the trust ratio and applies the learning rate; it reads
+  the same hyperparameters: Adam's (:func:`adam_rule`) and ``weight_decay``.
+  """
+
+  def update(g, w, slots, h):
+    mu, nu, _, _ = _adam_moments(g, *slots, h, nesterov=False)
+    return None, (mu, nu)
+
+  return UpdateRule(name="lamb_moments", slots=("mu", "nu"),
+                    hparams=_ADAM_HPARAMS + ("weight_decay",), update=update,
+                    updates_weight=False)
+
+
+def muon_rule(nesterov: bool = True) -> UpdateRule:
+  """Muon's state update (``optax.contrib.scale_by_muon``) alone.
+
+  The momentum is affine in ``G``: ``mu = (1 - beta) * G + beta * mu``, so the
+  weight-gradient GEMM accumulates straight into it. The epilogue also writes
+  the bias-corrected momentum that Newton-Schulz will read, ``mu_hat``
+  (output), exactly as optax forms it: ``mu / (1 - beta**t)``, or with
+  ``nesterov`` ``beta * mu / (1 - beta**(t+1)) + (1 - beta) * G / (1 - beta**t)``
+  -- the one place where ``G`` enters the weight update, consumed here in
+  registers. ``mu_hat`` is formed from the fp32 momentum before it is rounded
+  to its storage dtype, as optax does. ``W`` is neither read nor written.
+
+  Slots ``("mu",)``; outputs ``("mu_hat",)``. Hyperparameters: ``lr``,
+  ``b1`` (beta), ``one_minus_b1``, ``bc1 = 1 - beta**t``,
+  ``bc1_next = 1 - beta**(t+1)``, ``weight_decay`` (the last two and ``lr``
+  are read by the layer pass).
+  """
+
+  def update(g, w, slots, h):
+    (mu,) = slots
+    mu = _ema(g, mu, h["one_minus_b1"], h["b1"])
+    if nesterov:
+      mu_hat = h["b1"] * (mu / h["bc1_next"]) + h["one_minus_b1"] * (
+          g / h["bc1"])
+    else:
+      mu_hat = mu / h["bc1"]
+    return None, (mu, mu_hat)
+
+  return UpdateRule(
+      name=_suffix("muon_momentum", nesterov=nesterov), slots=("mu",),
+      hparams=("lr", "b1", "one_minus_b1", "bc1", "bc1_next", "weight_decay"),
+      update=update, updates_weight=False, outputs=("mu_hat",))
 
 
 ADAMW = adamw_rule()

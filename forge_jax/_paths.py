@@ -1,0 +1,107 @@
+"""The three ways a FORGE layer's backward applies its optimizer step.
+
+``pallas_kernels.classify(family).number`` picks the path (``ForgeSpec.regime``):
+
+1. **epilogue** -- the fused kernel's epilogue applies the whole rule; ``G``
+   lives in registers only.
+2. **epilogue, then a layer pass** -- the epilogue advances the state (the
+   rule leaves ``W``, e.g. LAMB's moments, Muon's momentum); then
+   ``spec.layer_pass`` (plain ``jnp``, still inside the layer's backward)
+   forms the weight update from the *new state* and ``W`` (LAMB's trust
+   ratio, Muon's Newton-Schulz). It never reads ``G``.
+3. **deferred** -- ``G = x^T dy`` is formed in fp32, the optax update itself
+   is applied to this one parameter (its state sliced down to it), and ``G``
+   dies in this backward: at most one layer's ``G`` is live.
+
+The same functions give Remark 1's zero-gradient step (:func:`step_from_grad`)
+so that a layer whose backward never ran gets exactly what optax gives it.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import jax.numpy as jnp
+from jax import lax
+import optax
+
+import pallas_kernels
+from forge_jax import _state
+
+
+def form_gradient(x, dy):
+  """``G = x^T dy`` over all token rows, in fp32 (regime 3)."""
+  x2 = x.reshape(-1, x.shape[-1])
+  dy2 = dy.reshape(-1, dy.shape[-1])
+  return lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())),
+                         precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+
+
+def _after_epilogue(spec, w, new, inputs):
+  """Regime 1: done. Regime 2: the per-layer pass over the new state."""
+  if spec.regime == 1:
+    return w, new
+  n = len(spec.rule.slots)
+  w_new, slots = spec.layer_pass(w, new[:n], new[n:],
+                                 spec.rule.unpack(inputs.hparams),
+                                 inputs.shared)
+  return w_new.astype(w.dtype), tuple(
+      s.astype(old.dtype) for s, old in zip(slots, inputs.slots))
+
+
+def _deferred(spec, layout: _state.KernelLayout, g, w, inputs):
+  """Regime 3: optax's own update on the one-parameter slice of its state."""
+  subtrees = layout.split(list(inputs.slots))
+  shared = jax.tree.unflatten(layout.shared_def, list(inputs.shared))
+  state_one = _state.walk(
+      shared, lambda v, owner, name: isinstance(v, _state.Hole),
+      lambda i, owner, name, hole: layout.one_leaf(subtrees[i]))
+  params_one = layout.one_leaf(w)
+  updates, new_state = spec.update(layout.one_leaf(g), state_one, params_one)
+  w_new = _state.get_subtree(optax.apply_updates(params_one, updates),
+                             layout.keypath)
+  params_def = jax.tree.structure(layout.params_skeleton,
+                                  is_leaf=lambda x: x is None)
+  new_subtrees = [
+      _state.get_subtree(f.tree, layout.keypath)
+      for f in _state.per_param_fields(new_state, params_def)]
+  new_leaves = []
+  for sub, d in zip(new_subtrees, layout.slot_defs):
+    leaves, got = jax.tree.flatten(sub)
+    if got != d:
+      raise ValueError(
+          f"the optimizer changed the structure of its state for "
+          f"{jax.tree_util.keystr(layout.keypath)}: {d} -> {got}")
+    new_leaves.extend(leaves)
+  return w_new.astype(w.dtype), tuple(
+      n.astype(o.dtype) for n, o in zip(new_leaves, inputs.slots))
+
+
+def step_in_backward(spec, layout, x, dy, w, inputs, config=None):
+  """The optimizer step of one FORGE kernel inside its layer's backward.
+
+  ``w`` is the pre-update kernel (the caller has already read it for
+  ``dx``). Returns ``(w_new, slots_new)``.
+  """
+  if spec.regime == 3:
+    return _deferred(spec, layout, form_gradient(x, dy), w, inputs)
+  w1, new = pallas_kernels.fused_wgrad_update(
+      x, dy, w, inputs.slots, inputs.hparams, rule=spec.rule, config=config)
+  return _after_epilogue(spec, w1, new, inputs)
+
+
+def step_from_grad(spec, layout, g, w, inputs):
+  """The same step from an explicit gradient (Remark 1: ``g = 0``)."""
+  if spec.regime == 3:
+    return _deferred(spec, layout, g, w, inputs)
+  w1, new = spec.rule.apply(g, w, inputs.slots, inputs.hparams)
+  return _after_epilogue(spec, w1, new, inputs)
+
+
+def zero_cotangent(a):
+  """A zero cotangent for a primal input that the backward only reads."""
+  a = jnp.asarray(a)
+  if jnp.issubdtype(a.dtype, jnp.inexact):
+    return jnp.zeros_like(a)
+  return np.zeros(a.shape, jax.dtypes.float0)

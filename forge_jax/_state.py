@@ -1,0 +1,177 @@
+"""Slicing an optax state down to one FORGE kernel, and putting it back.
+
+An optax state is a tree of NamedTuples (``ScaleByAdamState``, ``MaskedState``,
+``PartitionState``'s dict of states, ...). Some of its fields are
+*per-parameter* trees: their structure has the params tree's as a prefix
+(``mu``, ``nu``; Adafactor's ``v_row``/``v_col``, whose leaves have other
+shapes than the parameters; SM3's ``mu``, a list of arrays per parameter;
+``MaskedNode`` where a partition or mask leaves a parameter out). Everything
+else is *shared* by all parameters (step counts, Muon's Newton-Schulz
+coefficients).
+
+A FORGE kernel at key path ``kp`` owns the subtree at ``kp`` of every
+per-parameter field; :func:`walk` visits those fields in a fixed order, so the
+same index names the same field in the state before and after an update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+
+KeyPath = tuple[Any, ...]
+
+
+class Hole(NamedTuple):
+  """Marks where a per-parameter field was taken out of a state (no leaves)."""
+
+
+def is_per_param(value, params_def) -> bool:
+  """Whether ``value``'s structure has the params tree's as a prefix."""
+  if value is None or isinstance(value, Hole):
+    return False
+  try:
+    params_def.flatten_up_to(value)
+  except (ValueError, TypeError):
+    return False
+  return True
+
+
+def walk(state, is_field: Callable[[Any, Any, Optional[str]], bool],
+         fn: Callable[[int, Any, Optional[str], Any], Any]):
+  """Rebuilds ``state`` with ``fn(i, owner, name, tree)`` applied to each field.
+
+  A field is a node for which ``is_field(node, owner, name)`` holds (checked
+  top-down, so a field is never entered); ``i`` counts fields in traversal
+  order, ``owner`` is the NamedTuple state holding it (``None`` elsewhere)
+  and ``name`` its field name there.
+  """
+  counter = [0]
+
+  def rec(node, owner, name):
+    if is_field(node, owner, name):
+      i = counter[0]
+      counter[0] += 1
+      return fn(i, owner, name, node)
+    if hasattr(node, "_fields"):  # a NamedTuple state
+      return type(node)(*(rec(v, node, f) for f, v in zip(node._fields, node)))
+    if isinstance(node, (tuple, list)):
+      return type(node)(rec(v, None, None) for v in node)
+    if isinstance(node, Mapping):  # e.g. PartitionState.inner_states
+      # Visit in sorted key order, as jax flattens dicts: an update may
+      # rebuild a dict in another insertion order, and indices must not move.
+      try:
+        order = sorted(node)
+      except TypeError:
+        order = list(node)
+      done = {k: rec(node[k], None, None) for k in order}
+      return type(node)({k: done[k] for k in node})
+    return node
+
+  return rec(state, None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """One per-parameter field of a state: its index, owner and name."""
+  index: int
+  owner: Any
+  name: Optional[str]
+  tree: Any
+
+  def matches(self, spec_field) -> bool:
+    """Whether a ``ForgeSpec.slot_fields`` entry (a name, or a
+    ``(StateClass, name)`` pair) names this field."""
+    return field_matches(spec_field, self.owner, self.name)
+
+
+def field_matches(spec_field, owner, name) -> bool:
+  """Whether ``spec_field`` (a name, or a ``(StateClass, name)`` pair) names
+  the field ``name`` of the NamedTuple state ``owner``."""
+  if owner is None:
+    return False
+  if isinstance(spec_field, tuple):
+    cls, field = spec_field
+    return isinstance(owner, cls) and name == field
+  return name == spec_field
+
+
+def per_param_fields(state, params_def) -> list[Field]:
+  found: list[Field] = []
+
+  def record(i, owner, name, tree):
+    found.append(Field(i, owner, name, tree))
+    return tree
+
+  walk(state, lambda v, owner, name: is_per_param(v, params_def), record)
+  return found
+
+
+def map_per_param(state, params_def, fn: Callable[[int, Any], Any]):
+  """``state`` with ``fn(i, tree)`` applied to its ``i``-th per-param field."""
+  return walk(state, lambda v, owner, name: is_per_param(v, params_def),
+              lambda i, owner, name, tree: fn(i, tree))
+
+
+def get_subtree(tree, kp: KeyPath):
+  for k in kp:
+    tree = tree[k.key]
+  return tree
+
+
+def replace_subtrees(tree, new: dict[KeyPath, Any]):
+  """``tree`` (nested mappings) with the subtrees at the key paths replaced."""
+  if not new:
+    return tree
+
+  def rec(node, prefix):
+    if prefix in new:
+      return new[prefix]
+    if not isinstance(node, Mapping):
+      return node
+    if not any(kp[:len(prefix)] == prefix and len(kp) > len(prefix)
+               for kp in new):
+      return node
+    return type(node)({k: rec(v, prefix + (jax.tree_util.DictKey(k),))
+                       for k, v in node.items()})
+
+  return rec(tree, ())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelLayout:
+  """Where one FORGE kernel's optimizer state lives (static, per kernel).
+
+  Attributes:
+    keypath: the kernel's key path in the params tree.
+    slot_ids: the per-parameter fields (:func:`walk` indices) that travel as
+      the layer's slots, in slot order.
+    slot_defs: for each of them, the structure of the kernel's subtree (one
+      array for an epilogue slot; e.g. a list of arrays for SM3).
+    shared_def: deferred path only: the structure of the state with its
+      per-parameter fields replaced by :class:`Hole`; its leaves are the
+      layer's ``shared`` inputs.
+    params_skeleton: deferred path only: the params tree with ``None``
+      leaves, into which the kernel's arrays are put to make one-leaf trees.
+  """
+
+  keypath: KeyPath
+  slot_ids: tuple[int, ...]
+  slot_defs: tuple[Any, ...]
+  shared_def: Any = None
+  params_skeleton: Any = None
+
+  def split(self, leaves):
+    """The flat slot arrays, regrouped into one subtree per slot field."""
+    out, start = [], 0
+    for d in self.slot_defs:
+      out.append(jax.tree.unflatten(d, leaves[start:start + d.num_leaves]))
+      start += d.num_leaves
+    return out
+
+  def one_leaf(self, subtree):
+    """A params-structured tree holding only ``subtree`` at this kernel."""
+    return replace_subtrees(self.params_skeleton, {self.keypath: subtree})

@@ -1,0 +1,377 @@
+"""Regimes 2 and 3 (LAMB, Muon; Adafactor, SM3) against optax, and regime 4.
+
+* 20 training steps of the 37 -> 70 -> 130 -> 5 MLP (batch 48, fp32, odd
+  widths): ``forge_jax.Dense`` + ``forge_jax.<family>`` + ``make_step``
+  against ``flax.linen.Dense`` + the optax transform, every parameter and
+  every optimizer-state leaf within 1e-5 relative;
+* the paths themselves, read off the step's jaxpr: regime 2 runs the fused
+  kernel and never forms a kernel-shaped ``G`` (no ``dot_general`` contracts
+  the token axis into a kernel-shaped output); regime 3 forms exactly one per
+  FORGE layer, inside that layer's backward;
+* Remark 1 (an untouched layer) on the regime-2 and -3 paths;
+* regime 4 (global-norm clipping) is refused, and says why.
+"""
+
+import inspect
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+
+import forge_jax
+import pallas_kernels as pk
+from tests.tolerances import rel_err, tol
+
+F32_TOL = tol(jnp.float32)
+STEPS = 20
+BT = 48  # tokens per step; no kernel dimension has this size
+WIDTHS = (37, 70, 130, 5)
+KERNEL_SHAPES = {(a, b) for a, b in zip(WIDTHS[:-1], WIDTHS[1:])}
+
+
+def _schedule(base):
+  return optax.linear_schedule(base, base / 10, STEPS)
+
+
+def _decay_kernels_only(params):
+  return jax.tree.map(lambda a: a.ndim > 1, params)
+
+
+# name -> (forge_jax family, optax transform, args, kwargs). A learning-rate
+# schedule wherever the optax transform accepts one (optax.sm3 does not).
+VARIANTS = {
+    "lamb": ("lamb", optax.lamb, (_schedule(1e-2),),
+             dict(weight_decay=1e-2, mask=_decay_kernels_only)),
+    "muon": ("muon", optax.contrib.muon, (_schedule(2e-2),),
+             dict(weight_decay=1e-2, weight_decay_mask=_decay_kernels_only)),
+    "muon_no_nesterov_adaptive_rms": (
+        "muon", optax.contrib.muon, (_schedule(2e-2),),
+        dict(nesterov=False, adaptive=True, consistent_rms=0.2)),
+    # optax.adafactor() as it comes: no learning rate, and with its default
+    # min_dim_size_to_factor=128 none of these kernels is factored.
+    "adafactor_default": ("adafactor", optax.adafactor, (), {}),
+    "adafactor_factored_momentum_wd": (
+        "adafactor", optax.adafactor, (_schedule(1e-2),),
+        dict(min_dim_size_to_factor=32, momentum=0.9,
+             weight_decay_rate=_schedule(1e-3),
+             weight_decay_mask=_decay_kernels_only)),
+    "adafactor_factored_off": (
+        "adafactor", optax.adafactor, (_schedule(1e-2),),
+        dict(factored=False, multiply_by_parameter_scale=False,
+             clipping_threshold=None, decay_rate=0.7)),
+    "sm3": ("sm3", optax.sm3, (3e-2,), {}),
+}
+FAMILIES = {"lamb": "lamb", "muon": "muon", "adafactor": "adafactor_default",
+            "sm3": "sm3"}
+
+
+def _transforms(name):
+  family, optax_fn, args, kwargs = VARIANTS[name]
+  return (getattr(forge_jax, family)(*args, **kwargs),
+          optax_fn(*args, **kwargs))
+
+
+class MLP(nn.Module):
+  dense: type
+  dead_head: bool = False  # an extra FORGE layer whose output is unused
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(self.dense(WIDTHS[1])(x))
+    x = nn.relu(self.dense(WIDTHS[2])(x))
+    y = self.dense(WIDTHS[3])(x)
+    if self.dead_head:  # Remark 1: computed, never reaches the loss
+      self.dense(WIDTHS[3], name="aux")(x)
+    return y
+
+
+def _mse(model):
+  return lambda variables, batch: jnp.mean(
+      (model.apply(variables, batch[0]) - batch[1]) ** 2)
+
+
+@pytest.fixture(scope="module")
+def data():
+  kx, ky, kp = jax.random.split(jax.random.key(0), 3)
+  xs = jax.random.normal(kx, (STEPS, BT, WIDTHS[0]))
+  ys = jax.random.normal(ky, (STEPS, BT, WIDTHS[-1]))
+  variables = MLP(nn.Dense).init(kp, xs[0])
+  return xs, ys, variables
+
+
+def _worst_leaf(actual, expected):
+  """(relative error, key path) of the worst floating leaf; integer leaves
+  (step counts) must be equal, and the tree structures identical."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  worst = (0.0, "")
+  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual),
+                          jax.tree.leaves(expected)):
+    where = jax.tree_util.keystr(path)
+    assert a.dtype == e.dtype and a.shape == e.shape, where
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      err = rel_err(a, e)
+      assert np.isfinite(err), f"{where}: not finite"
+      worst = max(worst, (err, where))
+    else:
+      np.testing.assert_array_equal(a, e, err_msg=where)
+  return worst
+
+
+def _train_both(name, data, model_kw=None, steps=STEPS):
+  xs, ys, variables = data
+  model_kw = model_kw or {}
+  forge_tx, optax_tx = _transforms(name)
+  ref_loss = _mse(MLP(nn.Dense, **model_kw))
+
+  @jax.jit
+  def ref_step(variables, state, batch):
+    loss, g = jax.value_and_grad(ref_loss)(variables, batch)
+    updates, state = optax_tx.update(g["params"], state, variables["params"])
+    return loss, {"params": optax.apply_updates(variables["params"],
+                                                updates)}, state
+
+  forge = jax.jit(
+      forge_jax.make_step(_mse(MLP(forge_jax.Dense, **model_kw)), forge_tx),
+      donate_argnums=(0, 1))
+  if model_kw:
+    variables = MLP(nn.Dense, **model_kw).init(jax.random.key(1), xs[0])
+  v_ref, s_ref = variables, optax_tx.init(variables["params"])
+  v_f = jax.tree.map(jnp.copy, variables)
+  s_f = forge_tx.init(v_f["params"])
+  losses = []
+  for i in range(steps):
+    l_ref, v_ref, s_ref = ref_step(v_ref, s_ref, (xs[i], ys[i]))
+    l_f, v_f, s_f = forge(v_f, s_f, (xs[i], ys[i]))
+    losses.append((float(l_f), float(l_ref)))
+  np.testing.assert_allclose(*zip(*losses), rtol=F32_TOL)
+  return (v_f, s_f), (v_ref, s_ref), variables
+
+
+def _check_parity(name, data, **kw):
+  (v_f, s_f), (v_ref, s_ref), v0 = _train_both(name, data, **kw)
+  p_err, p_where = _worst_leaf(v_f, v_ref)
+  s_err, s_where = _worst_leaf(s_f, s_ref)
+  assert p_err <= F32_TOL, f"{name} params: worst {p_where}: {p_err:.3g}"
+  assert s_err <= F32_TOL, f"{name} opt_state: worst {s_where}: {s_err:.3g}"
+  # Not vacuous: every FORGE kernel moved.
+  for layer in ("Dense_0", "Dense_1", "Dense_2"):
+    assert rel_err(v_f["params"][layer]["kernel"],
+                   v0["params"][layer]["kernel"]) > 1e-3, (name, layer)
+  print(f"{name}: worst rel err params {p_err:.2e} ({p_where}), "
+        f"state {s_err:.2e} ({s_where})")
+  return p_err, s_err
+
+
+# --- API ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,reference", [
+    ("lamb", optax.lamb), ("muon", optax.contrib.muon),
+    ("adafactor", optax.adafactor), ("sm3", optax.sm3)])
+def test_signature_and_defaults_match_optax(family, reference):
+  def params(fn):
+    return [(p.name, p.kind, p.default)
+            for p in inspect.signature(fn).parameters.values()]
+
+  assert params(getattr(forge_jax, family)) == params(reference)
+
+
+@pytest.mark.parametrize("family,regime", [
+    ("lamb", 2), ("muon", 2), ("adafactor", 3), ("sm3", 3), ("adamw", 1)])
+def test_spec_regime_is_the_classifiers(family, regime):
+  name = FAMILIES.get(family)
+  tx = _transforms(name)[0] if name else forge_jax.adamw(1e-3)
+  assert tx.spec.regime == pk.classify(family).number == regime
+
+
+def test_muon_weight_dimension_numbers_are_refused():
+  from optax.contrib import MuonDimensionNumbers
+  with pytest.raises(ValueError, match="muon_weight_dimension_numbers"):
+    forge_jax.muon(1e-2, muon_weight_dimension_numbers=MuonDimensionNumbers())
+
+
+# --- the regime-2 epilogue rules -------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", [pk.lamb_rule(), pk.muon_rule(True),
+                                  pk.muon_rule(False)], ids=lambda r: r.name)
+def test_state_only_rule_kernel_matches_reference(rule):
+  k = jax.random.split(jax.random.key(7), 4)
+  x = jax.random.normal(k[0], (BT, 70))
+  dy = jax.random.normal(k[1], (BT, 130))
+  w = jax.random.normal(k[2], (70, 130))
+  slots = tuple(jax.random.uniform(k[3], (70, 130)) for _ in rule.slots)
+  h = rule.pack(**{n: 0.5 for n in rule.hparams})
+  got = pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule)
+  ref = pk.fused_wgrad_update_reference(x, dy, w, slots, h, rule=rule)
+  assert got[0] is w  # the kernel neither reads nor writes W
+  assert len(got[1]) == len(rule.slots) + len(rule.outputs)
+  for a, b in zip(got[1], ref[1]):
+    assert rel_err(a, b) <= F32_TOL
+
+
+@pytest.mark.parametrize("rule", [pk.lamb_rule(), pk.muon_rule(True)],
+                         ids=lambda r: r.name)
+def test_state_only_rule_lowers_for_cuda_without_a_gpu(rule):
+  from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = AbstractMesh((1,), ("x",),
+                      abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+  sh = NamedSharding(mesh, P())
+  arg = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh)
+  args = [arg(37, 70), arg(37, 130), arg(70, 130), arg(pk.HPARAM_VECTOR_LEN),
+          *[arg(70, 130)] * len(rule.slots)]
+
+  def step(x, dy, w, h, *slots):
+    return pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule,
+                                 interpret=False)
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(step).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert sum("xla.gpu.triton" in l for l in text.splitlines()) == 1
+
+
+# --- 20 training steps against optax --------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_mlp_training_matches_optax(name, data):
+  _check_parity(name, data)
+
+
+@pytest.mark.parametrize("name", ["lamb", "muon", "adafactor_factored_momentum_wd",
+                                  "sm3"])
+def test_untouched_layer_gets_the_zero_gradient_update(name, data):
+  """Remark 1 on the regime-2 and -3 paths: a FORGE layer whose output never
+  reaches the loss gets exactly optax's zero-gradient step."""
+  (v_f, s_f), (v_ref, s_ref), v0 = _train_both(
+      name, data, model_kw=dict(dead_head=True), steps=4)
+  for what, a, e in (("params", v_f, v_ref), ("opt_state", s_f, s_ref)):
+    err, where = _worst_leaf(a, e)
+    assert err <= F32_TOL, f"{name} {what}: worst {where}: {err:.3g}"
+  if name != "sm3":  # weight decay moved the dead kernel: not skipped
+    assert rel_err(v_f["params"]["aux"]["kernel"],
+                   v0["params"]["aux"]["kernel"]) > 0
+
+
+# --- the paths, read off the jaxpr -------------------------------------------
+
+
+def _sub_jaxprs(eqn):
+  for v in eqn.params.values():
+    for item in (v if isinstance(v, (tuple, list)) else (v,)):
+      if hasattr(item, "eqns"):
+        yield item
+      elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+        yield item.jaxpr
+
+
+def _eqns(jaxpr):
+  """Every equation, through calls, custom rules and control flow (not into
+  a Pallas kernel's body: its dots are tile-sized)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    if eqn.primitive.name != "pallas_call":
+      for sub in _sub_jaxprs(eqn):
+        yield from _eqns(sub)
+
+
+def _kernel_gradient_dots(jaxpr):
+  """``dot_general``s that contract the token axis into a kernel-shaped
+  output (either orientation): the weight gradients ``G = x^T dy``."""
+  found = []
+  for eqn in _eqns(jaxpr):
+    if eqn.primitive.name != "dot_general":
+      continue
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    out = tuple(eqn.outvars[0].aval.shape)
+    if [lhs[d] for d in lc] == [BT]:
+      if out in KERNEL_SHAPES:
+        found.append(out)
+      elif out[::-1] in KERNEL_SHAPES:  # AD forms dy^T x, then transposes
+        found.append(out[::-1])
+  return found
+
+
+def _step_jaxpr(forge_tx, variables, batch):
+  step = forge_jax.make_step(_mse(MLP(forge_jax.Dense)), forge_tx)
+  return jax.make_jaxpr(step)(variables, forge_tx.init(variables["params"]),
+                              batch).jaxpr
+
+
+@pytest.mark.parametrize("family", ["lamb", "muon", "adafactor", "sm3"])
+def test_regime_2_never_forms_a_kernel_gradient_regime_3_one_per_layer(
+    family, data):
+  xs, ys, variables = data
+  forge_tx, optax_tx = _transforms(FAMILIES[family])
+  jaxpr = _step_jaxpr(forge_tx, variables, (xs[0], ys[0]))
+  dots = _kernel_gradient_dots(jaxpr)
+  kernels = [e.params["name"] for e in _eqns(jaxpr)
+             if e.primitive.name == "pallas_call"]
+
+  # The detector is not vacuous: optax's own step forms the three Gs.
+  def ref_step(v, s, b):
+    g = jax.grad(_mse(MLP(nn.Dense)))(v, b)
+    return optax_tx.update(g["params"], s, v["params"])
+  ref = jax.make_jaxpr(ref_step)(variables, optax_tx.init(variables["params"]),
+                                 (xs[0], ys[0])).jaxpr
+  assert sorted(_kernel_gradient_dots(ref)) == sorted(KERNEL_SHAPES)
+
+  if pk.classify(family).number == 2:
+    assert dots == [], f"{family}: kernel-shaped G formed: {dots}"
+    rule = forge_tx.spec.rule
+    assert kernels == [f"fused_wgrad_{rule.name}"] * 3
+  else:
+    assert sorted(dots) == sorted(KERNEL_SHAPES), dots  # one per layer
+    assert kernels == []
+
+
+# --- regime 4 -------------------------------------------------------------------
+
+
+def test_regime_4_is_refused_with_the_reason():
+  why = forge_jax.refuse_reason("clip_by_global_norm")
+  assert "regime 4" in why and "cannot be fused" in why
+  with pytest.raises(AttributeError, match="regime 4.*cannot be fused"):
+    forge_jax.clip_by_global_norm  # noqa: B018
+  assert not hasattr(forge_jax, "global_norm_clip")
+  # A spec that claims a regime-4 family is refused too.
+  with pytest.raises(ValueError, match="regime 4"):
+    forge_jax.ForgeSpec(rule=None, slot_fields=None, hparams=lambda s: {},
+                        family="global_norm_clip")
+  # An optax chain with global-norm clipping is not a FORGE transform.
+  chain = optax.chain(optax.clip_by_global_norm(1.0), forge_jax.adamw(1e-3))
+  with pytest.raises(TypeError, match="forge_jax transform.*clip_by_global_norm"):
+    forge_jax.make_step(_mse(MLP(forge_jax.Dense)), chain)
+
+
+def test_refuse_reason_for_implemented_unimplemented_and_unknown():
+  for family in ("adamw", "sgd_momentum", "lamb", "muon", "adafactor", "sm3"):
+    assert forge_jax.refuse_reason(family) is None, family
+  assert "does not implement 'lars'" in forge_jax.refuse_reason("lars")
+  assert "regime 3" in forge_jax.refuse_reason("lars")
+  with pytest.raises(AttributeError, match="does not implement 'scion'"):
+    forge_jax.scion  # noqa: B018
+  assert "unknown optimizer family" in forge_jax.refuse_reason("nope")
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    forge_jax.nope  # noqa: B018
+
+
+# --- GPU ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_regime_2_and_3_families_match_optax_on_gpu(data):
+  """All four families, 20 MLP steps each, on the GPU (Triton kernels)."""
+  errors = {}
+  with jax.default_matmul_precision("highest"):
+    for family, name in FAMILIES.items():
+      errors[family] = _check_parity(name, data)
+  print("GPU parity (params, state):", errors)
