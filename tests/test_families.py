@@ -23,7 +23,7 @@ import pytest
 import forge_jax
 import pallas_kernels as pk
 from forge_jax import step as forge_step
-from tests.tolerances import rel_err, tol
+from tests.tolerances import rel_err, tol, worst_leaf
 
 F32_TOL = tol(jnp.float32)
 STEPS = 20
@@ -79,20 +79,7 @@ def _transforms(name):
           getattr(optax, family)(sched, **kw))
 
 
-def _worst_leaf(actual, expected):
-  """(relative error, key path) of the worst floating leaf; integer leaves
-  (step counts) must be equal, and the tree structures identical."""
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  worst = (0.0, "")
-  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual),
-                          jax.tree.leaves(expected)):
-    where = jax.tree_util.keystr(path)
-    assert a.dtype == e.dtype and a.shape == e.shape, where
-    if jnp.issubdtype(a.dtype, jnp.floating):
-      worst = max(worst, (rel_err(a, e), where))
-    else:
-      np.testing.assert_array_equal(a, e, err_msg=where)
-  return worst
+_worst_leaf = worst_leaf
 
 
 def _assert_trees_close(actual, expected, what):

@@ -24,7 +24,7 @@ import pytest
 
 import forge_jax
 import pallas_kernels as pk
-from tests.tolerances import rel_err, tol
+from tests.tolerances import rel_err, tol, worst_leaf
 
 F32_TOL = tol(jnp.float32)
 STEPS = 20
@@ -103,22 +103,7 @@ def data():
   return xs, ys, variables
 
 
-def _worst_leaf(actual, expected):
-  """(relative error, key path) of the worst floating leaf; integer leaves
-  (step counts) must be equal, and the tree structures identical."""
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  worst = (0.0, "")
-  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual),
-                          jax.tree.leaves(expected)):
-    where = jax.tree_util.keystr(path)
-    assert a.dtype == e.dtype and a.shape == e.shape, where
-    if jnp.issubdtype(a.dtype, jnp.floating):
-      err = rel_err(a, e)
-      assert np.isfinite(err), f"{where}: not finite"
-      worst = max(worst, (err, where))
-    else:
-      np.testing.assert_array_equal(a, e, err_msg=where)
-  return worst
+_worst_leaf = worst_leaf
 
 
 def _train_both(name, data, model_kw=None, steps=STEPS):

@@ -56,3 +56,25 @@ def assert_trees_close(actual, expected, rtol=None, what="tree"):
       f"{what}: {len(a_leaves)} leaves vs {len(e_leaves)} expected")
   for (path, a), e in zip(a_leaves, e_leaves):
     assert_close(a, e, rtol, what=f"{what}{jax.tree_util.keystr(path)}")
+
+
+def worst_leaf(actual, expected):
+  """(relative error, key path) of the worst floating leaf of two trees.
+
+  Integer leaves (step counts) must be equal and the tree structures, shapes
+  and dtypes identical; a non-finite error fails at once.
+  """
+  import jax
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  worst = (0.0, "")
+  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual),
+                          jax.tree.leaves(expected)):
+    where = jax.tree_util.keystr(path)
+    assert a.dtype == e.dtype and a.shape == e.shape, where
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      err = rel_err(a, e)
+      assert np.isfinite(err), f"{where}: not finite"
+      worst = max(worst, (err, where))
+    else:
+      np.testing.assert_array_equal(a, e, err_msg=where)
+  return worst
