@@ -9,6 +9,7 @@ from pallas_kernels.fused_wgrad import (
     default_interpret,
     fused_wgrad_update,
     fused_wgrad_update_reference,
+    select_config,
 )
 from pallas_kernels.regimes import (
     Declaration,
@@ -39,5 +40,5 @@ __all__ = [
     "HPARAM_VECTOR_LEN", "Reads", "Regime", "UpdateRule", "adagrad_rule",
     "adam_rule", "adamax_rule", "adamw_rule", "classify", "default_interpret",
     "fused_wgrad_update", "fused_wgrad_update_reference", "lamb_rule",
-    "lion_rule", "muon_rule", "radam_rule", "rmsprop_rule", "sgd_rule",
+    "lion_rule", "muon_rule", "radam_rule", "rmsprop_rule", "select_config", "sgd_rule",
 ]

@@ -85,6 +85,27 @@ class BlockConfig:
     )
 
 
+def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
+                  rule: UpdateRule | str | None = None, *,
+                  interpret: bool | None = None) -> BlockConfig:
+  """The tiling ``fused_wgrad_update`` uses when given no ``config``.
+
+  On a GPU (not in interpret mode): the autotuned winner cached for this
+  device kind and problem (:func:`pallas_kernels.autotune.lookup`: the
+  shipped ``tuned_configs.json``, or ``$FORGE_AUTOTUNE_CACHE`` first), else
+  the heuristic :meth:`BlockConfig.default`. On a CPU / in interpret mode
+  always the heuristic. Runs at trace time; the parsed JSON is cached.
+  """
+  if interpret is None:
+    interpret = default_interpret()
+  if not interpret:
+    from pallas_kernels import autotune  # noqa: PLC0415 -- imports this module
+    cfg = autotune.lookup(bt, n_in, n_out, w_dtype, slot_dtypes, rule)
+    if cfg is not None:
+      return cfg
+  return BlockConfig.default(bt, n_in, n_out)
+
+
 def _float_dtype_check(name: str, a) -> None:
   if not jnp.issubdtype(a.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
@@ -216,7 +237,8 @@ def fused_wgrad_update(
       any float dtype (e.g. ``mu`` in ``mu_dtype``). Written in place.
     hparams: ``rule.pack(...)``: this step's runtime hyperparameters.
     rule: the optimizer family's elementwise update.
-    config: tiling; :meth:`BlockConfig.default` when ``None``.
+    config: tiling; when ``None``, :func:`select_config` (the autotuned
+      winner cached for this GPU, else :meth:`BlockConfig.default`).
     interpret: run in Pallas interpret mode (CPU); default: unless on a GPU.
 
   Returns:
@@ -238,9 +260,11 @@ def fused_wgrad_update(
   x2, dy2 = _flatten_tokens(x, dy)
   bt = x2.shape[0]
   n_in, n_out = w.shape
-  cfg = config or BlockConfig.default(bt, n_in, n_out)
   if interpret is None:
     interpret = default_interpret()
+  cfg = config or select_config(bt, n_in, n_out, w.dtype,
+                                [a.dtype for a in slots], rule,
+                                interpret=interpret)
   if bt == 0:
     # No tokens: G = 0, the optimizer still steps (moments decay, weight decay).
     return rule.apply(jnp.zeros(w.shape, jnp.float32), w, slots, hparams)

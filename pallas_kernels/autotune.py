@@ -1,0 +1,587 @@
+"""Autotuning of the fused kernel's tiling, and the cache of tuned winners.
+
+Three parts:
+
+* :data:`CONFIG_SPACE`: the curated candidate tilings (tile sizes, ``BT``
+  chunk, warps, stages, tile order), as data.
+* :func:`tune`: times each candidate with the real kernel on *scratch* arrays
+  (fresh random arrays of the right shapes and dtypes; never the caller's
+  weight or state), skips candidates that fail to compile, and returns the
+  best with every timing. The timer is injectable (tests use a fake one).
+* The cache: ``tuned_configs.json`` shipped beside this module, keyed by
+  device kind (``jax.devices()[0].device_kind``, e.g. ``"NVIDIA H200"``) and
+  then by :func:`cache_key` ``(rule, BT bucket, in, out, w dtype, slot
+  dtypes)``. :func:`lookup` returns the cached :class:`BlockConfig` or
+  ``None``; :func:`pallas_kernels.fused_wgrad.select_config` uses it when
+  ``fused_wgrad_update`` is called without a config. ``FORGE_AUTOTUNE_CACHE``
+  names another JSON (e.g. a re-tuned one) that is consulted first.
+
+Command line::
+
+    # re-tune on this machine's GPU, merging into the JSON (refuses on CPU):
+    python -m pallas_kernels.autotune --shapes 4096x4096 4096x14336 \\
+        --tokens 512 2048 --out pallas_kernels/tuned_configs.json
+    # rebuild the cache's entries from a benchmarks/kernel.py CSV:
+    python -m pallas_kernels.autotune --from-csv kernel.csv --out JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from typing import Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import rules as _rules
+from pallas_kernels.fused_wgrad import (
+    BlockConfig,
+    _MIN_BLOCK,
+    _next_pow2,
+    fused_wgrad_update,
+)
+from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
+
+SHIPPED_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                             "tuned_configs.json")
+ENV_VAR = "FORGE_AUTOTUNE_CACHE"
+FORMAT_VERSION = 1
+ANY_RULE = "any"
+
+# (block_in, block_out, block_bt, group_in, num_warps, num_stages). The first
+# six are benchmarks/kernel.py's curated tilings (measured on the H200); the
+# rest vary one knob at a time around the measured best (64x128x64).
+CONFIG_SPACE: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (64, 128, 64, 1, 4, 3),
+    (128, 128, 64, 1, 8, 3),
+    (128, 128, 32, 1, 4, 4),
+    (128, 256, 64, 1, 8, 3),
+    (64, 256, 64, 1, 4, 3),
+    (128, 128, 64, 8, 8, 3),
+    (64, 128, 64, 8, 4, 3),
+    (64, 128, 64, 4, 4, 3),
+    (64, 128, 32, 1, 4, 4),
+    (64, 128, 128, 1, 4, 2),
+    (64, 128, 64, 1, 4, 4),
+    (64, 128, 64, 1, 8, 3),
+    (64, 64, 64, 1, 4, 3),
+    (128, 64, 64, 1, 4, 3),
+    (32, 128, 64, 1, 4, 3),
+    (128, 128, 64, 1, 4, 3),
+)
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32",
+                  "f16": "float16", "fp16": "float16"}
+
+
+def config_space() -> list[BlockConfig]:
+  """:data:`CONFIG_SPACE` as :class:`BlockConfig` objects."""
+  return [BlockConfig(*c) for c in CONFIG_SPACE]
+
+
+def config_label(cfg: BlockConfig) -> str:
+  """``64x128x64,g1,w4,s3``: the form benchmarks/kernel.py's CSV uses."""
+  return (f"{cfg.block_in}x{cfg.block_out}x{cfg.block_bt},g{cfg.group_in},"
+          f"w{cfg.num_warps},s{cfg.num_stages}")
+
+
+_LABEL = re.compile(r"^(\d+)x(\d+)x(\d+),g(\d+),w(\d+),s(\d+)$")
+
+
+def parse_label(label: str) -> BlockConfig:
+  m = _LABEL.match(label.strip())
+  if not m:
+    raise ValueError(f"not a config label: {label!r}")
+  return BlockConfig(*(int(v) for v in m.groups()))
+
+
+# --- the cache ---------------------------------------------------------------
+
+
+def _dtype_name(d) -> str:
+  d = getattr(d, "dtype", d)  # an array (or ShapeDtypeStruct) stands for its dtype
+  if isinstance(d, str):
+    d = _DTYPE_ALIASES.get(d, d)
+  return jnp.dtype(d).name
+
+
+def bt_bucket(bt: int) -> int:
+  """Tokens are bucketed to the next power of two."""
+  return _next_pow2(max(1, int(bt)))
+
+
+def _rule_name(rule) -> str:
+  if rule is None:
+    return ANY_RULE
+  return rule if isinstance(rule, str) else rule.name
+
+
+def cache_key(rule, bt: int, n_in: int, n_out: int, w_dtype,
+              slot_dtypes: Sequence) -> str:
+  """``"adamw|bt512|4096x4096|w=bfloat16|slots=bfloat16,bfloat16"``.
+
+  ``rule`` is an :class:`UpdateRule`, its name, or ``None`` for ``"any"``
+  (an entry valid for every rule); ``bt`` is bucketed (:func:`bt_bucket`).
+  """
+  slots = ",".join(_dtype_name(d) for d in slot_dtypes)
+  return (f"{_rule_name(rule)}|bt{bt_bucket(bt)}|{int(n_in)}x{int(n_out)}|"
+          f"w={_dtype_name(w_dtype)}|slots={slots}")
+
+
+_parsed: dict[str, dict] = {}
+
+
+def clear_cache() -> None:
+  """Forgets the parsed JSON files (after one was rewritten)."""
+  _parsed.clear()
+
+
+def load(path: str) -> dict:
+  """The parsed cache file at ``path`` (memoised; validates every entry)."""
+  path = os.path.abspath(path)
+  if path not in _parsed:
+    with open(path) as f:
+      data = json.load(f)
+    _parsed[path] = _validated(data, path)
+  return _parsed[path]
+
+
+def _validated(data: dict, where: str) -> dict:
+  if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
+    raise ValueError(f"{where}: not a format-{FORMAT_VERSION} forge autotune "
+                     "cache (a JSON object with \"format\": 1)")
+  configs = {}
+  for kind, dev in data.get("devices", {}).items():
+    for key, entry in dev.get("entries", {}).items():
+      try:
+        configs[(kind, key)] = BlockConfig(**entry["config"])
+      except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: bad entry {kind!r} / {key!r}: {e}") from e
+  return {"data": data, "configs": configs}
+
+
+def cache_paths() -> list[str]:
+  """The files :func:`lookup` consults, first match wins: the one named by
+  ``$FORGE_AUTOTUNE_CACHE`` (if set), then the shipped one."""
+  paths = []
+  env = os.environ.get(ENV_VAR)
+  if env:
+    if not os.path.isfile(env):
+      raise FileNotFoundError(
+          f"${ENV_VAR}={env!r} does not name a file (unset it to use only "
+          "the shipped cache)")
+    paths.append(env)
+  paths.append(SHIPPED_CACHE)
+  return paths
+
+
+def lookup(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
+           rule=None, *, device_kind: str | None = None,
+           paths: Sequence[str] | None = None) -> BlockConfig | None:
+  """The cached tuned config for this problem on ``device_kind``, or ``None``.
+
+  Tries the rule's own entry, then an ``"any"``-rule entry, in each file of
+  ``paths`` (default :func:`cache_paths`). ``device_kind=None`` means the
+  current device, and on a CPU (or anything but a GPU) nothing matches.
+  """
+  if device_kind is None:
+    device_kind = current_device_kind()
+    if device_kind is None:
+      return None
+  keys = [cache_key(rule, bt, n_in, n_out, w_dtype, slot_dtypes)]
+  if _rule_name(rule) != ANY_RULE:
+    keys.append(cache_key(None, bt, n_in, n_out, w_dtype, slot_dtypes))
+  for path in (cache_paths() if paths is None else paths):
+    configs = load(path)["configs"]
+    for key in keys:
+      cfg = configs.get((device_kind, key))
+      if cfg is not None:
+        return cfg
+  return None
+
+
+def current_device_kind() -> str | None:
+  """``jax.devices()[0].device_kind`` when the default backend is a GPU, else
+  ``None`` (tuned entries are for GPUs; CPU/interpret uses the heuristic)."""
+  if jax.default_backend() != "gpu":
+    return None
+  return jax.devices()[0].device_kind
+
+
+# --- tuning ------------------------------------------------------------------
+
+# Plausible values for the hyperparameters the families use (AdamW-like); any
+# other name gets 0.5. They only need to keep the scratch state finite.
+_TUNING_HPARAMS = {
+    "lr": 1e-4, "b1": 0.9, "b2": 0.999, "one_minus_b1": 0.1,
+    "one_minus_b2": 1e-3, "eps": 1e-8, "eps_root": 0.0, "weight_decay": 1e-4,
+    "bc1": 0.65, "bc2": 0.01, "bc1_next": 0.69, "decay": 0.9,
+}
+
+
+def _tuning_hparams(rule: UpdateRule) -> jax.Array:
+  return rule.pack(**{n: _TUNING_HPARAMS.get(n, 0.5) for n in rule.hparams})
+
+
+def scratch_state(bt: int, n_in: int, n_out: int, w_dtype,
+                  slot_dtypes: Sequence, act_dtype=None, seed: int = 0):
+  """Fresh random ``(x, dy, w, *slots)`` of the problem's shapes and dtypes."""
+  act = _dtype_name(w_dtype if act_dtype is None else act_dtype)
+  k = jax.random.split(jax.random.key(seed), 3 + len(slot_dtypes))
+  x = jax.random.normal(k[0], (bt, n_in), jnp.float32).astype(act)
+  dy = jax.random.normal(k[1], (bt, n_out), jnp.float32).astype(act)
+  w = (0.02 * jax.random.normal(k[2], (n_in, n_out))).astype(_dtype_name(w_dtype))
+  slots = [(1e-4 * jax.random.uniform(k[3 + i], (n_in, n_out))).astype(
+      _dtype_name(d)) for i, d in enumerate(slot_dtypes)]
+  return (x, dy, w, *slots)
+
+
+Timer = Callable[[Callable, tuple, BlockConfig], float]
+
+
+def loop_timer(n_inner: int = 20, n_outer: int = 5) -> Timer:
+  """The default timer: seconds per step, the median of ``n_outer`` timed
+  calls of an ``n_inner``-step jitted, donated ``fori_loop`` after a warm-up
+  (the benchmarks' method). Compile errors surface from the warm-up."""
+
+  def timer(step, state, config):
+    del config
+    loop = jax.jit(
+        lambda s: jax.lax.fori_loop(0, n_inner, lambda i, s: step(s), s),
+        donate_argnums=0)
+    state = loop(state)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(n_outer):
+      t0 = time.perf_counter()
+      state = loop(state)
+      jax.block_until_ready(state)
+      times.append((time.perf_counter() - t0) / n_inner)
+    return statistics.median(times)
+
+  return timer
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+  """What :func:`tune` measured.
+
+  Attributes:
+    best: the fastest config that compiled and ran.
+    best_s: its time per step, seconds.
+    timings: seconds per step of every config that ran, in the order tried.
+    failures: the configs that failed (to compile or run), with the error.
+  """
+
+  best: BlockConfig
+  best_s: float
+  timings: dict[BlockConfig, float]
+  failures: dict[BlockConfig, str]
+
+
+def candidates(bt: int, n_in: int, n_out: int,
+               configs: Iterable[BlockConfig] | None = None) -> list[BlockConfig]:
+  """``configs`` (default :func:`config_space`) with tiles no larger than the
+  problem (clamped as :meth:`BlockConfig.default` does), duplicates dropped."""
+  clamp = lambda b, n: max(_MIN_BLOCK, min(b, _next_pow2(n)))
+  out = []
+  for c in (config_space() if configs is None else configs):
+    c = dataclasses.replace(c, block_in=clamp(c.block_in, n_in),
+                            block_out=clamp(c.block_out, n_out),
+                            block_bt=clamp(c.block_bt, bt))
+    if c not in out:
+      out.append(c)
+  return out
+
+
+def tune(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
+         rule: UpdateRule, *, configs: Iterable[BlockConfig] | None = None,
+         timer: Timer | None = None, act_dtype=None,
+         interpret: bool | None = None, verbose: bool = False) -> TuneResult:
+  """Times the fused kernel for each candidate config and returns the best.
+
+  Every candidate runs on its own fresh scratch arrays (:func:`scratch_state`:
+  ``x``/``dy`` in ``act_dtype``, default ``w_dtype``); the caller's weight and
+  state are never touched. ``w_dtype`` and ``slot_dtypes`` may be dtypes,
+  dtype names or arrays (standing for their dtypes).
+
+  Args:
+    bt, n_in, n_out: tokens and the weight's shape ``(in, out)``.
+    w_dtype, slot_dtypes: the weight's and the rule's slots' storage dtypes.
+    rule: the optimizer rule the kernel's epilogue applies.
+    configs: candidates (default :data:`CONFIG_SPACE`), clamped to the shape.
+    timer: ``timer(step, state, config) -> seconds per step`` where
+      ``step(state) -> state`` runs the kernel once on the scratch tuple
+      ``state``; default :func:`loop_timer`. An exception counts as a failure.
+    interpret: passed to the kernel (default: unless on a GPU).
+  """
+  slot_dtypes = tuple(_dtype_name(d) for d in slot_dtypes)
+  if len(slot_dtypes) != len(rule.slots):
+    raise ValueError(f"rule {rule.name!r} has slots {rule.slots}; got "
+                     f"{len(slot_dtypes)} slot dtypes")
+  timer = loop_timer() if timer is None else timer
+  h = _tuning_hparams(rule)
+
+  def make_step(cfg):
+    def step(state):
+      x, dy, w, *slots = state
+      w, new = fused_wgrad_update(x, dy, w, slots, h, rule=rule, config=cfg,
+                                  interpret=interpret)
+      return (x, dy, w, *new[:len(rule.slots)])
+    return step
+
+  timings, failures = {}, {}
+  for cfg in candidates(bt, n_in, n_out, configs):
+    state = scratch_state(bt, n_in, n_out, w_dtype, slot_dtypes, act_dtype)
+    try:
+      t = float(timer(make_step(cfg), state, cfg))
+    except Exception as e:  # noqa: BLE001 -- a config may not compile
+      failures[cfg] = f"{type(e).__name__}: {str(e)[:300]}"
+      if verbose:
+        print(f"  {config_label(cfg)}: failed: {failures[cfg]}", flush=True)
+      continue
+    finally:
+      del state
+    timings[cfg] = t
+    if verbose:
+      print(f"  {config_label(cfg)}: {t * 1e6:.1f} us", flush=True)
+  if not timings:
+    raise RuntimeError(
+        f"no config ran for BT={bt} {n_in}x{n_out}: " + "; ".join(
+            f"{config_label(c)}: {e}" for c, e in failures.items()))
+  best = min(timings, key=timings.get)  # first of equals: the order tried
+  return TuneResult(best, timings[best], timings, failures)
+
+
+# --- writing the cache -------------------------------------------------------
+
+
+def _empty_cache() -> dict:
+  return {"format": FORMAT_VERSION,
+          "about": ("forge-jax tuned BlockConfigs: devices[device_kind]"
+                    "[\"entries\"][key], key = rule|btBUCKET|INxOUT|w=DTYPE|"
+                    "slots=DTYPES (pallas_kernels.autotune.cache_key); each "
+                    "entry names its measurement in devices[kind][\"sources\"]."),
+          "devices": {}}
+
+
+def _read_or_empty(path: str) -> dict:
+  if os.path.exists(path):
+    with open(path) as f:
+      data = json.load(f)
+    _validated(data, path)
+    return data
+  return _empty_cache()
+
+
+def merge(data: dict, device_kind: str, source_id: str, source: dict,
+          entries: Mapping[str, dict]) -> dict:
+  """Adds ``entries`` (key -> entry) and their source to ``data`` in place."""
+  dev = data["devices"].setdefault(device_kind, {"sources": {}, "entries": {}})
+  dev.setdefault("sources", {})[source_id] = source
+  for key, entry in entries.items():
+    dev.setdefault("entries", {})[key] = dict(entry, source=source_id)
+  dev["entries"] = dict(sorted(dev["entries"].items()))
+  return data
+
+
+def write(path: str, data: dict) -> None:
+  _validated(data, path)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=1)
+    f.write("\n")
+  os.replace(tmp, path)
+  clear_cache()
+
+
+def _entry(cfg: BlockConfig, time_us: float, timings_us: Mapping[str, float],
+           bt: int, **extra) -> dict:
+  return {"config": dataclasses.asdict(cfg), "time_us": round(time_us, 4),
+          "bt_measured": bt, **extra,
+          "timings_us": {k: round(v, 4) for k, v in timings_us.items()}}
+
+
+_SHAPE = re.compile(r"^BT=(\d+) (\d+)x(\d+)$")
+
+
+def _csv_dtypes(field: str) -> tuple[str, tuple[str, ...]]:
+  """``"w=bf16,m/v=bfloat16"`` -> ``("bfloat16", ("bfloat16", "bfloat16"))``."""
+  parts = dict(p.split("=", 1) for p in field.split(","))
+  w = _dtype_name(parts.pop("w"))
+  slots = []
+  for names, d in parts.items():
+    slots += [_dtype_name(d)] * len(names.split("/"))
+  return w, tuple(slots)
+
+
+def winners_from_csv(path: str, rule: str = "adamw", metric: str = "p50"):
+  """The best tiling per (shape, BT, dtypes) in a benchmarks/kernel.py CSV.
+
+  Reads its ``forge[<config>]`` time rows (the fused AdamW step per curated
+  config) and picks the lowest ``metric`` (the benchmark's own choice: p50,
+  first of equals). Returns ``(device_kind, source, entries)``.
+  """
+  groups: dict[tuple, list] = {}
+  devices, versions, stamps = set(), set(), set()
+  for r in csv.DictReader(open(path, newline="")):
+    m = re.match(r"^forge\[(.+)\]$", r["provider"])
+    if r["benchmark"] != "kernel" or r["metric"] != "time" or not m:
+      continue
+    groups.setdefault((r["shape"], r["dtypes"]), []).append(
+        (parse_label(m.group(1)), float(r[metric]) * _to_us(r["unit"])))
+    devices.add(r["device"])
+    versions.add(r["versions"])
+    stamps.add(r["timestamp"])
+  if not groups:
+    raise ValueError(f"{path}: no forge[<config>] time rows")
+  if len(devices) != 1:
+    raise ValueError(f"{path}: rows from several devices {sorted(devices)}")
+  (device,) = devices
+  device_kind = device.split(":", 1)[1] if ":" in device else device
+  entries = {}
+  for (shape, dtypes), rows in groups.items():
+    sm = _SHAPE.match(shape)
+    if not sm:
+      raise ValueError(f"{path}: unexpected shape {shape!r}")
+    bt, n_in, n_out = (int(v) for v in sm.groups())
+    w, slots = _csv_dtypes(dtypes)
+    best_cfg, best_t = None, None
+    for cfg, t in rows:
+      if best_t is None or t < best_t:
+        best_cfg, best_t = cfg, t
+    key = cache_key(rule, bt, n_in, n_out, w, slots)
+    entries[key] = _entry(best_cfg, best_t,
+                          {config_label(c): t for c, t in rows}, bt)
+  source = {
+      "kind": "benchmarks/kernel.py CSV",
+      "csv": _display_path(path),
+      "device": device,
+      "versions": "; ".join(sorted(versions)),
+      "measured": ", ".join(sorted(stamps)),
+      "metric": f"{metric} of the fused AdamW step per config, us",
+  }
+  source_id = f"{os.path.basename(path)}@{min(stamps)}"
+  return device_kind, source_id, source, entries
+
+
+def _to_us(unit: str) -> float:
+  return {"us": 1.0, "ms": 1e3, "s": 1e6}[unit]
+
+
+def _display_path(path: str) -> str:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = os.path.abspath(path)
+  return os.path.relpath(p, root) if p.startswith(root + os.sep) else p
+
+
+def _versions() -> str:
+  parts = [f"python {platform.python_version()}", f"jax {jax.__version__}"]
+  for mod in ("jaxlib", "triton"):
+    try:
+      parts.append(f"{mod} {__import__(mod).__version__}")
+    except Exception:  # noqa: BLE001 -- optional
+      pass
+  return "; ".join(parts)
+
+
+def _cli_rules() -> dict[str, UpdateRule]:
+  rs = [_rules.adamw_rule(), _rules.adamw_rule(nesterov=True),
+        _rules.adam_rule(), _rules.adamax_rule(), _rules.radam_rule(),
+        _rules.lion_rule(), _rules.sgd_rule(), _rules.sgd_rule(momentum=True),
+        _rules.adagrad_rule(), _rules.rmsprop_rule(), _rules.lamb_rule(),
+        _rules.muon_rule()]
+  return {r.name: r for r in rs}
+
+
+RULES = _cli_rules()
+
+
+def _parse_shape(s: str) -> tuple[int, int]:
+  m = re.match(r"^(\d+)x(\d+)$", s)
+  if not m:
+    raise argparse.ArgumentTypeError(f"shape {s!r} is not INxOUT")
+  return int(m.group(1)), int(m.group(2))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(
+      prog="python -m pallas_kernels.autotune",
+      description="Tune the fused kernel's tiling on this GPU (or import a "
+      "benchmarks/kernel.py CSV) and merge the winners into a cache JSON.")
+  p.add_argument("--out", default=SHIPPED_CACHE,
+                 help="cache JSON to merge into (default: the shipped one)")
+  p.add_argument("--from-csv", nargs="+", metavar="CSV",
+                 help="take the winners from benchmarks/kernel.py CSVs "
+                 "instead of measuring")
+  p.add_argument("--shapes", nargs="+", type=_parse_shape,
+                 default=[(4096, 4096), (4096, 1024), (4096, 14336),
+                          (14336, 4096)], metavar="INxOUT")
+  p.add_argument("--tokens", nargs="+", type=int, default=[512, 2048])
+  p.add_argument("--rule", choices=sorted(RULES), default="adamw")
+  p.add_argument("--w-dtype", default="bfloat16")
+  p.add_argument("--slot-dtype", default="bfloat16",
+                 help="dtype of every slot of the rule (default bfloat16)")
+  p.add_argument("--any-rule", action="store_true",
+                 help="store the winners under rule \"any\" (used for every "
+                 "rule without its own entry)")
+  args = p.parse_args(argv)
+
+  data = _read_or_empty(args.out)
+  if args.from_csv:
+    for path in args.from_csv:
+      kind, sid, source, entries = winners_from_csv(
+          path, rule=ANY_RULE if args.any_rule else "adamw")
+      merge(data, kind, sid, source, entries)
+      print(f"{path}: {len(entries)} winners for {kind!r}")
+    write(args.out, data)
+    print(f"wrote {args.out}")
+    return 0
+
+  kind = current_device_kind()
+  if kind is None:
+    print(f"error: autotuning needs a GPU (the default JAX backend is "
+          f"{jax.default_backend()!r}); nothing measured, {args.out} "
+          "unchanged.", file=sys.stderr)
+    return 2
+  rule = RULES[args.rule]
+  slots = (args.slot_dtype,) * len(rule.slots)
+  stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+  sid = f"autotune@{stamp}"
+  source = {"kind": "python -m pallas_kernels.autotune",
+            "device": f"{jax.devices()[0].platform}:{kind}",
+            "versions": _versions(), "measured": stamp,
+            "metric": "median of 5 calls of a 20-step fori_loop, us per step"}
+  entries = {}
+  print(f"device {kind}; {source['versions']}", flush=True)
+  for (n_in, n_out) in args.shapes:
+    for bt in args.tokens:
+      print(f"{args.rule} BT={bt} {n_in}x{n_out} w={args.w_dtype} "
+            f"slots={args.slot_dtype}", flush=True)
+      res = tune(bt, n_in, n_out, args.w_dtype, slots, rule, verbose=True)
+      key = cache_key(ANY_RULE if args.any_rule else rule, bt, n_in, n_out,
+                      args.w_dtype, slots)
+      entries[key] = _entry(
+          res.best, res.best_s * 1e6,
+          {config_label(c): t * 1e6 for c, t in res.timings.items()}, bt,
+          failed=sorted(config_label(c) for c in res.failures))
+      print(f"  best {config_label(res.best)}: {res.best_s * 1e6:.1f} us",
+            flush=True)
+      merge(data, kind, sid, source, entries)
+      write(args.out, data)  # after every case: a long run keeps its results
+  print(f"wrote {len(entries)} entries for {kind!r} to {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,317 @@
+"""The autotuner: its config space, the shipped cache, lookup and tune()."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import autotune
+from tests.test_kernel import adamw_hparams, check_against_reference, make_case
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H200_CSV = os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-29",
+                        "kernel.csv")
+BF16 = ("bfloat16", "bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(monkeypatch):
+  monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+  autotune.clear_cache()
+  yield
+  autotune.clear_cache()
+
+
+def _shipped():
+  with open(autotune.SHIPPED_CACHE) as f:
+    return json.load(f)
+
+
+# --- the shipped cache -------------------------------------------------------
+
+
+def test_config_space_is_valid_and_distinct():
+  space = autotune.config_space()
+  assert len(space) == len(set(space)) >= 6
+  for cfg in space:
+    assert autotune.parse_label(autotune.config_label(cfg)) == cfg
+
+
+def test_shipped_json_loads_and_every_entry_is_a_valid_block_config():
+  data = _shipped()
+  assert data["format"] == autotune.FORMAT_VERSION
+  configs = autotune.load(autotune.SHIPPED_CACHE)["configs"]
+  assert configs, "the shipped cache is empty"
+  for (kind, key), cfg in configs.items():
+    assert isinstance(cfg, pk.BlockConfig)
+    entry = data["devices"][kind]["entries"][key]
+    assert dataclasses.asdict(cfg) == entry["config"]
+    assert entry["source"] in data["devices"][kind]["sources"]
+    # the recorded winner is the fastest of the timings recorded beside it
+    assert entry["time_us"] == min(entry["timings_us"].values())
+    assert autotune.config_label(cfg) in entry["timings_us"]
+    rule, bt, shape, w, slots = key.split("|")
+    assert bt.startswith("bt") and autotune.bt_bucket(int(bt[2:])) == int(bt[2:])
+
+
+def test_shipped_json_holds_the_h200_sweep_with_provenance():
+  dev = _shipped()["devices"]["NVIDIA H200"]
+  assert len(dev["entries"]) == 8
+  (source,) = dev["sources"].values()
+  assert source["csv"] == "benchmarks/results/h200-2026-11-29/kernel.csv"
+  assert source["device"] == "gpu:NVIDIA H200"
+  assert "jax 0.11.2" in source["versions"]
+  assert "triton 3.6.0" in source["versions"]
+  assert source["measured"].startswith("2026-11-29")
+
+
+def test_from_csv_reproduces_the_shipped_winners(tmp_path):
+  out = tmp_path / "tuned.json"
+  assert autotune.main(["--from-csv", H200_CSV, "--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  assert got == _shipped()
+
+
+def test_package_data_declares_the_json():
+  with open(os.path.join(ROOT, "pyproject.toml")) as f:
+    text = f.read()
+  assert "[tool.setuptools.package-data]" in text
+  assert 'pallas_kernels = ["tuned_configs.json"]' in text
+
+
+# --- lookup and select_config --------------------------------------------------
+
+
+def test_lookup_hits_the_h200_winners():
+  # 4096x1024 at BT 512: 128x128x64 with 8 warps beat the heuristic there.
+  cfg = autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                        device_kind="NVIDIA H200")
+  assert cfg == pk.BlockConfig(128, 128, 64, 1, 8, 3)
+  # 4096x14336 at BT 2048: grouped order (g8) won.
+  cfg = autotune.lookup(2048, 4096, 14336, "bf16", BF16, "adamw",
+                        device_kind="NVIDIA H200")
+  assert cfg == pk.BlockConfig(128, 128, 64, 8, 8, 3)
+  # BT is bucketed to the next power of two.
+  assert autotune.lookup(1500, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
+                         device_kind="NVIDIA H200") == cfg
+
+
+@pytest.mark.parametrize("case", [
+    dict(bt=512, n_in=4096, n_out=4097),          # unknown shape
+    dict(bt=4096),                                 # BT bucket not tuned
+    dict(w_dtype=jnp.float32),                     # other W dtype
+    dict(slot_dtypes=("float32", "float32")),      # other moment dtypes
+    dict(rule=pk.lion_rule()),                     # other rule
+    dict(device_kind="NVIDIA A100"),               # other device
+    dict(device_kind="cpu"),
+])
+def test_lookup_misses(case):
+  args = dict(bt=512, n_in=4096, n_out=1024, w_dtype=jnp.bfloat16,
+              slot_dtypes=BF16, rule=pk.ADAMW, device_kind="NVIDIA H200")
+  args.update(case)
+  kind = args.pop("device_kind")
+  assert autotune.lookup(**args, device_kind=kind) is None
+
+
+def test_cpu_never_uses_gpu_entries():
+  if jax.default_backend() == "gpu":
+    pytest.skip("on a GPU")
+  assert autotune.current_device_kind() is None
+  # no device_kind given: the current device (CPU) matches nothing
+  assert autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW) is None
+  heuristic = pk.BlockConfig.default(512, 4096, 1024)
+  for interpret in (None, True, False):
+    assert pk.select_config(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                            interpret=interpret) == heuristic
+
+
+def test_select_config_is_the_heuristic_in_interpret_mode(monkeypatch):
+  # Even when the device looks like an H200, interpret mode uses the heuristic.
+  monkeypatch.setattr(autotune, "current_device_kind", lambda: "NVIDIA H200")
+  args = (512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW)
+  assert pk.select_config(*args, interpret=True) == pk.BlockConfig.default(
+      512, 4096, 1024)
+  # Compiled on that "GPU": the cached winner; unknown shapes: the heuristic.
+  assert pk.select_config(*args, interpret=False) == pk.BlockConfig(
+      128, 128, 64, 1, 8, 3)
+  assert pk.select_config(512, 4096, 4097, jnp.bfloat16, BF16, pk.ADAMW,
+                          interpret=False) == pk.BlockConfig.default(
+                              512, 4096, 4097)
+
+
+def test_fused_wgrad_update_without_config_uses_select_config(monkeypatch):
+  seen = []
+  real = autotune.lookup
+
+  def spy(*a, **k):
+    seen.append(a)
+    return real(*a, **k)
+
+  monkeypatch.setattr(autotune, "lookup", spy)
+  x, dy, w, slots = make_case(0, (37,), 70, 130, (jnp.bfloat16,) * 4)
+  check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW)
+  assert not seen  # interpret mode never consults the cache
+
+
+def _write_cache(path, kind, key, cfg):
+  data = autotune._empty_cache()
+  autotune.merge(data, kind, "test", {"kind": "test"},
+                 {key: {"config": dataclasses.asdict(cfg), "time_us": 1.0}})
+  autotune.write(str(path), data)
+
+
+def test_env_var_override(tmp_path, monkeypatch):
+  mine = pk.BlockConfig(32, 64, 32, 2, 2, 2)
+  key = autotune.cache_key(pk.ADAMW, 512, 4096, 1024, jnp.bfloat16, BF16)
+  path = tmp_path / "retuned.json"
+  _write_cache(path, "NVIDIA H200", key, mine)
+  monkeypatch.setenv(autotune.ENV_VAR, str(path))
+  assert autotune.cache_paths() == [str(path), autotune.SHIPPED_CACHE]
+  # the override wins over the shipped entry ...
+  assert autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                         device_kind="NVIDIA H200") == mine
+  # ... and the shipped file still answers what the override lacks
+  assert autotune.lookup(2048, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
+                         device_kind="NVIDIA H200") == pk.BlockConfig(
+                             128, 128, 64, 8, 8, 3)
+  monkeypatch.setattr(autotune, "current_device_kind", lambda: "NVIDIA H200")
+  assert pk.select_config(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                          interpret=False) == mine
+
+
+def test_any_rule_entries_apply_to_every_rule(tmp_path):
+  cfg = pk.BlockConfig(32, 32, 32, 1, 4, 3)
+  key = autotune.cache_key(None, 100, 64, 64, jnp.float32, ("float32",))
+  assert key.startswith("any|bt128|")
+  path = tmp_path / "any.json"
+  _write_cache(path, "Some GPU", key, cfg)
+  got = autotune.lookup(128, 64, 64, jnp.float32, ("float32",), pk.lion_rule(),
+                        device_kind="Some GPU", paths=[str(path)])
+  assert got == cfg
+
+
+def test_missing_env_cache_fails_clearly(tmp_path, monkeypatch):
+  monkeypatch.setenv(autotune.ENV_VAR, str(tmp_path / "nope.json"))
+  with pytest.raises(FileNotFoundError, match=autotune.ENV_VAR):
+    autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                    device_kind="NVIDIA H200")
+
+
+def test_bad_cache_entries_fail_clearly(tmp_path):
+  path = tmp_path / "bad.json"
+  data = autotune._empty_cache()
+  data["devices"]["X"] = {"entries": {"k": {"config": {"block_in": 48}}}}
+  path.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="bad entry"):
+    autotune.load(str(path))
+
+
+# --- tune --------------------------------------------------------------------
+
+
+def _fake_timer(times, calls, run=True):
+  """Seconds from ``times`` by config; runs the step once (interpret mode)."""
+
+  def timer(step, state, cfg):
+    calls.append((cfg, state))
+    if run:
+      jax.block_until_ready(step(state))
+    t = times[cfg]
+    if isinstance(t, Exception):
+      raise t
+    return t
+
+  return timer
+
+
+def test_tune_picks_the_fastest_and_skips_failures():
+  configs = [pk.BlockConfig(16, 16, 16), pk.BlockConfig(32, 16, 16, 2),
+             pk.BlockConfig(16, 32, 16, 1, 2, 2), pk.BlockConfig(32, 32, 32)]
+  times = {configs[0]: 3e-6, configs[1]: 1e-6,
+           configs[2]: RuntimeError("does not compile"), configs[3]: 2e-6}
+  calls = []
+  res = autotune.tune(40, 48, 40, jnp.float32, ("float32", "float32"),
+                      pk.ADAMW, configs=configs,
+                      timer=_fake_timer(times, calls))
+  assert res.best == configs[1] and res.best_s == 1e-6
+  assert res.timings == {c: times[c] for c in (configs[0], configs[1],
+                                               configs[3])}
+  assert list(res.failures) == [configs[2]]
+  assert "does not compile" in res.failures[configs[2]]
+  assert [c for c, _ in calls] == configs
+
+
+def test_tune_raises_when_nothing_runs():
+  cfg = pk.BlockConfig(16, 16, 16)
+  with pytest.raises(RuntimeError, match="no config ran"):
+    autotune.tune(16, 16, 16, jnp.float32, ("float32", "float32"), pk.ADAMW,
+                  configs=[cfg], timer=_fake_timer({cfg: ValueError("x")}, [],
+                                                   run=False))
+
+
+def test_tune_clamps_candidates_to_the_problem():
+  cands = autotune.candidates(20, 24, 40)
+  assert all(c.block_in <= 32 and c.block_out <= 64 and c.block_bt <= 32
+             for c in cands)
+  assert len(cands) == len(set(cands))
+
+
+def test_tune_never_touches_the_callers_arrays():
+  """Tuning runs (and donates) scratch copies only: the caller's W and state,
+  passed to stand for their dtypes, keep their values and stay alive."""
+  x, dy, w, slots = make_case(3, (24,), 40, 48,
+                              (jnp.bfloat16, jnp.bfloat16, jnp.float32,
+                               jnp.bfloat16))
+  before = [np.asarray(a).copy() for a in (x, dy, w, *slots)]
+  configs = [pk.BlockConfig(16, 16, 16), pk.BlockConfig(32, 64, 32)]
+  calls = []
+
+  def donating_timer(step, state, cfg):
+    # a real timer donates the state to a jitted loop; do the same here
+    calls.append(state)
+    out = jax.jit(step, donate_argnums=0)(state)
+    jax.block_until_ready(out)
+    return {configs[0]: 2.0, configs[1]: 1.0}[cfg]
+
+  res = autotune.tune(24, 40, 48, w, slots, pk.ADAMW, configs=configs,
+                      timer=donating_timer)
+  assert res.best == configs[1]
+  for a, b in zip((x, dy, w, *slots), before):
+    assert not a.is_deleted()
+    np.testing.assert_array_equal(np.asarray(a), b)
+  # the timer got fresh arrays of the caller's shapes and dtypes, not theirs
+  for state in calls:
+    assert [(a.shape, a.dtype) for a in state] == [
+        (a.shape, a.dtype) for a in (x, dy, w, *slots)]
+    assert not any(s is a for s in state for a in (x, dy, w, *slots))
+
+
+def test_autotune_cli_refuses_on_cpu(tmp_path, capsys):
+  if jax.default_backend() == "gpu":
+    pytest.skip("on a GPU")
+  out = tmp_path / "t.json"
+  assert autotune.main(["--shapes", "64x64", "--tokens", "16", "--out",
+                        str(out)]) == 2
+  assert "needs a GPU" in capsys.readouterr().err
+  assert not out.exists()
+
+
+# --- GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_tune_on_gpu_returns_a_config_that_runs_and_matches():
+  bt, n_in, n_out = 256, 512, 384
+  res = autotune.tune(bt, n_in, n_out, jnp.bfloat16, BF16, pk.ADAMW,
+                      configs=autotune.config_space()[:4],
+                      timer=autotune.loop_timer(n_inner=3, n_outer=2))
+  assert res.best in res.timings and res.best_s > 0
+  assert all(t > 0 for t in res.timings.values())
+  x, dy, w, slots = make_case(11, (bt,), n_in, n_out, (jnp.bfloat16,) * 4)
+  check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
+                          config=res.best, interpret=False)
