@@ -1,6 +1,8 @@
 """FORGE for JAX: Flax layers whose backward applies the optimizer.
 
 * :class:`Dense` -- a drop-in for ``flax.linen.Dense``;
+* :class:`ScannedDenseStack` -- ``L`` Dense layers stacked as ``nn.scan``
+  stacks them, whose backward updates the stacked kernel and slots in place;
 * :func:`adamw` (and the other optax families below) -- the optax transform
   itself, plus what FORGE layers need to drive it;
 * :func:`make_step` -- the training step that ties them together;
@@ -12,6 +14,7 @@ Asking for a known family that forge_jax does not provide (e.g.
 """
 
 from forge_jax.dense import Dense
+from forge_jax.scan import ScannedDenseStack
 from forge_jax.step import make_step
 from forge_jax.transforms import (
     ForgeSpec,
@@ -34,9 +37,9 @@ from forge_jax.transforms import (
 )
 from pallas_kernels import classify
 
-__all__ = ["Dense", "ForgeSpec", "ForgeTransformation", "adafactor",
-           "adagrad", "adam", "adamax", "adamw", "classify", "lamb", "lion",
-           "make_step", "muon", "nadam", "nadamw", "radam", "refuse_reason",
+__all__ = ["Dense", "ForgeSpec", "ForgeTransformation", "ScannedDenseStack",
+           "adafactor", "adagrad", "adam", "adamax", "adamw", "classify",
+           "lamb", "lion", "make_step", "muon", "nadam", "nadamw", "radam", "refuse_reason",
            "rmsprop", "sgd", "sm3"]
 
 

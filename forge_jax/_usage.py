@@ -25,10 +25,13 @@ _CALL_PARAMS = {
 
 
 def _is_fused_linear(eqn) -> bool:
+  """A FORGE layer's own fused op: forge_jax.Dense's, or the whole-stack
+  op of forge_jax.ScannedDenseStack."""
   from forge_jax.dense import _fused_linear_bwd
-  bwd = eqn.params.get("bwd")
+  from forge_jax.scan import _fused_stack_bwd
+  bwd = getattr(eqn.params.get("bwd"), "f", None)
   return (eqn.primitive.name == "custom_vjp_call"
-          and getattr(bwd, "f", None) is _fused_linear_bwd)
+          and (bwd is _fused_linear_bwd or bwd is _fused_stack_bwd))
 
 
 def _open(jaxpr):

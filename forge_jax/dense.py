@@ -135,7 +135,9 @@ class Dense(nn.Dense):
             "than once in one step. FORGE updates a kernel in place during "
             "its backward, so each kernel may have one consumer per step "
             "(paper Remark 2). Give this layer fused=False (or use "
-            "flax.linen.Dense) to keep it on the standard path.")
+            "flax.linen.Dense) to keep it on the standard path. (Inside "
+            "nn.scan a layer is traced more than once: for a scanned stack "
+            "of Dense layers use forge_jax.ScannedDenseStack.)")
       return super().__call__(inputs)
 
     kernel = self.param('kernel', self.kernel_init,

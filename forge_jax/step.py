@@ -153,7 +153,8 @@ def make_step(
     layers = found.layers
     if not layers:
       raise ValueError(
-          "no forge_jax.Dense layer was called by loss_fn; use optax directly")
+          "no forge_jax.Dense layer (or ScannedDenseStack) was called by "
+          "loss_fn; use optax directly")
     kpaths = {p: _kernel_keypath(p) for p in layers}
 
     # 2. Each kernel's slice of the optimizer state, and this step's

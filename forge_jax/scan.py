@@ -1,0 +1,267 @@
+"""`forge_jax.ScannedDenseStack`: a scanned stack of Dense layers whose
+backward updates the *stacked* kernel and optimizer slots in place.
+
+Large JAX models stack identical layers with ``nn.scan``/``lax.scan``: the
+kernels live in one ``(L, in, out)`` array. A FORGE ``custom_vjp`` inside the
+scan body would return each layer's new kernel as a cotangent, and scan's
+transpose stacks those into a *fresh* params-sized buffer (one more per
+slot): the gradient pool is back (DESIGN.md section 2).
+
+Here the whole stack is one ``jax.custom_vjp``:
+
+* forward: a ``lax.scan`` over the layers, saving each layer's input and
+  pre-activation (what ``nn.scan``'s own backward saves);
+* backward: a reverse ``lax.scan`` whose **carry** holds ``dy`` and the
+  stacked kernel and slots. Iteration ``i`` reads layer ``i``'s slices,
+  computes ``dz`` through the activation, ``db``, and ``dx`` from the
+  *pre-update* kernel slice, runs the layer's optimizer step
+  (``forge_jax._paths.step_in_backward``: the fused kernel's epilogue) on the
+  slices, and writes the new slices back into the carried stacks with
+  ``lax.dynamic_update_index_in_dim``. XLA updates while-loop carries in
+  place, so the temporaries are one layer's kernel and slots, not the pool.
+  The carried stacks are returned as the "cotangents" of the kernel stack
+  and its slots (``make_step`` reads them as new values, as for
+  ``forge_jax.Dense``); the bias stack gets its ordinary gradient.
+
+Outside a FORGE step (and with ``fused=False``) the module *is*
+``nn.scan`` of a Dense layer followed by ``activation``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import flax.linen as nn
+from flax.linen import dtypes as flax_dtypes
+from flax.linen import initializers
+
+import pallas_kernels
+from forge_jax import _context
+from forge_jax import _paths
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+  """Static (non-array) arguments of the fused stack."""
+
+  path: _context.Path
+  activation: Callable[[jax.Array], jax.Array]
+  dtype: Any
+  precision: Any
+  config: pallas_kernels.BlockConfig | None
+  spec: Any
+  layout: Any
+
+
+def _matmul(x, kernel, precision):
+  return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                         precision=precision)
+
+
+def _layer(static, h, w, b):
+  """One layer, exactly as nn.Dense then the activation: ``(y, z)``."""
+  z = _matmul(h, w.astype(static.dtype), static.precision)
+  if b is not None:
+    z += jnp.reshape(b.astype(static.dtype), (1,) * (z.ndim - 1) + (-1,))
+  return static.activation(z), z
+
+
+def _forward(static, x, kernels, biases, save):
+  def body(h, wb):
+    w, b = wb
+    y, z = _layer(static, h, w, b)
+    return y, ((h, z) if save else None)
+  return lax.scan(body, x, (kernels, biases))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_stack(static: _Static, x, kernels, biases,
+                 inputs: _context.LayerInputs):
+  return _forward(static, x, kernels, biases, save=False)[0]
+
+
+def _fused_stack_fwd(static, x, kernels, biases, inputs):
+  y, (xs, zs) = _forward(static, x, kernels, biases, save=True)
+  return y, (xs, zs, kernels, biases, inputs)
+
+
+def _fused_stack_bwd(static, res, dy):
+  """Reverse loop over the layers; the stacked kernel and slots are carried
+  and updated slice by slice (in place), and returned in place of their
+  cotangents."""
+  xs, zs, kernels, biases, inputs = res
+  num_layers = kernels.shape[0]
+
+  def body(carry, per_layer):
+    dy, w_stack, slot_stacks = carry
+    i, x_i, z_i = per_layer
+    w_i = lax.dynamic_index_in_dim(w_stack, i, keepdims=False)
+    _, act_vjp = jax.vjp(static.activation, z_i)
+    (dz,) = act_vjp(dy.astype(z_i.dtype))
+    db = (jnp.sum(dz, axis=tuple(range(dz.ndim - 1))) if biases is not None
+          else None)
+    # dx reads the pre-update slice; the barrier orders that read before the
+    # fused kernel overwrites the slice (as in forge_jax.Dense).
+    dx = lax.dot_general(dz, w_i.astype(static.dtype),
+                         (((dz.ndim - 1,), (1,)), ((), ())),
+                         precision=static.precision)
+    dx, w_i = lax.optimization_barrier((dx, w_i))
+    slots_i = tuple(lax.dynamic_index_in_dim(s, i, keepdims=False)
+                    for s in slot_stacks)
+    w_new, slots_new = _paths.step_in_backward(
+        static.spec, static.layout, x_i, dz, w_i,
+        inputs._replace(slots=slots_i), static.config)
+    w_stack = lax.dynamic_update_index_in_dim(
+        w_stack, w_new.astype(w_stack.dtype), i, 0)
+    slot_stacks = tuple(
+        lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), i, 0)
+        for s, n in zip(slot_stacks, slots_new))
+    return (dx.astype(dy.dtype), w_stack, slot_stacks), db
+
+  (dx, new_kernels, new_slots), dbs = lax.scan(
+      body, (dy, kernels, tuple(inputs.slots)),
+      (jnp.arange(num_layers), xs, zs), reverse=True)
+  ctx = _context.current()
+  if ctx is not None:
+    ctx.bwd_traced.add(static.path)
+  dbias = None if biases is None else dbs.astype(biases.dtype)
+  return dx.astype(xs.dtype), new_kernels, dbias, _context.LayerInputs(
+      slots=new_slots,
+      hparams=jax.tree.map(jnp.zeros_like, inputs.hparams),
+      touched=jnp.ones_like(inputs.touched),
+      shared=jax.tree.map(_paths.zero_cotangent, inputs.shared))
+
+
+_fused_stack.defvjp(_fused_stack_fwd, _fused_stack_bwd)
+
+
+def _identity(y):
+  return y
+
+
+def _scan_body(module, carry, _):
+  return module._dense_layer(carry), None
+
+
+class ScannedDenseStack(nn.Module):
+  """``num_layers`` Dense layers ``features -> features``, stacked and scanned.
+
+  Each layer is ``activation(nn.Dense(features)(h))`` -- the activation
+  follows *every* layer, the last included (``activation=None``: identity).
+  The parameters are ``{'kernel': (L, features, features), 'bias':
+  (L, features)}`` in this module's scope, exactly the tree (and the initial
+  values) of ``nn.scan(Layer, variable_axes={'params': 0},
+  split_rngs={'params': True}, length=L)`` of a ``nn.Dense`` subclass whose
+  ``__call__(h, _)`` returns ``(activation(dense(h)), None)``.
+
+  Outside a FORGE step (or with ``fused=False``) it *is* that ``nn.scan``.
+  Inside a step built by :func:`forge_jax.make_step`, its backward is one
+  reverse loop over the layers that updates the stacked kernel and its
+  stacked optimizer slots in place, one layer at a time (regime-1 families
+  only: SGD ... Lion; others are refused -- optax computes LAMB's trust
+  ratio, Muon's orthogonalisation and Adafactor's statistics over the whole
+  stacked leaf, which a per-layer step cannot reproduce; use ``fused=False``).
+  The kernel stack's hyperparameters and weight-decay mask entry are those of
+  its one parameter leaf, shared by the ``L`` layers, as in optax.
+
+  The input's last dimension must be ``features`` and its dtype the
+  computation dtype (as for ``nn.scan``, whose carry keeps one dtype).
+  """
+
+  features: int
+  num_layers: int
+  activation: Callable[[jax.Array], jax.Array] | None = nn.relu
+  use_bias: bool = True
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  precision: Any = None
+  kernel_init: Callable = nn.linear.default_kernel_init
+  bias_init: Callable = initializers.zeros_init()
+  fused: bool = True
+  block_config: pallas_kernels.BlockConfig | None = None
+
+  def _act(self, y):
+    return y if self.activation is None else self.activation(y)
+
+  def _dense_layer(self, inputs):
+    """One layer inside the nn.scan: nn.Dense's computation, then activation."""
+    kernel = self.param('kernel', self.kernel_init,
+                        (jnp.shape(inputs)[-1], self.features),
+                        self.param_dtype)
+    bias = (self.param('bias', self.bias_init, (self.features,),
+                       self.param_dtype) if self.use_bias else None)
+    inputs, kernel, bias = flax_dtypes.promote_dtype(inputs, kernel, bias,
+                                                     dtype=self.dtype)
+    y = lax.dot_general(inputs, kernel,
+                        (((inputs.ndim - 1,), (0,)), ((), ())),
+                        precision=self.precision)
+    if bias is not None:
+      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    return self._act(y)
+
+  def _scanned(self, x):
+    y, _ = nn.scan(_scan_body, variable_axes={'params': 0},
+                   split_rngs={'params': True},
+                   length=self.num_layers)(self, x, None)
+    return y
+
+  @nn.compact
+  def __call__(self, x):
+    ctx = _context.current()
+    if ctx is None or not self.fused or self.is_initializing():
+      return self._scanned(x)
+    path = tuple(self.path)
+    name = _context.layer_name(path)
+    if ctx.mode == "discover":
+      info = ctx.layers.setdefault(path, _context.LayerInfo(
+          path, (self.num_layers, jnp.shape(x)[-1], self.features),
+          self.param_dtype))
+      info.calls += 1
+      if info.calls > 1:
+        raise ValueError(
+            f"forge_jax.ScannedDenseStack at {name!r} is called more than "
+            "once in one step. FORGE updates a kernel in place during its "
+            "backward, so each kernel may have one consumer per step (paper "
+            "Remark 2). Give it fused=False to keep it on the standard path.")
+      return self._scanned(x)
+
+    spec = ctx.spec
+    if spec is None or spec.regime != 1:
+      family = getattr(spec, "family", None)
+      raise ValueError(
+          f"forge_jax.ScannedDenseStack at {name!r}: the in-place stacked "
+          f"path supports regime-1 families only (got {family!r}, regime "
+          f"{getattr(spec, 'regime', None)}). optax applies LAMB's trust "
+          "ratio, Muon's orthogonalisation and regime-3 statistics to the "
+          "whole stacked (L, in, out) leaf, which a per-layer update cannot "
+          "reproduce. Give this stack fused=False (standard optax path).")
+    if path not in ctx.inputs:
+      raise RuntimeError(
+          f"forge_jax.ScannedDenseStack at {name!r} was not seen when the "
+          "step discovered its FORGE layers: the loss function must call the "
+          "same layers on every trace")
+    kernels = self.get_variable('params', 'kernel')
+    biases = self.get_variable('params', 'bias') if self.use_bias else None
+    want = (self.num_layers, jnp.shape(x)[-1], self.features)
+    if kernels is None or tuple(kernels.shape) != want:
+      raise ValueError(
+          f"forge_jax.ScannedDenseStack at {name!r}: expected a 'kernel' "
+          f"param of shape {want}, got "
+          f"{None if kernels is None else kernels.shape}")
+    if x.shape[-1] != self.features:
+      raise ValueError(
+          f"forge_jax.ScannedDenseStack at {name!r}: the input's last "
+          f"dimension ({x.shape[-1]}) must equal features ({self.features})")
+    dtype = flax_dtypes.canonicalize_dtype(x, kernels, biases,
+                                           dtype=self.dtype)
+    static = _Static(path=path, activation=self.activation or _identity,
+                     dtype=dtype,
+                     precision=self.precision, config=self.block_config,
+                     spec=spec, layout=ctx.layouts.get(path))
+    return _fused_stack(static, x.astype(dtype), kernels, biases,
+                        ctx.inputs[path])
