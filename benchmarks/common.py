@@ -7,11 +7,12 @@ import datetime as _dt
 import os
 import platform
 import statistics
-import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import autotune
 
 # Llama-3.1-8B projection shapes (in, out), one place for tests and benches.
 LLAMA8B_SHAPES = {
@@ -53,16 +54,7 @@ def time_loop(step: Callable, state, n_inner: int = 50, n_outer: int = 7):
   """Seconds per step: ``step(state) -> state`` run ``n_inner`` times inside
   one jitted ``fori_loop`` (donated), ``n_outer`` timed calls after a warm-up.
   Returns (p20, p50, p80) and the final state."""
-  loop = jax.jit(lambda s: jax.lax.fori_loop(0, n_inner, lambda i, s: step(s), s),
-                 donate_argnums=0)
-  state = loop(state)
-  jax.block_until_ready(state)
-  times = []
-  for _ in range(n_outer):
-    t0 = time.perf_counter()
-    state = loop(state)
-    jax.block_until_ready(state)
-    times.append((time.perf_counter() - t0) / n_inner)
+  times, state = autotune.time_steps(step, state, n_inner, n_outer)
   return quantiles(times), state
 
 

@@ -249,25 +249,32 @@ def scratch_state(bt: int, n_in: int, n_out: int, w_dtype,
 Timer = Callable[[Callable, tuple, BlockConfig], float]
 
 
+def time_steps(step, state, n_inner: int, n_outer: int):
+  """Seconds per step of ``step(state) -> state``: ``n_outer`` timed calls of
+  an ``n_inner``-step jitted, donated ``fori_loop`` after a warm-up call
+  (compile errors surface there). Returns (the per-call times, final state).
+  Shared with ``benchmarks/``."""
+  loop = jax.jit(
+      lambda s: jax.lax.fori_loop(0, n_inner, lambda i, s: step(s), s),
+      donate_argnums=0)
+  state = loop(state)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(n_outer):
+    t0 = time.perf_counter()
+    state = loop(state)
+    jax.block_until_ready(state)
+    times.append((time.perf_counter() - t0) / n_inner)
+  return times, state
+
+
 def loop_timer(n_inner: int = 20, n_outer: int = 5) -> Timer:
-  """The default timer: seconds per step, the median of ``n_outer`` timed
-  calls of an ``n_inner``-step jitted, donated ``fori_loop`` after a warm-up
-  (the benchmarks' method). Compile errors surface from the warm-up."""
+  """The default timer: the median of :func:`time_steps` (the benchmarks'
+  method)."""
 
   def timer(step, state, config):
     del config
-    loop = jax.jit(
-        lambda s: jax.lax.fori_loop(0, n_inner, lambda i, s: step(s), s),
-        donate_argnums=0)
-    state = loop(state)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(n_outer):
-      t0 = time.perf_counter()
-      state = loop(state)
-      jax.block_until_ready(state)
-      times.append((time.perf_counter() - t0) / n_inner)
-    return statistics.median(times)
+    return statistics.median(time_steps(step, state, n_inner, n_outer)[0])
 
   return timer
 
