@@ -19,3 +19,5 @@ run families_rest 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_f
 run scan_gpu 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_scan.py
 # Issue 4: the autotuner on the GPU, and the kernel tests with cached tilings.
 run autotune_gpu 120 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_autotune.py tests/test_kernel.py
+# Issue 5: Muon's compiled memory (no weight-sized G) against optax.contrib.muon.
+run muon_memory 100 python3 benchmarks/memory.py --optimizer muon --layers 1 4 --out "$OUT/memory_muon.csv"

@@ -46,9 +46,14 @@ def loss_of(model):
   return lambda v, x: jnp.mean(model.apply(v, x).astype(jnp.float32) ** 2)
 
 
-def arms(width, layers):
+REFERENCES = {"adamw": optax.adamw, "muon": optax.contrib.muon,
+              "lamb": optax.lamb, "sgd": optax.sgd}
+
+
+def arms(width, layers, optimizer="adamw"):
   fmodel, rmodel = Stack(forge_jax.Dense, width, layers), Stack(nn.Dense, width, layers)
-  ftx, rtx = forge_jax.adamw(1e-4), optax.adamw(1e-4)
+  ftx = getattr(forge_jax, optimizer)(1e-4)
+  rtx = REFERENCES[optimizer](1e-4)
   fstep = forge_jax.make_step(loss_of(fmodel), ftx)
 
   def rstep(v, s, x):
@@ -66,10 +71,11 @@ def main(argv=None):
   p.add_argument("--width", type=int, default=4096)
   p.add_argument("--layers", type=int, nargs="+", default=[1, 16])
   p.add_argument("--tokens", type=int, default=512)
+  p.add_argument("--optimizer", default="adamw", choices=sorted(REFERENCES))
   args = p.parse_args(argv)
   res = common.Results(args.out, "memory")
   for layers in args.layers:
-    steps, model = arms(args.width, layers)
+    steps, model = arms(args.width, layers, args.optimizer)
     x = jnp.ones((args.tokens, args.width), jnp.bfloat16)
     kernel_bytes = args.width * args.width * 2
     for name, (step, tx) in steps.items():
@@ -82,12 +88,12 @@ def main(argv=None):
       shape = f"[{args.width},{args.width}]"
       copies = [l.strip() for l in hlo.splitlines()
                 if re.search(r"= \S+\[" + f"{args.width},{args.width}" + r"\]\S* copy\(", l)]
-      case = f"{layers}x{args.width}^2 bf16 BT={args.tokens}"
+      case = f"{args.optimizer} {layers}x{args.width}^2 bf16 BT={args.tokens}"
       if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
         with open(os.path.join(args.hlo_dir, f"hlo_{name}_{layers}.txt"), "w") as f:
           f.write(hlo)
-      leaves = lambda v, s: jax.tree.leaves((v["params"], s[0].mu, s[0].nu))
+      leaves = lambda v, s: jax.tree.leaves((v["params"], s))
       before = [a.unsafe_buffer_pointer() for a in leaves(variables, opt_state)]
       _, nv, ns = jitted(variables, opt_state, x)
       after = [a.unsafe_buffer_pointer() for a in leaves(nv, ns)]
