@@ -23,6 +23,7 @@ import pytest
 import forge_jax
 import pallas_kernels as pk
 from forge_jax import step as forge_step
+from tests.harness import reference_step
 from tests.tolerances import rel_err, tol, worst_leaf
 
 F32_TOL = tol(jnp.float32)
@@ -219,12 +220,7 @@ def test_mlp_training_matches_optax(name, data):
   forge_tx, optax_tx = _transforms(name)
   ref_loss = _mse(MLP(nn.Dense))
 
-  @jax.jit
-  def ref_step(variables, state, batch):
-    loss, g = jax.value_and_grad(ref_loss)(variables, batch)
-    updates, state = optax_tx.update(g["params"], state, variables["params"])
-    return loss, {"params": optax.apply_updates(variables["params"],
-                                                updates)}, state
+  ref_step = jax.jit(reference_step(ref_loss, optax_tx))
 
   forge = jax.jit(forge_jax.make_step(_mse(MLP(forge_jax.Dense)), forge_tx),
                   donate_argnums=(0, 1))

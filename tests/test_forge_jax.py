@@ -14,6 +14,7 @@ import forge_jax
 from forge_jax import _context
 from forge_jax.dense import _Static, _fused_linear
 import pallas_kernels as pk
+from tests.harness import reference_step
 from tests.tolerances import assert_close, assert_trees_close, rel_err, tol
 
 
@@ -47,14 +48,7 @@ def mse(model):
 
 
 def optax_step(loss_fn, tx):
-  @jax.jit
-  def step(variables, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(variables, batch)
-    updates, opt_state = tx.update(grads["params"], opt_state,
-                                   variables["params"])
-    return loss, {**variables, "params": optax.apply_updates(
-        variables["params"], updates)}, opt_state
-  return step
+  return jax.jit(reference_step(loss_fn, tx))
 
 
 def train_both(ref_model, forge_model, ref_tx, forge_tx, batches, loss=mse,
@@ -413,10 +407,7 @@ def _stack_step(dense, layers, n=4096, bt=512):
     step = forge_jax.make_step(loss_fn, tx)
   else:
     tx = optax.adamw(1e-3)
-    def step(v, s, b):
-      loss, g = jax.value_and_grad(loss_fn)(v, b)
-      u, s = tx.update(g["params"], s, v["params"])
-      return loss, {"params": optax.apply_updates(v["params"], u)}, s
+    step = reference_step(loss_fn, tx)
   opt_state = tx.init(variables["params"])
   jitted = jax.jit(step, donate_argnums=(0, 1))
   return jitted, jitted.lower(variables, opt_state, x).compile(), (

@@ -24,6 +24,7 @@ import pytest
 
 import forge_jax
 import pallas_kernels as pk
+from tests.harness import reference_step
 from tests.tolerances import rel_err, tol, worst_leaf
 
 F32_TOL = tol(jnp.float32)
@@ -112,12 +113,7 @@ def _train_both(name, data, model_kw=None, steps=STEPS):
   forge_tx, optax_tx = _transforms(name)
   ref_loss = _mse(MLP(nn.Dense, **model_kw))
 
-  @jax.jit
-  def ref_step(variables, state, batch):
-    loss, g = jax.value_and_grad(ref_loss)(variables, batch)
-    updates, state = optax_tx.update(g["params"], state, variables["params"])
-    return loss, {"params": optax.apply_updates(variables["params"],
-                                                updates)}, state
+  ref_step = jax.jit(reference_step(ref_loss, optax_tx))
 
   forge = jax.jit(
       forge_jax.make_step(_mse(MLP(forge_jax.Dense, **model_kw)), forge_tx),

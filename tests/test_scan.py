@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import forge_jax
+from tests.harness import reference_step
 from tests.tolerances import assert_trees_close, rel_err, tol
 from tests.test_forge_jax import SCHEDULE, data, mse, optax_step, wd_mask
 
@@ -261,11 +262,7 @@ def stack_step_compiled(forge, layers, n, bt, dtype):
     step = forge_jax.make_step(loss_fn, tx)
   else:
     tx = optax.adamw(1e-3)
-
-    def step(v, s, b):
-      loss, g = jax.value_and_grad(loss_fn)(v, b)
-      u, s = tx.update(g["params"], s, v["params"])
-      return loss, {"params": optax.apply_updates(v["params"], u)}, s
+    step = reference_step(loss_fn, tx)
   opt_state = tx.init(variables["params"])
   jitted = jax.jit(step, donate_argnums=(0, 1))
   compiled = jitted.lower(variables, opt_state, x).compile()
