@@ -6,6 +6,9 @@
 * :func:`adamw` (and the other optax families below) -- the optax transform
   itself, plus what FORGE layers need to drive it;
 * :func:`make_step` -- the training step that ties them together;
+* :func:`MultiSteps` -- gradient accumulation over K micro-batches (the
+  FORGE ``optax.MultiSteps``: an fp32 accumulator per kernel, or straight
+  into SGD's momentum);
 * :func:`classify`, :func:`refuse_reason` -- which regime a family is in, and
   why forge_jax refuses one (global-norm clipping: regime 4).
 
@@ -13,6 +16,7 @@ Asking for a known family that forge_jax does not provide (e.g.
 ``forge_jax.clip_by_global_norm``) raises an ``AttributeError`` that says why.
 """
 
+from forge_jax.accumulate import MultiSteps
 from forge_jax.dense import Dense
 from forge_jax.scan import ScannedDenseStack
 from forge_jax.step import make_step
@@ -37,7 +41,7 @@ from forge_jax.transforms import (
 )
 from pallas_kernels import classify
 
-__all__ = ["Dense", "ForgeSpec", "ForgeTransformation", "ScannedDenseStack",
+__all__ = ["Dense", "MultiSteps", "ForgeSpec", "ForgeTransformation", "ScannedDenseStack",
            "adafactor", "adagrad", "adam", "adamax", "adamw", "classify",
            "lamb", "lion", "make_step", "muon", "nadam", "nadamw", "radam", "refuse_reason",
            "rmsprop", "sgd", "sm3"]

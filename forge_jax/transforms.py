@@ -69,6 +69,11 @@ class ForgeSpec:
     shared: regime 2: ``shared(opt_state)``, read-only arrays the layer pass
       needs (Muon's Newton-Schulz coefficients). Regime 3 derives its shared
       inputs (step counts) from the state itself.
+    momentum_decay: for a family whose every update reads ``G`` only through
+      one momentum slot, affine in ``G`` (``m' = decay * m + c * G``: SGD
+      with momentum, no Nesterov), the name of that decay's hyperparameter;
+      ``None`` otherwise. ``forge_jax.MultiSteps(..., mode="momentum")``
+      needs it (``pallas_kernels.rules.momentum_accumulating``).
   """
 
   rule: Optional[pallas_kernels.UpdateRule]
@@ -79,6 +84,7 @@ class ForgeSpec:
   layer_pass: Optional[Callable[..., Any]] = None
   update: Optional[optax.TransformUpdateFn] = None
   shared: Callable[[Any], Any] = _no_shared
+  momentum_decay: Optional[str] = None
   regime: int = dataclasses.field(init=False)
 
   def __post_init__(self):
@@ -149,6 +155,7 @@ def _forge(inner: optax.GradientTransformation,
            layer_pass: Optional[Callable[..., Any]] = None,
            shared: Callable[[Any], Any] = _no_shared,
            scope: Callable[[Any], Any] = lambda state: state,
+           momentum_decay: Optional[str] = None,
            ) -> ForgeTransformation:
   """``inner`` itself, plus the :class:`ForgeSpec` that drives FORGE layers.
 
@@ -171,7 +178,8 @@ def _forge(inner: optax.GradientTransformation,
 
   spec = ForgeSpec(rule=rule, slot_fields=tuple(slot_fields),
                    hparams=all_hparams, weight_decay_mask=mask, family=family,
-                   layer_pass=layer_pass, shared=shared)
+                   layer_pass=layer_pass, shared=shared,
+                   momentum_decay=momentum_decay)
   return ForgeTransformation(inner.init, inner.update, spec)
 
 
@@ -230,7 +238,11 @@ def sgd(
                                  nesterov=nesterov)
   return _forge(inner, rule, rule.slots, learning_rate,
                 lambda state: {} if momentum is None else dict(decay=momentum),
-                family="sgd" if momentum is None else "sgd_momentum")
+                family="sgd" if momentum is None else "sgd_momentum",
+                # The trace is affine in G and, without Nesterov, the only
+                # way G reaches W: MultiSteps' momentum mode applies.
+                momentum_decay=("decay" if momentum is not None
+                                and not nesterov else None))
 
 
 def adagrad(

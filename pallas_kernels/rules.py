@@ -407,3 +407,107 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
 
 
 ADAMW = adamw_rule()
+
+
+# --- Gradient accumulation over K micro-batches (forge_jax.MultiSteps) --------
+# Both wrappers keep ONE kernel body: they are ordinary rules whose update
+# calls the wrapped family's update, with runtime flags in the hyperparameter
+# vector selecting what each micro-step keeps, so one compiled step serves
+# every micro-step of a cycle.
+
+ACCUMULATE_HPARAMS = ("acc_n", "acc_final")
+MOMENTUM_ACCUMULATE_HPARAMS = ("acc_scale", "acc_first", "acc_final")
+
+
+def _check_extra_hparams(rule: UpdateRule, extra: tuple[str, ...]) -> None:
+  clash = [n for n in extra if n in rule.hparams or n in rule.slots]
+  if clash:
+    raise ValueError(f"rule {rule.name!r} already uses the names {clash}")
+  if len(rule.hparams) + len(extra) > HPARAM_VECTOR_LEN:
+    raise ValueError(
+        f"rule {rule.name!r} has {len(rule.hparams)} hyperparameters; with "
+        f"{len(extra)} more for gradient accumulation they exceed the kernel's"
+        f" {HPARAM_VECTOR_LEN}-entry hyperparameter vector")
+
+
+def accumulating(rule: UpdateRule) -> UpdateRule:
+  """``rule`` behind an fp32 gradient accumulator (``optax.MultiSteps``).
+
+  Slots ``("acc", *rule.slots)``: ``acc`` holds the running mean of this
+  accumulation cycle's micro-batch gradients, updated as ``optax.MultiSteps``
+  updates its ``acc_grads`` (Welford): ``mean = acc + (g - acc) / n``.
+  Hyperparameters ``(*rule.hparams, "acc_n", "acc_final")``: ``acc_n`` is the
+  micro-step's 1-based index in the cycle, ``acc_final`` is 1 on its last
+  micro-step and 0 before.
+
+  * ``acc_final == 0``: ``acc' = mean``; the weight, the family's slots and
+    its outputs are left as they were (selected back with ``jnp.where``);
+  * ``acc_final == 1``: the family's rule steps from ``g_eff = mean`` (the
+    cycle's averaged gradient); ``acc' = 0``.
+
+  ``rule.update`` runs on every micro-step and its result is discarded on
+  all but the last (elementwise work, no extra memory traffic beyond the
+  ``acc`` tile); the write-only ``outputs`` (Muon's ``mu_hat``) are
+  meaningful on the last micro-step only.
+  """
+  _check_extra_hparams(rule, ACCUMULATE_HPARAMS + ("acc",))
+  n_slots = len(rule.slots)
+
+  def update(g, w, slots, h):
+    acc, inner = slots[0], tuple(slots[1:])
+    mean = acc + (g - acc) / h["acc_n"]
+    final = h["acc_final"] > 0
+    w_new, new = rule.update(mean, w, inner, h)
+    kept = tuple(jnp.where(final, s_new, s)
+                 for s_new, s in zip(new[:n_slots], inner))
+    if rule.updates_weight:
+      w_new = jnp.where(final, w_new, w)
+    return w_new, (jnp.where(final, 0.0, mean), *kept, *new[n_slots:])
+
+  return UpdateRule(
+      name=f"{rule.name}_accumulate", slots=("acc", *rule.slots),
+      hparams=rule.hparams + ACCUMULATE_HPARAMS, update=update,
+      updates_weight=rule.updates_weight, outputs=rule.outputs)
+
+
+def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
+  """``rule`` accumulating K micro-batches straight into its momentum.
+
+  For a family whose update reads ``G`` only through a momentum affine in
+  it, ``m' = decay * m + c * G`` (SGD's trace, ``c = 1``; Muon's momentum
+  without Nesterov, ``c = 1 - beta``), one step on the mean of K gradients
+  equals K micro-steps that each add ``c * G_i / K`` to the momentum, the
+  first of them also applying the decay. ``decay`` names that
+  hyperparameter of ``rule``. Same slots as ``rule`` (no accumulator);
+  hyperparameters ``(*rule.hparams, "acc_scale", "acc_first", "acc_final")``:
+
+  * the gradient is scaled by ``acc_scale`` (``1/K``);
+  * ``decay`` is used as given when ``acc_first`` is 1 (the cycle's first
+    micro-step) and replaced by 1 otherwise: ``m' = m + c * G / K``;
+  * the new weight is kept when ``acc_final`` is 1 (the cycle's last
+    micro-step) and the old one selected back otherwise.
+
+  The caller guarantees the affine property (``forge_jax.MultiSteps`` reads
+  it from the family's ``ForgeSpec.momentum_decay``); the momentum is
+  accumulated in its own storage dtype.
+  """
+  if decay not in rule.hparams:
+    raise ValueError(
+        f"rule {rule.name!r} has no hyperparameter {decay!r} "
+        f"(it has {rule.hparams})")
+  if not rule.slots:
+    raise ValueError(f"rule {rule.name!r} has no momentum slot")
+  _check_extra_hparams(rule, MOMENTUM_ACCUMULATE_HPARAMS)
+
+  def update(g, w, slots, h):
+    h = dict(h)
+    h[decay] = jnp.where(h["acc_first"] > 0, h[decay], 1.0)
+    w_new, new = rule.update(g * h["acc_scale"], w, slots, h)
+    if rule.updates_weight:
+      w_new = jnp.where(h["acc_final"] > 0, w_new, w)
+    return w_new, new
+
+  return UpdateRule(
+      name=f"{rule.name}_momentum_accumulate", slots=rule.slots,
+      hparams=rule.hparams + MOMENTUM_ACCUMULATE_HPARAMS, update=update,
+      updates_weight=rule.updates_weight, outputs=rule.outputs)

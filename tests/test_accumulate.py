@@ -1,0 +1,405 @@
+"""Gradient accumulation (``forge_jax.MultiSteps``) against optax.
+
+* K = 4 micro-batches through the 37 -> 70 -> 130 -> 5 MLP (fp32, odd widths),
+  two full cycles (8 calls): after each cycle, params and ``tx``'s own state
+  equal ONE optax step on the concatenated batch; after *every* call, the
+  loss, params and state equal ``optax.MultiSteps`` (exact mode: the whole
+  state, running-mean accumulators included); the weights do not move
+  (bitwise) on non-final micro-steps. Exact mode: AdamW (schedule, weight-decay
+  mask), centered RMSprop with momentum, LAMB and Muon (regime 2), Adafactor
+  (regime 3), a ScannedDenseStack; momentum mode: SGD with momentum.
+* A K schedule (a callable, as in optax), both modes.
+* The kernel: each wrapped rule in the fused kernel (interpret mode) equals
+  ``fused_wgrad_update_reference`` on final and non-final micro-steps, and
+  lowers for CUDA (one Triton kernel) without a GPU.
+* Memory: exact mode holds one fp32 accumulator per kernel; momentum mode none.
+* Refusals, each with its message.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+
+import forge_jax
+import pallas_kernels as pk
+from pallas_kernels import rules
+from tests.harness import reference_step
+from tests.test_kernel import adamw_hparams, make_case
+from tests.tolerances import assert_close, tol, worst_leaf
+
+F32_TOL = tol(jnp.float32)
+K = 4
+CYCLES = 2
+MICRO_BT = 12  # tokens per micro-batch; K of them make the 48-token batch
+WIDTHS = (37, 70, 130, 5)
+
+
+def _schedule(base):
+  return optax.linear_schedule(base, base / 10, CYCLES)
+
+
+def _decay_kernels_only(params):
+  return jax.tree.map(lambda a: a.ndim > 1, params)
+
+
+# name -> (forge_jax family, optax transform, args, kwargs, mode)
+VARIANTS = {
+    "adamw_exact": ("adamw", optax.adamw, (_schedule(1e-2),),
+                    dict(weight_decay=1e-2, mask=_decay_kernels_only),
+                    "exact"),
+    "rmsprop_centered_momentum_exact": (
+        "rmsprop", optax.rmsprop, (_schedule(3e-3),),
+        # (Not bias_correction: its first centered step divides by
+        # nu_hat - mu_hat**2 = g**2 - g**2, which amplifies the rounding
+        # difference between a mean of means and the batch gradient.)
+        dict(centered=True, momentum=0.8), "exact"),
+    "sgd_momentum_momentum": ("sgd", optax.sgd, (_schedule(5e-2),),
+                              dict(momentum=0.9), "momentum"),
+    "sgd_momentum_exact": ("sgd", optax.sgd, (_schedule(5e-2),),
+                           dict(momentum=0.9), "exact"),
+    "lamb_exact": ("lamb", optax.lamb, (_schedule(1e-2),),
+                   dict(weight_decay=1e-2, mask=_decay_kernels_only), "exact"),
+    "muon_exact": ("muon", optax.contrib.muon, (_schedule(2e-2),),
+                   dict(weight_decay=1e-2,
+                        weight_decay_mask=_decay_kernels_only), "exact"),
+    "adafactor_exact": ("adafactor", optax.adafactor, (_schedule(1e-2),),
+                        dict(min_dim_size_to_factor=32, momentum=0.9),
+                        "exact"),
+}
+
+
+def _transforms(name, every_k=K):
+  family, optax_fn, args, kwargs, mode = VARIANTS[name]
+  inner = getattr(forge_jax, family)(*args, **kwargs)
+  optax_tx = optax_fn(*args, **kwargs)
+  return (forge_jax.MultiSteps(inner, every_k, mode=mode), optax_tx,
+          optax.MultiSteps(optax_tx, every_k), mode)
+
+
+class MLP(nn.Module):
+  dense: type
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(self.dense(WIDTHS[1])(x))
+    x = nn.relu(self.dense(WIDTHS[2])(x))
+    return self.dense(WIDTHS[3])(x)
+
+
+def _mse(model):
+  return lambda variables, batch: jnp.mean(
+      (model.apply(variables, batch[0]) - batch[1]) ** 2)
+
+
+@pytest.fixture(scope="module")
+def data():
+  kx, ky, kp = jax.random.split(jax.random.key(0), 3)
+  xs = jax.random.normal(kx, (CYCLES * K, MICRO_BT, WIDTHS[0]))
+  ys = jax.random.normal(ky, (CYCLES * K, MICRO_BT, WIDTHS[-1]))
+  variables = MLP(nn.Dense).init(kp, xs[0])
+  return xs, ys, variables
+
+
+def _comparable(state, mode, final):
+  """The leaves of a MultiSteps state that optax.MultiSteps also has and
+  that mean the same. Momentum mode holds no ``acc_grads``, and before a
+  cycle's last micro-step its momentum holds the partial sum that optax
+  keeps in ``acc_grads``."""
+  if mode == "exact":
+    return state
+  if not final:
+    return (state.mini_step, state.gradient_step)
+  return (state.mini_step, state.gradient_step, state.inner_opt_state)
+
+
+def _same_bits(a, b):
+  return all(bool(jnp.all(x == y))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _run_cycles(forge_tx, optax_tx, optax_ms, mode, data, model=MLP,
+                cycles=CYCLES, every_k=lambda step: K):
+  """Runs FORGE and optax.MultiSteps side by side, call by call, and one
+  optax step per cycle on the concatenated batch. Returns the worst relative
+  errors (vs optax.MultiSteps, vs the one-step reference)."""
+  xs, ys, variables = data
+  forge = jax.jit(forge_jax.make_step(_mse(model(forge_jax.Dense)), forge_tx),
+                  donate_argnums=(0, 1))
+  ms_step = jax.jit(reference_step(_mse(model(nn.Dense)),
+                                   optax_ms.gradient_transformation()))
+  one_step = jax.jit(reference_step(_mse(model(nn.Dense)), optax_tx))
+  v_f = jax.tree.map(jnp.copy, variables)
+  s_f = forge_tx.init(v_f["params"])
+  v_ms, s_ms = variables, optax_ms.init(variables["params"])
+  v_one, s_one = variables, optax_tx.init(variables["params"])
+  worst_ms, worst_one, call = 0.0, 0.0, 0
+  for cycle in range(cycles):
+    k = int(every_k(cycle))
+    first = call
+    for i in range(k):
+      before = jax.tree.map(jnp.copy, v_f)
+      batch = (xs[call], ys[call])
+      l_f, v_f, s_f = forge(v_f, s_f, batch)
+      l_ms, v_ms, s_ms = ms_step(v_ms, s_ms, batch)
+      call += 1
+      np.testing.assert_allclose(float(l_f), float(l_ms), rtol=F32_TOL)
+      if i < k - 1:
+        assert _same_bits(v_f, before), (
+            f"call {call}: weights moved on a non-final micro-step")
+      assert int(s_f.mini_step) == (i + 1) % k
+      assert int(s_f.gradient_step) == cycle + (i == k - 1)
+      for what, a, e in (("params", v_f, v_ms),
+                         ("opt_state", _comparable(s_f, mode, i == k - 1),
+                          _comparable(s_ms, mode, i == k - 1))):
+        err, where = worst_leaf(a, e)
+        assert err <= F32_TOL, (
+            f"call {call}: {what} vs optax.MultiSteps: worst {where}: {err:.3g}")
+        worst_ms = max(worst_ms, err)
+    # The cycle equals one optax step on the concatenated (equal-sized)
+    # micro-batches: the mean of their mean losses is the batch's mean loss.
+    batch = (xs[first:call].reshape(-1, xs.shape[-1]),
+             ys[first:call].reshape(-1, ys.shape[-1]))
+    _, v_one, s_one = one_step(v_one, s_one, batch)
+    for what, a, e in (("params", v_f, v_one),
+                       ("inner state", s_f.inner_opt_state, s_one)):
+      err, where = worst_leaf(a, e)
+      assert err <= F32_TOL, (
+          f"cycle {cycle}: {what} vs one step on the concatenated batch: "
+          f"worst {where}: {err:.3g}")
+      worst_one = max(worst_one, err)
+  assert not _same_bits(v_f, variables), "training did not move the weights"
+  if mode == "exact":  # the accumulators are reset at the end of a cycle
+    assert not any(np.any(np.asarray(a)) for a in jax.tree.leaves(
+        s_f.acc_grads))
+  return worst_ms, worst_one
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_k_micro_steps_equal_one_step_on_the_concatenated_batch(name, data):
+  forge_tx, optax_tx, optax_ms, mode = _transforms(name)
+  worst_ms, worst_one = _run_cycles(forge_tx, optax_tx, optax_ms, mode, data)
+  print(f"{name}: worst rel err vs optax.MultiSteps {worst_ms:.2e}, "
+        f"vs one step on the concatenated batch {worst_one:.2e}")
+
+
+@pytest.mark.parametrize("name", ["adamw_exact", "sgd_momentum_momentum"])
+def test_k_schedule(name, data):
+  """every_k_schedule as a callable of the gradient step (2, then 3, 3):
+  K is a runtime value, so one compiled step serves every cycle."""
+  every_k = lambda step: jnp.where(step == 0, 2, 3)
+  forge_tx, optax_tx, optax_ms, mode = _transforms(name, every_k)
+  _run_cycles(forge_tx, optax_tx, optax_ms, mode, data, every_k=every_k)
+
+
+def test_scanned_stack_exact_mode():
+  """A ScannedDenseStack's stacked kernel accumulates like any FORGE kernel."""
+  from tests.test_scan import Model
+
+  class Scanned(nn.Module):
+    dense: type
+
+    @nn.compact
+    def __call__(self, x):
+      return Model(forge=self.dense is forge_jax.Dense, width=16,
+                   num_layers=2, name="m")(x)
+
+  kx, ky, kp = jax.random.split(jax.random.key(3), 3)
+  xs = jax.random.normal(kx, (K, MICRO_BT, WIDTHS[0]))
+  ys = jax.random.normal(ky, (K, MICRO_BT, 5))
+  variables = Scanned(nn.Dense).init(kp, xs[0])
+  sched = _schedule(1e-2)
+  forge_tx = forge_jax.MultiSteps(
+      forge_jax.adamw(sched, weight_decay=1e-2, mask=_decay_kernels_only), 2)
+  optax_tx = optax.adamw(sched, weight_decay=1e-2, mask=_decay_kernels_only)
+  _run_cycles(forge_tx, optax_tx, optax.MultiSteps(optax_tx, 2), "exact",
+              (xs, ys, variables), model=Scanned, cycles=2,
+              every_k=lambda step: 2)
+
+
+class DeadHeadMLP(nn.Module):
+  """The MLP plus a FORGE layer whose output never reaches the loss."""
+  dense: type
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(self.dense(WIDTHS[1])(x))
+    x = nn.relu(self.dense(WIDTHS[2])(x))
+    self.dense(WIDTHS[3], name="aux")(x)
+    return self.dense(WIDTHS[3])(x)
+
+
+def test_untouched_layer_accumulates_zero_gradients(data):
+  """Remark 1: a layer whose backward never runs gets what optax.MultiSteps
+  gives a zero gradient (its running mean decays, weight decay applies)."""
+  xs, ys, _ = data
+  variables = DeadHeadMLP(nn.Dense).init(jax.random.key(5), xs[0])
+  forge_tx, optax_tx, optax_ms, mode = _transforms("adamw_exact")
+  _run_cycles(forge_tx, optax_tx, optax_ms, mode, (xs, ys, variables),
+              model=DeadHeadMLP, cycles=1)
+
+
+@pytest.mark.parametrize("mode", ["exact", "momentum"])
+def test_update_on_plain_gradients_is_optax_multisteps(mode, data):
+  """Outside make_step the transform is an optax transform: its update on
+  plain gradients (every parameter, none fused) is optax.MultiSteps'. K may
+  be any integral type."""
+  params = data[2]["params"]
+  inner, ref = ((forge_jax.adamw(1e-2), optax.adamw(1e-2)) if mode == "exact"
+                else (forge_jax.sgd(5e-2, momentum=0.9),
+                      optax.sgd(5e-2, momentum=0.9)))
+  tx = forge_jax.MultiSteps(inner, np.int64(3), mode=mode)
+  ms = optax.MultiSteps(ref, 3)
+  p, s, p_ref, s_ref = params, tx.init(params), params, ms.init(params)
+  update, update_ref = jax.jit(tx.update), jax.jit(ms.update)
+  for i in range(6):
+    g = jax.tree.map(lambda a: jax.random.normal(jax.random.key(i), a.shape),
+                     params)
+    u, s = update(g, s, p)
+    p = optax.apply_updates(p, u)
+    u_ref, s_ref = update_ref(g, s_ref, p_ref)
+    p_ref = optax.apply_updates(p_ref, u_ref)
+    final = i % 3 == 2
+    assert worst_leaf(p, p_ref)[0] <= F32_TOL
+    assert worst_leaf(_comparable(s, mode, final),
+                      _comparable(s_ref, mode, final))[0] <= F32_TOL
+  assert int(s.gradient_step) == 2
+
+
+def test_memory_exact_holds_fp32_accumulators_momentum_holds_none(data):
+  params = data[2]["params"]
+  kernels = [a for a in jax.tree.leaves(params) if a.ndim == 2]
+  exact = forge_jax.MultiSteps(forge_jax.adamw(1e-3), K).init(params)
+  acc = jax.tree.leaves(exact.acc_grads)
+  assert all(a.dtype == jnp.float32 for a in acc)
+  acc_kernel_bytes = sum(a.nbytes for a in acc if a.ndim == 2)
+  assert acc_kernel_bytes == 4 * sum(a.size for a in kernels)
+  inner = forge_jax.sgd(1e-2, momentum=0.9)
+  momentum = forge_jax.MultiSteps(inner, K, mode="momentum").init(params)
+  assert momentum.acc_grads == ()
+  assert (sum(a.nbytes for a in jax.tree.leaves(momentum))
+          == sum(a.nbytes for a in jax.tree.leaves(inner.init(params)))
+          + 2 * 4)  # mini_step, gradient_step
+
+
+# --- the wrapped rules in the fused kernel -------------------------------------
+
+
+def _wrapped_cases():
+  sgd = pk.sgd_rule(momentum=True)
+  return {
+      "adamw_accumulate": (
+          rules.accumulating(pk.ADAMW),
+          lambda n, final: rules.accumulating(pk.ADAMW).pack(
+              **pk.ADAMW.unpack(adamw_hparams()), acc_n=n, acc_final=final)),
+      "sgd_momentum_accumulate": (
+          rules.momentum_accumulating(sgd, "decay"),
+          lambda n, final: rules.momentum_accumulating(sgd, "decay").pack(
+              lr=3e-2, decay=0.9, acc_scale=1 / K, acc_first=n == 1,
+              acc_final=final)),
+  }
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["non_final", "final"])
+@pytest.mark.parametrize("name", sorted(_wrapped_cases()))
+def test_wrapped_rule_kernel_matches_reference(name, final):
+  rule, hparams = _wrapped_cases()[name]
+  x, dy, w, (mu, nu) = make_case(11, (37,), 70, 130, (jnp.float32,) * 4)
+  slots = (mu, nu)[:len(rule.slots)] if name.startswith("sgd") else (
+      0.1 * nu, mu, nu)  # (acc, mu, nu)
+  # non-final: the second micro-step (Adam) / the first (SGD: the decay).
+  n = K if final else (1 if name.startswith("sgd") else 2)
+  h = hparams(n, final)
+  got_w, got = pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule,
+                                     interpret=True)
+  ref_w, ref = pk.fused_wgrad_update_reference(x, dy, w, slots, h, rule=rule)
+  assert_close(got_w, ref_w, what="w")
+  for s_name, g, r in zip(rule.slots, got, ref):
+    assert_close(g, r, what=s_name)
+  if final:
+    assert not np.allclose(got_w, w)
+  else:
+    np.testing.assert_array_equal(got_w, w)  # the weight waits
+  if name.startswith("adamw"):
+    g = jnp.dot(x.T, dy, precision=jax.lax.Precision.HIGHEST)
+    mean = slots[0] + (g - slots[0]) / n
+    if final:  # the family's own rule on the mean; the accumulator resets
+      want_w, want = pk.ADAMW.apply(mean, w, slots[1:], h[:11])
+      assert_close(got_w, want_w, what="w vs adamw on the mean")
+      for g_, r in zip(got[1:], want):
+        assert_close(g_, r, what="slots vs adamw on the mean")
+      np.testing.assert_array_equal(got[0], 0.0)
+    else:  # only the running mean moves
+      assert_close(got[0], mean, what="acc")
+      for g_, s in zip(got[1:], slots[1:]):
+        np.testing.assert_array_equal(g_, s)
+
+
+@pytest.mark.parametrize("name", sorted(_wrapped_cases()))
+def test_wrapped_rule_lowers_for_cuda_without_a_gpu(name):
+  from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  rule = _wrapped_cases()[name][0]
+  mesh = AbstractMesh((1,), ("x",),
+                      abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+  sh = NamedSharding(mesh, P())
+  shapes = [(37, 70), (37, 130), (70, 130), (pk.HPARAM_VECTOR_LEN,),
+            *[(70, 130)] * len(rule.slots)]
+  args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh) for s in shapes]
+
+  def step(x, dy, w, h, *slots):
+    return pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule,
+                                 interpret=False)
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(step).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert sum("xla.gpu.triton" in l for l in text.splitlines()) == 1
+
+
+def test_wrapper_rules_check_their_names():
+  with pytest.raises(ValueError, match="no hyperparameter 'beta'"):
+    rules.momentum_accumulating(pk.sgd_rule(momentum=True), "beta")
+  with pytest.raises(ValueError, match="already uses the names"):
+    rules.accumulating(rules.accumulating(pk.ADAMW))
+
+
+# --- refusals -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda: forge_jax.MultiSteps(optax.adamw(1e-3), K), TypeError,
+     "wraps a forge_jax transform.*optax.MultiSteps"),
+    (lambda: forge_jax.MultiSteps(forge_jax.adamw(1e-3), 0), ValueError,
+     "every_k_schedule=0 must be >= 1"),
+    (lambda: forge_jax.MultiSteps(forge_jax.adamw(1e-3), 2.0), TypeError,
+     "must be an int >= 1.*float"),
+    (lambda: forge_jax.MultiSteps(forge_jax.adamw(1e-3), True), TypeError,
+     "must be an int >= 1.*bool"),
+    (lambda: forge_jax.MultiSteps(forge_jax.adamw(1e-3), K, mode="sum"),
+     ValueError, "unknown mode 'sum'"),
+    (lambda: forge_jax.MultiSteps(
+        forge_jax.MultiSteps(forge_jax.adamw(1e-3), 2), 2), ValueError,
+     "already accumulates"),
+    (lambda: forge_jax.MultiSteps(forge_jax.adamw(1e-3), K, mode="momentum"),
+     ValueError, "cannot accumulate 'adamw' into its momentum.*mode='exact'"),
+    (lambda: forge_jax.MultiSteps(forge_jax.sgd(1e-2, momentum=0.9,
+                                                nesterov=True), K,
+                                  mode="momentum"),
+     ValueError, "nesterov=True"),
+    (lambda: forge_jax.MultiSteps(forge_jax.sgd(1e-2), K, mode="momentum"),
+     ValueError, "no momentum to accumulate into"),
+    (lambda: forge_jax.MultiSteps(forge_jax.muon(1e-2), K, mode="momentum"),
+     ValueError, "'muon'.*Nesterov.*AdamW"),
+    (lambda: forge_jax.MultiSteps(forge_jax.adafactor(), K, mode="momentum"),
+     ValueError, "cannot accumulate 'adafactor'"),
+], ids=["optax_tx", "k0", "k_float", "k_bool", "mode", "nested",
+        "momentum_adamw", "momentum_nesterov", "momentum_plain_sgd",
+        "momentum_muon", "momentum_adafactor"])
+def test_refusals(make, exc, match):
+  with pytest.raises(exc, match=match):
+    make()
