@@ -1,0 +1,646 @@
+"""End to end: a Llama-style Flax decoder's training step, FORGE vs optax.adamw.
+
+    ./dev.sh python benchmarks/e2e.py --out E.csv --plot E.png
+
+A Llama-style decoder (token embedding; per block RMSNorm -> GQA attention
+with rotary embeddings through ``jax.nn.dot_product_attention(is_causal=True)``
+-> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; untied LM
+head), bf16 parameters and activations, fp32 loss (softmax cross-entropy on
+fp32 logits). Two arms, the same model, initialisation, batch and AdamW
+hyperparameters (m and v both stored in the parameters' dtype):
+
+  forge   every projection (q, k, v, o, gate, up, down, LM head) is a
+          ``forge_jax.Dense(use_bias=False)``; ``forge_jax.make_step`` with
+          ``forge_jax.adamw`` -- each kernel is updated inside its backward.
+  optax   the same projections as ``flax.linen.Dense``; ``jax.value_and_grad``
+          + ``optax.adamw``.
+
+Both steps are ``jax.jit(step, donate_argnums=(0, 1))``; embeddings and norm
+scales take optax's own update in both. The layers are unrolled
+(``forge_jax.ScannedDenseStack`` stacks identical Dense layers only, which a
+decoder block is not, so there is no scanned arm).
+
+The driver runs one subprocess per (arm, BT) cell (``--cell``; same Python,
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so the allocator's peak reflects
+use), each under a timeout. A cell compiles the step (compile time), reads its
+``memory_analysis()``, runs 2 warm-up steps and ``--steps`` timed steps
+(``block_until_ready`` per step) and reads the device allocator's
+``peak_bytes_in_use`` (not available on CPU). Each cell appends its rows to
+the CSV through ``benchmarks.common.Results`` (benchmark ``e2e``): metrics
+``step_time`` (ms, p20/p50/p80), ``peak_memory``, ``temp_memory``,
+``argument_memory``, ``output_memory``, ``alias_memory`` (MiB),
+``compile_time`` (s), ``loss_first`` / ``loss_final`` (nats: the first
+warm-up step's loss and the last timed step's) and ``param_count``. A cell
+that fails or times out gets one row with metric ``failed``, NaN values and
+the reason in ``unit``. The driver prints a forge/optax table and checks that
+both arms start from the same loss. Exit status: 0 if every cell ran and the
+first-step losses agree, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import forge_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+
+ARMS = ("forge", "optax")
+RESULT_TAG = "E2E_CELL_RESULT "
+# Both arms' first-step losses come from the same forward on the same
+# initialisation; only XLA's fusion / GEMM-algorithm choices may differ.
+FIRST_LOSS_RTOL = 2e-3
+# AdamW hyperparameters, identical in both arms.
+HPARAMS = dict(learning_rate=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+# --------------------------------------------------------------------------
+# The model
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  layers: int = 16
+  d_model: int = 2048
+  heads: int = 16
+  kv_heads: int = 8
+  ffn: int = 5632
+  vocab: int = 32000
+  seq: int = 512
+  dtype: str = "bfloat16"          # params, activations and m / v
+  attn_impl: str | None = None     # jax.nn.dot_product_attention's (None: XLA)
+  rope_theta: float = 10000.0
+
+  def __post_init__(self):
+    if self.d_model % self.heads or self.heads % self.kv_heads:
+      raise ValueError("d_model must be a multiple of heads, heads of kv_heads")
+    if (self.d_model // self.heads) % 2:
+      raise ValueError("head_dim must be even (rotary embedding)")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.heads
+
+  @property
+  def jdtype(self):
+    return jnp.dtype(self.dtype)
+
+
+def param_count(cfg: Config) -> int:
+  """Parameters of :class:`Decoder` (embedding, blocks, final norm, head)."""
+  d, hd = cfg.d_model, cfg.head_dim
+  attn = d * cfg.heads * hd * 2 + d * cfg.kv_heads * hd * 2
+  block = attn + 3 * d * cfg.ffn + 2 * d
+  return 2 * cfg.vocab * d + cfg.layers * block + d
+
+
+class RMSNorm(nn.Module):
+  dtype: Any
+  eps: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],),
+                       self.dtype)
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def rotary(x, theta: float):
+  """Rotary position embedding of ``x`` ``(batch, seq, heads, head_dim)``
+  (the half-split form), computed in fp32."""
+  seq, hd = x.shape[1], x.shape[-1]
+  freqs = theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+  angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
+  sin = jnp.sin(angles)[None, :, None, :]
+  cos = jnp.cos(angles)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _proj(dense, cfg: Config, features: int, name: str):
+  return dense(features, use_bias=False, dtype=cfg.jdtype,
+               param_dtype=cfg.jdtype, name=name)
+
+
+class Attention(nn.Module):
+  cfg: Config
+  dense: Any
+
+  @nn.compact
+  def __call__(self, x):
+    c, (b, t, _) = self.cfg, x.shape
+    q = _proj(self.dense, c, c.heads * c.head_dim, "q")(x)
+    k = _proj(self.dense, c, c.kv_heads * c.head_dim, "k")(x)
+    v = _proj(self.dense, c, c.kv_heads * c.head_dim, "v")(x)
+    q = rotary(q.reshape(b, t, c.heads, c.head_dim), c.rope_theta)
+    k = rotary(k.reshape(b, t, c.kv_heads, c.head_dim), c.rope_theta)
+    v = v.reshape(b, t, c.kv_heads, c.head_dim)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                     implementation=c.attn_impl)
+    return _proj(self.dense, c, c.d_model, "o")(o.reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+  cfg: Config
+  dense: Any
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.cfg
+    gate = _proj(self.dense, c, c.ffn, "gate")(x)
+    up = _proj(self.dense, c, c.ffn, "up")(x)
+    return _proj(self.dense, c, c.d_model, "down")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  cfg: Config
+  dense: Any
+
+  @nn.compact
+  def __call__(self, x):
+    x = x + Attention(self.cfg, self.dense, name="attn")(
+        RMSNorm(self.cfg.jdtype, name="attn_norm")(x))
+    return x + MLP(self.cfg, self.dense, name="mlp")(
+        RMSNorm(self.cfg.jdtype, name="mlp_norm")(x))
+
+
+class Decoder(nn.Module):
+  """Llama-style decoder; ``dense`` (``forge_jax.Dense`` or
+  ``flax.linen.Dense``) is the class of every projection and of the head --
+  the only difference between the arms' models (same parameter tree)."""
+
+  cfg: Config
+  dense: Any = nn.Dense
+
+  @nn.compact
+  def __call__(self, tokens):
+    c = self.cfg
+    x = nn.Embed(c.vocab, c.d_model, dtype=c.jdtype, param_dtype=c.jdtype,
+                 name="embed")(tokens)
+    for i in range(c.layers):
+      x = Block(c, self.dense, name=f"block_{i}")(x)
+    x = RMSNorm(c.jdtype, name="final_norm")(x)
+    return _proj(self.dense, c, c.vocab, "lm_head")(x)
+
+
+# --------------------------------------------------------------------------
+# The two arms
+
+
+def make_loss(model: nn.Module):
+  def loss_fn(variables, batch):
+    tokens, targets = batch
+    logits = model.apply(variables, tokens).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, targets).mean()
+  return loss_fn
+
+
+def decay_mask(params):
+  """Weight decay on matrices (projections, head, embedding), not on norms."""
+  return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def make_tx(arm: str, cfg: Config, hparams: dict | None = None):
+  """The arm's AdamW: ``mu_dtype`` = the parameters' dtype, so m and v (which
+  optax keeps in the parameters' dtype) are stored alike in both arms."""
+  h = dict(HPARAMS if hparams is None else hparams)
+  lr = h.pop("learning_rate")
+  make = forge_jax.adamw if arm == "forge" else optax.adamw
+  return make(lr, mu_dtype=cfg.jdtype, mask=decay_mask, **h)
+
+
+def build_arm(arm: str, cfg: Config, hparams: dict | None = None):
+  """``(step, tx)`` of one arm, unjitted; ``step(variables, opt_state,
+  batch) -> (loss, variables, opt_state)``, ``opt_state = tx.init(params)``.
+  Jit it as ``jax.jit(step, donate_argnums=(0, 1))``."""
+  if arm not in ARMS:
+    raise ValueError(f"unknown arm {arm!r}; expected one of {ARMS}")
+  tx = make_tx(arm, cfg, hparams)
+  if arm == "forge":
+    return forge_jax.make_step(make_loss(Decoder(cfg, forge_jax.Dense)), tx), tx
+  loss_fn = make_loss(Decoder(cfg, nn.Dense))
+
+  def step(variables, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(variables, batch)
+    updates, opt_state = tx.update(grads["params"], opt_state,
+                                   variables["params"])
+    params = optax.apply_updates(variables["params"], updates)
+    return loss, {**variables, "params": params}, opt_state
+
+  return step, tx
+
+
+def make_batch(cfg: Config, batch_size: int, seed: int = 0):
+  """``(tokens, targets)``, int32 ``(batch_size, seq)``: random tokens and
+  their next-token targets (the same batch every step: the loss must fall)."""
+  rng = np.random.default_rng(seed)
+  toks = rng.integers(0, cfg.vocab, (batch_size, cfg.seq + 1), dtype=np.int32)
+  return jnp.asarray(toks[:, :-1]), jnp.asarray(toks[:, 1:])
+
+
+def init_variables(cfg: Config, seed: int = 0):
+  """The decoder's variables (one init for both arms: same tree), jitted."""
+  model = Decoder(cfg, nn.Dense)
+  tokens = jnp.zeros((1, cfg.seq), jnp.int32)
+  return jax.jit(model.init)(jax.random.key(seed), tokens)
+
+
+def abstract_variables(cfg: Config):
+  model = Decoder(cfg, nn.Dense)
+  return jax.eval_shape(model.init, jax.random.key(0),
+                        jnp.zeros((1, cfg.seq), jnp.int32))
+
+
+# --------------------------------------------------------------------------
+# One cell (one subprocess)
+
+
+def _size(n: int) -> str:
+  return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _mib(n):
+  return None if n is None else n / 2**20
+
+
+def _moment_dtypes(opt_state) -> str:
+  adam = opt_state[0]  # optax.adamw: chain(scale_by_adam, decay, lr)
+  mu = {str(a.dtype) for a in jax.tree.leaves(adam.mu)}
+  nu = {str(a.dtype) for a in jax.tree.leaves(adam.nu)}
+  return f"m={'/'.join(sorted(mu))},v={'/'.join(sorted(nu))}"
+
+
+def _peak_bytes():
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # noqa: BLE001 -- not every backend has stats
+    return None
+  return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
+             out: str | None, seed: int = 0) -> dict:
+  """Compiles, measures and runs one (arm, BT) cell in this process; writes
+  its rows to ``out`` (if given) and returns the figures."""
+  if bt % cfg.seq:
+    raise ValueError(f"BT={bt} is not a multiple of seq={cfg.seq}")
+  batch_size = bt // cfg.seq
+  step, tx = build_arm(arm, cfg)
+  batch = make_batch(cfg, batch_size, seed)
+
+  # Compile against abstract arguments, before any state exists: allocations
+  # made while compiling (e.g. GEMM autotuning) then do not stack on the state.
+  abs_vars = abstract_variables(cfg)
+  abs_state = jax.eval_shape(tx.init, abs_vars["params"])
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  t0 = time.perf_counter()
+  compiled = jitted.lower(abs_vars, abs_state, batch).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  mem = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
+         for k in ("temp", "argument", "output", "alias")}
+
+  variables = init_variables(cfg, seed)
+  opt_state = jax.jit(tx.init)(variables["params"])
+  n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(variables))
+  dtypes = (f"params={cfg.dtype},{_moment_dtypes(opt_state)},"
+            f"logits/loss=float32")
+
+  losses, times = [], []
+  for i in range(warmup + steps):
+    t0 = time.perf_counter()
+    loss, variables, opt_state = compiled(variables, opt_state, batch)
+    jax.block_until_ready((loss, variables, opt_state))
+    if i >= warmup:
+      times.append(time.perf_counter() - t0)
+    losses.append(float(loss))
+  peak = _peak_bytes()
+  q = tuple(t * 1e3 for t in common.quantiles(times))
+
+  r = dict(arm=arm, bt=bt, batch=batch_size, seq=cfg.seq, params=n_params,
+           dtypes=dtypes, compile_s=compile_s, step_ms=q,
+           peak_bytes=peak, mem=mem, losses=losses,
+           device=common.device_name(), backend=jax.default_backend())
+  if out:
+    res = common.Results(out, "e2e")
+    case = f"llama-{_size(n_params)} BT={bt}"
+    shape = (f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
+             f"ffn{cfg.ffn} V{cfg.vocab} B{batch_size}x{cfg.seq} unrolled")
+    add = lambda metric, v, unit: res.add(case, arm, shape, dtypes, metric,
+                                          v, unit)
+    add("step_time", q, "ms")
+    if peak is not None:
+      add("peak_memory", _mib(peak), "MiB")
+    for k in ("temp", "argument", "output", "alias"):
+      add(f"{k}_memory", _mib(mem[k]), "MiB")
+    add("compile_time", compile_s, "s")
+    add("loss_first", losses[0], "nats")
+    add("loss_final", losses[-1], "nats")
+    add("param_count", float(n_params), "params")
+  return r
+
+
+# --------------------------------------------------------------------------
+# The driver
+
+
+def _failed_row(path: str, arm: str, bt: int, cfg: Config, device: str,
+                reason: str) -> None:
+  new = not os.path.exists(path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a", newline="") as f:
+    w = csv.DictWriter(f, common.CSV_FIELDS)
+    if new:
+      w.writeheader()
+    w.writerow(dict(
+        benchmark="e2e", case=f"llama-{_size(param_count(cfg))} BT={bt}",
+        provider=arm,
+        shape=(f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
+               f"ffn{cfg.ffn} V{cfg.vocab} B{bt // cfg.seq}x{cfg.seq} unrolled"),
+        dtypes=f"params={cfg.dtype}", metric="failed", p20="nan", p50="nan",
+        p80="nan", unit=reason, device=device, versions=common.versions(),
+        timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(
+            timespec="seconds")))
+
+
+def _cell_argv(args, arm: str, bt: int) -> list[str]:
+  argv = [sys.executable, os.path.abspath(__file__), "--cell", "--arm", arm,
+          "--bt", str(bt), "--steps", str(args.steps), "--warmup",
+          str(args.warmup), "--seed", str(args.seed), "--dtype", args.dtype]
+  for flag in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "seq"):
+    argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+  if args.attn_impl:
+    argv += ["--attn-impl", args.attn_impl]
+  if args.out:
+    argv += ["--out", args.out]
+  return argv
+
+
+def _reason(rc: int, log: str) -> str:
+  lines = [l.strip() for l in log.splitlines() if l.strip()]
+  errs = [l for l in lines if "Error" in l or "error" in l or "Killed" in l]
+  last = (errs or lines or ["no output"])[-1]
+  return f"exit {rc}: {last}"[:300]
+
+
+def run_driver_cell(args, arm: str, bt: int, timeout: float):
+  """Runs one cell in a subprocess; returns ``(result or None, reason)``."""
+  env = dict(os.environ)
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  env["PYTHONUNBUFFERED"] = "1"
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (REPO, env.get("PYTHONPATH")) if p)
+  argv = _cell_argv(args, arm, bt)
+  print(f"== cell {arm} BT={bt} (timeout {timeout:.0f} s): "
+        f"{' '.join(argv[1:])}", flush=True)
+  t0 = time.perf_counter()
+  with tempfile.TemporaryFile("w+") as logf:
+    proc = subprocess.Popen(argv, env=env, stdout=logf,
+                            stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+      rc = proc.wait(timeout=timeout)
+      reason = None
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      rc = proc.wait()
+      reason = f"timeout after {timeout:.0f} s"
+    logf.seek(0)
+    log = logf.read()
+  result = None
+  for line in log.splitlines():
+    if line.startswith(RESULT_TAG):
+      result = json.loads(line[len(RESULT_TAG):])
+    else:
+      print(f"   | {line}")
+  print(f"   [{arm} BT={bt}: {time.perf_counter() - t0:.1f} s, exit {rc}]",
+        flush=True)
+  if result is not None:
+    return result, None
+  return None, reason or _reason(rc, log)
+
+
+def _fmt(v, spec=".1f"):
+  return "n/a" if v is None else format(v, spec)
+
+
+def summarize(results: dict, bts) -> bool:
+  """Prints the forge/optax table; returns whether first-step losses agree."""
+  ok = True
+  print("\nforge / optax (p50 step time; compiled-step temporaries; "
+        "allocator peak; compile time)")
+  print(f"{'BT':>6} {'metric':<16} {'forge':>12} {'optax':>12} {'ratio':>8}")
+  for bt in bts:
+    f, o = results.get(("forge", bt)), results.get(("optax", bt))
+    def row(name, fv, ov, spec=".1f"):
+      ratio = (f"{fv / ov:8.3f}" if fv is not None and ov not in (None, 0)
+               else f"{'n/a':>8}")
+      print(f"{bt:>6} {name:<16} {_fmt(fv, spec):>12} {_fmt(ov, spec):>12} "
+            f"{ratio}")
+    g = lambda r, fn: None if r is None else fn(r)
+    row("step p50 (ms)", g(f, lambda r: r["step_ms"][1]),
+        g(o, lambda r: r["step_ms"][1]), ".2f")
+    row("peak (MiB)", g(f, lambda r: _mib(r["peak_bytes"])),
+        g(o, lambda r: _mib(r["peak_bytes"])))
+    row("temp (MiB)", g(f, lambda r: _mib(r["mem"]["temp"])),
+        g(o, lambda r: _mib(r["mem"]["temp"])))
+    row("compile (s)", g(f, lambda r: r["compile_s"]),
+        g(o, lambda r: r["compile_s"]))
+    row("loss first", g(f, lambda r: r["losses"][0]),
+        g(o, lambda r: r["losses"][0]), ".5f")
+    row("loss final", g(f, lambda r: r["losses"][-1]),
+        g(o, lambda r: r["losses"][-1]), ".5f")
+    if f is not None and o is not None:
+      lf, lo = f["losses"][0], o["losses"][0]
+      rel = abs(lf - lo) / max(abs(lo), 1e-30)
+      same = rel <= FIRST_LOSS_RTOL
+      ok &= same
+      print(f"{bt:>6} first-step loss forge {lf!r} vs optax {lo!r}: rel diff "
+            f"{rel:.2e} ({'OK' if same else 'MISMATCH'}, tol "
+            f"{FIRST_LOSS_RTOL:g})")
+      for arm, r in (("forge", f), ("optax", o)):
+        if not r["losses"][-1] < r["losses"][0]:
+          print(f"{bt:>6} warning: {arm} loss did not fall "
+                f"({r['losses'][0]:.5f} -> {r['losses'][-1]:.5f})")
+      if f["peak_bytes"] is not None and o["peak_bytes"] is not None:
+        print(f"{bt:>6} acceptance: forge step time <= optax: "
+              f"{f['step_ms'][1] <= o['step_ms'][1]}; forge peak <= optax: "
+              f"{f['peak_bytes'] <= o['peak_bytes']}")
+  return ok
+
+
+def plot(csv_path: str, png_path: str) -> None:
+  """Bar chart of an e2e CSV: p50 step time and peak memory (temporaries
+  where the backend has no allocator peak) per BT, forge vs optax."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = [r for r in common.read_rows(csv_path) if r["benchmark"] == "e2e"]
+  last = {}
+  for r in rows:  # the last row of each (BT, arm, metric): the newest run
+    last[(int(r["case"].split("BT=")[1]), r["provider"], r["metric"])] = r
+  bts = sorted({k[0] for k in last})
+  has_peak = any(k[2] == "peak_memory" for k in last)
+  mem_metric = "peak_memory" if has_peak else "temp_memory"
+  panels = (("step_time", "median step time (ms)"),
+            (mem_metric, f"{'allocator peak' if has_peak else 'compiled temporaries'} (MiB)"))
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+  width = 0.38
+  for ax, (metric, label) in zip(axes, panels):
+    for i, arm in enumerate(ARMS):
+      vals = [float(last[(bt, arm, metric)]["p50"]) if (bt, arm, metric) in last
+              else 0.0 for bt in bts]
+      bars = ax.bar([j + i * width for j in range(len(bts))], vals, width,
+                    label=arm, color="tab:orange" if arm == "forge" else "gray")
+      ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks([j + width / 2 for j in range(len(bts))])
+    ax.set_xticklabels([f"BT={bt}" for bt in bts])
+    ax.set_ylabel(label)
+    ax.legend(fontsize=8)
+  any_row = next(iter(last.values()), None)
+  device = any_row["device"] if any_row else "?"
+  shape = any_row["shape"].rsplit(" B", 1)[0] if any_row else ""
+  fig.suptitle(f"Llama-style decoder training step ({shape}): FORGE vs "
+               f"optax.adamw on {device}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {png_path}")
+
+
+def parse_args(argv):
+  d = Config()
+  p = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+  p.add_argument("--bt", type=int, nargs="+", default=[512, 2048],
+                 help="tokens per step (multiples of --seq)")
+  p.add_argument("--layers", type=int, default=d.layers)
+  p.add_argument("--d-model", type=int, default=d.d_model)
+  p.add_argument("--heads", type=int, default=d.heads)
+  p.add_argument("--kv-heads", type=int, default=d.kv_heads)
+  p.add_argument("--ffn", type=int, default=d.ffn)
+  p.add_argument("--vocab", type=int, default=d.vocab)
+  p.add_argument("--seq", type=int, default=d.seq)
+  p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"))
+  p.add_argument("--attn-impl", default=None, choices=("xla", "cudnn"),
+                 help="jax.nn.dot_product_attention implementation "
+                 "(default: JAX's choice, XLA)")
+  p.add_argument("--steps", type=int, default=10, help="timed steps per cell")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="out/bench/e2e.csv")
+  p.add_argument("--plot", default=None, metavar="PNG")
+  p.add_argument("--replot", action="store_true",
+                 help="only plot --out into --plot; run nothing")
+  p.add_argument("--cell-timeout", type=float, default=150.0,
+                 help="seconds per cell subprocess")
+  p.add_argument("--budget", type=float, default=0.0,
+                 help="seconds for all cells (0: none); a cell gets at most "
+                 "what is left, and one with < 10 s left is recorded failed")
+  p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.steps < 1 or args.warmup < 1:
+    p.error("--steps and --warmup must be >= 1")
+  for bt in args.bt:
+    if bt <= 0 or bt % args.seq:
+      p.error(f"--bt {bt} is not a positive multiple of --seq {args.seq}")
+  return args
+
+
+def config_of(args) -> Config:
+  return Config(layers=args.layers, d_model=args.d_model, heads=args.heads,
+                kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
+                seq=args.seq, dtype=args.dtype, attn_impl=args.attn_impl)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  cfg = config_of(args)
+  if args.cell:
+    r = run_cell(args.arm, args.bt[0], cfg, args.steps, args.warmup, args.out,
+                 args.seed)
+    print(f"{r['arm']} BT={r['bt']} on {r['device']}: {r['params']:,} params "
+          f"({r['dtypes']}); compile {r['compile_s']:.1f} s; step p50 "
+          f"{r['step_ms'][1]:.2f} ms; temp {_mib(r['mem']['temp']):.1f} MiB; "
+          f"peak {_fmt(_mib(r['peak_bytes']))} MiB; losses "
+          f"{' '.join(f'{l:.4f}' for l in r['losses'])}")
+    print(RESULT_TAG + json.dumps(r), flush=True)
+    return 0
+
+  if args.replot:
+    if not args.plot:
+      print("--replot needs --plot PNG")
+      return 2
+    plot(args.out, args.plot)
+    return 0
+
+  n = param_count(cfg)
+  print(f"model: Llama-style decoder, {n:,} parameters ({n / 1e9:.3f} B): "
+        f"{cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads / "
+        f"{cfg.kv_heads} kv heads (head_dim {cfg.head_dim}), ffn {cfg.ffn}, "
+        f"vocab {cfg.vocab}, seq {cfg.seq}; {cfg.dtype} params, m, v; fp32 "
+        f"loss; unrolled. AdamW {HPARAMS}, decay on matrices only.")
+  print(f"cells: arms {args.arms} x BT {args.bt}; {args.warmup} warm-up + "
+        f"{args.steps} timed steps each; CSV {args.out}", flush=True)
+  start = time.perf_counter()
+  results, failed, device = {}, [], "unknown"
+  for bt in args.bt:
+    for arm in args.arms:
+      timeout = args.cell_timeout
+      left = args.budget - (time.perf_counter() - start)
+      if args.budget > 0 and left < 10:
+        r, reason = None, f"skipped: --budget {args.budget:g} s spent"
+        print(f"== cell {arm} BT={bt}: {reason}")
+      else:
+        if args.budget > 0:
+          timeout = min(timeout, left)
+        r, reason = run_driver_cell(args, arm, bt, timeout)
+      if r is None:
+        failed.append((arm, bt, reason))
+        print(f"   FAILED {arm} BT={bt}: {reason}", flush=True)
+        _failed_row(args.out, arm, bt, cfg, device, reason)
+      else:
+        results[(arm, bt)] = r
+        device = r["device"]
+        if r["params"] != n:
+          print(f"   warning: cell counted {r['params']:,} params, "
+                f"expected {n:,}")
+  same = summarize(results, args.bt)
+  for arm, bt, reason in failed:
+    print(f"failed cell {arm} BT={bt}: {reason}")
+  print(f"wrote {args.out} ({len(results)} cells ok, {len(failed)} failed) in "
+        f"{time.perf_counter() - start:.0f} s")
+  if args.plot and results:
+    plot(args.out, args.plot)
+  return 0 if same and not failed else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,125 @@
+"""benchmarks/e2e.py: the Llama-style decoder's two arms agree, and the driver
+writes its CSV rows (one subprocess per cell; failures recorded)."""
+
+import csv
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import e2e
+from tests.tolerances import assert_trees_close
+
+TINY = e2e.Config(layers=2, d_model=32, heads=4, kv_heads=2, ffn=48, vocab=61,
+                  seq=8, dtype="float32")
+TINY_FLAGS = ["--layers", "2", "--d-model", "32", "--heads", "4",
+              "--kv-heads", "2", "--ffn", "48", "--vocab", "61", "--seq", "8"]
+STEPS = 3
+# A larger rate than the benchmark's, so that 3 steps move every parameter.
+HPARAMS = dict(learning_rate=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def _train(arm, variables, batch):
+  step, tx = e2e.build_arm(arm, TINY, HPARAMS)
+  step = jax.jit(step, donate_argnums=(0, 1))
+  variables = jax.tree.map(jnp.array, variables)  # own buffers: donated
+  opt_state = tx.init(variables["params"])
+  losses = []
+  for _ in range(STEPS):
+    loss, variables, opt_state = step(variables, opt_state, batch)
+    losses.append(float(loss))
+  return losses, variables, opt_state
+
+
+@pytest.fixture(scope="module")
+def trained():
+  with jax.default_matmul_precision("highest"):
+    init = e2e.init_variables(TINY, seed=0)
+    batch = e2e.make_batch(TINY, batch_size=2, seed=0)
+    return init, {arm: _train(arm, init, batch) for arm in e2e.ARMS}
+
+
+def test_param_count_matches_the_tree():
+  init = e2e.init_variables(TINY)
+  n = sum(a.size for a in jax.tree.leaves(init))
+  assert n == e2e.param_count(TINY)
+  # The default config is the issue's 0.5-1B Llama-style decoder.
+  assert 0.5e9 <= e2e.param_count(e2e.Config()) <= 1e9
+
+
+def test_forge_arm_runs_fused_kernels():
+  step, tx = e2e.build_arm("forge", TINY, HPARAMS)
+  variables = e2e.init_variables(TINY)
+  batch = e2e.make_batch(TINY, 2)
+  jaxpr = str(jax.make_jaxpr(step)(variables, tx.init(variables["params"]),
+                                   batch))
+  # 7 projections per block + the head, each with its own fused backward.
+  assert jaxpr.count("pallas_call") >= 7 * TINY.layers + 1
+
+
+def test_forge_equals_optax_after_three_steps(trained):
+  init, runs = trained
+  (fl, fv, fs), (ol, ov, os_) = runs["forge"], runs["optax"]
+  assert fl[0] == ol[0]  # same init, same batch, same forward
+  assert all(math.isfinite(l) for l in fl + ol) and fl[-1] < fl[0]
+  assert_trees_close(fv["params"], ov["params"], rtol=1e-5, what="params")
+  assert_trees_close(fs[0].mu, os_[0].mu, rtol=1e-5, what="mu")
+  assert_trees_close(fs[0].nu, os_[0].nu, rtol=1e-5, what="nu")
+  assert int(fs[0].count) == int(os_[0].count) == STEPS
+  # Every kernel moved (the FORGE path updated them, not left them as init).
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(fv["params"]),
+                          jax.tree.leaves(init["params"])):
+    assert not jnp.array_equal(a, b), jax.tree_util.keystr(path)
+
+
+def test_both_arms_store_moments_in_the_param_dtype():
+  for dtype in ("bfloat16", "float32"):
+    cfg = dataclasses.replace(TINY, dtype=dtype)
+    params = e2e.abstract_variables(cfg)["params"]
+    for arm in e2e.ARMS:
+      state = jax.eval_shape(e2e.make_tx(arm, cfg).init, params)
+      for leaf in jax.tree.leaves((state[0].mu, state[0].nu)):
+        assert leaf.dtype == jnp.dtype(dtype), (arm, dtype)
+
+
+def _rows(path):
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def test_driver_runs_a_cell_and_writes_rows(tmp_path, capsys):
+  out = tmp_path / "e2e.csv"
+  png = tmp_path / "e2e.png"
+  rc = e2e.main(["--arms", "forge", "--bt", "16", *TINY_FLAGS,
+                 "--steps", "2", "--out", str(out), "--plot", str(png)])
+  assert rc == 0, capsys.readouterr().out
+  rows = _rows(out)
+  metrics = {r["metric"] for r in rows}
+  assert {"step_time", "temp_memory", "argument_memory", "output_memory",
+          "alias_memory", "compile_time", "loss_first", "loss_final",
+          "param_count"} <= metrics
+  for r in rows:
+    assert r["benchmark"] == "e2e" and r["provider"] == "forge"
+    assert r["case"].endswith("BT=16") and "B2x8" in r["shape"]
+    assert "m=bfloat16,v=bfloat16" in r["dtypes"]
+    assert math.isfinite(float(r["p50"]))
+  by = {r["metric"]: r for r in rows}
+  assert float(by["step_time"]["p20"]) <= float(by["step_time"]["p50"]) \
+      <= float(by["step_time"]["p80"])
+  assert int(float(by["param_count"]["p50"])) == e2e.param_count(TINY)
+  if jax.default_backend() == "cpu":
+    assert "peak_memory" not in metrics  # no allocator statistics on CPU
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_driver_records_a_timed_out_cell(tmp_path):
+  out = tmp_path / "e2e.csv"
+  rc = e2e.main(["--arms", "optax", "--bt", "16", *TINY_FLAGS,
+                 "--cell-timeout", "0.5", "--budget", "100", "--out", str(out)])
+  assert rc == 1
+  (row,) = _rows(out)
+  assert row["metric"] == "failed" and row["provider"] == "optax"
+  assert row["unit"].startswith("timeout after")
+  assert math.isnan(float(row["p50"]))
