@@ -111,8 +111,7 @@ def bench_case(res, name, bt, n_in, n_out, moment_dtype, configs, ceiling):
     except Exception as e:  # noqa: BLE001 -- a config may not compile
       print(f"  {shape} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
       continue
-    res.add(name, f"forge[{cfg.block_in}x{cfg.block_out}x{cfg.block_bt},"
-            f"g{cfg.group_in},w{cfg.num_warps},s{cfg.num_stages}]", shape,
+    res.add(name, f"forge[{pk.autotune.config_label(cfg)}]", shape,
             dtypes, "time", tuple(t * 1e6 for t in q), "us")
     if best is None or q[1] < best[0][1]:
       best = (q, cfg)
@@ -143,10 +142,15 @@ def main(argv=None):
   p.add_argument("--moments", nargs="+", default=["bfloat16", "float32"])
   p.add_argument("--configs", type=int, default=len(CONFIGS),
                  help="how many of the curated configs to try")
+  p.add_argument("--config", nargs="+", default=None, metavar="LABEL",
+                 help="tilings to try instead, as labels such as "
+                 "64x128x64,g1,w4,s3 (',p' appended: prefetch)")
   args = p.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("benchmarks/kernel.py needs a GPU; nothing measured.")
     return 0
+  configs = ([pk.autotune.parse_label(c) for c in args.config]
+             if args.config else CONFIGS[:args.configs])
   res = common.Results(args.out, "kernel")
   ceiling = common.copy_ceiling_bytes_per_s()
   res.add("copy", "xla_copy", "2GiB", "f32", "bandwidth", ceiling / 1e9, "GB/s")
@@ -155,7 +159,7 @@ def main(argv=None):
                                              args.tokens):
     n_in, n_out = common.LLAMA8B_SHAPES[name]
     bench_case(res, name, bt, n_in, n_out, jnp.dtype(moments),
-               CONFIGS[:args.configs], ceiling)
+               configs, ceiling)
   return 0
 
 

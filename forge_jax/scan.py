@@ -12,13 +12,13 @@ Here the whole stack is one ``jax.custom_vjp``:
 * forward: a ``lax.scan`` over the layers, saving each layer's input and
   pre-activation (what ``nn.scan``'s own backward saves);
 * backward: a reverse ``lax.scan`` whose **carry** holds ``dy`` and the
-  stacked kernel and slots. Iteration ``i`` reads layer ``i``'s slices,
-  computes ``dz`` through the activation, ``db``, and ``dx`` from the
-  *pre-update* kernel slice, runs the layer's optimizer step
-  (``forge_jax._paths.step_in_backward``: the fused kernel's epilogue) on the
-  slices, and writes the new slices back into the carried stacks with
-  ``lax.dynamic_update_index_in_dim``. XLA updates while-loop carries in
-  place, so the temporaries are one layer's kernel and slots, not the pool.
+  stacked kernel and slots. Iteration ``i`` computes ``dz`` through the
+  activation, ``db``, and ``dx`` from the *pre-update* kernel slice, then
+  runs the layer's optimizer step in the fused kernel's epilogue in its
+  ``layer=i`` mode, which reads and writes layer ``i`` of the carried stacks
+  directly (no slice of ``W`` or a slot is copied out or back). XLA updates
+  while-loop carries in place, so there is no gradient pool and no per-layer
+  copy of the kernel or its slots.
   The carried stacks are returned as the "cotangents" of the kernel stack
   and its slots (``make_step`` reads them as new values, as for
   ``forge_jax.Dense``); the bias stack gets its ordinary gradient.
@@ -41,6 +41,7 @@ from flax.linen import dtypes as flax_dtypes
 from flax.linen import initializers
 
 import pallas_kernels
+from pallas_kernels import fused_wgrad
 from forge_jax import _context
 from forge_jax import _paths
 
@@ -56,6 +57,7 @@ class _Static:
   config: pallas_kernels.BlockConfig | None
   spec: Any
   layout: Any
+  in_place_layer: bool  # stack_update: "layer" (True) or "slice" (False)
 
 
 def _matmul(x, kernel, precision):
@@ -110,6 +112,15 @@ def _fused_stack_bwd(static, res, dy):
     dx = lax.dot_general(dz, w_i.astype(static.dtype),
                          (((dz.ndim - 1,), (1,)), ((), ())),
                          precision=static.precision)
+    if static.in_place_layer:
+      dx, w_stack = lax.optimization_barrier((dx, w_stack))
+      # The fused kernel updates layer i of the carried stacks in place
+      # (`layer=i`): no slice of W or of a slot is copied out or back.
+      w_stack, slot_stacks = pallas_kernels.fused_wgrad_update(
+          x_i, dz, w_stack, slot_stacks, inputs.hparams,
+          rule=static.spec.rule, config=static.config, layer=i)
+      return (dx.astype(dy.dtype), w_stack, tuple(slot_stacks)), db
+    # "slice": layer i's W and slots are copied out, stepped, written back.
     dx, w_i = lax.optimization_barrier((dx, w_i))
     slots_i = tuple(lax.dynamic_index_in_dim(s, i, keepdims=False)
                     for s in slot_stacks)
@@ -171,6 +182,14 @@ class ScannedDenseStack(nn.Module):
 
   The input's last dimension must be ``features`` and its dtype the
   computation dtype (as for ``nn.scan``, whose carry keeps one dtype).
+
+  ``stack_update`` says how the backward loop reaches layer ``i``'s kernel
+  and slots: ``"layer"`` -- the fused kernel reads and writes them inside the
+  carried stacks (``fused_wgrad_update(..., layer=i)``), nothing copied;
+  ``"slice"`` -- they are copied out of the stacks, stepped, and written back
+  (one layer's W and slots of temporaries); ``"auto"`` (default) -- ``"layer"``
+  on a GPU, ``"slice"`` in Pallas interpret mode (CPU), whose interpreter
+  copies every operand it is given and so would copy the whole stacks.
   """
 
   features: int
@@ -184,6 +203,7 @@ class ScannedDenseStack(nn.Module):
   bias_init: Callable = initializers.zeros_init()
   fused: bool = True
   block_config: pallas_kernels.BlockConfig | None = None
+  stack_update: str = "auto"
 
   def _act(self, y):
     return y if self.activation is None else self.activation(y)
@@ -257,11 +277,18 @@ class ScannedDenseStack(nn.Module):
       raise ValueError(
           f"forge_jax.ScannedDenseStack at {name!r}: the input's last "
           f"dimension ({x.shape[-1]}) must equal features ({self.features})")
+    if self.stack_update not in ("auto", "layer", "slice"):
+      raise ValueError(
+          f"forge_jax.ScannedDenseStack at {name!r}: stack_update="
+          f"{self.stack_update!r} must be 'auto', 'layer' or 'slice'")
+    in_place_layer = (self.stack_update == "layer" or (
+        self.stack_update == "auto" and not fused_wgrad.default_interpret()))
     dtype = flax_dtypes.canonicalize_dtype(x, kernels, biases,
                                            dtype=self.dtype)
     static = _Static(path=path, activation=self.activation or _identity,
                      dtype=dtype,
                      precision=self.precision, config=self.block_config,
-                     spec=spec, layout=ctx.layouts.get(path))
+                     spec=spec, layout=ctx.layouts.get(path),
+                     in_place_layer=in_place_layer)
     return _fused_stack(static, x.astype(dtype), kernels, biases,
                         ctx.inputs[path])

@@ -92,17 +92,20 @@ def config_space() -> list[BlockConfig]:
 def config_label(cfg: BlockConfig) -> str:
   """``64x128x64,g1,w4,s3``: the form benchmarks/kernel.py's CSV uses."""
   return (f"{cfg.block_in}x{cfg.block_out}x{cfg.block_bt},g{cfg.group_in},"
-          f"w{cfg.num_warps},s{cfg.num_stages}")
+          f"w{cfg.num_warps},s{cfg.num_stages}" + (",p" if cfg.prefetch else "")
+          + (",e" if cfg.stream_state else ""))
 
 
-_LABEL = re.compile(r"^(\d+)x(\d+)x(\d+),g(\d+),w(\d+),s(\d+)$")
+_LABEL = re.compile(r"^(\d+)x(\d+)x(\d+),g(\d+),w(\d+),s(\d+)(,p)?(,e)?$")
 
 
 def parse_label(label: str) -> BlockConfig:
   m = _LABEL.match(label.strip())
   if not m:
     raise ValueError(f"not a config label: {label!r}")
-  return BlockConfig(*(int(v) for v in m.groups()))
+  *ints, prefetch, stream = m.groups()
+  return BlockConfig(*(int(v) for v in ints), prefetch=prefetch is not None,
+                     stream_state=stream is not None)
 
 
 # --- the cache ---------------------------------------------------------------

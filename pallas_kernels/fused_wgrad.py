@@ -22,6 +22,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -52,6 +53,13 @@ class BlockConfig:
       L2); 1 is plain row-major order.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages of the main loop.
+    prefetch: load the tile of ``W`` and of each slot *before* the main loop
+      instead of after it, so that this traffic overlaps the GEMM (it then
+      occupies registers during the loop).
+    stream_state: load and store ``W`` and the slots with the
+      ``evict_first`` L2 policy and ``x``, ``dy`` with ``evict_last``: each
+      state byte is touched once, while every ``x``/``dy`` chunk is re-read
+      by a whole row/column of tiles, so the operands should stay in L2.
   """
 
   block_in: int = 64
@@ -60,6 +68,8 @@ class BlockConfig:
   group_in: int = 1
   num_warps: int = 4
   num_stages: int = 3
+  prefetch: bool = False
+  stream_state: bool = False
 
   def __post_init__(self):
     for name in ("block_in", "block_out", "block_bt"):
@@ -73,6 +83,9 @@ class BlockConfig:
       raise ValueError(f"num_warps={self.num_warps!r} must be 1, 2, 4, 8 or 16")
     if not isinstance(self.num_stages, int) or self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages!r} must be an int >= 1")
+    for name in ("prefetch", "stream_state"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
   @classmethod
   def default(cls, bt: int, n_in: int, n_out: int) -> "BlockConfig":
@@ -111,15 +124,25 @@ def _float_dtype_check(name: str, a) -> None:
     raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
 
 
-def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule):
+def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
   for name, a in (("x", x), ("dy", dy), ("w", w)):
     _float_dtype_check(name, a)
-  if w.ndim != 2:
+  if layer is None and w.ndim != 2:
     raise ValueError(f"w must be 2-D (in, out), got shape {w.shape}")
+  if layer is not None:
+    if w.ndim != 3:
+      raise ValueError(
+          f"with layer=..., w must be a stack (L, in, out), got shape {w.shape}")
+    layer_a = jnp.asarray(layer)
+    if layer_a.shape != () or not jnp.issubdtype(layer_a.dtype, jnp.integer):
+      raise TypeError(f"layer must be an integer scalar, got {layer_a.dtype}"
+                      f"{list(layer_a.shape)}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < w.shape[0]:
+      raise IndexError(f"layer={layer} is out of range for {w.shape[0]} layers")
   if x.ndim < 1 or dy.ndim < 1:
     raise ValueError(
         f"x and dy need at least one dimension, got {x.shape} and {dy.shape}")
-  n_in, n_out = w.shape
+  n_in, n_out = w.shape[-2:]
   if x.shape[-1] != n_in:
     raise ValueError(f"x's last dimension {x.shape[-1]} != w.shape[0]={n_in}")
   if dy.shape[-1] != n_out:
@@ -143,13 +166,26 @@ def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule):
         f" rule.pack(...)), got {hparams.dtype}{list(hparams.shape)}")
 
 
+def _and(*masks):
+  masks = [m for m in masks if m is not None]
+  if not masks:
+    return None
+  out = masks[0]
+  for m in masks[1:]:
+    out = out & m
+  return out
+
+
 def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
                   cfg: BlockConfig, bt: int, n_in: int, n_out: int,
-                  precision):
-  # Inputs: (W if the rule updates it), slots. Outputs: the same, aliased,
-  # then the rule's write-only outputs.
+                  precision, stacked: bool):
+  # Inputs: (the layer index if stacked), (W if the rule updates it), slots.
+  # Outputs: the same state, aliased, then the rule's write-only outputs.
+  if stacked:
+    layer_ref, *refs = refs
   n_state = int(rule.updates_weight) + len(rule.slots)
   in_refs, out_refs = refs[:n_state], refs[n_state:]
+  n_aliased = n_state
   bi, bo, bk = cfg.block_in, cfg.block_out, cfg.block_bt
 
   # Grouped tile order: program p walks `group_in` tiles down `in` before
@@ -165,20 +201,38 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
   ti = first_in + (pid % per_group) % group_size
   to = (pid % per_group) // group_size
 
-  rows = ti * bi + jnp.arange(bi)
-  cols = to * bo + jnp.arange(bo)
-  row_ok = rows < n_in
-  col_ok = cols < n_out
+  # Masks only along dimensions the tiles do not divide: an unmasked access
+  # can be vectorised (a masked one may not be).
+  row_ok = (ti * bi + jnp.arange(bi) < n_in) if n_in % bi else None
+  col_ok = (to * bo + jnp.arange(bo) < n_out) if n_out % bo else None
+  col = lambda m: None if m is None else m[None, :]
+  row = lambda m: None if m is None else m[:, None]
+
+  tile = (pl.ds(ti * bi, bi), pl.ds(to * bo, bo))
+  mask = _and(row(row_ok), col(col_ok))
+  other = None if mask is None else 0.0
+  # A stacked state (L, in, out): this call updates layer `layer_ref[0]`.
+  state_tile = (layer_ref[0], *tile) if stacked else tile
+  state_policy = "evict_first" if cfg.stream_state else None
+  operand_policy = "evict_last" if cfg.stream_state else None
+  load_state = lambda: [plgpu.load(r.at[state_tile], mask=mask, other=other,
+                                   eviction_policy=state_policy)
+                        for r in in_refs]
+  # With `prefetch` the W/slot loads are issued before the main loop, so they
+  # are in flight while the tensor cores run.
+  old = load_state() if cfg.prefetch else None
 
   def body(k, acc):
-    ks = k * bk + jnp.arange(bk)
-    k_ok = ks < bt
+    k_ok = (k * bk + jnp.arange(bk) < bt)[:, None] if bt % bk else None
+    x_mask, dy_mask = _and(k_ok, col(row_ok)), _and(k_ok, col(col_ok))
     xk = plgpu.load(
         x_ref.at[pl.ds(k * bk, bk), pl.ds(ti * bi, bi)],
-        mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        mask=x_mask, other=None if x_mask is None else 0.0,
+        eviction_policy=operand_policy)
     dyk = plgpu.load(
         dy_ref.at[pl.ds(k * bk, bk), pl.ds(to * bo, bo)],
-        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        mask=dy_mask, other=None if dy_mask is None else 0.0,
+        eviction_policy=operand_policy)
     return acc + plgpu.dot(xk, dyk, trans_a=True, precision=precision)
 
   g = lax.fori_loop(0, pl.cdiv(bt, bk), body,
@@ -186,18 +240,18 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
 
   # Epilogue: the optimizer on this tile, reading and writing W and its state
   # in place. `g` (fp32) is consumed here and never stored.
-  tile = (pl.ds(ti * bi, bi), pl.ds(to * bo, bo))
-  mask = row_ok[:, None] & col_ok[None, :]
-  old = [plgpu.load(r.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-         for r in in_refs]
+  if old is None:
+    old = load_state()
+  old = [a.astype(jnp.float32) for a in old]
   h = rule.unpack(h_ref)
   if rule.updates_weight:
     w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
     new = (w_new, *new)
   else:  # regime 2: the state only; W stays in HBM, untouched.
     _, new = rule.update(g, None, tuple(old), h)
-  for r, v in zip(out_refs, new):
-    plgpu.store(r.at[tile], v.astype(r.dtype), mask=mask)
+  for i, (r, v) in enumerate(zip(out_refs, new)):
+    plgpu.store(r.at[state_tile if i < n_aliased else tile],
+                v.astype(r.dtype), mask=mask, eviction_policy=state_policy)
 
 
 def _flatten_tokens(x, dy):
@@ -226,6 +280,7 @@ def fused_wgrad_update(
     rule: UpdateRule,
     config: BlockConfig | None = None,
     interpret: bool | None = None,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """One optimizer step of ``w`` from ``G = x^T dy``, without storing ``G``.
 
@@ -240,6 +295,11 @@ def fused_wgrad_update(
     config: tiling; when ``None``, :func:`select_config` (the autotuned
       winner cached for this GPU, else :meth:`BlockConfig.default`).
     interpret: run in Pallas interpret mode (CPU); default: unless on a GPU.
+    layer: for a stack of layers: ``w`` and the slots are ``(L, in, out)``
+      and only layer ``layer`` (an integer scalar, may be traced) is updated,
+      in place in the stacks -- no slice is copied out or back. A static
+      index out of range raises; a traced one is clamped into ``[0, L)``, as
+      ``lax.dynamic_update_slice`` clamps.
 
   Returns:
     ``(w_new, slots_new)``, aliasing the buffers of ``w`` and ``slots`` when
@@ -256,10 +316,13 @@ def fused_wgrad_update(
     >>> w, (mu, nu) = fused_wgrad_update(x, dy, w, (mu, nu), h, rule=ADAMW)
   """
   slots = tuple(slots)
-  _check_inputs(x, dy, w, slots, hparams, rule)
+  _check_inputs(x, dy, w, slots, hparams, rule, layer)
   x2, dy2 = _flatten_tokens(x, dy)
   bt = x2.shape[0]
-  n_in, n_out = w.shape
+  n_in, n_out = w.shape[-2:]
+  stacked = layer is not None
+  if stacked:
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   if interpret is None:
     interpret = default_interpret()
   cfg = config or select_config(bt, n_in, n_out, w.dtype,
@@ -267,17 +330,19 @@ def fused_wgrad_update(
                                 interpret=interpret)
   if bt == 0:
     # No tokens: G = 0, the optimizer still steps (moments decay, weight decay).
-    return rule.apply(jnp.zeros(w.shape, jnp.float32), w, slots, hparams)
+    return _apply_maybe_stacked(rule, jnp.zeros((n_in, n_out), jnp.float32),
+                                w, slots, hparams, layer)
 
   n_tiles = pl.cdiv(n_in, cfg.block_in) * pl.cdiv(n_out, cfg.block_out)
   kernel = functools.partial(
       _fused_kernel, rule=rule, cfg=cfg, bt=bt, n_in=n_in, n_out=n_out,
-      precision=_dot_precision(x, dy, w))
+      precision=_dot_precision(x, dy, w), stacked=stacked)
   state = (w, *slots) if rule.updates_weight else slots
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
-  outputs = tuple(jax.ShapeDtypeStruct(w.shape, out_dtype)
+  outputs = tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
                   for _ in rule.outputs)
-  first_state_arg = 3  # after x, dy, hparams
+  extra = (layer.reshape(1),) if stacked else ()
+  first_state_arg = 3 + len(extra)  # after x, dy, hparams (, layer)
   out = pl.pallas_call(
       kernel,
       out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
@@ -288,17 +353,32 @@ def fused_wgrad_update(
           num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name=f"fused_wgrad_{rule.name}",
-  )(x2, dy2, hparams, *state)
+  )(x2, dy2, hparams, *extra, *state)
   if rule.updates_weight:
     return out[0], tuple(out[1:])
   return w, tuple(out)
 
 
-def fused_wgrad_update_reference(x, dy, w, slots, hparams, *, rule: UpdateRule):
+def _apply_maybe_stacked(rule, g, w, slots, hparams, layer):
+  if layer is None:
+    return rule.apply(g, w, slots, hparams)
+  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
+  take = lambda a: lax.dynamic_index_in_dim(a, layer, keepdims=False)
+  put = lambda a, v: lax.dynamic_update_index_in_dim(a, v.astype(a.dtype),
+                                                     layer, 0)
+  w_new, new = rule.apply(g, take(w), [take(s) for s in slots], hparams)
+  n = len(slots)
+  new_slots = tuple(put(s, v) for s, v in zip(slots, new[:n]))
+  return (put(w, w_new) if rule.updates_weight else w), new_slots + tuple(
+      new[n:])
+
+
+def fused_wgrad_update_reference(x, dy, w, slots, hparams, *, rule: UpdateRule,
+                                 layer=None):
   """Pure-``jnp`` reference: form ``G`` in fp32, then apply ``rule``."""
   slots = tuple(slots)
-  _check_inputs(x, dy, w, slots, hparams, rule)
+  _check_inputs(x, dy, w, slots, hparams, rule, layer)
   x2, dy2 = _flatten_tokens(x, dy)
   g = jnp.dot(x2.T, dy2, precision=lax.Precision.HIGHEST,
               preferred_element_type=jnp.float32)
-  return rule.apply(g, w, slots, hparams)
+  return _apply_maybe_stacked(rule, g, w, slots, hparams, layer)

@@ -10,6 +10,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
+from pallas_kernels import autotune
 from tests.tolerances import assert_close, tol
 
 # (tokens..., in, out): odd sizes no block divides, sizes below the minimum
@@ -84,12 +85,77 @@ def test_nesterov_rule_matches_reference():
     pk.BlockConfig(block_in=16, block_out=16, block_bt=16, group_in=3),
     pk.BlockConfig(block_in=32, block_out=64, block_bt=16, group_in=2),
     pk.BlockConfig(block_in=128, block_out=16, block_bt=32),
+    pk.BlockConfig(block_in=32, block_out=32, block_bt=16, group_in=2,
+                   prefetch=True),
+    pk.BlockConfig(block_in=16, block_out=64, block_bt=32, stream_state=True),
 ])
 def test_tilings_and_tile_orders_agree(config):
   # Many tiles, partial tiles on every edge, grouped orders with a ragged
   # last group: each output tile must be visited exactly once.
   x, dy, w, slots = make_case(2, (45,), 70, 130, DTYPES[0])
   check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW, config)
+
+
+def make_stacked_case(seed, layers, tokens, n_in, n_out, dtypes):
+  cases = [make_case(seed + i, tokens, n_in, n_out, dtypes)
+           for i in range(layers)]
+  x, dy = cases[1][0], cases[1][1]
+  w = jnp.stack([c[2] for c in cases])
+  slots = tuple(jnp.stack([c[3][j] for c in cases]) for j in range(2))
+  return x, dy, w, slots
+
+
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(
+    jnp.dtype(t).name for t in d))
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
+def test_stacked_state_updates_one_layer_in_place(dtypes, traced):
+  x, dy, w, slots = make_stacked_case(20, 3, (37,), 70, 130, dtypes)
+  h = adamw_hparams()
+  run = lambda layer: pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW,
+                                            layer=layer, interpret=True)
+  got_w, got_slots = (jax.jit(run)(jnp.int32(1)) if traced else run(1))
+  ref_w, ref_slots = pk.fused_wgrad_update_reference(
+      x, dy, w, slots, h, rule=pk.ADAMW, layer=1)
+  assert got_w.shape == w.shape and got_w.dtype == w.dtype
+  for got, ref, old, what in ((got_w, ref_w, w, "w"),
+                              *zip(got_slots, ref_slots, slots, ("mu", "nu"))):
+    assert_close(got[1], ref[1], what=f"{what}[1]")
+    # The other layers are untouched, bit for bit.
+    for i in (0, 2):
+      np.testing.assert_array_equal(np.asarray(got[i], np.float32),
+                                    np.asarray(old[i], np.float32))
+    assert not np.allclose(np.asarray(got[1], np.float32),
+                           np.asarray(old[1], np.float32))
+  # The stacked reference equals the unstacked step on that layer.
+  one_w, one_slots = pk.fused_wgrad_update_reference(
+      x, dy, w[1], tuple(s[1] for s in slots), h, rule=pk.ADAMW)
+  assert_close(ref_w[1], one_w, what="reference w[1]")
+
+
+def test_stacked_zero_tokens_steps_only_that_layer():
+  x, dy, w, slots = make_stacked_case(23, 2, (0,), 20, 24, DTYPES[0])
+  got_w, _ = pk.fused_wgrad_update(x, dy, w, slots, adamw_hparams(),
+                                   rule=pk.ADAMW, layer=0, interpret=True)
+  ref_w, _ = pk.ADAMW.apply(jnp.zeros(w.shape[1:]), w[0],
+                            tuple(s[0] for s in slots), adamw_hparams())
+  assert_close(got_w[0], ref_w)
+  np.testing.assert_array_equal(np.asarray(got_w[1]), np.asarray(w[1]))
+
+
+@pytest.mark.parametrize("layer,shape,exc,match", [
+    (3, (3, 20, 24), IndexError, "layer=3 is out of range for 3 layers"),
+    (-1, (3, 20, 24), IndexError, "out of range"),
+    (0, (20, 24), ValueError, r"w must be a stack \(L, in, out\)"),
+    (1.0, (3, 20, 24), TypeError, "layer must be an integer scalar"),
+    (jnp.zeros(2, jnp.int32), (3, 20, 24), TypeError, "integer scalar"),
+])
+def test_stacked_bad_layer_fails_clearly(layer, shape, exc, match):
+  x = jnp.ones((5, 20))
+  dy = jnp.ones((5, 24))
+  w = jnp.ones(shape)
+  with pytest.raises(exc, match=match):
+    pk.fused_wgrad_update(x, dy, w, (w, w), adamw_hparams(), rule=pk.ADAMW,
+                          layer=layer, interpret=True)
 
 
 def test_kernel_reference_is_independent_of_the_rule_plumbing():
@@ -147,6 +213,8 @@ def test_hyperparameters_are_runtime_values():
     (dict(num_warps=3), "num_warps=3"),
     (dict(num_stages=0), "num_stages=0"),
     (dict(group_in=0), "group_in=0"),
+    (dict(prefetch=1), "prefetch=1 must be a bool"),
+    (dict(stream_state="yes"), "stream_state='yes' must be a bool"),
 ])
 def test_invalid_block_configs_fail_clearly(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -229,6 +297,37 @@ def test_compiled_kernel_matches_reference_on_gpu(tokens, n_in, n_out, dtypes):
   x, dy, w, slots = make_case(n_in + n_out, tokens, n_in, n_out, dtypes)
   check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
                           interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    pk.BlockConfig(64, 128, 64, prefetch=True),
+    pk.BlockConfig(128, 128, 64, 1, 8, 3, prefetch=True),
+    pk.BlockConfig(128, 256, 64, 1, 8, 3, prefetch=True),
+    pk.BlockConfig(64, 128, 64, stream_state=True),
+    pk.BlockConfig(128, 128, 64, 8, 8, 3, prefetch=True, stream_state=True),
+], ids=lambda c: autotune.config_label(c))
+@pytest.mark.parametrize("dtypes", DTYPES[:2], ids=["f32", "bf16"])
+def test_compiled_knob_tilings_match_reference_on_gpu(config, dtypes):
+  x, dy, w, slots = make_case(11, (300,), 520, 390, dtypes)
+  check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
+                          config, interpret=False)
+
+
+@pytest.mark.gpu
+def test_compiled_stacked_kernel_updates_the_stack_in_place_on_gpu():
+  x, dy, w, slots = make_stacked_case(30, 4, (256,), 512, 384, DTYPES[1])
+  h = adamw_hparams()
+  ref_w, ref_slots = pk.fused_wgrad_update_reference(
+      x, dy, w, slots, h, rule=pk.ADAMW, layer=2)
+  ptrs = [a.unsafe_buffer_pointer() for a in (w, *slots)]
+  step = jax.jit(functools.partial(pk.fused_wgrad_update, rule=pk.ADAMW),
+                 donate_argnums=(2, 3))
+  new_w, new_slots = step(x, dy, w, slots, h, layer=jnp.int32(2))
+  assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs
+  assert_close(new_w, ref_w, what="w stack")
+  for got, ref in zip(new_slots, ref_slots):
+    assert_close(got, ref, what="slot stack")
 
 
 @pytest.mark.gpu

@@ -40,6 +40,7 @@ class Model(nn.Module):
   dtype: jnp.dtype = None
   stack_bias: bool = True
   activation: object = nn.relu
+  stack_update: str = "auto"
 
   @nn.compact
   def __call__(self, x):
@@ -49,7 +50,8 @@ class Model(nn.Module):
     skw = dict(kw, use_bias=self.stack_bias, activation=self.activation)
     if self.forge:
       x = forge_jax.ScannedDenseStack(self.width, self.num_layers,
-                                      name="stack", **skw)(x)
+                                      name="stack", stack_update=self.stack_update,
+                                      **skw)(x)
     else:
       x, _ = reference_stack(self.width, self.num_layers, "stack", **skw)(
           x, None)
@@ -210,6 +212,16 @@ def test_forge_dense_inside_nn_scan_is_refused_pointing_to_the_stack():
         variables, tx.init(variables["params"]), x)
 
 
+def test_unknown_stack_update_is_refused():
+  model = Model(True, stack_update="inplace")
+  x = jnp.ones((4, 37))
+  variables = Model(False).init(jax.random.key(0), x)
+  step = forge_jax.make_step(mse(model), forge_jax.adamw(1e-2))
+  tx = forge_jax.adamw(1e-2)
+  with pytest.raises(ValueError, match="stack_update='inplace' must be"):
+    step(variables, tx.init(variables["params"]), (x, jnp.ones((4, 5))))
+
+
 def test_non_regime_1_family_is_refused_with_the_fix():
   model = Model(True)
   batch = data(steps=1)[0]
@@ -223,7 +235,10 @@ def test_non_regime_1_family_is_refused_with_the_fix():
 @pytest.mark.parametrize("model_kwargs,tokens", [
     (dict(stack_bias=False), None),
     (dict(activation=nn.gelu, num_layers=3), (4, 12)),
-], ids=["no-bias", "gelu-3d-tokens"])
+    # The GPU default: the kernel updates layer i inside the carried stacks.
+    (dict(stack_update="layer"), None),
+    (dict(stack_update="slice", width=40, num_layers=3), (3, 16)),
+], ids=["no-bias", "gelu-3d-tokens", "layer-in-place", "slice-odd"])
 def test_variants_match_nn_scan_optax_adamw_fp32(model_kwargs, tokens):
   kwargs = dict(learning_rate=1e-2, weight_decay=1e-2)
   _, (ref_loss, ref_v, ref_s), (f_loss, f_v, f_s) = _train(
@@ -326,7 +341,11 @@ def test_stack_step_lowers_for_cuda_without_a_gpu(monkeypatch):
         abstract(variables), abstract(opt_state), abstract(x)).lower(
             lowering_platforms=("cuda",)).as_text()
   lines = text.splitlines()
-  assert sum("xla.gpu.triton" in l for l in lines) == 1
+  triton = [l for l in lines if "xla.gpu.triton" in l]
+  assert len(triton) == 1
+  # stack_update="auto" on a GPU is "layer": the kernel gets the (L, in, out)
+  # stacks themselves, not one layer's slices.
+  assert "tensor<4x256x256xbf16>" in triton[0], triton[0][-400:]
   # W (%arg0), mu (%arg2), nu (%arg3) enter the backward loop as carries.
   loops = [l for l in lines if "stablehlo.while" in l]
   assert any(all(f"= %arg{i}," in l or f"= %arg{i})" in l for i in (0, 2, 3))
