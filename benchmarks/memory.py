@@ -5,8 +5,10 @@
 For an MLP of `--layers` bf16 4096x4096 kernels (BT tokens, unrolled) it
 compiles one jitted, donated training step per arm and records XLA's
 `memory_analysis()` (temporaries, arguments, outputs, aliased bytes), the
-number of kernel-shaped `copy` ops in the optimized HLO, and whether the
-kernel/moment buffers come back at the same addresses (in place).
+number of kernel-shaped `copy` ops and of weight-gradient GEMMs (a
+kernel-shaped `G = x^T dy` stored by a dot / cuBLAS call) in the optimized
+HLO, and whether the kernel/moment buffers come back at the same addresses
+(in place).
 """
 
 from __future__ import annotations
@@ -40,6 +42,38 @@ class Stack(nn.Module):
       x = nn.relu(self.dense(self.width, use_bias=False, dtype=jnp.bfloat16,
                              param_dtype=jnp.bfloat16)(x))
     return x
+
+
+def weight_gradient_gemms(hlo: str, tokens: int, width: int) -> list[str]:
+  """Instructions of an optimized HLO that form a weight gradient ``x^T dy``:
+  a ``dot`` or GEMM custom call whose result is kernel-shaped
+  ``[width,width]`` and whose operands are two ``[tokens,width]``
+  activations. The standard path has one per layer; FORGE none (its
+  gradient exists only inside the fused kernel)."""
+  kernel, act = f"[{width},{width}]", f"[{tokens},{width}]"
+  define = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+  shapes, candidates = {}, []
+  for line in hlo.splitlines():
+    m = define.match(line)
+    if not m:
+      continue
+    name, shape, op, rest = m.groups()
+    shapes[name] = shape
+    if op == "dot" or (op == "custom-call" and "gemm" in rest.lower()):
+      if kernel in shape:
+        candidates.append((line.strip(), rest.split(")", 1)[0]))
+  found = []
+  for line, operands in candidates:
+    # Operands print as "%name" or "bf16[4,8]{1,0} %name".
+    n_act = 0
+    for o in operands.split("%")[1:]:
+      name = "%" + re.match(r"[\w.\-]+", o).group(0)
+      n_act += act in shapes.get(name, "")
+    if n_act == 0:  # shapes printed inline
+      n_act = operands.count(act)
+    if n_act >= 2:
+      found.append(line)
+  return found
 
 
 def loss_of(model):
@@ -88,6 +122,7 @@ def main(argv=None):
       shape = f"[{args.width},{args.width}]"
       copies = [l.strip() for l in hlo.splitlines()
                 if re.search(r"= \S+\[" + f"{args.width},{args.width}" + r"\]\S* copy\(", l)]
+      wgrads = weight_gradient_gemms(hlo, args.tokens, args.width)
       case = f"{args.optimizer} {layers}x{args.width}^2 bf16 BT={args.tokens}"
       if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
@@ -104,14 +139,17 @@ def main(argv=None):
                             ("alias_bytes", mem.alias_size_in_bytes),
                             ("kernel_bytes", kernel_bytes * layers),
                             ("kernel_shaped_copies", len(copies)),
+                            ("weight_gradient_gemms", len(wgrads)),
                             ("buffers_in_place", in_place),
                             ("buffers_total", len(before))):
         res.add(case, name, shape, "bf16", metric, float(value), "count" if
-                "copies" in metric or "buffers" in metric else "bytes")
+                "copies" in metric or "buffers" in metric or "gemms" in metric
+                else "bytes")
       print(f"{case:28s} {name:6s} temp {mem.temp_size_in_bytes/2**20:9.1f} MiB"
             f"  args {mem.argument_size_in_bytes/2**20:9.1f}  out "
             f"{mem.output_size_in_bytes/2**20:9.1f}  alias {mem.alias_size_in_bytes/2**20:9.1f}"
-            f"  kernel-shaped copies {len(copies)}  in place {in_place}/{len(before)}",
+            f"  kernel-shaped copies {len(copies)}  weight-gradient GEMMs "
+            f"{len(wgrads)}  in place {in_place}/{len(before)}",
             flush=True)
       for c in copies[:4]:
         print("    ", c[:200])
