@@ -7,7 +7,10 @@ as torch's single-tensor implementation of its optimizer (torch 2.11-2.14,
 same ``G`` the result matches torch to rounding (torch's vectorised CPU
 kernels fuse some multiply-adds and use a non-IEEE ``sqrt``, and the CUDA
 ``foreach`` implementations reassociate a few products, so "to rounding" means
-a few ulps per step, not bit identity).
+a few ulps per step, not bit identity). One exception: torch's CUDA
+``fused=True`` Adam/AdamW kernel is not its single-tensor arithmetic (fp32
+scalars, fma-form moments, fp32 bias corrections), so
+``adam_rule(cuda_fused=True)`` reproduces that kernel instead.
 
 Conventions:
 
@@ -19,7 +22,8 @@ Conventions:
   torch does when it applies a Python scalar to an fp32 tensor): ``1 - beta1``
   is an hparam, never formed in fp32 here. A new learning rate or step never
   recompiles the kernel; only the options that change the code (``momentum !=
-  0``, ``nesterov``, ``centered``, ``amsgrad``) pick a different rule.
+  0``, ``nesterov``, ``centered``, ``amsgrad``, Adam's CUDA ``fused``) pick a
+  different rule.
 * The prologue every family shares (torch: ``grad = -grad`` if ``maximize``;
   ``grad = grad + weight_decay * param``; for the decoupled variants
   ``param *= 1 - lr * weight_decay``) is always in the rule, driven by hparams
@@ -247,8 +251,7 @@ def rmsprop_rule(centered: bool, momentum: bool) -> UpdateRule:
       update=update)
 
 
-@functools.lru_cache(maxsize=None)
-def adam_rule(amsgrad: bool) -> UpdateRule:
+def adam_rule(amsgrad: bool, cuda_fused: bool = False) -> UpdateRule:
   """``torch.optim.Adam`` / ``AdamW`` (``_single_tensor_adam``, non-capturable).
 
     grad = maximize-sign * grad + weight_decay * param   (coupled: Adam)
@@ -258,30 +261,67 @@ def adam_rule(amsgrad: bool) -> UpdateRule:
     amsgrad: max_exp_avg_sq = max(max_exp_avg_sq, exp_avg_sq), used below
     denom = sqrt(exp_avg_sq) / sqrt(1 - beta2**t) + eps
     param = param + (-lr / (1 - beta1**t)) * (exp_avg / denom)
+
+  ``cuda_fused``: instead the arithmetic of torch's CUDA ``fused=True``
+  kernel (torch >= 2.11, ``aten/src/ATen/native/cuda/fused_adam_utils.cuh``),
+  which computes everything in fp32 from fp32-rounded scalars ``b1``,
+  ``b2``, ``lr``, ``wd``, ``eps``:
+
+    grad = maximize-sign * grad + wd * param             (one fma)
+    param = param - (lr * wd) * param                    (decoupled; one fma)
+    exp_avg = b1 * exp_avg + grad * (1 - b1)             (fma(-b1, g, g) inside)
+    exp_avg_sq = b2 * exp_avg_sq + (grad * grad) * (1 - b2)
+    denom = sqrt(v) / sqrt(1 - powf(b2, t)) + eps
+    param = param - (exp_avg * (lr / (1 - powf(b1, t)))) / denom
+
+  Here ``1 - b2`` is one minus the *fp32* ``beta2`` (exact in fp32), not
+  torch's ``foreach``/for-loop ``fp32(1 - beta2)``: for ``beta2 = 0.999``
+  they differ by 1.3e-5 relative, which scales every ``exp_avg_sq`` by that
+  much, more than the fp32 bar. The caller supplies ``b1``, ``b2``, the two
+  complements, ``bc2_sqrt`` and ``step_size`` computed in fp32 as the kernel
+  does (``powf`` from the device itself).
   """
+  return _adam_rule(bool(amsgrad), bool(cuda_fused))
+
+
+@functools.lru_cache(maxsize=None)
+def _adam_rule(amsgrad: bool, cuda_fused: bool) -> UpdateRule:
+  """:func:`adam_rule`, one object per variant however it is called."""
 
   def update(g, w, slots, h):
     exp_avg, exp_avg_sq, *mx = slots
     g = _grad(g, w, h)
-    w = _decay(w, h)
-    exp_avg = lerp(exp_avg, g, h["one_minus_b1"])
-    exp_avg_sq = exp_avg_sq * h["b2"] + h["one_minus_b2"] * g * g
+    if cuda_fused:
+      w = w + h["neg_lr_wd"] * w
+      exp_avg = h["b1"] * exp_avg + g * h["one_minus_b1_f32"]
+      exp_avg_sq = h["b2"] * exp_avg_sq + (g * g) * h["one_minus_b2_f32"]
+    else:
+      w = _decay(w, h)
+      exp_avg = lerp(exp_avg, g, h["one_minus_b1"])
+      exp_avg_sq = exp_avg_sq * h["b2"] + h["one_minus_b2"] * g * g
     if amsgrad:
       mx = [jnp.maximum(mx[0], exp_avg_sq)]
       v = mx[0]
     else:
       v = exp_avg_sq
     denom = jnp.sqrt(v) / h["bc2_sqrt"] + h["eps"]
-    w = w + h["neg_step_size"] * (exp_avg / denom)
+    if cuda_fused:
+      w = w - (exp_avg * h["step_size"]) / denom
+    else:
+      w = w + h["neg_step_size"] * (exp_avg / denom)
     return w, (exp_avg, exp_avg_sq, *mx)
 
+  if cuda_fused:
+    hparams = _COUPLED + ("neg_lr_wd", "b1", "one_minus_b1_f32", "b2",
+                          "one_minus_b2_f32", "bc2_sqrt", "eps", "step_size")
+  else:
+    hparams = _DECOUPLED + ("one_minus_b1", "b2", "one_minus_b2", "bc2_sqrt",
+                            "eps", "neg_step_size")
   return UpdateRule(
-      name=_name("adam", amsgrad=amsgrad),
+      name=_name("adam", amsgrad=amsgrad, cuda_fused=cuda_fused),
       slots=("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad
                                          else ()),
-      hparams=_DECOUPLED + ("one_minus_b1", "b2", "one_minus_b2", "bc2_sqrt",
-                            "eps", "neg_step_size"),
-      update=update)
+      hparams=hparams, update=update)
 
 
 @functools.lru_cache(maxsize=None)

@@ -34,8 +34,10 @@ compute the rule's scalars from the group and the step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, ClassVar, Mapping
 
+import numpy as np
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _get_value
 from torch.utils.weak import WeakIdKeyDictionary
@@ -106,8 +108,9 @@ class _ForgeOptimizer:
   implements three hooks:
 
   * :meth:`_forge_rule` -- the :class:`UpdateRule` for a param group (its
-    static options pick it; raise ``ValueError`` for a combination that cannot
-    be fused). Its slots are torch's state names.
+    static options pick it, and the managed weight's ``device`` where torch's
+    arithmetic depends on it; raise ``ValueError`` for a combination that
+    cannot be fused). Its slots are torch's state names.
   * :meth:`_forge_init_state` -- a new parameter's state, exactly as torch's
     ``_init_group`` creates it (``{}`` if torch keeps none).
   * :meth:`_forge_hparams` -- the rule's scalars for this update, in Python
@@ -129,7 +132,10 @@ class _ForgeOptimizer:
 
   # -- family hooks -----------------------------------------------------------
 
-  def _forge_rule(self, group: Mapping[str, Any]) -> UpdateRule:
+  def _forge_rule(self, group: Mapping[str, Any],
+                  device: torch.device | None = None) -> UpdateRule:
+    """``device``: the weight's, at update time (``None`` when only checking
+    the group's options at registration)."""
     raise NotImplementedError
 
   def _forge_init_state(self, p: torch.Tensor, group: Mapping[str, Any]
@@ -252,7 +258,7 @@ class _ForgeOptimizer:
           f"forge_torch.Linear {layer}: a second backward reached this weight "
           "before optimizer.step(); FORGE applies one update per step")
     group = self.param_groups[self._forge_managed[p]]
-    rule = self._forge_rule(group)
+    rule = self._forge_rule(group, p.device)
     state = self.state[p] if p in self.state else {}
     fresh = len(state) == 0
     if fresh:  # as torch's _init_group (which keeps no entry when it has none)
@@ -331,8 +337,9 @@ _COMMON_DOC = """
   backward applies the update with the fused kernel, in torch's operation
   order (:mod:`forge_torch._rules`). ``step()`` updates every other parameter
   with ``torch.optim.{name}.step`` itself. Param groups and LR schedulers
-  apply to managed weights too; ``foreach`` / ``fused`` only choose torch's
-  implementation for the non-managed parameters.
+  apply to managed weights too; ``foreach`` / ``fused`` choose torch's
+  implementation for the non-managed parameters (and, for Adam / AdamW with
+  ``fused=True`` on CUDA, the arithmetic of the managed ones: see Adam).
 
   Not supported (``ValueError`` at construction or in ``add_param_group``):
   ``capturable=True``, ``differentiable=True``.
@@ -370,7 +377,7 @@ class SGD(_ForgeOptimizer, torch.optim.SGD):
   first step as ``grad``, as in torch), nothing otherwise.
   """
 
-  def _forge_rule(self, group):
+  def _forge_rule(self, group, device=None):
     return _rules.sgd_rule(momentum=group["momentum"] != 0,
                            nesterov=bool(group["nesterov"]))
 
@@ -398,7 +405,7 @@ class Adagrad(_ForgeOptimizer, torch.optim.Adagrad):
   as torch does).
   """
 
-  def _forge_rule(self, group):
+  def _forge_rule(self, group, device=None):
     return _rules.adagrad_rule()
 
   def _forge_init_state(self, p, group):
@@ -422,7 +429,7 @@ class RMSprop(_ForgeOptimizer, torch.optim.RMSprop):
   ``momentum_buffer`` (momentum > 0), ``grad_avg`` (centered).
   """
 
-  def _forge_rule(self, group):
+  def _forge_rule(self, group, device=None):
     return _rules.rmsprop_rule(centered=bool(group["centered"]),
                                momentum=group["momentum"] > 0)
 
@@ -472,10 +479,17 @@ class Adam(_AdamMoments, torch.optim.Adam):
   All options: ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
   ``maximize``, ``decoupled_weight_decay``. State: ``step``, ``exp_avg``,
   ``exp_avg_sq``, and ``max_exp_avg_sq`` (amsgrad).
+
+  ``fused=True`` on CUDA: managed weights follow the arithmetic of torch's
+  CUDA fused kernel (fp32 scalars, fma-form moments, fp32 bias corrections),
+  not of its for-loop / ``foreach`` implementation -- the two differ by
+  ~1.3e-5 in ``exp_avg_sq`` at ``beta2 = 0.999``. Elsewhere (CPU ``fused``
+  included) the for-loop arithmetic.
   """
 
-  def _forge_rule(self, group):
-    return _rules.adam_rule(amsgrad=bool(group["amsgrad"]))
+  def _forge_rule(self, group, device=None):
+    return _rules.adam_rule(amsgrad=bool(group["amsgrad"]),
+                            cuda_fused=_torch_cuda_fused(group, device))
 
   def _forge_init_state(self, p, group):
     state = super()._forge_init_state(p, group)
@@ -485,11 +499,65 @@ class Adam(_AdamMoments, torch.optim.Adam):
 
   def _forge_hparams(self, group, state, t, fresh):
     beta1, beta2, values = self._forge_betas(group)
+    device = state["exp_avg"].device  # the weight's (checked by the caller)
+    if _torch_cuda_fused(group, device):
+      values.update(_cuda_fused_adam_scalars(
+          group, beta1, beta2, t, device, self._forge_decoupled(group)))
+      return values, {}
     bc1 = 1 - beta1**t
     bc2 = 1 - beta2**t
     values["bc2_sqrt"] = bc2**0.5
     values["neg_step_size"] = -(_scalar(group["lr"]) / bc1)
     return values, {}
+
+
+def _torch_cuda_fused(group: Mapping[str, Any],
+                      device: torch.device | None) -> bool:
+  """Whether torch steps this group's weights on ``device`` with its CUDA
+  ``fused`` Adam/AdamW kernel, whose arithmetic differs from its for-loop /
+  ``foreach`` one (:func:`forge_torch._rules.adam_rule`). torch's CPU fused
+  kernel follows the for-loop arithmetic."""
+  return (bool(group.get("fused")) and device is not None
+          and torch.device(device).type == "cuda")
+
+
+@functools.lru_cache(maxsize=64)
+def _device_powf(base: float, t: float, device: str) -> np.float32:
+  """fp32 ``pow(base, t)`` by torch's own kernel on ``device``.
+
+  On CUDA that is the libdevice ``powf`` the fused Adam kernel calls for its
+  bias corrections; a host ``powf`` may differ by an ulp, which ``1 - b**t``
+  magnifies hundreds of times (``b = 0.999``, small ``t``). Cached: one
+  device round trip per (beta, step), shared by a step's weights.
+  """
+  b = torch.tensor(base, dtype=torch.float32, device=device)
+  e = torch.tensor(t, dtype=torch.float32, device=device)
+  return np.float32(torch.pow(b, e).item())
+
+
+def _cuda_fused_adam_scalars(group, beta1: float, beta2: float, t: float,
+                             device: torch.device, decoupled: bool
+                             ) -> dict[str, float]:
+  """``adam_rule(cuda_fused=True)``'s scalars, in fp32 as torch's CUDA fused
+  kernel forms them: every hyperparameter rounded to fp32 first, then
+  ``bc1 = 1 - powf(b1, t)``, ``bc2_sqrt = sqrtf(1 - powf(b2, t))``,
+  ``step_size = lr / bc1`` and AdamW's ``lr * wd``, each one fp32 operation
+  (numpy's fp32 arithmetic is IEEE, as the kernel's)."""
+  f32 = np.float32
+  b1, b2 = f32(beta1), f32(beta2)
+  lr, wd = f32(_scalar(group["lr"])), f32(_scalar(group["weight_decay"]))
+  dev = str(device)
+  bc1 = f32(1) - _device_powf(float(b1), float(t), dev)
+  bc2 = f32(1) - _device_powf(float(b2), float(t), dev)
+  return {
+      "neg_lr_wd": -float(lr * wd) if decoupled else 0.0,
+      # 1 - fp32(beta): exact in fp32 for beta in [0.5, 1] (and 0), so
+      # ``g * (1 - b)`` is the kernel's fma(-b, g, g) bit for bit.
+      "b1": float(b1), "one_minus_b1_f32": 1.0 - float(b1),
+      "b2": float(b2), "one_minus_b2_f32": 1.0 - float(b2),
+      "bc2_sqrt": float(np.sqrt(bc2)),
+      "step_size": float(lr / bc1),
+  }
 
 
 @_doc
@@ -514,7 +582,7 @@ class Adamax(_AdamMoments, torch.optim.Adamax):
   ``step``, ``exp_avg``, ``exp_inf``.
   """
 
-  def _forge_rule(self, group):
+  def _forge_rule(self, group, device=None):
     return _rules.adamax_rule()
 
   def _forge_init_state(self, p, group):
@@ -539,7 +607,7 @@ class NAdam(_AdamMoments, torch.optim.NAdam):
 
   _forge_extra_scalars = {"mu_product": 1.0}
 
-  def _forge_rule(self, group):
+  def _forge_rule(self, group, device=None):
     return _rules.nadam_rule()
 
   def _forge_hparams(self, group, state, t, fresh):
@@ -565,7 +633,7 @@ class RAdam(_AdamMoments, torch.optim.RAdam):
   ``exp_avg_sq``.
   """
 
-  def _forge_rule(self, group):
+  def _forge_rule(self, group, device=None):
     return _rules.radam_rule()
 
   def _forge_hparams(self, group, state, t, fresh):
