@@ -186,6 +186,16 @@ def test_k_micro_steps_equal_one_step_on_the_concatenated_batch(name, data):
         f"vs one step on the concatenated batch {worst_one:.2e}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw_exact", "sgd_momentum_momentum",
+                                  "muon_exact"])
+def test_k_micro_steps_on_gpu(name, data):
+  """The same parity with the compiled Triton kernels (fp32, IEEE dots)."""
+  assert jax.default_backend() == "gpu"
+  forge_tx, optax_tx, optax_ms, mode = _transforms(name)
+  _run_cycles(forge_tx, optax_tx, optax_ms, mode, data)
+
+
 @pytest.mark.parametrize("name", ["adamw_exact", "sgd_momentum_momentum"])
 def test_k_schedule(name, data):
   """every_k_schedule as a callable of the gradient step (2, then 3, 3):
