@@ -61,7 +61,7 @@ ANY_RULE = "any"
 # (block_in, block_out, block_bt, group_in, num_warps, num_stages). The first
 # six are benchmarks/kernel.py's curated tilings (measured on the H200); the
 # rest vary one knob at a time around the measured best (64x128x64).
-CONFIG_SPACE: tuple[tuple[int, int, int, int, int, int], ...] = (
+CONFIG_SPACE: tuple[tuple, ...] = (
     (64, 128, 64, 1, 4, 3),
     (128, 128, 64, 1, 8, 3),
     (128, 128, 32, 1, 4, 4),
@@ -78,6 +78,11 @@ CONFIG_SPACE: tuple[tuple[int, int, int, int, int, int], ...] = (
     (128, 64, 64, 1, 4, 3),
     (32, 128, 64, 1, 4, 3),
     (128, 128, 64, 1, 4, 3),
+    # Session 2's winners (prefetch, stream_state: BlockConfig's last fields).
+    (64, 128, 32, 1, 4, 4, False, True),
+    (64, 128, 64, 8, 4, 3, False, True),
+    (128, 128, 64, 8, 8, 3, True, False),
+    (128, 128, 64, 8, 8, 3, True, True),
 )
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32",

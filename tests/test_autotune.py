@@ -16,6 +16,11 @@ from tests.test_kernel import adamw_hparams, check_against_reference, make_case
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200_CSV = os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-29",
                         "kernel.csv")
+# The shipped cache: session 1's sweep, then session 2's variant runs merged
+# over it in this order (a later CSV's winner replaces an earlier one's).
+S2 = os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-29-s2")
+H200_CSVS = [H200_CSV] + [os.path.join(S2, f"variants_run{i}.csv")
+                          for i in (6, 8, 7)]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -61,18 +66,22 @@ def test_shipped_json_loads_and_every_entry_is_a_valid_block_config():
 
 def test_shipped_json_holds_the_h200_sweep_with_provenance():
   dev = _shipped()["devices"]["NVIDIA H200"]
-  assert len(dev["entries"]) == 8
-  (source,) = dev["sources"].values()
-  assert source["csv"] == "benchmarks/results/h200-2026-11-29/kernel.csv"
-  assert source["device"] == "gpu:NVIDIA H200"
-  assert "jax 0.11.2" in source["versions"]
-  assert "triton 3.6.0" in source["versions"]
-  assert source["measured"].startswith("2026-11-29")
+  # 8 (shape, BT) cases of session 1 + BT 16 and BT 4096 cases of session 2.
+  assert len(dev["entries"]) == 11
+  assert sorted(s["csv"] for s in dev["sources"].values()) == sorted(
+      os.path.relpath(p, ROOT) for p in H200_CSVS)
+  for source in dev["sources"].values():
+    assert source["device"] == "gpu:NVIDIA H200"
+    assert "jax 0.11.2" in source["versions"]
+    assert "triton 3.6.0" in source["versions"]
+    assert source["measured"].startswith("2026-11-29")
+  for entry in dev["entries"].values():
+    assert entry["source"] in dev["sources"]
 
 
 def test_from_csv_reproduces_the_shipped_winners(tmp_path):
   out = tmp_path / "tuned.json"
-  assert autotune.main(["--from-csv", H200_CSV, "--out", str(out)]) == 0
+  assert autotune.main(["--from-csv", *H200_CSVS, "--out", str(out)]) == 0
   got = json.loads(out.read_text())
   assert got == _shipped()
 
@@ -92,13 +101,17 @@ def test_lookup_hits_the_h200_winners():
   cfg = autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
                         device_kind="NVIDIA H200")
   assert cfg == pk.BlockConfig(128, 128, 64, 1, 8, 3)
-  # 4096x14336 at BT 2048: grouped order (g8) won.
+  # 4096x14336 at BT 2048: grouped order (g8), with prefetch, won (run 6).
   cfg = autotune.lookup(2048, 4096, 14336, "bf16", BF16, "adamw",
                         device_kind="NVIDIA H200")
-  assert cfg == pk.BlockConfig(128, 128, 64, 8, 8, 3)
+  assert cfg == pk.BlockConfig(128, 128, 64, 8, 8, 3, prefetch=True)
   # BT is bucketed to the next power of two.
   assert autotune.lookup(1500, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
                          device_kind="NVIDIA H200") == cfg
+  # 4096x4096 at BT 512: a 32-row chunk, 4 stages, L2 eviction hints (run 7).
+  cfg = autotune.lookup(512, 4096, 4096, "bf16", BF16, "adamw",
+                        device_kind="NVIDIA H200")
+  assert cfg == pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True)
 
 
 @pytest.mark.parametrize("case", [
@@ -178,7 +191,7 @@ def test_env_var_override(tmp_path, monkeypatch):
   # ... and the shipped file still answers what the override lacks
   assert autotune.lookup(2048, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
                          device_kind="NVIDIA H200") == pk.BlockConfig(
-                             128, 128, 64, 8, 8, 3)
+                             128, 128, 64, 8, 8, 3, prefetch=True)
   monkeypatch.setattr(autotune, "current_device_kind", lambda: "NVIDIA H200")
   assert pk.select_config(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
                           interpret=False) == mine
