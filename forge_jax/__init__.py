@@ -19,7 +19,7 @@ Asking for a known family that forge_jax does not provide (e.g.
 from forge_jax.accumulate import MultiSteps
 from forge_jax.dense import Dense
 from forge_jax.scan import ScannedDenseStack
-from forge_jax.step import make_step
+from forge_jax.step import SharedWeightsWarning, make_step
 from forge_jax.transforms import (
     ForgeSpec,
     ForgeTransformation,
@@ -42,6 +42,7 @@ from forge_jax.transforms import (
 from pallas_kernels import classify
 
 __all__ = ["Dense", "MultiSteps", "ForgeSpec", "ForgeTransformation", "ScannedDenseStack",
+           "SharedWeightsWarning",
            "adafactor", "adagrad", "adam", "adamax", "adamw", "classify",
            "lamb", "lion", "make_step", "muon", "nadam", "nadamw", "radam", "refuse_reason",
            "rmsprop", "sgd", "sm3"]

@@ -3,11 +3,14 @@
 A training step traces the user's loss function twice, under two contexts:
 
 * ``discover``: every FORGE layer reports its kernel path and that it was
-  called (a second call of the same layer is an error: paper Remark 2);
+  called (a second call of the same layer is an error -- paper Remark 2 --
+  unless the step was built with ``shared="standard"``, which only counts);
 * ``fused``: every FORGE layer finds its optimizer slots and this step's
   hyperparameters here and runs its fused backward; the backward records that
   it was traced, which tells the step which kernels received a gradient
-  (Remark 1).
+  (Remark 1). A layer whose path is in ``standard`` (a shared layer that
+  ``shared="standard"`` moved to the standard path) runs as if it had
+  ``fused=False``.
 
 Outside `make_step` no context is active and `forge_jax.Dense` is exactly
 `flax.linen.Dense`.
@@ -61,6 +64,14 @@ class StepContext:
   inputs: dict[Path, LayerInputs] = dataclasses.field(default_factory=dict)
   layers: dict[Path, LayerInfo] = dataclasses.field(default_factory=dict)
   bwd_traced: set[Path] = dataclasses.field(default_factory=set)
+  # make_step's `shared` policy: "error" (a second call raises at discovery)
+  # or "standard" (calls are only counted).
+  shared: str = "error"
+  # Layers that run their standard path in this (fused) trace.
+  standard: frozenset[Path] = frozenset()
+
+  def is_standard(self, path: Path) -> bool:
+    return tuple(path) in self.standard
 
 
 _STATE = threading.local()
@@ -86,3 +97,12 @@ def step_context(ctx: StepContext):
 
 def layer_name(path: Path) -> str:
   return "/".join(path) or "<root>"
+
+
+# The two fixes for a shared FORGE layer (paper Remark 2), named by every
+# error that refuses one.
+SHARED_FIX = (
+    "Give this layer fused=False to keep it on the standard path (an ordinary "
+    "gradient and optax update), or build the step with "
+    "forge_jax.make_step(..., shared=\"standard\"), which does that "
+    "automatically for every shared FORGE layer (and warns which).")

@@ -56,12 +56,22 @@ def _consumers(jaxpr, var, out: list[str]) -> None:
       out.extend([eqn.primitive.name] * len(positions))
 
 
-def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any]):
-  """Raises ValueError if a FORGE kernel is read by anything but its layer."""
+def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
+                     collect: bool = False) -> dict[_context.Path, str]:
+  """Checks that each FORGE kernel is read by its own layer only.
+
+  A kernel with another consumer (a tied head, a second fused call) raises a
+  ``ValueError`` naming the layer and both fixes; with ``collect=True`` it is
+  returned instead, as ``{path: "read by <ops>"}`` (``{}``: all single-use)
+  -- ``make_step(..., shared="standard")`` moves those layers to the
+  standard path. A layer whose fused op is missing from the trace (a cached
+  trace, see below) raises either way: that is not a shared weight.
+  """
   closed = jax.make_jaxpr(fn)(params, inputs)
   flat, _ = jax.tree_util.tree_flatten_with_path((params, inputs))
   index = {tuple(kp[1:]): i for i, (kp, _) in enumerate(flat)
            if kp and kp[0] == jax.tree_util.SequenceKey(0)}
+  shared: dict[_context.Path, str] = {}
   for path, kp in kpaths.items():
     var = closed.jaxpr.invars[index[kp]]
     uses: list[str] = []
@@ -78,10 +88,14 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any]):
           "loss_fn). Apply remat per module with flax.linen.remat (supported) "
           "and jit the whole step instead, or give this layer fused=False.")
     if foreign or uses.count("fused") > 1:
+      readers = ", ".join(dict.fromkeys(foreign)) or "a second fused call"
+      if collect:
+        shared[path] = f"kernel also read by: {readers}"
+        continue
       raise ValueError(
           f"the kernel of forge_jax.Dense at {_context.layer_name(path)!r} is "
-          f"also read outside its own layer (by: {', '.join(foreign) or 'a second fused call'})."
+          f"also read outside its own layer (by: {readers})."
           " FORGE updates a kernel in place during its backward, so it may "
           "have one consumer per step (paper Remark 2: tied or shared "
-          "weights). Give this layer fused=False to keep it on the standard "
-          "path.")
+          "weights). " + _context.SHARED_FIX)
+  return shared

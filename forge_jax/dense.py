@@ -100,7 +100,9 @@ class Dense(nn.Dense):
   Extra attributes (after ``nn.Dense``'s, all optional):
     fused: ``False`` keeps this layer on the standard path (its kernel gets an
       ordinary gradient and an ordinary optax update), e.g. for a module that
-      is called more than once per step.
+      is called more than once per step or whose kernel is tied to another
+      op. ``forge_jax.make_step(..., shared="standard")`` does this
+      automatically for every such layer.
     block_config: tiling of the fused kernel; a heuristic when ``None``.
 
   Example:
@@ -115,7 +117,9 @@ class Dense(nn.Dense):
   @nn.compact
   def __call__(self, inputs):
     ctx = _context.current()
-    if ctx is None or not self.fused:
+    if ctx is None or not self.fused or ctx.is_standard(self.path):
+      # Standard path: outside a step, fused=False, or a shared layer that
+      # make_step(..., shared="standard") moved here for this step.
       return super().__call__(inputs)
     if (self.dot_general is not None or self.dot_general_cls is not None
         or self.promote_dtype is not flax_dtypes.promote_dtype):
@@ -129,15 +133,14 @@ class Dense(nn.Dense):
       info = ctx.layers.setdefault(
           path, _context.LayerInfo(path, kernel_shape, self.param_dtype))
       info.calls += 1
-      if info.calls > 1:
+      if info.calls > 1 and ctx.shared == "error":
         raise ValueError(
             f"forge_jax.Dense at {_context.layer_name(path)!r} is called more "
             "than once in one step. FORGE updates a kernel in place during "
             "its backward, so each kernel may have one consumer per step "
-            "(paper Remark 2). Give this layer fused=False (or use "
-            "flax.linen.Dense) to keep it on the standard path. (Inside "
-            "nn.scan a layer is traced more than once: for a scanned stack "
-            "of Dense layers use forge_jax.ScannedDenseStack.)")
+            "(paper Remark 2). " + _context.SHARED_FIX + " (Inside nn.scan a "
+            "layer is traced more than once: for a scanned stack of Dense "
+            "layers use forge_jax.ScannedDenseStack.)")
       return super().__call__(inputs)
 
     kernel = self.param('kernel', self.kernel_init,

@@ -170,7 +170,9 @@ class ScannedDenseStack(nn.Module):
   split_rngs={'params': True}, length=L)`` of a ``nn.Dense`` subclass whose
   ``__call__(h, _)`` returns ``(activation(dense(h)), None)``.
 
-  Outside a FORGE step (or with ``fused=False``) it *is* that ``nn.scan``.
+  Outside a FORGE step (or with ``fused=False``, or when
+  ``make_step(..., shared="standard")`` moves a shared stack to the standard
+  path) it *is* that ``nn.scan``.
   Inside a step built by :func:`forge_jax.make_step`, its backward is one
   reverse loop over the layers that updates the stacked kernel and its
   stacked optimizer slots in place, one layer at a time (regime-1 families
@@ -233,7 +235,8 @@ class ScannedDenseStack(nn.Module):
   @nn.compact
   def __call__(self, x):
     ctx = _context.current()
-    if ctx is None or not self.fused or self.is_initializing():
+    if (ctx is None or not self.fused or self.is_initializing()
+        or ctx.is_standard(self.path)):
       return self._scanned(x)
     path = tuple(self.path)
     name = _context.layer_name(path)
@@ -242,12 +245,12 @@ class ScannedDenseStack(nn.Module):
           path, (self.num_layers, jnp.shape(x)[-1], self.features),
           self.param_dtype))
       info.calls += 1
-      if info.calls > 1:
+      if info.calls > 1 and ctx.shared == "error":
         raise ValueError(
             f"forge_jax.ScannedDenseStack at {name!r} is called more than "
             "once in one step. FORGE updates a kernel in place during its "
             "backward, so each kernel may have one consumer per step (paper "
-            "Remark 2). Give it fused=False to keep it on the standard path.")
+            "Remark 2). " + _context.SHARED_FIX)
       return self._scanned(x)
 
     spec = ctx.spec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any, Callable
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,17 @@ from forge_jax import _usage
 from forge_jax.transforms import ForgeTransformation
 
 KeyPath = tuple[Any, ...]
+
+SHARED_POLICIES = ("error", "standard")
+
+
+class SharedWeightsWarning(UserWarning):
+  """``make_step(..., shared="standard")`` moved shared FORGE layers (tied or
+  called more than once: paper Remark 2) to the standard path for a step.
+
+  Emitted once per trace of the step; filter it, or escalate it to an error
+  (``warnings.simplefilter("error", SharedWeightsWarning)``), like any warning.
+  """
 
 
 def _kernel_keypath(path: _context.Path) -> KeyPath:
@@ -104,6 +116,8 @@ def _select_slots(fields: list[_state.Field], spec) -> tuple[int, ...]:
 def make_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     tx: ForgeTransformation,
+    *,
+    shared: str = "error",
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]:
   """Builds ``step(variables, opt_state, batch) -> (loss, variables, opt_state)``.
 
@@ -121,12 +135,32 @@ def make_step(
   ``jax.jit(step, donate_argnums=(0, 1))`` so that kernels and slots are
   updated in place.
 
+  Shared weights (paper Remark 2). FORGE updates a kernel inside its layer's
+  backward, so the kernel may have one consumer per step. A *shared* FORGE
+  layer -- called more than once in the step, or whose kernel is also read
+  by anything other than its own layer (a tied output head reading
+  ``embed.variables["params"]["kernel"]``, the kernel passed elsewhere) --
+  has a gradient summed over several consumers. ``shared`` says what to do:
+
+  * ``"error"`` (default): refuse it at trace time with a ``ValueError``
+    naming the layer and the fixes;
+  * ``"standard"``: move it to the standard path for this step, as if it had
+    ``fused=False``: its kernel gets an ordinary gradient from
+    ``jax.value_and_grad`` and is updated by ``tx`` with the other non-FORGE
+    parameters, exactly as optax would; every other FORGE layer stays fused.
+    The step reports those layers: a :class:`SharedWeightsWarning` naming
+    them (and why) is emitted once per trace, and ``step.standard_layers``
+    -- a list, updated in place at each trace (so that it is also readable
+    through ``jax.jit(step)``, which copies the attribute when made) -- holds
+    their names (``[]``: none; before the first trace, ``[]``).
+
   Raises: ``TypeError`` if ``tx`` is not a forge_jax transform (an optax
   chain is not one; a regime-4 transform such as global-norm clipping cannot
-  be fused at all: ``forge_jax.refuse_reason``); at trace time,
-  ``ValueError`` if a FORGE layer is called twice in a step, or its kernel is
-  also read by anything other than its own layer (paper Remark 2) -- give
-  that layer ``fused=False``.
+  be fused at all: ``forge_jax.refuse_reason``); ``ValueError`` if
+  ``shared`` is not ``"error"`` or ``"standard"``; at trace time, with
+  ``shared="error"``, ``ValueError`` if a FORGE layer is called twice in a
+  step, or its kernel is also read by anything other than its own layer --
+  give that layer ``fused=False``, or use ``shared="standard"``.
   """
   if not isinstance(tx, ForgeTransformation):
     raise TypeError(
@@ -137,7 +171,14 @@ def make_step(
         "statistic such as optax.clip_by_global_norm cannot be fused at all "
         "(regime 4; see forge_jax.refuse_reason('clip_by_global_norm')): "
         "train it with optax on the standard path.")
+  if not isinstance(shared, str) or shared not in SHARED_POLICIES:
+    raise ValueError(
+        f"make_step: shared={shared!r} must be one of {SHARED_POLICIES}: "
+        "'error' refuses a FORGE layer that is called more than once or "
+        "whose kernel is read elsewhere (tied weights); 'standard' moves such "
+        "layers to the standard (optax) path and warns which")
   spec = tx.spec
+  standard_layers: list[str] = []
 
   def step(variables, opt_state, batch):
     if "params" not in variables:
@@ -148,13 +189,20 @@ def make_step(
     # A fresh closure: eval_shape caches traces by function and shapes, and a
     # cache hit would skip the layers' discovery side effects (a retrace of
     # the step, e.g. under a second jax.jit, found no layers).
-    with _context.step_context(_context.StepContext("discover")) as found:
+    with _context.step_context(
+        _context.StepContext("discover", shared=shared)) as found:
       jax.eval_shape(lambda v, b: loss_fn(v, b), variables, batch)
-    layers = found.layers
-    if not layers:
+    if not found.layers:
       raise ValueError(
           "no forge_jax.Dense layer (or ScannedDenseStack) was called by "
           "loss_fn; use optax directly")
+    # shared="standard": a layer called more than once takes the standard
+    # path (with "error", discovery raised). More are found by the
+    # single-use check below.
+    fallback = {p: f"called {info.calls} times"
+                for p, info in found.layers.items() if info.calls > 1}
+    layers = {p: info for p, info in found.layers.items()
+              if p not in fallback}
     kpaths = {p: _kernel_keypath(p) for p in layers}
 
     # 2. Each kernel's slice of the optimizer state, and this step's
@@ -168,11 +216,11 @@ def make_step(
       # state; what is not per-parameter (step counts) is read, not written.
       holed = _state.map_per_param(opt_state, params_def,
                                    lambda i, t: _state.Hole())
-      shared, shared_def = jax.tree.flatten(holed)
+      shared_state, shared_def = jax.tree.flatten(holed)
       skeleton = jax.tree.map(lambda _: None, params)
       packed = {True: (), False: ()}
     else:
-      shared, shared_def, skeleton = spec.shared(opt_state), None, None
+      shared_state, shared_def, skeleton = spec.shared(opt_state), None, None
       h = spec.hparams(opt_state)
       packed = {
           # Families without decoupled weight decay have no such entry.
@@ -206,10 +254,11 @@ def make_step(
           hparams=packed[spec.regime == 3 or _weight_decay_on(
               spec.weight_decay_mask, params, kp)],
           touched=jnp.zeros((), jnp.float32),
-          shared=shared)
+          shared=shared_state)
 
     ctx = _context.StepContext("fused", rule=spec.rule, spec=spec,
-                               layouts=layouts)
+                               layouts=layouts, shared=shared,
+                               standard=frozenset(fallback))
 
     def loss_of(params, inputs):
       ctx.inputs = inputs  # the traced values, so that AD sees them
@@ -219,7 +268,20 @@ def make_step(
     # (Integer inputs -- a deferred family's step counts, read only -- get
     # float0 cotangents: allow_int.)
     with _context.step_context(ctx):
-      _usage.check_single_use(loss_of, params, inputs, kpaths)
+      # Remark 2: each remaining FORGE kernel must have one consumer. With
+      # shared="standard" a shared one moves to the standard path; that
+      # changes the trace (its kernel now feeds a plain dot), so check the
+      # rest again until none is shared.
+      while kpaths:
+        extra = _usage.check_single_use(loss_of, params, inputs, kpaths,
+                                        collect=shared == "standard")
+        if not extra:
+          break
+        fallback.update(extra)
+        ctx.standard = frozenset(fallback)
+        for d in (layers, kpaths, inputs, layouts):
+          for p in extra:
+            d.pop(p, None)
       loss, (grads, new_inputs) = jax.value_and_grad(
           loss_of, argnums=(0, 1), allow_int=True)(params, inputs)
 
@@ -260,6 +322,18 @@ def make_step(
           else _state.get_subtree(fields[i].tree, kp) for kp in cut})
 
     new_state = _state.map_per_param(new_state, params_def, put_back)
+
+    # Report the layers that took the standard path (at trace time).
+    standard_layers[:] = sorted(_context.layer_name(p) for p in fallback)
+    if fallback:
+      warnings.warn(SharedWeightsWarning(
+          f"forge_jax.make_step(shared='standard'): {len(fallback)} shared "
+          "FORGE layer(s) took the standard path (ordinary gradient and "
+          "optax update) in this step, the others stay fused: " + "; ".join(
+              f"{_context.layer_name(p)!r} ({why})"
+              for p, why in sorted(fallback.items()))
+          + " (paper Remark 2)"), stacklevel=2)
     return loss, {**variables, "params": new_params}, new_state
 
+  step.standard_layers = standard_layers
   return step
