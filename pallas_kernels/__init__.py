@@ -4,6 +4,19 @@ No flax, optax or torch imports here: ``forge_jax`` and ``forge_torch`` are
 thin framework layers over these kernels.
 """
 
+import importlib as _importlib
+
+# Pallas modules that register a jit-key config option when first imported,
+# which JAX otherwise imports lazily during the first pallas_call lowering:
+# registering an option changes JAX's trace-cache key, so the first jitted
+# step that ran a kernel would be traced and compiled a second time on its
+# next call. Importing them up front keeps one compile per step.
+for _name in ("jax._src.pallas.fuser",):
+  try:
+    _importlib.import_module(_name)
+  except ImportError:  # another JAX version: nothing to pre-register
+    pass
+
 from pallas_kernels.fused_wgrad import (
     BlockConfig,
     default_interpret,

@@ -467,6 +467,46 @@ def test_per_module_remat_composes_exactly():
   assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
 
 
+class RematBlock(nn.Module):
+  dense: type
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(self.dense(70)(x))
+    return nn.relu(self.dense(37)(x))
+
+
+class RematBlocksAndStack(nn.Module):
+  """Two rematerialised blocks of two layers, a rematerialised scanned stack."""
+  forge: bool
+
+  @nn.compact
+  def __call__(self, x):
+    dense = forge_jax.Dense if self.forge else nn.Dense
+    x = nn.remat(RematBlock)(dense)(x)
+    x = nn.remat(RematBlock)(dense)(x)
+    x = nn.remat(forge_jax.ScannedDenseStack)(37, 3, fused=self.forge,
+                                               name="stack")(x)
+    return dense(5)(x)
+
+
+def test_per_block_and_scanned_block_remat_compose_exactly():
+  kwargs = dict(learning_rate=SCHEDULE, weight_decay=1e-2)
+  batches = data(steps=6)
+  (ref_v, ref_s), (f_v, f_s) = train_both(
+      RematBlocksAndStack(False), RematBlocksAndStack(True),
+      optax.adamw(**kwargs), forge_jax.adamw(**kwargs), batches)
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+  # Not vacuous: the 4 block layers, the stack and the head run fused.
+  model = RematBlocksAndStack(True)
+  variables = model.init(jax.random.key(0), batches[0][0])
+  tx = forge_jax.adamw(1e-2)
+  jaxpr = str(jax.make_jaxpr(forge_jax.make_step(mse(model), tx))(
+      variables, tx.init(variables["params"]), batches[0]))
+  assert jaxpr.count("pallas_call") >= 6
+
+
 def test_checkpoint_around_the_loss_is_refused_clearly():
   model = MLP(forge_jax.Dense)
   batch = data(steps=1)[0]
@@ -475,3 +515,50 @@ def test_checkpoint_around_the_loss_is_refused_clearly():
   step = forge_jax.make_step(jax.checkpoint(mse(model)), tx)
   with pytest.raises(ValueError, match="flax.linen.remat"):
     step(variables, tx.init(variables["params"]), batch)
+
+
+_TRACE_COUNT_SCRIPT = """
+import warnings
+warnings.filterwarnings("ignore")
+import flax.linen as nn, jax, jax.numpy as jnp
+import forge_jax
+traces = []
+class One(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return forge_jax.Dense(9)(x)
+model = One()
+x = jnp.ones((5, 7))
+variables = model.init(jax.random.key(0), x)
+def loss_fn(v, b):
+  traces.append(1)
+  return jnp.mean(model.apply(v, b) ** 2)
+tx = forge_jax.adamw(1e-3)
+opt_state = tx.init(variables["params"])
+step = jax.jit(forge_jax.make_step(loss_fn, tx))
+counts = []
+for _ in range(3):
+  _, variables, opt_state = step(variables, opt_state, x)
+  counts.append(len(traces))
+print("COUNTS", counts)
+"""
+
+
+def test_jitted_step_is_traced_once_across_calls():
+  # A jitted FORGE step must not be retraced (and recompiled) on its second
+  # call. JAX imports some Pallas modules lazily during the first kernel
+  # lowering, and one registers a jit-key config option, which changes the
+  # trace-cache key; pallas_kernels pre-imports it. A fresh process, since
+  # any earlier test in this one has imported it already.
+  import ast
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _TRACE_COUNT_SCRIPT], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=root)
+  assert out.returncode == 0, out.stderr[-3000:]
+  counts = ast.literal_eval(out.stdout.split("COUNTS", 1)[1].strip())
+  assert counts[0] > 0
+  assert counts == [counts[0]] * 3, counts
