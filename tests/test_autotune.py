@@ -328,3 +328,18 @@ def test_tune_on_gpu_returns_a_config_that_runs_and_matches():
   x, dy, w, slots = make_case(11, (bt,), n_in, n_out, (jnp.bfloat16,) * 4)
   check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
                           config=res.best, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", [(jnp.bfloat16,) * 4, (jnp.float32,) * 4],
+                         ids=["bf16", "f32"])
+def test_every_shipped_tiling_matches_the_reference_on_gpu(dtypes):
+  # Each distinct tiling of the shipped cache, compiled, on a ragged shape
+  # (every edge partial): the cache never hands out an untested kernel.
+  configs = sorted(set(autotune.load(autotune.SHIPPED_CACHE)["configs"].values()),
+                   key=autotune.config_label)
+  assert len(configs) >= 5
+  x, dy, w, slots = make_case(12, (300,), 520, 390, dtypes)
+  for cfg in configs:
+    check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
+                            config=cfg, interpret=False)
