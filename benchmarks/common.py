@@ -11,6 +11,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from pallas_kernels import autotune
 
@@ -56,6 +57,22 @@ def time_loop(step: Callable, state, n_inner: int = 50, n_outer: int = 7):
   Returns (p20, p50, p80) and the final state."""
   times, state = autotune.time_steps(step, state, n_inner, n_outer)
   return quantiles(times), state
+
+
+def optax_step(loss_fn: Callable, tx) -> Callable:
+  """The standard-path arm every benchmark compares FORGE against:
+  ``step(variables, opt_state, batch) -> (loss, variables, opt_state)`` with
+  ``jax.value_and_grad`` + the optax transform (jit and donate it as the
+  FORGE arm is)."""
+
+  def step(variables, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(variables, batch)
+    updates, opt_state = tx.update(grads["params"], opt_state,
+                                   variables["params"])
+    return loss, {**variables, "params": optax.apply_updates(
+        variables["params"], updates)}, opt_state
+
+  return step
 
 
 def copy_ceiling_bytes_per_s(nbytes: int = 2 << 30) -> float:

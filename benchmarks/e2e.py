@@ -242,16 +242,7 @@ def build_arm(arm: str, cfg: Config, hparams: dict | None = None):
   tx = make_tx(arm, cfg, hparams)
   if arm == "forge":
     return forge_jax.make_step(make_loss(Decoder(cfg, forge_jax.Dense)), tx), tx
-  loss_fn = make_loss(Decoder(cfg, nn.Dense))
-
-  def step(variables, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(variables, batch)
-    updates, opt_state = tx.update(grads["params"], opt_state,
-                                   variables["params"])
-    params = optax.apply_updates(variables["params"], updates)
-    return loss, {**variables, "params": params}, opt_state
-
-  return step, tx
+  return common.optax_step(make_loss(Decoder(cfg, nn.Dense)), tx), tx
 
 
 def make_batch(cfg: Config, batch_size: int, seed: int = 0):

@@ -2,15 +2,7 @@
 # H200, session 2 call 1: does issuing the W/m/v loads before the main loop
 # (BlockConfig.prefetch) overlap the epilogue traffic with the GEMM? Kernel
 # tests for the prefetch tilings, then the variants side by side.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=. OUT="${OUT:-out/gpu}" XLA_PYTHON_CLIENT_PREALLOCATE=false
-mkdir -p "$OUT"
-SECONDS=0
-run() {  # name, timeout, command...
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -4
-  echo "[$name ${SECONDS}s]"
-}
+source "$(dirname "$0")/gpu_lib.sh"
 run kernel_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_kernel.py
 C="64x128x64,g1,w4,s3 64x128x64,g1,w4,s3,p 64x128x64,g1,w8,s3,p 64x128x64,g1,w4,s2,p
    128x128x64,g1,w8,s3 128x128x64,g1,w8,s3,p 128x128x64,g8,w8,s3,p 128x256x64,g1,w8,s3,p 64x256x64,g1,w4,s3,p"

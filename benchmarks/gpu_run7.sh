@@ -3,15 +3,7 @@
 # side by side with the baseline tilings (BT 16 = the epilogue alone), then the
 # GPU checks still pending from the previous session (its gpu_pending.sh,
 # removed once this ran).
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=. OUT="${OUT:-out/gpu}" XLA_PYTHON_CLIENT_PREALLOCATE=false
-mkdir -p "$OUT"
-SECONDS=0
-run() {  # name, timeout, command...
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -4
-  echo "[$name ${SECONDS}s]"
-}
+source "$(dirname "$0")/gpu_lib.sh"
 C="64x128x64,g1,w4,s3 64x128x64,g1,w4,s3,e 64x128x64,g8,w4,s3,e 128x128x64,g1,w8,s3,e
    128x128x64,g8,w8,s3,e 128x128x64,g8,w8,s3,p,e 64x128x128,g1,w4,s2,e 64x128x32,g1,w4,s4,e"
 run variants 200 python3 benchmarks/kernel.py --out "$OUT/variants2.csv" --moments bfloat16 \

@@ -2,15 +2,7 @@
 # H200, session 2 call 3: the stacked (layer=i) kernel and the scanned-stack
 # acceptance, Muon's weight-gradient GEMM count, mask-free tiles (masks only on
 # ragged dimensions) side by side, and the end-to-end decoder benchmark.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=. OUT="${OUT:-out/gpu}" XLA_PYTHON_CLIENT_PREALLOCATE=false
-mkdir -p "$OUT"
-SECONDS=0
-run() {  # name, timeout, command...
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -5
-  echo "[$name ${SECONDS}s]"
-}
+source "$(dirname "$0")/gpu_lib.sh"
 run tests_gpu 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_scan.py \
   tests/test_kernel.py -k "scan or stack or knob or in_place or matches_reference_on_gpu"
 run muon_memory 60 python3 benchmarks/memory.py --optimizer muon --layers 1 4 --out "$OUT/memory.csv"

@@ -1,15 +1,7 @@
 #!/usr/bin/env bash
 # H200, session 2 call 4: torch's CUDA fused Adam rule, gradient accumulation
 # with compiled kernels, and the end-to-end decoder at BT 2048.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=. OUT="${OUT:-out/gpu}" XLA_PYTHON_CLIENT_PREALLOCATE=false
-mkdir -p "$OUT"
-SECONDS=0
-run() {  # name, timeout, command...
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -6
-  echo "[$name ${SECONDS}s]"
-}
+source "$(dirname "$0")/gpu_lib.sh"
 run torch_gpu 150 python3 -m pytest -q -s -p no:cacheprovider -rfE -m gpu tests/test_torch_families.py
 run accumulate_gpu 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_accumulate.py \
   -k "on_gpu or scanned_stack_exact"

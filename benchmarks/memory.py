@@ -89,12 +89,7 @@ def arms(width, layers, optimizer="adamw"):
   ftx = getattr(forge_jax, optimizer)(1e-4)
   rtx = REFERENCES[optimizer](1e-4)
   fstep = forge_jax.make_step(loss_of(fmodel), ftx)
-
-  def rstep(v, s, x):
-    loss, g = jax.value_and_grad(loss_of(rmodel))(v, x)
-    u, s = rtx.update(g["params"], s, v["params"])
-    return loss, {"params": optax.apply_updates(v["params"], u)}, s
-
+  rstep = common.optax_step(loss_of(rmodel), rtx)
   return {"forge": (fstep, ftx), "optax": (rstep, rtx)}, rmodel
 
 

@@ -38,6 +38,7 @@ def cell(arm: str, layers: int, width: int, tokens: int) -> dict:
   import optax
 
   import forge_jax
+  from benchmarks import common
 
   model = forge_jax.ScannedDenseStack(
       width, layers, use_bias=False, activation=nn.relu, dtype=jnp.bfloat16,
@@ -50,11 +51,7 @@ def cell(arm: str, layers: int, width: int, tokens: int) -> dict:
     step = forge_jax.make_step(loss_fn, tx)
   else:
     tx = optax.adamw(1e-4)
-
-    def step(v, s, b):
-      loss, g = jax.value_and_grad(loss_fn)(v, b)
-      u, s = tx.update(g["params"], s, v["params"])
-      return loss, {**v, "params": optax.apply_updates(v["params"], u)}, s
+    step = common.optax_step(loss_fn, tx)
 
   opt_state = tx.init(variables["params"])
   jitted = jax.jit(step, donate_argnums=(0, 1))

@@ -175,3 +175,25 @@ class KernelLayout:
   def one_leaf(self, subtree):
     """A params-structured tree holding only ``subtree`` at this kernel."""
     return replace_subtrees(self.params_skeleton, {self.keypath: subtree})
+
+
+def select_slots(fields: list[Field], spec) -> tuple[int, ...]:
+  """The per-parameter fields that travel as a FORGE layer's slots.
+
+  Regimes 1-2: the fields the spec names, in ``rule.slots`` order; regime 3:
+  all of them, in traversal order.
+  """
+  if spec.slot_fields is None:
+    return tuple(f.index for f in fields)
+  chosen = []
+  for name in spec.slot_fields:
+    hits = [f for f in fields if f.matches(name)]
+    if len(hits) > 1:
+      raise ValueError(f"optimizer state has more than one {name!r} field")
+    chosen.append(hits[0].index if hits else None)
+  missing = [n for n, i in zip(spec.slot_fields, chosen) if i is None]
+  if missing:
+    raise ValueError(
+        f"opt_state has no {missing} field(s): was it made by this "
+        "transform's init()?")
+  return tuple(chosen)

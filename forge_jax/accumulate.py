@@ -282,14 +282,7 @@ def _momentum(tx, spec: ForgeSpec, every_k):
     g_leaves, treedef = jax.tree.flatten(grads)
     p_leaves = treedef.flatten_up_to(params)
     fields = _state.per_param_fields(inner, treedef)
-    slot_ids = []
-    for name in spec.slot_fields:
-      hits = [f for f in fields if f.matches(name)]
-      if len(hits) != 1:
-        raise ValueError(
-            f"the {spec.family} state has {len(hits)} {name!r} fields; was it"
-            " made by this transform's init()?")
-      slot_ids.append(hits[0].index)
+    slot_ids = _state.select_slots(fields, spec)  # as make_step does
     for f in fields:
       if f.index not in slot_ids and jax.tree.leaves(f.tree):
         raise ValueError(

@@ -91,28 +91,6 @@ def _weight_decay_on(mask, params, keypath: KeyPath) -> bool:
   return bool(tree)
 
 
-def _select_slots(fields: list[_state.Field], spec) -> tuple[int, ...]:
-  """The per-parameter fields that travel as a FORGE layer's slots.
-
-  Regimes 1-2: the fields the spec names, in ``rule.slots`` order; regime 3:
-  all of them, in traversal order.
-  """
-  if spec.slot_fields is None:
-    return tuple(f.index for f in fields)
-  chosen = []
-  for name in spec.slot_fields:
-    hits = [f for f in fields if f.matches(name)]
-    if len(hits) > 1:
-      raise ValueError(f"optimizer state has more than one {name!r} field")
-    chosen.append(hits[0].index if hits else None)
-  missing = [n for n, i in zip(spec.slot_fields, chosen) if i is None]
-  if missing:
-    raise ValueError(
-        f"opt_state has no {missing} field(s): was it made by this "
-        "transform's init()?")
-  return tuple(chosen)
-
-
 def make_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     tx: ForgeTransformation,
@@ -210,7 +188,7 @@ def make_step(
     # structure has the params' as a prefix) holds a subtree per kernel.
     params_def = jax.tree.structure(params)
     fields = _state.per_param_fields(opt_state, params_def)
-    slot_ids = _select_slots(fields, spec)
+    slot_ids = _state.select_slots(fields, spec)
     if spec.regime == 3:
       # Deferred: the layer runs optax's own update on its slice of the
       # state; what is not per-parameter (step counts) is read, not written.

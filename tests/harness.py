@@ -1,7 +1,43 @@
-"""The reference training step every parity test compares FORGE against."""
+"""What the test suites share: the reference training step FORGE is compared
+against, the odd-width MLP, its loss, a weight-decay mask, and deviceless
+lowering for CUDA (catches Triton lowering errors on a CPU-only machine)."""
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
+
+import pallas_kernels as pk
+
+# MLP widths: in -> hidden -> hidden -> out; no kernel dimension is a power of
+# two, so every kernel tile is partial somewhere.
+WIDTHS = (37, 70, 130, 5)
+
+
+class MLP(nn.Module):
+  """``WIDTHS`` with ReLUs; ``dense`` is ``nn.Dense`` or ``forge_jax.Dense``."""
+  dense: type
+  dead_head: bool = False  # an extra layer whose output is unused (Remark 1)
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(self.dense(WIDTHS[1])(x))
+    x = nn.relu(self.dense(WIDTHS[2])(x))
+    y = self.dense(WIDTHS[3])(x)
+    if self.dead_head:  # computed, never reaches the loss
+      self.dense(WIDTHS[3], name="aux")(x)
+    return y
+
+
+def mse(model):
+  """``loss_fn(variables, (x, y))``: mean squared error of ``model``."""
+  return lambda variables, batch: jnp.mean(
+      (model.apply(variables, batch[0]) - batch[1]) ** 2)
+
+
+def decay_kernels_only(params):
+  """A weight-decay mask: matrices yes, biases no."""
+  return jax.tree.map(lambda a: a.ndim > 1, params)
 
 
 def reference_step(loss_fn, tx):
@@ -16,3 +52,36 @@ def reference_step(loss_fn, tx):
         variables["params"], updates)}, opt_state
 
   return step
+
+
+def lower_for_cuda(fn, *args, donate_argnums=()) -> str:
+  """StableHLO text of ``jax.jit(fn)`` lowered for an H200 without a GPU
+  (deviceless AOT). ``args``: trees of arrays or ``ShapeDtypeStruct``s."""
+  from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      "NVIDIA H200", 132, "gpu"))
+  sh = NamedSharding(mesh, P())
+  abstract = lambda t: jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn, donate_argnums=donate_argnums).trace(
+        *map(abstract, args)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def lower_rule_for_cuda(rule: pk.UpdateRule) -> str:
+  """The fused kernel with ``rule`` on fp32 (70, 130) state, lowered for CUDA."""
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+
+  def step(x, dy, w, h, *slots):
+    return pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule,
+                                 interpret=False)
+
+  return lower_for_cuda(step, f32(37, 70), f32(37, 130), f32(70, 130),
+                        f32(pk.HPARAM_VECTOR_LEN),
+                        *[f32(70, 130)] * len(rule.slots))
+
+
+def triton_calls(text: str) -> list[str]:
+  """The lines of lowered text that call a Triton kernel."""
+  return [l for l in text.splitlines() if "xla.gpu.triton" in l]

@@ -27,7 +27,10 @@ import pytest
 import forge_jax
 import pallas_kernels as pk
 from pallas_kernels import rules
-from tests.harness import reference_step
+from tests.harness import (MLP, WIDTHS, lower_rule_for_cuda, reference_step,
+                           triton_calls)
+from tests.harness import decay_kernels_only as _decay_kernels_only
+from tests.harness import mse as _mse
 from tests.test_kernel import adamw_hparams, make_case
 from tests.tolerances import assert_close, tol, worst_leaf
 
@@ -35,15 +38,10 @@ F32_TOL = tol(jnp.float32)
 K = 4
 CYCLES = 2
 MICRO_BT = 12  # tokens per micro-batch; K of them make the 48-token batch
-WIDTHS = (37, 70, 130, 5)
 
 
 def _schedule(base):
   return optax.linear_schedule(base, base / 10, CYCLES)
-
-
-def _decay_kernels_only(params):
-  return jax.tree.map(lambda a: a.ndim > 1, params)
 
 
 # name -> (forge_jax family, optax transform, args, kwargs, mode)
@@ -78,21 +76,6 @@ def _transforms(name, every_k=K):
   optax_tx = optax_fn(*args, **kwargs)
   return (forge_jax.MultiSteps(inner, every_k, mode=mode), optax_tx,
           optax.MultiSteps(optax_tx, every_k), mode)
-
-
-class MLP(nn.Module):
-  dense: type
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(self.dense(WIDTHS[1])(x))
-    x = nn.relu(self.dense(WIDTHS[2])(x))
-    return self.dense(WIDTHS[3])(x)
-
-
-def _mse(model):
-  return lambda variables, batch: jnp.mean(
-      (model.apply(variables, batch[0]) - batch[1]) ** 2)
 
 
 @pytest.fixture(scope="module")
@@ -350,25 +333,8 @@ def test_wrapped_rule_kernel_matches_reference(name, final):
 
 @pytest.mark.parametrize("name", sorted(_wrapped_cases()))
 def test_wrapped_rule_lowers_for_cuda_without_a_gpu(name):
-  from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
-
   rule = _wrapped_cases()[name][0]
-  mesh = AbstractMesh((1,), ("x",),
-                      abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
-  sh = NamedSharding(mesh, P())
-  shapes = [(37, 70), (37, 130), (70, 130), (pk.HPARAM_VECTOR_LEN,),
-            *[(70, 130)] * len(rule.slots)]
-  args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh) for s in shapes]
-
-  def step(x, dy, w, h, *slots):
-    return pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule,
-                                 interpret=False)
-
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(step).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
-  assert sum("xla.gpu.triton" in l for l in text.splitlines()) == 1
+  assert len(triton_calls(lower_rule_for_cuda(rule))) == 1
 
 
 def test_wrapper_rules_check_their_names():

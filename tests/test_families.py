@@ -23,7 +23,9 @@ import pytest
 import forge_jax
 import pallas_kernels as pk
 from forge_jax import step as forge_step
-from tests.harness import reference_step
+from tests.harness import MLP, lower_rule_for_cuda, reference_step, triton_calls
+from tests.harness import decay_kernels_only as _decay_kernels_only
+from tests.harness import mse as _mse
 from tests.tolerances import rel_err, tol, worst_leaf
 
 F32_TOL = tol(jnp.float32)
@@ -32,10 +34,6 @@ STEPS = 20
 
 def _schedule(base):
   return optax.linear_schedule(base, base / 10, STEPS)
-
-
-def _decay_kernels_only(params):
-  return jax.tree.map(lambda a: a.ndim > 1, params)
 
 
 # name -> (family, base learning rate, options). Every code-changing option of
@@ -165,44 +163,11 @@ def test_rule_matches_optax_one_step(name):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_rule_lowers_for_cuda_without_a_gpu(name):
   """Deviceless AOT lowering catches Triton lowering errors on the CPU."""
-  from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
-
   rule = _transforms(name)[0].spec.rule
-  mesh = AbstractMesh((1,), ("x",),
-                      abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
-  sh = NamedSharding(mesh, P())
-  shapes = [(37, 70), (37, 130), (70, 130), *[(70, 130)] * len(rule.slots),
-            (pk.HPARAM_VECTOR_LEN,)]
-  args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh) for s in shapes]
-
-  def step(x, dy, w, h, *slots):
-    return pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule,
-                                 interpret=False)
-
-  args = args[:3] + args[-1:] + args[3:-1]
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(step).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
-  assert sum("xla.gpu.triton" in l for l in text.splitlines()) == 1
+  assert len(triton_calls(lower_rule_for_cuda(rule))) == 1
 
 
 # --- 20 training steps of an MLP against flax + optax -------------------------
-
-
-class MLP(nn.Module):
-  dense: type
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(self.dense(70)(x))
-    x = nn.relu(self.dense(130)(x))
-    return self.dense(5)(x)
-
-
-def _mse(model):
-  return lambda variables, batch: jnp.mean(
-      (model.apply(variables, batch[0]) - batch[1]) ** 2)
 
 
 @pytest.fixture(scope="module")

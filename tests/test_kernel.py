@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from pallas_kernels import autotune
+from tests.harness import lower_for_cuda, triton_calls
 from tests.tolerances import assert_close, tol
 
 # (tokens..., in, out): odd sizes no block divides, sizes below the minimum
@@ -261,24 +260,17 @@ def test_pack_names_missing_and_unexpected_hyperparameters():
 @pytest.mark.parametrize("dtypes", DTYPES[:2], ids=["f32", "bf16"])
 def test_lowers_for_cuda_without_a_gpu(dtypes):
   """Deviceless AOT lowering catches Triton lowering errors on the CPU."""
-  dev = AbstractDevice("NVIDIA H200", 132, "gpu")
-  mesh = AbstractMesh((1,), ("x",), abstract_device=dev)
-  sh = NamedSharding(mesh, P())
   xd, wd, md, vd = dtypes
   specs = [((37, 70), xd), ((37, 130), xd), ((70, 130), wd), ((70, 130), md),
            ((70, 130), vd), ((pk.HPARAM_VECTOR_LEN,), jnp.float32)]
-  args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in specs]
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in specs]
 
   def step(x, dy, w, mu, nu, h):
     return pk.fused_wgrad_update(x, dy, w, (mu, nu), h, rule=pk.ADAMW,
                                  interpret=False)
 
-  with jax.sharding.use_abstract_mesh(mesh):
-    lowered = jax.jit(step, donate_argnums=(2, 3, 4)).trace(*args).lower(
-        lowering_platforms=("cuda",))
-  text = lowered.as_text()
-  calls = [l for l in text.splitlines() if "xla.gpu.triton" in l]
-  assert len(calls) == 1, "expected exactly one Triton kernel"
+  text = lower_for_cuda(step, *args, donate_argnums=(2, 3, 4))
+  assert len(triton_calls(text)) == 1, "expected exactly one Triton kernel"
   # W, mu and nu are written in place: three operand/output aliases.
   assert text.count("output_operand_alias") >= 3 or text.count(
       "operand_index") >= 3

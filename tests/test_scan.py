@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import forge_jax
-from tests.harness import reference_step
+from tests.harness import lower_for_cuda, reference_step, triton_calls
 from tests.tolerances import assert_trees_close, rel_err, tol
 from tests.test_forge_jax import SCHEDULE, data, mse, optax_step, wd_mask
 
@@ -320,8 +320,6 @@ def test_scanned_stack_temporaries_do_not_grow_with_the_pool_cpu():
 def test_stack_step_lowers_for_cuda_without_a_gpu(monkeypatch):
   """Deviceless AOT lowering: one Triton kernel, inside the backward loop,
   which carries the donated W/mu/nu parameters themselves."""
-  from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
   import pallas_kernels.fused_wgrad as fw
   monkeypatch.setattr(fw, "default_interpret", lambda: False)
   model = _PlainStack(True, 256, 4, jnp.bfloat16)
@@ -331,17 +329,9 @@ def test_stack_step_lowers_for_cuda_without_a_gpu(monkeypatch):
   opt_state = tx.init(variables["params"])
   loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
   step = forge_jax.make_step(loss_fn, tx)
-  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-      "NVIDIA H200", 132, "gpu"))
-  sh = NamedSharding(mesh, P())
-  abstract = lambda t: jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t)
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(step, donate_argnums=(0, 1)).trace(
-        abstract(variables), abstract(opt_state), abstract(x)).lower(
-            lowering_platforms=("cuda",)).as_text()
+  text = lower_for_cuda(step, variables, opt_state, x, donate_argnums=(0, 1))
   lines = text.splitlines()
-  triton = [l for l in lines if "xla.gpu.triton" in l]
+  triton = triton_calls(text)
   assert len(triton) == 1
   # stack_update="auto" on a GPU is "layer": the kernel gets the (L, in, out)
   # stacks themselves, not one layer's slices.

@@ -21,7 +21,7 @@ import pytest
 
 import forge_jax
 from forge_jax.step import SharedWeightsWarning
-from tests.harness import reference_step
+from tests.harness import mse, reference_step
 from tests.tolerances import assert_close, assert_trees_close, tol
 
 F32 = tol(jnp.float32)
@@ -73,13 +73,6 @@ def _batches(d_in, d_out, steps, n=24, seed=3):
   k = jax.random.split(jax.random.key(seed), 2 * steps)
   return [(jax.random.normal(k[2 * i], (n, d_in)),
            jax.random.normal(k[2 * i + 1], (n, d_out))) for i in range(steps)]
-
-
-def mse(model):
-  def loss_fn(variables, batch):
-    x, y = batch
-    return jnp.mean((model.apply(variables, x) - y) ** 2)
-  return loss_fn
 
 
 def _pallas_calls(step, variables, opt_state, batch) -> int:
