@@ -213,16 +213,9 @@ def test_scanned_stack_exact_mode():
               every_k=lambda step: 2)
 
 
-class DeadHeadMLP(nn.Module):
+def DeadHeadMLP(dense):  # noqa: N802 -- used like the model class
   """The MLP plus a FORGE layer whose output never reaches the loss."""
-  dense: type
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(self.dense(WIDTHS[1])(x))
-    x = nn.relu(self.dense(WIDTHS[2])(x))
-    self.dense(WIDTHS[3], name="aux")(x)
-    return self.dense(WIDTHS[3])(x)
+  return MLP(dense, dead_head=True)
 
 
 def test_untouched_layer_accumulates_zero_gradients(data):
