@@ -60,6 +60,11 @@ class BlockConfig:
       ``evict_first`` L2 policy and ``x``, ``dy`` with ``evict_last``: each
       state byte is touched once, while every ``x``/``dy`` chunk is re-read
       by a whole row/column of tiles, so the operands should stay in L2.
+    split_out: compute the ``(block_in, block_out)`` tile as this many
+      column sub-tiles of ``block_out // split_out``, each its own fp32
+      accumulator (they share each loaded ``x`` chunk), and run the epilogue
+      one sub-tile at a time, so only one sub-tile of ``W`` and its state is
+      live in registers at once.
   """
 
   block_in: int = 64
@@ -70,6 +75,7 @@ class BlockConfig:
   num_stages: int = 3
   prefetch: bool = False
   stream_state: bool = False
+  split_out: int = 1
 
   def __post_init__(self):
     for name in ("block_in", "block_out", "block_bt"):
@@ -86,6 +92,11 @@ class BlockConfig:
     for name in ("prefetch", "stream_state"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+    if (not isinstance(self.split_out, int) or not _is_pow2(self.split_out)
+        or self.block_out // self.split_out < _MIN_BLOCK):
+      raise ValueError(
+          f"split_out={self.split_out!r} must be a power of two leaving "
+          f"sub-tiles of >= {_MIN_BLOCK} columns (block_out={self.block_out})")
 
   @classmethod
   def default(cls, bt: int, n_in: int, n_out: int) -> "BlockConfig":
@@ -203,55 +214,72 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
 
   # Masks only along dimensions the tiles do not divide: an unmasked access
   # can be vectorised (a masked one may not be).
+  # Column sub-tiles (BlockConfig.split_out): each has its own accumulator
+  # and its own epilogue; there is one of them unless split_out > 1.
+  ns = cfg.split_out
+  so = bo // ns
+  col0 = [to * bo + j * so for j in range(ns)]
+
+  # Masks only along dimensions the tiles do not divide: an unmasked access
+  # can be vectorised (a masked one may not be).
   row_ok = (ti * bi + jnp.arange(bi) < n_in) if n_in % bi else None
-  col_ok = (to * bo + jnp.arange(bo) < n_out) if n_out % bo else None
+  col_ok = ([c + jnp.arange(so) < n_out for c in col0] if n_out % bo
+            else [None] * ns)
   col = lambda m: None if m is None else m[None, :]
   row = lambda m: None if m is None else m[:, None]
 
-  tile = (pl.ds(ti * bi, bi), pl.ds(to * bo, bo))
-  mask = _and(row(row_ok), col(col_ok))
-  other = None if mask is None else 0.0
+  tiles = [(pl.ds(ti * bi, bi), pl.ds(c, so)) for c in col0]
+  masks = [_and(row(row_ok), col(m)) for m in col_ok]
   # A stacked state (L, in, out): this call updates layer `layer_ref[0]`.
-  state_tile = (layer_ref[0], *tile) if stacked else tile
+  state_tiles = ([(layer_ref[0], *t) for t in tiles] if stacked else tiles)
   state_policy = "evict_first" if cfg.stream_state else None
   operand_policy = "evict_last" if cfg.stream_state else None
-  load_state = lambda: [plgpu.load(r.at[state_tile], mask=mask, other=other,
-                                   eviction_policy=state_policy)
-                        for r in in_refs]
+
+  def load_state(j):
+    return [plgpu.load(r.at[state_tiles[j]], mask=masks[j],
+                       other=None if masks[j] is None else 0.0,
+                       eviction_policy=state_policy) for r in in_refs]
+
   # With `prefetch` the W/slot loads are issued before the main loop, so they
   # are in flight while the tensor cores run.
-  old = load_state() if cfg.prefetch else None
+  old = [load_state(j) for j in range(ns)] if cfg.prefetch else [None] * ns
 
-  def body(k, acc):
+  def body(k, accs):
     k_ok = (k * bk + jnp.arange(bk) < bt)[:, None] if bt % bk else None
-    x_mask, dy_mask = _and(k_ok, col(row_ok)), _and(k_ok, col(col_ok))
+    x_mask = _and(k_ok, col(row_ok))
     xk = plgpu.load(
         x_ref.at[pl.ds(k * bk, bk), pl.ds(ti * bi, bi)],
         mask=x_mask, other=None if x_mask is None else 0.0,
         eviction_policy=operand_policy)
-    dyk = plgpu.load(
-        dy_ref.at[pl.ds(k * bk, bk), pl.ds(to * bo, bo)],
-        mask=dy_mask, other=None if dy_mask is None else 0.0,
-        eviction_policy=operand_policy)
-    return acc + plgpu.dot(xk, dyk, trans_a=True, precision=precision)
+    out = []
+    for j in range(ns):
+      dy_mask = _and(k_ok, col(col_ok[j]))
+      dyk = plgpu.load(
+          dy_ref.at[pl.ds(k * bk, bk), pl.ds(col0[j], so)],
+          mask=dy_mask, other=None if dy_mask is None else 0.0,
+          eviction_policy=operand_policy)
+      out.append(accs[j] + plgpu.dot(xk, dyk, trans_a=True,
+                                      precision=precision))
+    return tuple(out)
 
-  g = lax.fori_loop(0, pl.cdiv(bt, bk), body,
-                    jnp.zeros((bi, bo), jnp.float32))
+  gs = lax.fori_loop(0, pl.cdiv(bt, bk), body,
+                     tuple(jnp.zeros((bi, so), jnp.float32) for _ in range(ns)))
 
-  # Epilogue: the optimizer on this tile, reading and writing W and its state
-  # in place. `g` (fp32) is consumed here and never stored.
-  if old is None:
-    old = load_state()
-  old = [a.astype(jnp.float32) for a in old]
+  # Epilogue: the optimizer on each sub-tile, reading and writing W and its
+  # state in place. `g` (fp32) is consumed here and never stored.
   h = rule.unpack(h_ref)
-  if rule.updates_weight:
-    w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
-    new = (w_new, *new)
-  else:  # regime 2: the state only; W stays in HBM, untouched.
-    _, new = rule.update(g, None, tuple(old), h)
-  for i, (r, v) in enumerate(zip(out_refs, new)):
-    plgpu.store(r.at[state_tile if i < n_aliased else tile],
-                v.astype(r.dtype), mask=mask, eviction_policy=state_policy)
+  for j, g in enumerate(gs):
+    olds = old[j] if old[j] is not None else load_state(j)
+    olds = [a.astype(jnp.float32) for a in olds]
+    if rule.updates_weight:
+      w_new, new = rule.update(g, olds[0], tuple(olds[1:]), h)
+      new = (w_new, *new)
+    else:  # regime 2: the state only; W stays in HBM, untouched.
+      _, new = rule.update(g, None, tuple(olds), h)
+    for i, (r, v) in enumerate(zip(out_refs, new)):
+      plgpu.store(r.at[state_tiles[j] if i < n_aliased else tiles[j]],
+                  v.astype(r.dtype), mask=masks[j],
+                  eviction_policy=state_policy)
 
 
 def _flatten_tokens(x, dy):

@@ -544,21 +544,28 @@ print("COUNTS", counts)
 """
 
 
-def test_jitted_step_is_traced_once_across_calls():
-  # A jitted FORGE step must not be retraced (and recompiled) on its second
-  # call. JAX imports some Pallas modules lazily during the first kernel
-  # lowering, and one registers a jit-key config option, which changes the
-  # trace-cache key; pallas_kernels pre-imports it. A fresh process, since
-  # any earlier test in this one has imported it already.
+def _trace_counts_in_fresh_process(platform):
   import ast
   import os
   import subprocess
   import sys
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS=platform)
   out = subprocess.run([sys.executable, "-c", _TRACE_COUNT_SCRIPT], env=env,
-                       capture_output=True, text=True, timeout=120, cwd=root)
+                       capture_output=True, text=True, timeout=300, cwd=root)
   assert out.returncode == 0, out.stderr[-3000:]
-  counts = ast.literal_eval(out.stdout.split("COUNTS", 1)[1].strip())
+  return ast.literal_eval(out.stdout.split("COUNTS", 1)[1].strip())
+
+
+@pytest.mark.parametrize("platform", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_jitted_step_is_traced_once_across_calls(platform):
+  # A jitted FORGE step must not be retraced (and recompiled) on its second
+  # call. JAX imports some Pallas modules lazily during the first kernel
+  # lowering, and one registers a jit-key config option, which changes the
+  # trace-cache key; pallas_kernels pre-imports it. A fresh process, since
+  # any earlier test in this one has imported it already. On the GPU the
+  # kernel is lowered through Triton, not interpreted.
+  counts = _trace_counts_in_fresh_process(platform)
   assert counts[0] > 0
   assert counts == [counts[0]] * 3, counts

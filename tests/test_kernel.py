@@ -87,6 +87,10 @@ def test_nesterov_rule_matches_reference():
     pk.BlockConfig(block_in=32, block_out=32, block_bt=16, group_in=2,
                    prefetch=True),
     pk.BlockConfig(block_in=16, block_out=64, block_bt=32, stream_state=True),
+    pk.BlockConfig(block_in=32, block_out=64, block_bt=16, group_in=2,
+                   split_out=2),
+    pk.BlockConfig(block_in=16, block_out=128, block_bt=32, split_out=4,
+                   prefetch=True),
 ])
 def test_tilings_and_tile_orders_agree(config):
   # Many tiles, partial tiles on every edge, grouped orders with a ragged
@@ -214,6 +218,8 @@ def test_hyperparameters_are_runtime_values():
     (dict(group_in=0), "group_in=0"),
     (dict(prefetch=1), "prefetch=1 must be a bool"),
     (dict(stream_state="yes"), "stream_state='yes' must be a bool"),
+    (dict(split_out=3), "split_out=3 must be a power of two"),
+    (dict(block_out=32, split_out=4), "sub-tiles of >= 16 columns"),
 ])
 def test_invalid_block_configs_fail_clearly(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -298,6 +304,8 @@ def test_compiled_kernel_matches_reference_on_gpu(tokens, n_in, n_out, dtypes):
     pk.BlockConfig(128, 256, 64, 1, 8, 3, prefetch=True),
     pk.BlockConfig(64, 128, 64, stream_state=True),
     pk.BlockConfig(128, 128, 64, 8, 8, 3, prefetch=True, stream_state=True),
+    pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True, split_out=2),
+    pk.BlockConfig(128, 256, 64, 8, 8, 3, stream_state=True, split_out=4),
 ], ids=lambda c: autotune.config_label(c))
 @pytest.mark.parametrize("dtypes", DTYPES[:2], ids=["f32", "bf16"])
 def test_compiled_knob_tilings_match_reference_on_gpu(config, dtypes):

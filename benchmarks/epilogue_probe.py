@@ -1,0 +1,304 @@
+"""Where does the fused kernel's epilogue lose bandwidth? (issue #4 probe)
+
+    ./dev.sh python benchmarks/epilogue_probe.py --out out/probe   # on a GPU
+
+Three measurements, side by side in one process, written to
+``OUT/probe.csv`` (device and versions in every row):
+
+* ``elementwise``: a Pallas-Triton AdamW kernel with *no* GEMM -- it reads a
+  stored bf16 ``G`` and ``W, m, v`` in (rows x cols) blocks and writes
+  ``W, m, v`` -- against XLA's fused elementwise AdamW on the same arrays.
+  If Pallas-Triton blocks reach XLA's bandwidth, the fused kernel's slower
+  epilogue comes from what the GEMM leaves behind (the accumulator's layout,
+  registers), not from Pallas-Triton memory access as such.
+* ``fused``: the fused kernel at the given tilings and token counts
+  (``BT = 16`` isolates the epilogue), beside XLA's unfused step.
+* ``--ptx``: compiles each tiling once with ``--xla_dump_to`` and reports,
+  from the kernel's PTX, the global/shared access instructions by width,
+  spills and (with ``ptxas -v``, when a ptxas is found) registers per
+  thread, in ``OUT/ptx.csv`` and ``OUT/ptx_<label>.ptx``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+import pallas_kernels as pk
+from benchmarks import common
+from benchmarks.kernel import hparams, make_state
+
+DEFAULT_CONFIGS = [
+    "64x128x32,g1,w4,s4,e",        # best at BT 512 (session 2)
+    "64x128x32,g1,w4,s4,e,o2",
+    "64x128x32,g1,w8,s4,e",
+    "128x128x64,g8,w8,s3,e",       # best family at BT 2048
+    "128x128x64,g8,w8,s3,e,o2",
+    "128x128x64,g8,w8,s3,e,o4",
+    "128x256x64,g8,w8,s3,e,o4",
+]
+ELEMENTWISE_BLOCKS = ["64x128,w4", "128x128,w8", "32x128,w4", "16x512,w4",
+                      "64x256,w8", "8x1024,w4", "32x1024,w8"]
+
+
+def elementwise_adamw(g, w, m, v, h, bm, bn, warps):
+  """AdamW on stored ``g`` in (bm, bn) blocks; W, m, v updated in place."""
+  n_in, n_out = w.shape
+  tiles_out = n_out // bn
+
+  def kernel(g_ref, h_ref, w_ref, m_ref, v_ref, w_out, m_out, v_out):
+    i = pl.program_id(0)
+    t = (pl.ds((i // tiles_out) * bm, bm), pl.ds((i % tiles_out) * bn, bn))
+    gg = plgpu.load(g_ref.at[t]).astype(jnp.float32)
+    old = [plgpu.load(r.at[t]).astype(jnp.float32) for r in (w_ref, m_ref, v_ref)]
+    w_new, (m_new, v_new) = pk.ADAMW.update(gg, old[0], tuple(old[1:]),
+                                            pk.ADAMW.unpack(h_ref))
+    for r, val in zip((w_out, m_out, v_out), (w_new, m_new, v_new)):
+      plgpu.store(r.at[t], val.astype(r.dtype))
+
+  return pl.pallas_call(
+      kernel,
+      out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (w, m, v)),
+      grid=(n_in // bm * tiles_out,),
+      input_output_aliases={2: 0, 3: 1, 4: 2},
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+      interpret=jax.default_backend() != "gpu",
+      name="elementwise_adamw",
+  )(g, h, w, m, v)
+
+
+def probe_elementwise(res, n_in, n_out, blocks):
+  h = hparams()
+  x, dy, w, m, v = make_state(512, n_in, n_out, jnp.bfloat16)
+  g = jnp.dot(x.T, dy)
+  nbytes = n_in * n_out * 2 * 7  # read G, W, m, v; write W, m, v (bf16)
+  shape = f"{n_in}x{n_out}"
+
+  def xla(s):
+    g, w, m, v = s
+    w, (m, v) = pk.ADAMW.apply(g, w, (m, v), h)
+    return g, w, m, v
+
+  q, _ = common.time_loop(xla, (g, w, m, v))
+  rows = [("xla_adamw", q)]
+  for spec in blocks:
+    (bm, bn), warps = map(int, spec.split(",")[0].split("x")), int(spec.split(",w")[1])
+
+    def step(s, bm=bm, bn=bn, warps=warps):
+      g, w, m, v = s
+      w, m, v = elementwise_adamw(g, w, m, v, h, bm, bn, warps)
+      return g, w, m, v
+
+    try:
+      q, _ = common.time_loop(step, (g, w, m, v))
+    except Exception as e:  # noqa: BLE001 -- report and go on
+      print(f"elementwise {spec}: failed: {type(e).__name__}: {str(e)[:300]}")
+      continue
+    rows.append((f"pallas_elementwise[{spec}]", q))
+  for prov, q in rows:
+    res.add("elementwise", prov, shape, "bf16", "time",
+            tuple(t * 1e6 for t in q), "us")
+    res.add("elementwise", prov, shape, "bf16", "bandwidth",
+            nbytes / q[1] / 1e9, "GB/s")
+    print(f"elementwise {prov:34s} {shape}: {q[1]*1e6:7.1f} us "
+          f"{nbytes/q[1]/1e12:5.2f} TB/s", flush=True)
+
+
+def probe_fused(res, n_in, n_out, tokens, labels):
+  h = hparams()
+  shape_name = f"{n_in}x{n_out}"
+  for bt in tokens:
+    state = lambda: make_state(bt, n_in, n_out, jnp.bfloat16)
+    shape = f"BT={bt} {shape_name}"
+
+    def xla_unfused(s):
+      x, dy, w, m, v = s
+      w, (m, v) = pk.ADAMW.apply(jnp.dot(x.T, dy), w, (m, v), h)
+      return x, dy, w, m, v
+
+    q, _ = common.time_loop(xla_unfused, state())
+    xla_t = q[1]
+    res.add("fused", "xla_unfused", shape, "bf16", "time",
+            tuple(t * 1e6 for t in q), "us")
+    print(f"fused {shape:20s} xla_unfused {xla_t*1e6:8.1f} us", flush=True)
+    for label in labels:
+      cfg = pk.autotune.parse_label(label)
+
+      def step(s, cfg=cfg):
+        x, dy, w, m, v = s
+        w, (m, v) = pk.fused_wgrad_update(x, dy, w, (m, v), h, rule=pk.ADAMW,
+                                          config=cfg)
+        return x, dy, w, m, v
+
+      try:
+        q, _ = common.time_loop(step, state())
+      except Exception as e:  # noqa: BLE001 -- report and go on
+        print(f"fused {shape} {label}: failed: {type(e).__name__}: {str(e)[:300]}")
+        continue
+      res.add("fused", f"forge[{label}]", shape, "bf16", "time",
+              tuple(t * 1e6 for t in q), "us")
+      res.add("fused", f"forge[{label}]", shape, "bf16", "speedup_vs_xla",
+              xla_t / q[1], "x")
+      print(f"fused {shape:20s} {label:28s} {q[1]*1e6:8.1f} us "
+            f"{xla_t/q[1]:5.2f}x", flush=True)
+
+
+# --- PTX ---------------------------------------------------------------------
+
+_PATTERNS = {
+    "ld.global": r"\bld\.global[\w.]*",
+    "st.global": r"\bst\.global[\w.]*",
+    "ld.shared": r"\bld\.shared[\w.]*",
+    "st.shared": r"\bst\.shared[\w.]*",
+    "ldmatrix": r"\bldmatrix[\w.]*",
+    "stmatrix": r"\bstmatrix[\w.]*",
+    "cp.async": r"\bcp\.async[\w.]*",
+    "wgmma": r"\bwgmma\.mma_async[\w.]*",
+    "mma.sync": r"\bmma\.sync[\w.]*",
+    "local": r"\b(?:ld|st)\.local[\w.]*",
+    "bar.sync": r"\bbar\.sync\b",
+}
+
+
+def find_ptxas() -> str | None:
+  found = shutil.which("ptxas")
+  if found:
+    return found
+  for root in sys.path + ["/usr/local"]:
+    for pat in ("nvidia/*/bin/ptxas", "nvidia/*/*/bin/ptxas",
+                "triton/backends/nvidia/bin/ptxas", "cuda*/bin/ptxas"):
+      hits = glob.glob(os.path.join(root, pat))
+      if hits:
+        return hits[0]
+  return None
+
+
+def _entry_bodies(ptx: str):
+  """(name, body) of each ``.entry`` in a PTX module."""
+  for m in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):
+    start = m.end()
+    depth, i = 0, ptx.index("{", start)
+    j = i
+    while True:
+      c = ptx[j]
+      depth += c == "{"
+      depth -= c == "}"
+      if depth == 0:
+        break
+      j += 1
+    yield m.group(1), ptx[m.start():j + 1]
+
+
+def ptx_child(label: str, n_in: int, n_out: int, bt: int):
+  """Compile one tiling (run in a child process with --xla_dump_to set)."""
+  h = hparams()
+  x, dy, w, m, v = make_state(bt, n_in, n_out, jnp.bfloat16)
+  cfg = pk.autotune.parse_label(label)
+  f = jax.jit(functools.partial(pk.fused_wgrad_update, rule=pk.ADAMW,
+                                config=cfg), donate_argnums=(2, 3))
+  f.lower(x, dy, w, (m, v), h).compile()
+
+
+def probe_ptx(out, labels, n_in, n_out, bt):
+  ptxas = find_ptxas()
+  print(f"ptxas: {ptxas}")
+  rows = []
+  for label in labels:
+    dump = os.path.join(out, "dump_" + re.sub(r"\W", "_", label))
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                      + f" --xla_dump_to={dump}"))
+    subprocess.run([sys.executable, __file__, "--ptx-child", label,
+                    "--shape", f"{n_in}x{n_out}", "--tokens", str(bt)],
+                   env=env, check=True)
+    kernel = None
+    for path in glob.glob(os.path.join(dump, "*.ptx")):
+      text = open(path).read()
+      for name, body in _entry_bodies(text):
+        if "fused_wgrad" in name:
+          kernel = (path, name, body)
+    if kernel is None:
+      print(f"ptx {label}: no fused_wgrad entry in {dump}")
+      continue
+    path, name, body = kernel
+    keep = os.path.join(out, "ptx_" + re.sub(r"\W", "_", label) + ".ptx")
+    shutil.copy(path, keep)
+    counts = collections.Counter()
+    for key, pat in _PATTERNS.items():
+      for ins in re.findall(pat, body):
+        counts[ins if key not in ("bar.sync",) else key] += 1
+    row = {"label": label, "entry": name}
+    if ptxas:
+      r = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull],
+                         capture_output=True, text=True)
+      info = r.stderr
+      m = re.search(rf"Compiling entry function '{name}'.*?Used (\d+) registers"
+                    r"(?:.*?(\d+) bytes smem)?", info, re.S)
+      spill = re.search(rf"Compiling entry function '{name}'.*?(\d+) bytes spill "
+                        r"stores, (\d+) bytes spill loads", info, re.S)
+      row["registers"] = m.group(1) if m else "?"
+      row["spill_st_ld"] = f"{spill.group(1)}/{spill.group(2)}" if spill else "?"
+      if not m:
+        print(info[-2000:])
+    row.update({k: v for k, v in sorted(counts.items())})
+    rows.append(row)
+    print("ptx", row, flush=True)
+  keys = sorted({k for r in rows for k in r} - {"label", "entry"})
+  with open(os.path.join(out, "ptx.csv"), "w") as f:
+    f.write(",".join(["label", "entry"] + keys) + "\n")
+    for r in rows:
+      f.write(",".join(str(r.get(k, 0)) for k in ["label", "entry"] + keys)
+              + "\n")
+  for label in labels:
+    shutil.rmtree(os.path.join(out, "dump_" + re.sub(r"\W", "_", label)),
+                  ignore_errors=True)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", default="out/probe")
+  p.add_argument("--shape", default="4096x4096")
+  p.add_argument("--tokens", type=int, nargs="+", default=[16, 512, 2048])
+  p.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS, metavar="LABEL")
+  p.add_argument("--elementwise", nargs="*", default=ELEMENTWISE_BLOCKS,
+                 metavar="BMxBN,wW")
+  p.add_argument("--ptx", action="store_true", help="also dump and read the PTX")
+  p.add_argument("--ptx-child", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--skip-timing", action="store_true")
+  args = p.parse_args(argv)
+  n_in, n_out = map(int, args.shape.split("x"))
+  if args.ptx_child:
+    ptx_child(args.ptx_child, n_in, n_out, args.tokens[0])
+    return 0
+  if jax.default_backend() != "gpu":
+    print("benchmarks/epilogue_probe.py needs a GPU; nothing measured.")
+    return 0
+  os.makedirs(args.out, exist_ok=True)
+  res = common.Results(os.path.join(args.out, "probe.csv"), "epilogue_probe")
+  print(f"device {res.device}; {res.versions}")
+  if args.ptx:
+    probe_ptx(args.out, args.config, n_in, n_out, 512)
+  if not args.skip_timing:
+    if args.elementwise:
+      probe_elementwise(res, n_in, n_out, args.elementwise)
+    probe_fused(res, n_in, n_out, args.tokens, args.config)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
