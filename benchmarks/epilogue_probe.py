@@ -95,7 +95,8 @@ def probe_elementwise(res, n_in, n_out, blocks):
     w, (m, v) = pk.ADAMW.apply(g, w, (m, v), h)
     return g, w, m, v
 
-  q, _ = common.time_loop(xla, (g, w, m, v))
+  fresh = lambda: tuple(jnp.copy(a) for a in (g, w, m, v))  # loops donate
+  q, _ = common.time_loop(xla, fresh())
   rows = [("xla_adamw", q)]
   for spec in blocks:
     (bm, bn), warps = map(int, spec.split(",")[0].split("x")), int(spec.split(",w")[1])
@@ -106,7 +107,7 @@ def probe_elementwise(res, n_in, n_out, blocks):
       return g, w, m, v
 
     try:
-      q, _ = common.time_loop(step, (g, w, m, v))
+      q, _ = common.time_loop(step, fresh())
     except Exception as e:  # noqa: BLE001 -- report and go on
       print(f"elementwise {spec}: failed: {type(e).__name__}: {str(e)[:300]}")
       continue
@@ -226,15 +227,23 @@ def probe_ptx(out, labels, n_in, n_out, bt):
     subprocess.run([sys.executable, __file__, "--ptx-child", label,
                     "--shape", f"{n_in}x{n_out}", "--tokens", str(bt)],
                    env=env, check=True)
-    kernel = None
-    for path in glob.glob(os.path.join(dump, "*.ptx")):
+    kernel, names = None, []
+    files = sorted(glob.glob(os.path.join(dump, "*")))
+    for path in files:
+      if not path.endswith(".ptx"):
+        continue
       text = open(path).read()
       for name, body in _entry_bodies(text):
-        if "fused_wgrad" in name:
+        names.append((os.path.basename(path), name, len(body)))
+        # the Pallas kernel: named after the pallas_call, else the one
+        # entry holding tensor-core instructions
+        if "fused_wgrad" in name or (kernel is None and "mma" in body):
           kernel = (path, name, body)
     if kernel is None:
-      print(f"ptx {label}: no fused_wgrad entry in {dump}")
+      print(f"ptx {label}: no kernel entry found; files: "
+            f"{[os.path.basename(f) for f in files][:60]}; entries: {names}")
       continue
+    print(f"ptx {label}: entries {names}; using {kernel[1]}")
     path, name, body = kernel
     keep = os.path.join(out, "ptx_" + re.sub(r"\W", "_", label) + ".ptx")
     shutil.copy(path, keep)
