@@ -83,7 +83,14 @@ def elementwise_adamw(g, w, m, v, h, bm, bn, warps):
   )(g, h, w, m, v)
 
 
-def probe_elementwise(res, n_in, n_out, blocks):
+def _run_once(step, state):
+  """Run ``step`` once, untimed (``--once``: a profiler does the measuring)."""
+  jax.block_until_ready(jax.jit(step, donate_argnums=0)(state))
+  return None, None
+
+
+def probe_elementwise(res, n_in, n_out, blocks, once=False):
+  timer = _run_once if once else common.time_loop
   h = hparams()
   x, dy, w, m, v = make_state(512, n_in, n_out, jnp.bfloat16)
   g = jnp.dot(x.T, dy)
@@ -96,7 +103,7 @@ def probe_elementwise(res, n_in, n_out, blocks):
     return g, w, m, v
 
   fresh = lambda: tuple(jnp.copy(a) for a in (g, w, m, v))  # loops donate
-  q, _ = common.time_loop(xla, fresh())
+  q, _ = timer(xla, fresh())
   rows = [("xla_adamw", q)]
   for spec in blocks:
     (bm, bn), warps = map(int, spec.split(",")[0].split("x")), int(spec.split(",w")[1])
@@ -107,12 +114,15 @@ def probe_elementwise(res, n_in, n_out, blocks):
       return g, w, m, v
 
     try:
-      q, _ = common.time_loop(step, fresh())
+      q, _ = timer(step, fresh())
     except Exception as e:  # noqa: BLE001 -- report and go on
       print(f"elementwise {spec}: failed: {type(e).__name__}: {str(e)[:300]}")
       continue
     rows.append((f"pallas_elementwise[{spec}]", q))
   for prov, q in rows:
+    if q is None:
+      print(f"elementwise {prov}: ran once")
+      continue
     res.add("elementwise", prov, shape, "bf16", "time",
             tuple(t * 1e6 for t in q), "us")
     res.add("elementwise", prov, shape, "bf16", "bandwidth",
@@ -121,7 +131,15 @@ def probe_elementwise(res, n_in, n_out, blocks):
           f"{nbytes/q[1]/1e12:5.2f} TB/s", flush=True)
 
 
-def probe_fused(res, n_in, n_out, tokens, labels):
+def _forge_step(s, h, cfg):
+  x, dy, w, m, v = s
+  w, (m, v) = pk.fused_wgrad_update(x, dy, w, (m, v), h, rule=pk.ADAMW,
+                                    config=cfg)
+  return x, dy, w, m, v
+
+
+def probe_fused(res, n_in, n_out, tokens, labels, once=False):
+  timer = _run_once if once else common.time_loop
   h = hparams()
   shape_name = f"{n_in}x{n_out}"
   for bt in tokens:
@@ -133,7 +151,13 @@ def probe_fused(res, n_in, n_out, tokens, labels):
       w, (m, v) = pk.ADAMW.apply(jnp.dot(x.T, dy), w, (m, v), h)
       return x, dy, w, m, v
 
-    q, _ = common.time_loop(xla_unfused, state())
+    q, _ = timer(xla_unfused, state())
+    if q is None:  # --once
+      for label in labels:
+        cfg = pk.autotune.parse_label(label)
+        timer(lambda s, cfg=cfg: _forge_step(s, h, cfg), state())
+        print(f"fused {shape} {label}: ran once", flush=True)
+      continue
     xla_t = q[1]
     res.add("fused", "xla_unfused", shape, "bf16", "time",
             tuple(t * 1e6 for t in q), "us")
@@ -141,14 +165,8 @@ def probe_fused(res, n_in, n_out, tokens, labels):
     for label in labels:
       cfg = pk.autotune.parse_label(label)
 
-      def step(s, cfg=cfg):
-        x, dy, w, m, v = s
-        w, (m, v) = pk.fused_wgrad_update(x, dy, w, (m, v), h, rule=pk.ADAMW,
-                                          config=cfg)
-        return x, dy, w, m, v
-
       try:
-        q, _ = common.time_loop(step, state())
+        q, _ = timer(lambda s, cfg=cfg: _forge_step(s, h, cfg), state())
       except Exception as e:  # noqa: BLE001 -- report and go on
         print(f"fused {shape} {label}: failed: {type(e).__name__}: {str(e)[:300]}")
         continue
@@ -289,6 +307,8 @@ def main(argv=None):
   p.add_argument("--ptx", action="store_true", help="also dump and read the PTX")
   p.add_argument("--ptx-child", default=None, help=argparse.SUPPRESS)
   p.add_argument("--skip-timing", action="store_true")
+  p.add_argument("--once", action="store_true",
+                 help="run each kernel once, untimed (under a profiler)")
   args = p.parse_args(argv)
   n_in, n_out = map(int, args.shape.split("x"))
   if args.ptx_child:
@@ -304,8 +324,8 @@ def main(argv=None):
     probe_ptx(args.out, args.config, n_in, n_out, 512)
   if not args.skip_timing:
     if args.elementwise:
-      probe_elementwise(res, n_in, n_out, args.elementwise)
-    probe_fused(res, n_in, n_out, args.tokens, args.config)
+      probe_elementwise(res, n_in, n_out, args.elementwise, args.once)
+    probe_fused(res, n_in, n_out, args.tokens, args.config, args.once)
   return 0
 
 
