@@ -83,6 +83,13 @@ CONFIG_SPACE: tuple[tuple, ...] = (
     (64, 128, 64, 8, 4, 3, False, True),
     (128, 128, 64, 8, 8, 3, True, False),
     (128, 128, 64, 8, 8, 3, True, True),
+    # Session 3's register-lean winners (split_out: BlockConfig's last field).
+    (64, 64, 64, 1, 4, 3, False, True),
+    (64, 64, 32, 1, 4, 4, False, True),
+    (64, 128, 32, 1, 4, 4, False, True, 2),
+    (128, 128, 32, 1, 4, 4, False, True, 2),
+    (128, 256, 32, 8, 8, 4, False, True, 4),
+    (128, 256, 64, 8, 8, 3, False, True, 2),
 )
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32",

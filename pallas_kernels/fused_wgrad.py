@@ -108,6 +108,29 @@ class BlockConfig:
         block_bt=clamp(64, bt),
     )
 
+  @classmethod
+  def compiled_default(cls, bt: int, n_in: int, n_out: int,
+                       w_dtype) -> "BlockConfig":
+    """The heuristic for a compiled (GPU) kernel on a problem the autotune
+    cache does not hold, from the H200 sweep over the Llama-8B shapes
+    (docs/perf_notes.md, session 3): with 16-bit weights, the 64x128 tile
+    computed as two column halves below ``BT`` 2048 and the grouped 128x256
+    tile in four column quarters from 2048 on, both streaming the state
+    (they keep registers per thread low enough for 2-3 programs per SM);
+    fp32 weights keep :meth:`default`. Shrunk to fit small problems."""
+    if jnp.dtype(w_dtype).itemsize != 2:
+      return cls.default(bt, n_in, n_out)
+    clamp = lambda b, n: max(_MIN_BLOCK, min(b, _next_pow2(n)))
+    if bt >= 2048:
+      bi, bo, group, warps, stages, split = 128, 256, 8, 8, 4, 4
+    else:
+      bi, bo, group, warps, stages, split = 64, 128, 1, 4, 4, 2
+    bo = clamp(bo, n_out)
+    return cls(block_in=clamp(bi, n_in), block_out=bo,
+               block_bt=clamp(32, bt), group_in=group, num_warps=warps,
+               num_stages=stages, stream_state=True,
+               split_out=max(1, min(split, bo // _MIN_BLOCK)))
+
 
 def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
                   rule: UpdateRule | str | None = None, *,
@@ -117,8 +140,9 @@ def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
   On a GPU (not in interpret mode): the autotuned winner cached for this
   device kind and problem (:func:`pallas_kernels.autotune.lookup`: the
   shipped ``tuned_configs.json``, or ``$FORGE_AUTOTUNE_CACHE`` first), else
-  the heuristic :meth:`BlockConfig.default`. On a CPU / in interpret mode
-  always the heuristic. Runs at trace time; the parsed JSON is cached.
+  the heuristic :meth:`BlockConfig.compiled_default`. On a CPU / in
+  interpret mode always :meth:`BlockConfig.default`. Runs at trace time; the
+  parsed JSON is cached.
   """
   if interpret is None:
     interpret = default_interpret()
@@ -127,6 +151,7 @@ def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
     cfg = autotune.lookup(bt, n_in, n_out, w_dtype, slot_dtypes, rule)
     if cfg is not None:
       return cfg
+    return BlockConfig.compiled_default(bt, n_in, n_out, w_dtype)
   return BlockConfig.default(bt, n_in, n_out)
 
 
@@ -321,7 +346,7 @@ def fused_wgrad_update(
     hparams: ``rule.pack(...)``: this step's runtime hyperparameters.
     rule: the optimizer family's elementwise update.
     config: tiling; when ``None``, :func:`select_config` (the autotuned
-      winner cached for this GPU, else :meth:`BlockConfig.default`).
+      winner cached for this GPU, else a heuristic).
     interpret: run in Pallas interpret mode (CPU); default: unless on a GPU.
     layer: for a stack of layers: ``w`` and the slots are ``(L, in, out)``
       and only layer ``layer`` (an integer scalar, may be traced) is updated,

@@ -20,7 +20,8 @@ H200_CSV = os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-29",
 # over it in this order (a later CSV's winner replaces an earlier one's).
 S2 = os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-29-s2")
 H200_CSVS = [H200_CSV] + [os.path.join(S2, f"variants_run{i}.csv")
-                          for i in (6, 8, 7)]
+                          for i in (6, 8, 7)] + [
+    os.path.join(os.path.dirname(S2), "h200-2026-11-29-s3", "run15_sweep.csv")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -76,8 +77,9 @@ def test_shipped_json_loads_and_every_entry_is_a_valid_block_config():
 
 def test_shipped_json_holds_the_h200_sweep_with_provenance():
   dev = _shipped()["devices"]["NVIDIA H200"]
-  # 8 (shape, BT) cases of session 1 + BT 16 and BT 4096 cases of session 2.
-  assert len(dev["entries"]) == 11
+  # 4 shapes x BT 512/2048/4096 (bf16 moments; session 3 re-measured every
+  # case), 4096^2 at BT 512 with fp32 moments, and session 2's BT 16 case.
+  assert len(dev["entries"]) == 14
   assert sorted(s["csv"] for s in dev["sources"].values()) == sorted(
       os.path.relpath(p, ROOT) for p in H200_CSVS)
   for source in dev["sources"].values():
@@ -107,26 +109,28 @@ def test_package_data_declares_the_json():
 
 
 def test_lookup_hits_the_h200_winners():
-  # 4096x1024 at BT 512: 128x128x64 with 8 warps beat the heuristic there.
+  # 4096x1024 at BT 512: the register-lean 64x64 tile (run 15).
   cfg = autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
                         device_kind="NVIDIA H200")
-  assert cfg == pk.BlockConfig(128, 128, 64, 1, 8, 3)
-  # 4096x14336 at BT 2048: grouped order (g8), with prefetch, won (run 6).
+  assert cfg == pk.BlockConfig(64, 64, 64, 1, 4, 3, stream_state=True)
+  # 4096x14336 at BT 2048: grouped 128x256 in four column sub-tiles (run 15).
   cfg = autotune.lookup(2048, 4096, 14336, "bf16", BF16, "adamw",
                         device_kind="NVIDIA H200")
-  assert cfg == pk.BlockConfig(128, 128, 64, 8, 8, 3, prefetch=True)
+  assert cfg == pk.BlockConfig(128, 256, 32, 8, 8, 4, stream_state=True,
+                               split_out=4)
   # BT is bucketed to the next power of two.
   assert autotune.lookup(1500, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
                          device_kind="NVIDIA H200") == cfg
-  # 4096x4096 at BT 512: a 32-row chunk, 4 stages, L2 eviction hints (run 7).
-  cfg = autotune.lookup(512, 4096, 4096, "bf16", BF16, "adamw",
+  # 4096x14336 at BT 512: 64x128 in two column halves (run 15).
+  cfg = autotune.lookup(512, 4096, 14336, "bf16", BF16, "adamw",
                         device_kind="NVIDIA H200")
-  assert cfg == pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True)
+  assert cfg == pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True,
+                               split_out=2)
 
 
 @pytest.mark.parametrize("case", [
     dict(bt=512, n_in=4096, n_out=4097),          # unknown shape
-    dict(bt=4096),                                 # BT bucket not tuned
+    dict(bt=8192),                                 # BT bucket not tuned
     dict(w_dtype=jnp.float32),                     # other W dtype
     dict(slot_dtypes=("float32", "float32")),      # other moment dtypes
     dict(rule=pk.lion_rule()),                     # other rule
@@ -147,10 +151,14 @@ def test_cpu_never_uses_gpu_entries():
   assert autotune.current_device_kind() is None
   # no device_kind given: the current device (CPU) matches nothing
   assert autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW) is None
-  heuristic = pk.BlockConfig.default(512, 4096, 1024)
-  for interpret in (None, True, False):
+  for interpret in (None, True):
     assert pk.select_config(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
-                            interpret=interpret) == heuristic
+                            interpret=interpret) == pk.BlockConfig.default(
+                                512, 4096, 1024)
+  # compiled (as on a GPU with no cache entry): the compiled heuristic
+  assert pk.select_config(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                          interpret=False) == pk.BlockConfig.compiled_default(
+                              512, 4096, 1024, jnp.bfloat16)
 
 
 def test_select_config_is_the_heuristic_in_interpret_mode(monkeypatch):
@@ -160,11 +168,13 @@ def test_select_config_is_the_heuristic_in_interpret_mode(monkeypatch):
   assert pk.select_config(*args, interpret=True) == pk.BlockConfig.default(
       512, 4096, 1024)
   # Compiled on that "GPU": the cached winner; unknown shapes: the heuristic.
+  entry = _shipped()["devices"]["NVIDIA H200"]["entries"][
+      "adamw|bt512|4096x1024|w=bfloat16|slots=bfloat16,bfloat16"]
   assert pk.select_config(*args, interpret=False) == pk.BlockConfig(
-      128, 128, 64, 1, 8, 3)
+      **entry["config"])
   assert pk.select_config(512, 4096, 4097, jnp.bfloat16, BF16, pk.ADAMW,
-                          interpret=False) == pk.BlockConfig.default(
-                              512, 4096, 4097)
+                          interpret=False) == pk.BlockConfig.compiled_default(
+                              512, 4096, 4097, jnp.bfloat16)
 
 
 def test_fused_wgrad_update_without_config_uses_select_config(monkeypatch):
@@ -201,7 +211,8 @@ def test_env_var_override(tmp_path, monkeypatch):
   # ... and the shipped file still answers what the override lacks
   assert autotune.lookup(2048, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
                          device_kind="NVIDIA H200") == pk.BlockConfig(
-                             128, 128, 64, 8, 8, 3, prefetch=True)
+                             128, 256, 32, 8, 8, 4, stream_state=True,
+                             split_out=4)
   monkeypatch.setattr(autotune, "current_device_kind", lambda: "NVIDIA H200")
   assert pk.select_config(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
                           interpret=False) == mine

@@ -231,6 +231,27 @@ def test_default_config_fits_small_shapes():
   assert (cfg.block_in, cfg.block_out, cfg.block_bt) == (16, 128, 16)
 
 
+@pytest.mark.parametrize("bt", [3, 512, 2048, 8192])
+@pytest.mark.parametrize("n_in,n_out", [(5, 17), (16, 40), (4096, 4096),
+                                        (700, 33)])
+def test_compiled_default_is_valid_and_shrinks_to_fit(bt, n_in, n_out):
+  cfg = pk.BlockConfig.compiled_default(bt, n_in, n_out, jnp.bfloat16)
+  assert cfg.block_in <= max(16, 2 * n_in) and cfg.block_out <= max(
+      16, 2 * n_out) and cfg.block_bt <= max(16, 2 * bt)
+  assert cfg.block_out // cfg.split_out >= 16
+  assert cfg.split_out > 1 or cfg.block_out < 64
+  # fp32 weights keep the plain heuristic
+  assert pk.BlockConfig.compiled_default(
+      bt, n_in, n_out, jnp.float32) == pk.BlockConfig.default(bt, n_in, n_out)
+
+
+@pytest.mark.parametrize("bt", [40, 2048])
+def test_compiled_default_tilings_match_reference_in_interpret_mode(bt):
+  x, dy, w, slots = make_case(12, (bt,), 70, 130, DTYPES[1])
+  cfg = pk.BlockConfig.compiled_default(bt, 70, 130, jnp.bfloat16)
+  check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW, cfg)
+
+
 def _bad_inputs():
   x, dy, w, slots = make_case(6, (8,), 16, 32, DTYPES[0])
   h = adamw_hparams()
@@ -288,7 +309,8 @@ def test_lowers_for_cuda_without_a_gpu(dtypes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,n_in,n_out", SHAPES + [((512,), 1024, 768)])
+@pytest.mark.parametrize("tokens,n_in,n_out", SHAPES + [
+    ((512,), 1024, 768), ((2048,), 520, 390), ((2100,), 16, 40)])
 @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(
     jnp.dtype(t).name for t in d))
 def test_compiled_kernel_matches_reference_on_gpu(tokens, n_in, n_out, dtypes):
