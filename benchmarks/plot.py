@@ -33,7 +33,9 @@ def main(src, dst):
       vals.append(v[-1] if v else 0.0)
     ax.bar([j + i * width for j in range(len(cases))], vals, width, label=prov)
   ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-  ax.set_xticklabels([f"{s}\n{d}" for d, s in cases], fontsize=7)
+  short = lambda d: d.replace("bfloat16", "bf16").replace("float32", "f32")
+  ax.set_xticklabels([f"{s.replace(' ', chr(10))}\n{short(d)}"
+                      for d, s in cases], fontsize=7)
   ax.set_ylabel("median step time (µs)")
   device = rows[0]["device"] if rows else "?"
   ax.set_title(f"One layer's weight-gradient + AdamW step ({device})")
