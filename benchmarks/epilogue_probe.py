@@ -2,7 +2,7 @@
 
     ./dev.sh python benchmarks/epilogue_probe.py --out out/probe   # on a GPU
 
-Three measurements, side by side in one process, written to
+Two measurements, side by side in one process, written to
 ``OUT/probe.csv`` (device and versions in every row):
 
 * ``elementwise``: a Pallas-Triton AdamW kernel with *no* GEMM -- it reads a
@@ -13,22 +13,25 @@ Three measurements, side by side in one process, written to
   registers), not from Pallas-Triton memory access as such.
 * ``fused``: the fused kernel at the given tilings and token counts
   (``BT = 16`` isolates the epilogue), beside XLA's unfused step.
-* ``--ptx``: compiles each tiling once with ``--xla_dump_to`` and reports,
-  from the kernel's PTX, the global/shared access instructions by width,
-  spills and (with ``ptxas -v``, when a ptxas is found) registers per
-  thread, in ``OUT/ptx.csv`` and ``OUT/ptx_<label>.ptx``.
+* ``--once``: every kernel above runs exactly once, untimed, for a
+  profiler; registers per thread, programs per SM, warps active and DRAM
+  throughput then come from Nsight Compute::
+
+      ncu --csv --log-file ncu.csv --metrics launch__registers_per_thread,...\
+          python benchmarks/epilogue_probe.py --once --tokens 16 ...
+      python benchmarks/ncu_summary.py ncu.csv --kernels elementwise_adamw \
+          fused_wgrad_adamw --out summary.csv
+
+  (``benchmarks/gpu_run14.sh`` is the exact command of session 3.)
+
+(XLA's ``--xla_dump_to`` does not include the PTX of a Pallas-Triton custom
+call, so the kernel's code is not read here.)
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
-import glob
 import os
-import re
-import shutil
-import subprocess
 import sys
 import warnings
 
@@ -44,14 +47,16 @@ import pallas_kernels as pk
 from benchmarks import common
 from benchmarks.kernel import hparams, make_state
 
+# Session 3's run 14 set: 64 vs 32 accumulator elements per thread, and
+# column sub-tiles (docs/perf_notes.md, variants 8-11).
 DEFAULT_CONFIGS = [
-    "64x128x32,g1,w4,s4,e",        # best at BT 512 (session 2)
+    "64x128x32,g1,w4,s4,e",
     "64x128x32,g1,w4,s4,e,o2",
-    "64x128x32,g1,w8,s4,e",
-    "128x128x64,g8,w8,s3,e",       # best family at BT 2048
-    "128x128x64,g8,w8,s3,e,o2",
-    "128x128x64,g8,w8,s3,e,o4",
-    "128x256x64,g8,w8,s3,e,o4",
+    "64x128x32,g1,w4,s2,e",
+    "64x64x32,g1,w4,s4,e",
+    "32x128x32,g1,w4,s4,e",
+    "128x128x32,g1,w4,s4,e,o2",
+    "128x256x32,g8,w8,s4,e,o4",
 ]
 ELEMENTWISE_BLOCKS = ["64x128,w4", "128x128,w8", "32x128,w4", "16x512,w4",
                       "64x256,w8", "8x1024,w4", "32x1024,w8"]
@@ -178,124 +183,6 @@ def probe_fused(res, n_in, n_out, tokens, labels, once=False):
             f"{xla_t/q[1]:5.2f}x", flush=True)
 
 
-# --- PTX ---------------------------------------------------------------------
-
-_PATTERNS = {
-    "ld.global": r"\bld\.global[\w.]*",
-    "st.global": r"\bst\.global[\w.]*",
-    "ld.shared": r"\bld\.shared[\w.]*",
-    "st.shared": r"\bst\.shared[\w.]*",
-    "ldmatrix": r"\bldmatrix[\w.]*",
-    "stmatrix": r"\bstmatrix[\w.]*",
-    "cp.async": r"\bcp\.async[\w.]*",
-    "wgmma": r"\bwgmma\.mma_async[\w.]*",
-    "mma.sync": r"\bmma\.sync[\w.]*",
-    "local": r"\b(?:ld|st)\.local[\w.]*",
-    "bar.sync": r"\bbar\.sync\b",
-}
-
-
-def find_ptxas() -> str | None:
-  found = shutil.which("ptxas")
-  if found:
-    return found
-  for root in sys.path + ["/usr/local"]:
-    for pat in ("nvidia/*/bin/ptxas", "nvidia/*/*/bin/ptxas",
-                "triton/backends/nvidia/bin/ptxas", "cuda*/bin/ptxas"):
-      hits = glob.glob(os.path.join(root, pat))
-      if hits:
-        return hits[0]
-  return None
-
-
-def _entry_bodies(ptx: str):
-  """(name, body) of each ``.entry`` in a PTX module."""
-  for m in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):
-    start = m.end()
-    depth, i = 0, ptx.index("{", start)
-    j = i
-    while True:
-      c = ptx[j]
-      depth += c == "{"
-      depth -= c == "}"
-      if depth == 0:
-        break
-      j += 1
-    yield m.group(1), ptx[m.start():j + 1]
-
-
-def ptx_child(label: str, n_in: int, n_out: int, bt: int):
-  """Compile one tiling (run in a child process with --xla_dump_to set)."""
-  h = hparams()
-  x, dy, w, m, v = make_state(bt, n_in, n_out, jnp.bfloat16)
-  cfg = pk.autotune.parse_label(label)
-  f = jax.jit(functools.partial(pk.fused_wgrad_update, rule=pk.ADAMW,
-                                config=cfg), donate_argnums=(2, 3))
-  f.lower(x, dy, w, (m, v), h).compile()
-
-
-def probe_ptx(out, labels, n_in, n_out, bt):
-  ptxas = find_ptxas()
-  print(f"ptxas: {ptxas}")
-  rows = []
-  for label in labels:
-    dump = os.path.join(out, "dump_" + re.sub(r"\W", "_", label))
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
-                                      + f" --xla_dump_to={dump}"))
-    subprocess.run([sys.executable, __file__, "--ptx-child", label,
-                    "--shape", f"{n_in}x{n_out}", "--tokens", str(bt)],
-                   env=env, check=True)
-    kernel, names = None, []
-    files = sorted(glob.glob(os.path.join(dump, "*")))
-    for path in files:
-      if not path.endswith(".ptx"):
-        continue
-      text = open(path).read()
-      for name, body in _entry_bodies(text):
-        names.append((os.path.basename(path), name, len(body)))
-        # the Pallas kernel: named after the pallas_call, else the one
-        # entry holding tensor-core instructions
-        if "fused_wgrad" in name or (kernel is None and "mma" in body):
-          kernel = (path, name, body)
-    if kernel is None:
-      print(f"ptx {label}: no kernel entry found; files: "
-            f"{[os.path.basename(f) for f in files][:60]}; entries: {names}")
-      continue
-    print(f"ptx {label}: entries {names}; using {kernel[1]}")
-    path, name, body = kernel
-    keep = os.path.join(out, "ptx_" + re.sub(r"\W", "_", label) + ".ptx")
-    shutil.copy(path, keep)
-    counts = collections.Counter()
-    for key, pat in _PATTERNS.items():
-      for ins in re.findall(pat, body):
-        counts[ins if key not in ("bar.sync",) else key] += 1
-    row = {"label": label, "entry": name}
-    if ptxas:
-      r = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull],
-                         capture_output=True, text=True)
-      info = r.stderr
-      m = re.search(rf"Compiling entry function '{name}'.*?Used (\d+) registers"
-                    r"(?:.*?(\d+) bytes smem)?", info, re.S)
-      spill = re.search(rf"Compiling entry function '{name}'.*?(\d+) bytes spill "
-                        r"stores, (\d+) bytes spill loads", info, re.S)
-      row["registers"] = m.group(1) if m else "?"
-      row["spill_st_ld"] = f"{spill.group(1)}/{spill.group(2)}" if spill else "?"
-      if not m:
-        print(info[-2000:])
-    row.update({k: v for k, v in sorted(counts.items())})
-    rows.append(row)
-    print("ptx", row, flush=True)
-  keys = sorted({k for r in rows for k in r} - {"label", "entry"})
-  with open(os.path.join(out, "ptx.csv"), "w") as f:
-    f.write(",".join(["label", "entry"] + keys) + "\n")
-    for r in rows:
-      f.write(",".join(str(r.get(k, 0)) for k in ["label", "entry"] + keys)
-              + "\n")
-  for label in labels:
-    shutil.rmtree(os.path.join(out, "dump_" + re.sub(r"\W", "_", label)),
-                  ignore_errors=True)
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/probe")
@@ -304,28 +191,19 @@ def main(argv=None):
   p.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS, metavar="LABEL")
   p.add_argument("--elementwise", nargs="*", default=ELEMENTWISE_BLOCKS,
                  metavar="BMxBN,wW")
-  p.add_argument("--ptx", action="store_true", help="also dump and read the PTX")
-  p.add_argument("--ptx-child", default=None, help=argparse.SUPPRESS)
-  p.add_argument("--skip-timing", action="store_true")
   p.add_argument("--once", action="store_true",
                  help="run each kernel once, untimed (under a profiler)")
   args = p.parse_args(argv)
   n_in, n_out = map(int, args.shape.split("x"))
-  if args.ptx_child:
-    ptx_child(args.ptx_child, n_in, n_out, args.tokens[0])
-    return 0
   if jax.default_backend() != "gpu":
     print("benchmarks/epilogue_probe.py needs a GPU; nothing measured.")
     return 0
   os.makedirs(args.out, exist_ok=True)
   res = common.Results(os.path.join(args.out, "probe.csv"), "epilogue_probe")
   print(f"device {res.device}; {res.versions}")
-  if args.ptx:
-    probe_ptx(args.out, args.config, n_in, n_out, 512)
-  if not args.skip_timing:
-    if args.elementwise:
-      probe_elementwise(res, n_in, n_out, args.elementwise, args.once)
-    probe_fused(res, n_in, n_out, args.tokens, args.config, args.once)
+  if args.elementwise:
+    probe_elementwise(res, n_in, n_out, args.elementwise, args.once)
+  probe_fused(res, n_in, n_out, args.tokens, args.config, args.once)
   return 0
 
 

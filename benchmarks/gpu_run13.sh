@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # H200, session 3 call 13: the probe's PTX/registers and GEMM-free Pallas
+# (epilogue_probe.py's --ptx was removed after run 13: XLA's dump holds no PTX of a
+# Pallas-Triton kernel -- docs/perf_notes.md, variant 6. Rerun without it.)
 # AdamW (run 12 lost both to a dump-name and a donation bug), then the
 # split_out tilings beside the previous best over two shapes x three BT.
 source "$(dirname "$0")/gpu_lib.sh"

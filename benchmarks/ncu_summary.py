@@ -1,0 +1,75 @@
+"""One row per profiled kernel from an Nsight Compute ``--csv`` log.
+
+    python benchmarks/ncu_summary.py ncu.csv --kernels fused_wgrad_adamw \\
+        --labels 64x128x32,g1,w4,s4,e 64x64x32,g1,w4,s4,e --out summary.csv
+
+``ncu --csv --log-file ncu.csv --metrics A,B,... CMD`` writes one line per
+(kernel launch, metric), after its own log lines. This keeps the launches
+whose kernel name contains one of ``--kernels`` (all launches if none is
+given), in launch order, as rows of ``kernel, label, block, grid`` and one
+column per metric; ``--labels`` names the kept launches in order (their
+number must match). ``benchmarks/gpu_run14.sh`` is the command that profiled
+session 3's kernels; its summary is
+``benchmarks/results/h200-2026-11-29-s3/run14_ncu_summary.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+
+
+def read_launches(path: str, kernels=()) -> list[dict]:
+  """``[{"id", "kernel", "block", "grid", "metrics": {name: value}}]``."""
+  text = open(path).read()
+  start = text.find('"ID",')
+  if start < 0:
+    raise ValueError(f"{path}: no ncu CSV header (\"ID\",...) found")
+  launches: dict[str, dict] = {}
+  for r in csv.DictReader(io.StringIO(text[start:])):
+    if kernels and not any(k in r["Kernel Name"] for k in kernels):
+      continue
+    row = launches.setdefault(r["ID"], {
+        "id": int(r["ID"]), "kernel": r["Kernel Name"],
+        "block": r["Block Size"], "grid": r["Grid Size"], "metrics": {}})
+    row["metrics"][r["Metric Name"]] = r["Metric Value"].replace(",", "")
+  return sorted(launches.values(), key=lambda r: r["id"])
+
+
+def write_summary(launches, out, labels=None) -> None:
+  if labels is not None and len(labels) != len(launches):
+    raise ValueError(f"{len(labels)} labels for {len(launches)} kept launches")
+  metrics = sorted({m for r in launches for m in r["metrics"]})
+  w = csv.writer(out)
+  w.writerow(["kernel", "label", "block", "grid"] + metrics)
+  for i, r in enumerate(launches):
+    w.writerow([r["kernel"], labels[i] if labels else "", r["block"],
+                r["grid"]] + [r["metrics"].get(m, "") for m in metrics])
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("log", help="the file ncu --csv --log-file wrote")
+  p.add_argument("--kernels", nargs="*", default=[],
+                 help="keep launches whose kernel name contains one of these")
+  p.add_argument("--labels", nargs="*", default=None,
+                 help="a name for each kept launch, in launch order")
+  p.add_argument("--out", default="-", help="CSV path (default: stdout)")
+  args = p.parse_args(argv)
+  launches = read_launches(args.log, args.kernels)
+  if not launches:
+    print(f"{args.log}: no launch matched {args.kernels}", file=sys.stderr)
+    return 1
+  if args.out == "-":
+    write_summary(launches, sys.stdout, args.labels)
+  else:
+    with open(args.out, "w", newline="") as f:
+      write_summary(launches, f, args.labels)
+    print(f"wrote {args.out}: {len(launches)} launches")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

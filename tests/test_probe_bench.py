@@ -1,0 +1,69 @@
+"""benchmarks/epilogue_probe.py's GEMM-free Pallas AdamW against the rule's
+reference (interpret mode on the CPU), and benchmarks/ncu_summary.py's
+reading of an Nsight Compute CSV log."""
+
+import io
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+from benchmarks import epilogue_probe, ncu_summary
+from benchmarks.kernel import hparams
+from tests.tolerances import assert_close
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bm,bn,warps", [(16, 32, 4), (32, 16, 2)])
+def test_elementwise_adamw_matches_the_rule(dtype, bm, bn, warps):
+  k = jax.random.split(jax.random.key(3), 4)
+  shape = (64, 96)
+  g = jax.random.normal(k[0], shape, dtype)
+  w = jax.random.normal(k[1], shape, dtype)
+  m = (0.1 * jax.random.normal(k[2], shape)).astype(dtype)
+  v = (0.01 * jax.random.uniform(k[3], shape)).astype(dtype)
+  h = hparams()
+  ref_w, (ref_m, ref_v) = pk.ADAMW.apply(g, w, (m, v), h)
+  got = epilogue_probe.elementwise_adamw(g, w, m, v, h, bm, bn, warps)
+  for name, a, r, old in zip("wmv", got, (ref_w, ref_m, ref_v), (w, m, v)):
+    assert a.dtype == old.dtype and a.shape == old.shape
+    assert_close(a, r, what=name)
+    assert not jnp.array_equal(a, old), f"{name} was not updated"
+
+
+_NCU_LOG = '''==PROF== Connected to process 1 (python3)
+==PROF== Disconnected from process 1
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python3","h","loop_fusion","1","7","(128, 1, 1)","(64, 1, 1)","0","9.0","m","gpu__time_duration.sum","ns","2,912"
+"1","1","python3","h","fused_wgrad_adamw","1","7","(128, 1, 1)","(2048, 1, 1)","0","9.0","m","launch__registers_per_thread","register/thread","255"
+"1","1","python3","h","fused_wgrad_adamw","1","7","(128, 1, 1)","(2048, 1, 1)","0","9.0","m","gpu__time_duration.sum","ns","94,144"
+"2","1","python3","h","fused_wgrad_adamw","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","m","launch__registers_per_thread","register/thread","167"
+"2","1","python3","h","fused_wgrad_adamw","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","m","gpu__time_duration.sum","ns","81,504"
+'''
+
+
+def test_ncu_summary_keeps_named_launches_in_order(tmp_path):
+  log = tmp_path / "ncu.csv"
+  log.write_text(_NCU_LOG)
+  launches = ncu_summary.read_launches(str(log), ["fused_wgrad"])
+  assert [r["id"] for r in launches] == [1, 2]
+  assert launches[0]["metrics"] == {"launch__registers_per_thread": "255",
+                                    "gpu__time_duration.sum": "94144"}
+  assert launches[1]["grid"] == "(4096, 1, 1)"
+  assert len(ncu_summary.read_launches(str(log))) == 3  # no filter: all
+  out = io.StringIO()
+  ncu_summary.write_summary(launches, out, ["64x128", "64x64"])
+  lines = out.getvalue().splitlines()
+  assert lines[0] == ("kernel,label,block,grid,gpu__time_duration.sum,"
+                      "launch__registers_per_thread")
+  assert lines[2] == 'fused_wgrad_adamw,64x64,"(128, 1, 1)","(4096, 1, 1)",81504,167'
+  with pytest.raises(ValueError, match="1 labels for 2 kept launches"):
+    ncu_summary.write_summary(launches, io.StringIO(), ["only one"])
+
+
+def test_ncu_summary_rejects_a_file_without_the_csv_header(tmp_path):
+  log = tmp_path / "ncu.log"
+  log.write_text("==ERROR== profiling failed\n")
+  with pytest.raises(ValueError, match="no ncu CSV header"):
+    ncu_summary.read_launches(str(log))
