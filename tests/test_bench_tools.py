@@ -1,8 +1,11 @@
-"""benchmarks/epilogue_probe.py's GEMM-free Pallas AdamW against the rule's
-reference (interpret mode on the CPU), and benchmarks/ncu_summary.py's
-reading of an Nsight Compute CSV log."""
+"""Benchmark tools on the CPU: benchmarks/epilogue_probe.py's GEMM-free Pallas
+AdamW against the rule's reference (interpret mode), benchmarks/ncu_summary.py's
+reading of an Nsight Compute CSV log, and benchmarks/suite.sh's shape."""
 
 import io
+import os
+import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -67,3 +70,15 @@ def test_ncu_summary_rejects_a_file_without_the_csv_header(tmp_path):
   log.write_text("==ERROR== profiling failed\n")
   with pytest.raises(ValueError, match="no ncu CSV header"):
     ncu_summary.read_launches(str(log))
+
+
+def test_suite_script_is_valid_bash_and_runs_existing_benchmarks():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = os.path.join(root, "benchmarks", "suite.sh")
+  assert os.access(script, os.X_OK)
+  subprocess.run(["bash", "-n", script], check=True)
+  text = open(script).read()
+  used = set(re.findall(r"benchmarks/(\w+\.py)", text))
+  assert used == {"kernel.py", "plot.py", "e2e.py"}, used
+  for name in used:
+    assert os.path.exists(os.path.join(root, "benchmarks", name)), name
