@@ -21,6 +21,9 @@ Command line::
     # re-tune on this machine's GPU, merging into the JSON (refuses on CPU):
     python -m pallas_kernels.autotune --shapes 4096x4096 4096x14336 \\
         --tokens 512 2048 --out pallas_kernels/tuned_configs.json
+    # a quick re-tune over chosen candidates instead of CONFIG_SPACE:
+    python -m pallas_kernels.autotune --shapes 2048x5632 --tokens 512 \\
+        --config 64x64x64,g1,w4,s3,e 64x128x32,g1,w4,s4,e,o2 --out JSON
     # rebuild the cache's entries from a benchmarks/kernel.py CSV:
     python -m pallas_kernels.autotune --from-csv kernel.csv --out JSON
 """
@@ -317,13 +320,16 @@ class TuneResult:
 def candidates(bt: int, n_in: int, n_out: int,
                configs: Iterable[BlockConfig] | None = None) -> list[BlockConfig]:
   """``configs`` (default :func:`config_space`) with tiles no larger than the
-  problem (clamped as :meth:`BlockConfig.default` does), duplicates dropped."""
+  problem (clamped as :meth:`BlockConfig.default` does; ``split_out`` so
+  that sub-tiles keep >= 16 columns), duplicates dropped."""
   clamp = lambda b, n: max(_MIN_BLOCK, min(b, _next_pow2(n)))
   out = []
   for c in (config_space() if configs is None else configs):
+    bo = clamp(c.block_out, n_out)
     c = dataclasses.replace(c, block_in=clamp(c.block_in, n_in),
-                            block_out=clamp(c.block_out, n_out),
-                            block_bt=clamp(c.block_bt, bt))
+                            block_out=bo, block_bt=clamp(c.block_bt, bt),
+                            split_out=max(1, min(c.split_out,
+                                                 bo // _MIN_BLOCK)))
     if c not in out:
       out.append(c)
   return out
@@ -560,7 +566,11 @@ def main(argv=None) -> int:
   p.add_argument("--any-rule", action="store_true",
                  help="store the winners under rule \"any\" (used for every "
                  "rule without its own entry)")
+  p.add_argument("--config", nargs="+", metavar="LABEL", default=None,
+                 help="candidates instead of CONFIG_SPACE, as labels such as "
+                 "64x128x32,g1,w4,s4,e,o2 (a quick re-tune)")
   args = p.parse_args(argv)
+  configs = ([parse_label(c) for c in args.config] if args.config else None)
 
   data = _read_or_empty(args.out)
   if args.from_csv:
@@ -593,7 +603,8 @@ def main(argv=None) -> int:
     for bt in args.tokens:
       print(f"{args.rule} BT={bt} {n_in}x{n_out} w={args.w_dtype} "
             f"slots={args.slot_dtype}", flush=True)
-      res = tune(bt, n_in, n_out, args.w_dtype, slots, rule, verbose=True)
+      res = tune(bt, n_in, n_out, args.w_dtype, slots, rule,
+                 configs=configs, verbose=True)
       key = cache_key(ANY_RULE if args.any_rule else rule, bt, n_in, n_out,
                       args.w_dtype, slots)
       entries[key] = _entry(

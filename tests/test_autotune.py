@@ -335,6 +335,33 @@ def test_autotune_cli_refuses_on_cpu(tmp_path, capsys):
   assert not out.exists()
 
 
+@pytest.mark.parametrize("bt,n_in,n_out", [(7, 5, 20), (3000, 33, 17),
+                                           (512, 4096, 4096)])
+def test_candidates_fit_every_problem(bt, n_in, n_out):
+  # the whole space, clamped: valid configs (split_out shrinks with the tile)
+  cands = autotune.candidates(bt, n_in, n_out)
+  assert cands and len(cands) == len(set(cands))
+  for c in cands:
+    assert c.block_out // c.split_out >= 16
+    assert c.block_in <= max(16, 2 * n_in) and c.block_out <= max(16, 2 * n_out)
+
+
+def test_autotune_cli_tunes_only_the_given_candidates(tmp_path, monkeypatch):
+  # A stand-in GPU and timer: the CLI's own path, no device needed.
+  monkeypatch.setattr(autotune, "current_device_kind", lambda: "Fake GPU")
+  monkeypatch.setattr(autotune, "loop_timer", lambda: (
+      lambda step, state, cfg: 1e-6 * cfg.block_out * cfg.split_out))
+  out = tmp_path / "t.json"
+  labels = ["16x32x16,g1,w4,s2,e,o2", "16x16x16,g1,w4,s2"]
+  assert autotune.main(["--shapes", "40x48", "--tokens", "24", "--config",
+                        *labels, "--out", str(out)]) == 0
+  (entry,) = json.loads(out.read_text())["devices"]["Fake GPU"][
+      "entries"].values()
+  assert sorted(entry["timings_us"]) == sorted(labels)
+  assert entry["config"] == dataclasses.asdict(autotune.parse_label(labels[1]))
+  assert entry["time_us"] == pytest.approx(16.0)
+
+
 # --- GPU ---------------------------------------------------------------------
 
 
