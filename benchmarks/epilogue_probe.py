@@ -65,6 +65,9 @@ ELEMENTWISE_BLOCKS = ["64x128,w4", "128x128,w8", "32x128,w4", "16x512,w4",
 def elementwise_adamw(g, w, m, v, h, bm, bn, warps):
   """AdamW on stored ``g`` in (bm, bn) blocks; W, m, v updated in place."""
   n_in, n_out = w.shape
+  if n_in % bm or n_out % bn:
+    raise ValueError(f"block {bm}x{bn} does not divide the {n_in}x{n_out} "
+                     "arrays (this probe has no masks)")
   tiles_out = n_out // bn
 
   def kernel(g_ref, h_ref, w_ref, m_ref, v_ref, w_out, m_out, v_out):

@@ -147,7 +147,8 @@ def main(argv=None):
                  help="how many of the curated configs to try")
   p.add_argument("--config", nargs="+", default=None, metavar="LABEL",
                  help="tilings to try instead, as labels such as "
-                 "64x128x64,g1,w4,s3 (',p' appended: prefetch)")
+                 "64x128x64,g1,w4,s3; appended knobs: ',p' prefetch, ',e' "
+                 "stream_state, ',oN' split_out=N (docs/perf_notes.md)")
   args = p.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("benchmarks/kernel.py needs a GPU; nothing measured.")

@@ -61,9 +61,11 @@ ENV_VAR = "FORGE_AUTOTUNE_CACHE"
 FORMAT_VERSION = 1
 ANY_RULE = "any"
 
-# (block_in, block_out, block_bt, group_in, num_warps, num_stages). The first
-# six are benchmarks/kernel.py's curated tilings (measured on the H200); the
-# rest vary one knob at a time around the measured best (64x128x64).
+# (block_in, block_out, block_bt, group_in, num_warps, num_stages[, prefetch,
+# stream_state[, split_out]]): BlockConfig's fields in order. The first six
+# are session 1's curated tilings (measured on the H200); the next ten vary
+# one knob at a time around its best (64x128x64); then the winners of
+# sessions 2 and 3 (docs/perf_notes.md).
 CONFIG_SPACE: tuple[tuple, ...] = (
     (64, 128, 64, 1, 4, 3),
     (128, 128, 64, 1, 8, 3),
@@ -545,6 +547,13 @@ def _parse_shape(s: str) -> tuple[int, int]:
   return int(m.group(1)), int(m.group(2))
 
 
+def _label_arg(label: str) -> BlockConfig:
+  try:
+    return parse_label(label)
+  except ValueError as e:  # a bad label or an invalid knob value
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
       prog="python -m pallas_kernels.autotune",
@@ -567,10 +576,14 @@ def main(argv=None) -> int:
                  help="store the winners under rule \"any\" (used for every "
                  "rule without its own entry)")
   p.add_argument("--config", nargs="+", metavar="LABEL", default=None,
+                 type=_label_arg,
                  help="candidates instead of CONFIG_SPACE, as labels such as "
                  "64x128x32,g1,w4,s4,e,o2 (a quick re-tune)")
   args = p.parse_args(argv)
-  configs = ([parse_label(c) for c in args.config] if args.config else None)
+  if args.from_csv and args.config:
+    p.error("--config chooses tilings to measure; --from-csv measures "
+            "nothing (it reads the CSVs' own tilings)")
+  configs = args.config
 
   data = _read_or_empty(args.out)
   if args.from_csv:

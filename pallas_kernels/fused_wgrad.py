@@ -64,7 +64,8 @@ class BlockConfig:
       column sub-tiles of ``block_out // split_out``, each its own fp32
       accumulator (they share each loaded ``x`` chunk), and run the epilogue
       one sub-tile at a time, so only one sub-tile of ``W`` and its state is
-      live in registers at once.
+      live in registers at once (with ``prefetch``, every sub-tile's state
+      is loaded before the main loop and all are live through it).
   """
 
   block_in: int = 64
@@ -114,14 +115,18 @@ class BlockConfig:
     """The heuristic for a compiled (GPU) kernel on a problem the autotune
     cache does not hold, from the H200 sweep over the Llama-8B shapes
     (docs/perf_notes.md, session 3): with 16-bit weights, the 64x128 tile
-    computed as two column halves below ``BT`` 2048 and the grouped 128x256
-    tile in four column quarters from 2048 on, both streaming the state
-    (they keep registers per thread low enough for 2-3 programs per SM);
-    fp32 weights keep :meth:`default`. Shrunk to fit small problems."""
+    computed as two column halves for ``BT`` up to 1024 and the grouped
+    128x256 tile in four column quarters above (``BT`` buckets as the cache
+    rounds them: 1025..2048 is the 2048 bucket), both streaming the state.
+    The large tile wins at ``BT`` >= 2048 through fewer re-reads of ``x``
+    and ``dy``, the halves at ``BT`` 512 (the sum over the four shapes is
+    the lowest; 64x64 wins on the two smaller ones). ``BT`` <= 64 was not
+    swept: at ``BT`` 16 the probe measured 32x128 and 64x64 tiles ahead of
+    this one. fp32 weights keep :meth:`default`. Shrunk to fit."""
     if jnp.dtype(w_dtype).itemsize != 2:
       return cls.default(bt, n_in, n_out)
     clamp = lambda b, n: max(_MIN_BLOCK, min(b, _next_pow2(n)))
-    if bt >= 2048:
+    if bt > 1024:
       bi, bo, group, warps, stages, split = 128, 256, 8, 8, 4, 4
     else:
       bi, bo, group, warps, stages, split = 64, 128, 1, 4, 4, 2
@@ -237,8 +242,6 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
   ti = first_in + (pid % per_group) % group_size
   to = (pid % per_group) // group_size
 
-  # Masks only along dimensions the tiles do not divide: an unmasked access
-  # can be vectorised (a masked one may not be).
   # Column sub-tiles (BlockConfig.split_out): each has its own accumulator
   # and its own epilogue; there is one of them unless split_out > 1.
   ns = cfg.split_out

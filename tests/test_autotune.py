@@ -362,6 +362,19 @@ def test_autotune_cli_tunes_only_the_given_candidates(tmp_path, monkeypatch):
   assert entry["time_us"] == pytest.approx(16.0)
 
 
+@pytest.mark.parametrize("argv,match", [
+    (["--config", "64x128x32,g1,w4,s4,o3"], "split_out=3 must be a power"),
+    (["--config", "big"], "not a config label: 'big'"),
+    (["--from-csv", "k.csv", "--config", "64x128x32,g1,w4,s4"],
+     "--from-csv measures nothing"),
+])
+def test_autotune_cli_rejects_bad_candidates(argv, match, capsys):
+  with pytest.raises(SystemExit) as e:
+    autotune.main(argv)
+  assert e.value.code == 2
+  assert match in capsys.readouterr().err
+
+
 # --- GPU ---------------------------------------------------------------------
 
 

@@ -35,6 +35,12 @@ def test_elementwise_adamw_matches_the_rule(dtype, bm, bn, warps):
     assert not jnp.array_equal(a, old), f"{name} was not updated"
 
 
+def test_elementwise_adamw_refuses_blocks_that_do_not_divide():
+  a = jnp.zeros((64, 96), jnp.float32)
+  with pytest.raises(ValueError, match="block 32x64 does not divide"):
+    epilogue_probe.elementwise_adamw(a, a, a, a, hparams(), 32, 64, 4)
+
+
 _NCU_LOG = '''==PROF== Connected to process 1 (python3)
 ==PROF== Disconnected from process 1
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"

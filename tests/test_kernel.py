@@ -111,11 +111,15 @@ def make_stacked_case(seed, layers, tokens, n_in, n_out, dtypes):
 @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(
     jnp.dtype(t).name for t in d))
 @pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
-def test_stacked_state_updates_one_layer_in_place(dtypes, traced):
+@pytest.mark.parametrize("config", [
+    None, pk.BlockConfig(32, 64, 16, split_out=4, stream_state=True)],
+    ids=["default", "o4"])
+def test_stacked_state_updates_one_layer_in_place(dtypes, traced, config):
   x, dy, w, slots = make_stacked_case(20, 3, (37,), 70, 130, dtypes)
   h = adamw_hparams()
   run = lambda layer: pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW,
-                                            layer=layer, interpret=True)
+                                            layer=layer, interpret=True,
+                                            config=config)
   got_w, got_slots = (jax.jit(run)(jnp.int32(1)) if traced else run(1))
   ref_w, ref_slots = pk.fused_wgrad_update_reference(
       x, dy, w, slots, h, rule=pk.ADAMW, layer=1)

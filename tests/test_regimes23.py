@@ -157,16 +157,22 @@ def test_muon_weight_dimension_numbers_are_refused():
 # --- the regime-2 epilogue rules -------------------------------------------------
 
 
+@pytest.mark.parametrize("config", [
+    None, pk.BlockConfig(32, 64, 16, split_out=4, prefetch=True),
+    pk.BlockConfig(16, 128, 32, group_in=2, split_out=2)],
+    ids=["default", "o4-prefetch", "o2-grouped"])
 @pytest.mark.parametrize("rule", [pk.lamb_rule(), pk.muon_rule(True),
                                   pk.muon_rule(False)], ids=lambda r: r.name)
-def test_state_only_rule_kernel_matches_reference(rule):
+def test_state_only_rule_kernel_matches_reference(rule, config):
+  # (column sub-tiles: each writes its part of the slots and of Muon's
+  # write-only output; ragged 70x130 leaves sub-tiles wholly outside)
   k = jax.random.split(jax.random.key(7), 4)
   x = jax.random.normal(k[0], (BT, 70))
   dy = jax.random.normal(k[1], (BT, 130))
   w = jax.random.normal(k[2], (70, 130))
   slots = tuple(jax.random.uniform(k[3], (70, 130)) for _ in rule.slots)
   h = rule.pack(**{n: 0.5 for n in rule.hparams})
-  got = pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule)
+  got = pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule, config=config)
   ref = pk.fused_wgrad_update_reference(x, dy, w, slots, h, rule=rule)
   assert got[0] is w  # the kernel neither reads nor writes W
   assert len(got[1]) == len(rule.slots) + len(rule.outputs)
