@@ -49,7 +49,6 @@ import jax.numpy as jnp
 from pallas_kernels import rules as _rules
 from pallas_kernels.fused_wgrad import (
     BlockConfig,
-    _MIN_BLOCK,
     _next_pow2,
     fused_wgrad_update,
 )
@@ -321,17 +320,11 @@ class TuneResult:
 
 def candidates(bt: int, n_in: int, n_out: int,
                configs: Iterable[BlockConfig] | None = None) -> list[BlockConfig]:
-  """``configs`` (default :func:`config_space`) with tiles no larger than the
-  problem (clamped as :meth:`BlockConfig.default` does; ``split_out`` so
-  that sub-tiles keep >= 16 columns), duplicates dropped."""
-  clamp = lambda b, n: max(_MIN_BLOCK, min(b, _next_pow2(n)))
+  """``configs`` (default :func:`config_space`), each shrunk to the problem
+  (:meth:`BlockConfig.fit`), duplicates dropped."""
   out = []
   for c in (config_space() if configs is None else configs):
-    bo = clamp(c.block_out, n_out)
-    c = dataclasses.replace(c, block_in=clamp(c.block_in, n_in),
-                            block_out=bo, block_bt=clamp(c.block_bt, bt),
-                            split_out=max(1, min(c.split_out,
-                                                 bo // _MIN_BLOCK)))
+    c = c.fit(bt, n_in, n_out)
     if c not in out:
       out.append(c)
   return out

@@ -99,15 +99,22 @@ class BlockConfig:
           f"split_out={self.split_out!r} must be a power of two leaving "
           f"sub-tiles of >= {_MIN_BLOCK} columns (block_out={self.block_out})")
 
+  def fit(self, bt: int, n_in: int, n_out: int) -> "BlockConfig":
+    """This tiling shrunk to the problem: each block at most the next power
+    of two of its dimension (and at least 16), ``split_out`` reduced so that
+    sub-tiles keep >= 16 columns. The one clamp every heuristic and the
+    autotuner's candidates go through."""
+    clamp = lambda b, n: max(_MIN_BLOCK, min(b, _next_pow2(n)))
+    bo = clamp(self.block_out, n_out)
+    return dataclasses.replace(
+        self, block_in=clamp(self.block_in, n_in), block_out=bo,
+        block_bt=clamp(self.block_bt, bt),
+        split_out=max(1, min(self.split_out, bo // _MIN_BLOCK)))
+
   @classmethod
   def default(cls, bt: int, n_in: int, n_out: int) -> "BlockConfig":
     """A heuristic tiling: the measured-best 64x128x64 tile, shrunk to fit."""
-    clamp = lambda b, n: max(_MIN_BLOCK, min(b, _next_pow2(n)))
-    return cls(
-        block_in=clamp(64, n_in),
-        block_out=clamp(128, n_out),
-        block_bt=clamp(64, bt),
-    )
+    return cls(block_in=64, block_out=128, block_bt=64).fit(bt, n_in, n_out)
 
   @classmethod
   def compiled_default(cls, bt: int, n_in: int, n_out: int,
@@ -125,16 +132,12 @@ class BlockConfig:
     this one. fp32 weights keep :meth:`default`. Shrunk to fit."""
     if jnp.dtype(w_dtype).itemsize != 2:
       return cls.default(bt, n_in, n_out)
-    clamp = lambda b, n: max(_MIN_BLOCK, min(b, _next_pow2(n)))
     if bt > 1024:
-      bi, bo, group, warps, stages, split = 128, 256, 8, 8, 4, 4
+      cfg = cls(128, 256, 32, group_in=8, num_warps=8, num_stages=4,
+                stream_state=True, split_out=4)
     else:
-      bi, bo, group, warps, stages, split = 64, 128, 1, 4, 4, 2
-    bo = clamp(bo, n_out)
-    return cls(block_in=clamp(bi, n_in), block_out=bo,
-               block_bt=clamp(32, bt), group_in=group, num_warps=warps,
-               num_stages=stages, stream_state=True,
-               split_out=max(1, min(split, bo // _MIN_BLOCK)))
+      cfg = cls(64, 128, 32, num_stages=4, stream_state=True, split_out=2)
+    return cfg.fit(bt, n_in, n_out)
 
 
 def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,

@@ -230,6 +230,15 @@ def test_invalid_block_configs_fail_clearly(kwargs, match):
     pk.BlockConfig(**kwargs)
 
 
+def test_fit_shrinks_blocks_and_split_out_to_the_problem():
+  cfg = pk.BlockConfig(128, 256, 64, 8, 8, 3, stream_state=True, split_out=4)
+  assert cfg.fit(4096, 4096, 4096) == cfg  # big enough: unchanged
+  small = cfg.fit(bt=5, n_in=20, n_out=20)
+  assert (small.block_in, small.block_out, small.block_bt,
+          small.split_out) == (32, 32, 16, 2)
+  assert (small.group_in, small.num_warps, small.stream_state) == (8, 8, True)
+
+
 def test_default_config_fits_small_shapes():
   cfg = pk.BlockConfig.default(bt=3, n_in=5, n_out=1000)
   assert (cfg.block_in, cfg.block_out, cfg.block_bt) == (16, 128, 16)
