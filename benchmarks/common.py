@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import forge_jax
 from pallas_kernels import autotune
 
 # Llama-3.1-8B projection shapes (in, out), one place for tests and benches.
@@ -73,6 +74,26 @@ def optax_step(loss_fn: Callable, tx) -> Callable:
         variables["params"], updates)}, opt_state
 
   return step
+
+
+def compiled_adamw_step(model, x, forge: bool, learning_rate: float = 1e-3):
+  """One AdamW training step of ``model`` on ``mean(model(x)^2)`` (fp32 loss),
+  jitted with the state donated and compiled for ``x``: FORGE's
+  ``make_step`` + ``forge_jax.adamw`` when ``forge``, else :func:`optax_step`
+  + ``optax.adamw``. Returns ``(jitted, compiled, (variables, opt_state,
+  x))`` -- the arms the memory benchmarks and tests compare."""
+  variables = model.init(jax.random.key(0), x)
+  loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
+  if forge:
+    tx = forge_jax.adamw(learning_rate)
+    step = forge_jax.make_step(loss_fn, tx)
+  else:
+    tx = optax.adamw(learning_rate)
+    step = optax_step(loss_fn, tx)
+  opt_state = tx.init(variables["params"])
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  return jitted, jitted.lower(variables, opt_state, x).compile(), (
+      variables, opt_state, x)
 
 
 def copy_ceiling_bytes_per_s(nbytes: int = 2 << 30) -> float:

@@ -35,7 +35,6 @@ def cell(arm: str, layers: int, width: int, tokens: int) -> dict:
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
-  import optax
 
   import forge_jax
   from benchmarks import common
@@ -44,18 +43,8 @@ def cell(arm: str, layers: int, width: int, tokens: int) -> dict:
       width, layers, use_bias=False, activation=nn.relu, dtype=jnp.bfloat16,
       param_dtype=jnp.bfloat16, fused=(arm == "forge"))
   x = jax.random.normal(jax.random.key(1), (tokens, width), jnp.bfloat16)
-  variables = model.init(jax.random.key(0), x)
-  loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
-  if arm == "forge":
-    tx = forge_jax.adamw(1e-4)
-    step = forge_jax.make_step(loss_fn, tx)
-  else:
-    tx = optax.adamw(1e-4)
-    step = common.optax_step(loss_fn, tx)
-
-  opt_state = tx.init(variables["params"])
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  compiled = jitted.lower(variables, opt_state, x).compile()
+  jitted, compiled, (variables, opt_state, x) = common.compiled_adamw_step(
+      model, x, forge=(arm == "forge"), learning_rate=1e-4)
   temp = compiled.memory_analysis().temp_size_in_bytes
   jax.block_until_ready((variables, opt_state, x))
   dev = jax.devices()[0]

@@ -5,9 +5,9 @@ lowering for CUDA (catches Triton lowering errors on a CPU-only machine)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 import pallas_kernels as pk
+from benchmarks.common import optax_step
 
 # MLP widths: in -> hidden -> hidden -> out; no kernel dimension is a power of
 # two, so every kernel tile is partial somewhere.
@@ -40,18 +40,26 @@ def decay_kernels_only(params):
   return jax.tree.map(lambda a: a.ndim > 1, params)
 
 
-def reference_step(loss_fn, tx):
-  """``step(variables, opt_state, batch) -> (loss, variables, opt_state)``:
-  plain ``jax.value_and_grad`` + the optax transform (not jitted)."""
+# ``step(variables, opt_state, batch) -> (loss, variables, opt_state)``: plain
+# ``jax.value_and_grad`` + the optax transform (not jitted) -- the same
+# standard-path arm the benchmarks measure FORGE against.
+reference_step = optax_step
 
-  def step(variables, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(variables, batch)
-    updates, opt_state = tx.update(grads["params"], opt_state,
-                                   variables["params"])
-    return loss, {**variables, "params": optax.apply_updates(
-        variables["params"], updates)}, opt_state
 
-  return step
+def train_side_by_side(forge_step, ref_step, variables, forge_tx, optax_tx,
+                       batches):
+  """Runs the FORGE step (jitted, donating: it gets a copy of ``variables``)
+  and the reference step over the same batches from the same start. Returns
+  ``((v_f, s_f), (v_ref, s_ref), [(forge loss, reference loss), ...])``."""
+  v_ref, s_ref = variables, optax_tx.init(variables["params"])
+  v_f = jax.tree.map(jnp.copy, variables)
+  s_f = forge_tx.init(v_f["params"])
+  losses = []
+  for batch in batches:
+    l_ref, v_ref, s_ref = ref_step(v_ref, s_ref, batch)
+    l_f, v_f, s_f = forge_step(v_f, s_f, batch)
+    losses.append((float(l_f), float(l_ref)))
+  return (v_f, s_f), (v_ref, s_ref), losses
 
 
 def lower_for_cuda(fn, *args, donate_argnums=()) -> str:

@@ -23,10 +23,11 @@ import pytest
 import forge_jax
 import pallas_kernels as pk
 from forge_jax import step as forge_step
-from tests.harness import MLP, lower_rule_for_cuda, reference_step, triton_calls
+from tests.harness import (MLP, lower_rule_for_cuda, reference_step,
+                           train_side_by_side, triton_calls)
 from tests.harness import decay_kernels_only as _decay_kernels_only
 from tests.harness import mse as _mse
-from tests.tolerances import rel_err, tol, worst_leaf
+from tests.tolerances import tol, worst_leaf
 
 F32_TOL = tol(jnp.float32)
 STEPS = 20
@@ -190,15 +191,9 @@ def test_mlp_training_matches_optax(name, data):
   forge = jax.jit(forge_jax.make_step(_mse(MLP(forge_jax.Dense)), forge_tx),
                   donate_argnums=(0, 1))
 
-  v_ref, s_ref = variables, optax_tx.init(variables["params"])
-  v_f = jax.tree.map(jnp.copy, variables)
-  s_f = forge_tx.init(v_f["params"])
-  losses = []
-  for i in range(STEPS):
-    l_ref, v_ref, s_ref = ref_step(v_ref, s_ref, (xs[i], ys[i]))
-    l_f, v_f, s_f = forge(v_f, s_f, (xs[i], ys[i]))
-    losses.append((float(l_f), float(l_ref)))
-
+  (v_f, s_f), (v_ref, s_ref), losses = train_side_by_side(
+      forge, ref_step, variables, forge_tx, optax_tx,
+      [(xs[i], ys[i]) for i in range(STEPS)])
   np.testing.assert_allclose(*zip(*losses), rtol=F32_TOL)
   p_err = _assert_trees_close(v_f, v_ref, f"{name} params")
   s_err = _assert_trees_close(s_f, s_ref, f"{name} opt_state")

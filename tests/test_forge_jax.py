@@ -1,6 +1,5 @@
 """forge_jax.Dense + forge_jax.adamw + make_step against nn.Dense + optax.adamw."""
 
-import functools
 import re
 
 import flax.linen as nn
@@ -14,6 +13,7 @@ import forge_jax
 from forge_jax import _context
 from forge_jax.dense import _Static, _fused_linear
 import pallas_kernels as pk
+from benchmarks.common import compiled_adamw_step
 from tests.harness import reference_step
 from tests.tolerances import assert_close, assert_trees_close, rel_err, tol
 
@@ -398,20 +398,8 @@ def _stack_step(dense, layers, n=4096, bt=512):
                           dtype=jnp.bfloat16)(x))
       return x
 
-  model = Stack()
-  x = jnp.ones((bt, n), jnp.bfloat16)
-  variables = model.init(jax.random.key(0), x)
-  loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
-  if dense is forge_jax.Dense:
-    tx = forge_jax.adamw(1e-3)
-    step = forge_jax.make_step(loss_fn, tx)
-  else:
-    tx = optax.adamw(1e-3)
-    step = reference_step(loss_fn, tx)
-  opt_state = tx.init(variables["params"])
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  return jitted, jitted.lower(variables, opt_state, x).compile(), (
-      variables, opt_state, x)
+  return compiled_adamw_step(Stack(), jnp.ones((bt, n), jnp.bfloat16),
+                             forge=dense is forge_jax.Dense)
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ import pytest
 import forge_jax
 import pallas_kernels as pk
 from tests.harness import (MLP, WIDTHS, lower_rule_for_cuda, reference_step,
+                           train_side_by_side,
                            triton_calls)
 from tests.harness import decay_kernels_only as _decay_kernels_only
 from tests.harness import mse as _mse
@@ -99,16 +100,11 @@ def _train_both(name, data, model_kw=None, steps=STEPS):
       donate_argnums=(0, 1))
   if model_kw:
     variables = MLP(nn.Dense, **model_kw).init(jax.random.key(1), xs[0])
-  v_ref, s_ref = variables, optax_tx.init(variables["params"])
-  v_f = jax.tree.map(jnp.copy, variables)
-  s_f = forge_tx.init(v_f["params"])
-  losses = []
-  for i in range(steps):
-    l_ref, v_ref, s_ref = ref_step(v_ref, s_ref, (xs[i], ys[i]))
-    l_f, v_f, s_f = forge(v_f, s_f, (xs[i], ys[i]))
-    losses.append((float(l_f), float(l_ref)))
+  forge_state, ref_state, losses = train_side_by_side(
+      forge, ref_step, variables, forge_tx, optax_tx,
+      [(xs[i], ys[i]) for i in range(steps)])
   np.testing.assert_allclose(*zip(*losses), rtol=F32_TOL)
-  return (v_f, s_f), (v_ref, s_ref), variables
+  return forge_state, ref_state, variables
 
 
 def _check_parity(name, data, **kw):

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import forge_jax
-from tests.harness import lower_for_cuda, reference_step, triton_calls
+from benchmarks.common import compiled_adamw_step
+from tests.harness import lower_for_cuda, train_side_by_side, triton_calls
 from tests.tolerances import assert_trees_close, rel_err, tol
 from tests.test_forge_jax import SCHEDULE, data, mse, optax_step, wd_mask
 
@@ -105,15 +106,12 @@ def _train(kwargs, steps=10, model_kwargs={}, tokens=None):
   ref_model, f_model = Model(False, **model_kwargs), Model(True, **model_kwargs)
   variables = ref_model.init(jax.random.key(0), batches[0][0])
   ref_tx, f_tx = optax.adamw(**kwargs), forge_jax.adamw(**kwargs)
-  ref_v, ref_s = variables, ref_tx.init(variables["params"])
-  f_v = jax.tree.map(jnp.copy, variables)
-  f_s = f_tx.init(f_v["params"])
   ref_step = optax_step(mse(ref_model), ref_tx)
   f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx),
                    donate_argnums=(0, 1))
-  for batch in batches:
-    ref_loss, ref_v, ref_s = ref_step(ref_v, ref_s, batch)
-    f_loss, f_v, f_s = f_step(f_v, f_s, batch)
+  (f_v, f_s), (ref_v, ref_s), losses = train_side_by_side(
+      f_step, ref_step, variables, f_tx, ref_tx, batches)
+  (f_loss, ref_loss) = losses[-1]
   return variables, (ref_loss, ref_v, ref_s), (f_loss, f_v, f_s)
 
 
@@ -268,20 +266,9 @@ class _PlainStack(nn.Module):
 
 
 def stack_step_compiled(forge, layers, n, bt, dtype):
-  model = _PlainStack(forge, n, layers, dtype)
-  x = jnp.ones((bt, n), dtype)
-  variables = model.init(jax.random.key(0), x)
-  loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
-  if forge:
-    tx = forge_jax.adamw(1e-3)
-    step = forge_jax.make_step(loss_fn, tx)
-  else:
-    tx = optax.adamw(1e-3)
-    step = reference_step(loss_fn, tx)
-  opt_state = tx.init(variables["params"])
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  compiled = jitted.lower(variables, opt_state, x).compile()
-  return compiled, (jitted, variables, opt_state, x)
+  jitted, compiled, args = compiled_adamw_step(
+      _PlainStack(forge, n, layers, dtype), jnp.ones((bt, n), dtype), forge)
+  return compiled, (jitted, *args)
 
 
 def _temps(forge, layers, n, bt, dtype):
