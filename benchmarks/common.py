@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import forge_jax
 from pallas_kernels import autotune
 
 # Llama-3.1-8B projection shapes (in, out), one place for tests and benches.
@@ -82,6 +81,8 @@ def compiled_adamw_step(model, x, forge: bool, learning_rate: float = 1e-3):
   ``make_step`` + ``forge_jax.adamw`` when ``forge``, else :func:`optax_step`
   + ``optax.adamw``. Returns ``(jitted, compiled, (variables, opt_state,
   x))`` -- the arms the memory benchmarks and tests compare."""
+  import forge_jax  # noqa: PLC0415 -- kernel-only benchmarks skip flax's import
+
   variables = model.init(jax.random.key(0), x)
   loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
   if forge:
