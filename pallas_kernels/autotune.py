@@ -421,6 +421,26 @@ def merge(data: dict, device_kind: str, source_id: str, source: dict,
   return data
 
 
+def merge_file(data: dict, path: str) -> int:
+  """Merges another cache JSON (e.g. an autotune run's ``--out``) into ``data``.
+
+  Every source keeps its own record, plus ``"file": path`` (where its
+  measurements are kept); returns the number of entries merged.
+  """
+  other = _read_or_empty(path) if os.path.exists(path) else None
+  if other is None:
+    raise FileNotFoundError(f"--merge: no such cache file {path!r}")
+  n = 0
+  for kind, dev in other["devices"].items():
+    for sid, source in dev.get("sources", {}).items():
+      entries = {k: {f: v for f, v in e.items() if f != "source"}
+                 for k, e in dev.get("entries", {}).items()
+                 if e.get("source") == sid}
+      merge(data, kind, sid, dict(source, file=path), entries)
+      n += len(entries)
+  return n
+
+
 def write(path: str, data: dict) -> None:
   _validated(data, path)
   tmp = path + ".tmp"
@@ -557,6 +577,9 @@ def main(argv=None) -> int:
   p.add_argument("--from-csv", nargs="+", metavar="CSV",
                  help="take the winners from benchmarks/kernel.py CSVs "
                  "instead of measuring")
+  p.add_argument("--merge", nargs="+", metavar="JSON",
+                 help="merge other cache files (e.g. a tuning run's --out) "
+                 "instead of measuring")
   p.add_argument("--shapes", nargs="+", type=_parse_shape,
                  default=[(4096, 4096), (4096, 1024), (4096, 14336),
                           (14336, 4096)], metavar="INxOUT")
@@ -576,15 +599,23 @@ def main(argv=None) -> int:
   if args.from_csv and args.config:
     p.error("--config chooses tilings to measure; --from-csv measures "
             "nothing (it reads the CSVs' own tilings)")
+  if args.merge and args.config:
+    p.error("--config chooses tilings to measure; --merge measures nothing")
   configs = args.config
 
   data = _read_or_empty(args.out)
-  if args.from_csv:
-    for path in args.from_csv:
+  if args.from_csv or args.merge:
+    for path in args.from_csv or ():
       kind, sid, source, entries = winners_from_csv(
           path, rule=ANY_RULE if args.any_rule else "adamw")
       merge(data, kind, sid, source, entries)
       print(f"{path}: {len(entries)} winners for {kind!r}")
+    for path in args.merge or ():
+      try:
+        n = merge_file(data, path)
+      except (OSError, ValueError) as e:
+        p.error(str(e))
+      print(f"{path}: {n} entries merged")
     write(args.out, data)
     print(f"wrote {args.out}")
     return 0

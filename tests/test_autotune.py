@@ -22,6 +22,9 @@ S2 = os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-29-s2")
 H200_CSVS = [H200_CSV] + [os.path.join(S2, f"variants_run{i}.csv")
                           for i in (6, 8, 7)] + [
     os.path.join(os.path.dirname(S2), "h200-2026-11-29-s3", "run15_sweep.csv")]
+# Session 4's tuning run over the e2e decoder's own shapes (gpu_run18.sh).
+H200_TUNED = [os.path.join("benchmarks", "results", "h200-2026-11-29-s4",
+                           "run18_decoder_tuned.json")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -78,10 +81,15 @@ def test_shipped_json_loads_and_every_entry_is_a_valid_block_config():
 def test_shipped_json_holds_the_h200_sweep_with_provenance():
   dev = _shipped()["devices"]["NVIDIA H200"]
   # 4 shapes x BT 512/2048/4096 (bf16 moments; session 3 re-measured every
-  # case), 4096^2 at BT 512 with fp32 moments, and session 2's BT 16 case.
-  assert len(dev["entries"]) == 14
-  assert sorted(s["csv"] for s in dev["sources"].values()) == sorted(
-      os.path.relpath(p, ROOT) for p in H200_CSVS)
+  # case), 4096^2 at BT 512 with fp32 moments, and session 2's BT 16 case;
+  # then the decoder's 5 shapes x BT 512/2048 (session 4, autotune run).
+  assert len(dev["entries"]) == 24
+  assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
+      sorted(os.path.relpath(p, ROOT) for p in H200_CSVS))
+  assert sorted(s["file"] for s in dev["sources"].values()
+                if "file" in s) == H200_TUNED
+  assert sum(e["source"].startswith("autotune@")
+             for e in dev["entries"].values()) == 10
   for source in dev["sources"].values():
     assert source["device"] == "gpu:NVIDIA H200"
     assert "jax 0.11.2" in source["versions"]
@@ -91,11 +99,25 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
     assert entry["source"] in dev["sources"]
 
 
-def test_from_csv_reproduces_the_shipped_winners(tmp_path):
+def test_from_csv_reproduces_the_shipped_winners(tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)  # the sources record the paths as given
   out = tmp_path / "tuned.json"
   assert autotune.main(["--from-csv", *H200_CSVS, "--out", str(out)]) == 0
+  assert autotune.main(["--merge", *H200_TUNED, "--out", str(out)]) == 0
   got = json.loads(out.read_text())
   assert got == _shipped()
+
+
+def test_merge_rejects_a_missing_file_and_config(tmp_path, capsys):
+  out = str(tmp_path / "t.json")
+  with pytest.raises(SystemExit):
+    autotune.main(["--merge", str(tmp_path / "nope.json"), "--out", out])
+  assert "no such cache file" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    autotune.main(["--merge", *H200_TUNED, "--config", "64x64x64,g1,w4,s3",
+                   "--out", out])
+  assert "--merge measures nothing" in capsys.readouterr().err
+  assert not os.path.exists(out)
 
 
 def test_package_data_declares_the_json():
