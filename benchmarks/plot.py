@@ -1,4 +1,6 @@
-"""Plots a kernel-benchmark CSV: step time per shape, XLA unfused vs FORGE.
+"""Plots a kernel-benchmark CSV: step time per shape, XLA unfused vs FORGE
+(and torch's cuBLAS + fused AdamW vs FORGE through forge_torch, where the CSV
+has those arms).
 
     ./dev.sh python benchmarks/plot.py out/bench/kernel.csv out/bench/kernel.png
 """
@@ -15,23 +17,29 @@ import matplotlib.pyplot as plt
 
 from benchmarks import common
 
-PROVIDERS = ["xla_unfused", "xla_gemm", "xla_adamw", "forge_mainloop", "forge"]
+PROVIDERS = ["xla_unfused", "xla_gemm", "xla_adamw", "forge_mainloop", "forge",
+             "torch", "forge_torch"]
+TORCH_ARMS = ("torch", "forge_torch")  # hatched: the torch-side arms
 
 
 def main(src, dst):
   rows = [r for r in common.read_rows(src)
           if r["metric"] == "time" and r["provider"] in PROVIDERS]
+  # Only the arms the CSV has (older CSVs: no torch arms; the torch arms have
+  # no rows for fp32 moments, whose bars are then left empty).
+  providers = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
   cases = sorted({(r["dtypes"], r["shape"]) for r in rows},
                  key=lambda c: (c[0], int(c[1].split()[0][3:]), c[1]))
   fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cases)), 5))
-  width = 0.8 / len(PROVIDERS)
-  for i, prov in enumerate(PROVIDERS):
+  width = 0.8 / max(1, len(providers))
+  for i, prov in enumerate(providers):
     vals = []
     for dt, shape in cases:
       v = [float(r["p50"]) for r in rows if (r["dtypes"], r["shape"],
                                             r["provider"]) == (dt, shape, prov)]
       vals.append(v[-1] if v else 0.0)
-    ax.bar([j + i * width for j in range(len(cases))], vals, width, label=prov)
+    ax.bar([j + i * width for j in range(len(cases))], vals, width, label=prov,
+           hatch="//" if prov in TORCH_ARMS else None)
   ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
   short = lambda d: d.replace("bfloat16", "bf16").replace("float32", "f32")
   ax.set_xticklabels([f"{s.replace(' ', chr(10))}\n{short(d)}"
