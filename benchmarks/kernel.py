@@ -60,6 +60,10 @@ CONFIGS = [
 LR, B1, B2, EPS, WD, STEP = 1e-4, 0.9, 0.999, 1e-8, 1e-4, 10
 
 
+# --config auto: the tiling fused_wgrad_update picks by itself for the case.
+AUTO = "auto"
+
+
 def hparams():
   b1, b2, t = B1, B2, STEP
   return pk.ADAMW.pack(lr=LR, b1=b1, b2=b2, one_minus_b1=1 - b1,
@@ -274,7 +278,17 @@ def bench_case(res, name, bt, n_in, n_out, moment_dtype, configs, ceiling,
   x, dy, w, m, v = state()
   times["xla_adamw"], _ = loop(xla_adamw, (jnp.dot(x.T, dy), dy, w, m, v))
   best = None
+  # "auto": the tiling a user's call gets (the autotune cache, else the
+  # heuristic), resolved for this case; duplicates are timed once.
+  resolved = []
   for cfg in configs:
+    if cfg == AUTO:
+      cfg = pk.select_config(bt, n_in, n_out, jnp.bfloat16,
+                             [moment_dtype] * 2, pk.ADAMW)
+      print(f"  {shape} {dtypes}: auto = {pk.autotune.config_label(cfg)}")
+    if cfg not in resolved:
+      resolved.append(cfg)
+  for cfg in resolved:
     try:
       q, _ = loop(forge(cfg), state())
     except Exception as e:  # noqa: BLE001 -- a config may not compile
@@ -350,7 +364,9 @@ def main(argv=None):
   p.add_argument("--config", nargs="+", default=None, metavar="LABEL",
                  help="tilings to try instead, as labels such as "
                  "64x128x64,g1,w4,s3; appended knobs: ',p' prefetch, ',e' "
-                 "stream_state, ',oN' split_out=N (docs/perf_notes.md)")
+                 "stream_state, ',oN' split_out=N (docs/perf_notes.md); "
+                 "'auto': the tiling the kernel picks by itself (the "
+                 "autotune cache, else the heuristic)")
   p.add_argument("--torch", choices=("auto", "on", "off"), default="auto",
                  help="the torch arms (torch: cuBLAS + AdamW(fused=True); "
                  "forge_torch: the kernel through the forge_torch bridge), "
@@ -377,7 +393,8 @@ def main(argv=None):
   if args.torch == "auto" and torch_dev is None:
     print("torch arms off: torch not installed or without CUDA")
   shapes = {name: parse_shape(name) for name in args.shapes}
-  configs = ([pk.autotune.parse_label(c) for c in args.config]
+  configs = ([c if c == AUTO else pk.autotune.parse_label(c)
+              for c in args.config]
              if args.config else CONFIGS[:args.configs])
   res = common.Results(args.out, "kernel")
   nbytes = args.ceiling_mib << 20

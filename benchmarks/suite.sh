@@ -3,24 +3,33 @@
 #
 #   benchmarks/suite.sh [OUT_DIR]          (default out/suite; PYTHON=python3)
 #
-# 1. kernel.py: one layer's fused step vs XLA's unfused GEMM + AdamW, every
-#    Llama-3.1-8B projection shape x BT 512/2048/4096 with bf16 W/m/v, then
-#    4096^2 and 4096x14336 at BT 512 with fp32 m/v -> OUT/kernel.csv, .png
+# 1. kernel.py: one layer's fused step vs XLA's unfused GEMM + AdamW (and, with
+#    CUDA torch, torch's cuBLAS + AdamW(fused=True) and the kernel through
+#    forge_torch), every Llama-3.1-8B projection shape x BT 512/2048/4096 with
+#    bf16 W/m/v, then 4096^2 and 4096x14336 at BT 512 with fp32 m/v ->
+#    OUT/kernel.csv, .png. The fused kernel runs with the tiling it picks by
+#    itself ("auto": the shipped autotune cache) and, for reference, the
+#    untuned 64x128x64 tile; a sweep over more tilings is
+#    `kernel.py --config LABEL...` or `python -m pallas_kernels.autotune`.
 # 2. e2e.py: the Llama-style decoder's training step, FORGE vs optax.adamw,
 #    BT 512 and 2048, one process per cell -> OUT/e2e.csv, .png
 # Every CSV row carries the device, the versions and p20/p50/p80.
-# Estimated from the parts' times in session 3 (runs 15 and 16): ~9 minutes
-# on the H200; the suite as a whole has not been run in one call.
+# The e2e part stops starting cells after --budget seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-out/suite}"
 PY="${PYTHON:-python3}"
 export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 mkdir -p "$OUT"
-"$PY" benchmarks/kernel.py --out "$OUT/kernel.csv" --moments bfloat16
+SECONDS=0
+TILINGS=(auto 64x128x64,g1,w4,s3)
+"$PY" benchmarks/kernel.py --out "$OUT/kernel.csv" --moments bfloat16 \
+  --config "${TILINGS[@]}"
 "$PY" benchmarks/kernel.py --out "$OUT/kernel.csv" --moments float32 \
-  --shapes "q/o 4096x4096" "up/gate 4096x14336" --tokens 512
+  --shapes "q/o 4096x4096" "up/gate 4096x14336" --tokens 512 \
+  --config "${TILINGS[@]}"
+echo "suite: kernel part ${SECONDS}s"
 "$PY" benchmarks/plot.py "$OUT/kernel.csv" "$OUT/kernel.png"
 "$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --plot "$OUT/e2e.png" \
   --bt 512 2048 --budget 330
-echo "suite: results in $OUT"
+echo "suite: results in $OUT (${SECONDS}s)"

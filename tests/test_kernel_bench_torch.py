@@ -103,3 +103,21 @@ def test_torch_and_forge_torch_arms_compute_the_same_step():
     # The step itself (W moves by ~0.2 % of its norm here): same update.
     assert_close(np.asarray(got - old), np.asarray(want - old),
                  what=f"{name} update")
+
+
+def test_config_auto_times_the_tiling_the_kernel_picks(tmp_path, capsys):
+  # On the CPU the kernel's own pick is BlockConfig.default, clamped to the
+  # problem; "auto" must time exactly that tiling, once even if listed twice.
+  import pallas_kernels as pk  # noqa: PLC0415
+  out = tmp_path / "kernel.csv"
+  picked = pk.autotune.config_label(pk.select_config(
+      16, 40, 24, jnp.bfloat16, [jnp.bfloat16] * 2, pk.ADAMW))
+  rc = kernel.main(["--torch", "on", "--shapes", "t 40x24", "--tokens", "16",
+                    "--moments", "bfloat16", "--config", "auto", picked,
+                    "--steps", "1", "--reps", "2", "--ceiling-mib", "8",
+                    "--out", str(out)])
+  assert rc == 0
+  assert f"auto = {picked}" in capsys.readouterr().out
+  provs = [r["provider"] for r in common.read_rows(str(out))
+           if r["metric"] == "time" and r["provider"].startswith("forge[")]
+  assert provs == [f"forge[{picked}]"]
