@@ -2,6 +2,9 @@
 
 * :class:`Linear` -- a drop-in for ``torch.nn.Linear``;
 * :func:`convert` -- turns a model's eligible ``nn.Linear`` layers into it;
+* :func:`set_sync_mode` / :func:`get_sync_mode` -- how the fused update is
+  ordered with torch's CUDA stream (``"stream"``, the default, or ``"host"``;
+  process default from ``$FORGE_TORCH_SYNC``);
 * :class:`SGD`, :class:`Adagrad`, :class:`RMSprop`, :class:`Adam`,
   :class:`AdamW`, :class:`Adamax`, :class:`NAdam`, :class:`RAdam` -- the
   ``torch.optim`` optimizers of those names, driving those layers.
@@ -20,6 +23,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from forge_torch._bridge import STATS as bridge_stats  # noqa: E402
+from forge_torch._bridge import get_sync_mode, set_sync_mode  # noqa: E402
 from forge_torch.linear import Linear, convert, is_forge_weight  # noqa: E402
 from forge_torch.optim import (  # noqa: E402
     SGD,
@@ -33,4 +37,5 @@ from forge_torch.optim import (  # noqa: E402
 )
 
 __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Adamax", "Linear", "NAdam",
-           "RAdam", "RMSprop", "bridge_stats", "convert", "is_forge_weight"]
+           "RAdam", "RMSprop", "bridge_stats", "convert", "get_sync_mode",
+           "is_forge_weight", "set_sync_mode"]

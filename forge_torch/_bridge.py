@@ -1,7 +1,8 @@
 """DLPack bridge: runs ``pallas_kernels.fused_wgrad_update`` on torch tensors.
 
-torch and JAX share the tensors through DLPack (``jax.dlpack.from_dlpack`` /
-``torch.from_dlpack``); nothing is converted through host memory.
+torch and JAX share the tensors through DLPack (``jax.dlpack.from_dlpack``;
+``jax.Array.__dlpack__`` / ``torch.from_dlpack`` back); nothing is converted
+through host memory.
 
 * **GPU.** The JAX call is jitted with the weight and its state donated, and
   the kernel aliases them to its outputs (``input_output_aliases``), so the
@@ -14,20 +15,110 @@ torch and JAX share the tensors through DLPack (``jax.dlpack.from_dlpack`` /
   not alias donated DLPack imports, so nothing is donated and the results
   (the weight and each state slot of the rule, e.g. ``exp_avg`` and
   ``exp_avg_sq`` for Adam) are copied back: one extra pass per state tensor
-  over the weight's bytes per layer and step.
-* **Streams.** ``torch.cuda.current_stream().synchronize()`` before JAX reads
-  the tensors (``grad_output``, the layer input and the weight are produced or
-  read by work queued on torch's stream, including ``grad_input = grad_output
-  @ W`` which must see the *pre-update* ``W``), and ``block_until_ready()`` on
-  the results before torch continues. Both are host synchronisations: simple
-  and correct for any stream torch is using, at the cost of a short GPU bubble
-  per managed layer per step.
+  over the weight's bytes per layer and step. There are no streams on the
+  CPU: the sync mode below does not apply.
+
+Streams (CUDA)
+--------------
+
+The kernel must (a) not read ``x``/``dy`` or overwrite ``w`` before the work
+torch queued for them has run -- the producers of ``grad_output`` and of the
+layer input, and ``grad_input = grad_output @ W``, which must read the
+*pre-update* ``W`` and is queued (``forge_torch/linear.py``) just before the
+fused update -- and (b) torch must not read ``w``/the moments, nor reuse the
+memory of ``x``/``dy``, before the kernel is done. :func:`set_sync_mode`
+picks how (environment default: ``FORGE_TORCH_SYNC``, else ``"stream"``):
+
+``"host"``
+  ``torch.cuda.current_stream().synchronize()`` before JAX imports anything
+  and ``jax.block_until_ready`` on the results: two host synchronisations per
+  managed layer per step. Correct for any streams either side uses; the GPU
+  idles while the host catches up (the original bridge).
+
+``"stream"`` (default)
+  GPU-side stream ordering through DLPack's own stream handshake; the host
+  never waits for the GPU:
+
+  1. *torch -> JAX.* ``jax.dlpack.from_dlpack(t)`` (``jax/_src/dlpack.py``,
+     ``from_dlpack``; identical in jax 0.11.0 and 0.12) passes
+     ``stream = device.get_stream_for_external_ready_events()`` -- an XLA
+     stream of JAX's ("external ready events" stream,
+     ``PjRtStreamExecutorDevice::GetStreamForExternalReadyEvents``) -- to
+     ``t.__dlpack__(stream=...)``. torch (``torch/_tensor.py``,
+     ``Tensor.__dlpack__``; its integer-stream branch reads the same in
+     2.14.1 and in the older versions checked) wraps it as
+     ``torch.cuda.ExternalStream`` and, at that moment, records an event on
+     ``torch.cuda.current_stream()`` and makes JAX's stream wait on it
+     (``stream.wait_event``: ``cudaStreamWaitEvent``, GPU-side). jaxlib
+     (``jaxlib/dlpack.cc``, ``DLPackManagedTensorToBuffer`` ->
+     ``MakePjrtBuffer`` -> ``CreateViewOfDeviceBuffer(..., stream)``; the
+     CUDA plugin forwards ``stream`` through the PJRT C API,
+     ``PjRtCApiClient::CreateViewOfDeviceBuffer``) makes the view's
+     *definition event* an event recorded on that same stream
+     (``PjRtStreamExecutorClient::CreateViewOfDeviceBuffer``:
+     ``GetStreamFromExternalStream(stream)`` + ``AllocateAndRecordEvent``),
+     and an execution waits (GPU-side) for the definition events of its
+     arguments on its compute stream. So the kernel runs after everything
+     torch had queued on its current stream *when the tensor was imported*.
+     The bridge imports ``x``, ``dy``, ``w`` and the slots inside this call,
+     i.e. after linear.py queued the ``grad_input`` GEMM, so that GEMM reads
+     the old ``W`` before the kernel overwrites it. This is also why the
+     bridge never caches JAX views across calls: a view imported earlier
+     carries an earlier event and would not order the kernel after later
+     torch work.
+  2. *JAX -> torch.* For every result, ``out.__dlpack__(stream=s)`` with
+     ``s`` torch's current stream (``1``, CUDA's legacy default stream, when
+     torch uses it, as ``torch.from_dlpack`` passes), and the capsule is
+     dropped unconsumed. jaxlib (``BufferToDLPackManagedTensor``) then calls
+     ``ExternalReference::WaitUntilBufferReadyOnStream(s)`` (without a stream
+     it would block the host instead: ``AwaitBuffersReady``); through the C
+     API's stream extension (``PJRT_Wait_Until_Buffer_Ready_On_Stream``) this
+     is ``TrackedDeviceBuffer::WaitUntilBufferReadyOnStream`` ->
+     ``BufferSequencingEvent::WaitForEventOnExternalStream``, which waits on
+     the host only until the kernel's completion event has been *recorded*
+     (the launch was enqueued), then ``cuStreamWaitEvent(s, event)``:
+     GPU-side. torch's stream is thereby ordered after the kernel, and all
+     later torch work on it (reading the new ``W``, the next layer's
+     backward, the next forward) too.
+  3. *Lifetimes.* The JAX views release their torch references when they are
+     deleted, which may be before the kernel ran; torch's caching allocator
+     could then hand the memory of ``x``/``dy`` (or of a contiguous copy made
+     here) to new torch work while the kernel still reads it. The bridge
+     holds every torch tensor it handed to JAX until step 2 has queued the
+     wait on torch's stream, so torch's reuse of that memory (blocks are
+     reused on their allocation stream, i.e. after the wait) is ordered after
+     the kernel; and it calls ``record_stream(current stream)`` on each, so a
+     tensor allocated on another stream is not reused before torch's current
+     stream has passed the kernel either (a no-op for tensors allocated on
+     the current stream).
+
+  Stream mode covers torch's *current* stream, as host mode does: work on
+  other torch streams must be ordered with it by the caller, as torch itself
+  requires. If a piece is missing -- the JAX device has no external-ready
+  stream (``get_stream_for_external_ready_events`` fails: JAX would then not
+  wait for torch), the buffer-to-stream wait is unimplemented, or JAX runs
+  its opt-in TFRT GPU client (``XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT``;
+  its ``CreateViewOfDeviceBuffer`` ignores the stream in the XLA sources
+  read) -- the bridge warns once
+  and uses host mode from then on (the call at hand is completed with host
+  synchronisations), never silently unordered.
+
+The copy-back path (donation declined) still synchronises torch's stream
+after the copies: the JAX results must outlive the copies that read them.
+
+(Sources: jax at tag jax-v0.11.0 -- the H200 runs 0.11.2 with the
+jax-cuda13 PJRT plugin, whose default client is the StreamExecutor one,
+``jaxlib/xla_client.py`` -- and 0.12; XLA's PJRT files as published in
+openxla/xla, whose ordering code reads the same across the versions seen. The
+GPU tests ``test_gpu_stream_mode_race_detector`` and
+``test_gpu_stream_and_host_modes_bit_identical`` check it on the hardware.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 import warnings
 from typing import Sequence
@@ -42,6 +133,113 @@ from pallas_kernels.rules import UpdateRule
 from forge_torch._rules import TORCH_ADAMW, torch_adamw_hparams
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------
+# Sync mode.
+# --------------------------------------------------------------------------
+
+SYNC_MODES = ("stream", "host")
+SYNC_ENV = "FORGE_TORCH_SYNC"
+
+
+def _check_mode(mode, source: str) -> str:
+  if not isinstance(mode, str) or mode not in SYNC_MODES:
+    choices = ", ".join(map(repr, SYNC_MODES))
+    raise ValueError(
+        f"forge_torch: {source} must be one of {choices} (GPU-side stream "
+        f"ordering, or host synchronisations around each fused update); got "
+        f"{mode!r}")
+  return mode
+
+
+def _mode_from_env() -> str:
+  value = os.environ.get(SYNC_ENV, "").strip().lower()
+  return _check_mode(value, f"${SYNC_ENV}") if value else "stream"
+
+
+_SYNC_MODE = _mode_from_env()
+# Why stream mode is unavailable in this process (then host mode is used), or
+# None. Set once, by the first CUDA call that finds a piece missing.
+_STREAM_FALLBACK: str | None = None
+
+
+def set_sync_mode(mode: str) -> str:
+  """How the bridge orders the fused kernel with torch's CUDA stream.
+
+  Args:
+    mode: ``"stream"`` (the default): GPU-side ordering through DLPack's
+      stream handshake, no host synchronisation; ``"host"``: synchronise
+      torch's current stream before and JAX's results after each fused update
+      (the original, simplest behaviour). See :mod:`forge_torch._bridge`.
+      The process default comes from ``$FORGE_TORCH_SYNC`` (read at import).
+
+  Returns:
+    The previous mode.
+
+  Raises:
+    ValueError: ``mode`` is not one of :data:`SYNC_MODES`.
+  """
+  global _SYNC_MODE
+  _check_mode(mode, "the sync mode")
+  with _LOCK:
+    previous, _SYNC_MODE = _SYNC_MODE, mode
+  return previous
+
+
+def get_sync_mode(effective: bool = False) -> str:
+  """The sync mode set (``effective=True``: the one CUDA calls use, i.e.
+  ``"host"`` if stream mode was requested but is unavailable here)."""
+  if effective and _SYNC_MODE == "stream" and _STREAM_FALLBACK is not None:
+    return "host"
+  return _SYNC_MODE
+
+
+def _stream_unavailable(reason: str) -> None:
+  global _STREAM_FALLBACK
+  with _LOCK:
+    first = _STREAM_FALLBACK is None
+    if first:
+      _STREAM_FALLBACK = reason
+  if first:
+    warnings.warn(
+        f"forge_torch: stream-ordered sync is unavailable ({reason}); the "
+        "bridge synchronises the host around each fused update instead "
+        "(sync mode 'host')", RuntimeWarning, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _tfrt_gpu_client() -> bool:
+  """Whether JAX's GPU client is the TFRT one (``jaxlib/xla_client.py`` reads
+  this variable when it creates the client)."""
+  value = os.environ.get("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "0").strip()
+  try:
+    return bool(int(value))
+  except ValueError:
+    return value.lower() in ("true", "yes")
+
+
+_DEVICE_STREAM_OK: dict = {}
+
+
+def _device_has_ready_stream(device) -> bool:
+  """Whether ``jax.dlpack.from_dlpack`` orders imports on ``device`` (it
+  passes this stream to torch, and None -- no ordering -- when it fails)."""
+  ok = _DEVICE_STREAM_OK.get(device)
+  if ok is None:
+    try:
+      ok = bool(device.get_stream_for_external_ready_events())
+    except Exception:  # noqa: BLE001 -- jaxlib raises its own error types
+      ok = False
+    _DEVICE_STREAM_OK[device] = ok
+  return ok
+
+
+def _torch_stream_handle(stream: torch.cuda.Stream) -> int:
+  """``stream`` for ``__dlpack__(stream=...)`` (the DLPack convention: ``1``
+  for CUDA's legacy default stream, whose handle is 0)."""
+  handle = stream.cuda_stream
+  return 1 if handle == 0 else handle
 
 
 # --------------------------------------------------------------------------
@@ -77,13 +275,16 @@ class BridgeStats:
 STATS = BridgeStats()
 _LOCK = threading.Lock()
 _DONATION_BROKEN = False
+_NOT_DONATED = "donated buffers were not usable"
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+  t = t.detach()
+  return t if t.is_contiguous() else t.contiguous()
 
 
 def _to_jax(t: torch.Tensor) -> jax.Array:
-  """A zero-copy JAX view of a contiguous torch tensor."""
-  t = t.detach()
-  if not t.is_contiguous():
-    t = t.contiguous()
+  """A zero-copy JAX view of a contiguous, detached torch tensor."""
   try:
     return jax.dlpack.from_dlpack(t)
   except RuntimeError as e:  # jaxlib raises XlaRuntimeError, a RuntimeError
@@ -92,21 +293,78 @@ def _to_jax(t: torch.Tensor) -> jax.Array:
           "forge_torch could not hand a CUDA tensor to JAX through DLPack "
           f"({e}). Does this JAX install have its CUDA backend "
           "(`jax.devices()` should list GPUs)?") from e
-    # CPU: e.g. an unaligned view; a fresh allocation is aligned.
+    # CPU: e.g. an unaligned view; a fresh allocation is aligned (and CPU
+    # work is synchronous, so the clone's lifetime needs no care).
     return jax.dlpack.from_dlpack(t.clone())
 
 
+class _Jitted:
+  """A jitted fused update and whether it has been called (compiled) yet."""
+
+  __slots__ = ("fn", "warm")
+
+  def __init__(self, fn):
+    self.fn = fn
+    self.warm = False
+
+
 @functools.lru_cache(maxsize=None)
-def _jitted(key, rule: UpdateRule, config, interpret: bool, donate: bool):
-  """One jitted fused update per (platform, shapes, dtypes, rule, config)."""
+def _jitted(key, rule: UpdateRule, config, interpret: bool,
+            donate: bool) -> _Jitted:
+  """One jitted fused update per (device, shapes, dtypes, rule, config)."""
   del key  # part of the cache key only; jit specialises on it as well
   fn = functools.partial(pallas_kernels.fused_wgrad_update, rule=rule,
                          config=config, interpret=interpret)
-  return jax.jit(fn, donate_argnums=(2, 3) if donate else ())
+  return _Jitted(jax.jit(fn, donate_argnums=(2, 3) if donate else ()))
+
+
+def _run(entry: _Jitted, args) -> tuple:
+  """``entry.fn(*args)``; JAX's "donated buffers were not usable" warning is
+  counted (and swallowed) on the first call, the one that lowers and compiles
+  (JAX warns at lowering, ``jax/_src/interpreters/mlir.py``); later calls hit
+  jit's cache and skip the warnings bookkeeping."""
+  if entry.warm:
+    return entry.fn(*args)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = entry.fn(*args)
+  entry.warm = True
+  not_donated = 0
+  for c in caught:
+    if _NOT_DONATED in str(c.message):
+      not_donated += 1
+    else:
+      warnings.warn_explicit(c.message, c.category, c.filename, c.lineno)
+  if not_donated:
+    with _LOCK:
+      STATS.not_donated_warnings += not_donated
+  return out
+
+
+# Device copies of packed hparams vectors: every managed layer of one param
+# group gets the same vector in a step, so one host-to-device transfer serves
+# them all. JAX arrays are immutable; keyed by the exact bytes.
+_HPARAMS: dict = {}
+_HPARAMS_MAX = 256
+
+
+def _device_hparams(hparams, device) -> jax.Array:
+  if isinstance(hparams, jax.Array):
+    return hparams
+  vec = np.ascontiguousarray(hparams, dtype=np.float32)
+  key = (device, vec.shape, vec.tobytes())
+  hit = _HPARAMS.get(key)
+  if hit is None:
+    hit = jax.device_put(vec, device)
+    with _LOCK:
+      if len(_HPARAMS) >= _HPARAMS_MAX:
+        _HPARAMS.pop(next(iter(_HPARAMS)))
+      _HPARAMS[key] = hit
+  return hit
 
 
 def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
-                 slots: Sequence[torch.Tensor], hparams: np.ndarray, *,
+                 slots: Sequence[torch.Tensor], hparams, *,
                  rule: UpdateRule = TORCH_ADAMW,
                  config: pallas_kernels.BlockConfig | None = None) -> bool:
   """``w, slots <- rule(w, slots, G = x^T dy)`` on torch tensors, in place.
@@ -117,59 +375,109 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     w: ``(n_in, n_out)`` weight, updated in place (for a torch ``Linear``:
       ``weight`` ``(out, in)`` itself, so ``G`` is torch's own weight grad).
     slots: the rule's state tensors, ``w``'s shape, updated in place.
-    hparams: the rule's packed fp32 vector (numpy).
+    hparams: the rule's packed fp32 vector (numpy, or a JAX array on the
+      tensors' device).
     rule, config: the kernel's update rule and tiling.
+
+  On CUDA the kernel is ordered with torch's current stream as the sync mode
+  says (:func:`set_sync_mode`): either way, work torch queued on that stream
+  before this call runs before the kernel, and work queued after it runs
+  after the kernel.
 
   Returns:
     ``True`` if every state tensor was written in place by the kernel,
     ``False`` if any had to be copied back.
   """
-  tensors = (w, *slots)
-  for t in tensors:
+  for t in (w, *slots):
     if not t.is_contiguous():
       raise ValueError("forge_torch: weight and optimizer state must be "
                        "contiguous to be updated in place")
-  cuda = w.is_cuda
-  if cuda:
-    # Everything torch queued on its current stream (the producer of x and
-    # dy, and the grad_input GEMM that reads the pre-update w) must be done
-    # before the kernel reads x, dy and overwrites w.
-    torch.cuda.current_stream(w.device).synchronize()
+  if w.is_cuda and w.device.index != torch.cuda.current_device():
+    # torch's __dlpack__ exports only tensors of the current device, and
+    # orders them with that device's current stream.
+    with torch.cuda.device(w.device):
+      return _fused_update(x, dy, w, slots, hparams, rule, config)
+  return _fused_update(x, dy, w, slots, hparams, rule, config)
+
+
+def _fused_update(x, dy, w, slots, hparams, rule, config) -> bool:
   global _DONATION_BROKEN
-  xj, dyj = _to_jax(x), _to_jax(dy)
-  wj = _to_jax(w)
-  sj = tuple(_to_jax(s) for s in slots)
-  platform = wj.devices().pop().platform
-  interpret = platform == "cpu"
+  tensors = (w, *slots)
+  cuda = w.is_cuda
+  stream = torch.cuda.current_stream() if cuda else None
+  ordered = False  # stream-ordered (no host sync) for this call
+  if cuda:
+    if _SYNC_MODE == "stream" and _STREAM_FALLBACK is None:
+      if _tfrt_gpu_client():
+        _stream_unavailable(
+            "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT is set: that client "
+            "ignores the DLPack import stream")
+      else:
+        ordered = True
+    if not ordered:
+      # Everything torch queued on its current stream (the producer of x and
+      # dy, and the grad_input GEMM that reads the pre-update w) must be done
+      # before the kernel reads x, dy and overwrites w.
+      stream.synchronize()
+  # Every torch tensor handed to JAX stays referenced here until the end of
+  # this call (stream mode: until torch's stream waits on the kernel).
+  x_c, dy_c = _contiguous(x), _contiguous(dy)
+  held = [x_c, dy_c, *(t.detach() for t in tensors)]
+  xj = _to_jax(x_c)
+  device = next(iter(xj.devices()))
+  if ordered and not _device_has_ready_stream(device):
+    _stream_unavailable(
+        f"{device} has no stream for external ready events, so JAX would not "
+        "wait for torch's stream")
+    ordered = False
+    stream.synchronize()  # before any JAX work on the imports
+  dyj = _to_jax(dy_c)
+  wj = _to_jax(held[2])
+  sj = tuple(_to_jax(s) for s in held[3:])
+  hp = _device_hparams(hparams, device)
+  interpret = not cuda
   # XLA:CPU does not alias donated DLPack imports: nothing to gain there.
-  donate = not interpret and not _DONATION_BROKEN
-  key = (platform, tuple(xj.shape), tuple(dyj.shape),
-         tuple((a.shape, str(a.dtype)) for a in (xj, dyj, wj, *sj)))
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
+  donate = cuda and not _DONATION_BROKEN
+  key = (device, x_c.shape, dy_c.shape, x_c.dtype, dy_c.dtype,
+         tuple((t.shape, t.dtype) for t in tensors))
+  try:
+    w_new, s_new = _run(_jitted(key, rule, config, interpret, donate),
+                        (xj, dyj, wj, sj, hp))
+  except (RuntimeError, ValueError) as e:
+    if not donate or "donat" not in str(e).lower():
+      raise
+    # This JAX refuses to donate DLPack-imported buffers: copy back from
+    # now on (counted in STATS; the GPU tests report it).
+    _DONATION_BROKEN = True
+    donate = False
+    with _LOCK:
+      STATS.donation_errors += 1
+    xj, dyj = _to_jax(x_c), _to_jax(dy_c)
+    wj = _to_jax(held[2])
+    sj = tuple(_to_jax(s) for s in held[3:])
+    w_new, s_new = _run(_jitted(key, rule, config, interpret, donate),
+                        (xj, dyj, wj, sj, hp))
+  outs = (w_new, *s_new)
+  if ordered:
+    handle = _torch_stream_handle(stream)
     try:
-      w_new, s_new = _jitted(key, rule, config, interpret, donate)(
-          xj, dyj, wj, sj, hparams)
-    except (RuntimeError, ValueError) as e:
-      if not donate or "donat" not in str(e).lower():
+      for o in outs:
+        # GPU-side: torch's stream waits for the kernel's completion event.
+        # The capsule is dropped unconsumed (its deleter frees it).
+        o.__dlpack__(stream=handle)
+    except Exception as e:  # noqa: BLE001 -- jaxlib's own error types
+      ordered = False
+      jax.block_until_ready(outs)  # this call: ordered by the host instead
+      if "unimplemented" not in str(e).lower():
         raise
-      # This JAX refuses to donate DLPack-imported buffers: copy back from
-      # now on (counted in STATS; the GPU tests report it).
-      _DONATION_BROKEN = True
-      donate = False
-      with _LOCK:
-        STATS.donation_errors += 1
-      wj = _to_jax(w)
-      sj = tuple(_to_jax(s) for s in slots)
-      w_new, s_new = _jitted(key, rule, config, interpret, donate)(
-          _to_jax(x), _to_jax(dy), wj, sj, hparams)
-    outs = (w_new, *s_new)
+      _stream_unavailable(f"jax.Array.__dlpack__(stream=...) failed: {e}")
+    else:
+      for t in held:
+        # A no-op for memory allocated on this stream; otherwise torch's
+        # allocator keeps it until this stream has passed the kernel.
+        t.record_stream(stream)
+  else:
     jax.block_until_ready(outs)
-  not_donated = sum("donated buffers were not usable" in str(c.message)
-                    for c in caught)
-  for c in caught:
-    if "donated buffers were not usable" not in str(c.message):
-      warnings.warn_explicit(c.message, c.category, c.filename, c.lineno)
   all_in_place = True
   n_in_place = n_copied = 0
   for t, o in zip(tensors, outs):
@@ -179,14 +487,16 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     all_in_place = False
     n_copied += 1
     with torch.no_grad():
+      # torch.from_dlpack orders torch's stream after `o` (see above).
       t.copy_(torch.from_dlpack(o))
   if n_copied and cuda:
-    torch.cuda.current_stream(w.device).synchronize()
+    # `o` is freed when this call returns; the copies must have read it.
+    stream.synchronize()
+  del held
   with _LOCK:
     STATS.calls += 1
     STATS.in_place += n_in_place
     STATS.copied += n_copied
-    STATS.not_donated_warnings += not_donated
   return all_in_place
 
 
@@ -197,5 +507,6 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
         "be torch.float32 or torch.bfloat16 (keep other layers as nn.Linear)")
 
 
-__all__ = ["BridgeStats", "STATS", "SUPPORTED_DTYPES", "TORCH_ADAMW",
-           "check_dtype", "fused_update", "torch_adamw_hparams"]
+__all__ = ["BridgeStats", "STATS", "SUPPORTED_DTYPES", "SYNC_MODES",
+           "TORCH_ADAMW", "check_dtype", "fused_update", "get_sync_mode",
+           "set_sync_mode", "torch_adamw_hparams"]

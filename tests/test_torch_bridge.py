@@ -1,8 +1,11 @@
 """forge_torch (Linear + AdamW through the DLPack bridge) against torch and forge_jax."""
 
+import contextlib
 import copy
+import dataclasses
 import gc
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -589,6 +592,196 @@ def test_newest_optimizer_owns_the_weight():
   assert old.managed_params == []
 
 
+# --- sync mode (how the fused update is ordered with torch's CUDA stream) -------
+
+
+@contextlib.contextmanager
+def sync_mode(mode):
+  previous = forge_torch.set_sync_mode(mode)
+  try:
+    yield
+  finally:
+    forge_torch.set_sync_mode(previous)
+
+
+def test_sync_mode_setting():
+  from forge_torch import _bridge
+  assert forge_torch.get_sync_mode() in _bridge.SYNC_MODES == ("stream", "host")
+  with sync_mode("host"):
+    assert forge_torch.get_sync_mode() == "host"
+    assert forge_torch.get_sync_mode(effective=True) == "host"
+    assert forge_torch.set_sync_mode("stream") == "host"
+    assert forge_torch.get_sync_mode() == "stream"
+    for bad in ("HOST", "sync", "", None, 1):
+      with pytest.raises(ValueError, match="'stream', 'host'"):
+        forge_torch.set_sync_mode(bad)
+    assert forge_torch.get_sync_mode() == "stream"  # unchanged by the errors
+
+
+def test_sync_mode_environment_default(monkeypatch):
+  from forge_torch import _bridge
+  monkeypatch.delenv(_bridge.SYNC_ENV, raising=False)
+  assert _bridge._mode_from_env() == "stream"
+  monkeypatch.setenv(_bridge.SYNC_ENV, " Host ")
+  assert _bridge._mode_from_env() == "host"
+  monkeypatch.setenv(_bridge.SYNC_ENV, "async")
+  with pytest.raises(ValueError, match="FORGE_TORCH_SYNC must be one of"):
+    _bridge._mode_from_env()
+
+
+def test_stream_mode_prerequisite_checks():
+  from types import SimpleNamespace
+
+  from forge_torch import _bridge
+  # DLPack passes CUDA's legacy default stream (handle 0) as 1.
+  assert _bridge._torch_stream_handle(SimpleNamespace(cuda_stream=0)) == 1
+  assert _bridge._torch_stream_handle(SimpleNamespace(cuda_stream=1234)) == 1234
+
+  class Device:
+    def __init__(self, get):
+      self.get_stream_for_external_ready_events = get
+
+  def unimplemented():
+    raise RuntimeError("UNIMPLEMENTED: only implemented for GPU")
+
+  for get, ok in ((lambda: 0x7f00, True), (lambda: 0, False),
+                  (unimplemented, False)):
+    assert _bridge._device_has_ready_stream(Device(get)) is ok
+  # A JAX CPU device has no such stream: stream mode could not order there.
+  assert not _bridge._device_has_ready_stream(jax.devices("cpu")[0])
+
+
+class _FakeStream:
+  """Stands in for torch.cuda.current_stream() in the mocked-CUDA test."""
+
+  cuda_stream = 0  # CUDA's legacy default stream: DLPack passes it as 1
+
+  def __init__(self):
+    self.syncs = 0
+
+  def synchronize(self):
+    self.syncs += 1
+
+
+def test_stream_mode_control_flow_with_mocked_cuda(monkeypatch):
+  """The bridge's CUDA branch on the CPU, with torch's stream and JAX's
+  buffer-to-stream wait mocked: stream mode waits on every result with
+  torch's stream and pins every tensor it handed to JAX (record_stream),
+  without a host sync; a missing wait (here the real CPU client's
+  UNIMPLEMENTED) completes the call with host syncs, warns once and switches
+  to host mode -- the results are right either way."""
+  from jax._src import array as jax_array
+
+  from forge_torch import _bridge, _rules
+  recorded = []
+
+  class CudaLike(torch.Tensor):
+    @property
+    def is_cuda(self):
+      return True
+
+    def record_stream(self, stream):
+      recorded.append(stream)
+
+  stream = _FakeStream()
+  monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+  monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+  monkeypatch.setattr(_bridge, "_device_has_ready_stream", lambda d: True)
+  monkeypatch.setattr(_bridge, "_STREAM_FALLBACK", None)
+  jitted = _bridge._jitted  # CPU: interpret mode, nothing donated
+  monkeypatch.setattr(_bridge, "_jitted",
+                      lambda key, rule, config, interpret, donate:
+                      jitted(key, rule, config, True, False))
+  g = torch.Generator().manual_seed(5)
+  x, dy = torch.randn(16, 6, generator=g), torch.randn(16, 4, generator=g)
+  w0 = torch.randn(6, 4, generator=g)
+  h = _rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                 weight_decay=1e-2, step=1)
+  ref = (w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0))
+  _bridge.fused_update(x, dy, ref[0], ref[1:], h)
+
+  def run():
+    state = [t.as_subclass(CudaLike) for t in
+             (w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0))]
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      _bridge.fused_update(x.as_subclass(CudaLike), dy.as_subclass(CudaLike),
+                           state[0], state[1:], h)
+    for a, b in zip(state, ref):
+      assert torch.equal(a.as_subclass(torch.Tensor), b)
+    return [str(c.message) for c in caught]
+
+  waits = []
+  dlpack = jax_array.ArrayImpl.__dlpack__
+
+  def fake_dlpack(self, *, stream=None, **kw):  # the GPU-side wait, mocked
+    waits.append(stream)
+    return dlpack(self, **kw)
+
+  with sync_mode("stream"):
+    with monkeypatch.context() as m:
+      m.setattr(jax_array.ArrayImpl, "__dlpack__", fake_dlpack)
+      assert run() == []
+    # One wait per result with torch's stream (then torch.from_dlpack's own
+    # for the CPU copy-back, streamless); x, dy, w and both slots pinned; the
+    # only host sync is the copy-back's.
+    assert waits[:3] == [1, 1, 1] and recorded == [stream] * 5
+    assert stream.syncs == 1
+    assert forge_torch.get_sync_mode(effective=True) == "stream"
+
+    stream.syncs, recorded[:] = 0, []
+    messages = run()  # the real CPU __dlpack__(stream=1): UNIMPLEMENTED
+    assert len(messages) == 1 and "stream-ordered sync is unavailable" in (
+        messages[0]) and "UNIMPLEMENTED" in messages[0]
+    assert forge_torch.get_sync_mode() == "stream"
+    assert forge_torch.get_sync_mode(effective=True) == "host"
+    assert recorded == [] and stream.syncs == 1  # blocked, then copy-back sync
+
+    stream.syncs = 0
+    assert run() == []  # host mode now, silently: sync before + copy-back
+    assert stream.syncs == 2 and recorded == []
+
+
+def test_host_and_stream_modes_give_identical_results_cpu():
+  """CPU has no streams: both modes run the same path, bit for bit."""
+  data = batches(4)
+  results = {}
+  for mode in ("host", "stream"):
+    model = forge_copy(make_mlp())
+    opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+    stats = forge_torch.bridge_stats
+    stats.reset()
+    with sync_mode(mode):
+      train(model, opt, None, data)
+    results[mode] = (model, opt, dataclasses.replace(stats))
+  (m_h, o_h, st_h), (m_s, o_s, st_s) = results["host"], results["stream"]
+  assert st_h == st_s and st_h.calls == 3 * 4
+  assert st_h.copied == 3 * 3 * 4 and st_h.in_place == 0  # CPU copies back
+  for (name, a), b in zip(m_h.named_parameters(), m_s.parameters()):
+    assert torch.equal(a, b), name
+    for k, v in o_h.state[a].items():
+      assert torch.equal(v, o_s.state[b][k]), (name, k)
+
+
+def test_fused_update_hparams_numpy_or_device_array_cpu():
+  """hparams as numpy (converted once per distinct vector) or a JAX array."""
+  from forge_torch import _bridge, _rules
+  g = torch.Generator().manual_seed(5)
+  x, dy = torch.randn(16, 6, generator=g), torch.randn(16, 4, generator=g)
+  w0 = torch.randn(6, 4, generator=g)
+  h = _rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                 weight_decay=1e-2, step=1)
+  outs = []
+  for hp in (h, h.copy(), jax.numpy.asarray(h)):
+    w, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
+    _bridge.fused_update(x, dy, w, (m, v), hp)
+    outs.append((w, m, v))
+  for other in outs[1:]:
+    for a, b in zip(outs[0], other):
+      assert torch.equal(a, b)
+  assert not torch.equal(outs[0][0], w0)
+
+
 # --- GPU (H200): zero copy, streams, parity on CUDA --------------------------------
 
 
@@ -695,3 +888,108 @@ def test_gpu_fp32_parity_with_torch_adamw():
 def test_gpu_cross_framework_with_forge_jax():
   errs = run_cross_framework("cuda")
   print("max relative error:", max(errs.values()))
+
+
+def _busy(big, n):
+  """Queues ``n`` large matmuls on torch's current stream."""
+  for _ in range(n):
+    big = torch.tanh(big @ big * 1e-3)
+  return big
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+@pytest.mark.parametrize("side_stream", [False, True],
+                         ids=["current-stream", "side-stream"])
+def test_gpu_stream_mode_race_detector(side_stream):
+  """Stream mode orders JAX's kernel between torch's work, without a host sync.
+
+  torch's stream is kept busy (30 large matmuls) ahead of the producer of
+  ``x``/``dy`` and of a GEMM that reads the pre-update ``W``; the bridge is
+  called right away, and right after it torch overwrites ``x``/``dy`` in place,
+  frees and re-fills their memory, and reads ``W`` and the moments back. With
+  any ordering missing, the kernel would read ``x``/``dy`` before they are
+  written or after they are trashed, the GEMM would see the new ``W``, or the
+  read-back would see the old one. The reference is the same kernel in host
+  mode on the intended inputs (bit-identical: the kernel is deterministic).
+  """
+  from forge_torch import _bridge, _rules
+  bt, n_in, n_out = 8192, 2048, 1024
+  h = _rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                 weight_decay=1e-2, step=3)
+  stats = forge_torch.bridge_stats
+  stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+  for rep in range(3):
+    g = torch.Generator(device="cuda").manual_seed(100 + rep)
+    x_true = torch.randn(bt, n_in, device="cuda", generator=g)
+    dy_true = torch.randn(bt, n_out, device="cuda", generator=g)
+    w0 = torch.randn(n_in, n_out, device="cuda", generator=g) * 0.1
+    m0 = torch.randn(n_in, n_out, device="cuda", generator=g) * 1e-3
+    v0 = torch.rand(n_in, n_out, device="cuda", generator=g) * 1e-4
+    gi_ref = dy_true @ w0.T
+    with sync_mode("host"):
+      w_ref, m_ref, v_ref = w0.clone(), m0.clone(), v0.clone()
+      _bridge.fused_update(x_true, dy_true, w_ref, (m_ref, v_ref), h)
+    torch.cuda.synchronize()
+    assert not torch.equal(w_ref, w0)
+
+    w, m, v = w0.clone(), m0.clone(), v0.clone()
+    big = torch.randn(4096, 4096, device="cuda", generator=g)
+    torch.cuda.synchronize()
+    stats.reset()
+    with sync_mode("stream"), torch.cuda.stream(stream):
+      if side_stream:
+        stream.wait_stream(torch.cuda.default_stream())
+      big = _busy(big, 30)
+      z = 0.0 * big[0, 0]  # 0, but only once the whole chain has run
+      x = x_true + z
+      dy = dy_true + z
+      gi = dy @ w.T  # must read the pre-update w (as grad_input does)
+      all_in_place = _bridge.fused_update(x, dy, w, (m, v), h)
+      # Right away: trash x and dy in place, free them, refill their memory.
+      x.fill_(float("nan"))
+      dy.mul_(-3.0)
+      del x, dy
+      trash = [torch.full((bt, n_in), 7.0, device="cuda"),
+               torch.full((bt, n_out), -7.0, device="cuda")]
+      got = [t.clone() for t in (w, m, v)]
+      assert forge_torch.get_sync_mode(effective=True) == "stream", (
+          "stream mode fell back to host mode on this stack: "
+          f"{_bridge._STREAM_FALLBACK}")
+    torch.cuda.synchronize()
+    del trash
+    assert all_in_place and stats.in_place == 3 and stats.copied == 0, stats
+    # (An AdamW step moves W by ~10% here: far above GEMM rounding.)
+    assert rel(gi, gi_ref) <= 1e-6, (
+        f"rep {rep}: the GEMM queued before the fused update saw the new W")
+    for name, a, b in zip(("w", "exp_avg", "exp_avg_sq"), got,
+                          (w_ref, m_ref, v_ref)):
+      assert torch.equal(a, b), (
+          f"rep {rep}: {name} differs from the host-mode reference "
+          f"(max abs diff {(a - b).abs().max().item():.3e}): a stream-ordering "
+          "race between torch and the fused kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_stream_and_host_modes_bit_identical(dtype):
+  """A few steps of forge_torch.Linear training: the same bits in both modes."""
+  data = batches(5, "cuda", dtype)
+  runs = {}
+  for mode in ("host", "stream"):
+    model = forge_copy(make_mlp("cuda", dtype))
+    opt = forge_torch.AdamW(param_groups(model, True), lr=1e-2)
+    stats = forge_torch.bridge_stats
+    stats.reset()
+    with sync_mode(mode):
+      train(model, opt, None, data)
+      assert forge_torch.get_sync_mode(effective=True) == mode
+    torch.cuda.synchronize()
+    assert stats.copied == 0 and stats.in_place == 3 * 3 * 5, (mode, stats)
+    runs[mode] = (model, opt)
+  (m_h, o_h), (m_s, o_s) = runs["host"], runs["stream"]
+  for (name, a), b in zip(m_h.named_parameters(), m_s.parameters()):
+    assert torch.equal(a, b), name
+    for k, val in o_h.state[a].items():
+      assert torch.equal(val, o_s.state[b][k]), (name, k)
