@@ -52,7 +52,7 @@ from pallas_kernels.fused_wgrad import (
     _next_pow2,
     fused_wgrad_update,
 )
-from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
+from pallas_kernels.rules import UpdateRule
 
 SHIPPED_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                              "tuned_configs.json")

@@ -10,7 +10,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import autotune
 from tests.harness import lower_for_cuda, triton_calls
-from tests.tolerances import assert_close, tol
+from tests.tolerances import assert_close
 
 # (tokens..., in, out): odd sizes no block divides, sizes below the minimum
 # block, leading batch dimensions, and one multi-tile case.
