@@ -13,7 +13,8 @@ and, with torch (--torch, default: when torch has CUDA; bf16 moments only):
                 torch.optim.AdamW(fused=True).step()
   forge_torch   the same fused kernel on the torch tensors through the
                 forge_torch bridge (DLPack, in place; the forge row's tiling),
-                host synchronisations and per-step hparams included
+                the bridge's per-call host work and stream ordering (its
+                sync mode) included
 and the achieved bandwidth (bytes the arm's step must move / time) against
 the measured copy ceiling. Each JAX time is a quantile of 7 timed calls of a
 50-step fori_loop; each torch time of 7 timed 50-step Python loops (CUDA
@@ -167,7 +168,8 @@ def torch_adamw_arm(x, dy, w, m, v, first_step=STEP):
 
 def forge_torch_arm(x, dy, w, m, v, config=None, first_step=STEP):
   """The forge_torch arm: ``forge_torch._bridge.fused_update`` (the fused
-  kernel through DLPack, in place, with the bridge's host synchronisations)
+  kernel through DLPack, in place, ordered with torch's stream per the
+  bridge's sync mode)
   with torch AdamW's scalars for each step, built per call as
   ``forge_torch.optim`` does. Returns ``(step, (W, exp_avg, exp_avg_sq))``."""
   from forge_torch import _bridge, _rules  # noqa: PLC0415

@@ -52,8 +52,8 @@ from pallas_kernels.rules import UpdateRule
 # why the other is not).
 _REFUSED: dict[str, tuple[Any, str]] = {
     "capturable": (False, "the fused update runs inside backward through JAX "
-                   "with host synchronisations, which CUDA-graph capture "
-                   "cannot record"),
+                   "(its own streams, DLPack imports and host work per "
+                   "call), which CUDA-graph capture cannot record"),
     "differentiable": (False, "the fused update happens inside backward and "
                        "is not itself differentiable"),
 }
