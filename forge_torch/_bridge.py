@@ -363,10 +363,73 @@ def _device_hparams(hparams, device) -> jax.Array:
   return hit
 
 
+# Whether fused_update reuses a ViewCache's views ("0" in $FORGE_TORCH_VIEWS
+# turns it off, to measure or rule out the reuse; read at import).
+REUSE_VIEWS = os.environ.get("FORGE_TORCH_VIEWS", "1").strip() != "0"
+
+
+class ViewCache:
+  """JAX views of one weight's state tensors that the kernel updated in place.
+
+  On CUDA a donated call returns JAX arrays that alias the torch tensors'
+  memory (the weight and its optimizer state). Passing those arrays back as
+  the next call's inputs skips their DLPack imports, most of the bridge's
+  host time per call (``docs/torch.md``, Streams). ``x`` and ``dy`` are still
+  imported fresh on every call; their imports order the kernel after all
+  torch work queued before the call, including reads and writes of the
+  weight. A view is reused only while it is alive and still points at the
+  tensor's current memory (``data_ptr``, shape, dtype, device); anything else
+  is imported again. Each call replaces the whole set, so a cache holds at
+  most one view per state tensor of one weight. ``forge_torch``'s optimizers
+  keep one per managed weight, weakly keyed by the parameter, so the views
+  (which keep the storage they alias alive) last no longer than the
+  parameter or the optimizer. Copies and pickles of a cache are empty.
+  """
+
+  __slots__ = ("_views", "hits", "misses")
+
+  def __init__(self):
+    self._views: dict = {}
+    self.hits = self.misses = 0
+
+  @staticmethod
+  def _key(t: torch.Tensor):
+    return (t.data_ptr(), tuple(t.shape), t.dtype, t.device)
+
+  def get(self, t: torch.Tensor) -> jax.Array | None:
+    """The live view of ``t``'s current memory, or None."""
+    a = self._views.get(self._key(t))
+    if a is not None and (a.is_deleted()
+                          or a.unsafe_buffer_pointer() != t.data_ptr()):
+      a = None
+    if a is None:
+      self.misses += 1
+    else:
+      self.hits += 1
+    return a
+
+  def replace(self, pairs) -> None:
+    """Keep exactly these ``(tensor, view)`` pairs (the last call's)."""
+    self._views = {self._key(t): a for t, a in pairs}
+
+  def clear(self) -> None:
+    self._views = {}
+
+  def __len__(self) -> int:
+    return len(self._views)
+
+  def __deepcopy__(self, memo):
+    return ViewCache()
+
+  def __reduce__(self):
+    return (ViewCache, ())
+
+
 def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
                  slots: Sequence[torch.Tensor], hparams, *,
                  rule: UpdateRule = TORCH_ADAMW,
-                 config: pallas_kernels.BlockConfig | None = None) -> bool:
+                 config: pallas_kernels.BlockConfig | None = None,
+                 views: ViewCache | None = None) -> bool:
   """``w, slots <- rule(w, slots, G = x^T dy)`` on torch tensors, in place.
 
   Args:
@@ -378,6 +441,9 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     hparams: the rule's packed fp32 vector (numpy, or a JAX array on the
       tensors' device).
     rule, config: the kernel's update rule and tiling.
+    views: this weight's :class:`ViewCache` (CUDA): the state's JAX views
+      from the last in-place call are reused instead of imported again, and
+      this call's are kept. None: import every tensor (the default).
 
   On CUDA the kernel is ordered with torch's current stream as the sync mode
   says (:func:`set_sync_mode`): either way, work torch queued on that stream
@@ -396,11 +462,11 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     # torch's __dlpack__ exports only tensors of the current device, and
     # orders them with that device's current stream.
     with torch.cuda.device(w.device):
-      return _fused_update(x, dy, w, slots, hparams, rule, config)
-  return _fused_update(x, dy, w, slots, hparams, rule, config)
+      return _fused_update(x, dy, w, slots, hparams, rule, config, views)
+  return _fused_update(x, dy, w, slots, hparams, rule, config, views)
 
 
-def _fused_update(x, dy, w, slots, hparams, rule, config) -> bool:
+def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
   global _DONATION_BROKEN
   tensors = (w, *slots)
   cuda = w.is_cuda
@@ -432,12 +498,16 @@ def _fused_update(x, dy, w, slots, hparams, rule, config) -> bool:
     ordered = False
     stream.synchronize()  # before any JAX work on the imports
   dyj = _to_jax(dy_c)
-  wj = _to_jax(held[2])
-  sj = tuple(_to_jax(s) for s in held[3:])
-  hp = _device_hparams(hparams, device)
   interpret = not cuda
   # XLA:CPU does not alias donated DLPack imports: nothing to gain there.
   donate = cuda and not _DONATION_BROKEN
+  # The state's views from the last in-place call (ViewCache), else imports.
+  # x and dy above are always imported now: they carry the ordering.
+  reuse = views is not None and donate and REUSE_VIEWS
+  state = [views.get(t) if reuse else None for t in held[2:]]
+  wj, *sj = [_to_jax(t) if a is None else a for t, a in zip(held[2:], state)]
+  sj = tuple(sj)
+  hp = _device_hparams(hparams, device)
   key = (device, x_c.shape, dy_c.shape, x_c.dtype, dy_c.dtype,
          tuple((t.shape, t.dtype) for t in tensors))
   try:
@@ -480,15 +550,19 @@ def _fused_update(x, dy, w, slots, hparams, rule, config) -> bool:
     jax.block_until_ready(outs)
   all_in_place = True
   n_in_place = n_copied = 0
+  kept = []  # the in-place results: the next call's inputs (ViewCache)
   for t, o in zip(tensors, outs):
     if donate and o.unsafe_buffer_pointer() == t.data_ptr():
       n_in_place += 1
+      kept.append((t, o))
       continue
     all_in_place = False
     n_copied += 1
     with torch.no_grad():
       # torch.from_dlpack orders torch's stream after `o` (see above).
       t.copy_(torch.from_dlpack(o))
+  if views is not None:
+    views.replace(kept if reuse and donate else ())
   if n_copied and cuda:
     # `o` is freed when this call returns; the copies must have read it.
     stream.synchronize()
@@ -508,5 +582,5 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
 
 
 __all__ = ["BridgeStats", "STATS", "SUPPORTED_DTYPES", "SYNC_MODES",
-           "TORCH_ADAMW", "check_dtype", "fused_update", "get_sync_mode",
-           "set_sync_mode", "torch_adamw_hparams"]
+           "TORCH_ADAMW", "ViewCache", "check_dtype", "fused_update",
+           "get_sync_mode", "set_sync_mode", "torch_adamw_hparams"]

@@ -170,6 +170,8 @@ class _ForgeOptimizer:
     if "_forge_managed" not in self.__dict__:
       # First call, from torch's __init__: managed weight -> group index.
       self._forge_managed = WeakIdKeyDictionary()
+      # managed weight -> _bridge.ViewCache (its state's JAX views, CUDA)
+      self._forge_views = WeakIdKeyDictionary()
       self._forge_reset_step()
     super().add_param_group(param_group)
     index = len(self.param_groups) - 1
@@ -188,6 +190,7 @@ class _ForgeOptimizer:
       previous = _linear.owner_of(p)
       if previous is not None and previous is not self:
         previous._forge_managed.pop(p, None)
+        previous.__dict__.get("_forge_views", {}).pop(p, None)
       _linear._set_owner(p, self)
       self._forge_managed[p] = index
 
@@ -197,6 +200,8 @@ class _ForgeOptimizer:
       for p in group["params"]:
         if p in self._forge_managed:
           self._forge_managed[p] = index
+    # The loaded state tensors are new memory; drop the views of the old.
+    self._forge_views = WeakIdKeyDictionary()
     self._forge_reset_step()
 
   @property
@@ -286,8 +291,12 @@ class _ForgeOptimizer:
     values, scalar_updates = self._forge_hparams(group, state, t, fresh)
     # Kernel layout: x := grad_output (BT, out), dy := input (BT, in),
     # w := weight (out, in), so G' = grad_output^T input is torch's own grad.
+    views = self.__dict__.setdefault("_forge_views", WeakIdKeyDictionary())
+    if p not in views:
+      views[p] = _bridge.ViewCache()
     _bridge.fused_update(grad_output, input, p.data, slots,
-                         _rules.pack(rule, values), rule=rule, config=config)
+                         _rules.pack(rule, values), rule=rule, config=config,
+                         views=views[p])
     # Scalar state advances once the update is done (torch: `step_t += 1`).
     if "step" in state:
       state["step"] += 1

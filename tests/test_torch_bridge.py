@@ -993,3 +993,143 @@ def test_gpu_stream_and_host_modes_bit_identical(dtype):
     assert torch.equal(a, b), name
     for k, val in o_h.state[a].items():
       assert torch.equal(val, o_s.state[b][k]), (name, k)
+
+
+# --- ViewCache: the state's JAX views reused across calls -------------------
+
+
+def test_view_cache_reuses_only_live_views_of_the_same_memory():
+  """A view is handed back only while it is alive and still aliases the
+  tensor's current memory; each ``replace`` keeps exactly the last call's
+  views; copies and pickles are empty."""
+  import pickle
+
+  from forge_torch import _bridge
+  cache = _bridge.ViewCache()
+  t = torch.randn(8, 4)
+  a = jax.dlpack.from_dlpack(t)
+  if a.unsafe_buffer_pointer() != t.data_ptr():
+    pytest.skip("this CPU client copied the DLPack import")
+  assert cache.get(t) is None and cache.misses == 1
+  cache.replace([(t, a)])
+  assert cache.get(t) is a and cache.hits == 1 and len(cache) == 1
+  # Same memory, seen through another tensor object (p.data each call).
+  assert cache.get(t.detach()) is a
+  # Another tensor (other memory): a miss, and the old view is not offered.
+  u = t.clone()
+  assert cache.get(u) is None
+  # A view whose memory is not the tensor's any more is never reused.
+  b = jax.numpy.zeros((8, 4))
+  cache.replace([(t, b)])
+  assert cache.get(t) is None
+  # A deleted (e.g. donated) view is never reused.
+  c = jax.dlpack.from_dlpack(t)
+  cache.replace([(t, c)])
+  c.delete()
+  assert cache.get(t) is None
+  cache.replace([(t, a)])
+  assert len(copy.deepcopy(cache)) == 0 and len(copy.copy(cache)) == 0
+  assert len(pickle.loads(pickle.dumps(cache))) == 0
+  cache.replace(())
+  assert len(cache) == 0 and cache.get(t) is None
+
+
+def test_optimizer_keeps_one_view_cache_per_managed_weight():
+  """forge_torch's optimizers pass each managed weight its own ViewCache (on
+  the CPU it stays unused: nothing is written in place there), forget them
+  with load_state_dict, and a weight moving to another optimizer leaves its
+  cache behind."""
+  from forge_torch import _bridge
+  model = forge_copy(make_mlp())
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+  data = batches(2)
+  train(model, opt, None, data)
+  views = opt._forge_views
+  managed = opt.managed_params
+  assert len(managed) == 3 and len(views) == 3
+  for p in managed:
+    cache = views[p]
+    assert isinstance(cache, _bridge.ViewCache)
+    # CPU: nothing is donated, the results are copied back; the cache is
+    # not consulted and keeps nothing.
+    assert (cache.misses, cache.hits, len(cache)) == (0, 0, 0)
+  opt.load_state_dict(opt.state_dict())
+  assert len(opt._forge_views) == 0
+  train(model, opt, None, data[:1])
+  assert len(opt._forge_views) == 3
+  opt2 = forge_torch.AdamW(model.parameters(), lr=1e-2)
+  assert len(opt._forge_views) == 0 and len(opt2._forge_views) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+def test_gpu_reused_views_are_ordered_with_torch_writes():
+  """With a ViewCache the state's JAX views are reused (no DLPack import of W
+  and the moments after the first call), in stream mode, while torch keeps
+  rewriting W and the moments between the calls on a busy stream and reads W
+  in a GEMM right before each call. Bit-identical to host-mode calls without
+  a cache. A tensor with new memory is imported again, and the old memory is
+  left alone."""
+  from forge_torch import _bridge, _rules
+  bt, n_in, n_out = 4096, 2048, 1024
+  g = torch.Generator(device="cuda").manual_seed(7)
+  xs = [torch.randn(bt, n_in, device="cuda", generator=g) for _ in range(3)]
+  dys = [torch.randn(bt, n_out, device="cuda", generator=g) for _ in range(3)]
+  w0 = torch.randn(n_in, n_out, device="cuda", generator=g) * 0.1
+  m0 = torch.randn(n_in, n_out, device="cuda", generator=g) * 1e-3
+  v0 = torch.rand(n_in, n_out, device="cuda", generator=g) * 1e-4
+  hs = [_rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                   weight_decay=1e-2, step=t)
+        for t in (1, 2, 3)]
+
+  def between(w, m, v):  # torch's own writes of the state between steps
+    w.mul_(0.5)
+    m.add_(1e-3)
+    v.mul_(2.0)
+
+  with sync_mode("host"):
+    ref = [w0.clone(), m0.clone(), v0.clone()]
+    gi_ref = []
+    for i in range(3):
+      if i:
+        between(*ref)
+      gi_ref.append(dys[i] @ ref[0].T)
+      _bridge.fused_update(xs[i], dys[i], ref[0], ref[1:], hs[i])
+  torch.cuda.synchronize()
+
+  cache = _bridge.ViewCache()
+  w, m, v = w0.clone(), m0.clone(), v0.clone()
+  big = torch.randn(4096, 4096, device="cuda", generator=g)
+  stats = forge_torch.bridge_stats
+  stats.reset()
+  gi = []
+  with sync_mode("stream"):
+    for i in range(3):
+      big = _busy(big, 10)
+      z = 0.0 * big[0, 0]
+      if i:
+        between(w, m, v)
+      gi.append((dys[i] + z) @ w.T)
+      assert _bridge.fused_update(xs[i] + z, dys[i] + z, w, (m, v), hs[i],
+                                  views=cache)
+    got = [t.clone() for t in (w, m, v)]
+    assert forge_torch.get_sync_mode(effective=True) == "stream"
+  torch.cuda.synchronize()
+  assert stats.in_place == 9 and stats.copied == 0, stats
+  assert (cache.misses, cache.hits, len(cache)) == (3, 6, 3)
+  for i in range(3):
+    assert rel(gi[i], gi_ref[i]) <= 1e-6, f"call {i}: the GEMM saw the new W"
+  for name, a, b in zip(("w", "exp_avg", "exp_avg_sq"), got, ref):
+    assert torch.equal(a, b), (
+        f"{name} differs from host-mode calls without a cache (max abs diff "
+        f"{(a - b).abs().max().item():.3e})")
+  # New memory for W (as after `p.data = ...`): imported again; the old W
+  # keeps its values.
+  w_old = w
+  w_new = w.clone()
+  before = w_old.clone()
+  assert _bridge.fused_update(xs[0], dys[0], w_new, (m, v), hs[0],
+                              views=cache)
+  torch.cuda.synchronize()
+  assert torch.equal(w_old, before) and not torch.equal(w_new, before)
+  assert cache.misses == 4 and cache.hits == 8  # w imported, m and v reused
