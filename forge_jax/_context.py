@@ -106,3 +106,21 @@ SHARED_FIX = (
     "gradient and optax update), or build the step with "
     "forge_jax.make_step(..., shared=\"standard\"), which does that "
     "automatically for every shared FORGE layer (and warns which).")
+
+
+def register_layer(ctx: StepContext, path: Path,
+                   kernel_shape: tuple[int, ...], param_dtype, kind: str,
+                   hint: str = "") -> LayerInfo:
+  """Discover mode: records one call of the FORGE layer at ``path`` (``kind``
+  names it in errors) and refuses a second call in one step unless the step
+  allows shared kernels; ``hint`` is appended to that error."""
+  info = ctx.layers.setdefault(path,
+                               LayerInfo(path, kernel_shape, param_dtype))
+  info.calls += 1
+  if info.calls > 1 and ctx.shared == "error":
+    raise ValueError(
+        f"{kind} at {layer_name(path)!r} is called more than once in one "
+        "step. FORGE updates a kernel in place during its backward, so each "
+        "kernel may have one consumer per step (paper Remark 2). "
+        + SHARED_FIX + hint)
+  return info

@@ -129,18 +129,11 @@ class Dense(nn.Dense):
           "this layer")
     path = tuple(self.path)
     if ctx.mode == "discover":
-      kernel_shape = (jnp.shape(inputs)[-1], self.features)
-      info = ctx.layers.setdefault(
-          path, _context.LayerInfo(path, kernel_shape, self.param_dtype))
-      info.calls += 1
-      if info.calls > 1 and ctx.shared == "error":
-        raise ValueError(
-            f"forge_jax.Dense at {_context.layer_name(path)!r} is called more "
-            "than once in one step. FORGE updates a kernel in place during "
-            "its backward, so each kernel may have one consumer per step "
-            "(paper Remark 2). " + _context.SHARED_FIX + " (Inside nn.scan a "
-            "layer is traced more than once: for a scanned stack of Dense "
-            "layers use forge_jax.ScannedDenseStack.)")
+      _context.register_layer(
+          ctx, path, (jnp.shape(inputs)[-1], self.features), self.param_dtype,
+          "forge_jax.Dense", hint=" (Inside nn.scan a layer is traced more "
+          "than once: for a scanned stack of Dense layers use "
+          "forge_jax.ScannedDenseStack.)")
       return super().__call__(inputs)
 
     kernel = self.param('kernel', self.kernel_init,

@@ -241,16 +241,9 @@ class ScannedDenseStack(nn.Module):
     path = tuple(self.path)
     name = _context.layer_name(path)
     if ctx.mode == "discover":
-      info = ctx.layers.setdefault(path, _context.LayerInfo(
-          path, (self.num_layers, jnp.shape(x)[-1], self.features),
-          self.param_dtype))
-      info.calls += 1
-      if info.calls > 1 and ctx.shared == "error":
-        raise ValueError(
-            f"forge_jax.ScannedDenseStack at {name!r} is called more than "
-            "once in one step. FORGE updates a kernel in place during its "
-            "backward, so each kernel may have one consumer per step (paper "
-            "Remark 2). " + _context.SHARED_FIX)
+      _context.register_layer(
+          ctx, path, (self.num_layers, jnp.shape(x)[-1], self.features),
+          self.param_dtype, "forge_jax.ScannedDenseStack")
       return self._scanned(x)
 
     spec = ctx.spec

@@ -190,7 +190,7 @@ class _ForgeOptimizer:
       previous = _linear.owner_of(p)
       if previous is not None and previous is not self:
         previous._forge_managed.pop(p, None)
-        previous.__dict__.get("_forge_views", {}).pop(p, None)
+        previous._forge_views.pop(p, None)
       _linear._set_owner(p, self)
       self._forge_managed[p] = index
 
@@ -291,12 +291,12 @@ class _ForgeOptimizer:
     values, scalar_updates = self._forge_hparams(group, state, t, fresh)
     # Kernel layout: x := grad_output (BT, out), dy := input (BT, in),
     # w := weight (out, in), so G' = grad_output^T input is torch's own grad.
-    views = self.__dict__.setdefault("_forge_views", WeakIdKeyDictionary())
-    if p not in views:
-      views[p] = _bridge.ViewCache()
+    views = self._forge_views.get(p)
+    if views is None:
+      views = self._forge_views[p] = _bridge.ViewCache()
     _bridge.fused_update(grad_output, input, p.data, slots,
                          _rules.pack(rule, values), rule=rule, config=config,
-                         views=views[p])
+                         views=views)
     # Scalar state advances once the update is done (torch: `step_t += 1`).
     if "step" in state:
       state["step"] += 1

@@ -427,9 +427,9 @@ def merge_file(data: dict, path: str) -> int:
   Every source keeps its own record, plus ``"file": path`` (where its
   measurements are kept); returns the number of entries merged.
   """
-  other = _read_or_empty(path) if os.path.exists(path) else None
-  if other is None:
+  if not os.path.exists(path):
     raise FileNotFoundError(f"--merge: no such cache file {path!r}")
+  other = _read_or_empty(path)
   n = 0
   for kind, dev in other["devices"].items():
     for sid, source in dev.get("sources", {}).items():

@@ -35,6 +35,15 @@ def mse(model):
       (model.apply(variables, batch[0]) - batch[1]) ** 2)
 
 
+def step_once(model, tx, batch, seed=0):
+  """Initialises ``model`` on ``batch`` and runs one ``forge_jax.make_step``
+  step with ``tx`` (for checks that the step refuses a model)."""
+  import forge_jax  # noqa: PLC0415 -- the kernel suites need no flax layer
+  variables = model.init(jax.random.key(seed), batch[0])
+  return forge_jax.make_step(mse(model), tx)(
+      variables, tx.init(variables["params"]), batch)
+
+
 def decay_kernels_only(params):
   """A weight-decay mask: matrices yes, biases no."""
   return jax.tree.map(lambda a: a.ndim > 1, params)

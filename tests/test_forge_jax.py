@@ -14,7 +14,7 @@ from forge_jax import _context
 from forge_jax.dense import _Static, _fused_linear
 import pallas_kernels as pk
 from benchmarks.common import compiled_adamw_step
-from tests.harness import reference_step
+from tests.harness import reference_step, step_once
 from tests.tolerances import assert_close, assert_trees_close, rel_err, tol
 
 
@@ -295,12 +295,8 @@ def test_make_step_needs_a_forge_transform():
 
 def test_make_step_without_forge_layers_says_so():
   model = MLP(nn.Dense)
-  batch = data(steps=1)[0]
-  variables = model.init(jax.random.key(0), batch[0])
-  tx = forge_jax.adamw(1e-3)
   with pytest.raises(ValueError, match="no forge_jax.Dense layer"):
-    forge_jax.make_step(mse(model), tx)(variables, tx.init(variables["params"]),
-                                        batch)
+    step_once(model, forge_jax.adamw(1e-3), data(steps=1)[0])
 
 
 def test_custom_dot_general_is_refused_in_a_step():

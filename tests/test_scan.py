@@ -11,7 +11,8 @@ import pytest
 
 import forge_jax
 from benchmarks.common import compiled_adamw_step
-from tests.harness import lower_for_cuda, train_side_by_side, triton_calls
+from tests.harness import (lower_for_cuda, step_once, train_side_by_side,
+                           triton_calls)
 from tests.tolerances import assert_trees_close, rel_err, tol
 from tests.test_forge_jax import SCHEDULE, data, mse, optax_step, wd_mask
 
@@ -177,12 +178,8 @@ class TiedStack(nn.Module):
 
 def test_stack_kernel_read_elsewhere_is_refused():
   model = TiedStack()
-  batch = data(steps=1)[0]
-  variables = model.init(jax.random.key(0), batch[0])
-  tx = forge_jax.adamw(1e-2)
   with pytest.raises(ValueError, match="'stack' is also read"):
-    forge_jax.make_step(mse(model), tx)(variables, tx.init(variables["params"]),
-                                        batch)
+    step_once(model, forge_jax.adamw(1e-2), data(steps=1)[0])
 
 
 class _ForgeLayer(forge_jax.Dense):
@@ -222,12 +219,8 @@ def test_unknown_stack_update_is_refused():
 
 def test_non_regime_1_family_is_refused_with_the_fix():
   model = Model(True)
-  batch = data(steps=1)[0]
-  variables = model.init(jax.random.key(0), batch[0])
-  tx = forge_jax.lamb(1e-2)
   with pytest.raises(ValueError, match="regime-1 families only.*fused=False"):
-    forge_jax.make_step(mse(model), tx)(variables, tx.init(variables["params"]),
-                                        batch)
+    step_once(model, forge_jax.lamb(1e-2), data(steps=1)[0])
 
 
 @pytest.mark.parametrize("model_kwargs,tokens", [
