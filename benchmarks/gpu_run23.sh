@@ -3,7 +3,8 @@
 # start (BlockConfig.persistent / .stagger; labels ,P<k> ,d<n>) -- checked
 # against the reference on the GPU, then timed beside the non-persistent
 # tilings on 4096^2 and 4096x14336 at BT 512 and 2048; then the bridge's GPU
-# tests (not re-run after session 4's last optimizer change).
+# tests (not re-run after session 4's last optimizer change). The ,P/,d knobs
+# exist only in commit 6b26533 (reverted after this measurement).
 source "$(dirname "$0")/gpu_lib.sh"
 run pytest_knobs 150 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu \
   tests/test_kernel.py -k knob_tilings

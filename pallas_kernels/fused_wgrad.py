@@ -66,14 +66,6 @@ class BlockConfig:
       one sub-tile at a time, so only one sub-tile of ``W`` and its state is
       live in registers at once (with ``prefetch``, every sub-tile's state
       is loaded before the main loop and all are live through it).
-    persistent: 0: one program per tile (the grid is the tiles). ``k`` > 0:
-      ``k`` programs per SM, each looping over the tiles ``pid, pid + P,
-      ...`` (``P`` = the grid), so the grid is resident at once.
-    stagger: with ``persistent``: program ``pid`` first spins for
-      ``(pid // n_SM) * stagger`` iterations of a dependent multiply-add, so
-      that the programs sharing an SM run out of phase -- one's epilogue
-      (HBM-bound) beside another's main loop (tensor cores) -- instead of in
-      lockstep. 0: no spin.
   """
 
   block_in: int = 64
@@ -85,8 +77,6 @@ class BlockConfig:
   prefetch: bool = False
   stream_state: bool = False
   split_out: int = 1
-  persistent: int = 0
-  stagger: int = 0
 
   def __post_init__(self):
     for name in ("block_in", "block_out", "block_bt"):
@@ -108,12 +98,6 @@ class BlockConfig:
       raise ValueError(
           f"split_out={self.split_out!r} must be a power of two leaving "
           f"sub-tiles of >= {_MIN_BLOCK} columns (block_out={self.block_out})")
-    for name in ("persistent", "stagger"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"{name}={v!r} must be an int >= 0")
-    if self.stagger and not self.persistent:
-      raise ValueError(f"stagger={self.stagger} needs persistent > 0")
 
   def fit(self, bt: int, n_in: int, n_out: int) -> "BlockConfig":
     """This tiling shrunk to the problem: each block at most the next power
@@ -238,7 +222,7 @@ def _and(*masks):
 
 def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
                   cfg: BlockConfig, bt: int, n_in: int, n_out: int,
-                  precision, stacked: bool, n_sm: int):
+                  precision, stacked: bool):
   # Inputs: (the layer index if stacked), (W if the rule updates it), slots.
   # Outputs: the same state, aliased, then the rule's write-only outputs.
   if stacked:
@@ -247,109 +231,86 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
   in_refs, out_refs = refs[:n_state], refs[n_state:]
   n_aliased = n_state
   bi, bo, bk = cfg.block_in, cfg.block_out, cfg.block_bt
+
+  # Grouped tile order: program p walks `group_in` tiles down `in` before
+  # moving to the next `out` column, so the programs in flight share chunks of
+  # dy (and the grid's x chunks stay hot across groups).
+  pid = pl.program_id(0)
   tiles_in = pl.cdiv(n_in, bi)
   tiles_out = pl.cdiv(n_out, bo)
+  per_group = cfg.group_in * tiles_out
+  group = pid // per_group
+  first_in = group * cfg.group_in
+  group_size = jnp.minimum(tiles_in - first_in, cfg.group_in)
+  ti = first_in + (pid % per_group) % group_size
+  to = (pid % per_group) // group_size
+
   # Column sub-tiles (BlockConfig.split_out): each has its own accumulator
   # and its own epilogue; there is one of them unless split_out > 1.
   ns = cfg.split_out
   so = bo // ns
-  state_policy = "evict_first" if cfg.stream_state else None
-  operand_policy = "evict_last" if cfg.stream_state else None
+  col0 = [to * bo + j * so for j in range(ns)]
+
+  # Masks only along dimensions the tiles do not divide: an unmasked access
+  # can be vectorised (a masked one may not be).
+  row_ok = (ti * bi + jnp.arange(bi) < n_in) if n_in % bi else None
+  col_ok = ([c + jnp.arange(so) < n_out for c in col0] if n_out % bo
+            else [None] * ns)
   col = lambda m: None if m is None else m[None, :]
   row = lambda m: None if m is None else m[:, None]
 
-  def run_tile(t):
-    # Grouped tile order: tile t walks `group_in` tiles down `in` before
-    # moving to the next `out` column, so the programs in flight share chunks
-    # of dy (and the grid's x chunks stay hot across groups).
-    per_group = cfg.group_in * tiles_out
-    group = t // per_group
-    first_in = group * cfg.group_in
-    group_size = jnp.minimum(tiles_in - first_in, cfg.group_in)
-    ti = first_in + (t % per_group) % group_size
-    to = (t % per_group) // group_size
-    col0 = [to * bo + j * so for j in range(ns)]
+  tiles = [(pl.ds(ti * bi, bi), pl.ds(c, so)) for c in col0]
+  masks = [_and(row(row_ok), col(m)) for m in col_ok]
+  # A stacked state (L, in, out): this call updates layer `layer_ref[0]`.
+  state_tiles = ([(layer_ref[0], *t) for t in tiles] if stacked else tiles)
+  state_policy = "evict_first" if cfg.stream_state else None
+  operand_policy = "evict_last" if cfg.stream_state else None
 
-    # Masks only along dimensions the tiles do not divide: an unmasked access
-    # can be vectorised (a masked one may not be).
-    row_ok = (ti * bi + jnp.arange(bi) < n_in) if n_in % bi else None
-    col_ok = ([c + jnp.arange(so) < n_out for c in col0] if n_out % bo
-              else [None] * ns)
-    tiles = [(pl.ds(ti * bi, bi), pl.ds(c, so)) for c in col0]
-    masks = [_and(row(row_ok), col(m)) for m in col_ok]
-    # A stacked state (L, in, out): this call updates layer `layer_ref[0]`.
-    state_tiles = ([(layer_ref[0], *tl) for tl in tiles] if stacked
-                   else tiles)
+  def load_state(j):
+    return [plgpu.load(r.at[state_tiles[j]], mask=masks[j],
+                       other=None if masks[j] is None else 0.0,
+                       eviction_policy=state_policy) for r in in_refs]
 
-    def load_state(j):
-      return [plgpu.load(r.at[state_tiles[j]], mask=masks[j],
-                         other=None if masks[j] is None else 0.0,
-                         eviction_policy=state_policy) for r in in_refs]
+  # With `prefetch` the W/slot loads are issued before the main loop, so they
+  # are in flight while the tensor cores run.
+  old = [load_state(j) for j in range(ns)] if cfg.prefetch else [None] * ns
 
-    # With `prefetch` the W/slot loads are issued before the main loop, so
-    # they are in flight while the tensor cores run.
-    old = [load_state(j) for j in range(ns)] if cfg.prefetch else [None] * ns
-
-    def body(k, accs):
-      k_ok = (k * bk + jnp.arange(bk) < bt)[:, None] if bt % bk else None
-      x_mask = _and(k_ok, col(row_ok))
-      xk = plgpu.load(
-          x_ref.at[pl.ds(k * bk, bk), pl.ds(ti * bi, bi)],
-          mask=x_mask, other=None if x_mask is None else 0.0,
+  def body(k, accs):
+    k_ok = (k * bk + jnp.arange(bk) < bt)[:, None] if bt % bk else None
+    x_mask = _and(k_ok, col(row_ok))
+    xk = plgpu.load(
+        x_ref.at[pl.ds(k * bk, bk), pl.ds(ti * bi, bi)],
+        mask=x_mask, other=None if x_mask is None else 0.0,
+        eviction_policy=operand_policy)
+    out = []
+    for j in range(ns):
+      dy_mask = _and(k_ok, col(col_ok[j]))
+      dyk = plgpu.load(
+          dy_ref.at[pl.ds(k * bk, bk), pl.ds(col0[j], so)],
+          mask=dy_mask, other=None if dy_mask is None else 0.0,
           eviction_policy=operand_policy)
-      out = []
-      for j in range(ns):
-        dy_mask = _and(k_ok, col(col_ok[j]))
-        dyk = plgpu.load(
-            dy_ref.at[pl.ds(k * bk, bk), pl.ds(col0[j], so)],
-            mask=dy_mask, other=None if dy_mask is None else 0.0,
-            eviction_policy=operand_policy)
-        out.append(accs[j] + plgpu.dot(xk, dyk, trans_a=True,
-                                        precision=precision))
-      return tuple(out)
+      out.append(accs[j] + plgpu.dot(xk, dyk, trans_a=True,
+                                      precision=precision))
+    return tuple(out)
 
-    gs = lax.fori_loop(
-        0, pl.cdiv(bt, bk), body,
-        tuple(jnp.zeros((bi, so), jnp.float32) for _ in range(ns)))
+  gs = lax.fori_loop(0, pl.cdiv(bt, bk), body,
+                     tuple(jnp.zeros((bi, so), jnp.float32) for _ in range(ns)))
 
-    # Epilogue: the optimizer on each sub-tile, reading and writing W and its
-    # state in place. `g` (fp32) is consumed here and never stored.
-    h = rule.unpack(h_ref)
-    for j, g in enumerate(gs):
-      olds = old[j] if old[j] is not None else load_state(j)
-      olds = [a.astype(jnp.float32) for a in olds]
-      if rule.updates_weight:
-        w_new, new = rule.update(g, olds[0], tuple(olds[1:]), h)
-        new = (w_new, *new)
-      else:  # regime 2: the state only; W stays in HBM, untouched.
-        _, new = rule.update(g, None, tuple(olds), h)
-      for i, (r, v) in enumerate(zip(out_refs, new)):
-        plgpu.store(r.at[state_tiles[j] if i < n_aliased else tiles[j]],
-                    v.astype(r.dtype), mask=masks[j],
-                    eviction_policy=state_policy)
-
-  pid = pl.program_id(0)
-  if not cfg.persistent:
-    run_tile(pid)
-    return
-  # Persistent programs: program pid runs tiles pid, pid + P, pid + 2P, ...
-  n_prog = pl.num_programs(0)
-  n_iter = (tiles_in * tiles_out - pid + n_prog - 1) // n_prog
-  if cfg.stagger:
-    # Spin (pid // n_sm) * stagger dependent multiply-adds so that the
-    # programs sharing an SM start out of phase. The result feeds the trip
-    # count (through a test that is never true, but that the compiler cannot
-    # fold), so the spin is not removed as dead code.
-    spin = lax.fori_loop(0, (pid // n_sm) * cfg.stagger,
-                         lambda i, d: d * 0.5 + 1.0,
-                         (pid + 1).astype(jnp.float32))
-    n_iter = n_iter - (spin < 0.0).astype(n_iter.dtype)
-
-  def tile_loop(i, carry):
-    run_tile(pid + i * n_prog)
-    return carry
-
-  lax.fori_loop(0, n_iter, tile_loop, 0)
+  # Epilogue: the optimizer on each sub-tile, reading and writing W and its
+  # state in place. `g` (fp32) is consumed here and never stored.
+  h = rule.unpack(h_ref)
+  for j, g in enumerate(gs):
+    olds = old[j] if old[j] is not None else load_state(j)
+    olds = [a.astype(jnp.float32) for a in olds]
+    if rule.updates_weight:
+      w_new, new = rule.update(g, olds[0], tuple(olds[1:]), h)
+      new = (w_new, *new)
+    else:  # regime 2: the state only; W stays in HBM, untouched.
+      _, new = rule.update(g, None, tuple(olds), h)
+    for i, (r, v) in enumerate(zip(out_refs, new)):
+      plgpu.store(r.at[state_tiles[j] if i < n_aliased else tiles[j]],
+                  v.astype(r.dtype), mask=masks[j],
+                  eviction_policy=state_policy)
 
 
 def _flatten_tokens(x, dy):
@@ -359,29 +320,6 @@ def _flatten_tokens(x, dy):
 def default_interpret() -> bool:
   """Pallas interpret mode unless the default backend is a GPU."""
   return jax.default_backend() != "gpu"
-
-
-# Interpret mode has no SMs; a small stand-in keeps persistent grids small.
-_INTERPRET_SMS = 4
-
-
-def _num_sms(interpret: bool) -> int:
-  """Streaming multiprocessors of the GPU the kernel is compiled for
-  (persistent grids are sized by it): the device of an abstract mesh when
-  lowering without a GPU (``AbstractDevice(..., num_cores, "gpu")``), else
-  the first device's ``core_count``."""
-  if interpret:
-    return _INTERPRET_SMS
-  mesh = jax.sharding.get_abstract_mesh()
-  dev = getattr(mesh, "abstract_device", None)
-  n = getattr(dev, "num_cores", None)
-  if dev is None or getattr(dev, "platform", None) != "gpu" or not n:
-    dev = jax.devices()[0]
-    n = getattr(dev, "core_count", None)
-  if not isinstance(n, int) or n < 1:
-    raise RuntimeError(f"cannot read the SM count of {dev} (core_count={n!r});"
-                       " use a BlockConfig with persistent=0")
-  return n
 
 
 def _dot_precision(x, dy, w):
@@ -455,11 +393,9 @@ def fused_wgrad_update(
                                 w, slots, hparams, layer)
 
   n_tiles = pl.cdiv(n_in, cfg.block_in) * pl.cdiv(n_out, cfg.block_out)
-  n_sm = _num_sms(interpret)
-  grid = (min(n_tiles, cfg.persistent * n_sm) if cfg.persistent else n_tiles)
   kernel = functools.partial(
       _fused_kernel, rule=rule, cfg=cfg, bt=bt, n_in=n_in, n_out=n_out,
-      precision=_dot_precision(x, dy, w), stacked=stacked, n_sm=n_sm)
+      precision=_dot_precision(x, dy, w), stacked=stacked)
   state = (w, *slots) if rule.updates_weight else slots
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
   outputs = tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
@@ -470,7 +406,7 @@ def fused_wgrad_update(
       kernel,
       out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
       + outputs,
-      grid=(grid,),
+      grid=(n_tiles,),
       input_output_aliases={first_state_arg + i: i for i in range(len(state))},
       compiler_params=plgpu.CompilerParams(
           num_warps=cfg.num_warps, num_stages=cfg.num_stages),

@@ -91,15 +91,6 @@ def test_nesterov_rule_matches_reference():
                    split_out=2),
     pk.BlockConfig(block_in=16, block_out=128, block_bt=32, split_out=4,
                    prefetch=True),
-    # Persistent grids (interpret mode stands in 4 SMs): 2 programs per SM
-    # loop over 5 x 3 tiles, so programs run 1 or 2 tiles, grouped order.
-    pk.BlockConfig(block_in=16, block_out=64, block_bt=16, group_in=3,
-                   persistent=2),
-    pk.BlockConfig(block_in=32, block_out=64, block_bt=32, split_out=2,
-                   stream_state=True, persistent=1, stagger=3),
-    # More programs than tiles: the grid shrinks to the tiles.
-    pk.BlockConfig(block_in=64, block_out=128, block_bt=16, persistent=4,
-                   stagger=2),
 ])
 def test_tilings_and_tile_orders_agree(config):
   # Many tiles, partial tiles on every edge, grouped orders with a ragged
@@ -121,9 +112,8 @@ def make_stacked_case(seed, layers, tokens, n_in, n_out, dtypes):
     jnp.dtype(t).name for t in d))
 @pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 @pytest.mark.parametrize("config", [
-    None, pk.BlockConfig(32, 64, 16, split_out=4, stream_state=True),
-    pk.BlockConfig(32, 32, 16, persistent=1, stagger=2)],
-    ids=["default", "o4", "P1"])
+    None, pk.BlockConfig(32, 64, 16, split_out=4, stream_state=True)],
+    ids=["default", "o4"])
 def test_stacked_state_updates_one_layer_in_place(dtypes, traced, config):
   x, dy, w, slots = make_stacked_case(20, 3, (37,), 70, 130, dtypes)
   h = adamw_hparams()
@@ -234,10 +224,6 @@ def test_hyperparameters_are_runtime_values():
     (dict(stream_state="yes"), "stream_state='yes' must be a bool"),
     (dict(split_out=3), "split_out=3 must be a power of two"),
     (dict(block_out=32, split_out=4), "sub-tiles of >= 16 columns"),
-    (dict(persistent=-1), "persistent=-1 must be an int >= 0"),
-    (dict(persistent=True), "persistent=True must be an int >= 0"),
-    (dict(persistent=2, stagger=1.5), "stagger=1.5 must be an int >= 0"),
-    (dict(stagger=100), "stagger=100 needs persistent > 0"),
 ])
 def test_invalid_block_configs_fail_clearly(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -332,30 +318,6 @@ def test_lowers_for_cuda_without_a_gpu(dtypes):
   assert text.count("tf.aliasing_output") == 3
 
 
-@pytest.mark.parametrize("config", [
-    pk.BlockConfig(32, 64, 16, persistent=2, stagger=100),
-    pk.BlockConfig(16, 32, 16, split_out=2, persistent=1)],
-    ids=["P2,d100", "o2,P1"])
-def test_persistent_grid_lowers_for_cuda_sized_by_the_sms(config):
-  """A persistent tiling lowers for an H200 (132 SMs, from the abstract
-  device) without a GPU; the grid is min(tiles, persistent x SMs)."""
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-
-  def step(x, dy, w, mu, nu, h):
-    return pk.fused_wgrad_update(x, dy, w, (mu, nu), h, rule=pk.ADAMW,
-                                 interpret=False, config=config)
-
-  n_in, n_out = 1000, 700  # 32 x 11 = 352 tiles of 32x64; 63 x 22 of 16x32
-  text = lower_for_cuda(step, f32(37, n_in), f32(37, n_out), f32(n_in, n_out),
-                        f32(n_in, n_out), f32(n_in, n_out),
-                        f32(pk.HPARAM_VECTOR_LEN))
-  (call,) = triton_calls(text)
-  tiles = -(-n_in // config.block_in) * -(-n_out // config.block_out)
-  grid = min(tiles, config.persistent * 132)
-  assert grid < tiles
-  assert f"grid_x = {grid}" in call, call[:400]
-
-
 # --- GPU ---------------------------------------------------------------------
 
 
@@ -379,9 +341,6 @@ def test_compiled_kernel_matches_reference_on_gpu(tokens, n_in, n_out, dtypes):
     pk.BlockConfig(128, 128, 64, 8, 8, 3, prefetch=True, stream_state=True),
     pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True, split_out=2),
     pk.BlockConfig(128, 256, 64, 8, 8, 3, stream_state=True, split_out=4),
-    pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True, split_out=2,
-                   persistent=2, stagger=500),
-    pk.BlockConfig(64, 64, 64, 8, 4, 3, stream_state=True, persistent=3),
 ], ids=lambda c: autotune.config_label(c))
 @pytest.mark.parametrize("dtypes", DTYPES[:2], ids=["f32", "bf16"])
 def test_compiled_knob_tilings_match_reference_on_gpu(config, dtypes):
