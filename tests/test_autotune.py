@@ -23,8 +23,12 @@ H200_CSVS = [H200_CSV] + [os.path.join(S2, f"variants_run{i}.csv")
                           for i in (6, 8, 7)] + [
     os.path.join(os.path.dirname(S2), "h200-2026-11-29-s3", "run15_sweep.csv")]
 # Session 4's tuning run over the e2e decoder's own shapes (gpu_run18.sh).
+# Session 5's wider tuning of those shapes at BT 512 replaces run 18's BT-512
+# winners (gpu_run24.sh).
 H200_TUNED = [os.path.join("benchmarks", "results", "h200-2026-11-29-s4",
-                           "run18_decoder_tuned.json")]
+                           "run18_decoder_tuned.json"),
+              os.path.join("benchmarks", "results", "h200-2026-11-29-s5",
+                           "run24_decoder512_tuned.json")]
 BF16 = ("bfloat16", "bfloat16")
 
 
