@@ -1,0 +1,175 @@
+"""Where the e2e step's GPU time goes: FORGE vs optax.adamw, kernel by kernel.
+
+    ./dev.sh python benchmarks/e2e_profile.py --bt 512 --out P.csv
+
+Builds both arms of ``benchmarks/e2e.py`` (the same Llama-style decoder,
+batch and AdamW), runs a few warm-up steps, then traces ``--steps`` steps of
+each with ``jax.profiler.trace`` and reads the GPU kernels from the trace
+(Perfetto JSON). Per arm and per step it reports the GPU time of each kernel
+category -- the fused FORGE kernel, GEMMs, attention, XLA's other fusions,
+copies -- the GPU's busy time against the step's wall time (the difference
+is time the GPU waits on the host), and the kernels whose time differs most
+between the arms. Rows go to ``--out`` (benchmark ``e2e_profile``; metric
+``gpu_time`` per category, ``kernel_time`` per kernel name, ms per step).
+The arms run one after the other in this process (each state is freed
+first). GPU only: on a CPU the trace holds no device kernels and the script
+says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+import jax  # noqa: E402
+
+from benchmarks import common, e2e  # noqa: E402
+
+# First match wins: a kernel's category from its name.
+CATEGORIES = (
+    ("forge kernel", re.compile(r"fused_wgrad", re.I)),
+    ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|sm90_|sm80_",
+                        re.I)),
+    ("copy/memset", re.compile(r"memcpy|memset|copy", re.I)),
+)
+OTHER = "xla fusions, other"
+
+
+def category(name: str) -> str:
+  for cat, pattern in CATEGORIES:
+    if pattern.search(name):
+      return cat
+  return OTHER
+
+
+def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
+  """``(name, duration_us)`` of every event on a GPU device in the trace."""
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
+                    recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+  with gzip.open(max(paths, key=os.path.getmtime)) as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  gpu_pids = {e["pid"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "GPU" in str(e.get("args", {}).get("name", ""))}
+  return [(e["name"], float(e.get("dur", 0.0))) for e in events
+          if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+
+
+def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
+                warmup: int) -> dict:
+  step, tx = e2e.build_arm(arm, cfg)
+  batch = e2e.make_batch(cfg, bt // cfg.seq)
+  variables = e2e.init_variables(cfg)
+  opt_state = jax.jit(tx.init)(variables["params"])
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  for _ in range(warmup):
+    loss, variables, opt_state = jitted(variables, opt_state, batch)
+  jax.block_until_ready((loss, variables, opt_state))
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      t0 = time.perf_counter()
+      for _ in range(steps):
+        loss, variables, opt_state = jitted(variables, opt_state, batch)
+      jax.block_until_ready((loss, variables, opt_state))
+      wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    kernels = gpu_kernels(d)
+  del variables, opt_state
+  by_name = collections.defaultdict(float)
+  count = collections.Counter()
+  for name, us in kernels:
+    by_name[name] += us / 1e3 / steps
+    count[name] += 1
+  by_cat = collections.defaultdict(float)
+  for name, ms in by_name.items():
+    by_cat[category(name)] += ms
+  return dict(wall_ms=wall_ms, busy_ms=sum(by_name.values()),
+              by_cat=dict(by_cat), by_name=dict(by_name),
+              per_step=({n: c / steps for n, c in count.items()}),
+              n_kernels=len(kernels) / steps)
+
+
+def report(results: dict, top: int) -> None:
+  arms = list(results)
+  cats = [c for c, _ in CATEGORIES] + [OTHER]
+  print(f"\nGPU time per step (ms){'':14}" + "".join(f"{a:>10}" for a in arms)
+        + f"{'diff':>10}")
+  rows = [(c, [results[a]["by_cat"].get(c, 0.0) for a in arms]) for c in cats]
+  rows += [("GPU busy", [results[a]["busy_ms"] for a in arms]),
+           ("step wall time", [results[a]["wall_ms"] for a in arms]),
+           ("kernels per step", [results[a]["n_kernels"] for a in arms])]
+  for label, vals in rows:
+    diff = vals[0] - vals[-1] if len(vals) > 1 else float("nan")
+    print(f"  {label:<34}" + "".join(f"{v:10.3f}" for v in vals)
+          + f"{diff:10.3f}")
+  if len(arms) < 2:
+    return
+  a, b = arms[0], arms[-1]
+  names = set(results[a]["by_name"]) | set(results[b]["by_name"])
+  diffs = sorted(names, key=lambda n: -abs(results[a]["by_name"].get(n, 0)
+                                          - results[b]["by_name"].get(n, 0)))
+  print(f"\nkernels differing most ({a} - {b}, ms per step; calls per step):")
+  for n in diffs[:top]:
+    va, vb = (results[x]["by_name"].get(n, 0.0) for x in (a, b))
+    ca, cb = (results[x]["per_step"].get(n, 0) for x in (a, b))
+    print(f"  {va - vb:+8.3f}  {a} {va:7.3f} ({ca:4.0f})  {b} {vb:7.3f} "
+          f"({cb:4.0f})  [{category(n)}] {n[:90]}")
+
+
+def main(argv=None) -> int:
+  d = e2e.Config()
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--bt", type=int, default=512)
+  p.add_argument("--arms", nargs="+", default=list(e2e.ARMS),
+                 choices=e2e.ARMS)
+  p.add_argument("--layers", type=int, default=d.layers)
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--top", type=int, default=25)
+  p.add_argument("--out", default="out/bench/e2e_profile.csv")
+  args = p.parse_args(argv)
+  cfg = e2e.Config(layers=args.layers)
+  if args.bt % cfg.seq:
+    p.error(f"--bt {args.bt} is not a multiple of seq={cfg.seq}")
+  results = {}
+  for arm in args.arms:
+    results[arm] = profile_arm(arm, cfg, args.bt, args.steps, args.warmup)
+    if not results[arm]["by_name"]:
+      print(f"{arm}: the trace holds no GPU kernels (backend "
+            f"{jax.default_backend()}); nothing to report", file=sys.stderr)
+      return 1
+  print(f"device {common.device_name()}; {common.versions()}; BT={args.bt}, "
+        f"{cfg.layers} layers; {args.steps} traced steps per arm")
+  report(results, args.top)
+  res = common.Results(args.out, "e2e_profile")
+  shape = f"L{cfg.layers} d{cfg.d_model} BT={args.bt}"
+  for arm, r in results.items():
+    add = lambda case, metric, ms: res.add(case, arm, shape, cfg.dtype,
+                                           metric, ms, "ms")
+    for cat, ms in r["by_cat"].items():
+      add(cat, "gpu_time", ms)
+    add("all kernels", "gpu_busy", r["busy_ms"])
+    add("step", "step_wall", r["wall_ms"])
+    for name, ms in r["by_name"].items():
+      add(name[:200], "kernel_time", ms)
+  print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
