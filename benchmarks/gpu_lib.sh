@@ -1,7 +1,8 @@
 # Sourced by the benchmarks/gpu_run*.sh scripts run on the H200 with the
 # device tool: the environment, $OUT, and `run NAME TIMEOUT CMD...`, which
-# runs CMD under a timeout (SIGKILL 10 s after it), keeps its whole log in $OUT/NAME.log, prints its
-# tail and the seconds elapsed since the script started.
+# runs CMD under a timeout (SIGTERM, then SIGKILL 10 s later), keeps its whole
+# log in $OUT/NAME.log, prints its tail and the seconds elapsed since the
+# script started.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. OUT="${OUT:-out/gpu}" XLA_PYTHON_CLIENT_PREALLOCATE=false
 mkdir -p "$OUT"
