@@ -63,6 +63,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import forge_jax  # noqa: E402
+from forge_jax.demo import timed_steps  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 ARMS = ("forge", "optax")
@@ -321,14 +322,8 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
   dtypes = (f"params={cfg.dtype},{_moment_dtypes(opt_state)},"
             f"logits/loss=float32")
 
-  losses, times = [], []
-  for i in range(warmup + steps):
-    t0 = time.perf_counter()
-    loss, variables, opt_state = compiled(variables, opt_state, batch)
-    jax.block_until_ready((loss, variables, opt_state))
-    if i >= warmup:
-      times.append(time.perf_counter() - t0)
-    losses.append(float(loss))
+  times, losses, variables, opt_state = timed_steps(
+      compiled, variables, opt_state, batch, warmup, steps)
   peak = _peak_bytes()
   q = tuple(t * 1e3 for t in common.quantiles(times))
 

@@ -196,18 +196,27 @@ def accuracy(model, variables, x, y) -> float:
 # GPU measurements
 
 
-def median_step_time(step, variables, opt_state, batch, warmup: int,
-                     iters: int) -> float:
-  """Median wall time of one step (seconds), blocking on every result,
-  after ``warmup`` steps (the first of which compiles)."""
-  times = []
+def timed_steps(step, variables, opt_state, batch, warmup: int, iters: int):
+  """Runs ``warmup + iters`` steps, blocking on every result; returns
+  ``(times, losses, variables, opt_state)``: the wall times (seconds) of the
+  last ``iters`` steps, every step's loss, and the final state."""
+  times, losses = [], []
   for i in range(warmup + iters):
     t0 = time.perf_counter()
     loss, variables, opt_state = step(variables, opt_state, batch)
     jax.block_until_ready((loss, variables, opt_state))
     if i >= warmup:
       times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    losses.append(float(loss))
+  return times, losses, variables, opt_state
+
+
+def median_step_time(step, variables, opt_state, batch, warmup: int,
+                     iters: int) -> float:
+  """Median wall time of one step (seconds), blocking on every result,
+  after ``warmup`` steps (the first of which compiles)."""
+  return statistics.median(
+      timed_steps(step, variables, opt_state, batch, warmup, iters)[0])
 
 
 def compiled_memory(step, variables, opt_state, batch) -> dict[str, int]:

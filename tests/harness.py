@@ -30,9 +30,13 @@ class MLP(nn.Module):
 
 
 def mse(model):
-  """``loss_fn(variables, (x, y))``: mean squared error of ``model``."""
-  return lambda variables, batch: jnp.mean(
-      (model.apply(variables, batch[0]) - batch[1]) ** 2)
+  """``loss_fn(variables, (x, y))``: mean squared error of ``model``, in fp32
+  (a bf16 model's output is upcast first)."""
+  def loss_fn(variables, batch):
+    x, y = batch
+    out = model.apply(variables, x).astype(jnp.float32)
+    return jnp.mean((out - y) ** 2)
+  return loss_fn
 
 
 def step_once(model, tx, batch, seed=0):

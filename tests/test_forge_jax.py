@@ -14,7 +14,7 @@ from forge_jax import _context
 from forge_jax.dense import _Static, _fused_linear
 import pallas_kernels as pk
 from benchmarks.common import compiled_adamw_step
-from tests.harness import reference_step, step_once
+from tests.harness import mse, reference_step, step_once
 from tests.tolerances import assert_close, assert_trees_close, rel_err, tol
 
 
@@ -37,14 +37,6 @@ def data(seed=1, n=48, d_in=37, d_out=5, steps=20):
   k = jax.random.split(jax.random.key(seed), 2 * steps)
   return [(jax.random.normal(k[2 * i], (n, d_in)),
            jax.random.normal(k[2 * i + 1], (n, d_out))) for i in range(steps)]
-
-
-def mse(model):
-  def loss_fn(variables, batch):
-    x, y = batch
-    out = model.apply(variables, x).astype(jnp.float32)
-    return jnp.mean((out - y) ** 2)
-  return loss_fn
 
 
 def optax_step(loss_fn, tx):

@@ -11,10 +11,10 @@ import pytest
 
 import forge_jax
 from benchmarks.common import compiled_adamw_step
-from tests.harness import (lower_for_cuda, step_once, train_side_by_side,
-                           triton_calls)
+from tests.harness import (lower_for_cuda, mse, step_once,
+                           train_side_by_side, triton_calls)
 from tests.tolerances import assert_trees_close, rel_err, tol
-from tests.test_forge_jax import SCHEDULE, data, mse, optax_step, wd_mask
+from tests.test_forge_jax import SCHEDULE, data, optax_step, wd_mask
 
 
 class _Layer(nn.Dense):
