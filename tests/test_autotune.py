@@ -86,7 +86,8 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   dev = _shipped()["devices"]["NVIDIA H200"]
   # 4 shapes x BT 512/2048/4096 (bf16 moments; session 3 re-measured every
   # case), 4096^2 at BT 512 with fp32 moments, and session 2's BT 16 case;
-  # then the decoder's 5 shapes x BT 512/2048 (session 4, autotune run).
+  # then the decoder's 5 shapes x BT 512/2048 (session 4, autotune run; its
+  # BT-512 winners replaced by session 5's wider tuning).
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted(os.path.relpath(p, ROOT) for p in H200_CSVS))
