@@ -56,6 +56,36 @@ class _Handle:
   weight: nn.Parameter  # the Parameter itself (saved tensors may be aliases)
   config: pallas_kernels.BlockConfig | None
   layer: str
+  # The optimizer step this forward was counted in (None: not counted, e.g.
+  # a checkpointing recomputation inside backward).
+  generation: int | None = None
+
+  def release(self) -> None:
+    """This forward will not update the weight: it stops counting."""
+    optimizer = self.optimizer()
+    if optimizer is not None:
+      optimizer._forge_release(self.weight, self.generation)
+
+
+def _release_handle(optimizer_ref, weight, generation) -> None:
+  # weakref.finalize callback: the forward's graph was freed. A no-op if its
+  # backward updated the weight or the step has moved on.
+  optimizer = optimizer_ref()
+  if optimizer is not None:
+    optimizer._forge_release(weight, generation)
+
+
+def _weight_grad_wanted(weight: torch.Tensor) -> bool:
+  """Inside a backward: whether this backward accumulates into ``weight``'s
+  gradient (``loss.backward()``), as opposed to ``torch.autograd.grad(loss,
+  x)`` or ``backward(inputs=[...])`` without the weight, where torch leaves
+  the weight alone. Uses the engine's ``_will_engine_execute_node`` (what
+  ``torch.utils.checkpoint`` relies on); without it, assume it does."""
+  will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+  if will_execute is None:
+    return True
+  node = torch.autograd.graph.get_gradient_edge(weight).node
+  return bool(will_execute(node))
 
 
 class _FusedLinearFn(torch.autograd.Function):
@@ -79,6 +109,7 @@ class _FusedLinearFn(torch.autograd.Function):
           "forge_torch.Linear (retain_graph=True?). Its first backward already "
           "applied the optimizer to the weight; a second one cannot be fused.")
     ctx.handle = None
+    update = _weight_grad_wanted(handle.weight)
     n_out, n_in = weight.shape
     # grad_input reads the PRE-update weight: computed (queued) before the
     # fused kernel, which waits for torch's stream, overwrites the weight.
@@ -87,6 +118,12 @@ class _FusedLinearFn(torch.autograd.Function):
     g2 = grad_output.reshape(-1, n_out)
     grad_bias = (g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2]
                  else None)
+    if not update:
+      # The caller did not ask for the weight's gradient: torch would leave
+      # the weight (and its optimizer state) alone, and so do we; this
+      # forward no longer counts towards the one use per step.
+      handle.release()
+      return grad_input, None, grad_bias, None
     optimizer = handle.optimizer()
     if optimizer is None:
       raise RuntimeError(
@@ -185,9 +222,15 @@ class Linear(nn.Linear):
           "(e.g. forge_torch.AdamW(model.parameters())) over parameters that "
           "include this weight (after forge_torch.convert(), not before); or "
           "run under torch.no_grad(), or set layer.fused = False.")
-    optimizer._forge_before_forward(w, input, layer=self._layer_name())
-    handle = _Handle(weakref.ref(optimizer), w, self.block_config,
-                     self._layer_name())
+    generation = optimizer._forge_before_forward(w, input,
+                                                 layer=self._layer_name())
+    opt_ref = weakref.ref(optimizer)
+    handle = _Handle(opt_ref, w, self.block_config, self._layer_name(),
+                     generation)
+    if generation is not None:
+      # A graph dropped without a backward (a skipped batch, an exception
+      # later in the forward) frees the handle: the forward stops counting.
+      weakref.finalize(handle, _release_handle, opt_ref, w, generation)
     return _FusedLinearFn.apply(input, w, self.bias, handle)
 
 

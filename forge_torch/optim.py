@@ -121,6 +121,11 @@ class _ForgeOptimizer:
 
   # The torch optimizer this class extends (set by __init_subclass__).
   _forge_torch: ClassVar[type[torch.optim.Optimizer]]
+  # torch.amp.GradScaler then hands the step its scale (``grad_scale``,
+  # ``found_inf``) instead of unscaling ``.grad``s behind our back, so step()
+  # can refuse it: the managed weights were already updated during backward
+  # with the loss-scaled gradient, which no later unscaling can undo.
+  _step_supports_amp_scaling: ClassVar[bool] = True
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -154,6 +159,8 @@ class _ForgeOptimizer:
   def _forge_reset_step(self) -> None:
     self._forge_calls = WeakIdKeyDictionary()    # forwards since step()
     self._forge_updated = WeakIdKeyDictionary()  # fused updates since step()
+    # Which step the counts above belong to (a forward's release checks it).
+    self._forge_generation = getattr(self, "_forge_generation", 0) + 1
 
   def _forge_check_options(self, group: Mapping[str, Any]) -> None:
     bad = [k for k, (ok, _) in _REFUSED.items()
@@ -195,6 +202,16 @@ class _ForgeOptimizer:
       self._forge_managed[p] = index
 
   def load_state_dict(self, state_dict) -> None:
+    # The loaded groups' options must pass the checks add_param_group made
+    # (capturable / differentiable refused, a fusable rule for managed ones).
+    incoming = state_dict.get("param_groups", []) if isinstance(
+        state_dict, Mapping) else []
+    for index, loaded in enumerate(incoming):
+      options = {k: v for k, v in loaded.items() if k != "params"}
+      self._forge_check_options(options)
+      if index < len(self.param_groups) and any(
+          p in self._forge_managed for p in self.param_groups[index]["params"]):
+        self._forge_rule({**self.param_groups[index], **options})
     super().load_state_dict(state_dict)
     for index, group in enumerate(self.param_groups):
       for p in group["params"]:
@@ -203,6 +220,15 @@ class _ForgeOptimizer:
     # The loaded state tensors are new memory; drop the views of the old.
     self._forge_views = WeakIdKeyDictionary()
     self._forge_reset_step()
+
+  def zero_grad(self, set_to_none: bool = True) -> None:
+    """torch's ``zero_grad``; a managed weight's ``grad`` becomes ``None``
+    even with ``set_to_none=False``: FORGE never forms it, and a zero tensor
+    left there (from a step its layer ran with ``fused = False``) would read
+    as a second consumer of the weight in the next step."""
+    super().zero_grad(set_to_none=set_to_none)
+    for p in self.managed_params:
+      p.grad = None
 
   @property
   def managed_params(self) -> list[torch.Tensor]:
@@ -236,7 +262,7 @@ class _ForgeOptimizer:
     if _in_backward():
       # Activation checkpointing recomputes the forward inside backward; the
       # recomputation is the same use of the weight (paper Remark 3).
-      return
+      return None
     n = self._forge_calls.get(w, 0)
     if n >= 1:
       raise RuntimeError(
@@ -248,6 +274,15 @@ class _ForgeOptimizer:
           "forwards must run under torch.no_grad(). Keep a reused layer as "
           "nn.Linear (or set layer.fused = False).")
     self._forge_calls[w] = n + 1
+    return self._forge_generation
+
+  def _forge_release(self, w: torch.Tensor, generation: int | None) -> None:
+    """A counted forward of ``w`` that will not update it (its graph was
+    freed without a backward, or the backward did not ask for the weight's
+    gradient) no longer counts: the layer may run again in this step."""
+    if (generation is not None and generation == self._forge_generation
+        and w not in self._forge_updated):
+      self._forge_calls.pop(w, None)
 
   def _forge_fused_update(self, p: torch.Tensor, grad_output: torch.Tensor,
                           input: torch.Tensor, *,
@@ -314,6 +349,15 @@ class _ForgeOptimizer:
     a fused update in this step but has an ordinary ``grad`` (its layer ran
     with ``fused = False``, say) is updated by torch's step like any other.
     """
+    if (getattr(self, "found_inf", None) is not None
+        or getattr(self, "grad_scale", None) is not None):
+      raise RuntimeError(
+          f"forge_torch.{type(self).__name__} cannot be driven by "
+          "torch.amp.GradScaler: the managed weights were already updated "
+          "during backward with the loss-scaled gradient, which the scaler "
+          "can neither unscale nor skip on inf/NaN. Train in bfloat16 without "
+          "loss scaling, or keep these layers as nn.Linear (layer.fused = "
+          "False) with a torch optimizer.")
     loss = None
     if closure is not None:
       with torch.enable_grad():
@@ -350,11 +394,12 @@ _COMMON_DOC = """
   implementation for the non-managed parameters (and, for Adam / AdamW with
   ``fused=True`` on CUDA, the arithmetic of the managed ones: see Adam).
 
-  Not supported (``ValueError`` at construction or in ``add_param_group``):
-  ``capturable=True``, ``differentiable=True``.
+  Not supported (``ValueError`` at construction, in ``add_param_group`` or in
+  ``load_state_dict``): ``capturable=True``, ``differentiable=True``.
 
   Raises at run time (clear errors): a managed layer run twice before
-  ``step()`` (or gradient accumulation over micro-batches); input and weight on
+  ``step()`` while its first graph is alive (or gradient accumulation over
+  micro-batches); ``torch.amp.GradScaler`` (from ``scaler.step``); input and weight on
   different devices or of different dtypes; a weight that is not float32 or
   bfloat16; autocast; a managed weight that also received an ordinary gradient
   in the step (a tied/shared weight: keep that layer an ``nn.Linear``); group

@@ -477,9 +477,10 @@ def _layer_and_opt(**kw):
 def test_layer_used_twice_before_step_raises():
   layer, _ = _layer_and_opt()
   x = torch.randn(3, 6)
-  layer(x)
+  y = layer(x)  # its graph is alive: the step's one use of the weight
   with pytest.raises(RuntimeError, match="second time before optimizer.step"):
     layer(x)
+  del y
 
 
 def test_gradient_accumulation_raises():

@@ -1,0 +1,213 @@
+"""forge_torch against torch's own semantics in training-loop patterns (CPU,
+fp32): backward passes that do not ask for the weights' gradient, forwards
+dropped without a backward, zero_grad(set_to_none=False), checkpoints with
+refused options, and torch.amp.GradScaler (refused clearly)."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax.numpy as jnp  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+import forge_torch  # noqa: E402
+from tests.tolerances import tol  # noqa: E402
+
+TOL = tol(jnp.float32)
+
+
+def rel(a, b) -> float:
+  a, b = a.detach().double(), b.detach().double()
+  d = b.norm().item()
+  return (a - b).norm().item() / (d if d > 0 else 1.0)
+
+
+def pair(seed=0):
+  """(a torch MLP, a converted deep copy of it)."""
+  torch.manual_seed(seed)
+  ref = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 3))
+  fm = copy.deepcopy(ref)
+  assert forge_torch.convert(fm) == ["0", "2"]
+  return ref, fm
+
+
+def data(seed=1, n=5):
+  g = torch.Generator().manual_seed(seed)
+  return torch.randn(n, 7, generator=g), torch.randn(n, 3, generator=g)
+
+
+def assert_models_close(fm, ref):
+  for (name, pf), pr in zip(fm.named_parameters(), ref.parameters()):
+    assert rel(pf, pr) <= TOL, (name, rel(pf, pr))
+
+
+# --- backward passes that do not ask for the weight's gradient --------------
+
+
+def test_autograd_grad_wrt_input_leaves_the_weights_alone():
+  _, fm = pair()
+  opt = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  before = [p.detach().clone() for p in fm.parameters()]
+  x, y = data()
+  x.requires_grad_(True)
+  (gx,) = torch.autograd.grad(F.mse_loss(fm(x), y), x)
+  assert gx.shape == x.shape and gx.abs().sum() > 0
+  for p, b in zip(fm.parameters(), before):
+    assert torch.equal(p, b)
+  assert all(len(opt.state[p]) == 0 for p in opt.managed_params)
+
+
+def test_backward_with_inputs_updates_only_what_it_names():
+  _, fm = pair()
+  opt = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  w0, w2 = fm[0].weight.detach().clone(), fm[2].weight.detach().clone()
+  x, y = data()
+  F.mse_loss(fm(x), y).backward(inputs=[fm[2].bias, fm[2].weight])
+  assert torch.equal(fm[0].weight, w0)  # not asked for: untouched
+  assert not torch.equal(fm[2].weight, w2)  # asked for: updated in backward
+  assert fm[2].bias.grad is not None and fm[0].bias.grad is None
+  opt.step()
+
+
+def test_input_gradient_then_training_step_matches_torch():
+  # FGSM-style: an input-gradient pass, then a training step on the
+  # perturbed input, one optimizer step per batch.
+  ref, fm = pair()
+  o_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+  o_f = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  for m, o in ((ref, o_r), (fm, o_f)):
+    for seed in (1, 2):
+      x, y = data(seed)
+      x.requires_grad_(True)
+      (gx,) = torch.autograd.grad(F.mse_loss(m(x), y), x)
+      F.mse_loss(m((x + 0.1 * gx.sign()).detach()), y).backward()
+      o.step()
+      o.zero_grad()
+  assert_models_close(fm, ref)
+
+
+# --- forwards dropped without a backward -------------------------------------
+
+
+def test_a_skipped_batch_does_not_block_the_next():
+  ref, fm = pair()
+  o_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+  o_f = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  for m, o in ((ref, o_r), (fm, o_f)):
+    for i, seed in enumerate((1, 2, 3)):
+      x, y = data(seed)
+      loss = F.mse_loss(m(x), y)
+      if i == 1:  # judged bad (non-finite, an outlier): skipped
+        del loss
+        continue
+      loss.backward()
+      o.step()
+      o.zero_grad()
+  assert_models_close(fm, ref)
+
+
+def test_a_forward_that_raised_can_be_retried():
+  class FailOnce(nn.Module):
+    failed = False
+
+    def forward(self, h):
+      if not self.failed:
+        self.failed = True
+        raise MemoryError("simulated OOM")
+      return h
+
+  ref, fm = pair()
+  ref.append(FailOnce())
+  fm.append(FailOnce())
+  o_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+  o_f = forge_torch.SGD(fm.parameters(), lr=0.1)
+  x, y = data()
+  for m, o in ((ref, o_r), (fm, o_f)):
+    for _ in range(2):
+      try:
+        loss = F.mse_loss(m(x), y)
+      except MemoryError:
+        o.zero_grad()
+        continue
+      loss.backward()
+      o.step()
+      o.zero_grad()
+  assert_models_close(fm, ref)
+
+
+def test_a_live_graph_still_counts_as_the_steps_one_use():
+  _, fm = pair()
+  opt = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  x, _ = data()
+  out = fm(x)  # kept alive: its backward may still update the weights
+  with pytest.raises(RuntimeError, match="second time before optimizer.step"):
+    fm(x)
+  del out  # dropped without a backward: the layer may run again
+  fm(x).sum().backward()
+  opt.step()
+
+
+# --- zero_grad(set_to_none=False) --------------------------------------------
+
+
+def test_stale_zero_grad_after_a_standard_step_is_not_a_second_consumer():
+  # Step 1 runs layer 0 on the standard path (fused=False: torch's step
+  # updates it); zero_grad(set_to_none=False) must not leave a zero .grad
+  # that the next fused step would read as a tied weight's second gradient.
+  ref, fm = pair()
+  o_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+  o_f = forge_torch.SGD(fm.parameters(), lr=0.1)
+  x, y = data()
+  for i in range(3):
+    fm[0].fused = i != 0
+    for m, o in ((ref, o_r), (fm, o_f)):
+      F.mse_loss(m(x), y).backward()
+      o.step()
+      o.zero_grad(set_to_none=False)
+  assert_models_close(fm, ref)
+  assert fm[0].weight.grad is None and fm[0].bias.grad is not None
+
+
+def test_a_layer_without_backward_stays_untouched_even_without_set_to_none():
+  # Documented difference (docs/torch.md): with set_to_none=False torch
+  # keeps stepping a parameter whose .grad is a zero tensor (its moments
+  # decay); a managed weight never has a .grad, so it is not stepped.
+  _, fm = pair()
+  opt = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  x, y = data()
+  F.mse_loss(fm(x), y).backward()
+  opt.step()
+  opt.zero_grad(set_to_none=False)
+  w2, step2 = fm[2].weight.detach().clone(), opt.state[fm[2].weight]["step"]
+  h = fm[1](fm[0](x))  # layer 2 not run in this step
+  F.mse_loss(h, torch.zeros_like(h)).backward()
+  opt.step()
+  assert torch.equal(fm[2].weight, w2)
+  assert opt.state[fm[2].weight]["step"] == step2 == 1
+
+
+# --- checkpoints and loss scaling --------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["capturable", "differentiable"])
+def test_load_state_dict_refuses_the_options_the_constructor_refuses(option):
+  ref, fm = pair()
+  sd = torch.optim.Adam(ref.parameters(), lr=1e-2,
+                        **{option: True}).state_dict()
+  opt = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  with pytest.raises(ValueError, match=option):
+    opt.load_state_dict(sd)
+  assert not opt.param_groups[0].get(option, False)
+
+
+def test_grad_scaler_is_refused_clearly():
+  _, fm = pair()
+  opt = forge_torch.SGD(fm.parameters(), lr=1e-2)
+  x, y = data()
+  scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+  scaler.scale(F.mse_loss(fm(x), y)).backward()
+  with pytest.raises(RuntimeError, match="GradScaler"):
+    scaler.step(opt)
