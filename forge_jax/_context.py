@@ -95,6 +95,23 @@ def step_context(ctx: StepContext):
     _STATE.ctx = prev
 
 
+@contextlib.contextmanager
+def full_params(params):
+  """Inside a step: the step's whole parameter tree, for callable masks that
+  optax evaluates on trees with the FORGE kernels cut out
+  (``transforms._holes_aware``)."""
+  prev = getattr(_STATE, "full_params", None)
+  _STATE.full_params = params
+  try:
+    yield
+  finally:
+    _STATE.full_params = prev
+
+
+def current_full_params():
+  return getattr(_STATE, "full_params", None)
+
+
 def layer_name(path: Path) -> str:
   return "/".join(path) or "<root>"
 

@@ -77,16 +77,31 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
     uses: list[str] = []
     _consumers(closed.jaxpr, var, uses)
     foreign = [u for u in uses if u != "fused"]
-    if foreign and "fused" not in uses:
-      # The layer was seen at discovery but its fused op is missing: a
-      # transform inside loss_fn (jax.checkpoint, jax.jit) reused a trace
-      # cached from the discovery pass.
+    if not uses:
+      # Discovered (the layer ran) but its kernel in `params` feeds nothing:
+      # the layer read its kernel from somewhere else. Its "new kernel"
+      # would be the zero gradient of an unused input.
       raise ValueError(
-          f"forge_jax.Dense at {_context.layer_name(path)!r} ran its standard "
-          "path inside the FORGE step: loss_fn wraps the model in a JAX "
-          "transform that caches traces (jax.checkpoint or jax.jit inside "
-          "loss_fn). Apply remat per module with flax.linen.remat (supported) "
-          "and jit the whole step instead, or give this layer fused=False.")
+          f"forge_jax.Dense at {_context.layer_name(path)!r} ran in loss_fn, "
+          "but its kernel in the variables the step received is never read: "
+          "loss_fn must apply the model to its `variables` argument (does it "
+          "close over other variables, e.g. a captured TrainState or params?)."
+          " FORGE returns the updated kernel through that argument; a layer "
+          "reading another copy would get its kernel zeroed.")
+    if foreign and "fused" not in uses:
+      # The layer was seen at discovery but its fused op does not read the
+      # kernel: something between the two changed what the layer receives.
+      raise ValueError(
+          f"forge_jax.Dense at {_context.layer_name(path)!r} did not read its "
+          f"kernel through its fused op inside the FORGE step (the kernel is "
+          f"read by: {', '.join(dict.fromkeys(foreign))}). Causes: a JAX "
+          "transform inside loss_fn that caches traces (jax.checkpoint or "
+          "jax.jit: apply remat per module with flax.linen.remat, supported, "
+          "and jit the whole step instead); jax.vmap / nn.vmap over the "
+          "model (per-example kernels cannot be fused); or the parameters "
+          "transformed before model.apply (e.g. cast to another dtype: give "
+          "the model param_dtype/dtype instead). Or give this layer "
+          "fused=False.")
     if foreign or uses.count("fused") > 1:
       readers = ", ".join(dict.fromkeys(foreign)) or "a second fused call"
       if collect:

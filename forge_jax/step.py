@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+import numbers
 from typing import Any, Callable
 import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 import optax
+from flax.core import meta as flax_meta
 
 from forge_jax import _context
 from forge_jax import _paths
@@ -80,15 +84,41 @@ def _weight_decay_on(mask, params, keypath: KeyPath) -> bool:
     return True
   tree = mask(params) if callable(mask) else mask
   for k in keypath:  # `mask` may be a prefix of the params tree.
-    if not isinstance(tree, dict):
+    if not isinstance(tree, Mapping):
       break
     tree = tree[k.key]
-  if not isinstance(tree, (bool, jnp.bool_)) and not (
-      hasattr(tree, "dtype") and tree.shape == ()):
+  # Any truthy scalar, as optax's masks accept (True / 1 / a NumPy bool).
+  if not isinstance(tree, (numbers.Number, np.bool_)) and not (
+      hasattr(tree, "dtype") and getattr(tree, "shape", None) == ()):
     raise TypeError(
         f"weight-decay mask at {'/'.join(k.key for k in keypath)} must be a "
         f"bool, got {type(tree).__name__}")
   return bool(tree)
+
+
+def _check_params(params, paths) -> None:
+  """Clear errors for parameter trees make_step cannot drive."""
+  boxed = [x for x in jax.tree.leaves(
+      params, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata))
+           if isinstance(x, flax_meta.AxisMetadata)]
+  if boxed:
+    raise TypeError(
+        f"variables['params'] holds boxed parameters ({type(boxed[0]).__name__}"
+        ", e.g. from nn.with_partitioning): make_step needs plain arrays. "
+        "Unbox them first (flax.core.meta.unbox(variables), and build the "
+        "optimizer state from the unboxed params); their sharding stays on "
+        "the arrays.")
+  for path in paths:
+    node = params
+    for key in (*path, "kernel"):
+      if not isinstance(node, Mapping) or key not in node:
+        raise ValueError(
+            f"forge_jax.Dense at {_context.layer_name(path)!r} was called by "
+            "loss_fn, but variables['params'] has no kernel at that path: a "
+            "FORGE layer must belong to the model whose variables the step "
+            "receives (a second model applied inside loss_fn, e.g. a frozen "
+            "teacher, must use nn.Dense or forge_jax.Dense(fused=False)).")
+      node = node[key]
 
 
 def make_step(
@@ -138,7 +168,14 @@ def make_step(
   ``shared`` is not ``"error"`` or ``"standard"``; at trace time, with
   ``shared="error"``, ``ValueError`` if a FORGE layer is called twice in a
   step, or its kernel is also read by anything other than its own layer --
-  give that layer ``fused=False``, or use ``shared="standard"``.
+  give that layer ``fused=False``, or use ``shared="standard"``. Also at
+  trace time: ``ValueError`` if a FORGE layer's kernel in ``variables`` is
+  never read (``loss_fn`` applied the model to other variables) or reaches
+  the layer only through another op (``jax.vmap`` over the model, params
+  cast before ``apply``), or if a FORGE layer has no kernel at its path in
+  ``variables["params"]`` (a second model built from ``forge_jax.Dense``);
+  ``TypeError`` for boxed parameters (``nn.with_partitioning``: unbox them
+  with ``flax.core.meta.unbox`` first).
   """
   if not isinstance(tx, ForgeTransformation):
     raise TypeError(
@@ -174,6 +211,7 @@ def make_step(
       raise ValueError(
           "no forge_jax.Dense layer (or ScannedDenseStack) was called by "
           "loss_fn; use optax directly")
+    _check_params(params, found.layers)
     # shared="standard": a layer called more than once takes the standard
     # path (with "error", discovery raised). More are found by the
     # single-use check below.
@@ -245,7 +283,7 @@ def make_step(
     # 3. The backward: FORGE kernels and their state come back updated.
     # (Integer inputs -- a deferred family's step counts, read only -- get
     # float0 cotangents: allow_int.)
-    with _context.step_context(ctx):
+    with _context.step_context(ctx), _context.full_params(params):
       # Remark 2: each remaining FORGE kernel must have one consumer. With
       # shared="standard" a shared one moves to the standard path; that
       # changes the trace (its kernel now feeds a plain dot), so check the
@@ -288,7 +326,8 @@ def make_step(
     params_rest = _replace_leaves(params, cut)
     state_rest = _state.map_per_param(
         opt_state, params_def, lambda i, t: _state.replace_subtrees(t, cut))
-    updates, new_state = tx.update(grads_rest, state_rest, params_rest)
+    with _context.full_params(params):
+      updates, new_state = tx.update(grads_rest, state_rest, params_rest)
     new_params = optax.apply_updates(params_rest, updates)
     new_params = _replace_leaves(new_params, new_kernels)
 

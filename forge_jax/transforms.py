@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from optax._src.transform import (
 from optax.transforms._adding import WeightDecaySchedule as _WeightDecaySchedule
 
 import pallas_kernels
+from forge_jax import _context
 
 
 def _no_shared(state):
@@ -114,12 +115,53 @@ class ForgeSpec:
           "leave the weight to the layer pass (updates_weight=False)")
 
 
-class ForgeTransformation(NamedTuple):
-  """An optax ``GradientTransformation`` that can also drive FORGE layers."""
+class ForgeTransformation(optax.GradientTransformationExtraArgs):
+  """An optax ``GradientTransformation`` that can also drive FORGE layers.
 
-  init: optax.TransformInitFn
-  update: optax.TransformUpdateFn
-  spec: ForgeSpec
+  It *is* optax's ``(init, update)`` pair (``init, update = tx``,
+  ``isinstance(tx, optax.GradientTransformation)``), carrying the
+  :class:`ForgeSpec` that drives FORGE layers as the attribute ``spec``.
+  """
+
+  def __new__(cls, init, update, spec: ForgeSpec | None = None):
+    self = super().__new__(cls, init, update)
+    self.spec = spec
+    return self
+
+  def _replace(self, **changes):
+    spec = changes.pop("spec", self.spec)
+    return ForgeTransformation(*super()._replace(**changes), spec)
+
+  def __repr__(self) -> str:
+    family = self.spec.family if self.spec is not None else None
+    return f"ForgeTransformation(family={family!r})"
+
+
+def _holes_aware(mask):
+  """The weight-decay ``mask`` given to the inner optax transform.
+
+  In a step the inner transform sees parameter trees with ``None`` where the
+  FORGE kernels are (they update themselves), and regime 3 runs it on a tree
+  holding one kernel. A callable mask is then evaluated on the step's whole
+  parameter tree (a mask that reads leaves, ``x.ndim > 1``, works as with
+  optax) and its result cut to the holes of the tree optax gave it. Outside a
+  step (``init``) it is the mask itself."""
+  if not callable(mask):
+    return mask
+
+  def wrapped(tree):
+    full = _context.current_full_params()
+    if full is None:
+      return mask(tree)
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is None)
+    holes = {tuple(kp) for kp, v in flat if v is None}
+    if not holes:
+      return mask(tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, m: None if tuple(kp) in holes else m, mask(full))
+
+  return wrapped
 
 
 def _field(state, cls, name):
@@ -426,7 +468,8 @@ def adamw(
     >>> step = jax.jit(forge_jax.make_step(loss_fn, tx), donate_argnums=(0, 1))
   """
   inner = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-                      mu_dtype=mu_dtype, weight_decay=weight_decay, mask=mask,
+                      mu_dtype=mu_dtype, weight_decay=weight_decay,
+                      mask=_holes_aware(mask),
                       nesterov=nesterov)
   return _forge(inner, pallas_kernels.adamw_rule(nesterov=nesterov),
                 ("mu", "nu"), learning_rate,
@@ -555,7 +598,7 @@ def lion(
     >>> tx = forge_jax.lion(1e-4, weight_decay=1e-2)
   """
   inner = optax.lion(learning_rate, b1=b1, b2=b2, mu_dtype=mu_dtype,
-                     weight_decay=weight_decay, mask=mask)
+                     weight_decay=weight_decay, mask=_holes_aware(mask))
   return _forge(
       inner, pallas_kernels.lion_rule(), ("mu",), learning_rate,
       lambda state: dict(b1=b1, one_minus_b1=1 - b1, b2=b2,
@@ -606,7 +649,7 @@ def lamb(
     ...                     weight_decay=1e-2)
   """
   inner = optax.lamb(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-                     weight_decay=weight_decay, mask=mask)
+                     weight_decay=weight_decay, mask=_holes_aware(mask))
   trust_ratio = optax.scale_by_trust_ratio()
 
   def layer_pass(w, slots, outputs, h, shared):
@@ -693,7 +736,8 @@ def muon(
         "optax.contrib.muon with fused=False layers for other layouts.")
   inner = optax.contrib.muon(
       learning_rate, ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta,
-      eps=eps, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
+      eps=eps, weight_decay=weight_decay,
+      weight_decay_mask=_holes_aware(weight_decay_mask),
       mu_dtype=mu_dtype, nesterov=nesterov, adaptive=adaptive,
       preconditioning=preconditioning, adam_b1=adam_b1, adam_b2=adam_b2,
       adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay,
@@ -780,7 +824,8 @@ def adafactor(
       multiply_by_parameter_scale=multiply_by_parameter_scale,
       clipping_threshold=clipping_threshold, momentum=momentum,
       dtype_momentum=dtype_momentum, weight_decay_rate=weight_decay_rate,
-      eps=eps, factored=factored, weight_decay_mask=weight_decay_mask)
+      eps=eps, factored=factored,
+      weight_decay_mask=_holes_aware(weight_decay_mask))
   return _forge_deferred(inner, "adafactor")
 
 

@@ -1,0 +1,174 @@
+"""make_step with the inputs Flax / optax users hand it (CPU, fp32): callable
+weight-decay masks that read leaves, FrozenDict params, truthy-int masks,
+boxed parameters, a loss_fn that does not read its variables, a second model
+built from forge_jax.Dense, vmap / casts inside loss_fn, and the transform
+as an optax GradientTransformation."""
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import forge_jax
+from tests.harness import mse, reference_step
+from tests.tolerances import assert_trees_close, tol
+
+RTOL = tol(jnp.float32)  # fp32 parity (step counts compare exactly)
+
+
+class MLP(nn.Module):
+  dense: type
+  kw: dict | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    kw = self.kw or {}
+    x = nn.relu(self.dense(70, **kw)(x))
+    return self.dense(5, **kw)(x)
+
+
+def batches(n=2, seed=1):
+  out, k = [], jax.random.key(seed)
+  for _ in range(n):
+    k1, k2, k = jax.random.split(k, 3)
+    out.append((jax.random.normal(k1, (48, 37)),
+                jax.random.normal(k2, (48, 5))))
+  return out
+
+
+def train_both(forge_tx, optax_tx, kw=None, freeze=False, unbox=False):
+  bs = batches()
+  mf, mr = MLP(forge_jax.Dense, kw), MLP(nn.Dense, kw)
+  v = mr.init(jax.random.key(0), bs[0][0])
+  if unbox:
+    v = flax.core.meta.unbox(v)
+  if freeze:
+    v = flax.core.freeze(v)
+  fs = jax.jit(forge_jax.make_step(mse(mf), forge_tx))
+  rs = jax.jit(reference_step(mse(mr), optax_tx))
+  vf, sf = v, forge_tx.init(v["params"])
+  vr, sr = v, optax_tx.init(v["params"])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  assert_trees_close(vf, vr, RTOL, what="variables")
+  assert_trees_close(sf, sr, RTOL, what="opt_state")
+
+
+def leafwise_mask(params):
+  # Flax's documented way to build an optax mask: it reads every leaf.
+  return flax.traverse_util.path_aware_map(lambda path, x: x.ndim > 1, params)
+
+
+def test_callable_mask_reading_leaves_adamw():
+  train_both(forge_jax.adamw(1e-2, weight_decay=0.1, mask=leafwise_mask),
+             optax.adamw(1e-2, weight_decay=0.1, mask=leafwise_mask))
+
+
+def test_callable_mask_reading_leaves_deferred_family():
+  kw = dict(weight_decay_rate=0.1, weight_decay_mask=leafwise_mask,
+            min_dim_size_to_factor=8)
+  train_both(forge_jax.adafactor(1e-2, **kw), optax.adafactor(1e-2, **kw))
+
+
+def test_frozendict_params_with_a_callable_mask():
+  mask = lambda p: jax.tree.map(lambda a: a.ndim > 1, p)
+  train_both(forge_jax.adamw(1e-2, weight_decay=0.1, mask=mask),
+             optax.adamw(1e-2, weight_decay=0.1, mask=mask), freeze=True)
+
+
+def test_integer_mask_leaves_as_optax_takes_them():
+  v = MLP(nn.Dense).init(jax.random.key(0), jnp.ones((1, 37)))
+  mask = jax.tree.map(lambda a: int(a.ndim > 1), v["params"])  # 1 / 0
+  train_both(forge_jax.adamw(1e-2, weight_decay=0.1, mask=mask),
+             optax.adamw(1e-2, weight_decay=0.1, mask=mask))
+
+
+PARTITIONED = dict(kernel_init=nn.with_partitioning(
+    nn.initializers.lecun_normal(), (None, "model")))
+
+
+def test_boxed_params_are_refused_clearly_and_train_once_unboxed():
+  model = MLP(forge_jax.Dense, PARTITIONED)
+  (x, y), = batches(1)
+  v = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-2)
+  with pytest.raises(TypeError, match=r"boxed parameters \(Partitioned"):
+    forge_jax.make_step(mse(model), tx)(v, tx.init(v["params"]), (x, y))
+  # What the error says to do trains exactly as nn.Dense + optax.
+  train_both(forge_jax.adamw(1e-2), optax.adamw(1e-2), kw=PARTITIONED,
+             unbox=True)
+
+
+def test_loss_fn_that_does_not_read_its_variables_is_refused():
+  # A closed-over copy of the variables: optax would see a zero gradient;
+  # FORGE would return zero kernels. Refused.
+  model = MLP(forge_jax.Dense)
+  (x, y), = batches(1)
+  v = model.init(jax.random.key(0), x)
+  captured = jax.tree.map(jnp.copy, v)
+
+  def loss_fn(variables, batch):
+    del variables
+    return jnp.mean((model.apply(captured, batch[0]) - batch[1]) ** 2)
+
+  tx = forge_jax.adamw(1e-2)
+  with pytest.raises(ValueError, match="never read.*close over"):
+    forge_jax.make_step(loss_fn, tx)(v, tx.init(v["params"]), (x, y))
+
+
+def test_forge_layer_of_a_second_model_is_refused_clearly():
+  class Teacher(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return forge_jax.Dense(5, name="teacher_head")(x)
+
+  (x, y), = batches(1)
+  student = MLP(forge_jax.Dense)
+  vs = student.init(jax.random.key(0), x)
+  vt = Teacher().init(jax.random.key(1), x)
+
+  def loss_fn(variables, batch):
+    t = jax.lax.stop_gradient(Teacher().apply(vt, batch[0]))
+    return jnp.mean((student.apply(variables, batch[0]) - t) ** 2)
+
+  tx = forge_jax.adamw(1e-2)
+  with pytest.raises(ValueError, match="'teacher_head'.*no kernel at that"):
+    forge_jax.make_step(loss_fn, tx)(vs, tx.init(vs["params"]), (x, y))
+
+
+@pytest.mark.parametrize("how", ["vmap", "cast"])
+def test_kernel_reaching_its_layer_transformed_names_the_reader(how):
+  model = MLP(forge_jax.Dense)
+  (x, y), = batches(1)
+  v = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables, batch):
+    if how == "vmap":
+      out = jax.vmap(lambda xi: model.apply(variables, xi))(batch[0])
+    else:
+      p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables["params"])
+      out = model.apply({"params": p}, batch[0].astype(jnp.bfloat16))
+    return jnp.mean((out.astype(jnp.float32) - batch[1]) ** 2)
+
+  tx = forge_jax.adamw(1e-2)
+  reader = "convert_element_type" if how == "cast" else ""
+  with pytest.raises(ValueError, match=f"read by: {reader}.*vmap"):
+    forge_jax.make_step(loss_fn, tx)(v, tx.init(v["params"]), (x, y))
+
+
+def test_the_transform_is_an_optax_gradient_transformation():
+  tx = forge_jax.adamw(1e-3, weight_decay=1e-2)
+  assert isinstance(tx, optax.GradientTransformation)
+  init_fn, update_fn = tx
+  assert init_fn is tx.init and update_fn is tx.update
+  assert tx.spec.family == "adamw"
+  assert tx._replace(init=tx.init).spec is tx.spec
+  # It composes as optax transforms do (make_step refuses the chain itself).
+  chained = optax.chain(optax.clip(1.0), tx)
+  params = {"w": jnp.ones((3, 2))}
+  chained.update(params, chained.init(params), params)
+  with pytest.raises(TypeError, match="forge_jax transform"):
+    forge_jax.make_step(lambda v, b: 0.0, chained)
