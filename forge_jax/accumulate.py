@@ -269,10 +269,13 @@ def _momentum(tx, spec: ForgeSpec, every_k):
         inner_opt_state=tx.init(params), acc_grads=(), skip_state=())
 
   @_marked
-  def update(grads, state, params=None):
+  def update(grads, state, params=None, **extra_args):
     """Every parameter given here accumulates into its momentum with the
     same rule as a FORGE kernel's epilogue (``None`` subtrees -- FORGE
-    kernels cut out by make_step -- are skipped)."""
+    kernels cut out by make_step -- are skipped). ``extra_args`` (optax's
+    ``value=``, ...) are accepted, as ``optax.MultiSteps`` does; SGD's
+    momentum rule reads none of them."""
+    del extra_args
     if params is None:
       raise ValueError(
           "forge_jax.MultiSteps(mode='momentum').update needs params")

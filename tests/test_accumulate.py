@@ -372,3 +372,17 @@ def test_wrapper_rules_check_their_names():
 def test_refusals(make, exc, match):
   with pytest.raises(exc, match=match):
     make()
+
+
+def test_update_accepts_optax_extra_args_in_every_mode():
+  # A forge_jax transform is an optax GradientTransformationExtraArgs, so
+  # optax.chain hands its update extra keyword arguments (value=..., as
+  # reduce_on_plateau needs); both modes take them, as optax.MultiSteps does.
+  params = {"w": jnp.ones((3, 4)), "b": jnp.zeros((4,))}
+  grads = jax.tree.map(jnp.ones_like, params)
+  for mode in forge_jax.accumulate.MODES:
+    chained = optax.chain(forge_jax.MultiSteps(
+        forge_jax.sgd(0.1, momentum=0.9), 2, mode=mode))
+    updates, _ = chained.update(grads, chained.init(params), params,
+                                value=jnp.array(1.0))
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
