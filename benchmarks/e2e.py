@@ -554,6 +554,16 @@ def parse_args(argv):
   args = p.parse_args(argv)
   if args.steps < 1 or args.warmup < 1:
     p.error("--steps and --warmup must be >= 1")
+  for flag in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab",
+               "seq"):
+    if getattr(args, flag) < 1:
+      p.error(f"--{flag.replace('_', '-')} must be positive")
+  try:
+    config_of(args)
+  except ValueError as e:
+    p.error(str(e))
+  if args.replot and not os.path.exists(args.out):
+    p.error(f"--replot: no CSV at {args.out}")
   for bt in args.bt:
     if bt <= 0 or bt % args.seq:
       p.error(f"--bt {bt} is not a positive multiple of --seq {args.seq}")

@@ -12,8 +12,7 @@ is time the GPU waits on the host), and the kernels whose time differs most
 between the arms. Rows go to ``--out`` (benchmark ``e2e_profile``; metric
 ``gpu_time`` per category, ``kernel_time`` per kernel name, ms per step).
 The arms run one after the other in this process (each state is freed
-first). GPU only: on a CPU the trace holds no device kernels and the script
-says so.
+first). GPU only: on another backend it says so and exits 1.
 """
 
 from __future__ import annotations
@@ -143,9 +142,15 @@ def main(argv=None) -> int:
   p.add_argument("--top", type=int, default=25)
   p.add_argument("--out", default="out/bench/e2e_profile.csv")
   args = p.parse_args(argv)
+  if args.steps < 1 or args.warmup < 1 or args.layers < 1 or args.top < 0:
+    p.error("--steps, --warmup and --layers must be >= 1, --top >= 0")
   cfg = e2e.Config(layers=args.layers)
-  if args.bt % cfg.seq:
-    p.error(f"--bt {args.bt} is not a multiple of seq={cfg.seq}")
+  if args.bt <= 0 or args.bt % cfg.seq:
+    p.error(f"--bt {args.bt} is not a positive multiple of seq={cfg.seq}")
+  if jax.default_backend() != "gpu":
+    print("benchmarks/e2e_profile.py needs a GPU (it reads the GPU kernels "
+          "of a trace); nothing measured.", file=sys.stderr)
+    return 1
   results = {}
   for arm in args.arms:
     results[arm] = profile_arm(arm, cfg, args.bt, args.steps, args.warmup)

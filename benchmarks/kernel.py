@@ -381,6 +381,26 @@ def main(argv=None):
   p.add_argument("--ceiling-mib", type=int, default=2048,
                  help="size of the copy measuring the bandwidth ceiling")
   args = p.parse_args(argv)
+  for flag in ("steps", "reps", "ceiling_mib", "configs"):
+    if getattr(args, flag) < 1:
+      p.error(f"--{flag.replace('_', '-')} must be positive")
+  if any(t < 1 for t in args.tokens):
+    p.error("--tokens must be positive")
+  for m in args.moments:
+    try:
+      if not jnp.issubdtype(jnp.dtype(m), jnp.floating):
+        raise TypeError(m)
+    except TypeError:
+      p.error(f"--moments: {m!r} is not a float dtype (bfloat16, float32)")
+  if args.config:
+    for label in args.config:
+      if label != AUTO:
+        try:
+          pk.autotune.parse_label(label)
+        except ValueError as e:
+          p.error(f"--config: {e}")
+  for name in args.shapes:
+    parse_shape(name)  # exits with the reason if it is not a shape
   if args.torch != "off":
     # JAX and torch share the GPU: JAX allocates as it goes instead of taking
     # 75 % of the memory before torch allocates its tensors (forge_torch sets

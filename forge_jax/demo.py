@@ -303,6 +303,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.steps < 1 or args.batch_size < 1 or args.hidden < 1:
     p.error("--steps, --batch-size and --hidden must be positive")
+  if args.bench_steps < 1:
+    p.error("--bench-steps must be positive")
   return args
 
 
@@ -323,6 +325,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   (x_tr, y_tr), (x_te, y_te) = load_digits_split(args.seed)
   classes = int(max(y_tr.max(), y_te.max())) + 1
+  if args.batch_size > len(x_tr):
+    print(f"demo: error: --batch-size {args.batch_size} exceeds the "
+          f"{len(x_tr)} train rows", file=sys.stderr)
+    raise SystemExit(2)
   idx = batch_indices(len(x_tr), args.batch_size, args.steps, args.seed)
   print(f"data: sklearn digits, {x_tr.shape[1]} features, {classes} classes, "
         f"{len(x_tr)} train / {len(x_te)} test rows")

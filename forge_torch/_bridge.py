@@ -454,6 +454,11 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     ``True`` if every state tensor was written in place by the kernel,
     ``False`` if any had to be copied back.
   """
+  for name, t in (("x", x), ("dy", dy), ("w", w),
+                  *((f"slot {i}", s) for i, s in enumerate(slots))):
+    # JAX would import float64 as float32 (x64 off) and the result would be
+    # copied back: fp32 arithmetic on float64 tensors, silently.
+    check_dtype(t, f"fused_update's {name}")
   for t in (w, *slots):
     if not t.is_contiguous():
       raise ValueError("forge_torch: weight and optimizer state must be "

@@ -606,8 +606,11 @@ def main(argv=None) -> int:
   data = _read_or_empty(args.out)
   if args.from_csv or args.merge:
     for path in args.from_csv or ():
-      kind, sid, source, entries = winners_from_csv(
-          path, rule=ANY_RULE if args.any_rule else "adamw")
+      try:
+        kind, sid, source, entries = winners_from_csv(
+            path, rule=ANY_RULE if args.any_rule else "adamw")
+      except (OSError, ValueError) as e:
+        p.error(f"--from-csv {path}: {e}")
       merge(data, kind, sid, source, entries)
       print(f"{path}: {len(entries)} winners for {kind!r}")
     for path in args.merge or ():

@@ -32,6 +32,10 @@ from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
 _MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
 
 
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def _is_pow2(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
 
@@ -81,19 +85,19 @@ class BlockConfig:
   def __post_init__(self):
     for name in ("block_in", "block_out", "block_bt"):
       v = getattr(self, name)
-      if not isinstance(v, int) or not _is_pow2(v) or v < _MIN_BLOCK:
+      if not _is_int(v) or not _is_pow2(v) or v < _MIN_BLOCK:
         raise ValueError(
             f"{name}={v!r} must be a power of two >= {_MIN_BLOCK}")
-    if not isinstance(self.group_in, int) or self.group_in < 1:
+    if not _is_int(self.group_in) or self.group_in < 1:
       raise ValueError(f"group_in={self.group_in!r} must be an int >= 1")
-    if self.num_warps not in (1, 2, 4, 8, 16):
+    if not _is_int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"num_warps={self.num_warps!r} must be 1, 2, 4, 8 or 16")
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+    if not _is_int(self.num_stages) or self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages!r} must be an int >= 1")
     for name in ("prefetch", "stream_state"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
-    if (not isinstance(self.split_out, int) or not _is_pow2(self.split_out)
+    if (not _is_int(self.split_out) or not _is_pow2(self.split_out)
         or self.block_out // self.split_out < _MIN_BLOCK):
       raise ValueError(
           f"split_out={self.split_out!r} must be a power of two leaving "
@@ -187,6 +191,9 @@ def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
     raise ValueError(
         f"x and dy need at least one dimension, got {x.shape} and {dy.shape}")
   n_in, n_out = w.shape[-2:]
+  if n_in == 0 or n_out == 0:
+    raise ValueError(f"w has a zero-size dimension, shape {w.shape}: there is "
+                     "no weight to update")
   if x.shape[-1] != n_in:
     raise ValueError(f"x's last dimension {x.shape[-1]} != w.shape[0]={n_in}")
   if dy.shape[-1] != n_out:
@@ -204,10 +211,15 @@ def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
     if s.shape != w.shape:
       raise ValueError(
           f"slot {name!r} has shape {s.shape}, expected w's shape {w.shape}")
-  if hparams.shape != (HPARAM_VECTOR_LEN,) or hparams.dtype != jnp.float32:
+  if (not hasattr(hparams, "shape") or not hasattr(hparams, "dtype")
+      or hparams.shape != (HPARAM_VECTOR_LEN,)
+      or hparams.dtype != jnp.float32):
     raise ValueError(
         f"hparams must be a float32 vector of length {HPARAM_VECTOR_LEN} (use"
-        f" rule.pack(...)), got {hparams.dtype}{list(hparams.shape)}")
+        f" rule.pack(...)), got "
+        + (f"{hparams.dtype}{list(hparams.shape)}"
+           if hasattr(hparams, "shape") and hasattr(hparams, "dtype")
+           else type(hparams).__name__))
 
 
 def _and(*masks):
