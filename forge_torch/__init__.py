@@ -7,7 +7,10 @@
   process default from ``$FORGE_TORCH_SYNC``);
 * :class:`SGD`, :class:`Adagrad`, :class:`RMSprop`, :class:`Adam`,
   :class:`AdamW`, :class:`Adamax`, :class:`NAdam`, :class:`RAdam` -- the
-  ``torch.optim`` optimizers of those names, driving those layers.
+  ``torch.optim`` optimizers of those names, driving those layers;
+* :func:`is_forge_weight` -- whether a parameter is a ``forge_torch.Linear``
+  weight; ``bridge_stats`` -- the bridge's counters (calls, in-place writes,
+  copies back), as ``benchmarks/torch_memory.py`` reports them.
 
 The fused kernel is the JAX/Pallas one (``pallas_kernels``), called on the
 torch tensors through DLPack (:mod:`forge_torch._bridge`). torch is an

@@ -1,7 +1,24 @@
 """FORGE kernels: fused weight-gradient + optimizer-update Pallas kernels.
 
 No flax, optax or torch imports here: ``forge_jax`` and ``forge_torch`` are
-thin framework layers over these kernels.
+thin framework layers over these kernels. The public names:
+
+* :func:`fused_wgrad_update` -- the kernel (``G = x^T dy`` in registers, the
+  rule applied in its epilogue, ``W`` and the slots updated in place);
+  :func:`fused_wgrad_update_reference` -- its pure-``jnp`` reference;
+  :class:`BlockConfig` -- its tiling; :func:`select_config` -- the tiling it
+  picks (the autotune cache, else a heuristic); :func:`default_interpret` --
+  whether it runs in Pallas interpret mode (no GPU).
+* :class:`UpdateRule` -- one optimizer family's elementwise epilogue, with
+  ``pack(...)`` making its runtime hyperparameter vector (float32, length
+  :data:`HPARAM_VECTOR_LEN`); the families' rule factories ``sgd_rule``,
+  ``adagrad_rule``, ``rmsprop_rule``, ``adam_rule``, ``adamw_rule``,
+  ``adamax_rule``, ``radam_rule``, ``lion_rule`` (regime 1), ``lamb_rule``,
+  ``muon_rule`` (regime 2); :data:`ADAMW` = ``adamw_rule()``.
+* :func:`classify` -- a family's :class:`Regime` (which path it takes, an
+  :class:`ExecutionPath`) from its :class:`Declaration` of what its updates
+  read (:class:`Reads`); :data:`FAMILIES` -- the declared families.
+* :mod:`pallas_kernels.autotune` -- the tiling cache and the tuner's CLI.
 """
 
 import importlib as _importlib
