@@ -58,5 +58,7 @@ case "$cmd" in
   train)  setup; exec "$VENV/bin/python" -m forge_jax.demo "$@" ;;
   test)   setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
   python) setup; exec "$VENV/bin/python" "$@" ;;
-  *) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  -h|--help|help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) [ -n "$cmd" ] && echo "dev.sh: unknown command '$cmd'" >&2
+     sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac

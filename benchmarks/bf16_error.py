@@ -26,7 +26,8 @@ import optax
 
 import forge_jax
 from benchmarks import common
-from tests.test_forge_jax import MLP, data, mse, optax_step
+from tests.harness import mse
+from tests.test_forge_jax import MLP, data, optax_step
 
 
 def errors(seed, lr, steps):
@@ -72,8 +73,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/bench/bf16_error.csv")
   p.add_argument("--lrs", type=float, nargs="+", default=[1e-2, 1e-3, 1e-4])
-  p.add_argument("--seeds", type=int, default=6)
-  p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--seeds", type=common.positive_int, default=6)
+  p.add_argument("--steps", type=common.positive_int, default=20)
   args = p.parse_args(argv)
   res = common.Results(args.out, "bf16_error")
   for lr in args.lrs:

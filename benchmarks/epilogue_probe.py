@@ -190,14 +190,32 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/probe")
   p.add_argument("--shape", default="4096x4096")
-  p.add_argument("--tokens", type=int, nargs="+", default=[16, 512, 2048])
+  p.add_argument("--tokens", type=common.positive_int, nargs="+",
+                 default=[16, 512, 2048])
   p.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS, metavar="LABEL")
   p.add_argument("--elementwise", nargs="*", default=ELEMENTWISE_BLOCKS,
                  metavar="BMxBN,wW")
   p.add_argument("--once", action="store_true",
                  help="run each kernel once, untimed (under a profiler)")
   args = p.parse_args(argv)
-  n_in, n_out = map(int, args.shape.split("x"))
+  try:
+    n_in, n_out = map(int, args.shape.split("x"))
+    if n_in < 1 or n_out < 1:
+      raise ValueError
+  except ValueError:
+    p.error(f"--shape {args.shape!r} is not INxOUT (positive ints)")
+  for spec in args.elementwise:
+    try:
+      dims = [int(v) for v in spec.split(",")[0].split("x")]
+      if len(dims) != 2 or int(spec.split(",w")[1]) < 1:
+        raise ValueError(spec)
+    except (ValueError, IndexError):
+      p.error(f"--elementwise {spec!r} is not BMxBN,wW (e.g. 32x128,w4)")
+  for label in args.config:
+    try:
+      pk.autotune.parse_label(label)
+    except ValueError as e:
+      p.error(f"--config: {e}")
   if jax.default_backend() != "gpu":
     print("benchmarks/epilogue_probe.py needs a GPU; nothing measured.")
     return 0

@@ -97,11 +97,16 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/bench/memory.csv")
   p.add_argument("--hlo-dir", default=None)
-  p.add_argument("--width", type=int, default=4096)
-  p.add_argument("--layers", type=int, nargs="+", default=[1, 16])
-  p.add_argument("--tokens", type=int, default=512)
+  p.add_argument("--width", type=common.positive_int, default=4096)
+  p.add_argument("--layers", type=common.positive_int, nargs="+",
+                 default=[1, 16])
+  p.add_argument("--tokens", type=common.positive_int, default=512)
   p.add_argument("--optimizer", default="adamw", choices=sorted(REFERENCES))
   args = p.parse_args(argv)
+  if args.tokens == args.width:
+    # weight_gradient_gemms tells x^T dy from the forward x @ W by shape.
+    p.error("--tokens must differ from --width (the weight-gradient GEMMs "
+            "are found in the HLO by their operand shapes)")
   res = common.Results(args.out, "memory")
   for layers in args.layers:
     steps, model = arms(args.width, layers, args.optimizer)

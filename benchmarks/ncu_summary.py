@@ -58,9 +58,18 @@ def main(argv=None) -> int:
                  help="a name for each kept launch, in launch order")
   p.add_argument("--out", default="-", help="CSV path (default: stdout)")
   args = p.parse_args(argv)
-  launches = read_launches(args.log, args.kernels)
+  try:
+    launches = read_launches(args.log, args.kernels)
+  except (OSError, ValueError, KeyError) as e:
+    print(f"ncu_summary: cannot read {args.log}: {e}", file=sys.stderr)
+    return 1
   if not launches:
     print(f"{args.log}: no launch matched {args.kernels}", file=sys.stderr)
+    return 1
+  if args.labels is not None and len(args.labels) != len(launches):
+    # Before --out is opened: an existing summary is left as it was.
+    print(f"ncu_summary: {len(args.labels)} labels for {len(launches)} kept "
+          "launches", file=sys.stderr)
     return 1
   if args.out == "-":
     write_summary(launches, sys.stdout, args.labels)

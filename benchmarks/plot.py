@@ -5,7 +5,9 @@ has those arms).
     ./dev.sh python benchmarks/plot.py out/bench/kernel.csv out/bench/kernel.png
 """
 
+import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,14 +24,25 @@ PROVIDERS = ["xla_unfused", "xla_gemm", "xla_adamw", "forge_mainloop", "forge",
 TORCH_ARMS = ("torch", "forge_torch")  # hatched: the torch-side arms
 
 
-def main(src, dst):
+def _bt(shape: str) -> int:
+  m = re.match(r"BT=(\d+)", shape)
+  return int(m.group(1)) if m else 0
+
+
+def plot(src: str, dst: str) -> int:
+  """Writes the plot of kernel CSV ``src`` to ``dst``; 1 if it has no
+  kernel time rows (nothing written)."""
   rows = [r for r in common.read_rows(src)
           if r["metric"] == "time" and r["provider"] in PROVIDERS]
+  if not rows:
+    print(f"plot.py: {src} has no kernel time rows ({', '.join(PROVIDERS)});"
+          " nothing plotted", file=sys.stderr)
+    return 1
   # Only the arms the CSV has (older CSVs: no torch arms; the torch arms have
   # no rows for fp32 moments, whose bars are then left empty).
   providers = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
   cases = sorted({(r["dtypes"], r["shape"]) for r in rows},
-                 key=lambda c: (c[0], int(c[1].split()[0][3:]), c[1]))
+                 key=lambda c: (c[0], _bt(c[1]), c[1]))
   fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cases)), 5))
   width = 0.8 / max(1, len(providers))
   for i, prov in enumerate(providers):
@@ -51,7 +64,18 @@ def main(src, dst):
   fig.tight_layout()
   fig.savefig(dst, dpi=120)
   print(f"wrote {dst}")
+  return 0
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("csv", help="a benchmarks/kernel.py CSV")
+  p.add_argument("png", help="where to write the plot")
+  args = p.parse_args(argv)
+  if not os.path.exists(args.csv):
+    p.error(f"no CSV at {args.csv}")
+  return plot(args.csv, args.png)
 
 
 if __name__ == "__main__":
-  main(*sys.argv[1:3])
+  sys.exit(main())

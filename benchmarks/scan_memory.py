@@ -62,11 +62,12 @@ def cell(arm: str, layers: int, width: int, tokens: int) -> dict:
 
 
 def main(argv=None):
+  from benchmarks import common
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/bench/scan_memory.csv")
-  p.add_argument("--layers", type=int, default=16)
-  p.add_argument("--width", type=int, default=4096)
-  p.add_argument("--tokens", type=int, default=512)
+  p.add_argument("--layers", type=common.positive_int, default=16)
+  p.add_argument("--width", type=common.positive_int, default=4096)
+  p.add_argument("--tokens", type=common.positive_int, default=512)
   p.add_argument("--cell", choices=["forge", "optax"], default=None)
   args = p.parse_args(argv)
   if args.cell:
@@ -74,7 +75,6 @@ def main(argv=None):
                                        args.tokens)), flush=True)
     return 0
 
-  from benchmarks import common
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   results = {}
   for arm in ("forge", "optax"):

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The benchmark suite of issue #4 in one command, on a GPU machine:
 #
-#   benchmarks/suite.sh [OUT_DIR]          (default out/suite; PYTHON=python3)
+#   benchmarks/suite.sh [OUT_DIR]   (default out/suite; PYTHON: the project's
+#                                    .venv/bin/python if there is one, else
+#                                    python3)
 #
 # 1. kernel.py: one layer's fused step vs XLA's unfused GEMM + AdamW (and, with
 #    CUDA torch, torch's cuBLAS + AdamW(fused=True) and the kernel through
@@ -18,8 +20,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-out/suite}"
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 PY="${PYTHON:-python3}"
 export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+if ! "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
+  echo "suite.sh: $PY sees no GPU (or no jax); the suite measures on a GPU." \
+       "Nothing measured." >&2
+  exit 1
+fi
 mkdir -p "$OUT"
 SECONDS=0
 TILINGS=(auto 64x128x64,g1,w4,s3)

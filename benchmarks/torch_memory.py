@@ -156,16 +156,17 @@ def append_rows(path: str, rows: list[dict]) -> None:
   """Appends ``rows`` to the CSV at ``path``; a file written with an older
   header (fewer columns) is rewritten with the current one first."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  old = []
+  old, rewrite = [], True  # a new or empty file gets the header
   if os.path.exists(path):
     with open(path, newline="") as fh:
       reader = csv.DictReader(fh)
-      if reader.fieldnames and list(reader.fieldnames) != FIELDS:
-        old = list(reader)
-  new = not os.path.exists(path) or bool(old)
-  with open(path, "w" if old else "a", newline="") as fh:
+      if reader.fieldnames:
+        rewrite = list(reader.fieldnames) != FIELDS
+        if rewrite:
+          old = list(reader)
+  with open(path, "w" if rewrite else "a", newline="") as fh:
     w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
-    if new:
+    if rewrite:
       w.writeheader()
     w.writerows(old + rows)
 
@@ -197,6 +198,21 @@ def main() -> int:
   ap.add_argument("--child-sync", default="", help=argparse.SUPPRESS)
   args = ap.parse_args()
 
+  def int_list(flag, text):
+    try:
+      values = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+      ap.error(f"{flag} {text!r} is not a comma-separated list of ints")
+    if not values or min(values) < 1:
+      ap.error(f"{flag} {text!r}: give token counts >= 1")
+    return values
+
+  bts = int_list("--bt", args.bt)
+  assert_bts = set(int_list("--assert-peak-bt", args.assert_peak_bt))
+  for flag in ("layers", "dim", "steps"):
+    if getattr(args, flag) < 1:
+      ap.error(f"--{flag} must be >= 1")
+
   try:
     import torch
   except ImportError:
@@ -218,8 +234,6 @@ def main() -> int:
     args.sync = [env if env in SYNC_MODES else "stream"]
   syncs = list(dict.fromkeys(args.sync))  # in order, once each
 
-  bts = [int(b) for b in args.bt.split(",") if b]
-  assert_bts = {int(b) for b in args.assert_peak_bt.split(",") if b}
   rows, failures = [], []
   views = list(dict.fromkeys(args.views))
   arms = [("torch", "", "")] + [("forge", m, v) for m in syncs for v in views]

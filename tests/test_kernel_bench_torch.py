@@ -67,7 +67,7 @@ def test_kernel_script_times_the_torch_arms(tmp_path, monkeypatch, capsys):
   assert not [r for r in rows if r["dtypes"] == f32
               and r["provider"] in ("torch", "forge_torch")]
   png = tmp_path / "kernel.png"
-  plot.main(str(out), str(png))
+  assert plot.main([str(out), str(png)]) == 0
   assert png.stat().st_size > 0
 
 

@@ -1,0 +1,192 @@
+"""The benchmark scripts and dev.sh on bad input (CPU): an argparse-style
+usage error or a clear message with a non-zero exit, never a traceback, and
+nothing written that looks like a result."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+def _run(args, **kw):
+  return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True,
+                        text=True, timeout=300, **kw)
+
+
+def _rows(path):
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))
+
+
+# --- 1. memory.py: non-positive sizes -------------------------------------
+@pytest.mark.parametrize("bad", [["--layers", "0"], ["--width", "0"],
+                                 ["--tokens", "0"], ["--tokens", "-3"]])
+def test_memory_rejects_nonpositive_sizes(tmp_path, bad):
+  from benchmarks import memory
+  args = ["--out", str(tmp_path / "m.csv"), "--width", "64", "--tokens", "16",
+          "--layers", "1"] + bad
+  with pytest.raises(SystemExit) as e:
+    memory.main(args)
+  assert e.value.code == 2
+
+
+# --- 2. memory.py: --tokens == --width would make x @ W look like x^T dy -----
+def test_memory_refuses_tokens_equal_to_width(tmp_path):
+  from benchmarks import memory
+  with pytest.raises(SystemExit) as e:
+    memory.main(["--out", str(tmp_path / "m.csv"), "--width", "64",
+                 "--tokens", "64", "--layers", "1"])
+  assert e.value.code == 2
+  assert not (tmp_path / "m.csv").exists()
+
+
+# --- 3. scan_memory.py: sizes checked before any child process runs ------
+def test_scan_memory_rejects_zero_tokens(tmp_path):
+  from benchmarks import scan_memory
+  out = tmp_path / "s.csv"
+  with pytest.raises(SystemExit) as e:
+    scan_memory.main(["--out", str(out), "--layers", "2", "--width", "64",
+                      "--tokens", "0"])
+  assert e.value.code == 2
+  assert not out.exists()
+
+
+# --- 4. bf16_error.py: --seeds and --steps must be >= 1 ------------------
+@pytest.mark.parametrize("bad", [["--seeds", "0", "--steps", "1"],
+                                 ["--seeds", "1", "--steps", "0"]])
+def test_bf16_error_rejects_nonpositive_counts(tmp_path, bad):
+  from benchmarks import bf16_error
+  with pytest.raises(SystemExit) as e:
+    bf16_error.main(["--out", str(tmp_path / "b.csv"), "--lrs", "1e-3"] + bad)
+  assert e.value.code == 2
+
+
+# --- 5. plot.py: argparse, a missing CSV, no kernel rows ------------------
+def test_plot_help_is_not_a_traceback():
+  p = _run([PY, "benchmarks/plot.py", "--help"])
+  assert p.returncode == 0 and "usage" in p.stdout.lower(), p.stderr[-500:]
+
+
+def test_plot_missing_args_is_usage_error():
+  p = _run([PY, "benchmarks/plot.py"])
+  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-500:]
+
+
+def test_plot_missing_csv_is_clean_error(tmp_path):
+  p = _run([PY, "benchmarks/plot.py", str(tmp_path / "nope.csv"),
+            str(tmp_path / "x.png")])
+  assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-500:]
+
+
+# --- 6. epilogue_probe.py: malformed --shape / --elementwise / --config -----
+@pytest.mark.parametrize("bad", [["--shape", "abc"], ["--shape", "4096"],
+                                 ["--elementwise", "64x128"],
+                                 ["--config", "bogus"]])
+def test_epilogue_probe_validates_flags(tmp_path, bad):
+  from benchmarks import epilogue_probe
+  with pytest.raises(SystemExit) as e:
+    epilogue_probe.main(["--out", str(tmp_path)] + bad)  # others return 0 here
+  assert e.value.code == 2                # and crash mid-run on the GPU
+
+
+# --- 7. ncu_summary.py: tracebacks, and a truncated --out --------------------
+NCU = ('"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Value"\n'
+       '"0","fused_wgrad_adamw","(128, 1, 1)","(2048, 1, 1)",'
+       '"launch__registers_per_thread","255"\n')
+
+
+def test_ncu_summary_missing_log_is_clean_error(tmp_path):
+  from benchmarks import ncu_summary
+  try:
+    rc = ncu_summary.main([str(tmp_path / "none.csv")])
+  except SystemExit as e:
+    rc = e.code
+
+  assert rc not in (0, None)
+
+
+def test_ncu_summary_not_a_ncu_log_is_clean_error(tmp_path):
+  from benchmarks import ncu_summary
+  log = tmp_path / "log.txt"
+  log.write_text("just a stdout log\n")
+  try:
+    rc = ncu_summary.main([str(log)])
+  except SystemExit as e:
+    rc = e.code
+  assert rc not in (0, None)
+
+
+def test_ncu_summary_label_mismatch_keeps_out_file(tmp_path):
+  from benchmarks import ncu_summary
+  log, out = tmp_path / "ncu.csv", tmp_path / "summary.csv"
+  log.write_text(NCU)
+  out.write_text("previous summary\n")
+  try:
+    rc = ncu_summary.main([str(log), "--labels", "a", "b", "--out", str(out)])
+  except SystemExit as e:
+    rc = e.code
+  except ValueError:
+    rc = "traceback"
+  assert rc not in (0, None, "traceback")
+  assert out.read_text() == "previous summary\n"
+
+
+# --- 8. torch_memory.py: --bt / --steps not validated -----------------------
+@pytest.mark.parametrize("bad", [["--bt", "abc"], ["--bt", "0"],
+                                 ["--steps", "0"]])
+def test_torch_memory_validates_flags(tmp_path, monkeypatch, bad):
+  torch = pytest.importorskip("torch")
+  from benchmarks import torch_memory
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+  def no_child(*a, **k):
+    raise AssertionError("bad flags reached the measurement")
+
+  monkeypatch.setattr(torch_memory.subprocess, "run", no_child)
+  monkeypatch.setattr(sys, "argv", ["torch_memory.py", "--out",
+                                    str(tmp_path / "t.csv")] + bad)
+  with pytest.raises(SystemExit) as e:
+    torch_memory.main()
+  assert e.value.code == 2
+
+
+# --- 9. torch_memory.append_rows: old header-only / empty file ---------------
+@pytest.mark.parametrize("existing", ["arm,device,bt\n", ""])
+def test_torch_memory_append_rows_fixes_header(tmp_path, existing):
+  pytest.importorskip("torch")
+  from benchmarks import torch_memory
+  out = tmp_path / "t.csv"
+  out.write_text(existing)
+  torch_memory.append_rows(str(out), [{"arm": "torch", "bt": 128,
+                                       "peak_bytes": 1}])
+  with open(out, newline="") as f:
+    header = next(csv.reader(f))
+  assert header == torch_memory.FIELDS
+
+
+# --- 10. suite.sh on a machine without a GPU ---------------------------------
+def test_suite_without_gpu_says_so_cleanly(tmp_path):
+  p = subprocess.run(["bash", "benchmarks/suite.sh", str(tmp_path / "suite")],
+                     cwd=ROOT, env=dict(ENV, PYTHON=PY), capture_output=True,
+                     text=True, timeout=300)
+  out = p.stdout + p.stderr
+
+  # FileNotFoundError on the kernel.csv that was never written (rc 1).
+  assert "Traceback" not in out, out[-800:]
+
+
+# --- 11. dev.sh: --help is not an error; an unknown command is named --------
+def test_dev_sh_help_exits_zero():
+  p = _run(["bash", "dev.sh", "--help"])
+  assert p.returncode == 0
+
+
+def test_dev_sh_unknown_command_is_named():
+  p = _run(["bash", "dev.sh", "bogus"])
+  assert p.returncode != 0 and "bogus" in p.stderr
