@@ -75,17 +75,31 @@ def _release_handle(optimizer_ref, weight, generation) -> None:
     optimizer._forge_release(weight, generation)
 
 
-def _weight_grad_wanted(weight: torch.Tensor) -> bool:
-  """Inside a backward: whether this backward accumulates into ``weight``'s
-  gradient (``loss.backward()``), as opposed to ``torch.autograd.grad(loss,
-  x)`` or ``backward(inputs=[...])`` without the weight, where torch leaves
-  the weight alone. Uses the engine's ``_will_engine_execute_node`` (what
-  ``torch.utils.checkpoint`` relies on); without it, assume it does."""
+# What a backward wants of a managed weight (_weight_grad_mode).
+UPDATE, SKIP, RETURN = "update", "skip", "return"
+
+
+def _weight_grad_mode(weight: torch.Tensor) -> str:
+  """Inside a backward, what it wants of ``weight``'s gradient:
+
+  * ``UPDATE`` -- it accumulates into the weight (``loss.backward()``, or
+    ``backward(inputs=[..., weight])``): FORGE applies the update instead;
+  * ``SKIP`` -- it does not reach the weight (``torch.autograd.grad(loss, x)``,
+    ``backward(inputs=[...])`` without it): torch leaves the weight alone;
+  * ``RETURN`` -- ``torch.autograd.grad(loss, [..., weight])`` asks for the
+    gradient itself: it is returned, and the weight is left alone.
+
+  Uses the engine's ``_will_engine_execute_node`` (what
+  ``torch.utils.checkpoint`` relies on), which refuses a leaf that
+  ``autograd.grad`` captures; without it, ``UPDATE``."""
   will_execute = getattr(torch._C, "_will_engine_execute_node", None)
   if will_execute is None:
-    return True
+    return UPDATE
   node = torch.autograd.graph.get_gradient_edge(weight).node
-  return bool(will_execute(node))
+  try:
+    return UPDATE if will_execute(node) else SKIP
+  except RuntimeError:  # "a leaf node ... running autograd.grad()": captured
+    return RETURN
 
 
 class _FusedLinearFn(torch.autograd.Function):
@@ -109,7 +123,7 @@ class _FusedLinearFn(torch.autograd.Function):
           "forge_torch.Linear (retain_graph=True?). Its first backward already "
           "applied the optimizer to the weight; a second one cannot be fused.")
     ctx.handle = None
-    update = _weight_grad_wanted(handle.weight)
+    mode = _weight_grad_mode(handle.weight)
     n_out, n_in = weight.shape
     # grad_input reads the PRE-update weight: computed (queued) before the
     # fused kernel, which waits for torch's stream, overwrites the weight.
@@ -118,12 +132,15 @@ class _FusedLinearFn(torch.autograd.Function):
     g2 = grad_output.reshape(-1, n_out)
     grad_bias = (g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2]
                  else None)
-    if not update:
-      # The caller did not ask for the weight's gradient: torch would leave
-      # the weight (and its optimizer state) alone, and so do we; this
-      # forward no longer counts towards the one use per step.
+    if mode != UPDATE:
+      # The caller did not ask to accumulate into the weight: torch would
+      # leave the weight (and its optimizer state) alone, and so do we; this
+      # forward no longer counts towards the one use per step. If it asked
+      # for the gradient itself (autograd.grad), it gets it, formed here.
       handle.release()
-      return grad_input, None, grad_bias, None
+      grad_weight = (g2.t().matmul(input.reshape(-1, n_in))
+                     if mode == RETURN else None)
+      return grad_input, grad_weight, grad_bias, None
     optimizer = handle.optimizer()
     if optimizer is None:
       raise RuntimeError(

@@ -72,6 +72,23 @@ def test_backward_with_inputs_updates_only_what_it_names():
   opt.step()
 
 
+def test_autograd_grad_wrt_the_weight_returns_torchs_gradient():
+  ref, fm = pair()
+  opt = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  w0 = fm[0].weight.detach().clone()
+  x, y = data()
+  got = torch.autograd.grad(F.mse_loss(fm(x), y), [fm[0].weight, fm[2].bias])
+  want = torch.autograd.grad(F.mse_loss(ref(x), y),
+                             [ref[0].weight, ref[2].bias])
+  for g, w in zip(got, want):
+    assert rel(g, w) <= TOL
+  assert torch.equal(fm[0].weight, w0)  # asked for, not applied
+  assert len(opt.state[fm[0].weight]) == 0
+  F.mse_loss(fm(x), y).backward()  # the same step can still train
+  opt.step()
+  assert not torch.equal(fm[0].weight, w0)
+
+
 def test_input_gradient_then_training_step_matches_torch():
   # FGSM-style: an input-gradient pass, then a training step on the
   # perturbed input, one optimizer step per batch.
