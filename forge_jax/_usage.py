@@ -98,7 +98,9 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
           "transform inside loss_fn that caches traces (jax.checkpoint or "
           "jax.jit: apply remat per module with flax.linen.remat, supported, "
           "and jit the whole step instead); jax.vmap / nn.vmap over the "
-          "model (per-example kernels cannot be fused); or the parameters "
+          "model (per-example kernels cannot be fused); a nested jax.grad / "
+          "jax.vjp through the model inside loss_fn (e.g. a gradient "
+          "penalty: FORGE's backward updates the kernel); or the parameters "
           "transformed before model.apply (e.g. cast to another dtype: give "
           "the model param_dtype/dtype instead). Or give this layer "
           "fused=False.")

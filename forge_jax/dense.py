@@ -114,13 +114,22 @@ class Dense(nn.Dense):
   fused: bool = True
   block_config: pallas_kernels.BlockConfig | None = None
 
+  def _standard(self, inputs):
+    # nn.Dense's own body, not its Flax-wrapped method: super().__call__
+    # would run Flax's method wrapper a second time for this one call (two
+    # capture_intermediates entries, interceptors applied twice).
+    body = getattr(nn.Dense.__call__, "__wrapped__", None)
+    if body is None:  # another Flax: the wrapped method, as before
+      return super().__call__(inputs)
+    return body(self, inputs)
+
   @nn.compact
   def __call__(self, inputs):
     ctx = _context.current()
     if ctx is None or not self.fused or ctx.is_standard(self.path):
       # Standard path: outside a step, fused=False, or a shared layer that
       # make_step(..., shared="standard") moved here for this step.
-      return super().__call__(inputs)
+      return self._standard(inputs)
     if (self.dot_general is not None or self.dot_general_cls is not None
         or self.promote_dtype is not flax_dtypes.promote_dtype):
       raise ValueError(
@@ -134,7 +143,7 @@ class Dense(nn.Dense):
           "forge_jax.Dense", hint=" (Inside nn.scan a layer is traced more "
           "than once: for a scanned stack of Dense layers use "
           "forge_jax.ScannedDenseStack.)")
-      return super().__call__(inputs)
+      return self._standard(inputs)
 
     kernel = self.param('kernel', self.kernel_init,
                         (jnp.shape(inputs)[-1], self.features),

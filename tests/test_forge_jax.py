@@ -545,3 +545,37 @@ def test_jitted_step_is_traced_once_across_calls(platform):
   counts = _trace_counts_in_fresh_process(platform)
   assert counts[0] > 0
   assert counts == [counts[0]] * 3, counts
+
+
+# --- the standard path is nn.Dense's call, once ------------------------------
+
+
+def _dense_variables(x):
+  return nn.Dense(5).init(jax.random.key(0), x)
+
+
+def test_standard_path_records_one_call_like_nn_dense():
+  x = jax.random.normal(jax.random.key(1), (4, 37))
+  v = _dense_variables(x)
+  outs = [m.apply(v, x, capture_intermediates=True,
+                  mutable=["intermediates"])[1]["intermediates"]["__call__"]
+          for m in (nn.Dense(5), forge_jax.Dense(5))]
+  assert len(outs[0]) == len(outs[1]) == 1
+  np.testing.assert_array_equal(outs[1][0], outs[0][0])
+
+
+def test_method_interceptors_act_once_like_on_nn_dense():
+  # e.g. LoRA or quantisation injected with nn.intercept_methods
+  x = jax.random.normal(jax.random.key(1), (4, 37))
+  v = _dense_variables(x)
+
+  def add_one(next_fun, args, kwargs, context):
+    y = next_fun(*args, **kwargs)
+    if isinstance(context.module, nn.Dense) and context.method_name == "__call__":
+      y = y + 1.0
+    return y
+
+  with nn.intercept_methods(add_one):
+    ref = nn.Dense(5).apply(v, x)
+    got = forge_jax.Dense(5).apply(v, x)
+  np.testing.assert_array_equal(got, ref)
