@@ -75,6 +75,15 @@ def _release_handle(optimizer_ref, weight, generation) -> None:
     optimizer._forge_release(weight, generation)
 
 
+def _in_functorch() -> bool:
+  """Inside a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``...):
+  it computes gradients functionally and trains nothing, so the layer is
+  ``F.linear`` there."""
+  peek = getattr(getattr(torch._C, "_functorch", None),
+                 "peek_interpreter_stack", None)
+  return peek is not None and peek() is not None
+
+
 # What a backward wants of a managed weight (_weight_grad_mode).
 UPDATE, SKIP, RETURN = "update", "skip", "return"
 
@@ -92,6 +101,8 @@ def _weight_grad_mode(weight: torch.Tensor) -> str:
   Uses the engine's ``_will_engine_execute_node`` (what
   ``torch.utils.checkpoint`` relies on), which refuses a leaf that
   ``autograd.grad`` captures; without it, ``UPDATE``."""
+  if not weight.requires_grad:  # frozen after the forward: torch skips it
+    return SKIP
   will_execute = getattr(torch._C, "_will_engine_execute_node", None)
   if will_execute is None:
     return UPDATE
@@ -122,8 +133,9 @@ class _FusedLinearFn(torch.autograd.Function):
           "backward ran twice through the same forward of a FORGE-managed "
           "forge_torch.Linear (retain_graph=True?). Its first backward already "
           "applied the optimizer to the weight; a second one cannot be fused.")
-    ctx.handle = None
     mode = _weight_grad_mode(handle.weight)
+    if mode == UPDATE:
+      ctx.handle = None  # a later backward through this graph cannot update
     n_out, n_in = weight.shape
     # grad_input reads the PRE-update weight: computed (queued) before the
     # fused kernel, which waits for torch's stream, overwrites the weight.
@@ -228,7 +240,7 @@ class Linear(nn.Linear):
   def forward(self, input: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if not (self.fused and torch.is_grad_enabled() and w.requires_grad
-            and is_forge_weight(w)):
+            and is_forge_weight(w)) or _in_functorch():
       return F.linear(input, w, self.bias)
     optimizer = owner_of(w)
     if optimizer is None:

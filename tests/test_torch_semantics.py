@@ -228,3 +228,74 @@ def test_grad_scaler_is_refused_clearly():
   scaler.scale(F.mse_loss(fm(x), y)).backward()
   with pytest.raises(RuntimeError, match="GradScaler"):
     scaler.step(opt)
+
+
+# --- graphs used more than once, frozen weights, torch.func -----------------
+
+
+def _pair_with_opts():
+  ref, fm = pair()
+  return (ref, fm, torch.optim.Adam(ref.parameters(), lr=1e-2),
+          forge_torch.Adam(fm.parameters(), lr=1e-2))
+
+
+def test_input_gradient_with_retain_graph_then_training_backward():
+  ref, fm, o_r, o_f = _pair_with_opts()
+  gxs = []
+  for m, o in ((ref, o_r), (fm, o_f)):
+    x, y = data()
+    x.requires_grad_(True)
+    loss = F.mse_loss(m(x), y)
+    (gx,) = torch.autograd.grad(loss, x, retain_graph=True)
+    gxs.append(gx)
+    loss.backward()  # the same graph, now training
+    o.step()
+  assert rel(gxs[1], gxs[0]) <= TOL
+  assert_models_close(fm, ref)
+
+
+def test_jacobian_and_repeated_weight_gradients_through_one_graph():
+  ref, fm, _, opt = _pair_with_opts()  # opt: kept alive, it owns the layers
+  x, _ = data()
+  jr = torch.autograd.functional.jacobian(ref, x)
+  jf = torch.autograd.functional.jacobian(fm, x)
+  assert rel(jf, jr) <= TOL
+  sums = []
+  for m in (ref, fm):
+    y = m(x).square().mean()
+    (g0,) = torch.autograd.grad(y, m[0].weight, retain_graph=True)
+    (g1,) = torch.autograd.grad(y, m[0].weight)
+    sums.append(g0 + g1)
+  assert rel(sums[1], sums[0]) <= TOL
+  assert_models_close(fm, ref)  # nothing applied
+
+
+def test_weight_frozen_between_forward_and_backward_is_skipped():
+  ref, fm, o_r, o_f = _pair_with_opts()
+  for m, o in ((ref, o_r), (fm, o_f)):
+    x, y = data()
+    loss = F.mse_loss(m(x), y)
+    m[0].weight.requires_grad_(False)
+    loss.backward()
+    o.step()
+  assert_models_close(fm, ref)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jacrev", "grad"])
+def test_torch_func_transforms_run_the_plain_layer(transform):
+  ref, fm, _, opt = _pair_with_opts()  # opt: kept alive, it owns the layers
+  w0 = fm[0].weight.detach().clone()
+  x, _ = data()
+  outs = []
+  for m in (ref, fm):
+    if transform == "vmap":
+      outs.append(torch.vmap(m)(x.reshape(1, *x.shape).expand(3, -1, -1)))
+    elif transform == "jacrev":
+      outs.append(torch.func.jacrev(m)(x[0]))
+    else:
+      b = m[2].bias.detach().clone()
+      f = lambda b, m=m: torch.func.functional_call(
+          m, {"2.bias": b}, (x,)).square().mean()
+      outs.append(torch.func.grad(f)(b))
+  assert rel(outs[1], outs[0]) <= TOL
+  assert torch.equal(fm[0].weight, w0)  # nothing trained
