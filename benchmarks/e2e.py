@@ -524,21 +524,21 @@ def parse_args(argv):
       description=__doc__.splitlines()[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-  p.add_argument("--bt", type=int, nargs="+", default=[512, 2048],
+  p.add_argument("--bt", type=common.positive_int, nargs="+", default=[512, 2048],
                  help="tokens per step (multiples of --seq)")
-  p.add_argument("--layers", type=int, default=d.layers)
-  p.add_argument("--d-model", type=int, default=d.d_model)
-  p.add_argument("--heads", type=int, default=d.heads)
-  p.add_argument("--kv-heads", type=int, default=d.kv_heads)
-  p.add_argument("--ffn", type=int, default=d.ffn)
-  p.add_argument("--vocab", type=int, default=d.vocab)
-  p.add_argument("--seq", type=int, default=d.seq)
+  p.add_argument("--layers", type=common.positive_int, default=d.layers)
+  p.add_argument("--d-model", type=common.positive_int, default=d.d_model)
+  p.add_argument("--heads", type=common.positive_int, default=d.heads)
+  p.add_argument("--kv-heads", type=common.positive_int, default=d.kv_heads)
+  p.add_argument("--ffn", type=common.positive_int, default=d.ffn)
+  p.add_argument("--vocab", type=common.positive_int, default=d.vocab)
+  p.add_argument("--seq", type=common.positive_int, default=d.seq)
   p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"))
   p.add_argument("--attn-impl", default=None, choices=("xla", "cudnn"),
                  help="jax.nn.dot_product_attention implementation "
                  "(default: JAX's choice, XLA)")
-  p.add_argument("--steps", type=int, default=10, help="timed steps per cell")
-  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--steps", type=common.positive_int, default=10, help="timed steps per cell")
+  p.add_argument("--warmup", type=common.positive_int, default=2)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="out/bench/e2e.csv")
   p.add_argument("--plot", default=None, metavar="PNG")
@@ -552,12 +552,6 @@ def parse_args(argv):
   p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  if args.steps < 1 or args.warmup < 1:
-    p.error("--steps and --warmup must be >= 1")
-  for flag in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab",
-               "seq"):
-    if getattr(args, flag) < 1:
-      p.error(f"--{flag.replace('_', '-')} must be positive")
   try:
     config_of(args)
   except ValueError as e:
@@ -565,8 +559,8 @@ def parse_args(argv):
   if args.replot and not os.path.exists(args.out):
     p.error(f"--replot: no CSV at {args.out}")
   for bt in args.bt:
-    if bt <= 0 or bt % args.seq:
-      p.error(f"--bt {bt} is not a positive multiple of --seq {args.seq}")
+    if bt % args.seq:
+      p.error(f"--bt {bt} is not a multiple of --seq {args.seq}")
   return args
 
 

@@ -358,10 +358,10 @@ def bench_case(res, name, bt, n_in, n_out, moment_dtype, configs, ceiling,
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/bench/kernel.csv")
-  p.add_argument("--tokens", type=int, nargs="+", default=list(common.TOKENS))
+  p.add_argument("--tokens", type=common.positive_int, nargs="+", default=list(common.TOKENS))
   p.add_argument("--shapes", nargs="+", default=list(common.LLAMA8B_SHAPES))
   p.add_argument("--moments", nargs="+", default=["bfloat16", "float32"])
-  p.add_argument("--configs", type=int, default=len(CONFIGS),
+  p.add_argument("--configs", type=common.positive_int, default=len(CONFIGS),
                  help="how many of the curated configs to try")
   p.add_argument("--config", nargs="+", default=None, metavar="LABEL",
                  help="tilings to try instead, as labels such as "
@@ -374,18 +374,13 @@ def main(argv=None):
                  "forge_torch: the kernel through the forge_torch bridge), "
                  "bf16 moments only. auto: when torch has CUDA; on: also "
                  "without CUDA, every arm then on the CPU (a smoke test)")
-  p.add_argument("--steps", type=int, default=50,
+  p.add_argument("--steps", type=common.positive_int, default=50,
                  help="steps per timed loop (every arm)")
-  p.add_argument("--reps", type=int, default=7,
+  p.add_argument("--reps", type=common.positive_int, default=7,
                  help="timed loops per arm: p20/p50/p80 over them")
-  p.add_argument("--ceiling-mib", type=int, default=2048,
+  p.add_argument("--ceiling-mib", type=common.positive_int, default=2048,
                  help="size of the copy measuring the bandwidth ceiling")
   args = p.parse_args(argv)
-  for flag in ("steps", "reps", "ceiling_mib", "configs"):
-    if getattr(args, flag) < 1:
-      p.error(f"--{flag.replace('_', '-')} must be positive")
-  if any(t < 1 for t in args.tokens):
-    p.error("--tokens must be positive")
   for m in args.moments:
     try:
       if not jnp.issubdtype(jnp.dtype(m), jnp.floating):

@@ -325,11 +325,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   (x_tr, y_tr), (x_te, y_te) = load_digits_split(args.seed)
   classes = int(max(y_tr.max(), y_te.max())) + 1
-  if args.batch_size > len(x_tr):
-    print(f"demo: error: --batch-size {args.batch_size} exceeds the "
-          f"{len(x_tr)} train rows", file=sys.stderr)
-    raise SystemExit(2)
-  idx = batch_indices(len(x_tr), args.batch_size, args.steps, args.seed)
+  try:
+    idx = batch_indices(len(x_tr), args.batch_size, args.steps, args.seed)
+  except ValueError as e:  # --batch-size beyond the data: a usage error
+    print(f"demo: error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   print(f"data: sklearn digits, {x_tr.shape[1]} features, {classes} classes, "
         f"{len(x_tr)} train / {len(x_te)} test rows")
   print(f"model: MLP {x_tr.shape[1]}-{args.hidden}-{args.hidden}-{classes}, "

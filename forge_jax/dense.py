@@ -86,6 +86,10 @@ def _fused_linear_bwd(static, res, dy):
 _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
 
 
+# nn.Dense.__call__ without Flax's method wrapper (Dense._standard).
+_DENSE_BODY = getattr(nn.Dense.__call__, "__wrapped__", None)
+
+
 class Dense(nn.Dense):
   """A drop-in for :class:`flax.linen.Dense` whose backward applies the optimizer.
 
@@ -118,10 +122,9 @@ class Dense(nn.Dense):
     # nn.Dense's own body, not its Flax-wrapped method: super().__call__
     # would run Flax's method wrapper a second time for this one call (two
     # capture_intermediates entries, interceptors applied twice).
-    body = getattr(nn.Dense.__call__, "__wrapped__", None)
-    if body is None:  # another Flax: the wrapped method, as before
+    if _DENSE_BODY is None:  # another Flax: the wrapped method, as before
       return super().__call__(inputs)
-    return body(self, inputs)
+    return _DENSE_BODY(self, inputs)
 
   @nn.compact
   def __call__(self, inputs):

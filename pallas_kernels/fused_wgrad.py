@@ -211,15 +211,13 @@ def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
     if s.shape != w.shape:
       raise ValueError(
           f"slot {name!r} has shape {s.shape}, expected w's shape {w.shape}")
-  if (not hasattr(hparams, "shape") or not hasattr(hparams, "dtype")
-      or hparams.shape != (HPARAM_VECTOR_LEN,)
-      or hparams.dtype != jnp.float32):
+  shape, dtype = getattr(hparams, "shape", None), getattr(hparams, "dtype", None)
+  if shape != (HPARAM_VECTOR_LEN,) or dtype != jnp.float32:
+    got = (f"{dtype}{list(shape)}" if shape is not None and dtype is not None
+           else type(hparams).__name__)
     raise ValueError(
         f"hparams must be a float32 vector of length {HPARAM_VECTOR_LEN} (use"
-        f" rule.pack(...)), got "
-        + (f"{hparams.dtype}{list(hparams.shape)}"
-           if hasattr(hparams, "shape") and hasattr(hparams, "dtype")
-           else type(hparams).__name__))
+        f" rule.pack(...)), got {got}")
 
 
 def _and(*masks):
