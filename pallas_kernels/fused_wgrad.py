@@ -33,7 +33,9 @@ _MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
 
 
 def _is_int(v) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+  # A Python int (the tiling reaches Triton's compile parameters as is): not
+  # a bool, a float or a NumPy scalar.
+  return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_pow2(n: int) -> bool:
