@@ -66,10 +66,7 @@ import forge_jax  # noqa: E402
 from forge_jax.demo import timed_steps  # noqa: E402
 from benchmarks import common  # noqa: E402
 
-# "forge_overlap": FORGE with make_step(..., overlap=True), each layer's
-# update on a second GPU stream.
-ARMS = ("forge", "optax", "forge_overlap")
-FORGE_ARMS = ("forge", "forge_overlap")
+ARMS = ("forge", "optax")
 RESULT_TAG = "E2E_CELL_RESULT "
 # Both arms' first-step losses come from the same forward on the same
 # initialisation; only XLA's fusion / GEMM-algorithm choices may differ.
@@ -233,7 +230,7 @@ def make_tx(arm: str, cfg: Config, hparams: dict | None = None):
   optax keeps in the parameters' dtype) are stored alike in both arms."""
   h = dict(HPARAMS if hparams is None else hparams)
   lr = h.pop("learning_rate")
-  make = forge_jax.adamw if arm in FORGE_ARMS else optax.adamw
+  make = forge_jax.adamw if arm == "forge" else optax.adamw
   return make(lr, mu_dtype=cfg.jdtype, mask=decay_mask, **h)
 
 
@@ -244,19 +241,9 @@ def build_arm(arm: str, cfg: Config, hparams: dict | None = None):
   if arm not in ARMS:
     raise ValueError(f"unknown arm {arm!r}; expected one of {ARMS}")
   tx = make_tx(arm, cfg, hparams)
-  if arm in FORGE_ARMS:
-    return forge_jax.make_step(make_loss(Decoder(cfg, forge_jax.Dense)), tx,
-                               overlap=arm == "forge_overlap"), tx
+  if arm == "forge":
+    return forge_jax.make_step(make_loss(Decoder(cfg, forge_jax.Dense)), tx), tx
   return common.optax_step(make_loss(Decoder(cfg, nn.Dense)), tx), tx
-
-
-def compiler_options(arm: str, lhs: bool = False) -> dict | None:
-  """The arm's ``jax.jit(..., compiler_options=)``: forge_overlap needs XLA's
-  latency-hiding scheduler (forge_jax.OVERLAP_COMPILER_OPTIONS); ``lhs``
-  gives it to every arm (the control: the scheduler alone)."""
-  if lhs or arm == "forge_overlap":
-    return dict(forge_jax.OVERLAP_COMPILER_OPTIONS)
-  return None
 
 
 def make_batch(cfg: Config, batch_size: int, seed: int = 0):
@@ -308,7 +295,7 @@ def _peak_bytes():
 
 
 def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
-             out: str | None, seed: int = 0, lhs: bool = False) -> dict:
+             out: str | None, seed: int = 0) -> dict:
   """Compiles, measures and runs one (arm, BT) cell in this process; writes
   its rows to ``out`` (if given) and returns the figures."""
   if bt % cfg.seq:
@@ -321,8 +308,7 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
   # made while compiling (e.g. GEMM autotuning) then do not stack on the state.
   abs_vars = abstract_variables(cfg)
   abs_state = jax.eval_shape(tx.init, abs_vars["params"])
-  options = compiler_options(arm, lhs)
-  jitted = jax.jit(step, donate_argnums=(0, 1), compiler_options=options)
+  jitted = jax.jit(step, donate_argnums=(0, 1))
   t0 = time.perf_counter()
   compiled = jitted.lower(abs_vars, abs_state, batch).compile()
   compile_s = time.perf_counter() - t0
@@ -334,7 +320,7 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
   opt_state = jax.jit(tx.init)(variables["params"])
   n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(variables))
   dtypes = (f"params={cfg.dtype},{_moment_dtypes(opt_state)},"
-            f"logits/loss=float32" + (",xla-lhs" if options else ""))
+            f"logits/loss=float32")
 
   times, losses, variables, opt_state = timed_steps(
       compiled, variables, opt_state, batch, warmup, steps)
@@ -395,8 +381,6 @@ def _cell_argv(args, arm: str, bt: int) -> list[str]:
     argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
   if args.attn_impl:
     argv += ["--attn-impl", args.attn_impl]
-  if args.lhs:
-    argv += ["--lhs"]
   if args.out:
     argv += ["--out", args.out]
   return argv
@@ -450,27 +434,17 @@ def _fmt(v, spec=".1f"):
 
 
 def summarize(results: dict, bts) -> bool:
-  """Prints each FORGE arm against optax; returns whether first-step losses
-  agree."""
+  """Prints the forge/optax table; returns whether first-step losses agree."""
   ok = True
-  for farm in FORGE_ARMS:
-    if not any((farm, bt) in results for bt in bts):
-      continue
-    ok &= _summarize_pair(results, bts, farm)
-  return ok
-
-
-def _summarize_pair(results: dict, bts, farm: str) -> bool:
-  ok = True
-  print(f"\n{farm} / optax (p50 step time; compiled-step temporaries; "
+  print("\nforge / optax (p50 step time; compiled-step temporaries; "
         "allocator peak; compile time)")
-  print(f"{'BT':>6} {'metric':<16} {farm:>13} {'optax':>12} {'ratio':>8}")
+  print(f"{'BT':>6} {'metric':<16} {'forge':>12} {'optax':>12} {'ratio':>8}")
   for bt in bts:
-    f, o = results.get((farm, bt)), results.get(("optax", bt))
+    f, o = results.get(("forge", bt)), results.get(("optax", bt))
     def row(name, fv, ov, spec=".1f"):
       ratio = (f"{fv / ov:8.3f}" if fv is not None and ov not in (None, 0)
                else f"{'n/a':>8}")
-      print(f"{bt:>6} {name:<16} {_fmt(fv, spec):>13} {_fmt(ov, spec):>12} "
+      print(f"{bt:>6} {name:<16} {_fmt(fv, spec):>12} {_fmt(ov, spec):>12} "
             f"{ratio}")
     g = lambda r, fn: None if r is None else fn(r)
     row("step p50 (ms)", g(f, lambda r: r["step_ms"][1]),
@@ -490,16 +464,16 @@ def _summarize_pair(results: dict, bts, farm: str) -> bool:
       rel = abs(lf - lo) / max(abs(lo), 1e-30)
       same = rel <= FIRST_LOSS_RTOL
       ok &= same
-      print(f"{bt:>6} first-step loss {farm} {lf!r} vs optax {lo!r}: rel diff "
+      print(f"{bt:>6} first-step loss forge {lf!r} vs optax {lo!r}: rel diff "
             f"{rel:.2e} ({'OK' if same else 'MISMATCH'}, tol "
             f"{FIRST_LOSS_RTOL:g})")
-      for arm, r in ((farm, f), ("optax", o)):
+      for arm, r in (("forge", f), ("optax", o)):
         if not r["losses"][-1] < r["losses"][0]:
           print(f"{bt:>6} warning: {arm} loss did not fall "
                 f"({r['losses'][0]:.5f} -> {r['losses'][-1]:.5f})")
       if f["peak_bytes"] is not None and o["peak_bytes"] is not None:
-        print(f"{bt:>6} acceptance: {farm} step time <= optax: "
-              f"{f['step_ms'][1] <= o['step_ms'][1]}; {farm} peak <= optax: "
+        print(f"{bt:>6} acceptance: forge step time <= optax: "
+              f"{f['step_ms'][1] <= o['step_ms'][1]}; forge peak <= optax: "
               f"{f['peak_bytes'] <= o['peak_bytes']}")
   return ok
 
@@ -520,18 +494,16 @@ def plot(csv_path: str, png_path: str) -> None:
   mem_metric = "peak_memory" if has_peak else "temp_memory"
   panels = (("step_time", "median step time (ms)"),
             (mem_metric, f"{'allocator peak' if has_peak else 'compiled temporaries'} (MiB)"))
-  arms = [a for a in ARMS if any(k[1] == a for k in last)]
-  colors = {"forge": "tab:orange", "optax": "gray", "forge_overlap": "tab:red"}
   fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-  width = 0.8 / max(len(arms), 1)
+  width = 0.38
   for ax, (metric, label) in zip(axes, panels):
-    for i, arm in enumerate(arms):
+    for i, arm in enumerate(ARMS):
       vals = [float(last[(bt, arm, metric)]["p50"]) if (bt, arm, metric) in last
               else 0.0 for bt in bts]
       bars = ax.bar([j + i * width for j in range(len(bts))], vals, width,
-                    label=arm, color=colors[arm])
+                    label=arm, color="tab:orange" if arm == "forge" else "gray")
       ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(bts))])
+    ax.set_xticks([j + width / 2 for j in range(len(bts))])
     ax.set_xticklabels([f"BT={bt}" for bt in bts])
     ax.set_ylabel(label)
     ax.legend(fontsize=8)
@@ -565,9 +537,6 @@ def parse_args(argv):
   p.add_argument("--attn-impl", default=None, choices=("xla", "cudnn"),
                  help="jax.nn.dot_product_attention implementation "
                  "(default: JAX's choice, XLA)")
-  p.add_argument("--lhs", action="store_true",
-                 help="compile every arm with XLA's latency-hiding scheduler "
-                 "(forge_overlap always is)")
   p.add_argument("--steps", type=common.positive_int, default=10, help="timed steps per cell")
   p.add_argument("--warmup", type=common.positive_int, default=2)
   p.add_argument("--seed", type=int, default=0)
@@ -606,7 +575,7 @@ def main(argv=None) -> int:
   cfg = config_of(args)
   if args.cell:
     r = run_cell(args.arm, args.bt[0], cfg, args.steps, args.warmup, args.out,
-                 args.seed, args.lhs)
+                 args.seed)
     print(f"{r['arm']} BT={r['bt']} on {r['device']}: {r['params']:,} params "
           f"({r['dtypes']}); compile {r['compile_s']:.1f} s; step p50 "
           f"{r['step_ms'][1]:.2f} ms; temp {_mib(r['mem']['temp']):.1f} MiB; "

@@ -71,13 +71,12 @@ def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
 
 
 def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
-                warmup: int, lhs: bool = False) -> dict:
+                warmup: int) -> dict:
   step, tx = e2e.build_arm(arm, cfg)
   batch = e2e.make_batch(cfg, bt // cfg.seq)
   variables = e2e.init_variables(cfg)
   opt_state = jax.jit(tx.init)(variables["params"])
-  jitted = jax.jit(step, donate_argnums=(0, 1),
-                   compiler_options=e2e.compiler_options(arm, lhs))
+  jitted = jax.jit(step, donate_argnums=(0, 1))
   for _ in range(warmup):
     loss, variables, opt_state = jitted(variables, opt_state, batch)
   jax.block_until_ready((loss, variables, opt_state))
@@ -135,12 +134,9 @@ def main(argv=None) -> int:
   d = e2e.Config()
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--bt", type=common.positive_int, default=512)
-  p.add_argument("--arms", nargs="+", default=["forge", "optax"],
+  p.add_argument("--arms", nargs="+", default=list(e2e.ARMS),
                  choices=e2e.ARMS)
   p.add_argument("--layers", type=common.positive_int, default=d.layers)
-  p.add_argument("--lhs", action="store_true",
-                 help="every arm with XLA's latency-hiding scheduler "
-                 "(forge_overlap always is)")
   p.add_argument("--steps", type=common.positive_int, default=5)
   p.add_argument("--warmup", type=common.positive_int, default=3)
   p.add_argument("--top", type=int, default=25)
@@ -157,8 +153,7 @@ def main(argv=None) -> int:
     return 1
   results = {}
   for arm in args.arms:
-    results[arm] = profile_arm(arm, cfg, args.bt, args.steps, args.warmup,
-                               args.lhs)
+    results[arm] = profile_arm(arm, cfg, args.bt, args.steps, args.warmup)
     if not results[arm]["by_name"]:
       print(f"{arm}: the trace holds no GPU kernels (backend "
             f"{jax.default_backend()}); nothing to report", file=sys.stderr)

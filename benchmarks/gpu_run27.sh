@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Runs at commit 6c2240a (variant 14: make_step(overlap=True), the
+# forge_overlap e2e arm, benchmarks/hlo_check.py), reverted in the next commit.
 # H200, session 6 call 27: make_step(..., overlap=True) -- each layer's fused
 # update on a second GPU stream (XLA stream annotation). Does XLA make the
 # calls asynchronous without copying W/m/v (hlo_check), does the e2e step get

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Runs at commit 6c2240a (variant 14: make_step(overlap=True), the
+# forge_overlap e2e arm, benchmarks/hlo_check.py), reverted in the next commit.
 # H200, session 6 call 28. Run 27 showed XLA makes each overlap=True update
 # an async call-start/call-done pair with no copies, but its default
 # scheduler puts the done right after the start (0 kernels between: nothing

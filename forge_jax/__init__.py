@@ -5,9 +5,7 @@
   stacks them, whose backward updates the stacked kernel and slots in place;
 * :func:`adamw` (and the other optax families below) -- the optax transform
   itself, plus what FORGE layers need to drive it;
-* :func:`make_step` -- the training step that ties them together
-  (:data:`OVERLAP_COMPILER_OPTIONS`: how to compile one built with
-  ``overlap=True``);
+* :func:`make_step` -- the training step that ties them together;
 * :func:`MultiSteps` -- gradient accumulation over K micro-batches (the
   FORGE ``optax.MultiSteps``: an fp32 accumulator per kernel, or straight
   into SGD's momentum);
@@ -21,7 +19,7 @@ Asking for a known family that forge_jax does not provide (e.g.
 from forge_jax.accumulate import MultiSteps
 from forge_jax.dense import Dense
 from forge_jax.scan import ScannedDenseStack
-from forge_jax.step import OVERLAP_COMPILER_OPTIONS, SharedWeightsWarning, make_step
+from forge_jax.step import SharedWeightsWarning, make_step
 from forge_jax.transforms import (
     ForgeSpec,
     ForgeTransformation,
@@ -43,8 +41,7 @@ from forge_jax.transforms import (
 )
 from pallas_kernels import classify
 
-__all__ = ["Dense", "MultiSteps", "OVERLAP_COMPILER_OPTIONS", "ForgeSpec",
-           "ForgeTransformation", "ScannedDenseStack",
+__all__ = ["Dense", "MultiSteps", "ForgeSpec", "ForgeTransformation", "ScannedDenseStack",
            "SharedWeightsWarning",
            "adafactor", "adagrad", "adam", "adamax", "adamw", "classify",
            "lamb", "lion", "make_step", "muon", "nadam", "nadamw", "radam", "refuse_reason",

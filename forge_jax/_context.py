@@ -69,9 +69,6 @@ class StepContext:
   shared: str = "error"
   # Layers that run their standard path in this (fused) trace.
   standard: frozenset[Path] = frozenset()
-  # make_step(..., overlap=True): forge_jax.Dense updates run on this GPU
-  # stream (None: in line).
-  stream: int | None = None
 
   def is_standard(self, path: Path) -> bool:
     return tuple(path) in self.standard

@@ -29,23 +29,6 @@ import pallas_kernels
 from forge_jax import _state
 
 
-def on_stream(stream: int | None, fn, *args):
-  """``fn(*args)``, on GPU stream ``stream`` when it is not None.
-
-  XLA's explicit stream annotation (``compute_on("gpu_stream:N")``): the
-  call becomes an asynchronous start/done pair whose work runs on a second
-  CUDA stream, so a layer's optimizer step (HBM-bound) can run beside the
-  rest of the backward (GEMM-bound) instead of after it. XLA orders it after
-  its inputs and before every use of its outputs. Other backends run the
-  call as an ordinary (non-inlined) call: the same values.
-  """
-  if stream is None:
-    return fn(*args)
-  from jax.experimental.compute_on import compute_on
-  return compute_on(compute_type=f"gpu_stream:{stream}",
-                    out_memory_spaces=jax.memory.Space.Device)(fn)(*args)
-
-
 def form_gradient(x, dy):
   """``G = x^T dy`` over all token rows, in fp32 (regime 3)."""
   x2 = x.reshape(-1, x.shape[-1])

@@ -30,8 +30,6 @@ class _Static:
   # deferred) and where this kernel's state lives; None: `rule`, regime 1.
   spec: Any = None
   layout: Any = None
-  # make_step(..., overlap=True): the GPU stream the update runs on.
-  stream: int | None = None
 
 
 def _matmul(x, kernel, precision):
@@ -68,17 +66,13 @@ def _fused_linear_bwd(static, res, dy):
   # the dx GEMM's read of the kernel before the fused kernel overwrites it
   # instead of protecting the read with a kernel-sized copy.
   dx, kernel = lax.optimization_barrier((dx, kernel))
-
-  def update(x, dy, kernel, inputs):
-    if static.spec is None:
-      return pallas_kernels.fused_wgrad_update(
-          x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
-          config=static.config)
-    return _paths.step_in_backward(
+  if static.spec is None:
+    new_kernel, new_slots = pallas_kernels.fused_wgrad_update(
+        x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
+        config=static.config)
+  else:
+    new_kernel, new_slots = _paths.step_in_backward(
         static.spec, static.layout, x, dy, kernel, inputs, static.config)
-
-  new_kernel, new_slots = _paths.on_stream(static.stream, update, x, dy,
-                                           kernel, inputs)
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.add(static.path)
@@ -172,8 +166,7 @@ class Dense(nn.Dense):
     layer_inputs = ctx.inputs[path]
     static = _Static(path=path, rule=ctx.rule, dtype=dtype,
                      precision=self.precision, config=self.block_config,
-                     spec=ctx.spec, layout=ctx.layouts.get(path),
-                     stream=ctx.stream)
+                     spec=ctx.spec, layout=ctx.layouts.get(path))
     y = _fused_linear(static, inputs_c, kernel, layer_inputs)
     if bias_c is not None:
       y += jnp.reshape(bias_c, (1,) * (y.ndim - 1) + (-1,))

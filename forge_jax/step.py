@@ -24,13 +24,6 @@ KeyPath = tuple[Any, ...]
 
 SHARED_POLICIES = ("error", "standard")
 
-# Compile a make_step(..., overlap=True) step with these:
-# ``jax.jit(step, donate_argnums=(0, 1), compiler_options=OVERLAP_COMPILER_OPTIONS)``.
-# XLA's default GPU scheduler puts each asynchronous update's "done" right
-# after its "start" (nothing overlaps); its latency-hiding scheduler moves the
-# done later, past the next few GEMMs, so the update runs beside them.
-OVERLAP_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
-
 
 class SharedWeightsWarning(UserWarning):
   """``make_step(..., shared="standard")`` moved shared FORGE layers (tied or
@@ -133,7 +126,6 @@ def make_step(
     tx: ForgeTransformation,
     *,
     shared: str = "error",
-    overlap: bool = False,
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]:
   """Builds ``step(variables, opt_state, batch) -> (loss, variables, opt_state)``.
 
@@ -170,21 +162,6 @@ def make_step(
     through ``jax.jit(step)``, which copies the attribute when made) -- holds
     their names (``[]``: none; before the first trace, ``[]``).
 
-  ``overlap=True`` runs each ``forge_jax.Dense``'s update on a second GPU
-  stream (XLA's explicit stream annotation, ``compute_on("gpu_stream:1")``),
-  so that it can run beside the rest of the backward -- the next layers'
-  input-gradient GEMMs, attention, norms -- instead of between them. The
-  values are the same (XLA orders each update after its inputs and before
-  any use of its outputs); only the schedule changes. It takes effect only
-  when the step is compiled with XLA's latency-hiding scheduler --
-  ``jax.jit(step, donate_argnums=(0, 1),
-  compiler_options=forge_jax.OVERLAP_COMPILER_OPTIONS)`` -- without which
-  XLA waits for each update right after starting it. Off by default: it is
-  XLA-experimental, and the update's inputs (the layer's ``x`` and ``dy``)
-  stay alive until it finishes. Elsewhere than on a GPU the update is an
-  ordinary call. ``ScannedDenseStack`` ignores it (its reverse loop has
-  nothing to overlap its update with).
-
   Raises: ``TypeError`` if ``tx`` is not a forge_jax transform (an optax
   chain is not one; a regime-4 transform such as global-norm clipping cannot
   be fused at all: ``forge_jax.refuse_reason``); ``ValueError`` if
@@ -215,8 +192,6 @@ def make_step(
         "'error' refuses a FORGE layer that is called more than once or "
         "whose kernel is read elsewhere (tied weights); 'standard' moves such "
         "layers to the standard (optax) path and warns which")
-  if not isinstance(overlap, bool):
-    raise TypeError(f"make_step: overlap must be a bool, got {overlap!r}")
   spec = tx.spec
   standard_layers: list[str] = []
 
@@ -299,8 +274,7 @@ def make_step(
 
     ctx = _context.StepContext("fused", rule=spec.rule, spec=spec,
                                layouts=layouts, shared=shared,
-                               standard=frozenset(fallback),
-                               stream=1 if overlap else None)
+                               standard=frozenset(fallback))
 
     def loss_of(params, inputs):
       ctx.inputs = inputs  # the traced values, so that AD sees them

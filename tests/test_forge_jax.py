@@ -44,13 +44,12 @@ def optax_step(loss_fn, tx):
 
 
 def train_both(ref_model, forge_model, ref_tx, forge_tx, batches, loss=mse,
-               loss_rtol=tol(jnp.float32), overlap=False):
+               loss_rtol=tol(jnp.float32)):
   variables = ref_model.init(jax.random.key(0), batches[0][0])
   ref_state = ref_tx.init(variables["params"])
   f_state = forge_tx.init(variables["params"])
   ref_step = optax_step(loss(ref_model), ref_tx)
-  f_step = jax.jit(forge_jax.make_step(loss(forge_model), forge_tx,
-                                       overlap=overlap),
+  f_step = jax.jit(forge_jax.make_step(loss(forge_model), forge_tx),
                    donate_argnums=(0, 1))
   ref_v, f_v = variables, jax.tree.map(jnp.copy, variables)
   for batch in batches:
@@ -86,44 +85,6 @@ def test_matches_optax_adamw_fp32(kwargs):
   init = MLP(nn.Dense).init(jax.random.key(0), data()[0][0])
   assert rel_err(f_v["params"]["Dense_1"]["kernel"],
                  init["params"]["Dense_1"]["kernel"]) > 1e-2
-
-
-def test_overlap_matches_optax_adamw_fp32():
-  """make_step(overlap=True): the updates run in a stream-annotated call
-  (an ordinary call off the GPU); the values are optax's."""
-  kwargs = dict(learning_rate=SCHEDULE, weight_decay=1e-2, mask=wd_mask)
-  (ref_v, ref_s), (f_v, f_s) = train_both(
-      MLP(nn.Dense), MLP(forge_jax.Dense), optax.adamw(**kwargs),
-      forge_jax.adamw(**kwargs), data(steps=6), overlap=True)
-  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
-  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
-  init = MLP(nn.Dense).init(jax.random.key(0), data()[0][0])
-  assert rel_err(f_v["params"]["Dense_1"]["kernel"],
-                 init["params"]["Dense_1"]["kernel"]) > 1e-2
-
-
-def test_overlap_puts_each_update_in_a_stream_annotated_call():
-  model = MLP(forge_jax.Dense)
-  batch = data()[0]
-  variables = model.init(jax.random.key(0), batch[0])
-  tx = forge_jax.adamw(1e-2)
-  hlo = {}
-  for overlap in (False, True):
-    step = forge_jax.make_step(mse(model), tx, overlap=overlap)
-    hlo[overlap] = jax.jit(step).lower(
-        variables, tx.init(variables["params"]), batch).as_text()
-  assert "_xla_stream_annotation" not in hlo[False]
-  assert "call @compute_on" not in hlo[False]
-  # One stream-1 call per forge_jax.Dense (three in MLP).
-  calls = re.findall(r"call @compute_on\w*\(.*", hlo[True])
-  assert len(calls) == 3
-  assert all('_xla_stream_annotation = "1"' in c for c in calls)
-
-
-def test_overlap_must_be_a_bool():
-  with pytest.raises(TypeError, match="overlap must be a bool"):
-    forge_jax.make_step(mse(MLP(forge_jax.Dense)), forge_jax.adamw(1e-2),
-                        overlap="yes")
 
 
 def test_mu_dtype_bfloat16_matches_optax():
