@@ -168,13 +168,27 @@ def clear_cache() -> None:
   _parsed.clear()
 
 
+def _describe(path: str) -> str:
+  env = os.environ.get(ENV_VAR)
+  if env and os.path.abspath(env) == os.path.abspath(path):
+    return f"{path} (${ENV_VAR})"
+  return path
+
+
+def _read_json(path: str):
+  with open(path) as f:
+    try:
+      return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{_describe(path)}: not a valid JSON file ({e}); "
+                       "not a forge autotune cache") from None
+
+
 def load(path: str) -> dict:
   """The parsed cache file at ``path`` (memoised; validates every entry)."""
   path = os.path.abspath(path)
   if path not in _parsed:
-    with open(path) as f:
-      data = json.load(f)
-    _parsed[path] = _validated(data, path)
+    _parsed[path] = _validated(_read_json(path), _describe(path))
   return _parsed[path]
 
 
@@ -182,9 +196,19 @@ def _validated(data: dict, where: str) -> dict:
   if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
     raise ValueError(f"{where}: not a format-{FORMAT_VERSION} forge autotune "
                      "cache (a JSON object with \"format\": 1)")
+  devices = data.get("devices", {})
+  if not isinstance(devices, dict):
+    raise ValueError(f"{where}: \"devices\" must be an object (device kind "
+                     f"-> entries), got {type(devices).__name__}")
   configs = {}
-  for kind, dev in data.get("devices", {}).items():
-    for key, entry in dev.get("entries", {}).items():
+  for kind, dev in devices.items():
+    entries = dev.get("entries", {}) if isinstance(dev, dict) else None
+    sources = dev.get("sources", {}) if isinstance(dev, dict) else None
+    if not isinstance(entries, dict) or not isinstance(sources, dict):
+      raise ValueError(
+          f"{where}: devices[{kind!r}] must be an object whose \"entries\" and "
+          "\"sources\" are objects")
+    for key, entry in entries.items():
       try:
         configs[(kind, key)] = BlockConfig(**entry["config"])
       except (KeyError, TypeError, ValueError) as e:
@@ -403,9 +427,8 @@ def _empty_cache() -> dict:
 
 def _read_or_empty(path: str) -> dict:
   if os.path.exists(path):
-    with open(path) as f:
-      data = json.load(f)
-    _validated(data, path)
+    data = _read_json(path)
+    _validated(data, _describe(path))
     return data
   return _empty_cache()
 
@@ -432,11 +455,19 @@ def merge_file(data: dict, path: str) -> int:
   other = _read_or_empty(path)
   n = 0
   for kind, dev in other["devices"].items():
-    for sid, source in dev.get("sources", {}).items():
-      entries = {k: {f: v for f, v in e.items() if f != "source"}
-                 for k, e in dev.get("entries", {}).items()
-                 if e.get("source") == sid}
-      merge(data, kind, sid, dict(source, file=path), entries)
+    sources = dict(dev.get("sources", {}))
+    entries_of = {sid: {} for sid in sources}
+    for k, e in dev.get("entries", {}).items():
+      sid = e.get("source")
+      if sid not in sources:
+        # An entry with no (or an unknown) source record, e.g. written by
+        # hand: lookup() uses it, so it is merged, under a record saying so.
+        sid = f"unrecorded@{path}"
+        sources.setdefault(sid, {"kind": "entries without a source record"})
+        entries_of.setdefault(sid, {})
+      entries_of[sid][k] = {f: v for f, v in e.items() if f != "source"}
+    for sid, entries in entries_of.items():
+      merge(data, kind, sid, dict(sources[sid], file=path), entries)
       n += len(entries)
   return n
 
@@ -557,7 +588,24 @@ def _parse_shape(s: str) -> tuple[int, int]:
   m = re.match(r"^(\d+)x(\d+)$", s)
   if not m:
     raise argparse.ArgumentTypeError(f"shape {s!r} is not INxOUT")
-  return int(m.group(1)), int(m.group(2))
+  n_in, n_out = int(m.group(1)), int(m.group(2))
+  if n_in < 1 or n_out < 1:
+    raise argparse.ArgumentTypeError(f"shape {s!r}: both sizes must be >= 1")
+  return n_in, n_out
+
+
+def _positive_int(s: str) -> int:
+  try:
+    v = int(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+  if v < 1:
+    raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+  return v
+
+
+# The dtypes the kernel stores W and its slots in.
+STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _label_arg(label: str) -> BlockConfig:
@@ -583,10 +631,11 @@ def main(argv=None) -> int:
   p.add_argument("--shapes", nargs="+", type=_parse_shape,
                  default=[(4096, 4096), (4096, 1024), (4096, 14336),
                           (14336, 4096)], metavar="INxOUT")
-  p.add_argument("--tokens", nargs="+", type=int, default=[512, 2048])
+  p.add_argument("--tokens", nargs="+", type=_positive_int,
+                 default=[512, 2048])
   p.add_argument("--rule", choices=sorted(RULES), default="adamw")
-  p.add_argument("--w-dtype", default="bfloat16")
-  p.add_argument("--slot-dtype", default="bfloat16",
+  p.add_argument("--w-dtype", default="bfloat16", choices=STATE_DTYPES)
+  p.add_argument("--slot-dtype", default="bfloat16", choices=STATE_DTYPES,
                  help="dtype of every slot of the rule (default bfloat16)")
   p.add_argument("--any-rule", action="store_true",
                  help="store the winners under rule \"any\" (used for every "
@@ -603,7 +652,10 @@ def main(argv=None) -> int:
     p.error("--config chooses tilings to measure; --merge measures nothing")
   configs = args.config
 
-  data = _read_or_empty(args.out)
+  try:
+    data = _read_or_empty(args.out)
+  except (OSError, ValueError) as e:
+    p.error(f"--out: {e}")
   if args.from_csv or args.merge:
     for path in args.from_csv or ():
       try:

@@ -172,6 +172,10 @@ def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
 def _float_dtype_check(name: str, a) -> None:
   if not jnp.issubdtype(a.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
+  if jax.dtypes.canonicalize_dtype(a.dtype) == jnp.float64:
+    raise TypeError(
+        f"{name} is float64: the fused kernel computes in fp32 and stores "
+        "fp32, bf16 or fp16; cast it (e.g. to float32) first")
 
 
 def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
@@ -187,8 +191,11 @@ def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
     if layer_a.shape != () or not jnp.issubdtype(layer_a.dtype, jnp.integer):
       raise TypeError(f"layer must be an integer scalar, got {layer_a.dtype}"
                       f"{list(layer_a.shape)}")
-    if isinstance(layer, (int, np.integer)) and not 0 <= layer < w.shape[0]:
-      raise IndexError(f"layer={layer} is out of range for {w.shape[0]} layers")
+    if not isinstance(layer, jax.core.Tracer):
+      index = int(layer_a)  # concrete: a Python, NumPy or JAX integer
+      if not 0 <= index < w.shape[0]:
+        raise IndexError(
+            f"layer={index} is out of range for {w.shape[0]} layers")
   if x.ndim < 1 or dy.ndim < 1:
     raise ValueError(
         f"x and dy need at least one dimension, got {x.shape} and {dy.shape}")
@@ -358,7 +365,10 @@ def fused_wgrad_update(
   Args:
     x: layer input, ``(..., in)``; leading dimensions are the tokens.
     dy: gradient of the layer output, ``(..., out)``, same leading dims.
-    w: the weight, ``(in, out)``, fp32 or bf16. Written in place.
+      ``x`` and ``dy`` of different float dtypes are promoted to their common
+      dtype first, as ``jnp.dot`` does.
+    w: the weight, ``(in, out)``, fp32 or bf16 (fp16 works too; float64 is
+      refused). Written in place.
     slots: the rule's state arrays (``rule.slots``), each of ``w``'s shape, in
       any float dtype (e.g. ``mu`` in ``mu_dtype``). Written in place.
     hparams: ``rule.pack(...)``: this step's runtime hyperparameters.
@@ -388,6 +398,13 @@ def fused_wgrad_update(
   """
   slots = tuple(slots)
   _check_inputs(x, dy, w, slots, hparams, rule, layer)
+  # NumPy inputs (float64 under x64-off canonicalises to float32), and x / dy
+  # of different float dtypes promoted to their common one, as jnp.dot does:
+  # the kernel's dot needs one operand dtype.
+  x, dy, w = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(w)
+  slots = tuple(jnp.asarray(a) for a in slots)
+  common = jnp.result_type(x, dy)
+  x, dy = x.astype(common), dy.astype(common)
   x2, dy2 = _flatten_tokens(x, dy)
   bt = x2.shape[0]
   n_in, n_out = w.shape[-2:]
@@ -449,6 +466,13 @@ def fused_wgrad_update_reference(x, dy, w, slots, hparams, *, rule: UpdateRule,
   """Pure-``jnp`` reference: form ``G`` in fp32, then apply ``rule``."""
   slots = tuple(slots)
   _check_inputs(x, dy, w, slots, hparams, rule, layer)
+  # NumPy inputs (float64 under x64-off canonicalises to float32), and x / dy
+  # of different float dtypes promoted to their common one, as jnp.dot does:
+  # the kernel's dot needs one operand dtype.
+  x, dy, w = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(w)
+  slots = tuple(jnp.asarray(a) for a in slots)
+  common = jnp.result_type(x, dy)
+  x, dy = x.astype(common), dy.astype(common)
   x2, dy2 = _flatten_tokens(x, dy)
   g = jnp.dot(x2.T, dy2, precision=lax.Precision.HIGHEST,
               preferred_element_type=jnp.float32)

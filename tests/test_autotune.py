@@ -431,3 +431,86 @@ def test_every_shipped_tiling_matches_the_reference_on_gpu(dtypes):
   for cfg in configs:
     check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
                             config=cfg, interpret=False)
+
+
+# --- malformed cache files and CLI values (review, session 6) -----------------
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"format": 1, "devices": {', "not a valid JSON file"),
+    (json.dumps({"format": 1, "devices": []}), "must be an object"),
+    (json.dumps({"format": 1, "devices": {"X": {"entries": [1]}}}),
+     "must be an object"),
+], ids=["truncated", "devices-list", "entries-list"])
+def test_malformed_cache_raises_value_error_naming_the_file(tmp_path, text,
+                                                           match):
+  p = tmp_path / "bad.json"
+  p.write_text(text)
+  with pytest.raises(ValueError, match=match) as e:
+    autotune.load(str(p))
+  assert str(p) in str(e.value)
+
+
+def test_malformed_env_cache_names_the_variable(tmp_path, monkeypatch):
+  p = tmp_path / "bad.json"
+  p.write_text("{")
+  monkeypatch.setenv(autotune.ENV_VAR, str(p))
+  with pytest.raises(ValueError, match=autotune.ENV_VAR):
+    autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                    device_kind="NVIDIA H200")
+
+
+def _good_cache(path, key, cfg):
+  data = autotune._empty_cache()
+  autotune.merge(data, "G", "s", {"kind": "test"},
+                 {key: {"config": dataclasses.asdict(cfg)}})
+  autotune.write(str(path), data)
+
+
+def test_malformed_out_file_is_a_usage_error(tmp_path, capsys):
+  key = autotune.cache_key(pk.ADAMW, 512, 64, 64, "bfloat16", BF16)
+  _good_cache(tmp_path / "good.json", key, pk.BlockConfig(32, 32, 32))
+  bad = tmp_path / "bad.json"
+  bad.write_text('{"format": 1, "devices": {')
+  with pytest.raises(SystemExit) as e:
+    autotune.main(["--merge", str(tmp_path / "good.json"), "--out", str(bad)])
+  assert e.value.code == 2
+  assert "--out" in capsys.readouterr().err
+  assert bad.read_text() == '{"format": 1, "devices": {'
+
+
+def test_merge_keeps_entries_without_a_source_record(tmp_path):
+  """lookup() uses an entry with no (or an unknown) source, so --merge must
+  carry it over rather than drop it and report 0 entries."""
+  key = autotune.cache_key(pk.ADAMW, 512, 64, 64, "bfloat16", BF16)
+  cfg = pk.BlockConfig(32, 32, 32)
+  src = tmp_path / "hand.json"
+  src.write_text(json.dumps({"format": 1, "devices": {"G": {"entries": {
+      key: {"config": dataclasses.asdict(cfg)},
+      key + "x": {"config": dataclasses.asdict(cfg), "source": "nowhere"}}}}}))
+  assert autotune.lookup(512, 64, 64, "bfloat16", BF16, pk.ADAMW,
+                         device_kind="G", paths=[str(src)]) == cfg
+  out = tmp_path / "out.json"
+  assert autotune.main(["--merge", str(src), "--out", str(out)]) == 0
+  autotune.clear_cache()
+  assert autotune.lookup(512, 64, 64, "bfloat16", BF16, pk.ADAMW,
+                         device_kind="G", paths=[str(out)]) == cfg
+  dev = json.loads(out.read_text())["devices"]["G"]
+  assert len(dev["entries"]) == 2
+  assert all(e["source"] in dev["sources"] for e in dev["entries"].values())
+
+
+@pytest.mark.parametrize("bad", [
+    ["--tokens", "0"], ["--tokens", "-3"], ["--shapes", "0x48"],
+    ["--w-dtype", "bogus"], ["--slot-dtype", "int8"]],
+    ids=["tokens0", "tokens-3", "shape0", "wdtype", "slotdtype"])
+def test_autotune_cli_bad_values_are_usage_errors(bad, tmp_path, monkeypatch):
+  monkeypatch.setattr(autotune, "current_device_kind", lambda: "Fake GPU")
+  monkeypatch.setattr(autotune, "loop_timer",
+                      lambda: (lambda step, state, cfg: 1e-6))
+  out = tmp_path / "t.json"
+  with pytest.raises(SystemExit) as e:
+    autotune.main(["--shapes", "40x48", "--tokens", "24", "--config",
+                   "16x16x16,g1,w4,s2", *bad, "--out", str(out)])
+  assert e.value.code == 2
+  assert not out.exists()

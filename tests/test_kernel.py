@@ -373,3 +373,80 @@ def test_compiled_kernel_updates_in_place_on_gpu():
                  donate_argnums=(2, 3))
   new_w, new_slots = step(x, dy, w, slots, adamw_hparams())
   assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs
+
+
+# --- inputs a user may plausibly pass (review, session 6) ---------------------
+
+
+@pytest.mark.parametrize("xd,dyd,wd", [
+    (jnp.bfloat16, jnp.float32, jnp.float32),
+    (jnp.float32, jnp.bfloat16, jnp.bfloat16),
+    (jnp.float16, jnp.bfloat16, jnp.bfloat16),
+], ids=["bf16x-f32dy", "f32x-bf16dy", "f16x-bf16dy"])
+def test_mixed_x_dy_dtypes_are_promoted_on_both_paths(xd, dyd, wd):
+  """x and dy of different float dtypes: promoted to their common dtype (as
+  jnp.dot does) before the kernel, so the compiled kernel lowers (its dot
+  needs one operand dtype) and interpret mode matches the promoted reference."""
+  x, dy, w, slots = make_case(7, (37,), 70, 130, (jnp.float32, jnp.float32,
+                                                  wd, wd))
+  x, dy = x.astype(xd), dy.astype(dyd)
+  h = adamw_hparams()
+  common = jnp.result_type(x, dy)
+  ref_w, ref_s = pk.fused_wgrad_update_reference(
+      x.astype(common), dy.astype(common), w, slots, h, rule=pk.ADAMW)
+  got_w, got_s = pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW,
+                                       interpret=True)
+  assert_close(got_w, ref_w, what="w")
+  for g, r in zip(got_s, ref_s):
+    assert_close(g, r, what="slot")
+
+  def step(x, dy, w, h, mu, nu):
+    return pk.fused_wgrad_update(x, dy, w, (mu, nu), h, rule=pk.ADAMW,
+                                 interpret=False)
+
+  S = jax.ShapeDtypeStruct
+  text = lower_for_cuda(step, S(x.shape, xd), S(dy.shape, dyd),
+                        S(w.shape, wd), S((pk.HPARAM_VECTOR_LEN,), jnp.float32),
+                        S(w.shape, wd), S(w.shape, wd))
+  assert len(triton_calls(text)) == 1
+
+
+def test_numpy_float64_state_is_canonicalised_without_x64():
+  """NumPy float64 state with x64 off: JAX's float32, as everywhere in JAX."""
+  x, dy, w, (mu, nu) = make_case(1, (21,), 19, 23, (jnp.float32,) * 4)
+  h = adamw_hparams()
+  ref_w, ref_s = pk.fused_wgrad_update_reference(x, dy, w, (mu, nu), h,
+                                                 rule=pk.ADAMW)
+  got_w, got_s = pk.fused_wgrad_update(
+      x, dy, np.asarray(w, np.float64), (np.asarray(mu, np.float64), nu), h,
+      rule=pk.ADAMW, interpret=True)
+  assert got_w.dtype == jnp.float32 and got_s[0].dtype == jnp.float32
+  assert_close(got_w, ref_w, what="w")
+  for g, r in zip(got_s, ref_s):
+    assert_close(g, r, what="slot")
+
+
+@pytest.mark.parametrize("which", ["x", "w", "slot"])
+def test_float64_is_refused_clearly_with_x64(which):
+  with jax.enable_x64(True):
+    x, dy = jnp.ones((5, 20)), jnp.ones((5, 24))
+    w = jnp.ones((20, 24))
+    mu, nu = jnp.zeros_like(w), jnp.zeros_like(w)
+    arrays = dict(x=x, w=w, slot=mu)
+    arrays[which] = arrays[which].astype(jnp.float64)
+    with pytest.raises(TypeError, match="float64"):
+      pk.fused_wgrad_update(arrays["x"], dy, arrays["w"], (arrays["slot"], nu),
+                            adamw_hparams(), rule=pk.ADAMW, interpret=True)
+
+
+@pytest.mark.parametrize("layer", [jnp.int32(3), jnp.int32(-1), np.array(3),
+                                   np.array(-1), np.int64(-1)],
+                         ids=["jnp3", "jnp-1", "np0d3", "np0d-1", "np-1"])
+def test_concrete_out_of_range_layer_raises(layer):
+  """Only a traced index is clamped; a concrete one out of range would update
+  a different layer than asked, so it raises like a Python int does."""
+  x, dy = jnp.ones((5, 20)), jnp.ones((5, 24))
+  w = jnp.ones((3, 20, 24))
+  with pytest.raises(IndexError, match="out of range"):
+    pk.fused_wgrad_update(x, dy, w, (w, w), adamw_hparams(), rule=pk.ADAMW,
+                          layer=layer, interpret=True)
