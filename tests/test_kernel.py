@@ -450,3 +450,18 @@ def test_concrete_out_of_range_layer_raises(layer):
   with pytest.raises(IndexError, match="out of range"):
     pk.fused_wgrad_update(x, dy, w, (w, w), adamw_hparams(), rule=pk.ADAMW,
                           layer=layer, interpret=True)
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_promotes_mixed_x_dy_on_gpu():
+  x, dy, w, slots = make_case(5, (300,), 520, 390, (jnp.float32,) * 4)
+  x = x.astype(jnp.bfloat16)  # bf16 activations, fp32 output gradient
+  h = adamw_hparams()
+  ref_w, ref_s = pk.fused_wgrad_update_reference(
+      x.astype(jnp.float32), dy, w, slots, h, rule=pk.ADAMW)
+  got_w, got_s = jax.jit(functools.partial(
+      pk.fused_wgrad_update, rule=pk.ADAMW, interpret=False))(
+          x, dy, w, slots, h)
+  assert_close(got_w, ref_w, what="w")
+  for g, r in zip(got_s, ref_s):
+    assert_close(g, r, what="slot")
