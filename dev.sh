@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # forge-jax developer entry point. Sets up everything it needs from nothing
-# (a Python >= 3.12 virtualenv with the pinned dependencies), then:
+# (a Python >= 3.12 virtualenv with the dependencies, in pyproject.toml's
+# version ranges), then:
 #
 #   ./dev.sh train [flags]   the main job: a Flax MLP on scikit-learn's digits,
 #                            FORGE beside optax (python -m forge_jax.demo --help)

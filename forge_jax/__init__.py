@@ -58,5 +58,11 @@ def __getattr__(name):
     except (ValueError, TypeError):
       pass
     else:
-      raise AttributeError(f"forge_jax has no {name!r}: {refuse_reason(name)}")
+      reason = refuse_reason(name)
+      if reason is None:  # implemented, under its canonical name
+        family = pallas_kernels.classify(name).family
+        use = ("forge_jax.sgd(learning_rate, momentum=...)"
+               if family == "sgd_momentum" else f"forge_jax.{family}(...)")
+        reason = f"the {family!r} family is implemented as {use}"
+      raise AttributeError(f"forge_jax has no {name!r}: {reason}")
   raise AttributeError(f"module 'forge_jax' has no attribute {name!r}")

@@ -30,12 +30,15 @@ from forge_jax import _state
 
 
 def form_gradient(x, dy):
-  """``G = x^T dy`` over all token rows, in fp32 (regime 3)."""
+  """``G = x^T dy`` over all token rows (regime 3), in fp32 -- or wider, as
+  the operands are: float64 and complex kernels keep their own dtype, as
+  ``jax.grad`` gives them to optax."""
   x2 = x.reshape(-1, x.shape[-1])
   dy2 = dy.reshape(-1, dy.shape[-1])
+  dtype = jnp.promote_types(jnp.result_type(x2, dy2), jnp.float32)
   return lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())),
                          precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
+                         preferred_element_type=dtype)
 
 
 def _after_epilogue(spec, w, new, inputs):

@@ -107,7 +107,9 @@ class Dense(nn.Dense):
       is called more than once per step or whose kernel is tied to another
       op. ``forge_jax.make_step(..., shared="standard")`` does this
       automatically for every such layer.
-    block_config: tiling of the fused kernel; a heuristic when ``None``.
+    block_config: tiling of the fused kernel; when ``None``, the autotuned
+      winner cached for this GPU and shape, else a heuristic
+      (``pallas_kernels.select_config``).
 
   Example:
     >>> import forge_jax, jax, jax.numpy as jnp

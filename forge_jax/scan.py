@@ -5,7 +5,7 @@ Large JAX models stack identical layers with ``nn.scan``/``lax.scan``: the
 kernels live in one ``(L, in, out)`` array. A FORGE ``custom_vjp`` inside the
 scan body would return each layer's new kernel as a cotangent, and scan's
 transpose stacks those into a *fresh* params-sized buffer (one more per
-slot): the gradient pool is back (DESIGN.md section 2).
+slot): the gradient pool is back.
 
 Here the whole stack is one ``jax.custom_vjp``:
 

@@ -96,6 +96,16 @@ def _weight_decay_on(mask, params, keypath: KeyPath) -> bool:
   return bool(tree)
 
 
+def _named_axes() -> list:
+  """Axis names in scope where the step is traced (pmap, shard_map, vmap with
+  axis_name); [] if none, or if this JAX cannot say."""
+  try:
+    from jax._src import core as jax_core
+    return list(jax_core.unsafe_get_axis_names())
+  except (ImportError, AttributeError):  # another JAX: no check
+    return []
+
+
 def _check_params(params, paths) -> None:
   """Clear errors for parameter trees make_step cannot drive."""
   boxed = [x for x in jax.tree.leaves(
@@ -185,7 +195,10 @@ def make_step(
         "must know the optimizer's family. A chain with a cross-layer "
         "statistic such as optax.clip_by_global_norm cannot be fused at all "
         "(regime 4; see forge_jax.refuse_reason('clip_by_global_norm')): "
-        "train it with optax on the standard path.")
+        "train it with optax on the standard path. (To change a "
+        "hyperparameter during training, as optax.inject_hyperparams "
+        "would, pass a schedule -- a callable of the step count -- as "
+        "forge_jax.adamw(learning_rate=schedule, ...).)")
   if not isinstance(shared, str) or shared not in SHARED_POLICIES:
     raise ValueError(
         f"make_step: shared={shared!r} must be one of {SHARED_POLICIES}: "
@@ -198,6 +211,17 @@ def make_step(
   def step(variables, opt_state, batch):
     if "params" not in variables:
       raise ValueError("variables must hold a 'params' collection")
+    axes = _named_axes()
+    if axes:
+      raise ValueError(
+          f"forge_jax.make_step: the step is traced inside a named-axis map "
+          f"(axes {axes}: jax.pmap, shard_map or vmap(axis_name=...)). A "
+          "FORGE layer updates its kernel inside its own backward from its "
+          "local x^T dy: there is no gradient to average across the axis, so "
+          "each replica would train on its own shard alone and the replicas "
+          "would drift apart. For data parallelism, jit the step with the "
+          "batch sharded across devices (jax.jit with a NamedSharding): each "
+          "kernel's update is then computed from the whole batch.")
     params = variables["params"]
 
     # 1. Which layers are FORGE layers (and is each called once)?

@@ -184,7 +184,8 @@ class Linear(nn.Linear):
   Attributes (beside ``nn.Linear``'s):
     fused: ``False`` keeps this layer on the standard path.
     block_config: tiling of the fused kernel (``pallas_kernels.BlockConfig``);
-      a heuristic when ``None``.
+      when ``None``, the autotuned winner cached for this GPU and shape, else
+      a heuristic (``pallas_kernels.select_config``).
 
   Each managed layer may run once per optimizer step (one forward, one
   backward): FORGE updates the weight during that backward (paper Remark 2).

@@ -83,8 +83,8 @@ def _d(a, u, affine, note):
 
 
 # Paper, Appendix I table (+ Section 2, Appendix A Definition 1). Adam and Adamax
-# are not rows of that table; both are coordinate-wise (DESIGN.md section 1 lists
-# them in regime 1). global_norm_clip is the paper's regime-4 condition ("A reads a
+# are not rows of that table; both are coordinate-wise (each coordinate's update
+# reads only that coordinate's G and state), hence regime 1. global_norm_clip is the paper's regime-4 condition ("A reads a
 # gradient statistic across layers", Appendix A; Section 5 "cross-layer statistics").
 FAMILIES: dict[str, Declaration] = {
     "sgd": _d({C}, {C}, True, "W' = W - lr*(G + wd*W): affine in G, no state"),

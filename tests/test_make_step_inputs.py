@@ -172,3 +172,41 @@ def test_the_transform_is_an_optax_gradient_transformation():
   chained.update(params, chained.init(params), params)
   with pytest.raises(TypeError, match="forge_jax transform"):
     forge_jax.make_step(lambda v, b: 0.0, chained)
+
+
+# --- named-axis maps (review, session 6) -------------------------------------
+
+
+@pytest.mark.parametrize("mapper", ["pmap", "vmap"])
+def test_a_named_axis_map_is_refused(mapper):
+  """Under pmap (or any map with an axis name) each replica's FORGE kernels
+  would step from that replica's own x^T dy: nothing to average, replicas
+  drift apart silently. make_step refuses, naming the way that works."""
+  model = MLP(forge_jax.Dense)
+  (x, y), = batches(1)
+  v = model.init(jax.random.key(0), x)
+  tx = forge_jax.sgd(0.1)
+  step = forge_jax.make_step(
+      lambda v, b: jax.lax.pmean(mse(model)(v, b), "d"), tx)
+  stack = lambda t: jax.tree.map(lambda a: a[None], t)
+  mapped = (jax.pmap(step, axis_name="d") if mapper == "pmap"
+            else jax.vmap(step, axis_name="d"))
+  with pytest.raises(ValueError, match=r"named-axis map.*NamedSharding"):
+    mapped(stack(v), stack(tx.init(v["params"])), stack((x, y)))
+
+
+def test_plain_vmap_and_jit_are_not_refused():
+  """No axis name in scope: the check does not fire (jit here)."""
+  model = MLP(forge_jax.Dense)
+  (x, y), = batches(1)
+  v = model.init(jax.random.key(0), x)
+  tx = forge_jax.sgd(0.1)
+  loss, _, _ = jax.jit(forge_jax.make_step(mse(model), tx))(
+      v, tx.init(v["params"]), (x, y))
+  assert jnp.isfinite(loss)
+
+
+def test_inject_hyperparams_is_refused_with_the_schedule_hint():
+  tx = optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3)
+  with pytest.raises(TypeError, match="pass a schedule"):
+    forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)

@@ -309,6 +309,60 @@ def test_refuse_reason_for_implemented_unimplemented_and_unknown():
     forge_jax.nope  # noqa: B018
 
 
+@pytest.mark.parametrize("name,use", [
+    ("sgd_momentum", r"forge_jax\.sgd\(learning_rate, momentum=\.\.\.\)"),
+    ("adam_w", r"forge_jax\.adamw\(\.\.\.\)"),
+    ("ADAMW", r"forge_jax\.adamw\(\.\.\.\)"),
+])
+def test_an_implemented_family_under_another_name_says_where_it_is(name, use):
+  with pytest.raises(AttributeError, match=f"implemented as {use}") as e:
+    getattr(forge_jax, name)
+  assert "None" not in str(e.value)
+
+
+@pytest.mark.parametrize("family,kw,dtype", [
+    ("adafactor", dict(learning_rate=1e-2, min_dim_size_to_factor=4),
+     "float64"),
+    ("sm3", dict(learning_rate=1e-2), "float64"),
+    ("adafactor", dict(learning_rate=1e-2, min_dim_size_to_factor=4),
+     "complex64"),
+], ids=["adafactor-f64", "sm3-f64", "adafactor-c64"])
+def test_deferred_path_keeps_wide_gradients(family, kw, dtype):
+  """Regime 3 forms G itself: in the kernel's own dtype when wider than fp32
+  (float64 with x64, complex), as jax.grad hands it to optax."""
+  with jax.enable_x64(dtype == "float64"):
+    dt = jnp.dtype(dtype)
+    kx, ky = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (16, 11), dt)
+    y = jax.random.normal(ky, (16, 5), dt)
+
+    class Net(nn.Module):
+      dense: type
+
+      @nn.compact
+      def __call__(self, h):
+        return self.dense(5, param_dtype=dt)(jnp.tanh(self.dense(24, param_dtype=dt)(h)))
+
+    def loss(model):
+      return lambda v, b: jnp.mean(jnp.abs(model.apply(v, b[0]) - b[1]) ** 2)
+
+    variables = Net(nn.Dense).init(jax.random.key(0), x)
+    tx_f, tx_o = getattr(forge_jax, family)(**kw), getattr(optax, family)(**kw)
+    _, g = jax.value_and_grad(loss(Net(nn.Dense)))(variables, (x, y))
+    u, _ = tx_o.update(g["params"], tx_o.init(variables["params"]),
+                       variables["params"])
+    want = optax.apply_updates(variables["params"], u)
+    _, got, _ = forge_jax.make_step(loss(Net(forge_jax.Dense)), tx_f)(
+        variables, tx_f.init(variables["params"]), (x, y))
+    bound = 1e-12 if dtype == "float64" else tol(jnp.float32)
+    for name in ("Dense_0", "Dense_1"):
+      k = got["params"][name]["kernel"]
+      assert k.dtype == dt
+      w = np.asarray(want[name]["kernel"])
+      err = np.linalg.norm(np.asarray(k) - w) / np.linalg.norm(w)  # complex too
+      assert err <= bound, (name, err)
+
+
 # --- GPU ------------------------------------------------------------------------
 
 
@@ -320,3 +374,4 @@ def test_regime_2_and_3_families_match_optax_on_gpu(data):
     for family, name in FAMILIES.items():
       errors[family] = _check_parity(name, data)
   print("GPU parity (params, state):", errors)
+
