@@ -113,6 +113,37 @@ def _weight_grad_mode(weight: torch.Tensor) -> str:
     return RETURN
 
 
+def _first_order_only(backward):
+  """Refuses double backward clearly: the fused backward is
+  ``once_differentiable``, whose own error names neither forge_torch nor a
+  fix."""
+  def wrapper(ctx, *grads):
+    if torch.is_grad_enabled():  # create_graph=True
+      raise RuntimeError(
+          f"forge_torch.Linear {getattr(ctx.handle, 'layer', '')}: a backward "
+          "with create_graph=True (a gradient penalty, double backward) "
+          "cannot run through a FORGE-managed layer, whose backward updates "
+          "the weight in place and is not itself differentiable. Keep this "
+          "layer as nn.Linear (layer.fused = False) for such a loss.")
+    return backward(ctx, *grads)
+  return wrapper
+
+
+def check_no_grad_hooks(weight: torch.Tensor, layer: str) -> None:
+  """A hook on a managed weight's gradient would never see it (FORGE forms
+  none): refuse instead of calling it with ``None`` or silently skipping."""
+  hooks = [name for name in ("_backward_hooks", "_post_accumulate_grad_hooks")
+           if getattr(weight, name, None)]
+  if hooks:
+    raise RuntimeError(
+        f"forge_torch.Linear {layer}: its weight has a gradient hook "
+        f"(tensor.register_hook / register_post_accumulate_grad_hook: "
+        f"{', '.join(hooks)}), but FORGE never forms that gradient -- the "
+        "backward applies the update in place. Clip or transform gradients "
+        "some other way, or keep this layer as nn.Linear (layer.fused = "
+        "False).")
+
+
 class _FusedLinearFn(torch.autograd.Function):
   """``y = x W^T + b``; the backward updates ``W`` instead of returning its grad."""
 
@@ -124,6 +155,7 @@ class _FusedLinearFn(torch.autograd.Function):
     return F.linear(input, weight, bias)
 
   @staticmethod
+  @_first_order_only
   @once_differentiable
   def backward(ctx, grad_output):
     input, weight = ctx.saved_tensors
@@ -158,6 +190,7 @@ class _FusedLinearFn(torch.autograd.Function):
       raise RuntimeError(
           f"forge_torch.Linear {handle.layer}: the optimizer that owned this "
           "weight was garbage-collected between forward and backward")
+    check_no_grad_hooks(handle.weight, handle.layer)  # one added after forward
     # `weight` (unpacked) may be an alias of the Parameter, e.g. under
     # activation checkpointing; the optimizer keys its state by the Parameter.
     optimizer._forge_fused_update(handle.weight, g2, input.reshape(-1, n_in),
@@ -252,6 +285,7 @@ class Linear(nn.Linear):
           "(e.g. forge_torch.AdamW(model.parameters())) over parameters that "
           "include this weight (after forge_torch.convert(), not before); or "
           "run under torch.no_grad(), or set layer.fused = False.")
+    check_no_grad_hooks(w, self._layer_name())
     generation = optimizer._forge_before_forward(w, input,
                                                  layer=self._layer_name())
     opt_ref = weakref.ref(optimizer)

@@ -159,6 +159,8 @@ class _ForgeOptimizer:
   def _forge_reset_step(self) -> None:
     self._forge_calls = WeakIdKeyDictionary()    # forwards since step()
     self._forge_updated = WeakIdKeyDictionary()  # fused updates since step()
+    # group index -> its options as the fused updates since step() read them
+    self._forge_used = {}
     # Which step the counts above belong to (a forward's release checks it).
     self._forge_generation = getattr(self, "_forge_generation", 0) + 1
 
@@ -173,6 +175,34 @@ class _ForgeOptimizer:
           + "; ".join(f"{k}: {_REFUSED[k][1]}" for k in bad)
           + f" (use torch.optim.{name} for these options)")
 
+  def __getstate__(self):
+    # torch keeps defaults, state and param_groups; the managed-weight
+    # registry is keyed by tensor identity, so record where the managed
+    # weights sit in param_groups, and rebuild it from that on the copy.
+    state = dict(super().__getstate__())
+    state["_forge_managed_at"] = [
+        (gi, pi) for gi, g in enumerate(self.param_groups)
+        for pi, p in enumerate(g["params"]) if p in self._forge_managed]
+    return state
+
+  def __setstate__(self, state):
+    """copy.deepcopy / pickle: the copy owns the copied managed weights
+    (marked as such whichever of the model and the optimizer is rebuilt
+    first); step bookkeeping starts afresh, JAX views are made anew."""
+    state = dict(state)
+    at = state.pop("_forge_managed_at", None)
+    super().__setstate__(state)
+    if at is None:  # torch's load_state_dict ends here: keep the registry
+      return
+    self._forge_managed = WeakIdKeyDictionary()
+    self._forge_views = WeakIdKeyDictionary()
+    self._forge_reset_step()
+    for gi, pi in at:
+      p = self.param_groups[gi]["params"][pi]
+      _linear._mark(p)
+      _linear._set_owner(p, self)
+      self._forge_managed[p] = gi
+
   def add_param_group(self, param_group: dict[str, Any]) -> None:
     if "_forge_managed" not in self.__dict__:
       # First call, from torch's __init__: managed weight -> group index.
@@ -185,6 +215,8 @@ class _ForgeOptimizer:
     group = self.param_groups[index]
     managed = [p for p in group["params"] if _linear.is_forge_weight(p)]
     try:
+      if managed:
+        _check_single_process()
       self._forge_check_options(group)
       for p in managed:
         _bridge.check_dtype(p, "a forge_torch.Linear weight")
@@ -297,7 +329,10 @@ class _ForgeOptimizer:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: a second backward reached this weight "
           "before optimizer.step(); FORGE applies one update per step")
-    group = self.param_groups[self._forge_managed[p]]
+    _check_single_process()
+    index = self._forge_managed[p]
+    group = self.param_groups[index]
+    self._forge_used.setdefault(index, _options_snapshot(group))
     rule = self._forge_rule(group, p.device)
     state = self.state[p] if p in self.state else {}
     fresh = len(state) == 0
@@ -362,6 +397,18 @@ class _ForgeOptimizer:
     if closure is not None:
       with torch.enable_grad():
         loss = closure()
+    for index, used in self._forge_used.items():
+      now = _options_snapshot(self.param_groups[index])
+      changed = sorted(k for k in set(used) | set(now)
+                       if used.get(k) != now.get(k))
+      if changed:
+        raise RuntimeError(
+            f"param_groups[{index}] {changed} changed between backward and "
+            f"{type(self).__name__}.step(): its FORGE-managed weights were "
+            "already updated during backward with the old values, while "
+            "step() would update the group's other parameters with the new "
+            "ones. Set hyperparameters (and step lr schedulers) before the "
+            "forward, or after step().")
     for p in self.managed_params:
       if p.grad is not None and p in self._forge_updated:
         raise RuntimeError(
@@ -374,6 +421,33 @@ class _ForgeOptimizer:
     _unhooked(self._forge_torch.step)(self)
     self._forge_reset_step()
     return loss
+
+
+def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
+  """A group's options, comparable across a step without reading any device
+  value: a tensor (e.g. a tensor ``lr``) by identity and version counter,
+  which an in-place change bumps."""
+  def snap(v):
+    if isinstance(v, torch.Tensor):
+      return ("tensor", id(v), v._version)
+    if isinstance(v, (tuple, list)):
+      return tuple(snap(a) for a in v)
+    return v
+  return {k: snap(v) for k, v in group.items() if k != "params"}
+
+
+def _check_single_process() -> None:
+  dist = torch.distributed
+  if (dist.is_available() and dist.is_initialized()
+      and dist.get_world_size() > 1):
+    raise RuntimeError(
+        "forge_torch: this process is one of "
+        f"{dist.get_world_size()} (torch.distributed). Data-parallel training "
+        "(DDP, FSDP) must reduce each weight's gradient across ranks before "
+        "the update; a FORGE-managed weight is updated inside its layer's "
+        "backward from this rank's gradient alone, so the replicas would "
+        "drift apart. Train managed layers in a single process, or keep them "
+        "nn.Linear (layer.fused = False) under DDP/FSDP.")
 
 
 def _in_backward() -> bool:

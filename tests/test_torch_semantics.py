@@ -299,3 +299,154 @@ def test_torch_func_transforms_run_the_plain_layer(transform):
       outs.append(torch.func.grad(f)(b))
   assert rel(outs[1], outs[0]) <= TOL
   assert torch.equal(fm[0].weight, w0)  # nothing trained
+
+
+# --- copies, hooks, double backward, distributed, late hyperparameters -------
+# (review, session 6)
+
+
+def _train(model, opt, batches):
+  for x, y in batches:
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_states_close(o_f, fm, o_r, ref):
+  for pf, pr in zip(fm.parameters(), ref.parameters()):
+    sf, sr = o_f.state.get(pf, {}), o_r.state.get(pr, {})
+    assert sorted(sf) == sorted(sr)
+    for k, v in sr.items():
+      if isinstance(v, torch.Tensor):
+        assert rel(sf[k], v) <= TOL, k
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copied_model_and_optimizer_train_on_like_torch(how):
+  import io
+  ref, fm = pair()
+  o_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+  o_f = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  batches = [data(seed) for seed in range(1, 5)]
+  _train(ref, o_r, batches[:2])
+  _train(fm, o_f, batches[:2])
+  if how == "deepcopy":
+    ref2, o_r2 = copy.deepcopy((ref, o_r))
+    # optimizer first: the copy must mark the weights itself
+    o_f2, fm2 = copy.deepcopy((o_f, fm))
+  else:
+    buf = io.BytesIO()
+    torch.save({"m": fm, "o": o_f, "r": ref, "or": o_r}, buf)
+    buf.seek(0)
+    d = torch.load(buf, weights_only=False)
+    fm2, o_f2, ref2, o_r2 = d["m"], d["o"], d["r"], d["or"]
+  assert len(o_f2.managed_params) == 2
+  assert all(p is q for p, q in zip(o_f2.managed_params,
+                                    [fm2[0].weight, fm2[2].weight]))
+  _train(ref2, o_r2, batches[2:])
+  _train(fm2, o_f2, batches[2:])
+  assert_models_close(fm2, ref2)
+  assert_states_close(o_f2, fm2, o_r2, ref2)
+  # the originals are untouched by the copies' training
+  assert_models_close(fm, ref)
+
+
+def test_a_copied_optimizer_alone_steps():
+  _, fm = pair()
+  o_f = forge_torch.SGD(fm.parameters(), lr=0.1, momentum=0.9)
+  _train(fm, o_f, [data()])
+  o2 = copy.deepcopy(o_f)
+  o2.zero_grad()
+  o2.step()
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "post_accumulate"])
+@pytest.mark.parametrize("when", ["before_forward", "after_forward"])
+def test_a_gradient_hook_on_a_managed_weight_is_refused(kind, when):
+  _, fm = pair()
+  opt = forge_torch.SGD(fm.parameters(), lr=0.1)
+  w = fm[0].weight
+
+  def add_hook():
+    if kind == "register_hook":
+      w.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+    else:
+      w.register_post_accumulate_grad_hook(lambda p: None)
+
+  x, y = data()
+  if when == "before_forward":
+    add_hook()
+    with pytest.raises(RuntimeError, match="gradient hook"):
+      fm(x)
+  else:
+    loss = F.mse_loss(fm(x), y)
+    add_hook()
+    with pytest.raises(RuntimeError, match="gradient hook"):
+      loss.backward()
+  assert opt.state[w] == {} or "momentum_buffer" not in opt.state[w]
+
+
+def test_double_backward_through_a_managed_layer_is_refused_clearly():
+  _, fm = pair()
+  opt = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  x, y = data()
+  x.requires_grad_(True)
+  loss = F.mse_loss(fm(x), y)
+  with pytest.raises(RuntimeError, match="create_graph=True.*nn.Linear"):
+    torch.autograd.grad(loss, x, create_graph=True)
+  assert all(len(opt.state[p]) == 0 for p in opt.managed_params)
+
+
+def test_multi_process_training_is_refused(monkeypatch):
+  """DDP/FSDP reduce gradients across ranks before the update; a managed
+  weight never has one, so each rank would step from its own shard."""
+  _, fm = pair()
+  dist = torch.distributed
+  monkeypatch.setattr(dist, "is_available", lambda: True)
+  monkeypatch.setattr(dist, "is_initialized", lambda: True)
+  monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+  with pytest.raises(RuntimeError, match="one of 2 .*drift apart"):
+    forge_torch.AdamW(fm.parameters(), lr=1e-2)
+  # A process group started after the optimizer: refused at the update.
+  monkeypatch.setattr(dist, "is_initialized", lambda: False)
+  opt = forge_torch.AdamW(fm.parameters(), lr=1e-2)
+  monkeypatch.setattr(dist, "is_initialized", lambda: True)
+  x, y = data()
+  with pytest.raises(RuntimeError, match="one of 2"):
+    F.mse_loss(fm(x), y).backward()
+  assert all(len(opt.state[p]) == 0 for p in opt.managed_params)
+
+
+@pytest.mark.parametrize("change", ["lr", "tensor_lr_in_place", "betas"])
+def test_hyperparameters_changed_between_backward_and_step_are_refused(change):
+  _, fm = pair()
+  lr = torch.tensor(1e-2) if change == "tensor_lr_in_place" else 1e-2
+  opt = forge_torch.Adam(fm.parameters(), lr=lr)
+  x, y = data()
+  _train(fm, opt, [(x, y)])  # a normal step first: no false alarm
+  F.mse_loss(fm(x), y).backward()
+  g = opt.param_groups[0]
+  if change == "lr":
+    g["lr"] = 5e-3
+  elif change == "tensor_lr_in_place":
+    g["lr"].mul_(0.5)
+  else:
+    g["betas"] = (0.8, 0.999)
+  with pytest.raises(RuntimeError, match="changed between backward and"):
+    opt.step()
+
+
+def test_hyperparameters_changed_before_the_forward_match_torch():
+  """The supported place: set them before the forward (a warmup)."""
+  ref, fm = pair()
+  o_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+  o_f = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  for m, o in ((ref, o_r), (fm, o_f)):
+    for i in range(4):
+      for g in o.param_groups:
+        g["lr"] = 1e-2 * (i + 1) / 4
+      x, y = data(seed=i + 1)
+      F.mse_loss(m(x), y).backward()
+      o.step()
+      o.zero_grad()
+  assert_models_close(fm, ref)
