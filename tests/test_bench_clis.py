@@ -179,6 +179,8 @@ def test_suite_without_gpu_says_so_cleanly(tmp_path):
 
   # FileNotFoundError on the kernel.csv that was never written (rc 1).
   assert "Traceback" not in out, out[-800:]
+  assert p.returncode == 1, (p.returncode, out[-800:])
+  assert "sees no GPU" in out, out[-800:]
 
 
 # --- 11. dev.sh: --help is not an error; an unknown command is named --------

@@ -10,7 +10,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import autotune
 from tests.harness import lower_for_cuda, triton_calls
-from tests.tolerances import assert_close
+from tests.tolerances import assert_close, assert_update_close
 
 # (tokens..., in, out): odd sizes no block divides, sizes below the minimum
 # block, leading batch dimensions, and one multi-tile case.
@@ -56,9 +56,11 @@ def check_against_reference(x, dy, w, slots, h, rule, config=None,
                                                      rule=rule)
   assert got_w.dtype == w.dtype and got_w.shape == w.shape
   assert_close(got_w, ref_w, what="w")
+  assert_update_close(got_w, ref_w, w, what="w")
   for name, g, r, s in zip(rule.slots, got_slots, ref_slots, slots):
     assert g.dtype == s.dtype and g.shape == s.shape
     assert_close(g, r, what=name)
+    assert_update_close(g, r, s, what=name)
   # The step must have changed every state array (no silent no-op).
   assert not np.allclose(np.asarray(got_w, np.float32),
                          np.asarray(w, np.float32))

@@ -221,9 +221,15 @@ def test_activation_checkpointing_matches_torch(reentrant):
 
 
 def test_no_grad_forwards_are_not_counted():
-  model = forge_copy(make_mlp())
+  """Evaluation forwards (no_grad, inference_mode) neither count towards the
+  one use per step nor touch the weights or state: the step equals torch's
+  on the same model without them."""
+  ref = make_mlp()
+  model = forge_copy(ref)
   opt = forge_torch.AdamW(model.parameters())
+  o_ref = torch.optim.AdamW(ref.parameters())
   x, y = batches(1)[0]
+  before = [p.detach().clone() for p in model.parameters()]
   with torch.no_grad():
     model(x)
     model(x)
@@ -231,8 +237,15 @@ def test_no_grad_forwards_are_not_counted():
   with torch.inference_mode():
     model(x)
   model.train()
+  for p, b in zip(model.parameters(), before):
+    assert torch.equal(p, b)
   F.mse_loss(model(x), y).backward()
   opt.step()
+  F.mse_loss(ref(x), y).backward()
+  o_ref.step()
+  for pf, pr in zip(model.parameters(), ref.parameters()):
+    assert rel(pf, pr) <= FP32_TOL
+    assert opt.state[pf]["step"].item() == 1
 
 
 # --- forge_torch vs forge_jax --------------------------------------------------
@@ -741,6 +754,57 @@ def test_stream_mode_control_flow_with_mocked_cuda(monkeypatch):
     stream.syncs = 0
     assert run() == []  # host mode now, silently: sync before + copy-back
     assert stream.syncs == 2 and recorded == []
+
+
+def test_tfrt_gpu_client_falls_back_to_host_mode_with_mocked_cuda(monkeypatch):
+  """With JAX's TFRT GPU client (whose view import ignores the DLPack stream)
+  stream mode must not be trusted: the first call warns naming the variable
+  and synchronises the host before the kernel (host mode), never silently
+  unordered."""
+  from forge_torch import _bridge, _rules
+  recorded = []
+
+  class CudaLike(torch.Tensor):
+    @property
+    def is_cuda(self):
+      return True
+
+    def record_stream(self, stream):
+      recorded.append(stream)
+
+  stream = _FakeStream()
+  monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+  monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+  monkeypatch.setattr(_bridge, "_device_has_ready_stream", lambda d: True)
+  monkeypatch.setattr(_bridge, "_STREAM_FALLBACK", None)
+  monkeypatch.setattr(_bridge, "_tfrt_gpu_client", lambda: True)
+  jitted = _bridge._jitted
+  monkeypatch.setattr(_bridge, "_jitted",
+                      lambda key, rule, config, interpret, donate:
+                      jitted(key, rule, config, True, False))
+  g = torch.Generator().manual_seed(6)
+  x, dy = torch.randn(16, 6, generator=g), torch.randn(16, 4, generator=g)
+  w0 = torch.randn(6, 4, generator=g)
+  h = _rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                 weight_decay=1e-2, step=1)
+  ref = (w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0))
+  _bridge.fused_update(x, dy, ref[0], ref[1:], h)
+  state = [t.as_subclass(CudaLike) for t in
+           (w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0))]
+  with sync_mode("stream"):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      _bridge.fused_update(x.as_subclass(CudaLike), dy.as_subclass(CudaLike),
+                           state[0], state[1:], h)
+    messages = [str(c.message) for c in caught]
+    assert len(messages) == 1, messages
+    assert "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT" in messages[0]
+    assert forge_torch.get_sync_mode(effective=True) == "host"
+  # Host mode: torch's stream synchronised before the kernel (then the CPU
+  # copy-back's sync), nothing pinned by record_stream; results right.
+  assert stream.syncs == 2 and recorded == []
+  for a, b in zip(state, ref):
+    assert torch.equal(a.as_subclass(torch.Tensor), b)
 
 
 def test_host_and_stream_modes_give_identical_results_cpu():

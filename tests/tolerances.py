@@ -17,6 +17,16 @@ TOLERANCES = {
 }
 
 
+# Stored 16-bit values computed in fp32 by two summation orders: the fp32
+# values differ far less than one 16-bit ulp of the operands (the old value,
+# the new ones), so their roundings are at most this many such ulps apart,
+# element by element.
+ULPS = {
+    jnp.dtype(jnp.bfloat16): 1,
+    jnp.dtype(jnp.float16): 1,
+}
+
+
 def tol(dtype) -> float:
   """The relative tolerance for values stored in ``dtype``."""
   return TOLERANCES[jnp.dtype(dtype)]
@@ -78,3 +88,33 @@ def worst_leaf(actual, expected):
     else:
       np.testing.assert_array_equal(a, e, err_msg=where)
   return worst
+
+
+def assert_update_close(new, expected, old, what="value"):
+  """The step itself, ``new - old``, against ``expected - old``: an error in
+  the update can hide under the tolerance of the whole array when the update
+  is small against the values. fp32 (and wider): relative norm of the
+  updates. 16-bit storage: every element within ``ULPS`` ulps -- at the
+  largest of its old, new and expected magnitudes, as a cancelling update
+  (``b1 * m + (1 - b1) * g`` near 0) is only that exact -- of the expected
+  one (the update may be a few ulps, so a relative norm would be too coarse)."""
+  dtype = jnp.asarray(new).dtype
+  n = np.asarray(jnp.asarray(new, jnp.float32), np.float64)
+  e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  o = np.asarray(jnp.asarray(old, jnp.float32), np.float64)
+  if jnp.dtype(dtype) not in ULPS:
+    assert_close(n - o, e - o, tol(dtype), what=f"{what} update")
+    return
+  finfo = jnp.finfo(dtype)
+  mag = np.maximum(np.maximum(np.abs(n), np.abs(e)), np.abs(o))
+  # One ulp at each element's magnitude (subnormals: the smallest step).
+  ulp = np.maximum(np.exp2(np.floor(np.log2(np.maximum(mag, finfo.tiny)))
+                           - finfo.nmant), float(finfo.smallest_subnormal))
+  off = np.abs(n - e) > ULPS[jnp.dtype(dtype)] * ulp
+  if off.any():
+    worst = np.unravel_index(np.argmax(np.abs(n - e) / ulp), n.shape)
+    raise AssertionError(
+        f"{what}: {int(off.sum())} of {off.size} elements more than "
+        f"{ULPS[jnp.dtype(dtype)]} ulp from the expected value; worst at "
+        f"{tuple(int(i) for i in worst)}: {n[worst]} vs {e[worst]} (old "
+        f"{o[worst]})")
