@@ -242,6 +242,23 @@ class Linear(nn.Linear):
     if isinstance(self._parameters.get("weight"), torch.Tensor):
       _mark(self.weight)
 
+  # Other ways the layer's own weight is replaced by a new Parameter:
+  # to_empty() from the meta device and conversions that do not keep the
+  # Parameter (_apply), load_state_dict(assign=True). The new one is the same
+  # weight: mark it, as __init__ did the first. (`layer.weight = p` assigns
+  # a tensor that may be used elsewhere -- a tied weight -- and is not marked:
+  # the layer then runs its standard path.)
+  def _load_from_state_dict(self, *args, **kwargs):
+    super()._load_from_state_dict(*args, **kwargs)
+    if isinstance(self._parameters.get("weight"), torch.Tensor):
+      _mark(self.weight)
+
+  def _apply(self, fn, recurse=True):
+    out = super()._apply(fn, recurse)
+    if isinstance(self._parameters.get("weight"), torch.Tensor):
+      _mark(self.weight)
+    return out
+
   @classmethod
   def from_linear(cls, linear: nn.Linear, *,
                   block_config: pallas_kernels.BlockConfig | None = None

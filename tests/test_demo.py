@@ -2,9 +2,11 @@
 import csv
 import math
 
+import jax.numpy as jnp
 import pytest
 
 from forge_jax import demo
+from tests.tolerances import tol
 
 STEPS = 12
 
@@ -43,8 +45,11 @@ def test_fp32_arms_agree(run):
   _, result = run
   assert result["ok"]
   assert result["dtype"] == "float32"
-  assert result["max_rel_param_diff"] <= 1e-5
-  assert result["max_abs_param_diff"] <= 1e-5
+  # The test holds these 12 steps to the project's fp32 bar (the demo's own
+  # report allows 1e-4 over long runs).
+  assert result["max_rel_param_diff"] <= tol(jnp.float32)
+  # (parameters are O(1): the absolute difference has the same bound)
+  assert result["max_abs_param_diff"] <= tol(jnp.float32)
   for arm in ("forge", "optax"):
     assert len(result["losses"][arm]) == STEPS
     assert 0.0 <= result["test_accuracy"][arm] <= 1.0

@@ -450,3 +450,52 @@ def test_hyperparameters_changed_before_the_forward_match_torch():
       o.step()
       o.zero_grad()
   assert_models_close(fm, ref)
+
+
+def test_meta_device_init_then_to_empty_keeps_the_layers_managed():
+  """Build on the meta device, convert, materialise with to_empty(): the new
+  weight Parameters are the layers' weights and stay FORGE-managed."""
+  with torch.device("meta"):
+    ref = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 3))
+  fm = copy.deepcopy(ref)
+  assert forge_torch.convert(fm) == ["0", "2"]
+  ref.to_empty(device="cpu")
+  fm.to_empty(device="cpu")
+  torch.manual_seed(0)
+  for p in ref.parameters():
+    nn.init.normal_(p, std=0.3)
+  with torch.no_grad():
+    for pf, pr in zip(fm.parameters(), ref.parameters()):
+      pf.copy_(pr)
+  o_f = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  o_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+  assert o_f.managed_params == [fm[0].weight, fm[2].weight]
+  for seed in (1, 2):
+    x, y = data(seed)
+    for m, o in ((ref, o_r), (fm, o_f)):
+      F.mse_loss(m(x), y).backward()
+      o.step()
+      o.zero_grad()
+  assert_models_close(fm, ref)
+
+
+def test_load_state_dict_assign_keeps_the_layer_managed():
+  ref, fm = pair()
+  fm.load_state_dict(copy.deepcopy(ref.state_dict()), assign=True)
+  opt = forge_torch.SGD(fm.parameters(), lr=0.1)
+  assert opt.managed_params == [fm[0].weight, fm[2].weight]
+
+
+def test_a_weight_assigned_by_hand_runs_the_standard_path():
+  """`layer.weight = p` (e.g. tying to an embedding after convert) is not
+  marked: that layer trains like nn.Linear under torch's step."""
+  ref, fm = pair()
+  fm[2].weight = nn.Parameter(fm[2].weight.detach().clone())
+  o_f = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  o_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+  assert o_f.managed_params == [fm[0].weight]
+  x, y = data()
+  for m, o in ((ref, o_r), (fm, o_f)):
+    F.mse_loss(m(x), y).backward()
+    o.step()
+  assert_models_close(fm, ref)
