@@ -380,9 +380,16 @@ def test_update_accepts_optax_extra_args_in_every_mode():
   # reduce_on_plateau needs); both modes take them, as optax.MultiSteps does.
   params = {"w": jnp.ones((3, 4)), "b": jnp.zeros((4,))}
   grads = jax.tree.map(jnp.ones_like, params)
+  assert set(forge_jax.accumulate.MODES) == {"exact", "momentum"}
   for mode in forge_jax.accumulate.MODES:
     chained = optax.chain(forge_jax.MultiSteps(
         forge_jax.sgd(0.1, momentum=0.9), 2, mode=mode))
-    updates, _ = chained.update(grads, chained.init(params), params,
-                                value=jnp.array(1.0))
+    state = chained.init(params)
+    updates, state = chained.update(grads, state, params, value=jnp.array(1.0))
     assert jax.tree.structure(updates) == jax.tree.structure(params)
+    # Micro-step 1 of 2 only accumulates; micro-step 2 steps (the mean of two
+    # unit gradients is 1: SGD's first momentum step moves by -lr).
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates)), mode
+    updates, _ = chained.update(grads, state, params, value=jnp.array(1.0))
+    for u in jax.tree.leaves(updates):
+      assert jnp.allclose(u, -0.1), (mode, u)

@@ -87,7 +87,8 @@ def test_custom_declaration_rule_branches(state, update, expected):
 
 def test_declaration_is_frozen_and_validated():
     d = Declaration({C}, {C}, True, "x")
-    with pytest.raises(Exception):
+    import dataclasses
+    with pytest.raises(dataclasses.FrozenInstanceError):
         d.affine_in_grad = False
     with pytest.raises(TypeError):
         Declaration({"coordinate"}, {C}, False, "")

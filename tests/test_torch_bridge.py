@@ -535,6 +535,7 @@ def test_device_and_dtype_mismatch_raise():
     layer(torch.randn(3, 6, dtype=torch.bfloat16))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
 def test_cuda_input_on_cpu_weight_raises():
   layer, _ = _layer_and_opt()
