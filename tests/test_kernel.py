@@ -37,6 +37,17 @@ def adamw_hparams(rule=pk.ADAMW, lr=3e-2, wd=1e-2, t=3, b1=0.9, b2=0.999):
                    bc1_next=1 - b1**(t + 1))
 
 
+def adamw64(g, w, mu, nu, lr=3e-2, wd=1e-2, t=3, b1=0.9, b2=0.999, eps=1e-8,
+            eps_root=1e-12):
+  """AdamW written out (optax's formula) in float64, for ``adamw_hparams()``:
+  an expectation independent of the rule plumbing and of the kernel."""
+  g, w, mu, nu = (np.asarray(a, np.float64) for a in (g, w, mu, nu))
+  m = b1 * mu + (1 - b1) * g
+  v = b2 * nu + (1 - b2) * g * g
+  upd = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t) + eps_root) + eps)
+  return w - lr * (upd + wd * w), m, v
+
+
 def make_case(seed, tokens, n_in, n_out, dtypes):
   xd, wd, md, vd = dtypes
   k = jax.random.split(jax.random.key(seed), 5)
@@ -145,9 +156,9 @@ def test_stacked_zero_tokens_steps_only_that_layer():
   x, dy, w, slots = make_stacked_case(23, 2, (0,), 20, 24, DTYPES[0])
   got_w, _ = pk.fused_wgrad_update(x, dy, w, slots, adamw_hparams(),
                                    rule=pk.ADAMW, layer=0, interpret=True)
-  ref_w, _ = pk.ADAMW.apply(jnp.zeros(w.shape[1:]), w[0],
-                            tuple(s[0] for s in slots), adamw_hparams())
+  ref_w, _, _ = adamw64(np.zeros(w.shape[1:]), w[0], *(s[0] for s in slots))
   assert_close(got_w[0], ref_w)
+  assert not np.allclose(np.asarray(got_w[0]), np.asarray(w[0]))
   np.testing.assert_array_equal(np.asarray(got_w[1]), np.asarray(w[1]))
 
 
@@ -170,13 +181,8 @@ def test_stacked_bad_layer_fails_clearly(layer, shape, exc, match):
 def test_kernel_reference_is_independent_of_the_rule_plumbing():
   # Check the reference itself against hand-written AdamW (optax's formula).
   x, dy, w, (mu, nu) = make_case(3, (37,), 70, 130, DTYPES[0])
-  lr, wd, t, b1, b2, eps, eps_root = 3e-2, 1e-2, 3, 0.9, 0.999, 1e-8, 1e-12
   g = np.asarray(x, np.float64).T @ np.asarray(dy, np.float64)
-  m = b1 * np.asarray(mu, np.float64) + (1 - b1) * g
-  v = b2 * np.asarray(nu, np.float64) + (1 - b2) * g * g
-  upd = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t) + eps_root) + eps)
-  w64 = np.asarray(w, np.float64)
-  w_expected = w64 - lr * (upd + wd * w64)
+  w_expected, m, v = adamw64(g, w, mu, nu)
   ref_w, (ref_m, ref_v) = pk.fused_wgrad_update_reference(
       x, dy, w, (mu, nu), adamw_hparams(), rule=pk.ADAMW)
   assert_close(ref_w, w_expected, what="w")
@@ -188,11 +194,12 @@ def test_zero_tokens_still_steps_the_optimizer():
   x, dy, w, slots = make_case(4, (0,), 20, 24, DTYPES[0])
   got_w, got_slots = pk.fused_wgrad_update(x, dy, w, slots, adamw_hparams(),
                                            rule=pk.ADAMW, interpret=True)
-  ref_w, ref_slots = pk.ADAMW.apply(jnp.zeros(w.shape), w, slots,
-                                    adamw_hparams())
-  assert_close(got_w, ref_w)
-  assert_close(got_slots[0], ref_slots[0])
-  assert_close(got_slots[1], ref_slots[1])
+  # G = 0: moments decay, the bias-corrected step and weight decay still apply.
+  ref_w, ref_m, ref_v = adamw64(np.zeros(w.shape), w, *slots)
+  assert_close(got_w, ref_w, what="w")
+  assert_close(got_slots[0], ref_m, what="mu")
+  assert_close(got_slots[1], ref_v, what="nu")
+  assert not np.allclose(np.asarray(got_w), np.asarray(w))
 
 
 def test_hyperparameters_are_runtime_values():
@@ -365,6 +372,41 @@ def test_compiled_stacked_kernel_updates_the_stack_in_place_on_gpu():
   assert_close(new_w, ref_w, what="w stack")
   for got, ref in zip(new_slots, ref_slots):
     assert_close(got, ref, what="slot stack")
+
+
+def _ragged_stacked_step(x, dy, w, h, mu, nu, layer):
+  return pk.fused_wgrad_update(x, dy, w, (mu, nu), h, rule=pk.ADAMW,
+                               layer=layer, interpret=False)
+
+
+def test_ragged_stacked_kernel_lowers_for_cuda_without_a_gpu():
+  """The stacked (layer=i) kernel on shapes no tile divides: its edge masks
+  go through Triton's lowering (the GPU test below runs it)."""
+  S = jax.ShapeDtypeStruct
+  b16 = jnp.bfloat16
+  text = lower_for_cuda(
+      _ragged_stacked_step, S((300, 70), b16), S((300, 130), b16),
+      S((3, 70, 130), b16), S((pk.HPARAM_VECTOR_LEN,), jnp.float32),
+      S((3, 70, 130), b16), S((3, 70, 130), b16), S((), jnp.int32))
+  assert len(triton_calls(text)) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", DTYPES[:2], ids=["f32", "bf16"])
+def test_compiled_ragged_stacked_kernel_matches_reference_on_gpu(dtypes):
+  x, dy, w, slots = make_stacked_case(31, 3, (300,), 70, 130, dtypes)
+  h = adamw_hparams()
+  ref_w, ref_slots = pk.fused_wgrad_update_reference(
+      x, dy, w, slots, h, rule=pk.ADAMW, layer=1)
+  new_w, new_slots = jax.jit(_ragged_stacked_step)(
+      x, dy, w, h, *slots, jnp.int32(1))
+  assert_close(new_w, ref_w, what="w stack")
+  assert_update_close(new_w[1], ref_w[1], w[1], what="w[1]")
+  for got, ref, old in zip(new_slots, ref_slots, slots):
+    assert_close(got, ref, what="slot stack")
+    assert_update_close(got[1], ref[1], old[1], what="slot[1]")
+  for i in (0, 2):  # the other layers untouched
+    np.testing.assert_array_equal(np.asarray(new_w[i]), np.asarray(w[i]))
 
 
 @pytest.mark.gpu
