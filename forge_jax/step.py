@@ -136,6 +136,7 @@ def make_step(
     tx: ForgeTransformation,
     *,
     shared: str = "error",
+    has_aux: bool = False,
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]:
   """Builds ``step(variables, opt_state, batch) -> (loss, variables, opt_state)``.
 
@@ -152,6 +153,13 @@ def make_step(
   The step is a pure function; use it as
   ``jax.jit(step, donate_argnums=(0, 1))`` so that kernels and slots are
   updated in place.
+
+  ``has_aux=True``, as in ``jax.value_and_grad``: ``loss_fn`` returns
+  ``(loss, aux)`` -- e.g. the updated ``batch_stats`` of
+  ``model.apply(..., mutable=["batch_stats"])``, or metrics -- and the step
+  returns ``((loss, aux), variables, opt_state)``. The step does not merge
+  ``aux`` into ``variables``: collections other than ``params`` pass through
+  unchanged, so put new ``batch_stats`` back yourself.
 
   Shared weights (paper Remark 2). FORGE updates a kernel inside its layer's
   backward, so the kernel may have one consumer per step. A *shared* FORGE
@@ -205,6 +213,8 @@ def make_step(
         "'error' refuses a FORGE layer that is called more than once or "
         "whose kernel is read elsewhere (tied weights); 'standard' moves such "
         "layers to the standard (optax) path and warns which")
+  if not isinstance(has_aux, bool):
+    raise TypeError(f"make_step: has_aux must be a bool, got {has_aux!r}")
   spec = tx.spec
   standard_layers: list[str] = []
 
@@ -322,8 +332,9 @@ def make_step(
         for d in (layers, kpaths, inputs, layouts):
           for p in extra:
             d.pop(p, None)
-      loss, (grads, new_inputs) = jax.value_and_grad(
-          loss_of, argnums=(0, 1), allow_int=True)(params, inputs)
+      value, (grads, new_inputs) = jax.value_and_grad(
+          loss_of, argnums=(0, 1), allow_int=True, has_aux=has_aux)(
+              params, inputs)
 
     new_kernels, new_subtrees = {}, {}
     for p, kp in kpaths.items():
@@ -374,7 +385,7 @@ def make_step(
               f"{_context.layer_name(p)!r} ({why})"
               for p, why in sorted(fallback.items()))
           + " (paper Remark 2)"), stacklevel=2)
-    return loss, {**variables, "params": new_params}, new_state
+    return value, {**variables, "params": new_params}, new_state
 
   step.standard_layers = standard_layers
   return step

@@ -210,3 +210,60 @@ def test_inject_hyperparams_is_refused_with_the_schedule_hint():
   tx = optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3)
   with pytest.raises(TypeError, match="pass a schedule"):
     forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)
+
+
+# --- has_aux: BatchNorm statistics, metrics (session 6) -----------------------
+
+
+class BNNet(nn.Module):
+  dense: type
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    # No bias before BatchNorm: its gradient is zero up to rounding, which
+    # Adam would scale to +-lr in either arm alike -- noise, not a check.
+    x = self.dense(70, use_bias=False)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    return self.dense(5)(nn.relu(x))
+
+
+def test_has_aux_carries_batch_stats_like_optax():
+  def loss(model):
+    def loss_fn(variables, batch):
+      x, y = batch
+      out, updates = model.apply(variables, x, mutable=["batch_stats"])
+      return jnp.mean((out - y) ** 2), (updates["batch_stats"], out.mean())
+    return loss_fn
+
+  bs = batches(3)
+  v0 = BNNet(nn.Dense).init(jax.random.key(0), bs[0][0])
+  tx_o, tx_f = optax.adamw(1e-2), forge_jax.adamw(1e-2)
+  step_f = jax.jit(forge_jax.make_step(loss(BNNet(forge_jax.Dense)), tx_f,
+                                       has_aux=True))
+
+  @jax.jit
+  def step_o(v, s, batch):
+    (l, aux), g = jax.value_and_grad(loss(BNNet(nn.Dense)), has_aux=True)(
+        v, batch)
+    u, s = tx_o.update(g["params"], s, v["params"])
+    return (l, aux), {**v, "params": optax.apply_updates(v["params"], u)}, s
+
+  vo, so = v0, tx_o.init(v0["params"])
+  vf, sf = v0, tx_f.init(v0["params"])
+  for batch in bs:
+    (lo, (stats_o, mo)), vo, so = step_o(vo, so, batch)
+    (lf, (stats_f, mf)), vf, sf = step_f(vf, sf, batch)
+    # The caller puts the new statistics back, as with optax.
+    vo = {**vo, "batch_stats": stats_o}
+    vf = {**vf, "batch_stats": stats_f}
+    assert jnp.allclose(lf, lo, rtol=RTOL) and jnp.allclose(mf, mo, rtol=RTOL)
+  assert_trees_close(vf, vo, RTOL, "variables")
+  assert_trees_close(sf, so, RTOL, "opt_state")
+  assert not jnp.allclose(vf["batch_stats"]["BatchNorm_0"]["mean"],
+                          v0["batch_stats"]["BatchNorm_0"]["mean"])
+
+
+def test_has_aux_must_be_a_bool():
+  with pytest.raises(TypeError, match="has_aux must be a bool"):
+    forge_jax.make_step(mse(MLP(forge_jax.Dense)), forge_jax.adamw(1e-2),
+                        has_aux="yes")
