@@ -71,14 +71,15 @@ def time_loop(step: Callable, state, n_inner: int = 50, n_outer: int = 7):
   return quantiles(times), state
 
 
-def optax_step(loss_fn: Callable, tx) -> Callable:
+def optax_step(loss_fn: Callable, tx, has_aux: bool = False) -> Callable:
   """The standard-path arm every benchmark compares FORGE against:
   ``step(variables, opt_state, batch) -> (loss, variables, opt_state)`` with
   ``jax.value_and_grad`` + the optax transform (jit and donate it as the
-  FORGE arm is)."""
+  FORGE arm is); ``has_aux`` as in ``forge_jax.make_step``."""
 
   def step(variables, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(variables, batch)
+    loss, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(variables,
+                                                               batch)
     updates, opt_state = tx.update(grads["params"], opt_state,
                                    variables["params"])
     return loss, {**variables, "params": optax.apply_updates(

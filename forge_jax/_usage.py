@@ -38,8 +38,35 @@ def _open(jaxpr):
   return getattr(jaxpr, "jaxpr", jaxpr)
 
 
-def _consumers(jaxpr, var, out: list[str]) -> None:
+# Reads that pass no cotangent back to the kernel: not a second consumer.
+_NO_COTANGENT = {"stop_gradient"}
+# Control flow whose branches / body the trace does not follow: a layer inside
+# runs conditionally or repeatedly, so its fused backward cannot be relied on.
+_CONTROL_FLOW = {"cond", "while", "scan"}
+
+
+def _loss_eqns(jaxpr) -> set[int] | None:
+  """The top-level equations the first output (the loss) depends on, by
+  ``id``; ``None`` when there is no other output. With ``has_aux``, reads
+  that only feed the aux outputs (a logged weight norm) are not consumers of
+  the kernel's gradient. (Inside a call the whole call counts: a coarser,
+  safe answer.)"""
+  if len(jaxpr.outvars) <= 1:
+    return None
+  live = {v for v in jaxpr.outvars[:1] if not isinstance(v, jex_core.Literal)}
+  eqns = set()
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in live for v in eqn.outvars):
+      eqns.add(id(eqn))
+      live.update(v for v in eqn.invars
+                  if not isinstance(v, jex_core.Literal))
+  return eqns
+
+
+def _consumers(jaxpr, var, out: list[str], only=None) -> None:
   for eqn in jaxpr.eqns:
+    if only is not None and id(eqn) not in only:
+      continue
     positions = [i for i, v in enumerate(eqn.invars)
                  if not isinstance(v, jex_core.Literal) and v is var]
     if not positions:
@@ -68,15 +95,21 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
   trace, see below) raises either way: that is not a shared weight.
   """
   closed = jax.make_jaxpr(fn)(params, inputs)
+  loss_eqns = _loss_eqns(closed.jaxpr)
   flat, _ = jax.tree_util.tree_flatten_with_path((params, inputs))
   index = {tuple(kp[1:]): i for i, (kp, _) in enumerate(flat)
            if kp and kp[0] == jax.tree_util.SequenceKey(0)}
   shared: dict[_context.Path, str] = {}
   for path, kp in kpaths.items():
-    var = closed.jaxpr.invars[index[kp]]
     uses: list[str] = []
-    _consumers(closed.jaxpr, var, uses)
-    foreign = [u for u in uses if u != "fused"]
+    _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], uses)
+    # Second consumers that matter: reads the loss depends on (not only an
+    # aux output) that pass a cotangent back (not stop_gradient).
+    loss_uses: list[str] = []
+    _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], loss_uses,
+               only=loss_eqns)
+    foreign = [u for u in loss_uses if u != "fused" and u not in _NO_COTANGENT]
+    flow = [u for u in uses if u in _CONTROL_FLOW]
     if not uses:
       # Discovered (the layer ran) but its kernel in `params` feeds nothing:
       # the layer read its kernel from somewhere else. Its "new kernel"
@@ -88,13 +121,31 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
           "close over other variables, e.g. a captured TrainState or params?)."
           " FORGE returns the updated kernel through that argument; a layer "
           "reading another copy would get its kernel zeroed.")
-    if foreign and "fused" not in uses:
+    if flow and "fused" not in uses:
+      # Inside lax.cond / while / scan (nn.cond, nn.while_loop): the layer may
+      # not run, or run several times; its fused backward cannot carry the
+      # update. shared="standard" moves it to the standard path.
+      why = f"kernel read inside control flow ({', '.join(dict.fromkeys(flow))})"
+      if collect:
+        shared[path] = why
+        continue
+      raise ValueError(
+          f"forge_jax.Dense at {_context.layer_name(path)!r} runs inside "
+          f"control flow (its kernel is read by: {', '.join(dict.fromkeys(flow))}"
+          ": lax.cond / nn.cond, a while or scan loop). A FORGE layer updates "
+          "its kernel in its own backward, so it must run exactly once per "
+          "step, unconditionally. Give this layer fused=False, or use "
+          "make_step(..., shared='standard'), which moves such layers to the "
+          "standard path. (For a scanned stack of Dense layers use "
+          "forge_jax.ScannedDenseStack.)")
+    all_foreign = [u for u in uses if u != "fused"]
+    if all_foreign and "fused" not in uses:
       # The layer was seen at discovery but its fused op does not read the
       # kernel: something between the two changed what the layer receives.
       raise ValueError(
           f"forge_jax.Dense at {_context.layer_name(path)!r} did not read its "
           f"kernel through its fused op inside the FORGE step (the kernel is "
-          f"read by: {', '.join(dict.fromkeys(foreign))}). Causes: a JAX "
+          f"read by: {', '.join(dict.fromkeys(all_foreign))}). Causes: a JAX "
           "transform inside loss_fn that caches traces (jax.checkpoint or "
           "jax.jit: apply remat per module with flax.linen.remat, supported, "
           "and jit the whole step instead); jax.vmap / nn.vmap over the "

@@ -267,3 +267,50 @@ def test_has_aux_must_be_a_bool():
   with pytest.raises(TypeError, match="has_aux must be a bool"):
     forge_jax.make_step(mse(MLP(forge_jax.Dense)), forge_jax.adamw(1e-2),
                         has_aux="yes")
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["plain", "stop_gradient"])
+def test_an_aux_metric_reading_a_kernel_is_not_a_second_consumer(stop):
+  """A logged weight norm in aux (never differentiated), or any
+  stop_gradient read, passes no cotangent to the kernel: the layer stays
+  fused and the step matches optax."""
+  def loss(model):
+    def loss_fn(variables, batch):
+      x, y = batch
+      k = variables["params"]["Dense_0"]["kernel"]
+      if stop:
+        k = jax.lax.stop_gradient(k)
+      out = model.apply(variables, x)
+      return jnp.mean((out - y) ** 2), jnp.sqrt(jnp.sum(k ** 2))
+    return loss_fn
+
+  bs = batches(3)
+  v0 = MLP(nn.Dense).init(jax.random.key(0), bs[0][0])
+  tx_o, tx_f = optax.adamw(1e-2), forge_jax.adamw(1e-2)
+  step_f = jax.jit(forge_jax.make_step(loss(MLP(forge_jax.Dense)), tx_f,
+                                       has_aux=True))
+  step_o = jax.jit(reference_step(loss(MLP(nn.Dense)), tx_o, has_aux=True))
+  vo, so, vf, sf = v0, tx_o.init(v0["params"]), v0, tx_f.init(v0["params"])
+  for batch in bs:
+    (_, norm_o), vo, so = step_o(vo, so, batch)
+    (_, norm_f), vf, sf = step_f(vf, sf, batch)
+    assert jnp.allclose(norm_f, norm_o, rtol=RTOL)
+  assert_trees_close(vf, vo, RTOL, "variables")
+  assert_trees_close(sf, so, RTOL, "opt_state")
+
+
+def test_differentiating_the_step_is_refused_clearly():
+  """jax.grad through a FORGE step (a meta-gradient): the in-place fused
+  update has no derivative; the error says so instead of a Pallas one."""
+  (x, y), = batches(1)
+  model = MLP(forge_jax.Dense)
+  v = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(mse(model), tx)
+
+  def post_step_loss(v):
+    _, v2, _ = step(v, tx.init(v["params"]), (x, y))
+    return mse(MLP(nn.Dense))(v2, (x, y))
+
+  with pytest.raises(NotImplementedError, match="being differentiated"):
+    jax.grad(post_step_loss)(v)

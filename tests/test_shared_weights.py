@@ -262,3 +262,61 @@ def test_forge_dense_inside_users_nn_scan_falls_back():
                          optax.adamw(**KW), batches, shared="standard")
   assert step.standard_layers == ["stack"]
   assert "'stack' (called 2 times)" in str(caught[0].message)
+
+
+# --- a layer under control flow (review, session 6) ---------------------------
+
+
+class Cond(nn.Module):
+  """A forge_jax.Dense that runs in one branch of nn.cond (a layer drop)."""
+  dense: type
+
+  @nn.compact
+  def __call__(self, x, flag):
+    d = self.dense(11)
+    if self.is_initializing():
+      d(x)
+    x = nn.cond(flag, lambda m, x: nn.relu(m(x)), lambda m, x: x, d, x)
+    return self.dense(5)(x)
+
+
+def _cond_loss(model):
+  def loss_fn(variables, batch):
+    x, y, flag = batch
+    return jnp.mean((model.apply(variables, x, flag) - y) ** 2)
+  return loss_fn
+
+
+def _cond_batches():
+  k = jax.random.split(jax.random.key(3), 8)
+  return [(jax.random.normal(k[2 * i], (6, 11)),
+           jax.random.normal(k[2 * i + 1], (6, 5)), jnp.array(i % 2 == 1))
+          for i in range(4)]
+
+
+def test_a_layer_under_control_flow_is_refused_naming_it():
+  bs = _cond_batches()
+  model = Cond(forge_jax.Dense)
+  v = model.init(jax.random.key(0), bs[0][0], True)
+  tx = forge_jax.adamw(1e-2)
+  with pytest.raises(ValueError, match=r"control flow.*cond.*fused=False"):
+    forge_jax.make_step(_cond_loss(model), tx)(v, tx.init(v["params"]), bs[0])
+
+
+def test_a_layer_under_control_flow_takes_the_standard_path_when_asked():
+  bs = _cond_batches()
+  model, ref = Cond(forge_jax.Dense), Cond(nn.Dense)
+  v = model.init(jax.random.key(0), bs[0][0], True)
+  tx, rtx = forge_jax.adamw(1e-2), optax.adamw(1e-2)
+  step = forge_jax.make_step(_cond_loss(model), tx, shared="standard")
+  rstep = reference_step(_cond_loss(ref), rtx)
+  vf, sf, vr, sr = v, tx.init(v["params"]), v, rtx.init(v["params"])
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for b in bs:  # the branch is taken on alternate steps
+      _, vf, sf = step(vf, sf, b)
+      _, vr, sr = rstep(vr, sr, b)
+  assert any("control flow" in str(w.message) for w in caught)
+  assert step.standard_layers == ["Dense_0"]
+  assert_trees_close(vf, vr, tol(jnp.float32), "variables")
+  assert_trees_close(sf, sr, tol(jnp.float32), "opt_state")
