@@ -8,10 +8,19 @@
 #   ./dev.sh test [args]     the test suite (pytest args pass through)
 #   ./dev.sh python [args]   the project's Python, e.g. for benchmarks/
 #
-# FORGE_VENV overrides the virtualenv location (default: .venv here).
+# FORGE_VENV overrides the virtualenv location (default: .venv in the
+# repository; a relative FORGE_VENV is relative to where you run dev.sh). The
+# commands run from the repository root: relative paths in their arguments
+# (e.g. train --out, pytest paths) are relative to the repository.
 set -euo pipefail
+caller_dir="$PWD"
 cd "$(dirname "$0")"
-VENV="${FORGE_VENV:-.venv}"
+VENV="${FORGE_VENV:-$PWD/.venv}"
+case "$VENV" in /*) ;; *) VENV="$caller_dir/$VENV" ;; esac
+
+usage() {  # the header comment above, without its '#'
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+}
 
 is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
 
@@ -40,6 +49,12 @@ setup() {
            "'pyenv install 3.12') and run again." >&2
       exit 2
     }
+    if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ] \
+       && [ -n "$(ls -A "$VENV" 2>/dev/null)" ]; then
+      echo "error: $VENV exists and is not a virtualenv (no pyvenv.cfg);" \
+           "refusing to replace it. Point FORGE_VENV elsewhere." >&2
+      exit 2
+    fi
     echo "== creating $VENV with $py ($("$py" --version 2>&1))"
     rm -rf "$VENV"
     "$py" -m venv "$VENV"
@@ -59,7 +74,7 @@ case "$cmd" in
   train)  setup; exec "$VENV/bin/python" -m forge_jax.demo "$@" ;;
   test)   setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
   python) setup; exec "$VENV/bin/python" "$@" ;;
-  -h|--help|help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help|help) usage; exit 0 ;;
   *) [ -n "$cmd" ] && echo "dev.sh: unknown command '$cmd'" >&2
-     sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+     usage >&2; exit 2 ;;
 esac

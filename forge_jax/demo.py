@@ -308,12 +308,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
+def _require_demo_extra() -> None:
+  """The demo's own dependencies (the ``demo`` extra): a clear error, not a
+  bare ModuleNotFoundError, when one is missing."""
+  import importlib.util
+  missing = [m for m in ("sklearn", "tqdm", "matplotlib")
+             if importlib.util.find_spec(m) is None]
+  if missing:
+    print(f"demo: error: missing {', '.join(missing)}: install the demo "
+          "extra (pip install -e \".[demo]\", or run ./dev.sh train, which "
+          "does)", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the demo; returns a summary (also printed). ``result["ok"]`` is
   False if fp32 arms diverge beyond 1e-4 relative or a loss is not finite."""
-  from tqdm.auto import tqdm
-
   args = parse_args(argv)
+  _require_demo_extra()
+  from tqdm.auto import tqdm
   param_dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
   backend = jax.default_backend()
   on_gpu = backend == "gpu"

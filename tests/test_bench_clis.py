@@ -187,6 +187,20 @@ def test_suite_without_gpu_says_so_cleanly(tmp_path):
 def test_dev_sh_help_exits_zero():
   p = _run(["bash", "dev.sh", "--help"])
   assert p.returncode == 0
+  assert "./dev.sh train" in p.stdout and "FORGE_VENV" in p.stdout
+
+
+def test_dev_sh_never_replaces_a_folder_that_is_not_a_virtualenv(tmp_path):
+  """A mistyped FORGE_VENV (relative to the caller's directory) naming a
+  folder with data in it is refused, not deleted to make a venv there."""
+  victim = tmp_path / "data"
+  victim.mkdir()
+  (victim / "keep.txt").write_text("precious")
+  p = subprocess.run(["bash", os.path.join(ROOT, "dev.sh"), "python", "-c",
+                      "pass"], cwd=tmp_path, env=dict(ENV, FORGE_VENV="data"),
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 2 and "not a virtualenv" in p.stderr, p.stderr
+  assert (victim / "keep.txt").read_text() == "precious"
 
 
 def test_dev_sh_unknown_command_is_named():

@@ -53,3 +53,22 @@ def test_fp32_arms_agree(run):
   for arm in ("forge", "optax"):
     assert len(result["losses"][arm]) == STEPS
     assert 0.0 <= result["test_accuracy"][arm] <= 1.0
+
+
+def test_a_missing_demo_extra_is_a_clear_error(monkeypatch, capsys):
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "tqdm" else real(name, *a))
+  with pytest.raises(SystemExit) as e:
+    demo.main(["--steps", "1", "--no-progress"])
+  assert e.value.code == 2
+  assert "missing tqdm" in capsys.readouterr().err
+
+
+def test_help_needs_no_demo_extra(monkeypatch, capsys):
+  import importlib.util
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+  with pytest.raises(SystemExit) as e:
+    demo.main(["--help"])
+  assert e.value.code == 0 and "--steps" in capsys.readouterr().out
