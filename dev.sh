@@ -8,6 +8,9 @@
 #   ./dev.sh test [args]     the test suite (pytest args pass through)
 #   ./dev.sh python [args]   the project's Python, e.g. for benchmarks/
 #
+# train installs the package with its demo extra; test and python add the
+# test and torch extras (torch is a large CUDA build).
+#
 # FORGE_VENV overrides the virtualenv location (default: .venv in the
 # repository; a relative FORGE_VENV is relative to where you run dev.sh). The
 # commands run from the repository root: relative paths in their arguments
@@ -40,7 +43,8 @@ find_python() {
   return 1
 }
 
-setup() {
+setup() {  # the extras to install: "demo" (train) or "demo,test,torch"
+  local extras="$1"
   if [ ! -x "$VENV/bin/python" ] || ! is_py312 "$VENV/bin/python"; then
     local py
     py="$(find_python)" || {
@@ -59,11 +63,17 @@ setup() {
     rm -rf "$VENV"
     "$py" -m venv "$VENV"
   fi
-  local stamp="$VENV/.forge-installed"
+  # One stamp per set of extras: `train` needs no torch (a large CUDA
+  # build); `test` and `python` install everything.
+  local stamp="$VENV/.forge-installed-${extras//,/-}"
+  local full="$VENV/.forge-installed-demo-test-torch"  # covers every command
+  if [ -f "$full" ] && [ ! pyproject.toml -nt "$full" ]; then
+    return 0
+  fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    echo "== installing forge-jax and its dependencies into $VENV"
+    echo "== installing forge-jax[$extras] and its dependencies into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e ".[demo,test,torch]"
+    "$VENV/bin/python" -m pip install -q -e ".[$extras]"
     touch "$stamp"
   fi
 }
@@ -71,9 +81,9 @@ setup() {
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  train)  setup; exec "$VENV/bin/python" -m forge_jax.demo "$@" ;;
-  test)   setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
-  python) setup; exec "$VENV/bin/python" "$@" ;;
+  train)  setup demo; exec "$VENV/bin/python" -m forge_jax.demo "$@" ;;
+  test)   setup demo,test,torch; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  python) setup demo,test,torch; exec "$VENV/bin/python" "$@" ;;
   -h|--help|help) usage; exit 0 ;;
   *) [ -n "$cmd" ] && echo "dev.sh: unknown command '$cmd'" >&2
      usage >&2; exit 2 ;;
