@@ -28,16 +28,8 @@ CSV_FIELDS = ["benchmark", "case", "provider", "shape", "dtypes", "metric",
               "p20", "p50", "p80", "unit", "device", "versions", "timestamp"]
 
 
-def positive_int(text: str) -> int:
-  """argparse ``type=``: an int >= 1 (a clean usage error otherwise)."""
-  import argparse  # noqa: PLC0415
-  try:
-    v = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-  if v < 1:
-    raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-  return v
+# argparse ``type=``: an int >= 1 (a clean usage error otherwise).
+positive_int = autotune.positive_int
 
 
 def versions() -> str:

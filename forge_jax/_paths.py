@@ -19,6 +19,7 @@ so that a layer whose backward never ran gets exactly what optax gives it.
 
 from __future__ import annotations
 
+import contextlib
 import jax
 import numpy as np
 import jax.numpy as jnp
@@ -27,6 +28,25 @@ import optax
 
 import pallas_kernels
 from forge_jax import _state
+
+
+@contextlib.contextmanager
+def refusing_derivatives(layer: str):
+  """Around a FORGE layer's in-place update in its backward: differentiating
+  the step itself (``jax.grad`` / ``jax.jvp`` of it, a meta-gradient) reaches
+  the aliased Pallas call, which has no derivative; say so in FORGE's terms
+  instead of Pallas' "JVP with aliasing not supported"."""
+  try:
+    yield
+  except NotImplementedError as e:
+    if "aliasing" not in str(e):
+      raise
+    raise NotImplementedError(
+        f"{layer}: the FORGE step is being differentiated (jax.grad / jax.jvp "
+        "of the step, e.g. a meta-gradient through an update). Its fused "
+        "update writes the kernel in place and has no derivative. "
+        "Differentiate an optax step of the same model instead "
+        "(flax.linen.Dense, or fused=False).") from e
 
 
 def form_gradient(x, dy):

@@ -105,9 +105,11 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
     _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], uses)
     # Second consumers that matter: reads the loss depends on (not only an
     # aux output) that pass a cotangent back (not stop_gradient).
-    loss_uses: list[str] = []
-    _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], loss_uses,
-               only=loss_eqns)
+    loss_uses = uses
+    if loss_eqns is not None:
+      loss_uses = []
+      _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], loss_uses,
+                 only=loss_eqns)
     foreign = [u for u in loss_uses if u != "fused" and u not in _NO_COTANGENT]
     flow = [u for u in uses if u in _CONTROL_FLOW]
     if not uses:

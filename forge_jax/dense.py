@@ -66,7 +66,8 @@ def _fused_linear_bwd(static, res, dy):
   # the dx GEMM's read of the kernel before the fused kernel overwrites it
   # instead of protecting the read with a kernel-sized copy.
   dx, kernel = lax.optimization_barrier((dx, kernel))
-  try:
+  with _paths.refusing_derivatives(
+      f"forge_jax.Dense at {_context.layer_name(static.path)!r}"):
     if static.spec is None:
       new_kernel, new_slots = pallas_kernels.fused_wgrad_update(
           x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
@@ -74,16 +75,6 @@ def _fused_linear_bwd(static, res, dy):
     else:
       new_kernel, new_slots = _paths.step_in_backward(
           static.spec, static.layout, x, dy, kernel, inputs, static.config)
-  except NotImplementedError as e:
-    if "aliasing" not in str(e):
-      raise
-    raise NotImplementedError(
-        f"forge_jax.Dense at {_context.layer_name(static.path)!r}: the FORGE "
-        "step is being differentiated (jax.grad / jax.jvp of the step, e.g. "
-        "a meta-gradient through an update). Its fused update writes the "
-        "kernel in place and has no derivative. Differentiate an optax step "
-        "of the same model instead (flax.linen.Dense, or "
-        "forge_jax.Dense(fused=False)).") from e
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.add(static.path)

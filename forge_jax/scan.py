@@ -134,9 +134,11 @@ def _fused_stack_bwd(static, res, dy):
         for s, n in zip(slot_stacks, slots_new))
     return (dx.astype(dy.dtype), w_stack, slot_stacks), db
 
-  (dx, new_kernels, new_slots), dbs = lax.scan(
-      body, (dy, kernels, tuple(inputs.slots)),
-      (jnp.arange(num_layers), xs, zs), reverse=True)
+  with _paths.refusing_derivatives(
+      f"forge_jax.ScannedDenseStack at {_context.layer_name(static.path)!r}"):
+    (dx, new_kernels, new_slots), dbs = lax.scan(
+        body, (dy, kernels, tuple(inputs.slots)),
+        (jnp.arange(num_layers), xs, zs), reverse=True)
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.add(static.path)

@@ -236,27 +236,27 @@ class Linear(nn.Linear):
     self.block_config = block_config
     _mark(self.weight)
 
-  def __setstate__(self, state):
-    # copy.deepcopy / pickle make new Parameters: mark the new weight.
-    super().__setstate__(state)
+  # Ways the layer's own weight is replaced by a new Parameter: copy.deepcopy
+  # / pickle (__setstate__), to_empty() from the meta device and conversions
+  # that do not keep the Parameter (_apply), load_state_dict(assign=True).
+  # The new one is the same weight: mark it, as __init__ did the first.
+  # (`layer.weight = p` assigns a tensor that may be used elsewhere -- a tied
+  # weight -- and is not marked: the layer then runs its standard path.)
+  def _mark_own_weight(self) -> None:
     if isinstance(self._parameters.get("weight"), torch.Tensor):
       _mark(self.weight)
 
-  # Other ways the layer's own weight is replaced by a new Parameter:
-  # to_empty() from the meta device and conversions that do not keep the
-  # Parameter (_apply), load_state_dict(assign=True). The new one is the same
-  # weight: mark it, as __init__ did the first. (`layer.weight = p` assigns
-  # a tensor that may be used elsewhere -- a tied weight -- and is not marked:
-  # the layer then runs its standard path.)
+  def __setstate__(self, state):
+    super().__setstate__(state)
+    self._mark_own_weight()
+
   def _load_from_state_dict(self, *args, **kwargs):
     super()._load_from_state_dict(*args, **kwargs)
-    if isinstance(self._parameters.get("weight"), torch.Tensor):
-      _mark(self.weight)
+    self._mark_own_weight()
 
   def _apply(self, fn, recurse=True):
     out = super()._apply(fn, recurse)
-    if isinstance(self._parameters.get("weight"), torch.Tensor):
-      _mark(self.weight)
+    self._mark_own_weight()
     return out
 
   @classmethod

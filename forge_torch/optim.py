@@ -194,22 +194,31 @@ class _ForgeOptimizer:
     super().__setstate__(state)
     if at is None:  # torch's load_state_dict ends here: keep the registry
       return
-    self._forge_managed = WeakIdKeyDictionary()
-    self._forge_views = WeakIdKeyDictionary()
-    self._forge_reset_step()
+    self._forge_init_registry()
     for gi, pi in at:
       p = self.param_groups[gi]["params"][pi]
       _linear._mark(p)
-      _linear._set_owner(p, self)
-      self._forge_managed[p] = gi
+      self._forge_take(p, gi)
+
+  def _forge_init_registry(self) -> None:
+    self._forge_managed = WeakIdKeyDictionary()  # managed weight -> group
+    # managed weight -> _bridge.ViewCache (its state's JAX views, CUDA)
+    self._forge_views = WeakIdKeyDictionary()
+    self._forge_reset_step()
+
+  def _forge_take(self, p: torch.Tensor, index: int) -> None:
+    """Registers managed weight ``p`` (of group ``index``) here, taking it
+    from any optimizer that owned it before."""
+    previous = _linear.owner_of(p)
+    if previous is not None and previous is not self:
+      previous._forge_managed.pop(p, None)
+      previous._forge_views.pop(p, None)
+    _linear._set_owner(p, self)
+    self._forge_managed[p] = index
 
   def add_param_group(self, param_group: dict[str, Any]) -> None:
-    if "_forge_managed" not in self.__dict__:
-      # First call, from torch's __init__: managed weight -> group index.
-      self._forge_managed = WeakIdKeyDictionary()
-      # managed weight -> _bridge.ViewCache (its state's JAX views, CUDA)
-      self._forge_views = WeakIdKeyDictionary()
-      self._forge_reset_step()
+    if "_forge_managed" not in self.__dict__:  # from torch's __init__
+      self._forge_init_registry()
     super().add_param_group(param_group)
     index = len(self.param_groups) - 1
     group = self.param_groups[index]
@@ -226,12 +235,7 @@ class _ForgeOptimizer:
       self.param_groups.pop()
       raise
     for p in managed:
-      previous = _linear.owner_of(p)
-      if previous is not None and previous is not self:
-        previous._forge_managed.pop(p, None)
-        previous._forge_views.pop(p, None)
-      _linear._set_owner(p, self)
-      self._forge_managed[p] = index
+      self._forge_take(p, index)
 
   def load_state_dict(self, state_dict) -> None:
     # The loaded groups' options must pass the checks add_param_group made

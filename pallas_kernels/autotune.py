@@ -594,7 +594,9 @@ def _parse_shape(s: str) -> tuple[int, int]:
   return n_in, n_out
 
 
-def _positive_int(s: str) -> int:
+def positive_int(s: str) -> int:
+  """argparse ``type=``: an int >= 1 (a clean usage error otherwise); the
+  benchmark CLIs use it too."""
   try:
     v = int(s)
   except ValueError:
@@ -631,7 +633,7 @@ def main(argv=None) -> int:
   p.add_argument("--shapes", nargs="+", type=_parse_shape,
                  default=[(4096, 4096), (4096, 1024), (4096, 14336),
                           (14336, 4096)], metavar="INxOUT")
-  p.add_argument("--tokens", nargs="+", type=_positive_int,
+  p.add_argument("--tokens", nargs="+", type=positive_int,
                  default=[512, 2048])
   p.add_argument("--rule", choices=sorted(RULES), default="adamw")
   p.add_argument("--w-dtype", default="bfloat16", choices=STATE_DTYPES)

@@ -228,6 +228,19 @@ def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
         f" rule.pack(...)), got {got}")
 
 
+def _checked_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
+  """:func:`_check_inputs`, then the arrays both the kernel and its reference
+  take: NumPy inputs as JAX arrays (float64 under x64-off canonicalises to
+  float32), ``x`` and ``dy`` promoted to their common dtype, as ``jnp.dot``
+  does (the kernel's dot needs one operand dtype)."""
+  slots = tuple(slots)
+  _check_inputs(x, dy, w, slots, hparams, rule, layer)
+  x, dy, w = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(w)
+  slots = tuple(jnp.asarray(a) for a in slots)
+  common = jnp.result_type(x, dy)
+  return x.astype(common), dy.astype(common), w, slots
+
+
 def _and(*masks):
   masks = [m for m in masks if m is not None]
   if not masks:
@@ -395,15 +408,7 @@ def fused_wgrad_update(
     ...                weight_decay=1e-4, bc1=0.1, bc2=0.001, bc1_next=0.19)
     >>> w, (mu, nu) = fused_wgrad_update(x, dy, w, (mu, nu), h, rule=ADAMW)
   """
-  slots = tuple(slots)
-  _check_inputs(x, dy, w, slots, hparams, rule, layer)
-  # NumPy inputs (float64 under x64-off canonicalises to float32), and x / dy
-  # of different float dtypes promoted to their common one, as jnp.dot does:
-  # the kernel's dot needs one operand dtype.
-  x, dy, w = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(w)
-  slots = tuple(jnp.asarray(a) for a in slots)
-  common = jnp.result_type(x, dy)
-  x, dy = x.astype(common), dy.astype(common)
+  x, dy, w, slots = _checked_inputs(x, dy, w, slots, hparams, rule, layer)
   x2, dy2 = _flatten_tokens(x, dy)
   bt = x2.shape[0]
   n_in, n_out = w.shape[-2:]
@@ -463,15 +468,7 @@ def _apply_maybe_stacked(rule, g, w, slots, hparams, layer):
 def fused_wgrad_update_reference(x, dy, w, slots, hparams, *, rule: UpdateRule,
                                  layer=None):
   """Pure-``jnp`` reference: form ``G`` in fp32, then apply ``rule``."""
-  slots = tuple(slots)
-  _check_inputs(x, dy, w, slots, hparams, rule, layer)
-  # NumPy inputs (float64 under x64-off canonicalises to float32), and x / dy
-  # of different float dtypes promoted to their common one, as jnp.dot does:
-  # the kernel's dot needs one operand dtype.
-  x, dy, w = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(w)
-  slots = tuple(jnp.asarray(a) for a in slots)
-  common = jnp.result_type(x, dy)
-  x, dy = x.astype(common), dy.astype(common)
+  x, dy, w, slots = _checked_inputs(x, dy, w, slots, hparams, rule, layer)
   x2, dy2 = _flatten_tokens(x, dy)
   g = jnp.dot(x2.T, dy2, precision=lax.Precision.HIGHEST,
               preferred_element_type=jnp.float32)

@@ -240,16 +240,8 @@ def test_has_aux_carries_batch_stats_like_optax():
   tx_o, tx_f = optax.adamw(1e-2), forge_jax.adamw(1e-2)
   step_f = jax.jit(forge_jax.make_step(loss(BNNet(forge_jax.Dense)), tx_f,
                                        has_aux=True))
-
-  @jax.jit
-  def step_o(v, s, batch):
-    (l, aux), g = jax.value_and_grad(loss(BNNet(nn.Dense)), has_aux=True)(
-        v, batch)
-    u, s = tx_o.update(g["params"], s, v["params"])
-    return (l, aux), {**v, "params": optax.apply_updates(v["params"], u)}, s
-
-  vo, so = v0, tx_o.init(v0["params"])
-  vf, sf = v0, tx_f.init(v0["params"])
+  step_o = jax.jit(reference_step(loss(BNNet(nn.Dense)), tx_o, has_aux=True))
+  vo, so, vf, sf = v0, tx_o.init(v0["params"]), v0, tx_f.init(v0["params"])
   for batch in bs:
     (lo, (stats_o, mo)), vo, so = step_o(vo, so, batch)
     (lf, (stats_f, mf)), vf, sf = step_f(vf, sf, batch)
@@ -314,3 +306,24 @@ def test_differentiating_the_step_is_refused_clearly():
 
   with pytest.raises(NotImplementedError, match="being differentiated"):
     jax.grad(post_step_loss)(v)
+
+
+def test_differentiating_a_scanned_stack_step_is_refused_clearly():
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return forge_jax.ScannedDenseStack(features=8, num_layers=2)(x)
+
+  model, x, y = Stack(), jnp.ones((4, 8)), jnp.zeros((4, 8))
+  v = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(
+      lambda v, b: jnp.mean((model.apply(v, b[0]) - b[1]) ** 2), tx)
+
+  def post_step_sum(v):
+    _, v2, _ = step(v, tx.init(v["params"]), (x, y))
+    return jnp.sum(v2["params"]["ScannedDenseStack_0"]["kernel"])
+
+  with pytest.raises(NotImplementedError,
+                     match="ScannedDenseStack.*being differentiated"):
+    jax.grad(post_step_sum)(v)

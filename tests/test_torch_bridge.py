@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import gc
 import io
+import types
 import warnings
 
 import numpy as np
@@ -679,15 +680,12 @@ class _FakeStream:
     self.syncs += 1
 
 
-def test_stream_mode_control_flow_with_mocked_cuda(monkeypatch):
-  """The bridge's CUDA branch on the CPU, with torch's stream and JAX's
-  buffer-to-stream wait mocked: stream mode waits on every result with
-  torch's stream and pins every tensor it handed to JAX (record_stream),
-  without a host sync; a missing wait (here the real CPU client's
-  UNIMPLEMENTED) completes the call with host syncs, warns once and switches
-  to host mode -- the results are right either way."""
-  from jax._src import array as jax_array
-
+def _mocked_cuda_bridge(monkeypatch, seed):
+  """The bridge's CUDA branch on the CPU: torch's current stream faked
+  (counting host syncs), tensors that say they are on CUDA (recording
+  record_stream), JAX's kernel in interpret mode. ``run()`` makes one fused
+  update on fresh state, checks it against a plain CPU call and returns the
+  warnings it raised."""
   from forge_torch import _bridge, _rules
   recorded = []
 
@@ -708,7 +706,7 @@ def test_stream_mode_control_flow_with_mocked_cuda(monkeypatch):
   monkeypatch.setattr(_bridge, "_jitted",
                       lambda key, rule, config, interpret, donate:
                       jitted(key, rule, config, True, False))
-  g = torch.Generator().manual_seed(5)
+  g = torch.Generator().manual_seed(seed)
   x, dy = torch.randn(16, 6, generator=g), torch.randn(16, 4, generator=g)
   w0 = torch.randn(6, 4, generator=g)
   h = _rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -726,6 +724,21 @@ def test_stream_mode_control_flow_with_mocked_cuda(monkeypatch):
     for a, b in zip(state, ref):
       assert torch.equal(a.as_subclass(torch.Tensor), b)
     return [str(c.message) for c in caught]
+
+  return types.SimpleNamespace(stream=stream, recorded=recorded, run=run)
+
+
+def test_stream_mode_control_flow_with_mocked_cuda(monkeypatch):
+  """The bridge's CUDA branch on the CPU, with torch's stream and JAX's
+  buffer-to-stream wait mocked: stream mode waits on every result with
+  torch's stream and pins every tensor it handed to JAX (record_stream),
+  without a host sync; a missing wait (here the real CPU client's
+  UNIMPLEMENTED) completes the call with host syncs, warns once and switches
+  to host mode -- the results are right either way."""
+  from jax._src import array as jax_array
+
+  mock = _mocked_cuda_bridge(monkeypatch, seed=5)
+  stream, recorded, run = mock.stream, mock.recorded, mock.run
 
   waits = []
   dlpack = jax_array.ArrayImpl.__dlpack__
@@ -763,50 +776,17 @@ def test_tfrt_gpu_client_falls_back_to_host_mode_with_mocked_cuda(monkeypatch):
   stream mode must not be trusted: the first call warns naming the variable
   and synchronises the host before the kernel (host mode), never silently
   unordered."""
-  from forge_torch import _bridge, _rules
-  recorded = []
-
-  class CudaLike(torch.Tensor):
-    @property
-    def is_cuda(self):
-      return True
-
-    def record_stream(self, stream):
-      recorded.append(stream)
-
-  stream = _FakeStream()
-  monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
-  monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
-  monkeypatch.setattr(_bridge, "_device_has_ready_stream", lambda d: True)
-  monkeypatch.setattr(_bridge, "_STREAM_FALLBACK", None)
+  from forge_torch import _bridge
+  mock = _mocked_cuda_bridge(monkeypatch, seed=6)
   monkeypatch.setattr(_bridge, "_tfrt_gpu_client", lambda: True)
-  jitted = _bridge._jitted
-  monkeypatch.setattr(_bridge, "_jitted",
-                      lambda key, rule, config, interpret, donate:
-                      jitted(key, rule, config, True, False))
-  g = torch.Generator().manual_seed(6)
-  x, dy = torch.randn(16, 6, generator=g), torch.randn(16, 4, generator=g)
-  w0 = torch.randn(6, 4, generator=g)
-  h = _rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                                 weight_decay=1e-2, step=1)
-  ref = (w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0))
-  _bridge.fused_update(x, dy, ref[0], ref[1:], h)
-  state = [t.as_subclass(CudaLike) for t in
-           (w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0))]
   with sync_mode("stream"):
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always")
-      _bridge.fused_update(x.as_subclass(CudaLike), dy.as_subclass(CudaLike),
-                           state[0], state[1:], h)
-    messages = [str(c.message) for c in caught]
+    messages = mock.run()  # results checked against a plain CPU call
     assert len(messages) == 1, messages
     assert "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT" in messages[0]
     assert forge_torch.get_sync_mode(effective=True) == "host"
   # Host mode: torch's stream synchronised before the kernel (then the CPU
-  # copy-back's sync), nothing pinned by record_stream; results right.
-  assert stream.syncs == 2 and recorded == []
-  for a, b in zip(state, ref):
-    assert torch.equal(a.as_subclass(torch.Tensor), b)
+  # copy-back's sync), nothing pinned by record_stream.
+  assert mock.stream.syncs == 2 and mock.recorded == []
 
 
 def test_host_and_stream_modes_give_identical_results_cpu():
