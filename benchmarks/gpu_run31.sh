@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Ran the variant-15 kernel of commit f6d427f as it was before its last change (the
+# program's last tile updated from registers, not from the scratch); that
+# state was not committed. Reverted with the rest in the commit after f6d427f.
 # H200, session 7 call 31: variant 15 -- the interleaved, software-pipelined
 # epilogue (BlockConfig.interleave; label ,i<k>): persistent programs, each
 # tile's fp32 G parked in the program's scratch tile and applied to W/m/v a

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Ran the variant-15 kernel of commit f6d427f as it was before its last change (the
+# program's last tile updated from registers, not from the scratch); that
+# state was not committed. Reverted with the rest in the commit after f6d427f.
 # H200, session 7 call 32: why variant 15 (the interleaved epilogue, ,i<k>)
 # is slower (run 31: 4096^2 BT 512 136-212 us vs 101-116 without; BT 2048
 # 294-625 vs 207). Nsight Compute sections (launch, occupancy, warp states,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Runs at commit f6d427f (BlockConfig.interleave; reverted in the next commit).
 # H200, session 7 call 33: variant 15b -- the interleaved epilogue with the
 # last tile also applied from the scratch, chunk by chunk (run 32's Nsight
 # Compute: every ,i kernel sat at 255 registers, 2 (or 1) programs per SM,

@@ -71,15 +71,6 @@ class BlockConfig:
       one sub-tile at a time, so only one sub-tile of ``W`` and its state is
       live in registers at once (with ``prefetch``, every sub-tile's state
       is loaded before the main loop and all are live through it).
-    interleave: 0: one program per tile, its epilogue after its main loop.
-      ``k`` > 0: ``k`` persistent programs per SM, each looping over the
-      tiles ``pid, pid + P, ...`` (``P`` = the grid); a tile's fp32 ``G``
-      goes to the program's scratch tile (``P`` tiles in all, meant to stay
-      in L2; ``G`` as a whole is never stored) and the *next* tile's main
-      loop applies the optimizer to it a few rows per iteration, so that
-      the ``W``/slot traffic is in flight while the tensor cores run; the
-      program's last tile is applied after its loop, chunk by chunk. Needs
-      ``split_out == 1`` and no ``prefetch``.
   """
 
   block_in: int = 64
@@ -91,7 +82,6 @@ class BlockConfig:
   prefetch: bool = False
   stream_state: bool = False
   split_out: int = 1
-  interleave: int = 0
 
   def __post_init__(self):
     for name in ("block_in", "block_out", "block_bt"):
@@ -113,13 +103,6 @@ class BlockConfig:
       raise ValueError(
           f"split_out={self.split_out!r} must be a power of two leaving "
           f"sub-tiles of >= {_MIN_BLOCK} columns (block_out={self.block_out})")
-    if not _is_int(self.interleave) or self.interleave < 0:
-      raise ValueError(
-          f"interleave={self.interleave!r} must be an int >= 0")
-    if self.interleave and (self.split_out != 1 or self.prefetch):
-      raise ValueError(
-          f"interleave={self.interleave} needs split_out=1 and prefetch=False"
-          f" (got split_out={self.split_out}, prefetch={self.prefetch})")
 
   def fit(self, bt: int, n_in: int, n_out: int) -> "BlockConfig":
     """This tiling shrunk to the problem: each block at most the next power
@@ -270,64 +253,85 @@ def _and(*masks):
 
 def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
                   cfg: BlockConfig, bt: int, n_in: int, n_out: int,
-                  precision, stacked: bool, interpret: bool):
+                  precision, stacked: bool):
   # Inputs: (the layer index if stacked), (W if the rule updates it), slots.
-  # Outputs: the same state, aliased, then the rule's write-only outputs,
-  # then (with `interleave`) the programs' fp32 scratch tiles.
+  # Outputs: the same state, aliased, then the rule's write-only outputs.
   if stacked:
     layer_ref, *refs = refs
-  if cfg.interleave:
-    *refs, scratch_ref = refs
   n_state = int(rule.updates_weight) + len(rule.slots)
   in_refs, out_refs = refs[:n_state], refs[n_state:]
   n_aliased = n_state
   bi, bo, bk = cfg.block_in, cfg.block_out, cfg.block_bt
+
+  # Grouped tile order: program p walks `group_in` tiles down `in` before
+  # moving to the next `out` column, so the programs in flight share chunks of
+  # dy (and the grid's x chunks stay hot across groups).
+  pid = pl.program_id(0)
   tiles_in = pl.cdiv(n_in, bi)
   tiles_out = pl.cdiv(n_out, bo)
-  n_k = pl.cdiv(bt, bk)
+  per_group = cfg.group_in * tiles_out
+  group = pid // per_group
+  first_in = group * cfg.group_in
+  group_size = jnp.minimum(tiles_in - first_in, cfg.group_in)
+  ti = first_in + (pid % per_group) % group_size
+  to = (pid % per_group) // group_size
+
   # Column sub-tiles (BlockConfig.split_out): each has its own accumulator
   # and its own epilogue; there is one of them unless split_out > 1.
   ns = cfg.split_out
   so = bo // ns
-  state_policy = "evict_first" if cfg.stream_state else None
-  operand_policy = "evict_last" if cfg.stream_state else None
+  col0 = [to * bo + j * so for j in range(ns)]
+
+  # Masks only along dimensions the tiles do not divide: an unmasked access
+  # can be vectorised (a masked one may not be).
+  row_ok = (ti * bi + jnp.arange(bi) < n_in) if n_in % bi else None
+  col_ok = ([c + jnp.arange(so) < n_out for c in col0] if n_out % bo
+            else [None] * ns)
   col = lambda m: None if m is None else m[None, :]
   row = lambda m: None if m is None else m[:, None]
-  h = rule.unpack(h_ref)
 
-  def tile_origin(t):
-    # Grouped tile order: tile t walks `group_in` tiles down `in` before
-    # moving to the next `out` column, so the programs in flight share chunks
-    # of dy (and the grid's x chunks stay hot across groups).
-    per_group = cfg.group_in * tiles_out
-    first_in = (t // per_group) * cfg.group_in
-    group_size = jnp.minimum(tiles_in - first_in, cfg.group_in)
-    ti = first_in + (t % per_group) % group_size
-    to = (t % per_group) // group_size
-    return ti * bi, to * bo
+  tiles = [(pl.ds(ti * bi, bi), pl.ds(c, so)) for c in col0]
+  masks = [_and(row(row_ok), col(m)) for m in col_ok]
+  # A stacked state (L, in, out): this call updates layer `layer_ref[0]`.
+  state_tiles = ([(layer_ref[0], *t) for t in tiles] if stacked else tiles)
+  state_policy = "evict_first" if cfg.stream_state else None
+  operand_policy = "evict_last" if cfg.stream_state else None
 
-  def col_mask(c0, width):
-    # Masks only along dimensions the tiles do not divide: an unmasked
-    # access can be vectorised (a masked one may not be).
-    return (c0 + jnp.arange(width) < n_out) if n_out % bo else None
-
-  def row_mask(r0, height):
-    return (r0 + jnp.arange(height) < n_in) if n_in % bi else None
-
-  def state_at(rows, cols):
-    # A stacked state (L, in, out): this call updates layer `layer_ref[0]`.
-    return (layer_ref[0], rows, cols) if stacked else (rows, cols)
-
-  def load_block(rows, cols, mask):
-    return [plgpu.load(r.at[state_at(rows, cols)], mask=mask,
-                       other=None if mask is None else 0.0,
+  def load_state(j):
+    return [plgpu.load(r.at[state_tiles[j]], mask=masks[j],
+                       other=None if masks[j] is None else 0.0,
                        eviction_policy=state_policy) for r in in_refs]
 
-  def update_block(g, rows, cols, mask, olds=None):
-    """The epilogue on one block of ``G`` (fp32): load ``W`` and the slots
-    (unless given, already loaded), apply the rule, store them in place."""
-    if olds is None:
-      olds = load_block(rows, cols, mask)
+  # With `prefetch` the W/slot loads are issued before the main loop, so they
+  # are in flight while the tensor cores run.
+  old = [load_state(j) for j in range(ns)] if cfg.prefetch else [None] * ns
+
+  def body(k, accs):
+    k_ok = (k * bk + jnp.arange(bk) < bt)[:, None] if bt % bk else None
+    x_mask = _and(k_ok, col(row_ok))
+    xk = plgpu.load(
+        x_ref.at[pl.ds(k * bk, bk), pl.ds(ti * bi, bi)],
+        mask=x_mask, other=None if x_mask is None else 0.0,
+        eviction_policy=operand_policy)
+    out = []
+    for j in range(ns):
+      dy_mask = _and(k_ok, col(col_ok[j]))
+      dyk = plgpu.load(
+          dy_ref.at[pl.ds(k * bk, bk), pl.ds(col0[j], so)],
+          mask=dy_mask, other=None if dy_mask is None else 0.0,
+          eviction_policy=operand_policy)
+      out.append(accs[j] + plgpu.dot(xk, dyk, trans_a=True,
+                                      precision=precision))
+    return tuple(out)
+
+  gs = lax.fori_loop(0, pl.cdiv(bt, bk), body,
+                     tuple(jnp.zeros((bi, so), jnp.float32) for _ in range(ns)))
+
+  # Epilogue: the optimizer on each sub-tile, reading and writing W and its
+  # state in place. `g` (fp32) is consumed here and never stored.
+  h = rule.unpack(h_ref)
+  for j, g in enumerate(gs):
+    olds = old[j] if old[j] is not None else load_state(j)
     olds = [a.astype(jnp.float32) for a in olds]
     if rule.updates_weight:
       w_new, new = rule.update(g, olds[0], tuple(olds[1:]), h)
@@ -335,127 +339,9 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
     else:  # regime 2: the state only; W stays in HBM, untouched.
       _, new = rule.update(g, None, tuple(olds), h)
     for i, (r, v) in enumerate(zip(out_refs, new)):
-      plgpu.store(r.at[state_at(rows, cols) if i < n_aliased else (rows, cols)],
-                  v.astype(r.dtype), mask=mask,
+      plgpu.store(r.at[state_tiles[j] if i < n_aliased else tiles[j]],
+                  v.astype(r.dtype), mask=masks[j],
                   eviction_policy=state_policy)
-
-  def main_loop(r0, c0, chunks=None):
-    """``G``'s tile at ``(r0, c0)`` in fp32, one accumulator per column
-    sub-tile. ``chunks = (init, step)`` (interleave): a value carried
-    through the loop, ``step(k, value)`` run in every iteration."""
-    col0 = [c0 + j * so for j in range(ns)]
-    row_ok = row_mask(r0, bi)
-
-    def body(k, carry):
-      accs, carried = carry
-      if chunks is not None:
-        carried = chunks[1](k, carried)
-      k_ok = (k * bk + jnp.arange(bk) < bt)[:, None] if bt % bk else None
-      x_mask = _and(k_ok, col(row_ok))
-      xk = plgpu.load(
-          x_ref.at[pl.ds(k * bk, bk), pl.ds(r0, bi)],
-          mask=x_mask, other=None if x_mask is None else 0.0,
-          eviction_policy=operand_policy)
-      out = []
-      for j in range(ns):
-        dy_mask = _and(k_ok, col(col_mask(col0[j], so)))
-        dyk = plgpu.load(
-            dy_ref.at[pl.ds(k * bk, bk), pl.ds(col0[j], so)],
-            mask=dy_mask, other=None if dy_mask is None else 0.0,
-            eviction_policy=operand_policy)
-        out.append(accs[j] + plgpu.dot(xk, dyk, trans_a=True,
-                                        precision=precision))
-      return tuple(out), carried
-
-    zeros = tuple(jnp.zeros((bi, so), jnp.float32) for _ in range(ns))
-    init = () if chunks is None else chunks[0]
-    return lax.fori_loop(0, n_k, body, (zeros, init))[0]
-
-  def sub_tiles(r0, c0):
-    # (columns, mask) of each column sub-tile of the tile at (r0, c0).
-    out = []
-    for j in range(ns):
-      cj = c0 + j * so
-      out.append((pl.ds(cj, so),
-                  _and(row(row_mask(r0, bi)), col(col_mask(cj, so)))))
-    return out
-
-  def run_tile(r0, c0):
-    # With `prefetch` the W/slot loads are issued before the main loop, so
-    # they are in flight while the tensor cores run (and live in registers
-    # through it). The epilogue runs one sub-tile at a time.
-    subs = sub_tiles(r0, c0)
-    rows = pl.ds(r0, bi)
-    olds = ([load_block(rows, cols, mask) for cols, mask in subs]
-            if cfg.prefetch else [None] * ns)
-    gs = main_loop(r0, c0)
-    for g, (cols, mask), old in zip(gs, subs, olds):
-      update_block(g, rows, cols, mask, old)
-
-  pid = pl.program_id(0)
-  if not cfg.interleave:
-    run_tile(*tile_origin(pid))
-    return
-
-  # Interleaved epilogue (BlockConfig.interleave): persistent programs; a
-  # program runs tiles pid, pid + P, ... . Tile i's fp32 G goes to this
-  # program's scratch tile (L2-resident: the scratch is P tiles, not G);
-  # tile i+1's main loop applies the optimizer to it a few rows (a chunk)
-  # per iteration, software-pipelined: iteration k updates chunk k, whose
-  # G, W and slots were loaded one iteration earlier, and loads chunk k+1,
-  # so that those loads are in flight while the tensor cores run. Chunks are
-  # front-loaded when the loop has more iterations than the tile has rows.
-  n_prog = pl.num_programs(0)
-  n_tiles_here = (tiles_in * tiles_out - pid + n_prog - 1) // n_prog
-  rows_per = min(bi, _next_pow2(-(-bi // n_k)))   # rows per chunk
-  n_chunks = bi // rows_per                       # <= n_k
-
-  def chunks_of(prev_t, has_prev):
-    pr0, pc0 = tile_origin(prev_t)
-    cols = pl.ds(pc0, bo)
-
-    def rows_at(c):
-      return pl.ds(pr0 + c * rows_per, rows_per)
-
-    def mask_at(c, ok):
-      rows_ok = jnp.broadcast_to(ok, (rows_per,))
-      if n_in % bi:
-        rows_ok = rows_ok & (pr0 + c * rows_per + jnp.arange(rows_per) < n_in)
-      return row(rows_ok), _and(row(rows_ok), col(col_mask(pc0, bo)))
-
-    def load(c):
-      g_mask, mask = mask_at(c, has_prev & (c < n_chunks))
-      g = plgpu.load(scratch_ref.at[pid, pl.ds(c * rows_per, rows_per), :],
-                     mask=g_mask, other=0.0, eviction_policy="evict_last")
-      return g, tuple(load_block(rows_at(c), cols, mask))
-
-    def step(k, loaded):  # update chunk k (loaded before), load chunk k + 1
-      g, olds = loaded
-      update_block(g, rows_at(k), cols,
-                   mask_at(k, has_prev & (k < n_chunks))[1], list(olds))
-      return load(k + 1)
-
-    return load(0), step
-
-  def barrier():
-    if not interpret:  # interpret mode runs a program as one thread
-      plgpu.debug_barrier()
-
-  def deferred_tile(i, carry):
-    t = pid + i * n_prog
-    r0, c0 = tile_origin(t)
-    (g,) = main_loop(r0, c0, chunks_of(t - n_prog, i > 0))
-    barrier()   # every chunk of the previous tile is read ...
-    plgpu.store(scratch_ref.at[pid], g, eviction_policy="evict_last")
-    barrier()   # ... before this tile's G replaces it, and is visible after
-    return carry
-
-  lax.fori_loop(0, n_tiles_here, deferred_tile, 0)
-  # The last tile's G is applied from the scratch too, chunk by chunk (from
-  # registers, the whole tile's epilogue would set the kernel's register
-  # count: 255 for a 64x128 tile on 4 warps, H200 run 32).
-  init, step = chunks_of(pid + (n_tiles_here - 1) * n_prog, True)
-  lax.fori_loop(0, n_chunks, step, init)
 
 
 def _flatten_tokens(x, dy):
@@ -465,29 +351,6 @@ def _flatten_tokens(x, dy):
 def default_interpret() -> bool:
   """Pallas interpret mode unless the default backend is a GPU."""
   return jax.default_backend() != "gpu"
-
-
-# Interpret mode has no SMs; a small stand-in keeps persistent grids small.
-_INTERPRET_SMS = 4
-
-
-def _num_sms(interpret: bool) -> int:
-  """Streaming multiprocessors of the GPU the kernel is compiled for
-  (persistent grids are sized by it): the device of an abstract mesh when
-  lowering without a GPU (``AbstractDevice(..., num_cores, "gpu")``), else
-  the first device's ``core_count``."""
-  if interpret:
-    return _INTERPRET_SMS
-  mesh = jax.sharding.get_abstract_mesh()
-  dev = getattr(mesh, "abstract_device", None)
-  n = getattr(dev, "num_cores", None)
-  if dev is None or getattr(dev, "platform", None) != "gpu" or not n:
-    dev = jax.devices()[0]
-    n = getattr(dev, "core_count", None)
-  if not isinstance(n, int) or n < 1:
-    raise RuntimeError(f"cannot read the SM count of {dev} (core_count={n!r});"
-                       " use a BlockConfig with interleave=0")
-  return n
 
 
 def _dot_precision(x, dy, w):
@@ -563,34 +426,26 @@ def fused_wgrad_update(
                                 w, slots, hparams, layer)
 
   n_tiles = pl.cdiv(n_in, cfg.block_in) * pl.cdiv(n_out, cfg.block_out)
-  grid = (min(n_tiles, cfg.interleave * _num_sms(interpret))
-          if cfg.interleave else n_tiles)
   kernel = functools.partial(
       _fused_kernel, rule=rule, cfg=cfg, bt=bt, n_in=n_in, n_out=n_out,
-      precision=_dot_precision(x, dy, w), stacked=stacked,
-      interpret=interpret)
+      precision=_dot_precision(x, dy, w), stacked=stacked)
   state = (w, *slots) if rule.updates_weight else slots
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
   outputs = tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
                   for _ in rule.outputs)
-  if cfg.interleave:  # the programs' scratch tiles (a temporary, dropped)
-    outputs += (jax.ShapeDtypeStruct((grid, cfg.block_in, cfg.block_out),
-                                     jnp.float32),)
   extra = (layer.reshape(1),) if stacked else ()
   first_state_arg = 3 + len(extra)  # after x, dy, hparams (, layer)
   out = pl.pallas_call(
       kernel,
       out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
       + outputs,
-      grid=(grid,),
+      grid=(n_tiles,),
       input_output_aliases={first_state_arg + i: i for i in range(len(state))},
       compiler_params=plgpu.CompilerParams(
           num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name=f"fused_wgrad_{rule.name}",
   )(x2, dy2, hparams, *extra, *state)
-  if cfg.interleave:
-    out = out[:-1]
   if rule.updates_weight:
     return out[0], tuple(out[1:])
   return w, tuple(out)

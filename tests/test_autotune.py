@@ -61,9 +61,6 @@ def test_labels_round_trip_every_knob():
   assert autotune.config_label(cfg) == "64x128x32,g4,w8,s2,p,e,o2"
   assert autotune.parse_label("64x128x32,g4,w8,s2,p,e,o2") == cfg
   assert autotune.parse_label("64x128x32,g1,w4,s4,o4").split_out == 4
-  inter = autotune.parse_label("64x128x32,g1,w4,s4,e,i2")
-  assert (inter.interleave, inter.split_out, inter.stream_state) == (2, 1, True)
-  assert autotune.config_label(inter) == "64x128x32,g1,w4,s4,e,i2"
 
 
 def test_shipped_json_loads_and_every_entry_is_a_valid_block_config():

@@ -104,12 +104,6 @@ def test_nesterov_rule_matches_reference():
                    split_out=2),
     pk.BlockConfig(block_in=16, block_out=128, block_bt=32, split_out=4,
                    prefetch=True),
-    # interleaved epilogue: 25 tiles over 4 (interpret-mode) SMs x 1 or 2
-    # programs, 3 main-loop iterations, 2 or 4 chunks of rows per tile
-    pk.BlockConfig(block_in=16, block_out=32, block_bt=16, group_in=2,
-                   interleave=1),
-    pk.BlockConfig(block_in=32, block_out=32, block_bt=16, interleave=2,
-                   stream_state=True),
 ])
 def test_tilings_and_tile_orders_agree(config):
   # Many tiles, partial tiles on every edge, grouped orders with a ragged
@@ -131,9 +125,8 @@ def make_stacked_case(seed, layers, tokens, n_in, n_out, dtypes):
     jnp.dtype(t).name for t in d))
 @pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 @pytest.mark.parametrize("config", [
-    None, pk.BlockConfig(32, 64, 16, split_out=4, stream_state=True),
-    pk.BlockConfig(16, 32, 16, interleave=1)],
-    ids=["default", "o4", "i1"])
+    None, pk.BlockConfig(32, 64, 16, split_out=4, stream_state=True)],
+    ids=["default", "o4"])
 def test_stacked_state_updates_one_layer_in_place(dtypes, traced, config):
   x, dy, w, slots = make_stacked_case(20, 3, (37,), 70, 130, dtypes)
   h = adamw_hparams()
@@ -240,10 +233,6 @@ def test_hyperparameters_are_runtime_values():
     (dict(stream_state="yes"), "stream_state='yes' must be a bool"),
     (dict(split_out=3), "split_out=3 must be a power of two"),
     (dict(block_out=32, split_out=4), "sub-tiles of >= 16 columns"),
-    (dict(interleave=-1), "interleave=-1 must be an int >= 0"),
-    (dict(interleave=True), "interleave=True must be an int >= 0"),
-    (dict(interleave=1, split_out=2), "needs split_out=1 and prefetch=False"),
-    (dict(interleave=2, prefetch=True), "needs split_out=1 and prefetch=False"),
 ])
 def test_invalid_block_configs_fail_clearly(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -361,37 +350,12 @@ def test_compiled_kernel_matches_reference_on_gpu(tokens, n_in, n_out, dtypes):
     pk.BlockConfig(128, 128, 64, 8, 8, 3, prefetch=True, stream_state=True),
     pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True, split_out=2),
     pk.BlockConfig(128, 256, 64, 8, 8, 3, stream_state=True, split_out=4),
-    pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True, interleave=2),
-    pk.BlockConfig(64, 64, 64, 2, 4, 3, stream_state=True, interleave=3),
-    pk.BlockConfig(128, 128, 32, 8, 8, 4, stream_state=True, interleave=1),
 ], ids=lambda c: autotune.config_label(c))
 @pytest.mark.parametrize("dtypes", DTYPES[:2], ids=["f32", "bf16"])
 def test_compiled_knob_tilings_match_reference_on_gpu(config, dtypes):
   x, dy, w, slots = make_case(11, (300,), 520, 390, dtypes)
   check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
                           config, interpret=False)
-
-
-@pytest.mark.parametrize("bt,stride", [(300, 1), (4096, 2)])
-def test_interleaved_kernel_lowers_for_cuda_without_a_gpu(bt, stride):
-  """The interleaved epilogue (persistent programs, a scratch tile, barriers,
-  chunks every `stride` main-loop iterations) through Triton's lowering: one
-  kernel on 2 programs per SM of the abstract H200 (132 SMs)."""
-  S = jax.ShapeDtypeStruct
-  b16 = jnp.bfloat16
-  cfg = pk.BlockConfig(64, 128, 32, num_stages=4, stream_state=True,
-                       interleave=2)
-
-  def step(x, dy, w, h, mu, nu):
-    return pk.fused_wgrad_update(x, dy, w, (mu, nu), h, rule=pk.ADAMW,
-                                 config=cfg, interpret=False)
-
-  text = lower_for_cuda(step, S((bt, 4096), b16), S((bt, 1000), b16),
-                        S((4096, 1000), b16),
-                        S((pk.HPARAM_VECTOR_LEN,), jnp.float32),
-                        S((4096, 1000), b16), S((4096, 1000), b16))
-  (call,) = triton_calls(text)
-  assert "grid_x = 264" in call
 
 
 @pytest.mark.gpu
