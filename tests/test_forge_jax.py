@@ -97,8 +97,14 @@ def test_mu_dtype_bfloat16_matches_optax():
   # value across a rounding boundary) compound chaotically; two steps show
   # the same mu up to bf16 rounding.
   assert_trees_close(f_s[0].mu, ref_s[0].mu, tol(jnp.bfloat16), "mu")
-  # FORGE keeps the fp32 accumulator; optax rounds through bf16 mu only.
-  assert_trees_close(f_v, ref_v, 1e-3, "params")
+  # The fp32 params: their *updates* differ by the bf16 rounding of mu (the
+  # first-step update is computed from mu before optax stores it in bf16;
+  # FORGE's kernel too), so the updates match to the bf16 tolerance. (The
+  # params themselves would pass almost any bound: the updates are small.)
+  init = MLP(nn.Dense).init(jax.random.key(0), data(steps=2)[0][0])
+  moved = lambda v: jax.tree.map(jnp.subtract, v, init)
+  assert_trees_close(moved(f_v), moved(ref_v), tol(jnp.bfloat16),
+                     "params update")
 
 
 # --- The layer itself ---------------------------------------------------------

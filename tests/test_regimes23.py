@@ -354,7 +354,7 @@ def test_deferred_path_keeps_wide_gradients(family, kw, dtype):
     want = optax.apply_updates(variables["params"], u)
     _, got, _ = forge_jax.make_step(loss(Net(forge_jax.Dense)), tx_f)(
         variables, tx_f.init(variables["params"]), (x, y))
-    bound = 1e-12 if dtype == "float64" else tol(jnp.float32)
+    bound = tol(jnp.float64 if dtype == "float64" else jnp.float32)
     for name in ("Dense_0", "Dense_1"):
       k = got["params"][name]["kernel"]
       assert k.dtype == dt
