@@ -617,13 +617,29 @@ def _label_arg(label: str) -> BlockConfig:
     raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def default_out() -> str | None:
+  """Where the CLI writes without ``--out``: ``$FORGE_AUTOTUNE_CACHE`` when
+  set (``lookup`` reads it first), else the shipped cache of a source
+  checkout; ``None`` for an installed package (the shipped file then sits in
+  site-packages, where writing it would be lost on reinstall or fail)."""
+  env = os.environ.get(ENV_VAR)
+  if env:
+    return env
+  parts = os.path.normpath(os.path.abspath(SHIPPED_CACHE)).split(os.sep)
+  if "site-packages" in parts or "dist-packages" in parts:
+    return None
+  return SHIPPED_CACHE
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
       prog="python -m pallas_kernels.autotune",
       description="Tune the fused kernel's tiling on this GPU (or import a "
       "benchmarks/kernel.py CSV) and merge the winners into a cache JSON.")
-  p.add_argument("--out", default=SHIPPED_CACHE,
-                 help="cache JSON to merge into (default: the shipped one)")
+  p.add_argument("--out", default=None,
+                 help=f"cache JSON to merge into (default: ${ENV_VAR} when "
+                 "set, else the shipped one in a source checkout; an "
+                 "installed package needs --out or the variable)")
   p.add_argument("--from-csv", nargs="+", metavar="CSV",
                  help="take the winners from benchmarks/kernel.py CSVs "
                  "instead of measuring")
@@ -653,6 +669,12 @@ def main(argv=None) -> int:
   if args.merge and args.config:
     p.error("--config chooses tilings to measure; --merge measures nothing")
   configs = args.config
+  if args.out is None:
+    args.out = default_out()
+    if args.out is None:
+      p.error(f"the shipped cache {SHIPPED_CACHE} is inside an installed "
+              f"package: pass --out FILE, or set ${ENV_VAR}=FILE (lookup() "
+              "reads that file first)")
 
   try:
     data = _read_or_empty(args.out)

@@ -514,3 +514,24 @@ def test_autotune_cli_bad_values_are_usage_errors(bad, tmp_path, monkeypatch):
                    "16x16x16,g1,w4,s2", *bad, "--out", str(out)])
   assert e.value.code == 2
   assert not out.exists()
+
+
+def test_cli_default_out_is_the_env_cache_then_a_checkouts_shipped_file(
+    tmp_path, monkeypatch):
+  monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+  assert autotune.default_out() == autotune.SHIPPED_CACHE  # this checkout
+  monkeypatch.setenv(autotune.ENV_VAR, str(tmp_path / "mine.json"))
+  assert autotune.default_out() == str(tmp_path / "mine.json")
+
+
+def test_cli_refuses_to_write_into_an_installed_package(tmp_path, monkeypatch,
+                                                       capsys):
+  monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+  shipped = tmp_path / "lib" / "site-packages" / "pallas_kernels" / "t.json"
+  monkeypatch.setattr(autotune, "SHIPPED_CACHE", str(shipped))
+  assert autotune.default_out() is None
+  with pytest.raises(SystemExit) as e:
+    autotune.main(["--merge", *H200_TUNED])
+  assert e.value.code == 2
+  assert "pass --out FILE, or set $FORGE_AUTOTUNE_CACHE" in capsys.readouterr().err
+  assert not shipped.exists()
