@@ -364,9 +364,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     losses: dict[str, list[float]] = {arm: [] for arm in ARMS}
     t_start = time.perf_counter()
-    bar = tqdm(range(args.steps), desc="train", unit="step",
+    # Counted by hand, after each step: iterating the bar would count a step
+    # when the next one starts, one behind the losses in its postfix.
+    bar = tqdm(total=args.steps, desc="train", unit="step",
                disable=args.no_progress, dynamic_ncols=True, leave=True)
-    for i in bar:
+    for i in range(args.steps):
       batch = (jnp.asarray(x_tr[idx[i]]), jnp.asarray(y_tr[idx[i]]))
       for arm in ARMS:
         step = arms[arm][0]
@@ -374,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         state[arm] = (variables, opt_state)
         losses[arm].append(float(loss))
       bar.set_postfix(forge=f"{losses['forge'][-1]:.5f}",
-                      optax=f"{losses['optax'][-1]:.5f}")
+                      optax=f"{losses['optax'][-1]:.5f}", refresh=False)
+      bar.update(1)
       if args.log_every and (i % args.log_every == 0 or i == args.steps - 1):
         tqdm.write(f"step {i:5d}  forge {losses['forge'][-1]:.7f}  "
                    f"optax {losses['optax'][-1]:.7f}")
