@@ -393,6 +393,24 @@ def _reason(rc: int, log: str) -> str:
   return f"exit {rc}: {last}"[:300]
 
 
+def probe_device() -> str:
+  """``common.device_name()`` asked of a subprocess, as the cells run (the
+  driver keeps JAX off the GPU): for failed rows written before any cell
+  succeeded. ``"unknown"`` if even that fails."""
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (REPO, env.get("PYTHONPATH")) if p)
+  try:
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "from benchmarks import common; print(common.device_name())"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  lines = out.stdout.strip().splitlines()
+  return lines[-1] if out.returncode == 0 and lines else "unknown"
+
+
 def run_driver_cell(args, arm: str, bt: int, timeout: float):
   """Runs one cell in a subprocess; returns ``(result or None, reason)``."""
   env = dict(os.environ)
@@ -518,6 +536,20 @@ def plot(csv_path: str, png_path: str) -> None:
   print(f"wrote {png_path}")
 
 
+def _positive_float(s: str) -> float:
+  v = float(s)
+  if not v > 0:
+    raise argparse.ArgumentTypeError(f"{s!r} is not > 0")
+  return v
+
+
+def _non_negative_float(s: str) -> float:
+  v = float(s)
+  if not v >= 0:
+    raise argparse.ArgumentTypeError(f"{s!r} is not >= 0")
+  return v
+
+
 def parse_args(argv):
   d = Config()
   p = argparse.ArgumentParser(
@@ -544,9 +576,9 @@ def parse_args(argv):
   p.add_argument("--plot", default=None, metavar="PNG")
   p.add_argument("--replot", action="store_true",
                  help="only plot --out into --plot; run nothing")
-  p.add_argument("--cell-timeout", type=float, default=150.0,
+  p.add_argument("--cell-timeout", type=_positive_float, default=150.0,
                  help="seconds per cell subprocess")
-  p.add_argument("--budget", type=float, default=0.0,
+  p.add_argument("--budget", type=_non_negative_float, default=0.0,
                  help="seconds for all cells (0: none); a cell gets at most "
                  "what is left, and one with < 10 s left is recorded failed")
   p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
@@ -586,8 +618,12 @@ def main(argv=None) -> int:
 
   if args.replot:
     if not args.plot:
-      print("--replot needs --plot PNG")
+      print("--replot needs --plot PNG", file=sys.stderr)
       return 2
+    if not any(r.get("benchmark") == "e2e" for r in common.read_rows(args.out)):
+      print(f"--replot: {args.out} has no e2e rows; nothing plotted",
+            file=sys.stderr)
+      return 1
     plot(args.out, args.plot)
     return 0
 
@@ -615,6 +651,8 @@ def main(argv=None) -> int:
       if r is None:
         failed.append((arm, bt, reason))
         print(f"   FAILED {arm} BT={bt}: {reason}", flush=True)
+        if device == "unknown":
+          device = probe_device()
         _failed_row(args.out, arm, bt, cfg, device, reason)
       else:
         results[(arm, bt)] = r

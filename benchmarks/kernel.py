@@ -81,8 +81,11 @@ def parse_shape(name):
   try:
     n_in, n_out = (int(d) for d in name.split()[-1].split("x"))
   except ValueError:
-    raise SystemExit(f"--shapes: {name!r} is neither one of "
-                     f"{list(common.LLAMA8B_SHAPES)} nor 'NAME NxM'") from None
+    n_in = n_out = 0
+  if n_in < 1 or n_out < 1:
+    raise ValueError(f"--shapes: {name!r} is neither one of "
+                     f"{list(common.LLAMA8B_SHAPES)} nor 'NAME NxM' with "
+                     "N, M >= 1")
   return n_in, n_out
 
 
@@ -395,18 +398,30 @@ def main(argv=None):
         except ValueError as e:
           p.error(f"--config: {e}")
   for name in args.shapes:
-    parse_shape(name)  # exits with the reason if it is not a shape
+    try:
+      parse_shape(name)
+    except ValueError as e:
+      p.error(str(e))
+  if args.config and args.configs != len(CONFIGS):
+    p.error("--configs picks among the curated tilings; --config names them")
+  if args.configs > len(CONFIGS):
+    p.error(f"--configs {args.configs}: there are {len(CONFIGS)} curated "
+            "tilings")
   if args.torch != "off":
     # JAX and torch share the GPU: JAX allocates as it goes instead of taking
     # 75 % of the memory before torch allocates its tensors (forge_torch sets
     # this on import too, but it is imported here only after JAX started).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  torch_dev = torch_device(args.torch)
+  try:
+    torch_dev = torch_device(args.torch)
+  except ImportError as e:
+    p.error(f"--torch on: torch cannot be imported ({e}); install the "
+            "'torch' extra or use --torch off")
   if jax.default_backend() != "gpu" and not (args.torch == "on"
                                              and torch_dev == "cpu"):
     print("benchmarks/kernel.py needs a GPU; nothing measured (--torch on "
-          "runs every arm on the CPU, a smoke test).")
-    return 0
+          "runs every arm on the CPU, a smoke test).", file=sys.stderr)
+    return 1
   if args.torch == "auto" and torch_dev is None:
     print("torch arms off: torch not installed or without CUDA")
   shapes = {name: parse_shape(name) for name in args.shapes}

@@ -33,7 +33,7 @@ def plot(src: str, dst: str) -> int:
   """Writes the plot of kernel CSV ``src`` to ``dst``; 1 if it has no
   kernel time rows (nothing written)."""
   rows = [r for r in common.read_rows(src)
-          if r["metric"] == "time" and r["provider"] in PROVIDERS]
+          if r.get("metric") == "time" and r.get("provider") in PROVIDERS]
   if not rows:
     print(f"plot.py: {src} has no kernel time rows ({', '.join(PROVIDERS)});"
           " nothing plotted", file=sys.stderr)
@@ -62,6 +62,7 @@ def plot(src: str, dst: str) -> int:
   ax.set_title(f"One layer's weight-gradient + AdamW step ({device})")
   ax.legend(fontsize=8)
   fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
   fig.savefig(dst, dpi=120)
   print(f"wrote {dst}")
   return 0

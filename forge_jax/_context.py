@@ -69,6 +69,9 @@ class StepContext:
   shared: str = "error"
   # Layers that run their standard path in this (fused) trace.
   standard: frozenset[Path] = frozenset()
+  # FORGE layers with fused=False that discovery saw (they need no FORGE
+  # path, but a step with only such layers is still a FORGE model's step).
+  unfused: set[Path] = dataclasses.field(default_factory=set)
 
   def is_standard(self, path: Path) -> bool:
     return tuple(path) in self.standard

@@ -183,10 +183,20 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
   every_k, every_k_schedule = _check_k(every_k_schedule)
   spec = tx.spec
   if mode == "exact":
-    return _exact(tx, spec, every_k_schedule, every_k)
-  if spec.momentum_decay is None or spec.regime != 1:
+    out = _exact(tx, spec, every_k_schedule, every_k)
+  elif spec.momentum_decay is None or spec.regime != 1:
     raise ValueError(_momentum_mode_reason(spec))
-  return _momentum(tx, spec, every_k)
+  else:
+    out = _momentum(tx, spec, every_k)
+  out.has_updated = has_updated
+  return out
+
+
+def has_updated(state: optax.MultiStepsState) -> jax.Array:
+  """Whether the call that returned ``state`` updated the weights: as
+  ``optax.MultiSteps.has_updated`` (also ``tx.has_updated`` of a
+  :func:`MultiSteps` transform)."""
+  return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
 
 def _cycle_flags(state, every_k):

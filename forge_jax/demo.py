@@ -305,6 +305,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.error("--steps, --batch-size and --hidden must be positive")
   if args.bench_steps < 1:
     p.error("--bench-steps must be positive")
+  if args.log_every < 0:
+    p.error("--log-every must be >= 0 (0: never)")
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    p.error(f"--out {args.out} is a file, not a folder")
   return args
 
 

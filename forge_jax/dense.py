@@ -133,6 +133,8 @@ class Dense(nn.Dense):
   @nn.compact
   def __call__(self, inputs):
     ctx = _context.current()
+    if ctx is not None and not self.fused and ctx.mode == "discover":
+      ctx.unfused.add(tuple(self.path))
     if ctx is None or not self.fused or ctx.is_standard(self.path):
       # Standard path: outside a step, fused=False, or a shared layer that
       # make_step(..., shared="standard") moved here for this step.

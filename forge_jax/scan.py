@@ -237,6 +237,8 @@ class ScannedDenseStack(nn.Module):
   @nn.compact
   def __call__(self, x):
     ctx = _context.current()
+    if ctx is not None and not self.fused and ctx.mode == "discover":
+      ctx.unfused.add(tuple(self.path))
     if (ctx is None or not self.fused or self.is_initializing()
         or ctx.is_standard(self.path)):
       return self._scanned(x)

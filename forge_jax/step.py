@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 import optax
+from flax.core import FrozenDict
 from flax.core import meta as flax_meta
 
 from forge_jax import _context
@@ -28,10 +29,20 @@ SHARED_POLICIES = ("error", "standard")
 class SharedWeightsWarning(UserWarning):
   """``make_step(..., shared="standard")`` moved shared FORGE layers (tied or
   called more than once: paper Remark 2) to the standard path for a step.
+  (A layer frozen by ``stop_gradient`` inside ``loss_fn`` takes that path
+  too, without a warning, under either policy.)
 
   Emitted once per trace of the step; filter it, or escalate it to an error
   (``warnings.simplefilter("error", SharedWeightsWarning)``), like any warning.
   """
+
+
+def _with_params(variables, params):
+  """``variables`` with its ``params`` replaced, in the same container type
+  (a ``FrozenDict`` stays one, so a scan or loop carry keeps its structure)."""
+  if isinstance(variables, FrozenDict):
+    return variables.copy({"params": params})
+  return {**variables, "params": params}
 
 
 def _kernel_keypath(path: _context.Path) -> KeyPath:
@@ -195,6 +206,12 @@ def make_step(
   ``TypeError`` for boxed parameters (``nn.with_partitioning``: unbox them
   with ``flax.core.meta.unbox`` first).
   """
+  if isinstance(tx, optax.MultiSteps):
+    raise TypeError(
+        "make_step: optax.MultiSteps cannot drive FORGE layers (they update "
+        "in their own backward, so the accumulation must happen in the fused "
+        "kernel): use forge_jax.MultiSteps(forge_jax.adamw(...), k), its "
+        "FORGE counterpart, with the same state and results.")
   if not isinstance(tx, ForgeTransformation):
     raise TypeError(
         "make_step needs a forge_jax transform (e.g. forge_jax.adamw(...)); "
@@ -240,8 +257,10 @@ def make_step(
     # the step, e.g. under a second jax.jit, found no layers).
     with _context.step_context(
         _context.StepContext("discover", shared=shared)) as found:
-      jax.eval_shape(lambda v, b: loss_fn(v, b), variables, batch)
-    if not found.layers:
+      # `batch` is closed over, as value_and_grad leaves it: a Python value
+      # in it (a `train` flag) stays a Python value.
+      jax.eval_shape(lambda v: loss_fn(v, batch), variables)
+    if not found.layers and not found.unfused:
       raise ValueError(
           "no forge_jax.Dense layer (or ScannedDenseStack) was called by "
           "loss_fn; use optax directly")
@@ -312,7 +331,7 @@ def make_step(
 
     def loss_of(params, inputs):
       ctx.inputs = inputs  # the traced values, so that AD sees them
-      return loss_fn({**variables, "params": params}, batch)
+      return loss_fn(_with_params(variables, params), batch)
 
     # 3. The backward: FORGE kernels and their state come back updated.
     # (Integer inputs -- a deferred family's step counts, read only -- get
@@ -323,6 +342,9 @@ def make_step(
       # changes the trace (its kernel now feeds a plain dot), so check the
       # rest again until none is shared.
       while kpaths:
+        # (A kernel read only through stop_gradient -- a frozen layer -- is
+        # returned whatever the policy: its optax update is the fused-free
+        # zero-gradient one.)
         extra = _usage.check_single_use(loss_of, params, inputs, kpaths,
                                         collect=shared == "standard")
         if not extra:
@@ -377,15 +399,16 @@ def make_step(
 
     # Report the layers that took the standard path (at trace time).
     standard_layers[:] = sorted(_context.layer_name(p) for p in fallback)
-    if fallback:
+    moved = {p: why for p, why in fallback.items() if why != _usage.FROZEN}
+    if moved:
       warnings.warn(SharedWeightsWarning(
-          f"forge_jax.make_step(shared='standard'): {len(fallback)} shared "
+          f"forge_jax.make_step(shared='standard'): {len(moved)} shared "
           "FORGE layer(s) took the standard path (ordinary gradient and "
           "optax update) in this step, the others stay fused: " + "; ".join(
               f"{_context.layer_name(p)!r} ({why})"
-              for p, why in sorted(fallback.items()))
+              for p, why in sorted(moved.items()))
           + " (paper Remark 2)"), stacklevel=2)
-    return value, {**variables, "params": new_params}, new_state
+    return value, _with_params(variables, new_params), new_state
 
   step.standard_layers = standard_layers
   return step

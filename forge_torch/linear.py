@@ -84,6 +84,16 @@ def _in_functorch() -> bool:
   return peek is not None and peek() is not None
 
 
+def _has_tangent(*tensors) -> bool:
+  """One of ``tensors`` is a forward-mode dual (``torch.autograd.forward_ad``):
+  the fused backward has no ``jvp``, so the layer is ``F.linear`` there (as
+  under ``torch.func``); a backward of that graph then gives the weight an
+  ordinary ``grad``, which ``optimizer.step()`` applies."""
+  from torch.autograd import forward_ad  # noqa: PLC0415
+  return any(t is not None and forward_ad.unpack_dual(t).tangent is not None
+             for t in tensors)
+
+
 # What a backward wants of a managed weight (_weight_grad_mode).
 UPDATE, SKIP, RETURN = "update", "skip", "return"
 
@@ -158,13 +168,13 @@ class _FusedLinearFn(torch.autograd.Function):
   @_first_order_only
   @once_differentiable
   def backward(ctx, grad_output):
-    input, weight = ctx.saved_tensors
     handle = ctx.handle
-    if handle is None:
+    if handle is None:  # checked first: the saved weight's version moved on
       raise RuntimeError(
           "backward ran twice through the same forward of a FORGE-managed "
           "forge_torch.Linear (retain_graph=True?). Its first backward already "
           "applied the optimizer to the weight; a second one cannot be fused.")
+    input, weight = ctx.saved_tensors
     mode = _weight_grad_mode(handle.weight)
     if mode == UPDATE:
       ctx.handle = None  # a later backward through this graph cannot update
@@ -291,7 +301,8 @@ class Linear(nn.Linear):
   def forward(self, input: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if not (self.fused and torch.is_grad_enabled() and w.requires_grad
-            and is_forge_weight(w)) or _in_functorch():
+            and is_forge_weight(w)) or _in_functorch() or _has_tangent(
+                input, w, self.bias):
       return F.linear(input, w, self.bias)
     optimizer = owner_of(w)
     if optimizer is None:

@@ -371,6 +371,13 @@ class _ForgeOptimizer:
     _bridge.fused_update(grad_output, input, p.data, slots,
                          _rules.pack(rule, values), rule=rule, config=config,
                          views=views)
+    # The weight and its state changed in place (through .data / a donated
+    # buffer, which autograd does not see): bump their version counters, as
+    # torch's in-place optimizer ops do, so that a graph which saved the
+    # pre-update weight elsewhere (e.g. a detached read) makes autograd raise
+    # "modified by an inplace operation" instead of silently using the new one.
+    for t in (p, *slots):
+      torch.autograd.graph.increment_version(t)
     # Scalar state advances once the update is done (torch: `step_t += 1`).
     if "step" in state:
       state["step"] += 1

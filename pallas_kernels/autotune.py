@@ -511,7 +511,16 @@ def winners_from_csv(path: str, rule: str = "adamw", metric: str = "p50"):
   """
   groups: dict[tuple, list] = {}
   devices, versions, stamps = set(), set(), set()
-  for r in csv.DictReader(open(path, newline="")):
+  with open(path, newline="") as f:
+    reader = csv.DictReader(f)
+    need = {"benchmark", "provider", "shape", "dtypes", "metric", metric,
+            "unit", "device", "versions", "timestamp"}
+    missing = sorted(need - set(reader.fieldnames or ()))
+    if missing:
+      raise ValueError(f"{path}: not a benchmarks/kernel.py CSV (no column "
+                       f"{', '.join(missing)})")
+    rows = list(reader)
+  for r in rows:
     m = re.match(r"^forge\[(.+)\]$", r["provider"])
     if r["benchmark"] != "kernel" or r["metric"] != "time" or not m:
       continue
@@ -646,14 +655,15 @@ def main(argv=None) -> int:
   p.add_argument("--merge", nargs="+", metavar="JSON",
                  help="merge other cache files (e.g. a tuning run's --out) "
                  "instead of measuring")
-  p.add_argument("--shapes", nargs="+", type=_parse_shape,
-                 default=[(4096, 4096), (4096, 1024), (4096, 14336),
-                          (14336, 4096)], metavar="INxOUT")
+  # Measurement choices (default None: refused with --from-csv / --merge).
+  p.add_argument("--shapes", nargs="+", type=_parse_shape, metavar="INxOUT",
+                 help="default: 4096x4096 4096x1024 4096x14336 14336x4096")
   p.add_argument("--tokens", nargs="+", type=positive_int,
-                 default=[512, 2048])
-  p.add_argument("--rule", choices=sorted(RULES), default="adamw")
-  p.add_argument("--w-dtype", default="bfloat16", choices=STATE_DTYPES)
-  p.add_argument("--slot-dtype", default="bfloat16", choices=STATE_DTYPES,
+                 help="default: 512 2048")
+  p.add_argument("--rule", choices=sorted(RULES), help="default: adamw")
+  p.add_argument("--w-dtype", choices=STATE_DTYPES,
+                 help="default: bfloat16")
+  p.add_argument("--slot-dtype", choices=STATE_DTYPES,
                  help="dtype of every slot of the rule (default bfloat16)")
   p.add_argument("--any-rule", action="store_true",
                  help="store the winners under rule \"any\" (used for every "
@@ -669,12 +679,32 @@ def main(argv=None) -> int:
   if args.merge and args.config:
     p.error("--config chooses tilings to measure; --merge measures nothing")
   configs = args.config
+  if args.from_csv or args.merge:
+    # These choose what to measure; --from-csv and --merge measure nothing.
+    given = [flag for flag, dest in (
+        ("--shapes", "shapes"), ("--tokens", "tokens"), ("--rule", "rule"),
+        ("--w-dtype", "w_dtype"), ("--slot-dtype", "slot_dtype"))
+        if getattr(args, dest) is not None]
+    if args.merge and args.any_rule:
+      given.append("--any-rule")
+    if given:
+      p.error(f"{', '.join(given)} choose(s) what to measure; --from-csv "
+              "and --merge measure nothing")
+  args.shapes = args.shapes or [(4096, 4096), (4096, 1024), (4096, 14336),
+                                (14336, 4096)]
+  args.tokens = args.tokens or [512, 2048]
+  args.rule = args.rule or "adamw"
+  args.w_dtype = args.w_dtype or "bfloat16"
+  args.slot_dtype = args.slot_dtype or "bfloat16"
   if args.out is None:
     args.out = default_out()
     if args.out is None:
       p.error(f"the shipped cache {SHIPPED_CACHE} is inside an installed "
               f"package: pass --out FILE, or set ${ENV_VAR}=FILE (lookup() "
               "reads that file first)")
+  out_dir = os.path.dirname(os.path.abspath(args.out))
+  if not os.path.isdir(out_dir):
+    p.error(f"--out {args.out}: folder {out_dir} does not exist")
 
   try:
     data = _read_or_empty(args.out)

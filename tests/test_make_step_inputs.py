@@ -4,6 +4,8 @@ boxed parameters, a loss_fn that does not read its variables, a second model
 built from forge_jax.Dense, vmap / casts inside loss_fn, and the transform
 as an optax GradientTransformation."""
 
+import warnings
+
 import flax
 import flax.linen as nn
 import jax
@@ -327,3 +329,131 @@ def test_differentiating_a_scanned_stack_step_is_refused_clearly():
   with pytest.raises(NotImplementedError,
                      match="ScannedDenseStack.*being differentiated"):
     jax.grad(post_step_sum)(v)
+
+
+# --- review, session 7 -------------------------------------------------------
+
+
+class DropMLP(nn.Module):
+  dense: type
+
+  @nn.compact
+  def __call__(self, x, train):
+    x = nn.relu(self.dense(11)(x))
+    x = nn.Dropout(0.5, deterministic=not train)(x)
+    return self.dense(5)(x)
+
+
+def _loss_with_python_flag(model):
+  def loss_fn(v, batch):
+    x, y, train = batch  # `train` is a Python bool, used in an `if`
+    rngs = {"dropout": jax.random.key(1)} if train else {}
+    return jnp.mean((model.apply(v, x, train, rngs=rngs) - y) ** 2)
+  return loss_fn
+
+
+def test_an_unjitted_step_keeps_python_values_in_the_batch():
+  """As jax.value_and_grad does: a Python flag in `batch` stays Python (the
+  discovery pass abstracted the whole batch: TracerBoolConversionError)."""
+  x, y = batches(1)[0]
+  batch = (x, y, True)
+  v = DropMLP(nn.Dense).init(jax.random.key(0), x, False)
+  ref_tx, tx = optax.adam(1e-2), forge_jax.adam(1e-2)
+  _, ref_v, ref_s = reference_step(
+      _loss_with_python_flag(DropMLP(nn.Dense)), ref_tx)(
+          v, ref_tx.init(v["params"]), batch)
+  _, f_v, f_s = forge_jax.make_step(
+      _loss_with_python_flag(DropMLP(forge_jax.Dense)), tx)(
+          v, tx.init(v["params"]), batch)
+  assert_trees_close(f_v, ref_v, RTOL, "variables")
+  assert_trees_close(f_s, ref_s, RTOL, "opt_state")
+
+
+def test_frozendict_variables_come_back_frozen_so_a_scan_carries_them():
+  x, y = batches(1)[0]
+  v = flax.core.freeze(MLP(forge_jax.Dense).init(jax.random.key(0), x))
+  tx = forge_jax.adam(1e-2)
+  step = forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)
+
+  def body(carry, b):
+    loss, vv, ss = step(*carry, b)
+    return (vv, ss), loss
+
+  (v2, _), losses = jax.lax.scan(body, (v, tx.init(v["params"])),
+                                 (jnp.stack([x, x]), jnp.stack([y, y])))
+  assert isinstance(v2, flax.core.FrozenDict)
+  assert jax.tree.structure(v2) == jax.tree.structure(v)
+  assert losses[1] < losses[0]
+
+
+def test_every_layer_fused_false_gives_the_optax_step():
+  """A config switch turning every layer's fusion off (to A/B the fused
+  path) gets optax's step (it raised 'no forge_jax.Dense layer')."""
+  x, y = batches(1)[0]
+  v = MLP(nn.Dense).init(jax.random.key(0), x)
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  tx, ref_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+  _, f_v, f_s = forge_jax.make_step(
+      mse(MLP(forge_jax.Dense, {"fused": False})), tx)(
+          v, tx.init(v["params"]), (x, y))
+  _, ref_v, ref_s = reference_step(mse(MLP(nn.Dense)), ref_tx)(
+      v, ref_tx.init(v["params"]), (x, y))
+  assert_trees_close(f_v, ref_v, RTOL, "variables")
+  assert_trees_close(f_s, ref_s, RTOL, "opt_state")
+
+
+def _loss_freezing_first_layer(model):
+  def loss_fn(v, b):
+    p = dict(v["params"])
+    p["Dense_0"] = jax.lax.stop_gradient(p["Dense_0"])
+    return jnp.mean((model.apply({**v, "params": p}, b[0]) - b[1]) ** 2)
+  return loss_fn
+
+
+@pytest.mark.parametrize("shared", ["error", "standard"])
+def test_a_layer_frozen_by_stop_gradient_gets_optaxs_zero_gradient_update(
+    shared):
+  """optax gives the frozen kernel a zero gradient (AdamW: weight decay
+  only); it was refused as 'did not read its kernel through its fused op'.
+  It takes the standard path without a SharedWeightsWarning."""
+  x, y = batches(1)[0]
+  v = MLP(nn.Dense).init(jax.random.key(0), x)
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  tx, ref_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+  _, ref_v, ref_s = reference_step(
+      _loss_freezing_first_layer(MLP(nn.Dense)), ref_tx)(
+          v, ref_tx.init(v["params"]), (x, y))
+  step = forge_jax.make_step(_loss_freezing_first_layer(
+      MLP(forge_jax.Dense)), tx, shared=shared)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", forge_jax.SharedWeightsWarning)
+    _, f_v, f_s = step(v, tx.init(v["params"]), (x, y))
+  assert_trees_close(f_v, ref_v, RTOL, "variables")
+  assert_trees_close(f_s, ref_s, RTOL, "opt_state")
+  assert step.standard_layers == ["Dense_0"]
+  # (not vacuous: the frozen kernel moved by weight decay alone, the other
+  # one by its gradient)
+  k0 = v["params"]["Dense_0"]["kernel"]
+  assert_trees_close(f_v["params"]["Dense_0"]["kernel"], k0 * (1 - 1e-2 * 0.1),
+                     RTOL, "frozen kernel")
+
+
+def test_forge_multisteps_has_optaxs_has_updated():
+  x, y = batches(1)[0]
+  v = MLP(forge_jax.Dense).init(jax.random.key(0), x)
+  tx = forge_jax.MultiSteps(forge_jax.adam(1e-2), 2)
+  ref = optax.MultiSteps(optax.adam(1e-2), 2)
+  step = forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)
+  state = tx.init(v["params"])
+  seen = []
+  for _ in range(4):
+    _, v, state = step(v, state, (x, y))
+    seen.append(bool(tx.has_updated(state)))
+    assert bool(tx.has_updated(state)) == bool(ref.has_updated(state))
+  assert seen == [False, True, False, True]
+
+
+def test_optax_multisteps_is_refused_naming_forge_multisteps():
+  with pytest.raises(TypeError, match=r"forge_jax\.MultiSteps"):
+    forge_jax.make_step(lambda v, b: 0.0,
+                        optax.MultiSteps(forge_jax.adamw(1e-3), 2))

@@ -499,3 +499,70 @@ def test_a_weight_assigned_by_hand_runs_the_standard_path():
     F.mse_loss(m(x), y).backward()
     o.step()
   assert_models_close(fm, ref)
+
+
+# --- the version counter (review, session 7) --------------------------------
+
+
+def _pair_opt(model_fn, opt_name, seed=0, **kw):
+  torch.manual_seed(seed)
+  m_t = model_fn()
+  m_f = copy.deepcopy(m_t)
+  forge_torch.convert(m_f)
+  return (m_t, getattr(torch.optim, opt_name)(m_t.parameters(), **kw), m_f,
+          getattr(forge_torch, opt_name)(m_f.parameters(), **kw))
+
+
+class _DetachedReuse(nn.Module):
+  """``b``'s weight is also read, detached, *earlier* in the graph: that
+  read's backward runs after ``b``'s fused update."""
+
+  def __init__(self):
+    super().__init__()
+    self.a = nn.Linear(4, 4)
+    self.b = nn.Linear(4, 4)
+
+  def forward(self, x):
+    h = self.a(x) @ self.b.weight.detach().t()
+    return self.b(torch.tanh(h))
+
+
+def test_a_detached_read_of_an_updated_weight_is_refused_not_silent():
+  """It computed ``a``'s gradient from ``b``'s updated weight (0.23 off
+  torch after one SGD step); the update now bumps the version counter and
+  autograd refuses the stale saved tensor."""
+  *_, m_f, o_f = _pair_opt(_DetachedReuse, "SGD", lr=0.5)
+  with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    m_f(torch.randn(3, 4)).pow(2).sum().backward()
+
+
+def test_the_fused_update_bumps_the_weight_and_state_versions_like_torch():
+  m_t, o_t, m_f, o_f = _pair_opt(lambda: nn.Sequential(nn.Linear(4, 3)),
+                                 "Adam", lr=0.1)
+  x = torch.randn(2, 4)
+  v_t, v_f = m_t[0].weight._version, m_f[0].weight._version
+  m_t(x).sum().backward()
+  o_t.step()
+  m_f(x).sum().backward()
+  o_f.step()
+  assert m_t[0].weight._version > v_t
+  assert m_f[0].weight._version > v_f, "the weight changed, its version not"
+  versions = [o_f.state[m_f[0].weight][k]._version
+              for k in ("exp_avg", "exp_avg_sq")]
+  m_f(x).sum().backward()
+  assert [o_f.state[m_f[0].weight][k]._version
+          for k in ("exp_avg", "exp_avg_sq")] > versions
+  assert rel(m_f[0].weight, m_t[0].weight) > 0  # (moved; parity: elsewhere)
+
+
+def test_forward_mode_ad_through_a_managed_layer_is_f_linear():
+  """A forward-mode dual input (torch.autograd.forward_ad): the layer is
+  F.linear, as nn.Linear (it raised torch's 'implement the jvp' error)."""
+  import torch.autograd.forward_ad as fwAD
+  m_t, _, m_f, _ = _pair_opt(lambda: nn.Sequential(nn.Linear(5, 3)), "Adam")
+  x = torch.randn(4, 5)
+  with fwAD.dual_level():
+    want = fwAD.unpack_dual(m_t(fwAD.make_dual(x, torch.ones_like(x)))).tangent
+  with fwAD.dual_level():
+    got = fwAD.unpack_dual(m_f(fwAD.make_dual(x, torch.ones_like(x)))).tangent
+  torch.testing.assert_close(got, want)

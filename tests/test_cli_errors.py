@@ -1,0 +1,182 @@
+"""The command-line entry points refuse bad input with a usage error (exit 2)
+or a clean message instead of a traceback: the autotuner, benchmarks/kernel.py,
+plot.py, e2e.py and the demo."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import HAS_GPU
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+KERNEL_CSV = os.path.join(ROOT, "benchmarks/results/h200-2026-11-29/kernel.csv")
+TORCH_MEM_CSV = os.path.join(ROOT,
+                             "benchmarks/results/h200-2026-11-29/torch_memory.csv")
+
+# benchmarks/kernel.py's CPU smoke mode (as tests/test_inputs_and_clis.py).
+SMOKE = ["--torch", "on", "--tokens", "16", "--moments", "bfloat16",
+         "--configs", "1", "--steps", "1", "--reps", "1", "--ceiling-mib", "1"]
+
+
+def _run(args):
+  return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True,
+                        text=True, timeout=300)
+
+
+def _code(fn, argv):
+  """Exit code of a CLI main: its return value or SystemExit's code;
+  any other exception propagates (that is the defect)."""
+  try:
+    return fn(argv)
+  except SystemExit as e:
+    return e.code
+
+
+# --- pallas_kernels/autotune.py main ----------------------------------------
+
+def test_autotune_from_csv_of_wrong_kind_is_usage_error(tmp_path):
+  """A CSV that is not a kernel.py CSV (e.g. the torch_memory.csv shipped
+  beside kernel.csv) is a usage error (it was a KeyError traceback)."""
+  from pallas_kernels import autotune
+  assert _code(autotune.main, ["--from-csv", TORCH_MEM_CSV,
+                               "--out", str(tmp_path / "a.json")]) == 2
+
+
+def test_autotune_out_in_missing_directory_is_usage_error(tmp_path):
+  """--out in a folder that does not exist is refused before anything is
+  read or measured (it was a FileNotFoundError from write(), on the GPU path
+  after the first tuned case)."""
+  from pallas_kernels import autotune
+  out = tmp_path / "nodir" / "a.json"
+  assert _code(autotune.main, ["--from-csv", KERNEL_CSV, "--out", str(out)]) == 2
+
+
+def test_autotune_from_csv_refuses_measurement_only_flags(tmp_path):
+  """--rule lion (and --shapes/--tokens/--w-dtype/--slot-dtype) with
+  --from-csv were accepted and silently ignored (the entries went under
+  'adamw'). They are refused, as --config is."""
+  from pallas_kernels import autotune
+  assert _code(autotune.main, ["--from-csv", KERNEL_CSV, "--rule", "lion",
+                               "--out", str(tmp_path / "b.json")]) == 2
+
+
+# --- benchmarks/plot.py -------------------------------------------------------
+
+def test_plot_non_kernel_csv_is_clean_error(tmp_path):
+  """plot.py on a file without the kernel CSV columns: a message, exit 1."""
+  p = _run([PY, "benchmarks/plot.py", "README.md", str(tmp_path / "x.png")])
+  assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-400:]
+
+
+def test_plot_into_missing_directory(tmp_path):
+  """A PNG path in a missing folder: the folder is created, as Results does
+  for CSVs (it was a FileNotFoundError from savefig)."""
+  png = tmp_path / "nodir" / "x.png"
+  p = _run([PY, "benchmarks/plot.py", KERNEL_CSV, str(png)])
+  assert "Traceback" not in p.stderr, p.stderr[-400:]
+  assert p.returncode != 0 or png.exists()
+
+
+# --- benchmarks/kernel.py -----------------------------------------------------
+
+def test_kernel_zero_size_shape_is_usage_error(tmp_path):
+  """--shapes 't 0x24' is a usage error before any row is written (it was a
+  RuntimeError after the copy-ceiling row)."""
+  from benchmarks import kernel
+  out = tmp_path / "k.csv"
+  assert _code(kernel.main, SMOKE + ["--shapes", "t 0x24",
+                                     "--out", str(out)]) == 2
+  assert not out.exists()
+
+
+def test_kernel_torch_on_without_torch_is_clean_error(tmp_path, monkeypatch):
+  """--torch on where torch cannot be imported: a usage error, not the
+  ImportError's traceback."""
+  from benchmarks import kernel
+  monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+  rc = _code(kernel.main, SMOKE + ["--shapes", "t 40x24",
+                                   "--out", str(tmp_path / "k.csv")])
+  assert rc not in (0, None)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
+def test_kernel_without_gpu_exits_nonzero(tmp_path):
+  """No GPU, default --torch auto: 'needs a GPU; nothing measured' and a
+  non-zero exit, as suite.sh (1) and the autotuner (2)."""
+  from benchmarks import kernel
+  assert _code(kernel.main, ["--out", str(tmp_path / "k.csv")]) not in (0, None)
+
+
+def test_kernel_configs_beyond_curated_list_is_refused(tmp_path):
+  """--configs beyond the curated tilings is refused (it was clamped)."""
+  from benchmarks import kernel
+  assert _code(kernel.main, SMOKE + ["--configs", "99", "--shapes", "t 40x24",
+                                     "--out", str(tmp_path / "k.csv")]) == 2
+
+
+# --- benchmarks/e2e.py --------------------------------------------------------
+
+TINY = ["--layers", "1", "--d-model", "64", "--heads", "2", "--kv-heads", "1",
+        "--ffn", "64", "--vocab", "64", "--seq", "16", "--bt", "16"]
+
+
+def test_e2e_failed_rows_carry_the_device(tmp_path, monkeypatch):
+  """docs/benchmarks.md promises device and versions in every row: a failed
+  cell before any successful one asks a subprocess for the device (it was
+  written as 'unknown')."""
+  from benchmarks import e2e
+  monkeypatch.setattr(e2e, "run_driver_cell",
+                      lambda args, arm, bt, timeout: (None, "exit 1: boom"))
+  out = tmp_path / "e.csv"
+  e2e.main(TINY + ["--out", str(out)])
+  with open(out, newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert rows and all(r["device"] not in ("", "unknown") for r in rows), \
+      [r["device"] for r in rows]
+
+
+def test_e2e_replot_of_a_non_e2e_csv_refuses(tmp_path):
+  """--replot on a CSV without e2e rows plots nothing and fails."""
+  from benchmarks import e2e
+  png = tmp_path / "e.png"
+  rc = _code(e2e.main, ["--replot", "--out", KERNEL_CSV, "--plot", str(png)])
+  assert rc not in (0, None) and not png.exists()
+
+
+@pytest.mark.parametrize("bad", [["--cell-timeout", "0"],
+                                 ["--cell-timeout", "-5"],
+                                 ["--budget", "-1"]])
+def test_e2e_nonpositive_timeouts_are_usage_errors(bad):
+  """--cell-timeout 0/-5 (every cell would 'time out' at once) and --budget
+  -1 (silently 'no budget') are usage errors."""
+  from benchmarks import e2e
+  with pytest.raises(SystemExit) as e:
+    e2e.parse_args(TINY + bad)
+  assert e.value.code == 2
+
+
+# --- forge_jax/demo.py (./dev.sh train) -------------------------------------
+
+def test_demo_out_that_is_a_file_is_usage_error(tmp_path):
+  """--out naming an existing file is refused before training (it trained
+  both arms, then died in os.makedirs)."""
+  from forge_jax import demo
+  f = tmp_path / "afile"
+  f.write_text("x")
+  with pytest.raises(SystemExit) as e:
+    demo.main(["--steps", "1", "--hidden", "8", "--batch-size", "16",
+               "--no-progress", "--out", str(f)])
+  assert e.value.code == 2
+
+
+def test_demo_negative_log_every_is_usage_error():
+  """--log-every -1 is a usage error (it logged every step: i % -1 == 0)."""
+  from forge_jax import demo
+  with pytest.raises(SystemExit) as e:
+    demo.parse_args(["--log-every", "-1"])
+  assert e.value.code == 2
