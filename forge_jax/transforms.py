@@ -234,11 +234,23 @@ def _forge_deferred(inner: optax.GradientTransformation,
   return ForgeTransformation(inner.init, inner.update, spec)
 
 
-def _adam_hparams(state, b1, b2, eps, eps_root) -> dict[str, Any]:
+def _stored_decay(decay, dtype):
+  """``decay`` as optax's ``decay * moment`` applies it to a stored moment of
+  ``dtype`` (a Python float is weakly typed: it takes the moment's dtype, so
+  a bf16 moment sees 0.9 as 0.8984375). ``None``: the parameters' dtype,
+  fp32 here (bf16 parameters train on an fp32 ``G`` in FORGE anyway)."""
+  if dtype is None:
+    return decay
+  return jnp.asarray(decay, dtype).astype(jnp.float32)
+
+
+def _adam_hparams(state, b1, b2, eps, eps_root,
+                  mu_dtype=None) -> dict[str, Any]:
   """``scale_by_adam``'s constants and this step's bias corrections."""
   t = _count_after(state, optax.ScaleByAdamState)
   return dict(
-      b1=b1, b2=b2, one_minus_b1=1 - b1, one_minus_b2=1 - b2,
+      b1=b1, b1_m=_stored_decay(b1, mu_dtype),
+      b2=b2, one_minus_b1=1 - b1, one_minus_b2=1 - b2,
       eps=eps, eps_root=eps_root,
       # optax.tree.bias_correction's denominators, same expressions.
       bc1=1 - b1**t, bc2=1 - b2**t,
@@ -279,7 +291,9 @@ def sgd(
   rule = pallas_kernels.sgd_rule(momentum=momentum is not None,
                                  nesterov=nesterov)
   return _forge(inner, rule, rule.slots, learning_rate,
-                lambda state: {} if momentum is None else dict(decay=momentum),
+                lambda state: {} if momentum is None else dict(
+                    decay=momentum,
+                    decay_m=_stored_decay(momentum, accumulator_dtype)),
                 family="sgd" if momentum is None else "sgd_momentum",
                 # The trace is affine in G and, without Nesterov, the only
                 # way G reaches W: MultiSteps' momentum mode applies.
@@ -414,7 +428,8 @@ def adam(
                      mu_dtype=mu_dtype, nesterov=nesterov)
   return _forge(inner, pallas_kernels.adam_rule(nesterov=nesterov),
                 ("mu", "nu"), learning_rate,
-                lambda state: _adam_hparams(state, b1, b2, eps, eps_root),
+                lambda state: _adam_hparams(state, b1, b2, eps, eps_root,
+                                            mu_dtype),
                 family="nadam" if nesterov else "adam")
 
 
@@ -473,7 +488,8 @@ def adamw(
                       nesterov=nesterov)
   return _forge(inner, pallas_kernels.adamw_rule(nesterov=nesterov),
                 ("mu", "nu"), learning_rate,
-                lambda state: _adam_hparams(state, b1, b2, eps, eps_root),
+                lambda state: _adam_hparams(state, b1, b2, eps, eps_root,
+                                            mu_dtype),
                 weight_decay=weight_decay, mask=mask, family="adamw")
 
 
@@ -601,8 +617,9 @@ def lion(
                      weight_decay=weight_decay, mask=_holes_aware(mask))
   return _forge(
       inner, pallas_kernels.lion_rule(), ("mu",), learning_rate,
-      lambda state: dict(b1=b1, one_minus_b1=1 - b1, b2=b2,
-                         one_minus_b2=1 - b2),
+      # b1 and b2 both multiply the stored moment (scale_by_lion).
+      lambda state: dict(b1=_stored_decay(b1, mu_dtype), one_minus_b1=1 - b1,
+                         b2=_stored_decay(b2, mu_dtype), one_minus_b2=1 - b2),
       weight_decay=weight_decay, mask=mask, family="lion")
 
 
@@ -752,7 +769,8 @@ def muon(
 
   def hparams(state):
     t = _count_after(scope(state), _muon.MuonState)
-    return dict(b1=beta, one_minus_b1=1 - beta,
+    return dict(b1=beta, b1_m=_stored_decay(beta, mu_dtype),
+                one_minus_b1=1 - beta,
                 # optax.tree.bias_correction's denominators, same expressions.
                 bc1=1 - beta**t,
                 bc1_next=1 - beta**numerics.safe_increment(t))

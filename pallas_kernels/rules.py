@@ -52,6 +52,13 @@ class UpdateRule:
       epilogue produces beside the slots (e.g. Muon's Nesterov look-ahead
       ``"mu_hat"``, computed from ``G`` in registers for the layer pass that
       follows). Stored in ``output_dtype``; never read by the kernel.
+    defaults: ``(name, source)`` pairs: :meth:`pack` gives hyperparameter
+      ``name`` the value of ``source`` when it is not passed. Used for a
+      momentum's decay as applied to the *stored* moment (``"b1_m"``,
+      ``"decay_m"``): optax multiplies the stored moment by the decay in the
+      moment's dtype, so with a bf16 moment its decay is rounded to bf16
+      (0.9 -> 0.8984375); forge_jax passes that rounded value, and every
+      other caller gets the decay itself.
   """
 
   name: str
@@ -60,6 +67,7 @@ class UpdateRule:
   update: UpdateFn
   updates_weight: bool = True
   outputs: tuple[str, ...] = ()
+  defaults: tuple[tuple[str, str], ...] = ()
 
   def __post_init__(self):
     if len(self.hparams) > HPARAM_VECTOR_LEN:
@@ -70,6 +78,11 @@ class UpdateRule:
       raise ValueError(
           f"rule {self.name!r} writes neither the weight nor any slot or "
           "output: its epilogue would do nothing")
+    for name, source in self.defaults:
+      if name not in self.hparams or source not in self.hparams:
+        raise ValueError(
+            f"rule {self.name!r}: default {name!r} <- {source!r} names a "
+            f"hyperparameter it does not have ({self.hparams})")
 
   @staticmethod
   def output_dtype(w_dtype, slot_dtypes=()):
@@ -78,7 +91,11 @@ class UpdateRule:
     return jnp.result_type(w_dtype, *slot_dtypes)
 
   def pack(self, **values) -> jax.Array:
-    """Packs named hyperparameters into the kernel's fp32 vector."""
+    """Packs named hyperparameters into the kernel's fp32 vector (a name in
+    ``defaults`` may be left out: it takes its source's value)."""
+    for name, source in self.defaults:
+      if name not in values and source in values:
+        values[name] = values[source]
     missing = [n for n in self.hparams if n not in values]
     extra = [n for n in values if n not in self.hparams]
     if missing or extra:
@@ -129,15 +146,18 @@ def _ema(g, m, one_minus_decay, decay):
   return one_minus_decay * g + decay * m
 
 
-def _trace(u, t, decay, nesterov: bool):
-  """``optax.trace``: returns ``(update, new_trace)``."""
-  t = u + decay * t
+def _trace(u, t, decay, nesterov: bool, decay_m=None):
+  """``optax.trace``: returns ``(update, new_trace)``. ``decay_m`` (default
+  ``decay``) multiplies the stored trace (``decay`` rounded to its dtype),
+  ``decay`` the new one."""
+  t = u + (decay if decay_m is None else decay_m) * t
   return (u + decay * t if nesterov else t), t
 
 
 def _adam_moments(g, mu, nu, h, nesterov: bool):
-  """``scale_by_adam``'s moments and bias-corrected ``(mu_hat, nu_hat)``."""
-  mu = _ema(g, mu, h["one_minus_b1"], h["b1"])
+  """``scale_by_adam``'s moments and bias-corrected ``(mu_hat, nu_hat)``;
+  ``b1_m`` is ``b1`` as it multiplies the stored ``mu``."""
+  mu = _ema(g, mu, h["one_minus_b1"], h["b1_m"])
   nu = _ema(g * g, nu, h["one_minus_b2"], h["b2"])
   if nesterov:
     mu_hat = h["b1"] * (mu / h["bc1_next"]) + h["one_minus_b1"] * (
@@ -152,7 +172,8 @@ def _adam_scale(mu_hat, nu_hat, h):
 
 
 _ADAM_HPARAMS = ("lr", "b1", "b2", "one_minus_b1", "one_minus_b2", "eps",
-                 "eps_root", "bc1", "bc2", "bc1_next")
+                 "eps_root", "bc1", "bc2", "bc1_next", "b1_m")
+_ADAM_DEFAULTS = (("b1_m", "b1"),)
 
 
 def _suffix(name: str, **flags: bool) -> str:
@@ -171,14 +192,15 @@ def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
   def update(g, w, slots, h):
     if not momentum:
       return _descend(w, g, h), ()
-    u, t = _trace(g, slots[0], h["decay"], nesterov)
+    u, t = _trace(g, slots[0], h["decay"], nesterov, h["decay_m"])
     return _descend(w, u, h), (t,)
 
   return UpdateRule(
       name=_suffix("sgd", momentum=momentum, nesterov=nesterov),
       slots=("trace",) if momentum else (),
-      hparams=("lr", "decay") if momentum else ("lr",),
-      update=update)
+      hparams=("lr", "decay", "decay_m") if momentum else ("lr",),
+      update=update,
+      defaults=(("decay_m", "decay"),) if momentum else ())
 
 
 def adagrad_rule() -> UpdateRule:
@@ -259,7 +281,8 @@ def adam_rule(nesterov: bool = False) -> UpdateRule:
     return _descend(w, _adam_scale(mu_hat, nu_hat, h), h), (mu, nu)
 
   return UpdateRule(name=_suffix("adam", nesterov=nesterov),
-                    slots=("mu", "nu"), hparams=_ADAM_HPARAMS, update=update)
+                    slots=("mu", "nu"), hparams=_ADAM_HPARAMS, update=update,
+                    defaults=_ADAM_DEFAULTS)
 
 
 def adamw_rule(nesterov: bool = False) -> UpdateRule:
@@ -283,6 +306,7 @@ def adamw_rule(nesterov: bool = False) -> UpdateRule:
       name=_suffix("adamw", nesterov=nesterov),
       slots=("mu", "nu"),
       hparams=_ADAM_HPARAMS + ("weight_decay",),
+      defaults=_ADAM_DEFAULTS,
       update=update,
   )
 
@@ -324,7 +348,7 @@ def radam_rule(nesterov: bool = False) -> UpdateRule:
 
   return UpdateRule(name=_suffix("radam", nesterov=nesterov),
                     slots=("mu", "nu"), hparams=_ADAM_HPARAMS + ("r", "rectify"),
-                    update=update)
+                    update=update, defaults=_ADAM_DEFAULTS)
 
 
 def lion_rule() -> UpdateRule:
@@ -369,6 +393,7 @@ def lamb_rule() -> UpdateRule:
 
   return UpdateRule(name="lamb_moments", slots=("mu", "nu"),
                     hparams=_ADAM_HPARAMS + ("weight_decay",), update=update,
+                    defaults=_ADAM_DEFAULTS,
                     updates_weight=False)
 
 
@@ -392,7 +417,7 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
 
   def update(g, w, slots, h):
     (mu,) = slots
-    mu = _ema(g, mu, h["one_minus_b1"], h["b1"])
+    mu = _ema(g, mu, h["one_minus_b1"], h["b1_m"])
     if nesterov:
       mu_hat = h["b1"] * (mu / h["bc1_next"]) + h["one_minus_b1"] * (
           g / h["bc1"])
@@ -402,8 +427,10 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
 
   return UpdateRule(
       name=_suffix("muon_momentum", nesterov=nesterov), slots=("mu",),
-      hparams=("lr", "b1", "one_minus_b1", "bc1", "bc1_next", "weight_decay"),
-      update=update, updates_weight=False, outputs=("mu_hat",))
+      hparams=("lr", "b1", "one_minus_b1", "bc1", "bc1_next", "weight_decay",
+               "b1_m"),
+      update=update, updates_weight=False, outputs=("mu_hat",),
+      defaults=(("b1_m", "b1"),))
 
 
 ADAMW = adamw_rule()
@@ -467,7 +494,8 @@ def accumulating(rule: UpdateRule) -> UpdateRule:
   return UpdateRule(
       name=f"{rule.name}_accumulate", slots=("acc", *rule.slots),
       hparams=rule.hparams + ACCUMULATE_HPARAMS, update=update,
-      updates_weight=rule.updates_weight, outputs=rule.outputs)
+      updates_weight=rule.updates_weight, outputs=rule.outputs,
+      defaults=rule.defaults)
 
 
 def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
@@ -499,9 +527,14 @@ def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
     raise ValueError(f"rule {rule.name!r} has no momentum slot")
   _check_extra_hparams(rule, MOMENTUM_ACCUMULATE_HPARAMS)
 
+  # The decay as it multiplies the stored momentum (a `defaults` entry whose
+  # source is `decay`, e.g. "b1_m") is replaced alike.
+  replaced = (decay, *(n for n, src in rule.defaults if src == decay))
+
   def update(g, w, slots, h):
     h = dict(h)
-    h[decay] = jnp.where(h["acc_first"] > 0, h[decay], 1.0)
+    for name in replaced:
+      h[name] = jnp.where(h["acc_first"] > 0, h[name], 1.0)
     w_new, new = rule.update(g * h["acc_scale"], w, slots, h)
     if rule.updates_weight:
       w_new = jnp.where(h["acc_final"] > 0, w_new, w)
@@ -510,4 +543,5 @@ def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
   return UpdateRule(
       name=f"{rule.name}_momentum_accumulate", slots=rule.slots,
       hparams=rule.hparams + MOMENTUM_ACCUMULATE_HPARAMS, update=update,
-      updates_weight=rule.updates_weight, outputs=rule.outputs)
+      updates_weight=rule.updates_weight, outputs=rule.outputs,
+      defaults=rule.defaults)

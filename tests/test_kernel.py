@@ -511,3 +511,19 @@ def test_compiled_kernel_promotes_mixed_x_dy_on_gpu():
   assert_close(got_w, ref_w, what="w")
   for g, r in zip(got_s, ref_s):
     assert_close(g, r, what="slot")
+
+
+def test_a_stored_moment_decay_defaults_to_the_decay_itself():
+  """`b1_m` (b1 as it multiplies the stored mu: forge_jax rounds it to a bf16
+  mu's dtype, as optax's weakly typed `b1 * mu` does) may be left out of
+  pack(): it is then b1, as for every fp32 moment."""
+  base = dict(lr=1e-3, b1=0.9, b2=0.999, one_minus_b1=0.1, one_minus_b2=1e-3,
+              eps=1e-8, eps_root=0.0, weight_decay=0.0, bc1=0.1, bc2=1e-3,
+              bc1_next=0.19)
+  h = pk.ADAMW.unpack(pk.ADAMW.pack(**base))
+  assert float(h["b1_m"]) == float(h["b1"]) == np.float32(0.9)
+  h = pk.ADAMW.unpack(pk.ADAMW.pack(**base, b1_m=0.8984375))
+  assert float(h["b1_m"]) == 0.8984375 and float(h["b1"]) == np.float32(0.9)
+  with pytest.raises(ValueError, match="default 'x_m' <- 'x'"):
+    pk.UpdateRule(name="bad", slots=("m",), hparams=("lr",),
+                  update=lambda g, w, s, h: (w, s), defaults=(("x_m", "x"),))
