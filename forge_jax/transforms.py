@@ -236,10 +236,12 @@ def _forge_deferred(inner: optax.GradientTransformation,
 
 def _stored_decay(decay, dtype):
   """``decay`` as optax's ``decay * moment`` applies it to a stored moment of
-  ``dtype`` (a Python float is weakly typed: it takes the moment's dtype, so
-  a bf16 moment sees 0.9 as 0.8984375). ``None``: the parameters' dtype,
-  fp32 here (bf16 parameters train on an fp32 ``G`` in FORGE anyway)."""
-  if dtype is None:
+  ``dtype``: a Python float (or int) is weakly typed, so it takes the
+  moment's dtype and a bf16 moment sees 0.9 as 0.8984375; a NumPy or JAX
+  scalar keeps its own dtype (the product is then promoted, not rounded).
+  ``dtype=None``: the parameters' dtype, fp32 here (bf16 parameters train on
+  an fp32 ``G`` in FORGE anyway)."""
+  if dtype is None or type(decay) not in (int, float):
     return decay
   return jnp.asarray(decay, dtype).astype(jnp.float32)
 

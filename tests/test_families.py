@@ -238,7 +238,10 @@ def test_bf16_moment_with_fp32_params_steps_like_optax(name):
   """One step of an fp32 layer from the same warmed-up optax state: the fp32
   weight update within the fp32 bound, every bf16 moment element within one
   ulp of optax's."""
-  f_fn, o_fn, args, kw = LOW_PRECISION_SLOTS[name]
+  _check_one_step(name, *LOW_PRECISION_SLOTS[name])
+
+
+def _check_one_step(name, f_fn, o_fn, args, kw):
   forge_tx, optax_tx = f_fn(*args, **kw), o_fn(*args, **kw)
   k = jax.random.split(jax.random.key(3), 3)
   x = jax.random.normal(k[0], (37, 70))
@@ -274,3 +277,13 @@ def test_bf16_moment_with_fp32_params_steps_like_optax(name):
   total = sum(a.size for a, _, _ in moments)
   assert differing <= 0.01 * total, (
       f"{name}: {differing} of {total} bf16 moment elements differ")
+
+
+@pytest.mark.parametrize("b1", [0.9, np.float32(0.9), jnp.float32(0.9)],
+                         ids=["python_float", "numpy_scalar", "jax_scalar"])
+def test_only_a_weakly_typed_decay_is_rounded_to_the_moment_dtype(b1):
+  """optax rounds `b1 * mu`'s b1 to a bf16 mu's dtype only when b1 is a
+  Python float; a NumPy / JAX float32 scalar promotes the product to fp32
+  with b1 exact (review: forge_jax rounded it whatever its type)."""
+  _check_one_step(f"adam b1={b1!r}", forge_jax.adam, optax.adam, (1e-2,),
+                  dict(b1=b1, mu_dtype=jnp.bfloat16))
