@@ -41,7 +41,7 @@ def _open(jaxpr):
 # The reason check_single_use gives for a kernel read only through
 # stop_gradient: a frozen layer, which make_step moves to the standard path
 # without a warning (nothing is shared).
-FROZEN = "kernel read only through stop_gradient (frozen)"
+FROZEN = "kernel read by its layer through stop_gradient (frozen)"
 # Reads that pass no cotangent back to the kernel: not a second consumer.
 _NO_COTANGENT = {"stop_gradient"}
 # Control flow whose branches / body the trace does not follow: a layer inside
@@ -95,8 +95,9 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
   ``ValueError`` naming the layer and both fixes; with ``collect=True`` it is
   returned instead, as ``{path: "read by <ops>"}`` (``{}``: all single-use)
   -- ``make_step(..., shared="standard")`` moves those layers to the
-  standard path. A kernel read only through ``stop_gradient`` (a frozen
-  layer) is returned either way: the standard path is its optax update. A
+  standard path. A kernel its layer reads through ``stop_gradient`` (a
+  frozen layer) is returned either way: the standard path is its optax
+  update. A
   layer whose fused op is missing from the trace (a cached trace, see below)
   raises either way: that is not a shared weight.
   """
@@ -129,10 +130,11 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
           "close over other variables, e.g. a captured TrainState or params?)."
           " FORGE returns the updated kernel through that argument; a layer "
           "reading another copy would get its kernel zeroed.")
-    if all(u in _NO_COTANGENT for u in uses):
-      # Read only through stop_gradient (a layer frozen inside loss_fn): its
-      # gradient is zero, and the standard path gives optax's zero-gradient
-      # update exactly (returned whatever `collect` says: nothing is shared).
+    if "fused" not in uses and any(u in _NO_COTANGENT for u in uses):
+      # The layer reads its kernel through stop_gradient (frozen inside
+      # loss_fn), perhaps beside other reads (a regulariser on the frozen
+      # kernel): no fused update can apply, and the standard path gives
+      # optax's update exactly (returned whatever `collect` says).
       shared[path] = FROZEN
       continue
     if flow and "fused" not in uses:

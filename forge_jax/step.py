@@ -342,9 +342,9 @@ def make_step(
       # changes the trace (its kernel now feeds a plain dot), so check the
       # rest again until none is shared.
       while kpaths:
-        # (A kernel read only through stop_gradient -- a frozen layer -- is
-        # returned whatever the policy: its optax update is the fused-free
-        # zero-gradient one.)
+        # (A kernel its layer reads through stop_gradient -- a frozen layer
+        # -- is returned whatever the policy: the standard path is optax's
+        # update for it.)
         extra = _usage.check_single_use(loss_of, params, inputs, kpaths,
                                         collect=shared == "standard")
         if not extra:

@@ -457,3 +457,29 @@ def test_optax_multisteps_is_refused_naming_forge_multisteps():
   with pytest.raises(TypeError, match=r"forge_jax\.MultiSteps"):
     forge_jax.make_step(lambda v, b: 0.0,
                         optax.MultiSteps(forge_jax.adamw(1e-3), 2))
+
+
+def test_a_frozen_layer_with_a_regulariser_on_its_kernel_is_optaxs_step():
+  """The layer reads its kernel through stop_gradient and a loss term reads
+  it directly (an L2 penalty): the standard path, as optax (it raised 'did
+  not read its kernel through its fused op', even with shared='standard')."""
+  x, y = batches(1)[0]
+  v = MLP(nn.Dense).init(jax.random.key(0), x)
+
+  def loss(model):
+    def loss_fn(v, b):
+      p = dict(v["params"])
+      penalty = 1e-2 * jnp.sum(p["Dense_0"]["kernel"] ** 2)
+      p["Dense_0"] = jax.lax.stop_gradient(p["Dense_0"])
+      out = model.apply({**v, "params": p}, b[0])
+      return jnp.mean((out - b[1]) ** 2) + penalty
+    return loss_fn
+
+  tx, ref_tx = forge_jax.adam(1e-2), optax.adam(1e-2)
+  _, ref_v, ref_s = reference_step(loss(MLP(nn.Dense)), ref_tx)(
+      v, ref_tx.init(v["params"]), (x, y))
+  step = forge_jax.make_step(loss(MLP(forge_jax.Dense)), tx)
+  _, f_v, f_s = step(v, tx.init(v["params"]), (x, y))
+  assert_trees_close(f_v, ref_v, RTOL, "variables")
+  assert_trees_close(f_s, ref_s, RTOL, "opt_state")
+  assert step.standard_layers == ["Dense_0"]
