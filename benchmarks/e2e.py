@@ -393,10 +393,10 @@ def _reason(rc: int, log: str) -> str:
   return f"exit {rc}: {last}"[:300]
 
 
-def probe_device() -> str:
+def probe_device(timeout: float = 120.0) -> str:
   """``common.device_name()`` asked of a subprocess, as the cells run (the
   driver keeps JAX off the GPU): for failed rows written before any cell
-  succeeded. ``"unknown"`` if even that fails."""
+  succeeded. ``"unknown"`` if even that fails within ``timeout`` s."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   env["PYTHONPATH"] = os.pathsep.join(
       p for p in (REPO, env.get("PYTHONPATH")) if p)
@@ -404,7 +404,7 @@ def probe_device() -> str:
     out = subprocess.run(
         [sys.executable, "-c",
          "from benchmarks import common; print(common.device_name())"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
   except (OSError, subprocess.SubprocessError):
     return "unknown"
   lines = out.stdout.strip().splitlines()
@@ -637,6 +637,7 @@ def main(argv=None) -> int:
         f"{args.steps} timed steps each; CSV {args.out}", flush=True)
   start = time.perf_counter()
   results, failed, device = {}, [], "unknown"
+  probed = False  # the device is asked of a subprocess at most once
   for bt in args.bt:
     for arm in args.arms:
       timeout = args.cell_timeout
@@ -651,8 +652,13 @@ def main(argv=None) -> int:
       if r is None:
         failed.append((arm, bt, reason))
         print(f"   FAILED {arm} BT={bt}: {reason}", flush=True)
-        if device == "unknown":
-          device = probe_device()
+        if device == "unknown" and not probed and not reason.startswith(
+            "skipped"):
+          probed = True
+          left = (args.budget - (time.perf_counter() - start)
+                  if args.budget > 0 else 120.0)
+          if left >= 10:  # within what is left of --budget
+            device = probe_device(timeout=min(120.0, left))
         _failed_row(args.out, arm, bt, cfg, device, reason)
       else:
         results[(arm, bt)] = r

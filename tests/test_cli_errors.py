@@ -6,6 +6,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -180,3 +181,70 @@ def test_demo_negative_log_every_is_usage_error():
   with pytest.raises(SystemExit) as e:
     demo.parse_args(["--log-every", "-1"])
   assert e.value.code == 2
+
+
+# --- e2e.py's device probe for failed rows (review of its own change) -------
+
+TINY_E2E = ["--layers", "1", "--d-model", "64", "--heads", "2", "--kv-heads",
+            "1", "--ffn", "64", "--vocab", "64", "--seq", "16"]
+
+
+def _failing_cells(e2e, monkeypatch, cell_s=0.0):
+  def cell(args, arm, bt, timeout):
+    time.sleep(cell_s)
+    return None, f"timeout after {timeout:.0f} s"
+  monkeypatch.setattr(e2e, "run_driver_cell", cell)
+
+
+def test_e2e_probe_is_not_repeated_for_every_failed_or_skipped_cell(
+    tmp_path, monkeypatch):
+  """A probe that fails (returns 'unknown': the GPU is wedged, the very case
+  in which cells time out) is not retried for every later failed cell (each
+  a fresh JAX start of up to 120 s): once per driver."""
+  from benchmarks import e2e
+  _failing_cells(e2e, monkeypatch)
+  calls = []
+  monkeypatch.setattr(e2e, "probe_device",
+                      lambda **kw: calls.append(1) or "unknown")
+  e2e.main(TINY_E2E + ["--bt", "16", "32", "--arms", "optax", "forge",
+                   "--out", str(tmp_path / "e.csv")])
+  assert len(calls) <= 1, f"probe_device ran {len(calls)} times in one driver"
+
+
+def test_e2e_probe_respects_the_budget(tmp_path, monkeypatch):
+  """--budget bounds the driver (suite.sh: --budget 330; gpu_run16.sh runs it
+  under an outer `timeout` only 10 s above its --budget): the probe's
+  subprocess gets at most what is left of it."""
+  from benchmarks import e2e
+  _failing_cells(e2e, monkeypatch)
+  seen = []
+  real_run = subprocess.run
+
+  def fake_run(cmd, *a, **kw):
+    if "device_name" in " ".join(map(str, cmd)):
+      seen.append(kw.get("timeout"))
+      raise subprocess.TimeoutExpired(cmd, kw.get("timeout") or 0)
+    return real_run(cmd, *a, **kw)
+  monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+  e2e.main(TINY_E2E + ["--bt", "16", "--arms", "optax", "--budget", "30",
+                   "--out", str(tmp_path / "e.csv")])
+  assert seen, "probe_device was not called"
+  assert all(t is not None and t <= 30 for t in seen), (
+      f"probe timeouts {seen} s exceed the 30 s --budget")
+
+
+def test_e2e_no_probe_once_the_budget_is_spent(tmp_path, monkeypatch):
+  """A cell skipped with 'skipped: --budget N s spent' runs nothing, and
+  starts no device probe either."""
+  from benchmarks import e2e
+  _failing_cells(e2e, monkeypatch, cell_s=0.3)
+  monkeypatch.setattr(e2e.time, "perf_counter",
+                      iter(range(0, 10_000, 100)).__next__)  # 100 s per read
+  probes = []
+  monkeypatch.setattr(e2e, "probe_device",
+                      lambda **kw: probes.append(1) or "unknown")
+  e2e.main(TINY_E2E + ["--bt", "16", "32", "64", "--arms", "optax",
+                   "--budget", "150", "--out", str(tmp_path / "e.csv")])
+  # Cells 2 and 3 are skipped for the budget; at most cell 1 may probe.
+  assert len(probes) <= 1, f"{len(probes)} probes, {len(probes) - 1} after " \
+      "the budget was spent"

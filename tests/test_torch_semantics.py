@@ -566,3 +566,17 @@ def test_forward_mode_ad_through_a_managed_layer_is_f_linear():
   with fwAD.dual_level():
     got = fwAD.unpack_dual(m_f(fwAD.make_dual(x, torch.ones_like(x)))).tangent
   torch.testing.assert_close(got, want)
+
+
+def test_a_hand_tied_weight_used_earlier_in_the_graph_is_refused():
+  """The other use's backward runs after the fused update: autograd refuses
+  the stale saved weight (docs/torch.md), where the 'tied or shared weight'
+  error of opt.step() is not reached. Either way, not silent."""
+  torch.manual_seed(0)
+  layer = forge_torch.Linear(6, 6)
+  opt = forge_torch.AdamW(layer.parameters())  # owns the weight
+  x = torch.randn(3, 6, requires_grad=True)
+  h = F.linear(x, layer.weight)  # the tied use, earlier in the graph
+  with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    layer(torch.tanh(h)).sum().backward()
+  assert opt.state[layer.weight]["step"].item() == 1  # the update that ran
