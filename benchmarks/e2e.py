@@ -393,13 +393,21 @@ def _reason(rc: int, log: str) -> str:
   return f"exit {rc}: {last}"[:300]
 
 
+def _subprocess_env() -> dict:
+  """The environment of the driver's subprocesses (cells, the device probe):
+  JAX allocating as it goes, unbuffered output, the repository importable."""
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+             PYTHONUNBUFFERED="1")
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (REPO, env.get("PYTHONPATH")) if p)
+  return env
+
+
 def probe_device(timeout: float = 120.0) -> str:
   """``common.device_name()`` asked of a subprocess, as the cells run (the
   driver keeps JAX off the GPU): for failed rows written before any cell
   succeeded. ``"unknown"`` if even that fails within ``timeout`` s."""
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (REPO, env.get("PYTHONPATH")) if p)
+  env = _subprocess_env()
   try:
     out = subprocess.run(
         [sys.executable, "-c",
@@ -413,11 +421,7 @@ def probe_device(timeout: float = 120.0) -> str:
 
 def run_driver_cell(args, arm: str, bt: int, timeout: float):
   """Runs one cell in a subprocess; returns ``(result or None, reason)``."""
-  env = dict(os.environ)
-  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-  env["PYTHONUNBUFFERED"] = "1"
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (REPO, env.get("PYTHONPATH")) if p)
+  env = _subprocess_env()
   argv = _cell_argv(args, arm, bt)
   print(f"== cell {arm} BT={bt} (timeout {timeout:.0f} s): "
         f"{' '.join(argv[1:])}", flush=True)
@@ -536,18 +540,15 @@ def plot(csv_path: str, png_path: str) -> None:
   print(f"wrote {png_path}")
 
 
-def _positive_float(s: str) -> float:
-  v = float(s)
-  if not v > 0:
-    raise argparse.ArgumentTypeError(f"{s!r} is not > 0")
-  return v
-
-
-def _non_negative_float(s: str) -> float:
-  v = float(s)
-  if not v >= 0:
-    raise argparse.ArgumentTypeError(f"{s!r} is not >= 0")
-  return v
+def _seconds(minimum_exclusive: bool):
+  """An argparse type: seconds > 0 (or >= 0)."""
+  def parse(s: str) -> float:
+    v = float(s)
+    if not (v > 0 if minimum_exclusive else v >= 0):
+      raise argparse.ArgumentTypeError(
+          f"{s!r} is not {'>' if minimum_exclusive else '>='} 0")
+    return v
+  return parse
 
 
 def parse_args(argv):
@@ -576,9 +577,9 @@ def parse_args(argv):
   p.add_argument("--plot", default=None, metavar="PNG")
   p.add_argument("--replot", action="store_true",
                  help="only plot --out into --plot; run nothing")
-  p.add_argument("--cell-timeout", type=_positive_float, default=150.0,
+  p.add_argument("--cell-timeout", type=_seconds(True), default=150.0,
                  help="seconds per cell subprocess")
-  p.add_argument("--budget", type=_non_negative_float, default=0.0,
+  p.add_argument("--budget", type=_seconds(False), default=0.0,
                  help="seconds for all cells (0: none); a cell gets at most "
                  "what is left, and one with < 10 s left is recorded failed")
   p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.utils.weak import WeakIdKeyDictionary
@@ -89,8 +90,7 @@ def _has_tangent(*tensors) -> bool:
   the fused backward has no ``jvp``, so the layer is ``F.linear`` there (as
   under ``torch.func``); a backward of that graph then gives the weight an
   ordinary ``grad``, which ``optimizer.step()`` applies."""
-  from torch.autograd import forward_ad  # noqa: PLC0415
-  return any(t is not None and forward_ad.unpack_dual(t).tangent is not None
+  return any(t is not None and _forward_ad.unpack_dual(t).tangent is not None
              for t in tensors)
 
 

@@ -640,6 +640,14 @@ def default_out() -> str | None:
   return SHIPPED_CACHE
 
 
+# The CLI's measurement defaults (refused, not defaulted, with --from-csv /
+# --merge, which measure nothing).
+_CLI_DEFAULTS = dict(
+    shapes=[(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)],
+    tokens=[512, 2048], rule="adamw", w_dtype="bfloat16",
+    slot_dtype="bfloat16")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
       prog="python -m pallas_kernels.autotune",
@@ -681,21 +689,16 @@ def main(argv=None) -> int:
   configs = args.config
   if args.from_csv or args.merge:
     # These choose what to measure; --from-csv and --merge measure nothing.
-    given = [flag for flag, dest in (
-        ("--shapes", "shapes"), ("--tokens", "tokens"), ("--rule", "rule"),
-        ("--w-dtype", "w_dtype"), ("--slot-dtype", "slot_dtype"))
-        if getattr(args, dest) is not None]
+    given = ["--" + dest.replace("_", "-") for dest in _CLI_DEFAULTS
+             if getattr(args, dest) is not None]
     if args.merge and args.any_rule:
       given.append("--any-rule")
     if given:
       p.error(f"{', '.join(given)} choose(s) what to measure; --from-csv "
               "and --merge measure nothing")
-  args.shapes = args.shapes or [(4096, 4096), (4096, 1024), (4096, 14336),
-                                (14336, 4096)]
-  args.tokens = args.tokens or [512, 2048]
-  args.rule = args.rule or "adamw"
-  args.w_dtype = args.w_dtype or "bfloat16"
-  args.slot_dtype = args.slot_dtype or "bfloat16"
+  for dest, value in _CLI_DEFAULTS.items():
+    if getattr(args, dest) is None:
+      setattr(args, dest, value)
   if args.out is None:
     args.out = default_out()
     if args.out is None:

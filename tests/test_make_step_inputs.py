@@ -229,6 +229,19 @@ class BNNet(nn.Module):
     return self.dense(5)(nn.relu(x))
 
 
+def _aux_pair(loss, model_cls, bs):
+  """Jitted has_aux steps, optax's and FORGE's (AdamW), and their start
+  ``(variables, opt_state)`` twice: ``(v0, step_o, step_f, (vo, so, vf, sf))``."""
+  v0 = model_cls(nn.Dense).init(jax.random.key(0), bs[0][0])
+  tx_o, tx_f = optax.adamw(1e-2), forge_jax.adamw(1e-2)
+  step_f = jax.jit(forge_jax.make_step(loss(model_cls(forge_jax.Dense)), tx_f,
+                                       has_aux=True))
+  step_o = jax.jit(reference_step(loss(model_cls(nn.Dense)), tx_o,
+                                  has_aux=True))
+  return v0, step_o, step_f, (v0, tx_o.init(v0["params"]), v0,
+                              tx_f.init(v0["params"]))
+
+
 def test_has_aux_carries_batch_stats_like_optax():
   def loss(model):
     def loss_fn(variables, batch):
@@ -238,12 +251,7 @@ def test_has_aux_carries_batch_stats_like_optax():
     return loss_fn
 
   bs = batches(3)
-  v0 = BNNet(nn.Dense).init(jax.random.key(0), bs[0][0])
-  tx_o, tx_f = optax.adamw(1e-2), forge_jax.adamw(1e-2)
-  step_f = jax.jit(forge_jax.make_step(loss(BNNet(forge_jax.Dense)), tx_f,
-                                       has_aux=True))
-  step_o = jax.jit(reference_step(loss(BNNet(nn.Dense)), tx_o, has_aux=True))
-  vo, so, vf, sf = v0, tx_o.init(v0["params"]), v0, tx_f.init(v0["params"])
+  v0, step_o, step_f, (vo, so, vf, sf) = _aux_pair(loss, BNNet, bs)
   for batch in bs:
     (lo, (stats_o, mo)), vo, so = step_o(vo, so, batch)
     (lf, (stats_f, mf)), vf, sf = step_f(vf, sf, batch)
@@ -279,12 +287,7 @@ def test_an_aux_metric_reading_a_kernel_is_not_a_second_consumer(stop):
     return loss_fn
 
   bs = batches(3)
-  v0 = MLP(nn.Dense).init(jax.random.key(0), bs[0][0])
-  tx_o, tx_f = optax.adamw(1e-2), forge_jax.adamw(1e-2)
-  step_f = jax.jit(forge_jax.make_step(loss(MLP(forge_jax.Dense)), tx_f,
-                                       has_aux=True))
-  step_o = jax.jit(reference_step(loss(MLP(nn.Dense)), tx_o, has_aux=True))
-  vo, so, vf, sf = v0, tx_o.init(v0["params"]), v0, tx_f.init(v0["params"])
+  _, step_o, step_f, (vo, so, vf, sf) = _aux_pair(loss, MLP, bs)
   for batch in bs:
     (_, norm_o), vo, so = step_o(vo, so, batch)
     (_, norm_f), vf, sf = step_f(vf, sf, batch)
