@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Runs at commit 73aad2c (BlockConfig.touch; reverted in the next commit).
 # H200, session 8 call 39: variant 16 -- BlockConfig.touch (label ",t"): before
 # the main loop each program loads one element of every 32-byte sector of its
 # W/m/v tile (evict_last), a few registers instead of the tile (variant 2

@@ -110,21 +110,20 @@ def config_label(cfg: BlockConfig) -> str:
   return (f"{cfg.block_in}x{cfg.block_out}x{cfg.block_bt},g{cfg.group_in},"
           f"w{cfg.num_warps},s{cfg.num_stages}" + (",p" if cfg.prefetch else "")
           + (",e" if cfg.stream_state else "")
-          + (",t" if cfg.touch else "")
           + (f",o{cfg.split_out}" if cfg.split_out > 1 else ""))
 
 
 _LABEL = re.compile(
-    r"^(\d+)x(\d+)x(\d+),g(\d+),w(\d+),s(\d+)(,p)?(,e)?(,t)?(?:,o(\d+))?$")
+    r"^(\d+)x(\d+)x(\d+),g(\d+),w(\d+),s(\d+)(,p)?(,e)?(?:,o(\d+))?$")
 
 
 def parse_label(label: str) -> BlockConfig:
   m = _LABEL.match(label.strip())
   if not m:
     raise ValueError(f"not a config label: {label!r}")
-  *ints, prefetch, stream, touch, split = m.groups()
+  *ints, prefetch, stream, split = m.groups()
   return BlockConfig(*(int(v) for v in ints), prefetch=prefetch is not None,
-                     stream_state=stream is not None, touch=touch is not None,
+                     stream_state=stream is not None,
                      split_out=int(split) if split else 1)
 
 

@@ -72,13 +72,6 @@ class BlockConfig:
       one sub-tile at a time, so only one sub-tile of ``W`` and its state is
       live in registers at once (with ``prefetch``, every sub-tile's state
       is loaded before the main loop and all are live through it).
-    touch: before the main loop, load one element of every 32-byte sector
-      of the ``W``/slot tile (a few registers, not the tile), so that the
-      state's HBM reads are in flight while the tensor cores run and the
-      epilogue finds the tile in L2. The values are consumed after the loop
-      by an opaque select that never picks them (inline PTX), so neither
-      compiler drops or sinks the loads. Compiled kernels only: interpret
-      mode ignores it (it moves no data the result depends on).
   """
 
   block_in: int = 64
@@ -90,7 +83,6 @@ class BlockConfig:
   prefetch: bool = False
   stream_state: bool = False
   split_out: int = 1
-  touch: bool = False
 
   def __post_init__(self):
     for name in ("block_in", "block_out", "block_bt"):
@@ -104,7 +96,7 @@ class BlockConfig:
       raise ValueError(f"num_warps={self.num_warps!r} must be 1, 2, 4, 8 or 16")
     if not _is_int(self.num_stages) or self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages!r} must be an int >= 1")
-    for name in ("prefetch", "stream_state", "touch"):
+    for name in ("prefetch", "stream_state"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if (not _is_int(self.split_out) or not _is_pow2(self.split_out)
@@ -195,8 +187,9 @@ def _check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
     if w.ndim != 3:
       raise ValueError(
           f"with layer=..., w must be a stack (L, in, out), got shape {w.shape}")
-    # A concrete index goes through NumPy: under an explicit-sharding mesh
-    # jnp.asarray(1) inside jit is a tracer, and int() of it fails.
+    # A concrete index goes through NumPy: under an explicit-sharding
+    # (abstract) mesh, jnp.asarray(1) inside jit is a tracer and int() of it
+    # fails.
     concrete = not isinstance(layer, jax.core.Tracer)
     layer_a = np.asarray(layer) if concrete else layer
     if layer_a.shape != () or not jnp.issubdtype(layer_a.dtype, jnp.integer):
@@ -263,46 +256,9 @@ def _and(*masks):
   return out
 
 
-# A bit pattern no value upcast from bf16 can have (its low 16 bits are not
-# zero): the touch select below compares against it, so it never fires.
-_NEVER_BITS = 0x7FBADBAD
-_SECTOR_BYTES = 32
-
-
-def _touch_state(in_refs, state_tiles, rows, row_ok, col0, so, bo, n_out):
-  """BlockConfig.touch: loads one element per 32-byte sector of each state
-  tile (``evict_last``, so the lines stay in L2 for the epilogue), one
-  column of the tile at a time, and returns their maximum across columns and
-  arrays: an fp32 vector over the tile's rows, rounded through bf16 (see
-  _NEVER_BITS). No reduction across threads."""
-  touched = None
-  for j, tile in enumerate(state_tiles):
-    for r in in_refs:
-      step = max(1, _SECTOR_BYTES // jnp.dtype(r.dtype).itemsize)
-      for c in range(0, so, step):
-        ok = _and(row_ok, (col0[j] + c < n_out) if n_out % bo else None)
-        v = plgpu.load(r.at[(*tile[:-2], rows, col0[j] + c)], mask=ok,
-                       other=None if ok is None else 0.0,
-                       eviction_policy="evict_last").astype(jnp.float32)
-        touched = v if touched is None else jnp.maximum(touched, v)
-  return touched.astype(jnp.bfloat16).astype(jnp.float32)
-
-
-def _keep_alive(g, touched):
-  """``g``, unchanged, through a select on ``touched`` (one value per row)
-  that never fires."""
-  (out,) = plgpu.elementwise_inline_asm(
-      "{ .reg .pred p; setp.eq.b32 p, $2, %d; selp.b32 $0, $2, $1, p; }"
-      % _NEVER_BITS,
-      args=[g, jnp.broadcast_to(touched[:, None], g.shape)],
-      constraints="=r,r,r", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(g.shape, g.dtype)])
-  return out
-
-
 def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
                   cfg: BlockConfig, bt: int, n_in: int, n_out: int,
-                  precision, stacked: bool, touch: bool):
+                  precision, stacked: bool):
   # Inputs: (the layer index if stacked), (W if the rule updates it), slots.
   # Outputs: the same state, aliased, then the rule's write-only outputs.
   if stacked:
@@ -354,8 +310,6 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
   # With `prefetch` the W/slot loads are issued before the main loop, so they
   # are in flight while the tensor cores run.
   old = [load_state(j) for j in range(ns)] if cfg.prefetch else [None] * ns
-  touched = (_touch_state(in_refs, state_tiles, pl.ds(ti * bi, bi), row_ok,
-                          col0, so, bo, n_out) if touch and cfg.touch else None)
 
   def body(k, accs):
     k_ok = (k * bk + jnp.arange(bk) < bt)[:, None] if bt % bk else None
@@ -382,8 +336,6 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
   # state in place. `g` (fp32) is consumed here and never stored.
   h = rule.unpack(h_ref)
   for j, g in enumerate(gs):
-    if touched is not None:
-      g = _keep_alive(g, touched)
     olds = old[j] if old[j] is not None else load_state(j)
     olds = [a.astype(jnp.float32) for a in olds]
     if rule.updates_weight:
@@ -481,8 +433,7 @@ def fused_wgrad_update(
   n_tiles = pl.cdiv(n_in, cfg.block_in) * pl.cdiv(n_out, cfg.block_out)
   kernel = functools.partial(
       _fused_kernel, rule=rule, cfg=cfg, bt=bt, n_in=n_in, n_out=n_out,
-      precision=_dot_precision(x, dy, w), stacked=stacked,
-      touch=not interpret)
+      precision=_dot_precision(x, dy, w), stacked=stacked)
   state = (w, *slots) if rule.updates_weight else slots
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
   outputs = tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)

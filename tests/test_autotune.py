@@ -61,10 +61,6 @@ def test_labels_round_trip_every_knob():
   assert autotune.config_label(cfg) == "64x128x32,g4,w8,s2,p,e,o2"
   assert autotune.parse_label("64x128x32,g4,w8,s2,p,e,o2") == cfg
   assert autotune.parse_label("64x128x32,g1,w4,s4,o4").split_out == 4
-  cfg = pk.BlockConfig(64, 64, 64, stream_state=True, touch=True, split_out=2)
-  assert autotune.config_label(cfg) == "64x64x64,g1,w4,s3,e,t,o2"
-  assert autotune.parse_label("64x64x64,g1,w4,s3,e,t,o2") == cfg
-  assert autotune.parse_label("64x64x64,g1,w4,s3,t").touch
 
 
 def test_shipped_json_loads_and_every_entry_is_a_valid_block_config():
