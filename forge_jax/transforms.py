@@ -246,12 +246,24 @@ def _stored_decay(decay, dtype):
   return jnp.asarray(decay, dtype).astype(jnp.float32)
 
 
+def _rounds_product(decay, dtype) -> float:
+  """1.0 where optax's ``decay * moment`` is formed in the stored moment's
+  ``dtype`` (a weakly typed decay, as in :func:`_stored_decay`, and a moment
+  narrower than fp32), so the kernel rounds that product to ``dtype``; else
+  0.0. With ``dtype=None`` the moment follows the parameters: fp32, or bf16
+  parameters, which keep the fp32 product (they train on an fp32 ``G``)."""
+  if dtype is None or type(decay) not in (int, float):
+    return 0.0
+  return 1.0 if jnp.dtype(dtype).itemsize < 4 else 0.0
+
+
 def _adam_hparams(state, b1, b2, eps, eps_root,
                   mu_dtype=None) -> dict[str, Any]:
   """``scale_by_adam``'s constants and this step's bias corrections."""
   t = _count_after(state, optax.ScaleByAdamState)
   return dict(
       b1=b1, b1_m=_stored_decay(b1, mu_dtype),
+      round_mu=_rounds_product(b1, mu_dtype),
       b2=b2, one_minus_b1=1 - b1, one_minus_b2=1 - b2,
       eps=eps, eps_root=eps_root,
       # optax.tree.bias_correction's denominators, same expressions.
@@ -295,7 +307,8 @@ def sgd(
   return _forge(inner, rule, rule.slots, learning_rate,
                 lambda state: {} if momentum is None else dict(
                     decay=momentum,
-                    decay_m=_stored_decay(momentum, accumulator_dtype)),
+                    decay_m=_stored_decay(momentum, accumulator_dtype),
+                    round_trace=_rounds_product(momentum, accumulator_dtype)),
                 family="sgd" if momentum is None else "sgd_momentum",
                 # The trace is affine in G and, without Nesterov, the only
                 # way G reaches W: MultiSteps' momentum mode applies.
@@ -621,7 +634,9 @@ def lion(
       inner, pallas_kernels.lion_rule(), ("mu",), learning_rate,
       # b1 and b2 both multiply the stored moment (scale_by_lion).
       lambda state: dict(b1=_stored_decay(b1, mu_dtype), one_minus_b1=1 - b1,
-                         b2=_stored_decay(b2, mu_dtype), one_minus_b2=1 - b2),
+                         b2=_stored_decay(b2, mu_dtype), one_minus_b2=1 - b2,
+                         round_b1=_rounds_product(b1, mu_dtype),
+                         round_b2=_rounds_product(b2, mu_dtype)),
       weight_decay=weight_decay, mask=mask, family="lion")
 
 
@@ -772,6 +787,7 @@ def muon(
   def hparams(state):
     t = _count_after(scope(state), _muon.MuonState)
     return dict(b1=beta, b1_m=_stored_decay(beta, mu_dtype),
+                round_mu=_rounds_product(beta, mu_dtype),
                 one_minus_b1=1 - beta,
                 # optax.tree.bias_correction's denominators, same expressions.
                 bc1=1 - beta**t,

@@ -334,7 +334,7 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
 
   # Epilogue: the optimizer on each sub-tile, reading and writing W and its
   # state in place. `g` (fp32) is consumed here and never stored.
-  h = rule.unpack(h_ref)
+  h = rule.unpack(h_ref, [r.dtype for r in in_refs[n_state - len(rule.slots):]])
   for j, g in enumerate(gs):
     olds = old[j] if old[j] is not None else load_state(j)
     olds = [a.astype(jnp.float32) for a in olds]

@@ -24,6 +24,9 @@ from jax import lax
 # Triton blocks need a power-of-two number of elements: the hyperparameter
 # vector is padded to this length.
 HPARAM_VECTOR_LEN = 16
+# The key of UpdateRule.unpack's mapping under which the slots' storage dtypes
+# travel (not a hyperparameter; never packed).
+STORED = "__stored__"
 
 UpdateFn = Callable[
     [jax.Array, jax.Array, tuple[jax.Array, ...], Mapping[str, jax.Array]],
@@ -53,12 +56,17 @@ class UpdateRule:
       ``"mu_hat"``, computed from ``G`` in registers for the layer pass that
       follows). Stored in ``output_dtype``; never read by the kernel.
     defaults: ``(name, source)`` pairs: :meth:`pack` gives hyperparameter
-      ``name`` the value of ``source`` when it is not passed. Used for a
-      momentum's decay as applied to the *stored* moment (``"b1_m"``,
-      ``"decay_m"``): optax multiplies the stored moment by the decay in the
-      moment's dtype, so with a bf16 moment its decay is rounded to bf16
-      (0.9 -> 0.8984375); forge_jax passes that rounded value, and every
-      other caller gets the decay itself.
+      ``name``, when it is not passed, the value of hyperparameter ``source``
+      (a string) or ``source`` itself (a number). Used for a momentum's
+      decay as applied to the *stored* moment (``"b1_m"``, ``"decay_m"``)
+      and for the flags that round that product (``"round_mu"``, ...):
+      optax multiplies the stored moment by a Python-float decay in the
+      moment's dtype, so with a bf16 moment the decay is rounded to bf16
+      (0.9 -> 0.8984375) and so is the product (each op rounds to its
+      dtype; XLA's CPU backend under ``jit`` may keep the product in fp32,
+      its GPU backend rounds it). forge_jax passes the rounded decay and
+      flag 1; every other caller gets the decay itself and flag 0. The
+      storage dtypes reach the update through :meth:`unpack`.
   """
 
   name: str
@@ -79,7 +87,8 @@ class UpdateRule:
           f"rule {self.name!r} writes neither the weight nor any slot or "
           "output: its epilogue would do nothing")
     for name, source in self.defaults:
-      if name not in self.hparams or source not in self.hparams:
+      if name not in self.hparams or (isinstance(source, str)
+                                      and source not in self.hparams):
         raise ValueError(
             f"rule {self.name!r}: default {name!r} <- {source!r} names a "
             f"hyperparameter it does not have ({self.hparams})")
@@ -94,7 +103,11 @@ class UpdateRule:
     """Packs named hyperparameters into the kernel's fp32 vector (a name in
     ``defaults`` may be left out: it takes its source's value)."""
     for name, source in self.defaults:
-      if name not in values and source in values:
+      if name in values:
+        continue
+      if not isinstance(source, str):
+        values[name] = source
+      elif source in values:
         values[name] = values[source]
     missing = [n for n in self.hparams if n not in values]
     extra = [n for n in values if n not in self.hparams]
@@ -106,9 +119,15 @@ class UpdateRule:
         [jnp.asarray(values[n], jnp.float32).reshape(()) for n in self.hparams])
     return jnp.pad(vec, (0, HPARAM_VECTOR_LEN - len(self.hparams)))
 
-  def unpack(self, vec) -> dict[str, jax.Array]:
-    """Reads the named scalars back out of a packed vector (or vector ref)."""
-    return {n: vec[i] for i, n in enumerate(self.hparams)}
+  def unpack(self, vec, slot_dtypes: Sequence | None = None) -> dict:
+    """Reads the named scalars back out of a packed vector (or vector ref).
+    With ``slot_dtypes`` (the slots' storage dtypes, in order) the mapping
+    also holds ``{slot name: dtype}`` under :data:`STORED`, for the updates
+    that round a product to a moment's storage dtype as optax does."""
+    h = {n: vec[i] for i, n in enumerate(self.hparams)}
+    if slot_dtypes is not None:
+      h[STORED] = dict(zip(self.slots, (jnp.dtype(d) for d in slot_dtypes)))
+    return h
 
   def apply(self, g, w, slots: Sequence[jax.Array], hparams: jax.Array):
     """The rule on whole arrays in fp32, cast back to the storage dtypes.
@@ -120,7 +139,8 @@ class UpdateRule:
     slots = tuple(slots)
     w_new, new = self.update(
         g.astype(f32), w.astype(f32) if self.updates_weight else None,
-        tuple(s.astype(f32) for s in slots), self.unpack(hparams))
+        tuple(s.astype(f32) for s in slots),
+        self.unpack(hparams, [s.dtype for s in slots]))
     out_dtype = self.output_dtype(w.dtype, [s.dtype for s in slots])
     dtypes = [s.dtype for s in slots] + [out_dtype] * len(self.outputs)
     return (w_new.astype(w.dtype) if self.updates_weight else w,
@@ -146,18 +166,30 @@ def _ema(g, m, one_minus_decay, decay):
   return one_minus_decay * g + decay * m
 
 
-def _trace(u, t, decay, nesterov: bool, decay_m=None):
-  """``optax.trace``: returns ``(update, new_trace)``. ``decay_m`` (default
-  ``decay``) multiplies the stored trace (``decay`` rounded to its dtype),
-  ``decay`` the new one."""
-  t = u + (decay if decay_m is None else decay_m) * t
-  return (u + decay * t if nesterov else t), t
+def _stored_product(h, decay: str, t, slot: str, flag: str):
+  """``h[decay] * t`` for the stored moment ``t`` (given in fp32) of slot
+  ``slot``, as optax forms it: where ``h[flag]`` is 1 (a weakly typed decay)
+  the product is rounded to the slot's storage dtype (``h[STORED]``, when
+  the caller passed the dtypes and it is narrower than fp32)."""
+  p = h[decay] * t
+  dtype = h.get(STORED, {}).get(slot)
+  if dtype is None or dtype.itemsize >= 4:
+    return p
+  return jnp.where(h[flag] > 0, p.astype(dtype).astype(p.dtype), p)
+
+
+def _trace(u, t, h, nesterov: bool):
+  """``optax.trace``: returns ``(update, new_trace)``; ``decay_m`` multiplies
+  the stored trace (``decay`` as rounded to its dtype, see
+  :func:`_stored_product`), ``decay`` the new one."""
+  t = u + _stored_product(h, "decay_m", t, "trace", "round_trace")
+  return (u + h["decay"] * t if nesterov else t), t
 
 
 def _adam_moments(g, mu, nu, h, nesterov: bool):
   """``scale_by_adam``'s moments and bias-corrected ``(mu_hat, nu_hat)``;
   ``b1_m`` is ``b1`` as it multiplies the stored ``mu``."""
-  mu = _ema(g, mu, h["one_minus_b1"], h["b1_m"])
+  mu = h["one_minus_b1"] * g + _stored_product(h, "b1_m", mu, "mu", "round_mu")
   nu = _ema(g * g, nu, h["one_minus_b2"], h["b2"])
   if nesterov:
     mu_hat = h["b1"] * (mu / h["bc1_next"]) + h["one_minus_b1"] * (
@@ -172,8 +204,8 @@ def _adam_scale(mu_hat, nu_hat, h):
 
 
 _ADAM_HPARAMS = ("lr", "b1", "b2", "one_minus_b1", "one_minus_b2", "eps",
-                 "eps_root", "bc1", "bc2", "bc1_next", "b1_m")
-_ADAM_DEFAULTS = (("b1_m", "b1"),)
+                 "eps_root", "bc1", "bc2", "bc1_next", "b1_m", "round_mu")
+_ADAM_DEFAULTS = (("b1_m", "b1"), ("round_mu", 0.0))
 
 
 def _suffix(name: str, **flags: bool) -> str:
@@ -192,15 +224,17 @@ def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
   def update(g, w, slots, h):
     if not momentum:
       return _descend(w, g, h), ()
-    u, t = _trace(g, slots[0], h["decay"], nesterov, h["decay_m"])
+    u, t = _trace(g, slots[0], h, nesterov)
     return _descend(w, u, h), (t,)
 
   return UpdateRule(
       name=_suffix("sgd", momentum=momentum, nesterov=nesterov),
       slots=("trace",) if momentum else (),
-      hparams=("lr", "decay", "decay_m") if momentum else ("lr",),
+      hparams=(("lr", "decay", "decay_m", "round_trace") if momentum
+               else ("lr",)),
       update=update,
-      defaults=(("decay_m", "decay"),) if momentum else ())
+      defaults=((("decay_m", "decay"), ("round_trace", 0.0)) if momentum
+                else ()))
 
 
 def adagrad_rule() -> UpdateRule:
@@ -362,14 +396,16 @@ def lion_rule() -> UpdateRule:
 
   def update(g, w, slots, h):
     (mu,) = slots
-    u = jnp.sign(_ema(g, mu, h["one_minus_b1"], h["b1"]))
-    mu = _ema(g, mu, h["one_minus_b2"], h["b2"])
+    u = jnp.sign(h["one_minus_b1"] * g
+                 + _stored_product(h, "b1", mu, "mu", "round_b1"))
+    mu = h["one_minus_b2"] * g + _stored_product(h, "b2", mu, "mu", "round_b2")
     return _descend(w, u + h["weight_decay"] * w, h), (mu,)
 
   return UpdateRule(name="lion", slots=("mu",),
                     hparams=("lr", "b1", "one_minus_b1", "b2", "one_minus_b2",
-                             "weight_decay"),
-                    update=update)
+                             "weight_decay", "round_b1", "round_b2"),
+                    update=update,
+                    defaults=(("round_b1", 0.0), ("round_b2", 0.0)))
 
 
 # --- Regime 2: the epilogue advances the state only ---------------------------
@@ -417,7 +453,8 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
 
   def update(g, w, slots, h):
     (mu,) = slots
-    mu = _ema(g, mu, h["one_minus_b1"], h["b1_m"])
+    mu = h["one_minus_b1"] * g + _stored_product(h, "b1_m", mu, "mu",
+                                                 "round_mu")
     if nesterov:
       mu_hat = h["b1"] * (mu / h["bc1_next"]) + h["one_minus_b1"] * (
           g / h["bc1"])
@@ -428,9 +465,9 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
   return UpdateRule(
       name=_suffix("muon_momentum", nesterov=nesterov), slots=("mu",),
       hparams=("lr", "b1", "one_minus_b1", "bc1", "bc1_next", "weight_decay",
-               "b1_m"),
+               "b1_m", "round_mu"),
       update=update, updates_weight=False, outputs=("mu_hat",),
-      defaults=(("b1_m", "b1"),))
+      defaults=(("b1_m", "b1"), ("round_mu", 0.0)))
 
 
 ADAMW = adamw_rule()
