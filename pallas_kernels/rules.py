@@ -166,24 +166,26 @@ def _ema(g, m, one_minus_decay, decay):
   return one_minus_decay * g + decay * m
 
 
-def _stored_product(h, decay: str, t, slot: str, flag: str):
+def _stored_product(h, decay: str, t, slot: str, flag: str | None):
   """``h[decay] * t`` for the stored moment ``t`` (given in fp32) of slot
   ``slot``, as optax forms it: where ``h[flag]`` is 1 (a weakly typed decay)
   the product is rounded to the slot's storage dtype (``h[STORED]``, when
-  the caller passed the dtypes and it is narrower than fp32)."""
+  the caller passed the dtypes and it is narrower than fp32). ``flag=None``:
+  never rounded (a family whose optax moment follows the parameters)."""
   p = h[decay] * t
   dtype = h.get(STORED, {}).get(slot)
-  if dtype is None or dtype.itemsize >= 4:
+  if flag is None or dtype is None or dtype.itemsize >= 4:
     return p
   return jnp.where(h[flag] > 0, p.astype(dtype).astype(p.dtype), p)
 
 
-def _trace(u, t, h, nesterov: bool):
-  """``optax.trace``: returns ``(update, new_trace)``; ``decay_m`` multiplies
-  the stored trace (``decay`` as rounded to its dtype, see
-  :func:`_stored_product`), ``decay`` the new one."""
-  t = u + _stored_product(h, "decay_m", t, "trace", "round_trace")
-  return (u + h["decay"] * t if nesterov else t), t
+def _trace(u, t, h, nesterov: bool, decay: str = "decay",
+           decay_m: str = "decay_m", flag: str | None = "round_trace"):
+  """``optax.trace``: returns ``(update, new_trace)``; ``h[decay_m]``
+  multiplies the stored trace (the decay as rounded to its dtype, see
+  :func:`_stored_product`), ``h[decay]`` the new one."""
+  t = u + _stored_product(h, decay_m, t, "trace", flag)
+  return (u + h[decay] * t if nesterov else t), t
 
 
 def _adam_moments(g, mu, nu, h, nesterov: bool):
@@ -286,7 +288,9 @@ def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
     u = (-h["lr"]) * (scale * g)
     new = (mu, nu) if centered else (nu,)
     if momentum:
-      u, t = _trace(u, trace[0], h["momentum"], nesterov)
+      # optax.rmsprop's trace follows the parameters' dtype: no flag.
+      u, t = _trace(u, trace[0], h, nesterov, decay="momentum",
+                    decay_m="momentum", flag=None)
       new = (*new, t)
     return w + u, new
 
