@@ -236,14 +236,22 @@ def _forge_deferred(inner: optax.GradientTransformation,
 
 def _stored_decay(decay, dtype):
   """``decay`` as optax's ``decay * moment`` applies it to a stored moment of
-  ``dtype``: a Python float (or int) is weakly typed, so it takes the
-  moment's dtype and a bf16 moment sees 0.9 as 0.8984375; a NumPy or JAX
-  scalar keeps its own dtype (the product is then promoted, not rounded).
+  ``dtype``: a Python float or int (or a weakly typed JAX scalar such as
+  ``jnp.asarray(0.9)``) takes the moment's dtype, so a bf16 moment sees 0.9
+  as 0.8984375; a NumPy scalar or a ``jnp.float32`` keeps its own dtype (the
+  product is then promoted, not rounded).
   ``dtype=None``: the parameters' dtype, fp32 here (bf16 parameters train on
   an fp32 ``G`` in FORGE anyway)."""
-  if dtype is None or type(decay) not in (int, float):
+  if dtype is None or not _weakly_typed(decay):
     return decay
   return jnp.asarray(decay, dtype).astype(jnp.float32)
+
+
+def _weakly_typed(decay) -> bool:
+  """A Python int/float, or a weakly typed JAX scalar (``jnp.asarray(0.9)``):
+  what JAX's promotion lets take the other operand's dtype."""
+  return (type(decay) in (int, float)
+          or bool(getattr(decay, "weak_type", False)))
 
 
 def _rounds_product(decay, dtype) -> float:
@@ -252,7 +260,7 @@ def _rounds_product(decay, dtype) -> float:
   narrower than fp32), so the kernel rounds that product to ``dtype``; else
   0.0. With ``dtype=None`` the moment follows the parameters: fp32, or bf16
   parameters, which keep the fp32 product (they train on an fp32 ``G``)."""
-  if dtype is None or type(decay) not in (int, float):
+  if dtype is None or not _weakly_typed(decay):
     return 0.0
   return 1.0 if jnp.dtype(dtype).itemsize < 4 else 0.0
 

@@ -258,7 +258,7 @@ def _and(*masks):
 
 def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
                   cfg: BlockConfig, bt: int, n_in: int, n_out: int,
-                  precision, stacked: bool):
+                  precision, stacked: bool, interpret: bool):
   # Inputs: (the layer index if stacked), (W if the rule updates it), slots.
   # Outputs: the same state, aliased, then the rule's write-only outputs.
   if stacked:
@@ -334,7 +334,10 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
 
   # Epilogue: the optimizer on each sub-tile, reading and writing W and its
   # state in place. `g` (fp32) is consumed here and never stored.
-  h = rule.unpack(h_ref, [r.dtype for r in in_refs[n_state - len(rule.slots):]])
+  # Compiled, the rule rounds with convert pairs (Triton keeps them); in
+  # interpret mode the body is XLA code and uses lax.reduce_precision.
+  h = rule.unpack(h_ref, [r.dtype for r in in_refs[n_state - len(rule.slots):]],
+                  round_by_convert=not interpret)
   for j, g in enumerate(gs):
     olds = old[j] if old[j] is not None else load_state(j)
     olds = [a.astype(jnp.float32) for a in olds]
@@ -433,7 +436,8 @@ def fused_wgrad_update(
   n_tiles = pl.cdiv(n_in, cfg.block_in) * pl.cdiv(n_out, cfg.block_out)
   kernel = functools.partial(
       _fused_kernel, rule=rule, cfg=cfg, bt=bt, n_in=n_in, n_out=n_out,
-      precision=_dot_precision(x, dy, w), stacked=stacked)
+      precision=_dot_precision(x, dy, w), stacked=stacked,
+      interpret=bool(interpret))
   state = (w, *slots) if rule.updates_weight else slots
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
   outputs = tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)

@@ -27,6 +27,11 @@ HPARAM_VECTOR_LEN = 16
 # The key of UpdateRule.unpack's mapping under which the slots' storage dtypes
 # travel (not a hyperparameter; never packed).
 STORED = "__stored__"
+# ... and under which it says whether a product is rounded by a convert pair
+# (the compiled Triton kernel, which keeps it and has no reduce_precision)
+# rather than by lax.reduce_precision (XLA, whose excess-precision pass may
+# drop an f32 -> bf16 -> f32 convert pair on the GPU).
+ROUND_BY_CONVERT = "__round_by_convert__"
 
 UpdateFn = Callable[
     [jax.Array, jax.Array, tuple[jax.Array, ...], Mapping[str, jax.Array]],
@@ -119,14 +124,18 @@ class UpdateRule:
         [jnp.asarray(values[n], jnp.float32).reshape(()) for n in self.hparams])
     return jnp.pad(vec, (0, HPARAM_VECTOR_LEN - len(self.hparams)))
 
-  def unpack(self, vec, slot_dtypes: Sequence | None = None) -> dict:
+  def unpack(self, vec, slot_dtypes: Sequence | None = None, *,
+             round_by_convert: bool = False) -> dict:
     """Reads the named scalars back out of a packed vector (or vector ref).
     With ``slot_dtypes`` (the slots' storage dtypes, in order) the mapping
     also holds ``{slot name: dtype}`` under :data:`STORED`, for the updates
-    that round a product to a moment's storage dtype as optax does."""
+    that round a product to a moment's storage dtype as optax does;
+    ``round_by_convert``: round with a convert pair (in a compiled Triton
+    kernel) instead of ``lax.reduce_precision`` (for XLA)."""
     h = {n: vec[i] for i, n in enumerate(self.hparams)}
     if slot_dtypes is not None:
       h[STORED] = dict(zip(self.slots, (jnp.dtype(d) for d in slot_dtypes)))
+      h[ROUND_BY_CONVERT] = round_by_convert
     return h
 
   def apply(self, g, w, slots: Sequence[jax.Array], hparams: jax.Array):
@@ -176,7 +185,13 @@ def _stored_product(h, decay: str, t, slot: str, flag: str | None):
   dtype = h.get(STORED, {}).get(slot)
   if flag is None or dtype is None or dtype.itemsize >= 4:
     return p
-  return jnp.where(h[flag] > 0, p.astype(dtype).astype(p.dtype), p)
+  if h.get(ROUND_BY_CONVERT) or dtype != jnp.bfloat16:
+    # reduce_precision flushes fp16 subnormals, which fp16 keeps: fp16 moments
+    # are rounded by the convert pair everywhere (XLA may drop it on the GPU).
+    rounded = p.astype(dtype).astype(p.dtype)
+  else:  # bit-identical to the convert pair for bf16; XLA keeps it
+    rounded = lax.reduce_precision(p, exponent_bits=8, mantissa_bits=7)
+  return jnp.where(h[flag] > 0, rounded, p)
 
 
 def _trace(u, t, h, nesterov: bool, decay: str = "decay",
@@ -487,8 +502,10 @@ ACCUMULATE_HPARAMS = ("acc_n", "acc_final")
 MOMENTUM_ACCUMULATE_HPARAMS = ("acc_scale", "acc_first", "acc_final")
 
 
-def _check_extra_hparams(rule: UpdateRule, extra: tuple[str, ...]) -> None:
-  clash = [n for n in extra if n in rule.hparams or n in rule.slots]
+def _check_extra_hparams(rule: UpdateRule, extra: tuple[str, ...],
+                         slots: tuple[str, ...] = ()) -> None:
+  """``extra`` hyperparameters and ``slots`` (names only) added to ``rule``."""
+  clash = [n for n in extra + slots if n in rule.hparams or n in rule.slots]
   if clash:
     raise ValueError(f"rule {rule.name!r} already uses the names {clash}")
   if len(rule.hparams) + len(extra) > HPARAM_VECTOR_LEN:
@@ -518,7 +535,7 @@ def accumulating(rule: UpdateRule) -> UpdateRule:
   ``acc`` tile); the write-only ``outputs`` (Muon's ``mu_hat``) are
   meaningful on the last micro-step only.
   """
-  _check_extra_hparams(rule, ACCUMULATE_HPARAMS + ("acc",))
+  _check_extra_hparams(rule, ACCUMULATE_HPARAMS, slots=("acc",))
   n_slots = len(rule.slots)
 
   def update(g, w, slots, h):

@@ -16,6 +16,8 @@
 * Refusals, each with its message.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -394,3 +396,19 @@ def test_update_accepts_optax_extra_args_in_every_mode():
     updates, _ = chained.update(grads, state, params, value=jnp.array(1.0))
     for u in jax.tree.leaves(updates):
       assert jnp.allclose(u, -0.1), (mode, u)
+
+
+# --- review, session 8 ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_multisteps_wraps_radam_whose_vector_is_full(nesterov):
+  """RAdam's 14 hyperparameters + acc_n, acc_final fill the 16-entry vector
+  exactly; the accumulator's slot name "acc" is not a hyperparameter (it was
+  counted as one, which refused MultiSteps(radam) once round_mu was added)."""
+  rule = pk.radam_rule(nesterov=nesterov)
+  acc = rules.accumulating(rule)
+  assert len(acc.hparams) == rules.HPARAM_VECTOR_LEN
+  forge_jax.MultiSteps(forge_jax.radam(1e-3, nesterov=nesterov), 2)
+  with pytest.raises(ValueError, match="already uses the names \\['acc'\\]"):
+    rules.accumulating(dataclasses.replace(rule, slots=("acc", "nu")))

@@ -12,6 +12,9 @@ Each family (and its code-changing options) is checked two ways:
 """
 
 import inspect
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -297,11 +300,84 @@ def test_bf16_moment_steps_like_jitted_optax_on_gpu(name):
   _check_one_step(name, *LOW_PRECISION_SLOTS[name], jit_reference=True)
 
 
-@pytest.mark.parametrize("b1", [0.9, np.float32(0.9), jnp.float32(0.9)],
-                         ids=["python_float", "numpy_scalar", "jax_scalar"])
+@pytest.mark.parametrize("b1", [
+    0.9, np.float32(0.9), jnp.float32(0.9), jnp.asarray(0.9), jnp.array(0.9)],
+    ids=["python_float", "numpy_scalar", "jax_scalar", "weak_jax_asarray",
+         "weak_jax_array"])
 def test_only_a_weakly_typed_decay_is_rounded_to_the_moment_dtype(b1):
-  """optax rounds `b1 * mu`'s b1 to a bf16 mu's dtype only when b1 is a
-  Python float; a NumPy / JAX float32 scalar promotes the product to fp32
-  with b1 exact (review: forge_jax rounded it whatever its type)."""
+  """optax rounds `b1 * mu`'s b1 (and the product) to a bf16 mu's dtype only
+  when b1 is weakly typed: a Python float or a weak JAX scalar
+  (`jnp.asarray(0.9)`); a NumPy / JAX float32 scalar promotes the product
+  to fp32 with b1 exact (review, session 7: forge_jax rounded it whatever
+  its type; session 8: it missed the weak JAX scalar, 1.1e-3 off)."""
   _check_one_step(f"adam b1={b1!r}", forge_jax.adam, optax.adam, (1e-2,),
                   dict(b1=b1, mu_dtype=jnp.bfloat16))
+
+
+def test_weakly_typed_jax_momentum_rounds_the_sgd_trace():
+  _check_one_step("sgd weak jax momentum", forge_jax.sgd, optax.sgd, (5e-2,),
+                  dict(momentum=jnp.asarray(0.9),
+                       accumulator_dtype=jnp.bfloat16))
+
+
+def test_lion_sign_sees_the_rounded_b1_product():
+  """Lion's update is a sign, which hides most of round_b1 in the test
+  above: here `(1 - b1) * g + b1 * m` is put near 0, so the sign depends on
+  `b1 * m` being rounded to bf16 as optax rounds it (review, session 8:
+  with round_b1 ignored, 4056 of 4096 signs differ)."""
+  b1, b2 = 0.9, 0.99
+  m = jax.random.normal(jax.random.key(0), (64, 64)).astype(jnp.bfloat16)
+  p = np.float32(0.8984375) * np.asarray(m, np.float32)  # exact b1_m * m
+  g = jnp.asarray(-p / np.float32(0.1), jnp.float32)     # makes the sum ~ 0
+  with jax.disable_jit():
+    tx = optax.scale_by_lion(b1=b1, b2=b2, mu_dtype=jnp.bfloat16)
+    u_ref, _ = tx.update(g, tx.init(g)._replace(mu=m))
+  rule = pk.lion_rule()
+  h = rule.pack(lr=1.0, b1=0.8984375, one_minus_b1=1 - b1, b2=0.98828125,
+                one_minus_b2=1 - b2, weight_decay=0.0, round_b1=1.0,
+                round_b2=1.0)
+  w_new, _ = rule.apply(g, jnp.zeros_like(g), (m,), h)
+  differ = int((np.sign(-np.asarray(w_new)) != np.sign(np.asarray(u_ref))).sum())
+  assert differ <= 0.01 * g.size, f"{differ} of {g.size} signs differ"
+
+
+# XLA's excess-precision pass (SimplifyFPConversions; on by default on the
+# GPU) drops an f32 -> bf16 -> f32 convert pair, which would silently undo
+# the rounded product in every jnp path that jits UpdateRule.apply (the
+# reference, the zero-token path, an unreached head, MultiSteps for other
+# parameters). XLA's CPU backend runs the pass with its oneDNN rewrite on,
+# which shows it without a GPU (review, session 8).
+_ROUNDING_PROG = """
+import jax, jax.numpy as jnp, numpy as np
+import pallas_kernels as pk
+rule = pk.adam_rule()
+b1, b2, t = 0.9, 0.999, 4
+h = rule.pack(lr=1e-2, b1=b1, b2=b2, one_minus_b1=1 - b1, one_minus_b2=1 - b2,
+              eps=1e-8, eps_root=0.0, bc1=1 - b1**t, bc2=1 - b2**t,
+              bc1_next=1 - b1**(t + 1), b1_m=0.8984375, round_mu=1.0)
+k = jax.random.split(jax.random.key(0), 4)
+g, w = jax.random.normal(k[0], (64, 64)), jax.random.normal(k[1], (64, 64))
+mu = (0.3 * jax.random.normal(k[2], (64, 64))).astype(jnp.bfloat16)
+nu = 0.1 * jax.random.uniform(k[3], (64, 64))
+with jax.disable_jit():
+  eager, _ = rule.apply(g, w, (mu, nu), h)
+jitted, _ = jax.jit(rule.apply)(g, w, (mu, nu), h)
+e, j, w0 = (np.asarray(a, np.float64) for a in (eager, jitted, w))
+print("REL", np.linalg.norm(j - e) / np.linalg.norm(e - w0))
+"""
+
+
+@pytest.mark.parametrize("flags", [
+    "", "--xla_cpu_experimental_onednn_custom_call=true"],
+    ids=["cpu_default", "excess_precision_pass_on"])
+def test_jitted_rule_keeps_the_rounded_product(flags):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
+             PYTHONPATH=root)
+  out = subprocess.run([sys.executable, "-c", _ROUNDING_PROG], env=env,
+                       cwd=root, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rel = float(out.stdout.split("REL")[1])
+  # An fp32 fusion may move an ulp; a dropped bf16 rounding moves ~1e-3.
+  assert rel < tol(jnp.float32), (
+      f"XLA_FLAGS={flags!r}: jitted update {rel:.2e} off op by op")
