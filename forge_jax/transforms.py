@@ -236,31 +236,36 @@ def _forge_deferred(inner: optax.GradientTransformation,
 
 def _stored_decay(decay, dtype):
   """``decay`` as optax's ``decay * moment`` applies it to a stored moment of
-  ``dtype``: a Python float or int (or a weakly typed JAX scalar such as
-  ``jnp.asarray(0.9)``) takes the moment's dtype, so a bf16 moment sees 0.9
-  as 0.8984375; a NumPy scalar or a ``jnp.float32`` keeps its own dtype (the
-  product is then promoted, not rounded).
+  ``dtype``: where JAX forms the product in the moment's dtype
+  (:func:`_product_in_moment_dtype`: a Python float or int, a weakly typed
+  JAX scalar such as ``jnp.asarray(0.9)``, or a decay of that very dtype) a
+  bf16 moment sees 0.9 as 0.8984375; a NumPy scalar or a ``jnp.float32``
+  keeps its own dtype (the product is then promoted, not rounded).
   ``dtype=None``: the parameters' dtype, fp32 here (bf16 parameters train on
   an fp32 ``G`` in FORGE anyway)."""
-  if dtype is None or not _weakly_typed(decay):
+  if not _product_in_moment_dtype(decay, dtype):
     return decay
   return jnp.asarray(decay, dtype).astype(jnp.float32)
 
 
-def _weakly_typed(decay) -> bool:
-  """A Python int/float, or a weakly typed JAX scalar (``jnp.asarray(0.9)``):
-  what JAX's promotion lets take the other operand's dtype."""
-  return (type(decay) in (int, float)
-          or bool(getattr(decay, "weak_type", False)))
+def _product_in_moment_dtype(decay, dtype) -> bool:
+  """Whether JAX forms ``decay * moment`` in the moment's ``dtype``: for a
+  Python number or a weakly typed JAX scalar (``jnp.asarray(0.9)``), and for
+  a decay of that very dtype (``jnp.bfloat16(0.9)``); not for a NumPy or JAX
+  scalar of another dtype (``np.float32``: the product is promoted).
+  ``dtype=None``: the moment follows the parameters (see below)."""
+  if dtype is None:
+    return False
+  return jnp.result_type(decay, jnp.dtype(dtype)) == jnp.dtype(dtype)
 
 
 def _rounds_product(decay, dtype) -> float:
   """1.0 where optax's ``decay * moment`` is formed in the stored moment's
-  ``dtype`` (a weakly typed decay, as in :func:`_stored_decay`, and a moment
-  narrower than fp32), so the kernel rounds that product to ``dtype``; else
+  ``dtype`` (:func:`_product_in_moment_dtype`) and that moment is narrower
+  than fp32, so the kernel rounds that product to ``dtype``; else
   0.0. With ``dtype=None`` the moment follows the parameters: fp32, or bf16
   parameters, which keep the fp32 product (they train on an fp32 ``G``)."""
-  if dtype is None or not _weakly_typed(decay):
+  if not _product_in_moment_dtype(decay, dtype):
     return 0.0
   return 1.0 if jnp.dtype(dtype).itemsize < 4 else 0.0
 

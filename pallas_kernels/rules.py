@@ -189,7 +189,7 @@ def _stored_product(h, decay: str, t, slot: str, flag: str | None):
     # reduce_precision flushes fp16 subnormals, which fp16 keeps: fp16 moments
     # are rounded by the convert pair everywhere (XLA may drop it on the GPU).
     rounded = p.astype(dtype).astype(p.dtype)
-  else:  # bit-identical to the convert pair for bf16; XLA keeps it
+  else:  # for bf16 the convert pair's values (NaN payloads aside); XLA keeps it
     rounded = lax.reduce_precision(p, exponent_bits=8, mantissa_bits=7)
   return jnp.where(h[flag] > 0, rounded, p)
 
