@@ -265,9 +265,8 @@ def _rounds_product(decay, dtype) -> float:
   than fp32, so the kernel rounds that product to ``dtype``; else
   0.0. With ``dtype=None`` the moment follows the parameters: fp32, or bf16
   parameters, which keep the fp32 product (they train on an fp32 ``G``)."""
-  if not _product_in_moment_dtype(decay, dtype):
-    return 0.0
-  return 1.0 if jnp.dtype(dtype).itemsize < 4 else 0.0
+  return float(_product_in_moment_dtype(decay, dtype)
+               and jnp.dtype(dtype).itemsize < 4)
 
 
 def _adam_hparams(state, b1, b2, eps, eps_root,

@@ -336,7 +336,7 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
   # state in place. `g` (fp32) is consumed here and never stored.
   # Compiled, the rule rounds with convert pairs (Triton keeps them); in
   # interpret mode the body is XLA code and uses lax.reduce_precision.
-  h = rule.unpack(h_ref, [r.dtype for r in in_refs[n_state - len(rule.slots):]],
+  h = rule.unpack(h_ref, [r.dtype for r in in_refs[int(rule.updates_weight):]],
                   round_by_convert=not interpret)
   for j, g in enumerate(gs):
     olds = old[j] if old[j] is not None else load_state(j)

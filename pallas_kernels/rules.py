@@ -80,7 +80,7 @@ class UpdateRule:
   update: UpdateFn
   updates_weight: bool = True
   outputs: tuple[str, ...] = ()
-  defaults: tuple[tuple[str, str], ...] = ()
+  defaults: tuple[tuple[str, str | float], ...] = ()
 
   def __post_init__(self):
     if len(self.hparams) > HPARAM_VECTOR_LEN:
@@ -177,8 +177,9 @@ def _ema(g, m, one_minus_decay, decay):
 
 def _stored_product(h, decay: str, t, slot: str, flag: str | None):
   """``h[decay] * t`` for the stored moment ``t`` (given in fp32) of slot
-  ``slot``, as optax forms it: where ``h[flag]`` is 1 (a weakly typed decay)
-  the product is rounded to the slot's storage dtype (``h[STORED]``, when
+  ``slot``, as optax forms it: where ``h[flag]`` is 1 (a decay that JAX
+  multiplies in the moment's dtype, e.g. a Python float) the product is
+  rounded to the slot's storage dtype (``h[STORED]``, when
   the caller passed the dtypes and it is narrower than fp32). ``flag=None``:
   never rounded (a family whose optax moment follows the parameters)."""
   p = h[decay] * t
@@ -194,6 +195,13 @@ def _stored_product(h, decay: str, t, slot: str, flag: str | None):
   return jnp.where(h[flag] > 0, rounded, p)
 
 
+def _stored_ema(g, t, h, one_minus_decay: str, decay: str, slot: str,
+                flag: str):
+  """``optax.tree.update_moment`` of the stored moment ``t``:
+  ``(1 - decay) * g + decay * t``, the product as :func:`_stored_product`."""
+  return h[one_minus_decay] * g + _stored_product(h, decay, t, slot, flag)
+
+
 def _trace(u, t, h, nesterov: bool, decay: str = "decay",
            decay_m: str = "decay_m", flag: str | None = "round_trace"):
   """``optax.trace``: returns ``(update, new_trace)``; ``h[decay_m]``
@@ -206,7 +214,7 @@ def _trace(u, t, h, nesterov: bool, decay: str = "decay",
 def _adam_moments(g, mu, nu, h, nesterov: bool):
   """``scale_by_adam``'s moments and bias-corrected ``(mu_hat, nu_hat)``;
   ``b1_m`` is ``b1`` as it multiplies the stored ``mu``."""
-  mu = h["one_minus_b1"] * g + _stored_product(h, "b1_m", mu, "mu", "round_mu")
+  mu = _stored_ema(g, mu, h, "one_minus_b1", "b1_m", "mu", "round_mu")
   nu = _ema(g * g, nu, h["one_minus_b2"], h["b2"])
   if nesterov:
     mu_hat = h["b1"] * (mu / h["bc1_next"]) + h["one_minus_b1"] * (
@@ -415,9 +423,8 @@ def lion_rule() -> UpdateRule:
 
   def update(g, w, slots, h):
     (mu,) = slots
-    u = jnp.sign(h["one_minus_b1"] * g
-                 + _stored_product(h, "b1", mu, "mu", "round_b1"))
-    mu = h["one_minus_b2"] * g + _stored_product(h, "b2", mu, "mu", "round_b2")
+    u = jnp.sign(_stored_ema(g, mu, h, "one_minus_b1", "b1", "mu", "round_b1"))
+    mu = _stored_ema(g, mu, h, "one_minus_b2", "b2", "mu", "round_b2")
     return _descend(w, u + h["weight_decay"] * w, h), (mu,)
 
   return UpdateRule(name="lion", slots=("mu",),
@@ -472,8 +479,7 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
 
   def update(g, w, slots, h):
     (mu,) = slots
-    mu = h["one_minus_b1"] * g + _stored_product(h, "b1_m", mu, "mu",
-                                                 "round_mu")
+    mu = _stored_ema(g, mu, h, "one_minus_b1", "b1_m", "mu", "round_mu")
     if nesterov:
       mu_hat = h["b1"] * (mu / h["bc1_next"]) + h["one_minus_b1"] * (
           g / h["bc1"])
