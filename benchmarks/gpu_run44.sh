@@ -4,7 +4,7 @@
 # lax.reduce_precision, the compiled kernel keeps its convert pair; 583bf66:
 # one _stored_ema helper) never ran on the GPU. Prediction: every GPU test of
 # the kernel, accumulation, the Dense layer and the bridge
-# passes, and so do the the bf16-moment, weak-decay and lion-sign family tests
+# passes, and so do the bf16-moment, weak-decay and lion-sign family tests
 # compiled (against optax op by op and jitted).
 source "$(dirname "$0")/gpu_lib.sh"
 run pytest_families_compiled 170 python3 -m pytest -q -p no:cacheprovider -rfEs \
