@@ -269,13 +269,19 @@ def _rounds_product(decay, dtype) -> float:
                and jnp.dtype(dtype).itemsize < 4)
 
 
+def _adam_family_rule(rule, b1, mu_dtype):
+  """``rule`` (Adam family, Muon) set to round ``b1 * mu`` to ``mu_dtype``
+  where optax does (:func:`_rounds_product`): a static setting, so a kernel
+  that never rounds carries no rounding code."""
+  return rule.with_static(round_mu=_rounds_product(b1, mu_dtype))
+
+
 def _adam_hparams(state, b1, b2, eps, eps_root,
                   mu_dtype=None) -> dict[str, Any]:
   """``scale_by_adam``'s constants and this step's bias corrections."""
   t = _count_after(state, optax.ScaleByAdamState)
   return dict(
       b1=b1, b1_m=_stored_decay(b1, mu_dtype),
-      round_mu=_rounds_product(b1, mu_dtype),
       b2=b2, one_minus_b1=1 - b1, one_minus_b2=1 - b2,
       eps=eps, eps_root=eps_root,
       # optax.tree.bias_correction's denominators, same expressions.
@@ -316,11 +322,13 @@ def sgd(
                     accumulator_dtype=accumulator_dtype)
   rule = pallas_kernels.sgd_rule(momentum=momentum is not None,
                                  nesterov=nesterov)
+  if momentum is not None:
+    rule = rule.with_static(
+        round_trace=_rounds_product(momentum, accumulator_dtype))
   return _forge(inner, rule, rule.slots, learning_rate,
                 lambda state: {} if momentum is None else dict(
                     decay=momentum,
-                    decay_m=_stored_decay(momentum, accumulator_dtype),
-                    round_trace=_rounds_product(momentum, accumulator_dtype)),
+                    decay_m=_stored_decay(momentum, accumulator_dtype)),
                 family="sgd" if momentum is None else "sgd_momentum",
                 # The trace is affine in G and, without Nesterov, the only
                 # way G reaches W: MultiSteps' momentum mode applies.
@@ -453,7 +461,9 @@ def adam(
   """
   inner = optax.adam(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                      mu_dtype=mu_dtype, nesterov=nesterov)
-  return _forge(inner, pallas_kernels.adam_rule(nesterov=nesterov),
+  rule = _adam_family_rule(pallas_kernels.adam_rule(nesterov=nesterov), b1,
+                           mu_dtype)
+  return _forge(inner, rule,
                 ("mu", "nu"), learning_rate,
                 lambda state: _adam_hparams(state, b1, b2, eps, eps_root,
                                             mu_dtype),
@@ -513,7 +523,9 @@ def adamw(
                       mu_dtype=mu_dtype, weight_decay=weight_decay,
                       mask=_holes_aware(mask),
                       nesterov=nesterov)
-  return _forge(inner, pallas_kernels.adamw_rule(nesterov=nesterov),
+  rule = _adam_family_rule(pallas_kernels.adamw_rule(nesterov=nesterov), b1,
+                           mu_dtype)
+  return _forge(inner, rule,
                 ("mu", "nu"), learning_rate,
                 lambda state: _adam_hparams(state, b1, b2, eps, eps_root,
                                             mu_dtype),
@@ -643,12 +655,14 @@ def lion(
   inner = optax.lion(learning_rate, b1=b1, b2=b2, mu_dtype=mu_dtype,
                      weight_decay=weight_decay, mask=_holes_aware(mask))
   return _forge(
-      inner, pallas_kernels.lion_rule(), ("mu",), learning_rate,
+      inner,
+      pallas_kernels.lion_rule().with_static(
+          round_b1=_rounds_product(b1, mu_dtype),
+          round_b2=_rounds_product(b2, mu_dtype)),
+      ("mu",), learning_rate,
       # b1 and b2 both multiply the stored moment (scale_by_lion).
       lambda state: dict(b1=_stored_decay(b1, mu_dtype), one_minus_b1=1 - b1,
-                         b2=_stored_decay(b2, mu_dtype), one_minus_b2=1 - b2,
-                         round_b1=_rounds_product(b1, mu_dtype),
-                         round_b2=_rounds_product(b2, mu_dtype)),
+                         b2=_stored_decay(b2, mu_dtype), one_minus_b2=1 - b2),
       weight_decay=weight_decay, mask=mask, family="lion")
 
 
@@ -799,7 +813,6 @@ def muon(
   def hparams(state):
     t = _count_after(scope(state), _muon.MuonState)
     return dict(b1=beta, b1_m=_stored_decay(beta, mu_dtype),
-                round_mu=_rounds_product(beta, mu_dtype),
                 one_minus_b1=1 - beta,
                 # optax.tree.bias_correction's denominators, same expressions.
                 bc1=1 - beta**t,
@@ -820,7 +833,9 @@ def muon(
     u = u + h["weight_decay"] * w
     return w + (-h["lr"]) * u, slots
 
-  return _forge(inner, pallas_kernels.muon_rule(nesterov=nesterov),
+  return _forge(inner,
+                _adam_family_rule(pallas_kernels.muon_rule(nesterov=nesterov),
+                                  beta, mu_dtype),
                 ((_muon.MuonState, "mu"),), learning_rate, hparams,
                 family="muon", weight_decay=weight_decay,
                 mask=weight_decay_mask, layer_pass=layer_pass, shared=shared,

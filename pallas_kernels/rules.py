@@ -8,8 +8,9 @@ is the pure-``jnp`` reference.
 
 Hyperparameters (learning rate from a schedule, bias corrections, ...) are
 *runtime* scalars packed in one small fp32 vector, so a new learning rate never
-recompiles the kernel. Anything that changes the kernel's code (``nesterov``)
-is a static field of the rule instead.
+recompiles the kernel. Anything that changes the kernel's code (``nesterov``,
+whether a product is rounded to a moment's storage dtype) is a static field of
+the rule instead (:attr:`UpdateRule.static`, :meth:`UpdateRule.with_static`).
 """
 
 from __future__ import annotations
@@ -63,14 +64,20 @@ class UpdateRule:
     defaults: ``(name, source)`` pairs: :meth:`pack` gives hyperparameter
       ``name``, when it is not passed, the value of hyperparameter ``source``
       (a string) or ``source`` itself (a number). Used for a momentum's
-      decay as applied to the *stored* moment (``"b1_m"``, ``"decay_m"``)
-      and for the flags that round that product (``"round_mu"``, ...):
+      decay as applied to the *stored* moment (``"b1_m"``, ``"decay_m"``):
       optax multiplies the stored moment by a Python-float decay in the
       moment's dtype, so with a bf16 moment the decay is rounded to bf16
-      (0.9 -> 0.8984375) and so is the product (each op rounds to its
-      dtype; XLA's CPU backend under ``jit`` may keep the product in fp32,
-      its GPU backend rounds it). forge_jax passes the rounded decay and
-      flag 1; every other caller gets the decay itself and flag 0. The
+      (0.9 -> 0.8984375). forge_jax passes the rounded decay; every other
+      caller gets the decay itself.
+    static: ``(name, value)`` pairs read by ``update`` from ``h`` like
+      hyperparameters but fixed when the kernel is built (Python numbers,
+      never packed), because they decide which code it emits: the flags
+      that round optax's ``decay * stored moment`` product to the moment's
+      storage dtype (``"round_mu"``, ``"round_trace"``, ``"round_b1"``,
+      ``"round_b2"``; each op rounds to its dtype, and XLA's GPU backend
+      rounds that bf16 product where its CPU backend under ``jit`` may
+      not). Every rule here has them 0 (no rounding code at all);
+      forge_jax sets 1 with :meth:`with_static` where optax rounds. The
       storage dtypes reach the update through :meth:`unpack`.
   """
 
@@ -81,6 +88,7 @@ class UpdateRule:
   updates_weight: bool = True
   outputs: tuple[str, ...] = ()
   defaults: tuple[tuple[str, str | float], ...] = ()
+  static: tuple[tuple[str, float], ...] = ()
 
   def __post_init__(self):
     if len(self.hparams) > HPARAM_VECTOR_LEN:
@@ -97,6 +105,24 @@ class UpdateRule:
         raise ValueError(
             f"rule {self.name!r}: default {name!r} <- {source!r} names a "
             f"hyperparameter it does not have ({self.hparams})")
+    for name, value in self.static:
+      if name in self.hparams or name in self.slots:
+        raise ValueError(f"rule {self.name!r}: static setting {name!r} is "
+                         "also a hyperparameter or slot name")
+      if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"rule {self.name!r}: static setting {name!r} must "
+                        f"be a Python number, got {value!r}")
+
+  def with_static(self, **values) -> "UpdateRule":
+    """This rule with some of its :attr:`static` settings changed (a new
+    kernel build), e.g. ``adamw_rule().with_static(round_mu=1.0)``."""
+    known = dict(self.static)
+    unknown = [n for n in values if n not in known]
+    if unknown:
+      raise ValueError(f"rule {self.name!r} has no static settings {unknown}"
+                       f" (it has {tuple(known)})")
+    known.update({n: float(v) for n, v in values.items()})
+    return dataclasses.replace(self, static=tuple(known.items()))
 
   @staticmethod
   def output_dtype(w_dtype, slot_dtypes=()):
@@ -106,7 +132,17 @@ class UpdateRule:
 
   def pack(self, **values) -> jax.Array:
     """Packs named hyperparameters into the kernel's fp32 vector (a name in
-    ``defaults`` may be left out: it takes its source's value)."""
+    ``defaults`` may be left out: it takes its source's value; a
+    :attr:`static` setting may be passed only with the rule's own value)."""
+    # A static setting is not packed; passed here (e.g. from unpack()'s
+    # mapping) it must agree with the rule's.
+    fixed = {n: v for n, v in self.static if n in values}
+    differ = [n for n, v in fixed.items() if values.pop(n) != v]
+    if differ:
+      raise ValueError(
+          f"rule {self.name!r}: {differ} are static settings, fixed when the "
+          f"kernel is built ({fixed}), not packed hyperparameters: use "
+          "rule.with_static(...)")
     for name, source in self.defaults:
       if name in values:
         continue
@@ -131,8 +167,10 @@ class UpdateRule:
     also holds ``{slot name: dtype}`` under :data:`STORED`, for the updates
     that round a product to a moment's storage dtype as optax does;
     ``round_by_convert``: round with a convert pair (in a compiled Triton
-    kernel) instead of ``lax.reduce_precision`` (for XLA)."""
+    kernel) instead of ``lax.reduce_precision`` (for XLA). The
+    :attr:`static` settings are in the mapping too, as Python numbers."""
     h = {n: vec[i] for i, n in enumerate(self.hparams)}
+    h.update(self.static)
     if slot_dtypes is not None:
       h[STORED] = dict(zip(self.slots, (jnp.dtype(d) for d in slot_dtypes)))
       h[ROUND_BY_CONVERT] = round_by_convert
@@ -177,14 +215,20 @@ def _ema(g, m, one_minus_decay, decay):
 
 def _stored_product(h, decay: str, t, slot: str, flag: str | None):
   """``h[decay] * t`` for the stored moment ``t`` (given in fp32) of slot
-  ``slot``, as optax forms it: where ``h[flag]`` is 1 (a decay that JAX
-  multiplies in the moment's dtype, e.g. a Python float) the product is
-  rounded to the slot's storage dtype (``h[STORED]``, when
-  the caller passed the dtypes and it is narrower than fp32). ``flag=None``:
-  never rounded (a family whose optax moment follows the parameters)."""
+  ``slot``, as optax forms it: where the static setting ``h[flag]`` is 1 (a
+  decay that JAX multiplies in the moment's dtype, e.g. a Python float) the
+  product is rounded to the slot's storage dtype (``h[STORED]``, when the
+  caller passed the dtypes and it is narrower than fp32). ``flag=None`` or
+  0: never rounded, and no rounding code is emitted."""
   p = h[decay] * t
   dtype = h.get(STORED, {}).get(slot)
   if flag is None or dtype is None or dtype.itemsize >= 4:
+    return p
+  on = h[flag]
+  if not isinstance(on, (int, float)):
+    raise TypeError(f"{flag!r} must be a static setting of the rule (a "
+                    f"Python number), got {type(on).__name__}")
+  if not on:
     return p
   if h.get(ROUND_BY_CONVERT) or dtype != jnp.bfloat16:
     # reduce_precision flushes fp16 subnormals, which fp16 keeps: fp16 moments
@@ -192,7 +236,7 @@ def _stored_product(h, decay: str, t, slot: str, flag: str | None):
     rounded = p.astype(dtype).astype(p.dtype)
   else:  # for bf16 the convert pair's values (NaN payloads aside); XLA keeps it
     rounded = lax.reduce_precision(p, exponent_bits=8, mantissa_bits=7)
-  return jnp.where(h[flag] > 0, rounded, p)
+  return rounded
 
 
 def _stored_ema(g, t, h, one_minus_decay: str, decay: str, slot: str,
@@ -229,8 +273,9 @@ def _adam_scale(mu_hat, nu_hat, h):
 
 
 _ADAM_HPARAMS = ("lr", "b1", "b2", "one_minus_b1", "one_minus_b2", "eps",
-                 "eps_root", "bc1", "bc2", "bc1_next", "b1_m", "round_mu")
-_ADAM_DEFAULTS = (("b1_m", "b1"), ("round_mu", 0.0))
+                 "eps_root", "bc1", "bc2", "bc1_next", "b1_m")
+_ADAM_DEFAULTS = (("b1_m", "b1"),)
+_ADAM_STATIC = (("round_mu", 0.0),)
 
 
 def _suffix(name: str, **flags: bool) -> str:
@@ -255,11 +300,10 @@ def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
   return UpdateRule(
       name=_suffix("sgd", momentum=momentum, nesterov=nesterov),
       slots=("trace",) if momentum else (),
-      hparams=(("lr", "decay", "decay_m", "round_trace") if momentum
-               else ("lr",)),
+      hparams=("lr", "decay", "decay_m") if momentum else ("lr",),
       update=update,
-      defaults=((("decay_m", "decay"), ("round_trace", 0.0)) if momentum
-                else ()))
+      defaults=(("decay_m", "decay"),) if momentum else (),
+      static=(("round_trace", 0.0),) if momentum else ())
 
 
 def adagrad_rule() -> UpdateRule:
@@ -343,7 +387,8 @@ def adam_rule(nesterov: bool = False) -> UpdateRule:
 
   return UpdateRule(name=_suffix("adam", nesterov=nesterov),
                     slots=("mu", "nu"), hparams=_ADAM_HPARAMS, update=update,
-                    defaults=_ADAM_DEFAULTS)
+                    defaults=_ADAM_DEFAULTS,
+                    static=_ADAM_STATIC)
 
 
 def adamw_rule(nesterov: bool = False) -> UpdateRule:
@@ -368,6 +413,7 @@ def adamw_rule(nesterov: bool = False) -> UpdateRule:
       slots=("mu", "nu"),
       hparams=_ADAM_HPARAMS + ("weight_decay",),
       defaults=_ADAM_DEFAULTS,
+      static=_ADAM_STATIC,
       update=update,
   )
 
@@ -409,7 +455,8 @@ def radam_rule(nesterov: bool = False) -> UpdateRule:
 
   return UpdateRule(name=_suffix("radam", nesterov=nesterov),
                     slots=("mu", "nu"), hparams=_ADAM_HPARAMS + ("r", "rectify"),
-                    update=update, defaults=_ADAM_DEFAULTS)
+                    update=update, defaults=_ADAM_DEFAULTS,
+                    static=_ADAM_STATIC)
 
 
 def lion_rule() -> UpdateRule:
@@ -429,9 +476,9 @@ def lion_rule() -> UpdateRule:
 
   return UpdateRule(name="lion", slots=("mu",),
                     hparams=("lr", "b1", "one_minus_b1", "b2", "one_minus_b2",
-                             "weight_decay", "round_b1", "round_b2"),
+                             "weight_decay"),
                     update=update,
-                    defaults=(("round_b1", 0.0), ("round_b2", 0.0)))
+                    static=(("round_b1", 0.0), ("round_b2", 0.0)))
 
 
 # --- Regime 2: the epilogue advances the state only ---------------------------
@@ -455,7 +502,7 @@ def lamb_rule() -> UpdateRule:
 
   return UpdateRule(name="lamb_moments", slots=("mu", "nu"),
                     hparams=_ADAM_HPARAMS + ("weight_decay",), update=update,
-                    defaults=_ADAM_DEFAULTS,
+                    defaults=_ADAM_DEFAULTS, static=_ADAM_STATIC,
                     updates_weight=False)
 
 
@@ -490,9 +537,9 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
   return UpdateRule(
       name=_suffix("muon_momentum", nesterov=nesterov), slots=("mu",),
       hparams=("lr", "b1", "one_minus_b1", "bc1", "bc1_next", "weight_decay",
-               "b1_m", "round_mu"),
+               "b1_m"),
       update=update, updates_weight=False, outputs=("mu_hat",),
-      defaults=(("b1_m", "b1"), ("round_mu", 0.0)))
+      defaults=(("b1_m", "b1"),), static=(("round_mu", 0.0),))
 
 
 ADAMW = adamw_rule()
@@ -511,7 +558,8 @@ MOMENTUM_ACCUMULATE_HPARAMS = ("acc_scale", "acc_first", "acc_final")
 def _check_extra_hparams(rule: UpdateRule, extra: tuple[str, ...],
                          slots: tuple[str, ...] = ()) -> None:
   """``extra`` hyperparameters and ``slots`` (names only) added to ``rule``."""
-  clash = [n for n in extra + slots if n in rule.hparams or n in rule.slots]
+  clash = [n for n in extra + slots
+           if n in rule.hparams or n in rule.slots or n in dict(rule.static)]
   if clash:
     raise ValueError(f"rule {rule.name!r} already uses the names {clash}")
   if len(rule.hparams) + len(extra) > HPARAM_VECTOR_LEN:
@@ -559,7 +607,7 @@ def accumulating(rule: UpdateRule) -> UpdateRule:
       name=f"{rule.name}_accumulate", slots=("acc", *rule.slots),
       hparams=rule.hparams + ACCUMULATE_HPARAMS, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
-      defaults=rule.defaults)
+      defaults=rule.defaults, static=rule.static)
 
 
 def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
@@ -608,4 +656,4 @@ def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
       name=f"{rule.name}_momentum_accumulate", slots=rule.slots,
       hparams=rule.hparams + MOMENTUM_ACCUMULATE_HPARAMS, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
-      defaults=rule.defaults)
+      defaults=rule.defaults, static=rule.static)

@@ -403,12 +403,18 @@ def test_update_accepts_optax_extra_args_in_every_mode():
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_multisteps_wraps_radam_whose_vector_is_full(nesterov):
-  """RAdam's 14 hyperparameters + acc_n, acc_final fill the 16-entry vector
-  exactly; the accumulator's slot name "acc" is not a hyperparameter (it was
-  counted as one, which refused MultiSteps(radam) once round_mu was added)."""
+  """A rule whose hyperparameters + acc_n, acc_final fill the 16-entry
+  vector exactly is accepted: the accumulator's slot name "acc" is not a
+  hyperparameter (it was counted as one, which refused MultiSteps(radam)
+  once a runtime round_mu made RAdam's 14; the flag is static since
+  session 9, RAdam has 13)."""
   rule = pk.radam_rule(nesterov=nesterov)
-  acc = rules.accumulating(rule)
-  assert len(acc.hparams) == rules.HPARAM_VECTOR_LEN
+  full = dataclasses.replace(
+      rule, hparams=rule.hparams + tuple(
+          f"pad{i}" for i in range(rules.HPARAM_VECTOR_LEN - 2
+                                   - len(rule.hparams))))
+  assert len(rules.accumulating(full).hparams) == rules.HPARAM_VECTOR_LEN
+  assert len(rules.accumulating(rule).hparams) <= rules.HPARAM_VECTOR_LEN
   forge_jax.MultiSteps(forge_jax.radam(1e-3, nesterov=nesterov), 2)
   with pytest.raises(ValueError, match="already uses the names \\['acc'\\]"):
     rules.accumulating(dataclasses.replace(rule, slots=("acc", "nu")))

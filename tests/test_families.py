@@ -210,8 +210,8 @@ def test_mlp_training_matches_optax(name, data):
 # used the exact decay: from one state, 11-22 % of the bf16 moment elements
 # and the fp32 update (up to 1.3e-3 relative) differed from optax's.
 # forge_jax now packs the rounded decay for the stored moment (`b1_m`,
-# `decay_m`; lion's b1 and b2) and a flag that rounds the product to the
-# moment's dtype (session 8: on the H200 optax's jitted step rounds it, run
+# `decay_m`; lion's b1 and b2) and sets the rule's static flag that rounds
+# the product to the moment's dtype (session 8: on the H200 optax's jitted step rounds it, run
 # 41, while XLA's CPU backend keeps it in fp32 under jit). The reference is
 # optax op by op, i.e. every op rounded to its dtype, on either backend.
 
@@ -334,10 +334,9 @@ def test_lion_sign_sees_the_rounded_b1_product():
   with jax.disable_jit():
     tx = optax.scale_by_lion(b1=b1, b2=b2, mu_dtype=jnp.bfloat16)
     u_ref, _ = tx.update(g, tx.init(g)._replace(mu=m))
-  rule = pk.lion_rule()
+  rule = pk.lion_rule().with_static(round_b1=1.0, round_b2=1.0)
   h = rule.pack(lr=1.0, b1=0.8984375, one_minus_b1=1 - b1, b2=0.98828125,
-                one_minus_b2=1 - b2, weight_decay=0.0, round_b1=1.0,
-                round_b2=1.0)
+                one_minus_b2=1 - b2, weight_decay=0.0)
   w_new, _ = rule.apply(g, jnp.zeros_like(g), (m,), h)
   differ = int((np.sign(-np.asarray(w_new)) != np.sign(np.asarray(u_ref))).sum())
   assert differ <= 0.01 * g.size, f"{differ} of {g.size} signs differ"
@@ -352,11 +351,11 @@ def test_lion_sign_sees_the_rounded_b1_product():
 _ROUNDING_PROG = """
 import jax, jax.numpy as jnp, numpy as np
 import pallas_kernels as pk
-rule = pk.adam_rule()
+rule = pk.adam_rule().with_static(round_mu=1.0)
 b1, b2, t = 0.9, 0.999, 4
 h = rule.pack(lr=1e-2, b1=b1, b2=b2, one_minus_b1=1 - b1, one_minus_b2=1 - b2,
               eps=1e-8, eps_root=0.0, bc1=1 - b1**t, bc2=1 - b2**t,
-              bc1_next=1 - b1**(t + 1), b1_m=0.8984375, round_mu=1.0)
+              bc1_next=1 - b1**(t + 1), b1_m=0.8984375)
 k = jax.random.split(jax.random.key(0), 4)
 g, w = jax.random.normal(k[0], (64, 64)), jax.random.normal(k[1], (64, 64))
 mu = (0.3 * jax.random.normal(k[2], (64, 64))).astype(jnp.bfloat16)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import autotune
+from pallas_kernels import autotune, rules
 from tests.harness import lower_for_cuda, triton_calls
 from tests.tolerances import assert_close, assert_update_close, tol
 
@@ -543,3 +543,66 @@ def test_a_stored_moment_decay_defaults_to_the_decay_itself():
   with pytest.raises(ValueError, match="default 'x_m' <- 'x'"):
     pk.UpdateRule(name="bad", slots=("m",), hparams=("lr",),
                   update=lambda g, w, s, h: (w, s), defaults=(("x_m", "x"),))
+
+
+def _kernel_body(rule, dtype=jnp.bfloat16):
+  """The jaxpr text of the compiled (not interpreted) kernel's body for
+  ``rule`` with ``dtype`` weight and slots, traced without a GPU."""
+  a = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
+  f = functools.partial(pk.fused_wgrad_update, rule=rule, interpret=False,
+                        config=pk.BlockConfig(block_in=64, block_out=64,
+                                              block_bt=32))
+  jaxpr = jax.make_jaxpr(f)(a(96, 64), a(96, 64), a(64, 64),
+                            tuple(a(64, 64) for _ in rule.slots),
+                            a(pk.HPARAM_VECTOR_LEN, d=jnp.float32))
+  (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+  return str(call.params["jaxpr"])
+
+
+def test_rounding_flags_are_static_and_a_zero_flag_emits_no_code():
+  """The flags that round `decay * stored moment` (round_mu, ...) decide the
+  kernel's code, so they are static settings of the rule, never packed: a
+  0 flag (every rule's default; bf16 moments that follow the parameters)
+  emits no rounding at all, a 1 flag one convert pair per product (session
+  9: a runtime flag cost the 64x128 split tiling 16 % at 4096x14336)."""
+  rounds = pk.ADAMW.with_static(round_mu=1.0)
+  assert dict(pk.ADAMW.static) == {"round_mu": 0.0}
+  assert dict(rounds.static) == {"round_mu": 1.0}
+  assert rounds.hparams == pk.ADAMW.hparams and "round_mu" not in rounds.hparams
+  to_bf16 = "new_dtype=bfloat16"
+  plain, rounded = _kernel_body(pk.ADAMW), _kernel_body(rounds)
+  assert rounded.count(to_bf16) == plain.count(to_bf16) + 1
+  # fp32 moments have nothing to round, whatever the flag.
+  assert _kernel_body(rounds, jnp.float32) == _kernel_body(pk.ADAMW,
+                                                           jnp.float32)
+  lion = pk.lion_rule().with_static(round_b1=1.0, round_b2=1.0)
+  assert (_kernel_body(lion).count(to_bf16)
+          == _kernel_body(pk.lion_rule()).count(to_bf16) + 2)
+  # The accumulating wrappers keep the wrapped rule's settings.
+  assert rules.accumulating(rounds).static == rounds.static
+  sgd = pk.sgd_rule(momentum=True).with_static(round_trace=1.0)
+  assert rules.momentum_accumulating(sgd, "decay").static == sgd.static
+
+
+def test_static_settings_are_refused_where_they_do_not_belong():
+  base = dict(lr=1e-3, b1=0.9, b2=0.999, one_minus_b1=0.1, one_minus_b2=1e-3,
+              eps=1e-8, eps_root=0.0, weight_decay=0.0, bc1=0.1, bc2=1e-3,
+              bc1_next=0.19)
+  with pytest.raises(ValueError, match=r"\['round_mu'\] are static settings"):
+    pk.ADAMW.pack(**base, round_mu=1.0)
+  # unpack() -> pack() round-trips: the rule's own static value is accepted.
+  vec = pk.ADAMW.pack(**base)
+  np.testing.assert_array_equal(pk.ADAMW.pack(**pk.ADAMW.unpack(vec)), vec)
+  with pytest.raises(ValueError, match="no static settings \\['round_nu'\\]"):
+    pk.ADAMW.with_static(round_nu=1.0)
+  with pytest.raises(ValueError, match="no static settings"):
+    pk.adamax_rule().with_static(round_mu=1.0)
+  with pytest.raises(ValueError, match="also a hyperparameter"):
+    pk.UpdateRule(name="bad", slots=("m",), hparams=("lr", "f"),
+                  update=lambda g, w, s, h: (w, s), static=(("f", 0.0),))
+  with pytest.raises(TypeError, match="Python number"):
+    pk.UpdateRule(name="bad", slots=("m",), hparams=("lr",),
+                  update=lambda g, w, s, h: (w, s),
+                  static=(("f", jnp.float32(1)),))
+  h = pk.ADAMW.with_static(round_mu=1.0).unpack(pk.ADAMW.pack(**base))
+  assert h["round_mu"] == 1.0 and isinstance(h["round_mu"], float)
