@@ -6,9 +6,11 @@
 ``ncu --csv --log-file ncu.csv --metrics A,B,... CMD`` writes one line per
 (kernel launch, metric), after its own log lines. This keeps the launches
 whose kernel name contains one of ``--kernels`` (all launches if none is
-given), in launch order, as rows of ``kernel, label, block, grid`` and one
-column per metric; ``--labels`` names the kept launches in order (their
-number must match). ``benchmarks/gpu_run14.sh`` is the command that profiled
+given), in launch order, as rows of ``kernel, label, block, grid, device,
+cc`` and one column per metric; ``--labels`` names the kept launches in
+order (their number must match). ``device`` is ``--device`` (e.g. ``"NVIDIA
+H200"``; ncu's CSV holds only the device's index) or, without it,
+``cuda:<index>``; ``cc`` its compute capability, from the log. ``benchmarks/gpu_run14.sh`` is the command that profiled
 session 3's kernels; its summary is
 ``benchmarks/results/h200-2026-11-29-s3/run14_ncu_summary.csv``.
 """
@@ -22,7 +24,9 @@ import sys
 
 
 def read_launches(path: str, kernels=()) -> list[dict]:
-  """``[{"id", "kernel", "block", "grid", "metrics": {name: value}}]``."""
+  """``[{"id", "kernel", "block", "grid", "device", "cc",
+  "metrics": {name: value}}]`` (``device``: ncu's device index; it and
+  ``cc`` are empty in a log without those columns)."""
   text = open(path).read()
   start = text.find('"ID",')
   if start < 0:
@@ -33,20 +37,26 @@ def read_launches(path: str, kernels=()) -> list[dict]:
       continue
     row = launches.setdefault(r["ID"], {
         "id": int(r["ID"]), "kernel": r["Kernel Name"],
-        "block": r["Block Size"], "grid": r["Grid Size"], "metrics": {}})
+        "block": r["Block Size"], "grid": r["Grid Size"],
+        "device": r.get("Device") or "", "cc": r.get("CC") or "",
+        "metrics": {}})
     row["metrics"][r["Metric Name"]] = r["Metric Value"].replace(",", "")
   return sorted(launches.values(), key=lambda r: r["id"])
 
 
-def write_summary(launches, out, labels=None) -> None:
+def write_summary(launches, out, labels=None, device=None) -> None:
+  """``device``: the profiled GPU's name for every row; default
+  ``cuda:<ncu's device index>``."""
   if labels is not None and len(labels) != len(launches):
     raise ValueError(f"{len(labels)} labels for {len(launches)} kept launches")
   metrics = sorted({m for r in launches for m in r["metrics"]})
   w = csv.writer(out)
-  w.writerow(["kernel", "label", "block", "grid"] + metrics)
+  w.writerow(["kernel", "label", "block", "grid", "device", "cc"] + metrics)
   for i, r in enumerate(launches):
+    dev = device or (f"cuda:{r['device']}" if r.get("device") else "")
     w.writerow([r["kernel"], labels[i] if labels else "", r["block"],
-                r["grid"]] + [r["metrics"].get(m, "") for m in metrics])
+                r["grid"], dev, r.get("cc", "")]
+               + [r["metrics"].get(m, "") for m in metrics])
 
 
 def main(argv=None) -> int:
@@ -56,6 +66,9 @@ def main(argv=None) -> int:
                  help="keep launches whose kernel name contains one of these")
   p.add_argument("--labels", nargs="*", default=None,
                  help="a name for each kept launch, in launch order")
+  p.add_argument("--device", default=None,
+                 help="the profiled GPU's name for the device column (ncu's "
+                 "CSV has only its index); default cuda:<index>")
   p.add_argument("--out", default="-", help="CSV path (default: stdout)")
   args = p.parse_args(argv)
   try:
@@ -72,10 +85,10 @@ def main(argv=None) -> int:
           "launches", file=sys.stderr)
     return 1
   if args.out == "-":
-    write_summary(launches, sys.stdout, args.labels)
+    write_summary(launches, sys.stdout, args.labels, args.device)
   else:
     with open(args.out, "w", newline="") as f:
-      write_summary(launches, f, args.labels)
+      write_summary(launches, f, args.labels, args.device)
     print(f"wrote {args.out}: {len(launches)} launches")
   return 0
 

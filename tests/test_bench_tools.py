@@ -64,9 +64,14 @@ def test_ncu_summary_keeps_named_launches_in_order(tmp_path):
   out = io.StringIO()
   ncu_summary.write_summary(launches, out, ["64x128", "64x64"])
   lines = out.getvalue().splitlines()
-  assert lines[0] == ("kernel,label,block,grid,gpu__time_duration.sum,"
-                      "launch__registers_per_thread")
-  assert lines[2] == 'fused_wgrad_adamw,64x64,"(128, 1, 1)","(4096, 1, 1)",81504,167'
+  assert lines[0] == ("kernel,label,block,grid,device,cc,"
+                      "gpu__time_duration.sum,launch__registers_per_thread")
+  assert lines[2] == ('fused_wgrad_adamw,64x64,"(128, 1, 1)","(4096, 1, 1)",'
+                      'cuda:0,9.0,81504,167')
+  out = io.StringIO()
+  ncu_summary.write_summary(launches, out, device="NVIDIA H200")
+  assert out.getvalue().splitlines()[1].startswith(
+      'fused_wgrad_adamw,,"(128, 1, 1)","(2048, 1, 1)",NVIDIA H200,9.0,')
   with pytest.raises(ValueError, match="1 labels for 2 kept launches"):
     ncu_summary.write_summary(launches, io.StringIO(), ["only one"])
 
