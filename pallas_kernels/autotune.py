@@ -154,6 +154,9 @@ def cache_key(rule, bt: int, n_in: int, n_out: int, w_dtype,
 
   ``rule`` is an :class:`UpdateRule`, its name, or ``None`` for ``"any"``
   (an entry valid for every rule); ``bt`` is bucketed (:func:`bt_bucket`).
+  A rule's static settings (``round_mu``, ...) are not in the key: the
+  kernels they distinguish share the family's tiling (whether a rounding
+  kernel would tune differently has not been measured).
   """
   slots = ",".join(_dtype_name(d) for d in slot_dtypes)
   return (f"{_rule_name(rule)}|bt{bt_bucket(bt)}|{int(n_in)}x{int(n_out)}|"

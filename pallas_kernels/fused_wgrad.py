@@ -453,7 +453,10 @@ def fused_wgrad_update(
       compiler_params=plgpu.CompilerParams(
           num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
-      name=f"fused_wgrad_{rule.name}",
+      # Static settings that change the code (e.g. round_mu=1) are named,
+      # so a profile tells the two kernels apart.
+      name="_".join(["fused_wgrad", rule.name,
+                     *(n for n, v in rule.static if v)]),
   )(x2, dy2, hparams, *extra, *state)
   if rule.updates_weight:
     return out[0], tuple(out[1:])

@@ -50,7 +50,8 @@ class UpdateRule:
       have the weight's shape; e.g. ``("mu", "nu")``).
     hparams: names of the runtime scalars the update reads, in order.
     update: ``update(g, w, slots, h)`` on fp32 arrays, ``h`` a mapping from
-      hyperparameter name to an fp32 scalar; returns the new weight and the new
+      hyperparameter name to an fp32 scalar (and from each :attr:`static`
+      setting's name to its Python number); returns the new weight and the new
       slots followed by the ``outputs`` (fp32; the caller casts to storage
       dtypes).
     updates_weight: ``False`` for a rule that only advances the state (the
@@ -137,7 +138,7 @@ class UpdateRule:
     # A static setting is not packed; passed here (e.g. from unpack()'s
     # mapping) it must agree with the rule's.
     fixed = {n: v for n, v in self.static if n in values}
-    differ = [n for n, v in fixed.items() if values.pop(n) != v]
+    differ = [n for n, v in fixed.items() if not _equals(values.pop(n), v)]
     if differ:
       raise ValueError(
           f"rule {self.name!r}: {differ} are static settings, fixed when the "
@@ -192,6 +193,15 @@ class UpdateRule:
     dtypes = [s.dtype for s in slots] + [out_dtype] * len(self.outputs)
     return (w_new.astype(w.dtype) if self.updates_weight else w,
             tuple(n.astype(d) for n, d in zip(new, dtypes)))
+
+
+def _equals(value, static: float) -> bool:
+  """A value passed to ``pack`` for a static setting equals the rule's (a
+  traced or otherwise non-concrete value does not)."""
+  try:
+    return float(value) == static
+  except Exception:  # noqa: BLE001 -- a tracer, an array of several values
+    return False
 
 
 # Each family's update mirrors the operation order of its optax counterpart

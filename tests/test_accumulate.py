@@ -402,7 +402,7 @@ def test_update_accepts_optax_extra_args_in_every_mode():
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_multisteps_wraps_radam_whose_vector_is_full(nesterov):
+def test_multisteps_accepts_a_rule_that_fills_the_vector(nesterov):
   """A rule whose hyperparameters + acc_n, acc_final fill the 16-entry
   vector exactly is accepted: the accumulator's slot name "acc" is not a
   hyperparameter (it was counted as one, which refused MultiSteps(radam)

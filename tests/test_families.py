@@ -326,20 +326,48 @@ def test_lion_sign_sees_the_rounded_b1_product():
   """Lion's update is a sign, which hides most of round_b1 in the test
   above: here `(1 - b1) * g + b1 * m` is put near 0, so the sign depends on
   `b1 * m` being rounded to bf16 as optax rounds it (review, session 8:
-  with round_b1 ignored, 4056 of 4096 signs differ)."""
+  with round_b1 ignored, 4056 of 4096 signs differ). The rule and its
+  hyperparameters are forge_jax.lion's own (review, session 9: a hand-built
+  rule left the flag forge_jax sets untested)."""
   b1, b2 = 0.9, 0.99
   m = jax.random.normal(jax.random.key(0), (64, 64)).astype(jnp.bfloat16)
   p = np.float32(0.8984375) * np.asarray(m, np.float32)  # exact b1_m * m
   g = jnp.asarray(-p / np.float32(0.1), jnp.float32)     # makes the sum ~ 0
+  params = {"w": jnp.zeros_like(g)}
+  ref_tx = optax.lion(1.0, b1=b1, b2=b2, mu_dtype=jnp.bfloat16)
+  spec = forge_jax.lion(1.0, b1=b1, b2=b2, mu_dtype=jnp.bfloat16).spec
+  state = ref_tx.init(params)
+  state = (state[0]._replace(mu={"w": m}), *state[1:])
   with jax.disable_jit():
-    tx = optax.scale_by_lion(b1=b1, b2=b2, mu_dtype=jnp.bfloat16)
-    u_ref, _ = tx.update(g, tx.init(g)._replace(mu=m))
-  rule = pk.lion_rule().with_static(round_b1=1.0, round_b2=1.0)
-  h = rule.pack(lr=1.0, b1=0.8984375, one_minus_b1=1 - b1, b2=0.98828125,
-                one_minus_b2=1 - b2, weight_decay=0.0)
-  w_new, _ = rule.apply(g, jnp.zeros_like(g), (m,), h)
-  differ = int((np.sign(-np.asarray(w_new)) != np.sign(np.asarray(u_ref))).sum())
+    u_ref, _ = ref_tx.update({"w": g}, state, params)
+  slots = tuple(forge_step._slot_trees(state, spec.slot_fields)[f]["w"]
+                for f in spec.slot_fields)
+  h = spec.rule.pack(**spec.hparams(state))
+  w_new, _ = spec.rule.apply(g, params["w"], slots, h)
+  differ = int((np.sign(np.asarray(w_new))
+                != np.sign(np.asarray(u_ref["w"]))).sum())
   assert differ <= 0.01 * g.size, f"{differ} of {g.size} signs differ"
+
+
+def test_each_family_sets_its_rounding_flags():
+  """Which static rounding flags forge_jax sets: 1 where optax forms
+  `decay * moment` in a narrower-than-fp32 moment's dtype, else 0; kept
+  through MultiSteps."""
+  bf16 = jnp.bfloat16
+  static = lambda tx: dict(tx.spec.rule.static)
+  assert static(forge_jax.lion(1e-3, mu_dtype=bf16)) == {"round_b1": 1.0,
+                                                         "round_b2": 1.0}
+  assert static(forge_jax.lion(1e-3)) == {"round_b1": 0.0, "round_b2": 0.0}
+  assert static(forge_jax.adamw(1e-3, mu_dtype=bf16)) == {"round_mu": 1.0}
+  assert static(forge_jax.adamw(1e-3, mu_dtype=jnp.float32)) == {
+      "round_mu": 0.0}
+  assert static(forge_jax.adam(1e-3, b1=np.float32(0.9), mu_dtype=bf16)) == {
+      "round_mu": 0.0}  # a NumPy fp32 decay: the product is promoted
+  assert static(forge_jax.sgd(1e-3, momentum=0.9,
+                              accumulator_dtype=bf16)) == {"round_trace": 1.0}
+  assert static(forge_jax.muon(1e-3, mu_dtype=bf16)) == {"round_mu": 1.0}
+  assert static(forge_jax.MultiSteps(forge_jax.lion(1e-3, mu_dtype=bf16),
+                                     2)) == {"round_b1": 1.0, "round_b2": 1.0}
 
 
 # XLA's excess-precision pass (SimplifyFPConversions; on by default on the

@@ -556,7 +556,7 @@ def _kernel_body(rule, dtype=jnp.bfloat16):
                             tuple(a(64, 64) for _ in rule.slots),
                             a(pk.HPARAM_VECTOR_LEN, d=jnp.float32))
   (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
-  return str(call.params["jaxpr"])
+  return f"name={call.params['name']}\n{call.params['jaxpr']}"
 
 
 def test_rounding_flags_are_static_and_a_zero_flag_emits_no_code():
@@ -572,9 +572,13 @@ def test_rounding_flags_are_static_and_a_zero_flag_emits_no_code():
   to_bf16 = "new_dtype=bfloat16"
   plain, rounded = _kernel_body(pk.ADAMW), _kernel_body(rounds)
   assert rounded.count(to_bf16) == plain.count(to_bf16) + 1
+  # The kernel's name says which code it is (profiles tell them apart).
+  assert plain.startswith("name=fused_wgrad_adamw\n")
+  assert rounded.startswith("name=fused_wgrad_adamw_round_mu\n")
   # fp32 moments have nothing to round, whatever the flag.
-  assert _kernel_body(rounds, jnp.float32) == _kernel_body(pk.ADAMW,
-                                                           jnp.float32)
+  body = lambda text: text.split("\n", 1)[1]
+  assert body(_kernel_body(rounds, jnp.float32)) == body(
+      _kernel_body(pk.ADAMW, jnp.float32))
   lion = pk.lion_rule().with_static(round_b1=1.0, round_b2=1.0)
   assert (_kernel_body(lion).count(to_bf16)
           == _kernel_body(pk.lion_rule()).count(to_bf16) + 2)
@@ -590,6 +594,8 @@ def test_static_settings_are_refused_where_they_do_not_belong():
               bc1_next=0.19)
   with pytest.raises(ValueError, match=r"\['round_mu'\] are static settings"):
     pk.ADAMW.pack(**base, round_mu=1.0)
+  with pytest.raises(ValueError, match="static settings"):  # traced: refused
+    jax.jit(lambda f: pk.ADAMW.pack(**base, round_mu=f))(0.0)
   # unpack() -> pack() round-trips: the rule's own static value is accepted.
   vec = pk.ADAMW.pack(**base)
   np.testing.assert_array_equal(pk.ADAMW.pack(**pk.ADAMW.unpack(vec)), vec)
