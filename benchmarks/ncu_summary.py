@@ -8,10 +8,12 @@
 whose kernel name contains one of ``--kernels`` (all launches if none is
 given), in launch order, as rows of ``kernel, label, block, grid, device,
 cc`` and one column per metric; ``--labels`` names the kept launches in
-order (their number must match). ``device`` is ``--device`` (e.g. ``"NVIDIA
-H200"``; ncu's CSV holds only the device's index) or, without it,
-``cuda:<index>``; ``cc`` its compute capability, from the log. ``benchmarks/gpu_run14.sh`` is the command that profiled
-session 3's kernels; its summary is
+order (their number must match). ``device`` is ``cuda:<index>`` (ncu's CSV
+holds only the device's index), after the name given by ``--device`` when
+there is one (``"NVIDIA H200 (cuda:0)"``); ``cc`` its compute capability,
+from the log. ``benchmarks/gpu_run14.sh`` is the command that profiled
+session 3's kernels; its summary, written before the ``device`` and ``cc``
+columns existed, is
 ``benchmarks/results/h200-2026-11-29-s3/run14_ncu_summary.csv``.
 """
 
@@ -45,7 +47,7 @@ def read_launches(path: str, kernels=()) -> list[dict]:
 
 
 def write_summary(launches, out, labels=None, device=None) -> None:
-  """``device``: the profiled GPU's name for every row; default
+  """``device``: the profiled GPU's name, written before each row's
   ``cuda:<ncu's device index>``."""
   if labels is not None and len(labels) != len(launches):
     raise ValueError(f"{len(labels)} labels for {len(launches)} kept launches")
@@ -53,7 +55,8 @@ def write_summary(launches, out, labels=None, device=None) -> None:
   w = csv.writer(out)
   w.writerow(["kernel", "label", "block", "grid", "device", "cc"] + metrics)
   for i, r in enumerate(launches):
-    dev = device or (f"cuda:{r['device']}" if r.get("device") else "")
+    index = f"cuda:{r['device']}" if r.get("device") else ""
+    dev = f"{device} ({index})" if device and index else device or index
     w.writerow([r["kernel"], labels[i] if labels else "", r["block"],
                 r["grid"], dev, r.get("cc", "")]
                + [r["metrics"].get(m, "") for m in metrics])
@@ -67,8 +70,8 @@ def main(argv=None) -> int:
   p.add_argument("--labels", nargs="*", default=None,
                  help="a name for each kept launch, in launch order")
   p.add_argument("--device", default=None,
-                 help="the profiled GPU's name for the device column (ncu's "
-                 "CSV has only its index); default cuda:<index>")
+                 help="the profiled GPU's name, written before the device "
+                 "column's cuda:<index> (ncu's CSV has only the index)")
   p.add_argument("--out", default="-", help="CSV path (default: stdout)")
   args = p.parse_args(argv)
   try:

@@ -453,8 +453,8 @@ def fused_wgrad_update(
       compiler_params=plgpu.CompilerParams(
           num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
-      # Static settings that change the code (e.g. round_mu=1) are named,
-      # so a profile tells the two kernels apart.
+      # Nonzero static settings (e.g. round_mu=1) are named, so a profile
+      # tells the kernels apart (with fp32 slots round_mu changes no code).
       name="_".join(["fused_wgrad", rule.name,
                      *(n for n, v in rule.static if v)]),
   )(x2, dy2, hparams, *extra, *state)

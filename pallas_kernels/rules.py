@@ -45,7 +45,8 @@ class UpdateRule:
   """An elementwise optimizer step ``(g, w, slots, h) -> (w', slots')``.
 
   Attributes:
-    name: family name, e.g. ``"adamw"``; also the kernel's name suffix.
+    name: family name, e.g. ``"adamw"``; also the kernel's name suffix
+      (followed by the names of nonzero :attr:`static` settings).
     slots: names of the state arrays kept beside the weight, in order (they
       have the weight's shape; e.g. ``("mu", "nu")``).
     hparams: names of the runtime scalars the update reads, in order.

@@ -71,7 +71,7 @@ def test_ncu_summary_keeps_named_launches_in_order(tmp_path):
   out = io.StringIO()
   ncu_summary.write_summary(launches, out, device="NVIDIA H200")
   assert out.getvalue().splitlines()[1].startswith(
-      'fused_wgrad_adamw,,"(128, 1, 1)","(2048, 1, 1)",NVIDIA H200,9.0,')
+      'fused_wgrad_adamw,,"(128, 1, 1)","(2048, 1, 1)",NVIDIA H200 (cuda:0),9.0,')
   with pytest.raises(ValueError, match="1 labels for 2 kept launches"):
     ncu_summary.write_summary(launches, io.StringIO(), ["only one"])
 
