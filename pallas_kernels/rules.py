@@ -64,8 +64,8 @@ class UpdateRule:
       ``"mu_hat"``, computed from ``G`` in registers for the layer pass that
       follows). Stored in ``output_dtype``; never read by the kernel.
     defaults: ``(name, source)`` pairs: :meth:`pack` gives hyperparameter
-      ``name``, when it is not passed, the value of hyperparameter ``source``
-      (a string) or ``source`` itself (a number). Used for a momentum's
+      ``name`` the value of hyperparameter ``source`` when it is not passed.
+      Used for a momentum's
       decay as applied to the *stored* moment (``"b1_m"``, ``"decay_m"``):
       optax multiplies the stored moment by a Python-float decay in the
       moment's dtype, so with a bf16 moment the decay is rounded to bf16
@@ -89,7 +89,7 @@ class UpdateRule:
   update: UpdateFn
   updates_weight: bool = True
   outputs: tuple[str, ...] = ()
-  defaults: tuple[tuple[str, str | float], ...] = ()
+  defaults: tuple[tuple[str, str], ...] = ()
   static: tuple[tuple[str, float], ...] = ()
 
   def __post_init__(self):
@@ -102,8 +102,7 @@ class UpdateRule:
           f"rule {self.name!r} writes neither the weight nor any slot or "
           "output: its epilogue would do nothing")
     for name, source in self.defaults:
-      if name not in self.hparams or (isinstance(source, str)
-                                      and source not in self.hparams):
+      if name not in self.hparams or source not in self.hparams:
         raise ValueError(
             f"rule {self.name!r}: default {name!r} <- {source!r} names a "
             f"hyperparameter it does not have ({self.hparams})")
@@ -146,11 +145,7 @@ class UpdateRule:
           f"kernel is built ({fixed}), not packed hyperparameters: use "
           "rule.with_static(...)")
     for name, source in self.defaults:
-      if name in values:
-        continue
-      if not isinstance(source, str):
-        values[name] = source
-      elif source in values:
+      if name not in values and source in values:
         values[name] = values[source]
     missing = [n for n in self.hparams if n not in values]
     extra = [n for n in values if n not in self.hparams]
@@ -244,10 +239,9 @@ def _stored_product(h, decay: str, t, slot: str, flag: str | None):
   if h.get(ROUND_BY_CONVERT) or dtype != jnp.bfloat16:
     # reduce_precision flushes fp16 subnormals, which fp16 keeps: fp16 moments
     # are rounded by the convert pair everywhere (XLA may drop it on the GPU).
-    rounded = p.astype(dtype).astype(p.dtype)
-  else:  # for bf16 the convert pair's values (NaN payloads aside); XLA keeps it
-    rounded = lax.reduce_precision(p, exponent_bits=8, mantissa_bits=7)
-  return rounded
+    return p.astype(dtype).astype(p.dtype)
+  # For bf16 the convert pair's values (NaN payloads aside); XLA keeps it.
+  return lax.reduce_precision(p, exponent_bits=8, mantissa_bits=7)
 
 
 def _stored_ema(g, t, h, one_minus_decay: str, decay: str, slot: str,
