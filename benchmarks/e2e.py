@@ -6,14 +6,18 @@ A Llama-style decoder (token embedding; per block RMSNorm -> GQA attention
 with rotary embeddings through ``jax.nn.dot_product_attention(is_causal=True)``
 -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; untied LM
 head), bf16 parameters and activations, fp32 loss (softmax cross-entropy on
-fp32 logits). Two arms, the same model, initialisation, batch and AdamW
+fp32 logits). The arms run the same model, initialisation, batch and AdamW
 hyperparameters (m and v both stored in the parameters' dtype):
 
-  forge   every projection (q, k, v, o, gate, up, down, LM head) is a
-          ``forge_jax.Dense(use_bias=False)``; ``forge_jax.make_step`` with
-          ``forge_jax.adamw`` -- each kernel is updated inside its backward.
-  optax   the same projections as ``flax.linen.Dense``; ``jax.value_and_grad``
-          + ``optax.adamw``.
+  forge      every projection (q, k, v, o, gate, up, down, LM head) is a
+             ``forge_jax.Dense(use_bias=False)``; ``forge_jax.make_step``
+             with ``forge_jax.adamw`` -- each kernel is updated inside its
+             backward by the fused kernel.
+  forge-xla  the same, with ``make_step(..., wgrad="xla")``: each kernel's
+             update, still inside its backward, is XLA's GEMM storing that
+             layer's gradient and an elementwise AdamW reading it.
+  optax      the same projections as ``flax.linen.Dense``;
+             ``jax.value_and_grad`` + ``optax.adamw``.
 
 Both steps are ``jax.jit(step, donate_argnums=(0, 1))``; embeddings and norm
 scales take optax's own update in both. The layers are unrolled
@@ -66,7 +70,10 @@ import forge_jax  # noqa: E402
 from forge_jax.demo import timed_steps  # noqa: E402
 from benchmarks import common  # noqa: E402
 
-ARMS = ("forge", "optax")
+ARMS = ("forge", "forge-xla", "optax")
+DEFAULT_ARMS = ("forge", "optax")
+# make_step's wgrad of each FORGE arm.
+WGRAD = {"forge": "fused", "forge-xla": "xla"}
 RESULT_TAG = "E2E_CELL_RESULT "
 # Both arms' first-step losses come from the same forward on the same
 # initialisation; only XLA's fusion / GEMM-algorithm choices may differ.
@@ -230,7 +237,7 @@ def make_tx(arm: str, cfg: Config, hparams: dict | None = None):
   optax keeps in the parameters' dtype) are stored alike in both arms."""
   h = dict(HPARAMS if hparams is None else hparams)
   lr = h.pop("learning_rate")
-  make = forge_jax.adamw if arm == "forge" else optax.adamw
+  make = forge_jax.adamw if arm in WGRAD else optax.adamw
   return make(lr, mu_dtype=cfg.jdtype, mask=decay_mask, **h)
 
 
@@ -241,8 +248,9 @@ def build_arm(arm: str, cfg: Config, hparams: dict | None = None):
   if arm not in ARMS:
     raise ValueError(f"unknown arm {arm!r}; expected one of {ARMS}")
   tx = make_tx(arm, cfg, hparams)
-  if arm == "forge":
-    return forge_jax.make_step(make_loss(Decoder(cfg, forge_jax.Dense)), tx), tx
+  if arm in WGRAD:
+    return forge_jax.make_step(make_loss(Decoder(cfg, forge_jax.Dense)), tx,
+                               wgrad=WGRAD[arm]), tx
   return common.optax_step(make_loss(Decoder(cfg, nn.Dense)), tx), tx
 
 
@@ -456,13 +464,22 @@ def _fmt(v, spec=".1f"):
 
 
 def summarize(results: dict, bts) -> bool:
-  """Prints the forge/optax table; returns whether first-step losses agree."""
+  """Prints each FORGE arm beside optax; returns whether first-step losses
+  agree."""
   ok = True
-  print("\nforge / optax (p50 step time; compiled-step temporaries; "
+  forge_arms = [a for a in WGRAD if any((a, bt) in results for bt in bts)]
+  for arm in forge_arms or ["forge"]:
+    ok &= _summarize_arm(results, bts, arm)
+  return ok
+
+
+def _summarize_arm(results: dict, bts, arm: str) -> bool:
+  ok = True
+  print(f"\n{arm} / optax (p50 step time; compiled-step temporaries; "
         "allocator peak; compile time)")
-  print(f"{'BT':>6} {'metric':<16} {'forge':>12} {'optax':>12} {'ratio':>8}")
+  print(f"{'BT':>6} {'metric':<16} {arm:>12} {'optax':>12} {'ratio':>8}")
   for bt in bts:
-    f, o = results.get(("forge", bt)), results.get(("optax", bt))
+    f, o = results.get((arm, bt)), results.get(("optax", bt))
     def row(name, fv, ov, spec=".1f"):
       ratio = (f"{fv / ov:8.3f}" if fv is not None and ov not in (None, 0)
                else f"{'n/a':>8}")
@@ -486,16 +503,16 @@ def summarize(results: dict, bts) -> bool:
       rel = abs(lf - lo) / max(abs(lo), 1e-30)
       same = rel <= FIRST_LOSS_RTOL
       ok &= same
-      print(f"{bt:>6} first-step loss forge {lf!r} vs optax {lo!r}: rel diff "
+      print(f"{bt:>6} first-step loss {arm} {lf!r} vs optax {lo!r}: rel diff "
             f"{rel:.2e} ({'OK' if same else 'MISMATCH'}, tol "
             f"{FIRST_LOSS_RTOL:g})")
-      for arm, r in (("forge", f), ("optax", o)):
+      for name, r in ((arm, f), ("optax", o)):
         if not r["losses"][-1] < r["losses"][0]:
-          print(f"{bt:>6} warning: {arm} loss did not fall "
+          print(f"{bt:>6} warning: {name} loss did not fall "
                 f"({r['losses'][0]:.5f} -> {r['losses'][-1]:.5f})")
       if f["peak_bytes"] is not None and o["peak_bytes"] is not None:
-        print(f"{bt:>6} acceptance: forge step time <= optax: "
-              f"{f['step_ms'][1] <= o['step_ms'][1]}; forge peak <= optax: "
+        print(f"{bt:>6} acceptance: {arm} step time <= optax: "
+              f"{f['step_ms'][1] <= o['step_ms'][1]}; {arm} peak <= optax: "
               f"{f['peak_bytes'] <= o['peak_bytes']}")
   return ok
 
@@ -517,15 +534,17 @@ def plot(csv_path: str, png_path: str) -> None:
   panels = (("step_time", "median step time (ms)"),
             (mem_metric, f"{'allocator peak' if has_peak else 'compiled temporaries'} (MiB)"))
   fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-  width = 0.38
+  arms = [a for a in ARMS if any(k[1] == a for k in last)]
+  width = 0.8 / max(len(arms), 1)
+  colors = {"forge": "tab:orange", "forge-xla": "tab:blue", "optax": "gray"}
   for ax, (metric, label) in zip(axes, panels):
-    for i, arm in enumerate(ARMS):
+    for i, arm in enumerate(arms):
       vals = [float(last[(bt, arm, metric)]["p50"]) if (bt, arm, metric) in last
               else 0.0 for bt in bts]
       bars = ax.bar([j + i * width for j in range(len(bts))], vals, width,
-                    label=arm, color="tab:orange" if arm == "forge" else "gray")
+                    label=arm, color=colors[arm])
       ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks([j + width / 2 for j in range(len(bts))])
+    ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(bts))])
     ax.set_xticklabels([f"BT={bt}" for bt in bts])
     ax.set_ylabel(label)
     ax.legend(fontsize=8)
@@ -556,7 +575,8 @@ def parse_args(argv):
   p = argparse.ArgumentParser(
       description=__doc__.splitlines()[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+  p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS),
+                 choices=ARMS)
   p.add_argument("--bt", type=common.positive_int, nargs="+", default=[512, 2048],
                  help="tokens per step (multiples of --seq)")
   p.add_argument("--layers", type=common.positive_int, default=d.layers)

@@ -60,6 +60,9 @@ class StepContext:
   mode: str  # "discover" | "fused"
   rule: Any = None  # the pallas_kernels.UpdateRule of the step's optimizer
   spec: Any = None  # the step's forge_jax.ForgeSpec (None: `rule`, regime 1)
+  # make_step's wgrad: "fused" (the Pallas kernel) or "xla" (XLA's GEMM, then
+  # the rule's elementwise update, in the layer's backward).
+  wgrad: str = "fused"
   layouts: dict[Path, Any] = dataclasses.field(default_factory=dict)
   inputs: dict[Path, LayerInputs] = dataclasses.field(default_factory=dict)
   layers: dict[Path, LayerInfo] = dataclasses.field(default_factory=dict)

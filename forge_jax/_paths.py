@@ -101,7 +101,23 @@ def _deferred(spec, layout: _state.KernelLayout, g, w, inputs):
       n.astype(o.dtype) for n, o in zip(new_leaves, inputs.slots))
 
 
-def step_in_backward(spec, layout, x, dy, w, inputs, config=None):
+WGRAD_MODES = ("fused", "xla")
+
+
+def wgrad_update(x, dy, w, slots, hparams, *, rule, config=None,
+                 wgrad="fused", layer=None):
+  """The rule's step from ``G = x^T dy``: the fused kernel (``wgrad="fused"``,
+  ``G`` never in memory) or XLA's GEMM then the rule's elementwise update
+  (``"xla"``, ``G`` in memory for this call: make_step's ``wgrad``)."""
+  if wgrad == "xla":
+    return pallas_kernels.unfused_wgrad_update(x, dy, w, slots, hparams,
+                                               rule=rule, layer=layer)
+  return pallas_kernels.fused_wgrad_update(x, dy, w, slots, hparams, rule=rule,
+                                           config=config, layer=layer)
+
+
+def step_in_backward(spec, layout, x, dy, w, inputs, config=None,
+                     wgrad="fused"):
   """The optimizer step of one FORGE kernel inside its layer's backward.
 
   ``w`` is the pre-update kernel (the caller has already read it for
@@ -109,8 +125,8 @@ def step_in_backward(spec, layout, x, dy, w, inputs, config=None):
   """
   if spec.regime == 3:
     return _deferred(spec, layout, form_gradient(x, dy), w, inputs)
-  w1, new = pallas_kernels.fused_wgrad_update(
-      x, dy, w, inputs.slots, inputs.hparams, rule=spec.rule, config=config)
+  w1, new = wgrad_update(x, dy, w, inputs.slots, inputs.hparams,
+                         rule=spec.rule, config=config, wgrad=wgrad)
   return _after_epilogue(spec, w1, new, inputs)
 
 

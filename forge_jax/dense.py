@@ -30,6 +30,7 @@ class _Static:
   # deferred) and where this kernel's state lives; None: `rule`, regime 1.
   spec: Any = None
   layout: Any = None
+  wgrad: str = "fused"  # make_step's wgrad: "fused" | "xla"
 
 
 def _matmul(x, kernel, precision):
@@ -69,12 +70,13 @@ def _fused_linear_bwd(static, res, dy):
   with _paths.refusing_derivatives(
       f"forge_jax.Dense at {_context.layer_name(static.path)!r}"):
     if static.spec is None:
-      new_kernel, new_slots = pallas_kernels.fused_wgrad_update(
+      new_kernel, new_slots = _paths.wgrad_update(
           x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
-          config=static.config)
+          config=static.config, wgrad=static.wgrad)
     else:
       new_kernel, new_slots = _paths.step_in_backward(
-          static.spec, static.layout, x, dy, kernel, inputs, static.config)
+          static.spec, static.layout, x, dy, kernel, inputs, static.config,
+          static.wgrad)
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.add(static.path)
@@ -172,7 +174,8 @@ class Dense(nn.Dense):
     layer_inputs = ctx.inputs[path]
     static = _Static(path=path, rule=ctx.rule, dtype=dtype,
                      precision=self.precision, config=self.block_config,
-                     spec=ctx.spec, layout=ctx.layouts.get(path))
+                     spec=ctx.spec, layout=ctx.layouts.get(path),
+                     wgrad=ctx.wgrad)
     y = _fused_linear(static, inputs_c, kernel, layer_inputs)
     if bias_c is not None:
       y += jnp.reshape(bias_c, (1,) * (y.ndim - 1) + (-1,))

@@ -58,6 +58,7 @@ class _Static:
   spec: Any
   layout: Any
   in_place_layer: bool  # stack_update: "layer" (True) or "slice" (False)
+  wgrad: str = "fused"  # make_step's wgrad: "fused" | "xla"
 
 
 def _matmul(x, kernel, precision):
@@ -116,9 +117,10 @@ def _fused_stack_bwd(static, res, dy):
       dx, w_stack = lax.optimization_barrier((dx, w_stack))
       # The fused kernel updates layer i of the carried stacks in place
       # (`layer=i`): no slice of W or of a slot is copied out or back.
-      w_stack, slot_stacks = pallas_kernels.fused_wgrad_update(
+      w_stack, slot_stacks = _paths.wgrad_update(
           x_i, dz, w_stack, slot_stacks, inputs.hparams,
-          rule=static.spec.rule, config=static.config, layer=i)
+          rule=static.spec.rule, config=static.config, wgrad=static.wgrad,
+          layer=i)
       return (dx.astype(dy.dtype), w_stack, tuple(slot_stacks)), db
     # "slice": layer i's W and slots are copied out, stepped, written back.
     dx, w_i = lax.optimization_barrier((dx, w_i))
@@ -126,7 +128,7 @@ def _fused_stack_bwd(static, res, dy):
                     for s in slot_stacks)
     w_new, slots_new = _paths.step_in_backward(
         static.spec, static.layout, x_i, dz, w_i,
-        inputs._replace(slots=slots_i), static.config)
+        inputs._replace(slots=slots_i), static.config, static.wgrad)
     w_stack = lax.dynamic_update_index_in_dim(
         w_stack, w_new.astype(w_stack.dtype), i, 0)
     slot_stacks = tuple(
@@ -289,6 +291,6 @@ class ScannedDenseStack(nn.Module):
                      dtype=dtype,
                      precision=self.precision, config=self.block_config,
                      spec=spec, layout=ctx.layouts.get(path),
-                     in_place_layer=in_place_layer)
+                     in_place_layer=in_place_layer, wgrad=ctx.wgrad)
     return _fused_stack(static, x.astype(dtype), kernels, biases,
                         ctx.inputs[path])

@@ -148,6 +148,7 @@ def make_step(
     *,
     shared: str = "error",
     has_aux: bool = False,
+    wgrad: str = "fused",
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]:
   """Builds ``step(variables, opt_state, batch) -> (loss, variables, opt_state)``.
 
@@ -191,10 +192,25 @@ def make_step(
     through ``jax.jit(step)``, which copies the attribute when made) -- holds
     their names (``[]``: none; before the first trace, ``[]``).
 
+  ``wgrad`` says how a FORGE layer forms its weight gradient:
+
+  * ``"fused"`` (default): the fused Pallas kernel -- ``G = x^T dy`` in
+    registers, the optimizer applied in its epilogue; ``G`` never exists in
+    memory.
+  * ``"xla"``: XLA's GEMM stores the layer's ``G`` (in the dtype
+    ``jax.grad`` gives it), the family's elementwise update reads it, both
+    inside the layer's backward (``pallas_kernels.unfused_wgrad_update``):
+    one layer's ``G`` is live at a time instead of every layer's, as with
+    optax. For shapes where the fused kernel is slower than XLA's GEMM plus
+    an elementwise update (``docs/benchmarks.md``). Regime-3 families
+    (Adafactor, SM3) form ``G`` in fp32 in the backward under either
+    setting.
+
   Raises: ``TypeError`` if ``tx`` is not a forge_jax transform (an optax
   chain is not one; a regime-4 transform such as global-norm clipping cannot
   be fused at all: ``forge_jax.refuse_reason``); ``ValueError`` if
-  ``shared`` is not ``"error"`` or ``"standard"``; at trace time, with
+  ``shared`` is not ``"error"`` or ``"standard"``, or ``wgrad`` not
+  ``"fused"`` or ``"xla"``; at trace time, with
   ``shared="error"``, ``ValueError`` if a FORGE layer is called twice in a
   step, or its kernel is also read by anything other than its own layer --
   give that layer ``fused=False``, or use ``shared="standard"``. Also at
@@ -232,6 +248,12 @@ def make_step(
         "layers to the standard (optax) path and warns which")
   if not isinstance(has_aux, bool):
     raise TypeError(f"make_step: has_aux must be a bool, got {has_aux!r}")
+  if not isinstance(wgrad, str) or wgrad not in _paths.WGRAD_MODES:
+    raise ValueError(
+        f"make_step: wgrad={wgrad!r} must be one of {_paths.WGRAD_MODES}: "
+        "'fused' forms each FORGE layer's weight gradient in the fused "
+        "kernel's registers, 'xla' with XLA's GEMM inside the layer's "
+        "backward")
   spec = tx.spec
   standard_layers: list[str] = []
 
@@ -326,7 +348,7 @@ def make_step(
           shared=shared_state)
 
     ctx = _context.StepContext("fused", rule=spec.rule, spec=spec,
-                               layouts=layouts, shared=shared,
+                               wgrad=wgrad, layouts=layouts, shared=shared,
                                standard=frozenset(fallback))
 
     def loss_of(params, inputs):

@@ -6,6 +6,8 @@ thin framework layers over these kernels. The public names:
 * :func:`fused_wgrad_update` -- the kernel (``G = x^T dy`` in registers, the
   rule applied in its epilogue, ``W`` and the slots updated in place);
   :func:`fused_wgrad_update_reference` -- its pure-``jnp`` reference;
+  :func:`unfused_wgrad_update` -- the same step unfused (XLA's GEMM stores
+  ``G``, the rule's elementwise update reads it);
   :class:`BlockConfig` -- its tiling; :func:`select_config` -- the tiling it
   picks (the autotune cache, else a heuristic); :func:`default_interpret` --
   whether it runs in Pallas interpret mode (no GPU).
@@ -40,6 +42,7 @@ from pallas_kernels.fused_wgrad import (
     fused_wgrad_update,
     fused_wgrad_update_reference,
     select_config,
+    unfused_wgrad_update,
 )
 from pallas_kernels.regimes import (
     Declaration,
@@ -71,4 +74,5 @@ __all__ = [
     "adam_rule", "adamax_rule", "adamw_rule", "classify", "default_interpret",
     "fused_wgrad_update", "fused_wgrad_update_reference", "lamb_rule",
     "lion_rule", "muon_rule", "radam_rule", "rmsprop_rule", "select_config", "sgd_rule",
+    "unfused_wgrad_update",
 ]

@@ -477,6 +477,28 @@ def _apply_maybe_stacked(rule, g, w, slots, hparams, layer):
       new[n:])
 
 
+def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
+                         layer=None):
+  """The same step as :func:`fused_wgrad_update`, unfused: XLA's GEMM forms
+  ``G = x^T dy`` in memory and ``rule.apply`` (one XLA elementwise fusion)
+  consumes it.
+
+  ``G`` is accumulated in fp32 and stored in ``x``'s and ``dy``'s common
+  dtype -- the gradient ``jax.grad`` gives a ``Dense`` kernel computed in
+  that dtype, so a bf16 layer's step is optax's own, operation for operation.
+  For shapes where the fused kernel is slower than XLA's GEMM plus an
+  elementwise update (``forge_jax.make_step(..., wgrad="xla")``); called
+  inside a layer's backward, ``G`` lives for that one call. Same arguments and
+  returns as :func:`fused_wgrad_update`, without ``config`` and ``interpret``.
+  """
+  x, dy, w, slots = _checked_inputs(x, dy, w, slots, hparams, rule, layer)
+  x2, dy2 = _flatten_tokens(x, dy)
+  g = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())),
+                      precision=_dot_precision(x2, dy2, w),
+                      preferred_element_type=x2.dtype)
+  return _apply_maybe_stacked(rule, g, w, slots, hparams, layer)
+
+
 def fused_wgrad_update_reference(x, dy, w, slots, hparams, *, rule: UpdateRule,
                                  layer=None):
   """Pure-``jnp`` reference: form ``G`` in fp32, then apply ``rule``."""

@@ -59,9 +59,19 @@ def test_forge_arm_runs_fused_kernels():
   assert jaxpr.count("pallas_call") >= 7 * TINY.layers + 1
 
 
-def test_forge_equals_optax_after_three_steps(trained):
+def test_forge_xla_arm_runs_no_fused_kernel():
+  step, tx = e2e.build_arm("forge-xla", TINY, HPARAMS)
+  variables = e2e.init_variables(TINY)
+  batch = e2e.make_batch(TINY, 2)
+  jaxpr = str(jax.make_jaxpr(step)(variables, tx.init(variables["params"]),
+                                   batch))
+  assert "pallas_call" not in jaxpr and "dot_general" in jaxpr
+
+
+@pytest.mark.parametrize("arm", ["forge", "forge-xla"])
+def test_forge_equals_optax_after_three_steps(trained, arm):
   init, runs = trained
-  (fl, fv, fs), (ol, ov, os_) = runs["forge"], runs["optax"]
+  (fl, fv, fs), (ol, ov, os_) = runs[arm], runs["optax"]
   assert fl[0] == ol[0]  # same init, same batch, same forward
   assert all(math.isfinite(l) for l in fl + ol) and fl[-1] < fl[0]
   fp32 = tol(jnp.float32)
