@@ -80,11 +80,12 @@ def optax_step(loss_fn: Callable, tx, has_aux: bool = False) -> Callable:
   return step
 
 
-def compiled_adamw_step(model, x, forge: bool, learning_rate: float = 1e-3):
+def compiled_adamw_step(model, x, forge: bool, learning_rate: float = 1e-3,
+                        wgrad: str = "fused"):
   """One AdamW training step of ``model`` on ``mean(model(x)^2)`` (fp32 loss),
   jitted with the state donated and compiled for ``x``: FORGE's
-  ``make_step`` + ``forge_jax.adamw`` when ``forge``, else :func:`optax_step`
-  + ``optax.adamw``. Returns ``(jitted, compiled, (variables, opt_state,
+  ``make_step(..., wgrad=wgrad)`` + ``forge_jax.adamw`` when ``forge``, else
+  :func:`optax_step` + ``optax.adamw``. Returns ``(jitted, compiled, (variables, opt_state,
   x))`` -- the arms the memory benchmarks and tests compare."""
   import forge_jax  # noqa: PLC0415 -- kernel-only benchmarks skip flax's import
 
@@ -92,7 +93,7 @@ def compiled_adamw_step(model, x, forge: bool, learning_rate: float = 1e-3):
   loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
   if forge:
     tx = forge_jax.adamw(learning_rate)
-    step = forge_jax.make_step(loss_fn, tx)
+    step = forge_jax.make_step(loss_fn, tx, wgrad=wgrad)
   else:
     tx = optax.adamw(learning_rate)
     step = optax_step(loss_fn, tx)

@@ -492,10 +492,12 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
   returns as :func:`fused_wgrad_update`, without ``config`` and ``interpret``.
   """
   x, dy, w, slots = _checked_inputs(x, dy, w, slots, hparams, rule, layer)
-  x2, dy2 = _flatten_tokens(x, dy)
-  g = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())),
-                      precision=_dot_precision(x2, dy2, w),
-                      preferred_element_type=x2.dtype)
+  # G as JAX's transpose of the layer's dot forms it -- dy^T x over every
+  # token axis at once, then transposed -- so that it rounds as optax's does.
+  tokens = tuple(range(x.ndim - 1))
+  g = lax.dot_general(dy, x, ((tokens, tokens), ((), ())),
+                      precision=_dot_precision(x, dy, w),
+                      preferred_element_type=x.dtype).T
   return _apply_maybe_stacked(rule, g, w, slots, hparams, layer)
 
 

@@ -107,12 +107,13 @@ def _same_bits(a, b):
 
 
 def _run_cycles(forge_tx, optax_tx, optax_ms, mode, data, model=MLP,
-                cycles=CYCLES, every_k=lambda step: K):
+                cycles=CYCLES, every_k=lambda step: K, wgrad="fused"):
   """Runs FORGE and optax.MultiSteps side by side, call by call, and one
   optax step per cycle on the concatenated batch. Returns the worst relative
   errors (vs optax.MultiSteps, vs the one-step reference)."""
   xs, ys, variables = data
-  forge = jax.jit(forge_jax.make_step(_mse(model(forge_jax.Dense)), forge_tx),
+  forge = jax.jit(forge_jax.make_step(_mse(model(forge_jax.Dense)), forge_tx,
+                                      wgrad=wgrad),
                   donate_argnums=(0, 1))
   ms_step = jax.jit(reference_step(_mse(model(nn.Dense)),
                                    optax_ms.gradient_transformation()))
@@ -169,6 +170,12 @@ def test_k_micro_steps_equal_one_step_on_the_concatenated_batch(name, data):
   worst_ms, worst_one = _run_cycles(forge_tx, optax_tx, optax_ms, mode, data)
   print(f"{name}: worst rel err vs optax.MultiSteps {worst_ms:.2e}, "
         f"vs one step on the concatenated batch {worst_one:.2e}")
+
+
+@pytest.mark.parametrize("name", ["adamw_exact", "sgd_momentum_momentum"])
+def test_k_micro_steps_with_xla_wgrad(name, data):
+  forge_tx, optax_tx, optax_ms, mode = _transforms(name)
+  _run_cycles(forge_tx, optax_tx, optax_ms, mode, data, wgrad="xla")
 
 
 @pytest.mark.gpu

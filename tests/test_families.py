@@ -183,15 +183,17 @@ def data():
   return xs, ys, variables
 
 
+@pytest.mark.parametrize("wgrad", ["fused", "xla"])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_mlp_training_matches_optax(name, data):
+def test_mlp_training_matches_optax(name, wgrad, data):
   xs, ys, variables = data
   forge_tx, optax_tx = _transforms(name)
   ref_loss = _mse(MLP(nn.Dense))
 
   ref_step = jax.jit(reference_step(ref_loss, optax_tx))
 
-  forge = jax.jit(forge_jax.make_step(_mse(MLP(forge_jax.Dense)), forge_tx),
+  forge = jax.jit(forge_jax.make_step(_mse(MLP(forge_jax.Dense)), forge_tx,
+                                      wgrad=wgrad),
                   donate_argnums=(0, 1))
 
   (v_f, s_f), (v_ref, s_ref), losses = train_side_by_side(
@@ -200,7 +202,8 @@ def test_mlp_training_matches_optax(name, data):
   np.testing.assert_allclose(*zip(*losses), rtol=F32_TOL)
   p_err = _assert_trees_close(v_f, v_ref, f"{name} params")
   s_err = _assert_trees_close(s_f, s_ref, f"{name} opt_state")
-  print(f"{name}: worst rel err params {p_err:.2e}, state {s_err:.2e}")
+  print(f"{name} ({wgrad}): worst rel err params {p_err:.2e}, "
+        f"state {s_err:.2e}")
 
 
 # --- a bf16 moment slot with fp32 parameters (review, session 7) ------------

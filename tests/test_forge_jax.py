@@ -44,12 +44,13 @@ def optax_step(loss_fn, tx):
 
 
 def train_both(ref_model, forge_model, ref_tx, forge_tx, batches, loss=mse,
-               loss_rtol=tol(jnp.float32)):
+               loss_rtol=tol(jnp.float32), wgrad="fused"):
   variables = ref_model.init(jax.random.key(0), batches[0][0])
   ref_state = ref_tx.init(variables["params"])
   f_state = forge_tx.init(variables["params"])
   ref_step = optax_step(loss(ref_model), ref_tx)
-  f_step = jax.jit(forge_jax.make_step(loss(forge_model), forge_tx),
+  f_step = jax.jit(forge_jax.make_step(loss(forge_model), forge_tx,
+                                       wgrad=wgrad),
                    donate_argnums=(0, 1))
   ref_v, f_v = variables, jax.tree.map(jnp.copy, variables)
   for batch in batches:
@@ -299,6 +300,13 @@ def test_make_step_without_forge_layers_says_so():
     step_once(model, forge_jax.adamw(1e-3), data(steps=1)[0])
 
 
+@pytest.mark.parametrize("wgrad", ["XLA", "triton", None])
+def test_unknown_wgrad_is_refused(wgrad):
+  with pytest.raises(ValueError, match=r"wgrad=.* must be one of \('fused', 'xla'\)"):
+    forge_jax.make_step(mse(MLP(forge_jax.Dense)), forge_jax.adamw(1e-3),
+                        wgrad=wgrad)
+
+
 def test_custom_dot_general_is_refused_in_a_step():
   class M(nn.Module):
     @nn.compact
@@ -368,12 +376,13 @@ def test_bf16_fused_error_not_worse_than_unfused_bf16():
 
 
 @pytest.mark.gpu
-def test_matches_optax_adamw_fp32_on_gpu():
+@pytest.mark.parametrize("wgrad", ["fused", "xla"])
+def test_matches_optax_adamw_fp32_on_gpu(wgrad):
   kwargs = dict(learning_rate=SCHEDULE, weight_decay=1e-2, mask=wd_mask)
   with jax.default_matmul_precision("highest"):
     (ref_v, ref_s), (f_v, f_s) = train_both(
         MLP(nn.Dense), MLP(forge_jax.Dense), optax.adamw(**kwargs),
-        forge_jax.adamw(**kwargs), data())
+        forge_jax.adamw(**kwargs), data(), wgrad=wgrad)
   assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
   assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
 
@@ -385,7 +394,7 @@ def test_bf16_fused_error_not_worse_than_unfused_bf16_on_gpu():
   assert fused <= unfused, (fused, unfused)
 
 
-def _stack_step(dense, layers, n=4096, bt=512):
+def _stack_step(dense, layers, n=4096, bt=512, wgrad="fused"):
   class Stack(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -395,7 +404,26 @@ def _stack_step(dense, layers, n=4096, bt=512):
       return x
 
   return compiled_adamw_step(Stack(), jnp.ones((bt, n), jnp.bfloat16),
-                             forge=dense is forge_jax.Dense)
+                             forge=dense is forge_jax.Dense, wgrad=wgrad)
+
+
+@pytest.mark.gpu
+def test_xla_wgrad_updates_in_place_holding_at_most_one_g_on_gpu():
+  """wgrad="xla": W, mu, nu still updated in place; the layers' G buffers
+  are not all live at once (at most one more G than optax's step holds)."""
+  n, layers = 4096, 4
+  jitted, compiled, (variables, opt_state, x) = _stack_step(
+      forge_jax.Dense, layers, n, wgrad="xla")
+  _, ref_compiled, _ = _stack_step(nn.Dense, layers, n)
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  ref_temp = ref_compiled.memory_analysis().temp_size_in_bytes
+  print(f"temp: xla wgrad {temp / 2**20:.1f} MiB, optax {ref_temp / 2**20:.1f} MiB")
+  assert temp <= ref_temp + n * n * 2, (temp, ref_temp)
+  assert "pallas_call" not in str(jax.make_jaxpr(jitted)(variables, opt_state, x))
+  leaves = lambda v, s: jax.tree.leaves((v["params"], s[0].mu, s[0].nu))
+  ptrs = [a.unsafe_buffer_pointer() for a in leaves(variables, opt_state)]
+  _, new_v, new_s = jitted(variables, opt_state, x)
+  assert [a.unsafe_buffer_pointer() for a in leaves(new_v, new_s)] == ptrs
 
 
 @pytest.mark.gpu

@@ -87,6 +87,62 @@ def test_kernel_matches_reference(tokens, n_in, n_out, dtypes):
   check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW)
 
 
+def _dense_kernel_grad(x, dy, w):
+  """The gradient ``jax.grad`` gives a Dense kernel ``w`` used as ``x @ w`` in
+  ``x``'s dtype (fp32 products for fp32 operands)."""
+  prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  _, vjp = jax.vjp(lambda k: jnp.matmul(x, k, precision=prec),
+                   w.astype(x.dtype))
+  return vjp(dy.astype(x.dtype))[0]
+
+
+@pytest.mark.parametrize("tokens,n_in,n_out", SHAPES)
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(
+    jnp.dtype(t).name for t in d))
+def test_unfused_update_is_the_rule_on_the_gradient_jax_grad_gives(
+    tokens, n_in, n_out, dtypes):
+  x, dy, w, slots = make_case(n_in * n_out + 1, tokens, n_in, n_out, dtypes)
+  h = adamw_hparams()
+  # Both jitted, as in a step: XLA then fuses the transpose into the dot.
+  got_w, got_slots = jax.jit(functools.partial(
+      pk.unfused_wgrad_update, rule=pk.ADAMW))(x, dy, w, slots, h)
+  g = jax.jit(_dense_kernel_grad)(x, dy, w)
+  assert g.dtype == x.dtype  # bf16 operands: optax's bf16 gradient
+  ref_w, ref_slots = pk.ADAMW.apply(g, w, slots, h)
+  assert got_w.dtype == w.dtype and got_w.shape == w.shape
+  assert_close(got_w, ref_w, what="w")
+  assert_update_close(got_w, ref_w, w, what="w")
+  for name, a, r, s in zip(pk.ADAMW.slots, got_slots, ref_slots, slots):
+    assert a.dtype == s.dtype and a.shape == s.shape
+    assert_close(a, r, what=name)
+    assert_update_close(a, r, s, what=name)
+  if dtypes == DTYPES[0]:  # fp32: the fused kernel's reference (fp32 G) too
+    check_against_reference(x, dy, w, slots, h, pk.ADAMW)
+    fused_w, _ = pk.fused_wgrad_update_reference(x, dy, w, slots, h,
+                                                 rule=pk.ADAMW)
+    assert_close(got_w, fused_w, what="w vs the fused reference")
+
+
+def test_unfused_update_of_one_layer_of_a_stack():
+  x, dy, w, (mu, nu) = make_case(5, (21,), 20, 24, DTYPES[0])
+  stack = lambda a: jnp.stack([a + 1, a, a - 1])
+  h = adamw_hparams()
+  got_w, (got_mu, got_nu) = pk.unfused_wgrad_update(
+      x, dy, stack(w), (stack(mu), stack(nu)), h, rule=pk.ADAMW, layer=1)
+  ref_w, (ref_mu, ref_nu) = pk.unfused_wgrad_update(x, dy, w, (mu, nu), h,
+                                                    rule=pk.ADAMW)
+  assert_close(got_w[1], ref_w)
+  assert_close(got_mu[1], ref_mu)
+  assert_close(got_nu[1], ref_nu)
+  for i in (0, 2):  # the other layers untouched
+    np.testing.assert_array_equal(np.asarray(got_w[i]), np.asarray(stack(w)[i]))
+    np.testing.assert_array_equal(np.asarray(got_nu[i]),
+                                  np.asarray(stack(nu)[i]))
+  with pytest.raises(IndexError, match="out of range"):
+    pk.unfused_wgrad_update(x, dy, stack(w), (stack(mu), stack(nu)), h,
+                            rule=pk.ADAMW, layer=3)
+
+
 def test_nesterov_rule_matches_reference():
   rule = pk.adamw_rule(nesterov=True)
   x, dy, w, slots = make_case(1, (37,), 70, 130, DTYPES[0])

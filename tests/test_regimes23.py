@@ -87,7 +87,7 @@ def data():
 _worst_leaf = worst_leaf
 
 
-def _train_both(name, data, model_kw=None, steps=STEPS):
+def _train_both(name, data, model_kw=None, steps=STEPS, wgrad="fused"):
   xs, ys, variables = data
   model_kw = model_kw or {}
   forge_tx, optax_tx = _transforms(name)
@@ -96,7 +96,8 @@ def _train_both(name, data, model_kw=None, steps=STEPS):
   ref_step = jax.jit(reference_step(ref_loss, optax_tx))
 
   forge = jax.jit(
-      forge_jax.make_step(_mse(MLP(forge_jax.Dense, **model_kw)), forge_tx),
+      forge_jax.make_step(_mse(MLP(forge_jax.Dense, **model_kw)), forge_tx,
+                          wgrad=wgrad),
       donate_argnums=(0, 1))
   if model_kw:
     variables = MLP(nn.Dense, **model_kw).init(jax.random.key(1), xs[0])
@@ -188,6 +189,14 @@ def test_state_only_rule_lowers_for_cuda_without_a_gpu(rule):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_mlp_training_matches_optax(name, data):
   _check_parity(name, data)
+
+
+# wgrad="xla": regime 2's state advance from XLA's G, then the same layer
+# pass; regime 3 forms G the same way under either setting.
+@pytest.mark.parametrize("name", ["lamb", "muon", "muon_no_nesterov_adaptive_rms",
+                                  "adafactor_factored_momentum_wd"])
+def test_mlp_training_matches_optax_with_xla_wgrad(name, data):
+  _check_parity(name, data, wgrad="xla")
 
 
 @pytest.mark.parametrize("name", ["lamb", "muon", "adafactor_factored_momentum_wd",

@@ -99,7 +99,7 @@ def test_outside_a_step_it_is_nn_scan():
   assert_trees_close(got, ref, 0.0, "grads")
 
 
-def _train(kwargs, steps=10, model_kwargs={}, tokens=None):
+def _train(kwargs, steps=10, model_kwargs={}, tokens=None, wgrad="fused"):
   batches = data(steps=steps)
   if tokens is not None:  # (batch, seq, features) inputs
     batches = [(x.reshape(*tokens, -1), y.reshape(*tokens, -1))
@@ -108,7 +108,7 @@ def _train(kwargs, steps=10, model_kwargs={}, tokens=None):
   variables = ref_model.init(jax.random.key(0), batches[0][0])
   ref_tx, f_tx = optax.adamw(**kwargs), forge_jax.adamw(**kwargs)
   ref_step = optax_step(mse(ref_model), ref_tx)
-  f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx),
+  f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx, wgrad=wgrad),
                    donate_argnums=(0, 1))
   (f_v, f_s), (ref_v, ref_s), losses = train_side_by_side(
       f_step, ref_step, variables, f_tx, ref_tx, batches)
@@ -230,10 +230,11 @@ def test_non_regime_1_family_is_refused_with_the_fix():
     (dict(stack_update="layer"), None),
     (dict(stack_update="slice", width=40, num_layers=3), (3, 16)),
 ], ids=["no-bias", "gelu-3d-tokens", "layer-in-place", "slice-odd"])
-def test_variants_match_nn_scan_optax_adamw_fp32(model_kwargs, tokens):
+@pytest.mark.parametrize("wgrad", ["fused", "xla"])
+def test_variants_match_nn_scan_optax_adamw_fp32(model_kwargs, tokens, wgrad):
   kwargs = dict(learning_rate=1e-2, weight_decay=1e-2)
   _, (ref_loss, ref_v, ref_s), (f_loss, f_v, f_s) = _train(
-      kwargs, steps=5, model_kwargs=model_kwargs, tokens=tokens)
+      kwargs, steps=5, model_kwargs=model_kwargs, tokens=tokens, wgrad=wgrad)
   assert rel_err(f_loss, ref_loss) <= tol(jnp.float32)
   assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
   assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
