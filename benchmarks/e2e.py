@@ -36,8 +36,8 @@ the CSV through ``benchmarks.common.Results`` (benchmark ``e2e``): metrics
 ``compile_time`` (s), ``loss_first`` / ``loss_final`` (nats: the first
 warm-up step's loss and the last timed step's) and ``param_count``. A cell
 that fails or times out gets one row with metric ``failed``, NaN values and
-the reason in ``unit``. The driver prints a forge/optax table and checks that
-both arms start from the same loss. Exit status: 0 if every cell ran and the
+the reason in ``unit``. The driver prints a table of each FORGE arm beside
+optax and checks that the arms start from the same loss. Exit status: 0 if every cell ran and the
 first-step losses agree, else 1.
 """
 
@@ -71,7 +71,6 @@ from forge_jax.demo import timed_steps  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 ARMS = ("forge", "forge-xla", "optax")
-DEFAULT_ARMS = ("forge", "optax")
 # make_step's wgrad of each FORGE arm.
 WGRAD = {"forge": "fused", "forge-xla": "xla"}
 RESULT_TAG = "E2E_CELL_RESULT "
@@ -519,7 +518,7 @@ def _summarize_arm(results: dict, bts, arm: str) -> bool:
 
 def plot(csv_path: str, png_path: str) -> None:
   """Bar chart of an e2e CSV: p50 step time and peak memory (temporaries
-  where the backend has no allocator peak) per BT, forge vs optax."""
+  where the backend has no allocator peak) per BT and arm."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -575,8 +574,7 @@ def parse_args(argv):
   p = argparse.ArgumentParser(
       description=__doc__.splitlines()[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS),
-                 choices=ARMS)
+  p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
   p.add_argument("--bt", type=common.positive_int, nargs="+", default=[512, 2048],
                  help="tokens per step (multiples of --seq)")
   p.add_argument("--layers", type=common.positive_int, default=d.layers)

@@ -2,7 +2,7 @@
 
     ./dev.sh python benchmarks/e2e_profile.py --bt 512 --out P.csv
 
-Builds both arms of ``benchmarks/e2e.py`` (the same Llama-style decoder,
+Builds the arms of ``benchmarks/e2e.py`` (the same Llama-style decoder,
 batch and AdamW), runs a few warm-up steps, then traces ``--steps`` steps of
 each with ``jax.profiler.trace`` and reads the GPU kernels from the trace
 (Perfetto JSON). Per arm and per step it reports the GPU time of each kernel

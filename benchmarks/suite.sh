@@ -13,8 +13,9 @@
 #    itself ("auto": the shipped autotune cache) and, for reference, the
 #    untuned 64x128x64 tile; a sweep over more tilings is
 #    `kernel.py --config LABEL...` or `python -m pallas_kernels.autotune`.
-# 2. e2e.py: the Llama-style decoder's training step, FORGE vs optax.adamw,
-#    BT 512 and 2048, one process per cell -> OUT/e2e.csv, .png
+# 2. e2e.py: the Llama-style decoder's training step, FORGE (fused kernel;
+#    at BT 512 also wgrad="xla") vs optax.adamw, BT 512 and 2048, one process
+#    per cell -> OUT/e2e.csv, .png
 # Every CSV row carries the device, the versions and p20/p50/p80.
 # The e2e part stops starting cells after --budget seconds.
 set -euo pipefail
@@ -38,6 +39,8 @@ TILINGS=(auto 64x128x64,g1,w4,s3)
   --config "${TILINGS[@]}"
 echo "suite: kernel part ${SECONDS}s"
 "$PY" benchmarks/plot.py "$OUT/kernel.csv" "$OUT/kernel.png"
+"$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --bt 512 \
+  --arms optax forge forge-xla --budget 250
 "$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --plot "$OUT/e2e.png" \
-  --bt 512 2048 --budget 330
+  --bt 2048 --arms optax forge --budget 170
 echo "suite: results in $OUT (${SECONDS}s)"

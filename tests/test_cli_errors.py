@@ -212,9 +212,9 @@ def test_e2e_probe_is_not_repeated_for_every_failed_or_skipped_cell(
 
 
 def test_e2e_probe_respects_the_budget(tmp_path, monkeypatch):
-  """--budget bounds the driver (suite.sh: --budget 330; gpu_run16.sh runs it
-  under an outer `timeout` only 10 s above its --budget): the probe's
-  subprocess gets at most what is left of it."""
+  """--budget bounds the driver (suite.sh: --budget 250 and 170;
+  gpu_run16.sh runs it under an outer `timeout` only 10 s above its
+  --budget): the probe's subprocess gets at most what is left of it."""
   from benchmarks import e2e
   _failing_cells(e2e, monkeypatch)
   seen = []
