@@ -538,11 +538,13 @@ def plot(csv_path: str, png_path: str) -> None:
   colors = {"forge": "tab:orange", "forge-xla": "tab:blue", "optax": "gray"}
   for ax, (metric, label) in zip(axes, panels):
     for i, arm in enumerate(arms):
+      # A cell that did not run (or failed) gets no bar, not a 0.
       vals = [float(last[(bt, arm, metric)]["p50"]) if (bt, arm, metric) in last
-              else 0.0 for bt in bts]
+              else float("nan") for bt in bts]
       bars = ax.bar([j + i * width for j in range(len(bts))], vals, width,
                     label=arm, color=colors[arm])
-      ax.bar_label(bars, fmt="%.1f", fontsize=7)
+      ax.bar_label(bars, labels=["" if v != v else f"{v:.1f}" for v in vals],
+                   fontsize=7)
     ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(bts))])
     ax.set_xticklabels([f"BT={bt}" for bt in bts])
     ax.set_ylabel(label)
