@@ -19,7 +19,7 @@ hyperparameters (m and v both stored in the parameters' dtype):
   optax      the same projections as ``flax.linen.Dense``;
              ``jax.value_and_grad`` + ``optax.adamw``.
 
-Both steps are ``jax.jit(step, donate_argnums=(0, 1))``; embeddings and norm
+Every arm's step is ``jax.jit(step, donate_argnums=(0, 1))``; embeddings and norm
 scales take optax's own update in both. The layers are unrolled
 (``forge_jax.ScannedDenseStack`` stacks identical Dense layers only, which a
 decoder block is not, so there is no scanned arm).
@@ -77,7 +77,7 @@ RESULT_TAG = "E2E_CELL_RESULT "
 # Both arms' first-step losses come from the same forward on the same
 # initialisation; only XLA's fusion / GEMM-algorithm choices may differ.
 FIRST_LOSS_RTOL = 2e-3
-# AdamW hyperparameters, identical in both arms.
+# AdamW hyperparameters, identical in every arm.
 HPARAMS = dict(learning_rate=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 
 
@@ -233,7 +233,7 @@ def decay_mask(params):
 
 def make_tx(arm: str, cfg: Config, hparams: dict | None = None):
   """The arm's AdamW: ``mu_dtype`` = the parameters' dtype, so m and v (which
-  optax keeps in the parameters' dtype) are stored alike in both arms."""
+  optax keeps in the parameters' dtype) are stored alike in every arm."""
   h = dict(HPARAMS if hparams is None else hparams)
   lr = h.pop("learning_rate")
   make = forge_jax.adamw if arm in WGRAD else optax.adamw
@@ -262,7 +262,7 @@ def make_batch(cfg: Config, batch_size: int, seed: int = 0):
 
 
 def init_variables(cfg: Config, seed: int = 0):
-  """The decoder's variables (one init for both arms: same tree), jitted."""
+  """The decoder's variables (one init for every arm: same tree), jitted."""
   model = Decoder(cfg, nn.Dense)
   tokens = jnp.zeros((1, cfg.seq), jnp.int32)
   return jax.jit(model.init)(jax.random.key(seed), tokens)

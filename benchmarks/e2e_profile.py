@@ -134,7 +134,7 @@ def main(argv=None) -> int:
   d = e2e.Config()
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--bt", type=common.positive_int, default=512)
-  p.add_argument("--arms", nargs="+", default=list(e2e.ARMS),
+  p.add_argument("--arms", nargs="+", default=["forge", "optax"],
                  choices=e2e.ARMS)
   p.add_argument("--layers", type=common.positive_int, default=d.layers)
   p.add_argument("--steps", type=common.positive_int, default=5)

@@ -39,8 +39,13 @@ TILINGS=(auto 64x128x64,g1,w4,s3)
   --config "${TILINGS[@]}"
 echo "suite: kernel part ${SECONDS}s"
 "$PY" benchmarks/plot.py "$OUT/kernel.csv" "$OUT/kernel.png"
+# Two e2e calls (three arms at BT 512, two at 2048); a failed cell makes a
+# call exit 1, which must not skip the other call or the plot.
+rc=0
 "$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --bt 512 \
-  --arms optax forge forge-xla --budget 250
-"$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --plot "$OUT/e2e.png" \
-  --bt 2048 --arms optax forge --budget 170
+  --arms optax forge forge-xla --budget 250 || rc=1
+"$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --bt 2048 \
+  --arms optax forge --budget 170 || rc=1
+"$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --replot --plot "$OUT/e2e.png" || rc=1
 echo "suite: results in $OUT (${SECONDS}s)"
+exit $rc

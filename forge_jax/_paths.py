@@ -105,19 +105,22 @@ WGRAD_MODES = ("fused", "xla")
 
 
 def wgrad_update(x, dy, w, slots, hparams, *, rule, config=None,
-                 wgrad="fused", layer=None):
+                 wgrad="fused", layer=None, precision=None):
   """The rule's step from ``G = x^T dy``: the fused kernel (``wgrad="fused"``,
-  ``G`` never in memory) or XLA's GEMM then the rule's elementwise update
-  (``"xla"``, ``G`` in memory for this call: make_step's ``wgrad``)."""
+  ``G`` never in memory) or XLA's GEMM, at the layer's ``precision``, then
+  the rule's elementwise update (``"xla"``, ``G`` in memory for this call:
+  make_step's ``wgrad``)."""
   if wgrad == "xla":
-    return pallas_kernels.unfused_wgrad_update(x, dy, w, slots, hparams,
-                                               rule=rule, layer=layer)
+    return pallas_kernels.unfused_wgrad_update(
+        x, dy, w, slots, hparams, rule=rule, layer=layer, precision=precision)
+  if wgrad != "fused":
+    raise ValueError(f"wgrad={wgrad!r} must be one of {WGRAD_MODES}")
   return pallas_kernels.fused_wgrad_update(x, dy, w, slots, hparams, rule=rule,
                                            config=config, layer=layer)
 
 
 def step_in_backward(spec, layout, x, dy, w, inputs, config=None,
-                     wgrad="fused"):
+                     wgrad="fused", precision=None):
   """The optimizer step of one FORGE kernel inside its layer's backward.
 
   ``w`` is the pre-update kernel (the caller has already read it for
@@ -126,7 +129,8 @@ def step_in_backward(spec, layout, x, dy, w, inputs, config=None,
   if spec.regime == 3:
     return _deferred(spec, layout, form_gradient(x, dy), w, inputs)
   w1, new = wgrad_update(x, dy, w, inputs.slots, inputs.hparams,
-                         rule=spec.rule, config=config, wgrad=wgrad)
+                         rule=spec.rule, config=config, wgrad=wgrad,
+                         precision=precision)
   return _after_epilogue(spec, w1, new, inputs)
 
 

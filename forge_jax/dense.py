@@ -72,11 +72,12 @@ def _fused_linear_bwd(static, res, dy):
     if static.spec is None:
       new_kernel, new_slots = _paths.wgrad_update(
           x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
-          config=static.config, wgrad=static.wgrad)
+          config=static.config, wgrad=static.wgrad,
+          precision=static.precision)
     else:
       new_kernel, new_slots = _paths.step_in_backward(
           static.spec, static.layout, x, dy, kernel, inputs, static.config,
-          static.wgrad)
+          static.wgrad, static.precision)
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.add(static.path)
@@ -102,8 +103,10 @@ class Dense(nn.Dense):
   ``nn.Dense``. Inside a step built by :func:`forge_jax.make_step`, its
   backward computes ``dx`` from the pre-update kernel, then updates the kernel
   and its optimizer slots in place with the fused weight-gradient kernel, so
-  the kernel's gradient never exists in memory. The bias takes the ordinary
-  path and is updated exactly as optax would.
+  the kernel's gradient never exists in memory (with ``make_step(...,
+  wgrad="xla")``: from XLA's GEMM, this layer's gradient alone in memory for
+  the update). The bias takes the ordinary path and is updated exactly as
+  optax would.
 
   Extra attributes (after ``nn.Dense``'s, all optional):
     fused: ``False`` keeps this layer on the standard path (its kernel gets an

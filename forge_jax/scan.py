@@ -117,10 +117,12 @@ def _fused_stack_bwd(static, res, dy):
       dx, w_stack = lax.optimization_barrier((dx, w_stack))
       # The fused kernel updates layer i of the carried stacks in place
       # (`layer=i`): no slice of W or of a slot is copied out or back.
+      # (wgrad="xla": XLA's GEMM and the rule on layer i's slices, written
+      # back with dynamic_update_slice.)
       w_stack, slot_stacks = _paths.wgrad_update(
           x_i, dz, w_stack, slot_stacks, inputs.hparams,
           rule=static.spec.rule, config=static.config, wgrad=static.wgrad,
-          layer=i)
+          layer=i, precision=static.precision)
       return (dx.astype(dy.dtype), w_stack, tuple(slot_stacks)), db
     # "slice": layer i's W and slots are copied out, stepped, written back.
     dx, w_i = lax.optimization_barrier((dx, w_i))
@@ -128,7 +130,8 @@ def _fused_stack_bwd(static, res, dy):
                     for s in slot_stacks)
     w_new, slots_new = _paths.step_in_backward(
         static.spec, static.layout, x_i, dz, w_i,
-        inputs._replace(slots=slots_i), static.config, static.wgrad)
+        inputs._replace(slots=slots_i), static.config, static.wgrad,
+        static.precision)
     w_stack = lax.dynamic_update_index_in_dim(
         w_stack, w_new.astype(w_stack.dtype), i, 0)
     slot_stacks = tuple(
@@ -191,7 +194,8 @@ class ScannedDenseStack(nn.Module):
 
   ``stack_update`` says how the backward loop reaches layer ``i``'s kernel
   and slots: ``"layer"`` -- the fused kernel reads and writes them inside the
-  carried stacks (``fused_wgrad_update(..., layer=i)``), nothing copied;
+  carried stacks (``fused_wgrad_update(..., layer=i)``), nothing copied
+  (under ``make_step(..., wgrad="xla")`` XLA updates layer ``i``'s slices);
   ``"slice"`` -- they are copied out of the stacks, stepped, and written back
   (one layer's W and slots of temporaries); ``"auto"`` (default) -- ``"layer"``
   on a GPU, ``"slice"`` in Pallas interpret mode (CPU), whose interpreter

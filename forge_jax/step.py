@@ -197,14 +197,16 @@ def make_step(
   * ``"fused"`` (default): the fused Pallas kernel -- ``G = x^T dy`` in
     registers, the optimizer applied in its epilogue; ``G`` never exists in
     memory.
-  * ``"xla"``: XLA's GEMM stores the layer's ``G`` (in the dtype
-    ``jax.grad`` gives it), the family's elementwise update reads it, both
-    inside the layer's backward (``pallas_kernels.unfused_wgrad_update``):
-    one layer's ``G`` is live at a time instead of every layer's, as with
-    optax. For shapes where the fused kernel is slower than XLA's GEMM plus
-    an elementwise update (``docs/benchmarks.md``). Regime-3 families
-    (Adafactor, SM3) form ``G`` in fp32 in the backward under either
-    setting.
+  * ``"xla"``: XLA's GEMM stores the layer's ``G`` (as ``jax.grad`` forms
+    it, at the layer's ``precision``), the family's elementwise update reads
+    it, both inside the layer's backward
+    (``pallas_kernels.unfused_wgrad_update``): that layer's ``G`` exists
+    for its update only. (Inside one jitted step XLA also schedules optax's
+    per-parameter update soon after its gradient, so the peak memory gained
+    over optax is small; see ``docs/benchmarks.md``.) For a GPU where the
+    fused kernel is slower than XLA's GEMM plus an elementwise update (the
+    H200, for AdamW). Regime-3 families (Adafactor, SM3) form ``G`` in fp32
+    in the backward under either setting.
 
   Raises: ``TypeError`` if ``tx`` is not a forge_jax transform (an optax
   chain is not one; a regime-4 transform such as global-norm clipping cannot

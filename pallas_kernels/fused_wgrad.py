@@ -478,25 +478,30 @@ def _apply_maybe_stacked(rule, g, w, slots, hparams, layer):
 
 
 def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
-                         layer=None):
+                         layer=None, precision=None):
   """The same step as :func:`fused_wgrad_update`, unfused: XLA's GEMM forms
-  ``G = x^T dy`` in memory and ``rule.apply`` (one XLA elementwise fusion)
+  ``G = x^T dy`` in memory and ``rule.apply`` (XLA's elementwise code)
   consumes it.
 
-  ``G`` is accumulated in fp32 and stored in ``x``'s and ``dy``'s common
-  dtype -- the gradient ``jax.grad`` gives a ``Dense`` kernel computed in
-  that dtype, so a bf16 layer's step is optax's own, operation for operation.
-  For shapes where the fused kernel is slower than XLA's GEMM plus an
-  elementwise update (``forge_jax.make_step(..., wgrad="xla")``); called
-  inside a layer's backward, ``G`` lives for that one call. Same arguments and
-  returns as :func:`fused_wgrad_update`, without ``config`` and ``interpret``.
+  ``G`` is formed as JAX's transpose of a ``Dense`` layer's dot forms the
+  kernel's gradient (``dy^T x`` over every token axis, transposed), stored in
+  ``x``'s and ``dy``'s common dtype: for bf16 operands it is the gradient
+  ``jax.grad`` gives optax, bit for bit. ``precision`` is the GEMM's (the
+  layer's ``precision``); ``None``: the fused kernel's, fp32 products when an
+  operand or ``w`` is fp32. For shapes where the fused kernel is slower than
+  XLA's GEMM plus an elementwise update (``forge_jax.make_step(...,
+  wgrad="xla")``); called inside a layer's backward, ``G`` lives for that one
+  call. Otherwise the same arguments and returns as
+  :func:`fused_wgrad_update`, without ``config`` and ``interpret``.
   """
   x, dy, w, slots = _checked_inputs(x, dy, w, slots, hparams, rule, layer)
   # G as JAX's transpose of the layer's dot forms it -- dy^T x over every
   # token axis at once, then transposed -- so that it rounds as optax's does.
   tokens = tuple(range(x.ndim - 1))
+  if precision is None:
+    precision = _dot_precision(x, dy, w)
   g = lax.dot_general(dy, x, ((tokens, tokens), ((), ())),
-                      precision=_dot_precision(x, dy, w),
+                      precision=precision,
                       preferred_element_type=x.dtype).T
   return _apply_maybe_stacked(rule, g, w, slots, hparams, layer)
 

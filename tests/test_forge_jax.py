@@ -300,6 +300,33 @@ def test_make_step_without_forge_layers_says_so():
     step_once(model, forge_jax.adamw(1e-3), data(steps=1)[0])
 
 
+@pytest.mark.parametrize("make_tx", [
+    lambda: forge_jax.adamw(1e-3), lambda: forge_jax.lamb(1e-3),
+    lambda: forge_jax.muon(1e-3),
+    lambda: forge_jax.MultiSteps(forge_jax.adamw(1e-3), 2)],
+    ids=["adamw", "lamb", "muon", "multisteps"])
+def test_wgrad_picks_the_kernel_or_xla_in_the_step(make_tx):
+  """Every regime-1/2 path honours wgrad: fused runs a Pallas call per
+  layer, xla none (fp32 parity alone could not tell the two apart)."""
+  model = MLP(forge_jax.Dense)
+  batch = data(steps=1)[0]
+  variables = model.init(jax.random.key(0), batch[0])
+  tx = make_tx()
+  counts = {}
+  for wgrad in ("fused", "xla"):
+    step = forge_jax.make_step(mse(model), tx, wgrad=wgrad)
+    counts[wgrad] = str(jax.make_jaxpr(step)(
+        variables, tx.init(variables["params"]), batch)).count("pallas_call")
+  assert counts == {"fused": len(model.widths), "xla": 0}, counts
+
+
+def test_wgrad_update_refuses_an_unknown_mode():
+  x = jnp.ones((4, 3))
+  with pytest.raises(ValueError, match="wgrad='XLA' must be one of"):
+    forge_jax._paths.wgrad_update(x, x, jnp.ones((3, 3)), (), jnp.ones(1),
+                                  rule=pk.sgd_rule(), wgrad="XLA")
+
+
 @pytest.mark.parametrize("wgrad", ["XLA", "triton", None])
 def test_unknown_wgrad_is_refused(wgrad):
   with pytest.raises(ValueError, match=r"wgrad=.* must be one of \('fused', 'xla'\)"):
@@ -408,9 +435,9 @@ def _stack_step(dense, layers, n=4096, bt=512, wgrad="fused"):
 
 
 @pytest.mark.gpu
-def test_xla_wgrad_updates_in_place_holding_at_most_one_g_on_gpu():
-  """wgrad="xla": W, mu, nu still updated in place; the layers' G buffers
-  are not all live at once (at most one more G than optax's step holds)."""
+def test_xla_wgrad_updates_in_place_holding_at_most_one_g_more_than_optax_on_gpu():
+  """wgrad="xla": W, mu, nu still updated in place, and the step's
+  temporaries exceed optax's by at most one layer's G."""
   n, layers = 4096, 4
   jitted, compiled, (variables, opt_state, x) = _stack_step(
       forge_jax.Dense, layers, n, wgrad="xla")

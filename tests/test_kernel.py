@@ -123,6 +123,27 @@ def test_unfused_update_is_the_rule_on_the_gradient_jax_grad_gives(
     assert_close(got_w, fused_w, what="w vs the fused reference")
 
 
+@pytest.mark.parametrize("tokens,n_in,n_out", SHAPES)
+@pytest.mark.parametrize("xd,wd", [(jnp.float32, jnp.float32),
+                                   (jnp.bfloat16, jnp.bfloat16),
+                                   (jnp.bfloat16, jnp.float32)],
+                         ids=["f32", "bf16", "bf16-x-f32-w"])
+def test_unfused_gradient_is_jax_grads_bit_for_bit(tokens, n_in, n_out, xd, wd):
+  """SGD at lr 1 from W = 0 returns -G exactly (G's dtype is no wider than
+  W's), so the unfused path's G can be compared bit for bit with the one
+  jax.grad gives the kernel (both jitted, as in a step)."""
+  x, dy, _, _ = make_case(n_in + n_out, tokens, n_in, n_out,
+                          (xd, wd, wd, wd))
+  w0 = jnp.zeros((n_in, n_out), wd)
+  rule = pk.sgd_rule()
+  got_w, _ = jax.jit(functools.partial(pk.unfused_wgrad_update, rule=rule))(
+      x, dy, w0, (), rule.pack(lr=1.0))
+  g = jax.jit(_dense_kernel_grad)(x, dy, w0)
+  assert bool(jnp.any(g != 0))
+  np.testing.assert_array_equal(np.asarray(-got_w, np.float32),
+                                np.asarray(g.astype(wd), np.float32))
+
+
 def test_unfused_update_of_one_layer_of_a_stack():
   x, dy, w, (mu, nu) = make_case(5, (21,), 20, 24, DTYPES[0])
   stack = lambda a: jnp.stack([a + 1, a, a - 1])

@@ -207,6 +207,22 @@ def test_forge_dense_inside_nn_scan_is_refused_pointing_to_the_stack():
         variables, tx.init(variables["params"]), x)
 
 
+@pytest.mark.parametrize("stack_update", ["layer", "slice"])
+def test_wgrad_picks_the_kernel_or_xla_in_the_stack(stack_update):
+  """The stack's backward honours make_step's wgrad in both update modes:
+  one Pallas call in the scanned body (plus embed and head) or none."""
+  model = Model(True, stack_update=stack_update)
+  x, y = data(steps=1)[0]
+  variables = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-3)
+  counts = {}
+  for wgrad in ("fused", "xla"):
+    step = forge_jax.make_step(mse(model), tx, wgrad=wgrad)
+    counts[wgrad] = str(jax.make_jaxpr(step)(
+        variables, tx.init(variables["params"]), (x, y))).count("pallas_call")
+  assert counts == {"fused": 3, "xla": 0}, counts
+
+
 def test_unknown_stack_update_is_refused():
   model = Model(True, stack_update="inplace")
   x = jnp.ones((4, 37))
