@@ -36,8 +36,12 @@ the CSV through ``benchmarks.common.Results`` (benchmark ``e2e``): metrics
 ``compile_time`` (s), ``loss_first`` / ``loss_final`` (nats: the first
 warm-up step's loss and the last timed step's) and ``param_count``. A cell
 that fails or times out gets one row with metric ``failed``, NaN values and
-the reason in ``unit``. The driver prints a table of each FORGE arm beside
-optax and checks that the arms start from the same loss. Exit status: 0 if every cell ran and the
+the reason in ``unit``. ``--repeat N`` runs every cell N times, in rounds of
+all arms whose order is reversed every other round (fresh process and
+compile each time): one compile's step time can sit several percent from
+another's. The driver prints a table of each FORGE arm beside optax (the
+median cell of each, with every cell's p50 listed under ``--repeat``) and
+checks that the arms start from the same loss. Exit status: 0 if every cell ran and the
 first-step losses agree, else 1.
 """
 
@@ -462,17 +466,25 @@ def _fmt(v, spec=".1f"):
   return "n/a" if v is None else format(v, spec)
 
 
-def summarize(results: dict, bts) -> bool:
+def median_cell(cells: list) -> dict:
+  """The cell whose p50 step time is the median of ``cells`` (the lower
+  middle one of an even count): a (arm, BT)'s figures under ``--repeat``."""
+  return sorted(cells, key=lambda r: r["step_ms"][1])[(len(cells) - 1) // 2]
+
+
+def summarize(results: dict, bts, cells: dict | None = None) -> bool:
   """Prints each FORGE arm beside optax; returns whether first-step losses
-  agree."""
+  agree. ``results[(arm, bt)]``: the cell shown (under ``--repeat``, the
+  median cell); ``cells[(arm, bt)]``: every cell, whose p50s are listed
+  when there are several."""
   ok = True
   forge_arms = [a for a in WGRAD if any((a, bt) in results for bt in bts)]
   for arm in forge_arms or ["forge"]:
-    ok &= _summarize_arm(results, bts, arm)
+    ok &= _summarize_arm(results, bts, arm, cells or {})
   return ok
 
 
-def _summarize_arm(results: dict, bts, arm: str) -> bool:
+def _summarize_arm(results: dict, bts, arm: str, cells: dict) -> bool:
   ok = True
   print(f"\n{arm} / optax (p50 step time; compiled-step temporaries; "
         "allocator peak; compile time)")
@@ -484,6 +496,11 @@ def _summarize_arm(results: dict, bts, arm: str) -> bool:
                else f"{'n/a':>8}")
       print(f"{bt:>6} {name:<16} {_fmt(fv, spec):>12} {_fmt(ov, spec):>12} "
             f"{ratio}")
+    for name in (arm, "optax"):
+      if len(cells.get((name, bt), ())) > 1:
+        p50s = ", ".join(f"{r['step_ms'][1]:.2f}" for r in cells[(name, bt)])
+        print(f"{bt:>6} {name} step p50 per cell (ms, in run order): {p50s}; "
+              "the table shows the median cell")
     g = lambda r, fn: None if r is None else fn(r)
     row("step p50 (ms)", g(f, lambda r: r["step_ms"][1]),
         g(o, lambda r: r["step_ms"][1]), ".2f")
@@ -516,17 +533,38 @@ def _summarize_arm(results: dict, bts, arm: str) -> bool:
   return ok
 
 
-def plot(csv_path: str, png_path: str) -> None:
+def bar_rows(csv_path: str, since: str | None = None) -> dict:
+  """``{(BT, arm, metric): row}`` that :func:`plot` draws: the last row of
+  each key, or with ``since`` the newest row carrying the median p50 of the
+  key's rows stamped at or after ``since``."""
+  rows = [r for r in common.read_rows(csv_path) if r["benchmark"] == "e2e"
+          and (since is None or r["timestamp"] >= since)]
+  by_key = {}
+  for r in rows:  # in file order: the newest row of a key comes last
+    by_key.setdefault(
+        (int(r["case"].split("BT=")[1]), r["provider"], r["metric"]),
+        []).append(r)
+  last = {}
+  for k, rs in by_key.items():
+    if since is None:
+      last[k] = rs[-1]
+    else:
+      last[k] = dict(rs[-1], p50=str(float(np.median(
+          [float(r["p50"]) for r in rs]))))
+  return last
+
+
+def plot(csv_path: str, png_path: str, since: str | None = None) -> None:
   """Bar chart of an e2e CSV: p50 step time and peak memory (temporaries
-  where the backend has no allocator peak) per BT and arm."""
+  where the backend has no allocator peak) per BT and arm. Each bar is the
+  last row of its (BT, arm, metric) -- or, with ``since`` (an ISO time: the
+  driver's start), the median p50 of the rows written since then (the
+  cells of one ``--repeat`` run)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  rows = [r for r in common.read_rows(csv_path) if r["benchmark"] == "e2e"]
-  last = {}
-  for r in rows:  # the last row of each (BT, arm, metric): the newest run
-    last[(int(r["case"].split("BT=")[1]), r["provider"], r["metric"])] = r
+  last = bar_rows(csv_path, since)
   bts = sorted({k[0] for k in last})
   has_peak = any(k[2] == "peak_memory" for k in last)
   mem_metric = "peak_memory" if has_peak else "temp_memory"
@@ -592,6 +630,11 @@ def parse_args(argv):
                  "(default: JAX's choice, XLA)")
   p.add_argument("--steps", type=common.positive_int, default=10, help="timed steps per cell")
   p.add_argument("--warmup", type=common.positive_int, default=2)
+  p.add_argument("--repeat", type=common.positive_int, default=1,
+                 help="run every (arm, BT) cell this many times, in rounds "
+                 "of all arms (order reversed every other round), each a "
+                 "fresh process and compile; the table and plot show the "
+                 "median cell, and the per-cell p50s are listed")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="out/bench/e2e.csv")
   p.add_argument("--plot", default=None, metavar="PNG")
@@ -657,10 +700,15 @@ def main(argv=None) -> int:
   print(f"cells: arms {args.arms} x BT {args.bt}; {args.warmup} warm-up + "
         f"{args.steps} timed steps each; CSV {args.out}", flush=True)
   start = time.perf_counter()
-  results, failed, device = {}, [], "unknown"
+  # The CSV rows of this run are those stamped at or after this second.
+  since = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+  cells, failed, device = {}, [], "unknown"
   probed = False  # the device is asked of a subprocess at most once
+  # --repeat: rounds of every arm, the order reversed every other round.
+  rounds = [args.arms if i % 2 == 0 else args.arms[::-1]
+            for i in range(args.repeat)]
   for bt in args.bt:
-    for arm in args.arms:
+    for arm in (a for order in rounds for a in order):
       timeout = args.cell_timeout
       left = args.budget - (time.perf_counter() - start)
       if args.budget > 0 and left < 10:
@@ -682,18 +730,20 @@ def main(argv=None) -> int:
             device = probe_device(timeout=min(120.0, left))
         _failed_row(args.out, arm, bt, cfg, device, reason)
       else:
-        results[(arm, bt)] = r
+        cells.setdefault((arm, bt), []).append(r)
         device = r["device"]
         if r["params"] != n:
           print(f"   warning: cell counted {r['params']:,} params, "
                 f"expected {n:,}")
-  same = summarize(results, args.bt)
+  results = {k: median_cell(v) for k, v in cells.items()}
+  same = summarize(results, args.bt, cells)
   for arm, bt, reason in failed:
     print(f"failed cell {arm} BT={bt}: {reason}")
-  print(f"wrote {args.out} ({len(results)} cells ok, {len(failed)} failed) in "
+  n_ok = sum(len(v) for v in cells.values())
+  print(f"wrote {args.out} ({n_ok} cells ok, {len(failed)} failed) in "
         f"{time.perf_counter() - start:.0f} s")
   if args.plot and results:
-    plot(args.out, args.plot)
+    plot(args.out, args.plot, since=since if args.repeat > 1 else None)
   return 0 if same and not failed else 1
 
 

@@ -134,3 +134,49 @@ def test_driver_records_a_timed_out_cell(tmp_path):
   assert row["metric"] == "failed" and row["provider"] == "optax"
   assert row["unit"].startswith("timeout after")
   assert math.isnan(float(row["p50"]))
+
+
+def test_repeat_alternates_rounds_and_reports_the_median_cell(
+    tmp_path, monkeypatch, capsys):
+  """--repeat 3: rounds of every arm, reversed every other round; the table
+  shows each (arm, BT)'s median cell and lists every cell's p50; the plot's
+  bars are the medians of this run's rows."""
+  from benchmarks import common
+  times = {"forge-xla": iter([12.0, 10.0, 14.0]),
+           "optax": iter([20.0, 30.0, 25.0])}
+  order = []
+
+  def cell(args, arm, bt, timeout):
+    order.append(arm)
+    t = next(times[arm])
+    res = common.Results(args.out, "e2e")
+    case, shape = f"llama-tiny BT={bt}", "L2 d32 B2x8 unrolled"
+    res.add(case, arm, shape, "float32", "step_time", (t, t, t), "ms")
+    res.add(case, arm, shape, "float32", "temp_memory", t / 10, "MiB")
+    return dict(arm=arm, bt=bt, step_ms=(t - 1, t, t + 1), peak_bytes=None,
+                mem=dict(temp=2**20, argument=0, output=0, alias=0),
+                losses=[2.0, 1.0], compile_s=0.1,
+                params=e2e.param_count(TINY), device="cpu",
+                backend="cpu"), None
+
+  monkeypatch.setattr(e2e, "run_driver_cell", cell)
+  out, png = tmp_path / "e.csv", tmp_path / "e.png"
+  rc = e2e.main(["--arms", "forge-xla", "optax", "--bt", "16", "--repeat",
+                 "3", *TINY_FLAGS, "--out", str(out), "--plot", str(png)])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  assert order == ["forge-xla", "optax", "optax", "forge-xla", "forge-xla",
+                   "optax"]
+  assert ("forge-xla step p50 per cell (ms, in run order): 12.00, 10.00, "
+          "14.00") in text
+  assert "optax step p50 per cell (ms, in run order): 20.00, 30.00, 25.00" \
+      in text
+  table = [l for l in text.splitlines() if "step p50 (ms)" in l]
+  assert table and table[0].split()[-3:] == ["12.00", "25.00", "0.480"], table
+  assert "6 cells ok, 0 failed" in text
+  median = e2e.bar_rows(str(out), since="0")  # every row: this run's
+  assert float(median[(16, "forge-xla", "step_time")]["p50"]) == 12.0
+  assert float(median[(16, "optax", "step_time")]["p50"]) == 25.0
+  last = e2e.bar_rows(str(out))  # without `since`: the newest row
+  assert float(last[(16, "forge-xla", "step_time")]["p50"]) == 14.0
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
