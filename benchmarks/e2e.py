@@ -40,8 +40,9 @@ the reason in ``unit``. ``--repeat N`` runs every cell N times, in rounds of
 all arms whose order is reversed every other round (fresh process and
 compile each time): one compile's step time can sit several percent from
 another's. The driver prints a table of each FORGE arm beside optax (the
-median cell of each, with every cell's p50 listed under ``--repeat``) and
-checks that the arms start from the same loss. Exit status: 0 if every cell ran and the
+median cell of each -- the lower middle one of an even count -- with every
+cell's p50 listed under ``--repeat``), plots the same cells, and checks that
+the arms start from the same loss. Exit status: 0 if every cell ran and the
 first-step losses agree, else 1.
 """
 
@@ -344,6 +345,7 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
            device=common.device_name(), backend=jax.default_backend())
   if out:
     res = common.Results(out, "e2e")
+    r["stamp"] = res.stamp  # the `timestamp` of this cell's rows
     case = f"llama-{_size(n_params)} BT={bt}"
     shape = (f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
              f"ffn{cfg.ffn} V{cfg.vocab} B{batch_size}x{cfg.seq} unrolled")
@@ -533,38 +535,31 @@ def _summarize_arm(results: dict, bts, arm: str, cells: dict) -> bool:
   return ok
 
 
-def bar_rows(csv_path: str, since: str | None = None) -> dict:
-  """``{(BT, arm, metric): row}`` that :func:`plot` draws: the last row of
-  each key, or with ``since`` the newest row carrying the median p50 of the
-  key's rows stamped at or after ``since``."""
-  rows = [r for r in common.read_rows(csv_path) if r["benchmark"] == "e2e"
-          and (since is None or r["timestamp"] >= since)]
-  by_key = {}
-  for r in rows:  # in file order: the newest row of a key comes last
-    by_key.setdefault(
-        (int(r["case"].split("BT=")[1]), r["provider"], r["metric"]),
-        []).append(r)
+def bar_rows(csv_path: str, pick: dict | None = None) -> dict:
+  """``{(BT, arm, metric): row}`` that :func:`plot` draws: the newest row of
+  each key; with ``pick`` (``{(BT, arm): timestamp}``, the cells a driver
+  run reports), the rows of those cells only."""
   last = {}
-  for k, rs in by_key.items():
-    if since is None:
-      last[k] = rs[-1]
-    else:
-      last[k] = dict(rs[-1], p50=str(float(np.median(
-          [float(r["p50"]) for r in rs]))))
+  for r in common.read_rows(csv_path):  # in file order: newest last
+    if r["benchmark"] != "e2e":
+      continue
+    bt, arm = int(r["case"].split("BT=")[1]), r["provider"]
+    if pick is not None and pick.get((bt, arm)) != r["timestamp"]:
+      continue
+    last[(bt, arm, r["metric"])] = r
   return last
 
 
-def plot(csv_path: str, png_path: str, since: str | None = None) -> None:
+def plot(csv_path: str, png_path: str, pick: dict | None = None) -> None:
   """Bar chart of an e2e CSV: p50 step time and peak memory (temporaries
-  where the backend has no allocator peak) per BT and arm. Each bar is the
-  last row of its (BT, arm, metric) -- or, with ``since`` (an ISO time: the
-  driver's start), the median p50 of the rows written since then (the
-  cells of one ``--repeat`` run)."""
+  where the backend has no allocator peak) per BT and arm: the newest row of
+  each, or the cells ``pick`` names (:func:`bar_rows`; the driver passes the
+  median cell of each (arm, BT))."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  last = bar_rows(csv_path, since)
+  last = bar_rows(csv_path, pick)
   bts = sorted({k[0] for k in last})
   has_peak = any(k[2] == "peak_memory" for k in last)
   mem_metric = "peak_memory" if has_peak else "temp_memory"
@@ -700,8 +695,6 @@ def main(argv=None) -> int:
   print(f"cells: arms {args.arms} x BT {args.bt}; {args.warmup} warm-up + "
         f"{args.steps} timed steps each; CSV {args.out}", flush=True)
   start = time.perf_counter()
-  # The CSV rows of this run are those stamped at or after this second.
-  since = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
   cells, failed, device = {}, [], "unknown"
   probed = False  # the device is asked of a subprocess at most once
   # --repeat: rounds of every arm, the order reversed every other round.
@@ -743,7 +736,10 @@ def main(argv=None) -> int:
   print(f"wrote {args.out} ({n_ok} cells ok, {len(failed)} failed) in "
         f"{time.perf_counter() - start:.0f} s")
   if args.plot and results:
-    plot(args.out, args.plot, since=since if args.repeat > 1 else None)
+    # The cells the table shows (one per (arm, BT); under --repeat, the
+    # median cell), not older rows of the CSV.
+    plot(args.out, args.plot, pick={(bt, arm): r.get("stamp")
+                                    for (arm, bt), r in results.items()})
   return 0 if same and not failed else 1
 
 

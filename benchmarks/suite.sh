@@ -16,7 +16,9 @@
 # 2. e2e.py: the Llama-style decoder's training step, FORGE (fused kernel;
 #    at BT 512 also wgrad="xla") vs optax.adamw, BT 512 and 2048, one process
 #    per cell -> OUT/e2e.csv, .png
-# Every CSV row carries the device, the versions and p20/p50/p80.
+# Every CSV row carries the device, the versions and p20/p50/p80. CSVs are
+# appended to: the e2e plot draws the newest row of each (arm, BT) in
+# OUT/e2e.csv, so give each suite run its own OUT.
 # The e2e part stops starting cells after --budget seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -197,9 +197,11 @@ def make_step(
   * ``"fused"`` (default): the fused Pallas kernel -- ``G = x^T dy`` in
     registers, the optimizer applied in its epilogue; ``G`` never exists in
     memory.
-  * ``"xla"``: XLA's GEMM stores the layer's ``G`` (as ``jax.grad`` forms
-    it, at the layer's ``precision``), the family's elementwise update reads
-    it, both inside the layer's backward
+  * ``"xla"``: XLA's GEMM stores the layer's ``G`` (formed as ``jax.grad``
+    forms it, at the layer's ``precision``; with none, fp32 operands get
+    fp32 products as in the fused kernel, which ignores the layer's
+    ``precision``), the family's elementwise update reads it, both inside
+    the layer's backward
     (``pallas_kernels.unfused_wgrad_update``): that layer's ``G`` exists
     for its update only. (Inside one jitted step XLA also schedules optax's
     per-parameter update soon after its gradient, so the peak memory gained

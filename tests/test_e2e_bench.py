@@ -139,28 +139,38 @@ def test_driver_records_a_timed_out_cell(tmp_path):
 def test_repeat_alternates_rounds_and_reports_the_median_cell(
     tmp_path, monkeypatch, capsys):
   """--repeat 3: rounds of every arm, reversed every other round; the table
-  shows each (arm, BT)'s median cell and lists every cell's p50; the plot's
-  bars are the medians of this run's rows."""
+  shows each (arm, BT)'s median cell and lists every cell's p50; the plot
+  draws those same cells, not older rows of the CSV."""
   from benchmarks import common
   times = {"forge-xla": iter([12.0, 10.0, 14.0]),
            "optax": iter([20.0, 30.0, 25.0])}
-  order = []
+  order, plotted = [], []
+  out, png = tmp_path / "e.csv", tmp_path / "e.png"
+  case, shape = "llama-tiny BT=16", "L2 d32 B2x8 unrolled"
+
+  def add_rows(arm, t, stamp):
+    res = common.Results(str(out), "e2e")
+    res.stamp = stamp
+    res.add(case, arm, shape, "float32", "step_time", (t, t, t), "ms")
+    res.add(case, arm, shape, "float32", "temp_memory", t / 10, "MiB")
+
+  add_rows("forge-xla", 99.0, "2000-01-01T00:00:00+00:00")  # an older run
 
   def cell(args, arm, bt, timeout):
     order.append(arm)
     t = next(times[arm])
-    res = common.Results(args.out, "e2e")
-    case, shape = f"llama-tiny BT={bt}", "L2 d32 B2x8 unrolled"
-    res.add(case, arm, shape, "float32", "step_time", (t, t, t), "ms")
-    res.add(case, arm, shape, "float32", "temp_memory", t / 10, "MiB")
+    stamp = f"2030-01-01T00:00:{len(order):02d}+00:00"
+    add_rows(arm, t, stamp)
     return dict(arm=arm, bt=bt, step_ms=(t - 1, t, t + 1), peak_bytes=None,
                 mem=dict(temp=2**20, argument=0, output=0, alias=0),
                 losses=[2.0, 1.0], compile_s=0.1,
-                params=e2e.param_count(TINY), device="cpu",
-                backend="cpu"), None
+                params=e2e.param_count(TINY), device="cpu", backend="cpu",
+                stamp=stamp), None
 
+  real_plot = e2e.plot
   monkeypatch.setattr(e2e, "run_driver_cell", cell)
-  out, png = tmp_path / "e.csv", tmp_path / "e.png"
+  monkeypatch.setattr(e2e, "plot", lambda csv_path, png_path, pick=None: (
+      plotted.append(pick), real_plot(csv_path, png_path, pick)))
   rc = e2e.main(["--arms", "forge-xla", "optax", "--bt", "16", "--repeat",
                  "3", *TINY_FLAGS, "--out", str(out), "--plot", str(png)])
   text = capsys.readouterr().out
@@ -174,9 +184,11 @@ def test_repeat_alternates_rounds_and_reports_the_median_cell(
   table = [l for l in text.splitlines() if "step p50 (ms)" in l]
   assert table and table[0].split()[-3:] == ["12.00", "25.00", "0.480"], table
   assert "6 cells ok, 0 failed" in text
-  median = e2e.bar_rows(str(out), since="0")  # every row: this run's
-  assert float(median[(16, "forge-xla", "step_time")]["p50"]) == 12.0
-  assert float(median[(16, "optax", "step_time")]["p50"]) == 25.0
-  last = e2e.bar_rows(str(out))  # without `since`: the newest row
-  assert float(last[(16, "forge-xla", "step_time")]["p50"]) == 14.0
+  (pick,) = plotted
+  bars = e2e.bar_rows(str(out), pick)
+  assert float(bars[(16, "forge-xla", "step_time")]["p50"]) == 12.0
+  assert float(bars[(16, "forge-xla", "temp_memory")]["p50"]) == 1.2
+  assert float(bars[(16, "optax", "step_time")]["p50"]) == 25.0
+  newest = e2e.bar_rows(str(out))  # --replot: the newest row of each key
+  assert float(newest[(16, "forge-xla", "step_time")]["p50"]) == 14.0
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

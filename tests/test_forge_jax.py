@@ -320,6 +320,43 @@ def test_wgrad_picks_the_kernel_or_xla_in_the_step(make_tx):
   assert counts == {"fused": len(model.widths), "xla": 0}, counts
 
 
+def _dots(jaxpr):
+  """Every dot_general equation of a jaxpr, nested jaxprs included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _dots(inner)
+
+
+@pytest.mark.parametrize("precision", [jax.lax.Precision.HIGH, "default"])
+def test_xla_wgrad_gemm_takes_the_layers_precision(precision):
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(forge_jax.Dense(70, precision=precision)(x))
+      return forge_jax.Dense(5, precision=precision)(x)
+  model, batch = M(), data(steps=1)[0]
+  variables = model.init(jax.random.key(0), batch[0])
+  tx = forge_jax.adamw(1e-3)
+  step = forge_jax.make_step(mse(model), tx, wgrad="xla")
+  jaxpr = jax.make_jaxpr(step)(variables, tx.init(variables["params"]), batch)
+  # The precision parameter a dot_general given `precision` carries.
+  (ref,) = jax.make_jaxpr(lambda a: jax.lax.dot_general(
+      a, a, (((1,), (0,)), ((), ())), precision=precision))(
+          jnp.ones((2, 2))).jaxpr.eqns
+  expected = ref.params["precision"]
+  kernel_shapes = {(37, 70), (70, 37), (70, 5), (5, 70)}
+  wgrad = [e for e in _dots(jaxpr.jaxpr)
+           if tuple(e.outvars[0].aval.shape) in kernel_shapes]
+  assert len(wgrad) == 2, [e.outvars[0].aval.shape for e in wgrad]
+  assert all(e.params["precision"] == expected for e in wgrad), [
+      e.params["precision"] for e in wgrad]
+
+
 def test_wgrad_update_refuses_an_unknown_mode():
   x = jnp.ones((4, 3))
   with pytest.raises(ValueError, match="wgrad='XLA' must be one of"):
