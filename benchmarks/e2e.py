@@ -54,6 +54,7 @@ import dataclasses
 import datetime as _dt
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -432,6 +433,15 @@ def probe_device(timeout: float = 120.0) -> str:
   return lines[-1] if out.returncode == 0 and lines else "unknown"
 
 
+def _kill_group(proc) -> None:
+  """SIGKILL a cell's process group (``start_new_session``: group id = the
+  cell's pid), so that nothing the cell started keeps running on the GPU."""
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
 def run_driver_cell(args, arm: str, bt: int, timeout: float):
   """Runs one cell in a subprocess; returns ``(result or None, reason)``."""
   env = _subprocess_env()
@@ -440,15 +450,19 @@ def run_driver_cell(args, arm: str, bt: int, timeout: float):
         f"{' '.join(argv[1:])}", flush=True)
   t0 = time.perf_counter()
   with tempfile.TemporaryFile("w+") as logf:
+    # Its own process group: a timeout kills the cell and everything it
+    # started (compiler subprocesses), not the cell alone.
     proc = subprocess.Popen(argv, env=env, stdout=logf,
-                            stderr=subprocess.STDOUT, cwd=REPO)
+                            stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=True)
     try:
       rc = proc.wait(timeout=timeout)
       reason = None
     except subprocess.TimeoutExpired:
-      proc.kill()
+      _kill_group(proc)
       rc = proc.wait()
       reason = f"timeout after {timeout:.0f} s"
+    _kill_group(proc)  # whatever the cell left running
     logf.seek(0)
     log = logf.read()
   result = None

@@ -228,28 +228,27 @@ def _exact(tx, spec: ForgeSpec, every_k_schedule, every_k):
     h["acc_final"] = emit
     return h
 
-  layer_pass = None
-  if spec.layer_pass is not None:
-    def layer_pass(w, slots, outputs, h, shared):
-      # Regime 2: the per-layer pass (Newton-Schulz, trust ratio) runs on
-      # the cycle's last micro-step only; before it, W and the state stay.
-      acc, rest = slots[0], tuple(slots[1:])
+  def layer_pass(w, slots, outputs, h, shared):
+    # Regime 2: the per-layer pass (Newton-Schulz, trust ratio) runs on
+    # the cycle's last micro-step only; before it, W and the state stay.
+    acc, rest = slots[0], tuple(slots[1:])
 
-      def run(w, rest, outputs):
-        w2, rest2 = spec.layer_pass(w, rest, outputs, h, shared)
-        return w2.astype(w.dtype), tuple(
-            a.astype(b.dtype) for a, b in zip(rest2, rest))
+    def run(w, rest, outputs):
+      w2, rest2 = spec.layer_pass(w, rest, outputs, h, shared)
+      return w2.astype(w.dtype), tuple(
+          a.astype(b.dtype) for a, b in zip(rest2, rest))
 
-      w_new, rest_new = lax.cond(h["acc_final"] > 0, run,
-                                 lambda w, rest, outputs: (w, rest),
-                                 w, rest, outputs)
-      return w_new, (acc, *rest_new)
+    w_new, rest_new = lax.cond(h["acc_final"] > 0, run,
+                               lambda w, rest, outputs: (w, rest),
+                               w, rest, outputs)
+    return w_new, (acc, *rest_new)
 
   new = ForgeSpec(
       rule=_rules.accumulating(spec.rule),
       slot_fields=((optax.MultiStepsState, "acc_grads"), *spec.slot_fields),
       hparams=hparams, weight_decay_mask=spec.weight_decay_mask,
-      family=spec.family, layer_pass=layer_pass,
+      family=spec.family,
+      layer_pass=layer_pass if spec.layer_pass is not None else None,
       shared=lambda state: spec.shared(state.inner_opt_state))
   return ForgeTransformation(ms.init, update, new)
 

@@ -192,3 +192,33 @@ def test_repeat_alternates_rounds_and_reports_the_median_cell(
   newest = e2e.bar_rows(str(out))  # --replot: the newest row of each key
   assert float(newest[(16, "forge-xla", "step_time")]["p50"]) == 14.0
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_timed_out_cell_takes_what_it_started_with_it(tmp_path, monkeypatch):
+  """Run 52 (H200): after a cell was killed at its timeout, every later cell
+  hung. A cell runs in its own process group now, and a timeout kills the
+  group: here a cell that started a long-lived child."""
+  import os
+  import sys
+  import time
+  pid_file = tmp_path / "child.pid"
+  code = ("import subprocess, sys, time; "
+          "p = subprocess.Popen([sys.executable, '-c', "
+          "'import time; time.sleep(120)']); "
+          f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+  monkeypatch.setattr(e2e, "_cell_argv",
+                      lambda args, arm, bt: [sys.executable, "-c", code])
+  t0 = time.perf_counter()
+  r, reason = e2e.run_driver_cell(None, "optax", 16, timeout=5)
+  assert r is None and reason == "timeout after 5 s"
+  assert time.perf_counter() - t0 < 60
+  child = int(pid_file.read_text())
+  for _ in range(50):  # reaped by init once killed
+    try:
+      os.kill(child, 0)
+    except ProcessLookupError:
+      break
+    time.sleep(0.1)
+  else:
+    os.kill(child, 9)
+    raise AssertionError(f"the cell's child {child} outlived the cell")
