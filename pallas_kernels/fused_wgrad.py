@@ -487,19 +487,19 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
   kernel's gradient (``dy^T x`` over every token axis, transposed), stored in
   ``x``'s and ``dy``'s common dtype: for bf16 operands it is the gradient
   ``jax.grad`` gives optax, bit for bit. ``precision`` is the GEMM's (the
-  layer's ``precision``); ``None``: the operands' default, except fp32
-  operands get fp32 products (``HIGHEST``, as in the fused kernel). For shapes where the fused kernel is slower than
-  XLA's GEMM plus an elementwise update (``forge_jax.make_step(...,
-  wgrad="xla")``); called inside a layer's backward, ``G`` lives for that one
-  call. Otherwise the same arguments and returns as
+  layer's ``precision``); ``None``: the default, except that fp32 operands
+  get fp32 products (``HIGHEST``, as in the fused kernel). For shapes where
+  the fused kernel is slower than XLA's GEMM plus an elementwise update
+  (``forge_jax.make_step(..., wgrad="xla")``); called inside a layer's
+  backward, ``G`` lives for that one call. Otherwise the same arguments and returns as
   :func:`fused_wgrad_update`, without ``config`` and ``interpret``.
   """
   x, dy, w, slots = _checked_inputs(x, dy, w, slots, hparams, rule, layer)
   # G as JAX's transpose of the layer's dot forms it -- dy^T x over every
   # token axis at once, then transposed -- so that it rounds as optax's does.
   tokens = tuple(range(x.ndim - 1))
-  if precision is None:  # the operands decide: a bf16 GEMM stays a default one
-    precision = _dot_precision(x, dy, x)
+  if precision is None and x.dtype == jnp.float32:  # (x, dy: one dtype)
+    precision = lax.Precision.HIGHEST
   g = lax.dot_general(dy, x, ((tokens, tokens), ((), ())),
                       precision=precision,
                       preferred_element_type=x.dtype).T

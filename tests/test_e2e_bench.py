@@ -49,23 +49,22 @@ def test_param_count_matches_the_tree():
   assert 0.5e9 <= e2e.param_count(e2e.Config()) <= 1e9
 
 
-def test_forge_arm_runs_fused_kernels():
-  step, tx = e2e.build_arm("forge", TINY, HPARAMS)
+def _arm_jaxpr(arm: str) -> str:
+  """The text of one step's jaxpr for ``arm`` on the tiny decoder."""
+  step, tx = e2e.build_arm(arm, TINY, HPARAMS)
   variables = e2e.init_variables(TINY)
   batch = e2e.make_batch(TINY, 2)
-  jaxpr = str(jax.make_jaxpr(step)(variables, tx.init(variables["params"]),
-                                   batch))
+  return str(jax.make_jaxpr(step)(variables, tx.init(variables["params"]),
+                                  batch))
+
+
+def test_forge_arm_runs_fused_kernels():
   # 7 projections per block + the head, each with its own fused backward.
-  assert jaxpr.count("pallas_call") >= 7 * TINY.layers + 1
+  assert _arm_jaxpr("forge").count("pallas_call") >= 7 * TINY.layers + 1
 
 
 def test_forge_xla_arm_runs_no_fused_kernel():
-  step, tx = e2e.build_arm("forge-xla", TINY, HPARAMS)
-  variables = e2e.init_variables(TINY)
-  batch = e2e.make_batch(TINY, 2)
-  jaxpr = str(jax.make_jaxpr(step)(variables, tx.init(variables["params"]),
-                                   batch))
-  assert "pallas_call" not in jaxpr
+  assert "pallas_call" not in _arm_jaxpr("forge-xla")
 
 
 @pytest.mark.parametrize("arm", ["forge", "forge-xla"])
