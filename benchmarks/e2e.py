@@ -62,6 +62,8 @@ import time
 import warnings
 from typing import Any
 
+_T_IMPORT = time.perf_counter()  # a cell's clock starts here (see run_cell)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -314,6 +316,7 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
   if bt % cfg.seq:
     raise ValueError(f"BT={bt} is not a multiple of seq={cfg.seq}")
   batch_size = bt // cfg.seq
+  t_start = time.perf_counter()
   step, tx = build_arm(arm, cfg)
   batch = make_batch(cfg, batch_size, seed)
 
@@ -329,8 +332,11 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
   mem = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
          for k in ("temp", "argument", "output", "alias")}
 
+  t_compiled = time.perf_counter()
   variables = init_variables(cfg, seed)
   opt_state = jax.jit(tx.init)(variables["params"])
+  jax.block_until_ready((variables, opt_state))
+  t_init = time.perf_counter()
   n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(variables))
   dtypes = (f"params={cfg.dtype},{_moment_dtypes(opt_state)},"
             f"logits/loss=float32")
@@ -339,10 +345,15 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
       compiled, variables, opt_state, batch, warmup, steps)
   peak = _peak_bytes()
   q = tuple(t * 1e3 for t in common.quantiles(times))
+  # Where a cell's wall time goes (seconds): imports and backend start-up
+  # before run_cell, tracing + lowering + compiling (GEMM autotuning
+  # included), initialising the state, the warm-up and timed steps.
+  phases = dict(setup=t_start - _T_IMPORT, compile=t_compiled - t_start,
+                init=t_init - t_compiled, steps=time.perf_counter() - t_init)
 
   r = dict(arm=arm, bt=bt, batch=batch_size, seq=cfg.seq, params=n_params,
            dtypes=dtypes, compile_s=compile_s, step_ms=q,
-           peak_bytes=peak, mem=mem, losses=losses,
+           peak_bytes=peak, mem=mem, losses=losses, phases=phases,
            device=common.device_name(), backend=jax.default_backend())
   if out:
     res = common.Results(out, "e2e")
@@ -495,12 +506,14 @@ def summarize(results: dict, bts, cells: dict | None = None) -> bool:
   when there are several."""
   ok = True
   forge_arms = [a for a in WGRAD if any((a, bt) in results for bt in bts)]
-  for arm in forge_arms or ["forge"]:
-    ok &= _summarize_arm(results, bts, arm, cells or {})
+  for i, arm in enumerate(forge_arms or ["forge"]):
+    # optax's per-cell p50s are listed under the first table only.
+    ok &= _summarize_arm(results, bts, arm, cells or {}, list_optax=i == 0)
   return ok
 
 
-def _summarize_arm(results: dict, bts, arm: str, cells: dict) -> bool:
+def _summarize_arm(results: dict, bts, arm: str, cells: dict,
+                   list_optax: bool = True) -> bool:
   ok = True
   print(f"\n{arm} / optax (p50 step time; compiled-step temporaries; "
         "allocator peak; compile time)")
@@ -512,7 +525,7 @@ def _summarize_arm(results: dict, bts, arm: str, cells: dict) -> bool:
                else f"{'n/a':>8}")
       print(f"{bt:>6} {name:<16} {_fmt(fv, spec):>12} {_fmt(ov, spec):>12} "
             f"{ratio}")
-    for name in (arm, "optax"):
+    for name in (arm, "optax") if list_optax else (arm,):
       if len(cells.get((name, bt), ())) > 1:
         p50s = ", ".join(f"{r['step_ms'][1]:.2f}" for r in cells[(name, bt)])
         print(f"{bt:>6} {name} step p50 per cell (ms, in run order): {p50s}; "
@@ -685,7 +698,8 @@ def main(argv=None) -> int:
           f"({r['dtypes']}); compile {r['compile_s']:.1f} s; step p50 "
           f"{r['step_ms'][1]:.2f} ms; temp {_mib(r['mem']['temp']):.1f} MiB; "
           f"peak {_fmt(_mib(r['peak_bytes']))} MiB; losses "
-          f"{' '.join(f'{l:.4f}' for l in r['losses'])}")
+          f"{' '.join(f'{l:.4f}' for l in r['losses'])}; phases (s) "
+          + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items()))
     print(RESULT_TAG + json.dumps(r), flush=True)
     return 0
 

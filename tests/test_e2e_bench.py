@@ -4,6 +4,7 @@ writes its CSV rows (one subprocess per cell; failures recorded)."""
 import csv
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +105,11 @@ def test_driver_runs_a_cell_and_writes_rows(tmp_path, capsys):
   png = tmp_path / "e2e.png"
   rc = e2e.main(["--arms", "forge", "--bt", "16", *TINY_FLAGS,
                  "--steps", "2", "--out", str(out), "--plot", str(png)])
-  assert rc == 0, capsys.readouterr().out
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  # The cell reports where its wall time went.
+  assert re.search(r"phases \(s\) setup \d+\.\d, compile \d+\.\d, "
+                   r"init \d+\.\d, steps \d+\.\d", text), text
   rows = _rows(out)
   metrics = {r["metric"] for r in rows}
   assert {"step_time", "temp_memory", "argument_memory", "output_memory",
@@ -191,6 +196,29 @@ def test_repeat_alternates_rounds_and_reports_the_median_cell(
   newest = e2e.bar_rows(str(out))  # --replot: the newest row of each key
   assert float(newest[(16, "forge-xla", "step_time")]["p50"]) == 14.0
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_optax_cells_are_listed_once_beside_two_forge_arms(
+    tmp_path, monkeypatch, capsys):
+  times = {"forge": iter([15.0, 16.0]), "forge-xla": iter([13.0, 14.0]),
+           "optax": iter([14.0, 14.5])}
+
+  def cell(args, arm, bt, timeout):
+    t = next(times[arm])
+    return dict(arm=arm, bt=bt, step_ms=(t, t, t), peak_bytes=None,
+                mem=dict(temp=0, argument=0, output=0, alias=0),
+                losses=[2.0, 1.0], compile_s=0.1,
+                params=e2e.param_count(TINY), device="cpu", backend="cpu"), None
+
+  monkeypatch.setattr(e2e, "run_driver_cell", cell)
+  rc = e2e.main(["--arms", "optax", "forge", "forge-xla", "--bt", "16",
+                 "--repeat", "2", *TINY_FLAGS, "--out", str(tmp_path / "e.csv")])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  assert text.count("optax step p50 per cell") == 1, text
+  assert text.count("forge step p50 per cell") == 1, text
+  assert text.count("forge-xla step p50 per cell") == 1, text
+  assert text.count(" / optax (p50 step time") == 2, text
 
 
 def test_a_timed_out_cell_takes_what_it_started_with_it(tmp_path, monkeypatch):
