@@ -50,6 +50,30 @@ def test_param_count_matches_the_tree():
   assert 0.5e9 <= e2e.param_count(e2e.Config()) <= 1e9
 
 
+def test_init_builds_the_decoders_tree_with_flax_initialisers():
+  """init_variables builds the tree piece by piece (one Block.init for all
+  blocks): the Decoder's shapes and dtypes, a fresh draw per block, norms at
+  one, kernels and the embedding at variance 1 / d_model (flax's defaults)."""
+  cfg = dataclasses.replace(TINY, d_model=64, ffn=96)
+  v = e2e.init_variables(cfg, seed=3)
+  spec = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)
+  assert spec(v) == spec(e2e.abstract_variables(cfg))
+  p = v["params"]
+  assert not jnp.array_equal(p["block_0"]["mlp"]["up"]["kernel"],
+                             p["block_1"]["mlp"]["up"]["kernel"])
+  assert jnp.all(p["block_1"]["attn_norm"]["scale"] == 1)
+  assert jnp.all(p["final_norm"]["scale"] == 1)
+  up = p["block_1"]["mlp"]["up"]["kernel"].astype(jnp.float32)
+  assert abs(float(jnp.std(up)) * cfg.d_model ** 0.5 - 1) < 0.1
+  emb = p["embed"]["embedding"].astype(jnp.float32)
+  assert abs(float(jnp.std(emb)) * cfg.d_model ** 0.5 - 1) < 0.1
+  # Same seed, same draw; another seed, another.
+  again = e2e.init_variables(cfg, seed=3)["params"]["lm_head"]["kernel"]
+  assert jnp.array_equal(again, p["lm_head"]["kernel"])
+  other = e2e.init_variables(cfg, seed=4)["params"]["lm_head"]["kernel"]
+  assert not jnp.array_equal(other, p["lm_head"]["kernel"])
+
+
 def _arm_jaxpr(arm: str) -> str:
   """The text of one step's jaxpr for ``arm`` on the tiny decoder."""
   step, tx = e2e.build_arm(arm, TINY, HPARAMS)
