@@ -29,7 +29,8 @@ The driver runs one subprocess per (arm, BT) cell (``--cell``; same Python,
 use), each under a timeout. A cell compiles the step (compile time), reads its
 ``memory_analysis()``, runs 2 warm-up steps and ``--steps`` timed steps
 (``block_until_ready`` per step) and reads the device allocator's
-``peak_bytes_in_use`` (not available on CPU). Each cell appends its rows to
+``peak_bytes_in_use`` (not available on CPU); it prints where its wall
+time went (``phases``: start-up, compile, init, steps). Each cell appends its rows to
 the CSV through ``benchmarks.common.Results`` (benchmark ``e2e``): metrics
 ``step_time`` (ms, p20/p50/p80), ``peak_memory``, ``temp_memory``,
 ``argument_memory``, ``output_memory``, ``alias_memory`` (MiB),
