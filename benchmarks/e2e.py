@@ -43,7 +43,8 @@ compile each time): one compile's step time can sit several percent from
 another's. The driver prints a table of each FORGE arm beside optax (the
 median cell of each -- the lower middle one of an even count -- with every
 cell's p50 listed under ``--repeat``), plots the same cells, and checks that
-the arms start from the same loss. Exit status: 0 if every cell ran and the
+the arms start from the same loss. ``--autotune-cache DIR`` makes every
+cell share XLA's GEMM autotuning choices (see its help). Exit status: 0 if every cell ran and the
 first-step losses agree, else 1.
 """
 
@@ -440,13 +441,21 @@ def _reason(rc: int, log: str) -> str:
   return f"exit {rc}: {last}"[:300]
 
 
-def _subprocess_env() -> dict:
+AUTOTUNE_CACHE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
+
+
+def _subprocess_env(autotune_cache: str | None = None) -> dict:
   """The environment of the driver's subprocesses (cells, the device probe):
-  JAX allocating as it goes, unbuffered output, the repository importable."""
+  JAX allocating as it goes, unbuffered output, the repository importable;
+  with ``autotune_cache``, XLA's per-fusion autotune cache in that directory
+  (added to any ``XLA_FLAGS`` already set)."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
              PYTHONUNBUFFERED="1")
   env["PYTHONPATH"] = os.pathsep.join(
       p for p in (REPO, env.get("PYTHONPATH")) if p)
+  if autotune_cache:
+    flag = f"{AUTOTUNE_CACHE_FLAG}={os.path.abspath(autotune_cache)}"
+    env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS"), flag) if f)
   return env
 
 
@@ -477,7 +486,7 @@ def _kill_group(proc) -> None:
 
 def run_driver_cell(args, arm: str, bt: int, timeout: float):
   """Runs one cell in a subprocess; returns ``(result or None, reason)``."""
-  env = _subprocess_env()
+  env = _subprocess_env(args.autotune_cache)
   argv = _cell_argv(args, arm, bt)
   print(f"== cell {arm} BT={bt} (timeout {timeout:.0f} s): "
         f"{' '.join(argv[1:])}", flush=True)
@@ -689,6 +698,16 @@ def parse_args(argv):
   p.add_argument("--budget", type=_seconds(False), default=0.0,
                  help="seconds for all cells (0: none); a cell gets at most "
                  "what is left, and one with < 10 s left is recorded failed")
+  p.add_argument("--autotune-cache", metavar="DIR", default=None,
+                 help="XLA's per-fusion GEMM autotune cache for every cell, "
+                 "shared by all arms: the first compile of a fusion "
+                 "autotunes it and writes its choice, later cells (and "
+                 "later runs) load it, so cells of one arm differ by the "
+                 "device's spread only and the arms' common GEMMs pick "
+                 "alike. Without it every compile autotunes afresh, as a "
+                 "user's does (run 54: 7 of 106 fusions chose differently "
+                 "between two compiles). GPU only; elsewhere nothing is "
+                 "tuned")
   p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
   args = p.parse_args(argv)

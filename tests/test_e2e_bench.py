@@ -127,8 +127,10 @@ def _rows(path):
 def test_driver_runs_a_cell_and_writes_rows(tmp_path, capsys):
   out = tmp_path / "e2e.csv"
   png = tmp_path / "e2e.png"
+  # With --autotune-cache: XLA must accept the flag (it tunes on GPUs only).
   rc = e2e.main(["--arms", "forge", "--bt", "16", *TINY_FLAGS,
-                 "--steps", "2", "--out", str(out), "--plot", str(png)])
+                 "--steps", "2", "--out", str(out), "--plot", str(png),
+                 "--autotune-cache", str(tmp_path / "autotune")])
   text = capsys.readouterr().out
   assert rc == 0, text
   # The cell reports where its wall time went.
@@ -151,6 +153,19 @@ def test_driver_runs_a_cell_and_writes_rows(tmp_path, capsys):
   if jax.default_backend() == "cpu":
     assert "peak_memory" not in metrics  # no allocator statistics on CPU
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_autotune_cache_reaches_the_cells_xla_flags(monkeypatch, tmp_path):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  env = e2e._subprocess_env(str(tmp_path / "at"))
+  assert env["XLA_FLAGS"] == (f"--xla_dump_to=/tmp/x {e2e.AUTOTUNE_CACHE_FLAG}"
+                              f"={tmp_path / 'at'}")
+  assert e2e._subprocess_env()["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+  monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.chdir(tmp_path)
+  assert e2e._subprocess_env("rel")["XLA_FLAGS"] == (
+      f"{e2e.AUTOTUNE_CACHE_FLAG}={tmp_path / 'rel'}")  # made absolute
+  assert "XLA_FLAGS" not in e2e._subprocess_env()
 
 
 def test_driver_records_a_timed_out_cell(tmp_path):
@@ -260,7 +275,8 @@ def test_a_timed_out_cell_takes_what_it_started_with_it(tmp_path, monkeypatch):
   monkeypatch.setattr(e2e, "_cell_argv",
                       lambda args, arm, bt: [sys.executable, "-c", code])
   t0 = time.perf_counter()
-  r, reason = e2e.run_driver_cell(None, "optax", 16, timeout=5)
+  args = e2e.parse_args(["--bt", "16", *TINY_FLAGS])
+  r, reason = e2e.run_driver_cell(args, "optax", 16, timeout=5)
   assert r is None and reason == "timeout after 5 s"
   assert time.perf_counter() - t0 < 60
   child = int(pid_file.read_text())
