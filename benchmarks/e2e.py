@@ -275,9 +275,10 @@ def init_variables(cfg: Config, seed: int = 0):
   """The decoder's variables (one init for every arm: same tree), built
   piece by piece with flax's own initialisers: the embedding, then every
   block from one jitted ``Block.init`` (key ``fold_in(key, i)``), the final
-  norm and the head. One jitted ``Decoder.init`` compiled the random
-  initialisers of all 16 blocks as one program: 43-55 s of a 70-s cell on
-  the H200 (run 54), where the step itself compiles in 15-22 s."""
+  norm and the head. With one jitted ``Decoder.init``, which compiled the
+  random initialisers of all 16 blocks as one program, the init phase took
+  43-55 s of a 65-89 s cell on the H200 (run 54), where the step compiled in
+  15-22 s; block by block, 4-6 s (run 55)."""
   c = cfg
   k_embed, k_blocks, k_head = jax.random.split(jax.random.key(seed), 3)
   tokens = jnp.zeros((1, c.seq), jnp.int32)
@@ -288,6 +289,7 @@ def init_variables(cfg: Config, seed: int = 0):
   for i in range(c.layers):
     params[f"block_{i}"] = block_init(jax.random.fold_in(k_blocks, i),
                                       x)["params"]
+  # RMSNorm's scale starts at ones and draws nothing from its key.
   params["final_norm"] = jax.jit(RMSNorm(c.jdtype).init)(k_head, x)["params"]
   params["lm_head"] = jax.jit(_proj(nn.Dense, c, c.vocab, "lm_head").init)(
       k_head, x)["params"]
@@ -339,6 +341,7 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
   if bt % cfg.seq:
     raise ValueError(f"BT={bt} is not a multiple of seq={cfg.seq}")
   batch_size = bt // cfg.seq
+  jax.devices()  # start the backend here: its start-up counts as setup
   t_start = time.perf_counter()
   step, tx = build_arm(arm, cfg)
   batch = make_batch(cfg, batch_size, seed)
@@ -368,9 +371,11 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
       compiled, variables, opt_state, batch, warmup, steps)
   peak = _peak_bytes()
   q = tuple(t * 1e3 for t in common.quantiles(times))
-  # Where a cell's wall time goes (seconds): imports and backend start-up
-  # before run_cell, tracing + lowering + compiling (GEMM autotuning
-  # included), initialising the state, the warm-up and timed steps.
+  # Where a cell's wall time goes (seconds): imports (since this module was
+  # imported: a cell's own process) and the backend's start-up; building,
+  # tracing, lowering and compiling the step (GEMM autotuning included);
+  # initialising the variables and optimizer state; the warm-up and timed
+  # steps.
   phases = dict(setup=t_start - _T_IMPORT, compile=t_compiled - t_start,
                 init=t_init - t_compiled, steps=time.perf_counter() - t_init)
 
@@ -454,7 +459,11 @@ def _subprocess_env(autotune_cache: str | None = None) -> dict:
   env["PYTHONPATH"] = os.pathsep.join(
       p for p in (REPO, env.get("PYTHONPATH")) if p)
   if autotune_cache:
-    flag = f"{AUTOTUNE_CACHE_FLAG}={os.path.abspath(autotune_cache)}"
+    path = os.path.abspath(os.path.expanduser(autotune_cache))
+    if any(ch.isspace() for ch in path):  # XLA_FLAGS splits on whitespace
+      raise ValueError(f"--autotune-cache {path!r}: XLA_FLAGS cannot carry "
+                       "a path with whitespace; choose another directory")
+    flag = f"{AUTOTUNE_CACHE_FLAG}={path}"
     env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS"), flag) if f)
   return env
 
@@ -702,17 +711,19 @@ def parse_args(argv):
                  help="XLA's per-fusion GEMM autotune cache for every cell, "
                  "shared by all arms: the first compile of a fusion "
                  "autotunes it and writes its choice, later cells (and "
-                 "later runs) load it, so cells of one arm differ by the "
-                 "device's spread only and the arms' common GEMMs pick "
-                 "alike. Without it every compile autotunes afresh, as a "
-                 "user's does (run 54: 7 of 106 fusions chose differently "
-                 "between two compiles). GPU only; elsewhere nothing is "
-                 "tuned")
+                 "later runs) load it, so repeated cells of one arm run "
+                 "the same GEMM choices (run 54: 7 of 106 fusions chose "
+                 "differently between two fresh compiles, and the losses "
+                 "with them). Without it every compile autotunes afresh, "
+                 "as a user's does. A loaded cache also shortens the "
+                 "compile, so compile times are then not comparable "
+                 "between cells. GPU only; elsewhere nothing is tuned")
   p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   try:
     config_of(args)
+    _subprocess_env(args.autotune_cache)  # refuses a path XLA cannot take
   except ValueError as e:
     p.error(str(e))
   if args.replot and not os.path.exists(args.out):

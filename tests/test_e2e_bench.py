@@ -6,6 +6,7 @@ import dataclasses
 import math
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -67,6 +68,17 @@ def test_init_builds_the_decoders_tree_with_flax_initialisers():
   assert abs(float(jnp.std(up)) * cfg.d_model ** 0.5 - 1) < 0.1
   emb = p["embed"]["embedding"].astype(jnp.float32)
   assert abs(float(jnp.std(emb)) * cfg.d_model ** 0.5 - 1) < 0.1
+  # Every leaf drawn as Decoder.init draws it (the tree built at once).
+  whole = jax.jit(e2e.Decoder(cfg, nn.Dense).init)(
+      jax.random.key(3), jnp.zeros((1, cfg.seq), jnp.int32))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(v),
+                          jax.tree.leaves(whole)):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    assert abs(float(jnp.std(a)) - float(jnp.std(b))) <= (
+        0.1 * float(jnp.std(b)) + 1e-6), jax.tree_util.keystr(path)
+    if "kernel" in jax.tree_util.keystr(path):  # truncated: a hard bound
+      assert float(jnp.max(jnp.abs(a))) <= 1.01 * float(jnp.max(jnp.abs(b))), \
+          jax.tree_util.keystr(path)
   # Same seed, same draw; another seed, another.
   again = e2e.init_variables(cfg, seed=3)["params"]["lm_head"]["kernel"]
   assert jnp.array_equal(again, p["lm_head"]["kernel"])
@@ -166,6 +178,11 @@ def test_autotune_cache_reaches_the_cells_xla_flags(monkeypatch, tmp_path):
   assert e2e._subprocess_env("rel")["XLA_FLAGS"] == (
       f"{e2e.AUTOTUNE_CACHE_FLAG}={tmp_path / 'rel'}")  # made absolute
   assert "XLA_FLAGS" not in e2e._subprocess_env()
+  monkeypatch.setenv("HOME", str(tmp_path))
+  assert e2e._subprocess_env("~/at")["XLA_FLAGS"].endswith(
+      f"={tmp_path / 'at'}")
+  with pytest.raises(SystemExit):  # XLA_FLAGS would split the path
+    e2e.parse_args(["--autotune-cache", str(tmp_path / "a b")])
 
 
 def test_driver_records_a_timed_out_cell(tmp_path):
