@@ -696,7 +696,8 @@ def parse_args(argv):
                  help="run every (arm, BT) cell this many times, in rounds "
                  "of all arms (order reversed every other round), each a "
                  "fresh process and compile; the table and plot show the "
-                 "median cell, and the per-cell p50s are listed")
+                 "median cell (of an even count the faster middle one: "
+                 "prefer an odd N), and the per-cell p50s are listed")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="out/bench/e2e.csv")
   p.add_argument("--plot", default=None, metavar="PNG")
