@@ -285,14 +285,15 @@ def _momentum(tx, spec: ForgeSpec, every_k):
     ``value=``, ...) are accepted, as ``optax.MultiSteps`` does; SGD's
     momentum rule reads none of them."""
     del extra_args
-    if params is None:
-      raise ValueError(
-          "forge_jax.MultiSteps(mode='momentum').update needs params")
     k, emit = _cycle_flags(state, every_k)
     inner = state.inner_opt_state
     packed = rule.pack(**hparams(state))
     g_leaves, treedef = jax.tree.flatten(grads)
-    p_leaves = treedef.flatten_up_to(params)
+    # Without params (optax's update(grads, state)): the rule from W = 0.
+    # Its update does not depend on W -- weight decay, the one term that
+    # reads W, is refused in this mode -- so W1 - 0 is the update.
+    p_leaves = ([jnp.zeros_like(g) for g in g_leaves] if params is None
+                else treedef.flatten_up_to(params))
     fields = _state.per_param_fields(inner, treedef)
     slot_ids = _state.select_slots(fields, spec)  # as make_step does
     for f in fields:

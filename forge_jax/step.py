@@ -289,7 +289,13 @@ def make_step(
     if not found.layers and not found.unfused:
       raise ValueError(
           "no forge_jax.Dense layer (or ScannedDenseStack) was called by "
-          "loss_fn; use optax directly")
+          "loss_fn. If the model has none, use optax directly. If it has: "
+          "a function inside loss_fn that was jitted (jax.jit(model.apply), "
+          "a jitted loss_fn) or checkpointed and already traced at these "
+          "shapes is replayed from JAX's cache, and its layers are never "
+          "called -- call model.apply un-jitted inside loss_fn and jit the "
+          "whole step instead (apply remat per module with "
+          "flax.linen.remat)")
     _check_params(params, found.layers)
     # shared="standard": a layer called more than once takes the standard
     # path (with "error", discovery raised). More are found by the

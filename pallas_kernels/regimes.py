@@ -118,6 +118,8 @@ ALIASES: dict[str, str] = {
     "sgdm": "sgd_momentum", "momentum": "sgd_momentum", "sgd_w_momentum": "sgd_momentum",
     "sgd_with_momentum": "sgd_momentum", "heavy_ball": "sgd_momentum",
     "adammini": "adam_mini", "adam_w": "adamw",
+    # NAdamW: AdamW's reads and writes, with the Nesterov term (forge_jax.nadamw).
+    "nadamw": "adamw",
     "global_norm_clipping": "global_norm_clip", "clip_by_global_norm": "global_norm_clip",
     "clip_grad_norm": "global_norm_clip", "global_clip": "global_norm_clip",
 }

@@ -300,6 +300,31 @@ def test_make_step_without_forge_layers_says_so():
     step_once(model, forge_jax.adamw(1e-3), data(steps=1)[0])
 
 
+def test_an_already_traced_jitted_apply_is_named_as_the_cause():
+  """A jax.jit(model.apply) that already ran (an eval step) replays its
+  trace inside loss_fn: the layers are never called, and the error says why
+  instead of only 'use optax directly'."""
+  model = MLP(forge_jax.Dense)
+  x, y = data(steps=1)[0]
+  apply_fn = jax.jit(model.apply)
+  variables = model.init(jax.random.key(0), x)
+  apply_fn(variables, x)  # warms apply_fn's cache at this shape
+  loss_fn = lambda v, batch: jnp.mean((apply_fn(v, batch[0]) - batch[1]) ** 2)
+  tx = forge_jax.adamw(1e-3)
+  with pytest.raises(ValueError, match=r"no forge_jax.Dense.*jax\.jit\(model"
+                     r"\.apply\).*jit the\s+whole step"):
+    forge_jax.make_step(loss_fn, tx)(variables, tx.init(variables["params"]),
+                                     (x, y))
+
+
+def test_a_block_config_of_the_wrong_type_is_refused_with_the_layer():
+  model = MLP(lambda w, **kw: forge_jax.Dense(w, block_config={"block_in": 32},
+                                              **kw))
+  with pytest.raises(TypeError, match="block_config must be a pallas_kernels"
+                     ".BlockConfig or None, got"):
+    model.init(jax.random.key(0), jnp.ones((2, 37)))
+
+
 @pytest.mark.parametrize("make_tx", [
     lambda: forge_jax.adamw(1e-3), lambda: forge_jax.lamb(1e-3),
     lambda: forge_jax.muon(1e-3),

@@ -47,6 +47,7 @@ def test_paths_describe_what_each_regime_implies():
     ("sgd-momentum", "sgd_momentum"), ("SGD_Momentum", "sgd_momentum"),
     ("global-norm-clipping", "global_norm_clip"), ("clip_by_global_norm", "global_norm_clip"),
     ("adam-mini", "adam_mini"), ("AdamW", "adamw"), ("  Muon ", "muon"), ("LAMB", "lamb"),
+    ("NAdamW", "adamw"),  # forge_jax.nadamw / optax.nadamw: AdamW's reads and writes
 ])
 def test_aliases_and_case(alias, family):
     assert classify(alias).family == family

@@ -308,6 +308,12 @@ def test_regime_4_is_refused_with_the_reason():
 def test_refuse_reason_for_implemented_unimplemented_and_unknown():
   for family in ("adamw", "sgd_momentum", "lamb", "muon", "adafactor", "sm3"):
     assert forge_jax.refuse_reason(family) is None, family
+  # Every public transform's own name (nadamw included: an AdamW).
+  for name in ("sgd", "adagrad", "rmsprop", "adam", "adamw", "adamax",
+               "nadam", "nadamw", "radam", "lion", "lamb", "muon",
+               "adafactor", "sm3"):
+    assert callable(getattr(forge_jax, name)), name
+    assert forge_jax.refuse_reason(name) is None, name
   assert "does not implement 'lars'" in forge_jax.refuse_reason("lars")
   assert "regime 3" in forge_jax.refuse_reason("lars")
   with pytest.raises(AttributeError, match="does not implement 'scion'"):

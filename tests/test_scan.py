@@ -233,6 +233,24 @@ def test_unknown_stack_update_is_refused():
     step(variables, tx.init(variables["params"]), (x, jnp.ones((4, 5))))
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(stack_update="layers"), ValueError, "stack_update='layers' must be"),
+    (dict(num_layers=0), ValueError, "num_layers=0 must be an int >= 1"),
+    (dict(num_layers=2.0), ValueError, "num_layers=2.0 must be an int"),
+    (dict(block_config={"block_in": 32}), TypeError,
+     "block_config must be a pallas_kernels.BlockConfig"),
+])
+@pytest.mark.parametrize("fused", [True, False])
+def test_bad_settings_are_refused_at_init_on_either_path(kw, exc, match, fused):
+  """Checked on every call, not only where a fused step reads them: a
+  misspelt stack_update or an empty stack fails at init, not inside a
+  later step (or never, with fused=False)."""
+  stack = forge_jax.ScannedDenseStack(features=7, **{"num_layers": 2, **kw},
+                                      fused=fused)
+  with pytest.raises(exc, match=match):
+    stack.init(jax.random.key(0), jnp.ones((3, 7)))
+
+
 def test_non_regime_1_family_is_refused_with_the_fix():
   model = Model(True)
   with pytest.raises(ValueError, match="regime-1 families only.*fused=False"):
