@@ -262,8 +262,10 @@ def test_non_regime_1_family_is_refused_with_the_fix():
     (dict(activation=nn.gelu, num_layers=3), (4, 12)),
     # The GPU default: the kernel updates layer i inside the carried stacks.
     (dict(stack_update="layer"), None),
+    (dict(stack_update="layer", width=70, num_layers=3), (3, 16)),
     (dict(stack_update="slice", width=40, num_layers=3), (3, 16)),
-], ids=["no-bias", "gelu-3d-tokens", "layer-in-place", "slice-odd"])
+], ids=["no-bias", "gelu-3d-tokens", "layer-in-place", "layer-odd",
+        "slice-odd"])
 @pytest.mark.parametrize("wgrad", ["fused", "xla"])
 def test_variants_match_nn_scan_optax_adamw_fp32(model_kwargs, tokens, wgrad):
   kwargs = dict(learning_rate=1e-2, weight_decay=1e-2)
@@ -376,8 +378,10 @@ def test_scanned_stack_has_no_gradient_pool_on_gpu():
 
 
 @pytest.mark.gpu
-def test_matches_nn_scan_optax_adamw_fp32_on_gpu():
+@pytest.mark.parametrize("width", [64, 70])  # 70: the tiles' edge masks
+def test_matches_nn_scan_optax_adamw_fp32_on_gpu(width):
   kwargs = dict(learning_rate=SCHEDULE, weight_decay=1e-2, mask=wd_mask)
-  _, (ref_loss, ref_v, ref_s), (f_loss, f_v, f_s) = _train(kwargs)
+  _, (ref_loss, ref_v, ref_s), (f_loss, f_v, f_s) = _train(
+      kwargs, model_kwargs=dict(width=width))
   assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
   assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")

@@ -352,19 +352,32 @@ def test_a_copied_model_and_optimizer_train_on_like_torch(how):
 
 
 def test_a_copied_optimizer_alone_steps():
+  """A deep copy of the optimizer (without its model) holds its own copies
+  of the parameters and state: stepping it runs, and leaves the original
+  model and optimizer as they were."""
   _, fm = pair()
   o_f = forge_torch.SGD(fm.parameters(), lr=0.1, momentum=0.9)
   _train(fm, o_f, [data()])
+  params = [p.detach().clone() for p in fm.parameters()]
+  bufs = [o_f.state[p]["momentum_buffer"].clone() for p in fm.parameters()]
   o2 = copy.deepcopy(o_f)
-  o2.zero_grad()
+  copied = o2.param_groups[0]["params"]
+  assert all(q is not p for q, p in zip(copied, fm.parameters()))
+  for q in copied:  # a gradient on every copied parameter: step() moves them
+    q.grad = torch.ones_like(q)
+  before = [q.detach().clone() for q in copied]
   o2.step()
+  assert any(not torch.equal(q, b) for q, b in zip(copied, before))
+  for p, p0, b0 in zip(fm.parameters(), params, bufs):
+    assert torch.equal(p, p0)
+    assert torch.equal(o_f.state[p]["momentum_buffer"], b0)
 
 
 @pytest.mark.parametrize("kind", ["register_hook", "post_accumulate"])
 @pytest.mark.parametrize("when", ["before_forward", "after_forward"])
 def test_a_gradient_hook_on_a_managed_weight_is_refused(kind, when):
   _, fm = pair()
-  opt = forge_torch.SGD(fm.parameters(), lr=0.1)
+  opt = forge_torch.SGD(fm.parameters(), lr=0.1, momentum=0.9)
   w = fm[0].weight
 
   def add_hook():
@@ -374,6 +387,7 @@ def test_a_gradient_hook_on_a_managed_weight_is_refused(kind, when):
       w.register_post_accumulate_grad_hook(lambda p: None)
 
   x, y = data()
+  w0 = w.detach().clone()
   if when == "before_forward":
     add_hook()
     with pytest.raises(RuntimeError, match="gradient hook"):
@@ -383,7 +397,9 @@ def test_a_gradient_hook_on_a_managed_weight_is_refused(kind, when):
     add_hook()
     with pytest.raises(RuntimeError, match="gradient hook"):
       loss.backward()
-  assert opt.state[w] == {} or "momentum_buffer" not in opt.state[w]
+  # Refused before any update: the weight and its momentum are untouched.
+  assert torch.equal(w, w0)
+  assert "momentum_buffer" not in opt.state.get(w, {})
 
 
 def test_double_backward_through_a_managed_layer_is_refused_clearly():
