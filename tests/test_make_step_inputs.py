@@ -170,8 +170,11 @@ def test_the_transform_is_an_optax_gradient_transformation():
   assert tx._replace(init=tx.init).spec is tx.spec
   # It composes as optax transforms do (make_step refuses the chain itself).
   chained = optax.chain(optax.clip(1.0), tx)
-  params = {"w": jnp.ones((3, 2))}
-  chained.update(params, chained.init(params), params)
+  ref = optax.chain(optax.clip(1.0), optax.adamw(1e-3, weight_decay=1e-2))
+  params = {"w": jnp.linspace(-2.0, 2.0, 6).reshape(3, 2)}
+  u, _ = chained.update(params, chained.init(params), params)
+  u_ref, _ = ref.update(params, ref.init(params), params)
+  assert_trees_close(u, u_ref, tol(jnp.float32), "chained updates")
   with pytest.raises(TypeError, match="forge_jax transform"):
     forge_jax.make_step(lambda v, b: 0.0, chained)
 
