@@ -31,7 +31,10 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _mark(weight: torch.Tensor) -> None:
-  _FORGE_WEIGHTS[weight] = True
+  # A zero-size weight has nothing to update: it stays on the standard path
+  # (nn.Linear(0, n) trains with torch.optim, and so does this layer).
+  if weight.numel() > 0:
+    _FORGE_WEIGHTS[weight] = True
 
 
 def is_forge_weight(p: torch.Tensor) -> bool:
@@ -40,13 +43,24 @@ def is_forge_weight(p: torch.Tensor) -> bool:
 
 
 def owner_of(p: torch.Tensor):
-  """The live forge_torch optimizer that owns FORGE weight ``p``, or ``None``."""
-  ref = _OWNERS.get(p)
-  return ref() if ref is not None else None
+  """The live forge_torch optimizer that owns FORGE weight ``p``, or ``None``.
+
+  The newest optimizer built over ``p`` owns it. If that one has been
+  garbage-collected (a throwaway optimizer), ownership returns to the newest
+  earlier one that is alive and still holds ``p`` in its param groups."""
+  refs = _OWNERS.get(p)
+  while refs:
+    optimizer = refs[-1]()
+    if optimizer is not None and optimizer._forge_reclaim(p):
+      return optimizer
+    refs.pop()
+  return None
 
 
 def _set_owner(p: torch.Tensor, optimizer) -> None:
-  _OWNERS[p] = weakref.ref(optimizer)
+  refs = _OWNERS.setdefault(p, [])
+  refs[:] = [r for r in refs if r() is not None and r() is not optimizer]
+  refs.append(weakref.ref(optimizer))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -227,8 +241,10 @@ class Linear(nn.Linear):
   Attributes (beside ``nn.Linear``'s):
     fused: ``False`` keeps this layer on the standard path.
     block_config: tiling of the fused kernel (``pallas_kernels.BlockConfig``);
-      when ``None``, the autotuned winner cached for this GPU and shape, else
-      a heuristic (``pallas_kernels.select_config``).
+      when ``None``, ``pallas_kernels.select_config``'s: a cached winner for
+      this rule, GPU and shape if a cache file has one (the shipped cache
+      holds forge_jax AdamW's only, so the torch rules take the heuristic
+      ``BlockConfig.compiled_default``).
 
   Each managed layer may run once per optimizer step (one forward, one
   backward): FORGE updates the weight during that backward (paper Remark 2).
@@ -240,6 +256,8 @@ class Linear(nn.Linear):
   def __init__(self, in_features: int, out_features: int, bias: bool = True,
                device=None, dtype=None, *,
                block_config: pallas_kernels.BlockConfig | None = None) -> None:
+    pallas_kernels.fused_wgrad.check_block_config(
+        block_config, "forge_torch.Linear")
     super().__init__(in_features, out_features, bias=bias, device=device,
                      dtype=dtype)
     self.fused = True
@@ -337,7 +355,8 @@ def convert(model: nn.Module, *,
 
   Eligible: modules whose type is exactly ``nn.Linear`` (subclasses, e.g.
   ``MultiheadAttention``'s ``out_proj`` whose weight is read by functional
-  code, are left alone), with a float32 or bfloat16 weight that appears once in
+  code, are left alone), with a non-empty float32 or bfloat16 weight that
+  appears once in
   ``model.named_parameters(remove_duplicate=False)``. A weight appearing more
   than once -- tied to an embedding, or one module used in two places --
   stays on the standard path (paper Remark 2).
@@ -349,6 +368,8 @@ def convert(model: nn.Module, *,
     raise ValueError(
         "convert() replaces submodules in place; for a bare nn.Linear use "
         "forge_torch.Linear.from_linear(layer)")
+  pallas_kernels.fused_wgrad.check_block_config(block_config,
+                                                "forge_torch.convert")
   uses = collections.Counter(
       id(p) for _, p in model.named_parameters(remove_duplicate=False))
   converted = []
@@ -356,7 +377,8 @@ def convert(model: nn.Module, *,
     if type(module) is not nn.Linear:
       continue
     w = module.weight
-    if uses[id(w)] > 1 or w.dtype not in _bridge.SUPPORTED_DTYPES:
+    if (uses[id(w)] > 1 or w.dtype not in _bridge.SUPPORTED_DTYPES
+        or w.numel() == 0):
       continue
     module.__class__ = Linear
     module.fused = True

@@ -270,7 +270,20 @@ class _ForgeOptimizer:
   def managed_params(self) -> list[torch.Tensor]:
     """The FORGE-managed weights this optimizer updates during backward."""
     return [p for g in self.param_groups for p in g["params"]
-            if p in self._forge_managed]
+            if p in self._forge_managed or (
+                _linear.is_forge_weight(p) and _linear.owner_of(p) is self)]
+
+  def _forge_reclaim(self, p: torch.Tensor) -> bool:
+    """Whether this optimizer manages ``p``; a weight a newer (since
+    collected) optimizer took over is registered here again if it is still
+    in one of this optimizer's param groups."""
+    if p in self._forge_managed:
+      return True
+    for index, group in enumerate(self.param_groups):
+      if any(q is p for q in group["params"]):
+        self._forge_managed[p] = index
+        return True
+    return False
 
   # -- called by forge_torch.Linear -------------------------------------------
 
@@ -308,7 +321,13 @@ class _ForgeOptimizer:
           "backward per step (paper Remark 2): no reuse of a layer within a "
           "step, no gradient accumulation over micro-batches, and evaluation "
           "forwards must run under torch.no_grad(). Keep a reused layer as "
-          "nn.Linear (or set layer.fused = False).")
+          "nn.Linear (or set layer.fused = False). Or a step was skipped: "
+          "the last backward already updated this weight and "
+          "optimizer.step() was not called after it (e.g. a loop that skips "
+          "step() after a non-finite loss). Skipping step() does not undo "
+          "FORGE's update; check the loss before backward(), and end every "
+          "step with optimizer.step() (after optimizer.zero_grad() to drop "
+          "the other parameters' gradients).")
     self._forge_calls[w] = n + 1
     return self._forge_generation
 

@@ -378,6 +378,11 @@ def tune(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
       ``state``; default :func:`loop_timer`. An exception counts as a failure.
     interpret: passed to the kernel (default: unless on a GPU).
   """
+  if not isinstance(rule, UpdateRule):
+    raise TypeError(
+        f"tune(rule=...) needs an UpdateRule (e.g. pallas_kernels.ADAMW; the "
+        f"CLI's --rule names: {', '.join(sorted(RULES))}), got "
+        f"{type(rule).__name__} {rule!r:.60}")
   slot_dtypes = tuple(_dtype_name(d) for d in slot_dtypes)
   if len(slot_dtypes) != len(rule.slots):
     raise ValueError(f"rule {rule.name!r} has slots {rule.slots}; got "

@@ -87,7 +87,10 @@ class BlockConfig:
   def __post_init__(self):
     for name in ("block_in", "block_out", "block_bt"):
       v = getattr(self, name)
-      if not _is_int(v) or not _is_pow2(v) or v < _MIN_BLOCK:
+      if not _is_int(v):
+        raise ValueError(f"{name}={v!r} must be a Python int (a power of two"
+                         f" >= {_MIN_BLOCK}), got {type(v).__name__}")
+      if not _is_pow2(v) or v < _MIN_BLOCK:
         raise ValueError(
             f"{name}={v!r} must be a power of two >= {_MIN_BLOCK}")
     if not _is_int(self.group_in) or self.group_in < 1:
@@ -352,6 +355,16 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
                   eviction_policy=state_policy)
 
 
+def check_block_config(config, where: str) -> None:
+  """Refuses a tiling that is neither ``None`` nor a :class:`BlockConfig`
+  (a dict, a tuple, a label string) where it is given, rather than as an
+  AttributeError deep inside a backward."""
+  if config is not None and not isinstance(config, BlockConfig):
+    raise TypeError(
+        f"{where}: block_config must be a pallas_kernels.BlockConfig or None, "
+        f"got {type(config).__name__} {config!r:.80}")
+
+
 def _flatten_tokens(x, dy):
   return x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
 
@@ -425,6 +438,7 @@ def fused_wgrad_update(
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   if interpret is None:
     interpret = default_interpret()
+  check_block_config(config, "fused_wgrad_update(config=...)")
   cfg = config or select_config(bt, n_in, n_out, w.dtype,
                                 [a.dtype for a in slots], rule,
                                 interpret=interpret)

@@ -307,6 +307,12 @@ def test_tune_picks_the_fastest_and_skips_failures():
   assert [c for c, _ in calls] == configs
 
 
+def test_tune_refuses_a_rule_name_with_the_cli_names():
+  with pytest.raises(TypeError, match="needs an UpdateRule.*adamw"):
+    autotune.tune(40, 48, 40, jnp.float32, ("float32", "float32"),
+                  rule="adamw")
+
+
 def test_tune_raises_when_nothing_runs():
   cfg = pk.BlockConfig(16, 16, 16)
   with pytest.raises(RuntimeError, match="no config ran"):

@@ -313,10 +313,23 @@ def test_hyperparameters_are_runtime_values():
     (dict(stream_state="yes"), "stream_state='yes' must be a bool"),
     (dict(split_out=3), "split_out=3 must be a power of two"),
     (dict(block_out=32, split_out=4), "sub-tiles of >= 16 columns"),
+    (dict(block_in=np.int64(64)), "block_in=np.int64\\(64\\) must be a "
+     "Python int .* got int64"),
 ])
 def test_invalid_block_configs_fail_clearly(kwargs, match):
   with pytest.raises(ValueError, match=match):
     pk.BlockConfig(**kwargs)
+
+
+@pytest.mark.parametrize("config", ["64x128x64", {"block_in": 64},
+                                    (64, 128, 64)])
+def test_a_config_that_is_not_a_block_config_is_refused(config):
+  x, dy, w = jnp.ones((8, 16)), jnp.ones((8, 16)), jnp.ones((16, 16))
+  with pytest.raises(TypeError, match=r"fused_wgrad_update\(config=\.\.\.\): "
+                     "block_config must be a pallas_kernels.BlockConfig"):
+    pk.fused_wgrad_update(x, dy, w, (jnp.zeros((16, 16)),) * 2,
+                          jnp.zeros(pk.HPARAM_VECTOR_LEN), rule=pk.ADAMW,
+                          config=config)
 
 
 def test_fit_shrinks_blocks_and_split_out_to_the_problem():

@@ -596,3 +596,70 @@ def test_a_hand_tied_weight_used_earlier_in_the_graph_is_refused():
   with pytest.raises(RuntimeError, match="modified by an inplace operation"):
     layer(torch.tanh(h)).sum().backward()
   assert opt.state[layer.weight]["step"].item() == 1  # the update that ran
+
+
+# --- audit of session 11 ------------------------------------------------------
+
+
+def test_a_skipped_step_is_named_in_the_next_forwards_error():
+  """Skipping opt.step() after a non-finite loss does not undo the update
+  the backward made; the next forward's error names that cause."""
+  _, fm = pair()
+  opt = forge_torch.AdamW(fm.parameters(), lr=1e-3)
+  x, y = data()
+  (F.mse_loss(fm(x), y) * float("nan")).backward()
+  assert not torch.isfinite(fm[0].weight).all()  # updated in backward
+  opt.zero_grad()  # ... and opt.step() skipped
+  with pytest.raises(RuntimeError, match="Or a step was skipped.*check the "
+                     "loss before backward"):
+    fm(x)
+
+
+def test_a_collected_throwaway_optimizer_hands_the_weights_back():
+  """A second forge optimizer over the same weights takes them over; once it
+  is garbage-collected, they belong to the first one again, which trains
+  exactly as torch's AdamW."""
+  import gc
+  ref, fm = pair()
+  o_f = forge_torch.AdamW(fm.parameters(), lr=1e-2)
+  o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+  throwaway = forge_torch.SGD(fm.parameters(), lr=0.1)
+  assert forge_torch.linear.owner_of(fm[0].weight) is throwaway
+  assert o_f.managed_params == []
+  del throwaway
+  gc.collect()
+  assert forge_torch.linear.owner_of(fm[0].weight) is o_f
+  assert len(o_f.managed_params) == 2
+  _train(fm, o_f, [data(s) for s in range(3)])
+  _train(ref, o_r, [data(s) for s in range(3)])
+  assert_models_close(fm, ref)
+
+
+def test_a_block_config_of_the_wrong_type_is_refused_where_it_is_given():
+  with pytest.raises(TypeError, match="forge_torch.Linear: block_config must "
+                     "be a pallas_kernels.BlockConfig or None, got tuple"):
+    forge_torch.Linear(8, 4, block_config=(64, 128, 64))
+  with pytest.raises(TypeError, match="forge_torch.convert: block_config"):
+    forge_torch.convert(nn.Sequential(nn.Linear(8, 4)),
+                        block_config={"block_in": 64})
+  with pytest.raises(TypeError, match="block_config must be"):
+    forge_torch.Linear.from_linear(nn.Linear(8, 4), block_config="64x128x64")
+
+
+@pytest.mark.parametrize("n_in,n_out", [(0, 4), (4, 0)])
+def test_a_zero_size_linear_trains_as_nn_linear(n_in, n_out):
+  torch.manual_seed(0)
+  ref = nn.Sequential(nn.Linear(n_in, n_out), nn.Linear(n_out, 3))
+  fm = copy.deepcopy(ref)
+  # The zero-size layers stay nn.Linear; (0, 4) leaves Linear(4, 3) to fuse.
+  assert forge_torch.convert(fm) == (["1"] if n_out else [])
+  layer = forge_torch.Linear(n_in, n_out)
+  assert not forge_torch.is_forge_weight(layer.weight)  # nothing to fuse
+  o_f = forge_torch.AdamW(fm.parameters(), lr=1e-2)
+  o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+  x, y = torch.randn(5, n_in), torch.randn(5, 3)
+  for model, opt in ((fm, o_f), (ref, o_r)):
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+  assert_models_close(fm, ref)
