@@ -1,4 +1,4 @@
-"""Where does the fused kernel's epilogue lose bandwidth? (issue #4 probe)
+r"""Where does the fused kernel's epilogue lose bandwidth? (issue #4 probe)
 
     ./dev.sh python benchmarks/epilogue_probe.py --out out/probe   # on a GPU
 
