@@ -271,14 +271,15 @@ def make_batch(cfg: Config, batch_size: int, seed: int = 0):
   return jnp.asarray(toks[:, :-1]), jnp.asarray(toks[:, 1:])
 
 
-def init_variables(cfg: Config, seed: int = 0):
+def init_variables(cfg: Config, seed: int = 0, abstract=None):
   """The decoder's variables (one init for every arm: same tree), built
   piece by piece with flax's own initialisers: the embedding, then every
   block from one jitted ``Block.init`` (key ``fold_in(key, i)``), the final
   norm and the head. With one jitted ``Decoder.init``, which compiled the
   random initialisers of all 16 blocks as one program, the init phase took
   43-55 s of a 65-89 s cell on the H200 (run 54), where the step compiled in
-  15-22 s; block by block, 4-6 s (run 55)."""
+  15-22 s; block by block, 4-6 s (run 55). ``abstract``: the Decoder's
+  :func:`abstract_variables`, if the caller has them (checked against)."""
   c = cfg
   k_embed, k_blocks, k_head = jax.random.split(jax.random.key(seed), 3)
   tokens = jnp.zeros((1, c.seq), jnp.int32)
@@ -295,7 +296,9 @@ def init_variables(cfg: Config, seed: int = 0):
       k_head, x)["params"]
   variables = {"params": params}
   spec = lambda tree: jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)
-  if spec(variables) != spec(abstract_variables(cfg)):  # the Decoder's tree
+  if abstract is None:
+    abstract = abstract_variables(cfg)
+  if spec(variables) != spec(abstract):  # the Decoder's tree
     raise AssertionError("init_variables built a tree other than the "
                          "Decoder's")
   return variables
@@ -359,7 +362,7 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
          for k in ("temp", "argument", "output", "alias")}
 
   t_compiled = time.perf_counter()
-  variables = init_variables(cfg, seed)
+  variables = init_variables(cfg, seed, abstract=abs_vars)
   opt_state = jax.jit(tx.init)(variables["params"])
   jax.block_until_ready((variables, opt_state))
   t_init = time.perf_counter()

@@ -137,12 +137,9 @@ class Dense(nn.Dense):
 
   @nn.compact
   def __call__(self, inputs):
-    if self.block_config is not None and not isinstance(
-        self.block_config, pallas_kernels.BlockConfig):
-      raise TypeError(
-          f"forge_jax.Dense at {_context.layer_name(self.path)!r}: "
-          "block_config must be a pallas_kernels.BlockConfig or None, got "
-          f"{type(self.block_config).__name__}")
+    pallas_kernels.fused_wgrad.check_block_config(
+        self.block_config,
+        f"forge_jax.Dense at {_context.layer_name(self.path)!r}")
     ctx = _context.current()
     if ctx is not None and not self.fused and ctx.mode == "discover":
       ctx.unfused.add(tuple(self.path))

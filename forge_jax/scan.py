@@ -244,24 +244,16 @@ class ScannedDenseStack(nn.Module):
   def __call__(self, x):
     # Checked on every call (init, eval, either path), not only where a
     # fused step reads them.
+    where = (f"forge_jax.ScannedDenseStack at "
+             f"{_context.layer_name(tuple(self.path))!r}")
     if (isinstance(self.num_layers, bool)
         or not isinstance(self.num_layers, int) or self.num_layers < 1):
-      raise ValueError(
-          f"forge_jax.ScannedDenseStack at "
-          f"{_context.layer_name(tuple(self.path))!r}: num_layers="
-          f"{self.num_layers!r} must be an int >= 1")
+      raise ValueError(f"{where}: num_layers={self.num_layers!r} must be an "
+                       "int >= 1")
     if self.stack_update not in ("auto", "layer", "slice"):
-      raise ValueError(
-          f"forge_jax.ScannedDenseStack at "
-          f"{_context.layer_name(tuple(self.path))!r}: stack_update="
-          f"{self.stack_update!r} must be 'auto', 'layer' or 'slice'")
-    if self.block_config is not None and not isinstance(
-        self.block_config, pallas_kernels.BlockConfig):
-      raise TypeError(
-          f"forge_jax.ScannedDenseStack at "
-          f"{_context.layer_name(tuple(self.path))!r}: block_config must be "
-          f"a pallas_kernels.BlockConfig or None, got "
-          f"{type(self.block_config).__name__}")
+      raise ValueError(f"{where}: stack_update={self.stack_update!r} must be "
+                       "'auto', 'layer' or 'slice'")
+    fused_wgrad.check_block_config(self.block_config, where)
     ctx = _context.current()
     if ctx is not None and not self.fused and ctx.mode == "discover":
       ctx.unfused.add(tuple(self.path))
