@@ -674,14 +674,9 @@ def _seconds(minimum_exclusive: bool):
   return parse
 
 
-def parse_args(argv):
+def add_model_args(p: argparse.ArgumentParser) -> None:
+  """The decoder's :class:`Config` options (``config_of`` reads them)."""
   d = Config()
-  p = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-  p.add_argument("--bt", type=common.positive_int, nargs="+", default=[512, 2048],
-                 help="tokens per step (multiples of --seq)")
   p.add_argument("--layers", type=common.positive_int, default=d.layers)
   p.add_argument("--d-model", type=common.positive_int, default=d.d_model)
   p.add_argument("--heads", type=common.positive_int, default=d.heads)
@@ -693,6 +688,16 @@ def parse_args(argv):
   p.add_argument("--attn-impl", default=None, choices=("xla", "cudnn"),
                  help="jax.nn.dot_product_attention implementation "
                  "(default: JAX's choice, XLA)")
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+  p.add_argument("--bt", type=common.positive_int, nargs="+", default=[512, 2048],
+                 help="tokens per step (multiples of --seq)")
+  add_model_args(p)
   p.add_argument("--steps", type=common.positive_int, default=10, help="timed steps per cell")
   p.add_argument("--warmup", type=common.positive_int, default=2)
   p.add_argument("--repeat", type=common.positive_int, default=1,

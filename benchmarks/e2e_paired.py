@@ -1,0 +1,353 @@
+"""Paired end-to-end timing: every arm's training step compiled in one process
+and timed in alternating blocks, so that drift falls on all arms alike.
+
+    ./dev.sh python benchmarks/e2e_paired.py --bt 512 --processes 3 \\
+        --out P.csv --plot P.png
+
+Why. ``e2e.py`` runs one process and one compile per (arm, BT) cell: the
+issue's protocol, and the only way to read each arm's own allocator peak. Its
+step times move from cell to cell by more than the difference in question:
+cells of one arm whose losses were identical to the last digit differed by
+6.5 % (optax) and 7.5 % (fused) in run 55, where forge-xla and optax differ by
+about 1 %. Cells run a minute apart, so anything that drifts over minutes
+(clocks, temperature, other work on the host) lands on one arm's cell and not
+the other's.
+
+What this script does. It compiles every arm's step once in this process (the
+model, initialisation, batch and AdamW settings of ``e2e.py``, whose model
+options it takes), gives each arm its own copy of the same initial variables
+(each step donates its state), runs ``--warmup`` steps of each, then
+``--rounds`` rounds: a round is a block of ``--block`` steps of every arm, in
+an order reversed every other round (A B C, C B A, ...), every step blocked
+on. Each FORGE arm's ratio to optax is taken per round, from the two blocks'
+median step times, and reported as p20/p50/p80 over the rounds with the count
+of rounds in which the arm was faster. What a compile fixes (XLA's GEMM
+autotuning choices, buffer assignment) is the same for every round of a
+process; ``--processes N`` repeats the whole measurement in N fresh processes
+(a fresh compile each) and pools their rounds. Peak memory is not measured
+here: the arms share one allocator (``e2e.py`` measures it per cell).
+
+CSV rows (benchmark ``e2e_paired``, ``benchmarks.common.Results``; one
+timestamp per process): per arm ``step_time`` (ms, p20/p50/p80 of every timed
+step), ``block_time_round<r>`` (ms, the round's block: p20/p50/p80 of its
+steps), ``compile_time`` (s), ``loss_first`` / ``loss_final``; per FORGE arm
+``ratio_to_optax`` (p20/p50/p80 over rounds) and ``faster_rounds`` (a count;
+unit ``of <rounds>``). Exit status: 0 if every process ran and the arms'
+first-step losses agree, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks import common, e2e  # noqa: E402
+from forge_jax.demo import timed_steps  # noqa: E402
+
+RESULT_TAG = "E2E_PAIRED_RESULT "
+BENCHMARK = "e2e_paired"
+
+
+def round_orders(arms, rounds: int) -> list[list[str]]:
+  """The order of the arms in each round: as given, reversed every other
+  round (so no arm always runs right after the same one)."""
+  return [list(arms) if r % 2 == 0 else list(arms)[::-1]
+          for r in range(rounds)]
+
+
+def paired_ratios(blocks: dict, arm: str, ref: str = "optax") -> list[float]:
+  """Per round, ``arm``'s block median over ``ref``'s (``blocks[arm][r]``:
+  round ``r``'s step times, seconds)."""
+  return [statistics.median(a) / statistics.median(o)
+          for a, o in zip(blocks[arm], blocks[ref], strict=True)]
+
+
+def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
+                warmup: int, seed: int = 0, out: str | None = None,
+                hlo_dir: str | None = None) -> dict:
+  """Compiles every arm, runs the rounds in this process; writes its rows to
+  ``out`` (if given) and returns the figures (JSON-serialisable)."""
+  if bt % cfg.seq:
+    raise ValueError(f"BT={bt} is not a multiple of seq={cfg.seq}")
+  batch = e2e.make_batch(cfg, bt // cfg.seq, seed)
+  abs_vars = e2e.abstract_variables(cfg)
+  compiled, txs, compile_s = {}, {}, {}
+  for arm in arms:
+    step, txs[arm] = e2e.build_arm(arm, cfg)
+    abs_state = jax.eval_shape(txs[arm].init, abs_vars["params"])
+    t0 = time.perf_counter()
+    compiled[arm] = jax.jit(step, donate_argnums=(0, 1)).lower(
+        abs_vars, abs_state, batch).compile()
+    compile_s[arm] = time.perf_counter() - t0
+    if hlo_dir:
+      os.makedirs(hlo_dir, exist_ok=True)
+      with open(os.path.join(hlo_dir, f"{arm}.hlo.txt"), "w") as f:
+        f.write(compiled[arm].as_text())
+
+  init = e2e.init_variables(cfg, seed, abstract=abs_vars)
+  state = {}
+  for arm in arms:  # each arm its own buffers: every step donates them
+    v = jax.tree.map(lambda a: jnp.array(a, copy=True), init)
+    state[arm] = (v, jax.jit(txs[arm].init)(v["params"]))
+  del init
+  jax.block_until_ready(state)
+
+  losses = {arm: [] for arm in arms}
+  for arm in arms:
+    _, ls, v, s = timed_steps(compiled[arm], *state[arm], batch, warmup, 0)
+    state[arm] = (v, s)
+    losses[arm] += ls
+  blocks = {arm: [] for arm in arms}
+  for order in round_orders(arms, rounds):
+    for arm in order:
+      ts, ls, v, s = timed_steps(compiled[arm], *state[arm], batch, 0, block)
+      state[arm] = (v, s)
+      blocks[arm].append(ts)
+      losses[arm] += ls
+
+  r = dict(arms=list(arms), bt=bt, rounds=rounds, block=block,
+           blocks=blocks, losses=losses, compile_s=compile_s,
+           ratios={a: paired_ratios(blocks, a) for a in arms if a != "optax"},
+           device=common.device_name())
+  if out:
+    _write_rows(out, r, cfg)
+  return r
+
+
+def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
+  res = common.Results(out, BENCHMARK)
+  n = e2e.param_count(cfg)
+  case = f"llama-{e2e._size(n)} BT={r['bt']}"
+  shape = (f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
+           f"ffn{cfg.ffn} V{cfg.vocab} B{r['bt'] // cfg.seq}x{cfg.seq} "
+           f"unrolled; {r['rounds']} rounds x {r['block']} steps")
+  dtypes = f"params={cfg.dtype},m={cfg.dtype},v={cfg.dtype},logits/loss=float32"
+  ms = lambda ts: tuple(t * 1e3 for t in common.quantiles(ts))
+  for arm in r["arms"]:
+    add = lambda metric, q, unit: res.add(case, arm, shape, dtypes, metric,
+                                          q, unit)
+    blocks = r["blocks"][arm]
+    add("step_time", ms([t for b in blocks for t in b]), "ms")
+    for i, b in enumerate(blocks):
+      add(f"block_time_round{i}", ms(b), "ms")
+    add("compile_time", r["compile_s"][arm], "s")
+    add("loss_first", r["losses"][arm][0], "nats")
+    add("loss_final", r["losses"][arm][-1], "nats")
+    if arm in r["ratios"]:
+      ratios = r["ratios"][arm]
+      add("ratio_to_optax", common.quantiles(ratios), "x")
+      add("faster_rounds", float(sum(x < 1 for x in ratios)),
+          f"of {len(ratios)}")
+  r["stamp"] = res.stamp
+
+
+# --------------------------------------------------------------------------
+# The driver (--processes N)
+
+
+def _process_argv(args, index: int) -> list[str]:
+  argv = [sys.executable, os.path.abspath(__file__), "--single",
+          "--arms", *args.arms, "--bt", str(args.bt), "--rounds",
+          str(args.rounds), "--block", str(args.block), "--warmup",
+          str(args.warmup), "--seed", str(args.seed), "--out", args.out,
+          "--layers", str(args.layers), "--d-model", str(args.d_model),
+          "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
+          "--ffn", str(args.ffn), "--vocab", str(args.vocab), "--seq",
+          str(args.seq), "--dtype", args.dtype]
+  if args.attn_impl:
+    argv += ["--attn-impl", args.attn_impl]
+  if args.hlo_dir:
+    argv += ["--hlo-dir", os.path.join(args.hlo_dir, f"p{index}")]
+  return argv
+
+
+def run_subprocess(args, index: int, timeout: float):
+  """One process of the measurement; returns ``(result or None, reason)``."""
+  argv = _process_argv(args, index)
+  print(f"== process {index} (timeout {timeout:.0f} s)", flush=True)
+  t0 = time.perf_counter()
+  with tempfile.TemporaryFile("w+") as logf:
+    proc = subprocess.Popen(argv, env=e2e._subprocess_env(args.autotune_cache),
+                            stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=True)
+    try:
+      rc, reason = proc.wait(timeout=timeout), None
+    except subprocess.TimeoutExpired:
+      e2e._kill_group(proc)
+      rc, reason = proc.wait(), f"timeout after {timeout:.0f} s"
+    e2e._kill_group(proc)
+    logf.seek(0)
+    log = logf.read()
+  result = None
+  for line in log.splitlines():
+    if line.startswith(RESULT_TAG):
+      result = json.loads(line[len(RESULT_TAG):])
+    else:
+      print(f"   | {line}")
+  print(f"   [process {index}: {time.perf_counter() - t0:.1f} s, exit {rc}]",
+        flush=True)
+  if result is not None:
+    return result, None
+  return None, reason or e2e._reason(rc, log)
+
+
+def summarize(results: list[dict]) -> bool:
+  """Prints the pooled table; returns whether the first-step losses agree
+  (every process, every FORGE arm against optax)."""
+  arms = results[0]["arms"]
+  print(f"\npaired, BT {results[0]['bt']}: {len(results)} process(es) x "
+        f"{results[0]['rounds']} rounds x {results[0]['block']} steps per "
+        "arm; step time p50 over all timed steps, ratio per round")
+  print(f"{'arm':<10} {'p50 (ms)':>9} {'ratio to optax p20 / p50 / p80':>32}"
+        f" {'faster rounds':>14} {'per process p50 ratio':>22}")
+  for arm in arms:
+    ts = [t for r in results for b in r["blocks"][arm] for t in b]
+    line = f"{arm:<10} {statistics.median(ts) * 1e3:9.2f}"
+    if arm != "optax":
+      ratios = [x for r in results for x in r["ratios"][arm]]
+      q = common.quantiles(ratios)
+      per = ", ".join(f"{statistics.median(r['ratios'][arm]):.3f}"
+                      for r in results)
+      faster = f"{sum(x < 1 for x in ratios)}/{len(ratios)}"
+      line += (f" {q[0]:10.3f} / {q[1]:.3f} / {q[2]:.3f}"
+               f" {faster:>14} {per:>22}")
+    print(line)
+  ok = True
+  for i, r in enumerate(results):
+    lo = r["losses"]["optax"][0]
+    for arm in arms:
+      lf = r["losses"][arm][0]
+      rel = abs(lf - lo) / max(abs(lo), 1e-30)
+      if rel > e2e.FIRST_LOSS_RTOL:
+        ok = False
+        print(f"process {i}: first-step loss {arm} {lf!r} vs optax {lo!r}: "
+              f"rel diff {rel:.2e} > {e2e.FIRST_LOSS_RTOL:g} (MISMATCH)")
+      if not r["losses"][arm][-1] < r["losses"][arm][0]:
+        print(f"process {i}: warning: {arm} loss did not fall "
+              f"({r['losses'][arm][0]:.5f} -> {r['losses'][arm][-1]:.5f})")
+  if ok:
+    print(f"first-step losses agree within {e2e.FIRST_LOSS_RTOL:g} in every "
+          "process")
+  return ok
+
+
+def plot(results: list[dict], png_path: str) -> None:
+  """Block median per round (rounds of all processes in sequence) and each
+  FORGE arm's per-round ratio to optax."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  arms = results[0]["arms"]
+  colors = {"forge": "tab:orange", "forge-xla": "tab:blue", "optax": "gray"}
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for arm in arms:
+    med = [statistics.median(b) * 1e3 for r in results
+           for b in r["blocks"][arm]]
+    a1.plot(range(len(med)), med, ".-", label=arm, color=colors[arm])
+    if arm != "optax":
+      rat = [x for r in results for x in r["ratios"][arm]]
+      a2.plot(range(len(rat)), rat, ".-", label=f"{arm} / optax",
+              color=colors[arm])
+  n = results[0]["rounds"]
+  for ax in (a1, a2):
+    for i in range(1, len(results)):
+      ax.axvline(i * n - 0.5, color="k", lw=0.5, ls=":")
+    ax.set_xlabel("round (processes in sequence, dotted lines between)")
+    ax.legend(fontsize=8)
+  a1.set_ylabel(f"block median step time (ms, {results[0]['block']} steps)")
+  a2.axhline(1.0, color="k", lw=0.8)
+  a2.set_ylabel("ratio to optax, same round")
+  fig.suptitle(f"Paired e2e step time, BT {results[0]['bt']}, on "
+               f"{results[0]['device']}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {png_path}")
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--arms", nargs="+", default=list(e2e.ARMS),
+                 choices=e2e.ARMS, help="must include optax and one FORGE arm")
+  p.add_argument("--bt", type=common.positive_int, default=512,
+                 help="tokens per step (a multiple of --seq)")
+  e2e.add_model_args(p)
+  p.add_argument("--rounds", type=common.positive_int, default=12)
+  p.add_argument("--block", type=common.positive_int, default=10,
+                 help="timed steps per arm per round")
+  p.add_argument("--warmup", type=common.positive_int, default=5,
+                 help="steps per arm before the first round")
+  p.add_argument("--processes", type=common.positive_int, default=1,
+                 help="fresh processes (and compiles) whose rounds are "
+                 "pooled; each is a subprocess under --timeout")
+  p.add_argument("--timeout", type=e2e._seconds(True), default=300.0,
+                 help="seconds per process")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="out/bench/e2e_paired.csv")
+  p.add_argument("--plot", default=None, metavar="PNG")
+  p.add_argument("--hlo-dir", default=None, metavar="DIR",
+                 help="write each arm's compiled (scheduled) HLO text there "
+                 "(DIR/p<i>/<arm>.hlo.txt per process)")
+  p.add_argument("--autotune-cache", metavar="DIR", default=None,
+                 help="as e2e.py's: XLA's per-fusion GEMM autotune cache, "
+                 "shared by every process")
+  p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if "optax" not in args.arms or not set(args.arms) & set(e2e.WGRAD):
+    p.error("--arms must include optax and at least one FORGE arm")
+  if len(set(args.arms)) != len(args.arms):
+    p.error("--arms names an arm twice")
+  if args.bt % args.seq:
+    p.error(f"--bt {args.bt} is not a multiple of --seq {args.seq}")
+  try:
+    e2e.config_of(args)
+    e2e._subprocess_env(args.autotune_cache)
+  except ValueError as err:
+    p.error(str(err))
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  cfg = e2e.config_of(args)
+  if args.single:
+    r = run_process(args.arms, args.bt, cfg, args.rounds, args.block,
+                    args.warmup, args.seed, args.out, args.hlo_dir)
+    print(RESULT_TAG + json.dumps(r), flush=True)
+    return 0
+  print(f"paired e2e: arms {args.arms}, BT {args.bt}, {args.processes} "
+        f"process(es) x {args.rounds} rounds x {args.block} steps (after "
+        f"{args.warmup} warm-up steps per arm); CSV {args.out}", flush=True)
+  results, failed = [], []
+  for i in range(args.processes):
+    r, reason = run_subprocess(args, i, args.timeout)
+    if r is None:
+      failed.append(reason)
+      print(f"   FAILED process {i}: {reason}", flush=True)
+    else:
+      results.append(r)
+  ok = bool(results) and summarize(results)
+  if args.plot and results:
+    plot(results, args.plot)
+  for reason in failed:
+    print(f"failed process: {reason}")
+  return 0 if ok and not failed else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

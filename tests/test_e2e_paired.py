@@ -1,0 +1,108 @@
+"""benchmarks/e2e_paired.py: every arm in one process, timed in alternating
+rounds; the per-round ratios in its CSV follow from its own block rows."""
+
+import csv
+import math
+import statistics
+
+import pytest
+
+from benchmarks import e2e, e2e_paired
+from tests.test_e2e_bench import TINY_FLAGS
+
+ARMS = ["optax", "forge-xla", "forge"]
+
+
+def _rows(path):
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def test_round_orders_reverse_every_other_round():
+  assert e2e_paired.round_orders(["a", "b", "c"], 3) == [
+      ["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
+def test_paired_ratios_divide_block_medians_round_by_round():
+  blocks = {"optax": [[2.0, 4.0, 3.0], [1.0, 1.0, 9.0]],
+            "forge": [[3.0, 3.0, 30.0], [0.5, 0.5, 0.5]]}
+  assert e2e_paired.paired_ratios(blocks, "forge") == [1.0, 0.5]
+  with pytest.raises(ValueError):  # a round missing on one side
+    e2e_paired.paired_ratios({"optax": [[1.0]], "forge": []}, "forge")
+
+
+def test_single_process_writes_consistent_rows(tmp_path, capsys):
+  out = tmp_path / "p.csv"
+  rc = e2e_paired.main(["--single", "--arms", *ARMS, "--bt", "16",
+                        *TINY_FLAGS, "--rounds", "3", "--block", "2",
+                        "--warmup", "1", "--out", str(out),
+                        "--hlo-dir", str(tmp_path / "hlo")])
+  assert rc == 0
+  assert e2e_paired.RESULT_TAG in capsys.readouterr().out
+  rows = _rows(out)
+  assert {r["benchmark"] for r in rows} == {"e2e_paired"}
+  by = {(r["provider"], r["metric"]): r for r in rows}
+  for arm in ARMS:
+    assert (tmp_path / "hlo" / f"{arm}.hlo.txt").read_text().startswith(
+        "HloModule")
+    assert {f"block_time_round{i}" for i in range(3)} <= {
+        m for (a, m) in by if a == arm}
+    st = by[(arm, "step_time")]
+    assert float(st["p20"]) <= float(st["p50"]) <= float(st["p80"])
+    assert math.isfinite(float(by[(arm, "loss_final")]["p50"]))
+    assert by[(arm, "loss_first")]["p50"] == by[("optax", "loss_first")]["p50"] \
+        or math.isclose(float(by[(arm, "loss_first")]["p50"]),
+                        float(by[("optax", "loss_first")]["p50"]),
+                        rel_tol=e2e.FIRST_LOSS_RTOL)
+  # Each FORGE arm's ratio per round is its block median over optax's of the
+  # same round (the CSV keeps 6 significant digits).
+  for arm in ("forge-xla", "forge"):
+    ratios = [float(by[(arm, f"block_time_round{i}")]["p50"])
+              / float(by[("optax", f"block_time_round{i}")]["p50"])
+              for i in range(3)]
+    assert float(by[(arm, "ratio_to_optax")]["p50"]) == pytest.approx(
+        statistics.median(ratios), rel=1e-4)
+    fr = by[(arm, "faster_rounds")]
+    assert fr["unit"] == "of 3"
+    assert int(float(fr["p50"])) == sum(x < 1 for x in ratios)
+  assert ("optax", "ratio_to_optax") not in by
+
+
+def test_driver_pools_processes_and_plots(tmp_path, capsys):
+  out, png = tmp_path / "p.csv", tmp_path / "p.png"
+  rc = e2e_paired.main(["--arms", "optax", "forge-xla", "--bt", "16",
+                        *TINY_FLAGS, "--rounds", "2", "--block", "2",
+                        "--warmup", "1", "--processes", "2",
+                        "--out", str(out), "--plot", str(png)])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  assert "2 process(es) x 2 rounds x 2 steps" in text
+  assert "first-step losses agree" in text
+  # One line per arm; forge-xla's lists its two processes' median ratios.
+  line = next(l for l in text.splitlines() if l.startswith("forge-xla "))
+  assert line.rstrip().endswith(tuple("0123456789")) and "/4" in line
+  rows = _rows(out)
+  assert len({r["timestamp"] for r in rows}) >= 1
+  assert sum(r["metric"] == "ratio_to_optax" for r in rows) == 2
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_driver_reports_a_failed_process(tmp_path, capsys):
+  rc = e2e_paired.main(["--arms", "optax", "forge", "--bt", "16",
+                        *TINY_FLAGS, "--rounds", "1", "--block", "1",
+                        "--timeout", "0.5", "--out", str(tmp_path / "p.csv")])
+  assert rc == 1
+  assert "FAILED process 0: timeout after" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arms", "forge", "forge-xla"], "must include optax"),
+    (["--arms", "optax"], "must include optax and at least one FORGE arm"),
+    (["--arms", "optax", "forge", "forge"], "names an arm twice"),
+    (["--bt", "100"], "not a multiple of --seq"),
+    (["--rounds", "0"], "--rounds: 0 must be >= 1"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+  with pytest.raises(SystemExit):
+    e2e_paired.parse_args(argv)
+  assert message in capsys.readouterr().err
