@@ -1,0 +1,217 @@
+"""Where a compiled training step forms each weight gradient and where it
+applies the optimizer to it: read from the scheduled HLO XLA compiled.
+
+    ./dev.sh python benchmarks/hlo_schedule.py H.hlo.txt[.gz] [...]
+
+The input is ``compiled.as_text()`` of a jitted step (``e2e_paired.py
+--hlo-dir`` writes one per arm); its entry computation lists the kernels in
+the order they run. An *update* is a kernel (fusion or custom call) that
+reads a matrix slot of the optimizer state (an entry parameter named
+``opt_state...`` of rank >= 2). Its *gradient GEMM* is an operand that is a
+GEMM's output (a ``__cublas`` custom call or a ``gemm_fusion``; through
+``get-tuple-element`` / ``bitcast``). Per file it prints: how many updates
+there are and how many read a GEMM-formed gradient; for those, how many
+kernels run between the GEMM and the update; where in the step the updates
+sit (fraction of the kernel sequence); the most gradients alive at once
+(formed and not yet consumed by their update) and their bytes. A FORGE step
+with the fused kernel has updates that read no GEMM output: the gradient is
+never formed.
+
+It answers one question of issue #4 without a GPU (given the dumps): does
+XLA already schedule optax's jitted step the way FORGE would, each gradient
+consumed right after it is formed? Exit status 1 if a file has no entry
+computation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import re
+import statistics
+import sys
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2,
+          "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
+          "u64": 8}
+_PASS_THROUGH = ("get-tuple-element", "bitcast")
+_KERNELS = ("fusion", "custom-call", "copy", "dot")
+
+
+def _balanced(s: str, i: int) -> int:
+  """Index just past the parenthesis group opening at ``s[i]``."""
+  depth = 0
+  for j in range(i, len(s)):
+    depth += {"(": 1, ")": -1}.get(s[j], 0)
+    if depth == 0:
+      return j + 1
+  raise ValueError(f"unbalanced parentheses in {s[:80]!r}")
+
+
+def parse_instruction(line: str):
+  """``(name, type, op, operands, attributes)`` of one HLO instruction line,
+  or ``None`` if the line is not one."""
+  m = _INSTR.match(line)
+  if not m:
+    return None
+  name, rest = m.groups()
+  if rest.startswith("("):
+    end = _balanced(rest, 0)
+    typ, rest = rest[:end], rest[end:].lstrip()
+  else:
+    typ, _, rest = rest.partition(" ")
+  op, paren, rest = rest.partition("(")
+  if not paren:
+    return None
+  end = _balanced("(" + rest, 0) - 1
+  args, attrs = rest[:end - 1], rest[end:]
+  operands = re.findall(r"%([\w.\-]+)", args)
+  return name, typ, op.strip(), operands, attrs
+
+
+def entry_instructions(text: str) -> list[tuple]:
+  """The entry computation's instructions, in schedule order."""
+  lines = text.splitlines()
+  start = next((i for i, l in enumerate(lines) if l.startswith("ENTRY ")),
+               None)
+  if start is None:
+    raise ValueError("no ENTRY computation in this HLO text")
+  out = []
+  for line in lines[start + 1:]:
+    if line.startswith("}"):
+      break
+    ins = parse_instruction(line)
+    if ins is not None:
+      out.append(ins)
+  return out
+
+
+def nbytes(typ: str) -> int:
+  """Bytes of an HLO type's first array (a tuple's first element)."""
+  m = _SHAPE.search(typ)
+  if not m:
+    return 0
+  dims = [int(d) for d in m.group(2).split(",") if d]
+  n = _BYTES.get(m.group(1), 4)
+  for d in dims:
+    n *= d
+  return n
+
+
+def _rank(typ: str) -> int:
+  m = _SHAPE.search(typ)
+  return len([d for d in m.group(2).split(",") if d]) if m else 0
+
+
+def is_gemm(op: str, attrs: str) -> bool:
+  return (op == "dot"
+          or (op == "custom-call" and 'custom_call_target="__cublas' in attrs)
+          or (op == "fusion" and "calls=%gemm_fusion" in attrs))
+
+
+def analyse(text: str) -> dict:
+  """The schedule figures of one HLO module (see the module docstring)."""
+  instrs = entry_instructions(text)
+  by_name = {i[0]: i for i in instrs}
+  slots = {n for n, typ, op, _, _ in instrs
+           if op == "parameter" and n.startswith("opt_state")
+           and _rank(typ) >= 2}
+  kernels = [i for i in instrs if i[2] in _KERNELS]
+  position = {k[0]: p for p, k in enumerate(kernels)}
+
+  def source(name: str) -> str:
+    seen = 0
+    while name in by_name and by_name[name][2] in _PASS_THROUGH and seen < 50:
+      name, seen = by_name[name][3][0], seen + 1
+    return name
+
+  updates = []
+  for name, typ, op, operands, attrs in kernels:
+    if not slots & set(operands):
+      continue
+    gemms = sorted({s for s in map(source, operands)
+                    if s in by_name and is_gemm(*by_name[s][2:3],
+                                                by_name[s][4])},
+                   key=lambda s: position.get(s, -1))
+    updates.append(dict(name=name, position=position[name], gemms=gemms))
+
+  # The gradients: GEMM outputs some update reads; each lives from its GEMM
+  # to the last update that reads it.
+  last_use = {}
+  for u in updates:
+    for g in u["gemms"]:
+      last_use[g] = max(last_use.get(g, -1), u["position"])
+  live, peak, peak_bytes, events = 0, 0, 0, []
+  for g, end in last_use.items():
+    b = nbytes(by_name[g][1])
+    events += [(position[g], 0, b), (end, 1, -b)]  # a G dies after its use
+  cur_b = 0
+  for _, kind, b in sorted(events):
+    live += 1 if kind == 0 else -1
+    cur_b += b
+    if live > peak:
+      peak = live
+    peak_bytes = max(peak_bytes, cur_b)
+  with_g = [u for u in updates if u["gemms"]]
+  gaps = [u["position"] - position[u["gemms"][-1]] - 1 for u in with_g]
+  n = max(len(kernels), 1)
+  where = [u["position"] / n for u in updates]
+  return dict(kernels=len(kernels), updates=len(updates),
+              updates_from_gemm=len(with_g), gemms=len(last_use),
+              gap_min=min(gaps, default=None),
+              gap_median=statistics.median(gaps) if gaps else None,
+              gap_max=max(gaps, default=None),
+              first_update=min(where, default=None),
+              last_update=max(where, default=None),
+              peak_live=peak, peak_live_bytes=peak_bytes)
+
+
+def _read(path: str) -> str:
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt") as f:
+    return f.read()
+
+
+def _size(n: int) -> str:
+  return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def report(path: str, r: dict) -> str:
+  lines = [f"{path}: {r['kernels']} kernels; {r['updates']} updates of "
+           f"matrix slots, {r['updates_from_gemm']} of them reading a "
+           f"gradient a GEMM formed ({r['gemms']} such GEMMs)"]
+  if r["updates"]:
+    lines.append(f"  updates sit at {r['first_update']:.0%} to "
+                 f"{r['last_update']:.0%} of the kernel sequence")
+  if r["updates_from_gemm"]:
+    lines.append(f"  kernels between a gradient's GEMM and its update: min "
+                 f"{r['gap_min']}, median {r['gap_median']:g}, max "
+                 f"{r['gap_max']}")
+    lines.append(f"  most gradients alive at once: {r['peak_live']} "
+                 f"({_size(r['peak_live_bytes'])})")
+  elif r["updates"]:
+    lines.append("  no update reads a GEMM output: the gradient is never "
+                 "formed")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("hlo", nargs="+", help="compiled.as_text() dumps (.gz ok)")
+  args = p.parse_args(argv)
+  rc = 0
+  for path in args.hlo:
+    try:
+      r = analyse(_read(path))
+    except ValueError as e:
+      print(f"{path}: {e}", file=sys.stderr)
+      rc = 1
+      continue
+    print(report(path, r))
+  return rc
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,103 @@
+"""benchmarks/hlo_schedule.py: reads where a scheduled HLO step forms each
+weight gradient and where the optimizer consumes it."""
+
+import gzip
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from benchmarks import hlo_schedule
+
+# A hand-written entry computation in the form XLA's GPU dumps take: a
+# cuBLAS custom call returning (G, workspace), reached through
+# get-tuple-element and bitcast; a GEMM fusion; a fused update that reads
+# no GEMM output (FORGE's kernel); an update of a vector slot (not counted).
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_add (p0: bf16[4,8]) -> bf16[4,8] {
+  ROOT %p0 = bf16[4,8]{1,0} parameter(0)
+}
+
+ENTRY %main.1 (w.1: bf16[4,8], opt_state_mu_w.1: bf16[4,8], opt_state_mu_b.1: bf16[8], x.1: bf16[2,4], dy.1: bf16[2,8], w2.1: bf16[8,16], opt_state_mu_w2.1: bf16[8,16]) -> (bf16[4,8], bf16[4,8]) {
+  %w.1 = bf16[4,8]{1,0} parameter(0)
+  %opt_state_mu_w.1 = bf16[4,8]{1,0} parameter(1)
+  %opt_state_mu_b.1 = bf16[8]{0} parameter(2)
+  %x.1 = bf16[2,4]{1,0} parameter(3)
+  %dy.1 = bf16[2,8]{1,0} parameter(4)
+  %w2.1 = bf16[8,16]{1,0} parameter(5)
+  %opt_state_mu_w2.1 = bf16[8,16]{1,0} parameter(6)
+  %custom-call.1 = (bf16[4,8]{1,0}, s8[1024]{0}) custom-call(%x.1, %dy.1), custom_call_target="__cublas$lt$matmul", metadata={op_name="g"}
+  %get-tuple-element.1 = bf16[4,8]{1,0} get-tuple-element(%custom-call.1), index=0
+  %bitcast.1 = bf16[4,8]{1,0} bitcast(%get-tuple-element.1)
+  %gemm_fusion_dot.2 = bf16[8,16]{1,0} fusion(%dy.1, %x.1), kind=kCustom, calls=%gemm_fusion_dot.2_computation
+  %loop_add_fusion.3 = bf16[8]{0} fusion(%opt_state_mu_b.1, %dy.1), kind=kLoop, calls=%fused_add
+  %loop_add_fusion.1 = (bf16[4,8]{1,0}, bf16[4,8]{1,0}) fusion(%w.1, /*index=1*/%bitcast.1, %opt_state_mu_w.1), kind=kLoop, calls=%fused_add
+  %custom-call.2 = (bf16[8,16]{1,0}, bf16[8,16]{1,0}) custom-call(%w2.1, %opt_state_mu_w2.1, %x.1), custom_call_target="__gpu$xla.gpu.triton"
+  %loop_add_fusion.2 = bf16[8,16]{1,0} fusion(%w2.1, %gemm_fusion_dot.2, %opt_state_mu_w2.1), kind=kLoop, calls=%fused_add
+  ROOT %tuple.1 = (bf16[4,8]{1,0}, bf16[4,8]{1,0}) tuple(%get-tuple-element.1, %w.1)
+}
+"""
+
+
+def test_parse_instruction_handles_tuple_types_and_comments():
+  name, typ, op, operands, attrs = hlo_schedule.parse_instruction(
+      "  %f = (bf16[4,8]{1,0}, s8[2]{0}) fusion(%a, /*index=1*/%b.2), "
+      "kind=kLoop, calls=%c")
+  assert (name, typ, op, operands) == (
+      "f", "(bf16[4,8]{1,0}, s8[2]{0})", "fusion", ["a", "b.2"])
+  assert "calls=%c" in attrs
+  assert hlo_schedule.parse_instruction("ENTRY %main () -> f32[] {") is None
+  assert hlo_schedule.nbytes("(bf16[4,8]{1,0}, s8[1024]{0})") == 64
+
+
+def test_analyse_a_hand_written_schedule():
+  r = hlo_schedule.analyse(HLO)
+  # Kernels: 2 custom calls, 4 fusions.
+  assert r["kernels"] == 6
+  # Three matrix-slot updates (the vector slot's is not one); two read a
+  # GEMM's gradient, one (the Triton call) reads none.
+  assert (r["updates"], r["updates_from_gemm"], r["gemms"]) == (3, 2, 2)
+  # custom-call.1 at 0 -> its update at 3 (2 kernels between);
+  # gemm_fusion_dot.2 at 1 -> its update at 5 (3 kernels between).
+  assert (r["gap_min"], r["gap_median"], r["gap_max"]) == (2, 2.5, 3)
+  assert r["peak_live"] == 2
+  assert r["peak_live_bytes"] == 4 * 8 * 2 + 8 * 16 * 2
+  assert r["first_update"] == pytest.approx(3 / 6)
+  assert r["last_update"] == pytest.approx(5 / 6)
+
+
+def test_main_reads_gzip_and_refuses_text_without_entry(tmp_path, capsys):
+  good = tmp_path / "step.hlo.txt.gz"
+  with gzip.open(good, "wt") as f:
+    f.write(HLO)
+  bad = tmp_path / "bad.hlo.txt"
+  bad.write_text("HloModule empty\n")
+  assert hlo_schedule.main([str(good)]) == 0
+  out = capsys.readouterr().out
+  assert "3 updates of matrix slots, 2 of them reading a gradient" in out
+  assert "most gradients alive at once: 2 (0.3 KiB)" in out
+  assert hlo_schedule.main([str(bad)]) == 1
+  assert "no ENTRY computation" in capsys.readouterr().err
+
+
+def test_a_compiled_optax_step_on_this_backend():
+  """The parser reads a real compiled step: every matrix of a 2-layer MLP
+  gets its Adam slots updated, each update after its gradient GEMM."""
+  w = {"a": jnp.ones((8, 16)), "b": jnp.ones((16, 4))}
+  tx = optax.adam(1e-3)
+
+  def step(w, opt_state, x):
+    g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w["a"]) @ w["b"]))(w)
+    u, opt_state = tx.update(g, opt_state, w)
+    return optax.apply_updates(w, u), opt_state
+
+  text = jax.jit(step).lower(w, tx.init(w), jnp.ones((5, 8))).compile(
+      ).as_text()
+  r = hlo_schedule.analyse(text)
+  assert r["kernels"] > 0
+  # At least one kernel per matrix reads its slots (XLA may split mu and nu
+  # into separate fusions on one backend and merge them on another).
+  assert r["updates"] >= 2
+  assert r["updates_from_gemm"] <= r["updates"]
