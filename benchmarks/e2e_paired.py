@@ -17,22 +17,34 @@ What this script does. It compiles every arm's step once in this process (the
 model, initialisation, batch and AdamW settings of ``e2e.py``, whose model
 options it takes), gives each arm its own copy of the same initial variables
 (each step donates its state), runs ``--warmup`` steps of each, then
-``--rounds`` rounds: a round is a block of ``--block`` steps of every arm, in
-an order reversed every other round (A B C, C B A, ...), every step blocked
-on. Each FORGE arm's ratio to optax is taken per round, from the two blocks'
-median step times, and reported as p20/p50/p80 over the rounds with the count
-of rounds in which the arm was faster. What a compile fixes (XLA's GEMM
+``--rounds`` rounds: a round is every arm's turn, in an order reversed every
+other round (A B C, C B A, ...). A turn times ``--block`` steps two ways:
+
+  synced     every step blocked on before the next is dispatched, as
+             ``e2e.py`` times it: the step's latency, the host's dispatch of
+             it included;
+  pipelined  ``--block`` more steps dispatched back to back, one block on
+             the last (the losses read after it): time per step as a
+             training loop that does not wait on every loss sees it, the
+             host's dispatch overlapping the device's work.
+
+Each FORGE arm's ratio to optax is taken per round, each way (synced: the two
+blocks' median step times; pipelined: their time per step), and reported as
+p20/p50/p80 over the rounds with the count of rounds in which the arm was
+faster. What a compile fixes (XLA's GEMM
 autotuning choices, buffer assignment) is the same for every round of a
 process; ``--processes N`` repeats the whole measurement in N fresh processes
 (a fresh compile each) and pools their rounds. Peak memory is not measured
 here: the arms share one allocator (``e2e.py`` measures it per cell).
 
 CSV rows (benchmark ``e2e_paired``, ``benchmarks.common.Results``; one
-timestamp per process): per arm ``step_time`` (ms, p20/p50/p80 of every timed
-step), ``block_time_round<r>`` (ms, the round's block: p20/p50/p80 of its
-steps), ``compile_time`` (s), ``loss_first`` / ``loss_final``; per FORGE arm
-``ratio_to_optax`` (p20/p50/p80 over rounds) and ``faster_rounds`` (a count;
-unit ``of <rounds>``). Exit status: 0 if every process ran and the arms'
+timestamp per process): per arm ``step_time`` (ms, p20/p50/p80 of every synced
+step), ``block_time_round<r>`` (ms, the round's synced block: p20/p50/p80 of
+its steps), ``pipelined_step_time`` (ms, p20/p50/p80 over the rounds of the
+pipelined blocks' time per step), ``compile_time`` (s), ``loss_first`` /
+``loss_final``; per FORGE arm ``ratio_to_optax`` and
+``pipelined_ratio_to_optax`` (p20/p50/p80 over rounds), ``faster_rounds`` and
+``pipelined_faster_rounds`` (counts; unit ``of <rounds>``). Exit status: 0 if every process ran and the arms'
 first-step losses agree, else 1.
 """
 
@@ -74,6 +86,19 @@ def paired_ratios(blocks: dict, arm: str, ref: str = "optax") -> list[float]:
           for a, o in zip(blocks[arm], blocks[ref], strict=True)]
 
 
+def pipelined_steps(step, variables, opt_state, batch, n: int):
+  """``n`` steps dispatched back to back, one block on the last state:
+  ``(seconds per step, losses, variables, opt_state)``."""
+  losses = []
+  t0 = time.perf_counter()
+  for _ in range(n):
+    loss, variables, opt_state = step(variables, opt_state, batch)
+    losses.append(loss)
+  jax.block_until_ready((losses, variables, opt_state))
+  per_step = (time.perf_counter() - t0) / n
+  return per_step, [float(l) for l in losses], variables, opt_state
+
+
 def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
                 warmup: int, seed: int = 0, out: str | None = None,
                 hlo_dir: str | None = None) -> dict:
@@ -110,16 +135,22 @@ def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
     state[arm] = (v, s)
     losses[arm] += ls
   blocks = {arm: [] for arm in arms}
+  piped = {arm: [] for arm in arms}  # per round: seconds per pipelined step
   for order in round_orders(arms, rounds):
     for arm in order:
       ts, ls, v, s = timed_steps(compiled[arm], *state[arm], batch, 0, block)
-      state[arm] = (v, s)
       blocks[arm].append(ts)
+      losses[arm] += ls
+      t, ls, v, s = pipelined_steps(compiled[arm], v, s, batch, block)
+      state[arm] = (v, s)
+      piped[arm].append(t)
       losses[arm] += ls
 
   r = dict(arms=list(arms), bt=bt, rounds=rounds, block=block,
-           blocks=blocks, losses=losses, compile_s=compile_s,
+           blocks=blocks, piped=piped, losses=losses, compile_s=compile_s,
            ratios={a: paired_ratios(blocks, a) for a in arms if a != "optax"},
+           piped_ratios={a: [t / o for t, o in zip(piped[a], piped["optax"])]
+                         for a in arms if a != "optax"},
            device=common.device_name())
   if out:
     _write_rows(out, r, cfg)
@@ -142,6 +173,7 @@ def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
     add("step_time", ms([t for b in blocks for t in b]), "ms")
     for i, b in enumerate(blocks):
       add(f"block_time_round{i}", ms(b), "ms")
+    add("pipelined_step_time", ms(r["piped"][arm]), "ms")
     add("compile_time", r["compile_s"][arm], "s")
     add("loss_first", r["losses"][arm][0], "nats")
     add("loss_final", r["losses"][arm][-1], "nats")
@@ -150,6 +182,10 @@ def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
       add("ratio_to_optax", common.quantiles(ratios), "x")
       add("faster_rounds", float(sum(x < 1 for x in ratios)),
           f"of {len(ratios)}")
+      piped = r["piped_ratios"][arm]
+      add("pipelined_ratio_to_optax", common.quantiles(piped), "x")
+      add("pipelined_faster_rounds", float(sum(x < 1 for x in piped)),
+          f"of {len(piped)}")
   r["stamp"] = res.stamp
 
 
@@ -209,21 +245,28 @@ def summarize(results: list[dict]) -> bool:
   arms = results[0]["arms"]
   print(f"\npaired, BT {results[0]['bt']}: {len(results)} process(es) x "
         f"{results[0]['rounds']} rounds x {results[0]['block']} steps per "
-        "arm; step time p50 over all timed steps, ratio per round")
-  print(f"{'arm':<10} {'p50 (ms)':>9} {'ratio to optax p20 / p50 / p80':>32}"
-        f" {'faster rounds':>14} {'per process p50 ratio':>22}")
-  for arm in arms:
-    ts = [t for r in results for b in r["blocks"][arm] for t in b]
-    line = f"{arm:<10} {statistics.median(ts) * 1e3:9.2f}"
-    if arm != "optax":
-      ratios = [x for r in results for x in r["ratios"][arm]]
-      q = common.quantiles(ratios)
-      per = ", ".join(f"{statistics.median(r['ratios'][arm]):.3f}"
-                      for r in results)
-      faster = f"{sum(x < 1 for x in ratios)}/{len(ratios)}"
-      line += (f" {q[0]:10.3f} / {q[1]:.3f} / {q[2]:.3f}"
-               f" {faster:>14} {per:>22}")
-    print(line)
+        "arm and way; ratios to optax per round")
+  for way, times_key, ratio_key in (
+      ("synced (every step blocked on; p50 of every step)", "blocks",
+       "ratios"),
+      ("pipelined (steps dispatched back to back; p50 over rounds of the "
+       "time per step)", "piped", "piped_ratios")):
+    print(f"\n{way}")
+    print(f"{'arm':<10} {'p50 (ms)':>9} {'ratio p20 / p50 / p80':>24}"
+          f" {'faster rounds':>14} {'per process p50 ratio':>22}")
+    for arm in arms:
+      ts = [t for r in results for b in r[times_key][arm]
+            for t in (b if isinstance(b, list) else [b])]
+      line = f"{arm:<10} {statistics.median(ts) * 1e3:9.2f}"
+      if arm != "optax":
+        ratios = [x for r in results for x in r[ratio_key][arm]]
+        q = common.quantiles(ratios)
+        per = ", ".join(f"{statistics.median(r[ratio_key][arm]):.3f}"
+                        for r in results)
+        faster = f"{sum(x < 1 for x in ratios)}/{len(ratios)}"
+        line += (f" {q[0]:8.3f} / {q[1]:.3f} / {q[2]:.3f}"
+                 f" {faster:>14} {per:>22}")
+      print(line)
   ok = True
   for i, r in enumerate(results):
     lo = r["losses"]["optax"][0]
@@ -259,7 +302,10 @@ def plot(results: list[dict], png_path: str) -> None:
     a1.plot(range(len(med)), med, ".-", label=arm, color=colors[arm])
     if arm != "optax":
       rat = [x for r in results for x in r["ratios"][arm]]
-      a2.plot(range(len(rat)), rat, ".-", label=f"{arm} / optax",
+      a2.plot(range(len(rat)), rat, ".-", label=f"{arm} / optax, synced",
+              color=colors[arm])
+      rat = [x for r in results for x in r["piped_ratios"][arm]]
+      a2.plot(range(len(rat)), rat, "x--", label=f"{arm} / optax, pipelined",
               color=colors[arm])
   n = results[0]["rounds"]
   for ax in (a1, a2):
@@ -267,7 +313,8 @@ def plot(results: list[dict], png_path: str) -> None:
       ax.axvline(i * n - 0.5, color="k", lw=0.5, ls=":")
     ax.set_xlabel("round (processes in sequence, dotted lines between)")
     ax.legend(fontsize=8)
-  a1.set_ylabel(f"block median step time (ms, {results[0]['block']} steps)")
+  a1.set_ylabel(f"synced block median step time (ms, {results[0]['block']} "
+                "steps)")
   a2.axhline(1.0, color="k", lw=0.8)
   a2.set_ylabel("ratio to optax, same round")
   fig.suptitle(f"Paired e2e step time, BT {results[0]['bt']}, on "

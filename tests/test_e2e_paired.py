@@ -2,6 +2,7 @@
 rounds; the per-round ratios in its CSV follow from its own block rows."""
 
 import csv
+import json
 import math
 import statistics
 
@@ -38,7 +39,9 @@ def test_single_process_writes_consistent_rows(tmp_path, capsys):
                         "--warmup", "1", "--out", str(out),
                         "--hlo-dir", str(tmp_path / "hlo")])
   assert rc == 0
-  assert e2e_paired.RESULT_TAG in capsys.readouterr().out
+  line = next(l for l in capsys.readouterr().out.splitlines()
+              if l.startswith(e2e_paired.RESULT_TAG))
+  result = json.loads(line[len(e2e_paired.RESULT_TAG):])
   rows = _rows(out)
   assert {r["benchmark"] for r in rows} == {"e2e_paired"}
   by = {(r["provider"], r["metric"]): r for r in rows}
@@ -65,6 +68,22 @@ def test_single_process_writes_consistent_rows(tmp_path, capsys):
     fr = by[(arm, "faster_rounds")]
     assert fr["unit"] == "of 3"
     assert int(float(fr["p50"])) == sum(x < 1 for x in ratios)
+    # Pipelined: per round, the arm's time per step over optax's.
+    piped = [t / o for t, o in zip(result["piped"][arm],
+                                   result["piped"]["optax"])]
+    assert result["piped_ratios"][arm] == pytest.approx(piped)
+    assert float(by[(arm, "pipelined_ratio_to_optax")]["p50"]) == \
+        pytest.approx(statistics.median(piped), rel=1e-4)
+    assert int(float(by[(arm, "pipelined_faster_rounds")]["p50"])) == sum(
+        x < 1 for x in piped)
+  for arm in ARMS:
+    assert len(result["piped"][arm]) == 3 and len(result["blocks"][arm]) == 3
+    assert all(len(b) == 2 for b in result["blocks"][arm])
+    assert float(by[(arm, "pipelined_step_time")]["p50"]) == pytest.approx(
+        statistics.median(result["piped"][arm]) * 1e3, rel=1e-4)
+    # warm-up 1 + 3 rounds x (2 synced + 2 pipelined) losses, all finite
+    assert len(result["losses"][arm]) == 13
+    assert all(math.isfinite(l) for l in result["losses"][arm])
   assert ("optax", "ratio_to_optax") not in by
 
 
@@ -78,12 +97,14 @@ def test_driver_pools_processes_and_plots(tmp_path, capsys):
   assert rc == 0, text
   assert "2 process(es) x 2 rounds x 2 steps" in text
   assert "first-step losses agree" in text
+  assert "\nsynced (" in text and "\npipelined (" in text
   # One line per arm; forge-xla's lists its two processes' median ratios.
   line = next(l for l in text.splitlines() if l.startswith("forge-xla "))
   assert line.rstrip().endswith(tuple("0123456789")) and "/4" in line
   rows = _rows(out)
   assert len({r["timestamp"] for r in rows}) >= 1
   assert sum(r["metric"] == "ratio_to_optax" for r in rows) == 2
+  assert sum(r["metric"] == "pipelined_ratio_to_optax" for r in rows) == 2
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
