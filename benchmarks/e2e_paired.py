@@ -41,7 +41,8 @@ CSV rows (benchmark ``e2e_paired``, ``benchmarks.common.Results``; one
 timestamp per process): per arm ``step_time`` (ms, p20/p50/p80 of every synced
 step), ``block_time_round<r>`` (ms, the round's synced block: p20/p50/p80 of
 its steps), ``pipelined_step_time`` (ms, p20/p50/p80 over the rounds of the
-pipelined blocks' time per step), ``compile_time`` (s), ``loss_first`` /
+pipelined blocks' time per step), ``pipelined_time_round<r>`` (ms, the
+round's pipelined time per step), ``compile_time`` (s), ``loss_first`` /
 ``loss_final``; per FORGE arm ``ratio_to_optax`` and
 ``pipelined_ratio_to_optax`` (p20/p50/p80 over rounds), ``faster_rounds`` and
 ``pipelined_faster_rounds`` (counts; unit ``of <rounds>``). Exit status: 0 if every process ran and the arms'
@@ -174,6 +175,8 @@ def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
     for i, b in enumerate(blocks):
       add(f"block_time_round{i}", ms(b), "ms")
     add("pipelined_step_time", ms(r["piped"][arm]), "ms")
+    for i, t in enumerate(r["piped"][arm]):
+      add(f"pipelined_time_round{i}", t * 1e3, "ms")
     add("compile_time", r["compile_s"][arm], "s")
     add("loss_first", r["losses"][arm][0], "nats")
     add("loss_final", r["losses"][arm][-1], "nats")

@@ -81,6 +81,9 @@ def test_single_process_writes_consistent_rows(tmp_path, capsys):
     assert all(len(b) == 2 for b in result["blocks"][arm])
     assert float(by[(arm, "pipelined_step_time")]["p50"]) == pytest.approx(
         statistics.median(result["piped"][arm]) * 1e3, rel=1e-4)
+    assert [float(by[(arm, f"pipelined_time_round{i}")]["p50"])
+            for i in range(3)] == pytest.approx(
+                [t * 1e3 for t in result["piped"][arm]], rel=1e-4)
     # warm-up 1 + 3 rounds x (2 synced + 2 pipelined) losses, all finite
     assert len(result["losses"][arm]) == 13
     assert all(math.isfinite(l) for l in result["losses"][arm])
