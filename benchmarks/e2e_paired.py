@@ -37,6 +37,15 @@ process; ``--processes N`` repeats the whole measurement in N fresh processes
 (a fresh compile each) and pools their rounds. Peak memory is not measured
 here: the arms share one allocator (``e2e.py`` measures it per cell).
 
+``--model stack`` times ``scan_memory.py``'s scanned stack instead
+(``--stack-layers`` bf16 ``--stack-width``-square kernels, no bias, ReLU,
+``--bt`` tokens, loss ``mean(y**2)``; AdamW at the decoder's settings, m and
+v in bf16, no mask): FORGE's ``ScannedDenseStack`` against the same module
+with ``fused=False`` (``nn.scan``) + ``optax.adamw``, whose scan transpose
+writes every layer's gradient into one stacked pool that the update reads
+after the loop -- the case where XLA cannot consume each gradient right
+after its GEMM.
+
 CSV rows (benchmark ``e2e_paired``, ``benchmarks.common.Results``; one
 timestamp per process): per arm ``step_time`` (ms, p20/p50/p80 of every synced
 step), ``block_time_round<r>`` (ms, the round's synced block: p20/p50/p80 of
@@ -100,11 +109,36 @@ def pipelined_steps(step, variables, opt_state, batch, n: int):
   return per_step, [float(l) for l in losses], variables, opt_state
 
 
-def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
-                warmup: int, seed: int = 0, out: str | None = None,
-                hlo_dir: str | None = None) -> dict:
-  """Compiles every arm, runs the rounds in this process; writes its rows to
-  ``out`` (if given) and returns the figures (JSON-serialisable)."""
+def _compile(step, abstract_args, hlo_dir: str | None, arm: str):
+  """``(compiled, seconds)``: ``jax.jit(step, donate_argnums=(0, 1))``
+  compiled for ``abstract_args``; its scheduled HLO written to
+  ``hlo_dir/<arm>.hlo.txt`` if asked."""
+  t0 = time.perf_counter()
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+      *abstract_args).compile()
+  seconds = time.perf_counter() - t0
+  if hlo_dir:
+    os.makedirs(hlo_dir, exist_ok=True)
+    with open(os.path.join(hlo_dir, f"{arm}.hlo.txt"), "w") as f:
+      f.write(compiled.as_text())
+  return compiled, seconds
+
+
+def _own_copies(arms, init, txs) -> dict:
+  """Each arm its own copy of ``init`` and its optimizer state (every step
+  donates them)."""
+  state = {}
+  for arm in arms:
+    v = jax.tree.map(lambda a: jnp.array(a, copy=True), init)
+    state[arm] = (v, jax.jit(txs[arm].init)(v["params"]))
+  jax.block_until_ready(state)
+  return state
+
+
+def build_decoder(arms, bt: int, cfg: e2e.Config, seed: int = 0,
+                  hlo_dir: str | None = None):
+  """``e2e.py``'s decoder arms: ``(compiled, state, batch, compile_s)``,
+  dicts by arm but for the shared batch."""
   if bt % cfg.seq:
     raise ValueError(f"BT={bt} is not a multiple of seq={cfg.seq}")
   batch = e2e.make_batch(cfg, bt // cfg.seq, seed)
@@ -113,30 +147,66 @@ def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
   for arm in arms:
     step, txs[arm] = e2e.build_arm(arm, cfg)
     abs_state = jax.eval_shape(txs[arm].init, abs_vars["params"])
-    t0 = time.perf_counter()
-    compiled[arm] = jax.jit(step, donate_argnums=(0, 1)).lower(
-        abs_vars, abs_state, batch).compile()
-    compile_s[arm] = time.perf_counter() - t0
-    if hlo_dir:
-      os.makedirs(hlo_dir, exist_ok=True)
-      with open(os.path.join(hlo_dir, f"{arm}.hlo.txt"), "w") as f:
-        f.write(compiled[arm].as_text())
-
+    compiled[arm], compile_s[arm] = _compile(
+        step, (abs_vars, abs_state, batch), hlo_dir, arm)
   init = e2e.init_variables(cfg, seed, abstract=abs_vars)
-  state = {}
-  for arm in arms:  # each arm its own buffers: every step donates them
-    v = jax.tree.map(lambda a: jnp.array(a, copy=True), init)
-    state[arm] = (v, jax.jit(txs[arm].init)(v["params"]))
-  del init
-  jax.block_until_ready(state)
+  return compiled, _own_copies(arms, init, txs), batch, compile_s
 
+
+def stack_model(layers: int, width: int, fused: bool):
+  """The scanned stack of ``scan_memory.py``: ``layers`` bf16 ``width x
+  width`` kernels, no bias, ReLU; ``fused=False`` is ``nn.scan`` of a
+  Dense layer (the optax arm)."""
+  import flax.linen as nn  # noqa: PLC0415
+  import forge_jax  # noqa: PLC0415
+  return forge_jax.ScannedDenseStack(
+      width, layers, use_bias=False, activation=nn.relu, dtype=jnp.bfloat16,
+      param_dtype=jnp.bfloat16, fused=fused)
+
+
+def build_stack(arms, bt: int, layers: int, width: int, seed: int = 0,
+                hlo_dir: str | None = None):
+  """The scanned stack's arms (``stack_model``; loss ``mean(y**2)`` in fp32;
+  AdamW at ``e2e.HPARAMS``, no mask, m and v in bf16): FORGE's
+  ``make_step`` (``wgrad`` per arm) + ``forge_jax.adamw`` against
+  ``jax.value_and_grad`` + ``optax.adamw``. Returns what
+  :func:`build_decoder` does."""
+  import optax  # noqa: PLC0415
+  import forge_jax  # noqa: PLC0415
+  x = jax.random.normal(jax.random.key(seed + 1), (bt, width), jnp.bfloat16)
+  h = dict(e2e.HPARAMS)
+  lr = h.pop("learning_rate")
+  init = stack_model(layers, width, True).init(jax.random.key(seed), x)
+  compiled, txs, compile_s = {}, {}, {}
+  for arm in arms:
+    model = stack_model(layers, width, fused=arm in e2e.WGRAD)
+    loss_fn = lambda v, b, model=model: jnp.mean(
+        model.apply(v, b).astype(jnp.float32) ** 2)
+    if arm in e2e.WGRAD:
+      txs[arm] = forge_jax.adamw(lr, mu_dtype=jnp.bfloat16, **h)
+      step = forge_jax.make_step(loss_fn, txs[arm], wgrad=e2e.WGRAD[arm])
+    else:
+      txs[arm] = optax.adamw(lr, mu_dtype=jnp.bfloat16, **h)
+      step = common.optax_step(loss_fn, txs[arm])
+    abs_state = jax.eval_shape(txs[arm].init, init["params"])
+    compiled[arm], compile_s[arm] = _compile(step, (init, abs_state, x),
+                                             hlo_dir, arm)
+  return compiled, _own_copies(arms, init, txs), x, compile_s
+
+
+def time_rounds(arms, compiled: dict, state: dict, batch, rounds: int,
+                block: int, warmup: int) -> dict:
+  """The measurement: ``warmup`` steps per arm, then the rounds (see the
+  module docstring). Returns ``blocks`` (per arm, per round: the synced
+  step times, s), ``piped`` (per arm, per round: pipelined seconds per
+  step) and ``losses`` (per arm, every step's)."""
   losses = {arm: [] for arm in arms}
   for arm in arms:
     _, ls, v, s = timed_steps(compiled[arm], *state[arm], batch, warmup, 0)
     state[arm] = (v, s)
     losses[arm] += ls
   blocks = {arm: [] for arm in arms}
-  piped = {arm: [] for arm in arms}  # per round: seconds per pipelined step
+  piped = {arm: [] for arm in arms}
   for order in round_orders(arms, rounds):
     for arm in order:
       ts, ls, v, s = timed_steps(compiled[arm], *state[arm], batch, 0, block)
@@ -146,13 +216,30 @@ def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
       state[arm] = (v, s)
       piped[arm].append(t)
       losses[arm] += ls
+  return dict(blocks=blocks, piped=piped, losses=losses)
 
+
+def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
+                warmup: int, seed: int = 0, out: str | None = None,
+                hlo_dir: str | None = None, stack: tuple | None = None) -> dict:
+  """Compiles every arm, runs the rounds in this process; writes its rows to
+  ``out`` (if given) and returns the figures (JSON-serialisable). The
+  decoder of ``cfg``, or with ``stack=(layers, width)`` the scanned
+  stack."""
+  if stack is None:
+    compiled, state, batch, compile_s = build_decoder(arms, bt, cfg, seed,
+                                                      hlo_dir)
+  else:
+    compiled, state, batch, compile_s = build_stack(arms, bt, *stack, seed,
+                                                    hlo_dir)
+  t = time_rounds(arms, compiled, state, batch, rounds, block, warmup)
+  blocks, piped = t["blocks"], t["piped"]
   r = dict(arms=list(arms), bt=bt, rounds=rounds, block=block,
-           blocks=blocks, piped=piped, losses=losses, compile_s=compile_s,
+           blocks=blocks, piped=piped, losses=t["losses"], compile_s=compile_s,
            ratios={a: paired_ratios(blocks, a) for a in arms if a != "optax"},
-           piped_ratios={a: [t / o for t, o in zip(piped[a], piped["optax"])]
+           piped_ratios={a: [x / o for x, o in zip(piped[a], piped["optax"])]
                          for a in arms if a != "optax"},
-           device=common.device_name())
+           device=common.device_name(), stack=stack)
   if out:
     _write_rows(out, r, cfg)
   return r
@@ -160,12 +247,21 @@ def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
 
 def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
   res = common.Results(out, BENCHMARK)
-  n = e2e.param_count(cfg)
-  case = f"llama-{e2e._size(n)} BT={r['bt']}"
-  shape = (f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
-           f"ffn{cfg.ffn} V{cfg.vocab} B{r['bt'] // cfg.seq}x{cfg.seq} "
-           f"unrolled; {r['rounds']} rounds x {r['block']} steps")
-  dtypes = f"params={cfg.dtype},m={cfg.dtype},v={cfg.dtype},logits/loss=float32"
+  runs = f"{r['rounds']} rounds x {r['block']} steps"
+  if r["stack"] is None:
+    n = e2e.param_count(cfg)
+    case = f"llama-{e2e._size(n)} BT={r['bt']}"
+    shape = (f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
+             f"ffn{cfg.ffn} V{cfg.vocab} B{r['bt'] // cfg.seq}x{cfg.seq} "
+             f"unrolled; {runs}")
+    dtypes = (f"params={cfg.dtype},m={cfg.dtype},v={cfg.dtype},"
+              "logits/loss=float32")
+  else:
+    layers, width = r["stack"]
+    case = f"stack-{layers}x{width}^2 BT={r['bt']}"
+    shape = (f"{layers} x {width}x{width} ScannedDenseStack (nn.scan), no "
+             f"bias, ReLU, {r['bt']} tokens; {runs}")
+    dtypes = "params=bfloat16,m=bfloat16,v=bfloat16,loss=float32"
   ms = lambda ts: tuple(t * 1e3 for t in common.quantiles(ts))
   for arm in r["arms"]:
     add = lambda metric, q, unit: res.add(case, arm, shape, dtypes, metric,
@@ -178,8 +274,9 @@ def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
     for i, t in enumerate(r["piped"][arm]):
       add(f"pipelined_time_round{i}", t * 1e3, "ms")
     add("compile_time", r["compile_s"][arm], "s")
-    add("loss_first", r["losses"][arm][0], "nats")
-    add("loss_final", r["losses"][arm][-1], "nats")
+    unit = "nats" if r["stack"] is None else "mean(y^2)"
+    add("loss_first", r["losses"][arm][0], unit)
+    add("loss_final", r["losses"][arm][-1], unit)
     if arm in r["ratios"]:
       ratios = r["ratios"][arm]
       add("ratio_to_optax", common.quantiles(ratios), "x")
@@ -204,7 +301,9 @@ def _process_argv(args, index: int) -> list[str]:
           "--layers", str(args.layers), "--d-model", str(args.d_model),
           "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
           "--ffn", str(args.ffn), "--vocab", str(args.vocab), "--seq",
-          str(args.seq), "--dtype", args.dtype]
+          str(args.seq), "--dtype", args.dtype, "--model", args.model,
+          "--stack-layers", str(args.stack_layers), "--stack-width",
+          str(args.stack_width)]
   if args.attn_impl:
     argv += ["--attn-impl", args.attn_impl]
   if args.hlo_dir:
@@ -246,7 +345,9 @@ def summarize(results: list[dict]) -> bool:
   """Prints the pooled table; returns whether the first-step losses agree
   (every process, every FORGE arm against optax)."""
   arms = results[0]["arms"]
-  print(f"\npaired, BT {results[0]['bt']}: {len(results)} process(es) x "
+  stack = results[0].get("stack")
+  model = "decoder" if not stack else f"stack {stack[0]}x{stack[1]}^2"
+  print(f"\npaired, {model}, BT {results[0]['bt']}: {len(results)} process(es) x "
         f"{results[0]['rounds']} rounds x {results[0]['block']} steps per "
         "arm and way; ratios to optax per round")
   for way, times_key, ratio_key in (
@@ -320,7 +421,10 @@ def plot(results: list[dict], png_path: str) -> None:
                 "steps)")
   a2.axhline(1.0, color="k", lw=0.8)
   a2.set_ylabel("ratio to optax, same round")
-  fig.suptitle(f"Paired e2e step time, BT {results[0]['bt']}, on "
+  stack = results[0].get("stack")
+  model = ("decoder" if not stack else
+           f"scanned stack {stack[0]} x {stack[1]}²")
+  fig.suptitle(f"Paired step time, {model}, BT {results[0]['bt']}, on "
                f"{results[0]['device']}", fontsize=9)
   fig.tight_layout()
   fig.savefig(png_path, dpi=120)
@@ -336,6 +440,14 @@ def parse_args(argv):
                  choices=e2e.ARMS, help="must include optax and one FORGE arm")
   p.add_argument("--bt", type=common.positive_int, default=512,
                  help="tokens per step (a multiple of --seq)")
+  p.add_argument("--model", choices=("decoder", "stack"), default="decoder",
+                 help="decoder: e2e.py's Llama-style decoder (its options "
+                 "below); stack: scan_memory.py's scanned stack of "
+                 "--stack-layers bf16 --stack-width^2 kernels (ReLU, no "
+                 "bias), --bt tokens, where nn.scan + optax keeps the whole "
+                 "gradient pool")
+  p.add_argument("--stack-layers", type=common.positive_int, default=16)
+  p.add_argument("--stack-width", type=common.positive_int, default=4096)
   e2e.add_model_args(p)
   p.add_argument("--rounds", type=common.positive_int, default=12)
   p.add_argument("--block", type=common.positive_int, default=10,
@@ -362,7 +474,7 @@ def parse_args(argv):
     p.error("--arms must include optax and at least one FORGE arm")
   if len(set(args.arms)) != len(args.arms):
     p.error("--arms names an arm twice")
-  if args.bt % args.seq:
+  if args.model == "decoder" and args.bt % args.seq:
     p.error(f"--bt {args.bt} is not a multiple of --seq {args.seq}")
   try:
     e2e.config_of(args)
@@ -376,11 +488,15 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   cfg = e2e.config_of(args)
   if args.single:
+    stack = ((args.stack_layers, args.stack_width) if args.model == "stack"
+             else None)
     r = run_process(args.arms, args.bt, cfg, args.rounds, args.block,
-                    args.warmup, args.seed, args.out, args.hlo_dir)
+                    args.warmup, args.seed, args.out, args.hlo_dir, stack)
     print(RESULT_TAG + json.dumps(r), flush=True)
     return 0
-  print(f"paired e2e: arms {args.arms}, BT {args.bt}, {args.processes} "
+  model = ("the decoder" if args.model == "decoder" else
+           f"the scanned stack ({args.stack_layers} x {args.stack_width}^2)")
+  print(f"paired e2e, {model}: arms {args.arms}, BT {args.bt}, {args.processes} "
         f"process(es) x {args.rounds} rounds x {args.block} steps (after "
         f"{args.warmup} warm-up steps per arm); CSV {args.out}", flush=True)
   results, failed = [], []

@@ -17,6 +17,11 @@ sit (fraction of the kernel sequence); the most gradients alive at once
 with the fused kernel has updates that read no GEMM output: the gradient is
 never formed.
 
+Only the entry computation is read: a step whose layers run in a loop
+(``nn.scan``, ``ScannedDenseStack``) keeps its GEMMs and per-layer updates in
+the loop's body; an update in the entry that reads a loop's output is
+counted as such, not followed into the loop.
+
 It answers one question of issue #4 without a GPU (given the dumps): does
 XLA already schedule optax's jitted step the way FORGE would, each gradient
 consumed right after it is formed? Exit status 1 if a file has no entry
@@ -38,6 +43,8 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2,
           "u64": 8}
 _PASS_THROUGH = ("get-tuple-element", "bitcast")
 _KERNELS = ("fusion", "custom-call", "copy", "dot")
+# Ops whose outputs come from another computation (not analysed).
+_CALLS = ("while", "call", "conditional")
 
 
 def _balanced(s: str, i: int) -> int:
@@ -135,7 +142,10 @@ def analyse(text: str) -> dict:
                     if s in by_name and is_gemm(*by_name[s][2:3],
                                                 by_name[s][4])},
                    key=lambda s: position.get(s, -1))
-    updates.append(dict(name=name, position=position[name], gemms=gemms))
+    loops = {s for s in map(source, operands)
+             if s in by_name and by_name[s][2] in _CALLS}
+    updates.append(dict(name=name, position=position[name], gemms=gemms,
+                        loops=bool(loops)))
 
   # The gradients: GEMM outputs some update reads; each lives from its GEMM
   # to the last update that reads it.
@@ -158,8 +168,10 @@ def analyse(text: str) -> dict:
   gaps = [u["position"] - position[u["gemms"][-1]] - 1 for u in with_g]
   n = max(len(kernels), 1)
   where = [u["position"] / n for u in updates]
+  from_loop = sum(u["loops"] and not u["gemms"] for u in updates)
   return dict(kernels=len(kernels), updates=len(updates),
               updates_from_gemm=len(with_g), gemms=len(last_use),
+              updates_from_loop=from_loop,
               gap_min=min(gaps, default=None),
               gap_median=statistics.median(gaps) if gaps else None,
               gap_max=max(gaps, default=None),
@@ -191,7 +203,10 @@ def report(path: str, r: dict) -> str:
                  f"{r['gap_max']}")
     lines.append(f"  most gradients alive at once: {r['peak_live']} "
                  f"({_size(r['peak_live_bytes'])})")
-  elif r["updates"]:
+  if r["updates_from_loop"]:
+    lines.append(f"  {r['updates_from_loop']} read the output of a loop or "
+                 "call (a gradient formed inside it: not analysed)")
+  if r["updates"] and not r["updates_from_gemm"] and not r["updates_from_loop"]:
     lines.append("  no update reads a GEMM output: the gradient is never "
                  "formed")
   return "\n".join(lines)

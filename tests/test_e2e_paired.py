@@ -119,6 +119,31 @@ def test_driver_reports_a_failed_process(tmp_path, capsys):
   assert "FAILED process 0: timeout after" in capsys.readouterr().out
 
 
+def test_scanned_stack_model(tmp_path, capsys):
+  """--model stack: the scanned stack's arms from one init (equal first
+  losses), rows labelled as the stack."""
+  out = tmp_path / "p.csv"
+  rc = e2e_paired.main(["--single", "--model", "stack", "--stack-layers",
+                        "3", "--stack-width", "24", "--bt", "10",
+                        "--rounds", "2", "--block", "2", "--warmup", "1",
+                        "--out", str(out)])
+  assert rc == 0
+  line = next(l for l in capsys.readouterr().out.splitlines()
+              if l.startswith(e2e_paired.RESULT_TAG))
+  result = json.loads(line[len(e2e_paired.RESULT_TAG):])
+  assert result["stack"] == [3, 24]
+  firsts = {arm: result["losses"][arm][0] for arm in ARMS}
+  for arm in ARMS:
+    assert firsts[arm] == pytest.approx(firsts["optax"],
+                                        rel=e2e.FIRST_LOSS_RTOL)
+    assert result["losses"][arm][-1] < result["losses"][arm][0]
+  rows = _rows(out)
+  assert {r["case"] for r in rows} == {"stack-3x24^2 BT=10"}
+  assert all("ScannedDenseStack" in r["shape"] for r in rows)
+  assert {r["unit"] for r in rows if r["metric"] == "loss_first"} == {
+      "mean(y^2)"}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--arms", "forge", "forge-xla"], "must include optax"),
     (["--arms", "optax"], "must include optax and at least one FORGE arm"),

@@ -101,3 +101,26 @@ def test_a_compiled_optax_step_on_this_backend():
   # into separate fusions on one backend and merge them on another).
   assert r["updates"] >= 2
   assert r["updates_from_gemm"] <= r["updates"]
+
+
+def test_an_update_reading_a_loop_output_is_counted_as_such(capsys):
+  """An update in the entry that reads a while loop's output (nn.scan's
+  stacked gradient) is not a gradient "never formed"."""
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (w.1: bf16[2,4,8], opt_state_mu.1: bf16[2,4,8], x.1: bf16[4]) -> bf16[2,4,8] {
+  %w.1 = bf16[2,4,8]{2,1,0} parameter(0)
+  %opt_state_mu.1 = bf16[2,4,8]{2,1,0} parameter(1)
+  %x.1 = bf16[4]{0} parameter(2)
+  %tuple.0 = (bf16[2,4,8]{2,1,0}, bf16[4]{0}) tuple(%w.1, %x.1)
+  %while.1 = (bf16[2,4,8]{2,1,0}, bf16[4]{0}) while(%tuple.0), condition=%cond, body=%body
+  %get-tuple-element.2 = bf16[2,4,8]{2,1,0} get-tuple-element(%while.1), index=0
+  ROOT %loop_add_fusion.1 = bf16[2,4,8]{2,1,0} fusion(%w.1, %get-tuple-element.2, %opt_state_mu.1), kind=kLoop, calls=%fused_add
+}
+"""
+  r = hlo_schedule.analyse(text)
+  assert (r["updates"], r["updates_from_gemm"], r["updates_from_loop"]) == (
+      1, 0, 1)
+  out = hlo_schedule.report("m", r)
+  assert "1 read the output of a loop or call" in out
+  assert "never formed" not in out
