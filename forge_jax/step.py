@@ -207,8 +207,11 @@ def make_step(
     per-parameter update soon after its gradient, so the peak memory gained
     over optax is small; see ``docs/benchmarks.md``.) For a GPU where the
     fused kernel is slower than XLA's GEMM plus an elementwise update (the
-    H200, for AdamW). Regime-3 families (Adafactor, SM3) form ``G`` in fp32
-    in the backward under either setting.
+    H200, for AdamW) in unrolled layers: there it ties with optax. Not for
+    a ``ScannedDenseStack``: on the H200 its step was 1.18-1.20x slower
+    than ``nn.scan`` + optax at BT 512, where the fused default was 0.92x
+    (``docs/benchmarks.md``, session 12). Regime-3 families (Adafactor,
+    SM3) form ``G`` in fp32 in the backward under either setting.
 
   Raises: ``TypeError`` if ``tx`` is not a forge_jax transform (an optax
   chain is not one; a regime-4 transform such as global-norm clipping cannot
