@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The benchmark suite of issue #4 in one command, on a GPU machine:
 #
-#   benchmarks/suite.sh [OUT_DIR]   (default out/suite; PYTHON: the project's
-#                                    .venv/bin/python if there is one, else
-#                                    python3)
+#   benchmarks/suite.sh [OUT_DIR [PART...]]
+#
+# OUT_DIR: default out/suite. PART: kernel, e2e, scan (default: all three, in
+# that order). PYTHON: the project's .venv/bin/python if there is one, else
+# python3.
 #
 # 1. kernel.py: one layer's fused step vs XLA's unfused GEMM + AdamW (and, with
 #    CUDA torch, torch's cuBLAS + AdamW(fused=True) and the kernel through
@@ -16,6 +18,13 @@
 # 2. e2e.py: the Llama-style decoder's training step, FORGE (fused kernel;
 #    at BT 512 also wgrad="xla") vs optax.adamw, BT 512 and 2048, one process
 #    per cell -> OUT/e2e.csv, .png
+# 3. scan: the scanned stack (16 x 4096^2 bf16, ReLU; FORGE's
+#    ScannedDenseStack vs nn.scan + optax.adamw, whose step keeps the whole
+#    gradient pool): scan_memory.py's compiled temporaries and allocator peak
+#    (BT 512, one process per arm) -> OUT/scan_memory.csv, then
+#    e2e_paired.py --model stack's step time, the arms paired in one process
+#    (2 processes each at BT 512 and 2048) -> OUT/scan_paired.csv,
+#    scan_paired{512,2048}.png
 # Every CSV row carries the device, the versions and p20/p50/p80. CSVs are
 # appended to: the e2e plot draws the newest row of each (arm, BT) in
 # OUT/e2e.csv, so give each suite run its own OUT.
@@ -23,6 +32,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-out/suite}"
+PARTS=("${@:2}")
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(kernel e2e scan)
+for part in "${PARTS[@]}"; do
+  case "$part" in
+    kernel|e2e|scan) ;;
+    *) echo "suite.sh: unknown part '$part' (parts: kernel e2e scan)" >&2
+       exit 2 ;;
+  esac
+done
+has() { [[ " ${PARTS[*]} " == *" $1 "* ]]; }
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 PY="${PYTHON:-python3}"
 export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -33,21 +52,36 @@ if ! "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
 fi
 mkdir -p "$OUT"
 SECONDS=0
-TILINGS=(auto 64x128x64,g1,w4,s3)
-"$PY" benchmarks/kernel.py --out "$OUT/kernel.csv" --moments bfloat16 \
-  --config "${TILINGS[@]}"
-"$PY" benchmarks/kernel.py --out "$OUT/kernel.csv" --moments float32 \
-  --shapes "q/o 4096x4096" "up/gate 4096x14336" --tokens 512 \
-  --config "${TILINGS[@]}"
-echo "suite: kernel part ${SECONDS}s"
-"$PY" benchmarks/plot.py "$OUT/kernel.csv" "$OUT/kernel.png"
-# Two e2e calls (three arms at BT 512, two at 2048); a failed cell makes a
-# call exit 1, which must not skip the other call or the plot.
 rc=0
-"$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --bt 512 \
-  --arms optax forge forge-xla --budget 250 || rc=1
-"$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --bt 2048 \
-  --arms optax forge --budget 170 || rc=1
-"$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --replot --plot "$OUT/e2e.png" || rc=1
+if has kernel; then
+  TILINGS=(auto 64x128x64,g1,w4,s3)
+  "$PY" benchmarks/kernel.py --out "$OUT/kernel.csv" --moments bfloat16 \
+    --config "${TILINGS[@]}"
+  "$PY" benchmarks/kernel.py --out "$OUT/kernel.csv" --moments float32 \
+    --shapes "q/o 4096x4096" "up/gate 4096x14336" --tokens 512 \
+    --config "${TILINGS[@]}"
+  "$PY" benchmarks/plot.py "$OUT/kernel.csv" "$OUT/kernel.png"
+  echo "suite: kernel part done at ${SECONDS}s"
+fi
+if has e2e; then
+  # Two e2e calls (three arms at BT 512, two at 2048); a failed cell makes a
+  # call exit 1, which must not skip the other call or the plot.
+  "$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --bt 512 \
+    --arms optax forge forge-xla --budget 250 || rc=1
+  "$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --bt 2048 \
+    --arms optax forge --budget 170 || rc=1
+  "$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --replot --plot "$OUT/e2e.png" || rc=1
+  echo "suite: e2e part done at ${SECONDS}s"
+fi
+if has scan; then
+  "$PY" benchmarks/scan_memory.py --out "$OUT/scan_memory.csv" || rc=1
+  for bt in 512 2048; do
+    "$PY" benchmarks/e2e_paired.py --model stack --bt "$bt" \
+      --arms optax forge-xla forge --processes 2 --rounds 12 --block 10 \
+      --timeout 90 --out "$OUT/scan_paired.csv" \
+      --plot "$OUT/scan_paired$bt.png" || rc=1
+  done
+  echo "suite: scan part done at ${SECONDS}s"
+fi
 echo "suite: results in $OUT (${SECONDS}s)"
 exit $rc

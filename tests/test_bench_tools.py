@@ -90,6 +90,17 @@ def test_suite_script_is_valid_bash_and_runs_existing_benchmarks():
   subprocess.run(["bash", "-n", script], check=True)
   text = open(script).read()
   used = set(re.findall(r"benchmarks/(\w+\.py)", text))
-  assert used == {"kernel.py", "plot.py", "e2e.py"}, used
+  assert used == {"kernel.py", "plot.py", "e2e.py", "scan_memory.py",
+                  "e2e_paired.py"}, used
   for name in used:
     assert os.path.exists(os.path.join(root, "benchmarks", name)), name
+
+
+def test_suite_script_refuses_an_unknown_part_before_anything_runs(tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = subprocess.run(["bash", os.path.join(root, "benchmarks", "suite.sh"),
+                      str(tmp_path / "out"), "kernel", "scna"],
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 2
+  assert "unknown part 'scna' (parts: kernel e2e scan)" in p.stderr
+  assert not (tmp_path / "out").exists()
