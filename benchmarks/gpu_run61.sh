@@ -9,4 +9,5 @@
 # 0.91-0.93x optax's at BT 512 and 1.02-1.04x at 2048 (run 60); the part
 # done within 150 s.
 source "$(dirname "$0")/gpu_lib.sh"
-PYTHON=python3 run suite_scan 280 bash benchmarks/suite.sh "$OUT/suite" scan
+export PYTHON=python3
+run suite_scan 280 bash benchmarks/suite.sh "$OUT/suite" scan
