@@ -13,9 +13,11 @@ GEMM's output (a ``__cublas`` custom call or a ``gemm_fusion``; through
 there are and how many read a GEMM-formed gradient; for those, how many
 kernels run between the GEMM and the update; where in the step the updates
 sit (fraction of the kernel sequence); the most gradients alive at once
-(formed and not yet consumed by their update) and their bytes. A FORGE step
-with the fused kernel has updates that read no GEMM output: the gradient is
-never formed.
+(formed and not yet consumed by their update) with their bytes, and the
+most gradient bytes alive at once. A FORGE step with the fused kernel has
+updates that are custom calls reading no GEMM output: the gradient is never
+stored. Copies of a slot or of a gradient are followed back to their source
+(a copy is not an update).
 
 Only the entry computation is read: a step whose layers run in a loop
 (``nn.scan``, ``ScannedDenseStack``) keeps its GEMMs and per-layer updates in
@@ -41,7 +43,8 @@ _SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2,
           "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
           "u64": 8}
-_PASS_THROUGH = ("get-tuple-element", "bitcast")
+# Followed back to the producer (a copy of a slot or of G is still it).
+_PASS_THROUGH = ("get-tuple-element", "bitcast", "copy")
 _KERNELS = ("fusion", "custom-call", "copy", "dot")
 # Ops whose outputs come from another computation (not analysed).
 _CALLS = ("while", "call", "conditional")
@@ -136,16 +139,18 @@ def analyse(text: str) -> dict:
 
   updates = []
   for name, typ, op, operands, attrs in kernels:
-    if not slots & set(operands):
+    sources = set(map(source, operands))
+    # A copy of a slot moves it; an update computes from it.
+    if op == "copy" or not slots & sources:
       continue
-    gemms = sorted({s for s in map(source, operands)
-                    if s in by_name and is_gemm(*by_name[s][2:3],
+    gemms = sorted({s for s in sources
+                    if s in by_name and is_gemm(by_name[s][2],
                                                 by_name[s][4])},
                    key=lambda s: position.get(s, -1))
-    loops = {s for s in map(source, operands)
-             if s in by_name and by_name[s][2] in _CALLS}
+    loops = {s for s in sources if s in by_name and by_name[s][2] in _CALLS}
     updates.append(dict(name=name, position=position[name], gemms=gemms,
-                        loops=bool(loops)))
+                        loops=bool(loops),
+                        custom=op == "custom-call" and not is_gemm(op, attrs)))
 
   # The gradients: GEMM outputs some update reads; each lives from its GEMM
   # to the last update that reads it.
@@ -153,7 +158,7 @@ def analyse(text: str) -> dict:
   for u in updates:
     for g in u["gemms"]:
       last_use[g] = max(last_use.get(g, -1), u["position"])
-  live, peak, peak_bytes, events = 0, 0, 0, []
+  live, peak, peak_bytes, max_bytes, events = 0, 0, 0, 0, []
   for g, end in last_use.items():
     b = nbytes(by_name[g][1])
     events += [(position[g], 0, b), (end, 1, -b)]  # a G dies after its use
@@ -161,17 +166,19 @@ def analyse(text: str) -> dict:
   for _, kind, b in sorted(events):
     live += 1 if kind == 0 else -1
     cur_b += b
-    if live > peak:
-      peak = live
-    peak_bytes = max(peak_bytes, cur_b)
+    if live > peak or (live == peak and cur_b > peak_bytes):
+      peak, peak_bytes = live, cur_b  # the bytes alive at the most G's
+    max_bytes = max(max_bytes, cur_b)
   with_g = [u for u in updates if u["gemms"]]
   gaps = [u["position"] - position[u["gemms"][-1]] - 1 for u in with_g]
   n = max(len(kernels), 1)
   where = [u["position"] / n for u in updates]
   from_loop = sum(u["loops"] and not u["gemms"] for u in updates)
-  return dict(kernels=len(kernels), updates=len(updates),
+  custom = sum(u["custom"] and not u["gemms"] for u in updates)
+  return dict(kernels=len(kernels), slots=len(slots), updates=len(updates),
               updates_from_gemm=len(with_g), gemms=len(last_use),
-              updates_from_loop=from_loop,
+              updates_from_loop=from_loop, updates_custom_call=custom,
+              max_live_bytes=max_bytes,
               gap_min=min(gaps, default=None),
               gap_median=statistics.median(gaps) if gaps else None,
               gap_max=max(gaps, default=None),
@@ -191,9 +198,13 @@ def _size(n: int) -> str:
 
 
 def report(path: str, r: dict) -> str:
-  lines = [f"{path}: {r['kernels']} kernels; {r['updates']} updates of "
-           f"matrix slots, {r['updates_from_gemm']} of them reading a "
-           f"gradient a GEMM formed ({r['gemms']} such GEMMs)"]
+  lines = [f"{path}: {r['kernels']} kernel instructions in the entry "
+           f"computation; {r['updates']} updates of matrix slots, "
+           f"{r['updates_from_gemm']} of them reading a gradient a GEMM "
+           f"formed ({r['gemms']} such GEMMs)"]
+  if not r["slots"]:
+    lines.append("  no optimizer-state parameter (an entry parameter named "
+                 "opt_state... of rank >= 2): nothing to analyse")
   if r["updates"]:
     lines.append(f"  updates sit at {r['first_update']:.0%} to "
                  f"{r['last_update']:.0%} of the kernel sequence")
@@ -202,13 +213,20 @@ def report(path: str, r: dict) -> str:
                  f"{r['gap_min']}, median {r['gap_median']:g}, max "
                  f"{r['gap_max']}")
     lines.append(f"  most gradients alive at once: {r['peak_live']} "
-                 f"({_size(r['peak_live_bytes'])})")
+                 f"({_size(r['peak_live_bytes'])} together); most gradient "
+                 f"bytes alive at once: {_size(r['max_live_bytes'])}")
   if r["updates_from_loop"]:
     lines.append(f"  {r['updates_from_loop']} read the output of a loop or "
                  "call (a gradient formed inside it: not analysed)")
-  if r["updates"] and not r["updates_from_gemm"] and not r["updates_from_loop"]:
-    lines.append("  no update reads a GEMM output: the gradient is never "
-                 "formed")
+  if r["updates_custom_call"]:
+    lines.append(f"  {r['updates_custom_call']} are custom calls that read "
+                 "no GEMM output (e.g. FORGE's fused kernel, which forms "
+                 "the gradient in registers: it is never stored)")
+  rest = (r["updates"] - r["updates_from_gemm"] - r["updates_from_loop"]
+          - r["updates_custom_call"])
+  if rest > 0:
+    lines.append(f"  {rest} read neither a GEMM's nor a loop's output (a "
+                 "gradient formed otherwise, e.g. an embedding's scatter)")
   return "\n".join(lines)
 
 

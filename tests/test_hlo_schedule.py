@@ -63,7 +63,8 @@ def test_analyse_a_hand_written_schedule():
   # gemm_fusion_dot.2 at 1 -> its update at 5 (3 kernels between).
   assert (r["gap_min"], r["gap_median"], r["gap_max"]) == (2, 2.5, 3)
   assert r["peak_live"] == 2
-  assert r["peak_live_bytes"] == 4 * 8 * 2 + 8 * 16 * 2
+  assert r["peak_live_bytes"] == r["max_live_bytes"] == 4 * 8 * 2 + 8 * 16 * 2
+  assert r["updates_custom_call"] == 1
   assert r["first_update"] == pytest.approx(3 / 6)
   assert r["last_update"] == pytest.approx(5 / 6)
 
@@ -77,7 +78,8 @@ def test_main_reads_gzip_and_refuses_text_without_entry(tmp_path, capsys):
   assert hlo_schedule.main([str(good)]) == 0
   out = capsys.readouterr().out
   assert "3 updates of matrix slots, 2 of them reading a gradient" in out
-  assert "most gradients alive at once: 2 (0.3 KiB)" in out
+  assert "most gradients alive at once: 2 (0.3 KiB together)" in out
+  assert "1 are custom calls that read no GEMM output" in out
   assert hlo_schedule.main([str(bad)]) == 1
   assert "no ENTRY computation" in capsys.readouterr().err
 
@@ -98,9 +100,49 @@ def test_a_compiled_optax_step_on_this_backend():
   r = hlo_schedule.analyse(text)
   assert r["kernels"] > 0
   # At least one kernel per matrix reads its slots (XLA may split mu and nu
-  # into separate fusions on one backend and merge them on another).
+  # into separate fusions on one backend and merge them on another), and
+  # every one of them reads the gradient one of the two GEMMs formed.
   assert r["updates"] >= 2
-  assert r["updates_from_gemm"] <= r["updates"]
+  assert r["updates_from_gemm"] == r["updates"]
+  assert r["gemms"] == 2
+  assert r["updates_custom_call"] == r["updates_from_loop"] == 0
+
+
+def test_copies_are_followed_and_peaks_kept_apart():
+  """A copy of a slot is not an update (the update reading the copy is);
+  the most gradients alive at once and the most bytes alive at once are
+  reported apart when they happen at different times."""
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (opt_state_a.1: bf16[4,4], opt_state_b.1: bf16[64,64], x.1: bf16[2,4]) -> bf16[4,4] {
+  %opt_state_a.1 = bf16[4,4]{1,0} parameter(0)
+  %opt_state_b.1 = bf16[64,64]{1,0} parameter(1)
+  %x.1 = bf16[2,4]{1,0} parameter(2)
+  %copy.1 = bf16[4,4]{1,0} copy(%opt_state_a.1)
+  %dot.1 = bf16[4,4]{1,0} dot(%x.1, %x.1), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %dot.2 = bf16[4,4]{1,0} dot(%x.1, %x.1), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %fusion.1 = bf16[4,4]{1,0} fusion(%copy.1, %dot.1), kind=kLoop, calls=%f
+  %fusion.2 = bf16[4,4]{1,0} fusion(%opt_state_a.1, %dot.2), kind=kLoop, calls=%f
+  %dot.3 = bf16[64,64]{1,0} dot(%x.1, %x.1), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  ROOT %fusion.3 = bf16[64,64]{1,0} fusion(%opt_state_b.1, %dot.3), kind=kLoop, calls=%f
+}
+"""
+  r = hlo_schedule.analyse(text)
+  assert (r["updates"], r["updates_from_gemm"], r["gemms"]) == (3, 3, 3)
+  # dot.1 and dot.2 alive together (2 x 32 B); dot.3 alone (8 KiB).
+  assert (r["peak_live"], r["peak_live_bytes"]) == (2, 64)
+  assert r["max_live_bytes"] == 64 * 64 * 2
+
+
+def test_no_optimizer_state_is_said(capsys):
+  text = """HloModule m
+
+ENTRY %main (a.1: f32[2,2]) -> f32[2,2] {
+  ROOT %a.1 = f32[2,2]{1,0} parameter(0)
+}
+"""
+  out = hlo_schedule.report("m", hlo_schedule.analyse(text))
+  assert "no optimizer-state parameter" in out
 
 
 def test_an_update_reading_a_loop_output_is_counted_as_such(capsys):
@@ -124,3 +166,20 @@ ENTRY %main (w.1: bf16[2,4,8], opt_state_mu.1: bf16[2,4,8], x.1: bf16[4]) -> bf1
   out = hlo_schedule.report("m", r)
   assert "1 read the output of a loop or call" in out
   assert "never formed" not in out
+
+
+def test_a_compiled_forge_xla_decoder_step(tmp_path):
+  """forge-xla's compiled step (e2e_paired's tiny decoder): its updates read
+  XLA-formed gradients; none is a custom call (no fused kernel), and the
+  slots' copies XLA makes on the CPU are not taken for updates."""
+  from benchmarks import e2e, e2e_paired
+  cfg = e2e.Config(layers=2, d_model=32, heads=4, kv_heads=2, ffn=48,
+                   vocab=61, seq=8)
+  e2e_paired.build_decoder(["forge-xla"], 16, cfg, hlo_dir=str(tmp_path))
+  r = hlo_schedule.analyse((tmp_path / "forge-xla.hlo.txt").read_text())
+  # 2 blocks x 7 projections + the LM head are formed by GEMMs.
+  assert r["gemms"] >= 2 * 7 + 1 - 2 * 3  # XLA may merge q/k/v and gate/up
+  assert r["updates_from_gemm"] >= r["gemms"]
+  assert r["updates_custom_call"] == 0
+  # The rest are the embedding's: its gradient comes from a scatter.
+  assert 1 <= r["updates"] - r["updates_from_gemm"] <= 3
