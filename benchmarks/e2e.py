@@ -437,8 +437,8 @@ def _cell_argv(args, arm: str, bt: int) -> list[str]:
     argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
   if args.attn_impl:
     argv += ["--attn-impl", args.attn_impl]
-  if args.out:
-    argv += ["--out", args.out]
+  if args.out:  # cells run in the repository: a path relative to the caller
+    argv += ["--out", os.path.abspath(args.out)]
   return argv
 
 

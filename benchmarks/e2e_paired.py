@@ -297,7 +297,9 @@ def _process_argv(args, index: int) -> list[str]:
   argv = [sys.executable, os.path.abspath(__file__), "--single",
           "--arms", *args.arms, "--bt", str(args.bt), "--rounds",
           str(args.rounds), "--block", str(args.block), "--warmup",
-          str(args.warmup), "--seed", str(args.seed), "--out", args.out,
+          str(args.warmup), "--seed", str(args.seed),
+          # processes run in the repository: paths relative to the caller
+          "--out", os.path.abspath(args.out),
           "--layers", str(args.layers), "--d-model", str(args.d_model),
           "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
           "--ffn", str(args.ffn), "--vocab", str(args.vocab), "--seq",
@@ -307,7 +309,8 @@ def _process_argv(args, index: int) -> list[str]:
   if args.attn_impl:
     argv += ["--attn-impl", args.attn_impl]
   if args.hlo_dir:
-    argv += ["--hlo-dir", os.path.join(args.hlo_dir, f"p{index}")]
+    argv += ["--hlo-dir", os.path.join(os.path.abspath(args.hlo_dir),
+                                       f"p{index}")]
   return argv
 
 

@@ -105,10 +105,24 @@ def test_driver_pools_processes_and_plots(tmp_path, capsys):
   line = next(l for l in text.splitlines() if l.startswith("forge-xla "))
   assert line.rstrip().endswith(tuple("0123456789")) and "/4" in line
   rows = _rows(out)
-  assert len({r["timestamp"] for r in rows}) >= 1
+  # One timestamp per process (Results stamps to the second: the two
+  # processes each take longer than that).
+  assert len({r["timestamp"] for r in rows}) == 2
   assert sum(r["metric"] == "ratio_to_optax" for r in rows) == 2
   assert sum(r["metric"] == "pipelined_ratio_to_optax" for r in rows) == 2
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_relative_paths_are_the_callers(tmp_path, monkeypatch):
+  """The processes run in the repository; --out and --hlo-dir given
+  relative to the caller's directory reach them as absolute paths."""
+  monkeypatch.chdir(tmp_path)
+  args = e2e_paired.parse_args(["--out", "rel/p.csv", "--hlo-dir", "hlo"])
+  argv = e2e_paired._process_argv(args, 1)
+  assert argv[argv.index("--out") + 1] == str(tmp_path / "rel" / "p.csv")
+  assert argv[argv.index("--hlo-dir") + 1] == str(tmp_path / "hlo" / "p1")
+  cell = e2e._cell_argv(e2e.parse_args(["--out", "e.csv"]), "optax", 512)
+  assert cell[cell.index("--out") + 1] == str(tmp_path / "e.csv")
 
 
 def test_driver_reports_a_failed_process(tmp_path, capsys):
