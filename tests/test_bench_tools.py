@@ -96,6 +96,36 @@ def test_suite_script_is_valid_bash_and_runs_existing_benchmarks():
     assert os.path.exists(os.path.join(root, "benchmarks", name)), name
 
 
+def test_suite_runs_the_parts_asked_for_and_goes_on_after_a_failure(
+    tmp_path):
+  """A stand-in interpreter logs each benchmark command (and fails the
+  scanned stack's memory benchmark): `suite.sh OUT scan e2e` runs the e2e
+  and scan parts' commands in the suite's order, not the kernel's, keeps
+  going after the failure and exits 1."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  log = tmp_path / "calls.log"
+  fake = tmp_path / "fakepython"
+  fake.write_text("#!/usr/bin/env bash\n"
+                  f"echo \"$*\" >> {log}\n"
+                  "case \"$1\" in benchmarks/scan_memory.py) exit 3;; esac\n"
+                  "exit 0\n")
+  fake.chmod(0o755)
+  p = subprocess.run(["bash", os.path.join(root, "benchmarks", "suite.sh"),
+                      str(tmp_path / "out"), "scan", "e2e"],
+                     env=dict(os.environ, PYTHON=str(fake)),
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 1, p.stdout + p.stderr
+  calls = [l.split()[0] for l in log.read_text().splitlines()]
+  assert calls == ["-c", "benchmarks/e2e.py", "benchmarks/e2e.py",
+                   "benchmarks/e2e.py", "benchmarks/scan_memory.py",
+                   "benchmarks/e2e_paired.py", "benchmarks/e2e_paired.py"]
+  paired = [l for l in log.read_text().splitlines()
+            if l.startswith("benchmarks/e2e_paired.py")]
+  assert all("--model stack" in l for l in paired)
+  assert ["--bt 512" in paired[0], "--bt 2048" in paired[1]] == [True, True]
+  assert "suite: scan part done" in p.stdout
+
+
 def test_suite_script_refuses_an_unknown_part_before_anything_runs(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   p = subprocess.run(["bash", os.path.join(root, "benchmarks", "suite.sh"),
