@@ -39,7 +39,7 @@ import statistics
 import sys
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
-_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_SHAPE = re.compile(r"([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2,
           "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
           "u64": 8}
@@ -104,10 +104,15 @@ def nbytes(typ: str) -> int:
   if not m:
     return 0
   dims = [int(d) for d in m.group(2).split(",") if d]
-  n = _BYTES.get(m.group(1), 4)
+  elem = m.group(1)
+  bits = (8 * _BYTES[elem] if elem in _BYTES
+          else 8 if elem.startswith("f8")
+          else int(elem[1:]) if elem[:1] in "suf" and elem[1:].isdigit()
+          else 32)
+  n = bits
   for d in dims:
     n *= d
-  return n
+  return (n + 7) // 8
 
 
 def _rank(typ: str) -> int:

@@ -50,6 +50,9 @@ def test_parse_instruction_handles_tuple_types_and_comments():
   assert "calls=%c" in attrs
   assert hlo_schedule.parse_instruction("ENTRY %main () -> f32[] {") is None
   assert hlo_schedule.nbytes("(bf16[4,8]{1,0}, s8[1024]{0})") == 64
+  assert hlo_schedule.nbytes("f8e4m3fn[1024,1024]{1,0}") == 2**20
+  assert hlo_schedule.nbytes("s4[16]{0}") == 8
+  assert hlo_schedule.nbytes("f32[]") == 4
 
 
 def test_analyse_a_hand_written_schedule():
