@@ -496,7 +496,13 @@ def main(argv=None) -> int:
     r = run_process(args.arms, args.bt, cfg, args.rounds, args.block,
                     args.warmup, args.seed, args.out, args.hlo_dir, stack)
     print(RESULT_TAG + json.dumps(r), flush=True)
-    return 0
+    lo = r["losses"]["optax"][0]
+    bad = [a for a in r["arms"] if abs(r["losses"][a][0] - lo)
+           > e2e.FIRST_LOSS_RTOL * max(abs(lo), 1e-30)]
+    if bad:  # the driver reports it too, from the result above
+      print(f"first-step loss of {bad} differs from optax's {lo!r} by more "
+            f"than {e2e.FIRST_LOSS_RTOL:g} (relative)", file=sys.stderr)
+    return 1 if bad else 0
   model = ("the decoder" if args.model == "decoder" else
            f"the scanned stack ({args.stack_layers} x {args.stack_width}^2)")
   print(f"paired e2e, {model}: arms {args.arms}, BT {args.bt}, {args.processes} "

@@ -169,3 +169,13 @@ def test_bad_arguments_are_refused(argv, message, capsys):
   with pytest.raises(SystemExit):
     e2e_paired.parse_args(argv)
   assert message in capsys.readouterr().err
+
+
+def test_single_process_exits_1_when_first_losses_differ(monkeypatch, capsys):
+  fake = dict(arms=["optax", "forge"], losses={"optax": [2.0, 1.0],
+                                               "forge": [2.1, 1.0]})
+  monkeypatch.setattr(e2e_paired, "run_process", lambda *a, **k: fake)
+  assert e2e_paired.main(["--single", "--arms", "optax", "forge"]) == 1
+  assert "first-step loss of ['forge'] differs" in capsys.readouterr().err
+  fake["losses"]["forge"][0] = 2.0
+  assert e2e_paired.main(["--single", "--arms", "optax", "forge"]) == 0
