@@ -153,7 +153,8 @@ def build_decoder(arms, bt: int, cfg: e2e.Config, seed: int = 0,
   return compiled, _own_copies(arms, init, txs), batch, compile_s
 
 
-def stack_model(layers: int, width: int, fused: bool):
+def stack_model(layers: int, width: int, fused: bool,
+                stack_update: str = "auto"):
   """The scanned stack of ``scan_memory.py``: ``layers`` bf16 ``width x
   width`` kernels, no bias, ReLU; ``fused=False`` is ``nn.scan`` of a
   Dense layer (the optax arm)."""
@@ -161,11 +162,11 @@ def stack_model(layers: int, width: int, fused: bool):
   import forge_jax  # noqa: PLC0415
   return forge_jax.ScannedDenseStack(
       width, layers, use_bias=False, activation=nn.relu, dtype=jnp.bfloat16,
-      param_dtype=jnp.bfloat16, fused=fused)
+      param_dtype=jnp.bfloat16, fused=fused, stack_update=stack_update)
 
 
 def build_stack(arms, bt: int, layers: int, width: int, seed: int = 0,
-                hlo_dir: str | None = None):
+                hlo_dir: str | None = None, stack_update: str = "auto"):
   """The scanned stack's arms (``stack_model``; loss ``mean(y**2)`` in fp32;
   AdamW at ``e2e.HPARAMS``, no mask, m and v in bf16): FORGE's
   ``make_step`` (``wgrad`` per arm) + ``forge_jax.adamw`` against
@@ -179,7 +180,8 @@ def build_stack(arms, bt: int, layers: int, width: int, seed: int = 0,
   init = stack_model(layers, width, True).init(jax.random.key(seed), x)
   compiled, txs, compile_s = {}, {}, {}
   for arm in arms:
-    model = stack_model(layers, width, fused=arm in e2e.WGRAD)
+    model = stack_model(layers, width, fused=arm in e2e.WGRAD,
+                        stack_update=stack_update)
     loss_fn = lambda v, b, model=model: jnp.mean(
         model.apply(v, b).astype(jnp.float32) ** 2)
     if arm in e2e.WGRAD:
@@ -224,14 +226,15 @@ def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
                 hlo_dir: str | None = None, stack: tuple | None = None) -> dict:
   """Compiles every arm, runs the rounds in this process; writes its rows to
   ``out`` (if given) and returns the figures (JSON-serialisable). The
-  decoder of ``cfg``, or with ``stack=(layers, width)`` the scanned
-  stack."""
+  decoder of ``cfg``, or with ``stack=(layers, width[, stack_update])``
+  the scanned stack."""
   if stack is None:
     compiled, state, batch, compile_s = build_decoder(arms, bt, cfg, seed,
                                                       hlo_dir)
   else:
-    compiled, state, batch, compile_s = build_stack(arms, bt, *stack, seed,
-                                                    hlo_dir)
+    layers, width, *update = stack
+    compiled, state, batch, compile_s = build_stack(
+        arms, bt, layers, width, seed, hlo_dir, *update)
   t = time_rounds(arms, compiled, state, batch, rounds, block, warmup)
   blocks, piped = t["blocks"], t["piped"]
   r = dict(arms=list(arms), bt=bt, rounds=rounds, block=block,
@@ -257,10 +260,12 @@ def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
     dtypes = (f"params={cfg.dtype},m={cfg.dtype},v={cfg.dtype},"
               "logits/loss=float32")
   else:
-    layers, width = r["stack"]
+    layers, width, *update = r["stack"]
     case = f"stack-{layers}x{width}^2 BT={r['bt']}"
     shape = (f"{layers} x {width}x{width} ScannedDenseStack (nn.scan), no "
-             f"bias, ReLU, {r['bt']} tokens; {runs}")
+             f"bias, ReLU, {r['bt']} tokens"
+             + (f", stack_update={update[0]}" if update else "")
+             + f"; {runs}")
     dtypes = "params=bfloat16,m=bfloat16,v=bfloat16,loss=float32"
   ms = lambda ts: tuple(t * 1e3 for t in common.quantiles(ts))
   for arm in r["arms"]:
@@ -305,7 +310,7 @@ def _process_argv(args, index: int) -> list[str]:
           "--ffn", str(args.ffn), "--vocab", str(args.vocab), "--seq",
           str(args.seq), "--dtype", args.dtype, "--model", args.model,
           "--stack-layers", str(args.stack_layers), "--stack-width",
-          str(args.stack_width)]
+          str(args.stack_width), "--stack-update", args.stack_update]
   if args.attn_impl:
     argv += ["--attn-impl", args.attn_impl]
   if args.hlo_dir:
@@ -451,6 +456,10 @@ def parse_args(argv):
                  "gradient pool")
   p.add_argument("--stack-layers", type=common.positive_int, default=16)
   p.add_argument("--stack-width", type=common.positive_int, default=4096)
+  p.add_argument("--stack-update", choices=("auto", "layer", "slice"),
+                 default="auto",
+                 help="the FORGE arms' ScannedDenseStack stack_update (auto: "
+                 "layer on a GPU, slice in interpret mode)")
   e2e.add_model_args(p)
   p.add_argument("--rounds", type=common.positive_int, default=12)
   p.add_argument("--block", type=common.positive_int, default=10,
@@ -491,8 +500,8 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   cfg = e2e.config_of(args)
   if args.single:
-    stack = ((args.stack_layers, args.stack_width) if args.model == "stack"
-             else None)
+    stack = ((args.stack_layers, args.stack_width, args.stack_update)
+             if args.model == "stack" else None)
     r = run_process(args.arms, args.bt, cfg, args.rounds, args.block,
                     args.warmup, args.seed, args.out, args.hlo_dir, stack)
     print(RESULT_TAG + json.dumps(r), flush=True)

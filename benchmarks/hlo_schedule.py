@@ -19,10 +19,12 @@ updates that are custom calls reading no GEMM output: the gradient is never
 stored. Copies of a slot or of a gradient are followed back to their source
 (a copy is not an update).
 
-Only the entry computation is read: a step whose layers run in a loop
-(``nn.scan``, ``ScannedDenseStack``) keeps its GEMMs and per-layer updates in
-the loop's body; an update in the entry that reads a loop's output is
-counted as such, not followed into the loop.
+Only the entry computation is read for the above: a step whose layers run
+in a loop (``nn.scan``, ``ScannedDenseStack``) keeps its GEMMs and per-layer
+updates in the loop's body; an update in the entry that reads a loop's
+output is counted as such, not followed into the loop. Inside while-loop
+bodies it lists the copies of large arrays (``--min-copy-bytes``, default
+1 MiB), which run on every iteration.
 
 It answers one question of issue #4 without a GPU (given the dumps): does
 XLA already schedule optax's jitted step the way FORGE would, each gradient
@@ -95,6 +97,46 @@ def entry_instructions(text: str) -> list[tuple]:
     ins = parse_instruction(line)
     if ins is not None:
       out.append(ins)
+  return out
+
+
+def computations(text: str) -> dict[str, list[tuple]]:
+  """Every computation's instructions by name (the entry's under its own
+  name too), in order."""
+  out, name = {}, None
+  for line in text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      head = line[6:] if line.startswith("ENTRY ") else line
+      m = re.match(r"%?([\w.\-]+)", head)
+      name = m.group(1) if m else None
+      if name is not None:
+        out[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name is not None:
+      ins = parse_instruction(line)
+      if ins is not None:
+        out[name].append(ins)
+  return out
+
+
+def loop_copies(text: str, min_bytes: int) -> list[tuple[str, list]]:
+  """``(body, [(copy, type), ...])`` for every while loop's body that
+  copies an array of at least ``min_bytes``: a copy there runs on every
+  iteration (e.g. a carried stack copied before an in-place update)."""
+  comps = computations(text)
+  bodies = []
+  for instrs in comps.values():
+    for _, _, op, _, attrs in instrs:
+      m = re.search(r"body=%([\w.\-]+)", attrs) if op == "while" else None
+      if m and m.group(1) not in bodies:
+        bodies.append(m.group(1))
+  out = []
+  for body in bodies:
+    big = [(n, t) for n, t, op, _, _ in comps.get(body, [])
+           if op == "copy" and nbytes(t) >= min_bytes]
+    if big:
+      out.append((body, big))
   return out
 
 
@@ -210,6 +252,10 @@ def report(path: str, r: dict) -> str:
   if not r["slots"]:
     lines.append("  no optimizer-state parameter (an entry parameter named "
                  "opt_state... of rank >= 2): nothing to analyse")
+  if r["slots"] and not r["updates"]:
+    lines.append("  no kernel of the entry computation updates the "
+                 "optimizer state: it is updated inside a loop or call "
+                 "(not analysed)")
   if r["updates"]:
     lines.append(f"  updates sit at {r['first_update']:.0%} to "
                  f"{r['last_update']:.0%} of the kernel sequence")
@@ -235,19 +281,37 @@ def report(path: str, r: dict) -> str:
   return "\n".join(lines)
 
 
+def _bytes_arg(s: str) -> int:
+  try:
+    v = int(s)
+  except ValueError:
+    v = -1
+  if v < 1:
+    raise argparse.ArgumentTypeError(f"{s!r} is not a byte count >= 1")
+  return v
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("hlo", nargs="+", help="compiled.as_text() dumps (.gz ok)")
+  p.add_argument("--min-copy-bytes", type=_bytes_arg, default=2**20,
+                 help="list the copies of arrays this large or larger "
+                 "inside while-loop bodies (they run every iteration)")
   args = p.parse_args(argv)
   rc = 0
   for path in args.hlo:
     try:
-      r = analyse(_read(path))
+      text = _read(path)
+      r = analyse(text)
     except ValueError as e:
       print(f"{path}: {e}", file=sys.stderr)
       rc = 1
       continue
     print(report(path, r))
+    for body, big in loop_copies(text, args.min_copy_bytes):
+      shapes = ", ".join(t.split("{")[0] for _, t in big)
+      print(f"  loop body %{body}: {len(big)} copies of arrays >= "
+            f"{_size(args.min_copy_bytes)} every iteration ({shapes})")
   return rc
 
 

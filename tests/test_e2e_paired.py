@@ -121,6 +121,11 @@ def test_relative_paths_are_the_callers(tmp_path, monkeypatch):
   argv = e2e_paired._process_argv(args, 1)
   assert argv[argv.index("--out") + 1] == str(tmp_path / "rel" / "p.csv")
   assert argv[argv.index("--hlo-dir") + 1] == str(tmp_path / "hlo" / "p1")
+  stack = e2e_paired.parse_args(["--model", "stack", "--stack-update",
+                                  "layer", "--bt", "10"])
+  argv = e2e_paired._process_argv(stack, 0)
+  assert argv[argv.index("--stack-update") + 1] == "layer"
+  assert argv[argv.index("--model") + 1] == "stack"
   cell = e2e._cell_argv(e2e.parse_args(["--out", "e.csv"]), "optax", 512)
   assert cell[cell.index("--out") + 1] == str(tmp_path / "e.csv")
 
@@ -145,7 +150,7 @@ def test_scanned_stack_model(tmp_path, capsys):
   line = next(l for l in capsys.readouterr().out.splitlines()
               if l.startswith(e2e_paired.RESULT_TAG))
   result = json.loads(line[len(e2e_paired.RESULT_TAG):])
-  assert result["stack"] == [3, 24]
+  assert result["stack"] == [3, 24, "auto"]
   firsts = {arm: result["losses"][arm][0] for arm in ARMS}
   for arm in ARMS:
     assert firsts[arm] == pytest.approx(firsts["optax"],

@@ -186,3 +186,46 @@ def test_a_compiled_forge_xla_decoder_step(tmp_path):
   assert r["updates_custom_call"] == 0
   # The rest are the embedding's: its gradient comes from a scatter.
   assert 1 <= r["updates"] - r["updates_from_gemm"] <= 3
+
+
+LOOP_HLO = """HloModule m, is_scheduled=true
+
+%body (p: (bf16[4,64,64], bf16[8])) -> (bf16[4,64,64], bf16[8]) {
+  %p = (bf16[4,64,64]{2,1,0}, bf16[8]{0}) parameter(0)
+  %get-tuple-element.1 = bf16[4,64,64]{2,1,0} get-tuple-element(%p), index=0
+  %get-tuple-element.2 = bf16[8]{0} get-tuple-element(%p), index=1
+  %copy.1 = bf16[4,64,64]{2,1,0} copy(%get-tuple-element.1)
+  %copy.2 = bf16[8]{0} copy(%get-tuple-element.2)
+  ROOT %tuple.1 = (bf16[4,64,64]{2,1,0}, bf16[8]{0}) tuple(%copy.1, %copy.2)
+}
+
+%cond (p: (bf16[4,64,64], bf16[8])) -> pred[] {
+  %p = (bf16[4,64,64]{2,1,0}, bf16[8]{0}) parameter(0)
+  ROOT %constant.1 = pred[] constant(false)
+}
+
+ENTRY %main (opt_state_mu.1: bf16[4,64,64], b.1: bf16[8]) -> (bf16[4,64,64], bf16[8]) {
+  %opt_state_mu.1 = bf16[4,64,64]{2,1,0} parameter(0)
+  %b.1 = bf16[8]{0} parameter(1)
+  %tuple.0 = (bf16[4,64,64]{2,1,0}, bf16[8]{0}) tuple(%opt_state_mu.1, %b.1)
+  ROOT %while.1 = (bf16[4,64,64]{2,1,0}, bf16[8]{0}) while(%tuple.0), condition=%cond, body=%body
+}
+"""
+
+
+def test_copies_inside_a_loop_body_are_listed(tmp_path, capsys):
+  """A carried stack copied in a while body (every iteration) is listed;
+  a small copy is not; a state updated only inside the loop is said to
+  be so."""
+  assert hlo_schedule.loop_copies(LOOP_HLO, 1024) == [
+      ("body", [("copy.1", "bf16[4,64,64]{2,1,0}")])]
+  assert hlo_schedule.loop_copies(LOOP_HLO, 2**20) == []
+  path = tmp_path / "loop.hlo.txt"
+  path.write_text(LOOP_HLO)
+  assert hlo_schedule.main(["--min-copy-bytes", "1024", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "loop body %body: 1 copies of arrays >= 1.0 KiB every iteration " \
+         "(bf16[4,64,64])" in out
+  assert "updated inside a loop or call" in out
+  with pytest.raises(SystemExit):
+    hlo_schedule.main(["--min-copy-bytes", "0", str(path)])
