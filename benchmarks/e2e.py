@@ -496,16 +496,16 @@ def _kill_group(proc) -> None:
     pass
 
 
-def run_driver_cell(args, arm: str, bt: int, timeout: float):
-  """Runs one cell in a subprocess; returns ``(result or None, reason)``."""
-  env = _subprocess_env(args.autotune_cache)
-  argv = _cell_argv(args, arm, bt)
-  print(f"== cell {arm} BT={bt} (timeout {timeout:.0f} s): "
-        f"{' '.join(argv[1:])}", flush=True)
+def run_tagged(argv: list[str], env: dict, timeout: float, label: str,
+               tag: str):
+  """Runs ``argv`` in the repository in its own process group under
+  ``timeout`` s, echoing its output (``   | ``-indented) except the line
+  that starts with ``tag``, whose JSON rest is the result. Returns
+  ``(result or None, reason)``; ``label`` names it in the closing line."""
   t0 = time.perf_counter()
   with tempfile.TemporaryFile("w+") as logf:
-    # Its own process group: a timeout kills the cell and everything it
-    # started (compiler subprocesses), not the cell alone.
+    # Its own process group: a timeout kills the process and everything it
+    # started (compiler subprocesses), not the process alone.
     proc = subprocess.Popen(argv, env=env, stdout=logf,
                             stderr=subprocess.STDOUT, cwd=REPO,
                             start_new_session=True)
@@ -516,20 +516,29 @@ def run_driver_cell(args, arm: str, bt: int, timeout: float):
       _kill_group(proc)
       rc = proc.wait()
       reason = f"timeout after {timeout:.0f} s"
-    _kill_group(proc)  # whatever the cell left running
+    _kill_group(proc)  # whatever it left running
     logf.seek(0)
     log = logf.read()
   result = None
   for line in log.splitlines():
-    if line.startswith(RESULT_TAG):
-      result = json.loads(line[len(RESULT_TAG):])
+    if line.startswith(tag):
+      result = json.loads(line[len(tag):])
     else:
       print(f"   | {line}")
-  print(f"   [{arm} BT={bt}: {time.perf_counter() - t0:.1f} s, exit {rc}]",
+  print(f"   [{label}: {time.perf_counter() - t0:.1f} s, exit {rc}]",
         flush=True)
   if result is not None:
     return result, None
   return None, reason or _reason(rc, log)
+
+
+def run_driver_cell(args, arm: str, bt: int, timeout: float):
+  """Runs one cell in a subprocess; returns ``(result or None, reason)``."""
+  argv = _cell_argv(args, arm, bt)
+  print(f"== cell {arm} BT={bt} (timeout {timeout:.0f} s): "
+        f"{' '.join(argv[1:])}", flush=True)
+  return run_tagged(argv, _subprocess_env(args.autotune_cache), timeout,
+                    f"{arm} BT={bt}", RESULT_TAG)
 
 
 def _fmt(v, spec=".1f"):

@@ -64,9 +64,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,15 +224,15 @@ def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
                 hlo_dir: str | None = None, stack: tuple | None = None) -> dict:
   """Compiles every arm, runs the rounds in this process; writes its rows to
   ``out`` (if given) and returns the figures (JSON-serialisable). The
-  decoder of ``cfg``, or with ``stack=(layers, width[, stack_update])``
-  the scanned stack."""
+  decoder of ``cfg``, or with ``stack=(layers, width, stack_update)`` the
+  scanned stack."""
   if stack is None:
     compiled, state, batch, compile_s = build_decoder(arms, bt, cfg, seed,
                                                       hlo_dir)
   else:
-    layers, width, *update = stack
+    layers, width, update = stack
     compiled, state, batch, compile_s = build_stack(
-        arms, bt, layers, width, seed, hlo_dir, *update)
+        arms, bt, layers, width, seed, hlo_dir, update)
   t = time_rounds(arms, compiled, state, batch, rounds, block, warmup)
   blocks, piped = t["blocks"], t["piped"]
   r = dict(arms=list(arms), bt=bt, rounds=rounds, block=block,
@@ -260,12 +258,10 @@ def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
     dtypes = (f"params={cfg.dtype},m={cfg.dtype},v={cfg.dtype},"
               "logits/loss=float32")
   else:
-    layers, width, *update = r["stack"]
+    layers, width, update = r["stack"]
     case = f"stack-{layers}x{width}^2 BT={r['bt']}"
     shape = (f"{layers} x {width}x{width} ScannedDenseStack (nn.scan), no "
-             f"bias, ReLU, {r['bt']} tokens"
-             + (f", stack_update={update[0]}" if update else "")
-             + f"; {runs}")
+             f"bias, ReLU, {r['bt']} tokens, stack_update={update}; {runs}")
     dtypes = "params=bfloat16,m=bfloat16,v=bfloat16,loss=float32"
   ms = lambda ts: tuple(t * 1e3 for t in common.quantiles(ts))
   for arm in r["arms"]:
@@ -321,32 +317,21 @@ def _process_argv(args, index: int) -> list[str]:
 
 def run_subprocess(args, index: int, timeout: float):
   """One process of the measurement; returns ``(result or None, reason)``."""
-  argv = _process_argv(args, index)
   print(f"== process {index} (timeout {timeout:.0f} s)", flush=True)
-  t0 = time.perf_counter()
-  with tempfile.TemporaryFile("w+") as logf:
-    proc = subprocess.Popen(argv, env=e2e._subprocess_env(args.autotune_cache),
-                            stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
-                            start_new_session=True)
-    try:
-      rc, reason = proc.wait(timeout=timeout), None
-    except subprocess.TimeoutExpired:
-      e2e._kill_group(proc)
-      rc, reason = proc.wait(), f"timeout after {timeout:.0f} s"
-    e2e._kill_group(proc)
-    logf.seek(0)
-    log = logf.read()
-  result = None
-  for line in log.splitlines():
-    if line.startswith(RESULT_TAG):
-      result = json.loads(line[len(RESULT_TAG):])
-    else:
-      print(f"   | {line}")
-  print(f"   [process {index}: {time.perf_counter() - t0:.1f} s, exit {rc}]",
-        flush=True)
-  if result is not None:
-    return result, None
-  return None, reason or e2e._reason(rc, log)
+  return e2e.run_tagged(_process_argv(args, index),
+                        e2e._subprocess_env(args.autotune_cache), timeout,
+                        f"process {index}", RESULT_TAG)
+
+
+def first_loss_mismatches(r: dict) -> list[tuple[str, float, float]]:
+  """``(arm, its first-step loss, relative difference)`` for every arm of one
+  process whose first-step loss differs from optax's by more than
+  ``e2e.FIRST_LOSS_RTOL``."""
+  lo = r["losses"]["optax"][0]
+  rels = {a: abs(r["losses"][a][0] - lo) / max(abs(lo), 1e-30)
+          for a in r["arms"]}
+  return [(a, r["losses"][a][0], rel) for a, rel in rels.items()
+          if rel > e2e.FIRST_LOSS_RTOL]
 
 
 def summarize(results: list[dict]) -> bool:
@@ -382,13 +367,11 @@ def summarize(results: list[dict]) -> bool:
   ok = True
   for i, r in enumerate(results):
     lo = r["losses"]["optax"][0]
+    for arm, lf, rel in first_loss_mismatches(r):
+      ok = False
+      print(f"process {i}: first-step loss {arm} {lf!r} vs optax {lo!r}: "
+            f"rel diff {rel:.2e} > {e2e.FIRST_LOSS_RTOL:g} (MISMATCH)")
     for arm in arms:
-      lf = r["losses"][arm][0]
-      rel = abs(lf - lo) / max(abs(lo), 1e-30)
-      if rel > e2e.FIRST_LOSS_RTOL:
-        ok = False
-        print(f"process {i}: first-step loss {arm} {lf!r} vs optax {lo!r}: "
-              f"rel diff {rel:.2e} > {e2e.FIRST_LOSS_RTOL:g} (MISMATCH)")
       if not r["losses"][arm][-1] < r["losses"][arm][0]:
         print(f"process {i}: warning: {arm} loss did not fall "
               f"({r['losses'][arm][0]:.5f} -> {r['losses'][arm][-1]:.5f})")
@@ -505,12 +488,11 @@ def main(argv=None) -> int:
     r = run_process(args.arms, args.bt, cfg, args.rounds, args.block,
                     args.warmup, args.seed, args.out, args.hlo_dir, stack)
     print(RESULT_TAG + json.dumps(r), flush=True)
-    lo = r["losses"]["optax"][0]
-    bad = [a for a in r["arms"] if abs(r["losses"][a][0] - lo)
-           > e2e.FIRST_LOSS_RTOL * max(abs(lo), 1e-30)]
+    bad = [a for a, _, _ in first_loss_mismatches(r)]
     if bad:  # the driver reports it too, from the result above
-      print(f"first-step loss of {bad} differs from optax's {lo!r} by more "
-            f"than {e2e.FIRST_LOSS_RTOL:g} (relative)", file=sys.stderr)
+      print(f"first-step loss of {bad} differs from optax's "
+            f"{r['losses']['optax'][0]!r} by more than "
+            f"{e2e.FIRST_LOSS_RTOL:g} (relative)", file=sys.stderr)
     return 1 if bad else 0
   model = ("the decoder" if args.model == "decoder" else
            f"the scanned stack ({args.stack_layers} x {args.stack_width}^2)")
