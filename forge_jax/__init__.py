@@ -3,6 +3,9 @@
 * :class:`Dense` -- a drop-in for ``flax.linen.Dense``;
 * :class:`ScannedDenseStack` -- ``L`` Dense layers stacked as ``nn.scan``
   stacks them, whose backward updates the stacked kernel and slots in place;
+* :class:`ScannedBlocks` -- ``L`` copies of any block (a decoder layer) stacked
+  and scanned, whose backward updates the stacked kernels of the block's
+  FORGE Dense layers, and their slots, in place;
 * :func:`adamw` (and the other optax families below) -- the optax transform
   itself, plus what FORGE layers need to drive it;
 * :func:`make_step` -- the training step that ties them together;
@@ -17,6 +20,7 @@ Asking for a known family that forge_jax does not provide (e.g.
 """
 
 from forge_jax.accumulate import MultiSteps
+from forge_jax.blocks import ScannedBlocks
 from forge_jax.dense import Dense
 from forge_jax.scan import ScannedDenseStack
 from forge_jax.step import SharedWeightsWarning, make_step
@@ -41,8 +45,8 @@ from forge_jax.transforms import (
 )
 from pallas_kernels import classify
 
-__all__ = ["Dense", "MultiSteps", "ForgeSpec", "ForgeTransformation", "ScannedDenseStack",
-           "SharedWeightsWarning",
+__all__ = ["Dense", "MultiSteps", "ForgeSpec", "ForgeTransformation", "ScannedBlocks",
+           "ScannedDenseStack", "SharedWeightsWarning",
            "adafactor", "adagrad", "adam", "adamax", "adamw", "classify",
            "lamb", "lion", "make_step", "muon", "nadam", "nadamw", "radam", "refuse_reason",
            "rmsprop", "sgd", "sm3"]

@@ -147,3 +147,62 @@ def register_layer(ctx: StepContext, path: Path,
         "kernel may have one consumer per step (paper Remark 2). "
         + SHARED_FIX + hint)
   return info
+
+
+# --------------------------------------------------------------------------
+# Block taps: how forge_jax.ScannedBlocks runs one block of its stack.
+
+
+@dataclasses.dataclass
+class DenseRecord:
+  """What a ``forge_jax.Dense`` inside a scanned block reported (``record``
+  mode): its kernel's per-layer shape and dtype, whether it is fused, its
+  tiling and precision, its output's shape and dtype, and how often it was
+  called in one block."""
+
+  kernel_shape: tuple[int, ...]
+  param_dtype: Any
+  fused: bool
+  config: Any
+  precision: Any
+  out: Any  # jax.ShapeDtypeStruct of the layer's output
+  calls: int = 0
+
+
+@dataclasses.dataclass
+class BlockTap:
+  """Active while ``forge_jax.ScannedBlocks`` traces one block; every
+  ``forge_jax.Dense`` inside defers to it (``forge_jax.dense._in_block``).
+
+  ``mode``:
+    ``"record"``: each Dense runs as ``nn.Dense`` and fills ``records``;
+    ``"plain"``: each Dense runs as ``nn.Dense`` (the standard ``nn.scan``);
+    ``"tap"``: as ``nn.Dense``, and each Dense in ``forge`` adds its tap
+      ``taps[path]`` (zeros; its cotangent is the layer's ``dy``) to its
+      output and leaves its (promoted) input in ``inputs[path]``.
+  Paths are relative to the block.
+  """
+
+  mode: str
+  forge: frozenset[Path] = frozenset()
+  taps: dict[Path, Any] = dataclasses.field(default_factory=dict)
+  inputs: dict[Path, Any] = dataclasses.field(default_factory=dict)
+  records: dict[Path, DenseRecord] = dataclasses.field(default_factory=dict)
+
+
+def current_tap() -> BlockTap | None:
+  return getattr(_STATE, "tap", None)
+
+
+@contextlib.contextmanager
+def block_tap(tap: BlockTap):
+  prev = current_tap()
+  if prev is not None:
+    raise ValueError(
+        "forge_jax.ScannedBlocks cannot be nested inside another "
+        "ScannedBlocks' block")
+  _STATE.tap = tap
+  try:
+    yield tap
+  finally:
+    _STATE.tap = prev

@@ -26,12 +26,13 @@ _CALL_PARAMS = {
 
 def _is_fused_linear(eqn) -> bool:
   """A FORGE layer's own fused op: forge_jax.Dense's, or the whole-stack
-  op of forge_jax.ScannedDenseStack."""
+  op of forge_jax.ScannedDenseStack or forge_jax.ScannedBlocks."""
+  from forge_jax.blocks import _fused_blocks_bwd
   from forge_jax.dense import _fused_linear_bwd
   from forge_jax.scan import _fused_stack_bwd
   bwd = getattr(eqn.params.get("bwd"), "f", None)
   return (eqn.primitive.name == "custom_vjp_call"
-          and (bwd is _fused_linear_bwd or bwd is _fused_stack_bwd))
+          and bwd in (_fused_linear_bwd, _fused_stack_bwd, _fused_blocks_bwd))
 
 
 def _open(jaxpr):

@@ -135,11 +135,48 @@ class Dense(nn.Dense):
       return super().__call__(inputs)
     return _DENSE_BODY(self, inputs)
 
+  def _custom_dot(self) -> bool:
+    return (self.dot_general is not None or self.dot_general_cls is not None
+            or self.promote_dtype is not flax_dtypes.promote_dtype)
+
+  def _in_block(self, tap: _context.BlockTap, inputs):
+    """This layer inside one block of a ``forge_jax.ScannedBlocks`` (the
+    block's ``tap`` says how): ``nn.Dense``'s computation, recorded or with
+    the tap whose cotangent is this layer's ``dy``."""
+    path = tuple(self.path)
+    y = self._standard(inputs)
+    if tap.mode == "record":
+      if self.fused and self._custom_dot():
+        raise ValueError(
+            f"forge_jax.Dense at {_context.layer_name(path)!r} (in a "
+            "forge_jax.ScannedBlocks block): a custom dot_general or "
+            "promote_dtype cannot be fused; set fused=False for this layer")
+      rec = tap.records.get(path)
+      if rec is None:
+        kernel = self.get_variable("params", "kernel")
+        rec = tap.records[path] = _context.DenseRecord(
+            kernel_shape=tuple(kernel.shape), param_dtype=kernel.dtype,
+            fused=self.fused, config=self.block_config,
+            precision=self.precision,
+            out=jax.ShapeDtypeStruct(y.shape, y.dtype))
+      rec.calls += 1
+    elif tap.mode == "tap" and path in tap.forge:
+      kernel = self.get_variable("params", "kernel")
+      bias = self.get_variable("params", "bias") if self.use_bias else None
+      dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
+                                             dtype=self.dtype)
+      tap.inputs[path] = jnp.asarray(inputs, dtype)
+      y = y + tap.taps[path]
+    return y
+
   @nn.compact
   def __call__(self, inputs):
     pallas_kernels.fused_wgrad.check_block_config(
         self.block_config,
         f"forge_jax.Dense at {_context.layer_name(self.path)!r}")
+    tap = _context.current_tap()
+    if tap is not None:  # inside a forge_jax.ScannedBlocks block
+      return self._in_block(tap, inputs)
     ctx = _context.current()
     if ctx is not None and not self.fused and ctx.mode == "discover":
       ctx.unfused.add(tuple(self.path))
@@ -147,8 +184,7 @@ class Dense(nn.Dense):
       # Standard path: outside a step, fused=False, or a shared layer that
       # make_step(..., shared="standard") moved here for this step.
       return self._standard(inputs)
-    if (self.dot_general is not None or self.dot_general_cls is not None
-        or self.promote_dtype is not flax_dtypes.promote_dtype):
+    if self._custom_dot():
       raise ValueError(
           f"forge_jax.Dense at {_context.layer_name(self.path)!r}: a custom "
           "dot_general or promote_dtype cannot be fused; set fused=False for "

@@ -82,6 +82,43 @@ def _forward(static, x, kernels, biases, save):
   return lax.scan(body, x, (kernels, biases))
 
 
+def update_layer(spec, layout, in_place_layer: bool, i, x_i, dy_i, w_stack,
+                 slot_stacks, inputs: _context.LayerInputs, config, wgrad,
+                 precision):
+  """One optimizer step of layer ``i`` of a stacked ``(L, in, out)`` kernel
+  from its input ``x_i`` and output gradient ``dy_i``, inside a backward
+  loop that carries the stacks; returns the new ``(w_stack, slot_stacks)``.
+
+  The caller has already read the pre-update slice (for ``dx``) and ordered
+  that read before this write (an ``optimization_barrier`` on ``dx`` and
+  ``w_stack``).
+
+  ``in_place_layer``: the fused kernel updates layer ``i`` of the carried
+  stacks in place (``layer=i``: no slice of ``W`` or of a slot is copied out
+  or back; with ``wgrad="xla"``, XLA's GEMM and the rule on layer ``i``'s
+  slices, written back with ``dynamic_update_slice``). Otherwise layer
+  ``i``'s ``W`` and slots are copied out of the stacks, stepped, and written
+  back (one layer's ``W`` and slots of temporaries).
+  """
+  if in_place_layer:
+    w_stack, slot_stacks = _paths.wgrad_update(
+        x_i, dy_i, w_stack, slot_stacks, inputs.hparams, rule=spec.rule,
+        config=config, wgrad=wgrad, layer=i, precision=precision)
+    return w_stack, tuple(slot_stacks)
+  w_i = lax.dynamic_index_in_dim(w_stack, i, keepdims=False)
+  slots_i = tuple(lax.dynamic_index_in_dim(s, i, keepdims=False)
+                  for s in slot_stacks)
+  w_new, slots_new = _paths.step_in_backward(
+      spec, layout, x_i, dy_i, w_i, inputs._replace(slots=slots_i), config,
+      wgrad, precision)
+  w_stack = lax.dynamic_update_index_in_dim(
+      w_stack, w_new.astype(w_stack.dtype), i, 0)
+  slot_stacks = tuple(
+      lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), i, 0)
+      for s, n in zip(slot_stacks, slots_new))
+  return w_stack, slot_stacks
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_stack(static: _Static, x, kernels, biases,
                  inputs: _context.LayerInputs):
@@ -113,30 +150,11 @@ def _fused_stack_bwd(static, res, dy):
     dx = lax.dot_general(dz, w_i.astype(static.dtype),
                          (((dz.ndim - 1,), (1,)), ((), ())),
                          precision=static.precision)
-    if static.in_place_layer:
-      dx, w_stack = lax.optimization_barrier((dx, w_stack))
-      # The fused kernel updates layer i of the carried stacks in place
-      # (`layer=i`): no slice of W or of a slot is copied out or back.
-      # (wgrad="xla": XLA's GEMM and the rule on layer i's slices, written
-      # back with dynamic_update_slice.)
-      w_stack, slot_stacks = _paths.wgrad_update(
-          x_i, dz, w_stack, slot_stacks, inputs.hparams,
-          rule=static.spec.rule, config=static.config, wgrad=static.wgrad,
-          layer=i, precision=static.precision)
-      return (dx.astype(dy.dtype), w_stack, tuple(slot_stacks)), db
-    # "slice": layer i's W and slots are copied out, stepped, written back.
-    dx, w_i = lax.optimization_barrier((dx, w_i))
-    slots_i = tuple(lax.dynamic_index_in_dim(s, i, keepdims=False)
-                    for s in slot_stacks)
-    w_new, slots_new = _paths.step_in_backward(
-        static.spec, static.layout, x_i, dz, w_i,
-        inputs._replace(slots=slots_i), static.config, static.wgrad,
+    dx, w_stack = lax.optimization_barrier((dx, w_stack))
+    w_stack, slot_stacks = update_layer(
+        static.spec, static.layout, static.in_place_layer, i, x_i, dz,
+        w_stack, slot_stacks, inputs, static.config, static.wgrad,
         static.precision)
-    w_stack = lax.dynamic_update_index_in_dim(
-        w_stack, w_new.astype(w_stack.dtype), i, 0)
-    slot_stacks = tuple(
-        lax.dynamic_update_index_in_dim(s, n.astype(s.dtype), i, 0)
-        for s, n in zip(slot_stacks, slots_new))
     return (dx.astype(dy.dtype), w_stack, slot_stacks), db
 
   with _paths.refusing_derivatives(
@@ -254,6 +272,11 @@ class ScannedDenseStack(nn.Module):
       raise ValueError(f"{where}: stack_update={self.stack_update!r} must be "
                        "'auto', 'layer' or 'slice'")
     fused_wgrad.check_block_config(self.block_config, where)
+    if _context.current_tap() is not None:
+      raise ValueError(
+          f"{where}: a ScannedDenseStack cannot sit inside a "
+          "forge_jax.ScannedBlocks block (one scan over the blocks; make the "
+          "stack's layers forge_jax.Dense layers of the block instead)")
     ctx = _context.current()
     if ctx is not None and not self.fused and ctx.mode == "discover":
       ctx.unfused.add(tuple(self.path))

@@ -1,0 +1,337 @@
+"""`forge_jax.ScannedBlocks`: ``L`` identical blocks (any Flax module) stacked
+and scanned, whose backward updates the stacked kernels of the blocks'
+``forge_jax.Dense`` layers and their optimizer slots in place.
+
+A decoder's blocks (attention + MLP, several projections of different
+shapes) are scanned with ``nn.scan``: every parameter is stacked
+``(L, ...)``. A FORGE ``custom_vjp`` inside the scan body would return each
+layer's new kernel as a cotangent, which scan's transpose stacks into a fresh
+params-sized buffer: the gradient pool is back
+(``forge_jax.ScannedDenseStack`` explains the same for a stack of Dense
+layers). Here the whole stack is one ``jax.custom_vjp``:
+
+* forward: a ``lax.scan`` over the blocks, saving each block's input only;
+* backward: a reverse ``lax.scan`` whose carry holds the input gradient and,
+  for every FORGE Dense of the block, its stacked kernel and slots.
+  Iteration ``i`` recomputes block ``i`` from its saved input (as
+  ``nn.remat`` does) with ``jax.vjp`` over the block's input, its other
+  parameters and one zero *tap* per FORGE Dense, added to that layer's
+  output: the tap's cotangent is the layer's ``dy``, its input is kept from
+  the recomputation, and the kernels are constants of the ``vjp`` (read from
+  the carried stacks before any update), so no kernel gradient is formed.
+  Then each FORGE Dense's optimizer step runs in the fused kernel's epilogue
+  in its ``layer=i`` mode, on layer ``i`` of the carried stacks, in place.
+  The block's other parameters (norm scales, biases, ``fused=False`` layers'
+  kernels) get ordinary gradients, stacked, for optax.
+
+Outside a FORGE step (and with ``fused=False``) the module *is*
+``nn.scan(nn.remat(block))`` over ``num_layers`` copies, parameters stacked
+on axis 0 (``variable_axes={'params': 0}``, ``split_rngs={'params': True}``),
+under the name ``block``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import flax.linen as nn
+from collections.abc import Mapping
+
+import pallas_kernels
+from pallas_kernels import fused_wgrad
+from forge_jax import _context
+from forge_jax import _paths
+from forge_jax import scan as _scan
+
+_BLOCK = "block"  # the stacked block's name in this module's scope
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+  """Static (non-array) arguments of the fused stack of blocks."""
+
+  path: _context.Path              # the ScannedBlocks module's path
+  block: nn.Module                 # the block, unbound
+  forge: tuple[_context.Path, ...]  # FORGE Dense paths, relative to the block
+  records: dict                    # path -> _context.DenseRecord
+  spec: Any
+  layouts: tuple
+  in_place_layer: bool
+  wgrad: str
+
+
+def _get(tree, keys):
+  for k in keys:
+    tree = tree[k]
+  return tree
+
+
+def _copy(tree):
+  """The nested mappings of ``tree`` as fresh plain dicts (leaves shared)."""
+  if isinstance(tree, Mapping):
+    return {k: _copy(v) for k, v in tree.items()}
+  return tree
+
+
+def _without(tree, paths):
+  """A copy of the nested-dict ``tree`` without the ``kernel`` leaves of
+  ``paths`` (the FORGE kernels, which travel separately)."""
+  tree = _copy(tree)
+  for p in paths:
+    del _get(tree, p)["kernel"]
+  return tree
+
+
+def _with(tree, paths, kernels):
+  """``tree`` (as :func:`_without` left it) with those kernels put back."""
+  tree = _copy(tree)
+  for p, k in zip(paths, kernels):
+    _get(tree, p)["kernel"] = k
+  return tree
+
+
+def _apply(static, params, h, tap):
+  with _context.block_tap(tap):
+    return static.block.apply({"params": params}, h)
+
+
+def _forward(static, x, kernels, others, save):
+  def body(h, per_layer):
+    kernels_i, others_i = per_layer
+    y = _apply(static, _with(others_i, static.forge, kernels_i), h,
+               _context.BlockTap("plain"))
+    return y, (h if save else None)
+  return lax.scan(body, x, (kernels, others))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_blocks(static: _Static, x, kernels, others, inputs):
+  return _forward(static, x, kernels, others, save=False)[0]
+
+
+def _fused_blocks_fwd(static, x, kernels, others, inputs):
+  y, hs = _forward(static, x, kernels, others, save=True)
+  return y, (hs, kernels, others, inputs)
+
+
+def _fused_blocks_bwd(static, res, dy):
+  """Reverse loop over the blocks: each block recomputed and differentiated
+  with its FORGE kernels held constant, then each FORGE kernel's layer ``i``
+  stepped in place; the carried stacks are returned in place of the
+  kernels' and slots' cotangents."""
+  hs, kernels, others, inputs = res
+  num_layers = hs.shape[0]
+  forge = frozenset(static.forge)
+
+  def body(carry, per_layer):
+    dh, k_stacks, slot_stacks = carry
+    i, h_i, others_i = per_layer
+    w_i = tuple(lax.dynamic_index_in_dim(k, i, keepdims=False)
+                for k in k_stacks)
+    taps = {p: jnp.zeros(static.records[p].out.shape,
+                         static.records[p].out.dtype) for p in static.forge}
+
+    def block(h, others_i, taps):
+      tap = _context.BlockTap("tap", forge=forge, taps=taps)
+      y = _apply(static, _with(others_i, static.forge, w_i), h, tap)
+      return y, {p: tap.inputs[p] for p in static.forge}
+
+    y, block_vjp, layer_inputs = jax.vjp(block, h_i, others_i, taps,
+                                         has_aux=True)
+    dh_in, d_others, dys = block_vjp(dh.astype(y.dtype))
+    # Every read of the pre-update kernels (the recomputation, the input
+    # gradients) feeds these outputs; the barrier orders them before the
+    # fused kernels overwrite layer i of the stacks (as in forge_jax.Dense).
+    dh_in, d_others, dys, layer_inputs, k_stacks = lax.optimization_barrier(
+        (dh_in, d_others, dys, layer_inputs, k_stacks))
+    new_k, new_s = [], []
+    for j, p in enumerate(static.forge):
+      rec = static.records[p]
+      w, s = _scan.update_layer(
+          static.spec, static.layouts[j], static.in_place_layer, i,
+          layer_inputs[p], dys[p], k_stacks[j], slot_stacks[j], inputs[j],
+          rec.config, static.wgrad, rec.precision)
+      new_k.append(w)
+      new_s.append(s)
+    return (dh_in.astype(dh.dtype), tuple(new_k), tuple(new_s)), d_others
+
+  with _paths.refusing_derivatives(
+      f"forge_jax.ScannedBlocks at {_context.layer_name(static.path)!r}"):
+    (dx, new_kernels, new_slots), d_others = lax.scan(
+        body, (dy, tuple(kernels), tuple(tuple(t.slots) for t in inputs)),
+        (jnp.arange(num_layers), hs, others), reverse=True)
+  ctx = _context.current()
+  if ctx is not None:
+    ctx.bwd_traced.update(_full(static.path, p) for p in static.forge)
+  d_others = jax.tree.map(lambda g, o: g.astype(o.dtype), d_others, others)
+  return dx.astype(hs.dtype), new_kernels, d_others, tuple(
+      _context.LayerInputs(
+          slots=s,
+          hparams=jax.tree.map(jnp.zeros_like, t.hparams),
+          touched=jnp.ones_like(t.touched),
+          shared=jax.tree.map(_paths.zero_cotangent, t.shared))
+      for s, t in zip(new_slots, inputs))
+
+
+_fused_blocks.defvjp(_fused_blocks_fwd, _fused_blocks_bwd)
+
+
+def _full(path, rel):
+  return (*path, _BLOCK, *rel)
+
+
+def _scan_body(module, carry, _):
+  return module.block(name=_BLOCK)(carry), None
+
+
+class ScannedBlocks(nn.Module):
+  """``num_layers`` copies of ``block``, stacked and scanned; FORGE updates the
+  stacked kernels of the block's ``forge_jax.Dense`` layers in its backward.
+
+  ``block`` makes one block: a Flax module class or a callable returning an
+  unbound module (e.g. ``functools.partial(Block, cfg)``), called as
+  ``block(name=...)`` and ``block(parent=None)``. The module's
+  ``__call__(h)`` takes the carry and returns the next one, of the same shape
+  and dtype; it may hold any parameters (``params`` collection only: no
+  ``batch_stats``, no dropout randomness) and any mix of ``forge_jax.Dense``
+  (fused), ``forge_jax.Dense(fused=False)`` and other layers.
+
+  The parameters are ``{'block': <the block's tree, every leaf stacked
+  (L, ...)>}`` in this module's scope: the tree (and the initial values) of
+  ``nn.scan(nn.remat(body), variable_axes={'params': 0},
+  split_rngs={'params': True}, length=L)`` of a body that calls
+  ``block(name='block')``. Outside a FORGE step (or with ``fused=False``) the
+  module *is* that scan.
+
+  Inside a step built by :func:`forge_jax.make_step` its backward is one
+  reverse loop over the blocks. Block ``i`` is recomputed from its saved input
+  (so the forward saves only the ``L`` block inputs, as under ``nn.remat``),
+  differentiated with its FORGE kernels held constant, and each FORGE Dense's
+  stacked kernel and optimizer slots are then stepped at layer ``i`` in place
+  (the fused kernel's epilogue; ``make_step(..., wgrad="xla")``: XLA's GEMM
+  and the rule on layer ``i``'s slices). No kernel gradient of any layer is
+  formed as a whole, and no gradient pool. Regime-1 families only (SGD ...
+  Lion), as for ``forge_jax.ScannedDenseStack``, whose docstring says why.
+  Each FORGE kernel's hyperparameters and weight-decay mask entry are those of
+  its one stacked leaf. A ``forge_jax.Dense`` called twice in one block is a
+  shared layer (``make_step``'s ``shared`` policy applies to it).
+
+  ``stack_update``: as for ``forge_jax.ScannedDenseStack`` (``"layer"``: the
+  fused kernel reads and writes layer ``i`` inside the carried stacks;
+  ``"slice"``: copied out, stepped, written back; ``"auto"``: ``"layer"`` on
+  a GPU, ``"slice"`` in Pallas interpret mode).
+  """
+
+  block: Callable[..., nn.Module]
+  num_layers: int
+  fused: bool = True
+  stack_update: str = "auto"
+
+  def _scanned(self, x):
+    y, _ = nn.scan(nn.remat(_scan_body), variable_axes={"params": 0},
+                   split_rngs={"params": True},
+                   length=self.num_layers)(self, x, None)
+    return y
+
+  def _record(self, block, params, x) -> dict:
+    """Each Dense of one block, as it reports itself (``DenseRecord``)."""
+    tap = _context.BlockTap("record")
+
+    def one(p, h):
+      with _context.block_tap(tap):
+        return block.apply({"params": p}, h)
+
+    layer = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+    out = jax.eval_shape(one, layer, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    if (out.shape, out.dtype) != (x.shape, x.dtype):
+      raise ValueError(
+          f"{self._where()}: the block maps its input {x.dtype}{list(x.shape)}"
+          f" to {out.dtype}{list(out.shape)}; a scanned block must return a "
+          "carry of its input's shape and dtype")
+    return tap.records
+
+  def _where(self):
+    return f"forge_jax.ScannedBlocks at {_context.layer_name(tuple(self.path))!r}"
+
+  @nn.compact
+  def __call__(self, x):
+    where = self._where()
+    if (isinstance(self.num_layers, bool)
+        or not isinstance(self.num_layers, int) or self.num_layers < 1):
+      raise ValueError(f"{where}: num_layers={self.num_layers!r} must be an "
+                       "int >= 1")
+    if self.stack_update not in ("auto", "layer", "slice"):
+      raise ValueError(f"{where}: stack_update={self.stack_update!r} must be "
+                       "'auto', 'layer' or 'slice'")
+    if not callable(self.block):
+      raise TypeError(f"{where}: block must be a Flax module class or a "
+                      f"callable that makes one, got {self.block!r}")
+    if _context.current_tap() is not None:
+      raise ValueError(f"{where}: ScannedBlocks cannot be nested inside "
+                       "another ScannedBlocks' block")
+    ctx = _context.current()
+    if ctx is None or self.is_initializing():
+      return self._scanned(x)
+    path = tuple(self.path)
+    params = self.variables.get("params", {}).get(_BLOCK)
+    if params is None:
+      raise ValueError(f"{where}: no '{_BLOCK}' parameters in this scope "
+                       "(were the variables made by this module's init?)")
+    block = self.block(parent=None)
+    records = self._record(block, params, x)
+    plain = _context.BlockTap("plain")
+    if ctx.mode == "discover":
+      for rel, rec in records.items():
+        full = _full(path, rel)
+        if not (self.fused and rec.fused):
+          ctx.unfused.add(full)
+          continue
+        for _ in range(rec.calls):
+          _context.register_layer(
+              ctx, full, (self.num_layers, *rec.kernel_shape),
+              rec.param_dtype, "forge_jax.Dense (in a ScannedBlocks block)")
+      with _context.block_tap(plain):
+        return self._scanned(x)
+
+    forge = tuple(sorted(
+        rel for rel, rec in records.items()
+        if self.fused and rec.fused and rec.calls == 1
+        and not ctx.is_standard(_full(path, rel))))
+    if not forge:
+      with _context.block_tap(plain):
+        return self._scanned(x)
+    spec = ctx.spec
+    if spec is None or spec.regime != 1:
+      family = getattr(spec, "family", None)
+      raise ValueError(
+          f"{where}: the in-place stacked path supports regime-1 families "
+          f"only (got {family!r}, regime {getattr(spec, 'regime', None)}). "
+          "optax applies LAMB's trust ratio, Muon's orthogonalisation and "
+          "regime-3 statistics to the whole stacked (L, in, out) leaf, which "
+          "a per-layer update cannot reproduce. Give this module fused=False "
+          "(standard optax path).")
+    missing = [_full(path, p) for p in forge if _full(path, p) not in ctx.inputs]
+    if missing:
+      raise RuntimeError(
+          f"{where}: the layers {[_context.layer_name(m) for m in missing]} "
+          "were not seen when the step discovered its FORGE layers: the loss "
+          "function must call the same layers on every trace")
+    for p in forge:
+      fused_wgrad.check_block_config(
+          records[p].config, f"forge_jax.Dense at "
+          f"{_context.layer_name(_full(path, p))!r}")
+    in_place_layer = (self.stack_update == "layer" or (
+        self.stack_update == "auto" and not fused_wgrad.default_interpret()))
+    static = _Static(
+        path=path, block=block, forge=forge, records=records, spec=spec,
+        layouts=tuple(ctx.layouts.get(_full(path, p)) for p in forge),
+        in_place_layer=in_place_layer, wgrad=ctx.wgrad)
+    kernels = tuple(_get(params, (*p, "kernel")) for p in forge)
+    return _fused_blocks(static, x, kernels, _without(params, forge),
+                         tuple(ctx.inputs[_full(path, p)] for p in forge))

@@ -1,0 +1,430 @@
+"""forge_jax.ScannedBlocks: a scanned stack of heterogeneous blocks whose
+backward updates every FORGE Dense's stacked kernel and slots in place,
+against the same blocks under flax's own nn.scan(nn.remat(...)) + optax."""
+
+import functools
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import forge_jax
+from tests.harness import (lower_for_cuda, mse, reference_step,
+                           train_side_by_side, triton_calls)
+from tests.test_forge_jax import SCHEDULE, optax_step
+from tests.tolerances import assert_trees_close, rel_err, tol
+
+D = 24  # the carry width; the block's other widths are odd
+
+
+class Block(nn.Module):
+  """A residual block: a norm scale, an up projection (bias, 2D + 3 wide),
+  a down projection (no bias), a side projection that never fuses, and a
+  plain flax layer."""
+  dense: type = nn.Dense
+  side: bool = True
+  dtype: jnp.dtype = None
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    s = self.param("scale", nn.initializers.ones, (x.shape[-1],),
+                   self.param_dtype)
+    h = x * s.astype(x.dtype)
+    a = self.dense(2 * D + 3, name="up", **kw)(h)
+    y = self.dense(D, use_bias=False, name="down", **kw)(nn.silu(a))
+    if self.side:
+      side = (forge_jax.Dense(D, fused=False, name="side", **kw)
+              if self.dense is forge_jax.Dense else
+              nn.Dense(D, name="side", **kw))
+      y = y + 0.5 * side(h)
+    g = nn.Dense(D, name="gate", **kw)(h)  # flax's own: the standard path
+    return x + y * nn.sigmoid(g)
+
+
+class _RefBody(nn.Module):
+  """The reference scan body (flax only): the block named ``block``."""
+  kw: dict
+
+  @nn.compact
+  def __call__(self, h, _):
+    return Block(name="block", **self.kw)(h), None
+
+
+class Model(nn.Module):
+  """Dense(in -> D) -> L blocks -> Dense(D -> out); ``forge``: the FORGE
+  layers and ``ScannedBlocks``, else flax's ``nn.scan(nn.remat(...))``."""
+  forge: bool = False
+  num_layers: int = 3
+  d_out: int = 5
+  block_kw: dict = None
+  stack_update: str = "auto"
+
+  @nn.compact
+  def __call__(self, x):
+    dense = forge_jax.Dense if self.forge else nn.Dense
+    kw = dict(self.block_kw or {})
+    x = nn.relu(dense(D, name="embed")(x))
+    if self.forge:
+      x = forge_jax.ScannedBlocks(
+          functools.partial(Block, forge_jax.Dense, **kw), self.num_layers,
+          stack_update=self.stack_update, name="layers")(x)
+    else:
+      x, _ = nn.scan(nn.remat(_RefBody), variable_axes={"params": 0},
+                     split_rngs={"params": True},
+                     length=self.num_layers)(kw, name="layers")(x, None)
+    return dense(self.d_out, name="head")(x)
+
+
+def _data(steps, lead=(48,), d_in=37, d_out=5, seed=1):
+  k = jax.random.split(jax.random.key(seed), 2 * steps)
+  return [(jax.random.normal(k[2 * i], (*lead, d_in)),
+           jax.random.normal(k[2 * i + 1], (*lead, d_out)))
+          for i in range(steps)]
+
+
+def _train(make_tx, steps=5, lead=(48,), model_kw={}, wgrad="fused",
+           shared="error", **tx_kw):
+  batches = _data(steps, lead)
+  ref_model, f_model = Model(False, **model_kw), Model(True, **model_kw)
+  variables = ref_model.init(jax.random.key(0), batches[0][0])
+  ref_tx = getattr(optax, make_tx)(**tx_kw)
+  f_tx = getattr(forge_jax, make_tx)(**tx_kw)
+  f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx, wgrad=wgrad,
+                                       shared=shared),
+                   donate_argnums=(0, 1))
+  (f_v, f_s), (ref_v, ref_s), losses = train_side_by_side(
+      f_step, optax_step(mse(ref_model), ref_tx), variables, f_tx, ref_tx,
+      batches)
+  return variables, (ref_v, ref_s), (f_v, f_s), losses
+
+
+def _assert_parity(init, ref, got, losses, dtype=jnp.float32):
+  (ref_v, ref_s), (f_v, f_s) = ref, got
+  assert jax.tree.structure(f_s) == jax.tree.structure(ref_s)
+  assert rel_err(losses[-1][0], losses[-1][1]) <= tol(dtype)
+  assert_trees_close(f_v, ref_v, tol(dtype), "params")
+  assert_trees_close(f_s, ref_s, tol(dtype), "opt_state")
+  # Not vacuous: every layer of every FORGE kernel stack moved.
+  blocks = f_v["params"]["layers"]["block"]
+  for name in ("up", "down"):
+    k0 = init["params"]["layers"]["block"][name]["kernel"]
+    for i in range(k0.shape[0]):
+      assert rel_err(blocks[name]["kernel"][i], k0[i]) > 1e-3, (name, i)
+
+
+def test_param_tree_output_and_gradients_are_flax_nn_scan():
+  x = jax.random.normal(jax.random.key(0), (4, 6, 37))
+  ref = Model(False).init(jax.random.key(1), x)
+  got = Model(True).init(jax.random.key(1), x)
+  assert jax.tree.structure(got) == jax.tree.structure(ref)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(a, b)
+  assert got["params"]["layers"]["block"]["up"]["kernel"].shape == (3, D,
+                                                                     2 * D + 3)
+  loss = lambda m: (lambda v: mse(m)(v, (x, 1.0)))
+  assert_trees_close(Model(True).apply(ref, x), Model(False).apply(ref, x),
+                     0.0, "output")
+  assert_trees_close(jax.grad(loss(Model(True)))(ref),
+                     jax.grad(loss(Model(False)))(ref), 0.0, "grads")
+
+
+@pytest.mark.parametrize("stack_update", ["layer", "slice"])
+@pytest.mark.parametrize("wgrad", ["fused", "xla"])
+def test_matches_flax_scan_optax_adamw_fp32(stack_update, wgrad):
+  init, ref, got, losses = _train(
+      "adamw", steps=5, lead=(4, 12), wgrad=wgrad,
+      model_kw=dict(stack_update=stack_update),
+      learning_rate=1e-2, weight_decay=1e-2)
+  _assert_parity(init, ref, got, losses)
+
+
+def test_matches_with_a_schedule_and_a_mask_over_more_steps():
+  mask = lambda p: jax.tree.map(lambda a: a.ndim > 2, p)  # stacked matrices
+  init, ref, got, losses = _train(
+      "adamw", steps=12, model_kw=dict(num_layers=4),
+      learning_rate=SCHEDULE, weight_decay=0.1, mask=mask)
+  _assert_parity(init, ref, got, losses)
+
+
+@pytest.mark.parametrize("make_tx,tx_kw", [
+    ("sgd", dict(learning_rate=5e-2, momentum=0.9, nesterov=True)),
+    ("lion", dict(learning_rate=1e-3, weight_decay=0.1)),
+    ("adam", dict(learning_rate=1e-2)),
+])
+def test_other_regime_1_families_match(make_tx, tx_kw):
+  init, ref, got, losses = _train(make_tx, steps=4, **tx_kw)
+  _assert_parity(init, ref, got, losses)
+
+
+def test_bf16_params_and_moments_match_within_the_bf16_tolerance():
+  kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  batches = [(x.astype(jnp.bfloat16), y) for x, y in _data(4, (4, 8))]
+  ref_model = Model(False, block_kw=kw)
+  f_model = Model(True, block_kw=kw)
+  variables = ref_model.init(jax.random.key(0), batches[0][0])
+  tx_kw = dict(learning_rate=1e-2, weight_decay=1e-2, mu_dtype=jnp.bfloat16)
+  ref_tx, f_tx = optax.adamw(**tx_kw), forge_jax.adamw(**tx_kw)
+  f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx))
+  (f_v, f_s), (ref_v, ref_s), _ = train_side_by_side(
+      f_step, optax_step(mse(ref_model), ref_tx), variables, f_tx, ref_tx,
+      batches)
+  blocks = lambda v: v["params"]["layers"]["block"]
+  assert blocks(f_v)["up"]["kernel"].dtype == jnp.bfloat16
+  assert_trees_close(blocks(f_v), blocks(ref_v), tol(jnp.bfloat16), "params")
+  assert_trees_close(f_s[0].mu["layers"], ref_s[0].mu["layers"],
+                     tol(jnp.bfloat16), "mu")
+  assert rel_err(blocks(f_v)["up"]["kernel"],
+                 blocks(variables)["up"]["kernel"]) > 1e-3
+
+
+class SharedBlock(nn.Module):
+  """A FORGE Dense called twice in one block (a shared layer)."""
+
+  @nn.compact
+  def __call__(self, x):
+    shared = forge_jax.Dense(D, name="twice")
+    return x + shared(nn.relu(shared(x))) + forge_jax.Dense(D, name="once")(x)
+
+
+class _RefSharedBody(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    # Outside a step forge_jax.Dense is nn.Dense: the same block.
+    return SharedBlock(name="block")(h), None
+
+
+class SharedModel(nn.Module):
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(D, name="embed")(x)
+    if self.forge:
+      x = forge_jax.ScannedBlocks(SharedBlock, 2, name="layers")(x)
+    else:
+      x, _ = nn.scan(nn.remat(_RefSharedBody), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=2)(name="layers")(
+                         x, None)
+    return nn.Dense(5, name="head")(x)
+
+
+def test_a_dense_called_twice_in_the_block_is_refused_with_its_path():
+  x, y = _data(1)[0]
+  model = SharedModel()
+  variables = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(mse(model), tx)
+  with pytest.raises(ValueError, match="layers/block/twice.*more than once"):
+    step(variables, tx.init(variables["params"]), (x, y))
+
+
+def test_shared_standard_moves_the_shared_dense_and_keeps_parity():
+  batches = _data(4)
+  # Outside a step both models are flax's nn.scan (same tree, same init).
+  variables = SharedModel(False).init(jax.random.key(0), batches[0][0])
+  tx_kw = dict(learning_rate=1e-2, weight_decay=1e-2)
+  ref_tx, f_tx = optax.adamw(**tx_kw), forge_jax.adamw(**tx_kw)
+  step = forge_jax.make_step(mse(SharedModel()), f_tx, shared="standard")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    (f_v, f_s), (ref_v, ref_s), _ = train_side_by_side(
+        jax.jit(step), optax_step(mse(SharedModel(False)), ref_tx),
+        variables, f_tx, ref_tx, batches)
+  assert any("layers/block/twice" in str(w.message) for w in caught)
+  assert step.standard_layers == ["layers/block/twice"]
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+
+
+def test_non_regime_1_family_is_refused_with_the_fix():
+  x, y = _data(1)[0]
+  model = Model(True)
+  variables = model.init(jax.random.key(0), x)
+  tx = forge_jax.lamb(1e-2)
+  with pytest.raises(ValueError, match="regime-1 families only.*fused=False"):
+    forge_jax.make_step(mse(model), tx)(variables,
+                                        tx.init(variables["params"]), (x, y))
+
+
+class Widen(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return forge_jax.Dense(D + 1, name="w")(x)
+
+
+class Nested(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return forge_jax.ScannedBlocks(Block, 2, name="inner")(x)
+
+
+class StackInside(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return forge_jax.ScannedDenseStack(D, 2, name="stack")(x)
+
+
+@pytest.mark.parametrize("block,match", [
+    (Widen, r"maps its input float32\[4, 24\] to float32\[4, 25\]"),
+    (Nested, "cannot be nested"),
+    (StackInside, "cannot sit inside a forge_jax.ScannedBlocks"),
+])
+def test_unsupported_blocks_are_refused_in_a_step(block, match):
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return forge_jax.ScannedBlocks(block, 2, name="layers")(x)
+
+  x = jnp.ones((4, D))
+  model = M()
+  tx = forge_jax.adamw(1e-2)
+  loss = lambda v, b: jnp.mean(model.apply(v, b) ** 2)
+  if block is Widen:  # flax's scan refuses it at init already
+    with pytest.raises(Exception):
+      model.init(jax.random.key(0), x)
+    variables = {"params": {"layers": {"block": {"w": {
+        "kernel": jnp.ones((2, D, D + 1)), "bias": jnp.ones((2, D + 1))}}}}}
+  else:
+    variables = model.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=match):
+    forge_jax.make_step(loss, tx)(variables, tx.init(variables["params"]), x)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(stack_update="layers"), ValueError, "stack_update='layers' must be"),
+    (dict(num_layers=0), ValueError, "num_layers=0 must be an int >= 1"),
+    (dict(num_layers=True), ValueError, "num_layers=True must be an int"),
+    (dict(block="Block"), TypeError, "block must be a Flax module class"),
+])
+def test_bad_settings_are_refused_at_init(kw, exc, match):
+  blocks = forge_jax.ScannedBlocks(**{"block": Block, "num_layers": 2, **kw})
+  with pytest.raises(exc, match=match):
+    blocks.init(jax.random.key(0), jnp.ones((3, D)))
+
+
+class DeadBlocks(nn.Module):
+  """The blocks' output does not reach the loss (Remark 1)."""
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(D, name="embed")(x))
+    if self.forge:
+      forge_jax.ScannedBlocks(functools.partial(Block, forge_jax.Dense), 2,
+                              name="layers")(h)
+    else:
+      nn.scan(nn.remat(_RefBody), variable_axes={"params": 0},
+              split_rngs={"params": True}, length=2)({}, name="layers")(h, None)
+    return nn.Dense(5, name="head")(h)
+
+
+def test_untouched_blocks_get_the_zero_gradient_update():
+  batches = _data(3)
+  variables = DeadBlocks(False).init(jax.random.key(0), batches[0][0])
+  tx_kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  ref_tx, f_tx = optax.adamw(**tx_kw), forge_jax.adamw(**tx_kw)
+  (f_v, f_s), (ref_v, ref_s), _ = train_side_by_side(
+      jax.jit(forge_jax.make_step(mse(DeadBlocks()), f_tx)),
+      optax_step(mse(DeadBlocks(False)), ref_tx), variables, f_tx, ref_tx,
+      batches)
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+  # Weight decay alone moved the FORGE kernels (not vacuous).
+  k0 = variables["params"]["layers"]["block"]["up"]["kernel"]
+  k1 = f_v["params"]["layers"]["block"]["up"]["kernel"]
+  assert 0 < rel_err(k1, k0) < 1e-2
+
+
+def _plain_blocks(forge, layers, n, dtype):
+  class Blk(nn.Module):
+    dense: type
+
+    @nn.compact
+    def __call__(self, x):
+      kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype)
+      h = self.dense(2 * n, name="up", **kw)(x)
+      return x + self.dense(n, name="down", **kw)(nn.relu(h))
+
+  class Body(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+      return Blk(nn.Dense, name="block")(h), None
+
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      if forge:
+        return forge_jax.ScannedBlocks(
+            functools.partial(Blk, forge_jax.Dense), layers, name="layers")(x)
+      return nn.scan(nn.remat(Body), variable_axes={"params": 0},
+                     split_rngs={"params": True},
+                     length=layers)(name="layers")(x, None)[0]
+
+  return M()
+
+
+def test_blocks_step_lowers_for_cuda_without_a_gpu(monkeypatch):
+  """Deviceless AOT lowering: one Triton kernel per FORGE Dense of the block,
+  each given the (L, in, out) stacks that the backward loop carries."""
+  import pallas_kernels.fused_wgrad as fw
+  monkeypatch.setattr(fw, "default_interpret", lambda: False)
+  model = _plain_blocks(True, 4, 256, jnp.bfloat16)
+  x = jnp.ones((64, 256), jnp.bfloat16)
+  variables = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-3)
+  opt_state = tx.init(variables["params"])
+  loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
+  text = lower_for_cuda(forge_jax.make_step(loss_fn, tx), variables,
+                        opt_state, x, donate_argnums=(0, 1))
+  triton = triton_calls(text)
+  assert len(triton) == 2, len(triton)
+  assert sum("tensor<4x512x256xbf16>" in t for t in triton) == 1
+  assert sum("tensor<4x256x512xbf16>" in t for t in triton) == 1
+  # Two kernels (W, mu, nu each) and the count: the donated inputs alias.
+  assert text.count("tf.aliasing_output") == 7
+
+
+def _blocks_step_compiled(forge, layers, n, bt, dtype):
+  model = _plain_blocks(forge, layers, n, dtype)
+  x = jnp.ones((bt, n), dtype)
+  variables = model.init(jax.random.key(0), x)
+  make = forge_jax.adamw if forge else optax.adamw
+  tx = make(1e-3, mu_dtype=dtype)
+  opt_state = tx.init(variables["params"])
+  loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
+  step = (forge_jax.make_step(loss_fn, tx) if forge
+          else reference_step(loss_fn, tx))
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  compiled = jitted.lower(variables, opt_state, x).compile()
+  return compiled, (jitted, variables, opt_state, x)
+
+
+@pytest.mark.gpu
+def test_scanned_blocks_have_no_gradient_pool_on_gpu():
+  layers, n, bt = 8, 2048, 512
+  pool = layers * 2 * (2 * n * n) * 2  # up + down kernels, bf16
+  forge, (jitted, variables, opt_state, x) = _blocks_step_compiled(
+      True, layers, n, bt, jnp.bfloat16)
+  ref, _ = _blocks_step_compiled(False, layers, n, bt, jnp.bfloat16)
+  temp = forge.memory_analysis().temp_size_in_bytes
+  ref_temp = ref.memory_analysis().temp_size_in_bytes
+  assert temp <= ref_temp - 0.9 * pool, (temp, ref_temp, pool)
+  leaves = lambda v, s: jax.tree.leaves((v["params"], s[0].mu, s[0].nu))
+  ptrs = [a.unsafe_buffer_pointer() for a in leaves(variables, opt_state)]
+  _, new_v, new_s = jitted(variables, opt_state, x)
+  assert [a.unsafe_buffer_pointer() for a in leaves(new_v, new_s)] == ptrs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgrad", ["fused", "xla"])
+def test_matches_flax_scan_optax_adamw_fp32_on_gpu(wgrad):
+  init, ref, got, losses = _train(
+      "adamw", steps=5, lead=(4, 12), wgrad=wgrad,
+      learning_rate=SCHEDULE, weight_decay=1e-2)
+  _assert_parity(init, ref, got, losses)
