@@ -20,9 +20,12 @@ hyperparameters (m and v both stored in the parameters' dtype):
              ``jax.value_and_grad`` + ``optax.adamw``.
 
 Every arm's step is ``jax.jit(step, donate_argnums=(0, 1))``; embeddings and norm
-scales take optax's own update in both. The layers are unrolled
-(``forge_jax.ScannedDenseStack`` stacks identical Dense layers only, which a
-decoder block is not, so there is no scanned arm).
+scales take optax's own update in both. The blocks are unrolled, or with
+``--scan`` scanned: one ``(L, ...)`` stack per parameter, each block
+recomputed in the backward -- flax's ``nn.scan(nn.remat(block))`` + optax
+against ``forge_jax.ScannedBlocks`` (the same scan outside a step; inside,
+one reverse loop that recomputes each block and updates its projections'
+stacked kernels and moments in place).
 
 The driver runs one subprocess per (arm, BT) cell (``--cell``; same Python,
 ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so the allocator's peak reflects
@@ -54,6 +57,7 @@ import argparse
 import csv
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import os
 import signal
@@ -107,6 +111,9 @@ class Config:
   dtype: str = "bfloat16"          # params, activations and m / v
   attn_impl: str | None = None     # jax.nn.dot_product_attention's (None: XLA)
   rope_theta: float = 10000.0
+  # The blocks scanned (one (L, ...) stack per parameter, each block
+  # recomputed in the backward) instead of unrolled.
+  scan: bool = False
 
   def __post_init__(self):
     if self.d_model % self.heads or self.heads % self.kv_heads:
@@ -121,6 +128,11 @@ class Config:
   @property
   def jdtype(self):
     return jnp.dtype(self.dtype)
+
+
+def layout(cfg: Config) -> str:
+  """How the blocks are laid out, as the CSV's shape column says it."""
+  return "scanned (remat)" if cfg.scan else "unrolled"
 
 
 def param_count(cfg: Config) -> int:
@@ -204,10 +216,27 @@ class Block(nn.Module):
         RMSNorm(self.cfg.jdtype, name="mlp_norm")(x))
 
 
+class _ScanBody(nn.Module):
+  """flax's scan body for the scanned optax arm: one block, named ``block``
+  (``forge_jax.ScannedBlocks``' tree)."""
+
+  cfg: Config
+
+  @nn.compact
+  def __call__(self, x, _):
+    return Block(self.cfg, nn.Dense, name="block")(x), None
+
+
 class Decoder(nn.Module):
   """Llama-style decoder; ``dense`` (``forge_jax.Dense`` or
   ``flax.linen.Dense``) is the class of every projection and of the head --
-  the only difference between the arms' models (same parameter tree)."""
+  the only difference between the arms' models (same parameter tree).
+
+  With ``cfg.scan`` the blocks are one scanned stack named ``blocks``
+  (parameters ``blocks/block/...``, each stacked ``(L, ...)``), every block
+  recomputed in the backward: flax's ``nn.scan(nn.remat(...))`` for the optax
+  arm, ``forge_jax.ScannedBlocks`` (which is that scan outside a step, and
+  recomputes each block in its fused backward) for the FORGE arms."""
 
   cfg: Config
   dense: Any = nn.Dense
@@ -217,7 +246,15 @@ class Decoder(nn.Module):
     c = self.cfg
     x = nn.Embed(c.vocab, c.d_model, dtype=c.jdtype, param_dtype=c.jdtype,
                  name="embed")(tokens)
-    for i in range(c.layers):
+    if c.scan and self.dense is nn.Dense:
+      x, _ = nn.scan(nn.remat(_ScanBody), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=c.layers)(
+                         c, name="blocks")(x, None)
+    elif c.scan:
+      x = forge_jax.ScannedBlocks(
+          functools.partial(Block, c, self.dense), c.layers,
+          name="blocks")(x)
+    for i in range(0 if c.scan else c.layers):
       x = Block(c, self.dense, name=f"block_{i}")(x)
     x = RMSNorm(c.jdtype, name="final_norm")(x)
     return _proj(self.dense, c, c.vocab, "lm_head")(x)
@@ -237,8 +274,11 @@ def make_loss(model: nn.Module):
 
 
 def decay_mask(params):
-  """Weight decay on matrices (projections, head, embedding), not on norms."""
-  return jax.tree.map(lambda p: p.ndim > 1, params)
+  """Weight decay on matrices (projections, head, embedding), not on norms
+  (by name: a scanned model's norm scales are stacked matrices)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda kp, p: getattr(kp[-1], "key", None) in ("kernel", "embedding"),
+      params)
 
 
 def make_tx(arm: str, cfg: Config, hparams: dict | None = None):
@@ -287,9 +327,14 @@ def init_variables(cfg: Config, seed: int = 0, abstract=None):
   embed = nn.Embed(c.vocab, c.d_model, dtype=c.jdtype, param_dtype=c.jdtype)
   block_init = jax.jit(Block(c, nn.Dense).init)
   params = {"embed": jax.jit(embed.init)(k_embed, tokens)["params"]}
-  for i in range(c.layers):
-    params[f"block_{i}"] = block_init(jax.random.fold_in(k_blocks, i),
-                                      x)["params"]
+  blocks = [block_init(jax.random.fold_in(k_blocks, i), x)["params"]
+            for i in range(c.layers)]
+  if c.scan:
+    params["blocks"] = {"block": jax.tree.map(lambda *a: jnp.stack(a),
+                                              *blocks)}
+  else:
+    params.update({f"block_{i}": b for i, b in enumerate(blocks)})
+  del blocks
   # RMSNorm's scale starts at ones and draws nothing from its key.
   params["final_norm"] = jax.jit(RMSNorm(c.jdtype).init)(k_head, x)["params"]
   params["lm_head"] = jax.jit(_proj(nn.Dense, c, c.vocab, "lm_head").init)(
@@ -391,7 +436,7 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
     r["stamp"] = res.stamp  # the `timestamp` of this cell's rows
     case = f"llama-{_size(n_params)} BT={bt}"
     shape = (f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
-             f"ffn{cfg.ffn} V{cfg.vocab} B{batch_size}x{cfg.seq} unrolled")
+             f"ffn{cfg.ffn} V{cfg.vocab} B{batch_size}x{cfg.seq} {layout(cfg)}")
     add = lambda metric, v, unit: res.add(case, arm, shape, dtypes, metric,
                                           v, unit)
     add("step_time", q, "ms")
@@ -422,7 +467,7 @@ def _failed_row(path: str, arm: str, bt: int, cfg: Config, device: str,
         benchmark="e2e", case=f"llama-{_size(param_count(cfg))} BT={bt}",
         provider=arm,
         shape=(f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
-               f"ffn{cfg.ffn} V{cfg.vocab} B{bt // cfg.seq}x{cfg.seq} unrolled"),
+               f"ffn{cfg.ffn} V{cfg.vocab} B{bt // cfg.seq}x{cfg.seq} {layout(cfg)}"),
         dtypes=f"params={cfg.dtype}", metric="failed", p20="nan", p50="nan",
         p80="nan", unit=reason, device=device, versions=common.versions(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(
@@ -437,6 +482,8 @@ def _cell_argv(args, arm: str, bt: int) -> list[str]:
     argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
   if args.attn_impl:
     argv += ["--attn-impl", args.attn_impl]
+  if args.scan:
+    argv += ["--scan"]
   if args.out:  # cells run in the repository: a path relative to the caller
     argv += ["--out", os.path.abspath(args.out)]
   return argv
@@ -697,6 +744,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--attn-impl", default=None, choices=("xla", "cudnn"),
                  help="jax.nn.dot_product_attention implementation "
                  "(default: JAX's choice, XLA)")
+  p.add_argument("--scan", action="store_true",
+                 help="scan the blocks (each recomputed in the backward): "
+                 "nn.scan(nn.remat(block)) + optax against "
+                 "forge_jax.ScannedBlocks; default: unrolled")
 
 
 def parse_args(argv):
@@ -755,7 +806,8 @@ def parse_args(argv):
 def config_of(args) -> Config:
   return Config(layers=args.layers, d_model=args.d_model, heads=args.heads,
                 kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
-                seq=args.seq, dtype=args.dtype, attn_impl=args.attn_impl)
+                seq=args.seq, dtype=args.dtype, attn_impl=args.attn_impl,
+                scan=args.scan)
 
 
 def main(argv=None) -> int:
@@ -789,7 +841,7 @@ def main(argv=None) -> int:
         f"{cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads / "
         f"{cfg.kv_heads} kv heads (head_dim {cfg.head_dim}), ffn {cfg.ffn}, "
         f"vocab {cfg.vocab}, seq {cfg.seq}; {cfg.dtype} params, m, v; fp32 "
-        f"loss; unrolled. AdamW {HPARAMS}, decay on matrices only.")
+        f"loss; {layout(cfg)}. AdamW {HPARAMS}, decay on matrices only.")
   print(f"cells: arms {args.arms} x BT {args.bt}; {args.warmup} warm-up + "
         f"{args.steps} timed steps each; CSV {args.out}", flush=True)
   start = time.perf_counter()

@@ -240,7 +240,8 @@ def run_process(arms, bt: int, cfg: e2e.Config, rounds: int, block: int,
            ratios={a: paired_ratios(blocks, a) for a in arms if a != "optax"},
            piped_ratios={a: [x / o for x, o in zip(piped[a], piped["optax"])]
                          for a in arms if a != "optax"},
-           device=common.device_name(), stack=stack)
+           device=common.device_name(), stack=stack,
+           scan=stack is None and cfg.scan)
   if out:
     _write_rows(out, r, cfg)
   return r
@@ -254,7 +255,7 @@ def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
     case = f"llama-{e2e._size(n)} BT={r['bt']}"
     shape = (f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
              f"ffn{cfg.ffn} V{cfg.vocab} B{r['bt'] // cfg.seq}x{cfg.seq} "
-             f"unrolled; {runs}")
+             f"{e2e.layout(cfg)}; {runs}")
     dtypes = (f"params={cfg.dtype},m={cfg.dtype},v={cfg.dtype},"
               "logits/loss=float32")
   else:
@@ -309,6 +310,8 @@ def _process_argv(args, index: int) -> list[str]:
           str(args.stack_width), "--stack-update", args.stack_update]
   if args.attn_impl:
     argv += ["--attn-impl", args.attn_impl]
+  if args.scan:
+    argv += ["--scan"]
   if args.hlo_dir:
     argv += ["--hlo-dir", os.path.join(os.path.abspath(args.hlo_dir),
                                        f"p{index}")]
@@ -334,12 +337,17 @@ def first_loss_mismatches(r: dict) -> list[tuple[str, float, float]]:
           if rel > e2e.FIRST_LOSS_RTOL]
 
 
+def _decoder_name(r: dict) -> str:
+  return "decoder (scanned)" if r.get("scan") else "decoder"
+
+
 def summarize(results: list[dict]) -> bool:
   """Prints the pooled table; returns whether the first-step losses agree
   (every process, every FORGE arm against optax)."""
   arms = results[0]["arms"]
   stack = results[0].get("stack")
-  model = "decoder" if not stack else f"stack {stack[0]}x{stack[1]}^2"
+  model = (_decoder_name(results[0]) if not stack
+           else f"stack {stack[0]}x{stack[1]}^2")
   print(f"\npaired, {model}, BT {results[0]['bt']}: {len(results)} process(es) x "
         f"{results[0]['rounds']} rounds x {results[0]['block']} steps per "
         "arm and way; ratios to optax per round")
@@ -413,7 +421,7 @@ def plot(results: list[dict], png_path: str) -> None:
   a2.axhline(1.0, color="k", lw=0.8)
   a2.set_ylabel("ratio to optax, same round")
   stack = results[0].get("stack")
-  model = ("decoder" if not stack else
+  model = (_decoder_name(results[0]) if not stack else
            f"scanned stack {stack[0]} x {stack[1]}²")
   fig.suptitle(f"Paired step time, {model}, BT {results[0]['bt']}, on "
                f"{results[0]['device']}", fontsize=9)
@@ -494,7 +502,8 @@ def main(argv=None) -> int:
             f"{r['losses']['optax'][0]!r} by more than "
             f"{e2e.FIRST_LOSS_RTOL:g} (relative)", file=sys.stderr)
     return 1 if bad else 0
-  model = ("the decoder" if args.model == "decoder" else
+  model = (("the scanned decoder" if args.scan else "the decoder")
+           if args.model == "decoder" else
            f"the scanned stack ({args.stack_layers} x {args.stack_width}^2)")
   print(f"paired e2e, {model}: arms {args.arms}, BT {args.bt}, {args.processes} "
         f"process(es) x {args.rounds} rounds x {args.block} steps (after "

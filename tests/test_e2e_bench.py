@@ -23,8 +23,11 @@ STEPS = 3
 HPARAMS = dict(learning_rate=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 
 
-def _train(arm, variables, batch):
-  step, tx = e2e.build_arm(arm, TINY, HPARAMS)
+TINY_SCAN = dataclasses.replace(TINY, scan=True)
+
+
+def _train(arm, variables, batch, cfg=TINY):
+  step, tx = e2e.build_arm(arm, cfg, HPARAMS)
   step = jax.jit(step, donate_argnums=(0, 1))
   variables = jax.tree.map(jnp.array, variables)  # own buffers: donated
   opt_state = tx.init(variables["params"])
@@ -35,12 +38,21 @@ def _train(arm, variables, batch):
   return losses, variables, opt_state
 
 
+def _trained(cfg):
+  with jax.default_matmul_precision("highest"):
+    init = e2e.init_variables(cfg, seed=0)
+    batch = e2e.make_batch(cfg, batch_size=2, seed=0)
+    return init, {arm: _train(arm, init, batch, cfg) for arm in e2e.ARMS}
+
+
 @pytest.fixture(scope="module")
 def trained():
-  with jax.default_matmul_precision("highest"):
-    init = e2e.init_variables(TINY, seed=0)
-    batch = e2e.make_batch(TINY, batch_size=2, seed=0)
-    return init, {arm: _train(arm, init, batch) for arm in e2e.ARMS}
+  return _trained(TINY)
+
+
+@pytest.fixture(scope="module")
+def trained_scanned():
+  return _trained(TINY_SCAN)
 
 
 def test_param_count_matches_the_tree():
@@ -86,11 +98,11 @@ def test_init_builds_the_decoders_tree_with_flax_initialisers():
   assert not jnp.array_equal(other, p["lm_head"]["kernel"])
 
 
-def _arm_jaxpr(arm: str) -> str:
+def _arm_jaxpr(arm: str, cfg=TINY) -> str:
   """The text of one step's jaxpr for ``arm`` on the tiny decoder."""
-  step, tx = e2e.build_arm(arm, TINY, HPARAMS)
-  variables = e2e.init_variables(TINY)
-  batch = e2e.make_batch(TINY, 2)
+  step, tx = e2e.build_arm(arm, cfg, HPARAMS)
+  variables = e2e.init_variables(cfg)
+  batch = e2e.make_batch(cfg, 2)
   return str(jax.make_jaxpr(step)(variables, tx.init(variables["params"]),
                                   batch))
 
@@ -100,13 +112,32 @@ def test_forge_arm_runs_fused_kernels():
   assert _arm_jaxpr("forge").count("pallas_call") >= 7 * TINY.layers + 1
 
 
+def test_scanned_decoder_stacks_the_blocks_and_fuses_inside_the_loop():
+  v = e2e.init_variables(TINY_SCAN)["params"]
+  assert not any(k.startswith("block_") for k in v)
+  up = v["blocks"]["block"]["mlp"]["up"]["kernel"]
+  assert up.shape == (TINY.layers, TINY.d_model, TINY.ffn)
+  assert not jnp.array_equal(up[0], up[1])  # a fresh draw per block
+  # Decay on kernels and the embedding, not on the (stacked) norm scales.
+  mask = e2e.decay_mask(v)
+  assert mask["blocks"]["block"]["mlp"]["up"]["kernel"] is True
+  assert mask["blocks"]["block"]["attn_norm"]["scale"] is False
+  assert mask["embed"]["embedding"] is True
+  # One loop body: 7 projections' fused kernels, + the head's.
+  text = _arm_jaxpr("forge", TINY_SCAN)
+  assert text.count("pallas_call") == 8, text.count("pallas_call")
+  assert "pallas_call" not in _arm_jaxpr("forge-xla", TINY_SCAN)
+
+
 def test_forge_xla_arm_runs_no_fused_kernel():
   assert "pallas_call" not in _arm_jaxpr("forge-xla")
 
 
+@pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("arm", ["forge", "forge-xla"])
-def test_forge_equals_optax_after_three_steps(trained, arm):
-  init, runs = trained
+def test_forge_equals_optax_after_three_steps(request, arm, scanned):
+  init, runs = request.getfixturevalue(
+      "trained_scanned" if scanned else "trained")
   (fl, fv, fs), (ol, ov, os_) = runs[arm], runs["optax"]
   assert fl[0] == ol[0]  # same init, same batch, same forward
   assert all(math.isfinite(l) for l in fl + ol) and fl[-1] < fl[0]
