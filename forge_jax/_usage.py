@@ -153,8 +153,8 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
           "its kernel in its own backward, so it must run exactly once per "
           "step, unconditionally. Give this layer fused=False, or use "
           "make_step(..., shared='standard'), which moves such layers to the "
-          "standard path. (For a scanned stack of Dense layers use "
-          "forge_jax.ScannedDenseStack.)")
+          "standard path. (For scanned blocks use forge_jax.ScannedBlocks, "
+          "or forge_jax.ScannedDenseStack for a stack of Dense layers.)")
     all_foreign = [u for u in uses if u != "fused"]
     if all_foreign and "fused" not in uses:
       # The layer was seen at discovery but its fused op does not read the

@@ -194,8 +194,8 @@ class Dense(nn.Dense):
       _context.register_layer(
           ctx, path, (jnp.shape(inputs)[-1], self.features), self.param_dtype,
           "forge_jax.Dense", hint=" (Inside nn.scan a layer is traced more "
-          "than once: for a scanned stack of Dense layers use "
-          "forge_jax.ScannedDenseStack.)")
+          "than once: for scanned blocks use forge_jax.ScannedBlocks (any "
+          "block) or forge_jax.ScannedDenseStack (Dense layers only).)")
       return self._standard(inputs)
 
     kernel = self.param('kernel', self.kernel_init,

@@ -111,6 +111,10 @@ def update_layer(spec, layout, in_place_layer: bool, i, x_i, dy_i, w_stack,
   w_new, slots_new = _paths.step_in_backward(
       spec, layout, x_i, dy_i, w_i, inputs._replace(slots=slots_i), config,
       wgrad, precision)
+  # Materialised before the write-back (see fused_wgrad._apply_maybe_stacked:
+  # otherwise XLA fuses the update into the dynamic-update-slice and copies
+  # the whole stack to protect that fusion's read of it).
+  w_new, slots_new = lax.optimization_barrier((w_new, tuple(slots_new)))
   w_stack = lax.dynamic_update_index_in_dim(
       w_stack, w_new.astype(w_stack.dtype), i, 0)
   slot_stacks = tuple(

@@ -485,6 +485,11 @@ def _apply_maybe_stacked(rule, g, w, slots, hparams, layer):
   put = lambda a, v: lax.dynamic_update_index_in_dim(a, v.astype(a.dtype),
                                                      layer, 0)
   w_new, new = rule.apply(g, take(w), [take(s) for s in slots], hparams)
+  # The new slices materialised before they are written back: otherwise XLA
+  # fuses the rule into each dynamic-update-slice, whose fusion then reads
+  # the stack it writes, and protects that read with a copy of the whole
+  # stack on every call (every loop iteration of a scanned stack).
+  w_new, new = lax.optimization_barrier((w_new, tuple(new)))
   n = len(slots)
   new_slots = tuple(put(s, v) for s, v in zip(slots, new[:n]))
   return (put(w, w_new) if rule.updates_weight else w), new_slots + tuple(

@@ -222,6 +222,37 @@ def test_scanned_stack_exact_mode():
               every_k=lambda step: 2)
 
 
+@pytest.mark.parametrize("mode", ["exact", "momentum"])
+def test_scanned_blocks_accumulate(mode):
+  """ScannedBlocks' stacked kernels accumulate like any FORGE kernel (exact:
+  the fp32 accumulators; momentum: straight into SGD's momentum)."""
+  from tests.test_blocks import Model as BlocksModel
+
+  class Scanned(nn.Module):
+    dense: type
+
+    @nn.compact
+    def __call__(self, x):
+      return BlocksModel(forge=self.dense is forge_jax.Dense, num_layers=2,
+                         name="m")(x)
+
+  kx, ky, kp = jax.random.split(jax.random.key(4), 3)
+  xs = jax.random.normal(kx, (K, MICRO_BT, WIDTHS[0]))
+  ys = jax.random.normal(ky, (K, MICRO_BT, 5))
+  variables = Scanned(nn.Dense).init(kp, xs[0])
+  sched = _schedule(1e-2)
+  if mode == "exact":
+    make = lambda m: m.adamw(sched, weight_decay=1e-2,
+                             mask=_decay_kernels_only)
+  else:
+    make = lambda m: m.sgd(sched, momentum=0.9)
+  optax_tx = make(optax)
+  forge_tx = forge_jax.MultiSteps(make(forge_jax), 2, mode=mode)
+  _run_cycles(forge_tx, optax_tx, optax.MultiSteps(optax_tx, 2), mode,
+              (xs, ys, variables), model=Scanned, cycles=2,
+              every_k=lambda step: 2)
+
+
 def DeadHeadMLP(dense):  # noqa: N802 -- used like the model class
   """The MLP plus a FORGE layer whose output never reaches the loss."""
   return MLP(dense, dead_head=True)
