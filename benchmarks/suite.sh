@@ -23,8 +23,11 @@
 #    gradient pool): scan_memory.py's compiled temporaries and allocator peak
 #    (BT 512, one process per arm) -> OUT/scan_memory.csv, then
 #    e2e_paired.py --model stack's step time, the arms paired in one process
-#    (2 processes each at BT 512 and 2048) -> OUT/scan_paired.csv,
-#    scan_paired{512,2048}.png
+#    (one process each at BT 512 and 2048) -> OUT/scan_paired.csv,
+#    scan_paired{512,2048}.png; then the scanned decoder (e2e.py --scan:
+#    forge_jax.ScannedBlocks vs flax's nn.scan(nn.remat) + optax.adamw, one
+#    process per cell, the fused arm at BT 512 and 2048; wgrad="xla" is
+#    slower there, see docs/benchmarks.md) -> OUT/e2e_scan.csv, .png
 # Every CSV row carries the device, the versions and p20/p50/p80. CSVs are
 # appended to: the e2e plot draws the newest row of each (arm, BT) in
 # OUT/e2e.csv, so give each suite run its own OUT.
@@ -80,10 +83,16 @@ if has scan; then
   "$PY" benchmarks/scan_memory.py --out "$OUT/scan_memory.csv" || rc=1
   for bt in 512 2048; do
     "$PY" benchmarks/e2e_paired.py --model stack --bt "$bt" \
-      --arms optax forge-xla forge --processes 2 --rounds 12 --block 10 \
+      --arms optax forge-xla forge --processes 1 --rounds 12 --block 10 \
       --timeout 90 --out "$OUT/scan_paired.csv" \
       --plot "$OUT/scan_paired$bt.png" || rc=1
   done
+  "$PY" benchmarks/e2e.py --scan --out "$OUT/e2e_scan.csv" --bt 512 \
+    --arms optax forge --budget 90 || rc=1
+  "$PY" benchmarks/e2e.py --scan --out "$OUT/e2e_scan.csv" --bt 2048 \
+    --arms optax forge --budget 100 || rc=1
+  "$PY" benchmarks/e2e.py --out "$OUT/e2e_scan.csv" --replot \
+    --plot "$OUT/e2e_scan.png" || rc=1
   echo "suite: scan part done at ${SECONDS}s"
 fi
 echo "suite: results in $OUT (${SECONDS}s)"

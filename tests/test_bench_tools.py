@@ -118,11 +118,17 @@ def test_suite_runs_the_parts_asked_for_and_goes_on_after_a_failure(
   calls = [l.split()[0] for l in log.read_text().splitlines()]
   assert calls == ["-c", "benchmarks/e2e.py", "benchmarks/e2e.py",
                    "benchmarks/e2e.py", "benchmarks/scan_memory.py",
-                   "benchmarks/e2e_paired.py", "benchmarks/e2e_paired.py"]
-  paired = [l for l in log.read_text().splitlines()
-            if l.startswith("benchmarks/e2e_paired.py")]
+                   "benchmarks/e2e_paired.py", "benchmarks/e2e_paired.py",
+                   "benchmarks/e2e.py", "benchmarks/e2e.py",
+                   "benchmarks/e2e.py"]
+  lines = log.read_text().splitlines()
+  paired = [l for l in lines if l.startswith("benchmarks/e2e_paired.py")]
   assert all("--model stack" in l for l in paired)
   assert ["--bt 512" in paired[0], "--bt 2048" in paired[1]] == [True, True]
+  # The e2e part's cells unrolled, the scan part's the scanned decoder.
+  e2e = [l for l in lines if l.startswith("benchmarks/e2e.py")]
+  assert ["--scan" in l for l in e2e] == [False] * 3 + [True] * 2 + [False]
+  assert "e2e_scan.csv" in e2e[-1] and "--replot" in e2e[-1]
   assert "suite: scan part done" in p.stdout
 
 
