@@ -208,9 +208,10 @@ def make_step(
     over optax is small; see ``docs/benchmarks.md``.) For a GPU where the
     fused kernel is slower than XLA's GEMM plus an elementwise update (the
     H200, for AdamW) in unrolled layers: there it ties with optax. Not for
-    a ``ScannedDenseStack``: on the H200 its step was 1.18-1.20x slower
-    than ``nn.scan`` + optax at BT 512, where the fused default was 0.92x
-    (``docs/benchmarks.md``, session 12). Regime-3 families (Adafactor,
+    a ``ScannedDenseStack`` or ``ScannedBlocks``: on the H200 their steps
+    were 1.12x and 1.08x slower than ``nn.scan`` + optax at BT 512, where
+    the fused default was 0.92x and 0.95-0.96x (``docs/benchmarks.md``,
+    sessions 12-13). Regime-3 families (Adafactor,
     SM3) form ``G`` in fp32 in the backward under either setting.
 
   Raises: ``TypeError`` if ``tx`` is not a forge_jax transform (an optax
