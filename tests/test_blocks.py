@@ -341,7 +341,7 @@ def test_untouched_blocks_get_the_zero_gradient_update():
   assert 0 < rel_err(k1, k0) < 1e-2
 
 
-def _plain_blocks(forge, layers, n, dtype):
+def _plain_blocks(forge, layers, n, dtype, stack_update="auto"):
   class Blk(nn.Module):
     dense: type
 
@@ -361,7 +361,8 @@ def _plain_blocks(forge, layers, n, dtype):
     def __call__(self, x):
       if forge:
         return forge_jax.ScannedBlocks(
-            functools.partial(Blk, forge_jax.Dense), layers, name="layers")(x)
+            functools.partial(Blk, forge_jax.Dense), layers,
+            stack_update=stack_update, name="layers")(x)
       return nn.scan(nn.remat(Body), variable_axes={"params": 0},
                      split_rngs={"params": True},
                      length=layers)(name="layers")(x, None)[0]
@@ -428,3 +429,29 @@ def test_matches_flax_scan_optax_adamw_fp32_on_gpu(wgrad):
       "adamw", steps=5, lead=(4, 12), wgrad=wgrad,
       learning_rate=SCHEDULE, weight_decay=1e-2)
   _assert_parity(init, ref, got, losses)
+
+
+@pytest.mark.parametrize("stack_update", ["layer", "slice"])
+def test_xla_wgrad_loop_copies_no_stack(monkeypatch, stack_update):
+  """make_step(wgrad="xla") on a scanned stack: XLA used to fuse each
+  layer's update into the write-back of its slice and copy every W/m/v stack
+  on every loop iteration (session 13: 28 copies per iteration in the tiny
+  scanned decoder). The new slices are materialised first
+  (`fused_wgrad._apply_maybe_stacked`, `scan.update_layer`): no array of a
+  stack's size is copied inside any while-loop body of the compiled step."""
+  from benchmarks import hlo_schedule
+  import pallas_kernels.fused_wgrad as fw
+  # No Pallas call on the xla path: "layer" compiles on the CPU as on a GPU.
+  monkeypatch.setattr(fw, "default_interpret", lambda: False)
+  layers, n = 4, 64
+  model = _plain_blocks(True, layers, n, jnp.bfloat16, stack_update)
+  x = jnp.ones((32, n), jnp.bfloat16)
+  variables = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-3, mu_dtype=jnp.bfloat16)
+  loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
+  step = forge_jax.make_step(loss_fn, tx, wgrad="xla")
+  text = jax.jit(step, donate_argnums=(0, 1)).lower(
+      variables, tx.init(variables["params"]), x).compile().as_text()
+  stack_bytes = layers * n * 2 * n * 2  # one (L, n, 2n) bf16 stack
+  copies = hlo_schedule.loop_copies(text, stack_bytes)
+  assert copies == [], copies
