@@ -53,6 +53,10 @@ class LayerInfo:
   kernel_shape: tuple[int, ...]
   kernel_dtype: Any
   calls: int = 0
+  # Why this layer cannot be fused although it is called once (a kernel
+  # read again inside a ScannedBlocks block, or a layer under a transform
+  # there); None: nothing known against it.
+  unfusable: str | None = None
 
 
 @dataclasses.dataclass
@@ -167,6 +171,7 @@ class DenseRecord:
   precision: Any
   out: Any  # jax.ShapeDtypeStruct of the layer's output
   calls: int = 0
+  unfusable: str | None = None  # why its kernel cannot be fused, if so
 
 
 @dataclasses.dataclass
@@ -175,7 +180,8 @@ class BlockTap:
   ``forge_jax.Dense`` inside defers to it (``forge_jax.dense._in_block``).
 
   ``mode``:
-    ``"record"``: each Dense runs as ``nn.Dense`` and fills ``records``;
+    ``"record"``: each Dense fills ``records`` (a fused one computes its
+      output through the fused op, to be found in the block's jaxpr);
     ``"plain"``: each Dense runs as ``nn.Dense`` (the standard ``nn.scan``);
     ``"tap"``: as ``nn.Dense``, and each Dense in ``forge`` adds its tap
       ``taps[path]`` (zeros; its cotangent is the layer's ``dy``) to its
@@ -184,6 +190,8 @@ class BlockTap:
   """
 
   mode: str
+  prefix: Path = ()  # the block's own path in the model (for messages)
+  fusing: bool = True  # record mode: the ScannedBlocks' own `fused`
   forge: frozenset[Path] = frozenset()
   taps: dict[Path, Any] = dataclasses.field(default_factory=dict)
   inputs: dict[Path, Any] = dataclasses.field(default_factory=dict)

@@ -39,6 +39,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex_core
+import flax.errors
 import flax.linen as nn
 from collections.abc import Mapping
 
@@ -46,6 +48,7 @@ import pallas_kernels
 from pallas_kernels import fused_wgrad
 from forge_jax import _context
 from forge_jax import _paths
+from forge_jax import _usage
 from forge_jax import scan as _scan
 
 _BLOCK = "block"  # the stacked block's name in this module's scope
@@ -96,6 +99,7 @@ def _with(tree, paths, kernels):
 
 
 def _apply(static, params, h, tap):
+  tap.prefix = (*static.path, _BLOCK)
   with _context.block_tap(tap):
     return static.block.apply({"params": params}, h)
 
@@ -181,6 +185,22 @@ def _fused_blocks_bwd(static, res, dy):
 _fused_blocks.defvjp(_fused_blocks_fwd, _fused_blocks_bwd)
 
 
+def _readers(jaxpr, var) -> list[str]:
+  """Who reads ``var`` at the top level of ``jaxpr``: ``"fused"`` for a
+  FORGE layer's own fused op, else the primitive's name (a read that passes
+  no cotangent back, ``stop_gradient``, is left out)."""
+  out = []
+  for eqn in jaxpr.eqns:
+    n = sum(1 for v in eqn.invars
+            if not isinstance(v, jex_core.Literal) and v is var)
+    name = "fused" if _usage._is_fused_linear(eqn) else eqn.primitive.name
+    if name not in _usage._NO_COTANGENT:
+      out += [name] * n
+  if any(v is var for v in jaxpr.outvars):
+    out.append("the block's output")
+  return out
+
+
 def _full(path, rel):
   return (*path, _BLOCK, *rel)
 
@@ -194,19 +214,22 @@ class ScannedBlocks(nn.Module):
   stacked kernels of the block's ``forge_jax.Dense`` layers in its backward.
 
   ``block`` makes one block: a Flax module class or a callable returning an
-  unbound module (e.g. ``functools.partial(Block, cfg)``), called as
-  ``block(name=...)`` and ``block(parent=None)``. The module's
-  ``__call__(h)`` takes the carry and returns the next one, of the same shape
-  and dtype; it may hold any parameters (``params`` collection only: no
-  ``batch_stats``, no dropout randomness) and any mix of ``forge_jax.Dense``
-  (fused), ``forge_jax.Dense(fused=False)`` and other layers.
+  unbound module (e.g. ``functools.partial(Block, cfg)``; not a module
+  instance), called as ``block(name=...)`` and ``block(parent=None)``. The
+  module's ``__call__(h)`` takes the carry, one array, and returns the next
+  one, of the same shape and dtype; it may hold any parameters and any mix
+  of ``forge_jax.Dense`` (fused), ``forge_jax.Dense(fused=False)`` and other
+  layers. In a FORGE step each block runs with its ``params`` alone: a block
+  that draws randomness (dropout) or uses other collections (``batch_stats``)
+  is refused there (``fused=False`` runs it as flax's scan).
 
   The parameters are ``{'block': <the block's tree, every leaf stacked
   (L, ...)>}`` in this module's scope: the tree (and the initial values) of
   ``nn.scan(nn.remat(body), variable_axes={'params': 0},
   split_rngs={'params': True}, length=L)`` of a body that calls
   ``block(name='block')``. Outside a FORGE step (or with ``fused=False``) the
-  module *is* that scan.
+  module *is* that scan (with every rng split per layer, so that dropout
+  differs from block to block).
 
   Inside a step built by :func:`forge_jax.make_step` its backward is one
   reverse loop over the blocks. Block ``i`` is recomputed from its saved input
@@ -218,8 +241,12 @@ class ScannedBlocks(nn.Module):
   formed as a whole, and no gradient pool. Regime-1 families only (SGD ...
   Lion), as for ``forge_jax.ScannedDenseStack``, whose docstring says why.
   Each FORGE kernel's hyperparameters and weight-decay mask entry are those of
-  its one stacked leaf. A ``forge_jax.Dense`` called twice in one block is a
-  shared layer (``make_step``'s ``shared`` policy applies to it).
+  its one stacked leaf. A ``forge_jax.Dense`` the block calls twice, whose
+  kernel the block also reads elsewhere (a tied projection), or that runs
+  under a transform inside the block (``nn.remat``, ``nn.jit``, ``nn.cond``:
+  the block is recomputed anyway) cannot take its update from its own ``x``
+  and ``dy``: ``make_step``'s ``shared`` policy applies to it (``"error"``
+  refuses it, ``"standard"`` moves it to optax's path and warns).
 
   ``stack_update``: as for ``forge_jax.ScannedDenseStack`` (``"layer"``: the
   fused kernel reads and writes layer ``i`` inside the carried stacks;
@@ -233,14 +260,23 @@ class ScannedBlocks(nn.Module):
   stack_update: str = "auto"
 
   def _scanned(self, x):
+    # Every rng split per layer: the parameters as split_rngs={'params':
+    # True} draws them, and a block's dropout (outside a FORGE step) differs
+    # from block to block.
     y, _ = nn.scan(nn.remat(_scan_body), variable_axes={"params": 0},
-                   split_rngs={"params": True},
+                   split_rngs={True: True},
                    length=self.num_layers)(self, x, None)
     return y
 
   def _record(self, block, params, x) -> dict:
-    """Each Dense of one block, as it reports itself (``DenseRecord``)."""
-    tap = _context.BlockTap("record")
+    """Each Dense of one block, as it reports itself (``DenseRecord``), with
+    ``unfusable`` set for a fused one whose kernel the block reads other
+    than through that layer, once (a tied kernel, a read through
+    ``.variables``, the layer under ``nn.remat`` / ``nn.jit`` / ``nn.cond``
+    inside the block): its update could not be formed from the layer's own
+    ``x`` and ``dy``."""
+    tap = _context.BlockTap("record", prefix=(*self.path, _BLOCK),
+                            fusing=self.fused)
 
     def one(p, h):
       with _context.block_tap(tap):
@@ -248,12 +284,41 @@ class ScannedBlocks(nn.Module):
 
     layer = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
-    out = jax.eval_shape(one, layer, jax.ShapeDtypeStruct(x.shape, x.dtype))
-    if (out.shape, out.dtype) != (x.shape, x.dtype):
+    try:
+      closed, out = jax.make_jaxpr(one, return_shape=True)(
+          layer, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    except flax.errors.FlaxError as e:
+      raise ValueError(
+          f"{self._where()}: one block, run with its 'params' alone, failed "
+          f"({type(e).__name__}: {e}). In a FORGE step ScannedBlocks runs "
+          "each block with its parameters only: no randomness (dropout), no "
+          "other collections (batch_stats). Give this module fused=False "
+          "(flax's nn.scan, standard optax path).") from e
+    if not hasattr(out, "shape") or (out.shape, out.dtype) != (x.shape,
+                                                              x.dtype):
+      got = (f"{out.dtype}{list(out.shape)}" if hasattr(out, "shape")
+             else type(out).__name__)
       raise ValueError(
           f"{self._where()}: the block maps its input {x.dtype}{list(x.shape)}"
-          f" to {out.dtype}{list(out.shape)}; a scanned block must return a "
-          "carry of its input's shape and dtype")
+          f" to {got}; a scanned block must return a carry of its input's "
+          "shape and dtype")
+    flat, _ = jax.tree_util.tree_flatten_with_path(layer)
+    index = {tuple(k.key for k in kp): i for i, (kp, _) in enumerate(flat)}
+    for rel, rec in tap.records.items():
+      if not (self.fused and rec.fused) or rec.calls != 1:
+        continue
+      var = closed.jaxpr.invars[index[(*rel, "kernel")]]
+      readers = _readers(closed.jaxpr, var)
+      others = [r for r in readers if r != "fused"]
+      if "fused" not in readers:
+        rec.unfusable = (
+            f"is read through {', '.join(dict.fromkeys(others))} inside the "
+            "block (the layer under a transform such as nn.remat, nn.jit or "
+            "nn.cond: ScannedBlocks already recomputes each block in its "
+            "backward, so remove that transform around the layer)")
+      elif others:
+        rec.unfusable = (f"is also read inside the block (by: "
+                         f"{', '.join(dict.fromkeys(others))})")
     return tap.records
 
   def _where(self):
@@ -269,9 +334,19 @@ class ScannedBlocks(nn.Module):
     if self.stack_update not in ("auto", "layer", "slice"):
       raise ValueError(f"{where}: stack_update={self.stack_update!r} must be "
                        "'auto', 'layer' or 'slice'")
+    if isinstance(self.block, nn.Module):
+      raise TypeError(
+          f"{where}: block must be a Flax module class or a callable that "
+          f"makes one (e.g. functools.partial(Block, cfg)), not a module "
+          f"instance ({type(self.block).__name__}(...)): ScannedBlocks makes "
+          "its own copies")
     if not callable(self.block):
       raise TypeError(f"{where}: block must be a Flax module class or a "
                       f"callable that makes one, got {self.block!r}")
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+      raise TypeError(
+          f"{where}: the carry must be one array (got {type(x).__name__}); "
+          "ScannedBlocks scans a block h -> h of one shape and dtype")
     if _context.current_tap() is not None:
       raise ValueError(f"{where}: ScannedBlocks cannot be nested inside "
                        "another ScannedBlocks' block")
@@ -279,29 +354,44 @@ class ScannedBlocks(nn.Module):
     if ctx is None or self.is_initializing():
       return self._scanned(x)
     path = tuple(self.path)
+    plain = _context.BlockTap("plain")
+    if not self.fused:  # flax's scan, every layer on the standard path
+      if ctx.mode == "discover":
+        ctx.unfused.add(path)
+      with _context.block_tap(plain):
+        return self._scanned(x)
     params = self.variables.get("params", {}).get(_BLOCK)
     if params is None:
       raise ValueError(f"{where}: no '{_BLOCK}' parameters in this scope "
                        "(were the variables made by this module's init?)")
     block = self.block(parent=None)
     records = self._record(block, params, x)
-    plain = _context.BlockTap("plain")
     if ctx.mode == "discover":
       for rel, rec in records.items():
         full = _full(path, rel)
-        if not (self.fused and rec.fused):
+        if not rec.fused:
           ctx.unfused.add(full)
           continue
         for _ in range(rec.calls):
-          _context.register_layer(
+          info = _context.register_layer(
               ctx, full, (self.num_layers, *rec.kernel_shape),
               rec.param_dtype, "forge_jax.Dense (in a ScannedBlocks block)")
+        if rec.unfusable:
+          if ctx.shared == "error":
+            raise ValueError(
+                f"the kernel of forge_jax.Dense at "
+                f"{_context.layer_name(full)!r} (in a forge_jax.ScannedBlocks "
+                f"block) {rec.unfusable}. FORGE updates a kernel in place "
+                "during its backward from its layer's own input and output "
+                "gradient, so the layer must read it once, directly, in the "
+                "block (paper Remark 2). " + _context.SHARED_FIX)
+          info.unfusable = rec.unfusable
       with _context.block_tap(plain):
         return self._scanned(x)
 
     forge = tuple(sorted(
         rel for rel, rec in records.items()
-        if self.fused and rec.fused and rec.calls == 1
+        if rec.fused and rec.calls == 1 and not rec.unfusable
         and not ctx.is_standard(_full(path, rel))))
     if not forge:
       with _context.block_tap(plain):

@@ -144,23 +144,13 @@ class Dense(nn.Dense):
     block's ``tap`` says how): ``nn.Dense``'s computation, recorded or with
     the tap whose cotangent is this layer's ``dy``."""
     path = tuple(self.path)
-    y = self._standard(inputs)
+    name = _context.layer_name((*tap.prefix, *path))
+    pallas_kernels.fused_wgrad.check_block_config(
+        self.block_config, f"forge_jax.Dense at {name!r}")
     if tap.mode == "record":
-      if self.fused and self._custom_dot():
-        raise ValueError(
-            f"forge_jax.Dense at {_context.layer_name(path)!r} (in a "
-            "forge_jax.ScannedBlocks block): a custom dot_general or "
-            "promote_dtype cannot be fused; set fused=False for this layer")
-      rec = tap.records.get(path)
-      if rec is None:
-        kernel = self.get_variable("params", "kernel")
-        rec = tap.records[path] = _context.DenseRecord(
-            kernel_shape=tuple(kernel.shape), param_dtype=kernel.dtype,
-            fused=self.fused, config=self.block_config,
-            precision=self.precision,
-            out=jax.ShapeDtypeStruct(y.shape, y.dtype))
-      rec.calls += 1
-    elif tap.mode == "tap" and path in tap.forge:
+      return self._record_in_block(tap, path, name, inputs)
+    y = self._standard(inputs)
+    if tap.mode == "tap" and path in tap.forge:
       kernel = self.get_variable("params", "kernel")
       bias = self.get_variable("params", "bias") if self.use_bias else None
       dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
@@ -169,14 +159,52 @@ class Dense(nn.Dense):
       y = y + tap.taps[path]
     return y
 
+  def _record_in_block(self, tap, path, name, inputs):
+    """``record`` mode: reports this layer; a fused one reads its kernel
+    through the fused op (never differentiated here, only traced), so that
+    ``ScannedBlocks`` can tell its own read from any other in the block's
+    jaxpr."""
+    if not (tap.fusing and self.fused):
+      y = self._standard(inputs)
+    else:
+      if self._custom_dot():
+        raise ValueError(
+            f"forge_jax.Dense at {name!r} (in a forge_jax.ScannedBlocks "
+            "block): a custom dot_general or promote_dtype cannot be fused; "
+            "set fused=False for this layer")
+      kernel = self.param('kernel', self.kernel_init,
+                          (jnp.shape(inputs)[-1], self.features),
+                          self.param_dtype)
+      bias = (self.param('bias', self.bias_init, (self.features,),
+                         self.param_dtype) if self.use_bias else None)
+      dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
+                                             dtype=self.dtype)
+      inputs_c, bias_c = flax_dtypes.promote_dtype(inputs, bias, dtype=dtype)
+      static = _Static(path=(*tap.prefix, *path), rule=None, dtype=dtype,
+                       precision=self.precision, config=self.block_config)
+      y = _fused_linear(static, inputs_c, kernel, _context.LayerInputs(
+          slots=(), hparams=(), touched=jnp.zeros((), jnp.float32)))
+      if bias_c is not None:
+        y += jnp.reshape(bias_c, (1,) * (y.ndim - 1) + (-1,))
+    rec = tap.records.get(path)
+    if rec is None:
+      kernel = self.get_variable("params", "kernel")
+      rec = tap.records[path] = _context.DenseRecord(
+          kernel_shape=tuple(kernel.shape), param_dtype=kernel.dtype,
+          fused=self.fused, config=self.block_config,
+          precision=self.precision,
+          out=jax.ShapeDtypeStruct(y.shape, y.dtype))
+    rec.calls += 1
+    return y
+
   @nn.compact
   def __call__(self, inputs):
-    pallas_kernels.fused_wgrad.check_block_config(
-        self.block_config,
-        f"forge_jax.Dense at {_context.layer_name(self.path)!r}")
     tap = _context.current_tap()
     if tap is not None:  # inside a forge_jax.ScannedBlocks block
       return self._in_block(tap, inputs)
+    pallas_kernels.fused_wgrad.check_block_config(
+        self.block_config,
+        f"forge_jax.Dense at {_context.layer_name(self.path)!r}")
     ctx = _context.current()
     if ctx is not None and not self.fused and ctx.mode == "discover":
       ctx.unfused.add(tuple(self.path))

@@ -304,8 +304,10 @@ def make_step(
     # shared="standard": a layer called more than once takes the standard
     # path (with "error", discovery raised). More are found by the
     # single-use check below.
-    fallback = {p: f"called {info.calls} times"
-                for p, info in found.layers.items() if info.calls > 1}
+    fallback = {p: (f"called {info.calls} times" if info.calls > 1
+                    else info.unfusable)
+                for p, info in found.layers.items()
+                if info.calls > 1 or info.unfusable}
     layers = {p: info for p, info in found.layers.items()
               if p not in fallback}
     kpaths = {p: _kernel_keypath(p) for p in layers}

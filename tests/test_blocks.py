@@ -179,6 +179,8 @@ def test_bf16_params_and_moments_match_within_the_bf16_tolerance():
   assert_trees_close(blocks(f_v), blocks(ref_v), tol(jnp.bfloat16), "params")
   assert_trees_close(f_s[0].mu["layers"], ref_s[0].mu["layers"],
                      tol(jnp.bfloat16), "mu")
+  assert_trees_close(f_s[0].nu["layers"], ref_s[0].nu["layers"],
+                     tol(jnp.bfloat16), "nu")
   assert rel_err(blocks(f_v)["up"]["kernel"],
                  blocks(variables)["up"]["kernel"]) > 1e-3
 
@@ -455,3 +457,168 @@ def test_xla_wgrad_loop_copies_no_stack(monkeypatch, stack_update):
   stack_bytes = layers * n * 2 * n * 2  # one (L, n, 2n) bf16 stack
   copies = hlo_schedule.loop_copies(text, stack_bytes)
   assert copies == [], copies
+
+
+# --- Blocks FORGE cannot fuse as they stand --------------------------------
+
+
+class TiedBlock(nn.Module):
+  """Reads its FORGE Dense's kernel a second time (a tied projection)."""
+  dense: type = nn.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    d = self.dense(D, use_bias=False, name="d")
+    h = jnp.tanh(d(x))
+    return x + 0.5 * h @ d.variables["params"]["kernel"].T + (
+        self.dense(D, name="e")(x))
+
+
+class _MLP(nn.Module):
+  dense: type
+
+  @nn.compact
+  def __call__(self, x):
+    return self.dense(D, name="down")(nn.silu(self.dense(2 * D, name="up")(x)))
+
+
+class RematInsideBlock(nn.Module):
+  """A FORGE Dense under nn.remat inside the block."""
+  dense: type = nn.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.remat(_MLP)(self.dense, name="mlp")(x) + self.dense(
+        D, name="e")(x)
+
+
+def _scanned_model(block_cls, forge, num_layers=2):
+  class _Body(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+      return block_cls(nn.Dense, name="block")(h), None
+
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(D, name="embed")(x)
+      if forge:
+        x = forge_jax.ScannedBlocks(
+            functools.partial(block_cls, forge_jax.Dense), num_layers,
+            name="layers")(x)
+      else:
+        x = nn.scan(nn.remat(_Body), variable_axes={"params": 0},
+                    split_rngs={"params": True},
+                    length=num_layers)(name="layers")(x, None)[0]
+      return nn.Dense(5, name="head")(x)
+
+  return M()
+
+
+@pytest.mark.parametrize("block_cls,path,match", [
+    (TiedBlock, "layers/block/d", "is also read inside the block"),
+    (RematInsideBlock, "layers/block/mlp/up",
+     "is read through .* inside the block .*remove that transform"),
+])
+def test_a_kernel_the_block_reads_otherwise_is_refused_or_moved(
+    block_cls, path, match):
+  """A FORGE kernel the block also reads elsewhere (tied), or reads through
+  a transform (nn.remat inside the block): the layer's own x and dy cannot
+  give its update. shared="error" refuses it with the path; "standard"
+  moves it to optax's path (the others stay fused) and matches flax's
+  nn.scan + optax."""
+  batches = _data(3)
+  variables = _scanned_model(block_cls, False).init(jax.random.key(0),
+                                                    batches[0][0])
+  tx_kw = dict(learning_rate=1e-2, weight_decay=1e-2)
+  ref_tx, f_tx = optax.adamw(**tx_kw), forge_jax.adamw(**tx_kw)
+  model = _scanned_model(block_cls, True)
+  with pytest.raises(ValueError, match=f"{path}.*{match}"):
+    forge_jax.make_step(mse(model), f_tx)(
+        variables, f_tx.init(variables["params"]), batches[0])
+  step = forge_jax.make_step(mse(model), f_tx, shared="standard")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    (f_v, f_s), (ref_v, ref_s), _ = train_side_by_side(
+        jax.jit(step), optax_step(mse(_scanned_model(block_cls, False)),
+                                  ref_tx), variables, f_tx, ref_tx, batches)
+  assert path in step.standard_layers
+  assert "layers/block/e" not in step.standard_layers  # still fused
+  assert any(path in str(w.message) for w in caught)
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+
+
+class TupleBlock(nn.Module):
+  @nn.compact
+  def __call__(self, c):
+    h, m = c
+    return h + forge_jax.Dense(D, name="p")(h) * m, m
+
+
+class DropoutBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dropout(0.1, deterministic=False)(forge_jax.Dense(
+        D, name="p")(x))
+
+
+class CustomDotBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + forge_jax.Dense(D, name="p", dot_general=jax.lax.dot_general)(x)
+
+
+class BadConfigBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + forge_jax.Dense(D, name="p", block_config={"block_in": 32})(x)
+
+
+def test_a_carry_that_is_not_one_array_is_refused_at_init():
+  blocks = forge_jax.ScannedBlocks(TupleBlock, 2)
+  x = jnp.ones((3, D))
+  with pytest.raises(TypeError, match="the carry must be one array"):
+    blocks.init(jax.random.key(0), (x, x))
+
+
+def test_a_module_instance_as_block_is_refused():
+  blocks = forge_jax.ScannedBlocks(Block(forge_jax.Dense), 2)
+  with pytest.raises(TypeError, match=r"not a module instance \(Block"):
+    blocks.init(jax.random.key(0), jnp.ones((3, D)))
+
+
+def _step_on(block, fused=True, **step_kw):
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return forge_jax.ScannedBlocks(block, 2, fused=fused, name="layers")(x)
+
+  model = M()
+  x = jnp.ones((4, D))
+  variables = model.init({"params": jax.random.key(0),
+                          "dropout": jax.random.key(1)}, x)
+  tx = forge_jax.adamw(1e-2)
+  loss = lambda v, b: jnp.mean(model.apply(
+      v, b, rngs={"dropout": jax.random.key(2)}) ** 2)
+  return forge_jax.make_step(loss, tx, **step_kw)(
+      variables, tx.init(variables["params"]), x)
+
+
+def test_a_block_that_draws_randomness_is_refused_with_the_fix():
+  with pytest.raises(ValueError, match="no randomness.*fused=False"):
+    _step_on(DropoutBlock)
+  loss, _, _ = _step_on(DropoutBlock, fused=False)  # flax's scan: runs
+  assert np.isfinite(float(loss))
+
+
+def test_fused_false_runs_a_block_that_cannot_be_fused():
+  with pytest.raises(ValueError, match="layers/block/p.*custom dot_general"):
+    _step_on(CustomDotBlock)
+  loss, _, _ = _step_on(CustomDotBlock, fused=False)
+  assert np.isfinite(float(loss))
+
+
+def test_errors_inside_the_block_name_the_layer_by_its_full_path():
+  with pytest.raises(TypeError, match="Dense at 'layers/block/p'.*block_config"):
+    _step_on(BadConfigBlock)
