@@ -191,7 +191,6 @@ class BlockTap:
 
   mode: str
   prefix: Path = ()  # the block's own path in the model (for messages)
-  fusing: bool = True  # record mode: the ScannedBlocks' own `fused`
   forge: frozenset[Path] = frozenset()
   taps: dict[Path, Any] = dataclasses.field(default_factory=dict)
   inputs: dict[Path, Any] = dataclasses.field(default_factory=dict)

@@ -275,8 +275,7 @@ class ScannedBlocks(nn.Module):
     ``.variables``, the layer under ``nn.remat`` / ``nn.jit`` / ``nn.cond``
     inside the block): its update could not be formed from the layer's own
     ``x`` and ``dy``."""
-    tap = _context.BlockTap("record", prefix=(*self.path, _BLOCK),
-                            fusing=self.fused)
+    tap = _context.BlockTap("record", prefix=(*self.path, _BLOCK))
 
     def one(p, h):
       with _context.block_tap(tap):

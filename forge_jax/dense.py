@@ -164,7 +164,7 @@ class Dense(nn.Dense):
     through the fused op (never differentiated here, only traced), so that
     ``ScannedBlocks`` can tell its own read from any other in the block's
     jaxpr."""
-    if not (tap.fusing and self.fused):
+    if not self.fused:
       y = self._standard(inputs)
     else:
       if self._custom_dot():

@@ -622,3 +622,41 @@ def test_fused_false_runs_a_block_that_cannot_be_fused():
 def test_errors_inside_the_block_name_the_layer_by_its_full_path():
   with pytest.raises(TypeError, match="Dense at 'layers/block/p'.*block_config"):
     _step_on(BadConfigBlock)
+
+
+class TwoStacks(nn.Module):
+  """Two ScannedBlocks of different lengths (one of a single block) in one
+  model, each with its own parameters and slots."""
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(D, name="embed")(x)
+    for name, length in (("first", 1), ("second", 3)):
+      if self.forge:
+        x = forge_jax.ScannedBlocks(
+            functools.partial(Block, forge_jax.Dense), length, name=name)(x)
+      else:
+        x, _ = nn.scan(nn.remat(_RefBody), variable_axes={"params": 0},
+                       split_rngs={"params": True},
+                       length=length)({}, name=name)(x, None)
+    return nn.Dense(5, name="head")(x)
+
+
+def test_two_stacks_one_of_a_single_block_match():
+  batches = _data(4)
+  variables = TwoStacks(False).init(jax.random.key(0), batches[0][0])
+  assert variables["params"]["first"]["block"]["up"]["kernel"].shape[0] == 1
+  tx_kw = dict(learning_rate=1e-2, weight_decay=1e-2)
+  ref_tx, f_tx = optax.adamw(**tx_kw), forge_jax.adamw(**tx_kw)
+  step = forge_jax.make_step(mse(TwoStacks()), f_tx)
+  (f_v, f_s), (ref_v, ref_s), _ = train_side_by_side(
+      jax.jit(step, donate_argnums=(0, 1)),
+      optax_step(mse(TwoStacks(False)), ref_tx), variables, f_tx, ref_tx,
+      batches)
+  assert step.standard_layers == []
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+  for name in ("first", "second"):
+    k0 = variables["params"][name]["block"]["down"]["kernel"]
+    assert rel_err(f_v["params"][name]["block"]["down"]["kernel"], k0) > 1e-3
