@@ -92,17 +92,22 @@ def current() -> StepContext | None:
 
 
 @contextlib.contextmanager
-def step_context(ctx: StepContext):
-  prev = current()
-  if prev is not None:
-    raise RuntimeError(
-        "forge_jax: a FORGE step is already being traced on this thread; "
-        "make_step steps cannot be nested")
-  _STATE.ctx = ctx
+def _only(attr: str, value, nested: Exception):
+  """Sets this thread's ``attr`` to ``value`` for the block; raises
+  ``nested`` if it is already set (these contexts do not nest)."""
+  if getattr(_STATE, attr, None) is not None:
+    raise nested
+  setattr(_STATE, attr, value)
   try:
-    yield ctx
+    yield value
   finally:
-    _STATE.ctx = prev
+    setattr(_STATE, attr, None)
+
+
+def step_context(ctx: StepContext):
+  return _only("ctx", ctx, RuntimeError(
+      "forge_jax: a FORGE step is already being traced on this thread; "
+      "make_step steps cannot be nested"))
 
 
 @contextlib.contextmanager
@@ -201,15 +206,7 @@ def current_tap() -> BlockTap | None:
   return getattr(_STATE, "tap", None)
 
 
-@contextlib.contextmanager
 def block_tap(tap: BlockTap):
-  prev = current_tap()
-  if prev is not None:
-    raise ValueError(
-        "forge_jax.ScannedBlocks cannot be nested inside another "
-        "ScannedBlocks' block")
-  _STATE.tap = tap
-  try:
-    yield tap
-  finally:
-    _STATE.tap = prev
+  return _only("tap", tap, ValueError(
+      "forge_jax.ScannedBlocks cannot be nested inside another "
+      "ScannedBlocks' block"))

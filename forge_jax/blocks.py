@@ -326,13 +326,7 @@ class ScannedBlocks(nn.Module):
   @nn.compact
   def __call__(self, x):
     where = self._where()
-    if (isinstance(self.num_layers, bool)
-        or not isinstance(self.num_layers, int) or self.num_layers < 1):
-      raise ValueError(f"{where}: num_layers={self.num_layers!r} must be an "
-                       "int >= 1")
-    if self.stack_update not in ("auto", "layer", "slice"):
-      raise ValueError(f"{where}: stack_update={self.stack_update!r} must be "
-                       "'auto', 'layer' or 'slice'")
+    _scan.check_stack_settings(where, self.num_layers, self.stack_update)
     if isinstance(self.block, nn.Module):
       raise TypeError(
           f"{where}: block must be a Flax module class or a callable that "
@@ -415,12 +409,11 @@ class ScannedBlocks(nn.Module):
       fused_wgrad.check_block_config(
           records[p].config, f"forge_jax.Dense at "
           f"{_context.layer_name(_full(path, p))!r}")
-    in_place_layer = (self.stack_update == "layer" or (
-        self.stack_update == "auto" and not fused_wgrad.default_interpret()))
     static = _Static(
         path=path, block=block, forge=forge, records=records, spec=spec,
         layouts=tuple(ctx.layouts.get(_full(path, p)) for p in forge),
-        in_place_layer=in_place_layer, wgrad=ctx.wgrad)
+        in_place_layer=_scan.updates_in_place(self.stack_update),
+        wgrad=ctx.wgrad)
     kernels = tuple(_get(params, (*p, "kernel")) for p in forge)
     return _fused_blocks(static, x, kernels, _without(params, forge),
                          tuple(ctx.inputs[_full(path, p)] for p in forge))

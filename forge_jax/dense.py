@@ -139,6 +139,30 @@ class Dense(nn.Dense):
     return (self.dot_general is not None or self.dot_general_cls is not None
             or self.promote_dtype is not flax_dtypes.promote_dtype)
 
+  def _refuse_custom_dot(self, name: str) -> None:
+    if self._custom_dot():
+      raise ValueError(
+          f"forge_jax.Dense at {name!r}: a custom dot_general or "
+          "promote_dtype cannot be fused; set fused=False for this layer")
+
+  def _fused(self, inputs, make_static, layer_inputs):
+    """``nn.Dense``'s computation with the matmul as the fused op: the raw
+    kernel parameter is cast inside that op, so it is the kernel's only
+    consumer (see ``_usage``). ``make_static(dtype)`` gives its ``_Static``
+    (or raises)."""
+    kernel = self.param('kernel', self.kernel_init,
+                        (jnp.shape(inputs)[-1], self.features),
+                        self.param_dtype)
+    bias = (self.param('bias', self.bias_init, (self.features,),
+                       self.param_dtype) if self.use_bias else None)
+    dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
+                                           dtype=self.dtype)
+    inputs_c, bias_c = flax_dtypes.promote_dtype(inputs, bias, dtype=dtype)
+    y = _fused_linear(make_static(dtype), inputs_c, kernel, layer_inputs)
+    if bias_c is not None:
+      y += jnp.reshape(bias_c, (1,) * (y.ndim - 1) + (-1,))
+    return y
+
   def _in_block(self, tap: _context.BlockTap, inputs):
     """This layer inside one block of a ``forge_jax.ScannedBlocks`` (the
     block's ``tap`` says how): ``nn.Dense``'s computation, recorded or with
@@ -167,25 +191,14 @@ class Dense(nn.Dense):
     if not self.fused:
       y = self._standard(inputs)
     else:
-      if self._custom_dot():
-        raise ValueError(
-            f"forge_jax.Dense at {name!r} (in a forge_jax.ScannedBlocks "
-            "block): a custom dot_general or promote_dtype cannot be fused; "
-            "set fused=False for this layer")
-      kernel = self.param('kernel', self.kernel_init,
-                          (jnp.shape(inputs)[-1], self.features),
-                          self.param_dtype)
-      bias = (self.param('bias', self.bias_init, (self.features,),
-                         self.param_dtype) if self.use_bias else None)
-      dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
-                                             dtype=self.dtype)
-      inputs_c, bias_c = flax_dtypes.promote_dtype(inputs, bias, dtype=dtype)
-      static = _Static(path=(*tap.prefix, *path), rule=None, dtype=dtype,
-                       precision=self.precision, config=self.block_config)
-      y = _fused_linear(static, inputs_c, kernel, _context.LayerInputs(
-          slots=(), hparams=(), touched=jnp.zeros((), jnp.float32)))
-      if bias_c is not None:
-        y += jnp.reshape(bias_c, (1,) * (y.ndim - 1) + (-1,))
+      self._refuse_custom_dot(name)
+      y = self._fused(
+          inputs,
+          lambda dtype: _Static(path=(*tap.prefix, *path), rule=None,
+                                dtype=dtype, precision=self.precision,
+                                config=self.block_config),
+          _context.LayerInputs(slots=(), hparams=(),
+                               touched=jnp.zeros((), jnp.float32)))
     rec = tap.records.get(path)
     if rec is None:
       kernel = self.get_variable("params", "kernel")
@@ -212,11 +225,7 @@ class Dense(nn.Dense):
       # Standard path: outside a step, fused=False, or a shared layer that
       # make_step(..., shared="standard") moved here for this step.
       return self._standard(inputs)
-    if self._custom_dot():
-      raise ValueError(
-          f"forge_jax.Dense at {_context.layer_name(self.path)!r}: a custom "
-          "dot_general or promote_dtype cannot be fused; set fused=False for "
-          "this layer")
+    self._refuse_custom_dot(_context.layer_name(self.path))
     path = tuple(self.path)
     if ctx.mode == "discover":
       _context.register_layer(
@@ -226,27 +235,15 @@ class Dense(nn.Dense):
           "block) or forge_jax.ScannedDenseStack (Dense layers only).)")
       return self._standard(inputs)
 
-    kernel = self.param('kernel', self.kernel_init,
-                        (jnp.shape(inputs)[-1], self.features),
-                        self.param_dtype)
-    bias = (self.param('bias', self.bias_init, (self.features,),
-                       self.param_dtype) if self.use_bias else None)
-    dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
-                                           dtype=self.dtype)
-    # The kernel is cast inside the fused op: the raw parameter must be its
-    # only consumer (see _usage).
-    inputs_c, bias_c = flax_dtypes.promote_dtype(inputs, bias, dtype=dtype)
     if path not in ctx.inputs:
       raise RuntimeError(
           f"forge_jax.Dense at {_context.layer_name(path)!r} was not seen when "
           "the step discovered its FORGE layers: the loss function must call "
           "the same layers on every trace")
-    layer_inputs = ctx.inputs[path]
-    static = _Static(path=path, rule=ctx.rule, dtype=dtype,
-                     precision=self.precision, config=self.block_config,
-                     spec=ctx.spec, layout=ctx.layouts.get(path),
-                     wgrad=ctx.wgrad)
-    y = _fused_linear(static, inputs_c, kernel, layer_inputs)
-    if bias_c is not None:
-      y += jnp.reshape(bias_c, (1,) * (y.ndim - 1) + (-1,))
-    return y
+    return self._fused(
+        inputs,
+        lambda dtype: _Static(path=path, rule=ctx.rule, dtype=dtype,
+                              precision=self.precision,
+                              config=self.block_config, spec=ctx.spec,
+                              layout=ctx.layouts.get(path), wgrad=ctx.wgrad),
+        ctx.inputs[path])

@@ -82,6 +82,24 @@ def _forward(static, x, kernels, biases, save):
   return lax.scan(body, x, (kernels, biases))
 
 
+def check_stack_settings(where: str, num_layers, stack_update) -> None:
+  """The settings a scanned stack (``ScannedDenseStack``, ``ScannedBlocks``)
+  checks on every call."""
+  if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+      or num_layers < 1):
+    raise ValueError(f"{where}: num_layers={num_layers!r} must be an int >= 1")
+  if stack_update not in ("auto", "layer", "slice"):
+    raise ValueError(f"{where}: stack_update={stack_update!r} must be "
+                     "'auto', 'layer' or 'slice'")
+
+
+def updates_in_place(stack_update: str) -> bool:
+  """``stack_update`` resolved: ``"auto"`` is ``"layer"`` on a GPU and
+  ``"slice"`` in Pallas interpret mode."""
+  return stack_update == "layer" or (
+      stack_update == "auto" and not fused_wgrad.default_interpret())
+
+
 def update_layer(spec, layout, in_place_layer: bool, i, x_i, dy_i, w_stack,
                  slot_stacks, inputs: _context.LayerInputs, config, wgrad,
                  precision):
@@ -268,13 +286,7 @@ class ScannedDenseStack(nn.Module):
     # fused step reads them.
     where = (f"forge_jax.ScannedDenseStack at "
              f"{_context.layer_name(tuple(self.path))!r}")
-    if (isinstance(self.num_layers, bool)
-        or not isinstance(self.num_layers, int) or self.num_layers < 1):
-      raise ValueError(f"{where}: num_layers={self.num_layers!r} must be an "
-                       "int >= 1")
-    if self.stack_update not in ("auto", "layer", "slice"):
-      raise ValueError(f"{where}: stack_update={self.stack_update!r} must be "
-                       "'auto', 'layer' or 'slice'")
+    check_stack_settings(where, self.num_layers, self.stack_update)
     fused_wgrad.check_block_config(self.block_config, where)
     if _context.current_tap() is not None:
       raise ValueError(
@@ -322,8 +334,7 @@ class ScannedDenseStack(nn.Module):
       raise ValueError(
           f"forge_jax.ScannedDenseStack at {name!r}: the input's last "
           f"dimension ({x.shape[-1]}) must equal features ({self.features})")
-    in_place_layer = (self.stack_update == "layer" or (
-        self.stack_update == "auto" and not fused_wgrad.default_interpret()))
+    in_place_layer = updates_in_place(self.stack_update)
     dtype = flax_dtypes.canonicalize_dtype(x, kernels, biases,
                                            dtype=self.dtype)
     static = _Static(path=path, activation=self.activation or _identity,

@@ -106,3 +106,18 @@ def lower_rule_for_cuda(rule: pk.UpdateRule) -> str:
 def triton_calls(text: str) -> list[str]:
   """The lines of lowered text that call a Triton kernel."""
   return [l for l in text.splitlines() if "xla.gpu.triton" in l]
+
+
+def assert_pool_saved_in_place(forge_compiled, ref_compiled, run, pool):
+  """A scanned FORGE step against flax's scan + optax: its compiled
+  temporaries are at least 0.9 x the gradient ``pool`` (bytes) below the
+  reference's, and running it (``run = (jitted, variables, opt_state, x)``)
+  returns the donated params, mu and nu in their own buffers."""
+  jitted, variables, opt_state, x = run
+  temp = forge_compiled.memory_analysis().temp_size_in_bytes
+  ref_temp = ref_compiled.memory_analysis().temp_size_in_bytes
+  assert temp <= ref_temp - 0.9 * pool, (temp, ref_temp, pool)
+  leaves = lambda v, s: jax.tree.leaves((v["params"], s[0].mu, s[0].nu))
+  ptrs = [a.unsafe_buffer_pointer() for a in leaves(variables, opt_state)]
+  _, new_v, new_s = jitted(variables, opt_state, x)
+  assert [a.unsafe_buffer_pointer() for a in leaves(new_v, new_s)] == ptrs
