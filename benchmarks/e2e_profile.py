@@ -1,9 +1,10 @@
 """Where the e2e step's GPU time goes: FORGE vs optax.adamw, kernel by kernel.
 
-    ./dev.sh python benchmarks/e2e_profile.py --bt 512 --out P.csv
+    ./dev.sh python benchmarks/e2e_profile.py --bt 512 --out P.csv [--scan]
 
 Builds the arms of ``benchmarks/e2e.py`` (the same Llama-style decoder,
-batch and AdamW), runs a few warm-up steps, then traces ``--steps`` steps of
+batch and AdamW; ``--scan``: its blocks scanned, as ``e2e.py --scan``),
+runs a few warm-up steps, then traces ``--steps`` steps of
 each with ``jax.profiler.trace`` and reads the GPU kernels from the trace
 (Perfetto JSON). Per arm and per step it reports the GPU time of each kernel
 category -- the fused FORGE kernel, GEMMs, attention, XLA's other fusions,
@@ -137,6 +138,9 @@ def main(argv=None) -> int:
   p.add_argument("--arms", nargs="+", default=["forge", "optax"],
                  choices=e2e.ARMS)
   p.add_argument("--layers", type=common.positive_int, default=d.layers)
+  p.add_argument("--scan", action="store_true",
+                 help="the blocks scanned (ScannedBlocks against flax's "
+                 "nn.scan(nn.remat) + optax), as e2e.py --scan")
   p.add_argument("--steps", type=common.positive_int, default=5)
   p.add_argument("--warmup", type=common.positive_int, default=3)
   p.add_argument("--top", type=int, default=25)
@@ -144,7 +148,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.top < 0:
     p.error("--top must be >= 0")
-  cfg = e2e.Config(layers=args.layers)
+  cfg = e2e.Config(layers=args.layers, scan=args.scan)
   if args.bt % cfg.seq:
     p.error(f"--bt {args.bt} is not a multiple of seq={cfg.seq}")
   if jax.default_backend() != "gpu":
@@ -159,10 +163,12 @@ def main(argv=None) -> int:
             f"{jax.default_backend()}); nothing to report", file=sys.stderr)
       return 1
   print(f"device {common.device_name()}; {common.versions()}; BT={args.bt}, "
-        f"{cfg.layers} layers; {args.steps} traced steps per arm")
+        f"{cfg.layers} layers{' (scanned)' if cfg.scan else ''}; "
+        f"{args.steps} traced steps per arm")
   report(results, args.top)
   res = common.Results(args.out, "e2e_profile")
-  shape = f"L{cfg.layers} d{cfg.d_model} BT={args.bt}"
+  shape = (f"L{cfg.layers} d{cfg.d_model} BT={args.bt}"
+           f"{' scanned' if cfg.scan else ''}")
   for arm, r in results.items():
     add = lambda case, metric, ms: res.add(case, arm, shape, cfg.dtype,
                                            metric, ms, "ms")
