@@ -40,6 +40,8 @@ from benchmarks import common, e2e  # noqa: E402
 # First match wins: a kernel's category from its name.
 CATEGORIES = (
     ("forge kernel", re.compile(r"fused_wgrad", re.I)),
+    # The fused kernel's epilogue on an XLA-formed G (stacked wgrad="xla").
+    ("forge stored-G update", re.compile(r"stored_g_update", re.I)),
     ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|sm90_|sm80_",
                         re.I)),

@@ -113,8 +113,9 @@ def update_layer(spec, layout, in_place_layer: bool, i, x_i, dy_i, w_stack,
 
   ``in_place_layer``: the fused kernel updates layer ``i`` of the carried
   stacks in place (``layer=i``: no slice of ``W`` or of a slot is copied out
-  or back; with ``wgrad="xla"``, XLA's GEMM and the rule on layer ``i``'s
-  slices, written back with ``dynamic_update_slice``). Otherwise layer
+  or back; with ``wgrad="xla"``, XLA's GEMM forms ``G`` and
+  ``pallas_kernels.stored_g_update``, the fused kernel's epilogue, updates
+  layer ``i`` in place). Otherwise layer
   ``i``'s ``W`` and slots are copied out of the stacks, stepped, and written
   back (one layer's ``W`` and slots of temporaries).
   """

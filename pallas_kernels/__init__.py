@@ -7,7 +7,9 @@ thin framework layers over these kernels. The public names:
   rule applied in its epilogue, ``W`` and the slots updated in place);
   :func:`fused_wgrad_update_reference` -- its pure-``jnp`` reference;
   :func:`unfused_wgrad_update` -- the same step unfused (XLA's GEMM stores
-  ``G``, the rule's elementwise update reads it);
+  ``G``, the rule's elementwise update reads it; for a layer of a stack,
+  :func:`stored_g_update` does, in place); :func:`stored_g_update` -- the
+  kernel's epilogue alone, on a gradient already in memory;
   :class:`BlockConfig` -- its tiling; :func:`select_config` -- the tiling it
   picks (the autotune cache, else a heuristic); :func:`default_interpret` --
   whether it runs in Pallas interpret mode (no GPU).
@@ -42,6 +44,7 @@ from pallas_kernels.fused_wgrad import (
     fused_wgrad_update,
     fused_wgrad_update_reference,
     select_config,
+    stored_g_update,
     unfused_wgrad_update,
 )
 from pallas_kernels.regimes import (
@@ -74,5 +77,5 @@ __all__ = [
     "adam_rule", "adamax_rule", "adamw_rule", "classify", "default_interpret",
     "fused_wgrad_update", "fused_wgrad_update_reference", "lamb_rule",
     "lion_rule", "muon_rule", "radam_rule", "rmsprop_rule", "select_config", "sgd_rule",
-    "unfused_wgrad_update",
+    "stored_g_update", "unfused_wgrad_update",
 ]

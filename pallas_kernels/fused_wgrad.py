@@ -126,6 +126,16 @@ class BlockConfig:
     return cls(block_in=64, block_out=128, block_bt=64).fit(bt, n_in, n_out)
 
   @classmethod
+  def stored_default(cls, n_in: int, n_out: int) -> "BlockConfig":
+    """The tiling of :func:`stored_g_update` (no GEMM): 32x128 blocks on 4
+    warps, 32 elements per thread, the best of seven block shapes for a
+    stored-gradient AdamW on the H200 (3.34 TB/s at 4096x4096, against
+    2.56 for 64x128 and XLA's 3.16; ``benchmarks/epilogue_probe.py``,
+    docs/perf_notes.md variant 7). Shrunk to fit."""
+    return cls(block_in=32, block_out=128, block_bt=16, num_stages=1).fit(
+        _MIN_BLOCK, n_in, n_out)
+
+  @classmethod
   def compiled_default(cls, bt: int, n_in: int, n_out: int,
                        w_dtype) -> "BlockConfig":
     """The heuristic for a compiled (GPU) kernel on a problem the autotune
@@ -259,17 +269,21 @@ def _and(*masks):
   return out
 
 
-def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
-                  cfg: BlockConfig, bt: int, n_in: int, n_out: int,
-                  precision, stacked: bool, interpret: bool):
-  # Inputs: (the layer index if stacked), (W if the rule updates it), slots.
+def _fused_kernel(*refs, rule: UpdateRule, cfg: BlockConfig, bt: int,
+                  n_in: int, n_out: int, precision, stacked: bool,
+                  interpret: bool, g_stored: bool = False):
+  # Inputs: x, dy (or, with g_stored, a stored G), the hyperparameters, (the
+  # layer index if stacked), (W if the rule updates it), slots.
   # Outputs: the same state, aliased, then the rule's write-only outputs.
+  if g_stored:
+    g_ref, h_ref, *refs = refs
+  else:
+    x_ref, dy_ref, h_ref, *refs = refs
   if stacked:
     layer_ref, *refs = refs
   n_state = int(rule.updates_weight) + len(rule.slots)
   in_refs, out_refs = refs[:n_state], refs[n_state:]
-  n_aliased = n_state
-  bi, bo, bk = cfg.block_in, cfg.block_out, cfg.block_bt
+  bi, bo = cfg.block_in, cfg.block_out
 
   # Grouped tile order: program p walks `group_in` tiles down `in` before
   # moving to the next `out` column, so the programs in flight share chunks of
@@ -314,6 +328,27 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
   # are in flight while the tensor cores run.
   old = [load_state(j) for j in range(ns)] if cfg.prefetch else [None] * ns
 
+  if g_stored:
+    # G was formed elsewhere (XLA's GEMM): the epilogue alone, on its tiles.
+    gs = tuple(
+        plgpu.load(g_ref.at[tiles[j]], mask=masks[j],
+                   other=None if masks[j] is None else 0.0,
+                   eviction_policy=state_policy).astype(jnp.float32)
+        for j in range(ns))
+  else:
+    gs = _main_loop(x_ref, dy_ref, cfg, bt, ti, col0, so, row_ok, col_ok,
+                    operand_policy, precision)
+  _epilogue(rule, cfg, h_ref, in_refs, out_refs, gs, old, load_state,
+            state_tiles, tiles, masks, state_policy, interpret)
+
+
+def _main_loop(x_ref, dy_ref, cfg, bt, ti, col0, so, row_ok, col_ok,
+               operand_policy, precision):
+  """The weight-gradient GEMM of one tile: its ``split_out`` fp32
+  accumulators, ``x[:, tile rows]^T dy[:, tile columns]``."""
+  bi, bk, ns = cfg.block_in, cfg.block_bt, cfg.split_out
+  col = lambda m: None if m is None else m[None, :]
+
   def body(k, accs):
     k_ok = (k * bk + jnp.arange(bk) < bt)[:, None] if bt % bk else None
     x_mask = _and(k_ok, col(row_ok))
@@ -332,11 +367,16 @@ def _fused_kernel(x_ref, dy_ref, h_ref, *refs, rule: UpdateRule,
                                       precision=precision))
     return tuple(out)
 
-  gs = lax.fori_loop(0, pl.cdiv(bt, bk), body,
-                     tuple(jnp.zeros((bi, so), jnp.float32) for _ in range(ns)))
+  return lax.fori_loop(0, pl.cdiv(bt, bk), body,
+                       tuple(jnp.zeros((bi, so), jnp.float32)
+                             for _ in range(ns)))
 
-  # Epilogue: the optimizer on each sub-tile, reading and writing W and its
-  # state in place. `g` (fp32) is consumed here and never stored.
+
+def _epilogue(rule, cfg, h_ref, in_refs, out_refs, gs, old, load_state,
+              state_tiles, tiles, masks, state_policy, interpret):
+  """The optimizer on each sub-tile, reading and writing W and its state in
+  place. ``g`` (fp32) is consumed here and never stored."""
+  n_aliased = len(in_refs)
   # Compiled, the rule rounds with convert pairs (Triton keeps them); in
   # interpret mode the body is XLA code and uses lax.reduce_precision.
   h = rule.unpack(h_ref, [r.dtype for r in in_refs[int(rule.updates_weight):]],
@@ -447,17 +487,31 @@ def fused_wgrad_update(
     return _apply_maybe_stacked(rule, jnp.zeros((n_in, n_out), jnp.float32),
                                 w, slots, hparams, layer)
 
+  return _call_kernel((x2, dy2), w, slots, hparams, rule, cfg, layer,
+                      interpret, bt=bt, precision=_dot_precision(x, dy, w))
+
+
+def _call_kernel(operands, w, slots, hparams, rule, cfg, layer, interpret, *,
+                 bt, precision):
+  """The ``pallas_call`` of :func:`_fused_kernel`: ``operands`` are
+  ``(x, dy)`` (the fused GEMM) or ``(g,)`` (a stored gradient); ``W`` (if
+  the rule updates it) and the slots are aliased to the outputs, so they are
+  updated in place (layer ``layer`` of stacks, unless ``None``)."""
+  g_stored = len(operands) == 1
+  stacked = layer is not None
+  n_in, n_out = w.shape[-2:]
   n_tiles = pl.cdiv(n_in, cfg.block_in) * pl.cdiv(n_out, cfg.block_out)
   kernel = functools.partial(
       _fused_kernel, rule=rule, cfg=cfg, bt=bt, n_in=n_in, n_out=n_out,
-      precision=_dot_precision(x, dy, w), stacked=stacked,
-      interpret=bool(interpret))
+      precision=precision, stacked=stacked, interpret=bool(interpret),
+      g_stored=g_stored)
   state = (w, *slots) if rule.updates_weight else slots
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
   outputs = tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
                   for _ in rule.outputs)
   extra = (layer.reshape(1),) if stacked else ()
-  first_state_arg = 3 + len(extra)  # after x, dy, hparams (, layer)
+  # After the operands, hparams (and the layer index).
+  first_state_arg = len(operands) + 1 + len(extra)
   out = pl.pallas_call(
       kernel,
       out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
@@ -469,9 +523,9 @@ def fused_wgrad_update(
       interpret=interpret,
       # Nonzero static settings (e.g. round_mu=1) are named, so a profile
       # tells the kernels apart (with fp32 slots round_mu changes no code).
-      name="_".join(["fused_wgrad", rule.name,
-                     *(n for n, v in rule.static if v)]),
-  )(x2, dy2, hparams, *extra, *state)
+      name="_".join(["stored_g_update" if g_stored else "fused_wgrad",
+                     rule.name, *(n for n, v in rule.static if v)]),
+  )(*operands, hparams, *extra, *state)
   if rule.updates_weight:
     return out[0], tuple(out[1:])
   return w, tuple(out)
@@ -522,7 +576,53 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
   g = lax.dot_general(dy, x, ((tokens, tokens), ((), ())),
                       precision=precision,
                       preferred_element_type=x.dtype).T
-  return _apply_maybe_stacked(rule, g, w, slots, hparams, layer)
+  if layer is not None:
+    # Layer `layer` of the stacks, in place: the fused kernel's epilogue on
+    # the stored G. (XLA's elementwise rule plus a dynamic-update-slice per
+    # array copied every new slice into its stack once more: +12 bytes per
+    # weight, 1.08-1.13x optax's step on the scanned decoder, run 66.)
+    return stored_g_update(g, w, slots, hparams, rule=rule, layer=layer)
+  return rule.apply(g, w, slots, hparams)
+
+
+def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
+                    config: BlockConfig | None = None,
+                    interpret: bool | None = None, layer=None):
+  """One optimizer step of ``w`` from a gradient ``g`` already in memory:
+  the fused kernel's epilogue without its GEMM (the same kernel body), ``W``
+  and the slots updated in place.
+
+  For a weight gradient formed by another GEMM (``wgrad="xla"``) on a
+  stacked ``(L, in, out)`` kernel: with ``layer=i`` it updates layer ``i``
+  of ``w`` and of each slot where they lie, as :func:`fused_wgrad_update`
+  does, where XLA's elementwise rule would write new slices and copy each
+  into its stack. ``g`` is ``(in, out)`` (one layer), of any float dtype;
+  it is read once, in fp32. ``config``: the tiling (``block_bt``,
+  ``num_stages`` and ``group_in`` do not matter here); default
+  :meth:`BlockConfig.stored_default`. Otherwise the arguments and returns
+  of :func:`fused_wgrad_update`.
+  """
+  slots = tuple(slots)
+  _float_dtype_check("g", g)
+  n_in, n_out = w.shape[-2:] if getattr(w, "ndim", 0) >= 2 else (None, None)
+  if getattr(g, "shape", None) != (n_in, n_out):
+    raise ValueError(f"g must have the shape of one layer of w, "
+                     f"{(n_in, n_out)}, got {getattr(g, 'shape', None)}")
+  # x, dy stand-ins of the right widths: the shared checks (w, slots,
+  # hparams, layer) need them.
+  _check_inputs(jax.ShapeDtypeStruct((1, n_in), g.dtype),
+                jax.ShapeDtypeStruct((1, n_out), g.dtype), w, slots, hparams,
+                rule, layer)
+  g, w = jnp.asarray(g), jnp.asarray(w)
+  slots = tuple(jnp.asarray(a) for a in slots)
+  if layer is not None:
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
+  if interpret is None:
+    interpret = default_interpret()
+  check_block_config(config, "stored_g_update(config=...)")
+  cfg = config or BlockConfig.stored_default(n_in, n_out)
+  return _call_kernel((g,), w, slots, hparams, rule, cfg, layer, interpret,
+                      bt=0, precision=None)
 
 
 def fused_wgrad_update_reference(x, dy, w, slots, hparams, *, rule: UpdateRule,

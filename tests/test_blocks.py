@@ -419,30 +419,58 @@ def test_matches_flax_scan_optax_adamw_fp32_on_gpu(wgrad):
   _assert_parity(init, ref, got, losses)
 
 
-@pytest.mark.parametrize("stack_update", ["layer", "slice"])
-def test_xla_wgrad_loop_copies_no_stack(monkeypatch, stack_update):
-  """make_step(wgrad="xla") on a scanned stack: XLA used to fuse each
-  layer's update into the write-back of its slice and copy every W/m/v stack
-  on every loop iteration (session 13: 28 copies per iteration in the tiny
-  scanned decoder). The new slices are materialised first
-  (`fused_wgrad._apply_maybe_stacked`, `scan.update_layer`): no array of a
-  stack's size is copied inside any while-loop body of the compiled step."""
-  from benchmarks import hlo_schedule
-  import pallas_kernels.fused_wgrad as fw
-  # No Pallas call on the xla path: "layer" compiles on the CPU as on a GPU.
-  monkeypatch.setattr(fw, "default_interpret", lambda: False)
-  layers, n = 4, 64
+def _xla_wgrad_step(stack_update, layers, n, bt):
   model = _plain_blocks(True, layers, n, jnp.bfloat16, stack_update)
-  x = jnp.ones((32, n), jnp.bfloat16)
+  x = jnp.ones((bt, n), jnp.bfloat16)
   variables = model.init(jax.random.key(0), x)
   tx = forge_jax.adamw(1e-3, mu_dtype=jnp.bfloat16)
   loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
-  step = forge_jax.make_step(loss_fn, tx, wgrad="xla")
+  return (forge_jax.make_step(loss_fn, tx, wgrad="xla"), variables,
+          tx.init(variables["params"]), x)
+
+
+def test_xla_wgrad_slice_mode_loop_copies_no_stack(monkeypatch):
+  """make_step(wgrad="xla") on a scanned stack, stack_update="slice": XLA
+  used to fuse each layer's update into the write-back of its slice and
+  copy every W/m/v stack on every loop iteration (session 13: 28 copies per
+  iteration in the tiny scanned decoder). The new slices are materialised
+  first (`scan.update_layer`): no array of a stack's size is copied inside
+  any while-loop body of the compiled step."""
+  from benchmarks import hlo_schedule
+  import pallas_kernels.fused_wgrad as fw
+  # No Pallas call on this path: it compiles on the CPU as on a GPU.
+  monkeypatch.setattr(fw, "default_interpret", lambda: False)
+  layers, n = 4, 64
+  step, variables, opt_state, x = _xla_wgrad_step("slice", layers, n, 32)
   text = jax.jit(step, donate_argnums=(0, 1)).lower(
-      variables, tx.init(variables["params"]), x).compile().as_text()
+      variables, opt_state, x).compile().as_text()
   stack_bytes = layers * n * 2 * n * 2  # one (L, n, 2n) bf16 stack
   copies = hlo_schedule.loop_copies(text, stack_bytes)
   assert copies == [], copies
+
+
+def test_xla_wgrad_layer_mode_updates_the_stacks_in_place(monkeypatch):
+  """wgrad="xla", stack_update="layer" (the default): XLA's GEMM forms
+  layer i's G and `pallas_kernels.stored_g_update` (the fused kernel's
+  epilogue) updates layer i of the carried W/m/v stacks in place. Run 66
+  (H200) found XLA's elementwise rule plus a dynamic-update-slice per array
+  copying every new slice into its stack, 3.2 ms of the scanned decoder's
+  step. Deviceless lowering: one stored-G Triton kernel per FORGE Dense,
+  each taking a 2-D G and the (L, in, out) stacks, aliased in place, and
+  no dynamic-update-slice of a weight stack."""
+  import pallas_kernels.fused_wgrad as fw
+  monkeypatch.setattr(fw, "default_interpret", lambda: False)
+  step, variables, opt_state, x = _xla_wgrad_step("layer", 4, 256, 64)
+  text = lower_for_cuda(step, variables, opt_state, x, donate_argnums=(0, 1))
+  triton = triton_calls(text)
+  assert len(triton) == 2, len(triton)
+  assert "stored_g_update_adamw" in text and "fused_wgrad" not in text
+  for g, stack in (("512x256", "4x512x256"), ("256x512", "4x256x512")):
+    ((call,),) = [[t for t in triton if f"(tensor<{g}xbf16>" in t]]
+    assert call.count(f"tensor<{stack}xbf16>") == 6  # W, m, v in and out
+    assert call.count("operand_index") == 3  # each output aliases its input
+  updates = [l for l in text.splitlines() if "dynamic_update_slice" in l]
+  assert not [l for l in updates if "4x512x256" in l or "4x256x512" in l]
 
 
 # --- Blocks FORGE cannot fuse as they stand --------------------------------

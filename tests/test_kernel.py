@@ -165,6 +165,119 @@ def test_unfused_update_of_one_layer_of_a_stack():
                             rule=pk.ADAMW, layer=3)
 
 
+# --- stored_g_update: the epilogue on a stored G ------------------------------
+
+STORED_RULES = [pk.ADAMW, pk.sgd_rule(momentum=True, nesterov=True),
+                pk.lion_rule(), pk.adagrad_rule(), pk.muon_rule()]
+
+
+def _stored_hparams(rule):
+  """The tuner's plausible hyperparameters with lr 3e-2: steps large enough
+  that ``new - old`` is not lost to fp32 rounding of ``W``."""
+  values = {**autotune._TUNING_HPARAMS, "lr": 3e-2}
+  return rule.pack(**{n: values.get(n, 0.5) for n in rule.hparams})
+
+
+def _stored_case(seed, layers, n_in, n_out, dtypes, rule):
+  """A stored fp32-or-bf16 G (one layer) and ``layers`` stacked W and slots
+  (``layers=None``: unstacked), random; second moments positive."""
+  xd, wd, md, vd = dtypes
+  k = jax.random.split(jax.random.key(seed), 2 + len(rule.slots))
+  lead = () if layers is None else (layers,)
+  g = jax.random.normal(k[0], (n_in, n_out)).astype(xd)
+  w = jax.random.normal(k[1], (*lead, n_in, n_out)).astype(wd)
+  slots = []
+  for i, name in enumerate(rule.slots):
+    a = 0.1 * jax.random.normal(k[2 + i], (*lead, n_in, n_out))
+    slots.append((jnp.abs(a) if name in ("nu", "sum_of_squares") else a)
+                 .astype(md if i == 0 else vd))
+  return g, w, tuple(slots)
+
+
+def _check_stored(rule, g, w, slots, h, layer, config=None, interpret=True):
+  from pallas_kernels.fused_wgrad import _apply_maybe_stacked
+  got_w, got_slots = pk.stored_g_update(g, w, slots, h, rule=rule,
+                                        layer=layer, config=config,
+                                        interpret=interpret)
+  ref_w, ref_slots = _apply_maybe_stacked(rule, g, w, slots, h, layer)
+  pick = (lambda a: a) if layer is None else (lambda a: a[layer])
+  news = ((got_w, ref_w, w, "w"),) if rule.updates_weight else ()
+  news += tuple(zip(got_slots, ref_slots, slots, rule.slots))
+  for got, ref, old, what in news:
+    assert got.shape == old.shape and got.dtype == old.dtype, what
+    if what == "w" and rule.name == "lion" and got.dtype == jnp.bfloat16:
+      # Lion steps W by lr * sign(c): where c rounds to ~0, the kernel's and
+      # XLA's roundings may take different signs (a step of 2 lr).
+      off = np.asarray(pick(got), np.float32) != np.asarray(pick(ref),
+                                                            np.float32)
+      assert off.mean() <= 1e-3, f"w: {int(off.sum())} of {off.size} differ"
+      continue
+    assert_close(pick(got), pick(ref), what=what)
+    assert_update_close(pick(got), pick(ref), pick(old), what=what)
+    assert not np.allclose(np.asarray(pick(got), np.float32),
+                           np.asarray(pick(old), np.float32)), what
+    if layer is not None:  # the other layers untouched, bit for bit
+      for i in range(old.shape[0]):
+        if i != layer:
+          np.testing.assert_array_equal(np.asarray(got[i], np.float32),
+                                        np.asarray(old[i], np.float32))
+  if not rule.updates_weight:
+    assert got_w is w
+  for got, ref in zip(got_slots[len(slots):], ref_slots[len(slots):]):
+    assert_close(got, ref, what="output")  # write-only outputs (mu_hat)
+
+
+@pytest.mark.parametrize("rule", STORED_RULES, ids=lambda r: r.name)
+@pytest.mark.parametrize("n_in,n_out,layers,layer", [
+    (70, 130, 3, 1), (5, 7, None, None), (33, 17, 2, 0), (64, 160, 4, 3)])
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(
+    jnp.dtype(t).name for t in d))
+def test_stored_g_update_is_the_rule_on_that_g(rule, n_in, n_out, layers,
+                                               layer, dtypes):
+  """The fused kernel's epilogue on a stored G (interpret mode) against the
+  rule as XLA code on the same G, for five families (one of them regime 2,
+  with a write-only output), stacked and not, odd shapes."""
+  g, w, slots = _stored_case(n_in + 7 * n_out, layers, n_in, n_out, dtypes,
+                             rule)
+  _check_stored(rule, g, w, slots, _stored_hparams(rule), layer)
+
+
+@pytest.mark.parametrize("config", [
+    pk.BlockConfig(16, 16, 16, group_in=3),
+    pk.BlockConfig(32, 64, 16, split_out=2, stream_state=True),
+    pk.BlockConfig(16, 128, 16, split_out=4, prefetch=True)],
+    ids=lambda c: autotune.config_label(c))
+def test_stored_g_update_tilings_agree(config):
+  g, w, slots = _stored_case(3, 3, 70, 130, DTYPES[0], pk.ADAMW)
+  _check_stored(pk.ADAMW, g, w, slots, adamw_hparams(), 2, config)
+
+
+def test_stored_default_tiling_fits_the_problem():
+  cfg = pk.BlockConfig.stored_default(4096, 4096)
+  assert (cfg.block_in, cfg.block_out, cfg.num_warps) == (32, 128, 4)
+  small = pk.BlockConfig.stored_default(5, 7)
+  assert (small.block_in, small.block_out) == (16, 16)
+
+
+@pytest.mark.parametrize("g_shape,w_shape,layer,exc,match", [
+    ((20, 25), (3, 20, 24), 1, ValueError, r"g must have the shape of one "
+     r"layer of w, \(20, 24\), got \(20, 25\)"),
+    ((20, 24), (20, 24), 0, ValueError, r"w must be a stack"),
+    ((20, 24), (3, 20, 24), 3, IndexError, "out of range"),
+    ((3, 20, 24), (3, 20, 24), 0, ValueError, "g must have the shape"),
+])
+def test_stored_g_update_bad_inputs_fail_clearly(g_shape, w_shape, layer, exc,
+                                                 match):
+  w = jnp.ones(w_shape)
+  with pytest.raises(exc, match=match):
+    pk.stored_g_update(jnp.ones(g_shape), w, (w, w), adamw_hparams(),
+                       rule=pk.ADAMW, layer=layer, interpret=True)
+  with pytest.raises(TypeError, match="g must have a floating dtype"):
+    pk.stored_g_update(jnp.ones((20, 24), jnp.int32), jnp.ones((20, 24)),
+                       (jnp.ones((20, 24)),) * 2, adamw_hparams(),
+                       rule=pk.ADAMW)
+
+
 def test_nesterov_rule_matches_reference():
   rule = pk.adamw_rule(nesterov=True)
   x, dy, w, slots = make_case(1, (37,), 70, 130, DTYPES[0])
@@ -461,6 +574,39 @@ def test_compiled_stacked_kernel_updates_the_stack_in_place_on_gpu():
   step = jax.jit(functools.partial(pk.fused_wgrad_update, rule=pk.ADAMW),
                  donate_argnums=(2, 3))
   new_w, new_slots = step(x, dy, w, slots, h, layer=jnp.int32(2))
+  assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs
+  assert_close(new_w, ref_w, what="w stack")
+  for got, ref in zip(new_slots, ref_slots):
+    assert_close(got, ref, what="slot stack")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", STORED_RULES[:3], ids=lambda r: r.name)
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(
+    jnp.dtype(t).name for t in d))
+def test_compiled_stored_g_update_matches_the_rule_on_gpu(rule, dtypes):
+  """Compiled: the default tiling (32x128) and a split one, on a ragged
+  stacked case and on an unstacked one."""
+  h = _stored_hparams(rule)
+  g, w, slots = _stored_case(5, 3, 300, 390, dtypes, rule)
+  _check_stored(rule, g, w, slots, h, 1, interpret=False)
+  _check_stored(rule, g, w, slots, h, 2, interpret=False,
+                config=pk.BlockConfig(64, 128, 16, split_out=2,
+                                      stream_state=True))
+  g, w, slots = _stored_case(6, None, 1024, 768, dtypes, rule)
+  _check_stored(rule, g, w, slots, h, None, interpret=False)
+
+
+@pytest.mark.gpu
+def test_compiled_stored_g_update_updates_the_stack_in_place_on_gpu():
+  g, w, slots = _stored_case(8, 4, 512, 384, DTYPES[1], pk.ADAMW)
+  h = adamw_hparams()
+  from pallas_kernels.fused_wgrad import _apply_maybe_stacked
+  ref_w, ref_slots = _apply_maybe_stacked(pk.ADAMW, g, w, slots, h, 2)
+  ptrs = [a.unsafe_buffer_pointer() for a in (w, *slots)]
+  step = jax.jit(functools.partial(pk.stored_g_update, rule=pk.ADAMW),
+                 donate_argnums=(1, 2))
+  new_w, new_slots = step(g, w, slots, h, layer=jnp.int32(2))
   assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs
   assert_close(new_w, ref_w, what="w stack")
   for got, ref in zip(new_slots, ref_slots):
