@@ -26,8 +26,9 @@
 #    (one process each at BT 512 and 2048) -> OUT/scan_paired.csv,
 #    scan_paired{512,2048}.png; then the scanned decoder (e2e.py --scan:
 #    forge_jax.ScannedBlocks vs flax's nn.scan(nn.remat) + optax.adamw, one
-#    process per cell, the fused arm at BT 512 and 2048; wgrad="xla" is
-#    slower there, see docs/benchmarks.md) -> OUT/e2e_scan.csv, .png
+#    process per cell, the fused arm and wgrad="xla" -- XLA's GEMM, then the
+#    kernel's epilogue on the stacks in place -- at BT 512 and 2048)
+#    -> OUT/e2e_scan.csv, .png
 # Every CSV row carries the device, the versions and p20/p50/p80. CSVs are
 # appended to: the e2e plot draws the newest row of each (arm, BT) in
 # OUT/e2e.csv, so give each suite run its own OUT.
@@ -88,9 +89,9 @@ if has scan; then
       --plot "$OUT/scan_paired$bt.png" || rc=1
   done
   "$PY" benchmarks/e2e.py --scan --out "$OUT/e2e_scan.csv" --bt 512 \
-    --arms optax forge --budget 90 || rc=1
+    --arms optax forge forge-xla --budget 120 || rc=1
   "$PY" benchmarks/e2e.py --scan --out "$OUT/e2e_scan.csv" --bt 2048 \
-    --arms optax forge --budget 100 || rc=1
+    --arms optax forge forge-xla --budget 140 || rc=1
   "$PY" benchmarks/e2e.py --out "$OUT/e2e_scan.csv" --replot \
     --plot "$OUT/e2e_scan.png" || rc=1
   echo "suite: scan part done at ${SECONDS}s"

@@ -210,7 +210,10 @@ def test_forge_dense_inside_nn_scan_is_refused_pointing_to_the_stack():
 @pytest.mark.parametrize("stack_update", ["layer", "slice"])
 def test_wgrad_picks_the_kernel_or_xla_in_the_stack(stack_update):
   """The stack's backward honours make_step's wgrad in both update modes:
-  one Pallas call in the scanned body (plus embed and head) or none."""
+  one fused kernel in the scanned body (plus embed and head), or none. With
+  "xla", stack_update="layer" updates the stacks with the epilogue alone
+  (`stored_g_update`: one Pallas call, no fused GEMM); "slice" steps the
+  copied-out slices with XLA code (no Pallas call)."""
   model = Model(True, stack_update=stack_update)
   x, y = data(steps=1)[0]
   variables = model.init(jax.random.key(0), x)
@@ -218,9 +221,13 @@ def test_wgrad_picks_the_kernel_or_xla_in_the_stack(stack_update):
   counts = {}
   for wgrad in ("fused", "xla"):
     step = forge_jax.make_step(mse(model), tx, wgrad=wgrad)
-    counts[wgrad] = str(jax.make_jaxpr(step)(
-        variables, tx.init(variables["params"]), (x, y))).count("pallas_call")
-  assert counts == {"fused": 3, "xla": 0}, counts
+    text = str(jax.make_jaxpr(step)(
+        variables, tx.init(variables["params"]), (x, y)))
+    counts[wgrad] = (text.count("pallas_call"),
+                     text.count("name=fused_wgrad_adamw"),
+                     text.count("name=stored_g_update_adamw"))
+  stored = int(stack_update == "layer")
+  assert counts == {"fused": (3, 3, 0), "xla": (stored, 0, stored)}, counts
 
 
 def test_unknown_stack_update_is_refused():
