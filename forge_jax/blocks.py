@@ -237,7 +237,8 @@ class ScannedBlocks(nn.Module):
   differentiated with its FORGE kernels held constant, and each FORGE Dense's
   stacked kernel and optimizer slots are then stepped at layer ``i`` in place
   (the fused kernel's epilogue; ``make_step(..., wgrad="xla")``: XLA's GEMM
-  and the rule on layer ``i``'s slices). No kernel gradient of any layer is
+  forms layer ``i``'s ``G``, then the same epilogue, ``stored_g_update``,
+  updates the layer in place). No kernel gradient of any layer is
   formed as a whole, and no gradient pool. Regime-1 families only (SGD ...
   Lion), as for ``forge_jax.ScannedDenseStack``, whose docstring says why.
   Each FORGE kernel's hyperparameters and weight-decay mask entry are those of

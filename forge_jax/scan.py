@@ -236,7 +236,9 @@ class ScannedDenseStack(nn.Module):
   ``stack_update`` says how the backward loop reaches layer ``i``'s kernel
   and slots: ``"layer"`` -- the fused kernel reads and writes them inside the
   carried stacks (``fused_wgrad_update(..., layer=i)``), nothing copied
-  (under ``make_step(..., wgrad="xla")`` XLA updates layer ``i``'s slices);
+  (under ``make_step(..., wgrad="xla")`` XLA's GEMM forms layer ``i``'s
+  ``G`` and the fused kernel's epilogue, ``stored_g_update``, updates the
+  layer in place);
   ``"slice"`` -- they are copied out of the stacks, stepped, and written back
   (one layer's W and slots of temporaries); ``"auto"`` (default) -- ``"layer"``
   on a GPU, ``"slice"`` in Pallas interpret mode (CPU), whose interpreter

@@ -203,16 +203,19 @@ def make_step(
     ``precision``), the family's elementwise update reads it, both inside
     the layer's backward
     (``pallas_kernels.unfused_wgrad_update``): that layer's ``G`` exists
-    for its update only. (Inside one jitted step XLA also schedules optax's
-    per-parameter update soon after its gradient, so the peak memory gained
-    over optax is small; see ``docs/benchmarks.md``.) For a GPU where the
-    fused kernel is slower than XLA's GEMM plus an elementwise update (the
-    H200, for AdamW) in unrolled layers: there it ties with optax. Not for
-    a ``ScannedDenseStack`` or ``ScannedBlocks``: on the H200 their steps
-    were 1.12x and 1.08x slower than ``nn.scan`` + optax at BT 512, where
-    the fused default was 0.92x and 0.95-0.96x (``docs/benchmarks.md``,
-    sessions 12-13). Regime-3 families (Adafactor,
-    SM3) form ``G`` in fp32 in the backward under either setting.
+    for its update only. In a ``ScannedDenseStack`` or ``ScannedBlocks``
+    (``stack_update="layer"``, a GPU) the update is the fused kernel's
+    epilogue on that ``G`` (``pallas_kernels.stored_g_update``), in place
+    in the stacks. (Inside one jitted step XLA also schedules optax's
+    per-parameter update soon after its gradient, so in unrolled layers the
+    peak memory gained over optax is small; see ``docs/benchmarks.md``.)
+    On the H200 (AdamW, bf16): in unrolled layers it ties with optax, where
+    the fused kernel is 1.06-1.09x slower; in scanned ones it is the
+    fastest setting, 0.87-0.91x ``nn.scan`` + optax's step at BT 512 and
+    0.91-0.96x at 2048, against the fused kernel's 0.91-0.97x and
+    1.02-1.03x (``docs/benchmarks.md``, session 14). Regime-3 families
+    (Adafactor, SM3) form ``G`` in fp32 in the backward under either
+    setting.
 
   Raises: ``TypeError`` if ``tx`` is not a forge_jax transform (an optax
   chain is not one; a regime-4 transform such as global-norm clipping cannot

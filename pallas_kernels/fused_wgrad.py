@@ -554,7 +554,12 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
                          layer=None, precision=None):
   """The same step as :func:`fused_wgrad_update`, unfused: XLA's GEMM forms
   ``G = x^T dy`` in memory and ``rule.apply`` (XLA's elementwise code)
-  consumes it.
+  consumes it -- or, for layer ``layer`` of stacks on a GPU,
+  :func:`stored_g_update` (the fused kernel's epilogue on that ``G``),
+  which updates the layer in place where XLA would copy each new slice into
+  its stack. In Pallas interpret mode (no GPU) the stacked case keeps
+  XLA's rule and a dynamic-update-slice per array: the interpreter copies
+  every operand, the whole stacks, once per grid program.
 
   ``G`` is formed as JAX's transpose of a ``Dense`` layer's dot forms the
   kernel's gradient (``dy^T x`` over every token axis, transposed), stored in
@@ -564,8 +569,10 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
   get fp32 products (``HIGHEST``, as in the fused kernel). For shapes where
   the fused kernel is slower than XLA's GEMM plus an elementwise update
   (``forge_jax.make_step(..., wgrad="xla")``); called inside a layer's
-  backward, ``G`` lives for that one call. Otherwise the same arguments and returns as
-  :func:`fused_wgrad_update`, without ``config`` and ``interpret``.
+  backward, ``G`` lives for that one call. Otherwise the same arguments and
+  returns as :func:`fused_wgrad_update`, without ``config`` and
+  ``interpret`` (the stacked kernel takes :meth:`BlockConfig.stored_default`
+  and runs compiled).
   """
   x, dy, w, slots = _checked_inputs(x, dy, w, slots, hparams, rule, layer)
   # G as JAX's transpose of the layer's dot forms it -- dy^T x over every
@@ -576,13 +583,14 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
   g = lax.dot_general(dy, x, ((tokens, tokens), ((), ())),
                       precision=precision,
                       preferred_element_type=x.dtype).T
-  if layer is not None:
+  if layer is not None and not default_interpret():
     # Layer `layer` of the stacks, in place: the fused kernel's epilogue on
     # the stored G. (XLA's elementwise rule plus a dynamic-update-slice per
     # array copied every new slice into its stack once more: +12 bytes per
     # weight, 1.08-1.13x optax's step on the scanned decoder, run 66.)
-    return stored_g_update(g, w, slots, hparams, rule=rule, layer=layer)
-  return rule.apply(g, w, slots, hparams)
+    return stored_g_update(g, w, slots, hparams, rule=rule, layer=layer,
+                           interpret=False)
+  return _apply_maybe_stacked(rule, g, w, slots, hparams, layer)
 
 
 def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
@@ -602,19 +610,20 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   :meth:`BlockConfig.stored_default`. Otherwise the arguments and returns
   of :func:`fused_wgrad_update`.
   """
-  slots = tuple(slots)
+  g, w = jnp.asarray(g), jnp.asarray(w)
+  slots = tuple(jnp.asarray(a) for a in slots)
   _float_dtype_check("g", g)
-  n_in, n_out = w.shape[-2:] if getattr(w, "ndim", 0) >= 2 else (None, None)
-  if getattr(g, "shape", None) != (n_in, n_out):
+  if w.ndim < 2:
+    raise ValueError(f"w must be 2-D (in, out), got shape {w.shape}")
+  n_in, n_out = w.shape[-2:]
+  if g.shape != (n_in, n_out):
     raise ValueError(f"g must have the shape of one layer of w, "
-                     f"{(n_in, n_out)}, got {getattr(g, 'shape', None)}")
+                     f"{(n_in, n_out)}, got {g.shape}")
   # x, dy stand-ins of the right widths: the shared checks (w, slots,
   # hparams, layer) need them.
   _check_inputs(jax.ShapeDtypeStruct((1, n_in), g.dtype),
                 jax.ShapeDtypeStruct((1, n_out), g.dtype), w, slots, hparams,
                 rule, layer)
-  g, w = jnp.asarray(g), jnp.asarray(w)
-  slots = tuple(jnp.asarray(a) for a in slots)
   if layer is not None:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   if interpret is None:

@@ -386,7 +386,7 @@ def test_blocks_step_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert text.count("tf.aliasing_output") == 7
 
 
-def _blocks_step_compiled(forge, layers, n, bt, dtype):
+def _blocks_step_compiled(forge, layers, n, bt, dtype, wgrad="fused"):
   model = _plain_blocks(forge, layers, n, dtype)
   x = jnp.ones((bt, n), dtype)
   variables = model.init(jax.random.key(0), x)
@@ -394,7 +394,7 @@ def _blocks_step_compiled(forge, layers, n, bt, dtype):
   tx = make(1e-3, mu_dtype=dtype)
   opt_state = tx.init(variables["params"])
   loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
-  step = (forge_jax.make_step(loss_fn, tx) if forge
+  step = (forge_jax.make_step(loss_fn, tx, wgrad=wgrad) if forge
           else reference_step(loss_fn, tx))
   jitted = jax.jit(step, donate_argnums=(0, 1))
   compiled = jitted.lower(variables, opt_state, x).compile()
@@ -402,12 +402,19 @@ def _blocks_step_compiled(forge, layers, n, bt, dtype):
 
 
 @pytest.mark.gpu
-def test_scanned_blocks_have_no_gradient_pool_on_gpu():
+@pytest.mark.parametrize("wgrad", ["fused", "xla"])
+def test_scanned_blocks_have_no_gradient_pool_on_gpu(wgrad):
+  """The pool saved and the stacks updated in place, with either wgrad
+  ("xla": XLA's GEMM, then stored_g_update on the stacks); no stack-sized
+  copy inside the compiled step's loops."""
+  from benchmarks import hlo_schedule
   layers, n, bt = 8, 2048, 512
   pool = layers * 2 * (2 * n * n) * 2  # up + down kernels, bf16
-  forge, run = _blocks_step_compiled(True, layers, n, bt, jnp.bfloat16)
+  forge, run = _blocks_step_compiled(True, layers, n, bt, jnp.bfloat16,
+                                     wgrad)
   ref, _ = _blocks_step_compiled(False, layers, n, bt, jnp.bfloat16)
   assert_pool_saved_in_place(forge, ref, run, pool)
+  assert hlo_schedule.loop_copies(forge.as_text(), n * 2 * n * 2) == []
 
 
 @pytest.mark.gpu

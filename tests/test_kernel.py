@@ -242,6 +242,18 @@ def test_stored_g_update_is_the_rule_on_that_g(rule, n_in, n_out, layers,
   _check_stored(rule, g, w, slots, _stored_hparams(rule), layer)
 
 
+@pytest.mark.parametrize("dtypes", [
+    (jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32),  # bf16 G, fp32 W
+    (jnp.float16, jnp.float16, jnp.float16, jnp.float16),
+    (jnp.float32, jnp.bfloat16, jnp.bfloat16, jnp.float32)],
+    ids=["g-bf16-w-f32", "f16", "g-f32-w-bf16"])
+def test_stored_g_update_mixed_dtypes(dtypes):
+  """G's dtype need not be W's (fp32 parameters computed in bf16 give a
+  bf16 G): it is read in fp32 either way."""
+  g, w, slots = _stored_case(4, 3, 37, 150, dtypes, pk.ADAMW)
+  _check_stored(pk.ADAMW, g, w, slots, adamw_hparams(), 0)
+
+
 @pytest.mark.parametrize("config", [
     pk.BlockConfig(16, 16, 16, group_in=3),
     pk.BlockConfig(32, 64, 16, split_out=2, stream_state=True),
@@ -265,6 +277,7 @@ def test_stored_default_tiling_fits_the_problem():
     ((20, 24), (20, 24), 0, ValueError, r"w must be a stack"),
     ((20, 24), (3, 20, 24), 3, IndexError, "out of range"),
     ((3, 20, 24), (3, 20, 24), 0, ValueError, "g must have the shape"),
+    ((20, 24), (24,), None, ValueError, r"w must be 2-D \(in, out\)"),
 ])
 def test_stored_g_update_bad_inputs_fail_clearly(g_shape, w_shape, layer, exc,
                                                  match):
@@ -276,6 +289,11 @@ def test_stored_g_update_bad_inputs_fail_clearly(g_shape, w_shape, layer, exc,
     pk.stored_g_update(jnp.ones((20, 24), jnp.int32), jnp.ones((20, 24)),
                        (jnp.ones((20, 24)),) * 2, adamw_hparams(),
                        rule=pk.ADAMW)
+  # Nested lists and NumPy arrays are arrays like any other.
+  w2 = np.ones((2, 3), np.float32)
+  new_w, _ = pk.stored_g_update([[1.0] * 3] * 2, w2, (w2, w2),
+                                adamw_hparams(), rule=pk.ADAMW, interpret=True)
+  assert new_w.shape == (2, 3)
 
 
 def test_nesterov_rule_matches_reference():

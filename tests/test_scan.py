@@ -208,16 +208,21 @@ def test_forge_dense_inside_nn_scan_is_refused_pointing_to_the_stack():
 
 
 @pytest.mark.parametrize("stack_update", ["layer", "slice"])
-def test_wgrad_picks_the_kernel_or_xla_in_the_stack(stack_update):
+def test_wgrad_picks_the_kernel_or_xla_in_the_stack(stack_update,
+                                                    monkeypatch):
   """The stack's backward honours make_step's wgrad in both update modes:
   one fused kernel in the scanned body (plus embed and head), or none. With
   "xla", stack_update="layer" updates the stacks with the epilogue alone
   (`stored_g_update`: one Pallas call, no fused GEMM); "slice" steps the
   copied-out slices with XLA code (no Pallas call)."""
+  import pallas_kernels.fused_wgrad as fw
   model = Model(True, stack_update=stack_update)
   x, y = data(steps=1)[0]
   variables = model.init(jax.random.key(0), x)
   tx = forge_jax.adamw(1e-3)
+  # As on a GPU (a jaxpr only, nothing lowered): in interpret mode the
+  # stacked xla path keeps XLA's rule (test below).
+  monkeypatch.setattr(fw, "default_interpret", lambda: False)
   counts = {}
   for wgrad in ("fused", "xla"):
     step = forge_jax.make_step(mse(model), tx, wgrad=wgrad)
@@ -228,6 +233,20 @@ def test_wgrad_picks_the_kernel_or_xla_in_the_stack(stack_update):
                      text.count("name=stored_g_update_adamw"))
   stored = int(stack_update == "layer")
   assert counts == {"fused": (3, 3, 0), "xla": (stored, 0, stored)}, counts
+
+
+def test_interpret_mode_keeps_xla_rule_for_the_stacked_xla_path():
+  """Without a GPU, wgrad="xla" with stack_update="layer" steps the layer
+  with XLA's rule (no Pallas call): the Pallas interpreter would copy the
+  whole stacks once per grid program (review, session 14: 60x slower)."""
+  model = Model(True, stack_update="layer")
+  x, y = data(steps=1)[0]
+  variables = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-3)
+  step = forge_jax.make_step(mse(model), tx, wgrad="xla")
+  text = str(jax.make_jaxpr(step)(variables, tx.init(variables["params"]),
+                                  (x, y)))
+  assert text.count("pallas_call") == 0
 
 
 def test_unknown_stack_update_is_refused():
@@ -302,9 +321,10 @@ class _PlainStack(nn.Module):
     return reference_stack(self.n, self.layers, "stack", **kw)(x, None)[0]
 
 
-def stack_step_compiled(forge, layers, n, bt, dtype):
+def stack_step_compiled(forge, layers, n, bt, dtype, wgrad="fused"):
   jitted, compiled, args = compiled_adamw_step(
-      _PlainStack(forge, n, layers, dtype), jnp.ones((bt, n), dtype), forge)
+      _PlainStack(forge, n, layers, dtype), jnp.ones((bt, n), dtype), forge,
+      wgrad=wgrad)
   return compiled, (jitted, *args)
 
 
@@ -369,12 +389,18 @@ def test_stack_step_lowers_for_cuda_without_a_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_scanned_stack_has_no_gradient_pool_on_gpu():
+@pytest.mark.parametrize("wgrad", ["fused", "xla"])
+def test_scanned_stack_has_no_gradient_pool_on_gpu(wgrad):
+  """The pool saved and the stacks updated in place, with either wgrad
+  ("xla": XLA's GEMM, then stored_g_update on the stacks); no stack-sized
+  copy inside the compiled step's loops."""
+  from benchmarks import hlo_schedule
   layers, n, bt = 16, 4096, 512
   pool = layers * n * n * 2
-  forge, run = stack_step_compiled(True, layers, n, bt, jnp.bfloat16)
+  forge, run = stack_step_compiled(True, layers, n, bt, jnp.bfloat16, wgrad)
   ref, _ = stack_step_compiled(False, layers, n, bt, jnp.bfloat16)
   assert_pool_saved_in_place(forge, ref, run, pool)
+  assert hlo_schedule.loop_copies(forge.as_text(), n * n * 2) == []
 
 
 @pytest.mark.gpu
