@@ -120,6 +120,7 @@ TORCH_ADAMW = UpdateRule(
     hparams=("decay", "one_minus_b1", "b2", "one_minus_b2", "bc2_sqrt", "eps",
              "neg_step_size"),
     update=_torch_adamw_update,
+    tuned_as="adamw",  # optax's AdamW tilings (the same state, like work)
 )
 
 
@@ -321,7 +322,10 @@ def _adam_rule(amsgrad: bool, cuda_fused: bool) -> UpdateRule:
       name=_name("adam", amsgrad=amsgrad, cuda_fused=cuda_fused),
       slots=("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad
                                          else ()),
-      hparams=hparams, update=update)
+      hparams=hparams, update=update,
+      # optax's AdamW tilings, for the same two moments (amsgrad's third
+      # slot is more state than they were tuned for).
+      tuned_as=None if amsgrad else "adamw")
 
 
 @functools.lru_cache(maxsize=None)

@@ -243,7 +243,8 @@ class Linear(nn.Linear):
     block_config: tiling of the fused kernel (``pallas_kernels.BlockConfig``);
       when ``None``, ``pallas_kernels.select_config``'s: a cached winner for
       this rule, GPU and shape if a cache file has one (the shipped cache
-      holds forge_jax AdamW's only, so the torch rules take the heuristic
+      holds forge_jax AdamW's only, which torch's AdamW and Adam rules take,
+      ``UpdateRule.tuned_as``; the other torch rules take the heuristic
       ``BlockConfig.compiled_default``).
 
   Each managed layer may run once per optimizer step (one forward, one

@@ -239,15 +239,20 @@ def lookup(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
            paths: Sequence[str] | None = None) -> BlockConfig | None:
   """The cached tuned config for this problem on ``device_kind``, or ``None``.
 
-  Tries the rule's own entry, then an ``"any"``-rule entry, in each file of
-  ``paths`` (default :func:`cache_paths`). ``device_kind=None`` means the
-  current device, and on a CPU (or anything but a GPU) nothing matches.
+  Tries the rule's own entry, then (an :class:`UpdateRule` with
+  ``tuned_as``) that rule's entry, then an ``"any"``-rule entry, in each
+  file of ``paths`` (default :func:`cache_paths`). ``device_kind=None``
+  means the current device, and on a CPU (or anything but a GPU) nothing
+  matches.
   """
   if device_kind is None:
     device_kind = current_device_kind()
     if device_kind is None:
       return None
   keys = [cache_key(rule, bt, n_in, n_out, w_dtype, slot_dtypes)]
+  tuned_as = getattr(rule, "tuned_as", None)
+  if tuned_as is not None:
+    keys.append(cache_key(tuned_as, bt, n_in, n_out, w_dtype, slot_dtypes))
   if _rule_name(rule) != ANY_RULE:
     keys.append(cache_key(None, bt, n_in, n_out, w_dtype, slot_dtypes))
   for path in (cache_paths() if paths is None else paths):

@@ -81,6 +81,13 @@ class UpdateRule:
       not). Every rule here has them 0 (no rounding code at all);
       forge_jax sets 1 with :meth:`with_static` where optax rounds. The
       storage dtypes reach the update through :meth:`unpack`.
+    tuned_as: the name of a rule whose autotuned tilings this one takes
+      where the cache holds none of its own
+      (:func:`pallas_kernels.autotune.lookup`), for a rule whose kernel
+      moves the same state as that rule's and does about the same
+      arithmetic: the Adam variants and torch's Adam/AdamW formulas take
+      ``"adamw"``'s (the only family tuned). ``None``: its own entries and
+      ``"any"`` ones only.
   """
 
   name: str
@@ -91,8 +98,13 @@ class UpdateRule:
   outputs: tuple[str, ...] = ()
   defaults: tuple[tuple[str, str], ...] = ()
   static: tuple[tuple[str, float], ...] = ()
+  tuned_as: str | None = None
 
   def __post_init__(self):
+    if self.tuned_as is not None and (not isinstance(self.tuned_as, str)
+                                      or self.tuned_as == self.name):
+      raise ValueError(f"rule {self.name!r}: tuned_as must name another "
+                       f"rule, got {self.tuned_as!r}")
     if len(self.hparams) > HPARAM_VECTOR_LEN:
       raise ValueError(
           f"rule {self.name!r} has {len(self.hparams)} hyperparameters; at most"
@@ -393,7 +405,7 @@ def adam_rule(nesterov: bool = False) -> UpdateRule:
   return UpdateRule(name=_suffix("adam", nesterov=nesterov),
                     slots=("mu", "nu"), hparams=_ADAM_HPARAMS, update=update,
                     defaults=_ADAM_DEFAULTS,
-                    static=_ADAM_STATIC)
+                    static=_ADAM_STATIC, tuned_as="adamw")
 
 
 def adamw_rule(nesterov: bool = False) -> UpdateRule:
@@ -420,6 +432,7 @@ def adamw_rule(nesterov: bool = False) -> UpdateRule:
       defaults=_ADAM_DEFAULTS,
       static=_ADAM_STATIC,
       update=update,
+      tuned_as="adamw" if nesterov else None,
   )
 
 

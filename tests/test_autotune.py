@@ -155,6 +155,60 @@ def test_lookup_hits_the_h200_winners():
                                split_out=2)
 
 
+def _tuned_lookup(rule):
+  slots = (jnp.bfloat16,) * len(rule.slots)
+  return autotune.lookup(512, 2048, 1024, jnp.bfloat16, slots, rule,
+                         device_kind="NVIDIA H200")
+
+
+def test_rules_tuned_as_adamw_take_its_winners():
+  """Rules with AdamW's state and like work (optax's Adam variants) take the
+  cached AdamW tilings where they have none of their own; Lion and SGD do
+  not."""
+  want = _tuned_lookup(pk.ADAMW)
+  assert want is not None
+  for rule in (pk.adam_rule(), pk.adam_rule(nesterov=True),
+               pk.adamw_rule(nesterov=True), pk.ADAMW.with_static(round_mu=1.0)):
+    assert _tuned_lookup(rule) == want, rule.name
+  for rule in (pk.lion_rule(), pk.sgd_rule(momentum=True)):
+    assert _tuned_lookup(rule) is None, rule.name
+
+
+def test_torch_adam_rules_take_adamws_winners():
+  """forge_torch's AdamW and Adam formulas (its own rule names) take them
+  too; amsgrad (a third slot) does not."""
+  pytest.importorskip("torch")
+  from forge_torch import _rules as torch_rules
+  want = _tuned_lookup(pk.ADAMW)
+  for rule in (torch_rules.TORCH_ADAMW, torch_rules.adam_rule(False),
+               torch_rules.adam_rule(False, cuda_fused=True)):
+    assert _tuned_lookup(rule) == want, rule.name
+  assert _tuned_lookup(torch_rules.adam_rule(True)) is None
+
+
+def test_a_rules_own_entry_wins_over_its_tuned_as(tmp_path):
+  own = pk.BlockConfig(32, 64, 16, 1, 4, 2)
+  key = autotune.cache_key("adam", 512, 2048, 1024, jnp.bfloat16, BF16)
+  path = tmp_path / "cache.json"
+  path.write_text(json.dumps({"format": 1, "devices": {"NVIDIA H200": {
+      "entries": {key: {"config": dataclasses.asdict(own)}}}}}))
+  autotune.clear_cache()
+  try:
+    found = autotune.lookup(512, 2048, 1024, jnp.bfloat16, BF16,
+                            pk.adam_rule(), device_kind="NVIDIA H200",
+                            paths=[str(path)] + autotune.cache_paths())
+  finally:
+    autotune.clear_cache()
+  assert found == own
+
+
+def test_tuned_as_must_name_another_rule():
+  with pytest.raises(ValueError, match="tuned_as must name another rule"):
+    dataclasses.replace(pk.ADAMW, tuned_as="adamw")
+  with pytest.raises(ValueError, match="tuned_as must name another rule"):
+    dataclasses.replace(pk.ADAMW, tuned_as=3)
+
+
 @pytest.mark.parametrize("case", [
     dict(bt=512, n_in=4096, n_out=4097),          # unknown shape
     dict(bt=8192),                                 # BT bucket not tuned
