@@ -493,6 +493,39 @@ def test_every_shipped_tiling_matches_the_reference_on_gpu(dtypes):
                             config=cfg, interpret=False)
 
 
+def _tuned_as_adamw_rules():
+  rules = [pk.adam_rule(), pk.adam_rule(nesterov=True),
+           pk.adamw_rule(nesterov=True)]
+  try:
+    import torch  # noqa: F401
+  except ImportError:
+    return rules
+  from forge_torch import _rules as torch_rules
+  return rules + [torch_rules.TORCH_ADAMW, torch_rules.adam_rule(False),
+                  torch_rules.adam_rule(False, cuda_fused=True)]
+
+
+def test_every_shipped_tiling_lowers_for_the_rules_tuned_as_adamw():
+  """The rules that take AdamW's cached tilings (tuned_as) go through
+  Triton's lowering with each of them (deviceless, on the CPU)."""
+  from tests.harness import lower_for_cuda, triton_calls
+  configs = sorted(set(autotune.load(autotune.SHIPPED_CACHE)["configs"].values()),
+                   key=autotune.config_label)
+  S = jax.ShapeDtypeStruct
+  b16 = jnp.bfloat16
+  for rule in _tuned_as_adamw_rules():
+    assert rule.tuned_as == "adamw", rule.name
+    for cfg in configs:
+      step = lambda x, dy, w, h, m, v, rule=rule, cfg=cfg: (
+          pk.fused_wgrad_update(x, dy, w, (m, v), h, rule=rule, config=cfg,
+                                interpret=False))
+      text = lower_for_cuda(step, S((300, 520), b16), S((300, 390), b16),
+                            S((520, 390), b16),
+                            S((pk.HPARAM_VECTOR_LEN,), jnp.float32),
+                            S((520, 390), b16), S((520, 390), b16))
+      assert len(triton_calls(text)) == 1, (rule.name, cfg)
+
+
 # --- malformed cache files and CLI values (review, session 6) -----------------
 
 
