@@ -391,15 +391,7 @@ class ScannedBlocks(nn.Module):
       with _context.block_tap(plain):
         return self._scanned(x)
     spec = ctx.spec
-    if spec is None or spec.regime != 1:
-      family = getattr(spec, "family", None)
-      raise ValueError(
-          f"{where}: the in-place stacked path supports regime-1 families "
-          f"only (got {family!r}, regime {getattr(spec, 'regime', None)}). "
-          "optax applies LAMB's trust ratio, Muon's orthogonalisation and "
-          "regime-3 statistics to the whole stacked (L, in, out) leaf, which "
-          "a per-layer update cannot reproduce. Give this module fused=False "
-          "(standard optax path).")
+    _scan.require_regime_1(where, spec, "module")
     missing = [_full(path, p) for p in forge if _full(path, p) not in ctx.inputs]
     if missing:
       raise RuntimeError(

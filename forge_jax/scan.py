@@ -93,6 +93,20 @@ def check_stack_settings(where: str, num_layers, stack_update) -> None:
                      "'auto', 'layer' or 'slice'")
 
 
+def require_regime_1(where: str, spec, what: str) -> None:
+  """A scanned stack steps each layer of a stacked leaf on its own: refuses
+  a family whose update reads the whole leaf (regime 2 or 3)."""
+  if spec is None or spec.regime != 1:
+    family = getattr(spec, "family", None)
+    raise ValueError(
+        f"{where}: the in-place stacked path supports regime-1 families "
+        f"only (got {family!r}, regime {getattr(spec, 'regime', None)}). "
+        "optax applies LAMB's trust ratio, Muon's orthogonalisation and "
+        "regime-3 statistics to the whole stacked (L, in, out) leaf, which "
+        f"a per-layer update cannot reproduce. Give this {what} fused=False "
+        "(standard optax path).")
+
+
 def updates_in_place(stack_update: str) -> bool:
   """``stack_update`` resolved: ``"auto"`` is ``"layer"`` on a GPU and
   ``"slice"`` in Pallas interpret mode."""
@@ -311,15 +325,8 @@ class ScannedDenseStack(nn.Module):
       return self._scanned(x)
 
     spec = ctx.spec
-    if spec is None or spec.regime != 1:
-      family = getattr(spec, "family", None)
-      raise ValueError(
-          f"forge_jax.ScannedDenseStack at {name!r}: the in-place stacked "
-          f"path supports regime-1 families only (got {family!r}, regime "
-          f"{getattr(spec, 'regime', None)}). optax applies LAMB's trust "
-          "ratio, Muon's orthogonalisation and regime-3 statistics to the "
-          "whole stacked (L, in, out) leaf, which a per-layer update cannot "
-          "reproduce. Give this stack fused=False (standard optax path).")
+    require_regime_1(f"forge_jax.ScannedDenseStack at {name!r}", spec,
+                     "stack")
     if path not in ctx.inputs:
       raise RuntimeError(
           f"forge_jax.ScannedDenseStack at {name!r} was not seen when the "

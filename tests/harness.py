@@ -108,11 +108,16 @@ def triton_calls(text: str) -> list[str]:
   return [l for l in text.splitlines() if "xla.gpu.triton" in l]
 
 
-def assert_pool_saved_in_place(forge_compiled, ref_compiled, run, pool):
+def assert_pool_saved_in_place(forge_compiled, ref_compiled, run, pool,
+                               stack_bytes):
   """A scanned FORGE step against flax's scan + optax: its compiled
   temporaries are at least 0.9 x the gradient ``pool`` (bytes) below the
-  reference's, and running it (``run = (jitted, variables, opt_state, x)``)
-  returns the donated params, mu and nu in their own buffers."""
+  reference's, no array of ``stack_bytes`` or more is copied inside a
+  while-loop body of the compiled step, and running it (``run = (jitted,
+  variables, opt_state, x)``) returns the donated params, mu and nu in their
+  own buffers."""
+  from benchmarks import hlo_schedule
+  assert hlo_schedule.loop_copies(forge_compiled.as_text(), stack_bytes) == []
   jitted, variables, opt_state, x = run
   temp = forge_compiled.memory_analysis().temp_size_in_bytes
   ref_temp = ref_compiled.memory_analysis().temp_size_in_bytes
