@@ -1,18 +1,17 @@
 """Per-family step time at one Llama-8B shape: fused vs XLA's unfused pair.
 
-    ./dev.sh python benchmarks/families.py --out out/bench/families.csv
+    ./dev.sh python -m benchmarks.families --out out/bench/families.csv
 
-For every regime-1 rule (one kernel body, per-family epilogue) it times the
-fused kernel against `jnp.dot(x.T, dy)` (bf16 G) + the same rule applied
-elementwise by XLA, side by side, bf16 W and state, default tiling.
+For every regime-1 rule of the family registry (`pallas_kernels.families`;
+one kernel body, per-family epilogue) it times the fused kernel against
+`jnp.dot(x.T, dy)` (bf16 G) + the same rule applied elementwise by XLA, side
+by side, bf16 W and state, default tiling.
 """
 
 import argparse
-import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 import jax
@@ -21,14 +20,9 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from benchmarks import common
 
-RULES = {
-    "sgd": pk.sgd_rule(), "sgd_momentum": pk.sgd_rule(momentum=True),
-    "adagrad": pk.adagrad_rule(), "rmsprop": pk.rmsprop_rule(),
-    "rmsprop_centered": pk.rmsprop_rule(centered=True),
-    "adam": pk.adam_rule(), "adamw": pk.adamw_rule(),
-    "nadam": pk.adam_rule(nesterov=True), "adamax": pk.adamax_rule(),
-    "radam": pk.radam_rule(), "lion": pk.lion_rule(),
-}
+# Every registered regime-1 rule and its named variants (the registry's
+# order), by family or variant name.
+RULES = pk.families.optax_rules(regimes=(1,))
 
 
 def main(argv=None):

@@ -917,13 +917,11 @@ def sm3(learning_rate: float, momentum: float = 0.9) -> ForgeTransformation:
 
 # --- What forge_jax does not fuse ----------------------------------------------
 
-# pallas_kernels family name -> the forge_jax transform that implements it.
-IMPLEMENTED = {
-    "sgd": "sgd", "sgd_momentum": "sgd", "adagrad": "adagrad",
-    "rmsprop": "rmsprop", "adam": "adam", "adamw": "adamw",
-    "adamax": "adamax", "nadam": "nadam", "radam": "radam", "lion": "lion",
-    "lamb": "lamb", "muon": "muon", "adafactor": "adafactor", "sm3": "sm3",
-}
+# pallas_kernels family name -> the forge_jax transform that implements it
+# (the registry's optax transform of that family, wrapped under its name).
+IMPLEMENTED = {name: family.optax
+               for name, family in pallas_kernels.families.REGISTRY.items()
+               if family.optax is not None}
 
 
 def refuse_reason(family: str) -> Optional[str]:

@@ -1,117 +1,17 @@
 """DLPack bridge: runs ``pallas_kernels.fused_wgrad_update`` on torch tensors.
 
-torch and JAX share the tensors through DLPack (``jax.dlpack.from_dlpack``;
-``jax.Array.__dlpack__`` / ``torch.from_dlpack`` back); nothing is converted
-through host memory.
+torch and JAX share the tensors through DLPack, never through host memory.
+On the GPU the jitted call donates the weight and its slots, which the kernel
+aliases to its outputs: it writes the torch tensors' own memory (a
+:class:`ViewCache` keeps those views for the next call). An output that does
+not alias is copied back with ``tensor.copy_`` and counted in :data:`STATS`;
+on the CPU (Pallas interpret mode) every result is copied back.
 
-* **GPU.** The JAX call is jitted with the weight and its state donated, and
-  the kernel aliases them to its outputs (``input_output_aliases``), so the
-  fused kernel writes the torch tensors' own memory. After the call the
-  bridge checks ``unsafe_buffer_pointer()`` of each JAX output against the
-  torch tensor's ``data_ptr()``; any output that does not alias (XLA declined
-  the donation) is copied back with ``tensor.copy_`` and counted in
-  :data:`STATS` (``copied``), so a lost zero-copy is visible, never silent.
-* **CPU** (CI). The kernel runs in Pallas interpret mode; XLA's CPU client does
-  not alias donated DLPack imports, so nothing is donated and the results
-  (the weight and each state slot of the rule, e.g. ``exp_avg`` and
-  ``exp_avg_sq`` for Adam) are copied back: one extra pass per state tensor
-  over the weight's bytes per layer and step. There are no streams on the
-  CPU: the sync mode below does not apply.
-
-Streams (CUDA)
---------------
-
-The kernel must (a) not read ``x``/``dy`` or overwrite ``w`` before the work
-torch queued for them has run -- the producers of ``grad_output`` and of the
-layer input, and ``grad_input = grad_output @ W``, which must read the
-*pre-update* ``W`` and is queued (``forge_torch/linear.py``) just before the
-fused update -- and (b) torch must not read ``w``/the moments, nor reuse the
-memory of ``x``/``dy``, before the kernel is done. :func:`set_sync_mode`
-picks how (environment default: ``FORGE_TORCH_SYNC``, else ``"stream"``):
-
-``"host"``
-  ``torch.cuda.current_stream().synchronize()`` before JAX imports anything
-  and ``jax.block_until_ready`` on the results: two host synchronisations per
-  managed layer per step. Correct for any streams either side uses; the GPU
-  idles while the host catches up (the original bridge).
-
-``"stream"`` (default)
-  GPU-side stream ordering through DLPack's own stream handshake; the host
-  never waits for the GPU:
-
-  1. *torch -> JAX.* ``jax.dlpack.from_dlpack(t)`` (``jax/_src/dlpack.py``,
-     ``from_dlpack``; identical in jax 0.11.0 and 0.12) passes
-     ``stream = device.get_stream_for_external_ready_events()`` -- an XLA
-     stream of JAX's ("external ready events" stream,
-     ``PjRtStreamExecutorDevice::GetStreamForExternalReadyEvents``) -- to
-     ``t.__dlpack__(stream=...)``. torch (``torch/_tensor.py``,
-     ``Tensor.__dlpack__``; its integer-stream branch reads the same in
-     2.14.1 and in the older versions checked) wraps it as
-     ``torch.cuda.ExternalStream`` and, at that moment, records an event on
-     ``torch.cuda.current_stream()`` and makes JAX's stream wait on it
-     (``stream.wait_event``: ``cudaStreamWaitEvent``, GPU-side). jaxlib
-     (``jaxlib/dlpack.cc``, ``DLPackManagedTensorToBuffer`` ->
-     ``MakePjrtBuffer`` -> ``CreateViewOfDeviceBuffer(..., stream)``; the
-     CUDA plugin forwards ``stream`` through the PJRT C API,
-     ``PjRtCApiClient::CreateViewOfDeviceBuffer``) makes the view's
-     *definition event* an event recorded on that same stream
-     (``PjRtStreamExecutorClient::CreateViewOfDeviceBuffer``:
-     ``GetStreamFromExternalStream(stream)`` + ``AllocateAndRecordEvent``),
-     and an execution waits (GPU-side) for the definition events of its
-     arguments on its compute stream. So the kernel runs after everything
-     torch had queued on its current stream *when the tensor was imported*.
-     The bridge imports ``x``, ``dy``, ``w`` and the slots inside this call,
-     i.e. after linear.py queued the ``grad_input`` GEMM, so that GEMM reads
-     the old ``W`` before the kernel overwrites it. This is also why the
-     bridge never caches JAX views across calls: a view imported earlier
-     carries an earlier event and would not order the kernel after later
-     torch work.
-  2. *JAX -> torch.* For every result, ``out.__dlpack__(stream=s)`` with
-     ``s`` torch's current stream (``1``, CUDA's legacy default stream, when
-     torch uses it, as ``torch.from_dlpack`` passes), and the capsule is
-     dropped unconsumed. jaxlib (``BufferToDLPackManagedTensor``) then calls
-     ``ExternalReference::WaitUntilBufferReadyOnStream(s)`` (without a stream
-     it would block the host instead: ``AwaitBuffersReady``); through the C
-     API's stream extension (``PJRT_Wait_Until_Buffer_Ready_On_Stream``) this
-     is ``TrackedDeviceBuffer::WaitUntilBufferReadyOnStream`` ->
-     ``BufferSequencingEvent::WaitForEventOnExternalStream``, which waits on
-     the host only until the kernel's completion event has been *recorded*
-     (the launch was enqueued), then ``cuStreamWaitEvent(s, event)``:
-     GPU-side. torch's stream is thereby ordered after the kernel, and all
-     later torch work on it (reading the new ``W``, the next layer's
-     backward, the next forward) too.
-  3. *Lifetimes.* The JAX views release their torch references when they are
-     deleted, which may be before the kernel ran; torch's caching allocator
-     could then hand the memory of ``x``/``dy`` (or of a contiguous copy made
-     here) to new torch work while the kernel still reads it. The bridge
-     holds every torch tensor it handed to JAX until step 2 has queued the
-     wait on torch's stream, so torch's reuse of that memory (blocks are
-     reused on their allocation stream, i.e. after the wait) is ordered after
-     the kernel; and it calls ``record_stream(current stream)`` on each, so a
-     tensor allocated on another stream is not reused before torch's current
-     stream has passed the kernel either (a no-op for tensors allocated on
-     the current stream).
-
-  Stream mode covers torch's *current* stream, as host mode does: work on
-  other torch streams must be ordered with it by the caller, as torch itself
-  requires. If a piece is missing -- the JAX device has no external-ready
-  stream (``get_stream_for_external_ready_events`` fails: JAX would then not
-  wait for torch), the buffer-to-stream wait is unimplemented, or JAX runs
-  its opt-in TFRT GPU client (``XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT``;
-  its ``CreateViewOfDeviceBuffer`` ignores the stream in the XLA sources
-  read) -- the bridge warns once
-  and uses host mode from then on (the call at hand is completed with host
-  synchronisations), never silently unordered.
-
-The copy-back path (donation declined) still synchronises torch's stream
-after the copies: the JAX results must outlive the copies that read them.
-
-(Sources: jax at tag jax-v0.11.0 -- the H200 runs 0.11.2 with the
-jax-cuda13 PJRT plugin, whose default client is the StreamExecutor one,
-``jaxlib/xla_client.py`` -- and 0.12; XLA's PJRT files as published in
-openxla/xla, whose ordering code reads the same across the versions seen. The
-GPU tests ``test_gpu_stream_mode_race_detector`` and
-``test_gpu_stream_and_host_modes_bit_identical`` check it on the hardware.)
+:func:`set_sync_mode` orders the kernel with torch's current CUDA stream:
+``"stream"`` through DLPack's stream handshake, GPU-side, or ``"host"``
+through host synchronisations (default: ``$FORGE_TORCH_SYNC``, else
+``"stream"``); where stream ordering is unavailable the bridge warns once and
+uses host mode. ``docs/torch.md`` explains both modes and their sources.
 """
 
 from __future__ import annotations
@@ -128,9 +28,8 @@ import jax
 import torch
 
 import pallas_kernels
+from pallas_kernels import torch_rules
 from pallas_kernels.rules import UpdateRule
-# Re-exported: the original AdamW rule, and fused_update's default.
-from forge_torch._rules import TORCH_ADAMW, torch_adamw_hparams
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -427,7 +326,7 @@ class ViewCache:
 
 def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
                  slots: Sequence[torch.Tensor], hparams, *,
-                 rule: UpdateRule = TORCH_ADAMW,
+                 rule: UpdateRule = torch_rules.adam_rule(amsgrad=False),
                  config: pallas_kernels.BlockConfig | None = None,
                  views: ViewCache | None = None) -> bool:
   """``w, slots <- rule(w, slots, G = x^T dy)`` on torch tensors, in place.
@@ -587,5 +486,5 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
 
 
 __all__ = ["BridgeStats", "STATS", "SUPPORTED_DTYPES", "SYNC_MODES",
-           "TORCH_ADAMW", "ViewCache", "check_dtype", "fused_update",
-           "get_sync_mode", "set_sync_mode", "torch_adamw_hparams"]
+           "ViewCache", "check_dtype", "fused_update", "get_sync_mode",
+           "set_sync_mode"]

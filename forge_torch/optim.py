@@ -27,9 +27,10 @@ Structure. :class:`_ForgeOptimizer` is the one implementation of the managed
 weight machinery (registration on ``forge_torch.Linear`` weights, per-weight
 state, step counting, the fused call, ``state_dict`` round trip, misuse
 errors). A family is a small subclass of it and of its torch optimizer that
-says which rule a param group uses (:mod:`forge_torch._rules`, slot names =
-torch's state names), how torch initialises a parameter's state, and how to
-compute the rule's scalars from the group and the step.
+says which rule a param group uses (its family's torch-order rule from the
+registry :mod:`pallas_kernels.families`; slot names = torch's state names),
+how torch initialises a parameter's state, and how to compute the rule's
+scalars from the group and the step.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import pallas_kernels
 from forge_torch import _bridge
-from forge_torch import _rules
 from forge_torch import linear as _linear
-from pallas_kernels.rules import UpdateRule
+from pallas_kernels import families
+from pallas_kernels.rules import UpdateRule, pack_host
 
 # Options torch has that no family fuses: option -> (value that is supported,
 # why the other is not).
@@ -388,7 +389,7 @@ class _ForgeOptimizer:
     if views is None:
       views = self._forge_views[p] = _bridge.ViewCache()
     _bridge.fused_update(grad_output, input, p.data, slots,
-                         _rules.pack(rule, values), rule=rule, config=config,
+                         pack_host(rule, values), rule=rule, config=config,
                          views=views)
     # The weight and its state changed in place (through .data / a donated
     # buffer, which autograd does not see): bump their version counters, as
@@ -492,11 +493,12 @@ _COMMON_DOC = """
   :class:`forge_torch.Linear` layers (*managed* weights) are registered with
   this optimizer at construction (or ``add_param_group``); their layers'
   backward applies the update with the fused kernel, in torch's operation
-  order (:mod:`forge_torch._rules`). ``step()`` updates every other parameter
-  with ``torch.optim.{name}.step`` itself. Param groups and LR schedulers
-  apply to managed weights too; ``foreach`` / ``fused`` choose torch's
-  implementation for the non-managed parameters (and, for Adam / AdamW with
-  ``fused=True`` on CUDA, the arithmetic of the managed ones: see Adam).
+  order (:mod:`pallas_kernels.torch_rules`). ``step()`` updates every other
+  parameter with ``torch.optim.{name}.step`` itself. Param groups and LR
+  schedulers apply to managed weights too; ``foreach`` / ``fused`` choose
+  torch's implementation for the non-managed parameters (and, for Adam /
+  AdamW with ``fused=True`` on CUDA, the arithmetic of the managed ones: see
+  Adam).
 
   Not supported (``ValueError`` at construction, in ``add_param_group`` or in
   ``load_state_dict``): ``capturable=True``, ``differentiable=True``.
@@ -526,6 +528,11 @@ def _doc(cls):
 # ----------------------------------------------------------------------------
 
 
+def _torch_rule(family: str, **options) -> UpdateRule:
+  """The registered ``family``'s rule in torch's operation order."""
+  return families.REGISTRY[family].torch_rule(**options)
+
+
 @_doc
 class SGD(_ForgeOptimizer, torch.optim.SGD):
   """``torch.optim.SGD`` whose FORGE-managed weights update in backward.
@@ -536,8 +543,8 @@ class SGD(_ForgeOptimizer, torch.optim.SGD):
   """
 
   def _forge_rule(self, group, device=None):
-    return _rules.sgd_rule(momentum=group["momentum"] != 0,
-                           nesterov=bool(group["nesterov"]))
+    family = "sgd_momentum" if group["momentum"] != 0 else "sgd"
+    return _torch_rule(family, nesterov=bool(group["nesterov"]))
 
   def _forge_init_state(self, p, group):
     return {"momentum_buffer": _zeros(p)} if group["momentum"] != 0 else {}
@@ -564,7 +571,7 @@ class Adagrad(_ForgeOptimizer, torch.optim.Adagrad):
   """
 
   def _forge_rule(self, group, device=None):
-    return _rules.adagrad_rule()
+    return _torch_rule("adagrad")
 
   def _forge_init_state(self, p, group):
     # torch reads the initial value from the defaults, not the group.
@@ -588,8 +595,8 @@ class RMSprop(_ForgeOptimizer, torch.optim.RMSprop):
   """
 
   def _forge_rule(self, group, device=None):
-    return _rules.rmsprop_rule(centered=bool(group["centered"]),
-                               momentum=group["momentum"] > 0)
+    return _torch_rule("rmsprop", centered=bool(group["centered"]),
+                       momentum=group["momentum"] > 0)
 
   def _forge_init_state(self, p, group):
     state = {"step": _zero_step(p, group), "square_avg": _zeros(p)}
@@ -645,9 +652,11 @@ class Adam(_AdamMoments, torch.optim.Adam):
   included) the for-loop arithmetic.
   """
 
+  _forge_family: ClassVar[str] = "adam"
+
   def _forge_rule(self, group, device=None):
-    return _rules.adam_rule(amsgrad=bool(group["amsgrad"]),
-                            cuda_fused=_torch_cuda_fused(group, device))
+    return _torch_rule(self._forge_family, amsgrad=bool(group["amsgrad"]),
+                       cuda_fused=_torch_cuda_fused(group, device))
 
   def _forge_init_state(self, p, group):
     state = super()._forge_init_state(p, group)
@@ -673,8 +682,8 @@ def _torch_cuda_fused(group: Mapping[str, Any],
                       device: torch.device | None) -> bool:
   """Whether torch steps this group's weights on ``device`` with its CUDA
   ``fused`` Adam/AdamW kernel, whose arithmetic differs from its for-loop /
-  ``foreach`` one (:func:`forge_torch._rules.adam_rule`). torch's CPU fused
-  kernel follows the for-loop arithmetic."""
+  ``foreach`` one (:func:`pallas_kernels.torch_rules.adam_rule`). torch's
+  CPU fused kernel follows the for-loop arithmetic."""
   return (bool(group.get("fused")) and device is not None
           and torch.device(device).type == "cuda")
 
@@ -728,6 +737,8 @@ class AdamW(Adam, torch.optim.AdamW):
   as torch's AdamW is its Adam with ``decoupled_weight_decay=True``.)
   """
 
+  _forge_family: ClassVar[str] = "adamw"
+
   def _forge_decoupled(self, group) -> bool:
     return True
 
@@ -741,7 +752,7 @@ class Adamax(_AdamMoments, torch.optim.Adamax):
   """
 
   def _forge_rule(self, group, device=None):
-    return _rules.adamax_rule()
+    return _torch_rule("adamax")
 
   def _forge_init_state(self, p, group):
     return {"step": _zero_step(p, group), "exp_avg": _zeros(p),
@@ -766,7 +777,7 @@ class NAdam(_AdamMoments, torch.optim.NAdam):
   _forge_extra_scalars = {"mu_product": 1.0}
 
   def _forge_rule(self, group, device=None):
-    return _rules.nadam_rule()
+    return _torch_rule("nadam")
 
   def _forge_hparams(self, group, state, t, fresh):
     beta1, beta2, values = self._forge_betas(group)
@@ -792,7 +803,7 @@ class RAdam(_AdamMoments, torch.optim.RAdam):
   """
 
   def _forge_rule(self, group, device=None):
-    return _rules.radam_rule()
+    return _torch_rule("radam")
 
   def _forge_hparams(self, group, state, t, fresh):
     beta1, beta2, values = self._forge_betas(group)

@@ -10,19 +10,25 @@ thin framework layers over these kernels. The public names:
   ``G``, the rule's elementwise update reads it; for a layer of a stack,
   :func:`stored_g_update` does, in place); :func:`stored_g_update` -- the
   kernel's epilogue alone, on a gradient already in memory;
-  :class:`BlockConfig` -- its tiling; :func:`select_config` -- the tiling it
+  :class:`BlockConfig` -- its tiling (:class:`MosaicConfig` for the Mosaic
+  GPU backend, ``backend="mosaic_gpu"``); :func:`select_config` -- the tiling it
   picks (the autotune cache, else a heuristic); :func:`default_interpret` --
-  whether it runs in Pallas interpret mode (no GPU).
+  whether it runs in Pallas interpret mode (no GPU; the first kernel run so
+  gives an :class:`InterpretModeWarning`).
 * :class:`UpdateRule` -- one optimizer family's elementwise epilogue, with
   ``pack(...)`` making its runtime hyperparameter vector (float32, length
   :data:`HPARAM_VECTOR_LEN`); the families' rule factories ``sgd_rule``,
   ``adagrad_rule``, ``rmsprop_rule``, ``adam_rule``, ``adamw_rule``,
   ``adamax_rule``, ``radam_rule``, ``lion_rule`` (regime 1), ``lamb_rule``,
-  ``muon_rule`` (regime 2); :data:`ADAMW` = ``adamw_rule()``.
+  ``muon_rule`` (regime 2); :data:`ADAMW` = ``adamw_rule()``;
+  :mod:`pallas_kernels.torch_rules` -- the rules in ``torch.optim``'s order.
 * :func:`classify` -- a family's :class:`Regime` (which path it takes, an
   :class:`ExecutionPath`) from its :class:`Declaration` of what its updates
-  read (:class:`Reads`); :data:`FAMILIES` -- the declared families.
-* :mod:`pallas_kernels.autotune` -- the tiling cache and the tuner's CLI.
+  read (:class:`Reads`); :data:`FAMILIES` -- the declared families;
+  :mod:`pallas_kernels.families` -- the family registry (a :class:`Family`
+  per family: declaration, rule factories, mirrored transforms).
+* :mod:`pallas_kernels.tuning_cache` -- the cache of tuned tilings;
+  :mod:`pallas_kernels.autotune` -- the tuner and its CLI.
 """
 
 import importlib as _importlib
@@ -38,6 +44,10 @@ for _name in ("jax._src.pallas.fuser",):
   except ImportError:  # another JAX version: nothing to pre-register
     pass
 
+# Submodules reachable as attributes (pallas_kernels.families.REGISTRY, ...).
+from pallas_kernels import families, torch_rules, tuning_cache  # noqa: F401
+from pallas_kernels.families import FAMILIES, Family, classify
+from pallas_kernels.mosaic_kernel import MosaicConfig
 from pallas_kernels.fused_wgrad import (
     BlockConfig,
     default_interpret,
@@ -47,13 +57,12 @@ from pallas_kernels.fused_wgrad import (
     stored_g_update,
     unfused_wgrad_update,
 )
+from pallas_kernels.interpret import InterpretModeWarning
 from pallas_kernels.regimes import (
     Declaration,
     ExecutionPath,
-    FAMILIES,
     Reads,
     Regime,
-    classify,
 )
 from pallas_kernels.rules import (
     ADAMW,
@@ -72,10 +81,11 @@ from pallas_kernels.rules import (
 )
 
 __all__ = [
-    "ADAMW", "BlockConfig", "Declaration", "ExecutionPath", "FAMILIES",
-    "HPARAM_VECTOR_LEN", "Reads", "Regime", "UpdateRule", "adagrad_rule",
-    "adam_rule", "adamax_rule", "adamw_rule", "classify", "default_interpret",
-    "fused_wgrad_update", "fused_wgrad_update_reference", "lamb_rule",
-    "lion_rule", "muon_rule", "radam_rule", "rmsprop_rule", "select_config", "sgd_rule",
+    "ADAMW", "BlockConfig", "MosaicConfig", "Declaration", "ExecutionPath", "FAMILIES",
+    "Family", "HPARAM_VECTOR_LEN", "InterpretModeWarning", "Reads", "Regime",
+    "UpdateRule", "adagrad_rule", "adam_rule", "adamax_rule", "adamw_rule",
+    "classify", "default_interpret", "fused_wgrad_update",
+    "fused_wgrad_update_reference", "lamb_rule", "lion_rule", "muon_rule",
+    "radam_rule", "rmsprop_rule", "select_config", "sgd_rule",
     "stored_g_update", "unfused_wgrad_update",
 ]

@@ -1,6 +1,4 @@
-"""Autotuning of the fused kernel's tiling, and the cache of tuned winners.
-
-Three parts:
+"""The tuner of the fused kernel's tiling, and its command line.
 
 * :data:`CONFIG_SPACE`: the curated candidate tilings (tile sizes, ``BT``
   chunk, warps, stages, tile order), as data.
@@ -8,13 +6,9 @@ Three parts:
   (fresh random arrays of the right shapes and dtypes; never the caller's
   weight or state), skips candidates that fail to compile, and returns the
   best with every timing. The timer is injectable (tests use a fake one).
-* The cache: ``tuned_configs.json`` shipped beside this module, keyed by
-  device kind (``jax.devices()[0].device_kind``, e.g. ``"NVIDIA H200"``) and
-  then by :func:`cache_key` ``(rule, BT bucket, in, out, w dtype, slot
-  dtypes)``. :func:`lookup` returns the cached :class:`BlockConfig` or
-  ``None``; :func:`pallas_kernels.fused_wgrad.select_config` uses it when
-  ``fused_wgrad_update`` is called without a config. ``FORGE_AUTOTUNE_CACHE``
-  names another JSON (e.g. a re-tuned one) that is consulted first.
+* :func:`main`: measures on this GPU (or imports a benchmarks/kernel.py CSV,
+  or merges other cache files) and merges the winners into a cache JSON,
+  which :mod:`pallas_kernels.tuning_cache` reads.
 
 Command line::
 
@@ -46,25 +40,31 @@ from typing import Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import rules as _rules
-from pallas_kernels.fused_wgrad import (
-    BlockConfig,
-    _next_pow2,
-    fused_wgrad_update,
-)
+from pallas_kernels import families
+from pallas_kernels.fused_wgrad import fused_wgrad_update
 from pallas_kernels.rules import UpdateRule
-
-SHIPPED_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                             "tuned_configs.json")
-ENV_VAR = "FORGE_AUTOTUNE_CACHE"
-FORMAT_VERSION = 1
-ANY_RULE = "any"
+from pallas_kernels.tiling import BlockConfig
+from pallas_kernels.tuning_cache import (
+    ANY_RULE,
+    ENV_VAR,
+    FORMAT_VERSION,
+    SHIPPED_CACHE,
+    cache_key,
+    clear_cache,
+    config_label,
+    current_device_kind,
+    describe,
+    dtype_name,
+    parse_label,
+    read_json,
+    validated,
+)
 
 # (block_in, block_out, block_bt, group_in, num_warps, num_stages[, prefetch,
 # stream_state[, split_out]]): BlockConfig's fields in order. The first six
-# are session 1's curated tilings (measured on the H200); the next ten vary
-# one knob at a time around its best (64x128x64); then the winners of
-# sessions 2 and 3 (docs/perf_notes.md).
+# are the curated tilings of the first H200 sweep; the next ten vary one knob
+# at a time around its best (64x128x64); then the winners of the later
+# sweeps (docs/perf_notes.md).
 CONFIG_SPACE: tuple[tuple, ...] = (
     (64, 128, 64, 1, 4, 3),
     (128, 128, 64, 1, 8, 3),
@@ -82,12 +82,12 @@ CONFIG_SPACE: tuple[tuple, ...] = (
     (128, 64, 64, 1, 4, 3),
     (32, 128, 64, 1, 4, 3),
     (128, 128, 64, 1, 4, 3),
-    # Session 2's winners (prefetch, stream_state: BlockConfig's last fields).
+    # Prefetching and streaming winners (prefetch, stream_state).
     (64, 128, 32, 1, 4, 4, False, True),
     (64, 128, 64, 8, 4, 3, False, True),
     (128, 128, 64, 8, 8, 3, True, False),
     (128, 128, 64, 8, 8, 3, True, True),
-    # Session 3's register-lean winners (split_out: BlockConfig's last field).
+    # Register-lean winners (split_out: BlockConfig's last field).
     (64, 64, 64, 1, 4, 3, False, True),
     (64, 64, 32, 1, 4, 4, False, True),
     (64, 128, 32, 1, 4, 4, False, True, 2),
@@ -96,180 +96,10 @@ CONFIG_SPACE: tuple[tuple, ...] = (
     (128, 256, 64, 8, 8, 3, False, True, 2),
 )
 
-_DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32",
-                  "f16": "float16", "fp16": "float16"}
-
 
 def config_space() -> list[BlockConfig]:
   """:data:`CONFIG_SPACE` as :class:`BlockConfig` objects."""
   return [BlockConfig(*c) for c in CONFIG_SPACE]
-
-
-def config_label(cfg: BlockConfig) -> str:
-  """``64x128x64,g1,w4,s3``: the form benchmarks/kernel.py's CSV uses."""
-  return (f"{cfg.block_in}x{cfg.block_out}x{cfg.block_bt},g{cfg.group_in},"
-          f"w{cfg.num_warps},s{cfg.num_stages}" + (",p" if cfg.prefetch else "")
-          + (",e" if cfg.stream_state else "")
-          + (f",o{cfg.split_out}" if cfg.split_out > 1 else ""))
-
-
-_LABEL = re.compile(
-    r"^(\d+)x(\d+)x(\d+),g(\d+),w(\d+),s(\d+)(,p)?(,e)?(?:,o(\d+))?$")
-
-
-def parse_label(label: str) -> BlockConfig:
-  m = _LABEL.match(label.strip())
-  if not m:
-    raise ValueError(f"not a config label: {label!r}")
-  *ints, prefetch, stream, split = m.groups()
-  return BlockConfig(*(int(v) for v in ints), prefetch=prefetch is not None,
-                     stream_state=stream is not None,
-                     split_out=int(split) if split else 1)
-
-
-# --- the cache ---------------------------------------------------------------
-
-
-def _dtype_name(d) -> str:
-  d = getattr(d, "dtype", d)  # an array (or ShapeDtypeStruct) stands for its dtype
-  if isinstance(d, str):
-    d = _DTYPE_ALIASES.get(d, d)
-  return jnp.dtype(d).name
-
-
-def bt_bucket(bt: int) -> int:
-  """Tokens are bucketed to the next power of two."""
-  return _next_pow2(max(1, int(bt)))
-
-
-def _rule_name(rule) -> str:
-  if rule is None:
-    return ANY_RULE
-  return rule if isinstance(rule, str) else rule.name
-
-
-def cache_key(rule, bt: int, n_in: int, n_out: int, w_dtype,
-              slot_dtypes: Sequence) -> str:
-  """``"adamw|bt512|4096x4096|w=bfloat16|slots=bfloat16,bfloat16"``.
-
-  ``rule`` is an :class:`UpdateRule`, its name, or ``None`` for ``"any"``
-  (an entry valid for every rule); ``bt`` is bucketed (:func:`bt_bucket`).
-  A rule's static settings (``round_mu``, ...) are not in the key: the
-  kernels they distinguish share the family's tiling (whether a rounding
-  kernel would tune differently has not been measured).
-  """
-  slots = ",".join(_dtype_name(d) for d in slot_dtypes)
-  return (f"{_rule_name(rule)}|bt{bt_bucket(bt)}|{int(n_in)}x{int(n_out)}|"
-          f"w={_dtype_name(w_dtype)}|slots={slots}")
-
-
-_parsed: dict[str, dict] = {}
-
-
-def clear_cache() -> None:
-  """Forgets the parsed JSON files (after one was rewritten)."""
-  _parsed.clear()
-
-
-def _describe(path: str) -> str:
-  env = os.environ.get(ENV_VAR)
-  if env and os.path.abspath(env) == os.path.abspath(path):
-    return f"{path} (${ENV_VAR})"
-  return path
-
-
-def _read_json(path: str):
-  with open(path) as f:
-    try:
-      return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise ValueError(f"{_describe(path)}: not a valid JSON file ({e}); "
-                       "not a forge autotune cache") from None
-
-
-def load(path: str) -> dict:
-  """The parsed cache file at ``path`` (memoised; validates every entry)."""
-  path = os.path.abspath(path)
-  if path not in _parsed:
-    _parsed[path] = _validated(_read_json(path), _describe(path))
-  return _parsed[path]
-
-
-def _validated(data: dict, where: str) -> dict:
-  if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
-    raise ValueError(f"{where}: not a format-{FORMAT_VERSION} forge autotune "
-                     "cache (a JSON object with \"format\": 1)")
-  devices = data.get("devices", {})
-  if not isinstance(devices, dict):
-    raise ValueError(f"{where}: \"devices\" must be an object (device kind "
-                     f"-> entries), got {type(devices).__name__}")
-  configs = {}
-  for kind, dev in devices.items():
-    entries = dev.get("entries", {}) if isinstance(dev, dict) else None
-    sources = dev.get("sources", {}) if isinstance(dev, dict) else None
-    if not isinstance(entries, dict) or not isinstance(sources, dict):
-      raise ValueError(
-          f"{where}: devices[{kind!r}] must be an object whose \"entries\" and "
-          "\"sources\" are objects")
-    for key, entry in entries.items():
-      try:
-        configs[(kind, key)] = BlockConfig(**entry["config"])
-      except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{where}: bad entry {kind!r} / {key!r}: {e}") from e
-  return {"data": data, "configs": configs}
-
-
-def cache_paths() -> list[str]:
-  """The files :func:`lookup` consults, first match wins: the one named by
-  ``$FORGE_AUTOTUNE_CACHE`` (if set), then the shipped one."""
-  paths = []
-  env = os.environ.get(ENV_VAR)
-  if env:
-    if not os.path.isfile(env):
-      raise FileNotFoundError(
-          f"${ENV_VAR}={env!r} does not name a file (unset it to use only "
-          "the shipped cache)")
-    paths.append(env)
-  paths.append(SHIPPED_CACHE)
-  return paths
-
-
-def lookup(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
-           rule=None, *, device_kind: str | None = None,
-           paths: Sequence[str] | None = None) -> BlockConfig | None:
-  """The cached tuned config for this problem on ``device_kind``, or ``None``.
-
-  Tries the rule's own entry, then (an :class:`UpdateRule` with
-  ``tuned_as``) that rule's entry, then an ``"any"``-rule entry, in each
-  file of ``paths`` (default :func:`cache_paths`). ``device_kind=None``
-  means the current device, and on a CPU (or anything but a GPU) nothing
-  matches.
-  """
-  if device_kind is None:
-    device_kind = current_device_kind()
-    if device_kind is None:
-      return None
-  keys = [cache_key(rule, bt, n_in, n_out, w_dtype, slot_dtypes)]
-  tuned_as = getattr(rule, "tuned_as", None)
-  if tuned_as is not None:
-    keys.append(cache_key(tuned_as, bt, n_in, n_out, w_dtype, slot_dtypes))
-  if _rule_name(rule) != ANY_RULE:
-    keys.append(cache_key(None, bt, n_in, n_out, w_dtype, slot_dtypes))
-  for path in (cache_paths() if paths is None else paths):
-    configs = load(path)["configs"]
-    for key in keys:
-      cfg = configs.get((device_kind, key))
-      if cfg is not None:
-        return cfg
-  return None
-
-
-def current_device_kind() -> str | None:
-  """``jax.devices()[0].device_kind`` when the default backend is a GPU, else
-  ``None`` (tuned entries are for GPUs; CPU/interpret uses the heuristic)."""
-  if jax.default_backend() != "gpu":
-    return None
-  return jax.devices()[0].device_kind
 
 
 # --- tuning ------------------------------------------------------------------
@@ -290,13 +120,13 @@ def _tuning_hparams(rule: UpdateRule) -> jax.Array:
 def scratch_state(bt: int, n_in: int, n_out: int, w_dtype,
                   slot_dtypes: Sequence, act_dtype=None, seed: int = 0):
   """Fresh random ``(x, dy, w, *slots)`` of the problem's shapes and dtypes."""
-  act = _dtype_name(w_dtype if act_dtype is None else act_dtype)
+  act = dtype_name(w_dtype if act_dtype is None else act_dtype)
   k = jax.random.split(jax.random.key(seed), 3 + len(slot_dtypes))
   x = jax.random.normal(k[0], (bt, n_in), jnp.float32).astype(act)
   dy = jax.random.normal(k[1], (bt, n_out), jnp.float32).astype(act)
-  w = (0.02 * jax.random.normal(k[2], (n_in, n_out))).astype(_dtype_name(w_dtype))
+  w = (0.02 * jax.random.normal(k[2], (n_in, n_out))).astype(dtype_name(w_dtype))
   slots = [(1e-4 * jax.random.uniform(k[3 + i], (n_in, n_out))).astype(
-      _dtype_name(d)) for i, d in enumerate(slot_dtypes)]
+      dtype_name(d)) for i, d in enumerate(slot_dtypes)]
   return (x, dy, w, *slots)
 
 
@@ -388,7 +218,7 @@ def tune(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
         f"tune(rule=...) needs an UpdateRule (e.g. pallas_kernels.ADAMW; the "
         f"CLI's --rule names: {', '.join(sorted(RULES))}), got "
         f"{type(rule).__name__} {rule!r:.60}")
-  slot_dtypes = tuple(_dtype_name(d) for d in slot_dtypes)
+  slot_dtypes = tuple(dtype_name(d) for d in slot_dtypes)
   if len(slot_dtypes) != len(rule.slots):
     raise ValueError(f"rule {rule.name!r} has slots {rule.slots}; got "
                      f"{len(slot_dtypes)} slot dtypes")
@@ -433,15 +263,15 @@ def _empty_cache() -> dict:
   return {"format": FORMAT_VERSION,
           "about": ("forge-jax tuned BlockConfigs: devices[device_kind]"
                     "[\"entries\"][key], key = rule|btBUCKET|INxOUT|w=DTYPE|"
-                    "slots=DTYPES (pallas_kernels.autotune.cache_key); each "
+                    "slots=DTYPES (pallas_kernels.tuning_cache.cache_key); each "
                     "entry names its measurement in devices[kind][\"sources\"]."),
           "devices": {}}
 
 
 def _read_or_empty(path: str) -> dict:
   if os.path.exists(path):
-    data = _read_json(path)
-    _validated(data, _describe(path))
+    data = read_json(path)
+    validated(data, describe(path))
     return data
   return _empty_cache()
 
@@ -486,7 +316,7 @@ def merge_file(data: dict, path: str) -> int:
 
 
 def write(path: str, data: dict) -> None:
-  _validated(data, path)
+  validated(data, path)
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(data, f, indent=1)
@@ -508,10 +338,10 @@ _SHAPE = re.compile(r"^BT=(\d+) (\d+)x(\d+)$")
 def _csv_dtypes(field: str) -> tuple[str, tuple[str, ...]]:
   """``"w=bf16,m/v=bfloat16"`` -> ``("bfloat16", ("bfloat16", "bfloat16"))``."""
   parts = dict(p.split("=", 1) for p in field.split(","))
-  w = _dtype_name(parts.pop("w"))
+  w = dtype_name(parts.pop("w"))
   slots = []
   for names, d in parts.items():
-    slots += [_dtype_name(d)] * len(names.split("/"))
+    slots += [dtype_name(d)] * len(names.split("/"))
   return w, tuple(slots)
 
 
@@ -594,16 +424,10 @@ def _versions() -> str:
   return "; ".join(parts)
 
 
-def _cli_rules() -> dict[str, UpdateRule]:
-  rs = [_rules.adamw_rule(), _rules.adamw_rule(nesterov=True),
-        _rules.adam_rule(), _rules.adamax_rule(), _rules.radam_rule(),
-        _rules.lion_rule(), _rules.sgd_rule(), _rules.sgd_rule(momentum=True),
-        _rules.adagrad_rule(), _rules.rmsprop_rule(), _rules.lamb_rule(),
-        _rules.muon_rule()]
-  return {r.name: r for r in rs}
-
-
-RULES = _cli_rules()
+# The CLI's --rule names: every registered regime-1/2 rule and variant, by
+# rule name (the name its cache entries are keyed by).
+RULES: dict[str, UpdateRule] = {
+    r.name: r for r in families.optax_rules(regimes=(1, 2)).values()}
 
 
 def _parse_shape(s: str) -> tuple[int, int]:

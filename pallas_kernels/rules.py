@@ -3,8 +3,11 @@
 A regime-1 optimizer step is elementwise: a coordinate's new weight and state
 depend only on its own gradient, weight and state. An :class:`UpdateRule`
 captures exactly that, as a function of fp32 values, so one kernel body
-(:mod:`pallas_kernels.fused_wgrad`) serves every family and the same function
-is the pure-``jnp`` reference.
+(:mod:`pallas_kernels.triton_kernel`) serves every family and the same
+function is the pure-``jnp`` reference. These rules follow optax's operation
+order; :mod:`pallas_kernels.torch_rules` holds the ones in ``torch.optim``'s,
+built from the same pieces (:class:`UpdateRule`, :func:`pack_host`,
+:func:`rule_name`, :func:`lerp`).
 
 Hyperparameters (learning rate from a schedule, bias corrections, ...) are
 *runtime* scalars packed in one small fp32 vector, so a new learning rate never
@@ -20,6 +23,7 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # Triton blocks need a power-of-two number of elements: the hyperparameter
@@ -83,7 +87,7 @@ class UpdateRule:
       storage dtypes reach the update through :meth:`unpack`.
     tuned_as: the name of a rule whose autotuned tilings this one takes
       where the cache holds none of its own
-      (:func:`pallas_kernels.autotune.lookup`), for a rule whose kernel
+      (:func:`pallas_kernels.tuning_cache.lookup`), for a rule whose kernel
       moves the same state as that rule's and does about the same
       arithmetic: the Adam variants and torch's Adam/AdamW formulas take
       ``"adamw"``'s (the only family tuned). ``None``: its own entries and
@@ -203,6 +207,26 @@ class UpdateRule:
             tuple(n.astype(d) for n, d in zip(new, dtypes)))
 
 
+def pack_host(rule: UpdateRule, values: Mapping[str, float]) -> np.ndarray:
+  """``rule``'s fp32 hyperparameter vector on the host, from Python numbers.
+
+  Unlike :meth:`UpdateRule.pack` (JAX, possibly traced values), this builds
+  a NumPy vector, each value rounded once to fp32, and ``values`` may hold
+  more names than ``rule`` reads (a family computes all of its scalars; each
+  of its rules takes the ones it needs).
+
+  Raises:
+    ValueError: ``values`` lacks a hyperparameter of ``rule``.
+  """
+  missing = [n for n in rule.hparams if n not in values]
+  if missing:
+    raise ValueError(f"rule {rule.name!r} needs hyperparameters {missing}")
+  vec = np.zeros(HPARAM_VECTOR_LEN, np.float32)
+  for i, name in enumerate(rule.hparams):
+    vec[i] = float(values[name])
+  return vec
+
+
 def _equals(value, static: float) -> bool:
   """A value passed to ``pack`` for a static setting equals the rule's (a
   traced or otherwise non-concrete value does not)."""
@@ -229,6 +253,17 @@ def _descend(w, u, h):
 def _ema(g, m, one_minus_decay, decay):
   """``optax.tree.update_moment``: ``(1 - decay) * g + decay * m``."""
   return one_minus_decay * g + decay * m
+
+
+def lerp(start, end, weight):
+  """torch's ``start.lerp_(end, weight)`` for a scalar ``weight`` (the moment
+  update of torch's rules, :mod:`pallas_kernels.torch_rules`).
+
+  ``start + weight * (end - start)`` if ``|weight| < 0.5``, else
+  ``end - (end - start) * (1 - weight)`` (ATen's ``lerp`` formula).
+  """
+  return jnp.where(jnp.abs(weight) < 0.5, start + weight * (end - start),
+                   end - (end - start) * (1.0 - weight))
 
 
 def _stored_product(h, decay: str, t, slot: str, flag: str | None):
@@ -295,8 +330,10 @@ _ADAM_DEFAULTS = (("b1_m", "b1"),)
 _ADAM_STATIC = (("round_mu", 0.0),)
 
 
-def _suffix(name: str, **flags: bool) -> str:
-  return "_".join([name, *(f for f, on in flags.items() if on)])
+def rule_name(base: str, **flags: bool) -> str:
+  """A rule's name: ``base`` followed by the names of the flags that are on,
+  e.g. ``rule_name("adam", nesterov=True) == "adam_nesterov"``."""
+  return "_".join([base, *(f for f, on in flags.items() if on)])
 
 
 def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
@@ -315,7 +352,7 @@ def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
     return _descend(w, u, h), (t,)
 
   return UpdateRule(
-      name=_suffix("sgd", momentum=momentum, nesterov=nesterov),
+      name=rule_name("sgd", momentum=momentum, nesterov=nesterov),
       slots=("trace",) if momentum else (),
       hparams=("lr", "decay", "decay_m") if momentum else ("lr",),
       update=update,
@@ -379,7 +416,7 @@ def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
     return w + u, new
 
   return UpdateRule(
-      name=_suffix("rmsprop", centered=centered,
+      name=rule_name("rmsprop", centered=centered,
                    eps_outside_sqrt=not eps_in_sqrt,
                    bias_correction=bias_correction, momentum=momentum,
                    nesterov=nesterov),
@@ -402,7 +439,7 @@ def adam_rule(nesterov: bool = False) -> UpdateRule:
     mu, nu, mu_hat, nu_hat = _adam_moments(g, *slots, h, nesterov)
     return _descend(w, _adam_scale(mu_hat, nu_hat, h), h), (mu, nu)
 
-  return UpdateRule(name=_suffix("adam", nesterov=nesterov),
+  return UpdateRule(name=rule_name("adam", nesterov=nesterov),
                     slots=("mu", "nu"), hparams=_ADAM_HPARAMS, update=update,
                     defaults=_ADAM_DEFAULTS,
                     static=_ADAM_STATIC, tuned_as="adamw")
@@ -426,7 +463,7 @@ def adamw_rule(nesterov: bool = False) -> UpdateRule:
     return _descend(w, u, h), (mu, nu)
 
   return UpdateRule(
-      name=_suffix("adamw", nesterov=nesterov),
+      name=rule_name("adamw", nesterov=nesterov),
       slots=("mu", "nu"),
       hparams=_ADAM_HPARAMS + ("weight_decay",),
       defaults=_ADAM_DEFAULTS,
@@ -471,7 +508,7 @@ def radam_rule(nesterov: bool = False) -> UpdateRule:
                   mu_hat)
     return _descend(w, u, h), (mu, nu)
 
-  return UpdateRule(name=_suffix("radam", nesterov=nesterov),
+  return UpdateRule(name=rule_name("radam", nesterov=nesterov),
                     slots=("mu", "nu"), hparams=_ADAM_HPARAMS + ("r", "rectify"),
                     update=update, defaults=_ADAM_DEFAULTS,
                     static=_ADAM_STATIC)
@@ -553,7 +590,7 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
     return None, (mu, mu_hat)
 
   return UpdateRule(
-      name=_suffix("muon_momentum", nesterov=nesterov), slots=("mu",),
+      name=rule_name("muon_momentum", nesterov=nesterov), slots=("mu",),
       hparams=("lr", "b1", "one_minus_b1", "bc1", "bc1_next", "weight_decay",
                "b1_m"),
       update=update, updates_weight=False, outputs=("mu_hat",),

@@ -10,38 +10,35 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import autotune
+from pallas_kernels import autotune, tuning_cache
 from tests.test_kernel import adamw_hparams, check_against_reference, make_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-H200_CSV = os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-29",
-                        "kernel.csv")
-# The shipped cache: session 1's sweep, then session 2's variant runs merged
-# over it in this order (a later CSV's winner replaces an earlier one's).
-S2 = os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-29-s2")
-H200_CSVS = [H200_CSV] + [os.path.join(S2, f"variants_run{i}.csv")
-                          for i in (6, 8, 7)] + [
-    os.path.join(os.path.dirname(S2), "h200-2026-11-29-s3", "run15_sweep.csv")]
-# Session 4's tuning run over the e2e decoder's own shapes (gpu_run18.sh).
-# Session 5's wider tuning of those shapes at BT 512 replaces run 18's BT-512
-# winners (gpu_run24.sh).
-H200_TUNED = [os.path.join("benchmarks", "results", "h200-2026-11-29-s4",
-                           "run18_decoder_tuned.json"),
-              os.path.join("benchmarks", "results", "h200-2026-11-29-s5",
-                           "run24_decoder512_tuned.json")]
+# The tuning sources the shipped cache was built from (kept under
+# benchmarks/results/h200/autotune).
+AUTOTUNE = os.path.join("benchmarks", "results", "h200", "autotune")
+H200_CSV = os.path.join(ROOT, AUTOTUNE, "kernel.csv")
+# The shipped cache: the first H200 sweep, then the variant sweeps merged over
+# it in this order (a later CSV's winner replaces an earlier one's).
+H200_CSVS = [H200_CSV] + [os.path.join(ROOT, AUTOTUNE, f"variants_{s}.csv")
+                          for s in "acbd"]
+# The autotuner's tuning of the e2e decoder's own shapes, then a wider tuning
+# of those shapes at BT 512, whose winners replace the first one's there.
+H200_TUNED = [os.path.join(AUTOTUNE, "decoder_shapes_tuned.json"),
+              os.path.join(AUTOTUNE, "decoder_shapes_bt512_tuned.json")]
 BF16 = ("bfloat16", "bfloat16")
 
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
-  monkeypatch.delenv(autotune.ENV_VAR, raising=False)
-  autotune.clear_cache()
+  monkeypatch.delenv(tuning_cache.ENV_VAR, raising=False)
+  tuning_cache.clear_cache()
   yield
-  autotune.clear_cache()
+  tuning_cache.clear_cache()
 
 
 def _shipped():
-  with open(autotune.SHIPPED_CACHE) as f:
+  with open(tuning_cache.SHIPPED_CACHE) as f:
     return json.load(f)
 
 
@@ -52,21 +49,21 @@ def test_config_space_is_valid_and_distinct():
   space = autotune.config_space()
   assert len(space) == len(set(space)) >= 6
   for cfg in space:
-    assert autotune.parse_label(autotune.config_label(cfg)) == cfg
+    assert tuning_cache.parse_label(tuning_cache.config_label(cfg)) == cfg
 
 
 def test_labels_round_trip_every_knob():
   cfg = pk.BlockConfig(64, 128, 32, 4, 8, 2, prefetch=True, stream_state=True,
                        split_out=2)
-  assert autotune.config_label(cfg) == "64x128x32,g4,w8,s2,p,e,o2"
-  assert autotune.parse_label("64x128x32,g4,w8,s2,p,e,o2") == cfg
-  assert autotune.parse_label("64x128x32,g1,w4,s4,o4").split_out == 4
+  assert tuning_cache.config_label(cfg) == "64x128x32,g4,w8,s2,p,e,o2"
+  assert tuning_cache.parse_label("64x128x32,g4,w8,s2,p,e,o2") == cfg
+  assert tuning_cache.parse_label("64x128x32,g1,w4,s4,o4").split_out == 4
 
 
 def test_shipped_json_loads_and_every_entry_is_a_valid_block_config():
   data = _shipped()
-  assert data["format"] == autotune.FORMAT_VERSION
-  configs = autotune.load(autotune.SHIPPED_CACHE)["configs"]
+  assert data["format"] == tuning_cache.FORMAT_VERSION
+  configs = tuning_cache.load(tuning_cache.SHIPPED_CACHE)["configs"]
   assert configs, "the shipped cache is empty"
   for (kind, key), cfg in configs.items():
     assert isinstance(cfg, pk.BlockConfig)
@@ -77,22 +74,23 @@ def test_shipped_json_loads_and_every_entry_is_a_valid_block_config():
     assert entry["source"] in data["devices"][kind]["sources"]
     # the recorded winner is the fastest of the timings recorded beside it
     assert entry["time_us"] == min(entry["timings_us"].values())
-    assert autotune.config_label(cfg) in entry["timings_us"]
+    assert tuning_cache.config_label(cfg) in entry["timings_us"]
     rule, bt, shape, w, slots = key.split("|")
-    assert bt.startswith("bt") and autotune.bt_bucket(int(bt[2:])) == int(bt[2:])
+    assert bt.startswith("bt")
+    assert tuning_cache.bt_bucket(int(bt[2:])) == int(bt[2:])
 
 
 def test_shipped_json_holds_the_h200_sweep_with_provenance():
   dev = _shipped()["devices"]["NVIDIA H200"]
-  # 4 shapes x BT 512/2048/4096 (bf16 moments; session 3 re-measured every
-  # case), 4096^2 at BT 512 with fp32 moments, and session 2's BT 16 case;
-  # then the decoder's 5 shapes x BT 512/2048 (session 4, autotune run; its
-  # BT-512 winners replaced by session 5's wider tuning).
+  # 4 shapes x BT 512/2048/4096 (bf16 moments; the split_out sweep
+  # re-measured every case), 4096^2 at BT 512 with fp32 moments, and a BT 16
+  # case; then the decoder's 5 shapes x BT 512/2048 (tuned by the autotuner;
+  # its BT-512 winners replaced by the wider tuning).
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted(os.path.relpath(p, ROOT) for p in H200_CSVS))
   assert sorted(s["file"] for s in dev["sources"].values()
-                if "file" in s) == H200_TUNED
+                if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
              for e in dev["entries"].values()) == 10
   for source in dev["sources"].values():
@@ -136,29 +134,30 @@ def test_package_data_declares_the_json():
 
 
 def test_lookup_hits_the_h200_winners():
-  # 4096x1024 at BT 512: the register-lean 64x64 tile (run 15).
-  cfg = autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
-                        device_kind="NVIDIA H200")
+  # 4096x1024 at BT 512: the register-lean 64x64 tile (the split_out sweep).
+  cfg = tuning_cache.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                            device_kind="NVIDIA H200")
   assert cfg == pk.BlockConfig(64, 64, 64, 1, 4, 3, stream_state=True)
-  # 4096x14336 at BT 2048: grouped 128x256 in four column sub-tiles (run 15).
-  cfg = autotune.lookup(2048, 4096, 14336, "bf16", BF16, "adamw",
-                        device_kind="NVIDIA H200")
+  # 4096x14336 at BT 2048: grouped 128x256 in four column sub-tiles (the
+  # split_out sweep).
+  cfg = tuning_cache.lookup(2048, 4096, 14336, "bf16", BF16, "adamw",
+                            device_kind="NVIDIA H200")
   assert cfg == pk.BlockConfig(128, 256, 32, 8, 8, 4, stream_state=True,
                                split_out=4)
   # BT is bucketed to the next power of two.
-  assert autotune.lookup(1500, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
-                         device_kind="NVIDIA H200") == cfg
-  # 4096x14336 at BT 512: 64x128 in two column halves (run 15).
-  cfg = autotune.lookup(512, 4096, 14336, "bf16", BF16, "adamw",
-                        device_kind="NVIDIA H200")
+  assert tuning_cache.lookup(1500, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
+                             device_kind="NVIDIA H200") == cfg
+  # 4096x14336 at BT 512: 64x128 in two column halves (the split_out sweep).
+  cfg = tuning_cache.lookup(512, 4096, 14336, "bf16", BF16, "adamw",
+                            device_kind="NVIDIA H200")
   assert cfg == pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True,
                                split_out=2)
 
 
 def _tuned_lookup(rule):
   slots = (jnp.bfloat16,) * len(rule.slots)
-  return autotune.lookup(512, 2048, 1024, jnp.bfloat16, slots, rule,
-                         device_kind="NVIDIA H200")
+  return tuning_cache.lookup(512, 2048, 1024, jnp.bfloat16, slots, rule,
+                             device_kind="NVIDIA H200")
 
 
 def test_rules_tuned_as_adamw_take_its_winners():
@@ -177,10 +176,9 @@ def test_rules_tuned_as_adamw_take_its_winners():
 def test_torch_adam_rules_take_adamws_winners():
   """forge_torch's AdamW and Adam formulas (its own rule names) take them
   too; amsgrad (a third slot) does not."""
-  pytest.importorskip("torch")
-  from forge_torch import _rules as torch_rules
+  from pallas_kernels import torch_rules
   want = _tuned_lookup(pk.ADAMW)
-  for rule in (torch_rules.TORCH_ADAMW, torch_rules.adam_rule(False),
+  for rule in (torch_rules.adam_rule(False),
                torch_rules.adam_rule(False, cuda_fused=True)):
     assert _tuned_lookup(rule) == want, rule.name
   assert _tuned_lookup(torch_rules.adam_rule(True)) is None
@@ -188,17 +186,17 @@ def test_torch_adam_rules_take_adamws_winners():
 
 def test_a_rules_own_entry_wins_over_its_tuned_as(tmp_path):
   own = pk.BlockConfig(32, 64, 16, 1, 4, 2)
-  key = autotune.cache_key("adam", 512, 2048, 1024, jnp.bfloat16, BF16)
+  key = tuning_cache.cache_key("adam", 512, 2048, 1024, jnp.bfloat16, BF16)
   path = tmp_path / "cache.json"
   path.write_text(json.dumps({"format": 1, "devices": {"NVIDIA H200": {
       "entries": {key: {"config": dataclasses.asdict(own)}}}}}))
-  autotune.clear_cache()
+  tuning_cache.clear_cache()
   try:
-    found = autotune.lookup(512, 2048, 1024, jnp.bfloat16, BF16,
-                            pk.adam_rule(), device_kind="NVIDIA H200",
-                            paths=[str(path)] + autotune.cache_paths())
+    found = tuning_cache.lookup(512, 2048, 1024, jnp.bfloat16, BF16,
+                                pk.adam_rule(), device_kind="NVIDIA H200",
+                                paths=[str(path)] + tuning_cache.cache_paths())
   finally:
-    autotune.clear_cache()
+    tuning_cache.clear_cache()
   assert found == own
 
 
@@ -223,15 +221,16 @@ def test_lookup_misses(case):
               slot_dtypes=BF16, rule=pk.ADAMW, device_kind="NVIDIA H200")
   args.update(case)
   kind = args.pop("device_kind")
-  assert autotune.lookup(**args, device_kind=kind) is None
+  assert tuning_cache.lookup(**args, device_kind=kind) is None
 
 
 def test_cpu_never_uses_gpu_entries():
   if jax.default_backend() == "gpu":
     pytest.skip("on a GPU")
-  assert autotune.current_device_kind() is None
+  assert tuning_cache.current_device_kind() is None
   # no device_kind given: the current device (CPU) matches nothing
-  assert autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW) is None
+  assert tuning_cache.lookup(512, 4096, 1024, jnp.bfloat16, BF16,
+                             pk.ADAMW) is None
   for interpret in (None, True):
     assert pk.select_config(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
                             interpret=interpret) == pk.BlockConfig.default(
@@ -244,7 +243,8 @@ def test_cpu_never_uses_gpu_entries():
 
 def test_select_config_is_the_heuristic_in_interpret_mode(monkeypatch):
   # Even when the device looks like an H200, interpret mode uses the heuristic.
-  monkeypatch.setattr(autotune, "current_device_kind", lambda: "NVIDIA H200")
+  monkeypatch.setattr(tuning_cache, "current_device_kind",
+                      lambda: "NVIDIA H200")
   args = (512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW)
   assert pk.select_config(*args, interpret=True) == pk.BlockConfig.default(
       512, 4096, 1024)
@@ -260,13 +260,13 @@ def test_select_config_is_the_heuristic_in_interpret_mode(monkeypatch):
 
 def test_fused_wgrad_update_without_config_uses_select_config(monkeypatch):
   seen = []
-  real = autotune.lookup
+  real = tuning_cache.lookup
 
   def spy(*a, **k):
     seen.append(a)
     return real(*a, **k)
 
-  monkeypatch.setattr(autotune, "lookup", spy)
+  monkeypatch.setattr(tuning_cache, "lookup", spy)
   x, dy, w, slots = make_case(0, (37,), 70, 130, (jnp.bfloat16,) * 4)
   check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW)
   assert not seen  # interpret mode never consults the cache
@@ -281,40 +281,42 @@ def _write_cache(path, kind, key, cfg):
 
 def test_env_var_override(tmp_path, monkeypatch):
   mine = pk.BlockConfig(32, 64, 32, 2, 2, 2)
-  key = autotune.cache_key(pk.ADAMW, 512, 4096, 1024, jnp.bfloat16, BF16)
+  key = tuning_cache.cache_key(pk.ADAMW, 512, 4096, 1024, jnp.bfloat16, BF16)
   path = tmp_path / "retuned.json"
   _write_cache(path, "NVIDIA H200", key, mine)
-  monkeypatch.setenv(autotune.ENV_VAR, str(path))
-  assert autotune.cache_paths() == [str(path), autotune.SHIPPED_CACHE]
+  monkeypatch.setenv(tuning_cache.ENV_VAR, str(path))
+  assert tuning_cache.cache_paths() == [str(path), tuning_cache.SHIPPED_CACHE]
   # the override wins over the shipped entry ...
-  assert autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
-                         device_kind="NVIDIA H200") == mine
+  assert tuning_cache.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                             device_kind="NVIDIA H200") == mine
   # ... and the shipped file still answers what the override lacks
-  assert autotune.lookup(2048, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
-                         device_kind="NVIDIA H200") == pk.BlockConfig(
+  assert tuning_cache.lookup(2048, 4096, 14336, jnp.bfloat16, BF16, pk.ADAMW,
+                             device_kind="NVIDIA H200") == pk.BlockConfig(
                              128, 256, 32, 8, 8, 4, stream_state=True,
                              split_out=4)
-  monkeypatch.setattr(autotune, "current_device_kind", lambda: "NVIDIA H200")
+  monkeypatch.setattr(tuning_cache, "current_device_kind",
+                      lambda: "NVIDIA H200")
   assert pk.select_config(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
                           interpret=False) == mine
 
 
 def test_any_rule_entries_apply_to_every_rule(tmp_path):
   cfg = pk.BlockConfig(32, 32, 32, 1, 4, 3)
-  key = autotune.cache_key(None, 100, 64, 64, jnp.float32, ("float32",))
+  key = tuning_cache.cache_key(None, 100, 64, 64, jnp.float32, ("float32",))
   assert key.startswith("any|bt128|")
   path = tmp_path / "any.json"
   _write_cache(path, "Some GPU", key, cfg)
-  got = autotune.lookup(128, 64, 64, jnp.float32, ("float32",), pk.lion_rule(),
-                        device_kind="Some GPU", paths=[str(path)])
+  got = tuning_cache.lookup(128, 64, 64, jnp.float32, ("float32",),
+                            pk.lion_rule(), device_kind="Some GPU",
+                            paths=[str(path)])
   assert got == cfg
 
 
 def test_missing_env_cache_fails_clearly(tmp_path, monkeypatch):
-  monkeypatch.setenv(autotune.ENV_VAR, str(tmp_path / "nope.json"))
-  with pytest.raises(FileNotFoundError, match=autotune.ENV_VAR):
-    autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
-                    device_kind="NVIDIA H200")
+  monkeypatch.setenv(tuning_cache.ENV_VAR, str(tmp_path / "nope.json"))
+  with pytest.raises(FileNotFoundError, match=tuning_cache.ENV_VAR):
+    tuning_cache.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                        device_kind="NVIDIA H200")
 
 
 def test_bad_cache_entries_fail_clearly(tmp_path):
@@ -323,7 +325,7 @@ def test_bad_cache_entries_fail_clearly(tmp_path):
   data["devices"]["X"] = {"entries": {"k": {"config": {"block_in": 48}}}}
   path.write_text(json.dumps(data))
   with pytest.raises(ValueError, match="bad entry"):
-    autotune.load(str(path))
+    tuning_cache.load(str(path))
 
 
 # --- tune --------------------------------------------------------------------
@@ -365,6 +367,18 @@ def test_tune_refuses_a_rule_name_with_the_cli_names():
   with pytest.raises(TypeError, match="needs an UpdateRule.*adamw"):
     autotune.tune(40, 48, 40, jnp.float32, ("float32", "float32"),
                   rule="adamw")
+
+
+def test_cli_rules_are_the_registrys_kernel_rules():
+  """--rule offers every registered regime-1/2 rule (and named variant) by
+  the name its cache entries use."""
+  from pallas_kernels import families
+  rules = families.optax_rules(regimes=(1, 2)).values()
+  assert sorted(autotune.RULES) == sorted(r.name for r in rules)
+  assert all(r.name == name for name, r in autotune.RULES.items())
+  assert {"adamw", "adamw_nesterov", "adam", "adamax", "radam", "lion", "sgd",
+          "sgd_momentum", "adagrad", "rmsprop", "lamb_moments",
+          "muon_momentum_nesterov"} <= set(autotune.RULES)
 
 
 def test_tune_raises_when_nothing_runs():
@@ -445,7 +459,8 @@ def test_autotune_cli_tunes_only_the_given_candidates(tmp_path, monkeypatch):
   (entry,) = json.loads(out.read_text())["devices"]["Fake GPU"][
       "entries"].values()
   assert sorted(entry["timings_us"]) == sorted(labels)
-  assert entry["config"] == dataclasses.asdict(autotune.parse_label(labels[1]))
+  assert entry["config"] == dataclasses.asdict(
+      tuning_cache.parse_label(labels[1]))
   assert entry["time_us"] == pytest.approx(16.0)
 
 
@@ -484,8 +499,9 @@ def test_tune_on_gpu_returns_a_config_that_runs_and_matches():
 def test_every_shipped_tiling_matches_the_reference_on_gpu(dtypes):
   # Each distinct tiling of the shipped cache, compiled, on a ragged shape
   # (every edge partial): the cache never hands out an untested kernel.
-  configs = sorted(set(autotune.load(autotune.SHIPPED_CACHE)["configs"].values()),
-                   key=autotune.config_label)
+  configs = sorted(
+      set(tuning_cache.load(tuning_cache.SHIPPED_CACHE)["configs"].values()),
+      key=tuning_cache.config_label)
   assert len(configs) >= 5
   x, dy, w, slots = make_case(12, (300,), 520, 390, dtypes)
   for cfg in configs:
@@ -494,23 +510,19 @@ def test_every_shipped_tiling_matches_the_reference_on_gpu(dtypes):
 
 
 def _tuned_as_adamw_rules():
-  rules = [pk.adam_rule(), pk.adam_rule(nesterov=True),
-           pk.adamw_rule(nesterov=True)]
-  try:
-    import torch  # noqa: F401
-  except ImportError:
-    return rules
-  from forge_torch import _rules as torch_rules
-  return rules + [torch_rules.TORCH_ADAMW, torch_rules.adam_rule(False),
-                  torch_rules.adam_rule(False, cuda_fused=True)]
+  from pallas_kernels import torch_rules
+  return [pk.adam_rule(), pk.adam_rule(nesterov=True),
+          pk.adamw_rule(nesterov=True), torch_rules.adam_rule(False),
+          torch_rules.adam_rule(False, cuda_fused=True)]
 
 
 def test_every_shipped_tiling_lowers_for_the_rules_tuned_as_adamw():
   """The rules that take AdamW's cached tilings (tuned_as) go through
   Triton's lowering with each of them (deviceless, on the CPU)."""
   from tests.harness import lower_for_cuda, triton_calls
-  configs = sorted(set(autotune.load(autotune.SHIPPED_CACHE)["configs"].values()),
-                   key=autotune.config_label)
+  configs = sorted(
+      set(tuning_cache.load(tuning_cache.SHIPPED_CACHE)["configs"].values()),
+      key=tuning_cache.config_label)
   S = jax.ShapeDtypeStruct
   b16 = jnp.bfloat16
   for rule in _tuned_as_adamw_rules():
@@ -526,7 +538,7 @@ def test_every_shipped_tiling_lowers_for_the_rules_tuned_as_adamw():
       assert len(triton_calls(text)) == 1, (rule.name, cfg)
 
 
-# --- malformed cache files and CLI values (review, session 6) -----------------
+# --- malformed cache files and CLI values -------------------------------------
 
 
 @pytest.mark.parametrize("text,match", [
@@ -540,17 +552,17 @@ def test_malformed_cache_raises_value_error_naming_the_file(tmp_path, text,
   p = tmp_path / "bad.json"
   p.write_text(text)
   with pytest.raises(ValueError, match=match) as e:
-    autotune.load(str(p))
+    tuning_cache.load(str(p))
   assert str(p) in str(e.value)
 
 
 def test_malformed_env_cache_names_the_variable(tmp_path, monkeypatch):
   p = tmp_path / "bad.json"
   p.write_text("{")
-  monkeypatch.setenv(autotune.ENV_VAR, str(p))
-  with pytest.raises(ValueError, match=autotune.ENV_VAR):
-    autotune.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
-                    device_kind="NVIDIA H200")
+  monkeypatch.setenv(tuning_cache.ENV_VAR, str(p))
+  with pytest.raises(ValueError, match=tuning_cache.ENV_VAR):
+    tuning_cache.lookup(512, 4096, 1024, jnp.bfloat16, BF16, pk.ADAMW,
+                        device_kind="NVIDIA H200")
 
 
 def _good_cache(path, key, cfg):
@@ -561,7 +573,7 @@ def _good_cache(path, key, cfg):
 
 
 def test_malformed_out_file_is_a_usage_error(tmp_path, capsys):
-  key = autotune.cache_key(pk.ADAMW, 512, 64, 64, "bfloat16", BF16)
+  key = tuning_cache.cache_key(pk.ADAMW, 512, 64, 64, "bfloat16", BF16)
   _good_cache(tmp_path / "good.json", key, pk.BlockConfig(32, 32, 32))
   bad = tmp_path / "bad.json"
   bad.write_text('{"format": 1, "devices": {')
@@ -575,19 +587,19 @@ def test_malformed_out_file_is_a_usage_error(tmp_path, capsys):
 def test_merge_keeps_entries_without_a_source_record(tmp_path):
   """lookup() uses an entry with no (or an unknown) source, so --merge must
   carry it over rather than drop it and report 0 entries."""
-  key = autotune.cache_key(pk.ADAMW, 512, 64, 64, "bfloat16", BF16)
+  key = tuning_cache.cache_key(pk.ADAMW, 512, 64, 64, "bfloat16", BF16)
   cfg = pk.BlockConfig(32, 32, 32)
   src = tmp_path / "hand.json"
   src.write_text(json.dumps({"format": 1, "devices": {"G": {"entries": {
       key: {"config": dataclasses.asdict(cfg)},
       key + "x": {"config": dataclasses.asdict(cfg), "source": "nowhere"}}}}}))
-  assert autotune.lookup(512, 64, 64, "bfloat16", BF16, pk.ADAMW,
-                         device_kind="G", paths=[str(src)]) == cfg
+  assert tuning_cache.lookup(512, 64, 64, "bfloat16", BF16, pk.ADAMW,
+                             device_kind="G", paths=[str(src)]) == cfg
   out = tmp_path / "out.json"
   assert autotune.main(["--merge", str(src), "--out", str(out)]) == 0
-  autotune.clear_cache()
-  assert autotune.lookup(512, 64, 64, "bfloat16", BF16, pk.ADAMW,
-                         device_kind="G", paths=[str(out)]) == cfg
+  tuning_cache.clear_cache()
+  assert tuning_cache.lookup(512, 64, 64, "bfloat16", BF16, pk.ADAMW,
+                             device_kind="G", paths=[str(out)]) == cfg
   dev = json.loads(out.read_text())["devices"]["G"]
   assert len(dev["entries"]) == 2
   assert all(e["source"] in dev["sources"] for e in dev["entries"].values())
@@ -611,15 +623,15 @@ def test_autotune_cli_bad_values_are_usage_errors(bad, tmp_path, monkeypatch):
 
 def test_cli_default_out_is_the_env_cache_then_a_checkouts_shipped_file(
     tmp_path, monkeypatch):
-  monkeypatch.delenv(autotune.ENV_VAR, raising=False)
-  assert autotune.default_out() == autotune.SHIPPED_CACHE  # this checkout
-  monkeypatch.setenv(autotune.ENV_VAR, str(tmp_path / "mine.json"))
+  monkeypatch.delenv(tuning_cache.ENV_VAR, raising=False)
+  assert autotune.default_out() == tuning_cache.SHIPPED_CACHE  # this checkout
+  monkeypatch.setenv(tuning_cache.ENV_VAR, str(tmp_path / "mine.json"))
   assert autotune.default_out() == str(tmp_path / "mine.json")
 
 
 def test_cli_refuses_to_write_into_an_installed_package(tmp_path, monkeypatch,
                                                        capsys):
-  monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+  monkeypatch.delenv(tuning_cache.ENV_VAR, raising=False)
   shipped = tmp_path / "lib" / "site-packages" / "pallas_kernels" / "t.json"
   monkeypatch.setattr(autotune, "SHIPPED_CACHE", str(shipped))
   assert autotune.default_out() is None

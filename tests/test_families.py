@@ -211,7 +211,7 @@ def test_mlp_training_matches_optax(name, wgrad, data):
         f"state {s_err:.2e}")
 
 
-# --- a bf16 moment slot with fp32 parameters (review, session 7) ------------
+# --- a bf16 moment slot with fp32 parameters ---------------------------------
 # optax updates a moment as `(1 - decay) * g + decay * t` with `t` the stored
 # moment: with a bf16 `t` the Python-float decay is weakly typed to bf16
 # (0.9 -> 0.8984375), and the product `decay * t` is a bf16 op. The epilogue
@@ -219,8 +219,8 @@ def test_mlp_training_matches_optax(name, wgrad, data):
 # and the fp32 update (up to 1.3e-3 relative) differed from optax's.
 # forge_jax now packs the rounded decay for the stored moment (`b1_m`,
 # `decay_m`; lion's b1 and b2) and sets the rule's static flag that rounds
-# the product to the moment's dtype (session 8: on the H200 optax's jitted step rounds it, run
-# 41, while XLA's CPU backend keeps it in fp32 under jit). The reference is
+# the product to the moment's dtype (on the H200 optax's jitted step rounds
+# it, while XLA's CPU backend keeps it in fp32 under jit). The reference is
 # optax op by op, i.e. every op rounded to its dtype, on either backend.
 
 LOW_PRECISION_SLOTS = {
@@ -292,7 +292,7 @@ def _check_one_step(name, f_fn, o_fn, args, kw, jit_reference=False):
   # Equal elements, not just within an ulp: on the CPU they are all equal;
   # another summation order of G flips a rounding now and then, the exact
   # decay flipped 11-22 % of them (lion's update, a sign, hid it), the
-  # unrounded product 17 % of lion's on the H200 (run 41).
+  # unrounded product 17 % of lion's on the H200.
   differing = sum(int((a != b).sum()) for a, b, _ in moments)
   total = sum(a.size for a, _, _ in moments)
   assert differing <= 0.01 * total, (
@@ -303,8 +303,8 @@ def _check_one_step(name, f_fn, o_fn, args, kw, jit_reference=False):
 @pytest.mark.parametrize("name", sorted(LOW_PRECISION_SLOTS))
 def test_bf16_moment_steps_like_jitted_optax_on_gpu(name):
   """On the GPU optax is run jitted, as users run it: XLA's GPU backend
-  rounds `decay * t` to bf16 like the op-by-op program (run 41: without the
-  rounded product every family but the exact-decay ones failed here)."""
+  rounds `decay * t` to bf16 like the op-by-op program (without the rounded
+  product every family but the exact-decay ones failed here)."""
   _check_one_step(name, *LOW_PRECISION_SLOTS[name], jit_reference=True)
 
 
@@ -317,9 +317,9 @@ def test_only_a_decay_that_keeps_the_moment_dtype_is_rounded(b1):
   """optax forms `b1 * mu` in a bf16 mu's dtype (b1 and the product rounded)
   when JAX's promotion keeps bf16: a Python float, a weak JAX scalar
   (`jnp.asarray(0.9)`) or a bf16 b1; a NumPy / JAX float32 scalar
-  promotes the product to fp32 with b1 exact (review, session 7:
-  forge_jax rounded it whatever its type; session 8: it missed the weak JAX
-  scalar and the bf16 one, 1.1e-3 and 7.7e-4 off)."""
+  promotes the product to fp32 with b1 exact (a rounding that ignored the
+  type, or missed the weak JAX scalar and the bf16 one, was 1.1e-3 and
+  7.7e-4 off)."""
   _check_one_step(f"adam b1={b1!r}", forge_jax.adam, optax.adam, (1e-2,),
                   dict(b1=b1, mu_dtype=jnp.bfloat16))
 
@@ -333,10 +333,10 @@ def test_weakly_typed_jax_momentum_rounds_the_sgd_trace():
 def test_lion_sign_sees_the_rounded_b1_product():
   """Lion's update is a sign, which hides most of round_b1 in the test
   above: here `(1 - b1) * g + b1 * m` is put near 0, so the sign depends on
-  `b1 * m` being rounded to bf16 as optax rounds it (review, session 8:
-  with round_b1 ignored, 4056 of 4096 signs differ). The rule and its
-  hyperparameters are forge_jax.lion's own (review, session 9: a hand-built
-  rule left the flag forge_jax sets untested)."""
+  `b1 * m` being rounded to bf16 as optax rounds it (with round_b1 ignored,
+  4056 of 4096 signs differ). The rule and its hyperparameters are
+  forge_jax.lion's own (a hand-built rule would leave the flag forge_jax
+  sets untested)."""
   b1, b2 = 0.9, 0.99
   m = jax.random.normal(jax.random.key(0), (64, 64)).astype(jnp.bfloat16)
   p = np.float32(0.8984375) * np.asarray(m, np.float32)  # exact b1_m * m
@@ -383,7 +383,7 @@ def test_each_family_sets_its_rounding_flags():
 # the rounded product in every jnp path that jits UpdateRule.apply (the
 # reference, the zero-token path, an unreached head, MultiSteps for other
 # parameters). XLA's CPU backend runs the pass with its oneDNN rewrite on,
-# which shows it without a GPU (review, session 8).
+# which shows it without a GPU.
 _ROUNDING_PROG = """
 import jax, jax.numpy as jnp, numpy as np
 import pallas_kernels as pk

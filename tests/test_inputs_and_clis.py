@@ -57,29 +57,29 @@ def test_zero_size_weight_fails_with_a_message(n_in, n_out):
 def test_bridge_refuses_float64_instead_of_computing_in_fp32():
   torch = pytest.importorskip("torch")
   from forge_torch import _bridge
-  from forge_torch._rules import torch_adamw_hparams
+  from pallas_kernels.torch_rules import adamw_hparams
   x = torch.randn(8, 20, dtype=torch.float64)
   dy = torch.randn(8, 24, dtype=torch.float64)
   w = torch.randn(20, 24, dtype=torch.float64)
   s = [torch.zeros_like(w), torch.zeros_like(w)]
-  h = torch_adamw_hparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=0.0, step=1)
+  h = adamw_hparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.0, step=1)
   # JAX would import them as float32 and copy fp32 results back.
   with pytest.raises(TypeError, match="float64"):
     _bridge.fused_update(x, dy, w, s, h)
 
 
-# --- ./dev.sh train (forge_jax/demo.py) ---------------------------------------
+# --- ./dev.sh train (examples/train_digits.py) --------------------------------
 
 
 def test_demo_batch_size_too_large_is_a_usage_error(tmp_path):
-  from forge_jax import demo
+  from examples import train_digits as demo
   _refuses_cleanly(demo.main, ["--steps", "1", "--batch-size", "5000",
                                "--no-progress", "--out", str(tmp_path)])
 
 
 def test_demo_bench_steps_zero_does_not_crash(tmp_path):
-  from forge_jax import demo
+  from examples import train_digits as demo
   argv = ["--steps", "1", "--hidden", "8", "--batch-size", "16", "--bench",
           "on", "--bench-steps", "0", "--no-progress", "--out", str(tmp_path)]
   with pytest.raises(SystemExit) as e:  # a usage error, not a crash

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import autotune, rules
+from pallas_kernels import autotune, rules, tuning_cache
+from pallas_kernels.reference import apply_rule
 from tests.harness import lower_for_cuda, triton_calls
 from tests.tolerances import assert_close, assert_update_close, tol
 
@@ -195,11 +196,10 @@ def _stored_case(seed, layers, n_in, n_out, dtypes, rule):
 
 
 def _check_stored(rule, g, w, slots, h, layer, config=None, interpret=True):
-  from pallas_kernels.fused_wgrad import _apply_maybe_stacked
   got_w, got_slots = pk.stored_g_update(g, w, slots, h, rule=rule,
                                         layer=layer, config=config,
                                         interpret=interpret)
-  ref_w, ref_slots = _apply_maybe_stacked(rule, g, w, slots, h, layer)
+  ref_w, ref_slots = apply_rule(rule, g, w, slots, h, layer)
   pick = (lambda a: a) if layer is None else (lambda a: a[layer])
   news = ((got_w, ref_w, w, "w"),) if rule.updates_weight else ()
   news += tuple(zip(got_slots, ref_slots, slots, rule.slots))
@@ -258,7 +258,7 @@ def test_stored_g_update_mixed_dtypes(dtypes):
     pk.BlockConfig(16, 16, 16, group_in=3),
     pk.BlockConfig(32, 64, 16, split_out=2, stream_state=True),
     pk.BlockConfig(16, 128, 16, split_out=4, prefetch=True)],
-    ids=lambda c: autotune.config_label(c))
+    ids=lambda c: tuning_cache.config_label(c))
 def test_stored_g_update_tilings_agree(config):
   g, w, slots = _stored_case(3, 3, 70, 130, DTYPES[0], pk.ADAMW)
   _check_stored(pk.ADAMW, g, w, slots, adamw_hparams(), 2, config)
@@ -574,7 +574,7 @@ def test_compiled_kernel_matches_reference_on_gpu(tokens, n_in, n_out, dtypes):
     pk.BlockConfig(128, 128, 64, 8, 8, 3, prefetch=True, stream_state=True),
     pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True, split_out=2),
     pk.BlockConfig(128, 256, 64, 8, 8, 3, stream_state=True, split_out=4),
-], ids=lambda c: autotune.config_label(c))
+], ids=lambda c: tuning_cache.config_label(c))
 @pytest.mark.parametrize("dtypes", DTYPES[:2], ids=["f32", "bf16"])
 def test_compiled_knob_tilings_match_reference_on_gpu(config, dtypes):
   x, dy, w, slots = make_case(11, (300,), 520, 390, dtypes)
@@ -619,8 +619,7 @@ def test_compiled_stored_g_update_matches_the_rule_on_gpu(rule, dtypes):
 def test_compiled_stored_g_update_updates_the_stack_in_place_on_gpu():
   g, w, slots = _stored_case(8, 4, 512, 384, DTYPES[1], pk.ADAMW)
   h = adamw_hparams()
-  from pallas_kernels.fused_wgrad import _apply_maybe_stacked
-  ref_w, ref_slots = _apply_maybe_stacked(pk.ADAMW, g, w, slots, h, 2)
+  ref_w, ref_slots = apply_rule(pk.ADAMW, g, w, slots, h, 2)
   ptrs = [a.unsafe_buffer_pointer() for a in (w, *slots)]
   step = jax.jit(functools.partial(pk.stored_g_update, rule=pk.ADAMW),
                  donate_argnums=(1, 2))
@@ -692,7 +691,7 @@ def test_compiled_kernel_updates_in_place_on_gpu():
   assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs
 
 
-# --- inputs a user may plausibly pass (review, session 6) ---------------------
+# --- inputs a user may plausibly pass -----------------------------------------
 
 
 @pytest.mark.parametrize("xd,dyd,wd", [
@@ -845,8 +844,8 @@ def test_rounding_flags_are_static_and_a_zero_flag_emits_no_code():
   """The flags that round `decay * stored moment` (round_mu, ...) decide the
   kernel's code, so they are static settings of the rule, never packed: a
   0 flag (every rule's default; bf16 moments that follow the parameters)
-  emits no rounding at all, a 1 flag one convert pair per product (session
-  9: a runtime flag cost the 64x128 split tiling 16 % at 4096x14336)."""
+  emits no rounding at all, a 1 flag one convert pair per product (a
+  runtime flag slowed the kernel: docs/perf_notes.md)."""
   rounds = pk.ADAMW.with_static(round_mu=1.0)
   assert dict(pk.ADAMW.static) == {"round_mu": 0.0}
   assert dict(rounds.static) == {"round_mu": 1.0}
@@ -894,3 +893,35 @@ def test_static_settings_are_refused_where_they_do_not_belong():
                   static=(("f", jnp.float32(1)),))
   h = pk.ADAMW.with_static(round_mu=1.0).unpack(pk.ADAMW.pack(**base))
   assert h["round_mu"] == 1.0 and isinstance(h["round_mu"], float)
+
+
+# --- interpret mode without a GPU ---------------------------------------------
+
+
+def test_interpret_mode_without_a_gpu_warns_once(monkeypatch):
+  """The first kernel run in interpret mode because no GPU was found warns
+  (InterpretModeWarning), once per process; an explicit interpret=True does
+  not."""
+  import warnings
+
+  import pallas_kernels.fused_wgrad as fw
+  from pallas_kernels import interpret
+  monkeypatch.setattr(interpret, "_warned", False)
+  monkeypatch.setattr(fw, "default_interpret", lambda: True)  # "no GPU"
+  x, dy, w, slots = make_case(0, (8,), 16, 16, (jnp.float32,) * 4)
+  h = adamw_hparams()
+  g = jnp.ones((16, 16), jnp.float32)
+
+  def interpret_warnings(**kw):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW, **kw)
+      pk.stored_g_update(g, w, slots, h, rule=pk.ADAMW, **kw)
+    return [c for c in caught
+            if issubclass(c.category, pk.InterpretModeWarning)]
+
+  assert interpret_warnings(interpret=True) == []
+  (first,) = interpret_warnings()
+  assert "interpret mode" in str(first.message)
+  assert issubclass(pk.InterpretModeWarning, UserWarning)
+  assert interpret_warnings() == []  # once per process

@@ -110,7 +110,7 @@ def test_config_auto_times_the_tiling_the_kernel_picks(tmp_path, capsys):
   # problem; "auto" must time exactly that tiling, once even if listed twice.
   import pallas_kernels as pk  # noqa: PLC0415
   out = tmp_path / "kernel.csv"
-  picked = pk.autotune.config_label(pk.select_config(
+  picked = pk.tuning_cache.config_label(pk.select_config(
       16, 40, 24, jnp.bfloat16, [jnp.bfloat16] * 2, pk.ADAMW))
   rc = kernel.main(["--torch", "on", "--shapes", "t 40x24", "--tokens", "16",
                     "--moments", "bfloat16", "--config", "auto", picked,

@@ -305,6 +305,22 @@ def test_regime_4_is_refused_with_the_reason():
     forge_jax.make_step(_mse(MLP(forge_jax.Dense)), chain)
 
 
+def test_the_transforms_are_the_registrys_optax_families():
+  """forge_jax implements exactly the registered families that name an optax
+  transform, under that name; each regime-1/2 one has its kernel rule."""
+  from forge_jax import transforms
+  registry = pk.families.REGISTRY
+  assert transforms.IMPLEMENTED == {
+      name: f.optax for name, f in registry.items() if f.optax is not None}
+  for name, f in registry.items():
+    if f.optax is None:
+      assert forge_jax.refuse_reason(name) is not None, name
+      continue
+    assert callable(getattr(forge_jax, f.optax)), name
+    assert forge_jax.refuse_reason(name) is None, name
+    assert (f.optax_factory is not None) == (f.regime.number in (1, 2)), name
+
+
 def test_refuse_reason_for_implemented_unimplemented_and_unknown():
   for family in ("adamw", "sgd_momentum", "lamb", "muon", "adafactor", "sm3"):
     assert forge_jax.refuse_reason(family) is None, family

@@ -686,7 +686,8 @@ def _mocked_cuda_bridge(monkeypatch, seed):
   record_stream), JAX's kernel in interpret mode. ``run()`` makes one fused
   update on fresh state, checks it against a plain CPU call and returns the
   warnings it raised."""
-  from forge_torch import _bridge, _rules
+  from forge_torch import _bridge
+  from pallas_kernels import torch_rules as _rules
   recorded = []
 
   class CudaLike(torch.Tensor):
@@ -709,8 +710,8 @@ def _mocked_cuda_bridge(monkeypatch, seed):
   g = torch.Generator().manual_seed(seed)
   x, dy = torch.randn(16, 6, generator=g), torch.randn(16, 4, generator=g)
   w0 = torch.randn(6, 4, generator=g)
-  h = _rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                                 weight_decay=1e-2, step=1)
+  h = _rules.adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=1e-2, step=1)
   ref = (w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0))
   _bridge.fused_update(x, dy, ref[0], ref[1:], h)
 
@@ -812,12 +813,13 @@ def test_host_and_stream_modes_give_identical_results_cpu():
 
 def test_fused_update_hparams_numpy_or_device_array_cpu():
   """hparams as numpy (converted once per distinct vector) or a JAX array."""
-  from forge_torch import _bridge, _rules
+  from forge_torch import _bridge
+  from pallas_kernels import torch_rules as _rules
   g = torch.Generator().manual_seed(5)
   x, dy = torch.randn(16, 6, generator=g), torch.randn(16, 4, generator=g)
   w0 = torch.randn(6, 4, generator=g)
-  h = _rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                                 weight_decay=1e-2, step=1)
+  h = _rules.adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=1e-2, step=1)
   outs = []
   for hp in (h, h.copy(), jax.numpy.asarray(h)):
     w, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
@@ -829,7 +831,7 @@ def test_fused_update_hparams_numpy_or_device_array_cpu():
   assert not torch.equal(outs[0][0], w0)
 
 
-# --- GPU (H200): zero copy, streams, parity on CUDA --------------------------------
+# --- GPU: zero copy, streams, parity on CUDA -----------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -961,10 +963,11 @@ def test_gpu_stream_mode_race_detector(side_stream):
   read-back would see the old one. The reference is the same kernel in host
   mode on the intended inputs (bit-identical: the kernel is deterministic).
   """
-  from forge_torch import _bridge, _rules
+  from forge_torch import _bridge
+  from pallas_kernels import torch_rules as _rules
   bt, n_in, n_out = 8192, 2048, 1024
-  h = _rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                                 weight_decay=1e-2, step=3)
+  h = _rules.adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=1e-2, step=3)
   stats = forge_torch.bridge_stats
   stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
   for rep in range(3):
@@ -1118,7 +1121,8 @@ def test_gpu_reused_views_are_ordered_with_torch_writes():
   in a GEMM right before each call. Bit-identical to host-mode calls without
   a cache. A tensor with new memory is imported again, and the old memory is
   left alone."""
-  from forge_torch import _bridge, _rules
+  from forge_torch import _bridge
+  from pallas_kernels import torch_rules as _rules
   bt, n_in, n_out = 4096, 2048, 1024
   g = torch.Generator(device="cuda").manual_seed(7)
   xs = [torch.randn(bt, n_in, device="cuda", generator=g) for _ in range(3)]
@@ -1126,8 +1130,8 @@ def test_gpu_reused_views_are_ordered_with_torch_writes():
   w0 = torch.randn(n_in, n_out, device="cuda", generator=g) * 0.1
   m0 = torch.randn(n_in, n_out, device="cuda", generator=g) * 1e-3
   v0 = torch.rand(n_in, n_out, device="cuda", generator=g) * 1e-4
-  hs = [_rules.torch_adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                                   weight_decay=1e-2, step=t)
+  hs = [_rules.adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                             weight_decay=1e-2, step=t)
         for t in (1, 2, 3)]
 
   def between(w, m, v):  # torch's own writes of the state between steps

@@ -20,8 +20,9 @@ torch = pytest.importorskip("torch")
 import jax.numpy as jnp  # noqa: E402
 
 import forge_torch  # noqa: E402
-from forge_torch import _rules  # noqa: E402
 from forge_torch import optim as forge_optim  # noqa: E402
+from pallas_kernels import families  # noqa: E402
+from pallas_kernels import torch_rules as _rules  # noqa: E402
 from tests.test_torch_bridge import (  # noqa: E402
     batches, forge_copy, make_mlp, train)
 from tests.tolerances import assert_close, rel_err, tol  # noqa: E402
@@ -30,6 +31,34 @@ FP32_TOL = tol(jnp.float32)
 CUDA = torch.cuda.is_available()
 FAMILIES = ("SGD", "Adagrad", "RMSprop", "Adam", "AdamW", "Adamax", "NAdam",
             "RAdam")
+
+
+def test_the_optimizers_are_the_registrys_torch_families():
+  """forge_torch has an optimizer for each registered family with a torch
+  rule, named as the registry names its torch.optim class, and each takes
+  its rules from that family (the registry is the one list of families)."""
+  torch_names = {f.torch for f in families.REGISTRY.values()
+                 if f.torch is not None}
+  assert torch_names == set(FAMILIES)
+  assert all(f.torch_factory is not None for f in families.REGISTRY.values()
+             if f.torch is not None)
+  for family in FAMILIES:
+    cls = getattr(forge_torch, family)
+    assert issubclass(cls, getattr(torch.optim, family))
+    opt = cls(forge_torch.Linear(4, 3).parameters())
+    entries = [f for f in families.REGISTRY.values() if f.torch == family]
+    assert opt._forge_rule(opt.param_groups[0]) in [
+        f.torch_rule(**options) for f in entries
+        for options in _default_options(f.name)], family
+
+
+def _default_options(family: str) -> list[dict]:
+  """The options forge_torch's optimizers pass at torch's defaults."""
+  return {"sgd": [dict(nesterov=False)],
+          "sgd_momentum": [dict(nesterov=False)],
+          "rmsprop": [dict(centered=False, momentum=False)],
+          "adam": [dict(amsgrad=False, cuda_fused=False)],
+          "adamw": [dict(amsgrad=False, cuda_fused=False)]}.get(family, [{}])
 
 
 def _has_option(family: str, option: str) -> bool:

@@ -33,18 +33,19 @@ Conventions:
   neutral settings reproduce torch's skipped branches bit for bit.
 
 No torch import here (the rules are JAX); :mod:`forge_torch.optim` packs the
-hyperparameters from torch's param groups and state.
+hyperparameters from torch's param groups and state
+(:func:`~pallas_kernels.rules.pack_host`). The
+registry :mod:`pallas_kernels.families` names each family's factory here.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
+from pallas_kernels.rules import UpdateRule, lerp, pack_host, rule_name
 
 # --------------------------------------------------------------------------
 # Shared pieces.
@@ -64,82 +65,6 @@ def _decay(w, h):
   return w * h["decay"]
 
 
-def lerp(start, end, weight):
-  """torch's ``start.lerp_(end, weight)`` for a scalar ``weight``.
-
-  ``start + weight * (end - start)`` if ``|weight| < 0.5``, else
-  ``end - (end - start) * (1 - weight)`` (ATen's ``lerp`` formula).
-  """
-  return jnp.where(jnp.abs(weight) < 0.5, start + weight * (end - start),
-                   end - (end - start) * (1.0 - weight))
-
-
-def pack(rule: UpdateRule, values: Mapping[str, float]) -> np.ndarray:
-  """``rule``'s fp32 hyperparameter vector from Python (double) ``values``.
-
-  ``values`` may hold more names than ``rule`` reads (a family computes all of
-  its scalars; each of its rules takes the ones it needs); each value is
-  rounded once to fp32.
-  """
-  missing = [n for n in rule.hparams if n not in values]
-  if missing:
-    raise ValueError(f"rule {rule.name!r} needs hyperparameters {missing}")
-  vec = np.zeros(HPARAM_VECTOR_LEN, np.float32)
-  for i, name in enumerate(rule.hparams):
-    vec[i] = float(values[name])
-  return vec
-
-
-# --------------------------------------------------------------------------
-# AdamW as the original bridge computed it (kept for ``_bridge.fused_update``'s
-# default rule and its callers; ``forge_torch.AdamW`` uses :func:`adam_rule`).
-# --------------------------------------------------------------------------
-
-
-def _torch_adamw_update(g, w, slots, h):
-  """``torch.optim.AdamW`` (non-amsgrad, non-maximize) on fp32 tiles.
-
-    param.mul_(1 - lr * wd)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / sqrt(1 - beta2**t)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**t))
-  """
-  exp_avg, exp_avg_sq = slots
-  w = w * h["decay"]
-  exp_avg = lerp(exp_avg, g, h["one_minus_b1"])
-  exp_avg_sq = exp_avg_sq * h["b2"] + h["one_minus_b2"] * g * g
-  denom = jnp.sqrt(exp_avg_sq) / h["bc2_sqrt"] + h["eps"]
-  w = w + h["neg_step_size"] * (exp_avg / denom)
-  return w, (exp_avg, exp_avg_sq)
-
-
-TORCH_ADAMW = UpdateRule(
-    name="adamw_torch",
-    slots=("exp_avg", "exp_avg_sq"),
-    hparams=("decay", "one_minus_b1", "b2", "one_minus_b2", "bc2_sqrt", "eps",
-             "neg_step_size"),
-    update=_torch_adamw_update,
-    tuned_as="adamw",  # optax's AdamW tilings (the same state, like work)
-)
-
-
-def torch_adamw_hparams(*, lr: float, beta1: float, beta2: float, eps: float,
-                        weight_decay: float, step: float) -> np.ndarray:
-  """``TORCH_ADAMW``'s packed fp32 vector for 1-based step ``step``."""
-  bc1 = 1 - beta1**step
-  bc2 = 1 - beta2**step
-  return pack(TORCH_ADAMW, {
-      "decay": (1 - lr * weight_decay) if weight_decay != 0 else 1.0,
-      "one_minus_b1": 1 - beta1,
-      "b2": beta2,
-      "one_minus_b2": 1 - beta2,
-      "bc2_sqrt": bc2**0.5,
-      "eps": eps,
-      "neg_step_size": -(lr / bc1),
-  })
-
-
 # --------------------------------------------------------------------------
 # The families. Each factory is cached: one UpdateRule object per variant, so
 # the bridge's jit cache (keyed on the rule) compiles each variant once.
@@ -147,7 +72,9 @@ def torch_adamw_hparams(*, lr: float, beta1: float, beta2: float, eps: float,
 
 
 def _name(base: str, **flags: bool) -> str:
-  return "_".join([base, *(f for f, on in flags.items() if on), "torch"])
+  """A torch rule's name: :func:`~pallas_kernels.rules.rule_name`, then
+  ``"_torch"`` (``"adam_amsgrad_torch"``)."""
+  return rule_name(base, **flags, torch=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -419,6 +346,25 @@ def radam_rule() -> UpdateRule:
       update=update)
 
 
-__all__ = ["TORCH_ADAMW", "adagrad_rule", "adam_rule", "adamax_rule", "lerp",
-           "nadam_rule", "pack", "radam_rule", "rmsprop_rule", "sgd_rule",
-           "torch_adamw_hparams"]
+def adamw_hparams(*, lr: float, beta1: float, beta2: float, eps: float,
+                  weight_decay: float, step: float) -> np.ndarray:
+  """``adam_rule(amsgrad=False)``'s packed vector for ``torch.optim.AdamW``
+  (decoupled weight decay, not maximizing) at 1-based step ``step``, its
+  scalars computed in Python doubles as torch computes them."""
+  bc1 = 1 - beta1**step
+  bc2 = 1 - beta2**step
+  return pack_host(adam_rule(amsgrad=False), {
+      "grad_sign": 1.0,
+      "weight_decay": 0.0,
+      "decay": (1 - lr * weight_decay) if weight_decay != 0 else 1.0,
+      "one_minus_b1": 1 - beta1,
+      "b2": beta2,
+      "one_minus_b2": 1 - beta2,
+      "bc2_sqrt": bc2**0.5,
+      "eps": eps,
+      "neg_step_size": -(lr / bc1),
+  })
+
+
+__all__ = ["adagrad_rule", "adam_rule", "adamax_rule", "adamw_hparams",
+           "nadam_rule", "radam_rule", "rmsprop_rule", "sgd_rule"]

@@ -1,0 +1,141 @@
+"""The fused AdamW step on each kernel backend against XLA's GEMM + AdamW.
+
+    ./dev.sh python -m benchmarks.backends --out out/bench/backends.csv
+
+One layer at the Llama-3.1-8B projection shapes: XLA's ``dot(x.T, dy)``
+followed by the rule applied elementwise, the Triton kernel
+(``backend="triton"``, its tuned tiling) and the Mosaic GPU kernel
+(``backend="mosaic_gpu"``, each ``--mosaic`` tiling), side by side in one
+process, bf16 ``x``, ``dy``, ``W`` and bf16 or fp32 moments. Each arm's
+result is compared with XLA's before it is timed: an arm off by more than
+bf16 rounding (2 %, relative to the largest element) makes the command exit
+1. Needs a Hopper GPU.
+"""
+
+import argparse
+import sys
+import warnings
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from benchmarks import common
+
+RULE = pk.ADAMW
+# Timing only: plausible AdamW hyperparameters.
+HPARAMS = RULE.pack(lr=1e-4, b1=0.9, b2=0.999, one_minus_b1=0.1,
+                    one_minus_b2=0.001, eps=1e-8, eps_root=0.0,
+                    weight_decay=1e-2, bc1=0.1, bc2=0.001, bc1_next=0.19)
+# tile_m x tile_n x tile_k / pipeline steps.
+MOSAIC_DEFAULT = ("128x128x64/3", "64x128x64/3")
+
+
+def parse_mosaic(label: str) -> pk.MosaicConfig:
+  try:
+    tiles, steps = label.split("/")
+    tm, tn, tk = (int(v) for v in tiles.split("x"))
+    return pk.MosaicConfig(tile_m=tm, tile_n=tn, tile_k=tk, steps=int(steps))
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(
+        f"--mosaic {label!r}: expected MxNxK/STEPS, e.g. 128x128x64/3 ({e})")
+
+
+def _state(bt, n_in, n_out, slot_dtype):
+  k = jax.random.split(jax.random.key(0), 5)
+  x = jax.random.normal(k[0], (bt, n_in), jnp.bfloat16)
+  dy = jax.random.normal(k[1], (bt, n_out), jnp.bfloat16)
+  w = jax.random.normal(k[2], (n_in, n_out), jnp.bfloat16)
+  mu = (0.1 * jax.random.normal(k[3], (n_in, n_out))).astype(slot_dtype)
+  nu = (0.1 * jax.random.uniform(k[4], (n_in, n_out))).astype(slot_dtype)
+  return x, dy, w, (mu, nu)
+
+
+def _arms(mosaic_cfgs):
+  def xla(s):
+    x, dy, w, slots = s
+    g = jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
+    w, slots = RULE.apply(g, w, slots, HPARAMS)
+    return x, dy, w, slots
+
+  def fused(backend, cfg=None):
+    def step(s):
+      x, dy, w, slots = s
+      w, slots = pk.fused_wgrad_update(x, dy, w, slots, HPARAMS, rule=RULE,
+                                       backend=backend, config=cfg)
+      return x, dy, w, slots
+    return step
+
+  arms = {"xla_unfused": xla, "forge_triton": fused("triton")}
+  for label, cfg in mosaic_cfgs:
+    arms[f"forge_mosaic_{label}"] = fused("mosaic_gpu", cfg)
+  return arms
+
+
+def _max_rel_err(got, ref):
+  got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+  return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", default="out/bench/backends.csv")
+  p.add_argument("--tokens", type=common.positive_int, nargs="+",
+                 default=[512, 2048, 4096])
+  p.add_argument("--shapes", nargs="+", default=list(common.LLAMA8B_SHAPES),
+                 choices=list(common.LLAMA8B_SHAPES))
+  p.add_argument("--moments", nargs="+", default=["bf16", "fp32"],
+                 choices=["bf16", "fp32"])
+  p.add_argument("--mosaic", nargs="+", default=list(MOSAIC_DEFAULT),
+                 help="Mosaic GPU tilings, MxNxK/STEPS")
+  args = p.parse_args(argv)
+  try:
+    mosaic_cfgs = [(m, parse_mosaic(m)) for m in args.mosaic]
+  except argparse.ArgumentTypeError as e:
+    p.error(str(e))
+  if jax.default_backend() != "gpu":
+    print("benchmarks.backends needs a GPU; nothing measured.")
+    return 0
+  res = common.Results(args.out, "backends")
+  arms = _arms(mosaic_cfgs)
+  wrong = []
+  for moments in args.moments:
+    slot_dtype = jnp.bfloat16 if moments == "bf16" else jnp.float32
+    dtypes = f"x,dy,W bf16; m,v {moments}"
+    for name in args.shapes:
+      n_in, n_out = common.LLAMA8B_SHAPES[name]
+      for bt in args.tokens:
+        shape = f"BT={bt} {n_in}x{n_out}"
+        ref = jax.jit(arms["xla_unfused"])(_state(bt, n_in, n_out, slot_dtype))
+        times = {}
+        for arm, step in arms.items():
+          try:
+            out = jax.jit(step)(_state(bt, n_in, n_out, slot_dtype))
+            err = max(_max_rel_err(a, b) for a, b in
+                      zip((out[2], *out[3]), (ref[2], *ref[3])))
+            (q, _) = common.time_loop(step, _state(bt, n_in, n_out, slot_dtype))
+          except ValueError as e:  # a tiling this case does not allow
+            print(f"{shape} {moments} {arm}: skipped ({e})", flush=True)
+            continue
+          if err > 2e-2:
+            wrong.append(f"{shape} m,v {moments} {arm}: error {err:.2g}")
+          times[arm] = q[1]
+          res.add("adamw", arm, shape, dtypes, "time",
+                  tuple(t * 1e6 for t in q), "us")
+          res.add("adamw", arm, shape, dtypes, "max_rel_err_vs_xla", err, "")
+          ratio = times["xla_unfused"] / q[1]
+          if arm != "xla_unfused":
+            res.add("adamw", arm, shape, dtypes, "speedup_vs_xla", ratio, "x")
+          print(f"{shape:22s} m,v {moments} {arm:28s} {q[1]*1e6:8.1f} us "
+                f"{ratio:5.2f}x vs xla  err {err:.1e}", flush=True)
+  if wrong:
+    print("WRONG RESULTS:\n  " + "\n  ".join(wrong), flush=True)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,219 @@
+"""The Pallas Mosaic GPU kernel (Hopper, sm_90+): the weight-gradient GEMM
+by ``wgmma`` with the rule in its epilogue.
+
+Persistent: one program per SM walks the output tiles (``plgpu.nd_loop``).
+For each ``(tile_m, tile_n)`` tile of ``G = x^T dy`` it first issues TMA
+loads of that tile of ``W`` and of each slot into shared memory, so they are
+in flight while the tensor cores run; the K loop
+(``plgpu.emit_pipeline``) streams ``x`` and ``dy`` blocks by TMA and
+accumulates ``x_blk^T dy_blk`` in fp32 with ``x`` transposed in shared
+memory (free for 16-bit operands); the epilogue applies the rule to the
+tile in ``(epi_m, epi_n)`` sub-tiles (the accumulator slice and the state
+read from shared memory), writes the new state back to shared memory and
+TMA-stores it in place, asynchronously (drained during the next tile's K
+loop). ``G`` never leaves registers.
+
+Not yet covered (each refused with the reason by :func:`unsupported`):
+shapes the tiles do not divide, stacked ``(L, in, out)`` state, a stored
+``G``, rules that do not update the weight or have write-only outputs, fp32
+operands (wgmma takes 16-bit ones here).
+:func:`launch` is its entry point; :mod:`pallas_kernels.fused_wgrad`
+holds the public wrappers (``backend="mosaic_gpu"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.rules import UpdateRule
+
+__all__ = ["MosaicConfig", "default_config", "launch", "unsupported"]
+
+# Shared memory per block on Hopper (227 KiB).
+_SMEM_BYTES = 232448
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiling of the Mosaic GPU kernel.
+
+  Attributes:
+    tile_m: rows of ``W`` per output tile (a multiple of 64).
+    tile_n: columns of ``W`` per output tile (a multiple of 64).
+    tile_k: token rows per K step (a multiple of 64).
+    steps: K blocks in flight in the pipeline (>= 1).
+    epi_m, epi_n: the epilogue's sub-tile (divide ``tile_m``, ``tile_n``).
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  steps: int = 3
+  epi_m: int = 64
+  epi_n: int = 64
+
+  def __post_init__(self):
+    for name in ("tile_m", "tile_n", "tile_k"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v <= 0 or v % 64:
+        raise ValueError(f"MosaicConfig: {name}={v!r} must be a positive "
+                         "multiple of 64")
+    if not isinstance(self.steps, int) or self.steps < 1:
+      raise ValueError(f"MosaicConfig: steps={self.steps!r} must be >= 1")
+    if (self.tile_m % self.epi_m or self.tile_n % self.epi_n
+        or self.epi_m % 8 or self.epi_n % 32):
+      raise ValueError(
+          f"MosaicConfig: the epilogue sub-tile {self.epi_m}x{self.epi_n} "
+          f"must divide the tile {self.tile_m}x{self.tile_n} (rows a "
+          "multiple of 8, columns of 32)")
+
+  def smem_bytes(self, x_dtype, state_dtypes) -> int:
+    """Shared memory the kernel asks for (pipeline buffers + state tile)."""
+    operands = self.steps * self.tile_k * (self.tile_m + self.tile_n)
+    state = sum(jnp.dtype(d).itemsize for d in state_dtypes)
+    return (operands * jnp.dtype(x_dtype).itemsize
+            + state * self.tile_m * self.tile_n)
+
+
+def default_config(x_dtype, state_dtypes) -> MosaicConfig:
+  """The first tiling, from the largest, whose shared memory fits a block."""
+  for tm, steps in ((128, 3), (128, 2), (64, 3), (64, 2)):
+    cfg = MosaicConfig(tile_m=tm, steps=steps)
+    if cfg.smem_bytes(x_dtype, state_dtypes) <= _SMEM_BYTES:
+      return cfg
+  return cfg
+
+
+def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
+                rule: UpdateRule, cfg: MosaicConfig, *, stacked: bool,
+                g_stored: bool) -> str | None:
+  """Why the Mosaic GPU kernel cannot run this case, or ``None``."""
+  if stacked:
+    return "stacked (L, in, out) state (layer=...) is not supported yet"
+  if g_stored:
+    return "a stored gradient (stored_g_update) is not supported yet"
+  if not rule.updates_weight or rule.outputs:
+    return (f"rule {rule.name!r} does not update the weight or has "
+            "write-only outputs (regime 2): not supported yet")
+  if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16),
+                                jnp.dtype(jnp.float16)):
+    return (f"x and dy are {jnp.dtype(x_dtype).name}; the Mosaic GPU kernel "
+            "takes bfloat16 or float16 operands")
+  if n_in % cfg.tile_m or n_out % cfg.tile_n or bt % cfg.tile_k:
+    return (f"BT x in x out = {bt} x {n_in} x {n_out} is not a multiple of "
+            f"the tiles {cfg.tile_k} x {cfg.tile_m} x {cfg.tile_n}")
+  need = cfg.smem_bytes(x_dtype, [w.dtype, *(s.dtype for s in slots)])
+  if need > _SMEM_BYTES:
+    return (f"the tiling needs {need} bytes of shared memory, more than the "
+            f"{_SMEM_BYTES} a block has: use smaller tiles or fewer steps")
+  return None
+
+
+def _transforms(minor: int, dtype):
+  """Tiling and swizzle of a shared-memory block whose minor dimension has
+  ``minor`` elements."""
+  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel_body(x_gmem, dy_gmem, h_gmem, *state_gmem, rule: UpdateRule,
+                 cfg: MosaicConfig, bt: int, n_in: int, n_out: int,
+                 interpret: bool):
+  tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+  m_iters, n_iters, k_iters = n_in // tm, n_out // tn, bt // tk
+  x_tf = _transforms(tm, x_gmem.dtype)
+  dy_tf = _transforms(tn, dy_gmem.dtype)
+  delay = 1 if cfg.steps > 1 else 0
+  slot_dtypes = [r.dtype for r in state_gmem[1:]]
+
+  @functools.partial(
+      pl.run_scoped,
+      bufs=[plgpu.SMEM((tm, tn), r.dtype, transforms=_transforms(cfg.epi_n,
+                                                                 r.dtype))
+            for r in state_gmem],
+      bar=plgpu.Barrier(num_barriers=1, num_arrivals=len(state_gmem)))
+  def _scope(bufs, bar):
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tile(info):
+      (lin,) = info.index
+      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, 1)
+      rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
+      # The previous tile's stores must have read the buffers before the
+      # prefetch overwrites them.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for ref, buf in zip(state_gmem, bufs):
+        plgpu.copy_gmem_to_smem(ref.at[rows, cols], buf, bar.at[0])
+
+      def acc_scope(acc_ref):
+        def k_step(_, x_smem, dy_smem):
+          plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
+          plgpu.wgmma_wait(delay)
+
+        plgpu.emit_pipeline(
+            k_step, grid=(k_iters,),
+            in_specs=[
+                plgpu.BlockSpec((tk, tm), lambda k: (k, mi), transforms=x_tf,
+                                delay_release=delay),
+                plgpu.BlockSpec((tk, tn), lambda k: (k, ni), transforms=dy_tf,
+                                delay_release=delay),
+            ],
+            max_concurrent_steps=cfg.steps)(x_gmem, dy_gmem)
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, tn)))
+      plgpu.barrier_wait(bar.at[0])
+      h = rule.unpack(h_gmem, slot_dtypes, round_by_convert=not interpret)
+      em, en = cfg.epi_m, cfg.epi_n
+      for i in range(tm // em):
+        for j in range(tn // en):
+          sub = (pl.ds(i * em, em), pl.ds(j * en, en))
+          g = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
+          old = [buf[sub].astype(jnp.float32) for buf in bufs]
+          w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
+          for buf, val in zip(bufs, (w_new, *new)):
+            buf[sub] = val.astype(buf.dtype)
+      plgpu.commit_smem()
+      for ref, buf in zip(state_gmem, bufs):
+        plgpu.copy_smem_to_gmem(buf, ref.at[rows, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
+           interpret: bool, num_sms: int | None = None):
+  """The kernel on checked inputs that :func:`unsupported` accepts.
+
+  Args:
+    x, dy: ``(BT, in)`` and ``(BT, out)``, one 16-bit dtype.
+    w, slots: the weight and the rule's slots, ``(in, out)``; updated in
+      place (the kernel writes them through refs).
+    hparams: ``rule.pack(...)``.
+    rule, cfg: the update rule and the tiling.
+    interpret: run in Pallas GPU interpret mode (on the CPU).
+    num_sms: programs in the persistent grid; default the GPU's SM count
+      (4 in interpret mode).
+
+  Returns:
+    ``(w_new, slots_new)``.
+  """
+  bt, n_in = x.shape
+  n_out = dy.shape[1]
+  if num_sms is None:
+    num_sms = 4 if interpret else jax.devices()[0].core_count
+  body = functools.partial(_kernel_body, rule=rule, cfg=cfg, bt=bt,
+                           n_in=n_in, n_out=n_out, interpret=interpret)
+  kernel = plgpu.kernel(
+      body, out_type=(), grid=(num_sms,), grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=plgpu.InterpretGPUParams() if interpret else None)
+  refs = [jax.new_ref(a) for a in (w, *slots)]
+  kernel(x, dy, hparams, *refs)
+  w_new, *slots_new = (r[...] for r in refs)
+  return w_new, tuple(slots_new)

@@ -1,0 +1,161 @@
+"""The Mosaic GPU backend (``fused_wgrad_update(..., backend="mosaic_gpu")``)
+against the reference: in Pallas GPU interpret mode on the CPU, compiled on
+a Hopper GPU (``gpu``-marked)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import autotune
+from tests.tolerances import assert_close, assert_update_close
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+SMALL = pk.MosaicConfig(tile_m=64, tile_n=64, tile_k=64, steps=2)
+RULES = [pk.ADAMW, pk.sgd_rule(momentum=True, nesterov=True), pk.lion_rule(),
+         pk.adagrad_rule(), pk.rmsprop_rule()]
+
+
+def _hparams(rule):
+  values = {**autotune._TUNING_HPARAMS, "lr": 3e-2}
+  return rule.pack(**{n: values.get(n, 0.5) for n in rule.hparams})
+
+
+def _case(seed, bt, n_in, n_out, rule, x_dtype=BF16, w_dtype=BF16,
+          slot_dtype=BF16):
+  k = jax.random.split(jax.random.key(seed), 3 + len(rule.slots))
+  x = jax.random.normal(k[0], (bt, n_in)).astype(x_dtype)
+  dy = jax.random.normal(k[1], (bt, n_out)).astype(x_dtype)
+  w = jax.random.normal(k[2], (n_in, n_out)).astype(w_dtype)
+  slots = []
+  for i, name in enumerate(rule.slots):
+    a = 0.1 * jax.random.normal(k[3 + i], (n_in, n_out))
+    positive = name in ("nu", "sum_of_squares") or name.endswith("nu")
+    slots.append((jnp.abs(a) if positive else a).astype(slot_dtype))
+  return x, dy, w, tuple(slots)
+
+
+def _check(rule, case, config, interpret):
+  x, dy, w, slots = case
+  h = _hparams(rule)
+  got_w, got_slots = pk.fused_wgrad_update(
+      x, dy, w, slots, h, rule=rule, config=config, interpret=interpret,
+      backend="mosaic_gpu")
+  ref_w, ref_slots = pk.fused_wgrad_update_reference(x, dy, w, slots, h,
+                                                     rule=rule)
+  assert got_w.dtype == w.dtype and got_w.shape == w.shape
+  assert_close(got_w, ref_w, what="w")
+  assert_update_close(got_w, ref_w, w, what="w")
+  for name, g, r, s in zip(rule.slots, got_slots, ref_slots, slots):
+    assert g.dtype == s.dtype and g.shape == s.shape
+    assert_close(g, r, what=name)
+    assert_update_close(g, r, s, what=name)
+  # Every state array changed: the kernel ran on every tile.
+  for new, old in zip((got_w, *got_slots), (w, *slots)):
+    changed = np.asarray(new, np.float32) != np.asarray(old, np.float32)
+    assert changed.mean() > 0.5
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+def test_mosaic_kernel_matches_reference(rule):
+  # 3 x 3 tiles over 4 persistent programs: some programs take two tiles.
+  _check(rule, _case(1, 128, 192, 192, rule), SMALL, interpret=True)
+
+
+@pytest.mark.parametrize("w_dtype,slot_dtype", [(F32, F32), (BF16, F32)],
+                         ids=["fp32-state", "bf16-w-fp32-slots"])
+def test_mosaic_kernel_fp32_state(w_dtype, slot_dtype):
+  _check(pk.ADAMW, _case(2, 192, 128, 192, pk.ADAMW, w_dtype=w_dtype,
+                         slot_dtype=slot_dtype), SMALL, interpret=True)
+
+
+def test_mosaic_kernel_default_tiling_with_sub_tiled_epilogue():
+  # 128 x 128 tiles, each updated in four 64 x 64 epilogue sub-tiles.
+  _check(pk.ADAMW, _case(3, 192, 256, 128, pk.ADAMW), None, interpret=True)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(n_in=100), "not a multiple of the tiles"),
+    (dict(bt=96), "not a multiple of the tiles"),
+    (dict(x_dtype=F32), "bfloat16 or float16 operands"),
+])
+def test_mosaic_kernel_refuses_what_it_does_not_cover(kwargs, match):
+  shape = dict(bt=128, n_in=128, n_out=128)
+  x_dtype = kwargs.pop("x_dtype", BF16)
+  shape.update(kwargs)
+  x, dy, w, slots = _case(4, shape["bt"], shape["n_in"], shape["n_out"],
+                          pk.ADAMW, x_dtype=x_dtype)
+  with pytest.raises(ValueError, match=match):
+    pk.fused_wgrad_update(x, dy, w, slots, _hparams(pk.ADAMW), rule=pk.ADAMW,
+                          config=SMALL, interpret=True, backend="mosaic_gpu")
+
+
+def test_mosaic_kernel_refuses_stacks_regime2_and_bad_arguments():
+  x, dy, w, slots = _case(5, 64, 64, 64, pk.ADAMW)
+  h = _hparams(pk.ADAMW)
+  stack = lambda a: jnp.stack([a, a])
+  with pytest.raises(ValueError, match="stacked"):
+    pk.fused_wgrad_update(x, dy, stack(w), tuple(map(stack, slots)), h,
+                          rule=pk.ADAMW, layer=1, config=SMALL,
+                          interpret=True, backend="mosaic_gpu")
+  muon = pk.muon_rule()
+  with pytest.raises(ValueError, match="regime 2"):
+    pk.fused_wgrad_update(x, dy, w, slots[:1], _hparams(muon), rule=muon,
+                          config=SMALL, interpret=True, backend="mosaic_gpu")
+  with pytest.raises(TypeError, match="MosaicConfig"):
+    pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW,
+                          config=pk.BlockConfig(), interpret=True,
+                          backend="mosaic_gpu")
+  with pytest.raises(ValueError, match="backend="):
+    pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW, interpret=True,
+                          backend="cuda")
+  with pytest.raises(ValueError, match="multiple of 64"):
+    pk.MosaicConfig(tile_m=96)
+  x, dy, w, slots = _case(5, 256, 256, 256, pk.ADAMW)
+  with pytest.raises(ValueError, match="shared memory"):
+    pk.fused_wgrad_update(
+        x, dy, w, slots, h, rule=pk.ADAMW, interpret=True,
+        backend="mosaic_gpu", config=pk.MosaicConfig(
+            tile_m=256, tile_n=256, tile_k=64, steps=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", RULES[:3], ids=lambda r: r.name)
+@pytest.mark.parametrize("slot_dtype", [BF16, F32], ids=["bf16", "fp32"])
+def test_gpu_mosaic_kernel_compiled_matches_reference(rule, slot_dtype):
+  case = _case(6, 512, 1024, 768, rule, w_dtype=slot_dtype,
+               slot_dtype=slot_dtype)
+  _check(rule, case, None, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_kernel_updates_in_place():
+  x, dy, w, slots = _case(7, 512, 1024, 1024, pk.ADAMW)
+  h = _hparams(pk.ADAMW)
+  step = jax.jit(lambda x, dy, w, s: pk.fused_wgrad_update(
+      x, dy, w, s, h, rule=pk.ADAMW, backend="mosaic_gpu"),
+                 donate_argnums=(2, 3))
+  ptrs = [a.unsafe_buffer_pointer() for a in (w, *slots)]
+  new_w, new_slots = step(x, dy, w, slots)
+  assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs
+
+
+def test_backends_benchmark_arguments(capsys):
+  from benchmarks import backends
+  assert backends.parse_mosaic("64x128x64/2") == pk.MosaicConfig(
+      tile_m=64, tile_n=128, tile_k=64, steps=2)
+  with pytest.raises(SystemExit):
+    backends.main(["--mosaic", "64x128/2"])
+  assert "expected MxNxK/STEPS" in capsys.readouterr().err
+  if jax.default_backend() != "gpu":
+    assert backends.main(["--tokens", "512"]) == 0
+    assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_default_mosaic_tiling_fits_shared_memory():
+  bf16 = pk.mosaic_kernel.default_config(BF16, [BF16] * 3)
+  assert (bf16.tile_m, bf16.steps) == (128, 3)
+  fp32 = pk.mosaic_kernel.default_config(BF16, [F32] * 3)
+  assert fp32.smem_bytes(BF16, [F32] * 3) <= pk.mosaic_kernel._SMEM_BYTES
+  assert fp32.tile_m * fp32.steps < 128 * 3
