@@ -19,6 +19,9 @@ Asking for a known family that forge_jax does not provide (e.g.
 ``forge_jax.clip_by_global_norm``) raises an ``AttributeError`` that says why.
 """
 
+# Importing the layer modules (blocks, dense, scan) registers their fused
+# backward functions with the single-use check (forge_jax._usage), which
+# make_step runs; the check itself imports no layer.
 from forge_jax.accumulate import MultiSteps
 from forge_jax.blocks import ScannedBlocks
 from forge_jax.dense import Dense

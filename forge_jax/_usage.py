@@ -5,6 +5,9 @@ other op of the step (a tied head, a reuse through ``module.variables``):
 AD would add that op's gradient to the returned *new kernel* -- a silent
 corruption. We trace the loss once and follow each kernel's jaxpr variable,
 through call-like primitives, to every op that reads it.
+
+Each FORGE layer module registers its fused backward at import
+(:func:`register_fused_backward`); the check imports no layer.
 """
 
 from __future__ import annotations
@@ -24,15 +27,42 @@ _CALL_PARAMS = {
 }
 
 
-def _is_fused_linear(eqn) -> bool:
-  """A FORGE layer's own fused op: forge_jax.Dense's, or the whole-stack
-  op of forge_jax.ScannedDenseStack or forge_jax.ScannedBlocks."""
-  from forge_jax.blocks import _fused_blocks_bwd
-  from forge_jax.dense import _fused_linear_bwd
-  from forge_jax.scan import _fused_stack_bwd
+# The fused backward functions of the FORGE layers' custom_vjp ops, registered
+# by each layer module at import (the checker imports no layer). A list, not a
+# set: the backward of a user's custom_vjp, tested against it, may be
+# unhashable.
+_FUSED_BACKWARDS: list[Any] = []
+
+
+def register_fused_backward(bwd):
+  """Registers a FORGE layer's fused backward with the single-use check.
+
+  Args:
+    bwd: the backward function given to the layer's ``jax.custom_vjp``
+      ``defvjp``; a ``custom_vjp_call`` whose backward is ``bwd`` counts as
+      that layer's own fused op.
+
+  Returns:
+    ``bwd``, unchanged (so it can be used as a decorator).
+  """
+  if bwd not in _FUSED_BACKWARDS:
+    _FUSED_BACKWARDS.append(bwd)
+  return bwd
+
+
+def is_fused_op(eqn) -> bool:
+  """Whether a jaxpr equation is a FORGE layer's own fused op.
+
+  Args:
+    eqn: a jaxpr equation.
+
+  Returns:
+    ``True`` for a ``custom_vjp_call`` whose backward was registered with
+    :func:`register_fused_backward` (``forge_jax.Dense``'s op, the whole-stack
+    op of ``ScannedDenseStack`` or ``ScannedBlocks``).
+  """
   bwd = getattr(eqn.params.get("bwd"), "f", None)
-  return (eqn.primitive.name == "custom_vjp_call"
-          and bwd in (_fused_linear_bwd, _fused_stack_bwd, _fused_blocks_bwd))
+  return eqn.primitive.name == "custom_vjp_call" and bwd in _FUSED_BACKWARDS
 
 
 def _open(jaxpr):
@@ -44,7 +74,7 @@ def _open(jaxpr):
 # without a warning (nothing is shared).
 FROZEN = "kernel read by its layer through stop_gradient (frozen)"
 # Reads that pass no cotangent back to the kernel: not a second consumer.
-_NO_COTANGENT = {"stop_gradient"}
+NO_COTANGENT = {"stop_gradient"}
 # Control flow whose branches / body the trace does not follow: a layer inside
 # runs conditionally or repeatedly, so its fused backward cannot be relied on.
 _CONTROL_FLOW = {"cond", "while", "scan"}
@@ -76,7 +106,7 @@ def _consumers(jaxpr, var, out: list[str], only=None) -> None:
                  if not isinstance(v, jex_core.Literal) and v is var]
     if not positions:
       continue
-    if _is_fused_linear(eqn):
+    if is_fused_op(eqn):
       out.extend(["fused"] * len(positions))
       continue
     sub_name = _CALL_PARAMS.get(eqn.primitive.name)
@@ -118,7 +148,7 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
       loss_uses = []
       _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], loss_uses,
                  only=loss_eqns)
-    foreign = [u for u in loss_uses if u != "fused" and u not in _NO_COTANGENT]
+    foreign = [u for u in loss_uses if u != "fused" and u not in NO_COTANGENT]
     flow = [u for u in uses if u in _CONTROL_FLOW]
     if not uses:
       # Discovered (the layer ran) but its kernel in `params` feeds nothing:
@@ -131,7 +161,7 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
           "close over other variables, e.g. a captured TrainState or params?)."
           " FORGE returns the updated kernel through that argument; a layer "
           "reading another copy would get its kernel zeroed.")
-    if "fused" not in uses and any(u in _NO_COTANGENT for u in uses):
+    if "fused" not in uses and any(u in NO_COTANGENT for u in uses):
       # The layer reads its kernel through stop_gradient (frozen inside
       # loss_fn), perhaps beside other reads (a regulariser on the frozen
       # kernel): no fused update can apply, and the standard path gives

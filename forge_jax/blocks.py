@@ -183,6 +183,7 @@ def _fused_blocks_bwd(static, res, dy):
 
 
 _fused_blocks.defvjp(_fused_blocks_fwd, _fused_blocks_bwd)
+_usage.register_fused_backward(_fused_blocks_bwd)
 
 
 def _readers(jaxpr, var) -> list[str]:
@@ -193,8 +194,8 @@ def _readers(jaxpr, var) -> list[str]:
   for eqn in jaxpr.eqns:
     n = sum(1 for v in eqn.invars
             if not isinstance(v, jex_core.Literal) and v is var)
-    name = "fused" if _usage._is_fused_linear(eqn) else eqn.primitive.name
-    if name not in _usage._NO_COTANGENT:
+    name = "fused" if _usage.is_fused_op(eqn) else eqn.primitive.name
+    if name not in _usage.NO_COTANGENT:
       out += [name] * n
   if any(v is var for v in jaxpr.outvars):
     out.append("the block's output")

@@ -15,6 +15,7 @@ from flax.linen import dtypes as flax_dtypes
 import pallas_kernels
 from forge_jax import _context
 from forge_jax import _paths
+from forge_jax import _usage
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -89,6 +90,7 @@ def _fused_linear_bwd(static, res, dy):
 
 
 _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
+_usage.register_fused_backward(_fused_linear_bwd)
 
 
 # nn.Dense.__call__ without Flax's method wrapper (Dense._standard).

@@ -44,6 +44,7 @@ import pallas_kernels
 from pallas_kernels import fused_wgrad
 from forge_jax import _context
 from forge_jax import _paths
+from forge_jax import _usage
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -144,7 +145,7 @@ def update_layer(spec, layout, in_place_layer: bool, i, x_i, dy_i, w_stack,
   w_new, slots_new = _paths.step_in_backward(
       spec, layout, x_i, dy_i, w_i, inputs._replace(slots=slots_i), config,
       wgrad, precision)
-  # Materialised before the write-back (see fused_wgrad._apply_maybe_stacked:
+  # Materialised before the write-back (see pallas_kernels.reference.apply_rule:
   # otherwise XLA fuses the update into the dynamic-update-slice and copies
   # the whole stack to protect that fusion's read of it).
   w_new, slots_new = lax.optimization_barrier((w_new, tuple(slots_new)))
@@ -211,6 +212,7 @@ def _fused_stack_bwd(static, res, dy):
 
 
 _fused_stack.defvjp(_fused_stack_fwd, _fused_stack_bwd)
+_usage.register_fused_backward(_fused_stack_bwd)
 
 
 def _identity(y):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 import numbers
 from typing import Any, Callable
 import warnings
@@ -142,96 +143,14 @@ def _check_params(params, paths) -> None:
       node = node[key]
 
 
-def make_step(
-    loss_fn: Callable[[Any, Any], jax.Array],
-    tx: ForgeTransformation,
-    *,
-    shared: str = "error",
-    has_aux: bool = False,
-    wgrad: str = "fused",
-) -> Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]:
-  """Builds ``step(variables, opt_state, batch) -> (loss, variables, opt_state)``.
+def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
+  """Checks ``make_step``'s arguments (see :func:`make_step`).
 
-  ``loss_fn(variables, batch)`` returns a scalar loss and calls
-  ``model.apply(variables, ...)``. In the step, each ``forge_jax.Dense``
-  updates its kernel and optimizer state inside its own backward, on the
-  path its family's regime allows (``pallas_kernels.classify``): in the
-  fused kernel's epilogue (regime 1), in the epilogue then a per-layer pass
-  over the new state (regime 2: LAMB, Muon), or deferred -- the layer's
-  gradient formed, consumed and freed in that backward (regime 3: Adafactor,
-  SM3). Every other parameter is updated by ``tx`` exactly as optax would.
-  ``opt_state = tx.init(variables["params"])``.
-
-  The step is a pure function; use it as
-  ``jax.jit(step, donate_argnums=(0, 1))`` so that kernels and slots are
-  updated in place.
-
-  ``has_aux=True``, as in ``jax.value_and_grad``: ``loss_fn`` returns
-  ``(loss, aux)`` -- e.g. the updated ``batch_stats`` of
-  ``model.apply(..., mutable=["batch_stats"])``, or metrics -- and the step
-  returns ``((loss, aux), variables, opt_state)``. The step does not merge
-  ``aux`` into ``variables``: collections other than ``params`` pass through
-  unchanged, so put new ``batch_stats`` back yourself.
-
-  Shared weights (paper Remark 2). FORGE updates a kernel inside its layer's
-  backward, so the kernel may have one consumer per step. A *shared* FORGE
-  layer -- called more than once in the step, or whose kernel is also read
-  by anything other than its own layer (a tied output head reading
-  ``embed.variables["params"]["kernel"]``, the kernel passed elsewhere) --
-  has a gradient summed over several consumers. ``shared`` says what to do:
-
-  * ``"error"`` (default): refuse it at trace time with a ``ValueError``
-    naming the layer and the fixes;
-  * ``"standard"``: move it to the standard path for this step, as if it had
-    ``fused=False``: its kernel gets an ordinary gradient from
-    ``jax.value_and_grad`` and is updated by ``tx`` with the other non-FORGE
-    parameters, exactly as optax would; every other FORGE layer stays fused.
-    The step reports those layers: a :class:`SharedWeightsWarning` naming
-    them (and why) is emitted once per trace, and ``step.standard_layers``
-    -- a list, updated in place at each trace (so that it is also readable
-    through ``jax.jit(step)``, which copies the attribute when made) -- holds
-    their names (``[]``: none; before the first trace, ``[]``).
-
-  ``wgrad`` says how a FORGE layer forms its weight gradient:
-
-  * ``"fused"`` (default): the fused Pallas kernel -- ``G = x^T dy`` in
-    registers, the optimizer applied in its epilogue; ``G`` never exists in
-    memory.
-  * ``"xla"``: XLA's GEMM stores the layer's ``G`` (formed as ``jax.grad``
-    forms it, at the layer's ``precision``; with none, fp32 operands get
-    fp32 products as in the fused kernel, which ignores the layer's
-    ``precision``), the family's elementwise update reads it, both inside
-    the layer's backward
-    (``pallas_kernels.unfused_wgrad_update``): that layer's ``G`` exists
-    for its update only. In a ``ScannedDenseStack`` or ``ScannedBlocks``
-    (``stack_update="layer"``, a GPU) the update is the fused kernel's
-    epilogue on that ``G`` (``pallas_kernels.stored_g_update``), in place
-    in the stacks. (Inside one jitted step XLA also schedules optax's
-    per-parameter update soon after its gradient, so in unrolled layers the
-    peak memory gained over optax is small; see ``docs/benchmarks.md``.)
-    On the H200 (AdamW, bf16): in unrolled layers it ties with optax, where
-    the fused kernel is 1.06-1.09x slower; in scanned ones it is the
-    fastest setting, 0.87-0.91x ``nn.scan`` + optax's step at BT 512 and
-    0.91-0.96x at 2048, against the fused kernel's 0.91-0.97x and
-    1.02-1.03x (``docs/benchmarks.md``, session 14). Regime-3 families
-    (Adafactor, SM3) form ``G`` in fp32 in the backward under either
-    setting.
-
-  Raises: ``TypeError`` if ``tx`` is not a forge_jax transform (an optax
-  chain is not one; a regime-4 transform such as global-norm clipping cannot
-  be fused at all: ``forge_jax.refuse_reason``); ``ValueError`` if
-  ``shared`` is not ``"error"`` or ``"standard"``, or ``wgrad`` not
-  ``"fused"`` or ``"xla"``; at trace time, with
-  ``shared="error"``, ``ValueError`` if a FORGE layer is called twice in a
-  step, or its kernel is also read by anything other than its own layer --
-  give that layer ``fused=False``, or use ``shared="standard"``. Also at
-  trace time: ``ValueError`` if a FORGE layer's kernel in ``variables`` is
-  never read (``loss_fn`` applied the model to other variables) or reaches
-  the layer only through another op (``jax.vmap`` over the model, params
-  cast before ``apply``), or if a FORGE layer has no kernel at its path in
-  ``variables["params"]`` (a second model built from ``forge_jax.Dense``);
-  ``TypeError`` for boxed parameters (``nn.with_partitioning``: unbox them
-  with ``flax.core.meta.unbox`` first).
+  Raises:
+    TypeError: ``tx`` is ``optax.MultiSteps`` or not a forge_jax transform;
+      ``has_aux`` is not a bool.
+    ValueError: ``shared`` is not in ``SHARED_POLICIES`` or ``wgrad`` not in
+      ``_paths.WGRAD_MODES``.
   """
   if isinstance(tx, optax.MultiSteps):
     raise TypeError(
@@ -265,190 +184,462 @@ def make_step(
         "'fused' forms each FORGE layer's weight gradient in the fused "
         "kernel's registers, 'xla' with XLA's GEMM inside the layer's "
         "backward")
+
+
+def _check_trace(variables) -> None:
+  """Checks, at trace time, the step's variables and where it is traced.
+
+  Raises:
+    ValueError: ``variables`` has no ``params`` collection, or the step is
+      traced inside a named-axis map (``jax.pmap``, ``shard_map``,
+      ``vmap(axis_name=...)``), where each replica would train on its shard
+      alone.
+  """
+  if "params" not in variables:
+    raise ValueError("variables must hold a 'params' collection")
+  axes = _named_axes()
+  if axes:
+    raise ValueError(
+        f"forge_jax.make_step: the step is traced inside a named-axis map "
+        f"(axes {axes}: jax.pmap, shard_map or vmap(axis_name=...)). A "
+        "FORGE layer updates its kernel inside its own backward from its "
+        "local x^T dy: there is no gradient to average across the axis, so "
+        "each replica would train on its own shard alone and the replicas "
+        "would drift apart. For data parallelism, jit the step with the "
+        "batch sharded across devices (jax.jit with a NamedSharding): each "
+        "kernel's update is then computed from the whole batch.")
+
+
+def _discover_layers(loss_fn, variables, batch,
+                     shared: str) -> _context.StepContext:
+  """Traces ``loss_fn`` abstractly once to find the FORGE layers it calls.
+
+  Args:
+    loss_fn: the step's loss function.
+    variables: the step's variables.
+    batch: the step's batch (closed over, as ``value_and_grad`` leaves it: a
+      Python value in it, a ``train`` flag, stays a Python value).
+    shared: the ``shared`` policy (with ``"error"`` a second call of a layer
+      raises here).
+
+  Returns:
+    The discovery context: ``layers`` (path -> ``LayerInfo``, with its call
+    count) and ``unfused`` (FORGE layers with ``fused=False``).
+
+  Raises:
+    ValueError: ``loss_fn`` called no FORGE layer (or only cached traces of
+      them), or, with ``shared="error"``, called one twice.
+  """
+  # A fresh closure: eval_shape caches traces by function and shapes, and a
+  # cache hit would skip the layers' discovery side effects (a retrace of
+  # the step, e.g. under a second jax.jit, found no layers).
+  with _context.step_context(
+      _context.StepContext("discover", shared=shared)) as found:
+    jax.eval_shape(lambda v: loss_fn(v, batch), variables)
+  if not found.layers and not found.unfused:
+    raise ValueError(
+        "no forge_jax.Dense layer (or ScannedDenseStack) was called by "
+        "loss_fn. If the model has none, use optax directly. If it has: "
+        "a function inside loss_fn that was jitted (jax.jit(model.apply), "
+        "a jitted loss_fn) or checkpointed and already traced at these "
+        "shapes is replayed from JAX's cache, and its layers are never "
+        "called -- call model.apply un-jitted inside loss_fn and jit the "
+        "whole step instead (apply remat per module with "
+        "flax.linen.remat)")
+  return found
+
+
+@dataclasses.dataclass
+class _FusedLayers:
+  """The FORGE layers that take their fused path in one traced step.
+
+  Each dict is keyed by the layer's path: ``layers`` what discovery found,
+  ``kpaths`` the key path of its kernel in ``params``, ``layouts`` how its
+  slots sit in the optimizer state, ``inputs`` what its backward reads.
+  """
+
+  layers: dict[_context.Path, _context.LayerInfo]
+  kpaths: dict[_context.Path, KeyPath]
+  layouts: dict[_context.Path, _state.KernelLayout] = dataclasses.field(
+      default_factory=dict)
+  inputs: dict[_context.Path, _context.LayerInputs] = dataclasses.field(
+      default_factory=dict)
+
+  def drop(self, paths) -> None:
+    """Removes the layers at ``paths`` (moved to the standard path)."""
+    for d in (self.layers, self.kpaths, self.inputs, self.layouts):
+      for p in paths:
+        d.pop(p, None)
+
+
+def _split_by_policy(found: _context.StepContext):
+  """Splits the discovered layers into fused ones and standard-path ones.
+
+  With ``shared="standard"`` a layer called more than once takes the
+  standard path (with ``"error"``, discovery raised), as does one that
+  discovery found unfusable. More are found by the single-use check
+  (:func:`_settle_shared_layers`).
+
+  Returns:
+    ``(fused, fallback)``: a :class:`_FusedLayers` without layouts or
+    inputs yet, and ``{path: why}`` for the standard-path layers.
+  """
+  fallback = {p: (f"called {info.calls} times" if info.calls > 1
+                  else info.unfusable)
+              for p, info in found.layers.items()
+              if info.calls > 1 or info.unfusable}
+  layers = {p: info for p, info in found.layers.items()
+            if p not in fallback}
+  return _FusedLayers(layers, {p: _kernel_keypath(p) for p in layers}), fallback
+
+
+def _state_shared_by_layers(spec, opt_state, params, params_def):
+  """What every FORGE layer's backward reads beside its own slots.
+
+  Args:
+    spec: the transform's ``ForgeSpec``.
+    opt_state: the optimizer state.
+    params: the parameter tree.
+    params_def: its tree structure.
+
+  Returns:
+    ``(shared_state, shared_def, skeleton, packed)``: the state shared by all
+    parameters (step counts; for a deferred family, regime 3, the whole state
+    with holes for the per-parameter fields, flattened, its treedef and a
+    params-shaped skeleton; else ``spec.shared(opt_state)`` and ``None``s),
+    and this step's packed hyperparameters, keyed by whether weight decay
+    applies (``()`` for regime 3, whose layer runs optax's own update).
+  """
+  if spec.regime == 3:
+    # Deferred: the layer runs optax's own update on its slice of the
+    # state; what is not per-parameter (step counts) is read, not written.
+    holed = _state.map_per_param(opt_state, params_def,
+                                 lambda i, t: _state.Hole())
+    shared_state, shared_def = jax.tree.flatten(holed)
+    skeleton = jax.tree.map(lambda _: None, params)
+    return shared_state, shared_def, skeleton, {True: (), False: ()}
+  shared_state = spec.shared(opt_state)
+  h = spec.hparams(opt_state)
+  packed = {
+      # Families without decoupled weight decay have no such entry.
+      wd_on: spec.rule.pack(**(h if wd_on or "weight_decay" not in h
+                               else {**h, "weight_decay": 0.0}))
+      for wd_on in (True, False)
+  }
+  return shared_state, None, None, packed
+
+
+def _gather_layer_inputs(fused: _FusedLayers, spec, opt_state, params,
+                         params_def):
+  """Fills ``fused.layouts`` and ``fused.inputs`` from the optimizer state.
+
+  A per-parameter field of the state (one whose structure has the params'
+  as a prefix) holds a subtree per kernel; each kernel's slots are its
+  subtrees of the fields the family's FORGE path updates.
+
+  Returns:
+    ``(fields, slot_ids)``: the per-parameter fields of ``opt_state`` and
+    the indices of those holding slots.
+
+  Raises:
+    ValueError: another per-parameter field holds arrays for a FORGE kernel.
+    TypeError: a kernel's slots are not floating point.
+  """
+  fields = _state.per_param_fields(opt_state, params_def)
+  slot_ids = _state.select_slots(fields, spec)
+  shared_state, shared_def, skeleton, packed = _state_shared_by_layers(
+      spec, opt_state, params, params_def)
+  for p, kp in fused.kpaths.items():
+    subtrees = [_state.get_subtree(fields[i].tree, kp) for i in slot_ids]
+    for f in fields:
+      if f.index not in slot_ids and jax.tree.leaves(
+          _state.get_subtree(f.tree, kp)):
+        raise ValueError(
+            f"optimizer state field {f.name!r} holds arrays for the kernel "
+            f"of forge_jax.Dense at {_context.layer_name(p)!r} that this "
+            f"transform's FORGE path does not update ({spec.family})")
+    flat = [jax.tree.flatten(t) for t in subtrees]
+    slots = tuple(a for leaves, _ in flat for a in leaves)
+    bad = [a.dtype for a in slots if not jnp.issubdtype(a.dtype, jnp.inexact)]
+    if bad:
+      raise TypeError(
+          f"the optimizer state of {_context.layer_name(p)!r} has non-float"
+          f" per-parameter arrays ({bad}); FORGE returns new state values as"
+          " cotangents, which must be floating point")
+    fused.layouts[p] = _state.KernelLayout(
+        keypath=kp, slot_ids=slot_ids, slot_defs=tuple(d for _, d in flat),
+        shared_def=shared_def, params_skeleton=skeleton)
+    fused.inputs[p] = _context.LayerInputs(
+        slots=slots,
+        hparams=packed[spec.regime == 3 or _weight_decay_on(
+            spec.weight_decay_mask, params, kp)],
+        touched=jnp.zeros((), jnp.float32),
+        shared=shared_state)
+  return fields, slot_ids
+
+
+def _settle_shared_layers(loss_of, params, fused: _FusedLayers, fallback,
+                          ctx: _context.StepContext, shared: str) -> None:
+  """Runs the single-use check (paper Remark 2) until no kernel is shared.
+
+  Each remaining FORGE kernel must have one consumer. With
+  ``shared="standard"`` a shared one moves to the standard path; that
+  changes the trace (its kernel now feeds a plain dot), so the rest are
+  checked again. A kernel its layer reads through ``stop_gradient`` (a
+  frozen layer) moves whatever the policy: the standard path is optax's
+  update for it. Moved layers leave ``fused`` and join ``fallback`` and
+  ``ctx.standard``.
+
+  Raises:
+    ValueError: with ``shared="error"``, a shared kernel; under either
+      policy, a kernel that its layer does not read through its fused op
+      (``_usage.check_single_use``).
+  """
+  while fused.kpaths:
+    extra = _usage.check_single_use(loss_of, params, fused.inputs,
+                                    fused.kpaths,
+                                    collect=shared == "standard")
+    if not extra:
+      break
+    fallback.update(extra)
+    ctx.standard = frozenset(fallback)
+    fused.drop(extra)
+
+
+def _forge_updates(spec, params, grads, new_inputs, fused: _FusedLayers,
+                   slot_ids, ctx: _context.StepContext):
+  """The FORGE kernels' new values and new slots, from the backward.
+
+  A layer whose fused backward was not traced (its output did not reach the
+  loss: paper Remark 1) gets what optax gives a zero gradient, unless its
+  ``touched`` cotangent says at run time that the backward did run (a cached
+  transpose).
+
+  Returns:
+    ``(new_kernels, new_subtrees)``: kernel key path -> new kernel, and
+    kernel key path -> ``{field index: new slot subtree}``.
+  """
+  new_kernels, new_subtrees = {}, {}
+  for p, kp in fused.kpaths.items():
+    kernel, slots = _state.get_subtree(grads, kp), new_inputs[p].slots
+    if p not in ctx.bwd_traced:
+      def zero_grad_step(p=p, kp=kp):
+        return _paths.step_from_grad(
+            spec, fused.layouts[p],
+            jnp.zeros(fused.layers[p].kernel_shape, jnp.float32),
+            _state.get_subtree(params, kp), fused.inputs[p])
+      kernel, slots = lax.cond(new_inputs[p].touched > 0,
+                               lambda k=kernel, s=slots: (k, s),
+                               zero_grad_step)
+    new_kernels[kp] = kernel
+    new_subtrees[kp] = dict(zip(slot_ids, fused.layouts[p].split(list(slots))))
+  return new_kernels, new_subtrees
+
+
+def _optax_update(tx, grads, params, opt_state, params_def, cut):
+  """Every parameter but the FORGE kernels: the optax transform itself.
+
+  Args:
+    tx: the forge_jax transform.
+    grads: the gradient tree (the FORGE kernels' leaves hold their new
+      values).
+    params: the parameter tree.
+    opt_state: the optimizer state.
+    params_def: the params' tree structure.
+    cut: ``{kernel key path: None}`` for the FORGE kernels, cut out of the
+      gradient, parameter and state trees.
+
+  Returns:
+    ``(new_params, new_state)``, both with the FORGE kernels' leaves
+    ``None``.
+  """
+  grads_rest = _replace_leaves(grads, cut)
+  params_rest = _replace_leaves(params, cut)
+  state_rest = _state.map_per_param(
+      opt_state, params_def, lambda i, t: _state.replace_subtrees(t, cut))
+  with _context.full_params(params):
+    updates, new_state = tx.update(grads_rest, state_rest, params_rest)
+  return optax.apply_updates(params_rest, updates), new_state
+
+
+def _put_back_state(new_state, params_def, fields, new_subtrees, cut):
+  """``new_state`` with the FORGE kernels' new slots put back.
+
+  Fields a kernel does not own (another partition's ``MaskedNode``) get
+  their old subtree from ``fields``.
+  """
+  def put_back(i, tree):
+    return _state.replace_subtrees(tree, {
+        kp: new_subtrees[kp][i] if i in new_subtrees[kp]
+        else _state.get_subtree(fields[i].tree, kp) for kp in cut})
+
+  return _state.map_per_param(new_state, params_def, put_back)
+
+
+def _report_standard_layers(fallback, standard_layers: list[str]) -> None:
+  """Reports the layers that took the standard path (at trace time).
+
+  Sets ``standard_layers`` (the step's list, in place) to their names, and
+  warns a :class:`SharedWeightsWarning` for those moved as shared (not the
+  frozen ones), at the caller of the step.
+  """
+  standard_layers[:] = sorted(_context.layer_name(p) for p in fallback)
+  moved = {p: why for p, why in fallback.items() if why != _usage.FROZEN}
+  if moved:
+    warnings.warn(SharedWeightsWarning(
+        f"forge_jax.make_step(shared='standard'): {len(moved)} shared "
+        "FORGE layer(s) took the standard path (ordinary gradient and "
+        "optax update) in this step, the others stay fused: " + "; ".join(
+            f"{_context.layer_name(p)!r} ({why})"
+            for p, why in sorted(moved.items()))
+        + " (paper Remark 2)"), stacklevel=3)
+
+
+def make_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    tx: ForgeTransformation,
+    *,
+    shared: str = "error",
+    has_aux: bool = False,
+    wgrad: str = "fused",
+) -> Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]:
+  """Builds ``step(variables, opt_state, batch) -> (loss, variables, opt_state)``.
+
+  In the step, each FORGE layer (``forge_jax.Dense``, ``ScannedDenseStack``,
+  ``ScannedBlocks``) updates its kernel and optimizer state inside its own
+  backward, on the path its family's regime allows
+  (``pallas_kernels.classify``): in the fused kernel's epilogue (regime 1),
+  in the epilogue then a per-layer pass over the new state (regime 2: LAMB,
+  Muon), or deferred -- the layer's gradient formed, consumed and freed in
+  that backward (regime 3: Adafactor, SM3). Every other parameter is updated
+  by ``tx`` exactly as optax would.
+
+  The step is a pure function; use it as
+  ``jax.jit(step, donate_argnums=(0, 1))`` so that kernels and slots are
+  updated in place.
+
+  Args:
+    loss_fn: ``loss_fn(variables, batch)`` returns a scalar loss and calls
+      ``model.apply(variables, ...)``.
+    tx: a forge_jax transform (``forge_jax.adamw(...)``, ...);
+      ``opt_state = tx.init(variables["params"])``.
+    shared: what to do with a *shared* FORGE layer (paper Remark 2). FORGE
+      updates a kernel inside its layer's backward, so the kernel may have
+      one consumer per step; a shared layer -- called more than once in the
+      step, or whose kernel is also read by anything other than its own
+      layer (a tied output head reading
+      ``embed.variables["params"]["kernel"]``, the kernel passed elsewhere)
+      -- has a gradient summed over several consumers.
+
+      * ``"error"`` (default): refuse it at trace time with a ``ValueError``
+        naming the layer and the fixes;
+      * ``"standard"``: move it to the standard path for this step, as if it
+        had ``fused=False``: its kernel gets an ordinary gradient from
+        ``jax.value_and_grad`` and is updated by ``tx`` with the other
+        non-FORGE parameters, exactly as optax would; every other FORGE
+        layer stays fused. A :class:`SharedWeightsWarning` naming those
+        layers (and why) is emitted once per trace.
+    has_aux: as in ``jax.value_and_grad``: ``loss_fn`` returns
+      ``(loss, aux)`` -- e.g. the updated ``batch_stats`` of
+      ``model.apply(..., mutable=["batch_stats"])``, or metrics -- and the
+      step returns ``((loss, aux), variables, opt_state)``. The step does
+      not merge ``aux`` into ``variables``: collections other than
+      ``params`` pass through unchanged, so put new ``batch_stats`` back
+      yourself.
+    wgrad: how a FORGE layer forms its weight gradient ``G``.
+
+      * ``"fused"`` (default): the fused Pallas kernel -- ``G = x^T dy`` in
+        registers, the optimizer applied in its epilogue; ``G`` never exists
+        in memory.
+      * ``"xla"``: XLA's GEMM stores the layer's ``G`` (formed as
+        ``jax.grad`` forms it, at the layer's ``precision``; with none, fp32
+        operands get fp32 products as in the fused kernel, which ignores the
+        layer's ``precision``), the family's elementwise update reads it,
+        both inside the layer's backward
+        (``pallas_kernels.unfused_wgrad_update``): that layer's ``G`` exists
+        for its update only. In a ``ScannedDenseStack`` or ``ScannedBlocks``
+        (``stack_update="layer"``, a GPU) the update is the fused kernel's
+        epilogue on that ``G`` (``pallas_kernels.stored_g_update``), in place
+        in the stacks.
+
+      Regime-3 families (Adafactor, SM3) form ``G`` in fp32 in the backward
+      under either setting.
+
+  Returns:
+    The step, ``step(variables, opt_state, batch) -> (loss, variables,
+    opt_state)``. Its attribute ``step.standard_layers`` -- a list, updated
+    in place at each trace (so that it is also readable through
+    ``jax.jit(step)``, which copies the attribute when made) -- holds the
+    names of the FORGE layers that took the standard path (``[]``: none;
+    before the first trace, ``[]``).
+
+  Raises:
+    TypeError: ``tx`` is not a forge_jax transform (an optax chain is not
+      one; a regime-4 transform such as global-norm clipping cannot be fused
+      at all: ``forge_jax.refuse_reason``), or ``has_aux`` is not a bool.
+    ValueError: ``shared`` is not ``"error"`` or ``"standard"``, or
+      ``wgrad`` not ``"fused"`` or ``"xla"``.
+
+    At trace time: ``ValueError``, with ``shared="error"``, if a FORGE layer
+    is called twice in a step, or its kernel is also read by anything other
+    than its own layer -- give that layer ``fused=False``, or use
+    ``shared="standard"``. Also ``ValueError`` if a FORGE layer's kernel in
+    ``variables`` is never read (``loss_fn`` applied the model to other
+    variables) or reaches the layer only through another op (``jax.vmap``
+    over the model, params cast before ``apply``), if a FORGE layer has no
+    kernel at its path in ``variables["params"]`` (a second model built from
+    ``forge_jax.Dense``), if ``loss_fn`` calls no FORGE layer, or if the step
+    is traced inside a named-axis map (``jax.pmap``, ``shard_map``);
+    ``TypeError`` for boxed parameters (``nn.with_partitioning``: unbox them
+    with ``flax.core.meta.unbox`` first).
+  """
+  _check_step_arguments(tx, shared, has_aux, wgrad)
   spec = tx.spec
   standard_layers: list[str] = []
 
   def step(variables, opt_state, batch):
-    if "params" not in variables:
-      raise ValueError("variables must hold a 'params' collection")
-    axes = _named_axes()
-    if axes:
-      raise ValueError(
-          f"forge_jax.make_step: the step is traced inside a named-axis map "
-          f"(axes {axes}: jax.pmap, shard_map or vmap(axis_name=...)). A "
-          "FORGE layer updates its kernel inside its own backward from its "
-          "local x^T dy: there is no gradient to average across the axis, so "
-          "each replica would train on its own shard alone and the replicas "
-          "would drift apart. For data parallelism, jit the step with the "
-          "batch sharded across devices (jax.jit with a NamedSharding): each "
-          "kernel's update is then computed from the whole batch.")
+    _check_trace(variables)
     params = variables["params"]
 
-    # 1. Which layers are FORGE layers (and is each called once)?
-    # A fresh closure: eval_shape caches traces by function and shapes, and a
-    # cache hit would skip the layers' discovery side effects (a retrace of
-    # the step, e.g. under a second jax.jit, found no layers).
-    with _context.step_context(
-        _context.StepContext("discover", shared=shared)) as found:
-      # `batch` is closed over, as value_and_grad leaves it: a Python value
-      # in it (a `train` flag) stays a Python value.
-      jax.eval_shape(lambda v: loss_fn(v, batch), variables)
-    if not found.layers and not found.unfused:
-      raise ValueError(
-          "no forge_jax.Dense layer (or ScannedDenseStack) was called by "
-          "loss_fn. If the model has none, use optax directly. If it has: "
-          "a function inside loss_fn that was jitted (jax.jit(model.apply), "
-          "a jitted loss_fn) or checkpointed and already traced at these "
-          "shapes is replayed from JAX's cache, and its layers are never "
-          "called -- call model.apply un-jitted inside loss_fn and jit the "
-          "whole step instead (apply remat per module with "
-          "flax.linen.remat)")
+    # Which layers are FORGE layers, and which of them take the fused path.
+    found = _discover_layers(loss_fn, variables, batch, shared)
     _check_params(params, found.layers)
-    # shared="standard": a layer called more than once takes the standard
-    # path (with "error", discovery raised). More are found by the
-    # single-use check below.
-    fallback = {p: (f"called {info.calls} times" if info.calls > 1
-                    else info.unfusable)
-                for p, info in found.layers.items()
-                if info.calls > 1 or info.unfusable}
-    layers = {p: info for p, info in found.layers.items()
-              if p not in fallback}
-    kpaths = {p: _kernel_keypath(p) for p in layers}
+    fused, fallback = _split_by_policy(found)
 
-    # 2. Each kernel's slice of the optimizer state, and this step's
-    # hyperparameters. A per-parameter field of the state (one whose
-    # structure has the params' as a prefix) holds a subtree per kernel.
+    # Each kernel's slice of the optimizer state, and this step's
+    # hyperparameters.
     params_def = jax.tree.structure(params)
-    fields = _state.per_param_fields(opt_state, params_def)
-    slot_ids = _state.select_slots(fields, spec)
-    if spec.regime == 3:
-      # Deferred: the layer runs optax's own update on its slice of the
-      # state; what is not per-parameter (step counts) is read, not written.
-      holed = _state.map_per_param(opt_state, params_def,
-                                   lambda i, t: _state.Hole())
-      shared_state, shared_def = jax.tree.flatten(holed)
-      skeleton = jax.tree.map(lambda _: None, params)
-      packed = {True: (), False: ()}
-    else:
-      shared_state, shared_def, skeleton = spec.shared(opt_state), None, None
-      h = spec.hparams(opt_state)
-      packed = {
-          # Families without decoupled weight decay have no such entry.
-          wd_on: spec.rule.pack(**(h if wd_on or "weight_decay" not in h
-                                   else {**h, "weight_decay": 0.0}))
-          for wd_on in (True, False)
-      }
-    inputs, layouts = {}, {}
-    for p, kp in kpaths.items():
-      subtrees = [_state.get_subtree(fields[i].tree, kp) for i in slot_ids]
-      for f in fields:
-        if f.index not in slot_ids and jax.tree.leaves(
-            _state.get_subtree(f.tree, kp)):
-          raise ValueError(
-              f"optimizer state field {f.name!r} holds arrays for the kernel "
-              f"of forge_jax.Dense at {_context.layer_name(p)!r} that this "
-              f"transform's FORGE path does not update ({spec.family})")
-      flat = [jax.tree.flatten(t) for t in subtrees]
-      slots = tuple(a for leaves, _ in flat for a in leaves)
-      bad = [a.dtype for a in slots if not jnp.issubdtype(a.dtype, jnp.inexact)]
-      if bad:
-        raise TypeError(
-            f"the optimizer state of {_context.layer_name(p)!r} has non-float"
-            f" per-parameter arrays ({bad}); FORGE returns new state values as"
-            " cotangents, which must be floating point")
-      layouts[p] = _state.KernelLayout(
-          keypath=kp, slot_ids=slot_ids, slot_defs=tuple(d for _, d in flat),
-          shared_def=shared_def, params_skeleton=skeleton)
-      inputs[p] = _context.LayerInputs(
-          slots=slots,
-          hparams=packed[spec.regime == 3 or _weight_decay_on(
-              spec.weight_decay_mask, params, kp)],
-          touched=jnp.zeros((), jnp.float32),
-          shared=shared_state)
-
+    fields, slot_ids = _gather_layer_inputs(fused, spec, opt_state, params,
+                                            params_def)
     ctx = _context.StepContext("fused", rule=spec.rule, spec=spec,
-                               wgrad=wgrad, layouts=layouts, shared=shared,
-                               standard=frozenset(fallback))
+                               wgrad=wgrad, layouts=fused.layouts,
+                               shared=shared, standard=frozenset(fallback))
 
     def loss_of(params, inputs):
       ctx.inputs = inputs  # the traced values, so that AD sees them
       return loss_fn(_with_params(variables, params), batch)
 
-    # 3. The backward: FORGE kernels and their state come back updated.
+    # The backward: FORGE kernels and their state come back updated.
     # (Integer inputs -- a deferred family's step counts, read only -- get
     # float0 cotangents: allow_int.)
     with _context.step_context(ctx), _context.full_params(params):
-      # Remark 2: each remaining FORGE kernel must have one consumer. With
-      # shared="standard" a shared one moves to the standard path; that
-      # changes the trace (its kernel now feeds a plain dot), so check the
-      # rest again until none is shared.
-      while kpaths:
-        # (A kernel its layer reads through stop_gradient -- a frozen layer
-        # -- is returned whatever the policy: the standard path is optax's
-        # update for it.)
-        extra = _usage.check_single_use(loss_of, params, inputs, kpaths,
-                                        collect=shared == "standard")
-        if not extra:
-          break
-        fallback.update(extra)
-        ctx.standard = frozenset(fallback)
-        for d in (layers, kpaths, inputs, layouts):
-          for p in extra:
-            d.pop(p, None)
+      _settle_shared_layers(loss_of, params, fused, fallback, ctx, shared)
       value, (grads, new_inputs) = jax.value_and_grad(
           loss_of, argnums=(0, 1), allow_int=True, has_aux=has_aux)(
-              params, inputs)
+              params, fused.inputs)
+    new_kernels, new_subtrees = _forge_updates(
+        spec, params, grads, new_inputs, fused, slot_ids, ctx)
 
-    new_kernels, new_subtrees = {}, {}
-    for p, kp in kpaths.items():
-      kernel, slots = _state.get_subtree(grads, kp), new_inputs[p].slots
-      if p not in ctx.bwd_traced:
-        # Remark 1: the layer's output did not reach the loss, so no fused
-        # backward ran. Give it what optax gives a zero gradient. (If the
-        # backward did run but was not traced here -- a cached transpose --
-        # `touched` says so at run time.)
-        def zero_grad_step(p=p, kp=kp):
-          return _paths.step_from_grad(
-              spec, layouts[p], jnp.zeros(layers[p].kernel_shape, jnp.float32),
-              _state.get_subtree(params, kp), inputs[p])
-        kernel, slots = lax.cond(new_inputs[p].touched > 0,
-                                 lambda k=kernel, s=slots: (k, s),
-                                 zero_grad_step)
-      new_kernels[kp] = kernel
-      new_subtrees[kp] = dict(zip(slot_ids, layouts[p].split(list(slots))))
-
-    # 4. Every other parameter: the optax transform itself, with FORGE
-    # kernels cut out of the gradient, parameter and state trees.
-    cut = {kp: None for kp in kpaths.values()}
-    grads_rest = _replace_leaves(grads, cut)
-    params_rest = _replace_leaves(params, cut)
-    state_rest = _state.map_per_param(
-        opt_state, params_def, lambda i, t: _state.replace_subtrees(t, cut))
-    with _context.full_params(params):
-      updates, new_state = tx.update(grads_rest, state_rest, params_rest)
-    new_params = optax.apply_updates(params_rest, updates)
+    # Every other parameter: optax, with the FORGE kernels cut out; then
+    # the FORGE kernels and their new state put back.
+    cut = {kp: None for kp in fused.kpaths.values()}
+    new_params, new_state = _optax_update(tx, grads, params, opt_state,
+                                          params_def, cut)
     new_params = _replace_leaves(new_params, new_kernels)
+    new_state = _put_back_state(new_state, params_def, fields, new_subtrees,
+                                cut)
 
-    # ... and the FORGE kernels' new state put back (fields they do not own,
-    # such as another partition's MaskedNode, as they were).
-    def put_back(i, tree):
-      return _state.replace_subtrees(tree, {
-          kp: new_subtrees[kp][i] if i in new_subtrees[kp]
-          else _state.get_subtree(fields[i].tree, kp) for kp in cut})
-
-    new_state = _state.map_per_param(new_state, params_def, put_back)
-
-    # Report the layers that took the standard path (at trace time).
-    standard_layers[:] = sorted(_context.layer_name(p) for p in fallback)
-    moved = {p: why for p, why in fallback.items() if why != _usage.FROZEN}
-    if moved:
-      warnings.warn(SharedWeightsWarning(
-          f"forge_jax.make_step(shared='standard'): {len(moved)} shared "
-          "FORGE layer(s) took the standard path (ordinary gradient and "
-          "optax update) in this step, the others stay fused: " + "; ".join(
-              f"{_context.layer_name(p)!r} ({why})"
-              for p, why in sorted(moved.items()))
-          + " (paper Remark 2)"), stacklevel=2)
+    _report_standard_layers(fallback, standard_layers)
     return value, _with_params(variables, new_params), new_state
 
   step.standard_layers = standard_layers

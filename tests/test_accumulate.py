@@ -441,7 +441,7 @@ def test_update_accepts_optax_extra_args_in_every_mode():
       assert jnp.allclose(u, -0.1), (mode, u)
 
 
-# --- review, session 8 ----------------------------------------------------------
+# --- a rule whose hyperparameters fill the vector -----------------------------
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -449,8 +449,8 @@ def test_multisteps_accepts_a_rule_that_fills_the_vector(nesterov):
   """A rule whose hyperparameters + acc_n, acc_final fill the 16-entry
   vector exactly is accepted: the accumulator's slot name "acc" is not a
   hyperparameter (it was counted as one, which refused MultiSteps(radam)
-  once a runtime round_mu made RAdam's 14; the flag is static since
-  session 9, RAdam has 13)."""
+  when a runtime round_mu made RAdam's 14; the flag is static now, and
+  RAdam has 13)."""
   rule = pk.radam_rule(nesterov=nesterov)
   full = dataclasses.replace(
       rule, hparams=rule.hparams + tuple(

@@ -437,10 +437,9 @@ def _xla_wgrad_step(stack_update, layers, n, bt):
 def test_xla_wgrad_slice_mode_loop_copies_no_stack(monkeypatch):
   """make_step(wgrad="xla") on a scanned stack, stack_update="slice": XLA
   used to fuse each layer's update into the write-back of its slice and
-  copy every W/m/v stack on every loop iteration (session 13: 28 copies per
-  iteration in the tiny scanned decoder). The new slices are materialised
-  first (`scan.update_layer`): no array of a stack's size is copied inside
-  any while-loop body of the compiled step."""
+  copy every W/m/v stack on every loop iteration. The new slices are
+  materialised first (`scan.update_layer`): no array of a stack's size is
+  copied inside any while-loop body of the compiled step."""
   from benchmarks import hlo_schedule
   import pallas_kernels.fused_wgrad as fw
   # No Pallas call on this path: it compiles on the CPU as on a GPU.
@@ -457,12 +456,11 @@ def test_xla_wgrad_slice_mode_loop_copies_no_stack(monkeypatch):
 def test_xla_wgrad_layer_mode_updates_the_stacks_in_place(monkeypatch):
   """wgrad="xla", stack_update="layer" (the default): XLA's GEMM forms
   layer i's G and `pallas_kernels.stored_g_update` (the fused kernel's
-  epilogue) updates layer i of the carried W/m/v stacks in place. Run 66
-  (H200) found XLA's elementwise rule plus a dynamic-update-slice per array
-  copying every new slice into its stack, 3.2 ms of the scanned decoder's
-  step. Deviceless lowering: one stored-G Triton kernel per FORGE Dense,
-  each taking a 2-D G and the (L, in, out) stacks, aliased in place, and
-  no dynamic-update-slice of a weight stack."""
+  epilogue) updates layer i of the carried W/m/v stacks in place (XLA's
+  elementwise rule plus a dynamic-update-slice per array would copy every
+  new slice into its stack). Deviceless lowering: one stored-G Triton
+  kernel per FORGE Dense, each taking a 2-D G and the (L, in, out) stacks,
+  aliased in place, and no dynamic-update-slice of a weight stack."""
   import pallas_kernels.fused_wgrad as fw
   monkeypatch.setattr(fw, "default_interpret", lambda: False)
   step, variables, opt_state, x = _xla_wgrad_step("layer", 4, 256, 64)

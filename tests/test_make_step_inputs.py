@@ -179,7 +179,7 @@ def test_the_transform_is_an_optax_gradient_transformation():
     forge_jax.make_step(lambda v, b: 0.0, chained)
 
 
-# --- named-axis maps (review, session 6) -------------------------------------
+# --- named-axis maps are refused ----------------------------------------------
 
 
 @pytest.mark.parametrize("mapper", ["pmap", "vmap"])
@@ -217,7 +217,7 @@ def test_inject_hyperparams_is_refused_with_the_schedule_hint():
     forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)
 
 
-# --- has_aux: BatchNorm statistics, metrics (session 6) -----------------------
+# --- has_aux: BatchNorm statistics, metrics -----------------------------------
 
 
 class BNNet(nn.Module):
@@ -337,7 +337,7 @@ def test_differentiating_a_scanned_stack_step_is_refused_clearly():
     jax.grad(post_step_sum)(v)
 
 
-# --- review, session 7 -------------------------------------------------------
+# --- batch values, FrozenDict, frozen and fused=False layers, MultiSteps ----
 
 
 class DropMLP(nn.Module):

@@ -238,7 +238,7 @@ def test_wgrad_picks_the_kernel_or_xla_in_the_stack(stack_update,
 def test_interpret_mode_keeps_xla_rule_for_the_stacked_xla_path():
   """Without a GPU, wgrad="xla" with stack_update="layer" steps the layer
   with XLA's rule (no Pallas call): the Pallas interpreter would copy the
-  whole stacks once per grid program (review, session 14: 60x slower)."""
+  whole stacks once per grid program."""
   model = Model(True, stack_update="layer")
   x, y = data(steps=1)[0]
   variables = model.init(jax.random.key(0), x)

@@ -264,7 +264,7 @@ def test_forge_dense_inside_users_nn_scan_falls_back():
   assert "'stack' (called 2 times)" in str(caught[0].message)
 
 
-# --- a layer under control flow (review, session 6) ---------------------------
+# --- a layer under control flow -----------------------------------------------
 
 
 class Cond(nn.Module):

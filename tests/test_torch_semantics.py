@@ -302,7 +302,6 @@ def test_torch_func_transforms_run_the_plain_layer(transform):
 
 
 # --- copies, hooks, double backward, distributed, late hyperparameters -------
-# (review, session 6)
 
 
 def _train(model, opt, batches):
@@ -517,7 +516,7 @@ def test_a_weight_assigned_by_hand_runs_the_standard_path():
   assert_models_close(fm, ref)
 
 
-# --- the version counter (review, session 7) --------------------------------
+# --- the version counter ------------------------------------------------------
 
 
 def _pair_opt(model_fn, opt_name, seed=0, **kw):
@@ -598,7 +597,7 @@ def test_a_hand_tied_weight_used_earlier_in_the_graph_is_refused():
   assert opt.state[layer.weight]["step"].item() == 1  # the update that ran
 
 
-# --- audit of session 11 ------------------------------------------------------
+# --- skipped steps, discarded optimizers, block configs, zero sizes -----------
 
 
 def test_a_skipped_step_is_named_in_the_next_forwards_error():
