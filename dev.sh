@@ -4,9 +4,13 @@
 # version ranges), then:
 #
 #   ./dev.sh train [flags]   the main job: a Flax MLP on scikit-learn's digits,
-#                            FORGE beside optax (python -m forge_jax.demo --help)
-#   ./dev.sh test [args]     the test suite (pytest args pass through)
-#   ./dev.sh python [args]   the project's Python, e.g. for benchmarks/
+#                            FORGE beside optax (python -m
+#                            examples.train_digits; --help lists the flags)
+#   ./dev.sh test [args]     the test suite, on FORGE_TEST_WORKERS processes
+#                            (pytest-xdist; default: the CPU count, at most 4);
+#                            pytest args pass through (-n 0: one process)
+#   ./dev.sh python [args]   the project's Python, e.g. for the benchmarks:
+#                            ./dev.sh python -m benchmarks.kernel --help
 #
 # train installs the package with its demo extra; test and python add the
 # test and torch extras (torch is a large CUDA build).
@@ -43,6 +47,29 @@ find_python() {
   return 1
 }
 
+pip_install() {  # pip install ARGS..., showing its progress in a few lines
+  # pip's whole output goes to a log; the terminal gets a line per package
+  # downloaded (or taken from pip's cache), then how many were installed.
+  # On failure: the log's tail.
+  local log="$VENV/.forge-pip.log"
+  echo "   pip install $*"
+  if ! "$VENV/bin/python" -m pip install --progress-bar off "$@" 2>&1 \
+      | tee "$log" | awk '
+        function n(k) { return k " package" (k == 1 ? "" : "s") }
+        /^ *(Downloading|Using cached) / && !/\.metadata / {
+          sub(/^ */, ""); print "   " $0; fflush(); next }
+        /^Installing collected packages:/ {
+          print "   installing " n(split(substr($0, 31), a, ",")); fflush()
+          next }
+        /^Successfully installed/ { print "   installed " n(NF - 2); fflush() }
+      '; then
+    echo "error: pip install $* failed; the end of its output (all of it" \
+         "in $log):" >&2
+    tail -n 30 "$log" >&2
+    exit 1
+  fi
+}
+
 setup() {  # the extras to install: "demo" (train) or "demo,test,torch"
   local extras="$1"
   if [ ! -x "$VENV/bin/python" ] || ! is_py312 "$VENV/bin/python"; then
@@ -72,17 +99,37 @@ setup() {  # the extras to install: "demo" (train) or "demo,test,torch"
   fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     echo "== installing forge-jax[$extras] and its dependencies into $VENV"
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+    echo "   (the first time takes minutes: jax, and torch for the tests, are" \
+         "large downloads)"
+    pip_install --upgrade pip
+    pip_install -e ".[$extras]"
     touch "$stamp"
   fi
+}
+
+test_workers() {  # FORGE_TEST_WORKERS, else the CPU count capped at 4
+  if [ -n "${FORGE_TEST_WORKERS:-}" ]; then
+    echo "$FORGE_TEST_WORKERS"; return
+  fi
+  local n
+  n="$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
+  # Each worker is a JAX process of its own (compilation is memory-hungry).
+  [ "$n" -gt 4 ] && n=4
+  # One CPU: no worker processes at all.
+  [ "$n" -le 1 ] && n=0
+  echo "$n"
 }
 
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  train)  setup demo; exec "$VENV/bin/python" -m forge_jax.demo "$@" ;;
-  test)   setup demo,test,torch; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  train)  setup demo; exec "$VENV/bin/python" -m examples.train_digits "$@" ;;
+  test)   setup demo,test,torch
+          # A later -n or --dist in the arguments wins over these defaults.
+          # loadfile: a test file's tests share one worker, so a module-scoped
+          # fixture (a training run, a compile) runs once, not once per worker.
+          exec "$VENV/bin/python" -m pytest -q -n "$(test_workers)" \
+            --dist loadfile "$@" ;;
   python) setup demo,test,torch; exec "$VENV/bin/python" "$@" ;;
   -h|--help|help) usage; exit 0 ;;
   *) [ -n "$cmd" ] && echo "dev.sh: unknown command '$cmd'" >&2

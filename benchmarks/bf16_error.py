@@ -1,6 +1,6 @@
 """bf16 parameters: rms error against an fp32-master run, FORGE vs unfused.
 
-    ./dev.sh python benchmarks/bf16_error.py --out out/bench/bf16_error.csv
+    ./dev.sh python -m benchmarks.bf16_error --out out/bench/bf16_error.csv
 
 The paper's App. E effect: the standard bf16 path rounds G to bf16 before the
 optimizer reads it; FORGE reads the fp32 accumulator. Three arms start from
@@ -12,11 +12,9 @@ and learning rate, after `--steps` steps (the 37-70-130-5 test MLP).
 """
 
 import argparse
-import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 import flax.linen as nn

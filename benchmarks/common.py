@@ -7,6 +7,8 @@ import datetime as _dt
 import os
 import platform
 import statistics
+import subprocess
+import time
 from typing import Callable
 
 import jax
@@ -25,7 +27,8 @@ LLAMA8B_SHAPES = {
 TOKENS = (512, 2048, 4096)
 
 CSV_FIELDS = ["benchmark", "case", "provider", "shape", "dtypes", "metric",
-              "p20", "p50", "p80", "unit", "device", "versions", "timestamp"]
+              "p20", "p50", "p80", "unit", "device", "versions", "timestamp",
+              "commit"]
 
 
 # argparse ``type=``: an int >= 1 (a clean usage error otherwise).
@@ -40,6 +43,20 @@ def versions() -> str:
     except Exception:  # noqa: BLE001 -- optional packages
       pass
   return "; ".join(parts)
+
+
+def commit() -> str:
+  """The repository's commit (short hash, ``+changes`` when the work tree
+  differs from it), or ``unknown`` outside a git checkout."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                          capture_output=True, text=True, check=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=root, capture_output=True, text=True).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return head.strip() + ("+changes" if dirty.strip() else "")
 
 
 def device_name() -> str:
@@ -61,6 +78,31 @@ def time_loop(step: Callable, state, n_inner: int = 50, n_outer: int = 7):
   Returns (p20, p50, p80) and the final state."""
   times, state = autotune.time_steps(step, state, n_inner, n_outer)
   return quantiles(times), state
+
+
+def timed_steps(step, variables, opt_state, batch, warmup: int, iters: int):
+  """Runs a training step ``warmup + iters`` times, blocking on every result.
+
+  Args:
+    step: ``step(variables, opt_state, batch) -> (loss, variables,
+      opt_state)``, typically jitted with the state donated.
+    variables, opt_state, batch: its inputs (the state is threaded through).
+    warmup: untimed steps first (the first one compiles).
+    iters: timed steps after them.
+
+  Returns:
+    ``(times, losses, variables, opt_state)``: the wall times (seconds) of
+    the last ``iters`` steps, every step's loss, and the final state.
+  """
+  times, losses = [], []
+  for i in range(warmup + iters):
+    t0 = time.perf_counter()
+    loss, variables, opt_state = step(variables, opt_state, batch)
+    jax.block_until_ready((loss, variables, opt_state))
+    if i >= warmup:
+      times.append(time.perf_counter() - t0)
+    losses.append(float(loss))
+  return times, losses, variables, opt_state
 
 
 def optax_step(loss_fn: Callable, tx, has_aux: bool = False) -> Callable:
@@ -117,6 +159,7 @@ class Results:
   def __init__(self, path: str, benchmark: str):
     self.path, self.benchmark = path, benchmark
     self.device, self.versions = device_name(), versions()
+    self.commit = commit()
     self.stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if not os.path.exists(path):
@@ -130,7 +173,7 @@ class Results:
           benchmark=self.benchmark, case=case, provider=provider, shape=shape,
           dtypes=dtypes, metric=metric, p20=f"{p20:.6g}", p50=f"{p50:.6g}",
           p80=f"{p80:.6g}", unit=unit, device=self.device,
-          versions=self.versions, timestamp=self.stamp))
+          versions=self.versions, timestamp=self.stamp, commit=self.commit))
 
 
 def read_rows(path: str):

@@ -1,6 +1,6 @@
 """End to end: a Llama-style Flax decoder's training step, FORGE vs optax.adamw.
 
-    ./dev.sh python benchmarks/e2e.py --out E.csv --plot E.png
+    ./dev.sh python -m benchmarks.e2e --out E.csv --plot E.png
 
 A Llama-style decoder (token embedding; per block RMSNorm -> GQA attention
 with rotary embeddings through ``jax.nn.dot_product_attention(is_causal=True)``
@@ -70,8 +70,8 @@ from typing import Any
 
 _T_IMPORT = time.perf_counter()  # a cell's clock starts here (see run_cell)
 
+# Cells run in the repository (``python -m benchmarks.e2e --cell``).
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 import flax.linen as nn  # noqa: E402
@@ -81,7 +81,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import forge_jax  # noqa: E402
-from forge_jax.demo import timed_steps  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 ARMS = ("forge", "forge-xla", "optax")
@@ -317,8 +316,8 @@ def init_variables(cfg: Config, seed: int = 0, abstract=None):
   block from one jitted ``Block.init`` (key ``fold_in(key, i)``), the final
   norm and the head. With one jitted ``Decoder.init``, which compiled the
   random initialisers of all 16 blocks as one program, the init phase took
-  43-55 s of a 65-89 s cell on the H200 (run 54), where the step compiled in
-  15-22 s; block by block, 4-6 s (run 55). ``abstract``: the Decoder's
+  43-55 s of a 65-89 s cell on the H200, where the step compiled in 15-22 s;
+  block by block, 4-6 s. ``abstract``: the Decoder's
   :func:`abstract_variables`, if the caller has them (checked against)."""
   c = cfg
   k_embed, k_blocks, k_head = jax.random.split(jax.random.key(seed), 3)
@@ -415,7 +414,7 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
   dtypes = (f"params={cfg.dtype},{_moment_dtypes(opt_state)},"
             f"logits/loss=float32")
 
-  times, losses, variables, opt_state = timed_steps(
+  times, losses, variables, opt_state = common.timed_steps(
       compiled, variables, opt_state, batch, warmup, steps)
   peak = _peak_bytes()
   q = tuple(t * 1e3 for t in common.quantiles(times))
@@ -475,7 +474,7 @@ def _failed_row(path: str, arm: str, bt: int, cfg: Config, device: str,
 
 
 def _cell_argv(args, arm: str, bt: int) -> list[str]:
-  argv = [sys.executable, os.path.abspath(__file__), "--cell", "--arm", arm,
+  argv = [sys.executable, "-m", "benchmarks.e2e", "--cell", "--arm", arm,
           "--bt", str(bt), "--steps", str(args.steps), "--warmup",
           str(args.warmup), "--seed", str(args.seed), "--dtype", args.dtype]
   for flag in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "seq"):
@@ -500,14 +499,12 @@ AUTOTUNE_CACHE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
 
 
 def _subprocess_env(autotune_cache: str | None = None) -> dict:
-  """The environment of the driver's subprocesses (cells, the device probe):
-  JAX allocating as it goes, unbuffered output, the repository importable;
+  """The environment of the driver's subprocesses (cells, the device probe,
+  run in the repository): JAX allocating as it goes, unbuffered output;
   with ``autotune_cache``, XLA's per-fusion autotune cache in that directory
   (added to any ``XLA_FLAGS`` already set)."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
              PYTHONUNBUFFERED="1")
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (REPO, env.get("PYTHONPATH")) if p)
   if autotune_cache:
     path = os.path.abspath(os.path.expanduser(autotune_cache))
     if any(ch.isspace() for ch in path):  # XLA_FLAGS splits on whitespace
@@ -781,10 +778,10 @@ def parse_args(argv):
                  "shared by all arms: the first compile of a fusion "
                  "autotunes it and writes its choice, later cells (and "
                  "later runs) load it, so repeated cells of one arm run "
-                 "the same GEMM choices (run 54: 7 of 106 fusions chose "
-                 "differently between two fresh compiles, and the losses "
-                 "with them). Without it every compile autotunes afresh, "
-                 "as a user's does. A loaded cache also shortens the "
+                 "the same GEMM choices (on the H200, 7 of 106 fusions "
+                 "chose differently between two fresh compiles, and the "
+                 "losses with them). Without it every compile autotunes "
+                 "afresh, as a user's does. A loaded cache also shortens the "
                  "compile, so compile times are then not comparable "
                  "between cells. GPU only; elsewhere nothing is tuned")
   p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)

@@ -1,15 +1,15 @@
 """Paired end-to-end timing: every arm's training step compiled in one process
 and timed in alternating blocks, so that drift falls on all arms alike.
 
-    ./dev.sh python benchmarks/e2e_paired.py --bt 512 --processes 3 \\
+    ./dev.sh python -m benchmarks.e2e_paired --bt 512 --processes 3 \\
         --out P.csv --plot P.png
 
 Why. ``e2e.py`` runs one process and one compile per (arm, BT) cell: the
 issue's protocol, and the only way to read each arm's own allocator peak. Its
 step times move from cell to cell by more than the difference in question:
 cells of one arm whose losses were identical to the last digit differed by
-6.5 % (optax) and 7.5 % (fused) in run 55, where forge-xla and optax differ by
-about 1 %. Cells run a minute apart, so anything that drifts over minutes
+6.5 % (optax) and 7.5 % (fused) on the H200, where forge-xla and optax differ
+by about 1 %. Cells run a minute apart, so anything that drifts over minutes
 (clocks, temperature, other work on the host) lands on one arm's cell and not
 the other's.
 
@@ -67,14 +67,10 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from benchmarks import common, e2e  # noqa: E402
-from forge_jax.demo import timed_steps  # noqa: E402
+from benchmarks import common, e2e
 
 RESULT_TAG = "E2E_PAIRED_RESULT "
 BENCHMARK = "e2e_paired"
@@ -202,14 +198,16 @@ def time_rounds(arms, compiled: dict, state: dict, batch, rounds: int,
   step) and ``losses`` (per arm, every step's)."""
   losses = {arm: [] for arm in arms}
   for arm in arms:
-    _, ls, v, s = timed_steps(compiled[arm], *state[arm], batch, warmup, 0)
+    _, ls, v, s = common.timed_steps(compiled[arm], *state[arm], batch,
+                                     warmup, 0)
     state[arm] = (v, s)
     losses[arm] += ls
   blocks = {arm: [] for arm in arms}
   piped = {arm: [] for arm in arms}
   for order in round_orders(arms, rounds):
     for arm in order:
-      ts, ls, v, s = timed_steps(compiled[arm], *state[arm], batch, 0, block)
+      ts, ls, v, s = common.timed_steps(compiled[arm], *state[arm], batch,
+                                        0, block)
       blocks[arm].append(ts)
       losses[arm] += ls
       t, ls, v, s = pipelined_steps(compiled[arm], v, s, batch, block)
@@ -296,7 +294,7 @@ def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
 
 
 def _process_argv(args, index: int) -> list[str]:
-  argv = [sys.executable, os.path.abspath(__file__), "--single",
+  argv = [sys.executable, "-m", "benchmarks.e2e_paired", "--single",
           "--arms", *args.arms, "--bt", str(args.bt), "--rounds",
           str(args.rounds), "--block", str(args.block), "--warmup",
           str(args.warmup), "--seed", str(args.seed),

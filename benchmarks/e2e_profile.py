@@ -1,6 +1,6 @@
 """Where the e2e step's GPU time goes: FORGE vs optax.adamw, kernel by kernel.
 
-    ./dev.sh python benchmarks/e2e_profile.py --bt 512 --out P.csv [--scan]
+    ./dev.sh python -m benchmarks.e2e_profile --bt 512 --out P.csv [--scan]
 
 Builds the arms of ``benchmarks/e2e.py`` (the same Llama-style decoder,
 batch and AdamW; ``--scan``: its blocks scanned, as ``e2e.py --scan``),
@@ -30,7 +30,6 @@ import tempfile
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 import jax  # noqa: E402

@@ -1,6 +1,6 @@
 r"""Where does the fused kernel's epilogue lose bandwidth? (issue #4 probe)
 
-    ./dev.sh python benchmarks/epilogue_probe.py --out out/probe   # on a GPU
+    ./dev.sh python -m benchmarks.epilogue_probe --out out/probe   # on a GPU
 
 Two measurements, side by side in one process, written to
 ``OUT/probe.csv`` (device and versions in every row):
@@ -18,11 +18,12 @@ Two measurements, side by side in one process, written to
   throughput then come from Nsight Compute::
 
       ncu --csv --log-file ncu.csv --metrics launch__registers_per_thread,...\
-          python benchmarks/epilogue_probe.py --once --tokens 16 ...
-      python benchmarks/ncu_summary.py ncu.csv --kernels elementwise_adamw \
+          python -m benchmarks.epilogue_probe --once --tokens 16 ...
+      python -m benchmarks.ncu_summary ncu.csv --kernels elementwise_adamw \
           fused_wgrad_adamw --out summary.csv
 
-  (``benchmarks/gpu_run14.sh`` is the exact command of session 3.)
+  The profile behind docs/perf_notes.md ran ``--once --tokens 16 512
+  --elementwise 32x128,w4 64x128,w4`` with the default ``--config`` list.
 
 (XLA's ``--xla_dump_to`` does not include the PTX of a Pallas-Triton custom
 call, so the kernel's code is not read here.)
@@ -35,7 +36,6 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 import jax
@@ -47,8 +47,8 @@ import pallas_kernels as pk
 from benchmarks import common
 from benchmarks.kernel import hparams, make_state
 
-# Session 3's run 14 set: 64 vs 32 accumulator elements per thread, and
-# column sub-tiles (docs/perf_notes.md, variants 8-11).
+# The tilings profiled for docs/perf_notes.md: 64 vs 32 accumulator elements
+# per thread, and column sub-tiles (docs/perf_notes.md, variants 8-11).
 DEFAULT_CONFIGS = [
     "64x128x32,g1,w4,s4,e",
     "64x128x32,g1,w4,s4,e,o2",
@@ -162,7 +162,7 @@ def probe_fused(res, n_in, n_out, tokens, labels, once=False):
     q, _ = timer(xla_unfused, state())
     if q is None:  # --once
       for label in labels:
-        cfg = pk.autotune.parse_label(label)
+        cfg = pk.tuning_cache.parse_label(label)
         timer(lambda s, cfg=cfg: _forge_step(s, h, cfg), state())
         print(f"fused {shape} {label}: ran once", flush=True)
       continue
@@ -171,7 +171,7 @@ def probe_fused(res, n_in, n_out, tokens, labels, once=False):
             tuple(t * 1e6 for t in q), "us")
     print(f"fused {shape:20s} xla_unfused {xla_t*1e6:8.1f} us", flush=True)
     for label in labels:
-      cfg = pk.autotune.parse_label(label)
+      cfg = pk.tuning_cache.parse_label(label)
 
       try:
         q, _ = timer(lambda s, cfg=cfg: _forge_step(s, h, cfg), state())
@@ -213,7 +213,7 @@ def main(argv=None):
       p.error(f"--elementwise {spec!r} is not BMxBN,wW (e.g. 32x128,w4)")
   for label in args.config:
     try:
-      pk.autotune.parse_label(label)
+      pk.tuning_cache.parse_label(label)
     except ValueError as e:
       p.error(f"--config: {e}")
   if jax.default_backend() != "gpu":

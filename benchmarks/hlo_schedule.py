@@ -1,7 +1,7 @@
 """Where a compiled training step forms each weight gradient and where it
 applies the optimizer to it: read from the scheduled HLO XLA compiled.
 
-    ./dev.sh python benchmarks/hlo_schedule.py H.hlo.txt[.gz] [...]
+    ./dev.sh python -m benchmarks.hlo_schedule H.hlo.txt[.gz] [...]
 
 The input is ``compiled.as_text()`` of a jitted step (``e2e_paired.py
 --hlo-dir`` writes one per arm); its entry computation lists the kernels in

@@ -1,6 +1,6 @@
 """Fused weight-gradient + AdamW step vs XLA's unfused GEMM + AdamW, one layer.
 
-    ./dev.sh python benchmarks/kernel.py --out out/bench/kernel.csv
+    ./dev.sh python -m benchmarks.kernel --out out/bench/kernel.csv
 
 Per (shape, tokens, dtypes) it times, side by side in one process:
   xla_unfused   G = x^T dy (bf16, cuBLAS) then AdamW elementwise (one jit)
@@ -31,7 +31,6 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 import jax
@@ -44,9 +43,10 @@ from benchmarks import common
 WGRAD_ONLY = pk.UpdateRule(name="wgrad_only", slots=(), hparams=(),
                            update=lambda g, w, slots, h: (g, ()))
 
-# The curated tilings timed per case (the best is the `forge` row): session
-# 3's winners over the four shapes x BT (docs/perf_notes.md) and the plain
-# 64x128x64 tile (the interpret-mode heuristic, session 1's default).
+# The curated tilings timed per case (the best is the `forge` row): the
+# winners of the tiling sweep over the four shapes x BT (docs/perf_notes.md)
+# and the plain 64x128x64 tile (the interpret-mode heuristic, the first
+# default).
 CONFIGS = [
     pk.BlockConfig(64, 64, 64, 1, 4, 3, stream_state=True),
     pk.BlockConfig(64, 128, 32, 1, 4, 4, stream_state=True, split_out=2),
@@ -175,15 +175,17 @@ def forge_torch_arm(x, dy, w, m, v, config=None, first_step=STEP):
   bridge's sync mode)
   with torch AdamW's scalars for each step, built per call as
   ``forge_torch.optim`` does. Returns ``(step, (W, exp_avg, exp_avg_sq))``."""
-  from forge_torch import _bridge, _rules  # noqa: PLC0415
+  from forge_torch import _bridge  # noqa: PLC0415
+  from pallas_kernels import torch_rules  # noqa: PLC0415
   W, exp_avg, exp_avg_sq = w.clone(), m.clone(), v.clone()
   t = [first_step]
 
   def step():
-    h = _rules.torch_adamw_hparams(lr=LR, beta1=B1, beta2=B2, eps=EPS,
-                                   weight_decay=WD, step=t[0])
+    h = torch_rules.adamw_hparams(lr=LR, beta1=B1, beta2=B2, eps=EPS,
+                                  weight_decay=WD, step=t[0])
     _bridge.fused_update(x, dy, W, (exp_avg, exp_avg_sq), h,
-                         rule=_rules.TORCH_ADAMW, config=config)
+                         rule=torch_rules.adam_rule(amsgrad=False),
+                         config=config)
     t[0] += 1
 
   return step, (W, exp_avg, exp_avg_sq)
@@ -290,7 +292,7 @@ def bench_case(res, name, bt, n_in, n_out, moment_dtype, configs, ceiling,
     if cfg == AUTO:
       cfg = pk.select_config(bt, n_in, n_out, jnp.bfloat16,
                              [moment_dtype] * 2, pk.ADAMW)
-      print(f"  {shape} {dtypes}: auto = {pk.autotune.config_label(cfg)}")
+      print(f"  {shape} {dtypes}: auto = {pk.tuning_cache.config_label(cfg)}")
     if cfg not in resolved:
       resolved.append(cfg)
   for cfg in resolved:
@@ -299,7 +301,7 @@ def bench_case(res, name, bt, n_in, n_out, moment_dtype, configs, ceiling,
     except Exception as e:  # noqa: BLE001 -- a config may not compile
       print(f"  {shape} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
       continue
-    res.add(name, f"forge[{pk.autotune.config_label(cfg)}]", shape,
+    res.add(name, f"forge[{pk.tuning_cache.config_label(cfg)}]", shape,
             dtypes, "time", tuple(t * 1e6 for t in q), "us")
     if best is None or q[1] < best[0][1]:
       best = (q, cfg)
@@ -394,7 +396,7 @@ def main(argv=None):
     for label in args.config:
       if label != AUTO:
         try:
-          pk.autotune.parse_label(label)
+          pk.tuning_cache.parse_label(label)
         except ValueError as e:
           p.error(f"--config: {e}")
   for name in args.shapes:
@@ -425,7 +427,7 @@ def main(argv=None):
   if args.torch == "auto" and torch_dev is None:
     print("torch arms off: torch not installed or without CUDA")
   shapes = {name: parse_shape(name) for name in args.shapes}
-  configs = ([c if c == AUTO else pk.autotune.parse_label(c)
+  configs = ([c if c == AUTO else pk.tuning_cache.parse_label(c)
               for c in args.config]
              if args.config else CONFIGS[:args.configs])
   res = common.Results(args.out, "kernel")

@@ -1,6 +1,6 @@
 """Compiled-step memory of a FORGE step vs optax.adamw, and in-place checks.
 
-    ./dev.sh python benchmarks/memory.py --out out/bench/memory.csv [--hlo-dir D]
+    ./dev.sh python -m benchmarks.memory --out out/bench/memory.csv [--hlo-dir D]
 
 For an MLP of `--layers` bf16 4096x4096 kernels (BT tokens, unrolled) it
 compiles one jitted, donated training step per arm and records XLA's
@@ -19,7 +19,6 @@ import re
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 import flax.linen as nn

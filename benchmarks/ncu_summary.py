@@ -1,6 +1,6 @@
 """One row per profiled kernel from an Nsight Compute ``--csv`` log.
 
-    python benchmarks/ncu_summary.py ncu.csv --kernels fused_wgrad_adamw \\
+    python -m benchmarks.ncu_summary ncu.csv --kernels fused_wgrad_adamw \\
         --labels 64x128x32,g1,w4,s4,e 64x64x32,g1,w4,s4,e --out summary.csv
 
 ``ncu --csv --log-file ncu.csv --metrics A,B,... CMD`` writes one line per
@@ -11,10 +11,8 @@ cc`` and one column per metric; ``--labels`` names the kept launches in
 order (their number must match). ``device`` is ``cuda:<index>`` (ncu's CSV
 holds only the device's index), after the name given by ``--device`` when
 there is one (``"NVIDIA H200 (cuda:0)"``); ``cc`` its compute capability,
-from the log. ``benchmarks/gpu_run14.sh`` is the command that profiled
-session 3's kernels; its summary, written before the ``device`` and ``cc``
-columns existed, is
-``benchmarks/results/h200-2026-11-29-s3/run14_ncu_summary.csv``.
+from the log. ``python -m benchmarks.epilogue_probe --once`` runs each
+kernel once for such a profile (its docstring gives the command).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (and torch's cuBLAS + fused AdamW vs FORGE through forge_torch, where the CSV
 has those arms).
 
-    ./dev.sh python benchmarks/plot.py out/bench/kernel.csv out/bench/kernel.png
+    ./dev.sh python -m benchmarks.plot out/bench/kernel.csv out/bench/kernel.png
 """
 
 import argparse
@@ -10,7 +10,6 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import matplotlib
 

@@ -1,6 +1,7 @@
 """Peak memory of a scanned stack's training step: FORGE vs nn.scan + optax.
 
-    ./dev.sh python benchmarks/scan_memory.py --out S.csv [--layers 16 --width 4096 --tokens 512]
+    ./dev.sh python -m benchmarks.scan_memory --out S.csv \\
+        [--layers 16 --width 4096 --tokens 512]
 
 The model is one ``forge_jax.ScannedDenseStack`` of ``--layers`` bf16
 ``width x width`` kernels (no bias, ReLU). Arms, one subprocess each
@@ -27,8 +28,10 @@ import subprocess
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+# The cells run in the repository (``python -m benchmarks.scan_memory``).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cell(arm: str, layers: int, width: int, tokens: int) -> dict:
@@ -79,10 +82,10 @@ def main(argv=None):
   results = {}
   for arm in ("forge", "optax"):
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--cell", arm,
+        [sys.executable, "-m", "benchmarks.scan_memory", "--cell", arm,
          "--layers", str(args.layers), "--width", str(args.width),
          "--tokens", str(args.tokens)],
-        env=env, capture_output=True, text=True, timeout=300)
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode or not line:
       print(proc.stdout[-2000:], proc.stderr[-4000:])

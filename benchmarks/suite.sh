@@ -5,30 +5,34 @@
 #
 # OUT_DIR: default out/suite. PART: kernel, e2e, scan (default: all three, in
 # that order). PYTHON: the project's .venv/bin/python if there is one, else
-# python3.
+# python3. Every benchmark, in the suite or not, runs as a module from the
+# repository root: `python -m benchmarks.<name> --help` lists its flags.
+# One-off device scripts and raw logs belong in the ignored /scratch/
+# folder, not in the repository.
 #
-# 1. kernel.py: one layer's fused step vs XLA's unfused GEMM + AdamW (and, with
-#    CUDA torch, torch's cuBLAS + AdamW(fused=True) and the kernel through
-#    forge_torch), every Llama-3.1-8B projection shape x BT 512/2048/4096 with
-#    bf16 W/m/v, then 4096^2 and 4096x14336 at BT 512 with fp32 m/v ->
-#    OUT/kernel.csv, .png. The fused kernel runs with the tiling it picks by
-#    itself ("auto": the shipped autotune cache) and, for reference, the
-#    untuned 64x128x64 tile; a sweep over more tilings is
-#    `kernel.py --config LABEL...` or `python -m pallas_kernels.autotune`.
-# 2. e2e.py: the Llama-style decoder's training step, FORGE (fused kernel;
-#    at BT 512 also wgrad="xla") vs optax.adamw, BT 512 and 2048, one process
-#    per cell -> OUT/e2e.csv, .png
+# 1. benchmarks.kernel: one layer's fused step vs XLA's unfused GEMM + AdamW
+#    (and, with CUDA torch, torch's cuBLAS + AdamW(fused=True) and the kernel
+#    through forge_torch), every Llama-3.1-8B projection shape x BT
+#    512/2048/4096 with bf16 W/m/v, then 4096^2 and 4096x14336 at BT 512 with
+#    fp32 m/v -> OUT/kernel.csv, .png. The fused kernel runs with the tiling
+#    it picks by itself ("auto": the shipped autotune cache) and, for
+#    reference, the untuned 64x128x64 tile; a sweep over more tilings is
+#    `python -m benchmarks.kernel --config LABEL...` or
+#    `python -m pallas_kernels.autotune`.
+# 2. benchmarks.e2e: the Llama-style decoder's training step, FORGE (fused
+#    kernel; at BT 512 also wgrad="xla") vs optax.adamw, BT 512 and 2048, one
+#    process per cell -> OUT/e2e.csv, .png
 # 3. scan: the scanned stack (16 x 4096^2 bf16, ReLU; FORGE's
 #    ScannedDenseStack vs nn.scan + optax.adamw, whose step keeps the whole
-#    gradient pool): scan_memory.py's compiled temporaries and allocator peak
-#    (BT 512, one process per arm) -> OUT/scan_memory.csv, then
-#    e2e_paired.py --model stack's step time, the arms paired in one process
-#    (one process each at BT 512 and 2048) -> OUT/scan_paired.csv,
-#    scan_paired{512,2048}.png; then the scanned decoder (e2e.py --scan:
-#    forge_jax.ScannedBlocks vs flax's nn.scan(nn.remat) + optax.adamw, one
-#    process per cell, the fused arm and wgrad="xla" -- XLA's GEMM, then the
-#    kernel's epilogue on the stacks in place -- at BT 512 and 2048)
-#    -> OUT/e2e_scan.csv, .png
+#    gradient pool): benchmarks.scan_memory's compiled temporaries and
+#    allocator peak (BT 512, one process per arm) -> OUT/scan_memory.csv, then
+#    benchmarks.e2e_paired --model stack's step time, the arms paired in one
+#    process (one process each at BT 512 and 2048) -> OUT/scan_paired.csv,
+#    scan_paired{512,2048}.png; then the scanned decoder (benchmarks.e2e
+#    --scan: forge_jax.ScannedBlocks vs flax's nn.scan(nn.remat) +
+#    optax.adamw, one process per cell, the fused arm and wgrad="xla" --
+#    XLA's GEMM, then the kernel's epilogue on the stacks in place -- at BT
+#    512 and 2048) -> OUT/e2e_scan.csv, .png
 # Every CSV row carries the device, the versions and p20/p50/p80. CSVs are
 # appended to: the e2e plot draws the newest row of each (arm, BT) in
 # OUT/e2e.csv, so give each suite run its own OUT.
@@ -48,7 +52,7 @@ done
 has() { [[ " ${PARTS[*]} " == *" $1 "* ]]; }
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 PY="${PYTHON:-python3}"
-export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if ! "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
   echo "suite.sh: $PY sees no GPU (or no jax); the suite measures on a GPU." \
        "Nothing measured." >&2
@@ -60,39 +64,40 @@ rc=0
 # A failing command marks the suite failed (exit 1); the other parts still run.
 if has kernel; then
   TILINGS=(auto 64x128x64,g1,w4,s3)
-  "$PY" benchmarks/kernel.py --out "$OUT/kernel.csv" --moments bfloat16 \
+  "$PY" -m benchmarks.kernel --out "$OUT/kernel.csv" --moments bfloat16 \
     --config "${TILINGS[@]}" || rc=1
-  "$PY" benchmarks/kernel.py --out "$OUT/kernel.csv" --moments float32 \
+  "$PY" -m benchmarks.kernel --out "$OUT/kernel.csv" --moments float32 \
     --shapes "q/o 4096x4096" "up/gate 4096x14336" --tokens 512 \
     --config "${TILINGS[@]}" || rc=1
   if [ -f "$OUT/kernel.csv" ]; then
-    "$PY" benchmarks/plot.py "$OUT/kernel.csv" "$OUT/kernel.png" || rc=1
+    "$PY" -m benchmarks.plot "$OUT/kernel.csv" "$OUT/kernel.png" || rc=1
   fi
   echo "suite: kernel part done at ${SECONDS}s"
 fi
 if has e2e; then
   # Two e2e calls (three arms at BT 512, two at 2048); a failed cell makes a
   # call exit 1, which must not skip the other call or the plot.
-  "$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --bt 512 \
+  "$PY" -m benchmarks.e2e --out "$OUT/e2e.csv" --bt 512 \
     --arms optax forge forge-xla --budget 250 || rc=1
-  "$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --bt 2048 \
+  "$PY" -m benchmarks.e2e --out "$OUT/e2e.csv" --bt 2048 \
     --arms optax forge --budget 170 || rc=1
-  "$PY" benchmarks/e2e.py --out "$OUT/e2e.csv" --replot --plot "$OUT/e2e.png" || rc=1
+  "$PY" -m benchmarks.e2e --out "$OUT/e2e.csv" --replot \
+    --plot "$OUT/e2e.png" || rc=1
   echo "suite: e2e part done at ${SECONDS}s"
 fi
 if has scan; then
-  "$PY" benchmarks/scan_memory.py --out "$OUT/scan_memory.csv" || rc=1
+  "$PY" -m benchmarks.scan_memory --out "$OUT/scan_memory.csv" || rc=1
   for bt in 512 2048; do
-    "$PY" benchmarks/e2e_paired.py --model stack --bt "$bt" \
+    "$PY" -m benchmarks.e2e_paired --model stack --bt "$bt" \
       --arms optax forge-xla forge --processes 1 --rounds 12 --block 10 \
       --timeout 90 --out "$OUT/scan_paired.csv" \
       --plot "$OUT/scan_paired$bt.png" || rc=1
   done
-  "$PY" benchmarks/e2e.py --scan --out "$OUT/e2e_scan.csv" --bt 512 \
+  "$PY" -m benchmarks.e2e --scan --out "$OUT/e2e_scan.csv" --bt 512 \
     --arms optax forge forge-xla --budget 120 || rc=1
-  "$PY" benchmarks/e2e.py --scan --out "$OUT/e2e_scan.csv" --bt 2048 \
+  "$PY" -m benchmarks.e2e --scan --out "$OUT/e2e_scan.csv" --bt 2048 \
     --arms optax forge forge-xla --budget 140 || rc=1
-  "$PY" benchmarks/e2e.py --out "$OUT/e2e_scan.csv" --replot \
+  "$PY" -m benchmarks.e2e --out "$OUT/e2e_scan.csv" --replot \
     --plot "$OUT/e2e_scan.png" || rc=1
   echo "suite: scan part done at ${SECONDS}s"
 fi

@@ -1,7 +1,7 @@
 """Peak GPU memory of one training step: forge_torch vs torch's fused AdamW.
 
-    PYTHONPATH=. python benchmarks/torch_memory.py --out out/gpu/torch_memory.csv
-    PYTHONPATH=. python benchmarks/torch_memory.py --out T.csv --sync host stream
+    python -m benchmarks.torch_memory --out out/gpu/torch_memory.csv
+    python -m benchmarks.torch_memory --out T.csv --sync host stream
 
 Model: ``--layers`` (8) bias-free ``Linear(dim, dim)`` (4096) layers in bf16,
 loss ``mean(out.float()**2)``, a batch of ``BT`` token rows. Two arms:
@@ -53,8 +53,8 @@ import subprocess
 import sys
 import warnings
 
+# The children run in the repository (``python -m benchmarks.torch_memory``).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 # JAX shares the GPU with torch: no 75% preallocation (before JAX starts).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend.*")
@@ -180,7 +180,7 @@ def main() -> int:
                   help="comma-separated token counts (rows of the batch)")
   ap.add_argument("--steps", type=int, default=20, help="timed steps")
   ap.add_argument("--min-saved", type=float, default=0.9)
-  # BT 256 saves 87.5 % of the pool on the H200 (8 x 4096^2; run 19), BT 128
+  # BT 256 saves 87.5 % of the pool on the H200 (8 x 4096^2), BT 128
   # >= 90 %: the bar holds where the activations are small next to the pool.
   ap.add_argument("--assert-peak-bt", default="128",
                   help="BTs at which the peak saving must reach --min-saved")
@@ -241,14 +241,16 @@ def main() -> int:
     res = {}
     for arm, sync, view in arms:
       label = _label(arm, sync, view)
-      cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out,
+      cmd = [sys.executable, "-m", "benchmarks.torch_memory",
+             "--out", os.path.abspath(args.out),
              "--layers", str(args.layers), "--dim", str(args.dim),
              "--steps", str(args.steps), "--child", arm, str(bt),
              "--child-sync", sync]
-      env = {**os.environ, "PYTHONPATH": ROOT}
+      env = dict(os.environ)
       if view:
         env["FORGE_TORCH_VIEWS"] = "1" if view == "on" else "0"
-      proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+      proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                            cwd=ROOT)
       lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
       if proc.returncode != 0 or not lines:
         print(f"[{label} BT={bt}] FAILED (rc={proc.returncode})\n"

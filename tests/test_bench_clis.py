@@ -1,4 +1,4 @@
-"""The benchmark scripts and dev.sh on bad input (CPU): an argparse-style
+"""The benchmark modules and dev.sh on bad input (CPU): an argparse-style
 usage error or a clear message with a non-zero exit, never a traceback, and
 nothing written that looks like a result."""
 
@@ -11,11 +11,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-ENV = dict(os.environ, PYTHONPATH=ROOT)
+# The benchmarks run as modules from the repository root: no PYTHONPATH.
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-def _run(args, **kw):
-  return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True,
+def _run(args, env=ENV, **kw):
+  return subprocess.run(args, cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300, **kw)
 
 
@@ -69,17 +70,17 @@ def test_bf16_error_rejects_nonpositive_counts(tmp_path, bad):
 
 # --- 5. plot.py: argparse, a missing CSV, no kernel rows ------------------
 def test_plot_help_is_not_a_traceback():
-  p = _run([PY, "benchmarks/plot.py", "--help"])
+  p = _run([PY, "-m", "benchmarks.plot", "--help"])
   assert p.returncode == 0 and "usage" in p.stdout.lower(), p.stderr[-500:]
 
 
 def test_plot_missing_args_is_usage_error():
-  p = _run([PY, "benchmarks/plot.py"])
+  p = _run([PY, "-m", "benchmarks.plot"])
   assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-500:]
 
 
 def test_plot_missing_csv_is_clean_error(tmp_path):
-  p = _run([PY, "benchmarks/plot.py", str(tmp_path / "nope.csv"),
+  p = _run([PY, "-m", "benchmarks.plot", str(tmp_path / "nope.csv"),
             str(tmp_path / "x.png")])
   assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-500:]
 
@@ -206,3 +207,85 @@ def test_dev_sh_never_replaces_a_folder_that_is_not_a_virtualenv(tmp_path):
 def test_dev_sh_unknown_command_is_named():
   p = _run(["bash", "dev.sh", "bogus"])
   assert p.returncode != 0 and "bogus" in p.stderr
+
+
+# --- 12. dev.sh: what it runs, and pip's progress in a few lines -----------
+_PIP_OUTPUT = """Collecting jax>=0.11.2
+  Downloading jax-0.11.2-py3-none-any.whl.metadata (13 kB)
+  Downloading jax-0.11.2-py3-none-any.whl (2.6 MB)
+  Using cached optax-0.2.8-py3-none-any.whl (300 kB)
+Requirement already satisfied: numpy>=1.26 in ./lib/python3.12/site-packages
+Installing collected packages: jax, optax, forge-jax
+Successfully installed forge-jax-0.1.0 jax-0.11.2 optax-0.2.8
+"""
+
+
+def _stub_venv(tmp_path, pip_fails=False):
+  """A virtualenv whose python logs its arguments (to ``calls.log``), answers
+  dev.sh's version check with the real interpreter, and prints ``pip
+  install``'s usual output (or fails) instead of installing anything."""
+  venv, log = tmp_path / "venv", tmp_path / "calls.log"
+  (venv / "bin").mkdir(parents=True)
+  (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+  (tmp_path / "pip.out").write_text(_PIP_OUTPUT)
+  pip = ('echo "ERROR: No matching distribution found for jax"; exit 1'
+         if pip_fails else f'cat {tmp_path / "pip.out"}; exit 0')
+  python = venv / "bin" / "python"
+  python.write_text(
+      "#!/usr/bin/env bash\n"
+      f'[ "$1" = "-c" ] && exec {PY} "$@"\n'
+      f'echo "$*" >> {log}\n'
+      f'if [ "$1 $2 $3" = "-m pip install" ]; then {pip}; fi\n'
+      "exit 0\n")
+  python.chmod(0o755)
+  return venv, log
+
+
+def test_dev_sh_test_runs_pytest_on_workers_and_passes_arguments(tmp_path):
+  venv, log = _stub_venv(tmp_path)
+  (venv / ".forge-installed-demo-test-torch").touch()  # installed
+  env = dict(ENV, FORGE_VENV=str(venv))
+  for workers, want in (("3", "-n 3"), ("", None)):
+    log.write_text("")
+    p = _run(["bash", "dev.sh", "test", "-k", "x y"],
+             env=dict(env, FORGE_TEST_WORKERS=workers))
+    assert p.returncode == 0, p.stderr
+    (line,) = log.read_text().splitlines()
+    assert line.startswith("-m pytest -q -n ") and line.endswith(
+        "--dist loadfile -k x y"), line
+    if want:
+      assert f" {want} " in line
+    else:  # the CPU count (nproc), at most 4; one CPU: no workers (-n 0)
+      cpus = int(subprocess.run(["nproc"], capture_output=True, text=True,
+                                env=env).stdout)
+      assert int(line.split()[4]) == (min(cpus, 4) if cpus > 1 else 0), line
+  log.write_text("")
+  p = _run(["bash", "dev.sh", "train", "--steps", "3"], env=env)
+  assert p.returncode == 0, p.stderr
+  assert log.read_text().splitlines() == [
+      "-m examples.train_digits --steps 3"]
+
+
+def test_dev_sh_install_prints_a_line_per_download(tmp_path):
+  venv, log = _stub_venv(tmp_path)
+  p = _run(["bash", "dev.sh", "train", "--help"],
+           env=dict(ENV, FORGE_VENV=str(venv)))
+  assert p.returncode == 0, p.stderr
+  out = p.stdout.splitlines()
+  assert "   Downloading jax-0.11.2-py3-none-any.whl (2.6 MB)" in out
+  assert "   Using cached optax-0.2.8-py3-none-any.whl (300 kB)" in out
+  assert "   installing 3 packages" in out and "   installed 3 packages" in out
+  assert not [l for l in out if ".metadata" in l or "already satisfied" in l
+              or "Collecting" in l], out
+  assert (venv / ".forge-installed-demo").exists()
+  assert "-m pip install --progress-bar off -e .[demo]" in log.read_text()
+  assert "Requirement already satisfied" in (venv / ".forge-pip.log").read_text()
+
+
+def test_dev_sh_install_failure_shows_pips_error(tmp_path):
+  venv, _ = _stub_venv(tmp_path, pip_fails=True)
+  p = _run(["bash", "dev.sh", "train"], env=dict(ENV, FORGE_VENV=str(venv)))
+  assert p.returncode == 1
+  assert "pip install --upgrade pip failed" in p.stderr
+  assert "No matching distribution found for jax" in p.stderr
+  assert not (venv / ".forge-installed-demo").exists()

@@ -89,11 +89,12 @@ def test_suite_script_is_valid_bash_and_runs_existing_benchmarks():
   assert os.access(script, os.X_OK)
   subprocess.run(["bash", "-n", script], check=True)
   text = open(script).read()
-  used = set(re.findall(r"benchmarks/(\w+\.py)", text))
-  assert used == {"kernel.py", "plot.py", "e2e.py", "scan_memory.py",
-                  "e2e_paired.py"}, used
+  # Every benchmark runs as a module (no script paths, no PYTHONPATH).
+  assert not re.search(r"benchmarks/\w+\.py|PYTHONPATH", text)
+  used = set(re.findall(r'"\$PY" -m benchmarks\.(\w+)', text))
+  assert used == {"kernel", "plot", "e2e", "scan_memory", "e2e_paired"}, used
   for name in used:
-    assert os.path.exists(os.path.join(root, "benchmarks", name)), name
+    assert os.path.exists(os.path.join(root, "benchmarks", f"{name}.py")), name
 
 
 def test_suite_runs_the_parts_asked_for_and_goes_on_after_a_failure(
@@ -107,7 +108,7 @@ def test_suite_runs_the_parts_asked_for_and_goes_on_after_a_failure(
   fake = tmp_path / "fakepython"
   fake.write_text("#!/usr/bin/env bash\n"
                   f"echo \"$*\" >> {log}\n"
-                  "case \"$1\" in benchmarks/scan_memory.py) exit 3;; esac\n"
+                  "case \"$2\" in benchmarks.scan_memory) exit 3;; esac\n"
                   "exit 0\n")
   fake.chmod(0o755)
   p = subprocess.run(["bash", os.path.join(root, "benchmarks", "suite.sh"),
@@ -115,18 +116,19 @@ def test_suite_runs_the_parts_asked_for_and_goes_on_after_a_failure(
                      env=dict(os.environ, PYTHON=str(fake)),
                      capture_output=True, text=True, timeout=60)
   assert p.returncode == 1, p.stdout + p.stderr
-  calls = [l.split()[0] for l in log.read_text().splitlines()]
-  assert calls == ["-c", "benchmarks/e2e.py", "benchmarks/e2e.py",
-                   "benchmarks/e2e.py", "benchmarks/scan_memory.py",
-                   "benchmarks/e2e_paired.py", "benchmarks/e2e_paired.py",
-                   "benchmarks/e2e.py", "benchmarks/e2e.py",
-                   "benchmarks/e2e.py"]
   lines = log.read_text().splitlines()
-  paired = [l for l in lines if l.startswith("benchmarks/e2e_paired.py")]
+  # The GPU check (-c), then each benchmark as a module (-m NAME).
+  calls = [l.split()[1] if l.startswith("-m ") else l.split()[0]
+           for l in lines]
+  assert calls == ["-c", "benchmarks.e2e", "benchmarks.e2e",
+                   "benchmarks.e2e", "benchmarks.scan_memory",
+                   "benchmarks.e2e_paired", "benchmarks.e2e_paired",
+                   "benchmarks.e2e", "benchmarks.e2e", "benchmarks.e2e"]
+  paired = [l for l in lines if l.startswith("-m benchmarks.e2e_paired ")]
   assert all("--model stack" in l for l in paired)
   assert ["--bt 512" in paired[0], "--bt 2048" in paired[1]] == [True, True]
   # The e2e part's cells unrolled, the scan part's the scanned decoder.
-  e2e = [l for l in lines if l.startswith("benchmarks/e2e.py")]
+  e2e = [l for l in lines if l.startswith("-m benchmarks.e2e ")]
   assert ["--scan" in l for l in e2e] == [False] * 3 + [True] * 2 + [False]
   assert "e2e_scan.csv" in e2e[-1] and "--replot" in e2e[-1]
   assert "suite: scan part done" in p.stdout

@@ -1,6 +1,6 @@
 """The command-line entry points refuse bad input with a usage error (exit 2)
 or a clean message instead of a traceback: the autotuner, benchmarks/kernel.py,
-plot.py, e2e.py and the demo."""
+plot.py, e2e.py and the digits example (./dev.sh train)."""
 
 import csv
 import os
@@ -14,10 +14,46 @@ from tests.conftest import HAS_GPU
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-ENV = dict(os.environ, PYTHONPATH=ROOT)
-KERNEL_CSV = os.path.join(ROOT, "benchmarks/results/h200-2026-11-29/kernel.csv")
-TORCH_MEM_CSV = os.path.join(ROOT,
-                             "benchmarks/results/h200-2026-11-29/torch_memory.csv")
+# The benchmarks run as modules from the repository root: no PYTHONPATH.
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+# A benchmarks/kernel.py CSV (the copy ceiling and two time rows, as an H200
+# run writes them) and, beside it, a torch_memory.py CSV: a CSV of another
+# kind.
+_VERSIONS = "python 3.12.3; jax 0.11.2; jaxlib 0.11.2"
+_KERNEL_ROWS = [
+    ["kernel", "copy", "xla_copy", "2GiB", "f32", "bandwidth", "4028.43",
+     "4028.43", "4028.43", "GB/s"],
+    ["kernel", "q/o 4096x4096", "forge[64x128x64,g1,w4,s3]",
+     "BT=512 4096x4096", "w=bf16,m/v=bfloat16", "time", "123.814", "124.05",
+     "124.96", "us"],
+    ["kernel", "q/o 4096x4096", "xla_unfused", "BT=512 4096x4096",
+     "w=bf16,m/v=bfloat16", "time", "101.5", "102.0", "102.9", "us"],
+]
+
+
+@pytest.fixture
+def kernel_csv(tmp_path):
+  path = tmp_path / "kernel.csv"
+  with open(path, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["benchmark", "case", "provider", "shape", "dtypes", "metric",
+                "p20", "p50", "p80", "unit", "device", "versions",
+                "timestamp"])
+    for row in _KERNEL_ROWS:
+      w.writerow(row + ["gpu:NVIDIA H200", _VERSIONS,
+                        "2026-11-29T09:20:37+00:00"])
+  return str(path)
+
+
+@pytest.fixture
+def torch_memory_csv(tmp_path):
+  path = tmp_path / "torch_memory.csv"
+  path.write_text(
+      "arm,device,torch_version,jax_version,layers,dim,bt,dtype,peak_bytes\n"
+      "torch,NVIDIA H200,2.11.0+cu130,0.11.2,8,4096,2048,bfloat16,"
+      "1174410240\n")
+  return str(path)
 
 # benchmarks/kernel.py's CPU smoke mode (as tests/test_inputs_and_clis.py).
 SMOKE = ["--torch", "on", "--tokens", "16", "--moments", "bfloat16",
@@ -40,29 +76,33 @@ def _code(fn, argv):
 
 # --- pallas_kernels/autotune.py main ----------------------------------------
 
-def test_autotune_from_csv_of_wrong_kind_is_usage_error(tmp_path):
+def test_autotune_from_csv_of_wrong_kind_is_usage_error(tmp_path,
+                                                        torch_memory_csv):
   """A CSV that is not a kernel.py CSV (e.g. the torch_memory.csv shipped
   beside kernel.csv) is a usage error (it was a KeyError traceback)."""
   from pallas_kernels import autotune
-  assert _code(autotune.main, ["--from-csv", TORCH_MEM_CSV,
+  assert _code(autotune.main, ["--from-csv", torch_memory_csv,
                                "--out", str(tmp_path / "a.json")]) == 2
 
 
-def test_autotune_out_in_missing_directory_is_usage_error(tmp_path):
+def test_autotune_out_in_missing_directory_is_usage_error(tmp_path,
+                                                          kernel_csv):
   """--out in a folder that does not exist is refused before anything is
   read or measured (it was a FileNotFoundError from write(), on the GPU path
   after the first tuned case)."""
   from pallas_kernels import autotune
   out = tmp_path / "nodir" / "a.json"
-  assert _code(autotune.main, ["--from-csv", KERNEL_CSV, "--out", str(out)]) == 2
+  assert _code(autotune.main,
+               ["--from-csv", kernel_csv, "--out", str(out)]) == 2
 
 
-def test_autotune_from_csv_refuses_measurement_only_flags(tmp_path):
+def test_autotune_from_csv_refuses_measurement_only_flags(tmp_path,
+                                                          kernel_csv):
   """--rule lion (and --shapes/--tokens/--w-dtype/--slot-dtype) with
   --from-csv were accepted and silently ignored (the entries went under
   'adamw'). They are refused, as --config is."""
   from pallas_kernels import autotune
-  assert _code(autotune.main, ["--from-csv", KERNEL_CSV, "--rule", "lion",
+  assert _code(autotune.main, ["--from-csv", kernel_csv, "--rule", "lion",
                                "--out", str(tmp_path / "b.json")]) == 2
 
 
@@ -70,15 +110,17 @@ def test_autotune_from_csv_refuses_measurement_only_flags(tmp_path):
 
 def test_plot_non_kernel_csv_is_clean_error(tmp_path):
   """plot.py on a file without the kernel CSV columns: a message, exit 1."""
-  p = _run([PY, "benchmarks/plot.py", "README.md", str(tmp_path / "x.png")])
+  text = tmp_path / "notes.md"
+  text.write_text("# notes\n\nnot a CSV of kernel rows\n")
+  p = _run([PY, "-m", "benchmarks.plot", str(text), str(tmp_path / "x.png")])
   assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-400:]
 
 
-def test_plot_into_missing_directory(tmp_path):
+def test_plot_into_missing_directory(tmp_path, kernel_csv):
   """A PNG path in a missing folder: the folder is created, as Results does
   for CSVs (it was a FileNotFoundError from savefig)."""
   png = tmp_path / "nodir" / "x.png"
-  p = _run([PY, "benchmarks/plot.py", KERNEL_CSV, str(png)])
+  p = _run([PY, "-m", "benchmarks.plot", kernel_csv, str(png)])
   assert "Traceback" not in p.stderr, p.stderr[-400:]
   assert p.returncode == 0 and png.exists(), p.stderr[-400:]
 
@@ -141,11 +183,11 @@ def test_e2e_failed_rows_carry_the_device(tmp_path, monkeypatch):
       [r["device"] for r in rows]
 
 
-def test_e2e_replot_of_a_non_e2e_csv_refuses(tmp_path):
+def test_e2e_replot_of_a_non_e2e_csv_refuses(tmp_path, kernel_csv):
   """--replot on a CSV without e2e rows plots nothing and fails."""
   from benchmarks import e2e
   png = tmp_path / "e.png"
-  rc = _code(e2e.main, ["--replot", "--out", KERNEL_CSV, "--plot", str(png)])
+  rc = _code(e2e.main, ["--replot", "--out", kernel_csv, "--plot", str(png)])
   assert rc not in (0, None) and not png.exists()
 
 
@@ -161,12 +203,12 @@ def test_e2e_nonpositive_timeouts_are_usage_errors(bad):
   assert e.value.code == 2
 
 
-# --- forge_jax/demo.py (./dev.sh train) -------------------------------------
+# --- examples/train_digits.py (./dev.sh train) ------------------------------
 
 def test_demo_out_that_is_a_file_is_usage_error(tmp_path):
   """--out naming an existing file is refused before training (it trained
   both arms, then died in os.makedirs)."""
-  from forge_jax import demo
+  from examples import train_digits as demo
   f = tmp_path / "afile"
   f.write_text("x")
   with pytest.raises(SystemExit) as e:
@@ -177,7 +219,7 @@ def test_demo_out_that_is_a_file_is_usage_error(tmp_path):
 
 def test_demo_negative_log_every_is_usage_error():
   """--log-every -1 is a usage error (it logged every step: i % -1 == 0)."""
-  from forge_jax import demo
+  from examples import train_digits as demo
   with pytest.raises(SystemExit) as e:
     demo.parse_args(["--log-every", "-1"])
   assert e.value.code == 2
@@ -212,9 +254,9 @@ def test_e2e_probe_is_not_repeated_for_every_failed_or_skipped_cell(
 
 
 def test_e2e_probe_respects_the_budget(tmp_path, monkeypatch):
-  """--budget bounds the driver (suite.sh: --budget 250 and 170;
-  gpu_run16.sh runs it under an outer `timeout` only 10 s above its
-  --budget): the probe's subprocess gets at most what is left of it."""
+  """--budget bounds the driver (suite.sh: --budget 250 and 170; a caller
+  may run it under an outer `timeout` only a little above its --budget):
+  the probe's subprocess gets at most what is left of it."""
   from benchmarks import e2e
   _failing_cells(e2e, monkeypatch)
   seen = []

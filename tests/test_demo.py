@@ -1,11 +1,12 @@
-"""End-to-end check of `python -m forge_jax.demo` with a tiny config."""
+"""End-to-end check of the digits example (`python -m examples.train_digits`,
+what `./dev.sh train` runs) with a tiny config."""
 import csv
 import math
 
 import jax.numpy as jnp
 import pytest
 
-from forge_jax import demo
+from examples import train_digits as demo
 from tests.tolerances import tol
 
 STEPS = 12
@@ -53,6 +54,25 @@ def test_fp32_arms_agree(run):
   for arm in ("forge", "optax"):
     assert len(result["losses"][arm]) == STEPS
     assert 0.0 <= result["test_accuracy"][arm] <= 1.0
+
+
+def test_plot_data_follow_the_run(run):
+  """The figure's per-step series: the arms' parameter difference after
+  every step (ending at the final one) and both arms' test accuracy, whose
+  last point is the final accuracy."""
+  _, result = run
+  per_step = result["max_rel_param_diff_per_step"]
+  assert len(per_step) == STEPS
+  assert per_step[-1] == result["max_rel_param_diff"]
+  assert all(0.0 <= d <= tol(jnp.float32) for d in per_step)
+  for arm in ("forge", "optax"):
+    curve = result["test_accuracy_curve"][arm]
+    steps = [s for s, _ in curve]
+    assert steps == sorted(steps) and steps[-1] == STEPS - 1
+    assert curve[-1][1] == result["test_accuracy"][arm]
+  assert demo.eval_steps(12) == list(range(12))
+  assert demo.eval_steps(200, points=40) == list(range(4, 200, 5))
+  assert demo.eval_steps(7, points=3) == [1, 3, 5, 6]
 
 
 def test_a_missing_demo_extra_is_a_clear_error(monkeypatch, capsys):

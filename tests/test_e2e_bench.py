@@ -18,6 +18,10 @@ TINY = e2e.Config(layers=2, d_model=32, heads=4, kv_heads=2, ffn=48, vocab=61,
                   seq=8, dtype="float32")
 TINY_FLAGS = ["--layers", "2", "--d-model", "32", "--heads", "4",
               "--kv-heads", "2", "--ffn", "48", "--vocab", "61", "--seq", "8"]
+# The drivers' tests (a subprocess per cell or process, each compiling its
+# arms): one block, the smallest decoder that runs every code path.
+SMOKE = dataclasses.replace(TINY, layers=1)
+SMOKE_FLAGS = ["--layers", "1", *TINY_FLAGS[2:]]
 STEPS = 3
 # A larger rate than the benchmark's, so that 3 steps move every parameter.
 HPARAMS = dict(learning_rate=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
@@ -56,8 +60,9 @@ def trained_scanned():
 
 
 def test_param_count_matches_the_tree():
-  init = e2e.init_variables(TINY)
-  n = sum(a.size for a in jax.tree.leaves(init))
+  # The Decoder's tree, abstractly (init_variables builds the same tree:
+  # test_init_builds_the_decoders_tree_with_flax_initialisers).
+  n = sum(a.size for a in jax.tree.leaves(e2e.abstract_variables(TINY)))
   assert n == e2e.param_count(TINY)
   # The default config is the issue's 0.5-1B Llama-style decoder.
   assert 0.5e9 <= e2e.param_count(e2e.Config()) <= 1e9
@@ -99,12 +104,13 @@ def test_init_builds_the_decoders_tree_with_flax_initialisers():
 
 
 def _arm_jaxpr(arm: str, cfg=TINY) -> str:
-  """The text of one step's jaxpr for ``arm`` on the tiny decoder."""
+  """The text of one step's jaxpr for ``arm`` on the tiny decoder, traced
+  on the variables' and state's shapes (nothing initialised or compiled)."""
   step, tx = e2e.build_arm(arm, cfg, HPARAMS)
-  variables = e2e.init_variables(cfg)
+  variables = e2e.abstract_variables(cfg)
   batch = e2e.make_batch(cfg, 2)
-  return str(jax.make_jaxpr(step)(variables, tx.init(variables["params"]),
-                                  batch))
+  return str(jax.make_jaxpr(step)(
+      variables, jax.eval_shape(tx.init, variables["params"]), batch))
 
 
 def test_forge_arm_runs_fused_kernels():
@@ -171,7 +177,7 @@ def test_driver_runs_a_cell_and_writes_rows(tmp_path, capsys):
   out = tmp_path / "e2e.csv"
   png = tmp_path / "e2e.png"
   # With --autotune-cache: XLA must accept the flag (it tunes on GPUs only).
-  rc = e2e.main(["--arms", "forge", "--bt", "16", *TINY_FLAGS,
+  rc = e2e.main(["--arms", "forge", "--bt", "16", *SMOKE_FLAGS,
                  "--steps", "2", "--out", str(out), "--plot", str(png),
                  "--autotune-cache", str(tmp_path / "autotune")])
   text = capsys.readouterr().out
@@ -192,7 +198,7 @@ def test_driver_runs_a_cell_and_writes_rows(tmp_path, capsys):
   by = {r["metric"]: r for r in rows}
   assert float(by["step_time"]["p20"]) <= float(by["step_time"]["p50"]) \
       <= float(by["step_time"]["p80"])
-  assert int(float(by["param_count"]["p50"])) == e2e.param_count(TINY)
+  assert int(float(by["param_count"]["p50"])) == e2e.param_count(SMOKE)
   if jax.default_backend() == "cpu":
     assert "peak_memory" not in metrics  # no allocator statistics on CPU
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -218,7 +224,7 @@ def test_autotune_cache_reaches_the_cells_xla_flags(monkeypatch, tmp_path):
 
 def test_driver_records_a_timed_out_cell(tmp_path):
   out = tmp_path / "e2e.csv"
-  rc = e2e.main(["--arms", "optax", "--bt", "16", *TINY_FLAGS,
+  rc = e2e.main(["--arms", "optax", "--bt", "16", *SMOKE_FLAGS,
                  "--cell-timeout", "0.5", "--budget", "100", "--out", str(out)])
   assert rc == 1
   (row,) = _rows(out)
@@ -309,7 +315,7 @@ def test_optax_cells_are_listed_once_beside_two_forge_arms(
 
 
 def test_a_timed_out_cell_takes_what_it_started_with_it(tmp_path, monkeypatch):
-  """Run 52 (H200): after a cell was killed at its timeout, every later cell
+  """On the H200, after a cell was killed at its timeout, every later cell
   hung. A cell runs in its own process group now, and a timeout kills the
   group: here a cell that started a long-lived child."""
   import os

@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from benchmarks import e2e, e2e_paired
-from tests.test_e2e_bench import TINY_FLAGS
+from tests.test_e2e_bench import SMOKE_FLAGS
 
 ARMS = ["optax", "forge-xla", "forge"]
 
@@ -35,7 +35,7 @@ def test_paired_ratios_divide_block_medians_round_by_round():
 def test_single_process_writes_consistent_rows(tmp_path, capsys):
   out = tmp_path / "p.csv"
   rc = e2e_paired.main(["--single", "--arms", *ARMS, "--bt", "16",
-                        *TINY_FLAGS, "--rounds", "3", "--block", "2",
+                        *SMOKE_FLAGS, "--rounds", "3", "--block", "2",
                         "--warmup", "1", "--out", str(out),
                         "--hlo-dir", str(tmp_path / "hlo")])
   assert rc == 0
@@ -91,9 +91,12 @@ def test_single_process_writes_consistent_rows(tmp_path, capsys):
 
 
 def test_driver_pools_processes_and_plots(tmp_path, capsys):
+  # The scanned stack: the cheapest model to compile in each of the two
+  # processes (the decoder runs in test_single_process_writes_consistent_rows).
   out, png = tmp_path / "p.csv", tmp_path / "p.png"
-  rc = e2e_paired.main(["--arms", "optax", "forge-xla", "--bt", "16",
-                        *TINY_FLAGS, "--rounds", "2", "--block", "2",
+  rc = e2e_paired.main(["--arms", "optax", "forge-xla", "--model", "stack",
+                        "--stack-layers", "2", "--stack-width", "24",
+                        "--bt", "10", "--rounds", "2", "--block", "2",
                         "--warmup", "1", "--processes", "2",
                         "--out", str(out), "--plot", str(png)])
   text = capsys.readouterr().out
@@ -132,7 +135,7 @@ def test_relative_paths_are_the_callers(tmp_path, monkeypatch):
 
 def test_driver_reports_a_failed_process(tmp_path, capsys):
   rc = e2e_paired.main(["--arms", "optax", "forge", "--bt", "16",
-                        *TINY_FLAGS, "--rounds", "1", "--block", "1",
+                        *SMOKE_FLAGS, "--rounds", "1", "--block", "1",
                         "--timeout", "0.5", "--out", str(tmp_path / "p.csv")])
   assert rc == 1
   assert "FAILED process 0: timeout after" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """benchmarks/e2e_profile.py: the trace parsing and the kernel categories
-(CPU). The profile itself runs on the H200 (benchmarks/gpu_run25.sh)."""
+(CPU). The profile itself runs on a GPU (`python -m benchmarks.e2e_profile`)."""
 
 import gzip
 import json

@@ -15,14 +15,16 @@ masked off the biases). On the CPU the Pallas kernel runs in interpret mode;
 on a GPU it is compiled by Triton, and the demo also reports each arm's step
 time and the compiled step's memory.
 
-Run::
+Run from the repository root (``./dev.sh train [flags]`` runs it too)::
 
-  python -m forge_jax.demo                     # fp32: arms must agree to 1e-4
-  python -m forge_jax.demo --dtype bfloat16    # bf16 params: prints the gap
+  python -m examples.train_digits                   # fp32: arms agree to 1e-4
+  python -m examples.train_digits --dtype bfloat16  # bf16 params: the gap
 
-Writes ``<out>/losses.csv`` (step, arm, loss) and ``<out>/losses.png``. The
-exit status is 1 if fp32 arms differ by more than 1e-4 (relative, see
-:func:`param_diff`) or a loss is not finite.
+Writes ``<out>/losses.csv`` (step, arm, loss) and ``<out>/losses.png``: the
+two arms' training losses, their per-step difference (parameters and loss,
+log scale) and both arms' test accuracy during training. The exit status is
+1 if fp32 arms differ by more than 1e-4 (relative, see :func:`param_diff`) or
+a loss is not finite.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import forge_jax  # noqa: E402
+from benchmarks.common import timed_steps  # noqa: E402
 
 FP32_TOLERANCE = 1e-4
 ARMS = ("forge", "optax")
@@ -187,28 +190,25 @@ def param_diff(a, b) -> dict[str, Any]:
   return {"max_abs": max_abs, "max_rel": max_rel, "worst_leaf": worst}
 
 
-def accuracy(model, variables, x, y) -> float:
-  logits = jax.jit(model.apply)(variables, x)
+def accuracy(model, variables, x, y, apply=None) -> float:
+  """Fraction of rows of ``x`` whose argmax logit is the label ``y``.
+
+  ``apply``: a jitted ``model.apply`` to reuse across calls (default: one
+  jitted for this call).
+  """
+  logits = (apply or jax.jit(model.apply))(variables, x)
   return float(np.mean(np.asarray(jnp.argmax(logits, -1)) == y))
+
+
+def eval_steps(steps: int, points: int = 40) -> list[int]:
+  """The steps after which the plot's test-accuracy curve is evaluated:
+  about ``points`` evenly spaced ones, always including the last step."""
+  every = max(1, steps // points)
+  return sorted({*range(every - 1, steps, every), steps - 1})
 
 
 # --------------------------------------------------------------------------
 # GPU measurements
-
-
-def timed_steps(step, variables, opt_state, batch, warmup: int, iters: int):
-  """Runs ``warmup + iters`` steps, blocking on every result; returns
-  ``(times, losses, variables, opt_state)``: the wall times (seconds) of the
-  last ``iters`` steps, every step's loss, and the final state."""
-  times, losses = [], []
-  for i in range(warmup + iters):
-    t0 = time.perf_counter()
-    loss, variables, opt_state = step(variables, opt_state, batch)
-    jax.block_until_ready((loss, variables, opt_state))
-    if i >= warmup:
-      times.append(time.perf_counter() - t0)
-    losses.append(float(loss))
-  return times, losses, variables, opt_state
 
 
 def median_step_time(step, variables, opt_state, batch, warmup: int,
@@ -245,23 +245,77 @@ def write_csv(path: str, losses: dict[str, list[float]]) -> None:
         w.writerow([i, arm, repr(float(l))])
 
 
-def write_plot(path: str, losses: dict[str, list[float]], title: str) -> None:
+def _positive(xs) -> np.ndarray:
+  """``xs`` as floats with exact zeros as NaN (not drawn on a log scale)."""
+  a = np.asarray(xs, np.float64)
+  return np.where(a > 0, a, np.nan)
+
+
+def write_plot(path: str, losses: dict[str, list[float]], title: str,
+               param_rel: Sequence[float] | None = None,
+               acc_curve: dict[str, list[tuple[int, float]]] | None = None,
+               tolerance: float | None = None) -> None:
+  """Writes the demo's figure to ``path`` (PNG).
+
+  Args:
+    path: the PNG to write.
+    losses: each arm's training loss per step.
+    title: the figure's title.
+    param_rel: per step, the arms' largest per-leaf relative parameter
+      difference (:func:`param_diff`'s ``max_rel``); drawn with the losses'
+      relative difference in a log-scale panel. None: that panel shows the
+      losses' difference only.
+    acc_curve: each arm's ``(step, test accuracy)`` points; None: no
+      accuracy panel.
+    tolerance: drawn as a line in the difference panel (the fp32 bar).
+  """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(7, 4.2))
+  panels = 3 if acc_curve else 2
+  fig, axes = plt.subplots(panels, 1, figsize=(7, 2.6 * panels + 0.6),
+                           sharex=True)
   styles = {"forge": dict(lw=2.2, color="tab:orange"),
             "optax": dict(lw=1.0, ls="--", color="black")}
+  ax = axes[0]
   for arm in ARMS:
     ax.plot(np.arange(len(losses[arm])), losses[arm], label=arm,
             **styles[arm])
   ax.set_yscale("log")
-  ax.set_xlabel("step")
   ax.set_ylabel("train loss (cross-entropy)")
   ax.set_title(title, fontsize=10)
-  ax.grid(True, which="both", alpha=0.3)
   ax.legend()
+
+  # The loss curves lie on top of each other: the gap, on a log scale.
+  ax = axes[1]
+  f, o = (np.asarray(losses[a], np.float64) for a in ARMS)
+  steps = np.arange(len(f))
+  ax.plot(steps, _positive(np.abs(f - o) / np.maximum(np.abs(o), 1e-30)),
+          lw=0.8, marker=".", ms=4, color="tab:blue",
+          label="|loss forge - loss optax| / loss")
+  if param_rel is not None:
+    ax.plot(np.arange(len(param_rel)), _positive(param_rel), lw=1.6,
+            color="tab:red", label="params: max over leaves of "
+            "max|forge - optax| / max|optax|")
+  if tolerance is not None:
+    ax.axhline(tolerance, color="gray", ls=":", lw=1.0,
+               label=f"fp32 tolerance {tolerance:.0e}")
+  ax.set_yscale("log")
+  ax.set_ylabel("forge vs optax\n(relative; 0 not drawn)")
+  ax.legend(fontsize=7)
+
+  if acc_curve:
+    ax = axes[2]
+    for arm in ARMS:
+      pts = acc_curve[arm]
+      ax.plot([s for s, _ in pts], [100 * a for _, a in pts], marker=".",
+              label=f"{arm} (final {100 * pts[-1][1]:.1f} %)", **styles[arm])
+    ax.set_ylabel("test accuracy (%)")
+    ax.legend(fontsize=8, loc="lower right")
+  axes[-1].set_xlabel("step")
+  for ax in axes:
+    ax.grid(True, which="both", alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -273,7 +327,7 @@ def write_plot(path: str, losses: dict[str, list[float]], title: str) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-      prog="python -m forge_jax.demo",
+      prog="python -m examples.train_digits",
       description=("Train one MLP on sklearn digits with forge_jax "
                    "(Dense + adamw + make_step) and with flax/optax, from the "
                    "same init on the same batches, and compare."),
@@ -367,6 +421,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       state[arm] = (variables, tx.init(variables["params"]))
 
     losses: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    # For the plot: the arms' parameter difference after every step, and
+    # both arms' test accuracy at a few steps (a small jitted forward each).
+    param_rel: list[float] = []
+    acc_curve: dict[str, list[tuple[int, float]]] = {arm: [] for arm in ARMS}
+    acc_at = set(eval_steps(args.steps))
+    apply = jax.jit(eval_model.apply)
     t_start = time.perf_counter()
     # Counted by hand, after each step: iterating the bar would count a step
     # when the next one starts, one behind the losses in its postfix.
@@ -379,6 +439,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         loss, variables, opt_state = step(*state[arm], batch)
         state[arm] = (variables, opt_state)
         losses[arm].append(float(loss))
+      param_rel.append(param_diff(state["forge"][0]["params"],
+                                  state["optax"][0]["params"])["max_rel"])
+      if i in acc_at:
+        for arm in ARMS:
+          acc_curve[arm].append(
+              (i, accuracy(eval_model, state[arm][0], x_te, y_te, apply)))
       bar.set_postfix(forge=f"{losses['forge'][-1]:.5f}",
                       optax=f"{losses['optax'][-1]:.5f}", refresh=False)
       bar.update(1)
@@ -388,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     bar.close()
     train_s = time.perf_counter() - t_start
 
-    acc = {arm: accuracy(eval_model, state[arm][0], x_te, y_te)
+    acc = {arm: accuracy(eval_model, state[arm][0], x_te, y_te, apply)
            for arm in ARMS}
     diff = param_diff(state["forge"][0]["params"], state["optax"][0]["params"])
 
@@ -408,12 +474,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   csv_path = os.path.join(args.out, "losses.csv")
   png_path = os.path.join(args.out, "losses.png")
   write_csv(csv_path, losses)
+  fp32 = param_dtype == jnp.float32
   write_plot(png_path, losses,
              f"sklearn digits MLP, {args.dtype} params, {backend} ({mode}): "
-             f"forge_jax vs optax")
+             f"forge_jax vs optax", param_rel=param_rel, acc_curve=acc_curve,
+             tolerance=FP32_TOLERANCE if fp32 else None)
 
   finite = all(np.isfinite(losses[a]).all() for a in ARMS)
-  fp32 = param_dtype == jnp.float32
   ok = finite and (not fp32 or diff["max_rel"] <= FP32_TOLERANCE)
 
   print(f"trained {args.steps} steps x 2 arms in {train_s:.1f} s "
@@ -455,7 +522,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           "steps": args.steps, "losses": losses, "test_accuracy": acc,
           "max_abs_param_diff": diff["max_abs"],
           "max_rel_param_diff": diff["max_rel"],
-          "worst_leaf": diff["worst_leaf"], "train_seconds": train_s,
+          "worst_leaf": diff["worst_leaf"],
+          "max_rel_param_diff_per_step": param_rel,
+          "test_accuracy_curve": acc_curve, "train_seconds": train_s,
           "bench": bench_res, "csv": csv_path, "png": png_path}
 
 
