@@ -62,9 +62,10 @@ def make_case(seed, tokens, n_in, n_out, dtypes):
 
 
 def check_against_reference(x, dy, w, slots, h, rule, config=None,
-                            interpret=True):
+                            interpret=True, backend=None):
   got_w, got_slots = pk.fused_wgrad_update(
-      x, dy, w, slots, h, rule=rule, config=config, interpret=interpret)
+      x, dy, w, slots, h, rule=rule, config=config, interpret=interpret,
+      backend=backend)
   ref_w, ref_slots = pk.fused_wgrad_update_reference(x, dy, w, slots, h,
                                                      rule=rule)
   assert got_w.dtype == w.dtype and got_w.shape == w.shape

@@ -4,12 +4,11 @@ a Hopper GPU (``gpu``-marked)."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import autotune
-from tests.tolerances import assert_close, assert_update_close
+from tests.test_kernel import check_against_reference
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SMALL = pk.MosaicConfig(tile_m=64, tile_n=64, tile_k=64, steps=2)
@@ -38,23 +37,8 @@ def _case(seed, bt, n_in, n_out, rule, x_dtype=BF16, w_dtype=BF16,
 
 def _check(rule, case, config, interpret):
   x, dy, w, slots = case
-  h = _hparams(rule)
-  got_w, got_slots = pk.fused_wgrad_update(
-      x, dy, w, slots, h, rule=rule, config=config, interpret=interpret,
-      backend="mosaic_gpu")
-  ref_w, ref_slots = pk.fused_wgrad_update_reference(x, dy, w, slots, h,
-                                                     rule=rule)
-  assert got_w.dtype == w.dtype and got_w.shape == w.shape
-  assert_close(got_w, ref_w, what="w")
-  assert_update_close(got_w, ref_w, w, what="w")
-  for name, g, r, s in zip(rule.slots, got_slots, ref_slots, slots):
-    assert g.dtype == s.dtype and g.shape == s.shape
-    assert_close(g, r, what=name)
-    assert_update_close(g, r, s, what=name)
-  # Every state array changed: the kernel ran on every tile.
-  for new, old in zip((got_w, *got_slots), (w, *slots)):
-    changed = np.asarray(new, np.float32) != np.asarray(old, np.float32)
-    assert changed.mean() > 0.5
+  check_against_reference(x, dy, w, slots, _hparams(rule), rule, config,
+                          interpret, backend="mosaic_gpu")
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
