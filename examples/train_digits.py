@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import math
 import os
+import tempfile
 import statistics
 import sys
 import time
@@ -171,7 +173,8 @@ def build_arms(hidden: int, classes: int, param_dtype, lr: float,
 def param_diff(a, b) -> dict[str, Any]:
   """Largest difference between two parameter trees, over every leaf.
 
-  ``max_abs``: ``max |a - b|`` over all elements of all leaves.
+  ``max_abs``: ``max |a - b|`` over all elements of all leaves (NaN if any
+  difference is NaN, and likewise ``max_rel``).
   ``max_rel``: the largest per-leaf ``max |a - b| / max |b|`` (a leaf's
   difference relative to its own scale; elementwise ratios are meaningless
   for entries that pass near zero). ``worst_leaf``: where ``max_rel`` is.
@@ -183,9 +186,12 @@ def param_diff(a, b) -> dict[str, Any]:
     x = np.asarray(x, np.float32)
     y = np.asarray(y, np.float32)
     d = float(np.max(np.abs(x - y)))
-    r = d / max(float(np.max(np.abs(y))), 1e-30)
-    max_abs = max(max_abs, d)
-    if r >= max_rel:
+    scale = float(np.max(np.abs(y)))
+    r = d / (scale if math.isnan(scale) else max(scale, 1e-30))
+    # A NaN difference is reported as NaN (Python's max(0.0, nan) is 0.0).
+    if not math.isnan(max_abs) and (math.isnan(d) or d > max_abs):
+      max_abs = d
+    if not math.isnan(max_rel) and (math.isnan(r) or r >= max_rel):
       max_rel, worst = r, jax.tree_util.keystr(path)
   return {"max_abs": max_abs, "max_rel": max_rel, "worst_leaf": worst}
 
@@ -361,9 +367,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.error("--bench-steps must be positive")
   if args.log_every < 0:
     p.error("--log-every must be >= 0 (0: never)")
-  if os.path.exists(args.out) and not os.path.isdir(args.out):
-    p.error(f"--out {args.out} is a file, not a folder")
+  if not (math.isfinite(args.lr) and args.lr > 0):
+    p.error(f"--lr must be a finite number > 0, got {args.lr}")
+  if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+    p.error(f"--weight-decay must be a finite number >= 0, got "
+            f"{args.weight_decay}")
+  # The nearest existing folder on the way to --out must be a folder.
+  existing = os.path.abspath(args.out)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    p.error(f"--out {args.out}: {existing} is a file, not a folder")
   return args
+
+
+def check_out_writable(out: str) -> None:
+  """Creates ``out`` and writes a scratch file there, before any training.
+
+  Raises:
+    SystemExit: (code 2, with a message) the folder cannot be created or
+      written.
+  """
+  try:
+    os.makedirs(out, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out):
+      pass
+  except OSError as e:
+    print(f"demo: error: --out {out} is not writable ({e.strerror or e}); "
+          "choose another folder with --out", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def _require_demo_extra() -> None:
@@ -384,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   False if fp32 arms diverge beyond 1e-4 relative or a loss is not finite."""
   args = parse_args(argv)
   _require_demo_extra()
+  check_out_writable(args.out)
   from tqdm.auto import tqdm
   param_dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
   backend = jax.default_backend()

@@ -8,6 +8,8 @@
 * :class:`SGD`, :class:`Adagrad`, :class:`RMSprop`, :class:`Adam`,
   :class:`AdamW`, :class:`Adamax`, :class:`NAdam`, :class:`RAdam` -- the
   ``torch.optim`` optimizers of those names, driving those layers;
+* :class:`ConvertSkipWarning` -- :func:`convert` left layers on the
+  standard path (``convert(...).skipped`` says why);
 * :func:`is_forge_weight` -- whether a parameter is a ``forge_torch.Linear``
   weight; ``bridge_stats`` -- the bridge's counters (calls, in-place writes,
   copies back), as ``benchmarks/torch_memory.py`` reports them.
@@ -15,6 +17,11 @@
 The fused kernel is the JAX/Pallas one (``pallas_kernels``), called on the
 torch tensors through DLPack (:mod:`forge_torch._bridge`). torch is an
 optional dependency of the project: only this package imports it.
+
+Importing this package wraps ``torch.nn.utils.clip_grad_norm_``,
+``clip_grad_value_`` and ``clip_grads_with_norm_`` so that they raise, instead
+of silently skipping, when given a weight whose update FORGE already applied
+in backward (:mod:`forge_torch._clip`); other calls are unchanged.
 
 Importing this package sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (unless
 set) so that JAX, sharing the GPU with torch, does not reserve 75% of its
@@ -27,7 +34,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from forge_torch._bridge import STATS as bridge_stats  # noqa: E402
 from forge_torch._bridge import get_sync_mode, set_sync_mode  # noqa: E402
-from forge_torch.linear import Linear, convert, is_forge_weight  # noqa: E402
+from forge_torch import _clip  # noqa: E402
+from forge_torch.linear import (  # noqa: E402
+    ConvertSkipWarning,
+    Linear,
+    convert,
+    is_forge_weight,
+)
 from forge_torch.optim import (  # noqa: E402
     SGD,
     Adagrad,
@@ -39,6 +52,8 @@ from forge_torch.optim import (  # noqa: E402
     RMSprop,
 )
 
-__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Adamax", "Linear", "NAdam",
-           "RAdam", "RMSprop", "bridge_stats", "convert", "get_sync_mode",
-           "is_forge_weight", "set_sync_mode"]
+_clip.install()
+
+__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Adamax", "ConvertSkipWarning",
+           "Linear", "NAdam", "RAdam", "RMSprop", "bridge_stats", "convert",
+           "get_sync_mode", "is_forge_weight", "set_sync_mode"]

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,6 +30,13 @@ from forge_torch import _bridge
 _FORGE_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # FORGE weight -> weakref to the forge_torch optimizer that owns it.
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# FORGE weight -> the module path of its layer (set by convert()).
+_PATHS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class ConvertSkipWarning(UserWarning):
+  """:func:`convert` left some ``nn.Linear`` layers on the standard path;
+  the message (and the returned list's ``skipped``) says which and why."""
 
 
 def _mark(weight: torch.Tensor) -> None:
@@ -40,6 +49,13 @@ def _mark(weight: torch.Tensor) -> None:
 def is_forge_weight(p: torch.Tensor) -> bool:
   """Whether ``p`` is the weight of a ``forge_torch.Linear``."""
   return p in _FORGE_WEIGHTS
+
+
+def weight_name(p: torch.Tensor) -> str:
+  """How messages name FORGE weight ``p``: ``<layer path>.weight`` once
+  :func:`convert` has seen its model, else its shape."""
+  path = _PATHS.get(p)
+  return f"{path}.weight" if path else f"weight of shape {tuple(p.shape)}"
 
 
 def owner_of(p: torch.Tensor):
@@ -248,7 +264,8 @@ class Linear(nn.Linear):
       ``BlockConfig.compiled_default``).
 
   Each managed layer may run once per optimizer step (one forward, one
-  backward): FORGE updates the weight during that backward (paper Remark 2).
+  backward): FORGE updates the weight during that backward, so a second
+  reader of the weight in the same step would see the updated one.
   """
 
   fused: bool = True
@@ -274,6 +291,15 @@ class Linear(nn.Linear):
   def _mark_own_weight(self) -> None:
     if isinstance(self._parameters.get("weight"), torch.Tensor):
       _mark(self.weight)
+      self._set_path(getattr(self, "_forge_path", None))
+
+  def _set_path(self, path: str | None) -> None:
+    """Records the module path by which messages name this layer."""
+    if path is None:
+      return
+    self._forge_path = path
+    if isinstance(self._parameters.get("weight"), torch.Tensor):
+      _PATHS[self.weight] = path
 
   def __setstate__(self, state):
     super().__setstate__(state)
@@ -315,8 +341,17 @@ class Linear(nn.Linear):
     return super().extra_repr() + f", fused={self.fused}"
 
   def _layer_name(self) -> str:
-    return f"Linear({self.in_features}, {self.out_features}) @ {id(self):#x}"
+    """Its module path (e.g. ``blocks.3.mlp.fc1``) once :func:`convert` has
+    seen its model; else ``Linear(in, out)``."""
+    path = getattr(self, "_forge_path", None)
+    if path is not None:
+      return path if path else "(the converted model itself)"
+    return f"Linear({self.in_features}, {self.out_features})"
 
+  # Run eagerly under torch.compile (a graph break around the layer): traced
+  # by Dynamo, the fused autograd.Function would be replaced by an ordinary
+  # linear, and the weight would get a .grad instead of FORGE's update.
+  @torch.compiler.disable
   def forward(self, input: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if not (self.fused and torch.is_grad_enabled() and w.requires_grad
@@ -345,9 +380,52 @@ class Linear(nn.Linear):
     return _FusedLinearFn.apply(input, w, self.bias, handle)
 
 
+class Converted(list):
+  """What :func:`convert` returns: the qualified names of the modules it
+  converted (a ``list[str]``), plus ``skipped``: a dict from the qualified
+  name of each ``nn.Linear`` (or subclass) it left on the standard path to
+  the reason, in plain words."""
+
+  skipped: dict[str, str]
+
+  def __init__(self, names=(), skipped=None):
+    super().__init__(names)
+    self.skipped = dict(skipped or {})
+
+
+def _excluded(name: str, exclude: tuple[str, ...]) -> str | None:
+  """The entry of ``exclude`` that names module ``name`` or a parent of it."""
+  for e in exclude:
+    if name == e or name.startswith(e + "."):
+      return e
+  return None
+
+
+def _skip_reason(module: nn.Module, names_of_weight: list[str]) -> str | None:
+  """Why ``module`` (an ``nn.Linear`` or subclass) cannot be managed."""
+  if type(module) is not nn.Linear:
+    return (f"its type is {type(module).__name__}, a subclass of nn.Linear "
+            "whose weight may be read outside its forward (e.g. "
+            "MultiheadAttention.out_proj); only exact nn.Linear is converted")
+  w = module.weight
+  if len(names_of_weight) > 1:
+    return (f"its weight appears {len(names_of_weight)} times in the model "
+            f"({', '.join(names_of_weight)}): it is tied to another module, "
+            "or the module is registered under several names; FORGE updates "
+            "a weight in its one layer's backward, so it needs a weight read "
+            "by one layer only")
+  if w.dtype not in _bridge.SUPPORTED_DTYPES:
+    return (f"its weight is {w.dtype}; FORGE-managed weights must be float32 "
+            "or bfloat16 (cast the model, e.g. model.float(), before "
+            "convert())")
+  if w.numel() == 0:
+    return "its weight is empty: there is nothing to update"
+  return None
+
+
 def convert(model: nn.Module, *,
-            block_config: pallas_kernels.BlockConfig | None = None
-            ) -> list[str]:
+            block_config: pallas_kernels.BlockConfig | None = None,
+            exclude: str | Iterable[str] = ()) -> Converted:
   """Turns every eligible ``nn.Linear`` of ``model`` into a ``forge_torch.Linear``.
 
   In place: each eligible module's class is switched to
@@ -357,13 +435,32 @@ def convert(model: nn.Module, *,
   Eligible: modules whose type is exactly ``nn.Linear`` (subclasses, e.g.
   ``MultiheadAttention``'s ``out_proj`` whose weight is read by functional
   code, are left alone), with a non-empty float32 or bfloat16 weight that
-  appears once in
-  ``model.named_parameters(remove_duplicate=False)``. A weight appearing more
-  than once -- tied to an embedding, or one module used in two places --
-  stays on the standard path (paper Remark 2).
+  appears once in ``model.named_parameters(remove_duplicate=False)``, and not
+  named by ``exclude``. A weight appearing more than once -- tied to an
+  embedding, or one module registered under two names -- stays on the
+  standard path: FORGE needs exactly one layer reading each weight per step.
+
+  Every ``forge_torch.Linear`` of the model (converted now or before) is
+  given its module path, by which forge_torch's errors and warnings name it.
+
+  Args:
+    model: the model, changed in place (not itself an ``nn.Linear``).
+    block_config: kernel tiling for the converted layers (``None``: chosen
+      per shape).
+    exclude: qualified module names (or one name) to leave as ``nn.Linear``;
+      a name also excludes the modules under it (``"head"`` excludes
+      ``head.fc``). Use it for layers whose gradient you need, e.g. to clip.
 
   Returns:
-    The qualified names of the converted modules.
+    A :class:`Converted`: the list of the converted modules' qualified names,
+    with ``.skipped``, a dict from each ``nn.Linear`` (or subclass) left on
+    the standard path to the reason. Skipped layers other than the excluded
+    ones are also reported by one :class:`ConvertSkipWarning`.
+
+  Raises:
+    ValueError: ``model`` is a bare ``nn.Linear``, or ``exclude`` names a
+      module the model does not have.
+    TypeError: ``block_config`` is not a ``BlockConfig``.
   """
   if type(model) is nn.Linear:
     raise ValueError(
@@ -371,22 +468,51 @@ def convert(model: nn.Module, *,
         "forge_torch.Linear.from_linear(layer)")
   pallas_kernels.fused_wgrad.check_block_config(block_config,
                                                 "forge_torch.convert")
-  uses = collections.Counter(
-      id(p) for _, p in model.named_parameters(remove_duplicate=False))
-  converted = []
-  for name, module in model.named_modules():
-    if type(module) is not nn.Linear:
+  exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+  modules = dict(model.named_modules())
+  unknown = [e for e in exclude if e not in modules]
+  if unknown:
+    raise ValueError(
+        f"forge_torch.convert: exclude names no module of the model: "
+        f"{unknown}; use the names of model.named_modules() (e.g. 'head' or "
+        "'blocks.3.mlp.fc1')")
+  names_of = collections.defaultdict(list)
+  for name, p in model.named_parameters(remove_duplicate=False):
+    names_of[id(p)].append(name)
+  converted, skipped, excluded = [], {}, set()
+  for name, module in modules.items():
+    if isinstance(module, Linear):  # already FORGE's: just name it
+      module._set_path(name)
       continue
-    w = module.weight
-    if (uses[id(w)] > 1 or w.dtype not in _bridge.SUPPORTED_DTYPES
-        or w.numel() == 0):
+    if not isinstance(module, nn.Linear):
+      continue
+    e = _excluded(name, exclude)
+    if e is not None:
+      skipped[name] = f"excluded (exclude={e!r})"
+      excluded.add(name)
+      continue
+    reason = _skip_reason(module, names_of[id(module.weight)])
+    if reason is not None:
+      skipped[name] = reason
       continue
     module.__class__ = Linear
     module.fused = True
     module.block_config = block_config
-    _mark(w)
+    _mark(module.weight)
+    module._set_path(name)
     converted.append(name)
-  return converted
+  reported = {n: r for n, r in skipped.items() if n not in excluded}
+  if reported:
+    warnings.warn(
+        f"forge_torch.convert left {len(reported)} nn.Linear layer(s) on the "
+        "standard path (they train with ordinary gradients, applied by "
+        "optimizer.step()):\n" + "\n".join(
+            f"  {n or '(model)'}: {r}" for n, r in reported.items()) +
+        "\n(The returned list's .skipped holds these reasons; pass "
+        "exclude=[...] to leave layers out on purpose.)",
+        ConvertSkipWarning, stacklevel=2)
+  return Converted(converted, skipped)
 
 
-__all__ = ["Linear", "convert", "is_forge_weight", "owner_of"]
+__all__ = ["ConvertSkipWarning", "Converted", "Linear", "convert",
+           "is_forge_weight", "owner_of", "weight_name"]

@@ -319,7 +319,8 @@ class _ForgeOptimizer:
           f"forge_torch.Linear {layer} was called a second time before "
           "optimizer.step(). FORGE updates the weight in place during the "
           "layer's backward, so each managed layer may run one forward and one "
-          "backward per step (paper Remark 2): no reuse of a layer within a "
+          "backward per step (a second reader would see the already-updated "
+          "weight): no reuse of a layer within a "
           "step, no gradient accumulation over micro-batches, and evaluation "
           "forwards must run under torch.no_grad(). Keep a reused layer as "
           "nn.Linear (or set layer.fused = False). Or a step was skipped: "
@@ -443,12 +444,13 @@ class _ForgeOptimizer:
     for p in self.managed_params:
       if p.grad is not None and p in self._forge_updated:
         raise RuntimeError(
-            "a FORGE-managed weight (shape "
-            f"{tuple(p.shape)}) was updated by its forge_torch.Linear's "
-            "backward AND received an ordinary gradient from another use in "
-            "the same step (a tied or shared weight). FORGE cannot sum two "
-            "consumers (paper Remark 2): keep the layers that share this "
-            "weight as nn.Linear (forge_torch.convert() does so).")
+            f"the FORGE-managed {_linear.weight_name(p)} was updated by its "
+            "forge_torch.Linear's backward AND received an ordinary gradient "
+            "from another use in the same step (a tied or shared weight). "
+            "FORGE applies the update as soon as its layer's gradient is "
+            "formed, so it cannot add a second use's gradient: keep the "
+            "layers that share this weight as nn.Linear "
+            "(forge_torch.convert() does so).")
     _unhooked(self._forge_torch.step)(self)
     self._forge_reset_step()
     return loss

@@ -99,8 +99,9 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
   if g_stored:
     return "a stored gradient (stored_g_update) is not supported yet"
   if not rule.updates_weight or rule.outputs:
-    return (f"rule {rule.name!r} does not update the weight or has "
-            "write-only outputs (regime 2): not supported yet")
+    return (f"rule {rule.name!r} does not update the weight in the kernel "
+            "or has write-only outputs (its weight update needs a second, "
+            "per-layer pass, as LAMB's and Muon's do): not supported yet")
   if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16),
                                 jnp.dtype(jnp.float16)):
     return (f"x and dy are {jnp.dtype(x_dtype).name}; the Mosaic GPU kernel "

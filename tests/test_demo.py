@@ -92,3 +92,46 @@ def test_help_needs_no_demo_extra(monkeypatch, capsys):
   with pytest.raises(SystemExit) as e:
     demo.main(["--help"])
   assert e.value.code == 0 and "--steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr=-1e-3"], "--lr must be a finite number > 0"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0"),
+    (["--steps", "0"], "must be positive"),
+])
+def test_bad_hyperparameters_are_argument_errors(args, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    demo.main(args)
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_out_folder_under_a_file_is_an_argument_error(tmp_path, capsys):
+  (tmp_path / "f").write_text("")
+  with pytest.raises(SystemExit) as e:
+    demo.main(["--out", str(tmp_path / "f" / "sub")])
+  assert e.value.code == 2 and "is a file, not a folder" in (
+      capsys.readouterr().err)
+
+
+def test_an_unwritable_out_folder_fails_before_training(monkeypatch, capsys):
+  monkeypatch.setattr(demo, "load_digits_split", lambda *a: pytest.fail(
+      "trained before checking --out"))
+  # /proc refuses new folders, even to root (whom os.access would let pass).
+  with pytest.raises(SystemExit) as e:
+    demo.main(["--steps", "1", "--no-progress", "--out", "/proc/forge_demo"])
+  assert e.value.code == 2 and "is not writable" in capsys.readouterr().err
+
+
+def test_a_nan_parameter_difference_is_reported_as_nan():
+  a = {"w": jnp.array([1.0, jnp.nan]), "b": jnp.array([2.0])}
+  b = {"w": jnp.array([1.0, 1.0]), "b": jnp.array([3.0])}
+  d = demo.param_diff(a, b)
+  assert math.isnan(d["max_abs"]) and math.isnan(d["max_rel"])
+  assert d["worst_leaf"] == "['w']"
+  same = demo.param_diff(b, b)
+  assert same["max_abs"] == 0.0 and same["max_rel"] == 0.0

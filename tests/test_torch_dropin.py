@@ -1,0 +1,152 @@
+"""forge_torch in real training code: gradient clipping, torch.compile,
+convert()'s report of skipped layers, and errors that name layers by path."""
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import forge_torch  # noqa: E402
+
+
+class Block(nn.Module):
+
+  def __init__(self):
+    super().__init__()
+    self.fc1 = nn.Linear(8, 16)
+    self.fc2 = nn.Linear(16, 4)
+
+  def forward(self, x):
+    return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _model():
+  torch.manual_seed(0)
+  return nn.Sequential(Block(), nn.Linear(4, 3))
+
+
+def _backward(model):
+  model(torch.randn(5, 8)).square().mean().backward()
+
+
+# --- gradient clipping ------------------------------------------------------------
+
+@pytest.mark.parametrize("clip", [
+    lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0),
+    lambda ps: torch.nn.utils.clip_grad.clip_grad_norm_(ps, max_norm=1.0),
+    lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.1),
+])
+def test_clipping_a_fused_weight_is_refused_by_name(clip):
+  model = _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  _backward(model)
+  with pytest.raises(RuntimeError, match=r"0\.fc1\.weight, 0\.fc2\.weight, "
+                     r"1\.weight\).*gradient never exists.*exclude="):
+    clip(model.parameters())
+  # Clipping the other parameters on purpose is allowed.
+  others = [p for p in model.parameters() if not forge_torch.is_forge_weight(p)]
+  assert torch.isfinite(torch.nn.utils.clip_grad_norm_(others, 1.0))
+  opt.step()
+  opt.zero_grad()
+  # After step() nothing is pending: clipping (no gradients) is torch's.
+  assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
+
+
+def test_clipping_matches_torch_without_fused_weights():
+  ref, model = _model(), _model()
+  forge_torch.convert(model, exclude=["0", "1"])  # nothing managed
+  assert not any(forge_torch.is_forge_weight(p) for p in model.parameters())
+  forge_torch.SGD(model.parameters(), lr=0.1)
+  torch.manual_seed(1)
+  _backward(ref)
+  torch.manual_seed(1)
+  _backward(model)
+  # A generator of parameters works as in torch (it is read once).
+  got = torch.nn.utils.clip_grad_norm_((p for p in model.parameters()), 0.5)
+  want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+  assert torch.equal(got, want)
+  for p, q in zip(model.parameters(), ref.parameters()):
+    assert torch.equal(p.grad, q.grad)
+
+
+def test_a_layer_run_unfused_can_be_clipped():
+  model = _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  for layer in (model[0].fc1, model[0].fc2, model[1]):
+    layer.fused = False
+  _backward(model)
+  assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 0
+  opt.step()
+
+
+# --- torch.compile ----------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_keeps_the_fused_update(backend):
+  torch._dynamo.reset()
+  ref, model = _model(), _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+  compiled = torch.compile(model, backend=backend)
+  for _ in range(2):
+    x = torch.randn(5, 8)
+    compiled(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    assert model[0].fc1.weight.grad is None  # FORGE's update, not .grad
+    opt.step()
+    opt.zero_grad()
+    ref_opt.step()
+    ref_opt.zero_grad()
+  for p, q in zip(model.parameters(), ref.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# --- convert() reports what it skips ---------------------------------------------
+
+def test_convert_reports_skipped_layers_with_reasons():
+  model = _model()
+  model.append(nn.Linear(3, 3).double())
+  model.alias = model[0].fc2  # one module under two names
+  with pytest.warns(forge_torch.ConvertSkipWarning) as record:
+    names = forge_torch.convert(model)
+  assert names == ["0.fc1", "1"]
+  assert set(names.skipped) == {"0.fc2", "2"}
+  assert "0.fc2.weight, alias.weight" in names.skipped["0.fc2"]
+  assert "torch.float64" in names.skipped["2"]
+  message = str(record[0].message)
+  assert "0.fc2:" in message and "2: its weight is torch.float64" in message
+
+
+def test_convert_exclude():
+  model = _model()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # an exclusion is not warned about
+    names = forge_torch.convert(model, exclude="0")
+  assert names == ["1"] and names.skipped == {
+      "0.fc1": "excluded (exclude='0')", "0.fc2": "excluded (exclude='0')"}
+  assert type(model[0].fc1) is nn.Linear
+  with pytest.raises(ValueError, match=r"no module of the model: \['head'\]"):
+    forge_torch.convert(_model(), exclude=["head"])
+
+
+def test_errors_name_the_layer_by_its_path():
+  model = _model()
+  forge_torch.convert(model)
+  with pytest.raises(RuntimeError, match=r"forge_torch.Linear 0\.fc1 ran with "
+                     "autograd on"):
+    model(torch.randn(2, 8))
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  out = model(torch.randn(2, 8))  # its graph alive: the layer counts as used
+  with pytest.raises(RuntimeError, match=r"^forge_torch.Linear 0\.fc1 was "
+                     "called a second time"):
+    model(torch.randn(2, 8))
+  del out, opt
+  # A layer built directly is named by its path once convert() has seen it.
+  direct = nn.Sequential(forge_torch.Linear(8, 4))
+  assert forge_torch.convert(direct) == []
+  assert direct[0]._layer_name() == "0"
+  assert forge_torch.Linear(8, 4)._layer_name() == "Linear(8, 4)"
