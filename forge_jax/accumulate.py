@@ -41,6 +41,7 @@ from jax import lax
 import optax
 from optax._src import numerics
 
+from forge_jax import _inject
 from forge_jax import _state
 from forge_jax.transforms import ForgeSpec, ForgeTransformation
 from pallas_kernels import rules as _rules
@@ -166,6 +167,13 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
     >>> for micro_batch in micro_batches:   # weights move every 4th call
     ...   loss, variables, opt_state = step(variables, opt_state, micro_batch)
   """
+  if not isinstance(tx, ForgeTransformation) and _inject.recognise(tx):
+    raise TypeError(
+        "forge_jax.MultiSteps cannot wrap an optax.inject_hyperparams "
+        "transform: its state hides the family's state inside the injected "
+        "one. Pass a schedule instead, forge_jax.MultiSteps("
+        "forge_jax.adamw(learning_rate=schedule), k), or drop the "
+        "accumulation and give make_step the injected transform itself.")
   if not isinstance(tx, ForgeTransformation):
     raise TypeError(
         "forge_jax.MultiSteps wraps a forge_jax transform (e.g. "

@@ -42,6 +42,7 @@ from jax import lax
 from jax.extend import core as jex_core
 import flax.errors
 import flax.linen as nn
+from flax.core import FrozenDict
 from collections.abc import Mapping
 
 import pallas_kernels
@@ -254,20 +255,27 @@ class ScannedBlocks(nn.Module):
   fused kernel reads and writes layer ``i`` inside the carried stacks;
   ``"slice"``: copied out, stepped, written back; ``"auto"``: ``"layer"`` on
   a GPU, ``"slice"`` in Pallas interpret mode).
+
+  ``metadata_params``: as ``nn.scan``'s, passed to it: for a block whose
+  parameters are boxed (``nn.with_logical_partitioning``), e.g.
+  ``{nn.PARTITION_NAME: 'layers'}`` names the stacked axis 0 of every box
+  (without it flax cannot stack boxed parameters). ``make_step`` trains the
+  boxed tree and returns it boxed, names kept.
   """
 
   block: Callable[..., nn.Module]
   num_layers: int
   fused: bool = True
   stack_update: str = "auto"
+  metadata_params: Mapping[Any, Any] = FrozenDict()
 
   def _scanned(self, x):
     # Every rng split per layer: the parameters as split_rngs={'params':
     # True} draws them, and a block's dropout (outside a FORGE step) differs
     # from block to block.
     y, _ = nn.scan(nn.remat(_scan_body), variable_axes={"params": 0},
-                   split_rngs={True: True},
-                   length=self.num_layers)(self, x, None)
+                   split_rngs={True: True}, length=self.num_layers,
+                   metadata_params=dict(self.metadata_params))(self, x, None)
     return y
 
   def _record(self, block, params, x) -> dict:

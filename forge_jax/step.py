@@ -17,6 +17,7 @@ from flax.core import FrozenDict
 from flax.core import meta as flax_meta
 
 from forge_jax import _context
+from forge_jax import _inject
 from forge_jax import _paths
 from forge_jax import _state
 from forge_jax import _usage
@@ -108,6 +109,28 @@ def _weight_decay_on(mask, params, keypath: KeyPath) -> bool:
   return bool(tree)
 
 
+def _is_box(x) -> bool:
+  return isinstance(x, flax_meta.AxisMetadata)
+
+
+def _unbox(tree):
+  """``tree`` with every boxed leaf (``nn.Partitioned``, ...) replaced by its
+  value (``flax.core.meta.unbox``); ``tree`` itself if it holds none."""
+  if not any(_is_box(x) for x in jax.tree.leaves(tree, is_leaf=_is_box)):
+    return tree
+  return flax_meta.unbox(tree)
+
+
+def _rebox(like, new):
+  """``new`` (a tree of values) boxed as ``like`` is: each box of ``like``
+  holds the value at its place in ``new``, with its metadata (names, mesh,
+  rules) kept; ``new`` itself if ``like`` holds no box."""
+  if not any(_is_box(x) for x in jax.tree.leaves(like, is_leaf=_is_box)):
+    return new
+  return jax.tree.map(lambda b, v: b.replace_boxed(v) if _is_box(b) else v,
+                      like, new, is_leaf=_is_box)
+
+
 def _named_axes() -> list:
   """Axis names in scope where the step is traced (pmap, shard_map, vmap with
   axis_name); [] if none, or if this JAX cannot say."""
@@ -120,16 +143,6 @@ def _named_axes() -> list:
 
 def _check_params(params, paths) -> None:
   """Clear errors for parameter trees make_step cannot drive."""
-  boxed = [x for x in jax.tree.leaves(
-      params, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata))
-           if isinstance(x, flax_meta.AxisMetadata)]
-  if boxed:
-    raise TypeError(
-        f"variables['params'] holds boxed parameters ({type(boxed[0]).__name__}"
-        ", e.g. from nn.with_partitioning): make_step needs plain arrays. "
-        "Unbox them first (flax.core.meta.unbox(variables), and build the "
-        "optimizer state from the unboxed params); their sharding stays on "
-        "the arrays.")
   for path in paths:
     node = params
     for key in (*path, "kernel"):
@@ -147,7 +160,8 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
   """Checks ``make_step``'s arguments (see :func:`make_step`).
 
   Raises:
-    TypeError: ``tx`` is ``optax.MultiSteps`` or not a forge_jax transform;
+    TypeError: ``tx`` is ``optax.MultiSteps``, or neither a forge_jax
+      transform nor ``optax.inject_hyperparams`` of a forge_jax factory;
       ``has_aux`` is not a bool.
     ValueError: ``shared`` is not in ``SHARED_POLICIES`` or ``wgrad`` not in
       ``_paths.WGRAD_MODES``.
@@ -158,7 +172,10 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
         "in their own backward, so the accumulation must happen in the fused "
         "kernel): use forge_jax.MultiSteps(forge_jax.adamw(...), k), its "
         "FORGE counterpart, with the same state and results.")
-  if not isinstance(tx, ForgeTransformation):
+  injected = _inject.recognise(tx)
+  if injected is not None:
+    _inject.check_factory(injected)
+  elif not isinstance(tx, ForgeTransformation):
     raise TypeError(
         "make_step needs a forge_jax transform (e.g. forge_jax.adamw(...)); "
         f"got {type(tx).__name__}. An optax transform or chain is not one: "
@@ -167,9 +184,9 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
         "statistic such as optax.clip_by_global_norm cannot be fused at all "
         "(regime 4; see forge_jax.refuse_reason('clip_by_global_norm')): "
         "train it with optax on the standard path. (To change a "
-        "hyperparameter during training, as optax.inject_hyperparams "
-        "would, pass a schedule -- a callable of the step count -- as "
-        "forge_jax.adamw(learning_rate=schedule, ...).)")
+        "hyperparameter during training, wrap the forge_jax factory: "
+        "optax.inject_hyperparams(forge_jax.adamw)(learning_rate=...), or "
+        "pass a schedule, forge_jax.adamw(learning_rate=schedule, ...).)")
   if not isinstance(shared, str) or shared not in SHARED_POLICIES:
     raise ValueError(
         f"make_step: shared={shared!r} must be one of {SHARED_POLICIES}: "
@@ -521,8 +538,15 @@ def make_step(
   Args:
     loss_fn: ``loss_fn(variables, batch)`` returns a scalar loss and calls
       ``model.apply(variables, ...)``.
-    tx: a forge_jax transform (``forge_jax.adamw(...)``, ...);
-      ``opt_state = tx.init(variables["params"])``.
+    tx: a forge_jax transform (``forge_jax.adamw(...)``, ...), or
+      ``optax.inject_hyperparams`` of one
+      (``optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3)``:
+      the values in ``opt_state.hyperparams``, which may be changed between
+      steps, drive the FORGE kernels as they drive optax);
+      ``opt_state = tx.init(variables["params"])``. Parameters may be boxed
+      (``nn.with_partitioning``, ``nn.with_logical_partitioning``; the state
+      ``tx.init`` builds for them is boxed too): the step runs on their
+      values and returns them boxed as they came, names and all.
     shared: what to do with a *shared* FORGE layer (paper Remark 2). FORGE
       updates a kernel inside its layer's backward, so the kernel may have
       one consumer per step; a shared layer -- called more than once in the
@@ -576,7 +600,8 @@ def make_step(
   Raises:
     TypeError: ``tx`` is not a forge_jax transform (an optax chain is not
       one; a regime-4 transform such as global-norm clipping cannot be fused
-      at all: ``forge_jax.refuse_reason``), or ``has_aux`` is not a bool.
+      at all: ``forge_jax.refuse_reason``), nor ``optax.inject_hyperparams``
+      of a factory that makes one, or ``has_aux`` is not a bool.
     ValueError: ``shared`` is not ``"error"`` or ``"standard"``, or
       ``wgrad`` not ``"fused"`` or ``"xla"``.
 
@@ -590,17 +615,28 @@ def make_step(
     kernel at its path in ``variables["params"]`` (a second model built from
     ``forge_jax.Dense``), if ``loss_fn`` calls no FORGE layer, or if the step
     is traced inside a named-axis map (``jax.pmap``, ``shard_map``);
-    ``TypeError`` for boxed parameters (``nn.with_partitioning``: unbox them
-    with ``flax.core.meta.unbox`` first).
+    ``TypeError`` if an injected transform's ``opt_state`` is not the state
+    its ``init`` made.
   """
   _check_step_arguments(tx, shared, has_aux, wgrad)
-  spec = tx.spec
+  injected = _inject.recognise(tx)
   standard_layers: list[str] = []
 
   def step(variables, opt_state, batch):
     _check_trace(variables)
-    params = variables["params"]
+    # Boxed parameters (nn.with_partitioning): the step runs on the values;
+    # the boxes, with their names, are put back around the new ones.
+    boxed_params = variables["params"]
+    params = _unbox(boxed_params)
+    state_in = _unbox(opt_state)
+    value, new_params, new_state = _plain_step(
+        _with_params(variables, params), state_in, batch, params,
+        tx.spec if injected is None else _inject.spec_for(injected, state_in,
+                                                          params))
+    return (value, _with_params(variables, _rebox(boxed_params, new_params)),
+            _rebox(opt_state, new_state))
 
+  def _plain_step(variables, opt_state, batch, params, spec):
     # Which layers are FORGE layers, and which of them take the fused path.
     found = _discover_layers(loss_fn, variables, batch, shared)
     _check_params(params, found.layers)
@@ -640,7 +676,7 @@ def make_step(
                                 cut)
 
     _report_standard_layers(fallback, standard_layers)
-    return value, _with_params(variables, new_params), new_state
+    return value, new_params, new_state
 
   step.standard_layers = standard_layers
   return step

@@ -1,0 +1,168 @@
+"""``optax.inject_hyperparams(forge_jax.<family>)(...)`` in a FORGE step.
+
+``optax.inject_hyperparams(factory)(...)`` returns a plain optax
+``GradientTransformationExtraArgs`` whose state,
+``InjectStatefulHyperparamsState``, holds the numeric hyperparameters in a
+``hyperparams`` dict (which the user may change between steps), the states
+of the scheduled ones, and the inner transform's state. Its ``update``
+rebuilds ``factory(**hyperparams)`` at every call and runs it on the inner
+state. That transform carries no :class:`ForgeSpec`, so this module
+recognises it and, at each trace of the step, rebuilds the factory the same
+way from the state: the rebuilt forge_jax transform's spec, pointed at the
+inner state, drives the FORGE layers, so the kernels' packed hyperparameters
+are this step's injected values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Optional
+
+import optax
+from optax.schedules import _inject as optax_inject
+
+from forge_jax.transforms import ForgeSpec, ForgeTransformation
+
+
+@dataclasses.dataclass(frozen=True)
+class Injected:
+  """What ``optax.inject_hyperparams`` closed over in one transform.
+
+  Attributes:
+    tx: the injected transform itself (its ``update`` updates every
+      parameter that is not a FORGE kernel, as optax does).
+    inner_factory: the wrapped factory (e.g. ``forge_jax.adamw``).
+    other_hps: the arguments passed as they are (flags, masks, dtypes).
+    sched_hps: the scheduled hyperparameters (stateful schedules).
+    hyperparam_dtype: the dtype override, or ``None`` (the params' widest).
+  """
+
+  tx: Any
+  inner_factory: Callable[..., Any]
+  other_hps: dict
+  sched_hps: dict
+  hyperparam_dtype: Any
+
+
+def recognise(tx) -> Optional[Injected]:
+  """The parts of ``tx`` if it came from ``optax.inject_hyperparams``.
+
+  Args:
+    tx: any object passed to ``make_step`` as its transform.
+
+  Returns:
+    An :class:`Injected`, or ``None`` if ``tx`` is not an injected transform
+    (or comes from an optax whose ``inject_hyperparams`` this module does not
+    know).
+  """
+  update = getattr(tx, "update", None)
+  if not isinstance(tx, optax.GradientTransformation) or not callable(update):
+    return None
+  if not getattr(update, "__qualname__", "").startswith("inject_hyperparams."):
+    return None
+  try:
+    found = inspect.getclosurevars(update).nonlocals
+  except (TypeError, ValueError):
+    return None
+  names = ("inner_factory", "other_hps", "sched_hps", "hyperparam_dtype")
+  if not all(n in found for n in names):
+    return None
+  return Injected(tx, *(found[n] for n in names))
+
+
+def check_state(opt_state) -> None:
+  """Raises a ``TypeError`` unless ``opt_state`` is an injected state."""
+  if not isinstance(opt_state, optax_inject.InjectStatefulHyperparamsState):
+    raise TypeError(
+        "make_step with an optax.inject_hyperparams transform needs the state"
+        " its init() made (an InjectStatefulHyperparamsState), got "
+        f"{type(opt_state).__name__}: build opt_state with tx.init(params) "
+        "from the same tx")
+
+
+def this_step_hyperparams(inj: Injected, opt_state, params) -> dict:
+  """The hyperparameters ``inj.tx.update`` will call its factory with.
+
+  Same expressions as optax's ``update_fn``: the numeric values of
+  ``opt_state.hyperparams`` cast to ``hyperparam_dtype`` (default: the widest
+  float dtype of ``params``), and the scheduled ones evaluated on their
+  states. ``params`` is the whole parameter tree, as the optax reference
+  step passes it.
+  """
+  dtype = inj.hyperparam_dtype
+  if dtype is None:
+    dtype = optax.tree.dtype(params, "highest")
+  hp = {k: optax_inject._convert_floats(v, dtype)
+        for k, v in opt_state.hyperparams.items()}
+  hp.update({k: optax_inject._convert_floats(
+      f(opt_state.hyperparams_states[k]), dtype)
+             for k, f in inj.sched_hps.items()})
+  return hp
+
+
+def _not_forge(inj: Injected, made) -> TypeError:
+  name = getattr(inj.inner_factory, "__qualname__", repr(inj.inner_factory))
+  return TypeError(
+      f"make_step: optax.inject_hyperparams wraps {name}, which makes "
+      f"{type(made).__name__}, not a forge_jax transform: FORGE layers "
+      "update themselves in their own backward, so the step must know the "
+      "optimizer's family. Wrap the forge_jax factory instead, e.g. "
+      "optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3).")
+
+
+def check_factory(inj: Injected) -> None:
+  """Builds the factory once with the initial hyperparameters.
+
+  Raises:
+    TypeError: it does not make a forge_jax transform (e.g.
+      ``optax.inject_hyperparams(optax.adamw)``).
+  """
+  try:
+    numeric = inspect.getclosurevars(inj.tx.init).nonlocals["numeric_hps"]
+  except (TypeError, ValueError, KeyError):
+    return  # this optax keeps them elsewhere: checked at trace time
+  hp = dict(numeric)
+  hp.update({k: f(f.init()) for k, f in inj.sched_hps.items()})
+  made = inj.inner_factory(**inj.other_hps, **hp)
+  if not isinstance(made, ForgeTransformation):
+    raise _not_forge(inj, made)
+
+
+def spec_for(inj: Injected, opt_state, params) -> ForgeSpec:
+  """The spec that drives FORGE layers in this step.
+
+  Args:
+    inj: the recognised injected transform.
+    opt_state: its state before the step.
+    params: the whole parameter tree.
+
+  Returns:
+    A :class:`ForgeSpec` reading the injected state: regimes 1 and 2, the
+    rebuilt family's spec with its hyperparameters and shared arrays read
+    from ``opt_state.inner_state``; regime 3, optax's injected ``update``
+    itself, run per kernel.
+
+  Raises:
+    TypeError: ``opt_state`` is not the injected state, or the factory does
+      not make a forge_jax transform (``optax.inject_hyperparams(optax.adamw)``
+      cannot drive FORGE layers).
+  """
+  check_state(opt_state)
+  hp = this_step_hyperparams(inj, opt_state, params)
+  inner = inj.inner_factory(**inj.other_hps, **hp)
+  if not isinstance(inner, ForgeTransformation):
+    raise _not_forge(inj, inner)
+  spec = inner.spec
+  if spec.regime == 3:
+    # Deferred: the layer runs the injected update (which rebuilds the
+    # factory from the state slice's hyperparams) on its own slice.
+    return ForgeSpec(rule=None, slot_fields=None, hparams=lambda state: {},
+                     family=spec.family, update=inj.tx.update)
+  return ForgeSpec(
+      rule=spec.rule, slot_fields=spec.slot_fields,
+      hparams=lambda state: spec.hparams(state.inner_state),
+      weight_decay_mask=spec.weight_decay_mask, family=spec.family,
+      layer_pass=spec.layer_pass,
+      shared=lambda state: spec.shared(state.inner_state),
+      momentum_decay=spec.momentum_decay)

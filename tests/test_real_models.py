@@ -1,0 +1,237 @@
+"""What real Flax models hand make_step (CPU, fp32, tiny widths): an optimizer
+wrapped in optax.inject_hyperparams (the learning rate logged and changed
+between steps), boxed parameters (nn.with_logical_partitioning), and
+ScannedBlocks with nn.scan's metadata_params. Each against optax +
+jax.value_and_grad."""
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import forge_jax
+from tests.harness import mse, reference_step
+from tests.tolerances import assert_trees_close, rel_err, tol
+
+RTOL = tol(jnp.float32)
+
+
+def batches(n, d_in=5, d_out=3, rows=8, seed=1):
+  k = jax.random.split(jax.random.key(seed), 2 * n)
+  return [(jax.random.normal(k[2 * i], (rows, d_in)),
+           jax.random.normal(k[2 * i + 1], (rows, d_out))) for i in range(n)]
+
+
+def is_box(x):
+  return isinstance(x, flax.core.meta.AxisMetadata)
+
+
+def names_of(tree):
+  """The boxes' names, by path (plain leaves: None)."""
+  return jax.tree.map(lambda b: b.names if is_box(b) else None, tree,
+                      is_leaf=is_box)
+
+
+class MLP(nn.Module):
+  dense: type
+  kernel_init: Any = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(self.dense(12, kernel_init=self.kernel_init)(x))
+    return self.dense(3, kernel_init=self.kernel_init)(x)
+
+
+# --- optax.inject_hyperparams -------------------------------------------------
+
+
+@pytest.mark.parametrize("factory,kwargs", [
+    ("adamw", dict(learning_rate=1e-2, weight_decay=0.1)),
+    ("sgd", dict(learning_rate=5e-2, momentum=0.9)),
+    ("lion", dict(learning_rate=1e-3, weight_decay=0.1)),
+    ("adamw", dict(learning_rate=optax.linear_schedule(1e-2, 1e-3, 4))),
+], ids=["adamw", "sgd-momentum", "lion", "adamw-schedule"])
+def test_injected_hyperparameters_drive_the_kernels(factory, kwargs):
+  bs = batches(6)
+  forge_tx = optax.inject_hyperparams(getattr(forge_jax, factory))(**kwargs)
+  optax_tx = optax.inject_hyperparams(getattr(optax, factory))(**kwargs)
+  v = MLP(nn.Dense).init(jax.random.key(0), bs[0][0])
+  fs = jax.jit(forge_jax.make_step(mse(MLP(forge_jax.Dense)), forge_tx))
+  rs = jax.jit(reference_step(mse(MLP(nn.Dense)), optax_tx))
+  vf, sf = v, forge_tx.init(v["params"])
+  vr, sr = v, optax_tx.init(v["params"])
+  for i, b in enumerate(bs):
+    if i == 3:  # as a Flax user changes the learning rate mid-run
+      for s in (sf, sr):
+        s.hyperparams["learning_rate"] = 3 * s.hyperparams["learning_rate"]
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  assert jax.tree.structure(sf) == jax.tree.structure(sr)
+  assert_trees_close(vf, vr, RTOL, "variables")
+  assert_trees_close(sf, sr, RTOL, "opt_state")
+  assert rel_err(vf["params"]["Dense_0"]["kernel"],
+                 v["params"]["Dense_0"]["kernel"]) > 1e-3  # it trained
+
+
+def test_injected_learning_rate_change_reaches_the_kernels():
+  # Not the initial value baked in: with the rate set to 0 the kernels stay.
+  (x, y), = batches(1)
+  tx = optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-2)
+  v = MLP(forge_jax.Dense).init(jax.random.key(0), x)
+  s = tx.init(v["params"])
+  s.hyperparams["learning_rate"] = 0.0
+  _, v2, _ = jax.jit(forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx))(
+      v, s, (x, y))
+  assert_trees_close(v2, v, 0.0, "variables")
+
+
+def test_inject_hyperparams_of_an_optax_factory_is_refused():
+  tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
+  with pytest.raises(TypeError, match="Wrap the forge_jax factory"):
+    forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)
+
+
+def test_injected_transform_needs_its_own_state():
+  (x, y), = batches(1)
+  tx = optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-2)
+  v = MLP(forge_jax.Dense).init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match="InjectStatefulHyperparamsState"):
+    forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)(
+        v, forge_jax.adamw(1e-2).init(v["params"]), (x, y))
+
+
+# --- Boxed parameters ---------------------------------------------------------
+
+LOGICAL = nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                       ("embed", "mlp"))
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: m.adamw(1e-2, weight_decay=0.1),
+    lambda m: m.sgd(5e-2, momentum=0.9),
+    lambda m: m.lion(1e-3),
+], ids=["adamw", "sgd-momentum", "lion"])
+def test_init_of_boxed_params_is_optax_init(make):
+  v = MLP(forge_jax.Dense, LOGICAL).init(jax.random.key(0), jnp.ones((2, 5)))
+  got, want = make(forge_jax).init(v["params"]), make(optax).init(v["params"])
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert names_of(got) == names_of(want)
+  assert_trees_close(got, want, 0.0, "opt_state")
+
+
+@pytest.mark.parametrize("inject", [False, True], ids=["plain", "injected"])
+def test_boxed_params_train_as_optax_on_their_values_and_stay_boxed(inject):
+  bs = batches(4)
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  forge_tx, optax_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+  if inject:
+    forge_tx = optax.inject_hyperparams(forge_jax.adamw)(**kw)
+    optax_tx = optax.inject_hyperparams(optax.adamw)(**kw)
+  boxed = MLP(forge_jax.Dense, LOGICAL).init(jax.random.key(0), bs[0][0])
+  plain = flax.core.meta.unbox(boxed)
+  fs = jax.jit(forge_jax.make_step(mse(MLP(forge_jax.Dense, LOGICAL)),
+                                   forge_tx))
+  rs = jax.jit(reference_step(mse(MLP(nn.Dense)), optax_tx))
+  vf, sf = boxed, forge_tx.init(boxed["params"])
+  vr, sr = plain, optax_tx.init(plain["params"])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  # The boxes come back, with their names, in params and state alike.
+  assert names_of(vf) == names_of(boxed)
+  assert names_of(sf) == names_of(forge_tx.init(boxed["params"]))
+  assert isinstance(vf["params"]["Dense_1"]["kernel"],
+                    nn.LogicallyPartitioned)
+  assert_trees_close(flax.core.meta.unbox(vf), vr, RTOL, "variables")
+  assert_trees_close(flax.core.meta.unbox(sf), sr, RTOL, "opt_state")
+
+
+# --- ScannedBlocks with metadata_params ---------------------------------------
+
+D, H, L = 8, 16, 2
+LAYERS = {nn.PARTITION_NAME: "layers"}
+
+
+class Block(nn.Module):
+  dense: type
+
+  @nn.compact
+  def __call__(self, h):
+    u = nn.relu(self.dense(H, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp")))(h))
+    return h + self.dense(D, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("mlp", "embed")))(u)
+
+
+def _body(module, carry, _):
+  return module.block(name="block")(carry), None
+
+
+class FlaxScan(nn.Module):
+  """The reference: flax's nn.scan over the same block, as the docs write it."""
+  block: Any
+  num_layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    y, _ = nn.scan(nn.remat(_body), variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=self.num_layers,
+                   metadata_params=LAYERS)(self, x, None)
+    return y
+
+
+class Tower(nn.Module):
+  scanned: bool  # ScannedBlocks of forge_jax.Dense, or FlaxScan of nn.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(D)(x)
+    if self.scanned:
+      h = forge_jax.ScannedBlocks(lambda **kw: Block(forge_jax.Dense, **kw),
+                                  num_layers=L, metadata_params=LAYERS,
+                                  name="blocks")(h)
+    else:
+      h = FlaxScan(lambda **kw: Block(nn.Dense, **kw), num_layers=L,
+                   name="blocks")(h)
+    return nn.Dense(3)(h)
+
+
+def test_scanned_blocks_metadata_params_match_nn_scan_and_train():
+  bs = batches(3)
+  forge_v = Tower(True).init(jax.random.key(0), bs[0][0])
+  flax_v = Tower(False).init(jax.random.key(0), bs[0][0])
+  # The same boxed tree as nn.scan's: the inserted axis named 'layers'.
+  assert jax.tree.structure(forge_v) == jax.tree.structure(flax_v)
+  assert names_of(forge_v) == names_of(flax_v)
+  kernel = forge_v["params"]["blocks"]["block"]["Dense_0"]["kernel"]
+  assert kernel.names == ("layers", "embed", "mlp")
+  assert kernel.value.shape == (L, D, H)
+  assert_trees_close(forge_v, flax_v, 0.0, "initial variables")
+
+  tx_kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  forge_tx, optax_tx = forge_jax.adamw(**tx_kw), optax.adamw(**tx_kw)
+  step = forge_jax.make_step(mse(Tower(True)), forge_tx)
+  fs = jax.jit(step)
+  rs = jax.jit(reference_step(mse(Tower(False)), optax_tx))
+  plain = flax.core.meta.unbox(flax_v)
+  vf, sf = forge_v, forge_tx.init(forge_v["params"])
+  vr, sr = plain, optax_tx.init(plain["params"])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  assert step.standard_layers == []  # the blocks' kernels took the fused path
+  assert names_of(vf) == names_of(forge_v)
+  assert_trees_close(flax.core.meta.unbox(vf), vr, RTOL, "variables")
+  assert_trees_close(flax.core.meta.unbox(sf), sr, RTOL, "opt_state")
+  assert rel_err(flax.core.meta.unbox(kernel),
+                 vr["params"]["blocks"]["block"]["Dense_0"]["kernel"]) > 1e-3
+
+
+def test_multisteps_of_an_injected_transform_is_refused_with_the_fix():
+  tx = optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3)
+  with pytest.raises(TypeError, match="Pass a schedule instead"):
+    forge_jax.MultiSteps(tx, 2)
