@@ -84,7 +84,7 @@ def test_mosaic_kernel_refuses_stacks_regime2_and_bad_arguments():
                           rule=pk.ADAMW, layer=1, config=SMALL,
                           interpret=True, backend="mosaic_gpu")
   muon = pk.muon_rule()
-  with pytest.raises(ValueError, match="regime 2"):
+  with pytest.raises(ValueError, match="per-layer pass"):
     pk.fused_wgrad_update(x, dy, w, slots[:1], _hparams(muon), rule=muon,
                           config=SMALL, interpret=True, backend="mosaic_gpu")
   with pytest.raises(TypeError, match="MosaicConfig"):
