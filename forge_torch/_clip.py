@@ -78,7 +78,12 @@ def _guard(fn):
     return fn
 
   @functools.wraps(fn)
-  def guarded(parameters, *args, **kwargs):
+  def guarded(*args, **kwargs):
+    # The parameters, positional or by keyword (torch names it `parameters`).
+    if args:
+      parameters, args = args[0], args[1:]
+    else:
+      parameters = kwargs.pop("parameters")
     params = ([parameters] if isinstance(parameters, torch.Tensor)
               else list(parameters))  # a generator is read once, here
     check_clippable(params, fn.__name__)

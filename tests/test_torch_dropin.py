@@ -36,6 +36,7 @@ def _backward(model):
     lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0),
     lambda ps: torch.nn.utils.clip_grad.clip_grad_norm_(ps, max_norm=1.0),
     lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.1),
+    lambda ps: torch.nn.utils.clip_grad_norm_(parameters=ps, max_norm=1.0),
 ])
 def test_clipping_a_fused_weight_is_refused_by_name(clip):
   model = _model()
