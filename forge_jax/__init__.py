@@ -1,6 +1,8 @@
 """FORGE for JAX: Flax layers whose backward applies the optimizer.
 
 * :class:`Dense` -- a drop-in for ``flax.linen.Dense``;
+* :class:`DenseGeneral` -- a drop-in for ``flax.linen.DenseGeneral`` when it
+  is one GEMM (no ``batch_dims``, trailing contracted axes);
 * :class:`ScannedDenseStack` -- ``L`` Dense layers stacked as ``nn.scan``
   stacks them, whose backward updates the stacked kernel and slots in place;
 * :class:`ScannedBlocks` -- ``L`` copies of any block (a decoder layer) stacked
@@ -25,6 +27,7 @@ Asking for a known family that forge_jax does not provide (e.g.
 from forge_jax.accumulate import MultiSteps
 from forge_jax.blocks import ScannedBlocks
 from forge_jax.dense import Dense
+from forge_jax.dense_general import DenseGeneral
 from forge_jax.scan import ScannedDenseStack
 from forge_jax.step import SharedWeightsWarning, make_step
 from forge_jax.transforms import (
@@ -48,7 +51,7 @@ from forge_jax.transforms import (
 )
 from pallas_kernels import classify
 
-__all__ = ["Dense", "MultiSteps", "ForgeSpec", "ForgeTransformation", "ScannedBlocks",
+__all__ = ["Dense", "DenseGeneral", "MultiSteps", "ForgeSpec", "ForgeTransformation", "ScannedBlocks",
            "ScannedDenseStack", "SharedWeightsWarning",
            "adafactor", "adagrad", "adam", "adamax", "adamw", "classify",
            "lamb", "lion", "make_step", "muon", "nadam", "nadamw", "radam", "refuse_reason",

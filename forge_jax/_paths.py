@@ -124,10 +124,13 @@ def step_in_backward(spec, layout, x, dy, w, inputs, config=None,
   """The optimizer step of one FORGE kernel inside its layer's backward.
 
   ``w`` is the pre-update kernel (the caller has already read it for
-  ``dx``). Returns ``(w_new, slots_new)``.
+  ``dx``), in the parameter's own shape for a deferred family (regime 3: its
+  ``G``, formed as a matrix, is reshaped to it, as for a
+  ``forge_jax.DenseGeneral`` kernel). Returns ``(w_new, slots_new)``.
   """
   if spec.regime == 3:
-    return _deferred(spec, layout, form_gradient(x, dy), w, inputs)
+    return _deferred(spec, layout, form_gradient(x, dy).reshape(w.shape), w,
+                     inputs)
   w1, new = wgrad_update(x, dy, w, inputs.slots, inputs.hparams,
                          rule=spec.rule, config=config, wgrad=wgrad,
                          precision=precision)

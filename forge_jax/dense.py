@@ -32,6 +32,15 @@ class _Static:
   spec: Any = None
   layout: Any = None
   wgrad: str = "fused"  # make_step's wgrad: "fused" | "xla"
+  # forge_jax.DenseGeneral: the (in, out) matrix its kernel parameter is
+  # viewed as (a reshape, inside the fused op); None: the kernel is (in, out).
+  gemm: tuple[int, int] | None = None
+  kind: str = "forge_jax.Dense"  # the layer, as errors name it
+
+
+def _gemm_view(static: _Static, kernel):
+  """The kernel as the GEMM's ``(in, out)`` matrix (a reshape, no copy)."""
+  return kernel if static.gemm is None else kernel.reshape(static.gemm)
 
 
 def _matmul(x, kernel, precision):
@@ -41,11 +50,13 @@ def _matmul(x, kernel, precision):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_linear(static: _Static, x, kernel, inputs: _context.LayerInputs):
-  return _matmul(x, kernel.astype(static.dtype), static.precision)
+  return _matmul(x, _gemm_view(static, kernel).astype(static.dtype),
+                 static.precision)
 
 
 def _fused_linear_fwd(static, x, kernel, inputs):
-  y = _matmul(x, kernel.astype(static.dtype), static.precision)
+  y = _matmul(x, _gemm_view(static, kernel).astype(static.dtype),
+              static.precision)
   return y, (x, kernel, inputs)
 
 
@@ -61,7 +72,7 @@ def _fused_linear_bwd(static, res, dy):
   x, kernel, inputs = res
   # dx must read the pre-update kernel: it is computed from `kernel` before
   # the fused kernel (which aliases that buffer) writes it.
-  k = kernel.astype(static.dtype)
+  k = _gemm_view(static, kernel).astype(static.dtype)
   dx = lax.dot_general(dy, k, (((dy.ndim - 1,), (1,)), ((), ())),
                        precision=static.precision)
   # The barrier makes the in-place write data-dependent on dx, so XLA orders
@@ -69,16 +80,8 @@ def _fused_linear_bwd(static, res, dy):
   # instead of protecting the read with a kernel-sized copy.
   dx, kernel = lax.optimization_barrier((dx, kernel))
   with _paths.refusing_derivatives(
-      f"forge_jax.Dense at {_context.layer_name(static.path)!r}"):
-    if static.spec is None:
-      new_kernel, new_slots = _paths.wgrad_update(
-          x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
-          config=static.config, wgrad=static.wgrad,
-          precision=static.precision)
-    else:
-      new_kernel, new_slots = _paths.step_in_backward(
-          static.spec, static.layout, x, dy, kernel, inputs, static.config,
-          static.wgrad, static.precision)
+      f"{static.kind} at {_context.layer_name(static.path)!r}"):
+    new_kernel, new_slots = _update(static, x, dy, kernel, inputs)
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.add(static.path)
@@ -87,6 +90,38 @@ def _fused_linear_bwd(static, res, dy):
       hparams=jax.tree.map(jnp.zeros_like, inputs.hparams),
       touched=jnp.ones_like(inputs.touched),
       shared=jax.tree.map(_paths.zero_cotangent, inputs.shared))
+
+
+def _update_matrix(static, x, dy, kernel, inputs):
+  """The optimizer step of an ``(in, out)`` kernel: ``(new_kernel, new_slots)``."""
+  if static.spec is None:
+    return _paths.wgrad_update(
+        x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,
+        config=static.config, wgrad=static.wgrad, precision=static.precision)
+  return _paths.step_in_backward(
+      static.spec, static.layout, x, dy, kernel, inputs, static.config,
+      static.wgrad, static.precision)
+
+
+def _update(static, x, dy, kernel, inputs):
+  """The optimizer step of the kernel parameter, in its own shape.
+
+  A ``forge_jax.DenseGeneral`` kernel (``static.gemm`` set) is stepped as its
+  ``(in, out)`` matrix, with its kernel-shaped slots viewed the same way, and
+  the new values are reshaped back (reshapes of contiguous arrays: no copy).
+  A deferred family (regime 3) runs optax on the parameter's own shape.
+  """
+  if static.gemm is None or (static.spec is not None
+                             and static.spec.regime == 3):
+    return _update_matrix(static, x, dy, kernel, inputs)
+  shape = kernel.shape
+  viewed = tuple(s.shape == shape for s in inputs.slots)
+  slots = tuple(s.reshape(static.gemm) if v else s
+                for s, v in zip(inputs.slots, viewed))
+  new_kernel, new_slots = _update_matrix(
+      static, x, dy, kernel.reshape(static.gemm), inputs._replace(slots=slots))
+  return new_kernel.reshape(shape), tuple(
+      s.reshape(shape) if v else s for s, v in zip(new_slots, viewed))
 
 
 _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)

@@ -1,0 +1,165 @@
+"""forge_jax.DenseGeneral against flax.linen.DenseGeneral (+ optax.adamw)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import forge_jax
+from forge_jax import _context
+from forge_jax.dense import _Static, _fused_linear
+import pallas_kernels as pk
+from tests.harness import mse, reference_step, step_once
+from tests.tolerances import assert_close, assert_trees_close, rel_err, tol
+
+# (layer kwargs, input shape): a kernel (6, 3, 5); a kernel (4, 6, 7) with
+# tokens (B, T).
+CASES = [
+    (dict(features=(3, 5), axis=-1), (10, 6)),
+    (dict(features=7, axis=(-2, -1)), (2, 5, 4, 6)),
+]
+IDS = ["axis-1_features(3,5)", "axis(-2,-1)_features7_tokens(B,T)"]
+
+
+def _x(shape, seed=1):
+  return jax.random.normal(jax.random.key(seed), shape)
+
+
+@pytest.mark.parametrize("kwargs,shape", CASES, ids=IDS)
+def test_param_tree_and_output_are_nn_dense_general(kwargs, shape):
+  x = _x(shape)
+  ref = nn.DenseGeneral(**kwargs).init(jax.random.key(0), x)
+  got = forge_jax.DenseGeneral(**kwargs).init(jax.random.key(0), x)
+  assert jax.tree.structure(got) == jax.tree.structure(ref)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(
+      forge_jax.DenseGeneral(**kwargs).apply(got, x),
+      nn.DenseGeneral(**kwargs).apply(ref, x))
+
+
+def test_attributes_mirror_nn_dense_general():
+  ref_fields = [f for f in nn.DenseGeneral.__dataclass_fields__
+                if f not in ("parent", "name")]
+  got_fields = [f for f in forge_jax.DenseGeneral.__dataclass_fields__
+                if f not in ("parent", "name")]
+  assert got_fields[:len(ref_fields)] == ref_fields
+  for f in ref_fields:
+    assert (forge_jax.DenseGeneral.__dataclass_fields__[f].default ==
+            nn.DenseGeneral.__dataclass_fields__[f].default), f
+
+
+@pytest.mark.parametrize("kwargs,shape", CASES, ids=IDS)
+def test_fused_op_output_dx_and_kernel_shape(kwargs, shape):
+  """The fused op on the kernel parameter itself (viewed as a matrix inside
+  the op): output and dx equal nn.DenseGeneral's, and the new kernel comes
+  back in the parameter's shape, equal to the matrix kernel's update."""
+  x = _x(shape)
+  layer = nn.DenseGeneral(**kwargs)
+  params = layer.init(jax.random.key(0), x)["params"]
+  kernel = params["kernel"]
+  n_axes = len(kwargs["axis"]) if isinstance(kwargs["axis"], tuple) else 1
+  n_in = int(np.prod(shape[len(shape) - n_axes:]))
+  gemm = (n_in, kernel.size // n_in)
+  lead = shape[:len(shape) - n_axes]
+  c = jax.random.normal(jax.random.key(2), layer.apply({"params": params},
+                                                       x).shape)
+  h = forge_jax.adamw(1e-2).spec.hparams(optax.adamw(1e-2).init(params))
+
+  def inputs_of(k):
+    return _context.LayerInputs(
+        slots=(jnp.zeros_like(k), jnp.zeros_like(k)),
+        hparams=pk.ADAMW.pack(**h), touched=jnp.zeros(()))
+
+  def ref_loss(x):
+    return jnp.sum(layer.apply({"params": params}, x) * c)
+
+  def fused(static, out_shape):
+    def loss(x, k, inputs):
+      y = _fused_linear(static, x.reshape(lead + (n_in,)), k, inputs)
+      return jnp.sum((y.reshape(out_shape) + params["bias"]) * c)
+    return loss
+
+  general = _Static(path=("DenseGeneral_0",), rule=pk.ADAMW,
+                    dtype=jnp.float32, precision=None, config=None, gemm=gemm,
+                    kind="forge_jax.DenseGeneral")
+  matrix = _Static(path=("DenseGeneral_0",), rule=pk.ADAMW,
+                   dtype=jnp.float32, precision=None, config=None)
+  with _context.step_context(_context.StepContext("fused", rule=pk.ADAMW)):
+    y_ref, dx_ref = jax.value_and_grad(ref_loss)(x)
+    y_got, (dx, new_kernel, new_inputs) = jax.value_and_grad(
+        fused(general, c.shape), argnums=(0, 1, 2))(x, kernel,
+                                                    inputs_of(kernel))
+    k2 = kernel.reshape(gemm)
+    _, (_, new_k2, new_in2) = jax.value_and_grad(
+        fused(matrix, c.shape), argnums=(0, 1, 2))(x, k2, inputs_of(k2))
+  assert_close(y_got, y_ref, tol(jnp.float32), "output")
+  assert_close(dx, dx_ref, tol(jnp.float32), "dx")
+  assert new_kernel.shape == kernel.shape
+  assert not np.allclose(new_kernel, kernel)  # the kernel came back updated
+  np.testing.assert_array_equal(new_kernel, new_k2.reshape(kernel.shape))
+  for s, s2 in zip(new_inputs.slots, new_in2.slots):
+    assert s.shape == kernel.shape
+    np.testing.assert_array_equal(s, s2.reshape(kernel.shape))
+
+
+class Net(nn.Module):
+  """An ordinary Dense (its gradient checks the fused layer's dx), then the
+  DenseGeneral under test."""
+  general: type
+  kwargs: dict
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(x.shape[-1])(x))
+    return self.general(**self.kwargs)(x)
+
+
+@pytest.mark.parametrize("kwargs,shape", CASES, ids=IDS)
+def test_training_matches_optax_adamw_fp32(kwargs, shape):
+  ref_model, f_model = Net(nn.DenseGeneral, kwargs), Net(forge_jax.DenseGeneral,
+                                                         kwargs)
+  x0 = _x(shape)
+  variables = ref_model.init(jax.random.key(0), x0)
+  out_shape = ref_model.apply(variables, x0).shape
+  keys = jax.random.split(jax.random.key(3), 6)
+  batches = [(_x(shape, int(i)), jax.random.normal(keys[i + 3], out_shape))
+             for i in range(3)]
+  tx_kwargs = dict(learning_rate=1e-2, weight_decay=1e-2)
+  ref_tx, f_tx = optax.adamw(**tx_kwargs), forge_jax.adamw(**tx_kwargs)
+  ref_step = jax.jit(reference_step(mse(ref_model), ref_tx))
+  f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx))
+  ref_v, f_v = variables, jax.tree.map(jnp.copy, variables)
+  ref_s, f_s = ref_tx.init(variables["params"]), f_tx.init(variables["params"])
+  for batch in batches:
+    ref_loss, ref_v, ref_s = ref_step(ref_v, ref_s, batch)
+    f_loss, f_v, f_s = f_step(f_v, f_s, batch)
+  assert_close(f_loss, ref_loss, tol(jnp.float32), "last loss")
+  assert jax.tree.structure(f_s) == jax.tree.structure(ref_s)
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+  kernel = f_v["params"]["DenseGeneral_0"]["kernel"]
+  assert kernel.shape == variables["params"]["DenseGeneral_0"]["kernel"].shape
+  assert rel_err(kernel, variables["params"]["DenseGeneral_0"]["kernel"]) > 1e-3
+
+
+@pytest.mark.parametrize("kwargs,shape,what", [
+    (dict(features=3, batch_dims=(0,)), (4, 5), "batch_dims"),
+    (dict(features=3, axis=-2), (4, 5, 6), "axis"),
+    (dict(features=3, axis=(1, -1)), (2, 4, 5, 6), "axis"),
+    (dict(features=3, axis=(-1, -2)), (4, 5, 6), "axis"),
+], ids=["batch_dims", "axis-2", "axis(1,-1)", "axis(-1,-2)"])
+def test_refuses_what_is_not_one_gemm(kwargs, shape, what):
+  x = _x(shape)
+  y = nn.DenseGeneral(**kwargs).apply(
+      nn.DenseGeneral(**kwargs).init(jax.random.key(0), x), x)
+  with pytest.raises(ValueError, match=rf"forge_jax.DenseGeneral at .*{what}"
+                     r".*use flax.linen.DenseGeneral, or fused=False"):
+    step_once(forge_jax.DenseGeneral(**kwargs), forge_jax.adamw(1e-2),
+              (x, jnp.zeros_like(y)))
+  # fused=False is nn.DenseGeneral's own step.
+  step_once(forge_jax.DenseGeneral(**kwargs, fused=False),
+            forge_jax.adamw(1e-2), (x, jnp.zeros_like(y)))
