@@ -126,3 +126,14 @@ def assert_pool_saved_in_place(forge_compiled, ref_compiled, run, pool,
   ptrs = [a.unsafe_buffer_pointer() for a in leaves(variables, opt_state)]
   _, new_v, new_s = jitted(variables, opt_state, x)
   assert [a.unsafe_buffer_pointer() for a in leaves(new_v, new_s)] == ptrs
+
+
+def assert_mirrors_flax_fields(ours, flax_cls):
+  """``ours`` (a FORGE layer class) has ``flax_cls``'s dataclass fields
+  first, in order, with the same defaults."""
+  ref = [f for f in flax_cls.__dataclass_fields__ if f not in ("parent", "name")]
+  got = [f for f in ours.__dataclass_fields__ if f not in ("parent", "name")]
+  assert got[:len(ref)] == ref
+  for f in ref:
+    assert (ours.__dataclass_fields__[f].default ==
+            flax_cls.__dataclass_fields__[f].default), f

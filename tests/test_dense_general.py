@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import forge_jax
+from tests import harness
 from forge_jax import _context
 from forge_jax.dense import _Static, _fused_linear
 import pallas_kernels as pk
@@ -42,14 +43,7 @@ def test_param_tree_and_output_are_nn_dense_general(kwargs, shape):
 
 
 def test_attributes_mirror_nn_dense_general():
-  ref_fields = [f for f in nn.DenseGeneral.__dataclass_fields__
-                if f not in ("parent", "name")]
-  got_fields = [f for f in forge_jax.DenseGeneral.__dataclass_fields__
-                if f not in ("parent", "name")]
-  assert got_fields[:len(ref_fields)] == ref_fields
-  for f in ref_fields:
-    assert (forge_jax.DenseGeneral.__dataclass_fields__[f].default ==
-            nn.DenseGeneral.__dataclass_fields__[f].default), f
+  harness.assert_mirrors_flax_fields(forge_jax.DenseGeneral, nn.DenseGeneral)
 
 
 @pytest.mark.parametrize("kwargs,shape", CASES, ids=IDS)

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import forge_jax
+from tests import harness
 from forge_jax import _context
 from forge_jax.dense import _Static, _fused_linear
 import pallas_kernels as pk
@@ -130,14 +131,7 @@ def test_param_tree_is_nn_dense(kwargs):
 
 
 def test_attributes_mirror_nn_dense():
-  ref_fields = [f for f in nn.Dense.__dataclass_fields__
-                if f not in ("parent", "name")]
-  got_fields = [f for f in forge_jax.Dense.__dataclass_fields__
-                if f not in ("parent", "name")]
-  assert got_fields[:len(ref_fields)] == ref_fields
-  for f in ref_fields:
-    assert (forge_jax.Dense.__dataclass_fields__[f].default ==
-            nn.Dense.__dataclass_fields__[f].default), f
+  harness.assert_mirrors_flax_fields(forge_jax.Dense, nn.Dense)
 
 
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
