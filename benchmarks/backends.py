@@ -35,13 +35,29 @@ MOSAIC_DEFAULT = ("128x128x64/3", "64x128x64/3")
 
 
 def parse_mosaic(label: str) -> pk.MosaicConfig:
+  """``MxNxK/STEPS`` with optional ``,wgW`` (compute warpgroups), ``,dD``
+  (delay_release) and ``,eMxN`` (epilogue sub-tile) knobs."""
   try:
-    tiles, steps = label.split("/")
+    head, *knobs = label.split(",")
+    tiles, steps = head.split("/")
     tm, tn, tk = (int(v) for v in tiles.split("x"))
-    return pk.MosaicConfig(tile_m=tm, tile_n=tn, tile_k=tk, steps=int(steps))
+    extra = {}
+    for knob in knobs:
+      if knob.startswith("wg"):
+        extra["compute_wgs"] = int(knob[2:])
+      elif knob.startswith("d"):
+        extra["delay_release"] = int(knob[1:])
+      elif knob.startswith("e"):
+        em, en = (int(v) for v in knob[1:].split("x"))
+        extra.update(epi_m=em, epi_n=en)
+      else:
+        raise ValueError(f"unknown knob {knob!r}")
+    return pk.MosaicConfig(tile_m=tm, tile_n=tn, tile_k=tk, steps=int(steps),
+                           **extra)
   except ValueError as e:
     raise argparse.ArgumentTypeError(
-        f"--mosaic {label!r}: expected MxNxK/STEPS, e.g. 128x128x64/3 ({e})")
+        f"--mosaic {label!r}: expected MxNxK/STEPS[,wgW][,dD][,eMxN], e.g. "
+        f"128x128x64/3 or 64x128x64/4,wg1,d0 ({e})")
 
 
 def _state(bt, n_in, n_out, slot_dtype):
@@ -90,7 +106,7 @@ def main(argv=None):
   p.add_argument("--moments", nargs="+", default=["bf16", "fp32"],
                  choices=["bf16", "fp32"])
   p.add_argument("--mosaic", nargs="+", default=list(MOSAIC_DEFAULT),
-                 help="Mosaic GPU tilings, MxNxK/STEPS")
+                 help="Mosaic GPU tilings, MxNxK/STEPS[,wgW][,dD][,eMxN]")
   args = p.parse_args(argv)
   try:
     mosaic_cfgs = [(m, parse_mosaic(m)) for m in args.mosaic]

@@ -1,17 +1,20 @@
 """The Pallas Mosaic GPU kernel (Hopper, sm_90+): the weight-gradient GEMM
 by ``wgmma`` with the rule in its epilogue.
 
-Persistent: one program per SM walks the output tiles (``plgpu.nd_loop``).
-For each ``(tile_m, tile_n)`` tile of ``G = x^T dy`` it first issues TMA
-loads of that tile of ``W`` and of each slot into shared memory, so they are
-in flight while the tensor cores run; the K loop
-(``plgpu.emit_pipeline``) streams ``x`` and ``dy`` blocks by TMA and
-accumulates ``x_blk^T dy_blk`` in fp32 with ``x`` transposed in shared
-memory (free for 16-bit operands); the epilogue applies the rule to the
-tile in ``(epi_m, epi_n)`` sub-tiles (the accumulator slice and the state
-read from shared memory), writes the new state back to shared memory and
-TMA-stores it in place, asynchronously (drained during the next tile's K
-loop). ``G`` never leaves registers.
+Persistent and warp-specialised: one program per SM walks the output tiles
+(``plgpu.nd_loop``). A memory warpgroup streams the ``x`` and ``dy`` blocks
+of each tile's K loop by TMA (``plgpu.emit_pipeline_warp_specialized``),
+running ahead into the next tile's blocks while the epilogue runs;
+``compute_wgs`` compute warpgroups each own a column slice of the
+``(tile_m, tile_n)`` tile of ``G = x^T dy``. Each first issues the TMA loads
+of its slice of ``W`` and of each slot into its own shared-memory buffers,
+so they are in flight while the tensor cores run; it accumulates
+``x_blk^T dy_blk`` in fp32 by ``wgmma`` with ``x`` transposed in shared
+memory (free for 16-bit operands); its epilogue applies the rule in
+``(epi_m, epi_n)`` sub-tiles (the accumulator slice and the state read from
+shared memory), writes the new state back to shared memory and TMA-stores
+it in place, asynchronously (drained during the next tile's K loop). ``G``
+never leaves registers.
 
 Not yet covered (each refused with the reason by :func:`unsupported`):
 shapes the tiles do not divide, stacked ``(L, in, out)`` state, a stored
@@ -28,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -48,7 +52,14 @@ class MosaicConfig:
     tile_n: columns of ``W`` per output tile (a multiple of 64).
     tile_k: token rows per K step (a multiple of 64).
     steps: K blocks in flight in the pipeline (>= 1).
-    epi_m, epi_n: the epilogue's sub-tile (divide ``tile_m``, ``tile_n``).
+    epi_m, epi_n: the epilogue's sub-tile (divide each compute warpgroup's
+      ``tile_m x tile_n / compute_wgs`` share).
+    compute_wgs: compute warpgroups (1 to 4) splitting the tile's columns
+      (each takes a multiple of 64); default 2 where ``tile_n`` is a
+      multiple of 128, else 1. More warpgroups hide more of the epilogue's
+      latency; each gets fewer registers.
+    delay_release: K steps a block stays in shared memory after its
+      ``wgmma`` is issued (0 or 1): 1 keeps one ``wgmma`` in flight.
   """
 
   tile_m: int = 128
@@ -57,6 +68,8 @@ class MosaicConfig:
   steps: int = 3
   epi_m: int = 64
   epi_n: int = 64
+  compute_wgs: int | None = None
+  delay_release: int = 1
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "tile_k"):
@@ -66,12 +79,28 @@ class MosaicConfig:
                          "multiple of 64")
     if not isinstance(self.steps, int) or self.steps < 1:
       raise ValueError(f"MosaicConfig: steps={self.steps!r} must be >= 1")
-    if (self.tile_m % self.epi_m or self.tile_n % self.epi_n
+    if self.compute_wgs is None:
+      object.__setattr__(self, "compute_wgs",
+                         2 if self.tile_n % 128 == 0 else 1)
+    if (self.compute_wgs not in (1, 2, 3, 4)
+        or self.tile_n % (64 * self.compute_wgs)):
+      raise ValueError(
+          f"MosaicConfig: compute_wgs={self.compute_wgs!r} must be 1 to 4 "
+          f"and split tile_n={self.tile_n} into multiples of 64")
+    if self.delay_release not in (0, 1) or self.delay_release >= self.steps:
+      raise ValueError(f"MosaicConfig: delay_release={self.delay_release!r} "
+                       "must be 0 or 1, and less than steps")
+    if (self.tile_m % self.epi_m or self.wg_n % self.epi_n
         or self.epi_m % 8 or self.epi_n % 32):
       raise ValueError(
           f"MosaicConfig: the epilogue sub-tile {self.epi_m}x{self.epi_n} "
-          f"must divide the tile {self.tile_m}x{self.tile_n} (rows a "
-          "multiple of 8, columns of 32)")
+          f"must divide each compute warpgroup's {self.tile_m}x{self.wg_n} "
+          "share of the tile (rows a multiple of 8, columns of 32)")
+
+  @property
+  def wg_n(self) -> int:
+    """Columns of the tile each compute warpgroup owns."""
+    return self.tile_n // self.compute_wgs
 
   def smem_bytes(self, x_dtype, state_dtypes) -> int:
     """Shared memory the kernel asks for (pipeline buffers + state tile)."""
@@ -82,8 +111,10 @@ class MosaicConfig:
 
 
 def default_config(x_dtype, state_dtypes) -> MosaicConfig:
-  """The first tiling, from the largest, whose shared memory fits a block."""
-  for tm, steps in ((128, 3), (128, 2), (64, 3), (64, 2)):
+  """The first tiling whose shared memory fits a block, by what measured
+  fastest on the H200: 128 x 128 tiles with 4 then 3 K steps in flight, then
+  64 x 128 tiles (fp32 moments) before fewer steps."""
+  for tm, steps in ((128, 4), (128, 3), (64, 4), (64, 3), (128, 2), (64, 2)):
     cfg = MosaicConfig(tile_m=tm, steps=steps)
     if cfg.smem_bytes(x_dtype, state_dtypes) <= _SMEM_BYTES:
       return cfg
@@ -127,63 +158,83 @@ def _transforms(minor: int, dtype):
 def _kernel_body(x_gmem, dy_gmem, h_gmem, *state_gmem, rule: UpdateRule,
                  cfg: MosaicConfig, bt: int, n_in: int, n_out: int,
                  interpret: bool):
-  tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+  tm, tn, tk, wn = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.wg_n
   m_iters, n_iters, k_iters = n_in // tm, n_out // tn, bt // tk
-  x_tf = _transforms(tm, x_gmem.dtype)
-  dy_tf = _transforms(tn, dy_gmem.dtype)
-  delay = 1 if cfg.steps > 1 else 0
+  delay = cfg.delay_release
   slot_dtypes = [r.dtype for r in state_gmem[1:]]
+  wg = lax.axis_index("wg")
+
+  def pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tk, tm), lambda k: (k, 0),
+                            transforms=_transforms(tm, x_gmem.dtype),
+                            delay_release=delay),
+            plgpu.BlockSpec((tk, tn), lambda k: (k, 0),
+                            transforms=_transforms(tn, dy_gmem.dtype),
+                            delay_release=delay),
+        ],
+        wg_axis="wg", num_compute_wgs=cfg.compute_wgs,
+        max_concurrent_steps=cfg.steps, compute_context=context)
+
+  ignore = lambda *_, **__: None
 
   @functools.partial(
       pl.run_scoped,
-      bufs=[plgpu.SMEM((tm, tn), r.dtype, transforms=_transforms(cfg.epi_n,
-                                                                 r.dtype))
+      pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem,
+                                                               dy_gmem),
+      bufs=[plgpu.SMEM((cfg.compute_wgs, tm, wn), r.dtype,
+                       transforms=_transforms(cfg.epi_n, r.dtype))
             for r in state_gmem],
-      bar=plgpu.Barrier(num_barriers=1, num_arrivals=len(state_gmem)))
-  def _scope(bufs, bar):
+      bar=plgpu.Barrier(num_barriers=cfg.compute_wgs,
+                        num_arrivals=len(state_gmem)),
+      collective_axes="wg")
+  def _scope(pipeline_allocs, bufs, bar):
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile(info):
       (lin,) = info.index
       mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, 1)
       rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
-      # The previous tile's stores must have read the buffers before the
-      # prefetch overwrites them.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      for ref, buf in zip(state_gmem, bufs):
-        plgpu.copy_gmem_to_smem(ref.at[rows, cols], buf, bar.at[0])
+      own = pl.ds(wg * wn, wn)   # this warpgroup's columns of the tile
+      own_cols = pl.ds(ni * tn + wg * wn, wn)
 
-      def acc_scope(acc_ref):
-        def k_step(_, x_smem, dy_smem):
-          plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
-          plgpu.wgmma_wait(delay)
+      def context(run_pipeline):
+        # This warpgroup's previous stores must have read the buffers before
+        # the prefetch overwrites them; the prefetch then flies during the
+        # K loop.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for ref, buf in zip(state_gmem, bufs):
+          plgpu.copy_gmem_to_smem(ref.at[rows, own_cols], buf.at[wg],
+                                  bar.at[wg])
 
-        plgpu.emit_pipeline(
-            k_step, grid=(k_iters,),
-            in_specs=[
-                plgpu.BlockSpec((tk, tm), lambda k: (k, mi), transforms=x_tf,
-                                delay_release=delay),
-                plgpu.BlockSpec((tk, tn), lambda k: (k, ni), transforms=dy_tf,
-                                delay_release=delay),
-            ],
-            max_concurrent_steps=cfg.steps)(x_gmem, dy_gmem)
-        return acc_ref[...]
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, wn)))
+        def _acc(acc_ref):
+          run_pipeline(acc_ref)
+          acc = acc_ref[...]
+          plgpu.barrier_wait(bar.at[wg])
+          h = rule.unpack(h_gmem, slot_dtypes, round_by_convert=not interpret)
+          em, en = cfg.epi_m, cfg.epi_n
+          for i in range(tm // em):
+            for j in range(wn // en):
+              sub = (wg, pl.ds(i * em, em), pl.ds(j * en, en))
+              g = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
+              old = [buf[sub].astype(jnp.float32) for buf in bufs]
+              w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
+              for buf, val in zip(bufs, (w_new, *new)):
+                buf[sub] = val.astype(buf.dtype)
+          plgpu.commit_smem()
+          for ref, buf in zip(state_gmem, bufs):
+            plgpu.copy_smem_to_gmem(buf.at[wg], ref.at[rows, own_cols])
 
-      acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, tn)))
-      plgpu.barrier_wait(bar.at[0])
-      h = rule.unpack(h_gmem, slot_dtypes, round_by_convert=not interpret)
-      em, en = cfg.epi_m, cfg.epi_n
-      for i in range(tm // em):
-        for j in range(tn // en):
-          sub = (pl.ds(i * em, em), pl.ds(j * en, en))
-          g = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
-          old = [buf[sub].astype(jnp.float32) for buf in bufs]
-          w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
-          for buf, val in zip(bufs, (w_new, *new)):
-            buf[sub] = val.astype(buf.dtype)
-      plgpu.commit_smem()
-      for ref, buf in zip(state_gmem, bufs):
-        plgpu.copy_smem_to_gmem(buf, ref.at[rows, cols])
-    plgpu.wait_smem_to_gmem(0)
+      def k_step(_, x_smem, dy_smem, acc_ref):
+        plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem.at[:, own])
+        plgpu.wgmma_wait(delay)
+        return acc_ref
+
+      pipeline(k_step, context)(x_gmem.at[:, rows], dy_gmem.at[:, cols],
+                                allocations=pipeline_allocs)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
@@ -211,6 +262,7 @@ def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
                            n_in=n_in, n_out=n_out, interpret=interpret)
   kernel = plgpu.kernel(
       body, out_type=(), grid=(num_sms,), grid_names=("sm",),
+      num_threads=cfg.compute_wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if interpret else None)

@@ -139,7 +139,14 @@ def test_backends_benchmark_arguments(capsys):
 
 def test_default_mosaic_tiling_fits_shared_memory():
   bf16 = pk.mosaic_kernel.default_config(BF16, [BF16] * 3)
-  assert (bf16.tile_m, bf16.steps) == (128, 3)
+  assert (bf16.tile_m, bf16.steps, bf16.compute_wgs) == (128, 4, 2)
   fp32 = pk.mosaic_kernel.default_config(BF16, [F32] * 3)
   assert fp32.smem_bytes(BF16, [F32] * 3) <= pk.mosaic_kernel._SMEM_BYTES
   assert fp32.tile_m * fp32.steps < 128 * 3
+
+
+def test_mosaic_kernel_three_compute_warpgroups_without_delay():
+  # Each of three compute warpgroups owns 64 of the tile's 192 columns.
+  cfg = pk.MosaicConfig(tile_m=64, tile_n=192, tile_k=64, steps=2,
+                        compute_wgs=3, delay_release=0)
+  _check(pk.ADAMW, _case(8, 128, 128, 384, pk.ADAMW), cfg, interpret=True)
