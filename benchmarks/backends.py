@@ -36,7 +36,8 @@ MOSAIC_DEFAULT = ("128x128x64/3", "64x128x64/3")
 
 def parse_mosaic(label: str) -> pk.MosaicConfig:
   """``MxNxK/STEPS`` with optional ``,wgW`` (compute warpgroups), ``,dD``
-  (delay_release) and ``,eMxN`` (epilogue sub-tile) knobs."""
+  (delay_release), ``,eMxN`` (epilogue sub-tile) and ``,bB`` (state
+  buffers) knobs, and ``,pn`` (prefetch the next tile's state)."""
   try:
     head, *knobs = label.split(",")
     tiles, steps = head.split("/")
@@ -47,6 +48,10 @@ def parse_mosaic(label: str) -> pk.MosaicConfig:
         extra["compute_wgs"] = int(knob[2:])
       elif knob.startswith("d"):
         extra["delay_release"] = int(knob[1:])
+      elif knob == "pn":
+        extra["prefetch_next"] = True
+      elif knob.startswith("b"):
+        extra["state_buffers"] = int(knob[1:])
       elif knob.startswith("e"):
         em, en = (int(v) for v in knob[1:].split("x"))
         extra.update(epi_m=em, epi_n=en)
@@ -56,7 +61,7 @@ def parse_mosaic(label: str) -> pk.MosaicConfig:
                            **extra)
   except ValueError as e:
     raise argparse.ArgumentTypeError(
-        f"--mosaic {label!r}: expected MxNxK/STEPS[,wgW][,dD][,eMxN], e.g. "
+        f"--mosaic {label!r}: expected MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,pn], e.g. "
         f"128x128x64/3 or 64x128x64/4,wg1,d0 ({e})")
 
 
@@ -106,7 +111,7 @@ def main(argv=None):
   p.add_argument("--moments", nargs="+", default=["bf16", "fp32"],
                  choices=["bf16", "fp32"])
   p.add_argument("--mosaic", nargs="+", default=list(MOSAIC_DEFAULT),
-                 help="Mosaic GPU tilings, MxNxK/STEPS[,wgW][,dD][,eMxN]")
+                 help="Mosaic GPU tilings, MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,pn]")
   args = p.parse_args(argv)
   try:
     mosaic_cfgs = [(m, parse_mosaic(m)) for m in args.mosaic]

@@ -114,6 +114,18 @@ def test_gpu_mosaic_kernel_compiled_matches_reference(rule, slot_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [
+    pk.MosaicConfig(tile_m=64, tile_n=128, steps=4, state_buffers=2),
+    pk.MosaicConfig(tile_m=64, tile_n=128, steps=4, state_buffers=2,
+                    prefetch_next=True),
+    pk.MosaicConfig(tile_m=64, tile_n=192, steps=2, compute_wgs=3,
+                    delay_release=0),
+], ids=["two-buffers", "prefetch-next", "three-warpgroups"])
+def test_gpu_mosaic_kernel_compiled_knobs(cfg):
+  _check(pk.ADAMW, _case(9, 512, 1024, 768, pk.ADAMW), cfg, interpret=False)
+
+
+@pytest.mark.gpu
 def test_gpu_mosaic_kernel_updates_in_place():
   x, dy, w, slots = _case(7, 512, 1024, 1024, pk.ADAMW)
   h = _hparams(pk.ADAMW)
@@ -129,6 +141,12 @@ def test_backends_benchmark_arguments(capsys):
   from benchmarks import backends
   assert backends.parse_mosaic("64x128x64/2") == pk.MosaicConfig(
       tile_m=64, tile_n=128, tile_k=64, steps=2)
+  assert backends.parse_mosaic("64x128x64/4,wg1,d0,e32x64,b2,pn") == (
+      pk.MosaicConfig(tile_m=64, tile_n=128, tile_k=64, steps=4,
+                      compute_wgs=1, delay_release=0, epi_m=32, epi_n=64,
+                      state_buffers=2, prefetch_next=True))
+  with pytest.raises(ValueError, match="prefetch_next needs"):
+    pk.MosaicConfig(prefetch_next=True)
   with pytest.raises(SystemExit):
     backends.main(["--mosaic", "64x128/2"])
   assert "expected MxNxK/STEPS" in capsys.readouterr().err
@@ -143,10 +161,22 @@ def test_default_mosaic_tiling_fits_shared_memory():
   fp32 = pk.mosaic_kernel.default_config(BF16, [F32] * 3)
   assert fp32.smem_bytes(BF16, [F32] * 3) <= pk.mosaic_kernel._SMEM_BYTES
   assert fp32.tile_m * fp32.steps < 128 * 3
+  short = pk.mosaic_kernel.default_config(BF16, [BF16] * 3, bt=512)
+  assert (short.tile_m, short.state_buffers, short.prefetch_next) == (
+      64, 2, True)
+  assert pk.mosaic_kernel.default_config(BF16, [BF16] * 3, bt=2048) == bf16
+  assert not pk.mosaic_kernel.default_config(BF16, [F32] * 3,
+                                             bt=512).prefetch_next
 
 
-def test_mosaic_kernel_three_compute_warpgroups_without_delay():
-  # Each of three compute warpgroups owns 64 of the tile's 192 columns.
+@pytest.mark.parametrize("prefetch_next", [False, True],
+                         ids=["prefetch-at-tile-start", "prefetch-next"])
+def test_mosaic_kernel_three_warpgroups_two_state_buffers_no_delay(
+    prefetch_next):
+  # Three compute warpgroups each own 64 of the tile's 192 columns; 3 x 2
+  # tiles over 4 programs, so two programs reuse their first state buffer
+  # (and, prefetching the next tile, chain a prefetch across tiles).
   cfg = pk.MosaicConfig(tile_m=64, tile_n=192, tile_k=64, steps=2,
-                        compute_wgs=3, delay_release=0)
-  _check(pk.ADAMW, _case(8, 128, 128, 384, pk.ADAMW), cfg, interpret=True)
+                        compute_wgs=3, delay_release=0, state_buffers=2,
+                        prefetch_next=prefetch_next)
+  _check(pk.ADAMW, _case(8, 128, 192, 384, pk.ADAMW), cfg, interpret=True)
