@@ -20,8 +20,12 @@ thin framework layers over these kernels. The public names:
   :data:`HPARAM_VECTOR_LEN`); the families' rule factories ``sgd_rule``,
   ``adagrad_rule``, ``rmsprop_rule``, ``adam_rule``, ``adamw_rule``,
   ``adamax_rule``, ``radam_rule``, ``lion_rule`` (regime 1), ``lamb_rule``,
-  ``muon_rule`` (regime 2); :data:`ADAMW` = ``adamw_rule()``;
+  ``muon_rule``, ``scion_rule`` (regime 2); :data:`ADAMW` = ``adamw_rule()``;
   :mod:`pallas_kernels.torch_rules` -- the rules in ``torch.optim``'s order.
+* :func:`wgrad_sqnorm` -- ``sum((x^T dy) ** 2)`` without storing ``x^T dy``
+  (the first pass of global-norm clipping; :func:`wgrad_sqnorm_reference`
+  its reference), and :func:`grad_scaled` -- a rule stepping from the
+  clipped gradient, its factors in the hyperparameter vector.
 * :func:`classify` -- a family's :class:`Regime` (which path it takes, an
   :class:`ExecutionPath`) from its :class:`Declaration` of what its updates
   read (:class:`Reads`); :data:`FAMILIES` -- the declared families;
@@ -58,6 +62,7 @@ from pallas_kernels.fused_wgrad import (
     unfused_wgrad_update,
 )
 from pallas_kernels.interpret import InterpretModeWarning
+from pallas_kernels.sqnorm_kernel import wgrad_sqnorm, wgrad_sqnorm_reference
 from pallas_kernels.regimes import (
     Declaration,
     ExecutionPath,
@@ -72,9 +77,11 @@ from pallas_kernels.rules import (
     adam_rule,
     adamax_rule,
     adamw_rule,
+    grad_scaled,
     lamb_rule,
     lion_rule,
     muon_rule,
+    scion_rule,
     radam_rule,
     rmsprop_rule,
     sgd_rule,
@@ -85,7 +92,8 @@ __all__ = [
     "Family", "HPARAM_VECTOR_LEN", "InterpretModeWarning", "Reads", "Regime",
     "UpdateRule", "adagrad_rule", "adam_rule", "adamax_rule", "adamw_rule",
     "classify", "default_interpret", "fused_wgrad_update",
-    "fused_wgrad_update_reference", "lamb_rule", "lion_rule", "muon_rule",
+    "fused_wgrad_update_reference", "lamb_rule", "lion_rule", "muon_rule", "scion_rule",
     "radam_rule", "rmsprop_rule", "select_config", "sgd_rule",
-    "stored_g_update", "unfused_wgrad_update",
+    "stored_g_update", "unfused_wgrad_update", "grad_scaled", "wgrad_sqnorm",
+    "wgrad_sqnorm_reference",
 ]

@@ -42,7 +42,9 @@ class Family:
       where it has none.
     optax: the optax transform whose arithmetic ``optax_factory`` follows and
       that ``forge_jax`` wraps under the same name (``forge_jax.<optax>``);
-      ``None`` where ``forge_jax`` has none.
+      for a family optax lacks (Scion, Adam-mini, AdaLomo), the name of the
+      optax-style transform ``forge_jax`` defines for it; ``None`` where
+      ``forge_jax`` has none.
     torch: the ``torch.optim`` class that ``forge_torch`` subclasses under
       the same name; ``None`` where ``forge_torch`` has none.
     aliases: other names :func:`classify` accepts for it.
@@ -172,16 +174,20 @@ _ENTRIES = (
     Family("muon",
            _d({C}, {C, LS}, True, "B = mu*B + G affine; Newton-Schulz over the matrix of B"),
            optax_factory=rules.muon_rule, optax="muon"),
+    # Scion, Adam-mini and AdaLomo have no optax transform: forge_jax defines
+    # an optax-style one under the family's name (same init/update contract).
     Family("scion",
-           _d({C}, {C, LS}, True, "momentum EMA affine in G; U is an LMO over the matrix of S'")),
+           _d({C}, {C, LS}, True, "momentum EMA affine in G; U is an LMO over the matrix of S'"),
+           optax_factory=rules.scion_rule, optax="scion"),
     Family("adam_mini",
            _d({C, LG}, {C, LS}, False, "A: block mean of G^2; U: its block's scalar"),
-           aliases=("adammini",)),
+           optax="adam_mini", aliases=("adammini",)),
     Family("adafactor",
            _d({C, LG}, {C, LS}, False, "A: row/col sums of G^2; U: row and column of S'"),
            optax="adafactor"),
     Family("adalomo",
-           _d({C, LG}, {C, LS}, False, "A: row/col sums of G^2 (factored); U: row/col of S'")),
+           _d({C, LG}, {C, LS}, False, "A: row/col sums of G^2 (factored); U: row/col of S'"),
+           optax="adalomo"),
     Family("sm3",
            _d({C, LG}, {C, LS}, False, "A: row/col max of G^2 cover sets; U: row/col of S'"),
            optax="sm3"),
@@ -191,7 +197,8 @@ _ENTRIES = (
     # Definition 1).
     Family("lars",
            _d({C, LS, LG}, {C, LS}, False,
-              "momentum of trust-ratio-scaled G; ratio reads ||W||, ||G||")),
+              "momentum of trust-ratio-scaled G; ratio reads ||W||, ||G||"),
+           optax="lars"),
     Family("global_norm_clip",
            _d({C, GG}, {C}, False, "G scaled by min(1, c/||G||_global) over all layers"),
            aliases=("global_norm_clipping", "clip_by_global_norm",

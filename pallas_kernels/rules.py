@@ -19,6 +19,7 @@ the rule instead (:attr:`UpdateRule.static`, :meth:`UpdateRule.with_static`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -597,6 +598,30 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
       defaults=(("b1_m", "b1"),), static=(("round_mu", 0.0),))
 
 
+def scion_rule() -> UpdateRule:
+  """Scion's state update (``forge_jax.scion``) alone.
+
+  The gradient average of Pethick et al. (2025), ``d = momentum * G + decay *
+  d`` with ``decay = 1 - momentum`` (``momentum`` is the weight of the new
+  gradient, not the usual decay), is affine in ``G``: the weight-gradient GEMM
+  accumulates straight into it. The linear minimisation oracle over the whole
+  matrix of the new ``d`` (Newton-Schulz) and the weight update are the layer
+  pass that follows; ``W`` is neither read nor written here.
+
+  Slots ``("mu",)``. Hyperparameters: ``lr``, ``momentum``, ``decay``,
+  ``weight_decay`` (``lr`` and ``weight_decay``, the constrained variant's
+  shrink, are read by the layer pass).
+  """
+
+  def update(g, w, slots, h):
+    (mu,) = slots
+    return None, (h["momentum"] * g + h["decay"] * mu,)
+
+  return UpdateRule(name="scion_momentum", slots=("mu",),
+                    hparams=("lr", "momentum", "decay", "weight_decay"),
+                    update=update, updates_weight=False)
+
+
 ADAMW = adamw_rule()
 
 
@@ -712,3 +737,53 @@ def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
       hparams=rule.hparams + MOMENTUM_ACCUMULATE_HPARAMS, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
       defaults=rule.defaults, static=rule.static)
+
+
+# --- Global-norm clipping (forge_jax.clip_by_global_norm, max_grad_norm=) -----
+# A clipped step scales every gradient by one factor known only after a first
+# pass over the whole backward (pallas_kernels.sqnorm_kernel measures the
+# kernels' norms). The factor travels in the hyperparameter vector, so the
+# kernel body stays the family's own.
+
+GRAD_SCALE_HPARAMS = ("gscale_div", "gscale_mul")
+
+
+@functools.lru_cache(maxsize=None)
+def grad_scaled(rule: UpdateRule) -> UpdateRule:
+  """``rule`` stepping from ``G' = (G / gscale_div) * gscale_mul``.
+
+  Hyperparameters ``(*rule.hparams, "gscale_div", "gscale_mul")``; same
+  slots, outputs and static settings. The two factors reproduce each
+  framework's clipping exactly: ``optax.clip_by_global_norm`` replaces a
+  gradient ``t`` by ``(t / g_norm) * max_norm`` when ``g_norm >= max_norm``
+  (``gscale_div = g_norm``, ``gscale_mul = max_norm``; else both 1, and
+  ``(G / 1) * 1`` is ``G`` bit for bit), and
+  ``torch.nn.utils.clip_grad_norm_`` multiplies by its clamped coefficient
+  (``gscale_div = 1``, ``gscale_mul = min(1, max_norm / (norm + 1e-6))``).
+  The scaling is applied to ``G`` before the family's update reads it, so
+  every use of ``G`` (moments, Nesterov terms, Muon's ``mu_hat``) sees the
+  clipped gradient. One wrapped rule per rule (cached), so a compiled
+  kernel is reused from step to step.
+
+  Raises:
+    ValueError: the names are taken, or the vector would overflow.
+  """
+  clash = [n for n in GRAD_SCALE_HPARAMS
+           if n in rule.hparams or n in rule.slots or n in dict(rule.static)]
+  if clash:
+    raise ValueError(f"rule {rule.name!r} already uses the names {clash}")
+  if len(rule.hparams) + len(GRAD_SCALE_HPARAMS) > HPARAM_VECTOR_LEN:
+    raise ValueError(
+        f"rule {rule.name!r} has {len(rule.hparams)} hyperparameters; with "
+        f"the {len(GRAD_SCALE_HPARAMS)} gradient-clipping factors they exceed "
+        f"the kernel's {HPARAM_VECTOR_LEN}-entry hyperparameter vector")
+
+  def update(g, w, slots, h):
+    return rule.update((g / h["gscale_div"]) * h["gscale_mul"], w, slots, h)
+
+  return UpdateRule(
+      name=f"{rule.name}_clipped", slots=rule.slots,
+      hparams=rule.hparams + GRAD_SCALE_HPARAMS, update=update,
+      updates_weight=rule.updates_weight, outputs=rule.outputs,
+      defaults=rule.defaults, static=rule.static,
+      tuned_as=rule.tuned_as or rule.name)

@@ -163,6 +163,21 @@ def _epilogue(rule, cfg, h_ref, in_refs, out_refs, gs, old, load_state,
                   eviction_policy=state_policy)
 
 
+def _varying_axes(arrays):
+  """The union of the arrays' device-varying mesh axes inside
+  ``jax.shard_map`` (none outside one), as a ``ManualAxisType``."""
+  varying = frozenset()
+  for a in arrays:
+    varying |= jax.typeof(a).manual_axis_type.varying
+  return jax.sharding.ManualAxisType(varying=varying)
+
+
+def _vary(a, axes):
+  """``a`` typed as varying over ``axes`` (a no-op on the data)."""
+  missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
+  return lax.pcast(a, missing, to="varying") if missing else a
+
+
 def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
            layer, interpret: bool, bt: int, precision):
   """The ``pallas_call`` of the kernel on checked inputs.
@@ -196,14 +211,24 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
       g_stored=g_stored)
   state = (w, *slots) if rule.updates_weight else slots
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
-  outputs = tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
+  # Inside jax.shard_map(check_vma=True) every output varies over the mesh
+  # axes any input varies over (a weight updated from a device-varying G
+  # comes back device-varying, and the out_specs check reports it).
+  mat = _varying_axes((*operands, hparams, *state))
+  if mat.varying:  # the aliased inputs typed as their outputs are
+    operands, hparams, state = jax.tree.map(
+        lambda a: _vary(a, mat.varying), (operands, hparams, state))
+  outputs = tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype,
+                                       manual_axis_type=mat)
                   for _ in rule.outputs)
   extra = (layer.reshape(1),) if stacked else ()
   # After the operands, hparams (and the layer index).
   first_state_arg = len(operands) + 1 + len(extra)
   out = pl.pallas_call(
       kernel,
-      out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
+      out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                           manual_axis_type=mat)
+                      for a in state)
       + outputs,
       grid=(n_tiles,),
       input_output_aliases={first_state_arg + i: i for i in range(len(state))},
