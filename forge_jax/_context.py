@@ -79,6 +79,10 @@ class StepContext:
   # FORGE layers with fused=False that discovery saw (they need no FORGE
   # path, but a step with only such layers is still a FORGE model's step).
   unfused: set[Path] = dataclasses.field(default_factory=set)
+  # make_step(..., mesh_layout=...): path -> how that fused layer's kernel is
+  # stepped on the mesh (a forge_jax._sharding.Plans of KernelPlan, which
+  # also orders the layers' gradient reductions); {}: no mesh.
+  sharding: dict[Path, Any] = dataclasses.field(default_factory=dict)
 
   def is_standard(self, path: Path) -> bool:
     return tuple(path) in self.standard

@@ -49,6 +49,7 @@ import pallas_kernels
 from pallas_kernels import fused_wgrad
 from forge_jax import _context
 from forge_jax import _paths
+from forge_jax import clip as _clip
 from forge_jax import _usage
 from forge_jax import scan as _scan
 
@@ -132,12 +133,16 @@ def _fused_blocks_bwd(static, res, dy):
   hs, kernels, others, inputs = res
   num_layers = hs.shape[0]
   forge = frozenset(static.forge)
+  # The norm pass of a clipped step (forge_jax/clip.py): each FORGE Dense's
+  # squared gradient norm, summed over the blocks in the carry; nothing is
+  # updated, and the stacks are read, not carried (see ScannedDenseStack).
+  norm_pass = _clip.is_norm_pass(static.wgrad)
 
   def body(carry, per_layer):
-    dh, k_stacks, slot_stacks = carry
+    dh, k_stacks, slot_stacks, sqnorms = carry
     i, h_i, others_i = per_layer
     w_i = tuple(lax.dynamic_index_in_dim(k, i, keepdims=False)
-                for k in k_stacks)
+                for k in (kernels if norm_pass else k_stacks))
     taps = {p: jnp.zeros(static.records[p].out.shape,
                          static.records[p].out.dtype) for p in static.forge}
 
@@ -149,6 +154,12 @@ def _fused_blocks_bwd(static, res, dy):
     y, block_vjp, layer_inputs = jax.vjp(block, h_i, others_i, taps,
                                          has_aux=True)
     dh_in, d_others, dys = block_vjp(dh.astype(y.dtype))
+    if norm_pass:
+      sqnorms = tuple(
+          s + _clip.layer_sqnorm(layer_inputs[p], dys[p], static.wgrad,
+                                 static.records[p].precision)
+          for s, p in zip(sqnorms, static.forge))
+      return (dh_in.astype(dh.dtype), k_stacks, slot_stacks, sqnorms), d_others
     # Every read of the pre-update kernels (the recomputation, the input
     # gradients) feeds these outputs; the barrier orders them before the
     # fused kernels overwrite layer i of the stacks (as in forge_jax.Dense).
@@ -163,17 +174,24 @@ def _fused_blocks_bwd(static, res, dy):
           rec.config, static.wgrad, rec.precision)
       new_k.append(w)
       new_s.append(s)
-    return (dh_in.astype(dh.dtype), tuple(new_k), tuple(new_s)), d_others
+    return (dh_in.astype(dh.dtype), tuple(new_k), tuple(new_s),
+            sqnorms), d_others
 
   with _paths.refusing_derivatives(
       f"forge_jax.ScannedBlocks at {_context.layer_name(static.path)!r}"):
-    (dx, new_kernels, new_slots), d_others = lax.scan(
-        body, (dy, tuple(kernels), tuple(tuple(t.slots) for t in inputs)),
+    (dx, new_kernels, new_slots, sqnorms), d_others = lax.scan(
+        body, (dy, () if norm_pass else tuple(kernels),
+               () if norm_pass else tuple(tuple(t.slots) for t in inputs),
+               tuple(jnp.zeros((), jnp.float32) for _ in static.forge)),
         (jnp.arange(num_layers), hs, others), reverse=True)
+  d_others = jax.tree.map(lambda g, o: g.astype(o.dtype), d_others, others)
+  if norm_pass:
+    return (dx.astype(hs.dtype), tuple(jnp.zeros_like(k) for k in kernels),
+            d_others, tuple(_clip.norm_pass_inputs(t, s)
+                            for t, s in zip(inputs, sqnorms)))
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.update(_full(static.path, p) for p in static.forge)
-  d_others = jax.tree.map(lambda g, o: g.astype(o.dtype), d_others, others)
   return dx.astype(hs.dtype), new_kernels, d_others, tuple(
       _context.LayerInputs(
           slots=s,

@@ -15,6 +15,8 @@ from flax.linen import dtypes as flax_dtypes
 import pallas_kernels
 from forge_jax import _context
 from forge_jax import _paths
+from forge_jax import clip as _clip
+from forge_jax import _sharding
 from forge_jax import _usage
 
 
@@ -75,6 +77,12 @@ def _fused_linear_bwd(static, res, dy):
   k = _gemm_view(static, kernel).astype(static.dtype)
   dx = lax.dot_general(dy, k, (((dy.ndim - 1,), (1,)), ((), ())),
                        precision=static.precision)
+  if _clip.is_norm_pass(static.wgrad):
+    # The norm pass of a clipped step (forge_jax/clip.py): this layer's
+    # squared gradient norm, returned as its "touched" cotangent; nothing is
+    # updated, and the kernel's cotangent is not read.
+    return dx.astype(x.dtype), jnp.zeros_like(kernel), _clip.norm_pass_inputs(
+        inputs, _clip.layer_sqnorm(x, dy, static.wgrad, static.precision))
   # The barrier makes the in-place write data-dependent on dx, so XLA orders
   # the dx GEMM's read of the kernel before the fused kernel overwrites it
   # instead of protecting the read with a kernel-sized copy.
@@ -94,6 +102,9 @@ def _fused_linear_bwd(static, res, dy):
 
 def _update_matrix(static, x, dy, kernel, inputs):
   """The optimizer step of an ``(in, out)`` kernel: ``(new_kernel, new_slots)``."""
+  plan = _sharding.plan_of(static.path)
+  if plan is not None:  # make_step(..., mesh_layout=...): per shard
+    return plan.step_in_backward(static, x, dy, kernel, inputs)
   if static.spec is None:
     return _paths.wgrad_update(
         x, dy, kernel, inputs.slots, inputs.hparams, rule=static.rule,

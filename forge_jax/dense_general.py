@@ -7,6 +7,7 @@ import math
 
 import jax.numpy as jnp
 import flax.linen as nn
+from flax.core import meta
 from flax.linen import dtypes as flax_dtypes
 
 import pallas_kernels
@@ -22,6 +23,18 @@ _KIND = "forge_jax.DenseGeneral"
 def _as_tuple(v) -> tuple:
   return tuple(v) if isinstance(v, (tuple, list)) else (v,)
 
+
+
+def _reshaped(init, flat_shape):
+  """``init`` called with ``flat_shape``, its value reshaped to the
+  parameter's shape, as ``nn.DenseGeneral`` does: a boxed value (e.g. from
+  ``nn.with_logical_partitioning``) keeps its box and names."""
+  def wrapped(rng, shape, dtype):
+    value = init(rng, flat_shape, dtype)
+    if isinstance(value, meta.AxisMetadata):
+      return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
+    return jnp.reshape(value, shape)
+  return wrapped
 
 class DenseGeneral(nn.DenseGeneral):
   """A drop-in for :class:`flax.linen.DenseGeneral` whose backward applies the
@@ -95,16 +108,11 @@ class DenseGeneral(nn.DenseGeneral):
     """``nn.DenseGeneral``'s computation with the contraction as the fused
     op: the raw kernel parameter is viewed as a matrix and cast inside it."""
     n_in, n_out = math.prod(in_dims), math.prod(features)
-    kernel = self.param(
-        "kernel",
-        lambda rng, shape, dtype: jnp.reshape(
-            self.kernel_init(rng, (n_in, n_out), dtype), shape),
-        in_dims + features, self.param_dtype)
-    bias = (self.param(
-        "bias",
-        lambda rng, shape, dtype: jnp.reshape(
-            self.bias_init(rng, (n_out,), dtype), shape),
-        features, self.param_dtype) if self.use_bias else None)
+    kernel = self.param("kernel", _reshaped(self.kernel_init, (n_in, n_out)),
+                        in_dims + features, self.param_dtype)
+    bias = (self.param("bias", _reshaped(self.bias_init, (n_out,)),
+                       features, self.param_dtype)
+            if self.use_bias else None)
     dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
                                            dtype=self.dtype)
     inputs_c, bias_c = flax_dtypes.promote_dtype(inputs, bias, dtype=dtype)

@@ -44,6 +44,7 @@ import pallas_kernels
 from pallas_kernels import fused_wgrad
 from forge_jax import _context
 from forge_jax import _paths
+from forge_jax import clip as _clip
 from forge_jax import _usage
 
 
@@ -174,11 +175,17 @@ def _fused_stack_bwd(static, res, dy):
   cotangents."""
   xs, zs, kernels, biases, inputs = res
   num_layers = kernels.shape[0]
+  # The norm pass of a clipped step (forge_jax/clip.py): the layers' squared
+  # gradient norms are summed into the carry; nothing is updated, and the
+  # stacks are read, not carried (a carried stack that pass 2 reads again
+  # would be copied into the loop).
+  norm_pass = _clip.is_norm_pass(static.wgrad)
 
   def body(carry, per_layer):
-    dy, w_stack, slot_stacks = carry
+    dy, w_stack, slot_stacks, sqnorm = carry
     i, x_i, z_i = per_layer
-    w_i = lax.dynamic_index_in_dim(w_stack, i, keepdims=False)
+    w_i = lax.dynamic_index_in_dim(kernels if norm_pass else w_stack, i,
+                                   keepdims=False)
     _, act_vjp = jax.vjp(static.activation, z_i)
     (dz,) = act_vjp(dy.astype(z_i.dtype))
     db = (jnp.sum(dz, axis=tuple(range(dz.ndim - 1))) if biases is not None
@@ -188,22 +195,31 @@ def _fused_stack_bwd(static, res, dy):
     dx = lax.dot_general(dz, w_i.astype(static.dtype),
                          (((dz.ndim - 1,), (1,)), ((), ())),
                          precision=static.precision)
+    if norm_pass:
+      sqnorm = sqnorm + _clip.layer_sqnorm(x_i, dz, static.wgrad,
+                                           static.precision)
+      return (dx.astype(dy.dtype), w_stack, slot_stacks, sqnorm), db
     dx, w_stack = lax.optimization_barrier((dx, w_stack))
     w_stack, slot_stacks = update_layer(
         static.spec, static.layout, static.in_place_layer, i, x_i, dz,
         w_stack, slot_stacks, inputs, static.config, static.wgrad,
         static.precision)
-    return (dx.astype(dy.dtype), w_stack, slot_stacks), db
+    return (dx.astype(dy.dtype), w_stack, slot_stacks, sqnorm), db
 
   with _paths.refusing_derivatives(
       f"forge_jax.ScannedDenseStack at {_context.layer_name(static.path)!r}"):
-    (dx, new_kernels, new_slots), dbs = lax.scan(
-        body, (dy, kernels, tuple(inputs.slots)),
+    (dx, new_kernels, new_slots, sqnorm), dbs = lax.scan(
+        body, (dy, () if norm_pass else kernels,
+               () if norm_pass else tuple(inputs.slots),
+               jnp.zeros((), jnp.float32)),
         (jnp.arange(num_layers), xs, zs), reverse=True)
+  dbias = None if biases is None else dbs.astype(biases.dtype)
+  if norm_pass:
+    return (dx.astype(xs.dtype), jnp.zeros_like(kernels), dbias,
+            _clip.norm_pass_inputs(inputs, sqnorm))
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.add(static.path)
-  dbias = None if biases is None else dbs.astype(biases.dtype)
   return dx.astype(xs.dtype), new_kernels, dbias, _context.LayerInputs(
       slots=new_slots,
       hparams=jax.tree.map(jnp.zeros_like, inputs.hparams),

@@ -17,8 +17,11 @@ from flax.core import FrozenDict
 from flax.core import meta as flax_meta
 
 from forge_jax import _context
+from forge_jax import clip as _clip
+from forge_jax import _convert
 from forge_jax import _inject
 from forge_jax import _paths
+from forge_jax import _sharding
 from forge_jax import _state
 from forge_jax import _usage
 from forge_jax.transforms import ForgeTransformation
@@ -172,6 +175,9 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
         "in their own backward, so the accumulation must happen in the fused "
         "kernel): use forge_jax.MultiSteps(forge_jax.adamw(...), k), its "
         "FORGE counterpart, with the same state and results.")
+  clipping = _clip.recognise(tx)  # optax.chain(clip_by_global_norm, tx)
+  if clipping is not None:
+    tx = clipping.member
   injected = _inject.recognise(tx)
   if injected is not None:
     _inject.check_factory(injected)
@@ -180,10 +186,11 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
         "make_step needs a forge_jax transform (e.g. forge_jax.adamw(...)); "
         f"got {type(tx).__name__}. An optax transform or chain is not one: "
         "FORGE layers update themselves in their own backward, so the step "
-        "must know the optimizer's family. A chain with a cross-layer "
-        "statistic such as optax.clip_by_global_norm cannot be fused at all "
-        "(regime 4; see forge_jax.refuse_reason('clip_by_global_norm')): "
-        "train it with optax on the standard path. (To change a "
+        "must know the optimizer's family. The one chain make_step runs is "
+        "global-norm clipping before a forge_jax transform, "
+        "optax.chain(forge_jax.clip_by_global_norm(max_norm), "
+        "forge_jax.adamw(...)), in two passes (docs/clipping.md); train any "
+        "other chain with optax on the standard path. (To change a "
         "hyperparameter during training, wrap the forge_jax factory: "
         "optax.inject_hyperparams(forge_jax.adamw)(learning_rate=...), or "
         "pass a schedule, forge_jax.adamw(learning_rate=schedule, ...).)")
@@ -222,9 +229,11 @@ def _check_trace(variables) -> None:
         "FORGE layer updates its kernel inside its own backward from its "
         "local x^T dy: there is no gradient to average across the axis, so "
         "each replica would train on its own shard alone and the replicas "
-        "would drift apart. For data parallelism, jit the step with the "
-        "batch sharded across devices (jax.jit with a NamedSharding): each "
-        "kernel's update is then computed from the whole batch.")
+        "would drift apart. For data, tensor or fully-sharded parallelism, "
+        "place the arrays on a mesh (jax.device_put with a NamedSharding), "
+        "build the step with make_step(..., mesh_layout=forge_jax.MeshLayout("
+        "mesh, data_axes=...)) and jit it: each kernel's update then reads "
+        "its complete gradient (docs/distributed.md).")
 
 
 def _discover_layers(loss_fn, variables, batch,
@@ -262,7 +271,7 @@ def _discover_layers(loss_fn, variables, batch,
         "shapes is replayed from JAX's cache, and its layers are never "
         "called -- call model.apply un-jitted inside loss_fn and jit the "
         "whole step instead (apply remat per module with "
-        "flax.linen.remat)")
+        "flax.linen.remat)" + _convert.no_layers_note())
   return found
 
 
@@ -519,6 +528,8 @@ def make_step(
     shared: str = "error",
     has_aux: bool = False,
     wgrad: str = "fused",
+    convert: bool = False,
+    mesh_layout: _sharding.MeshLayout | None = None,
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]:
   """Builds ``step(variables, opt_state, batch) -> (loss, variables, opt_state)``.
 
@@ -542,7 +553,12 @@ def make_step(
       ``optax.inject_hyperparams`` of one
       (``optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3)``:
       the values in ``opt_state.hyperparams``, which may be changed between
-      steps, drive the FORGE kernels as they drive optax);
+      steps, drive the FORGE kernels as they drive optax), or either one
+      after global-norm clipping,
+      ``optax.chain(forge_jax.clip_by_global_norm(max_norm), ...)`` (or
+      ``optax.clip_by_global_norm``): each step then runs twice through the
+      model, a norm pass and the clipped update (``forge_jax.clip``,
+      ``docs/clipping.md``);
       ``opt_state = tx.init(variables["params"])``. Parameters may be boxed
       (``nn.with_partitioning``, ``nn.with_logical_partitioning``; the state
       ``tx.init`` builds for them is boxed too): the step runs on their
@@ -588,6 +604,31 @@ def make_step(
 
       Regime-3 families (Adafactor, SM3) form ``G`` in fp32 in the backward
       under either setting.
+    convert: ``True`` runs the model's ``flax.linen.Dense`` and
+      ``flax.linen.DenseGeneral`` layers -- the model's own, and those
+      built inside Flax modules such as ``nn.MultiHeadDotProductAttention``
+      -- as ``forge_jax.Dense`` and ``forge_jax.DenseGeneral`` in the step,
+      with no edit to the model: same parameters (names, shapes, boxes), so
+      ``model.init``'s variables and checkpoints work unchanged. A layer
+      FORGE cannot fuse (``nn.DenseGeneral`` with ``batch_dims`` or
+      non-trailing ``axis``, or inside a ``forge_jax.ScannedBlocks`` block;
+      a custom ``dot_general``; a non-float or float64 kernel or
+      computation; a layer of another model applied in ``loss_fn``) runs as
+      it is, on the standard path, and is reported: a
+      :class:`forge_jax.ConvertSkipWarning` per trace and ``step.skipped``
+      (below). Converted layers are FORGE layers like any other: ``shared``
+      applies to them. ``False`` (default): only FORGE layers are fused
+      (docs/adopting.md).
+
+    mesh_layout: a :class:`forge_jax.MeshLayout` when the step's arrays are
+      placed on a device mesh (``NamedSharding``): the mesh, the axes the
+      batch is sharded over, and where the kernels' shardings are read
+      (Flax's partitioning boxes, or ``param_specs``). Each FORGE kernel is
+      then stepped per shard inside ``shard_map`` -- tensor-parallel shards
+      with the fused kernel and no communication, data-parallel and
+      fully-sharded ones from their reduced (or reduce-scattered) gradient
+      -- and every array keeps its sharding (docs/distributed.md). ``None``
+      (default): arrays placed on a mesh of several devices are refused.
 
   Returns:
     The step, ``step(variables, opt_state, batch) -> (loss, variables,
@@ -595,13 +636,18 @@ def make_step(
     in place at each trace (so that it is also readable through
     ``jax.jit(step)``, which copies the attribute when made) -- holds the
     names of the FORGE layers that took the standard path (``[]``: none;
-    before the first trace, ``[]``).
+    before the first trace, ``[]``). With ``convert=True``, also updated in
+    place at each trace: ``step.converted``, the list of the names of the
+    ``nn.Dense`` / ``nn.DenseGeneral`` layers that ran as FORGE layers, and
+    ``step.skipped``, a dict from the name of each one left on the standard
+    path to the reason, in plain words (both empty without ``convert``).
 
   Raises:
     TypeError: ``tx`` is not a forge_jax transform (an optax chain is not
-      one; a regime-4 transform such as global-norm clipping cannot be fused
-      at all: ``forge_jax.refuse_reason``), nor ``optax.inject_hyperparams``
-      of a factory that makes one, or ``has_aux`` is not a bool.
+      one, except global-norm clipping before one: any other form of that
+      chain is refused with the reason), nor ``optax.inject_hyperparams``
+      of a factory that makes one, or ``has_aux`` or ``convert`` is not a
+      bool.
     ValueError: ``shared`` is not ``"error"`` or ``"standard"``, or
       ``wgrad`` not ``"fused"`` or ``"xla"``.
 
@@ -619,8 +665,18 @@ def make_step(
     its ``init`` made.
   """
   _check_step_arguments(tx, shared, has_aux, wgrad)
+  # Global-norm clipping: tx is optax.chain(clip_by_global_norm, optimizer);
+  # the step drives the optimizer, in two passes (forge_jax/clip.py).
+  clipping = _clip.recognise(tx)
+  if clipping is not None:
+    tx = clipping.member
+    _clip.check_mesh_layout(mesh_layout)
+  _convert.check_flag(convert)
+  _sharding.check_layout_argument(mesh_layout)
   injected = _inject.recognise(tx)
   standard_layers: list[str] = []
+  converted: list[str] = []
+  skipped: dict[str, str] = {}
 
   def step(variables, opt_state, batch):
     _check_trace(variables)
@@ -628,15 +684,30 @@ def make_step(
     # the boxes, with their names, are put back around the new ones.
     boxed_params = variables["params"]
     params = _unbox(boxed_params)
-    state_in = _unbox(opt_state)
-    value, new_params, new_state = _plain_step(
-        _with_params(variables, params), state_in, batch, params,
-        tx.spec if injected is None else _inject.spec_for(injected, state_in,
-                                                          params))
+    state_in = chain_state = _unbox(opt_state)
+    if clipping is not None:  # the optimizer's own state in the chain's
+      state_in = clipping.member_state(chain_state)
+    _sharding.check_placement(mesh_layout, params, batch)
+    spec = (tx.spec if injected is None
+            else _inject.spec_for(injected, state_in, params))
+    if clipping is not None:  # the kernels step from the clipped gradient
+      spec = _clip.clipped_spec(spec)
+    # convert=True: the model's nn.Dense / nn.DenseGeneral run as FORGE
+    # layers in every trace of loss_fn (and of ScannedBlocks' backward).
+    with _convert.converting(convert, params, spec) as report:
+      value, new_params, new_state = _plain_step(
+          _with_params(variables, params), state_in, batch, params, spec,
+          boxed_params)
+    if report is not None:
+      report.publish(converted, skipped)
+    new_params, new_state = _sharding.keep_shardings(
+        mesh_layout, boxed_params, params, new_params, new_state)
+    if clipping is not None:
+      new_state = clipping.with_member_state(chain_state, new_state)
     return (value, _with_params(variables, _rebox(boxed_params, new_params)),
             _rebox(opt_state, new_state))
 
-  def _plain_step(variables, opt_state, batch, params, spec):
+  def _plain_step(variables, opt_state, batch, params, spec, boxed_params):
     # Which layers are FORGE layers, and which of them take the fused path.
     found = _discover_layers(loss_fn, variables, batch, shared)
     _check_params(params, found.layers)
@@ -649,9 +720,12 @@ def make_step(
                                             params_def)
     ctx = _context.StepContext("fused", rule=spec.rule, spec=spec,
                                wgrad=wgrad, layouts=fused.layouts,
-                               shared=shared, standard=frozenset(fallback))
+                               shared=shared, standard=frozenset(fallback),
+                               sharding=_sharding.plan_layers(
+                                   mesh_layout, boxed_params, fused.layers,
+                                   fused.kpaths))
 
-    def loss_of(params, inputs):
+    def loss_of(params, inputs, ctx=ctx):
       ctx.inputs = inputs  # the traced values, so that AD sees them
       return loss_fn(_with_params(variables, params), batch)
 
@@ -660,9 +734,20 @@ def make_step(
     # float0 cotangents: allow_int.)
     with _context.step_context(ctx), _context.full_params(params):
       _settle_shared_layers(loss_of, params, fused, fallback, ctx, shared)
+    if clipping is not None:
+      # Clipping, pass 1: the global gradient norm, nothing updated; its
+      # clip factors go into the FORGE kernels' hyperparameters.
+      clip_norm, params = _clip.norm_pass(ctx, loss_of, params, fused.inputs,
+                                          fused.kpaths, has_aux)
+      fused.inputs = _clip.with_factors(fused.inputs, spec.rule, clip_norm,
+                                        clipping.max_norm)
+    with _context.step_context(ctx), _context.full_params(params):
       value, (grads, new_inputs) = jax.value_and_grad(
           loss_of, argnums=(0, 1), allow_int=True, has_aux=has_aux)(
               params, fused.inputs)
+    if clipping is not None:  # every other parameter's gradient, clipped
+      grads = _clip.clip_gradients(grads, fused.kpaths, clip_norm,
+                                   clipping.max_norm)
     new_kernels, new_subtrees = _forge_updates(
         spec, params, grads, new_inputs, fused, slot_ids, ctx)
 
@@ -679,4 +764,6 @@ def make_step(
     return value, new_params, new_state
 
   step.standard_layers = standard_layers
+  step.converted = converted
+  step.skipped = skipped
   return step

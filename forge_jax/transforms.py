@@ -5,23 +5,29 @@ tree and ``update``), plus a :class:`ForgeSpec` that :func:`forge_jax.make_step`
 uses to hand FORGE layers their slots and this step's hyperparameters. Every
 parameter that is not a FORGE kernel is updated by the optax transform itself,
 so it is updated exactly as optax would; a checkpoint of the state reads the
-same as optax's.
+same as optax's. For the families optax lacks (:func:`scion`,
+:func:`adam_mini`, :func:`adalomo`) the counterpart is an optax-style
+transform defined here, built from optax's pieces where they exist.
 
 The spec's ``family`` is classified (``pallas_kernels.classify``) and its
 regime picks the path the layer's backward takes (``forge_jax._paths``):
 regime 1 (SGD ... Lion) fuses entirely into the kernel's epilogue; regime 2
-(:func:`lamb`, :func:`muon`) advances the state in the epilogue and updates
-the weight in a per-layer pass over that state; regime 3 (:func:`adafactor`,
-:func:`sm3`) is deferred: the layer's ``G`` is formed and consumed inside its
-own backward. Regime 4 (global-norm clipping) cannot be fused and is refused
-(:func:`refuse_reason`).
+(:func:`lamb`, :func:`muon`, :func:`scion`) advances the state in the
+epilogue and updates the weight in a per-layer pass over that state; regime
+3 (:func:`adafactor`, :func:`sm3`, :func:`adam_mini`, :func:`adalomo`,
+:func:`lars`) is deferred: the layer's ``G`` is formed and consumed inside
+its own backward. Regime 4 (global-norm clipping) cannot be fused into one
+backward (:func:`refuse_reason`); it runs as a two-pass step
+(:mod:`forge_jax.clip`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Union
+import operator
+from typing import Any, Callable, NamedTuple, Optional, Union
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +121,33 @@ class ForgeSpec:
           "leave the weight to the layer pass (updates_weight=False)")
 
 
+# The family and spec of each ForgeTransformation, by its update function:
+# optax.chain keeps its members' functions, not the transforms, and
+# forge_jax.clip finds a forge_jax optimizer inside a chain through this.
+# Weak keys: an entry lives as long as its function. (A deferred family's
+# spec holds that very function, so only its family name is kept.)
+_CHAIN_MEMBERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _remember_member(update, spec: Optional[ForgeSpec]) -> None:
+  if spec is None:
+    return
+  try:
+    _CHAIN_MEMBERS[update] = (spec.family,
+                              spec if spec.update is None else None)
+  except TypeError:  # not weakly referenceable: not found inside a chain
+    pass
+
+
+def chain_member(update) -> Optional[tuple[str, Optional[ForgeSpec]]]:
+  """``(family, spec)`` of the forge_jax transform whose ``update`` this is
+  (``spec`` is ``None`` for a deferred family, regime 3), or ``None``."""
+  try:
+    return _CHAIN_MEMBERS.get(update)
+  except TypeError:
+    return None
+
+
 class ForgeTransformation(optax.GradientTransformationExtraArgs):
   """An optax ``GradientTransformation`` that can also drive FORGE layers.
 
@@ -126,6 +159,7 @@ class ForgeTransformation(optax.GradientTransformationExtraArgs):
   def __new__(cls, init, update, spec: ForgeSpec | None = None):
     self = super().__new__(cls, init, update)
     self.spec = spec
+    _remember_member(update, spec)
     return self
 
   def _replace(self, **changes):
@@ -842,6 +876,174 @@ def muon(
                 scope=scope)
 
 
+class ScaleByScionState(NamedTuple):
+  """State of :func:`scale_by_scion`: the gradient average ``d`` per
+  parameter (``mu``, the parameter's shape and dtype)."""
+  mu: optax.Updates
+
+
+def _scion_check_params(params) -> None:
+  """Scion's oracle is defined here for matrices and for vectors/scalars."""
+  for path, p in jax.tree_util.tree_leaves_with_path(params):
+    if jnp.ndim(p) > 2:
+      raise ValueError(
+          f"forge_jax.scion: the parameter at {jax.tree_util.keystr(path)} "
+          f"has shape {tuple(jnp.shape(p))} ({jnp.ndim(p)} axes). Scion's "
+          "linear minimisation oracle is defined here for matrices (the "
+          "spectral-norm ball, by Newton-Schulz) and for vectors and scalars"
+          " (the RMS-norm ball); a kernel with more axes (a DenseGeneral "
+          "with several input or feature axes, an nn.scan stack, a "
+          "convolution) has no single operator norm to take. Give that "
+          "layer a 2-D kernel (forge_jax.Dense, or a DenseGeneral with one "
+          "input and one feature axis).")
+
+
+def _scion_direction(d, scale: float, ns_coeffs, ns_steps: int, eps: float):
+  """``scale`` times Scion's oracle direction at ``d``: ``-lmo(d)`` for the
+  ball of radius ``scale`` (Pethick et al. 2025).
+
+  A matrix ``(fan_in, fan_out)`` (Flax's kernel layout) takes the ball of
+  the RMS-to-RMS operator norm, ``sqrt(fan_in/fan_out) * ||.||_2``, whose
+  oracle is ``sqrt(fan_out/fan_in) * U V^T`` (``d = U S V^T``), with ``U
+  V^T`` from optax's Newton-Schulz iteration (``d`` divided by its
+  Frobenius norm plus ``eps``, then ``ns_steps`` quintic steps with
+  ``ns_coeffs``). A vector (bias, norm scale) or scalar is a one-column
+  matrix: the same norm is its RMS, whose oracle is ``d / RMS(d)``
+  (``RMS(d) + eps`` here). Computed in fp32 at least.
+  """
+  from optax.contrib import _muon
+
+  d = d.astype(jnp.promote_types(d.dtype, jnp.float32))
+  if d.ndim == 2:
+    fan_in, fan_out = d.shape
+    o = _muon.orthogonalize_via_newton_schulz(
+        d, jnp.asarray(ns_coeffs, d.dtype), ns_steps, "frobenius", eps)
+    return (scale * (fan_out / fan_in) ** 0.5) * o
+  rms = jnp.sqrt(jnp.mean(numerics.abs_sq(d)))
+  return scale * (d / (rms + eps))
+
+
+def scale_by_scion(
+    momentum: float = 0.1,
+    scale: float = 1.0,
+    ns_coeffs: Any = (3.4445, -4.7750, 2.0315),
+    ns_steps: int = 5,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
+  r"""Scion's direction: the gradient average and its oracle, scaled.
+
+  .. math::
+    d_t = \alpha g_t + (1-\alpha) d_{t-1},\quad
+    u_t = -\mathrm{lmo}_{\rho}(d_t)
+
+  (:func:`_scion_direction`: spectral for a matrix, RMS for a vector or
+  scalar; ``momentum`` is :math:`\alpha`, ``scale`` is :math:`\rho`). The
+  oracle reads the average as stored (the parameter's dtype).
+
+  Raises:
+    ValueError: at ``init``, a parameter with more than two axes.
+  """
+
+  def init_fn(params):
+    _scion_check_params(params)
+    return ScaleByScionState(mu=optax.tree.zeros_like(params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = jax.tree.map(
+        lambda g, m: None if g is None else (
+            momentum * g + (1 - momentum) * m).astype(m.dtype),
+        updates, state.mu, is_leaf=lambda x: x is None)
+    u = jax.tree.map(
+        lambda m: None if m is None else _scion_direction(
+            m, scale, ns_coeffs, ns_steps, eps),
+        mu, is_leaf=lambda x: x is None)
+    return u, ScaleByScionState(mu=mu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scion(
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: float = 0.1,
+    scale: float = 1.0,
+    unconstrained: bool = False,
+    ns_coeffs: Any = (3.4445, -4.7750, 2.0315),
+    ns_steps: int = 5,
+    eps: float = 1e-8,
+) -> ForgeTransformation:
+  r"""Scion (Pethick et al. 2025, "Training Deep Learning Models with
+  Norm-Constrained LMOs", arXiv:2502.07529), FORGE-enabled (regime 2).
+
+  .. math::
+    d_t = \alpha g_t + (1-\alpha) d_{t-1},\\
+    w_t = (1-\gamma_t) w_{t-1} + \gamma_t\,\mathrm{lmo}_{\rho}(d_t)
+    \quad(\text{unconstrained: } w_t = w_{t-1} + \gamma_t\,
+    \mathrm{lmo}_{\rho}(d_t))
+
+  (the paper's SCG and uSCG; :math:`\gamma_t` the learning rate,
+  :math:`\alpha` = ``momentum``, the weight of the *new* gradient,
+  :math:`\rho` = ``scale``, the radius). :math:`\mathrm{lmo}_\rho` is the
+  linear minimisation oracle of the radius-:math:`\rho` ball: for a
+  ``(fan_in, fan_out)`` matrix, of the RMS-to-RMS operator norm,
+  :math:`-\rho\sqrt{\text{fan\_out}/\text{fan\_in}}\,UV^\top` by optax's
+  Newton-Schulz iteration (Muon's); for a vector or scalar (bias, norm
+  scale: a one-column matrix), of its RMS norm, :math:`-\rho\, d/\mathrm{RMS}(d)`.
+  Every parameter takes it, with one radius. Computed as the optax chain
+  :func:`scale_by_scion`, ``add_decayed_weights(1.0)`` (the constrained
+  variant's :math:`-\gamma_t w_{t-1}`), ``scale_by_learning_rate``.
+
+  In a FORGE layer the weight-gradient GEMM accumulates straight into the
+  average: the fused kernel's epilogue writes :math:`d_t` (rule
+  ``pallas_kernels.rules.scion_rule``) and leaves ``W``; a per-layer pass in
+  the same backward runs the oracle on the whole matrix of :math:`d_t` and
+  updates ``W``. No weight-sized ``G`` is stored.
+
+  Args:
+    learning_rate: :math:`\gamma`, a scalar or an optax schedule.
+    momentum: :math:`\alpha \in (0, 1]`, the weight of the new gradient in
+      the average (1 minus the usual momentum; 1: no averaging).
+    scale: :math:`\rho`, the radius of every parameter's norm ball.
+    unconstrained: the uSCG variant (no :math:`(1-\gamma_t)` shrink).
+    ns_coeffs, ns_steps: Newton-Schulz coefficients (``(3,)`` or
+      ``(ns_steps, 3)``) and iterations, as in :func:`optax.contrib.muon`.
+    eps: added to the Frobenius norm before Newton-Schulz and to the RMS
+      of a vector.
+
+  Returns:
+    A :class:`ForgeTransformation`.
+
+  Raises:
+    ValueError: at ``init``, a parameter with more than two axes (its
+      operator norm is not defined here).
+
+  Example:
+    >>> tx = forge_jax.scion(optax.cosine_decay_schedule(2**-10, 1000),
+    ...                      scale=10.0)
+  """
+  parts = [scale_by_scion(momentum, scale, ns_coeffs, ns_steps, eps)]
+  if not unconstrained:
+    parts.append(optax.add_decayed_weights(1.0))
+  parts.append(optax.scale_by_learning_rate(learning_rate))
+  inner = optax.chain(*parts)
+
+  def layer_pass(w, slots, outputs, h, shared):
+    del outputs, shared
+    # scale_by_scion's oracle on the new average, then add_decayed_weights
+    # and the learning rate, as the chain applies them.
+    (mu,) = slots
+    u = _scion_direction(mu, scale, ns_coeffs, ns_steps, eps)
+    if not unconstrained:
+      u = u + h["weight_decay"] * w
+    return w + (-h["lr"]) * u, slots
+
+  return _forge(inner, pallas_kernels.rules.scion_rule(),
+                ((ScaleByScionState, "mu"),), learning_rate,
+                lambda state: dict(momentum=momentum, decay=1 - momentum),
+                family="scion", weight_decay=0.0 if unconstrained else 1.0,
+                layer_pass=layer_pass)
+
+
 # --- Regime 3: deferred, one layer's G at a time ------------------------------
 
 
@@ -915,6 +1117,294 @@ def sm3(learning_rate: float, momentum: float = 0.9) -> ForgeTransformation:
   return _forge_deferred(optax.sm3(learning_rate, momentum=momentum), "sm3")
 
 
+class ScaleByAdamMiniState(NamedTuple):
+  """State of :func:`scale_by_adam_mini`: the step count, the first moment
+  ``mu`` (the parameters' shape) and one second moment per block, ``nu``
+  (each parameter's shape without its block axes)."""
+  count: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+def _adam_mini_block_axes(path, leaf, block_axes) -> tuple[int, ...]:
+  """The axes one Adam-mini block spans in ``leaf`` (the parameter at
+  ``path``, or its gradient): ``block_axes(path, leaf)`` where it gives
+  them, else the default -- a matrix ``(in, out)`` one block per output
+  neuron (axis 0), a vector or scalar one block."""
+  ndim = jnp.ndim(leaf)
+  axes = None if block_axes is None else block_axes(path, leaf)
+  where = jax.tree_util.keystr(path)
+  if axes is None:
+    if ndim <= 1:
+      return tuple(range(ndim))
+    if ndim == 2:
+      return (0,)
+    raise ValueError(
+        f"forge_jax.adam_mini: the parameter at {where} has shape "
+        f"{tuple(jnp.shape(leaf))} ({ndim} axes), for which there is no "
+        "default block. Pass block_axes=fn, fn(path, param) -> the axes one "
+        "block spans (e.g. (0, 2) for a (in, heads, head_dim) query or key "
+        "kernel: one block per head; (0,) for a value kernel: one per output "
+        "neuron), or None for the default.")
+  try:
+    raw = [operator.index(a) for a in (
+        (axes,) if isinstance(axes, int) else axes)]
+  except TypeError:
+    raw = None
+  if (raw is None or any(not -ndim <= a < ndim for a in raw)
+      or len({a % ndim for a in raw}) != len(raw)):
+    raise ValueError(
+        f"forge_jax.adam_mini: block_axes gave {axes!r} for the parameter at "
+        f"{where} (shape {tuple(jnp.shape(leaf))}): it must be distinct axes "
+        f"of it, each in [-{ndim}, {ndim}), or None for the default")
+  return tuple(sorted(a % ndim for a in raw))
+
+
+def scale_by_adam_mini(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    mu_dtype: Optional[Any] = None,
+    block_axes: Optional[Callable[[Any, jax.Array],
+                                  Optional[tuple[int, ...]]]] = None,
+) -> optax.GradientTransformation:
+  r"""Adam-mini's scaling (Zhang et al. 2024, Algorithm 1).
+
+  .. math::
+    m_t = (1-\beta_1) g_t + \beta_1 m_{t-1},\quad
+    v_{t,b} = (1-\beta_2)\,\mathrm{mean}_{i \in b}(g_{t,i}^2) + \beta_2 v_{t-1,b},\\
+    u_t = \frac{m_t/(1-\beta_1^t)}{\sqrt{v_{t,b}/(1-\beta_2^t)} + \epsilon}
+
+  with one :math:`v` per block :math:`b` (:func:`_adam_mini_block_axes`).
+  Same operation order as ``optax.scale_by_adam``.
+
+  Raises:
+    ValueError: at ``init``, a parameter with no block (more than two axes
+      and no ``block_axes`` for it), or bad ``block_axes``.
+  """
+  none = lambda x: x is None
+
+  def axes_of(path, leaf):
+    return _adam_mini_block_axes(path, leaf, block_axes)
+
+  def init_fn(params):
+    nu = jax.tree_util.tree_map_with_path(
+        lambda kp, p: jnp.zeros(
+            [n for i, n in enumerate(jnp.shape(p)) if i not in axes_of(kp, p)],
+            p.dtype), params)
+    return ScaleByAdamMiniState(
+        count=jnp.zeros([], jnp.int32),
+        mu=optax.tree.zeros_like(params, dtype=mu_dtype), nu=nu)
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+    nu = jax.tree_util.tree_map_with_path(
+        lambda kp, g, v: None if g is None else (
+            (1 - b2) * jnp.mean(numerics.abs_sq(g), axis=axes_of(kp, g))
+            + b2 * v),
+        updates, state.nu, is_leaf=none)
+    count_inc = numerics.safe_increment(state.count)
+    mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+    nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+    updates = jax.tree_util.tree_map_with_path(
+        lambda kp, m, v: None if m is None else m / (
+            jnp.sqrt(jnp.expand_dims(v, axes_of(kp, m))) + eps),
+        mu_hat, nu_hat, is_leaf=none)
+    mu = optax.tree.cast(mu, mu_dtype)
+    nu = optax.tree.cast_like(nu, state.nu)
+    return updates, ScaleByAdamMiniState(count=count_inc, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adam_mini(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    mu_dtype: Optional[Any] = None,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    *,
+    block_axes: Optional[Callable[[Any, jax.Array],
+                                  Optional[tuple[int, ...]]]] = None,
+) -> ForgeTransformation:
+  r"""Adam-mini (Zhang et al. 2024, "Adam-mini: Use Fewer Learning Rates To
+  Gain More", arXiv:2406.16793), FORGE-enabled (regime 3, deferred).
+
+  .. math::
+    m_t = (1-\beta_1) g_t + \beta_1 m_{t-1},\quad
+    v_{t,b} = (1-\beta_2)\,\mathrm{mean}_{i \in b}(g_{t,i}^2) + \beta_2 v_{t-1,b},\\
+    w_t = w_{t-1} - \eta_t\Big(\frac{m_t/(1-\beta_1^t)}
+          {\sqrt{v_{t,b}/(1-\beta_2^t)} + \epsilon} + \lambda w_{t-1}\Big)
+
+  Adam with one second moment per *block* :math:`b` of each parameter, the
+  mean of :math:`g^2` over the block. Blocks by default, following the
+  paper's partition for linear layers: a ``(in, out)`` kernel has one block
+  per output neuron (the mean over axis 0: ``nu`` has shape ``(out,)``); a
+  vector (bias, norm scale) or scalar is one block. ``block_axes`` sets
+  others, e.g. one block per head for a query or key kernel
+  ``(in, heads, head_dim)`` (axes ``(0, 2)``), one per token for an
+  embedding table ``(vocab, features)`` (axis ``(1,)``), as the paper
+  partitions them; a parameter of more than two axes needs one. Computed as
+  the optax chain :func:`scale_by_adam_mini`, ``add_decayed_weights``,
+  ``scale_by_learning_rate`` (``optax.adamw``'s order).
+
+  The state update reads a statistic of the whole block (an output neuron's
+  column spans every input row), which no output tile can close: a FORGE
+  layer forms its ``G`` in fp32 inside its own backward, applies this
+  transform's ``update`` to that one kernel and its slice of the state and
+  frees ``G`` there.
+
+  Args:
+    learning_rate: a scalar or an optax schedule.
+    b1, b2, eps: Adam's constants.
+    mu_dtype: dtype of the first moment; ``None`` follows the parameters.
+    weight_decay: decoupled weight decay rate (scalar or schedule).
+    mask: which parameters get weight decay (tree, prefix or callable).
+    block_axes: ``block_axes(path, leaf) -> axes`` (a tuple of the
+      parameter's axes one block spans; ``None``: the default above), with
+      ``path`` the parameter's key path in the params tree and ``leaf`` the
+      parameter or its gradient (read its shape, not its values).
+
+  Returns:
+    A :class:`ForgeTransformation`.
+
+  Raises:
+    ValueError: at ``init``, a parameter with more than two axes and no
+      ``block_axes`` for it, or ``block_axes`` naming axes it does not have.
+
+  Example:
+    >>> heads = lambda path, p: (0, 2) if p.ndim == 3 else None
+    >>> tx = forge_jax.adam_mini(1e-3, weight_decay=0.1, block_axes=heads)
+  """
+  inner = optax.chain(
+      scale_by_adam_mini(b1, b2, eps, mu_dtype, block_axes),
+      optax.add_decayed_weights(weight_decay, _holes_aware(mask)),
+      optax.scale_by_learning_rate(learning_rate))
+  return _forge_deferred(inner, "adam_mini")
+
+
+def adalomo(
+    learning_rate: optax.ScalarOrSchedule,
+    decay_rate: float = 0.8,
+    eps: float = 1e-30,
+    min_scale: float = 1e-3,
+    clipping_threshold: float = 1.0,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    weight_decay_mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+) -> ForgeTransformation:
+  r"""AdaLomo (Lv et al. 2023, "AdaLomo: Low-memory Optimization with
+  Adaptive Learning Rate", arXiv:2310.10195), FORGE-enabled (regime 3).
+
+  For a matrix :math:`G_t` (:math:`n \times m`), with
+  :math:`\beta_t = 1 - t^{-\kappa}` (``decay_rate`` :math:`\kappa`):
+
+  .. math::
+    r_t = \beta_t r_{t-1} + (1-\beta_t)\,\mathrm{mean}_j(G_t^2 + \epsilon_1),\quad
+    c_t = \beta_t c_{t-1} + (1-\beta_t)\,\mathrm{mean}_i(G_t^2 + \epsilon_1),\\
+    v_t = r_t c_t^\top / \mathrm{mean}(r_t),\quad
+    u_t = G_t / \sqrt{v_t},\quad
+    \hat u_t = u_t / \max(1, \mathrm{RMS}(u_t)/d),\\
+    w_t = w_{t-1} - \eta_t \max(\epsilon_2, \mathrm{RMS}(w_{t-1}))
+          (\hat u_t + \lambda w_{t-1})
+
+  The factored second moment (non-negative rank-1 factorisation, as
+  Adafactor's), no first moment, and the paper's *grouped* update
+  normalisation: :math:`\mathrm{RMS}(u_t)` and the relative step
+  :math:`\max(\epsilon_2, \mathrm{RMS}(w))` per parameter, not over the
+  whole model -- which is what lets each layer update inside its own
+  backward. Every parameter of two or more axes is factored (over its two
+  largest axes); a vector or scalar keeps a full second moment
+  :math:`v_t = \beta_t v_{t-1} + (1-\beta_t)(g_t^2 + \epsilon_1)`. Weight
+  decay :math:`\lambda` is decoupled and scaled by the same relative step.
+  Computed with optax's own pieces: ``scale_by_factored_rms`` (every matrix
+  factored), ``clip_by_block_rms(d)``, ``add_decayed_weights``,
+  ``scale_by_param_block_rms(ε₂)``, ``scale_by_learning_rate``.
+
+  Its state update reads row and column means of :math:`G^2`, so a FORGE
+  layer forms its ``G`` in fp32 inside its own backward, applies this
+  update to that one kernel (its ``v_row``, ``v_col``) and frees ``G`` there.
+
+  Args:
+    learning_rate: :math:`\eta`, a scalar or an optax schedule.
+    decay_rate: :math:`\kappa` of :math:`\beta_t = 1 - t^{-\kappa}`.
+    eps: :math:`\epsilon_1`, added to :math:`G^2`.
+    min_scale: :math:`\epsilon_2`, the smallest relative step scale.
+    clipping_threshold: :math:`d`, the update RMS above which the update is
+      normalised.
+    weight_decay: :math:`\lambda` (scalar or schedule).
+    weight_decay_mask: which parameters get weight decay (tree, prefix or
+      callable).
+
+  Returns:
+    A :class:`ForgeTransformation`.
+
+  Example:
+    >>> tx = forge_jax.adalomo(optax.linear_schedule(5e-3, 5e-4, 1000))
+  """
+  inner = optax.chain(
+      optax.scale_by_factored_rms(factored=True, decay_rate=decay_rate,
+                                  min_dim_size_to_factor=1, epsilon=eps),
+      optax.clip_by_block_rms(clipping_threshold),
+      optax.add_decayed_weights(weight_decay,
+                                _holes_aware(weight_decay_mask)),
+      optax.scale_by_param_block_rms(min_scale),
+      optax.scale_by_learning_rate(learning_rate))
+  return _forge_deferred(inner, "adalomo")
+
+
+def lars(
+    learning_rate: optax.ScalarOrSchedule,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    weight_decay_mask: Any = True,
+    trust_coefficient: Any = 0.001,
+    eps: Any = 0.0,
+    trust_ratio_mask: Any = True,
+    momentum: Any = 0.9,
+    nesterov: bool = False,
+) -> ForgeTransformation:
+  r"""LARS: ``optax.lars``, FORGE-enabled (regime 3, deferred).
+
+  .. math::
+    u_t = g_t + \lambda w_{t-1},\quad
+    u_t \leftarrow \tau \frac{\|w_{t-1}\|}{\|u_t\| + \epsilon}\, u_t,\quad
+    b_t = -\eta_t u_t + \mu b_{t-1},\quad
+    w_t = w_{t-1} + b_t
+    \quad(\text{nesterov: } w_t = w_{t-1} - \eta_t u_t + \mu b_t)
+
+  (You et al. 2017; the trust ratio is 1 where either norm is 0, and only
+  where ``trust_ratio_mask`` says; the decay only where
+  ``weight_decay_mask`` says). optax's arithmetic: the trust ratio's
+  denominator is the norm of the decayed update :math:`\|g + \lambda w\|`
+  (the paper's :math:`\|g\| + \lambda\|w\|` bounds it), and the learning
+  rate is applied before the momentum. Both masks default to every
+  parameter, biases included, as in optax. The trust ratio scales ``G``
+  by a ratio that reads the whole layer's ``||G||`` *before* the momentum,
+  so a FORGE layer forms its ``G`` in fp32 inside its own backward, applies
+  optax's own update to that one kernel and frees ``G`` there. Same
+  signature, defaults and state as :func:`optax.lars`.
+
+  Args:
+    learning_rate, weight_decay, weight_decay_mask, trust_coefficient, eps,
+      trust_ratio_mask, momentum, nesterov: as in :func:`optax.lars`.
+
+  Returns:
+    A :class:`ForgeTransformation`.
+
+  Example:
+    >>> tx = forge_jax.lars(optax.cosine_decay_schedule(0.5, 1000),
+    ...                     weight_decay=1e-4)
+  """
+  return _forge_deferred(
+      optax.lars(learning_rate, weight_decay=weight_decay,
+                 weight_decay_mask=_holes_aware(weight_decay_mask),
+                 trust_coefficient=trust_coefficient, eps=eps,
+                 trust_ratio_mask=_holes_aware(trust_ratio_mask),
+                 momentum=momentum, nesterov=nesterov), "lars")
+
+
 # --- What forge_jax does not fuse ----------------------------------------------
 
 # pallas_kernels family name -> the forge_jax transform that implements it
@@ -929,10 +1419,11 @@ def refuse_reason(family: str) -> Optional[str]:
 
   ``family`` is a name ``pallas_kernels.classify`` knows (aliases such as
   ``"clip_by_global_norm"`` included). A regime-4 family (global-norm
-  clipping) is refused for good: its state update reads a statistic of
+  clipping) is refused as a family: its state update reads a statistic of
   *every* layer's gradient, which exists only after the whole backward, so no
-  layer can update itself in its own backward -- use optax on the standard
-  path (``flax.linen.Dense``, or ``forge_jax.Dense(fused=False)``). A known
+  layer can update itself in its own backward; global-norm clipping runs as
+  a two-pass step, ``optax.chain(forge_jax.clip_by_global_norm(max_norm),
+  forge_jax.adamw(...))`` (``forge_jax.clip``). A known
   regime-1-3 family that forge_jax does not implement yet, and an unknown
   name, are refused with a reason too.
 
@@ -950,11 +1441,12 @@ def refuse_reason(family: str) -> Optional[str]:
     return (
         f"{regime.reason} FORGE updates each layer inside its own backward, "
         "before later layers' gradients exist, so a regime-4 transform cannot"
-        " be fused: forge_jax refuses it (there is no "
-        f"forge_jax.{family}). Train with optax on the standard path "
-        "(flax.linen.Dense, or forge_jax.Dense(fused=False)) -- e.g. "
-        "optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...)) -- or "
-        "drop the clipping and use a forge_jax transform.")
+        " be fused into one backward. forge_jax runs global-norm clipping as "
+        "a two-pass step instead (a norm pass, then the fused update; "
+        "docs/clipping.md), written as optax.chain("
+        "forge_jax.clip_by_global_norm(max_norm), forge_jax.adamw(...)); any "
+        "other cross-layer statistic: train with optax on the standard path "
+        "(flax.linen.Dense, or forge_jax.Dense(fused=False)).")
   if regime.family in IMPLEMENTED:
     return None
   return (f"{regime.reason} forge_jax does not implement {regime.family!r} "

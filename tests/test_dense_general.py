@@ -157,3 +157,30 @@ def test_refuses_what_is_not_one_gemm(kwargs, shape, what):
   # fused=False is nn.DenseGeneral's own step.
   step_once(forge_jax.DenseGeneral(**kwargs, fused=False),
             forge_jax.adamw(1e-2), (x, jnp.zeros_like(y)))
+
+
+def test_boxed_kernel_init_keeps_its_box_and_trains():
+  # nn.with_logical_partitioning returns a box from the initializer; the
+  # fused layer reshapes the boxed value as nn.DenseGeneral does.
+  names = ("embed", "heads", "kv")
+  kwargs = dict(features=7, axis=(-2, -1), kernel_init=(
+      nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)))
+  ref_model = Net(nn.DenseGeneral, kwargs)
+  f_model = Net(forge_jax.DenseGeneral, kwargs)
+  x = _x((2, 5, 4, 6))
+  variables = ref_model.init(jax.random.key(0), x)
+  got = f_model.init(jax.random.key(0), x)
+  box = got["params"]["DenseGeneral_0"]["kernel"]
+  assert isinstance(box, nn.LogicallyPartitioned) and box.names == names
+  assert jax.tree.structure(got) == jax.tree.structure(variables)
+  y = jax.random.normal(jax.random.key(5), ref_model.apply(variables, x).shape)
+  tx_kwargs = dict(learning_rate=1e-2, weight_decay=1e-2)
+  ref_tx, f_tx = optax.adamw(**tx_kwargs), forge_jax.adamw(**tx_kwargs)
+  ref_loss, ref_v, ref_s = jax.jit(reference_step(mse(ref_model), ref_tx))(
+      variables, ref_tx.init(variables["params"]), (x, y))
+  f_loss, f_v, f_s = jax.jit(forge_jax.make_step(mse(f_model), f_tx))(
+      got, f_tx.init(got["params"]), (x, y))
+  assert_close(f_loss, ref_loss, tol(jnp.float32), "loss")
+  assert f_v["params"]["DenseGeneral_0"]["kernel"].names == names
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")

@@ -235,3 +235,53 @@ def test_multisteps_of_an_injected_transform_is_refused_with_the_fix():
   tx = optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3)
   with pytest.raises(TypeError, match="Pass a schedule instead"):
     forge_jax.MultiSteps(tx, 2)
+
+
+# --- A third-party Transformer LM, converted, its blocks in ScannedBlocks -----
+
+
+def test_converted_lm_with_scanned_blocks_keeps_its_boxes_and_trains():
+  """tests/third_party_lm.py's LM (nn.with_logical_partitioning everywhere)
+  with its blocks stacked by ScannedBlocks (metadata_params) and
+  make_step(..., convert=True), against the same LM stacked by nn.scan +
+  optax: the same boxed tree, 10 equal fp32 steps. In the blocks the MLP's
+  nn.Dense layers are fused; the attention's nn.DenseGeneral layers, which
+  ScannedBlocks does not fuse, are reported and trained by optax."""
+  from tests import third_party_lm as tp
+  forge_model = tp.LM(stack=lambda block, n, name: forge_jax.ScannedBlocks(
+      block, n, metadata_params=LAYERS, name=name))
+  flax_model = tp.LM(stack=FlaxScan)
+  bs = tp.batches(10)
+  boxed = tp.init(forge_model, bs[0][0])
+  # nn.scan's tree: the same boxes, with the stacked axis named 'layers'.
+  assert names_of(boxed) == names_of(jax.eval_shape(
+      lambda t: flax_model.init(jax.random.key(0), t, train=False), bs[0][0]))
+  attn = boxed["params"]["blocks"]["block"]["MultiHeadDotProductAttention_0"]
+  assert attn["query"]["kernel"].names == ("layers", "embed", "joined_kv")
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  forge_tx, optax_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+  step = forge_jax.make_step(tp.next_token_loss(forge_model), forge_tx,
+                             convert=True)
+  vf, sf = boxed, forge_tx.init(boxed["params"])
+  with pytest.warns(forge_jax.ConvertSkipWarning, match="ScannedBlocks"):
+    traced, fs = tp.compiled(step, vf, sf, bs[0])
+  assert str(traced.jaxpr).count("pallas_call") == 3  # 2 MLP stacks + head
+  assert step.converted == ["Dense_0", "blocks/block/Dense_0",
+                            "blocks/block/Dense_1"]
+  attention = "blocks/block/MultiHeadDotProductAttention_0/"
+  assert sorted(step.skipped) == [attention + p
+                                  for p in ("key", "out", "query", "value")]
+  plain = flax.core.meta.unbox(boxed)
+  vr, sr = plain, optax_tx.init(plain["params"])
+  _, rs = tp.compiled(reference_step(tp.next_token_loss(flax_model), optax_tx),
+                      vr, sr, bs[0])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  assert names_of(vf) == names_of(boxed)
+  assert names_of(sf) == names_of(forge_tx.init(boxed["params"]))
+  assert_trees_close(flax.core.meta.unbox(vf), vr, RTOL, "variables")
+  assert_trees_close(flax.core.meta.unbox(sf), sr, RTOL, "opt_state")
+  mlp = ("blocks", "block", "Dense_1", "kernel")
+  get = lambda t: t["params"][mlp[0]][mlp[1]][mlp[2]][mlp[3]]
+  assert rel_err(get(vr), get(plain)) > 1e-3  # it trained

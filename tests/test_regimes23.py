@@ -292,16 +292,18 @@ def test_regime_2_never_forms_a_kernel_gradient_regime_3_one_per_layer(
 def test_regime_4_is_refused_with_the_reason():
   why = forge_jax.refuse_reason("clip_by_global_norm")
   assert "regime 4" in why and "cannot be fused" in why
+  assert "forge_jax.clip_by_global_norm(max_norm)" in why  # the two passes
   with pytest.raises(AttributeError, match="regime 4.*cannot be fused"):
-    forge_jax.clip_by_global_norm  # noqa: B018
+    forge_jax.global_norm_clip  # noqa: B018
   assert not hasattr(forge_jax, "global_norm_clip")
   # A spec that claims a regime-4 family is refused too.
   with pytest.raises(ValueError, match="regime 4"):
     forge_jax.ForgeSpec(rule=None, slot_fields=None, hparams=lambda s: {},
                         family="global_norm_clip")
-  # An optax chain with global-norm clipping is not a FORGE transform.
-  chain = optax.chain(optax.clip_by_global_norm(1.0), forge_jax.adamw(1e-3))
-  with pytest.raises(TypeError, match="forge_jax transform.*clip_by_global_norm"):
+  # Global-norm clipping before an optax (not forge_jax) optimizer is not a
+  # chain make_step can drive (tests/test_clipping.py: the one it runs).
+  chain = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  with pytest.raises(TypeError, match="clip_by_global_norm.*forge_jax cannot drive"):
     forge_jax.make_step(_mse(MLP(forge_jax.Dense)), chain)
 
 
@@ -321,19 +323,23 @@ def test_the_transforms_are_the_registrys_optax_families():
     assert (f.optax_factory is not None) == (f.regime.number in (1, 2)), name
 
 
-def test_refuse_reason_for_implemented_unimplemented_and_unknown():
+def test_refuse_reason_for_implemented_unimplemented_and_unknown(monkeypatch):
   for family in ("adamw", "sgd_momentum", "lamb", "muon", "adafactor", "sm3"):
     assert forge_jax.refuse_reason(family) is None, family
   # Every public transform's own name (nadamw included: an AdamW).
   for name in ("sgd", "adagrad", "rmsprop", "adam", "adamw", "adamax",
-               "nadam", "nadamw", "radam", "lion", "lamb", "muon",
-               "adafactor", "sm3"):
+               "nadam", "nadamw", "radam", "lion", "lamb", "muon", "scion",
+               "adafactor", "sm3", "adam_mini", "adalomo", "lars"):
     assert callable(getattr(forge_jax, name)), name
     assert forge_jax.refuse_reason(name) is None, name
-  assert "does not implement 'lars'" in forge_jax.refuse_reason("lars")
-  assert "regime 3" in forge_jax.refuse_reason("lars")
-  with pytest.raises(AttributeError, match="does not implement 'scion'"):
-    forge_jax.scion  # noqa: B018
+  # A registered family without a transform is refused with its path.
+  from forge_jax import transforms
+  monkeypatch.delitem(transforms.IMPLEMENTED, "adam_mini")
+  assert "does not implement 'adam_mini'" in forge_jax.refuse_reason(
+      "adam_mini")
+  assert "regime 3" in forge_jax.refuse_reason("adam_mini")
+  with pytest.raises(AttributeError, match="does not implement 'adam_mini'"):
+    forge_jax.adammini  # noqa: B018
   assert "unknown optimizer family" in forge_jax.refuse_reason("nope")
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     forge_jax.nope  # noqa: B018

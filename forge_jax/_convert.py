@@ -1,0 +1,290 @@
+"""``make_step(..., convert=True)``: an unmodified Flax model's ``nn.Dense``
+and ``nn.DenseGeneral`` layers run as ``forge_jax.Dense`` and
+``forge_jax.DenseGeneral``.
+
+While the step is traced, a Flax method interceptor
+(``flax.linen.intercept_methods``) catches each call of ``nn.Dense``'s or
+``nn.DenseGeneral``'s own ``__call__`` (an instance of the class, of a
+subclass that does not override ``__call__``, or a subclass's
+``super().__call__``), and runs the FORGE layer's body in that module's own
+scope, in its own call: the same parameters, by the same names, shapes and
+boxes, so the parameter tree is the unconverted model's. A layer FORGE cannot
+fuse runs its own ``__call__`` unchanged (the standard path) and is reported
+with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Mapping
+import warnings
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+from flax.linen import dtypes as flax_dtypes
+
+from forge_jax import _context
+from forge_jax.dense import Dense
+from forge_jax.dense_general import DenseGeneral
+
+
+class ConvertSkipWarning(UserWarning):
+  """``make_step(..., convert=True)`` left some ``nn.Dense`` /
+  ``nn.DenseGeneral`` layers on the standard path; the message (and the
+  step's ``skipped`` dict) says which and why. Emitted once per trace of the
+  step; filter it, or escalate it to an error, like any warning."""
+
+
+def _body(method):
+  """A Flax module method without Flax's wrapper (its ``__wrapped__``)."""
+  body = getattr(method, "__wrapped__", None)
+  if body is None:
+    raise NotImplementedError(
+        "forge_jax.make_step(..., convert=True) needs Flax module methods "
+        "that expose __wrapped__ (flax.linen's method wrapper); this Flax "
+        "version does not: replace nn.Dense / nn.DenseGeneral with "
+        "forge_jax.Dense / forge_jax.DenseGeneral in the model instead")
+  return body
+
+
+@functools.cache
+def _targets() -> dict:
+  """What a call runs (the method's own body, by identity) -> (the FORGE
+  class that replaces it, that class's body, the layer's name in reports)."""
+  return {
+      _body(nn.Dense.__call__): (Dense, _body(Dense.__call__), "nn.Dense"),
+      _body(nn.DenseGeneral.__call__): (DenseGeneral,
+                                        _body(DenseGeneral.__call__),
+                                        "nn.DenseGeneral"),
+  }
+
+
+@dataclasses.dataclass
+class Report:
+  """What the conversion did while the step was traced.
+
+  ``converted``: layer name -> ``"nn.Dense"`` / ``"nn.DenseGeneral"``, for
+  the layers that ran as FORGE layers; ``skipped``: layer name -> why the
+  layer stayed on the standard path, in plain words.
+  """
+
+  converted: dict[str, str] = dataclasses.field(default_factory=dict)
+  skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  def publish(self, converted: list[str], skipped: dict[str, str]) -> None:
+    """Sets the step's ``converted`` list and ``skipped`` dict (in place, so
+    that ``jax.jit(step)``'s copies of the attributes see them) and warns a
+    :class:`ConvertSkipWarning` naming the skipped layers, at the caller of
+    the step."""
+    converted[:] = sorted(self.converted)
+    skipped.clear()
+    skipped.update(sorted(self.skipped.items()))
+    if self.skipped:
+      warnings.warn(ConvertSkipWarning(
+          f"forge_jax.make_step(..., convert=True) left "
+          f"{len(self.skipped)} layer(s) on the standard path (an ordinary "
+          "gradient and optax update, exactly as without FORGE); the "
+          f"{len(self.converted)} other(s) run as FORGE layers:\n" + "\n".join(
+              f"  {name}: {why}" for name, why in sorted(self.skipped.items()))
+          + "\n(The step's .skipped dict holds these reasons.)"), stacklevel=3)
+
+
+_ACTIVE = threading.local()
+
+
+def active_report() -> Report | None:
+  """The report of the conversion active on this thread, if any."""
+  return getattr(_ACTIVE, "report", None)
+
+
+def no_layers_note() -> str:
+  """A sentence for the step's "no FORGE layer" error: what the conversion
+  found, when one is active (empty otherwise)."""
+  report = active_report()
+  if report is None:
+    return ""
+  if not report.skipped:
+    return (". make_step(..., convert=True) found no nn.Dense or "
+            "nn.DenseGeneral layer in loss_fn either.")
+  return (". make_step(..., convert=True) found only layers it cannot fuse: "
+          + "; ".join(f"{n!r} ({why})" for n, why in
+                      sorted(report.skipped.items())) + ".")
+
+
+def check_flag(convert) -> None:
+  """Refuses a ``convert`` argument that is not a bool."""
+  if not isinstance(convert, bool):
+    raise TypeError(f"make_step: convert must be a bool, got {convert!r}")
+
+
+def _as_tuple(v) -> tuple:
+  return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
+def _dtype_reason(module, inputs) -> str | None:
+  """Why the layer's dtypes keep it off the fused kernel (a non-float or
+  float64 kernel or computation dtype), or None. The computation dtype is
+  the one the layer computes in: its ``dtype``, else the promotion of its
+  input and kernel (as ``flax.linen.dtypes.canonicalize_dtype``)."""
+  kernel_dtype = jnp.dtype(
+      module.get_variable("params", "kernel").dtype
+      if module.has_variable("params", "kernel")
+      else jax.dtypes.canonicalize_dtype(module.param_dtype))
+  dtype = module.dtype
+  if dtype is None:
+    dtype = jnp.result_type(jnp.asarray(inputs).dtype, kernel_dtype)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      dtype = jnp.promote_types(jnp.float32, dtype)
+  for what, d in (("kernel", kernel_dtype), ("computation", jnp.dtype(dtype))):
+    if not jnp.issubdtype(d, jnp.floating):
+      return (f"its {what} dtype is {d}: the fused kernel updates "
+              "floating-point weights from floating-point activations only")
+    if jax.dtypes.canonicalize_dtype(d) == jnp.float64:
+      return (f"its {what} dtype is float64: the fused kernel computes in "
+              "fp32 and stores fp32, bf16 or fp16 (give the model "
+              "param_dtype/dtype float32 to fuse it)")
+  return None
+
+
+def _custom_dot(module) -> bool:
+  return (module.dot_general is not None
+          or module.dot_general_cls is not None
+          or module.promote_dtype is not flax_dtypes.promote_dtype)
+
+
+def _kernel_shape(module, kind: str, inputs) -> tuple[tuple, str | None]:
+  """The kernel's shape as the FORGE layer sees it, or why the layer is not
+  one GEMM (``nn.DenseGeneral`` only)."""
+  shape = jnp.shape(inputs)
+  if kind == "nn.Dense":
+    return (shape[-1:] + (module.features,)), None
+  batch_dims = _as_tuple(module.batch_dims)
+  if batch_dims:
+    return (), (f"batch_dims={module.batch_dims!r}: a weight per batch "
+                "index is a batched matrix product, not one GEMM")
+  ndim = len(shape)
+  axis = tuple(a % ndim if -ndim <= a < ndim else a
+               for a in _as_tuple(module.axis))
+  if axis != tuple(range(ndim - len(axis), ndim)):
+    return (), (f"axis={module.axis!r} on a {ndim}-axis input: the "
+                "contracted axes are not the input's trailing axes in order, "
+                "so the layer is not one GEMM without copying the weight")
+  return shape[ndim - len(axis):] + _as_tuple(module.features), None
+
+
+def _has_kernel(params, path) -> bool:
+  node = params
+  for key in (*path, "kernel"):
+    if not isinstance(node, Mapping) or key not in node:
+      return False
+    node = node[key]
+  return True
+
+
+class _Converter:
+  """The method interceptor: runs each ``nn.Dense`` / ``nn.DenseGeneral``
+  call it can fuse as the FORGE layer, records the others with the reason.
+
+  Args:
+    params: the step's (unboxed) parameter tree: a layer whose kernel is not
+      in it at the layer's path belongs to another model.
+    spec: the step's ``ForgeSpec`` (Muon cannot fuse a kernel of more than
+      two axes).
+    report: where the decisions are recorded.
+  """
+
+  def __init__(self, params, spec, report: Report):
+    self.params = params
+    self.spec = spec
+    self.report = report
+
+  def _reason(self, module, kind: str, inputs, path, next_fun,
+              orig) -> str | None:
+    """Why this call stays on the standard path, or None to convert it."""
+    if next_fun is not orig:
+      return ("another method interceptor (flax.linen.intercept_methods, "
+              "entered inside the step) wraps this call, and the FORGE layer "
+              "cannot run beneath it")
+    if not _has_kernel(self.params, path):
+      return ("its kernel is not in the step's variables['params'] at this "
+              "path: a second model applied inside loss_fn (e.g. a frozen "
+              "teacher), or the model applied to part of the variables")
+    if kind == "nn.DenseGeneral" and _context.current_tap() is not None:
+      return ("it is inside a forge_jax.ScannedBlocks block, where only "
+              "Dense layers are fused; its kernel is updated by optax with "
+              "the block's other parameters")
+    if _custom_dot(module):
+      return ("a custom dot_general, dot_general_cls or promote_dtype (e.g. "
+              "quantisation) cannot be fused")
+    shape, why = _kernel_shape(module, kind, inputs)
+    if why is not None:
+      return why
+    if math.prod(shape) == 0:
+      return f"its kernel {shape} is empty: there is nothing to update"
+    why = _dtype_reason(module, inputs)
+    if why is not None:
+      return why
+    if (kind == "nn.DenseGeneral" and len(shape) > 2
+        and getattr(self.spec, "family", None) == "muon"):
+      return (f"Muon orthogonalizes a matrix and this kernel has {len(shape)} "
+              "axes: FORGE would orthogonalize its (in, out) view, which "
+              "optax does not")
+    return None
+
+  def __call__(self, next_fun, args, kwargs, context):
+    target = _targets().get(getattr(context.orig_method, "func", None))
+    module = context.module
+    if (target is None or context.method_name != "__call__"
+        or isinstance(module, (Dense, DenseGeneral))):
+      return next_fun(*args, **kwargs)
+    cls, body, kind = target
+    inputs = args[0] if args else kwargs.get("inputs")
+    tap = _context.current_tap()
+    path = (*tap.prefix, *module.path) if tap is not None else tuple(
+        module.path)
+    name = _context.layer_name(path)
+    why = self._reason(module, kind, inputs, path, next_fun,
+                       context.orig_method)
+    if why is not None:
+      self.report.skipped[name] = f"{kind}: {why}"
+      return next_fun(*args, **kwargs)
+    self.report.converted[name] = kind
+    # The FORGE layer's body run on this module itself: a FORGE-class view
+    # sharing the module's fields, scope and call state, inside the module's
+    # own (already entered) call -- so Flax records one call of one module.
+    view = object.__new__(cls)
+    view.__dict__.update(module.__dict__)
+    for f in dataclasses.fields(cls):  # FORGE's own attributes: defaults
+      if f.name not in view.__dict__:
+        if f.default is not dataclasses.MISSING:
+          object.__setattr__(view, f.name, f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+          object.__setattr__(view, f.name, f.default_factory())
+    object.__setattr__(view, "fused", True)
+    return body(view, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def converting(enabled: bool, params, spec):
+  """While the step is traced: the conversion, if ``enabled``.
+
+  Yields:
+    The :class:`Report` the conversion fills, or None when not enabled.
+  """
+  if not enabled:
+    yield None
+    return
+  _targets()  # refuses a Flax it cannot convert for, before any trace
+  report = Report()
+  prev = active_report()
+  _ACTIVE.report = report
+  try:
+    with nn.intercept_methods(_Converter(params, spec, report)):
+      yield report
+  finally:
+    _ACTIVE.report = prev

@@ -1,0 +1,647 @@
+"""FORGE layers on a device mesh: data-, tensor- and fully-sharded parallel.
+
+A step built with ``make_step(..., mesh_layout=MeshLayout(mesh, ...))`` runs
+each FORGE kernel's optimizer step per shard, inside ``jax.shard_map`` (a
+Pallas kernel cannot be partitioned by XLA: under a mesh it must run on
+local blocks). Everything else in the step -- the forward, ``dx``, the
+biases' optax update, a regime-2 layer pass, a deferred (regime-3) family --
+is ordinary XLA code, which XLA partitions itself.
+
+What a shard of the weight gradient ``G = x^T dy`` needs depends on how the
+kernel ``W`` (``(in, out)``) and the batch are sharded (paper Section 4 and
+Proposition 2). Each mesh axis that shards ``W`` or the batch plays one of
+three roles:
+
+* **tensor parallel** -- an axis that shards ``W`` but not the batch: ``W``'s
+  ``in`` dimension with ``x`` sharded on its features the same way, or its
+  ``out`` dimension with ``dy`` sharded so. A shard's ``x_local^T dy_local``
+  is its complete gradient tile: no communication.
+* **data parallel** -- an axis that shards the batch (``data_axes``) but
+  not ``W``: each device holds a partial ``G``; it is summed over the axis
+  (``psum``) before the update, which is nonlinear in ``G``.
+* **fully sharded** -- a data axis that also shards ``W`` (FSDP): the partial
+  ``G`` is reduce-scattered (``psum_scatter``) so each device receives the
+  complete gradient of its own shard of ``W``, which it updates in place.
+
+Where no reduction is needed the fused kernel runs per shard and ``G`` never
+exists; otherwise the shard's ``G`` is formed by XLA's GEMM, reduced, and the
+kernel's epilogue alone (``pallas_kernels.stored_g_update``) updates ``W`` and
+its slots in place: ``G`` is a transient of one reduction bucket (the layer,
+or ``MeshLayout.bucket_bytes`` of it).
+
+See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from flax.core import meta as flax_meta
+
+import pallas_kernels
+from pallas_kernels import fused_wgrad
+from pallas_kernels.reference import apply_rule
+from forge_jax import _context
+from forge_jax import _paths
+from forge_jax import _state
+
+Axes = tuple[str, ...]
+
+
+def _axes(entry) -> Axes:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  if entry is None:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  return tuple(entry)
+
+
+def _entry(axes: Axes):
+  """The PartitionSpec entry for ``axes``."""
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+  """Where a FORGE step's arrays live on a device mesh.
+
+  Pass it to :func:`forge_jax.make_step` as ``mesh_layout=``: each FORGE
+  kernel's optimizer step then runs per shard, with the communication its
+  layout needs (none for tensor parallel; a sum over the data axes for data
+  parallel; a reduce-scatter for fully-sharded kernels). The step keeps every
+  array where it came: jit it with the state donated, and each device updates
+  its own shard of every kernel and slot in place.
+
+  Attributes:
+    mesh: the ``jax.sharding.Mesh`` the step's arrays are placed on (or an
+      ``AbstractMesh``, to lower the step ahead of time without the
+      devices). Its axes must be ``AxisType.Auto``
+      (``jax.sharding.Mesh(devices, names)``, or ``jax.make_mesh(...,
+      axis_types=(AxisType.Auto,) * n)``: ``jax.make_mesh``'s default is
+      Explicit axes, which are refused).
+    data_axes: the mesh axes the batch's leading dimension is sharded over
+      (a name or a tuple of names, ``()``: the batch is replicated). A data
+      axis that also shards a kernel makes that kernel fully sharded (FSDP).
+    param_specs: the kernels' shardings: a ``PartitionSpec`` or
+      ``NamedSharding`` for each leaf of ``variables["params"]``, as a tree
+      or a prefix of it (``PartitionSpec()`` alone: every parameter
+      replicated); e.g. ``jax.tree.map(lambda a: a.sharding, params)``.
+      ``None``: read from Flax's partitioning boxes (``nn.with_partitioning``,
+      ``nn.with_logical_partitioning`` with its rules), and a FORGE kernel
+      without a box is refused. The optimizer slots of a kernel must be
+      sharded like it (``jax.jit(tx.init)`` of placed parameters keeps that).
+    bucket_bytes: where a layer's gradient must be reduced (data parallel,
+      fully sharded), at most this many bytes of its local gradient are
+      formed, reduced and consumed at once: the layer's rows are split into
+      equal chunks, each updated in place before the next is formed. ``None``
+      (default): the whole layer is one bucket.
+  """
+
+  mesh: Mesh | AbstractMesh
+  data_axes: str | tuple[str, ...] = ()
+  param_specs: Any = None
+  bucket_bytes: int | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.mesh, (Mesh, AbstractMesh)):
+      raise TypeError(
+          f"MeshLayout: mesh must be a jax.sharding.Mesh, got "
+          f"{type(self.mesh).__name__}")
+    explicit = [n for n, t in zip(self.mesh.axis_names, self.mesh.axis_types)
+                if t != AxisType.Auto]
+    if explicit:
+      raise ValueError(
+          f"MeshLayout: mesh axes {explicit} are not AxisType.Auto. FORGE "
+          "places its per-shard updates with shard_map on meshes whose axes "
+          "XLA partitions (Auto); build the mesh with "
+          "jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * n) or "
+          "jax.sharding.Mesh(devices, names)")
+    data = _axes(self.data_axes)
+    object.__setattr__(self, "data_axes", data)
+    unknown = [a for a in data if a not in self.mesh.axis_names]
+    if unknown or len(set(data)) != len(data):
+      raise ValueError(
+          f"MeshLayout: data_axes={data} must be distinct axes of the mesh "
+          f"{tuple(self.mesh.axis_names)}")
+    b = self.bucket_bytes
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int)
+                          or b <= 0):
+      raise ValueError(
+          f"MeshLayout: bucket_bytes={b!r} must be a positive int (bytes), "
+          "or None for one bucket per layer")
+
+  def _size(self, axes: Axes) -> int:
+    return math.prod(self.mesh.shape[a] for a in axes)
+
+
+# --------------------------------------------------------------------------
+# Refusing a step whose arrays sit on a mesh it was not told about.
+
+
+def _mesh_of(leaf):
+  """The (abstract) mesh of a traced or concrete array's sharding, or None."""
+  try:
+    sharding = jax.typeof(leaf).sharding
+  except (TypeError, AttributeError):
+    return None
+  return getattr(sharding, "mesh", None)
+
+
+def _mesh_size(mesh) -> int:
+  if mesh is None or not mesh.axis_names:
+    return 1
+  return math.prod(mesh.axis_sizes)
+
+
+def check_placement(mesh_layout: MeshLayout | None, params, batch) -> None:
+  """At trace time: refuses parameters or a batch on a multi-device mesh
+  without a ``MeshLayout``, and a ``MeshLayout`` whose mesh differs from
+  theirs.
+
+  Without a layout the fused kernels would be left to XLA, which cannot
+  partition a Pallas call: it would gather every operand and run the whole
+  kernel on each device (or refuse it, under Explicit axes).
+  """
+  for leaf in jax.tree.leaves((params, batch)):
+    mesh = _mesh_of(leaf)
+    if _mesh_size(mesh) <= 1:
+      continue
+    axes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if mesh_layout is None:
+      raise ValueError(
+          f"forge_jax.make_step: the step's arrays are placed on a mesh of "
+          f"{_mesh_size(mesh)} devices (axes {axes}), but the step was built "
+          "without a mesh layout. A FORGE kernel updates its weight inside "
+          "a Pallas call, which XLA cannot partition: it would gather every "
+          "operand and run the whole update on each device. Build the step "
+          "with forge_jax.make_step(..., mesh_layout=forge_jax.MeshLayout("
+          "mesh, data_axes=...)) (docs/distributed.md).")
+    want = dict(zip(mesh_layout.mesh.axis_names, mesh_layout.mesh.axis_sizes))
+    if axes != want:
+      raise ValueError(
+          f"forge_jax.make_step: an array of the step is on a mesh with axes "
+          f"{axes}, but its MeshLayout's mesh has axes {want}: place the "
+          "parameters, optimizer state and batch on the layout's mesh")
+    return
+
+
+# --------------------------------------------------------------------------
+# Each FORGE kernel's sharding: from param_specs or Flax's boxes.
+
+
+def _is_spec_leaf(x) -> bool:
+  return isinstance(x, (P, NamedSharding)) or x is None
+
+
+def _spec_at(tree, keypath, where: str):
+  """The spec of ``param_specs`` at ``keypath`` (a prefix leaf covers its
+  subtree); raises if the path is missing."""
+  node = tree
+  for k in keypath:
+    if _is_spec_leaf(node):
+      break
+    if not isinstance(node, Mapping) or k.key not in node:
+      raise ValueError(
+          f"MeshLayout.param_specs has no entry for {where}: give a "
+          "PartitionSpec for it (or for a prefix of its path)")
+    node = node[k.key]
+  if node is None:
+    raise ValueError(
+        f"MeshLayout.param_specs gives None for {where}: give its "
+        "PartitionSpec (PartitionSpec() for a replicated kernel)")
+  if not _is_spec_leaf(node):
+    raise ValueError(
+        f"MeshLayout.param_specs at {where} is a {type(node).__name__}, not "
+        "a PartitionSpec or NamedSharding")
+  return node
+
+
+def _box_at(boxed_params, keypath):
+  node = boxed_params
+  for k in keypath:
+    node = node[k.key]
+  return node
+
+
+def _box_spec(box, where: str) -> P:
+  """The mesh PartitionSpec of a Flax partitioning box."""
+  if hasattr(box, "rules"):  # nn.LogicallyPartitioned: logical -> mesh axes
+    import flax.linen as nn  # pylint: disable=g-import-not-at-top
+    rules = box.rules or tuple(nn.get_logical_axis_rules())
+    if not rules and any(name is not None for name in box.names):
+      raise ValueError(
+          f"{where}: its kernel is logically partitioned as {box.names}, but "
+          "no logical axis rules are in effect where the step is traced "
+          "(Flax would read it as replicated). Trace the step inside "
+          "flax.linen.logical_axis_rules(rules), or give MeshLayout("
+          "param_specs=...).")
+    return P(*nn.logical_to_mesh_axes(box.names, rules))
+  if hasattr(box, "get_partition_spec"):
+    return box.get_partition_spec()
+  raise ValueError(f"{where}: its kernel's box {type(box).__name__} carries "
+                   "no partition spec; give MeshLayout.param_specs")
+
+
+def _known_spec(mesh_layout: MeshLayout, boxed_params, keypath,
+                where: str) -> P | None:
+  """A parameter's declared spec (``param_specs``, else its Flax box), or
+  ``None`` when neither gives one (no box; no entry in ``param_specs``)."""
+  if mesh_layout.param_specs is None:
+    box = _box_at(boxed_params, keypath)
+    if not isinstance(box, flax_meta.AxisMetadata):
+      return None
+  try:
+    return _kernel_spec(mesh_layout, boxed_params, keypath, where)
+  except ValueError:  # not declared: XLA places it
+    return None
+
+
+def _kernel_spec(mesh_layout: MeshLayout, boxed_params, keypath,
+                 where: str) -> P:
+  if mesh_layout.param_specs is not None:
+    spec = _spec_at(mesh_layout.param_specs, keypath, where)
+    if isinstance(spec, NamedSharding):
+      m = spec.mesh
+      if dict(zip(m.axis_names, m.axis_sizes)) != dict(
+          zip(mesh_layout.mesh.axis_names, mesh_layout.mesh.axis_sizes)):
+        raise ValueError(
+            f"MeshLayout.param_specs at {where} is a NamedSharding on "
+            "another mesh than the layout's")
+      spec = spec.spec
+    return spec
+  box = _box_at(boxed_params, keypath)
+  if not isinstance(box, flax_meta.AxisMetadata):
+    raise ValueError(
+        f"{where}: its kernel's sharding is unknown (it has no Flax "
+        "partitioning box and MeshLayout.param_specs is None). Annotate it "
+        "(kernel_init=nn.with_partitioning(init, names)) or give "
+        "MeshLayout(..., param_specs=...), e.g. jax.tree.map(lambda a: "
+        "a.sharding, variables['params']) of the placed parameters.")
+  return _box_spec(box, where)
+
+
+# --------------------------------------------------------------------------
+# The per-kernel plan.
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+  """How one FORGE kernel ``(in, out)`` is stepped on the mesh.
+
+  ``w_in``/``w_out``: the mesh axes sharding ``W``'s dimensions; of these,
+  ``scatter_in``/``scatter_out`` are data axes (fully sharded: the gradient
+  is reduce-scattered along that dimension) and the rest are tensor-parallel
+  (``x``'s features, ``dy``'s features sharded the same way). ``psum``: the
+  data axes that do not shard ``W`` (the gradient is summed over them).
+  """
+
+  name: str
+  mesh: Mesh | AbstractMesh
+  data: Axes
+  w_in: Axes
+  w_out: Axes
+  scatter_in: Axes
+  scatter_out: Axes
+  psum: Axes
+  bucket_bytes: int | None
+
+  @property
+  def tp_in(self) -> Axes:
+    return tuple(a for a in self.w_in if a not in self.scatter_in)
+
+  @property
+  def tp_out(self) -> Axes:
+    return tuple(a for a in self.w_out if a not in self.scatter_out)
+
+  @property
+  def reduces(self) -> bool:
+    """Whether a shard's local gradient is partial (a data axis)."""
+    return bool(self.data)
+
+  @property
+  def w_spec(self) -> P:
+    return P(_entry(self.w_in), _entry(self.w_out))
+
+  def _size(self, axes: Axes) -> int:
+    return math.prod(self.mesh.shape[a] for a in axes)
+
+  # ---- the step in the layer's backward ----
+
+  def wgrad_update(self, x, dy, w, slots, hparams, *, rule, config, wgrad,
+                   precision):
+    """``_paths.wgrad_update`` on the mesh: ``(w_new, slots_new)``, sharded
+    as ``W`` (every slot and rule output too)."""
+    self._check_tokens(x)
+    tokens = (_entry(self.data),) + (None,) * (x.ndim - 2)
+    x_spec = P(*tokens, _entry(self.tp_in))
+    dy_spec = P(*tokens, _entry(self.tp_out))
+    n_new = len(slots) + len(rule.outputs)
+    in_specs = (x_spec, dy_spec, self.w_spec, (self.w_spec,) * len(slots), P())
+    out_specs = (self.w_spec, (self.w_spec,) * n_new)
+
+    def local(x, dy, w, slots, hparams):
+      if not self.reduces:  # tensor parallel: the local tile is complete
+        return _paths.wgrad_update(x, dy, w, slots, hparams, rule=rule,
+                                   config=config, wgrad=wgrad,
+                                   precision=precision)
+      return self._reduce_and_update(x, dy, w, slots, hparams, rule=rule,
+                                     wgrad=wgrad, precision=precision)
+
+    # check_vma: every output must vary over exactly W's axes; a gradient
+    # left partial over a data axis comes back varying over it and the
+    # out_specs check refuses it. Pallas' interpreter (no GPU) cannot lower
+    # a kernel on device-varying operands under check_vma (its loops and
+    # pads lose the varying axes), so there the same per-shard function is
+    # checked abstractly (jax.eval_shape: traced, not lowered) and then
+    # executed unchecked.
+    args = (x, dy, w, tuple(slots), hparams)
+    interpreted = wgrad == "fused" and fused_wgrad.default_interpret()
+    if interpreted:
+      jax.eval_shape(
+          jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
+                        out_specs=out_specs, check_vma=True),
+          *jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        args))
+    w_new, new = jax.shard_map(
+        local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+        check_vma=not interpreted)(*args)
+    return w_new, tuple(new)
+
+  def _check_tokens(self, x) -> None:
+    if x.ndim < 2:
+      raise ValueError(
+          f"forge_jax.Dense at {self.name!r}: its input has shape {x.shape}, "
+          "no batch dimension; on a mesh a FORGE layer's input must be "
+          "(batch, ..., features)")
+    n = self._size(self.data)
+    if n > 1 and x.shape[0] % n:
+      raise ValueError(
+          f"forge_jax.Dense at {self.name!r}: its input's leading (batch) "
+          f"dimension {x.shape[0]} is not divisible by the {n} devices of "
+          f"the data axes {self.data}; make the batch a multiple of {n}")
+
+  def _local_gradient(self, x, dy, precision):
+    """This shard's partial ``G = x^T dy``, formed as ``jax.grad`` forms it
+    (``dy^T x`` over the token axes, transposed; stored in the operands'
+    dtype; fp32 operands with fp32 products)."""
+    tokens = tuple(range(x.ndim - 1))
+    if precision is None and x.dtype == jnp.float32:
+      precision = lax.Precision.HIGHEST
+    return lax.dot_general(dy, x, ((tokens, tokens), ((), ())),
+                           precision=precision,
+                           preferred_element_type=x.dtype).T
+
+  def _reduce(self, g):
+    """The complete gradient of this device's block of ``W`` from its
+    partial ``g``: summed over ``psum``, reduce-scattered over the fully
+    sharded axes."""
+    if self.psum:
+      g = lax.psum(g, self.psum)
+    if self.scatter_in:
+      g = lax.psum_scatter(g, self.scatter_in, scatter_dimension=0,
+                           tiled=True)
+    if self.scatter_out:
+      g = lax.psum_scatter(g, self.scatter_out, scatter_dimension=1,
+                           tiled=True)
+    return g
+
+  def _update(self, g, w, slots, hparams, rule, wgrad, layer=None):
+    if wgrad == "fused":  # the kernel's epilogue on the reduced G, in place
+      return pallas_kernels.stored_g_update(g, w, slots, hparams, rule=rule,
+                                            layer=layer)
+    return apply_rule(rule, g, w, slots, hparams, layer)
+
+  def _bucket_rows(self, rows: int, row_bytes: int, rule) -> int:
+    """Rows of this shard's ``W`` per bucket: the largest divisor of
+    ``rows`` whose gradient fits ``bucket_bytes`` (at least one row)."""
+    if self.bucket_bytes is None or rule.outputs:
+      return rows
+    fit = max(1, self.bucket_bytes // max(1, row_bytes))
+    return max(d for d in range(1, rows + 1) if rows % d == 0 and d <= fit)
+
+  def _reduce_and_update(self, x, dy, w, slots, hparams, *, rule, wgrad,
+                         precision):
+    """Data parallel / fully sharded: the partial gradient, reduced bucket
+    by bucket, each bucket consumed by the update before the next is
+    formed."""
+    rows, cols = w.shape
+    scatter = self._size(self.scatter_in)
+    # Bytes of one row of W's local block in the gradient formed before the
+    # reduction: every device of the scatter axes' rows of it, full width.
+    row_bytes = (scatter * cols * self._size(self.scatter_out)
+                 * jnp.dtype(x.dtype).itemsize)
+    per = self._bucket_rows(rows, row_bytes, rule)
+    if per == rows:
+      g = self._reduce(self._local_gradient(x, dy, precision))
+      return self._update(g, w, slots, hparams, rule, wgrad)
+    # Several buckets: W's local rows as a stack of n blocks of `per` rows,
+    # block i updated in place; x's features viewed the same way (for a
+    # fully sharded `in`, block i of every device's rows, so that the
+    # reduce-scatter hands this device its own block i).
+    n = rows // per
+    lead = x.shape[:-1]
+    xs = x.reshape(*lead, scatter, n, per)
+    w3 = w.reshape(n, per, cols)
+    s3 = tuple(s.reshape(n, per, cols) for s in slots)
+    for i in range(n):
+      xi = xs[..., i, :].reshape(*lead, scatter * per)
+      g = self._reduce(self._local_gradient(xi, dy, precision))
+      w3, s3 = self._update(g, w3, s3, hparams, rule, wgrad, layer=i)
+      # The next bucket's gradient is formed after this bucket's update.
+      xs, w3, s3 = lax.optimization_barrier((xs, w3, s3))
+    return w3.reshape(rows, cols), tuple(s.reshape(rows, cols) for s in s3)
+
+  # ---- the whole step of a layer ----
+
+  def step_in_backward(self, static, x, dy, w, inputs):
+    """``_paths.step_in_backward`` (or, without a spec, the rule's step) on
+    the mesh, for a ``forge_jax.Dense`` (``static``: its ``_Static``).
+
+    A layer whose gradient is reduced forms it only after the previous
+    such layer of the backward has consumed its own (see :class:`Plans`).
+    """
+    plans = _context.current().sharding
+    if self.reduces:
+      x = plans.after_previous_update(x)
+    w_new, slots_new = self._step(static, x, dy, w, inputs)
+    if self.reduces:
+      plans.updated(w_new)
+    return w_new, slots_new
+
+  def _step(self, static, x, dy, w, inputs):
+    spec = static.spec
+    if spec is not None and spec.regime == 3:
+      # Deferred: G formed and consumed by XLA code, which XLA partitions
+      # (the reduction included) -- no Pallas call.
+      return _paths.step_in_backward(spec, static.layout, x, dy, w, inputs,
+                                     static.config, static.wgrad,
+                                     static.precision)
+    rule = static.rule if spec is None else spec.rule
+    w1, new = self.wgrad_update(x, dy, w, inputs.slots, inputs.hparams,
+                                rule=rule, config=static.config,
+                                wgrad=static.wgrad,
+                                precision=static.precision)
+    if spec is None:
+      return w1, new
+    # Regime 2's layer pass (LAMB's trust ratio, Muon's Newton-Schulz) is
+    # XLA code over the whole kernel: XLA gathers what it reads.
+    return _paths._after_epilogue(spec, w1, new, inputs)  # pylint: disable=protected-access
+
+
+class Plans(dict):
+  """A step's plans (layer path -> :class:`KernelPlan`), and the order of
+  its gradient reductions.
+
+  The layers whose gradient is reduced (data parallel, fully sharded) are
+  chained in the order the backward reaches them: a layer's gradient is
+  formed only after the previous one's update has consumed its reduced
+  gradient (an ``optimization_barrier`` on the layer input ``x`` with that
+  update's output). Without the chain the reductions of different layers
+  are independent, and XLA's collective combiner merges them into one
+  all-reduce, which holds every layer's gradient at once: the gradient
+  pool FORGE removes. The chain does not hold back ``dx``: the next layer's
+  input-gradient GEMM may still run while this layer's gradient is reduced.
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._last = None  # the last reducing layer's new kernel (traced)
+
+  def after_previous_update(self, x):
+    """``x`` made to depend on the previous reducing layer's update."""
+    if self._last is None:
+      return x
+    x, _ = lax.optimization_barrier((x, self._last))
+    return x
+
+  def updated(self, w_new) -> None:
+    self._last = w_new
+
+
+def plan_layers(mesh_layout: MeshLayout | None, boxed_params, layers,
+                kpaths) -> Plans:
+  """The plan of each fused FORGE layer.
+
+  Args:
+    mesh_layout: the step's layout (``None``: no plans, ``{}``).
+    boxed_params: ``variables["params"]`` as the step received it (with
+      Flax's partitioning boxes, if any).
+    layers: path -> ``_context.LayerInfo`` of the fused layers.
+    kpaths: path -> the key path of its kernel in the params.
+
+  Raises:
+    ValueError: a layout this module does not support, in plain words.
+  """
+  plans = Plans()
+  if mesh_layout is None:
+    return plans
+  mesh = mesh_layout.mesh
+  data = mesh_layout.data_axes
+  for path, info in layers.items():
+    name = _context.layer_name(path)
+    where = f"forge_jax layer {name!r}"
+    if len(info.kernel_shape) != 2:
+      raise ValueError(
+          f"{where}: its kernel has shape {info.kernel_shape}; on a mesh, "
+          "FORGE steps 2-D (in, out) kernels only -- not yet the stacked "
+          "kernels of forge_jax.ScannedDenseStack / ScannedBlocks, nor a "
+          "forge_jax.DenseGeneral over several axes. Give that layer "
+          "fused=False (its kernel then takes optax's update, which XLA "
+          "partitions).")
+    spec = _kernel_spec(mesh_layout, boxed_params, kpaths[path], where)
+    entries = tuple(spec) + (None,) * (2 - len(spec))
+    if len(entries) != 2:
+      raise ValueError(f"{where}: the kernel's PartitionSpec {spec} has more "
+                       "entries than the kernel's 2 dimensions")
+    w_in, w_out = (_axes(e) for e in entries)
+    for dim, axes, size in (("in", w_in, info.kernel_shape[0]),
+                            ("out", w_out, info.kernel_shape[1])):
+      unknown = [a for a in axes if a not in mesh.axis_names]
+      if unknown:
+        raise ValueError(f"{where}: its kernel's PartitionSpec {spec} names "
+                         f"axes {unknown} that the mesh does not have")
+      n = mesh_layout._size(axes)
+      if size % n:
+        raise ValueError(
+            f"{where}: its kernel's {dim} dimension ({size}) is not "
+            f"divisible by the {n} devices of the axes {axes} sharding it")
+      if any(a in data for a in axes) and any(a not in data for a in axes):
+        raise ValueError(
+            f"{where}: its kernel's {dim} dimension is sharded over {axes}, "
+            f"both data axes ({[a for a in axes if a in data]}: fully "
+            f"sharded) and other axes ({[a for a in axes if a not in data]}: "
+            "tensor parallel). One dimension may be sharded over data axes "
+            "or over model axes, not both; shard the other dimension over "
+            "the second kind.")
+    scatter_in = tuple(a for a in w_in if a in data)
+    scatter_out = tuple(a for a in w_out if a in data)
+    plans[path] = KernelPlan(
+        name=name, mesh=mesh, data=data, w_in=w_in, w_out=w_out,
+        scatter_in=scatter_in, scatter_out=scatter_out,
+        psum=tuple(a for a in data if a not in (*scatter_in, *scatter_out)),
+        bucket_bytes=mesh_layout.bucket_bytes)
+  return plans
+
+
+def plan_of(path) -> KernelPlan | None:
+  """Inside a step's backward: the plan of the FORGE layer at ``path``, or
+  ``None`` when the step has no mesh layout."""
+  ctx = _context.current()
+  if ctx is None:
+    return None
+  return ctx.sharding.get(tuple(path))
+
+
+def check_layout_argument(mesh_layout) -> None:
+  """``make_step``'s ``mesh_layout``: ``None`` or a :class:`MeshLayout`."""
+  if mesh_layout is not None and not isinstance(mesh_layout, MeshLayout):
+    raise TypeError(
+        "make_step: mesh_layout must be a forge_jax.MeshLayout(mesh, "
+        f"data_axes=...) or None, got {type(mesh_layout).__name__}")
+
+
+def keep_shardings(mesh_layout: MeshLayout | None, boxed_params, params,
+                   new_params, new_state):
+  """The step's new parameters, and each optimizer-state array of a
+  parameter's shape, constrained to that parameter's declared sharding
+  (``param_specs`` or its Flax box; parameters with neither are left to
+  XLA). The FORGE kernels and their slots already come out of their
+  ``shard_map`` so; this pins the rest (biases, optax's update), which XLA
+  would otherwise be free to re-shard."""
+  if mesh_layout is None:
+    return new_params, new_state
+  mesh = mesh_layout.mesh
+  specs = {}
+  for kp, _ in jax.tree_util.tree_leaves_with_path(params):
+    spec = _known_spec(mesh_layout, boxed_params, kp,
+                       f"parameter {jax.tree_util.keystr(kp)}")
+    if spec is not None:
+      specs[tuple(kp)] = NamedSharding(mesh, spec)
+  shapes = {tuple(kp): jnp.shape(a)
+            for kp, a in jax.tree_util.tree_leaves_with_path(params)}
+
+  def pin(kp, a):
+    sharding = specs.get(tuple(kp))
+    if sharding is None or not hasattr(a, "shape") or (
+        a.shape != shapes[tuple(kp)]) or len(sharding.spec) > a.ndim:
+      return a  # undeclared, another shape, or a prefix spec it cannot take
+    return lax.with_sharding_constraint(a, sharding)
+
+  def pin_tree(tree):
+    return jax.tree_util.tree_map_with_path(pin, tree)
+
+  params_def = jax.tree.structure(params)
+  new_state = _state.map_per_param(new_state, params_def,
+                                   lambda i, tree: pin_tree(tree))
+  return pin_tree(new_params), new_state

@@ -1,0 +1,326 @@
+"""make_step(..., convert=True): an unmodified flax.linen model's nn.Dense and
+nn.DenseGeneral layers (its own, and those Flax builds inside
+nn.MultiHeadDotProductAttention) trained as FORGE layers, against optax +
+jax.value_and_grad (CPU, fp32, tiny widths); what cannot be fused stays on
+the standard path and is reported. The scanned variant of the LM is in
+test_real_models.py."""
+
+import warnings
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+import optax
+import pytest
+
+import forge_jax
+from tests import third_party_lm as tp
+from tests.harness import MLP, mse, reference_step
+from tests.tolerances import assert_close, assert_trees_close, rel_err, tol
+
+RTOL = tol(jnp.float32)
+
+
+def is_box(x):
+  return isinstance(x, flax.core.meta.AxisMetadata)
+
+
+def names_of(tree):
+  """The boxes' names, by path (plain leaves: None)."""
+  return jax.tree.map(lambda b: b.names if is_box(b) else None, tree,
+                      is_leaf=is_box)
+
+
+def kernel_layers(params):
+  """The names of the layers with a ``kernel`` parameter (the projections)."""
+  return sorted("/".join(k.key for k in kp[:-1])
+                for kp, _ in jax.tree_util.tree_leaves_with_path(
+                    params, is_leaf=is_box) if kp[-1].key == "kernel")
+
+
+def fused_calls(traced) -> int:
+  """The number of fused kernel calls in a traced step's jaxpr."""
+  return str(traced.jaxpr).count("pallas_call")
+
+
+def trace(step, *args):
+  """``jax.jit(step)`` traced on ``args`` (the step's reports are set), and
+  its number of fused kernel calls."""
+  traced = jax.jit(step).trace(*args)
+  return traced, fused_calls(traced)
+
+
+def train_side_by_side(step, reference, v_forge, s_forge, v_ref, s_ref, bs):
+  """Both steps compiled (the FORGE one first: its reports are then set) and
+  run over ``bs``; returns the FORGE step's traced form and both ends
+  ``(loss, variables, opt_state)``."""
+  traced, fs = tp.compiled(step, v_forge, s_forge, bs[0])
+  _, rs = tp.compiled(reference, v_ref, s_ref, bs[0])
+  for b in bs:
+    lf, v_forge, s_forge = fs(v_forge, s_forge, b)
+    lr, v_ref, s_ref = rs(v_ref, s_ref, b)
+  return traced, (lf, v_forge, s_forge), (lr, v_ref, s_ref)
+
+
+# --- The third-party Transformer LM -------------------------------------------
+
+
+def train_lm(model, steps=10, **tx_kw):
+  """Trains ``model`` (boxed parameters, dropout on) ``steps`` steps with
+  ``forge_jax.adamw`` + ``make_step(..., convert=True)`` and with
+  ``optax.adamw`` + ``jax.value_and_grad`` from the same start; returns the
+  step, its fused-call count, both ends and the start."""
+  bs = tp.batches(steps)
+  boxed = tp.init(model, bs[0][0])
+  plain = flax.core.meta.unbox(boxed)
+  forge_tx, optax_tx = forge_jax.adamw(**tx_kw), optax.adamw(**tx_kw)
+  step = forge_jax.make_step(tp.next_token_loss(model), forge_tx, convert=True)
+  traced, forge, ref = train_side_by_side(
+      step, reference_step(tp.next_token_loss(model), optax_tx), boxed,
+      forge_tx.init(boxed["params"]), plain, optax_tx.init(plain["params"]),
+      bs)
+  return step, fused_calls(traced), forge, ref, boxed
+
+
+def test_third_party_lm_trains_as_optax_with_every_projection_fused():
+  """Embedding, nn.MultiHeadDotProductAttention, nn.Dense MLP, LayerNorm,
+  dropout with an rng, nn.with_logical_partitioning: 10 fp32 steps equal
+  optax's on every parameter and moment, with all 13 projections (4
+  attention nn.DenseGeneral + 2 MLP nn.Dense per block, the head) fused."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", forge_jax.ConvertSkipWarning)
+    step, calls, (lf, vf, sf), (lr, vr, sr), boxed = train_lm(
+        tp.LM(), learning_rate=1e-2, weight_decay=0.1)
+  projections = kernel_layers(boxed["params"])
+  assert len(projections) == 2 * 6 + 1
+  assert step.converted == projections
+  assert step.skipped == {} and step.standard_layers == []
+  assert calls == len(projections)
+  # Same tree, same boxes and names: the model's own variables, trained.
+  assert jax.tree.structure(vf, is_leaf=is_box) == jax.tree.structure(
+      boxed, is_leaf=is_box)
+  assert names_of(vf) == names_of(boxed)
+  assert names_of(sf) == names_of(forge_jax.adamw(1e-2).init(boxed["params"]))
+  assert_close(lf, lr, RTOL, "last loss")
+  assert_trees_close(flax.core.meta.unbox(vf), vr, RTOL, "variables")
+  assert_trees_close(flax.core.meta.unbox(sf), sr, RTOL, "opt_state")
+  query = ("params", "Block_1", "MultiHeadDotProductAttention_0", "query",
+           "kernel")
+  get = lambda t: flax.core.meta.unbox(t)[query[0]][query[1]][query[2]][
+      query[3]][query[4]]
+  assert get(vf).shape == get(boxed).shape == (16, 2, 8)
+  assert rel_err(get(vf), get(boxed)) > 1e-3  # it trained
+
+
+@pytest.mark.gpu
+def test_third_party_lm_matches_optax_compiled_on_gpu():
+  with jax.default_matmul_precision("highest"):
+    step, calls, (lf, vf, sf), (lr, vr, sr), boxed = train_lm(
+        tp.LM(d_model=64, d_ff=96, num_heads=4), learning_rate=1e-3,
+        weight_decay=0.1)
+  assert calls == len(kernel_layers(boxed["params"])) and step.skipped == {}
+  assert_trees_close(flax.core.meta.unbox(vf), vr, RTOL, "variables")
+  assert_trees_close(flax.core.meta.unbox(sf), sr, RTOL, "opt_state")
+
+
+# --- What stays on the standard path ------------------------------------------
+
+
+def custom_dot(lhs, rhs, dimension_numbers, precision=None,
+               preferred_element_type=None):
+  """A user's dot_general (here plain lax.dot_general: a quantised matmul
+  would stand here)."""
+  return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                         preferred_element_type=preferred_element_type)
+
+
+class Mixed(nn.Module):
+  """Layers convert=True fuses, layers it cannot, and a FORGE layer."""
+
+  @nn.compact
+  def __call__(self, x):  # (4, 3, 6)
+    h = nn.relu(nn.Dense(8)(x))
+    heads = nn.DenseGeneral((2, 3), name="heads")(h)  # kernel (8, 2, 3)
+    per_batch = nn.DenseGeneral(6, batch_dims=(0,), name="per_batch")(h)
+    over_time = nn.DenseGeneral(6, axis=-2, name="over_time")(h)  # (4, 8, 6)
+    custom = nn.Dense(6, dot_general=custom_dot, name="custom")(h)
+    own = forge_jax.Dense(6, name="own")(h)
+    return (heads.reshape(custom.shape) + per_batch + custom + own
+            + over_time.mean(axis=1, keepdims=True))
+
+
+def mixed_data(steps):
+  k = jax.random.split(jax.random.key(3), 2 * steps)
+  return [(jax.random.normal(k[2 * i], (4, 3, 6)),
+           jax.random.normal(k[2 * i + 1], (4, 3, 6))) for i in range(steps)]
+
+
+def add_one(next_fun, args, kwargs, context):
+  """An interceptor (an adapter, say) adding 1 to every Dense output."""
+  out = next_fun(*args, **kwargs)
+  if (isinstance(context.module, (nn.Dense, nn.DenseGeneral))
+      and context.method_name == "__call__"):
+    out = out + 1.0
+  return out
+
+
+def test_what_cannot_be_fused_trains_as_optax_and_is_reported():
+  """Fused and unfused layers side by side train as optax does; the unfused
+  ones are reported once, with their reasons. An interceptor entered outside
+  the step, and capture_intermediates, see each layer's call once, as
+  without FORGE."""
+  bs = mixed_data(3)
+  model = Mixed()
+  v = model.init(jax.random.key(0), bs[0][0])
+
+  def loss_fn(variables, batch):
+    out, state = model.apply(variables, batch[0], capture_intermediates=True,
+                             mutable=["intermediates"])
+    return jnp.mean((out - batch[1]) ** 2), state["intermediates"]
+
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  forge_tx, optax_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+  step = forge_jax.make_step(loss_fn, forge_tx, has_aux=True, convert=True)
+  with pytest.warns(forge_jax.ConvertSkipWarning) as record, \
+      nn.intercept_methods(add_one):  # entered while both steps are traced
+    traced, ((lf, aux_f), vf, sf), ((lr, aux_r), vr, sr) = train_side_by_side(
+        step, reference_step(loss_fn, optax_tx, has_aux=True), v,
+        forge_tx.init(v["params"]), v, optax_tx.init(v["params"]), bs)
+  skips = [w for w in record if w.category is forge_jax.ConvertSkipWarning]
+  assert len(skips) == 1  # once per trace
+  message = str(skips[0].message)
+  for name in ("per_batch", "over_time", "custom"):
+    assert f"  {name}: " in message
+  assert step.converted == ["Dense_0", "heads"]  # `own` was FORGE already
+  assert sorted(step.skipped) == ["custom", "over_time", "per_batch"]
+  assert "batch_dims=(0,)" in step.skipped["per_batch"]
+  assert "axis=-2" in step.skipped["over_time"]
+  assert "not the input's trailing axes" in step.skipped["over_time"]
+  assert "custom dot_general" in step.skipped["custom"]
+  assert fused_calls(traced) == 3  # Dense_0, heads, own
+  assert jax.tree.structure(aux_f) == jax.tree.structure(aux_r)
+  assert len(aux_f["heads"]["__call__"]) == 1
+  assert_trees_close(aux_f, aux_r, RTOL, "intermediates")
+  assert_close(lf, lr, RTOL, "last loss")
+  assert_trees_close(vf, vr, RTOL, "variables")
+  assert_trees_close(sf, sr, RTOL, "opt_state")
+  for name in ("per_batch", "heads"):
+    assert rel_err(vf["params"][name]["kernel"],
+                   v["params"][name]["kernel"]) > 1e-3
+
+
+class PlainSubclass(nn.Dense):
+  pass
+
+
+class WrappingSubclass(nn.Dense):
+  def __call__(self, x):
+    return 2.0 * super().__call__(x)
+
+
+class FromSetup(nn.Module):
+  def setup(self):
+    self.dense = nn.Dense(7)
+
+  def __call__(self, x):
+    return self.dense(x)
+
+
+class Shapes(nn.Module):
+  """nn.Dense written the ways models write it."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = FromSetup(name="from_setup")(x)
+    x = nn.remat(nn.Dense)(6, name="rematted")(x)
+    x = PlainSubclass(5, name="plain_subclass")(x)
+    x = WrappingSubclass(4, name="wrapping_subclass")(x)
+    return nn.remat(nn.DenseGeneral)((1, 3), name="rematted_general")(x)
+
+
+def test_layers_from_setup_remat_and_subclasses_are_converted():
+  x = jax.random.normal(jax.random.key(1), (6, 8))
+  v = jax.jit(Shapes().init)(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(lambda v, x: jnp.mean(Shapes().apply(v, x) ** 2),
+                             tx, convert=True)
+  _, calls = trace(step, v, tx.init(v["params"]), x)
+  assert step.converted == [
+      "from_setup/dense", "plain_subclass", "rematted", "rematted_general",
+      "wrapping_subclass"] == kernel_layers(v["params"])
+  assert step.skipped == {} and calls == 5
+
+
+def test_muon_keeps_a_dense_general_kernel_of_three_axes_standard():
+  x = jnp.ones((4, 3, 6))
+
+  class Heads(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.DenseGeneral((2, 3), name="heads")(nn.Dense(8)(x))
+
+  v = Heads().init(jax.random.key(0), x)
+  tx = forge_jax.muon(1e-2)
+  step = forge_jax.make_step(
+      lambda v, x: jnp.mean(Heads().apply(v, x) ** 2), tx, convert=True)
+  with pytest.warns(forge_jax.ConvertSkipWarning, match="heads: .*Muon"):
+    trace(step, v, tx.init(v["params"]), x)
+  assert step.converted == ["Dense_0"]
+  assert "orthogonalizes a matrix" in step.skipped["heads"]
+
+
+class Teacher(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(5, name="teacher_head")(x)
+
+
+def test_a_second_model_in_the_loss_is_not_converted():
+  x, y = jax.random.normal(jax.random.key(1), (6, 37)), jnp.zeros((6, 5))
+  student = MLP(nn.Dense)
+  v = student.init(jax.random.key(0), x)
+  tv = Teacher().init(jax.random.key(1), x)
+
+  def loss_fn(variables, batch):
+    x, y = batch
+    target = lax.stop_gradient(Teacher().apply(tv, x))  # a frozen teacher
+    return jnp.mean((student.apply(variables, x) - target - y) ** 2)
+
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(loss_fn, tx, convert=True)
+  with pytest.warns(forge_jax.ConvertSkipWarning, match="teacher_head"):
+    _, calls = trace(step, v, tx.init(v["params"]), (x, y))
+  assert step.converted == ["Dense_0", "Dense_1", "Dense_2"]
+  assert list(step.skipped) == ["teacher_head"]
+  assert "not in the step's variables['params']" in step.skipped["teacher_head"]
+  assert calls == 3
+
+
+def test_an_interceptor_entered_inside_the_loss_keeps_its_layers_standard():
+  """FORGE cannot run beneath another method interceptor: those layers stay
+  nn.Dense; here that is every layer, so the step says so."""
+  x, y = jax.random.normal(jax.random.key(1), (6, 37)), jnp.zeros((6, 5))
+  model = MLP(nn.Dense)
+  v = model.init(jax.random.key(0), x)
+
+  def scale(next_fun, args, kwargs, context):
+    return 2.0 * next_fun(*args, **kwargs)
+
+  def loss_fn(variables, batch):
+    with nn.intercept_methods(scale):
+      return mse(model)(variables, batch)
+
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(loss_fn, tx, convert=True)
+  with pytest.raises(ValueError, match=r"no forge_jax.Dense layer.*convert="
+                     r"True\) found only layers it cannot fuse.*'Dense_0' "
+                     r"\(nn.Dense: another method interceptor"):
+    step(v, tx.init(v["params"]), (x, y))
+
+
+def test_convert_must_be_a_bool():
+  with pytest.raises(TypeError, match="convert must be a bool"):
+    forge_jax.make_step(mse(MLP(nn.Dense)), forge_jax.adamw(1e-2),
+                        convert="yes")
