@@ -7,7 +7,12 @@
   process default from ``$FORGE_TORCH_SYNC``);
 * :class:`SGD`, :class:`Adagrad`, :class:`RMSprop`, :class:`Adam`,
   :class:`AdamW`, :class:`Adamax`, :class:`NAdam`, :class:`RAdam` -- the
-  ``torch.optim`` optimizers of those names, driving those layers;
+  ``torch.optim`` optimizers of those names, driving those layers (gradient
+  accumulation over K micro-batches: ``optimizer.accumulate_steps = K``;
+  ``torch.autocast(dtype=torch.bfloat16)`` works on the layers);
+* :mod:`forge_torch.distributed` -- ``prepare_ddp`` / ``wrap_ddp``: training
+  under ``DistributedDataParallel``, the managed weights' gradients averaged
+  over the ranks one layer at a time before their update;
 * :class:`ConvertSkipWarning` -- :func:`convert` left layers on the
   standard path (``convert(...).skipped`` says why);
 * :func:`is_forge_weight` -- whether a parameter is a ``forge_torch.Linear``
@@ -35,6 +40,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from forge_torch._bridge import STATS as bridge_stats  # noqa: E402
 from forge_torch._bridge import get_sync_mode, set_sync_mode  # noqa: E402
 from forge_torch import _clip  # noqa: E402
+from forge_torch import distributed  # noqa: E402
 from forge_torch.linear import (  # noqa: E402
     ConvertSkipWarning,
     Linear,
@@ -56,4 +62,5 @@ _clip.install()
 
 __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Adamax", "ConvertSkipWarning",
            "Linear", "NAdam", "RAdam", "RMSprop", "bridge_stats", "convert",
+           "distributed",
            "get_sync_mode", "is_forge_weight", "set_sync_mode"]

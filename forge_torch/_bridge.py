@@ -214,6 +214,13 @@ def _jitted(key, rule: UpdateRule, config, interpret: bool,
   del key  # part of the cache key only; jit specialises on it as well
   fn = functools.partial(pallas_kernels.fused_wgrad_update, rule=rule,
                          config=config, interpret=interpret)
+  if not rule.updates_weight:
+    # A state-only rule (gradient accumulation's) reads no weight and
+    # writes none: only the slots are donated and returned.
+    update = fn
+    fn = lambda x, dy, w, slots, hparams: (  # noqa: E731
+        None, update(x, dy, w, slots, hparams)[1])
+    return _Jitted(jax.jit(fn, donate_argnums=(3,) if donate else ()))
   return _Jitted(jax.jit(fn, donate_argnums=(2, 3) if donate else ()))
 
 
@@ -314,6 +321,11 @@ class ViewCache:
   def clear(self) -> None:
     self._views = {}
 
+  def discard(self, t: torch.Tensor) -> None:
+    """Drops the view of ``t``, so that it no longer keeps ``t``'s memory
+    alive (a buffer about to be freed)."""
+    self._views.pop(self._key(t), None)
+
   def __len__(self) -> int:
     return len(self._views)
 
@@ -333,9 +345,12 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
 
   Args:
     x: ``(BT, n_in)`` torch tensor (for a torch ``Linear``: ``grad_output``).
-    dy: ``(BT, n_out)`` (for a torch ``Linear``: the layer input).
+    dy: ``(BT, n_out)`` (for a torch ``Linear``: the layer input). ``x``
+      and ``dy`` may be bfloat16 beside a float32 ``w`` and slots
+      (``torch.autocast``): ``G`` is accumulated in fp32 either way.
     w: ``(n_in, n_out)`` weight, updated in place (for a torch ``Linear``:
-      ``weight`` ``(out, in)`` itself, so ``G`` is torch's own weight grad).
+      ``weight`` ``(out, in)`` itself, so ``G`` is torch's own weight grad);
+      only read for its shape by a rule with ``updates_weight=False``.
     slots: the rule's state tensors, ``w``'s shape, updated in place.
     hparams: the rule's packed fp32 vector (numpy, or a JAX array on the
       tensors' device).
@@ -350,8 +365,8 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
   after the kernel.
 
   Returns:
-    ``True`` if every state tensor was written in place by the kernel,
-    ``False`` if any had to be copied back.
+    ``True`` if every state tensor the rule writes was written in place by
+    the kernel, ``False`` if any had to be copied back.
   """
   for name, t in (("x", x), ("dy", dy), ("w", w),
                   *((f"slot {i}", s) for i, s in enumerate(slots))):
@@ -372,7 +387,9 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
 
 def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
   global _DONATION_BROKEN
-  tensors = (w, *slots)
+  # The tensors the kernel writes: the weight (unless the rule is
+  # state-only) and the slots.
+  tensors = (w, *slots) if rule.updates_weight else tuple(slots)
   cuda = w.is_cuda
   stream = torch.cuda.current_stream() if cuda else None
   ordered = False  # stream-ordered (no host sync) for this call
@@ -392,7 +409,7 @@ def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
   # Every torch tensor handed to JAX stays referenced here until the end of
   # this call (stream mode: until torch's stream waits on the kernel).
   x_c, dy_c = _contiguous(x), _contiguous(dy)
-  held = [x_c, dy_c, *(t.detach() for t in tensors)]
+  held = [x_c, dy_c, *(t.detach() for t in (w, *slots))]
   xj = _to_jax(x_c)
   device = next(iter(xj.devices()))
   if ordered and not _device_has_ready_stream(device):
@@ -431,7 +448,7 @@ def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
     sj = tuple(_to_jax(s) for s in held[3:])
     w_new, s_new = _run(_jitted(key, rule, config, interpret, donate),
                         (xj, dyj, wj, sj, hp))
-  outs = (w_new, *s_new)
+  outs = (w_new, *s_new) if rule.updates_weight else tuple(s_new)
   if ordered:
     handle = _torch_stream_handle(stream)
     try:
@@ -465,6 +482,8 @@ def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
     with torch.no_grad():
       # torch.from_dlpack orders torch's stream after `o` (see above).
       t.copy_(torch.from_dlpack(o))
+  if not rule.updates_weight and reuse and donate:
+    kept.append((held[2], wj))  # read only: still a view of w's memory
   if views is not None:
     views.replace(kept if reuse and donate else ())
   if n_copied and cuda:

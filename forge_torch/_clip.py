@@ -1,29 +1,48 @@
-"""Gradient clipping refuses FORGE-managed weights instead of skipping them.
+"""Gradient clipping with FORGE-managed weights.
 
-A FORGE-managed weight is updated inside its layer's backward: its gradient
-is never formed, so ``weight.grad`` stays ``None``. ``torch.nn.utils``'s
-clipping functions skip parameters without a gradient, so on a model with
-managed weights they would silently compute the norm over the other
-parameters only and leave the managed weights unclipped. :func:`install`
-(run once when ``forge_torch`` is imported) wraps them so that they raise a
-``RuntimeError`` naming the weights and the fix when a weight that FORGE
-updated since the last ``optimizer.step()`` is among their parameters; any
-other call (no forge_torch layer, a layer with ``fused = False`` whose weight
-has an ordinary gradient) goes straight to torch's function, unchanged.
+Two parts:
 
-``torch.nn.utils.get_total_norm`` takes gradients, not parameters, so a
-managed weight cannot reach it and it is not wrapped.
+* **The guard.** A FORGE-managed weight is updated inside its layer's
+  backward: its gradient is never formed, so ``weight.grad`` stays ``None``.
+  ``torch.nn.utils``'s clipping functions skip parameters without a
+  gradient, so on a model with managed weights they would silently compute
+  the norm over the other parameters only and leave the managed weights
+  unclipped. :func:`install` (run once when ``forge_torch`` is imported)
+  wraps them so that they raise a ``RuntimeError`` naming the weights and the
+  fix when a weight that FORGE updated since the last ``optimizer.step()``
+  is among their parameters; any other call (no forge_torch layer, a layer
+  with ``fused = False`` whose weight has an ordinary gradient) goes straight
+  to torch's function, unchanged. ``torch.nn.utils.get_total_norm`` takes
+  gradients, not parameters, so a managed weight cannot reach it and it is
+  not wrapped.
+* **``max_grad_norm=``**, the clipping that does cover managed weights: a
+  forge_torch optimizer built with ``max_grad_norm=m`` steps as
+  ``torch.nn.utils.clip_grad_norm_(its parameters, m)`` followed by its
+  torch optimizer's ``step()``, in two passes of a closure,
+  ``optimizer.step(closure)`` (:func:`two_pass_step`): the first measures
+  every gradient's norm (a managed weight's in the registers of
+  ``pallas_kernels.wgrad_sqnorm``, never stored), the second applies the
+  updates with the clip coefficient folded into the fused kernel's
+  hyperparameters (``pallas_kernels.grad_scaled``). See ``docs/clipping.md``.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import math
+import numbers
 
+import jax
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
+from torch.utils.weak import WeakIdKeyDictionary
 
+import pallas_kernels
+from forge_torch import _bridge
 from forge_torch import linear as _linear
+from pallas_kernels.rules import UpdateRule
 
 # The torch.nn.utils functions that take parameters and read their .grad
 # (the deprecated clip_grad_norm calls clip_grad_norm_ by its module name).
@@ -63,8 +82,10 @@ def check_clippable(params, what: str) -> None:
       f"torch.nn.utils.{what}: the parameters include FORGE-managed weights "
       f"({shown}). FORGE updates those weights inside the backward, so their "
       "gradient never exists: the clipping would cover only the other "
-      "parameters and leave these weights unclipped (clipping the managed "
-      "weights themselves is not supported yet). To clip them, keep those "
+      "parameters and leave these weights unclipped. To clip by the global "
+      "norm of every gradient, managed weights included, build the forge_torch"
+      " optimizer with max_grad_norm=... and run the forward and backward in "
+      "a closure, optimizer.step(closure) (docs/clipping.md). Or keep those "
       "layers as plain nn.Linear: forge_torch.convert(model, exclude=[...]) "
       "or layer.fused = False before the forward. Or do not clip them: "
       "leave out the clipping, or clip only the other parameters on purpose "
@@ -106,3 +127,285 @@ def install() -> None:
       fn = getattr(module, name, None)
       if fn is not None:
         setattr(module, name, _guard(fn))
+
+
+# --- max_grad_norm: global-norm clipping in two passes ------------------------
+
+# The pass an optimizer with max_grad_norm is in (its `_forge_clip_phase`).
+NORM_PASS, UPDATE_PASS = "norm", "update"
+
+# torch.nn.utils.clip_grad_norm_'s guard against a zero norm.
+TORCH_EPS = 1e-6
+
+
+def check_max_grad_norm(value, where: str) -> float | None:
+  """``value`` as a float (or ``None``: no clipping).
+
+  Raises:
+    TypeError: not a real number.
+    ValueError: not finite and > 0.
+  """
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{where}: max_grad_norm must be a number > 0 or None, "
+                    f"got {type(value).__name__}")
+  value = float(value)
+  if not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{where}: max_grad_norm={value!r} must be a finite "
+                     "number > 0 (or None: no clipping)")
+  return value
+
+
+def set_max_grad_norm(opt, value) -> None:
+  """The setter of the optimizers' ``max_grad_norm`` (between steps only)."""
+  name = type(opt).__name__
+  value = check_max_grad_norm(value, f"forge_torch.{name}")
+  calls = getattr(opt, "_forge_calls", None)
+  if calls is not None and any(calls.values()):
+    raise RuntimeError(
+        f"forge_torch.{name}.max_grad_norm cannot change in the middle of a "
+        "step: managed layers have already run forwards since the last "
+        "optimizer.step(). Set it at construction or right after step().")
+  opt._forge_max_grad_norm = value
+
+
+def signature_with_max_grad_norm(base: type) -> inspect.Signature:
+  """``base``'s constructor signature plus the keyword-only
+  ``max_grad_norm=None`` (a forge_torch optimizer's)."""
+  sig = inspect.signature(base)
+  extra = inspect.Parameter("max_grad_norm", inspect.Parameter.KEYWORD_ONLY,
+                            default=None)
+  params = list(sig.parameters.values())
+  if params and params[-1].kind == inspect.Parameter.VAR_KEYWORD:
+    params.insert(len(params) - 1, extra)
+  else:
+    params.append(extra)
+  return sig.replace(parameters=params)
+
+
+def _no_closure(name: str) -> RuntimeError:
+  return RuntimeError(
+      f"forge_torch.{name} was built with max_grad_norm=..., so each step runs"
+      " the forward and backward twice (first the gradient norms, then the "
+      "clipped updates): pass them as a closure, optimizer.step(closure), "
+      "where closure() runs the forward and loss.backward() and returns the "
+      "loss; do not call loss.backward() yourself before step() "
+      "(docs/clipping.md). Set max_grad_norm=None to step without clipping.")
+
+
+def measuring(opt, layer: str) -> bool:
+  """In a managed layer's backward: whether this is the norm pass (measure,
+  do not update).
+
+  Raises:
+    RuntimeError: the optimizer clips but the backward runs outside
+      ``step(closure)``.
+  """
+  if getattr(opt, "_forge_max_grad_norm", None) is None:
+    return False
+  phase = getattr(opt, "_forge_clip_phase", None)
+  if phase is None:
+    raise RuntimeError(f"forge_torch.Linear {layer}: "
+                       + str(_no_closure(type(opt).__name__)))
+  return phase == NORM_PASS
+
+
+@functools.lru_cache(maxsize=None)
+def _sqnorm_fn(interpret: bool):
+  return jax.jit(functools.partial(pallas_kernels.wgrad_sqnorm,
+                                   interpret=interpret))
+
+
+def sqnorm(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+  """``sum((x^T dy) ** 2)`` as an fp32 torch scalar on ``x``'s device, from
+  ``pallas_kernels.wgrad_sqnorm`` (``G`` never stored).
+
+  On CUDA the kernel is ordered with torch's current stream as the bridge
+  orders the fused update (``forge_torch.set_sync_mode``): in stream mode
+  the DLPack imports make the kernel wait for torch's queued work; where
+  that is unavailable, and in host mode, the host synchronises torch's
+  stream first and waits for the result. Either way the result's import
+  into torch (``torch.from_dlpack``, as the bridge copies results back)
+  orders torch's stream after the kernel.
+  """
+  cuda = x.is_cuda
+  stream = torch.cuda.current_stream() if cuda else None
+  ordered = (cuda and _bridge.get_sync_mode(effective=True) == "stream"
+             and not _bridge._tfrt_gpu_client())
+  if cuda and not ordered:
+    stream.synchronize()
+  x_c, dy_c = _bridge._contiguous(x), _bridge._contiguous(dy)
+  xj = _bridge._to_jax(x_c)
+  if ordered and not _bridge._device_has_ready_stream(next(iter(xj.devices()))):
+    ordered = False
+    stream.synchronize()  # before any JAX work on the imports
+  out = _sqnorm_fn(not cuda)(xj, _bridge._to_jax(dy_c))
+  if not ordered:
+    jax.block_until_ready(out)
+  # A copy torch owns; x_c and dy_c are referenced until it is queued.
+  result = torch.from_dlpack(out).clone()
+  del x_c, dy_c
+  return result
+
+
+def record(opt, p: torch.Tensor, grad_output: torch.Tensor,
+           input: torch.Tensor, layer: str) -> None:
+  """The norm pass, in managed weight ``p``'s backward: its squared
+  gradient norm is kept for :func:`two_pass_step`; nothing is updated."""
+  if p in opt._forge_clip_sq:
+    raise RuntimeError(
+        f"forge_torch.Linear {layer}: a second backward reached this weight "
+        "in one closure call; FORGE measures and applies one gradient per "
+        "step")
+  with torch.no_grad():
+    opt._forge_clip_sq[p] = sqnorm(grad_output, input)
+
+
+def scaled(opt, rule: UpdateRule, values: dict) -> tuple[UpdateRule, dict]:
+  """In the update pass: ``rule`` stepping from ``G * clip_coef`` (torch's
+  ``clip_grad_norm_`` multiplies by the clamped coefficient) and ``values``
+  with its factors; otherwise both unchanged."""
+  if getattr(opt, "_forge_clip_phase", None) != UPDATE_PASS:
+    return rule, values
+  return pallas_kernels.grad_scaled(rule), {
+      **values, "gscale_div": 1.0, "gscale_mul": opt._forge_clip_coef}
+
+
+def in_update_pass(opt) -> bool:
+  return getattr(opt, "_forge_clip_phase", None) == UPDATE_PASS
+
+
+def _params(opt) -> list[torch.Tensor]:
+  seen, out = set(), []
+  for g in opt.param_groups:
+    for p in g["params"]:
+      if id(p) not in seen:
+        seen.add(id(p))
+        out.append(p)
+  return out
+
+
+def total_norm(opt, params) -> torch.Tensor:
+  """The global norm as ``clip_grad_norm_`` computes it: the norm of the
+  per-parameter norms (a managed weight's from its measured square)."""
+  norms = []
+  for p in params:
+    sq = opt._forge_clip_sq.get(p)
+    if sq is not None:
+      norms.append(torch.sqrt(sq))
+    elif p.grad is not None:
+      norms.append(torch.linalg.vector_norm(p.grad, 2.0))
+  if not norms:
+    return torch.tensor(0.0)
+  first = norms[0].device
+  return torch.linalg.vector_norm(
+      torch.stack([n.to(first) for n in norms]), 2.0)
+
+
+def _rng_state():
+  """torch's default generators' states (CPU, and each CUDA device's if
+  CUDA is initialised)."""
+  cuda = (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized()
+          else None)
+  return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state) -> None:
+  cpu, cuda = state
+  torch.set_rng_state(cpu)
+  if cuda is not None:
+    torch.cuda.set_rng_state_all(cuda)
+
+
+def _run(opt, closure, phase: str):
+  opt._forge_clip_phase = phase
+  try:
+    with torch.enable_grad():
+      return closure()
+  finally:
+    opt._forge_clip_phase = None
+
+
+def two_pass_step(opt, closure, finish):
+  """``opt.step(closure)`` of an optimizer built with ``max_grad_norm``:
+  ``clip_grad_norm_(params, max_grad_norm)`` then the torch step.
+
+  1. Every parameter's ``grad`` is set to ``None``; ``closure()`` runs with
+     the managed layers measuring: each managed weight's squared gradient
+     norm is kept, no weight is updated, the other parameters get their
+     ``grad``.
+  2. The global norm and the coefficient ``min(1, max_grad_norm / (norm +
+     1e-6))`` are computed as ``clip_grad_norm_`` does (one host
+     synchronisation, to read the coefficient into the kernels'
+     hyperparameters); the norm is kept as ``opt.last_grad_norm``.
+  3. Every ``grad`` is set to ``None`` again, torch's default random
+     generators are rewound to their state before the first call (so that
+     dropout draws the same masks), and ``closure()`` runs a second time:
+     each managed layer's backward applies its update from ``G`` times
+     the coefficient; then the other parameters' gradients are multiplied by
+     it and the torch optimizer steps them (``finish()``: the rest of the
+     optimizer's ``step()``, run once, in the update pass).
+
+  Returns:
+    The second call's loss.
+
+  Raises:
+    RuntimeError: no ``closure``; ``accumulate_steps > 1`` (the norm of an
+      accumulated gradient needs the whole accumulation); a process group of
+      more than one rank (the norms are measured before any reduction).
+  """
+  name = type(opt).__name__
+  if closure is None:
+    raise _no_closure(name)
+  if getattr(opt, "accumulate_steps", 1) > 1:
+    raise RuntimeError(
+        f"forge_torch.{name}: max_grad_norm with accumulate_steps > 1 is not "
+        "supported (the norm of the accumulated gradient needs every "
+        "micro-batch first); accumulate without clipping, or clip without "
+        "accumulation.")
+  dist = torch.distributed
+  if (dist.is_available() and dist.is_initialized()
+      and dist.get_world_size() > 1):
+    raise RuntimeError(
+        f"forge_torch.{name}: max_grad_norm under torch.distributed (data "
+        "parallelism) is not supported: the norm pass measures each managed "
+        "weight's gradient on this rank, before any reduction, so the ranks' "
+        "norms would differ from the averaged gradient's. Clip in a single "
+        "process, or keep the clipped layers as nn.Linear.")
+  params = _params(opt)
+
+  def clear():
+    for p in params:
+      p.grad = None
+
+  clear()
+  opt._forge_clip_sq = WeakIdKeyDictionary()
+  rng = _rng_state()
+  _run(opt, closure, NORM_PASS)
+  with torch.no_grad():
+    norm = total_norm(opt, params)
+    coef = torch.clamp(opt._forge_max_grad_norm / (norm + TORCH_EPS),
+                       max=1.0)
+  opt.last_grad_norm = norm
+  opt._forge_clip_sq = WeakIdKeyDictionary()
+  # The first pass's forwards no longer count: the second runs them again.
+  opt._forge_reset_step()
+  clear()
+  opt._forge_clip_coef = float(coef)
+  _set_rng_state(rng)  # the second call draws what the first drew (dropout)
+  loss = _run(opt, closure, UPDATE_PASS)
+  with torch.no_grad():
+    for p in params:
+      if p.grad is not None:
+        p.grad.mul_(coef.to(p.grad.device))
+  opt._forge_clip_phase = UPDATE_PASS  # the rest of step()
+  try:
+    finish()
+  finally:
+    opt._forge_clip_phase = None
+  return loss
+
+
+__all__ = ["check_clippable", "fused_weights_among", "install",
+           "two_pass_step"]

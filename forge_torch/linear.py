@@ -10,6 +10,7 @@ and no transpose is ever materialised.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import warnings
 import weakref
@@ -79,6 +80,17 @@ def _set_owner(p: torch.Tensor, optimizer) -> None:
   refs.append(weakref.ref(optimizer))
 
 
+class _Use:
+  """One counted forward of a managed weight: ``done`` once its backward
+  consumed it (an update or an accumulated micro-batch) or it was released,
+  so that it stops counting at most once."""
+
+  __slots__ = ("done",)
+
+  def __init__(self):
+    self.done = False
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Handle:
   """What a layer's backward needs besides tensors."""
@@ -90,20 +102,41 @@ class _Handle:
   # The optimizer step this forward was counted in (None: not counted, e.g.
   # a checkpointing recomputation inside backward).
   generation: int | None = None
+  use: _Use = dataclasses.field(default_factory=_Use)
 
   def release(self) -> None:
     """This forward will not update the weight: it stops counting."""
-    optimizer = self.optimizer()
-    if optimizer is not None:
-      optimizer._forge_release(self.weight, self.generation)
+    _release_handle(self.optimizer, self.weight, self.generation, self.use)
 
 
-def _release_handle(optimizer_ref, weight, generation) -> None:
-  # weakref.finalize callback: the forward's graph was freed. A no-op if its
-  # backward updated the weight or the step has moved on.
+def _release_handle(optimizer_ref, weight, generation, use: _Use) -> None:
+  # Also the weakref.finalize callback: the forward's graph was freed. A
+  # no-op if its backward consumed it, it was released already, or the step
+  # has moved on.
+  if use.done:
+    return
+  use.done = True
   optimizer = optimizer_ref()
   if optimizer is not None:
     optimizer._forge_release(weight, generation)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+  """The dtype ``torch.autocast`` casts a linear layer to on
+  ``device_type``, or ``None`` when autocast is off there (or autocast does
+  not know the device type, e.g. ``meta``)."""
+  try:
+    if not torch.is_autocast_enabled(device_type):
+      return None
+  except RuntimeError:  # "unknown device type for autocast"
+    return None
+  return torch.get_autocast_dtype(device_type)
+
+
+def _autocast_eligible(t: torch.Tensor | None) -> bool:
+  # What torch.autocast casts: floating tensors other than float64.
+  return (t is not None and t.is_floating_point()
+          and t.dtype != torch.float64)
 
 
 def _in_functorch() -> bool:
@@ -185,13 +218,25 @@ def check_no_grad_hooks(weight: torch.Tensor, layer: str) -> None:
 
 
 class _FusedLinearFn(torch.autograd.Function):
-  """``y = x W^T + b``; the backward updates ``W`` instead of returning its grad."""
+  """``y = x W^T + b``; the backward updates ``W`` instead of returning its grad.
+
+  ``amp_dtype`` (``torch.autocast``): the GEMMs read ``W`` cast to it, as
+  autocast's linear does (``input`` and ``bias`` arrive cast already); the
+  fused update reads the cast ``input`` and ``grad_output`` and updates the
+  full-precision ``W`` and its state.
+  """
 
   @staticmethod
-  def forward(ctx, input, weight, bias, handle):
+  def forward(ctx, input, weight, bias, handle, amp_dtype=None):
+    # The weight is saved as is; its cast is formed again in backward (the
+    # same values: the version counter guarantees it is unchanged), so no
+    # low-precision copy stays alive between forward and backward.
     ctx.save_for_backward(input, weight)
     ctx.handle = handle
     ctx.has_bias = bias is not None
+    ctx.amp_dtype = amp_dtype
+    if amp_dtype is not None:
+      weight = weight.to(amp_dtype)
     return F.linear(input, weight, bias)
 
   @staticmethod
@@ -209,22 +254,28 @@ class _FusedLinearFn(torch.autograd.Function):
     if mode == UPDATE:
       ctx.handle = None  # a later backward through this graph cannot update
     n_out, n_in = weight.shape
-    # grad_input reads the PRE-update weight: computed (queued) before the
-    # fused kernel, which waits for torch's stream, overwrites the weight.
-    grad_input = (grad_output.matmul(weight) if ctx.needs_input_grad[0]
-                  else None)
-    g2 = grad_output.reshape(-1, n_out)
-    grad_bias = (g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2]
-                 else None)
-    if mode != UPDATE:
-      # The caller did not ask to accumulate into the weight: torch would
-      # leave the weight (and its optimizer state) alone, and so do we; this
-      # forward no longer counts towards the one use per step. If it asked
-      # for the gradient itself (autograd.grad), it gets it, formed here.
-      handle.release()
-      grad_weight = (g2.t().matmul(input.reshape(-1, n_in))
-                     if mode == RETURN else None)
-      return grad_input, grad_weight, grad_bias, None
+    amp = ctx.amp_dtype
+    with (torch.autocast(grad_output.device.type, enabled=False)
+          if amp is not None else contextlib.nullcontext()):
+      # As the forward's GEMM read it (autocast: cast again, same values).
+      w_op = weight if amp is None else weight.to(amp)
+      # grad_input reads the PRE-update weight: computed (queued) before the
+      # fused kernel, which waits for torch's stream, overwrites the weight.
+      grad_input = (grad_output.matmul(w_op) if ctx.needs_input_grad[0]
+                    else None)
+      g2 = grad_output.reshape(-1, n_out)
+      grad_bias = (g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2]
+                   else None)
+      if mode != UPDATE:
+        # The caller did not ask to accumulate into the weight: torch would
+        # leave the weight (and its optimizer state) alone, and so do we;
+        # this forward no longer counts towards the one use per step. If it
+        # asked for the gradient itself (autograd.grad), it gets it, formed
+        # here (under autocast: in its dtype, then cast, as torch does).
+        handle.release()
+        grad_weight = (g2.t().matmul(input.reshape(-1, n_in)).to(weight.dtype)
+                       if mode == RETURN else None)
+        return grad_input, grad_weight, grad_bias, None, None
     optimizer = handle.optimizer()
     if optimizer is None:
       raise RuntimeError(
@@ -233,11 +284,44 @@ class _FusedLinearFn(torch.autograd.Function):
     check_no_grad_hooks(handle.weight, handle.layer)  # one added after forward
     # `weight` (unpacked) may be an alias of the Parameter, e.g. under
     # activation checkpointing; the optimizer keys its state by the Parameter.
+    # Updates the weight, or (gradient accumulation) adds G to its buffer.
     optimizer._forge_fused_update(handle.weight, g2, input.reshape(-1, n_in),
                                   config=handle.config, layer=handle.layer)
+    handle.use.done = True  # this forward's use is consumed
     # No gradient for the weight: it has been updated already (grad stays None).
-    return grad_input, None, grad_bias, None
+    return grad_input, None, grad_bias, None, None
 
+
+
+def is_fsdp_managed(layer: nn.Module) -> bool:
+  """Whether FSDP manages ``layer``'s parameters: ``fully_shard`` (FSDP2) and
+  ``FullyShardedDataParallel`` (FSDP1) mark every module they shard, or
+  whose sharded ancestor covers, with ``_is_fsdp_managed_module``."""
+  return bool(getattr(layer, "_is_fsdp_managed_module", False))
+
+
+def check_not_sharded(layer: nn.Module, name: str) -> None:
+  """Refuses a ``forge_torch.Linear`` that FSDP shards.
+
+  ``torch.distributed.fsdp.fully_shard`` (FSDP2) replaces the layer's weight
+  by a sharded ``DTensor`` and, around the forward and backward, by a
+  gathered copy that is not the weight forge_torch manages (FSDP1 by views of
+  a flat parameter): the layer would silently train on the standard path
+  (torch's gradient, reduce-scattered by FSDP, stepped by
+  ``optimizer.step()``), with none of FORGE's memory saving.
+  """
+  if is_fsdp_managed(layer):
+    raise RuntimeError(
+        f"forge_torch.Linear {name}: it is sharded by FSDP "
+        "(torch.distributed.fsdp.fully_shard or FullyShardedDataParallel), "
+        "which forge_torch does not support yet: FSDP gathers the weight "
+        "into a copy for the forward and reduce-scatters that copy's "
+        "gradient, so FORGE cannot update the weight in backward. Keep the "
+        "layers FSDP shards as nn.Linear (convert the model with "
+        "exclude=[...], or set layer.fused = False before training), or "
+        "train with DistributedDataParallel after "
+        "forge_torch.distributed.prepare_ddp (docs/torch.md, Data "
+        "parallelism).")
 
 class Linear(nn.Linear):
   """A drop-in for :class:`torch.nn.Linear` whose backward applies the optimizer.
@@ -265,7 +349,16 @@ class Linear(nn.Linear):
 
   Each managed layer may run once per optimizer step (one forward, one
   backward): FORGE updates the weight during that backward, so a second
-  reader of the weight in the same step would see the updated one.
+  reader of the weight in the same step would see the updated one. With
+  gradient accumulation (``optimizer.accumulate_steps = K``) it may run once
+  per micro-batch, K times per step: the backwards before the K-th add the
+  weight's gradient to an fp32 buffer and leave the weight as it is.
+
+  Under ``torch.autocast(device_type, dtype=torch.bfloat16)`` it is autocast's
+  linear (input, weight and bias cast to bf16; bf16 output; the input and bias
+  gradients in their own dtypes); the fused update forms ``G`` in fp32 from
+  the bf16 input and output gradient and updates the weight and its state in
+  their own dtypes. float16 autocast raises (it needs a ``GradScaler``).
   """
 
   fused: bool = True
@@ -354,6 +447,11 @@ class Linear(nn.Linear):
   @torch.compiler.disable
   def forward(self, input: torch.Tensor) -> torch.Tensor:
     w = self.weight
+    if (self.fused and torch.is_grad_enabled()
+        and getattr(self, "_is_fsdp_managed_module", False)):
+      # FSDP2 swapped in a gathered copy of the weight: refuse (it would
+      # silently train on the standard path).
+      check_not_sharded(self, self._layer_name())
     if not (self.fused and torch.is_grad_enabled() and w.requires_grad
             and is_forge_weight(w)) or _in_functorch() or _has_tangent(
                 input, w, self.bias):
@@ -368,16 +466,35 @@ class Linear(nn.Linear):
           "include this weight (after forge_torch.convert(), not before); or "
           "run under torch.no_grad(), or set layer.fused = False.")
     check_no_grad_hooks(w, self._layer_name())
-    generation = optimizer._forge_before_forward(w, input,
-                                                 layer=self._layer_name())
+    bias = self.bias
+    amp = autocast_dtype(w.device.type)
+    if amp is not None:
+      if amp != torch.bfloat16:
+        raise RuntimeError(
+            f"forge_torch.Linear {self._layer_name()}: torch.autocast with "
+            f"dtype={amp} is not supported for FORGE-managed layers, only "
+            "dtype=torch.bfloat16 (float16 training needs a GradScaler, "
+            "which cannot unscale an update FORGE already applied in "
+            "backward). Use torch.autocast(..., dtype=torch.bfloat16), or "
+            "set layer.fused = False.")
+      # What autocast's linear does: input and bias cast (differentiably:
+      # their gradients come back in their own dtypes), the weight cast
+      # inside the fused function, which updates the full-precision one.
+      if _autocast_eligible(input):
+        input = input.to(amp)
+      if _autocast_eligible(bias):
+        bias = bias.to(amp)
+    generation = optimizer._forge_before_forward(
+        w, input, layer=self._layer_name(), autocast_dtype=amp)
     opt_ref = weakref.ref(optimizer)
     handle = _Handle(opt_ref, w, self.block_config, self._layer_name(),
                      generation)
     if generation is not None:
       # A graph dropped without a backward (a skipped batch, an exception
       # later in the forward) frees the handle: the forward stops counting.
-      weakref.finalize(handle, _release_handle, opt_ref, w, generation)
-    return _FusedLinearFn.apply(input, w, self.bias, handle)
+      weakref.finalize(handle, _release_handle, opt_ref, w, generation,
+                       handle.use)
+    return _FusedLinearFn.apply(input, w, bias, handle, amp)
 
 
 class Converted(list):

@@ -23,6 +23,17 @@ updates every other parameter with torch's own ``step`` (managed weights have
 A managed weight whose layer ran no backward in a step is not touched, as
 torch skips a parameter whose ``grad`` is ``None``.
 
+Gradient accumulation (opt-in, ``opt.accumulate_steps = K``). torch's loop
+runs K backwards, which sum into ``.grad``, then ``opt.step()``. Here a
+managed weight's first K - 1 backwards of a step add ``G`` to an fp32 buffer
+(:mod:`forge_torch._accumulate`) and the K-th applies the update to the sum;
+``opt.step()`` applies it for a weight that got fewer micro-batches.
+
+Autocast. Under ``torch.autocast(dtype=torch.bfloat16)`` a managed layer's
+forward, input gradient and bias gradient are autocast's linear's; the update
+reads ``G`` formed in fp32 from the bf16 ``input`` and ``grad_output`` and
+writes the fp32 weight and state (torch's AMP rounds ``G`` to bf16 first).
+
 Structure. :class:`_ForgeOptimizer` is the one implementation of the managed
 weight machinery (registration on ``forge_torch.Linear`` weights, per-weight
 state, step counting, the fused call, ``state_dict`` round trip, misuse
@@ -44,7 +55,10 @@ from torch.optim.optimizer import _get_scalar_dtype, _get_value
 from torch.utils.weak import WeakIdKeyDictionary
 
 import pallas_kernels
+from forge_torch import _accumulate
 from forge_torch import _bridge
+from forge_torch import _clip
+from forge_torch import distributed as _distributed
 from forge_torch import linear as _linear
 from pallas_kernels import families
 from pallas_kernels.rules import UpdateRule, pack_host
@@ -135,6 +149,32 @@ class _ForgeOptimizer:
                  and not issubclass(b, _ForgeOptimizer)), None)
     if base is not None:  # None for intermediate mixins (_AdamMoments)
       cls._forge_torch = base
+      # torch's constructor, plus max_grad_norm (forge_torch/_clip.py).
+      cls.__signature__ = _clip.signature_with_max_grad_norm(base)
+
+  def __init__(self, *args, max_grad_norm: float | None = None, **kwargs):
+    # max_grad_norm: clip by the global norm, in two passes of a closure
+    # given to step() (forge_torch/_clip.py); the rest is torch's.
+    self.max_grad_norm = max_grad_norm
+    self.last_grad_norm = None  # the last clipped step's norm (a tensor)
+    super().__init__(*args, **kwargs)
+
+  @property
+  def max_grad_norm(self) -> float | None:
+    """Global-norm clipping: ``step(closure)`` equals
+    ``torch.nn.utils.clip_grad_norm_(<this optimizer's parameters>,
+    max_grad_norm)`` then the torch optimizer's ``step()``, managed weights
+    included, the closure running the forward and backward twice (first the
+    norms, then the clipped updates: ``docs/clipping.md``). ``None`` (the
+    default): no clipping. Set it at construction or between steps; it is
+    not part of ``state_dict()``. The last clipped step's global norm
+    (before clipping, a 0-d tensor; ``None`` before one) is
+    ``last_grad_norm``."""
+    return getattr(self, "_forge_max_grad_norm", None)
+
+  @max_grad_norm.setter
+  def max_grad_norm(self, value: float | None) -> None:
+    _clip.set_max_grad_norm(self, value)
 
   # -- family hooks -----------------------------------------------------------
 
@@ -160,6 +200,10 @@ class _ForgeOptimizer:
   def _forge_reset_step(self) -> None:
     self._forge_calls = WeakIdKeyDictionary()    # forwards since step()
     self._forge_updated = WeakIdKeyDictionary()  # fused updates since step()
+    # Gradient accumulation: managed weight -> micro-batches accumulated
+    # since step() (not yet applied), and -> its fp32 accumulator.
+    self._forge_micro = WeakIdKeyDictionary()
+    self._forge_acc = WeakIdKeyDictionary()
     # group index -> its options as the fused updates since step() read them
     self._forge_used = {}
     # Which step the counts above belong to (a forward's release checks it).
@@ -181,6 +225,8 @@ class _ForgeOptimizer:
     # registry is keyed by tensor identity, so record where the managed
     # weights sit in param_groups, and rebuild it from that on the copy.
     state = dict(super().__getstate__())
+    state["_forge_accumulate_steps"] = self.accumulate_steps
+    state["_forge_max_grad_norm"] = self.max_grad_norm
     state["_forge_managed_at"] = [
         (gi, pi) for gi, g in enumerate(self.param_groups)
         for pi, p in enumerate(g["params"]) if p in self._forge_managed]
@@ -192,7 +238,13 @@ class _ForgeOptimizer:
     first); step bookkeeping starts afresh, JAX views are made anew."""
     state = dict(state)
     at = state.pop("_forge_managed_at", None)
+    k = state.pop("_forge_accumulate_steps", None)
+    clip = state.pop("_forge_max_grad_norm", None)
     super().__setstate__(state)
+    if clip is not None:
+      self._forge_max_grad_norm = clip
+    if k is not None:
+      self._forge_accumulate_steps = k
     if at is None:  # torch's load_state_dict ends here: keep the registry
       return
     self._forge_init_registry()
@@ -226,7 +278,7 @@ class _ForgeOptimizer:
     managed = [p for p in group["params"] if _linear.is_forge_weight(p)]
     try:
       if managed:
-        _check_single_process()
+        _check_single_process(managed)
       self._forge_check_options(group)
       for p in managed:
         _bridge.check_dtype(p, "a forge_torch.Linear weight")
@@ -262,10 +314,14 @@ class _ForgeOptimizer:
     """torch's ``zero_grad``; a managed weight's ``grad`` becomes ``None``
     even with ``set_to_none=False``: FORGE never forms it, and a zero tensor
     left there (from a step its layer ran with ``fused = False``) would read
-    as a second consumer of the weight in the next step."""
+    as a second consumer of the weight in the next step. With
+    ``accumulate_steps > 1`` it also discards the micro-batches accumulated
+    into managed weights' buffers and not yet applied, as torch's discards
+    their ``.grad``; an update already applied in backward stays."""
     super().zero_grad(set_to_none=set_to_none)
     for p in self.managed_params:
       p.grad = None
+    self._forge_discard_accumulated()
 
   @property
   def managed_params(self) -> list[torch.Tensor]:
@@ -289,7 +345,13 @@ class _ForgeOptimizer:
   # -- called by forge_torch.Linear -------------------------------------------
 
   def _forge_before_forward(self, w: torch.Tensor, x: torch.Tensor, *,
-                            layer: str) -> None:
+                            layer: str,
+                            autocast_dtype: torch.dtype | None = None
+                            ) -> int | None:
+    """Checks a forward of managed weight ``w`` and counts it; returns the
+    step it is counted in (``None``: a recomputation, not counted).
+    ``autocast_dtype``: the dtype ``torch.autocast`` runs the layer in
+    (``x`` is cast to it already), or ``None`` outside autocast."""
     if w not in self._forge_managed:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
@@ -299,30 +361,45 @@ class _ForgeOptimizer:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: input is on {x.device} but the weight "
           f"is on {w.device}; move them to one device")
-    if x.dtype != w.dtype:
+    if autocast_dtype is None and x.dtype != w.dtype:
       raise TypeError(
           f"forge_torch.Linear {layer}: input dtype {x.dtype} differs from the "
-          f"weight's {w.dtype}; cast the input (autocast is not supported for "
-          "FORGE-managed layers: cast the model to bfloat16 instead)")
-    if torch.is_autocast_enabled(x.device.type):
-      raise RuntimeError(
-          f"forge_torch.Linear {layer}: torch.autocast is not supported for "
-          "FORGE-managed layers; cast the model (weights) to bfloat16 instead, "
-          "or set layer.fused = False")
+          f"weight's {w.dtype}; cast the input, or run the forward under "
+          "torch.autocast(device_type, dtype=torch.bfloat16)")
+    if autocast_dtype is not None and x.dtype != autocast_dtype:
+      raise TypeError(
+          f"forge_torch.Linear {layer}: input dtype {x.dtype} under "
+          f"torch.autocast, which computes this layer in {autocast_dtype} and "
+          "casts only float32, float16 and bfloat16 inputs; cast the input")
     if _in_backward():
       # Activation checkpointing recomputes the forward inside backward; the
       # recomputation is the same use of the weight (paper Remark 3).
       return None
     n = self._forge_calls.get(w, 0)
-    if n >= 1:
+    k = self.accumulate_steps
+    if n >= k and k > 1:
+      raise RuntimeError(
+          f"forge_torch.Linear {layer} was called more than "
+          f"accumulate_steps={k} times before optimizer.step(). With "
+          "gradient accumulation each managed layer runs one forward and one "
+          f"backward per micro-batch, {k} micro-batches per step, and the "
+          "backward of the last one applies the update: a further forward "
+          "would read the updated weight. Call optimizer.step() after every "
+          f"{k} micro-batches (it also completes a step cut short, with "
+          "fewer). "
+          "A layer run twice per micro-batch counts twice: keep such a layer "
+          "as nn.Linear (or set layer.fused = False). Evaluation forwards "
+          "must run under torch.no_grad().")
+    if n >= k:
       raise RuntimeError(
           f"forge_torch.Linear {layer} was called a second time before "
           "optimizer.step(). FORGE updates the weight in place during the "
           "layer's backward, so each managed layer may run one forward and one "
           "backward per step (a second reader would see the already-updated "
           "weight): no reuse of a layer within a "
-          "step, no gradient accumulation over micro-batches, and evaluation "
-          "forwards must run under torch.no_grad(). Keep a reused layer as "
+          "step, and evaluation forwards must run under torch.no_grad(). "
+          "Gradient accumulation over K micro-batches is opt-in: set "
+          "optimizer.accumulate_steps = K. Keep a reused layer as "
           "nn.Linear (or set layer.fused = False). Or a step was skipped: "
           "the last backward already updated this weight and "
           "optimizer.step() was not called after it (e.g. a loop that skips "
@@ -339,13 +416,19 @@ class _ForgeOptimizer:
     gradient) no longer counts: the layer may run again in this step."""
     if (generation is not None and generation == self._forge_generation
         and w not in self._forge_updated):
-      self._forge_calls.pop(w, None)
+      n = self._forge_calls.get(w, 0) - 1
+      if n > 0:  # other forwards of the step (gradient accumulation)
+        self._forge_calls[w] = n
+      else:
+        self._forge_calls.pop(w, None)
 
   def _forge_fused_update(self, p: torch.Tensor, grad_output: torch.Tensor,
                           input: torch.Tensor, *,
                           config: pallas_kernels.BlockConfig | None,
                           layer: str) -> None:
-    """This family's step on managed weight ``p``, ``G = grad_output^T input``."""
+    """This family's step on managed weight ``p``, ``G = grad_output^T input``
+    (``accumulate_steps > 1``: ``G`` added to the weight's buffer, except on
+    the step's last micro-batch, which steps from the sum)."""
     if p not in self._forge_managed:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
@@ -354,7 +437,32 @@ class _ForgeOptimizer:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: a second backward reached this weight "
           "before optimizer.step(); FORGE applies one update per step")
-    _check_single_process()
+    if _clip.measuring(self, layer):  # max_grad_norm: the norm pass
+      _clip.record(self, p, grad_output, input, layer)
+      return
+    if _distributed.is_data_parallel(p):  # DDP: reduced, then stepped
+      _distributed.reduce_and_step(self, p, grad_output, input, config=config,
+                                   layer=layer)
+      return
+    _check_single_process([p])
+    acc = None
+    if self.accumulate_steps > 1:
+      n = self._forge_micro.get(p, 0) + 1
+      if n < self.accumulate_steps:  # not the step's last micro-batch
+        self._forge_accumulate(p, grad_output, input, config=config,
+                               first=n == 1)
+        self._forge_micro[p] = n
+        return
+      acc = self._forge_acc[p]
+    self._forge_step_weight(p, grad_output, input, config=config,
+                            layer=layer, acc=acc)
+
+  def _forge_step_weight(self, p: torch.Tensor, grad_output: torch.Tensor,
+                         input: torch.Tensor, *,
+                         config: pallas_kernels.BlockConfig | None,
+                         layer: str, acc: torch.Tensor | None = None) -> None:
+    """The family's step on ``p`` from ``G = grad_output^T input``, plus the
+    accumulated micro-batch gradients ``acc`` (gradient accumulation)."""
     index = self._forge_managed[p]
     group = self.param_groups[index]
     self._forge_used.setdefault(index, _options_snapshot(group))
@@ -384,14 +492,24 @@ class _ForgeOptimizer:
       slots.append(s)
     t = _get_value(state["step"]) + 1 if "step" in state else None
     values, scalar_updates = self._forge_hparams(group, state, t, fresh)
+    # max_grad_norm's update pass: G scaled by the clip coefficient.
+    rule, values = _clip.scaled(self, rule, values)
     # Kernel layout: x := grad_output (BT, out), dy := input (BT, in),
     # w := weight (out, in), so G' = grad_output^T input is torch's own grad.
     views = self._forge_views.get(p)
     if views is None:
       views = self._forge_views[p] = _bridge.ViewCache()
-    _bridge.fused_update(grad_output, input, p.data, slots,
-                         pack_host(rule, values), rule=rule, config=config,
-                         views=views)
+    kernel_rule, kernel_slots = rule, slots
+    if acc is not None:  # G + the step's earlier micro-batches' sum
+      kernel_rule = _accumulate.from_accumulator(rule)
+      kernel_slots = [acc, *slots]
+    _bridge.fused_update(grad_output, input, p.data, kernel_slots,
+                         pack_host(kernel_rule, values), rule=kernel_rule,
+                         config=config, views=views)
+    if acc is not None:  # consumed: its memory is freed
+      views.discard(acc)
+      self._forge_acc.pop(p, None)
+      self._forge_micro.pop(p, None)
     # The weight and its state changed in place (through .data / a donated
     # buffer, which autograd does not see): bump their version counters, as
     # torch's in-place optimizer ops do, so that a graph which saved the
@@ -406,6 +524,91 @@ class _ForgeOptimizer:
       state[name].copy_(value)
     self._forge_updated[p] = True
 
+  # -- gradient accumulation --------------------------------------------------
+
+  @property
+  def accumulate_steps(self) -> int:
+    """K, the micro-batches per optimizer step (gradient accumulation).
+
+    ``1`` (the default): each managed layer runs one forward and one
+    backward per step, and a second forward before ``step()`` raises. With
+    ``K > 1`` each managed layer may run up to K forwards and backwards per
+    step: the backwards of the first K - 1 micro-batches add the weight's
+    gradient to an fp32 buffer (in the fused kernel's epilogue; the weight
+    and its state are untouched), and the K-th backward applies the update
+    to the sum of the K gradients, as torch's ``.grad`` accumulation then
+    ``step()`` would. ``step()`` applies the update to the buffer of a
+    weight that got fewer than K micro-batches in the step (a cut-short
+    step, a layer some micro-batches skipped); ``zero_grad()`` discards
+    the buffers of a step not yet applied, as torch discards ``.grad``.
+    Set it between steps (at construction, or right after ``step()``);
+    it is not part of ``state_dict()``.
+    """
+    return getattr(self, "_forge_accumulate_steps", 1)
+
+  @accumulate_steps.setter
+  def accumulate_steps(self, k: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+      raise ValueError(
+          f"{type(self).__name__}.accumulate_steps must be an int >= 1 (the "
+          f"number of micro-batches per optimizer step), got {k!r}")
+    if any(self._forge_calls.values()) or self._forge_micro:
+      raise RuntimeError(
+          f"{type(self).__name__}.accumulate_steps cannot change in the "
+          "middle of a step: managed layers have already run forwards since "
+          "the last optimizer.step(). Set it before the step's first forward "
+          "(at construction, or right after optimizer.step()).")
+    self._forge_accumulate_steps = k
+
+  def _forge_accumulate(self, p: torch.Tensor, grad_output: torch.Tensor,
+                        input: torch.Tensor, *,
+                        config: pallas_kernels.BlockConfig | None,
+                        first: bool) -> None:
+    """Adds ``G = grad_output^T input`` to ``p``'s fp32 accumulator (on the
+    step's first micro-batch: sets it), in the fused kernel's epilogue; the
+    weight and its optimizer state are not touched."""
+    acc = self._forge_acc.get(p)
+    if acc is None:  # its old contents are never read: no zeroing
+      acc = self._forge_acc[p] = torch.empty(
+          p.shape, dtype=torch.float32, device=p.device)
+    views = self._forge_views.get(p)
+    if views is None:
+      views = self._forge_views[p] = _bridge.ViewCache()
+    rule = _accumulate.sum_rule()
+    _bridge.fused_update(grad_output, input, p.data, [acc],
+                         pack_host(rule, {"acc_first": float(first)}),
+                         rule=rule, config=config, views=views)
+
+  def _forge_apply_accumulated(self) -> None:
+    """The update of every managed weight whose step got fewer than
+    ``accumulate_steps`` micro-batches, from its accumulator alone (the
+    kernel with no token rows: ``G = 0``)."""
+    for p in list(self._forge_micro):
+      if p not in self._forge_managed or p in self._forge_updated:
+        continue
+      n_out, n_in = p.shape
+      none = functools.partial(torch.zeros, dtype=torch.float32,
+                               device=p.device)
+      _distributed.reduce_accumulated(self, p, self._forge_acc[p])
+      self._forge_step_weight(p, none(0, n_out), none(0, n_in), config=None,
+                              layer=_linear.weight_name(p),
+                              acc=self._forge_acc[p])
+
+  def _forge_discard_accumulated(self) -> None:
+    """Drops the accumulated micro-batches of a step not yet applied (as
+    torch's ``zero_grad`` drops ``.grad``); their forwards stop counting."""
+    for p, n in list(self._forge_micro.items()):
+      left = self._forge_calls.get(p, 0) - n
+      if left > 0:
+        self._forge_calls[p] = left
+      else:
+        self._forge_calls.pop(p, None)
+      acc = self._forge_acc.pop(p, None)
+      views = self._forge_views.get(p)
+      if acc is not None and views is not None:
+        views.discard(acc)
+    self._forge_micro = WeakIdKeyDictionary()
+
   # -- the step ---------------------------------------------------------------
 
   def step(self, closure=None):
@@ -415,7 +618,15 @@ class _ForgeOptimizer:
     ``None``, so torch's step skips them). A managed weight that did *not* get
     a fused update in this step but has an ordinary ``grad`` (its layer ran
     with ``fused = False``, say) is updated by torch's step like any other.
+
+    With ``max_grad_norm`` set, ``closure`` is required and runs twice
+    (:func:`forge_torch._clip.two_pass_step`).
     """
+    if self.max_grad_norm is not None and not _clip.in_update_pass(self):
+      # The rest of this step (below) runs once, after the two passes,
+      # without the step hooks running again.
+      return _clip.two_pass_step(
+          self, closure, lambda: _unhooked(type(self).step)(self))
     if (getattr(self, "found_inf", None) is not None
         or getattr(self, "grad_scale", None) is not None):
       raise RuntimeError(
@@ -442,7 +653,8 @@ class _ForgeOptimizer:
             "ones. Set hyperparameters (and step lr schedulers) before the "
             "forward, or after step().")
     for p in self.managed_params:
-      if p.grad is not None and p in self._forge_updated:
+      if p.grad is not None and (p in self._forge_updated
+                                 or p in self._forge_micro):
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} was updated by its "
             "forge_torch.Linear's backward AND received an ordinary gradient "
@@ -451,6 +663,9 @@ class _ForgeOptimizer:
             "formed, so it cannot add a second use's gradient: keep the "
             "layers that share this weight as nn.Linear "
             "(forge_torch.convert() does so).")
+    # DDP: ordinary gradients of prepared weights (a layer run unfused).
+    _distributed.reduce_grads(self)
+    self._forge_apply_accumulated()  # a step with fewer than K micro-batches
     _unhooked(self._forge_torch.step)(self)
     self._forge_reset_step()
     return loss
@@ -469,18 +684,10 @@ def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
   return {k: snap(v) for k, v in group.items() if k != "params"}
 
 
-def _check_single_process() -> None:
-  dist = torch.distributed
-  if (dist.is_available() and dist.is_initialized()
-      and dist.get_world_size() > 1):
-    raise RuntimeError(
-        "forge_torch: this process is one of "
-        f"{dist.get_world_size()} (torch.distributed). Data-parallel training "
-        "(DDP, FSDP) must reduce each weight's gradient across ranks before "
-        "the update; a FORGE-managed weight is updated inside its layer's "
-        "backward from this rank's gradient alone, so the replicas would "
-        "drift apart. Train managed layers in a single process, or keep them "
-        "nn.Linear (layer.fused = False) under DDP/FSDP.")
+def _check_single_process(params=()) -> None:
+  """Refuses managed weights in a multi-rank process group unless
+  ``forge_torch.distributed.prepare_ddp`` registered them."""
+  _distributed.check_single_process(params)
 
 
 def _in_backward() -> bool:
@@ -505,11 +712,18 @@ _COMMON_DOC = """
   Not supported (``ValueError`` at construction, in ``add_param_group`` or in
   ``load_state_dict``): ``capturable=True``, ``differentiable=True``.
 
+  Gradient accumulation over K micro-batches is opt-in:
+  ``opt.accumulate_steps = K`` (see ``accumulate_steps``). Under
+  ``torch.autocast(dtype=torch.bfloat16)`` a managed layer computes as
+  autocast's linear does, and its update reads ``G`` formed in fp32 from the
+  bf16 operands.
+
   Raises at run time (clear errors): a managed layer run twice before
-  ``step()`` while its first graph is alive (or gradient accumulation over
-  micro-batches); ``torch.amp.GradScaler`` (from ``scaler.step``); input and weight on
-  different devices or of different dtypes; a weight that is not float32 or
-  bfloat16; autocast; a managed weight that also received an ordinary gradient
+  ``step()`` while its first graph is alive (more than ``accumulate_steps``
+  times with accumulation); ``torch.amp.GradScaler`` (from
+  ``scaler.step``); input and weight on different devices or of different
+  dtypes (outside autocast); a weight that is not float32 or bfloat16;
+  float16 autocast; a managed weight that also received an ordinary gradient
   in the step (a tied/shared weight: keep that layer an ``nn.Linear``); group
   options changed after a weight's state was created so that the state lacks a
   tensor the update needs (e.g. RMSprop ``momentum`` turned on later).

@@ -1,0 +1,296 @@
+"""FORGE-managed layers under ``torch.distributed`` data parallelism (DDP).
+
+Under data parallelism every rank holds the whole weight and sees a shard of
+the batch, so a rank's weight gradient ``G_r = grad_output_r^T input_r`` is
+a partial sum over tokens. DDP averages the ranks' gradients before the
+optimizer step; an update that is not linear in ``G`` (Adam's second moment
+is quadratic in it) cannot be applied to the pieces. So a managed weight
+cannot be updated from its rank's ``G_r`` alone, and DDP's own reducer cannot
+reduce it either: FORGE never gives it a ``.grad``.
+
+:func:`prepare_ddp` hands the managed weights' reduction to forge_torch.
+Each managed layer is one reduction bucket. In the layer's backward:
+
+1. the fused kernel forms ``G_r`` in fp32 in a buffer of the weight's shape
+   (the kernel's state-only accumulation epilogue; with gradient
+   accumulation, the step's earlier micro-batches are already summed there);
+2. ``torch.distributed.all_reduce`` sums the buffer over the ranks and it is
+   divided by the world size: DDP's averaged gradient;
+3. the optimizer's update is applied to it (the same kernel with no token
+   rows, stepping from the buffer alone), and the buffer is freed.
+
+So the full gradient exists one layer at a time, never for the whole model
+at once, and every rank applies the same update to the same weight. DDP
+keeps reducing every other parameter (biases, norms, embeddings, layers left
+as ``nn.Linear``), which ``optimizer.step()`` updates as usual.
+
+Usage::
+
+    forge_torch.convert(model)
+    forge_torch.distributed.prepare_ddp(model)   # before DDP(...)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = forge_torch.AdamW(ddp.parameters(), lr=1e-3)
+
+or ``ddp = forge_torch.distributed.wrap_ddp(model, **ddp_kwargs)``, which
+does both. Without :func:`prepare_ddp`, building a forge_torch optimizer
+over managed weights, or running their backward, in a process group of more
+than one rank raises a ``RuntimeError`` saying so.
+
+Fully sharded data parallelism (``torch.distributed.fsdp.fully_shard``,
+FSDP2, or ``FullyShardedDataParallel``) is not supported yet: a managed layer
+that FSDP shards raises at its forward (:func:`check_not_sharded`).
+``docs/torch.md`` (Data parallelism) has the details.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from forge_torch import linear as _linear
+
+# Managed weight -> the process group (None: the default group) whose ranks
+# average its gradient before each update. Set by prepare_ddp().
+_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _dist():
+  dist = torch.distributed
+  if not dist.is_available():
+    raise RuntimeError(
+        "forge_torch.distributed: this torch build has no torch.distributed")
+  return dist
+
+
+def _managed_weights(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+  """``(qualified name, weight)`` of every FORGE-managed weight of
+  ``module``, in ``named_parameters`` order."""
+  return [(name, p) for name, p in module.named_parameters()
+          if _linear.is_forge_weight(p)]
+
+
+is_fsdp_managed = _linear.is_fsdp_managed
+check_not_sharded = _linear.check_not_sharded
+
+
+def prepare_ddp(module: nn.Module, process_group=None, *,
+                broadcast: bool = True) -> list[str]:
+  """Lets ``module``'s FORGE-managed weights train under DDP.
+
+  Call it on every rank, after :func:`forge_torch.convert` and before
+  wrapping ``module`` in ``torch.nn.parallel.DistributedDataParallel``
+  (and before building the forge_torch optimizer). It
+
+  * registers the managed weights to be averaged over ``process_group``'s
+    ranks by forge_torch, one layer at a time, inside each managed layer's
+    backward, before the update (see the module docstring);
+  * tells DDP to leave them alone
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``,
+    added to any names already ignored): DDP's reducer expects a ``.grad``
+    on every parameter it reduces, and FORGE forms none;
+  * with ``broadcast`` (the default), copies the managed weights from the
+    group's first rank to the others, as DDP does at construction for the
+    parameters it manages (it skips ignored ones).
+
+  A prepared layer run as ``nn.Linear`` in some step (``layer.fused =
+  False``, a ``torch.func`` transform) gives its weight an ordinary
+  ``.grad``, which DDP ignores: the forge_torch optimizer's ``step()``
+  averages it over the ranks before applying it.
+
+  Every rank must run each managed layer the same number of times per step
+  (its backward joins a collective): DDP's ``find_unused_parameters=True``
+  does not cover managed weights. ``model.no_sync()`` does not apply to
+  them either: with ``optimizer.accumulate_steps = K`` they are reduced once
+  per step, at the K-th micro-batch, which is what ``no_sync`` achieves for
+  DDP's parameters.
+
+  Args:
+    module: the model (not yet wrapped), or a ``DistributedDataParallel``
+      already built over a prepared model (then only checked).
+    process_group: the group DDP reduces over (``None``: the default group,
+      DDP's default). Pass DDP's ``process_group`` if you give it one.
+    broadcast: copy the managed weights from the group's first rank.
+
+  Returns:
+    The qualified names of the managed weights, now reduced by forge_torch.
+
+  Raises:
+    RuntimeError: ``torch.distributed`` is not initialised; ``module`` is a
+      ``DistributedDataParallel`` built before this was called on its
+      module; a managed layer is sharded by FSDP.
+  """
+  dist = _dist()
+  if not dist.is_initialized():
+    raise RuntimeError(
+        "forge_torch.distributed.prepare_ddp: torch.distributed is not "
+        "initialised; call torch.distributed.init_process_group(...) first")
+  if isinstance(module, nn.parallel.DistributedDataParallel):
+    inner = module.module
+    missing = [name for name, p in _managed_weights(inner)
+               if name not in module.parameters_to_ignore or p not in _GROUPS]
+    if missing:
+      raise RuntimeError(
+          "forge_torch.distributed.prepare_ddp was called on a "
+          "DistributedDataParallel built before the FORGE-managed weights "
+          f"were prepared ({', '.join(missing)}): DDP would expect gradients "
+          "FORGE never forms. Call prepare_ddp(model) on the model before "
+          "wrapping it, then build DistributedDataParallel(model) (or use "
+          "forge_torch.distributed.wrap_ddp(model)).")
+    return [name for name, _ in _managed_weights(inner)]
+  for mod_name, layer in module.named_modules():
+    if isinstance(layer, _linear.Linear) and layer.fused:
+      check_not_sharded(layer, mod_name or type(module).__name__)
+  weights = _managed_weights(module)
+  names = [name for name, _ in weights]
+  ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+  ddp = nn.parallel.DistributedDataParallel
+  ddp._set_params_and_buffers_to_ignore_for_model(
+      module, ignored + [n for n in names if n not in ignored])
+  for _, p in weights:
+    _GROUPS[p] = process_group
+  if broadcast and weights:
+    src = (0 if process_group is None
+           else dist.get_global_rank(process_group, 0))
+    with torch.no_grad():
+      for _, p in weights:
+        dist.broadcast(p.data, src=src, group=process_group)
+  return names
+
+
+def wrap_ddp(module: nn.Module, *args: Any,
+             **kwargs: Any) -> nn.parallel.DistributedDataParallel:
+  """``torch.nn.parallel.DistributedDataParallel(module, *args, **kwargs)``
+  after :func:`prepare_ddp` (over DDP's ``process_group``, if given)."""
+  prepare_ddp(module, kwargs.get("process_group"))
+  return nn.parallel.DistributedDataParallel(module, *args, **kwargs)
+
+
+def is_data_parallel(p: torch.Tensor) -> bool:
+  """Whether managed weight ``p`` was registered by :func:`prepare_ddp`."""
+  return p in _GROUPS
+
+
+def _all_reduce_mean(buffer: torch.Tensor, p: torch.Tensor,
+                     layer: str) -> None:
+  """``buffer`` <- its mean over ``p``'s group (in place)."""
+  dist = _dist()
+  if not dist.is_initialized():
+    raise RuntimeError(
+        f"forge_torch.Linear {layer}: its weight was prepared for data "
+        "parallelism (forge_torch.distributed.prepare_ddp) but "
+        "torch.distributed is no longer initialised")
+  group = _GROUPS[p]
+  dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+  world = dist.get_world_size(group)
+  if world > 1:
+    buffer.div_(world)
+
+
+def _forget_view(optimizer, p: torch.Tensor, buffer: torch.Tensor) -> None:
+  # The collective rewrote the buffer outside JAX: the next kernel call
+  # imports it afresh (its import orders the kernel after the collective on
+  # torch's stream) instead of reusing the view from the call that formed it.
+  views = optimizer._forge_views.get(p)
+  if views is not None:
+    views.discard(buffer)
+
+
+def reduce_and_step(optimizer, p: torch.Tensor, grad_output: torch.Tensor,
+                    input: torch.Tensor, *, config, layer: str) -> None:
+  """The data-parallel update of managed weight ``p`` (registered by
+  :func:`prepare_ddp`) from this rank's ``G_r = grad_output^T input``:
+  ``G_r`` (plus the step's earlier micro-batches) into the weight's fp32
+  buffer; on the step's last micro-batch, the buffer averaged over the
+  ranks and the optimizer's update applied to it (the buffer is then freed).
+  Called by the forge_torch optimizer from the layer's backward."""
+  if optimizer.max_grad_norm is not None:
+    raise RuntimeError(_clip_refused(layer))
+  k = optimizer.accumulate_steps
+  n = optimizer._forge_micro.get(p, 0) + 1
+  optimizer._forge_accumulate(p, grad_output, input, config=config,
+                              first=n == 1)
+  if n < k:  # not the step's last micro-batch: keep summing locally
+    optimizer._forge_micro[p] = n
+    return
+  buffer = optimizer._forge_acc[p]
+  _forget_view(optimizer, p, buffer)
+  _all_reduce_mean(buffer, p, layer)
+  optimizer._forge_step_weight(p, *_no_rows(p), config=None, layer=layer,
+                               acc=buffer)
+
+
+def reduce_accumulated(optimizer, p: torch.Tensor, buffer: torch.Tensor
+                       ) -> None:
+  """Averages the accumulated buffer of data-parallel weight ``p`` over the
+  ranks before ``optimizer.step()`` applies it (a step that got fewer than
+  ``accumulate_steps`` micro-batches). A no-op for other weights."""
+  if p in _GROUPS:
+    _forget_view(optimizer, p, buffer)
+    _all_reduce_mean(buffer, p, _linear.weight_name(p))
+
+
+def reduce_grads(optimizer) -> None:
+  """Averages over the ranks the ordinary ``.grad`` of every weight that
+  :func:`prepare_ddp` registered (DDP ignores them) and ``optimizer``
+  manages, before its ``step()`` applies them: the gradient a prepared
+  layer forms when it runs as ``nn.Linear`` (``layer.fused = False``, a
+  ``torch.func`` transform). Called by the forge_torch optimizer's
+  ``step()``, in its ``param_groups`` order on every rank."""
+  params = [p for p in optimizer.managed_params
+            if p in _GROUPS and p.grad is not None]
+  if not params:
+    return
+  if optimizer.max_grad_norm is not None:
+    raise RuntimeError(_clip_refused(_linear.weight_name(params[0])))
+  for p in params:
+    _all_reduce_mean(p.grad, p, _linear.weight_name(p))
+
+
+def _clip_refused(layer: str) -> str:
+  return (
+      f"forge_torch.Linear {layer}: max_grad_norm (global-norm clipping) is "
+      "not supported with data parallelism (forge_torch.distributed."
+      "prepare_ddp) yet: the norm must be taken over the ranks' averaged "
+      "gradients. Set max_grad_norm=None, or keep the layers to clip as "
+      "nn.Linear.")
+
+
+def _no_rows(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+  """``(grad_output, input)`` with no token rows: ``G = 0``, so the kernel
+  steps from the buffer alone."""
+  n_out, n_in = p.shape
+  return (torch.zeros((0, n_out), dtype=torch.float32, device=p.device),
+          torch.zeros((0, n_in), dtype=torch.float32, device=p.device))
+
+
+def check_single_process(params=()) -> None:
+  """Refuses managed weights in a process group of more than one rank unless
+  :func:`prepare_ddp` registered them (``params``: the weights to check;
+  none given: any)."""
+  dist = torch.distributed
+  if not (dist.is_available() and dist.is_initialized()):
+    return
+  world = dist.get_world_size()
+  if world <= 1:
+    return
+  params = list(params)
+  if params and all(p in _GROUPS for p in params):
+    return
+  raise RuntimeError(
+      f"forge_torch: this process is one of {world} (torch.distributed). "
+      "Data-parallel training must average each weight's gradient across "
+      "ranks before the update; a FORGE-managed weight is updated inside its "
+      "layer's backward, from this rank's gradient alone unless forge_torch "
+      "reduces it, so the replicas would drift apart. Under "
+      "DistributedDataParallel call forge_torch.distributed.prepare_ddp(model) "
+      "after forge_torch.convert() and before wrapping the model in DDP and "
+      "building the optimizer (or use forge_torch.distributed.wrap_ddp); "
+      "FSDP is not supported: keep its layers nn.Linear (layer.fused = False).")
+
+
+__all__ = ["check_not_sharded", "check_single_process", "is_data_parallel",
+           "is_fsdp_managed", "prepare_ddp", "reduce_accumulated",
+           "reduce_and_step", "reduce_grads", "wrap_ddp"]

@@ -1,0 +1,485 @@
+"""Global-norm gradient clipping in two passes: the squared-norm kernel,
+forge_jax's ``clip_by_global_norm`` chain against optax's, and forge_torch's
+``max_grad_norm=`` against ``clip_grad_norm_`` + the torch optimizer."""
+
+import copy
+import inspect
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+import forge_jax
+import forge_torch
+import pallas_kernels as pk
+from forge_jax import clip as jclip
+from tests.harness import MLP, WIDTHS, mse, reference_step
+from tests.tolerances import assert_close, rel_err, tol, worst_leaf
+
+F32 = tol(jnp.float32)
+
+
+# --- the squared-norm kernel ---------------------------------------------------
+
+
+def _operands(lead, n_in, n_out, dtype, seed=0):
+  kx, kd = jax.random.split(jax.random.key(seed))
+  return (jax.random.normal(kx, (*lead, n_in), dtype),
+          jax.random.normal(kd, (*lead, n_out), dtype))
+
+
+def test_sqnorm_kernel_matches_its_reference_per_tile():
+  """bf16 operands over three token axes, tiles no dimension divides, in
+  groups along ``in``. (fp32 operands and the default tiling: the MLP
+  parity test below, whose trajectory depends on every norm.)"""
+  lead, n_in, n_out, dtype = (3, 17), 96, 40, jnp.bfloat16
+  config = pk.BlockConfig(32, 16, 16, group_in=2)
+  x, dy = _operands(lead, n_in, n_out, dtype)
+  bt = int(np.prod(lead))
+  parts = pk.wgrad_sqnorm(x, dy, config=config, interpret=True, partials=True)
+  want = pk.wgrad_sqnorm_reference(x, dy, partials=True, block_in=32,
+                                   block_out=16)
+  assert parts.shape == (3, 3)  # ceil(96 / 32), ceil(40 / 16)
+  assert parts.dtype == jnp.float32
+  assert bool(jnp.all(parts > 0))  # every tile holds part of G
+  assert_close(parts, want, F32, "per-tile sums")
+  total = pk.wgrad_sqnorm(x, dy, config=config, interpret=True)
+  # The total is the norm of G = x^T dy formed in fp32 (float64 check).
+  g = np.asarray(x, np.float64).reshape(bt, n_in).T @ np.asarray(
+      dy, np.float64).reshape(bt, n_out)
+  assert rel_err(total, np.sum(g * g)) <= F32
+
+
+def test_sqnorm_kernel_edge_cases_and_refusals():
+  x, dy = _operands((0,), 20, 30, jnp.float32)
+  assert float(pk.wgrad_sqnorm(x, dy, interpret=True)) == 0.0
+  assert pk.wgrad_sqnorm(x, dy, interpret=True, partials=True).shape == (1, 1)
+  x, dy = _operands((9,), 20, 30, jnp.float32)
+  with pytest.raises(ValueError, match="split_out.*epilogue"):
+    pk.wgrad_sqnorm(x, dy, interpret=True,
+                    config=pk.BlockConfig(16, 32, 16, split_out=2))
+  with pytest.raises(TypeError, match="BlockConfig"):
+    pk.wgrad_sqnorm(x, dy, interpret=True, config={"block_in": 16})
+  with pytest.raises(ValueError, match="leading"):
+    pk.wgrad_sqnorm(x, dy[:5], interpret=True)
+  with pytest.raises(TypeError, match="floating"):
+    pk.wgrad_sqnorm(x.astype(jnp.int32), dy, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sqnorm_kernel_lowers_to_triton_for_cuda(dtype):
+  """Deviceless lowering for an H200 catches Triton lowering errors. (Under
+  an explicit-axes abstract mesh, as tests/harness.lower_for_cuda uses,
+  JAX's Triton lowering of a reduction copies the operand's 2-D sharding
+  onto the reduced value and fails; the kernel sees no mesh on a GPU.)"""
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
+                      abstract_device=AbstractDevice("NVIDIA H200", 132,
+                                                     "gpu"))
+  sh = NamedSharding(mesh, P())
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(lambda x, dy: pk.wgrad_sqnorm(x, dy, interpret=False)).trace(
+        spec(300, 70), spec(300, 130)).lower(
+            lowering_platforms=("cuda",)).as_text()
+  assert [l for l in text.splitlines() if "xla.gpu.triton" in l]
+  assert "wgrad_sqnorm" in text
+
+
+def test_grad_scaled_rule_scales_g_before_the_update():
+  base = pk.adamw_rule()
+  rule = pk.grad_scaled(base)
+  assert rule is pk.grad_scaled(base)  # cached: one compiled kernel
+  assert rule.hparams == base.hparams + ("gscale_div", "gscale_mul")
+  assert (rule.slots, rule.tuned_as) == (base.slots, "adamw")
+  k = jax.random.split(jax.random.key(3), 4)
+  g, w, mu, nu = (jax.random.normal(ki, (7, 9)) for ki in k)
+  nu = jnp.abs(nu)
+  h = dict(lr=1e-2, b1=0.9, b2=0.999, one_minus_b1=0.1, one_minus_b2=0.001,
+           eps=1e-8, eps_root=0.0, weight_decay=1e-2, bc1=0.1, bc2=0.001,
+           bc1_next=0.19)
+  same = rule.apply(g, w, (mu, nu), rule.pack(**h, gscale_div=1.0,
+                                              gscale_mul=1.0))
+  want = base.apply(g, w, (mu, nu), base.pack(**h))
+  for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)  # factors 1: bit for bit
+  got = rule.apply(g, w, (mu, nu), rule.pack(**h, gscale_div=3.0,
+                                             gscale_mul=0.5))
+  want = base.apply((g / 3.0) * 0.5, w, (mu, nu), base.pack(**h))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="already uses"):
+    pk.grad_scaled(rule)
+
+
+# --- forge_jax -------------------------------------------------------------------
+
+
+def _batches(steps, seed=1, n=24):
+  """Batches whose targets change scale, so the gradient norm swings."""
+  k = jax.random.split(jax.random.key(seed), 2 * steps)
+  return [(jax.random.normal(k[2 * i], (n, WIDTHS[0])),
+           (1.0 + 2.0 * (i % 3)) * jax.random.normal(k[2 * i + 1],
+                                                      (n, WIDTHS[-1])))
+          for i in range(steps)]
+
+
+def _norm_fn(loss_fn):
+  """``(variables, batch) -> the global norm of the params' gradient``."""
+  return jax.jit(lambda v, b: optax.tree.norm(jax.grad(loss_fn)(v, b)["params"]))
+
+
+def _train_pair(ref_model, f_model, make_opt, clip, batches, wgrad="fused"):
+  """optax's chain(clip_by_global_norm(m), opt) against the FORGE step with
+  ``clip(m)`` before ``make_opt(forge_jax)``, ``m`` the median of the
+  gradient norms at the initial parameters (so that some steps clip and
+  others do not). Returns (forge state, reference state, the reference's
+  norms, m, losses, the FORGE step's jaxpr)."""
+  variables = ref_model.init(jax.random.key(0), batches[0][0])
+  loss_ref = mse(ref_model)
+  norm = _norm_fn(loss_ref)
+  m = float(np.median([float(norm(variables, b)) for b in batches]))
+  ref_tx = optax.chain(optax.clip_by_global_norm(m), make_opt(optax))
+  f_tx = optax.chain(clip(m), make_opt(forge_jax))
+  ref_step = jax.jit(reference_step(loss_ref, ref_tx))
+  v_ref, s_ref = variables, ref_tx.init(variables["params"])
+  v_f = jax.tree.map(jnp.copy, variables)
+  s_f = f_tx.init(v_f["params"])
+  traced = jax.jit(forge_jax.make_step(mse(f_model), f_tx, wgrad=wgrad),
+                   donate_argnums=(0, 1)).trace(v_f, s_f, batches[0])
+  f_step = traced.lower().compile()
+  norms, losses = [], []
+  for b in batches:
+    norms.append(float(norm(v_ref, b)))
+    l_ref, v_ref, s_ref = ref_step(v_ref, s_ref, b)
+    l_f, v_f, s_f = f_step(v_f, s_f, b)
+    losses.append((float(l_f), float(l_ref)))
+  return (v_f, s_f), (v_ref, s_ref), norms, m, losses, traced.jaxpr.jaxpr
+
+
+def _assert_clipped_parity(got, ref, norms, m, losses):
+  # Not vacuous: the clipping acted in some steps and not in others.
+  assert any(n >= m for n in norms) and any(n < m for n in norms), (norms, m)
+  for l_f, l_ref in losses:
+    assert rel_err(l_f, l_ref) <= F32
+  (v_f, s_f), (v_ref, s_ref) = got, ref
+  err, where = worst_leaf((v_f["params"], s_f), (v_ref["params"], s_ref))
+  assert err <= F32, (err, where)
+
+
+def _kernel_gradient_dots(jaxpr, kernel_shapes, bt):
+  """``dot_general``s outside Pallas kernels that contract the token axis
+  into a kernel-shaped output: weight gradients ``G = x^T dy``."""
+  from tests.test_regimes23 import _eqns  # noqa: PLC0415
+  found = []
+  for eqn in _eqns(jaxpr):
+    if eqn.primitive.name != "dot_general":
+      continue
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    out = tuple(eqn.outvars[0].aval.shape)
+    if [lhs[d] for d in lc] == [bt]:
+      if out in kernel_shapes:
+        found.append(out)
+      elif out[::-1] in kernel_shapes:  # AD forms dy^T x, then transposes
+        found.append(out[::-1])
+  return found
+
+
+def test_jax_clipped_adamw_matches_optax_chain_without_a_weight_gradient():
+  """The odd-width MLP, fp32, every parameter and moment after 10 steps:
+  optax.chain(forge_jax.clip_by_global_norm(m), forge_jax.adamw(...))
+  against optax.chain(optax.clip_by_global_norm(m), optax.adamw(...)). The
+  step runs three norm kernels and three fused updates and forms no weight
+  gradient outside them (optax's step, by the same detector, forms all
+  three)."""
+  from tests.test_regimes23 import _eqns  # noqa: PLC0415
+  make = lambda lib: lib.adamw(3e-2, weight_decay=1e-2,
+                               mask=lambda p: jax.tree.map(
+                                   lambda a: a.ndim > 1, p))
+  batches = _batches(10)
+  got, ref, norms, m, losses, jaxpr = _train_pair(
+      MLP(nn.Dense), MLP(forge_jax.Dense), make,
+      forge_jax.clip_by_global_norm, batches)
+  _assert_clipped_parity(got, ref, norms, m, losses)
+
+  bt = batches[0][0].shape[0]
+  shapes = {(WIDTHS[i], WIDTHS[i + 1]) for i in range(3)}
+  assert _kernel_gradient_dots(jaxpr, shapes, bt) == []
+  kernels = sorted(e.params["name"] for e in _eqns(jaxpr)
+                   if e.primitive.name == "pallas_call")
+  assert kernels == (["fused_wgrad_adamw_clipped"] * 3
+                     + ["wgrad_sqnorm"] * 3), kernels
+  ref = jax.make_jaxpr(jax.grad(mse(MLP(nn.Dense))))(got[0], batches[0]).jaxpr
+  assert sorted(_kernel_gradient_dots(ref, shapes, bt)) == sorted(shapes)
+
+
+class _Stacked(nn.Module):
+  """Dense(37 -> 24), a scanned stack of three 24-wide layers, Dense(-> 5):
+  forge_jax's layers and ScannedDenseStack, or flax's own nn.scan."""
+  forge: bool
+
+  @nn.compact
+  def __call__(self, x):
+    dense = forge_jax.Dense if self.forge else nn.Dense
+    x = nn.relu(dense(24)(x))
+    x = forge_jax.ScannedDenseStack(24, 3, fused=self.forge, name="stack")(x)
+    return dense(5)(x)
+
+
+def test_optax_clip_scanned_stack_and_injected_hyperparams_match():
+  """optax's own clip_by_global_norm, recognised in the chain, before
+  optax.inject_hyperparams(forge_jax.adamw), on a ScannedDenseStack between
+  two Dense layers (wgrad="xla": the norm pass sums the stack's layers in
+  its backward loop), against the same chain of optax's transforms."""
+  make = lambda lib: optax.inject_hyperparams(lib.adamw)(learning_rate=2e-2)
+  k = jax.random.split(jax.random.key(5), 16)
+  batches = [(jax.random.normal(k[2 * i], (16, 37)),
+              (1.0 + 2.0 * (i % 3)) * jax.random.normal(k[2 * i + 1],
+                                                         (16, 5)))
+             for i in range(8)]
+  got, ref, norms, m, losses, _ = _train_pair(
+      _Stacked(False), _Stacked(True), make, optax.clip_by_global_norm,
+      batches, wgrad="xla")
+  _assert_clipped_parity(got, ref, norms, m, losses)
+
+
+@pytest.mark.parametrize("chain,match", [
+    (lambda: optax.chain(forge_jax.adamw(1e-3),
+                         forge_jax.clip_by_global_norm(1.0)),
+     "after the optimizer.*clip the optimizer's updates"),
+    (lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                         forge_jax.clip_by_global_norm(1.0),
+                         forge_jax.adamw(1e-3)),
+     "holds 2 global-norm clippings"),
+    (lambda: optax.chain(forge_jax.clip_by_global_norm(1.0)),
+     "holds 0 forge_jax optimizers"),
+    (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.clip(1.0),
+                         forge_jax.adamw(1e-3)),
+     "1 transform.*forge_jax cannot drive"),
+    (lambda: optax.chain(forge_jax.clip_by_global_norm(1.0),
+                         forge_jax.MultiSteps(forge_jax.adamw(1e-3), 2)),
+     "forge_jax.MultiSteps optimizer .*not supported"),
+    (lambda: optax.chain(forge_jax.clip_by_global_norm(1.0),
+                         forge_jax.adafactor(1e-3)),
+     "'adafactor'.*not supported"),
+    (lambda: forge_jax.clip_by_global_norm(1.0),
+     "make_step needs a forge_jax transform.*ClipByGlobalNorm"),
+])
+def test_unsupported_clipping_forms_are_refused_with_the_fix(chain, match):
+  with pytest.raises(TypeError, match=match) as e:
+    forge_jax.make_step(mse(MLP(forge_jax.Dense)), chain())
+  assert "clip_by_global_norm(max_norm)" in str(e.value)
+
+
+def test_clip_transform_is_optax_clip_and_checks_max_norm():
+  tx = forge_jax.clip_by_global_norm(0.5)
+  assert isinstance(tx, optax.GradientTransformation) and tx.max_norm == 0.5
+  updates = {"a": jnp.arange(6.0).reshape(2, 3), "b": -jnp.ones(4)}
+  got, _ = tx.update(updates, tx.init(updates))
+  want, _ = optax.clip_by_global_norm(0.5).update(updates, None)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  chain = optax.chain(optax.clip_by_global_norm(2.5), forge_jax.sgd(0.1))
+  found = jclip.recognise(chain)
+  assert found.max_norm == 2.5 and found.index == 1
+  assert found.member.spec.family == "sgd"
+  assert jclip.recognise(forge_jax.adamw(1e-3)) is None
+  assert jclip.recognise(optax.chain(optax.clip(1.0), optax.sgd(0.1))) is None
+  for bad, exc in ((0.0, ValueError), (-1.0, ValueError),
+                   (float("nan"), ValueError), ("1", TypeError),
+                   (True, TypeError), (np.ones(2), TypeError)):
+    with pytest.raises(exc, match="max_norm"):
+      forge_jax.clip_by_global_norm(bad)
+    if exc is ValueError:  # optax's own, in a chain, is checked too
+      with pytest.raises(exc, match="max_norm"):
+        jclip.recognise(optax.chain(optax.clip_by_global_norm(bad),
+                                    forge_jax.sgd(0.1)))
+
+
+# --- forge_torch ---------------------------------------------------------------
+
+
+def _torch_mlp():
+  """WIDTHS, ReLUs, a dropout after the first: layers at 0, 3 and 5."""
+  return torch.nn.Sequential(
+      torch.nn.Linear(WIDTHS[0], WIDTHS[1]), torch.nn.ReLU(),
+      torch.nn.Dropout(0.25), torch.nn.Linear(WIDTHS[1], WIDTHS[2]),
+      torch.nn.ReLU(), torch.nn.Linear(WIDTHS[2], WIDTHS[3]))
+
+
+def _torch_batches(steps, seed=1, n=24):
+  g = torch.Generator().manual_seed(seed)
+  return [(torch.randn(n, WIDTHS[0], generator=g),
+           (1.0 + 2.0 * (i % 3)) * torch.randn(n, WIDTHS[-1], generator=g))
+          for i in range(steps)]
+
+
+def _torch_loss(model, batch):
+  x, y = batch
+  return ((model(x) - y) ** 2).mean()
+
+
+def test_torch_max_grad_norm_matches_clip_grad_norm_and_adamw():
+  """The odd-width MLP, fp32, 10 steps: forge_torch.AdamW(max_grad_norm=m)
+  stepping a closure equals torch's loop with clip_grad_norm_(params, m)
+  before torch.optim.AdamW.step(), in every parameter and state tensor.
+  The first and last layers are managed (their norms measured by the
+  kernel), the middle one a plain nn.Linear (its norm from its .grad). A
+  dropout draws the same masks in both closure calls (torch's generator is
+  rewound), so the measured norm is that of the applied gradient."""
+  _check_torch_parity("cpu")
+
+
+def _check_torch_parity(device: str) -> None:
+  torch.manual_seed(0)
+  batches = [tuple(t.to(device) for t in b) for b in _torch_batches(10)]
+  kw = dict(lr=3e-2, weight_decay=1e-2)
+  # max_norm: the median norm of an unclipped run, so both cases happen.
+  probe = _torch_mlp().to(device)
+  ref = copy.deepcopy(probe)
+  model = copy.deepcopy(probe)
+  probe_opt, norms = torch.optim.AdamW(probe.parameters(), **kw), []
+  for i, b in enumerate(batches):
+    torch.manual_seed(100 + i)
+    probe_opt.zero_grad()
+    _torch_loss(probe, b).backward()
+    norms.append(float(torch.nn.utils.get_total_norm(
+        [p.grad for p in probe.parameters()])))
+    probe_opt.step()
+  m = float(np.median(norms))
+
+  forge_torch.convert(model, exclude=["3"])
+  opt = forge_torch.AdamW(model.parameters(), **kw, max_grad_norm=m)
+  ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+  assert opt.managed_params == [model[0].weight, model[5].weight]
+  ref_norms = []
+  for i, b in enumerate(batches):
+    torch.manual_seed(100 + i)  # the same dropout masks in both models
+    ref_opt.zero_grad()
+    l_ref = _torch_loss(ref, b)
+    l_ref.backward()
+    ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(),
+                                                          m)))
+    ref_opt.step()
+
+    def closure(b=b):
+      opt.zero_grad()
+      loss = _torch_loss(model, b)
+      loss.backward()
+      return loss
+
+    torch.manual_seed(100 + i)
+    loss = opt.step(closure)
+    assert rel_err(float(loss.detach()), float(l_ref.detach())) <= F32
+    assert rel_err(float(opt.last_grad_norm), ref_norms[-1]) <= F32
+  assert any(n >= m for n in ref_norms) and any(n < m for n in ref_norms)
+  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    assert_close(p.detach().cpu().numpy(), q.detach().cpu().numpy(), F32,
+                 name)
+    for key, want in ref_opt.state[q].items():
+      assert_close(opt.state[p][key].cpu().numpy(), want.cpu().numpy(), F32,
+                   f"{name} {key}")
+  assert all(p.grad is None for p in opt.managed_params)
+  assert model[3].weight.grad is not None  # the plain layer's, clipped
+
+
+def test_torch_max_grad_norm_refuses_misuse_with_the_fix():
+  model = torch.nn.Sequential(forge_torch.Linear(8, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 3))
+  sig = inspect.signature(forge_torch.SGD).parameters["max_grad_norm"]
+  assert sig.default is None
+  for bad, exc in ((0.0, ValueError), (-2.0, ValueError),
+                   (float("inf"), ValueError), ("1", TypeError)):
+    with pytest.raises(exc, match="max_grad_norm"):
+      forge_torch.SGD(model.parameters(), lr=0.1, max_grad_norm=bad)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1, max_grad_norm=1.0)
+  assert copy.deepcopy(opt).max_grad_norm == 1.0
+  x = torch.randn(5, 8)
+  with pytest.raises(RuntimeError, match=r"optimizer\.step\(closure\)"):
+    opt.step()
+  opt.accumulate_steps = 2
+  with pytest.raises(RuntimeError, match="accumulate_steps > 1"):
+    opt.step(lambda: model(x).square().mean().backward())
+  opt.accumulate_steps = 1
+  # A backward outside step(closure) cannot clip: refused in the backward.
+  with pytest.raises(RuntimeError, match=r"Linear.*max_grad_norm.*step\(closure\)"):
+    model(x).square().mean().backward()
+  # torch's own clipping of a managed weight says what to use instead.
+  other = torch.nn.Sequential(forge_torch.Linear(8, 3))
+  other_opt = forge_torch.SGD(other.parameters(), lr=0.1)
+  other(x).square().mean().backward()
+  with pytest.raises(RuntimeError, match=r"max_grad_norm=.*step\(closure\)"):
+    torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
+  other_opt.step()
+
+
+# --- GPU --------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_clipped_step_on_gpu_matches_optax_and_adds_no_gradient_buffer():
+  """Compiled on the GPU: the clipped fp32 MLP step matches optax's chain
+  (the Triton norm and update kernels), a ScannedBlocks model too, and
+  forge_torch's max_grad_norm matches clip_grad_norm_ + AdamW on CUDA
+  tensors; a bf16 4096x4096 layer's clipped step holds no kernel-sized
+  temporary beyond the unclipped FORGE step's (no gradient buffer: at most
+  the second pass's activations) and updates W, mu and nu in their donated
+  buffers."""
+  import re  # noqa: PLC0415
+  with jax.default_matmul_precision("highest"):
+    make = lambda lib: lib.adamw(3e-2, weight_decay=1e-2)
+    got, ref, norms, m, losses, _ = _train_pair(
+        MLP(nn.Dense), MLP(forge_jax.Dense), make,
+        forge_jax.clip_by_global_norm, _batches(12))
+    _assert_clipped_parity(got, ref, norms, m, losses)
+    # ScannedBlocks (its norm pass sums each FORGE Dense over the blocks),
+    # on the stacks in place (stack_update="layer" on a GPU).
+    from tests.test_blocks import Model  # noqa: PLC0415
+    got, ref, norms, m, losses, _ = _train_pair(
+        Model(False, num_layers=3), Model(True, num_layers=3), make,
+        forge_jax.clip_by_global_norm, _batches(8))
+    _assert_clipped_parity(got, ref, norms, m, losses)
+  _check_torch_parity("cuda")
+
+  n, bt = 4096, 512
+
+  class One(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return forge_jax.Dense(n, use_bias=False, param_dtype=jnp.bfloat16,
+                             dtype=jnp.bfloat16)(x)
+
+  x = jnp.ones((bt, n), jnp.bfloat16)
+  variables = One().init(jax.random.key(0), x)
+  loss_fn = lambda v, b: jnp.mean(One().apply(v, b).astype(jnp.float32) ** 2)
+  compiled = {}
+  for clip in (False, True):
+    tx = forge_jax.adamw(1e-3)
+    if clip:
+      tx = optax.chain(forge_jax.clip_by_global_norm(1.0), tx)
+    jitted = jax.jit(forge_jax.make_step(loss_fn, tx), donate_argnums=(0, 1))
+    opt_state = tx.init(variables["params"])
+    compiled[clip] = jitted.lower(variables, opt_state, x).compile()
+  temp = {c: compiled[c].memory_analysis().temp_size_in_bytes
+          for c in compiled}
+  print(f"temp: unclipped {temp[False] / 2**20:.1f} MiB, clipped "
+        f"{temp[True] / 2**20:.1f} MiB")
+  kernel_bytes = n * n * 2
+  assert temp[True] < temp[False] + kernel_bytes // 2, temp
+  hlo = compiled[True].as_text()
+  kernel_sized = [l.strip()[:160] for l in hlo.splitlines()
+                  if re.search(rf"= (bf16|f32)\[{n},{n}\]", l)
+                  and not re.search(r"parameter\(|get-tuple-element\(|bitcast\(",
+                                    l)]
+  assert not kernel_sized, kernel_sized
+  leaves = lambda v, s: jax.tree.leaves((v["params"], s[1][0].mu, s[1][0].nu))
+  opt_state = tx.init(variables["params"])
+  ptrs = [a.unsafe_buffer_pointer() for a in leaves(variables, opt_state)]
+  _, new_v, new_s = jitted(variables, opt_state, x)
+  assert [a.unsafe_buffer_pointer() for a in leaves(new_v, new_s)] == ptrs

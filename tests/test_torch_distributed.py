@@ -1,0 +1,296 @@
+"""forge_torch under torch's DistributedDataParallel: two CPU ranks (gloo)
+against single-process torch.optim.AdamW on the full batch, and the misuses
+that must be refused (DDP without forge_torch.distributed.prepare_ddp,
+FSDP2's fully_shard, global-norm clipping).
+
+The ranks run once per test session, rank 0 in the test process and rank 1
+in a spawned one (``torch.multiprocessing``), rendezvousing through a file
+store; the tests assert on what they report (the kernels run in Pallas
+interpret mode and compile in every process, so the ranks run everything
+in one go).
+"""
+
+import contextlib
+import copy
+import datetime
+import fcntl
+import os
+import traceback
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax.numpy as jnp  # noqa: E402
+from torch import nn  # noqa: E402
+from torch import multiprocessing as mp  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+import forge_torch  # noqa: E402
+from forge_torch import distributed as forge_dist  # noqa: E402
+from tests.tolerances import tol  # noqa: E402
+
+FP32 = tol(jnp.float32)
+WORLD = 2
+# Odd sizes; both managed layers are D x D and every micro-batch has the same
+# 2 x 3 token rows per rank, so each process compiles two kernels only (the
+# gradient into its buffer; the update from the averaged buffer).
+D, OUT, ROWS, SEQ = 13, 5, 2, 3
+LR, WD = 2e-2, 0.1
+# A rank waits this long for the others at a collective before failing.
+TIMEOUT_S = 120
+# Micro-batches per step: DDP alone (accumulate_steps=1), then with
+# accumulate_steps=2, whose last step is cut short (one micro-batch: step()
+# reduces and applies the buffer).
+PLAIN = [1, 1, 1]
+ACCUMULATED = [2, 2, 1]
+
+
+class Net(nn.Module):
+  """fc1, fc2: FORGE-managed; norm, head and the biases: DDP's."""
+
+  def __init__(self):
+    super().__init__()
+    self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, D)
+    self.norm = nn.LayerNorm(D)
+    self.head = nn.Linear(D, OUT)
+
+  def forward(self, x):
+    return self.head(self.norm(self.fc2(F.gelu(self.fc1(x)))))
+
+
+def make_net() -> Net:
+  torch.manual_seed(0)
+  return Net()
+
+
+def converted(net: nn.Module) -> nn.Module:
+  model = copy.deepcopy(net)
+  assert forge_torch.convert(model, exclude="head") == ["fc1", "fc2"]
+  return model
+
+
+def batches(micro_batches, seed):
+  """``[step][micro-batch][rank] -> (x, y)``: every rank its own data."""
+  g = torch.Generator().manual_seed(seed)
+  return [[[(torch.randn(ROWS, SEQ, D, generator=g),
+             torch.randn(ROWS, SEQ, OUT, generator=g))
+            for _ in range(WORLD)] for _ in range(k)] for k in micro_batches]
+
+
+def rel(a, b) -> float:
+  a, b = a.detach().double(), b.detach().double()
+  d = b.norm().item()
+  return (a - b).norm().item() / (d if d > 0 else 1.0)
+
+
+# --- what each rank runs ------------------------------------------------------
+
+
+def _error(fn) -> str:
+  """The message of the RuntimeError ``fn()`` raises ('' if none)."""
+  try:
+    fn()
+  except RuntimeError as e:
+    return str(e)
+  return ""
+
+
+def _misuses(rank: int) -> dict:
+  net = make_net()
+  found = {}
+  # DDP over managed layers without prepare_ddp: the optimizer refuses.
+  model = converted(net)
+  ddp = nn.parallel.DistributedDataParallel(model)
+  found["no_prepare"] = _error(lambda: forge_torch.AdamW(ddp.parameters()))
+  # prepare_ddp after DDP was built (DDP already expects those gradients).
+  found["late_prepare"] = _error(lambda: forge_dist.prepare_ddp(ddp))
+  # Global-norm clipping: the norm would be this rank's, not the average's.
+  model = converted(net)
+  ddp = forge_dist.wrap_ddp(model)
+  found["checked"] = forge_dist.prepare_ddp(ddp)  # built in order: accepted
+  opt = forge_torch.AdamW(ddp.parameters(), max_grad_norm=1.0)
+  x, y = batches([1], seed=9)[0][0][rank]
+  found["clip"] = _error(lambda: opt.step(
+      lambda: F.mse_loss(ddp(x), y).backward()))
+  # FSDP2 shards the managed layers: refused at the forward.
+  from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+  model = converted(net)
+  fully_shard(model)
+  forge_torch.AdamW(model.parameters())  # sharded weights: not managed
+  found["fsdp"] = _error(lambda: model(x))
+  return found
+
+
+def _train(rank: int, micro_batches, accumulate: int, seed: int,
+           device: str) -> dict:
+  model = converted(make_net()).to(device)
+  with torch.no_grad():  # prepare_ddp copies rank 0's managed weights
+    model.fc1.weight.add_(float(rank))
+  if accumulate == 1:
+    names = forge_dist.prepare_ddp(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+  else:
+    names, ddp = None, forge_dist.wrap_ddp(model)
+  opt = forge_torch.AdamW(ddp.parameters(), lr=LR, weight_decay=WD)
+  opt.accumulate_steps = accumulate
+  assert opt.managed_params == [model.fc1.weight, model.fc2.weight]
+  for s, step in enumerate(batches(micro_batches, seed)):
+    # Plain DDP's second step runs fc2 as nn.Linear: its ordinary gradient,
+    # which DDP ignores, is averaged by opt.step().
+    model.fc2.fused = not (accumulate == 1 and s == 1)
+    for i, micro in enumerate(step):
+      x, y = (t.to(device) for t in micro[rank])
+      last = i == len(step) - 1
+      with ddp.no_sync() if not last else contextlib.nullcontext():
+        F.mse_loss(ddp(x), y).backward()
+    assert model.fc1.weight.grad is None
+    assert (model.fc2.weight.grad is None) == model.fc2.fused
+    opt.step()
+    opt.zero_grad()
+  return {
+      "names": names,
+      "params": {k: v.detach().cpu() for k, v in model.named_parameters()},
+      "exp_avg_sq": [opt.state[p]["exp_avg_sq"].cpu()
+                     for p in opt.managed_params],
+  }
+
+
+def _rank(rank: int, init: str, device: str) -> dict:
+  """What rank ``rank`` reports (an exception's traceback, if one ends it)."""
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)
+  dist = torch.distributed
+  dist.init_process_group("gloo", init_method=init, rank=rank,
+                          world_size=WORLD,
+                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+  try:
+    return {"misuses": _misuses(rank) if device == "cpu" else None,
+            "plain": _train(rank, PLAIN, 1, seed=1, device=device),
+            "accumulated": _train(rank, ACCUMULATED, 2, seed=2, device=device)}
+  except Exception:  # noqa: BLE001 -- reported to the tests
+    return {"error": traceback.format_exc()}
+  finally:
+    dist.destroy_process_group()
+    torch.set_num_threads(threads)
+
+
+def _child(rank: int, init: str, device: str, out: str) -> None:
+  """A spawned process's rank: its report, saved to ``out``."""
+  torch.save(_rank(rank, init, device), out)
+
+
+# --- the reference and the tests ----------------------------------------------
+
+
+def reference(micro_batches, seed, device="cpu"
+              ) -> tuple[nn.Module, torch.optim.AdamW]:
+  """torch.optim.AdamW in one process: each micro-batch's loss is the mean
+  over all ranks' rows (DDP's average of the ranks' means), its gradients
+  summed over a step's micro-batches."""
+  net = make_net().to(device)
+  opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+  for step in batches(micro_batches, seed):
+    for micro in step:
+      x = torch.cat([x for x, _ in micro]).to(device)
+      y = torch.cat([y for _, y in micro]).to(device)
+      F.mse_loss(net(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+  return net, opt
+
+
+def run_ranks(root, device: str) -> list[dict]:
+  """Every rank's report, the ranks run once per test session on
+  ``device``: pytest-xdist workers share them through files in the
+  session's temporary root, written under an exclusive lock."""
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # shared by the workers of this session
+  out = root / f"torch_ddp_{device}"
+  with open(f"{out}.lock", "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    paths = [out / f"rank{r}.pt" for r in range(WORLD)]
+    if not all(p.is_file() for p in paths):
+      # Rank 0 is this process (torch, JAX and forge_torch are imported
+      # already); the others are spawned (a forked child would inherit
+      # JAX's threads).
+      out.mkdir(exist_ok=True)
+      store = out / "store"
+      store.unlink(missing_ok=True)
+      init = f"file://{store}"
+      spawn = mp.get_context("spawn")
+      children = [spawn.Process(target=_child,
+                                args=(r, init, device, str(paths[r])))
+                  for r in range(1, WORLD)]
+      for c in children:
+        c.start()
+      try:
+        torch.save(_rank(0, init, device), paths[0])
+      finally:
+        for c in children:
+          c.join(timeout=2 * TIMEOUT_S)
+          if c.is_alive():
+            c.kill()
+      for r, c in enumerate(children, 1):
+        assert c.exitcode == 0, f"rank {r} exited with {c.exitcode}"
+  got = [torch.load(p, weights_only=False) for p in paths]
+  for r, report in enumerate(got):
+    assert "error" not in report, f"rank {r}:\n{report.get('error')}"
+  return got
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+  return run_ranks(tmp_path_factory.getbasetemp(), "cpu")
+
+
+def check_against_torch(ranks: list[dict], case: str, device: str) -> None:
+  micro_batches = PLAIN if case == "plain" else ACCUMULATED
+  ref, ref_opt = reference(micro_batches, 1 if case == "plain" else 2, device)
+  if case == "plain":
+    assert ranks[0]["names"] == ["fc1.weight", "fc2.weight"]
+  start = make_net()
+  for name, pr in ref.named_parameters():
+    p0, p1 = (r["params"][name] for r in ranks)
+    # Replicas stay identical (the collective's result is the same bytes on
+    # every rank), and equal to the single-process run.
+    assert torch.equal(p0, p1), name
+    assert rel(p0, pr.cpu()) <= FP32, (name, rel(p0, pr.cpu()))
+    # Not a vacuous match: every parameter moved.
+    assert rel(p0, start.get_parameter(name)) > 1e3 * FP32, name
+  managed = [ref.fc1.weight, ref.fc2.weight]
+  for got, p in zip(ranks[0]["exp_avg_sq"], managed):
+    assert rel(got, ref_opt.state[p]["exp_avg_sq"].cpu()) <= FP32
+
+
+@pytest.mark.parametrize("case", ["plain", "accumulated"])
+def test_ddp_matches_single_process_adamw(reports, case):
+  check_against_torch([r[case] for r in reports], case, "cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_ddp_matches_single_process_adamw(tmp_path_factory):
+  """Two ranks on one GPU (gloo reduces CUDA tensors): the collective and
+  the fused kernels ordered on torch's stream."""
+  reports = run_ranks(tmp_path_factory.getbasetemp(), "cuda")
+  for case in ("plain", "accumulated"):
+    check_against_torch([r[case] for r in reports], case, "cuda")
+
+
+def test_misuse_is_refused(reports):
+  for report in reports:
+    found = report["misuses"]
+    assert "one of 2" in found["no_prepare"], found["no_prepare"]
+    assert "forge_torch.distributed.prepare_ddp(model)" in found["no_prepare"]
+    assert "built before" in found["late_prepare"], found["late_prepare"]
+    assert found["checked"] == ["fc1.weight", "fc2.weight"]
+    assert "max_grad_norm" in found["clip"], found["clip"]
+    assert "data parallelism" in found["clip"], found["clip"]
+    assert "fully_shard" in found["fsdp"], found["fsdp"]
+    assert "fc1" in found["fsdp"] and "nn.Linear" in found["fsdp"]
+
+
+def test_prepare_ddp_needs_a_process_group():
+  assert not torch.distributed.is_initialized()
+  with pytest.raises(RuntimeError, match="init_process_group"):
+    forge_dist.prepare_ddp(converted(make_net()))
