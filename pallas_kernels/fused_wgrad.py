@@ -136,7 +136,7 @@ def fused_wgrad_update(
                      "'triton' or 'mosaic_gpu'")
   if backend == "mosaic_gpu":
     return _mosaic(x2, dy2, w, slots, hparams, rule, config, interpret,
-                   stacked)
+                   layer)
   check_block_config(config, "fused_wgrad_update(config=...)")
   cfg = config or select_config(bt, n_in, n_out, w.dtype,
                                 [a.dtype for a in slots], rule,
@@ -151,7 +151,7 @@ def fused_wgrad_update(
       interpret=interpret, bt=bt, precision=_dot_precision(x, dy, w))
 
 
-def _mosaic(x, dy, w, slots, hparams, rule, config, interpret, stacked):
+def _mosaic(x, dy, w, slots, hparams, rule, config, interpret, layer):
   """``fused_wgrad_update`` on the Mosaic GPU backend."""
   cfg = config
   if cfg is None:
@@ -162,12 +162,12 @@ def _mosaic(x, dy, w, slots, hparams, rule, config, interpret, stacked):
                     f"be a MosaicConfig, got {type(config).__name__}")
   why = mosaic_kernel.unsupported(
       x.shape[0], w.shape[-2], w.shape[-1], x.dtype, w, slots, rule, cfg,
-      stacked=stacked, g_stored=False)
+      stacked=layer is not None, g_stored=False)
   if why is not None:
     raise ValueError(f"fused_wgrad_update(backend='mosaic_gpu'): {why}. "
                      "Use backend='triton' for this case.")
   return mosaic_kernel.launch(x, dy, w, slots, hparams, rule=rule, cfg=cfg,
-                              interpret=interpret)
+                              interpret=interpret, layer=layer)
 
 
 def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,

@@ -16,8 +16,9 @@ shared memory), writes the new state back to shared memory and TMA-stores
 it in place, asynchronously (drained during the next tile's K loop). ``G``
 never leaves registers.
 
-Not yet covered (each refused with the reason by :func:`unsupported`):
-shapes the tiles do not divide, stacked ``(L, in, out)`` state, a stored
+Stacked ``(L, in, out)`` state (``layer=i``) updates layer ``i`` in place,
+the index read from memory at run time. Not yet covered (each refused with
+the reason by :func:`unsupported`): shapes the tiles do not divide, a stored
 ``G``, rules that do not update the weight or have write-only outputs, fp32
 operands (wgmma takes 16-bit ones here).
 :func:`launch` is its entry point; :mod:`pallas_kernels.fused_wgrad`
@@ -150,8 +151,6 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
                 rule: UpdateRule, cfg: MosaicConfig, *, stacked: bool,
                 g_stored: bool) -> str | None:
   """Why the Mosaic GPU kernel cannot run this case, or ``None``."""
-  if stacked:
-    return "stacked (L, in, out) state (layer=...) is not supported yet"
   if g_stored:
     return "a stored gradient (stored_g_update) is not supported yet"
   if not rule.updates_weight or rule.outputs:
@@ -180,9 +179,17 @@ def _transforms(minor: int, dtype):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel_body(x_gmem, dy_gmem, h_gmem, *state_gmem, rule: UpdateRule,
+def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
                  cfg: MosaicConfig, bt: int, n_in: int, n_out: int,
-                 interpret: bool):
+                 interpret: bool, stacked: bool):
+  # Stacked: the layer index comes first, then the (L, in, out) state.
+  if stacked:
+    layer_gmem, *state_gmem = refs
+    layer = layer_gmem[0]
+    at = lambda ref, r, c: ref.at[layer, r, c]
+  else:
+    state_gmem = refs
+    at = lambda ref, r, c: ref.at[r, c]
   tm, tn, tk, wn = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.wg_n
   cw, nbuf = cfg.compute_wgs, cfg.state_buffers
   m_iters, n_iters, k_iters = n_in // tm, n_out // tn, bt // tk
@@ -233,7 +240,7 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *state_gmem, rule: UpdateRule,
         # the loads overwrite it: at most `pending` groups may remain.
         plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
         for ref, buf in zip(state_gmem, bufs):
-          plgpu.copy_gmem_to_smem(ref.at[tile_rows, tile_own_cols],
+          plgpu.copy_gmem_to_smem(at(ref, tile_rows, tile_own_cols),
                                   buf.at[to_slot, wg],
                                   bar.at[to_slot * cw + wg])
 
@@ -272,7 +279,7 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *state_gmem, rule: UpdateRule,
                 buf[sub] = val.astype(buf.dtype)
           plgpu.commit_smem()
           for ref, buf in zip(state_gmem, bufs):
-            plgpu.copy_smem_to_gmem(buf.at[slot, wg], ref.at[rows, own_cols])
+            plgpu.copy_smem_to_gmem(buf.at[slot, wg], at(ref, rows, own_cols))
 
       def k_step(_, x_smem, dy_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem.at[:, own])
@@ -285,15 +292,18 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *state_gmem, rule: UpdateRule,
 
 
 def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
-           interpret: bool, num_sms: int | None = None):
+           interpret: bool, layer=None, num_sms: int | None = None):
   """The kernel on checked inputs that :func:`unsupported` accepts.
 
   Args:
     x, dy: ``(BT, in)`` and ``(BT, out)``, one 16-bit dtype.
-    w, slots: the weight and the rule's slots, ``(in, out)``; updated in
-      place (the kernel writes them through refs).
+    w, slots: the weight and the rule's slots, ``(in, out)``, or stacked
+      ``(L, in, out)`` with ``layer``; updated in place (the kernel writes
+      them through refs).
     hparams: ``rule.pack(...)``.
     rule, cfg: the update rule and the tiling.
+    layer: with stacked state, the int32 index (in range) of the layer to
+      update; ``None`` for 2-D state.
     interpret: run in Pallas GPU interpret mode (on the CPU).
     num_sms: programs in the persistent grid; default the GPU's SM count
       (4 in interpret mode).
@@ -305,8 +315,10 @@ def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
   n_out = dy.shape[1]
   if num_sms is None:
     num_sms = 4 if interpret else jax.devices()[0].core_count
+  stacked = layer is not None
   body = functools.partial(_kernel_body, rule=rule, cfg=cfg, bt=bt,
-                           n_in=n_in, n_out=n_out, interpret=interpret)
+                           n_in=n_in, n_out=n_out, interpret=interpret,
+                           stacked=stacked)
   kernel = plgpu.kernel(
       body, out_type=(), grid=(num_sms,), grid_names=("sm",),
       num_threads=cfg.compute_wgs + 1, thread_name="wg",
@@ -314,6 +326,7 @@ def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   refs = [jax.new_ref(a) for a in (w, *slots)]
-  kernel(x, dy, hparams, *refs)
+  extra = (jnp.reshape(layer, (1,)).astype(jnp.int32),) if stacked else ()
+  kernel(x, dy, hparams, *extra, *refs)
   w_new, *slots_new = (r[...] for r in refs)
   return w_new, tuple(slots_new)
