@@ -156,7 +156,9 @@ def _mosaic(x, dy, w, slots, hparams, rule, config, interpret, layer):
   cfg = config
   if cfg is None:
     cfg = mosaic_kernel.default_config(
-        x.dtype, [w.dtype, *(a.dtype for a in slots)], bt=x.shape[0])
+        x.dtype, mosaic_kernel.smem_dtypes(rule, w.dtype,
+                                           [a.dtype for a in slots]),
+        bt=x.shape[0])
   if not isinstance(cfg, mosaic_kernel.MosaicConfig):
     raise TypeError("fused_wgrad_update(backend='mosaic_gpu'): config must "
                     f"be a MosaicConfig, got {type(config).__name__}")

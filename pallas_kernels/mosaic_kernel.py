@@ -17,8 +17,11 @@ it in place, asynchronously (drained during the next tile's K loop). ``G``
 never leaves registers.
 
 Stacked ``(L, in, out)`` state (``layer=i``) updates layer ``i`` in place,
-the index read from memory at run time. Not yet covered (each refused with
-the reason by :func:`unsupported`): shapes the tiles do not divide, a stored
+the index read from memory at run time. A rule that does not update the
+weight (the state-only update of a regime-2 family) leaves ``W`` unread;
+write-only outputs (Muon's ``mu_hat``) are stored, never loaded. Not yet
+covered (each refused with the reason by :func:`unsupported`): shapes the
+tiles do not divide, a stored
 ``G``, rules that do not update the weight or have write-only outputs, fp32
 operands (wgmma takes 16-bit ones here).
 :func:`launch` is its entry point; :mod:`pallas_kernels.fused_wgrad`
@@ -147,16 +150,21 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None
   return cfg
 
 
+def smem_dtypes(rule: UpdateRule, w_dtype, slot_dtypes) -> list:
+  """The dtypes of the arrays whose tiles the kernel holds in shared memory:
+  the weight (if the rule updates it), the slots, the write-only outputs."""
+  slot_dtypes = [jnp.dtype(d) for d in slot_dtypes]
+  out = rule.output_dtype(w_dtype, slot_dtypes)
+  return ([jnp.dtype(w_dtype)] if rule.updates_weight else []) + slot_dtypes + [
+      out] * len(rule.outputs)
+
+
 def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
                 rule: UpdateRule, cfg: MosaicConfig, *, stacked: bool,
                 g_stored: bool) -> str | None:
   """Why the Mosaic GPU kernel cannot run this case, or ``None``."""
   if g_stored:
     return "a stored gradient (stored_g_update) is not supported yet"
-  if not rule.updates_weight or rule.outputs:
-    return (f"rule {rule.name!r} does not update the weight in the kernel "
-            "or has write-only outputs (its weight update needs a second, "
-            "per-layer pass, as LAMB's and Muon's do): not supported yet")
   if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16),
                                 jnp.dtype(jnp.float16)):
     return (f"x and dy are {jnp.dtype(x_dtype).name}; the Mosaic GPU kernel "
@@ -164,7 +172,8 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
   if n_in % cfg.tile_m or n_out % cfg.tile_n or bt % cfg.tile_k:
     return (f"BT x in x out = {bt} x {n_in} x {n_out} is not a multiple of "
             f"the tiles {cfg.tile_k} x {cfg.tile_m} x {cfg.tile_n}")
-  need = cfg.smem_bytes(x_dtype, [w.dtype, *(s.dtype for s in slots)])
+  need = cfg.smem_bytes(x_dtype, smem_dtypes(rule, w.dtype,
+                                             [s.dtype for s in slots]))
   if need > _SMEM_BYTES:
     return (f"the tiling needs {need} bytes of shared memory, more than the "
             f"{_SMEM_BYTES} a block has: use smaller tiles or fewer steps")
@@ -182,19 +191,25 @@ def _transforms(minor: int, dtype):
 def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
                  cfg: MosaicConfig, bt: int, n_in: int, n_out: int,
                  interpret: bool, stacked: bool):
-  # Stacked: the layer index comes first, then the (L, in, out) state.
+  # Stacked: the layer index comes first. Then the state the rule reads and
+  # rewrites ((L,) in, out when stacked): the weight if the rule updates it,
+  # the slots; last the write-only outputs (in, out).
   if stacked:
-    layer_gmem, *state_gmem = refs
+    layer_gmem, *refs = refs
     layer = layer_gmem[0]
-    at = lambda ref, r, c: ref.at[layer, r, c]
-  else:
-    state_gmem = refs
-    at = lambda ref, r, c: ref.at[r, c]
+  n_out_arrays = len(rule.outputs)
+  state_gmem = refs[:len(refs) - n_out_arrays]
+  stored = [(ref, True) for ref in state_gmem] + [
+      (ref, False) for ref in refs[len(refs) - n_out_arrays:]]
+
+  def at(ref, r, c, is_state=True):
+    return ref.at[layer, r, c] if stacked and is_state else ref.at[r, c]
   tm, tn, tk, wn = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.wg_n
   cw, nbuf = cfg.compute_wgs, cfg.state_buffers
   m_iters, n_iters, k_iters = n_in // tm, n_out // tn, bt // tk
   delay = cfg.delay_release
-  slot_dtypes = [r.dtype for r in state_gmem[1:]]
+  slot_dtypes = [r.dtype for r in
+                 state_gmem[1 if rule.updates_weight else 0:]]
   wg = lax.axis_index("wg")
 
   def pipeline(body, context):
@@ -219,7 +234,7 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
                                                                dy_gmem),
       bufs=[plgpu.SMEM((nbuf, cw, tm, wn), r.dtype,
                        transforms=_transforms(cfg.epi_n, r.dtype))
-            for r in state_gmem],
+            for r, _ in stored],
       bar=plgpu.Barrier(num_barriers=nbuf * cw,
                         num_arrivals=len(state_gmem)),
       collective_axes="wg")
@@ -239,7 +254,7 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
         # warpgroup's, one group per state array) must have read it before
         # the loads overwrite it: at most `pending` groups may remain.
         plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
-        for ref, buf in zip(state_gmem, bufs):
+        for ref, buf in zip(state_gmem, bufs):  # outputs are not loaded
           plgpu.copy_gmem_to_smem(at(ref, tile_rows, tile_own_cols),
                                   buf.at[to_slot, wg],
                                   bar.at[to_slot * cw + wg])
@@ -250,7 +265,7 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
           pl.when(info.local_index == 0)(
               lambda: prefetch(rows, own_cols, slot, 0))
         else:
-          prefetch(rows, own_cols, slot, (nbuf - 1) * len(state_gmem))
+          prefetch(rows, own_cols, slot, (nbuf - 1) * len(stored))
 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, wn)))
         def _acc(acc_ref):
@@ -273,13 +288,19 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
             for j in range(wn // en):
               sub = (slot, wg, pl.ds(i * em, em), pl.ds(j * en, en))
               g = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
-              old = [buf[sub].astype(jnp.float32) for buf in bufs]
-              w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
-              for buf, val in zip(bufs, (w_new, *new)):
+              old = [buf[sub].astype(jnp.float32)
+                     for buf in bufs[:len(state_gmem)]]
+              if rule.updates_weight:
+                w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
+                new = (w_new, *new)
+              else:
+                _, new = rule.update(g, None, tuple(old), h)
+              for buf, val in zip(bufs, new):
                 buf[sub] = val.astype(buf.dtype)
           plgpu.commit_smem()
-          for ref, buf in zip(state_gmem, bufs):
-            plgpu.copy_smem_to_gmem(buf.at[slot, wg], at(ref, rows, own_cols))
+          for (ref, is_state), buf in zip(stored, bufs):
+            plgpu.copy_smem_to_gmem(buf.at[slot, wg],
+                                    at(ref, rows, own_cols, is_state))
 
       def k_step(_, x_smem, dy_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem.at[:, own])
@@ -309,7 +330,8 @@ def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
       (4 in interpret mode).
 
   Returns:
-    ``(w_new, slots_new)``.
+    ``(w_new, slots_new + outputs)``; ``w_new`` is ``w`` itself when the
+    rule does not update the weight.
   """
   bt, n_in = x.shape
   n_out = dy.shape[1]
@@ -319,14 +341,19 @@ def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
   body = functools.partial(_kernel_body, rule=rule, cfg=cfg, bt=bt,
                            n_in=n_in, n_out=n_out, interpret=interpret,
                            stacked=stacked)
+  out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
   kernel = plgpu.kernel(
-      body, out_type=(), grid=(num_sms,), grid_names=("sm",),
+      body, grid=(num_sms,), grid_names=("sm",),
+      out_type=tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
+                     for _ in rule.outputs),
       num_threads=cfg.compute_wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
-  refs = [jax.new_ref(a) for a in (w, *slots)]
+  state = (w, *slots) if rule.updates_weight else slots
+  refs = [jax.new_ref(a) for a in state]
   extra = (jnp.reshape(layer, (1,)).astype(jnp.int32),) if stacked else ()
-  kernel(x, dy, hparams, *extra, *refs)
-  w_new, *slots_new = (r[...] for r in refs)
-  return w_new, tuple(slots_new)
+  outputs = kernel(x, dy, hparams, *extra, *refs)
+  new = [r[...] for r in refs]
+  w_new = new.pop(0) if rule.updates_weight else w
+  return w_new, (*new, *outputs)

@@ -84,6 +84,32 @@ def _check_stacked(case, layer, config, interpret):
                                     np.asarray(old[other], np.float32))
 
 
+def _check_state_only(rule, case, config, interpret):
+  """A rule that leaves the weight to a later per-layer pass: its slots and
+  write-only outputs match the reference; the weight comes back as is."""
+  x, dy, w, slots = case
+  h = _hparams(rule)
+  got_w, got = pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule,
+                                     config=config, interpret=interpret,
+                                     backend="mosaic_gpu")
+  _, ref = pk.fused_wgrad_update_reference(x, dy, w, slots, h, rule=rule)
+  np.testing.assert_array_equal(np.asarray(got_w, np.float32),
+                                np.asarray(w, np.float32))
+  assert len(got) == len(ref) == len(rule.slots) + len(rule.outputs)
+  for what, g, r in zip((*rule.slots, *rule.outputs), got, ref):
+    assert g.shape == r.shape and g.dtype == r.dtype, what
+    assert_close(g, r, what=what)
+  for g, s in zip(got, slots):
+    assert not np.allclose(np.asarray(g, np.float32), np.asarray(s, np.float32))
+
+
+@pytest.mark.parametrize("rule", [pk.muon_rule(), pk.scion_rule()],
+                         ids=["muon-with-mu_hat-output", "scion-state-only"])
+def test_mosaic_kernel_state_only_rules(rule):
+  _check_state_only(rule, _case(12, 128, 128, 192, rule), SMALL,
+                    interpret=True)
+
+
 def test_mosaic_kernel_updates_one_layer_of_a_stack():
   _check_stacked(_case(10, 128, 128, 192, pk.ADAMW), 2, SMALL, interpret=True)
 
@@ -107,10 +133,6 @@ def test_mosaic_kernel_refuses_what_it_does_not_cover(kwargs, match):
 def test_mosaic_kernel_refuses_regime2_and_bad_arguments():
   x, dy, w, slots = _case(5, 64, 64, 64, pk.ADAMW)
   h = _hparams(pk.ADAMW)
-  muon = pk.muon_rule()
-  with pytest.raises(ValueError, match="per-layer pass"):
-    pk.fused_wgrad_update(x, dy, w, slots[:1], _hparams(muon), rule=muon,
-                          config=SMALL, interpret=True, backend="mosaic_gpu")
   with pytest.raises(TypeError, match="MosaicConfig"):
     pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW,
                           config=pk.BlockConfig(), interpret=True,
@@ -147,6 +169,14 @@ def test_gpu_mosaic_kernel_compiled_matches_reference(rule, slot_dtype):
 ], ids=["two-buffers", "prefetch-next", "three-warpgroups"])
 def test_gpu_mosaic_kernel_compiled_knobs(cfg):
   _check(pk.ADAMW, _case(9, 512, 1024, 768, pk.ADAMW), cfg, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", [pk.muon_rule(), pk.scion_rule()],
+                         ids=["muon", "scion"])
+def test_gpu_mosaic_kernel_state_only_rules(rule):
+  _check_state_only(rule, _case(13, 512, 1024, 768, rule), None,
+                    interpret=False)
 
 
 @pytest.mark.gpu
