@@ -12,7 +12,9 @@
   ``torch.autocast(dtype=torch.bfloat16)`` works on the layers);
 * :mod:`forge_torch.distributed` -- ``prepare_ddp`` / ``wrap_ddp``: training
   under ``DistributedDataParallel``, the managed weights' gradients averaged
-  over the ranks one layer at a time before their update;
+  over the ranks one layer at a time before their update; ``prepare_fsdp``:
+  under FSDP2's ``fully_shard``, each rank's shard updated as FSDP
+  reduce-scatters its gradient;
 * :class:`ConvertSkipWarning` -- :func:`convert` left layers on the
   standard path (``convert(...).skipped`` says why);
 * :func:`is_forge_weight` -- whether a parameter is a ``forge_torch.Linear``

@@ -36,14 +36,38 @@ does both. Without :func:`prepare_ddp`, building a forge_torch optimizer
 over managed weights, or running their backward, in a process group of more
 than one rank raises a ``RuntimeError`` saying so.
 
-Fully sharded data parallelism (``torch.distributed.fsdp.fully_shard``,
-FSDP2, or ``FullyShardedDataParallel``) is not supported yet: a managed layer
-that FSDP shards raises at its forward (:func:`check_not_sharded`).
-``docs/torch.md`` (Data parallelism) has the details.
+Fully sharded data parallelism with ``torch.distributed.fsdp.fully_shard``
+(FSDP2) is :func:`prepare_fsdp`'s. Each managed weight is then a sharded
+``DTensor``; FSDP gathers it for the layer's forward and backward and
+reduce-scatters the gathered copy's gradient, so each rank receives the
+averaged gradient of its own shard -- a complete gradient for the elements it
+holds. The layer runs torch's linear (FSDP needs the gathered copy's
+gradient), and a post-accumulate-grad hook on the sharded parameter applies
+the optimizer's update to the rank's shard and its shard of the optimizer
+state as soon as FSDP hands the gradient over (the same kernel with no token
+rows, stepping from that gradient: the update DDP's path applies to its
+averaged buffer), then drops the gradient. The full gradient exists only as
+FSDP's per-layer transient; the optimizer state is sharded as the weight is
+(``DTensor`` state of the weight's placements, as ``torch.optim`` creates
+for a ``DTensor`` parameter, so ``state_dict()`` and
+``torch.distributed.checkpoint`` treat it as FSDP2's own). Usage::
+
+    forge_torch.convert(model)
+    for block in model.blocks:
+      fully_shard(block)
+    fully_shard(model)
+    forge_torch.distributed.prepare_fsdp(model)  # before the optimizer
+    opt = forge_torch.AdamW(model.parameters(), lr=1e-3)
+
+A managed layer that FSDP shards without :func:`prepare_fsdp`, or that
+``FullyShardedDataParallel`` (FSDP1) shards, raises at its forward
+(:func:`check_not_sharded`). ``docs/torch.md`` (Data parallelism) has the
+details.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -55,6 +79,9 @@ from forge_torch import linear as _linear
 # Managed weight -> the process group (None: the default group) whose ranks
 # average its gradient before each update. Set by prepare_ddp().
 _GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# fully_shard's sharded weight (a DTensor Parameter) -> weakref to its
+# forge_torch.Linear. Set by prepare_fsdp().
+_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _dist():
@@ -141,6 +168,12 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
           "forge_torch.distributed.wrap_ddp(model)).")
     return [name for name, _ in _managed_weights(inner)]
   for mod_name, layer in module.named_modules():
+    if (isinstance(layer, _linear.Linear)
+        and _linear.is_prepared_sharded(layer)):
+      raise RuntimeError(
+          f"forge_torch.Linear {mod_name or type(module).__name__}: "
+          "forge_torch.distributed.prepare_fsdp prepared it for fully_shard; "
+          "a layer is trained by one of FSDP and DDP, not both.")
     if isinstance(layer, _linear.Linear) and layer.fused:
       check_not_sharded(layer, mod_name or type(module).__name__)
   weights = _managed_weights(module)
@@ -166,6 +199,157 @@ def wrap_ddp(module: nn.Module, *args: Any,
   after :func:`prepare_ddp` (over DDP's ``process_group``, if given)."""
   prepare_ddp(module, kwargs.get("process_group"))
   return nn.parallel.DistributedDataParallel(module, *args, **kwargs)
+
+
+def prepare_fsdp(module: nn.Module) -> list[str]:
+  """Lets ``module``'s FORGE-managed layers train under ``fully_shard``
+  (FSDP2).
+
+  Call it on every rank after :func:`forge_torch.convert` and after
+  ``torch.distributed.fsdp.fully_shard`` has sharded the model (per layer or
+  block and on the root, as FSDP2 is used), and before building the
+  forge_torch optimizer over ``module.parameters()`` (the sharded ones). For
+  each ``forge_torch.Linear`` that FSDP shards it
+
+  * marks the sharded weight (a ``DTensor`` parameter) as FORGE-managed, so
+    the optimizer registers it;
+  * registers a post-accumulate-grad hook on it, which FSDP calls when it
+    has reduce-scattered the weight's gradient into the shard's ``.grad``:
+    the hook applies the optimizer's update to this rank's shard and its
+    shard of the optimizer state, then sets ``.grad`` to ``None``.
+
+  The layer itself then runs ``torch.nn.functional.linear`` (FSDP needs the
+  gathered weight's gradient to reduce-scatter it). With
+  ``optimizer.accumulate_steps = K > 1`` the sharded gradients are left to
+  sum over the micro-batches (FSDP adds each micro-batch's into ``.grad``,
+  or defers the reduce-scatter under ``set_requires_gradient_sync(False)``)
+  and ``optimizer.step()`` applies the update from them. A prepared layer
+  with ``fused = False`` keeps its gradient for ``optimizer.step()``, which
+  applies torch's own update. With no forge_torch optimizer owning the
+  weight (e.g. a ``torch.optim`` optimizer), the hook does nothing.
+
+  Args:
+    module: the model, sharded with ``fully_shard``.
+
+  Returns:
+    The qualified names of the sharded managed weights.
+
+  Raises:
+    RuntimeError: ``torch.distributed`` is not initialised; no
+      ``forge_torch.Linear`` of ``module`` is sharded by ``fully_shard``
+      (called before ``fully_shard``?); a layer is sharded by
+      ``FullyShardedDataParallel`` (FSDP1), whose flat parameters are not
+      supported.
+  """
+  dist = _dist()
+  if not dist.is_initialized():
+    raise RuntimeError(
+        "forge_torch.distributed.prepare_fsdp: torch.distributed is not "
+        "initialised; call torch.distributed.init_process_group(...) first")
+  from torch.distributed.tensor import DTensor  # noqa: PLC0415
+  names = []
+  for mod_name, layer in module.named_modules():
+    if not (isinstance(layer, _linear.Linear)
+            and _linear.is_fsdp_managed(layer)):
+      continue
+    w = layer.weight
+    label = mod_name or type(module).__name__
+    if not isinstance(w, DTensor):
+      raise RuntimeError(
+          f"forge_torch.Linear {label}: FSDP manages it but its weight is "
+          f"not a fully_shard DTensor ({type(w).__name__}): "
+          "FullyShardedDataParallel (FSDP1) flattens parameters, which "
+          "forge_torch does not support. Shard the model with "
+          "torch.distributed.fsdp.fully_shard (FSDP2), or keep these layers "
+          "as nn.Linear (layer.fused = False).")
+    if w.numel() == 0:
+      continue
+    if getattr(layer, "_forge_path", None) is None:
+      layer._set_path(mod_name)
+    else:
+      layer._set_path(layer._forge_path)
+    _linear._mark(w)
+    if w not in _SHARDED:  # once per sharded parameter
+      w.register_post_accumulate_grad_hook(_sharded_grad_ready)
+    _SHARDED[w] = weakref.ref(layer)
+    layer._forge_sharded = True
+    names.append(f"{mod_name}.weight" if mod_name else "weight")
+  if not names:
+    raise RuntimeError(
+        "forge_torch.distributed.prepare_fsdp: no forge_torch.Linear of the "
+        "model is sharded by torch.distributed.fsdp.fully_shard. Call it "
+        "after forge_torch.convert(model) and after fully_shard(...) (per "
+        "layer or block, and on the root).")
+  return names
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+  """Whether managed weight ``p`` is a ``fully_shard`` shard registered by
+  :func:`prepare_fsdp`."""
+  return p in _SHARDED
+
+
+def _sharded_grad_ready(p: torch.Tensor) -> None:
+  """The post-accumulate-grad hook of a prepared sharded weight: FSDP has
+  reduce-scattered (and averaged) its gradient into ``p.grad``."""
+  ref = _SHARDED.get(p)
+  layer = ref() if ref is not None else None
+  if layer is None or not layer.fused:  # the standard path: step() applies
+    return
+  optimizer = _linear.owner_of(p)
+  if optimizer is None or optimizer.accumulate_steps > 1:
+    return  # a torch optimizer's, or summing micro-batches: step() applies
+  step_shard(optimizer, p)
+
+
+def step_shard(optimizer, p: torch.Tensor) -> None:
+  """The optimizer's update of sharded managed weight ``p`` (registered by
+  :func:`prepare_fsdp`) from its reduce-scattered gradient ``p.grad``, on
+  this rank's shard of the weight and of the state; ``p.grad`` is then
+  dropped."""
+  layer = _linear.weight_name(p)
+  if optimizer.max_grad_norm is not None:
+    raise RuntimeError(_clip_refused(layer, "fully_shard", "prepare_fsdp"))
+  if p in optimizer._forge_updated:
+    raise RuntimeError(
+        f"forge_torch.Linear {layer}: FSDP reduce-scattered a second "
+        "gradient into this weight after its update in this step (two "
+        "backwards before optimizer.step()?). FORGE applies one update per "
+        "step: call optimizer.step() after each backward, or, to accumulate "
+        "micro-batches, set optimizer.accumulate_steps = K.")
+  grad = p.grad
+  with torch.no_grad():
+    acc = local(grad)
+    if acc.dtype != torch.float32 or not acc.is_contiguous():
+      acc = acc.to(torch.float32, memory_format=torch.contiguous_format)
+    n_out, n_in = local(p).shape
+    none = (torch.zeros((0, n_out), dtype=torch.float32, device=acc.device),
+            torch.zeros((0, n_in), dtype=torch.float32, device=acc.device))
+    optimizer._forge_step_weight(p, *none, config=None, layer=layer, acc=acc)
+  p.grad = None
+
+
+def step_sharded(optimizer) -> None:
+  """Applies, from ``step()``, the update of every sharded managed weight
+  that has a reduce-scattered gradient not yet applied (gradient
+  accumulation: the step's micro-batches summed by FSDP in ``.grad``).
+  A no-op for others and for layers with ``fused = False``."""
+  for p in optimizer.managed_params:
+    ref = _SHARDED.get(p)
+    layer = ref() if ref is not None else None
+    if (layer is not None and layer.fused and p.grad is not None
+        and p not in optimizer._forge_updated):
+      step_shard(optimizer, p)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+  """This rank's shard of ``t`` (a ``DTensor``: its local tensor, sharing
+  its memory), or ``t`` itself."""
+  to_local = getattr(t, "to_local", None)
+  if to_local is None:
+    return t
+  with torch.no_grad():
+    return to_local()
 
 
 def is_data_parallel(p: torch.Tensor) -> bool:
@@ -207,7 +391,8 @@ def reduce_and_step(optimizer, p: torch.Tensor, grad_output: torch.Tensor,
   ranks and the optimizer's update applied to it (the buffer is then freed).
   Called by the forge_torch optimizer from the layer's backward."""
   if optimizer.max_grad_norm is not None:
-    raise RuntimeError(_clip_refused(layer))
+    raise RuntimeError(_clip_refused(layer, "data parallelism",
+                                     "prepare_ddp"))
   k = optimizer.accumulate_steps
   n = optimizer._forge_micro.get(p, 0) + 1
   optimizer._forge_accumulate(p, grad_output, input, config=config,
@@ -244,18 +429,19 @@ def reduce_grads(optimizer) -> None:
   if not params:
     return
   if optimizer.max_grad_norm is not None:
-    raise RuntimeError(_clip_refused(_linear.weight_name(params[0])))
+    raise RuntimeError(_clip_refused(_linear.weight_name(params[0]),
+                                     "data parallelism", "prepare_ddp"))
   for p in params:
     _all_reduce_mean(p.grad, p, _linear.weight_name(p))
 
 
-def _clip_refused(layer: str) -> str:
+def _clip_refused(layer: str, how: str, prepare: str) -> str:
   return (
       f"forge_torch.Linear {layer}: max_grad_norm (global-norm clipping) is "
-      "not supported with data parallelism (forge_torch.distributed."
-      "prepare_ddp) yet: the norm must be taken over the ranks' averaged "
-      "gradients. Set max_grad_norm=None, or keep the layers to clip as "
-      "nn.Linear.")
+      f"not supported with {how} (forge_torch.distributed.{prepare}) yet: "
+      "the norm must be taken over the ranks' averaged gradients of the "
+      "whole model before any update. Set max_grad_norm=None, or keep the "
+      "layers to clip as nn.Linear.")
 
 
 def _no_rows(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +463,7 @@ def check_single_process(params=()) -> None:
   if world <= 1:
     return
   params = list(params)
-  if params and all(p in _GROUPS for p in params):
+  if params and all(p in _GROUPS or p in _SHARDED for p in params):
     return
   raise RuntimeError(
       f"forge_torch: this process is one of {world} (torch.distributed). "
@@ -288,9 +474,11 @@ def check_single_process(params=()) -> None:
       "DistributedDataParallel call forge_torch.distributed.prepare_ddp(model) "
       "after forge_torch.convert() and before wrapping the model in DDP and "
       "building the optimizer (or use forge_torch.distributed.wrap_ddp); "
-      "FSDP is not supported: keep its layers nn.Linear (layer.fused = False).")
+      "under fully_shard (FSDP2) call forge_torch.distributed.prepare_fsdp("
+      "model) after fully_shard(...) and before building the optimizer.")
 
 
 __all__ = ["check_not_sharded", "check_single_process", "is_data_parallel",
-           "is_fsdp_managed", "prepare_ddp", "reduce_accumulated",
-           "reduce_and_step", "reduce_grads", "wrap_ddp"]
+           "is_fsdp_managed", "is_sharded", "local", "prepare_ddp",
+           "prepare_fsdp", "reduce_accumulated", "reduce_and_step",
+           "reduce_grads", "step_shard", "step_sharded", "wrap_ddp"]

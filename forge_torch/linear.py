@@ -300,28 +300,39 @@ def is_fsdp_managed(layer: nn.Module) -> bool:
   return bool(getattr(layer, "_is_fsdp_managed_module", False))
 
 
+def is_prepared_sharded(layer: nn.Module) -> bool:
+  """Whether ``forge_torch.distributed.prepare_fsdp`` took over the update of
+  ``layer``'s ``fully_shard``-sharded weight."""
+  return bool(getattr(layer, "_forge_sharded", False))
+
+
 def check_not_sharded(layer: nn.Module, name: str) -> None:
-  """Refuses a ``forge_torch.Linear`` that FSDP shards.
+  """Refuses a ``forge_torch.Linear`` that FSDP shards unless
+  ``forge_torch.distributed.prepare_fsdp`` prepared it.
 
   ``torch.distributed.fsdp.fully_shard`` (FSDP2) replaces the layer's weight
   by a sharded ``DTensor`` and, around the forward and backward, by a
   gathered copy that is not the weight forge_torch manages (FSDP1 by views of
-  a flat parameter): the layer would silently train on the standard path
-  (torch's gradient, reduce-scattered by FSDP, stepped by
-  ``optimizer.step()``), with none of FORGE's memory saving.
+  a flat parameter): unprepared, the layer would silently train on the
+  standard path (torch's gradient, reduce-scattered by FSDP, stepped by
+  ``optimizer.step()``), with no sign that FORGE is off.
   """
-  if is_fsdp_managed(layer):
+  if is_fsdp_managed(layer) and not is_prepared_sharded(layer):
     raise RuntimeError(
         f"forge_torch.Linear {name}: it is sharded by FSDP "
-        "(torch.distributed.fsdp.fully_shard or FullyShardedDataParallel), "
-        "which forge_torch does not support yet: FSDP gathers the weight "
-        "into a copy for the forward and reduce-scatters that copy's "
-        "gradient, so FORGE cannot update the weight in backward. Keep the "
-        "layers FSDP shards as nn.Linear (convert the model with "
-        "exclude=[...], or set layer.fused = False before training), or "
-        "train with DistributedDataParallel after "
-        "forge_torch.distributed.prepare_ddp (docs/torch.md, Data "
-        "parallelism).")
+        "(torch.distributed.fsdp.fully_shard or FullyShardedDataParallel) "
+        "but was not prepared for it: FSDP gathers the weight into a copy "
+        "for the forward and reduce-scatters that copy's gradient, so FORGE "
+        "cannot update the weight in the layer's backward. With fully_shard "
+        "(FSDP2), call forge_torch.distributed.prepare_fsdp(model) after "
+        "fully_shard(...) and before building the optimizer: each rank's "
+        "shard is then updated as soon as FSDP reduce-scatters its "
+        "gradient. FullyShardedDataParallel (FSDP1) is not supported: keep "
+        "the layers it shards as nn.Linear (convert the model with "
+        "exclude=[...], or set layer.fused = False), or train with "
+        "DistributedDataParallel after forge_torch.distributed.prepare_ddp "
+        "(docs/torch.md, Data parallelism).")
+
 
 class Linear(nn.Linear):
   """A drop-in for :class:`torch.nn.Linear` whose backward applies the optimizer.
@@ -449,9 +460,13 @@ class Linear(nn.Linear):
     w = self.weight
     if (self.fused and torch.is_grad_enabled()
         and getattr(self, "_is_fsdp_managed_module", False)):
-      # FSDP2 swapped in a gathered copy of the weight: refuse (it would
-      # silently train on the standard path).
+      # FSDP2 swapped in a gathered copy of the weight. Unprepared: refused
+      # (it would silently train on the standard path). Prepared
+      # (prepare_fsdp): torch's linear, whose weight gradient FSDP
+      # reduce-scatters; the shard is updated from it as it arrives
+      # (forge_torch/distributed.py).
       check_not_sharded(self, self._layer_name())
+      return F.linear(input, w, self.bias)
     if not (self.fused and torch.is_grad_enabled() and w.requires_grad
             and is_forge_weight(w)) or _in_functorch() or _has_tangent(
                 input, w, self.bias):

@@ -490,6 +490,12 @@ class _ForgeOptimizer:
             f"{p.dtype}{list(p.shape)} on {p.device} (was the model moved or "
             "cast after the optimizer state was created?)")
       slots.append(s)
+    weight, bumped = p.data, [p, *slots]
+    if _distributed.is_sharded(p):  # fully_shard: this rank's shards
+      _check_sharded_state(p, rule.slots, slots, layer)
+      weight = _distributed.local(p)
+      slots = [_distributed.local(s) for s in slots]
+      bumped += [weight, *slots]
     t = _get_value(state["step"]) + 1 if "step" in state else None
     values, scalar_updates = self._forge_hparams(group, state, t, fresh)
     # max_grad_norm's update pass: G scaled by the clip coefficient.
@@ -503,9 +509,10 @@ class _ForgeOptimizer:
     if acc is not None:  # G + the step's earlier micro-batches' sum
       kernel_rule = _accumulate.from_accumulator(rule)
       kernel_slots = [acc, *slots]
-    _bridge.fused_update(grad_output, input, p.data, kernel_slots,
-                         pack_host(kernel_rule, values), rule=kernel_rule,
-                         config=config, views=views)
+    if weight.numel() > 0:  # (a fully_shard rank may hold no rows)
+      _bridge.fused_update(grad_output, input, weight, kernel_slots,
+                           pack_host(kernel_rule, values), rule=kernel_rule,
+                           config=config, views=views)
     if acc is not None:  # consumed: its memory is freed
       views.discard(acc)
       self._forge_acc.pop(p, None)
@@ -515,7 +522,7 @@ class _ForgeOptimizer:
     # torch's in-place optimizer ops do, so that a graph which saved the
     # pre-update weight elsewhere (e.g. a detached read) makes autograd raise
     # "modified by an inplace operation" instead of silently using the new one.
-    for t in (p, *slots):
+    for t in bumped:
       torch.autograd.graph.increment_version(t)
     # Scalar state advances once the update is done (torch: `step_t += 1`).
     if "step" in state:
@@ -665,6 +672,8 @@ class _ForgeOptimizer:
             "(forge_torch.convert() does so).")
     # DDP: ordinary gradients of prepared weights (a layer run unfused).
     _distributed.reduce_grads(self)
+    # fully_shard with accumulate_steps > 1: the summed sharded gradients.
+    _distributed.step_sharded(self)
     self._forge_apply_accumulated()  # a step with fewer than K micro-batches
     _unhooked(self._forge_torch.step)(self)
     self._forge_reset_step()
@@ -682,6 +691,23 @@ def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
       return tuple(snap(a) for a in v)
     return v
   return {k: snap(v) for k, v in group.items() if k != "params"}
+
+
+def _check_sharded_state(p: torch.Tensor, names, slots, layer: str) -> None:
+  """A ``fully_shard`` weight's state must be sharded as the weight is
+  (``DTensor`` of its mesh and placements), or the local shards would not
+  line up element for element."""
+  for name, s in zip(names, slots):
+    if (getattr(s, "placements", None) != p.placements
+        or getattr(s, "device_mesh", None) != p.device_mesh):
+      raise RuntimeError(
+          f"forge_torch.Linear {layer}: optimizer state {name!r} is not "
+          "sharded as the weight is (a DTensor on the weight's device mesh "
+          f"with placements {tuple(p.placements)}; got "
+          f"{type(s).__name__} with placements "
+          f"{getattr(s, 'placements', None)}). Load optimizer state for a "
+          "fully_shard model with torch.distributed.checkpoint's "
+          "set_optimizer_state_dict, which shards it.")
 
 
 def _check_single_process(params=()) -> None:

@@ -1,7 +1,8 @@
-"""forge_torch under torch's DistributedDataParallel: two CPU ranks (gloo)
-against single-process torch.optim.AdamW on the full batch, and the misuses
-that must be refused (DDP without forge_torch.distributed.prepare_ddp,
-FSDP2's fully_shard, global-norm clipping).
+"""forge_torch under torch's DistributedDataParallel and FSDP2's fully_shard:
+two CPU ranks (gloo) against single-process torch.optim.AdamW on the full
+batch, and the misuses that must be refused (DDP without
+forge_torch.distributed.prepare_ddp, fully_shard without prepare_fsdp,
+global-norm clipping).
 
 The ranks run once per test session, rank 0 in the test process and rank 1
 in a spawned one (``torch.multiprocessing``), rendezvousing through a file
@@ -24,11 +25,19 @@ torch = pytest.importorskip("torch")
 import jax.numpy as jnp  # noqa: E402
 from torch import nn  # noqa: E402
 from torch import multiprocessing as mp  # noqa: E402
+from torch.distributed.checkpoint import state_dict as dcp_state  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import forge_torch  # noqa: E402
 from forge_torch import distributed as forge_dist  # noqa: E402
 from tests.tolerances import tol  # noqa: E402
+
+# FSDP2 warns that a module returned a view (a linear's output on 3-d
+# input): a caveat about in-place ops on the output, which these models
+# never make.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
 
 FP32 = tol(jnp.float32)
 WORLD = 2
@@ -113,13 +122,80 @@ def _misuses(rank: int) -> dict:
   x, y = batches([1], seed=9)[0][0][rank]
   found["clip"] = _error(lambda: opt.step(
       lambda: F.mse_loss(ddp(x), y).backward()))
-  # FSDP2 shards the managed layers: refused at the forward.
-  from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+  # FSDP2 shards the managed layers without prepare_fsdp: refused at the
+  # forward; prepare_fsdp before fully_shard: nothing to prepare.
   model = converted(net)
+  found["fsdp_early"] = _error(lambda: forge_dist.prepare_fsdp(model))
   fully_shard(model)
   forge_torch.AdamW(model.parameters())  # sharded weights: not managed
   found["fsdp"] = _error(lambda: model(x))
+  # Prepared, global-norm clipping is refused as the gradient arrives
+  # (a backward outside opt.step(closure), which refuses it up front).
+  model = converted(net)
+  fully_shard(model)
+  forge_dist.prepare_fsdp(model)
+  opt = forge_torch.AdamW(model.parameters(), max_grad_norm=1.0)
+  found["fsdp_clip"] = _error(lambda: F.mse_loss(model(x), y).backward())
   return found
+
+
+def _train_fsdp(rank: int, micro_batches, accumulate: int, seed: int
+                ) -> dict:
+  """fully_shard per managed layer and on the root; D = 13 rows split
+  7 + 6 over the two ranks (FSDP2 pads the second shard)."""
+  model = converted(make_net())
+  fully_shard(model.fc1)
+  fully_shard(model.fc2)
+  fully_shard(model)
+  names = forge_dist.prepare_fsdp(model)
+  opt = forge_torch.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+  opt.accumulate_steps = accumulate
+  assert opt.managed_params == [model.fc1.weight, model.fc2.weight]
+  calls = forge_torch.bridge_stats.calls
+  for s, step in enumerate(batches(micro_batches, seed)):
+    # The second step of the plain run takes fc2 unfused: FSDP's sharded
+    # gradient stays for opt.step(), which applies torch's own update to
+    # the state FORGE created.
+    model.fc2.fused = not (accumulate == 1 and s == 1)
+    for micro in step:
+      x, y = micro[rank]
+      F.mse_loss(model(x), y).backward()
+      if accumulate == 1:  # updated as the reduce-scattered gradient came
+        assert model.fc1.weight.grad is None
+        assert (model.fc2.weight.grad is None) == model.fc2.fused
+    opt.step()
+    opt.zero_grad()
+  state = [opt.state[p] for p in opt.managed_params]
+  placements = [(s["exp_avg"].placements == p.placements,
+                 s["exp_avg_sq"].placements == p.placements)
+                for s, p in zip(state, opt.managed_params)]
+  # One fused update per managed weight and step, but fc2's unfused one.
+  fused_updates = forge_torch.bridge_stats.calls - calls
+  # torch.distributed.checkpoint gathers the sharded state (a collective),
+  # and loads it back sharded into a new optimizer (first initialising its
+  # state by a step with zero gradients and lr = 0, which must leave the
+  # weights as they are: "params" below are read after it).
+  full = dcp_state.get_optimizer_state_dict(
+      model, opt, options=dcp_state.StateDictOptions(full_state_dict=True))
+  new = forge_torch.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+  dcp_state.set_optimizer_state_dict(
+      model, new, full,
+      options=dcp_state.StateDictOptions(full_state_dict=True))
+  reloaded = [torch.equal(new.state[p]["exp_avg_sq"].to_local(),
+                          s["exp_avg_sq"].to_local())
+              and new.state[p]["exp_avg_sq"].placements == p.placements
+              for s, p in zip(state, new.managed_params)]
+  return {
+      "names": names,
+      "fused_updates": fused_updates,
+      # full_tensor(): a collective, run by every rank.
+      "params": {k: v.full_tensor().detach()
+                 for k, v in model.named_parameters()},
+      "exp_avg_sq": [full["state"][n]["exp_avg_sq"] for n in names],
+      "reloaded": reloaded,
+      "local_rows": [s["exp_avg_sq"].to_local().shape[0] for s in state],
+      "placements": placements,
+  }
 
 
 def _train(rank: int, micro_batches, accumulate: int, seed: int,
@@ -165,9 +241,14 @@ def _rank(rank: int, init: str, device: str) -> dict:
                           world_size=WORLD,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
   try:
-    return {"misuses": _misuses(rank) if device == "cpu" else None,
+    cpu = device == "cpu"
+    return {"misuses": _misuses(rank) if cpu else None,
             "plain": _train(rank, PLAIN, 1, seed=1, device=device),
-            "accumulated": _train(rank, ACCUMULATED, 2, seed=2, device=device)}
+            "accumulated": _train(rank, ACCUMULATED, 2, seed=2, device=device),
+            # FSDP2 over gloo: CPU tensors only.
+            "fsdp_plain": _train_fsdp(rank, PLAIN, 1, seed=3) if cpu else None,
+            "fsdp_accumulated": (_train_fsdp(rank, ACCUMULATED, 2, seed=4)
+                                 if cpu else None)}
   except Exception:  # noqa: BLE001 -- reported to the tests
     return {"error": traceback.format_exc()}
   finally:
@@ -244,10 +325,13 @@ def reports(tmp_path_factory):
   return run_ranks(tmp_path_factory.getbasetemp(), "cpu")
 
 
+SEEDS = {"plain": 1, "accumulated": 2, "fsdp_plain": 3, "fsdp_accumulated": 4}
+
+
 def check_against_torch(ranks: list[dict], case: str, device: str) -> None:
-  micro_batches = PLAIN if case == "plain" else ACCUMULATED
-  ref, ref_opt = reference(micro_batches, 1 if case == "plain" else 2, device)
-  if case == "plain":
+  micro_batches = ACCUMULATED if case.endswith("accumulated") else PLAIN
+  ref, ref_opt = reference(micro_batches, SEEDS[case], device)
+  if case != "accumulated":
     assert ranks[0]["names"] == ["fc1.weight", "fc2.weight"]
   start = make_net()
   for name, pr in ref.named_parameters():
@@ -277,6 +361,21 @@ def test_gpu_ddp_matches_single_process_adamw(tmp_path_factory):
     check_against_torch([r[case] for r in reports], case, "cuda")
 
 
+@pytest.mark.parametrize("case", ["fsdp_plain", "fsdp_accumulated"])
+def test_fully_shard_matches_single_process_adamw(reports, case):
+  """Each rank updates its shard as FSDP reduce-scatters the gradient
+  (accumulated: opt.step() from the summed sharded gradients); the state is
+  sharded as the weight is."""
+  check_against_torch([r[case] for r in reports], case, "cpu")
+  rows = [r[case]["local_rows"] for r in reports]
+  assert rows == [[7, 7], [6, 6]], rows  # D = 13 rows, padded split
+  updates = 2 * len(PLAIN) - (case == "fsdp_plain")
+  assert [r[case]["fused_updates"] for r in reports] == [updates] * WORLD
+  for r in reports:
+    assert r[case]["placements"] == [(True, True)] * 2
+    assert r[case]["reloaded"] == [True, True]
+
+
 def test_misuse_is_refused(reports):
   for report in reports:
     found = report["misuses"]
@@ -287,7 +386,10 @@ def test_misuse_is_refused(reports):
     assert "max_grad_norm" in found["clip"], found["clip"]
     assert "data parallelism" in found["clip"], found["clip"]
     assert "fully_shard" in found["fsdp"], found["fsdp"]
-    assert "fc1" in found["fsdp"] and "nn.Linear" in found["fsdp"]
+    assert "fc1" in found["fsdp"] and "prepare_fsdp(model)" in found["fsdp"]
+    assert "after fully_shard" in found["fsdp_early"], found["fsdp_early"]
+    assert "max_grad_norm" in found["fsdp_clip"], found["fsdp_clip"]
+    assert "fully_shard" in found["fsdp_clip"], found["fsdp_clip"]
 
 
 def test_prepare_ddp_needs_a_process_group():
