@@ -168,9 +168,11 @@ def register_layer(ctx: StepContext, path: Path,
 
 @dataclasses.dataclass
 class DenseRecord:
-  """What a ``forge_jax.Dense`` inside a scanned block reported (``record``
-  mode): its kernel's per-layer shape and dtype, whether it is fused, its
-  tiling and precision, its output's shape and dtype, and how often it was
+  """What a FORGE layer (``forge_jax.Dense`` or ``forge_jax.DenseGeneral``)
+  inside a scanned block reported (``record`` mode): its kernel's per-layer
+  shape and dtype, whether it is fused, its tiling and precision, the shape
+  and dtype of its tap (its output as the GEMM's ``(*lead, n_out)``), the
+  ``(n_in, n_out)`` matrix its kernel is stepped as, and how often it was
   called in one block."""
 
   kernel_shape: tuple[int, ...]
@@ -178,7 +180,11 @@ class DenseRecord:
   fused: bool
   config: Any
   precision: Any
-  out: Any  # jax.ShapeDtypeStruct of the layer's output
+  out: Any  # jax.ShapeDtypeStruct of the tap: the output, (*lead, n_out)
+  # (n_in, n_out): the kernel (*in_dims, *features) as the GEMM's matrix
+  # (a fused layer; None for one with fused=False).
+  gemm: tuple[int, int] | None = None
+  kind: str = "forge_jax.Dense"  # the layer, as errors name it
   calls: int = 0
   unfusable: str | None = None  # why its kernel cannot be fused, if so
 
@@ -186,15 +192,19 @@ class DenseRecord:
 @dataclasses.dataclass
 class BlockTap:
   """Active while ``forge_jax.ScannedBlocks`` traces one block; every
-  ``forge_jax.Dense`` inside defers to it (``forge_jax.dense._in_block``).
+  FORGE layer inside (``forge_jax.Dense``, ``forge_jax.DenseGeneral``)
+  defers to it (``forge_jax.dense.in_block``).
 
   ``mode``:
-    ``"record"``: each Dense fills ``records`` (a fused one computes its
+    ``"record"``: each layer fills ``records`` (a fused one computes its
       output through the fused op, to be found in the block's jaxpr);
-    ``"plain"``: each Dense runs as ``nn.Dense`` (the standard ``nn.scan``);
-    ``"tap"``: as ``nn.Dense``, and each Dense in ``forge`` adds its tap
-      ``taps[path]`` (zeros; its cotangent is the layer's ``dy``) to its
-      output and leaves its (promoted) input in ``inputs[path]``.
+    ``"plain"``: each layer runs as its flax layer (the standard
+      ``nn.scan``);
+    ``"tap"``: as its flax layer, and each layer in ``forge`` adds its tap
+      ``taps[path]`` (zeros of the GEMM's output shape ``(*lead, n_out)``,
+      reshaped to the layer's output; its cotangent is the layer's ``dy``)
+      to its output and leaves its (promoted) input, flattened to
+      ``(*lead, n_in)``, in ``inputs[path]``.
   Paths are relative to the block.
   """
 

@@ -214,10 +214,6 @@ class _Converter:
       return ("its kernel is not in the step's variables['params'] at this "
               "path: a second model applied inside loss_fn (e.g. a frozen "
               "teacher), or the model applied to part of the variables")
-    if kind == "nn.DenseGeneral" and _context.current_tap() is not None:
-      return ("it is inside a forge_jax.ScannedBlocks block, where only "
-              "Dense layers are fused; its kernel is updated by optax with "
-              "the block's other parameters")
     if _custom_dot(module):
       return ("a custom dot_general, dot_general_cls or promote_dtype (e.g. "
               "quantisation) cannot be fused")

@@ -1,6 +1,7 @@
 """`forge_jax.ScannedBlocks`: ``L`` identical blocks (any Flax module) stacked
 and scanned, whose backward updates the stacked kernels of the blocks'
-``forge_jax.Dense`` layers and their optimizer slots in place.
+``forge_jax.Dense`` and ``forge_jax.DenseGeneral`` layers and their optimizer
+slots in place.
 
 A decoder's blocks (attention + MLP, several projections of different
 shapes) are scanned with ``nn.scan``: every parameter is stacked
@@ -12,14 +13,17 @@ layers). Here the whole stack is one ``jax.custom_vjp``:
 
 * forward: a ``lax.scan`` over the blocks, saving each block's input only;
 * backward: a reverse ``lax.scan`` whose carry holds the input gradient and,
-  for every FORGE Dense of the block, its stacked kernel and slots.
-  Iteration ``i`` recomputes block ``i`` from its saved input (as
+  for every FORGE layer of the block, its stacked kernel and slots, each
+  viewed as the ``(L, n_in, n_out)`` stack of the layer's GEMM matrices (a
+  ``forge_jax.DenseGeneral`` kernel ``(L, *in_dims, *features)`` is
+  reshaped, a bitcast of a contiguous array, and reshaped back after the
+  loop). Iteration ``i`` recomputes block ``i`` from its saved input (as
   ``nn.remat`` does) with ``jax.vjp`` over the block's input, its other
-  parameters and one zero *tap* per FORGE Dense, added to that layer's
+  parameters and one zero *tap* per FORGE layer, added to that layer's
   output: the tap's cotangent is the layer's ``dy``, its input is kept from
   the recomputation, and the kernels are constants of the ``vjp`` (read from
   the carried stacks before any update), so no kernel gradient is formed.
-  Then each FORGE Dense's optimizer step runs in the fused kernel's epilogue
+  Then each FORGE layer's optimizer step runs in the fused kernel's epilogue
   in its ``layer=i`` mode, on layer ``i`` of the carried stacks, in place.
   The block's other parameters (norm scales, biases, ``fused=False`` layers'
   kernels) get ordinary gradients, stacked, for optax.
@@ -62,7 +66,7 @@ class _Static:
 
   path: _context.Path              # the ScannedBlocks module's path
   block: nn.Module                 # the block, unbound
-  forge: tuple[_context.Path, ...]  # FORGE Dense paths, relative to the block
+  forge: tuple[_context.Path, ...]  # FORGE layer paths, relative to the block
   records: dict                    # path -> _context.DenseRecord
   spec: Any
   layouts: tuple
@@ -115,6 +119,21 @@ def _forward(static, x, kernels, others, save):
   return lax.scan(body, x, (kernels, others))
 
 
+def _as_gemm(a, kernel, rec):
+  """``a``, the stacked ``kernel`` ``(L, *kernel_shape)`` or a slot of its
+  shape, as the ``(L, n_in, n_out)`` stack of the layer's GEMM matrices
+  (``rec.gemm``); any other array as it is. A reshape of a contiguous
+  array: a bitcast, no copy (a Dense kernel is such a stack already)."""
+  if a.shape != kernel.shape:
+    return a
+  return a.reshape(kernel.shape[0], *rec.gemm)
+
+
+def _as_param(stacks, like):
+  """:func:`_as_gemm` undone: each array reshaped to the one of ``like``."""
+  return tuple(a.reshape(b.shape) for a, b in zip(stacks, like))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_blocks(static: _Static, x, kernels, others, inputs):
   return _forward(static, x, kernels, others, save=False)[0]
@@ -129,11 +148,16 @@ def _fused_blocks_bwd(static, res, dy):
   """Reverse loop over the blocks: each block recomputed and differentiated
   with its FORGE kernels held constant, then each FORGE kernel's layer ``i``
   stepped in place; the carried stacks are returned in place of the
-  kernels' and slots' cotangents."""
+  kernels' and slots' cotangents.
+
+  The carry holds every kernel and slot stack as ``(L, n_in, n_out)``
+  (``_as_gemm``): layer ``i`` is read back in the kernel's own shape for the
+  recomputation and stepped as the GEMM's matrix."""
   hs, kernels, others, inputs = res
   num_layers = hs.shape[0]
   forge = frozenset(static.forge)
-  # The norm pass of a clipped step (forge_jax/clip.py): each FORGE Dense's
+  records = tuple(static.records[p] for p in static.forge)
+  # The norm pass of a clipped step (forge_jax/clip.py): each FORGE layer's
   # squared gradient norm, summed over the blocks in the carry; nothing is
   # updated, and the stacks are read, not carried (see ScannedDenseStack).
   norm_pass = _clip.is_norm_pass(static.wgrad)
@@ -141,8 +165,10 @@ def _fused_blocks_bwd(static, res, dy):
   def body(carry, per_layer):
     dh, k_stacks, slot_stacks, sqnorms = carry
     i, h_i, others_i = per_layer
-    w_i = tuple(lax.dynamic_index_in_dim(k, i, keepdims=False)
-                for k in (kernels if norm_pass else k_stacks))
+    w_i = tuple(
+        lax.dynamic_index_in_dim(k, i, keepdims=False).reshape(
+            rec.kernel_shape)
+        for k, rec in zip(kernels if norm_pass else k_stacks, records))
     taps = {p: jnp.zeros(static.records[p].out.shape,
                          static.records[p].out.dtype) for p in static.forge}
 
@@ -180,8 +206,12 @@ def _fused_blocks_bwd(static, res, dy):
   with _paths.refusing_derivatives(
       f"forge_jax.ScannedBlocks at {_context.layer_name(static.path)!r}"):
     (dx, new_kernels, new_slots, sqnorms), d_others = lax.scan(
-        body, (dy, () if norm_pass else tuple(kernels),
-               () if norm_pass else tuple(tuple(t.slots) for t in inputs),
+        body, (dy,
+               () if norm_pass else tuple(
+                   _as_gemm(k, k, rec) for k, rec in zip(kernels, records)),
+               () if norm_pass else tuple(
+                   tuple(_as_gemm(s, k, rec) for s in t.slots)
+                   for t, k, rec in zip(inputs, kernels, records)),
                tuple(jnp.zeros((), jnp.float32) for _ in static.forge)),
         (jnp.arange(num_layers), hs, others), reverse=True)
   d_others = jax.tree.map(lambda g, o: g.astype(o.dtype), d_others, others)
@@ -189,6 +219,8 @@ def _fused_blocks_bwd(static, res, dy):
     return (dx.astype(hs.dtype), tuple(jnp.zeros_like(k) for k in kernels),
             d_others, tuple(_clip.norm_pass_inputs(t, s)
                             for t, s in zip(inputs, sqnorms)))
+  new_kernels = _as_param(new_kernels, kernels)
+  new_slots = tuple(_as_param(s, t.slots) for s, t in zip(new_slots, inputs))
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.update(_full(static.path, p) for p in static.forge)
@@ -231,17 +263,19 @@ def _scan_body(module, carry, _):
 
 class ScannedBlocks(nn.Module):
   """``num_layers`` copies of ``block``, stacked and scanned; FORGE updates the
-  stacked kernels of the block's ``forge_jax.Dense`` layers in its backward.
+  stacked kernels of the block's ``forge_jax.Dense`` and
+  ``forge_jax.DenseGeneral`` layers in its backward.
 
   ``block`` makes one block: a Flax module class or a callable returning an
   unbound module (e.g. ``functools.partial(Block, cfg)``; not a module
   instance), called as ``block(name=...)`` and ``block(parent=None)``. The
   module's ``__call__(h)`` takes the carry, one array, and returns the next
   one, of the same shape and dtype; it may hold any parameters and any mix
-  of ``forge_jax.Dense`` (fused), ``forge_jax.Dense(fused=False)`` and other
-  layers. In a FORGE step each block runs with its ``params`` alone: a block
-  that draws randomness (dropout) or uses other collections (``batch_stats``)
-  is refused there (``fused=False`` runs it as flax's scan).
+  of ``forge_jax.Dense`` / ``forge_jax.DenseGeneral`` (fused), the same with
+  ``fused=False``, and other layers. In a FORGE step each block runs with
+  its ``params`` alone: a block that draws randomness (dropout) or uses
+  other collections (``batch_stats``) is refused there (``fused=False`` runs
+  it as flax's scan).
 
   The parameters are ``{'block': <the block's tree, every leaf stacked
   (L, ...)>}`` in this module's scope: the tree (and the initial values) of
@@ -254,15 +288,19 @@ class ScannedBlocks(nn.Module):
   Inside a step built by :func:`forge_jax.make_step` its backward is one
   reverse loop over the blocks. Block ``i`` is recomputed from its saved input
   (so the forward saves only the ``L`` block inputs, as under ``nn.remat``),
-  differentiated with its FORGE kernels held constant, and each FORGE Dense's
+  differentiated with its FORGE kernels held constant, and each FORGE layer's
   stacked kernel and optimizer slots are then stepped at layer ``i`` in place
   (the fused kernel's epilogue; ``make_step(..., wgrad="xla")``: XLA's GEMM
   forms layer ``i``'s ``G``, then the same epilogue, ``stored_g_update``,
   updates the layer in place). No kernel gradient of any layer is
-  formed as a whole, and no gradient pool. Regime-1 families only (SGD ...
-  Lion), as for ``forge_jax.ScannedDenseStack``, whose docstring says why.
+  formed as a whole, and no gradient pool. A ``forge_jax.DenseGeneral``
+  (``batch_dims=()``, trailing contracted axes: one GEMM) is stepped as its
+  ``(n_in, n_out)`` matrix: its stacked kernel ``(L, *in_dims, *features)``
+  and slots are viewed as ``(L, n_in, n_out)`` (reshapes, no copy) and come
+  back in their own shape. Regime-1 families only (SGD ... Lion), as for
+  ``forge_jax.ScannedDenseStack``, whose docstring says why.
   Each FORGE kernel's hyperparameters and weight-decay mask entry are those of
-  its one stacked leaf. A ``forge_jax.Dense`` the block calls twice, whose
+  its one stacked leaf. A FORGE layer the block calls twice, whose
   kernel the block also reads elsewhere (a tied projection), or that runs
   under a transform inside the block (``nn.remat``, ``nn.jit``, ``nn.cond``:
   the block is recomputed anyway) cannot take its update from its own ``x``
@@ -297,12 +335,12 @@ class ScannedBlocks(nn.Module):
     return y
 
   def _record(self, block, params, x) -> dict:
-    """Each Dense of one block, as it reports itself (``DenseRecord``), with
-    ``unfusable`` set for a fused one whose kernel the block reads other
-    than through that layer, once (a tied kernel, a read through
-    ``.variables``, the layer under ``nn.remat`` / ``nn.jit`` / ``nn.cond``
-    inside the block): its update could not be formed from the layer's own
-    ``x`` and ``dy``."""
+    """Each FORGE layer of one block, as it reports itself
+    (``DenseRecord``), with ``unfusable`` set for a fused one whose kernel
+    the block reads other than through that layer, once (a tied kernel, a
+    read through ``.variables``, the layer under ``nn.remat`` / ``nn.jit``
+    / ``nn.cond`` inside the block): its update could not be formed from
+    the layer's own ``x`` and ``dy``."""
     tap = _context.BlockTap("record", prefix=(*self.path, _BLOCK))
 
     def one(p, h):
@@ -396,11 +434,11 @@ class ScannedBlocks(nn.Module):
         for _ in range(rec.calls):
           info = _context.register_layer(
               ctx, full, (self.num_layers, *rec.kernel_shape),
-              rec.param_dtype, "forge_jax.Dense (in a ScannedBlocks block)")
+              rec.param_dtype, f"{rec.kind} (in a ScannedBlocks block)")
         if rec.unfusable:
           if ctx.shared == "error":
             raise ValueError(
-                f"the kernel of forge_jax.Dense at "
+                f"the kernel of {rec.kind} at "
                 f"{_context.layer_name(full)!r} (in a forge_jax.ScannedBlocks "
                 f"block) {rec.unfusable}. FORGE updates a kernel in place "
                 "during its backward from its layer's own input and output "
@@ -427,7 +465,7 @@ class ScannedBlocks(nn.Module):
           "function must call the same layers on every trace")
     for p in forge:
       fused_wgrad.check_block_config(
-          records[p].config, f"forge_jax.Dense at "
+          records[p].config, f"{records[p].kind} at "
           f"{_context.layer_name(_full(path, p))!r}")
     static = _Static(
         path=path, block=block, forge=forge, records=records, spec=spec,

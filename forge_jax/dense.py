@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -139,8 +140,100 @@ _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
 _usage.register_fused_backward(_fused_linear_bwd)
 
 
+def refuse_custom_dot(layer, kind: str, name: str) -> None:
+  """Refuses a fused ``layer`` (``kind`` at ``name``) with a custom
+  ``dot_general``, ``dot_general_cls`` or ``promote_dtype``: the fused
+  kernel computes the plain product."""
+  if (layer.dot_general is not None or layer.dot_general_cls is not None
+      or layer.promote_dtype is not flax_dtypes.promote_dtype):
+    raise ValueError(
+        f"{kind} at {name!r}: a custom dot_general or promote_dtype cannot "
+        "be fused; set fused=False for this layer")
+
+
+def _lead(inputs, in_dims) -> tuple[int, ...]:
+  """The input's leading (token) axes: all but the contracted ones."""
+  return tuple(jnp.shape(inputs)[:jnp.ndim(inputs) - len(in_dims)])
+
+
+def in_block(layer, kind: str, tap: _context.BlockTap, inputs):
+  """A FORGE layer (``forge_jax.Dense`` or ``forge_jax.DenseGeneral``, named
+  ``kind`` in errors) inside one block of a ``forge_jax.ScannedBlocks`` (the
+  block's ``tap`` says how): the layer's own computation, recorded, or with
+  the tap whose cotangent is this layer's ``dy``.
+
+  The block's backward sees every FORGE layer as one GEMM: its input
+  flattened to ``(*lead, n_in)`` (left in ``tap.inputs``), its tap (and so
+  its ``dy``) of shape ``(*lead, n_out)``, reshaped to the layer's output
+  where it is added, and its kernel ``(*in_dims, *features)`` viewed as the
+  ``(n_in, n_out)`` matrix its record names (``DenseRecord.gemm``).
+
+  The layer provides ``_standard(inputs)`` (the flax layer's own body),
+  ``_gemm_dims(inputs, name) -> (in_dims, features)`` (raising for a
+  configuration that is not one GEMM), ``_refuse(name, kernel_ndim, spec)``
+  and ``_fused(inputs, in_dims, features, static_of, layer_inputs)`` (its
+  computation through the fused op; ``static_of(dtype, gemm)`` gives the
+  op's ``_Static``).
+  """
+  path = tuple(layer.path)
+  name = _context.layer_name((*tap.prefix, *path))
+  pallas_kernels.fused_wgrad.check_block_config(layer.block_config,
+                                                f"{kind} at {name!r}")
+  if tap.mode == "record":
+    return _record_in_block(layer, kind, tap, path, name, inputs)
+  y = layer._standard(inputs)
+  if tap.mode == "tap" and path in tap.forge:
+    in_dims, _ = layer._gemm_dims(inputs, name)
+    kernel = layer.get_variable("params", "kernel")
+    bias = layer.get_variable("params", "bias") if layer.use_bias else None
+    dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
+                                           dtype=layer.dtype)
+    tap.inputs[path] = jnp.reshape(
+        jnp.asarray(inputs, dtype),
+        _lead(inputs, in_dims) + (math.prod(in_dims),))
+    y = y + jnp.reshape(tap.taps[path], jnp.shape(y))
+  return y
+
+
+def _record_in_block(layer, kind, tap, path, name, inputs):
+  """``record`` mode: reports the layer; a fused one (refused here if it
+  cannot be fused) reads its kernel through the fused op (never
+  differentiated here, only traced), so that ``ScannedBlocks`` can tell its
+  own read from any other in the block's jaxpr."""
+  gemm = None
+  if not layer.fused:
+    y = layer._standard(inputs)
+    out = jax.ShapeDtypeStruct(jnp.shape(y), y.dtype)
+  else:
+    in_dims, features = layer._gemm_dims(inputs, name)
+    ctx = _context.current()
+    layer._refuse(name, len(in_dims) + len(features),
+                  None if ctx is None else ctx.spec)
+    y = layer._fused(
+        inputs, in_dims, features,
+        lambda dtype, g: _Static(path=(*tap.prefix, *path), rule=None,
+                                 dtype=dtype, precision=layer.precision,
+                                 config=layer.block_config, gemm=g,
+                                 kind=kind),
+        _context.LayerInputs(slots=(), hparams=(),
+                             touched=jnp.zeros((), jnp.float32)))
+    gemm = (math.prod(in_dims), math.prod(features))
+    out = jax.ShapeDtypeStruct(_lead(inputs, in_dims) + gemm[1:], y.dtype)
+  rec = tap.records.get(path)
+  if rec is None:
+    kernel = layer.get_variable("params", "kernel")
+    rec = tap.records[path] = _context.DenseRecord(
+        kernel_shape=tuple(kernel.shape), param_dtype=kernel.dtype,
+        fused=layer.fused, config=layer.block_config,
+        precision=layer.precision, out=out, gemm=gemm, kind=kind)
+  rec.calls += 1
+  return y
+
+
 # nn.Dense.__call__ without Flax's method wrapper (Dense._standard).
 _DENSE_BODY = getattr(nn.Dense.__call__, "__wrapped__", None)
+
+_KIND = "forge_jax.Dense"
 
 
 class Dense(nn.Dense):
@@ -183,86 +276,40 @@ class Dense(nn.Dense):
       return super().__call__(inputs)
     return _DENSE_BODY(self, inputs)
 
-  def _custom_dot(self) -> bool:
-    return (self.dot_general is not None or self.dot_general_cls is not None
-            or self.promote_dtype is not flax_dtypes.promote_dtype)
+  def _gemm_dims(self, inputs, name: str):
+    """``(in_dims, features)``: the kernel is ``(in, out)`` already."""
+    del name
+    return (jnp.shape(inputs)[-1],), (self.features,)
 
-  def _refuse_custom_dot(self, name: str) -> None:
-    if self._custom_dot():
-      raise ValueError(
-          f"forge_jax.Dense at {name!r}: a custom dot_general or "
-          "promote_dtype cannot be fused; set fused=False for this layer")
+  def _refuse(self, name: str, kernel_ndim: int, spec) -> None:
+    """Refuses what cannot be fused (a custom dot); ``kernel_ndim`` and
+    ``spec`` matter to ``forge_jax.DenseGeneral`` only."""
+    del kernel_ndim, spec
+    refuse_custom_dot(self, _KIND, name)
 
-  def _fused(self, inputs, make_static, layer_inputs):
+  def _fused(self, inputs, in_dims, features, static_of, layer_inputs):
     """``nn.Dense``'s computation with the matmul as the fused op: the raw
     kernel parameter is cast inside that op, so it is the kernel's only
-    consumer (see ``_usage``). ``make_static(dtype)`` gives its ``_Static``
-    (or raises)."""
+    consumer (see ``_usage``). ``static_of(dtype, gemm)`` gives its
+    ``_Static`` (or raises); the kernel is its own ``(in, out)`` matrix
+    (``gemm=None``)."""
     kernel = self.param('kernel', self.kernel_init,
-                        (jnp.shape(inputs)[-1], self.features),
-                        self.param_dtype)
+                        (*in_dims, *features), self.param_dtype)
     bias = (self.param('bias', self.bias_init, (self.features,),
                        self.param_dtype) if self.use_bias else None)
     dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
                                            dtype=self.dtype)
     inputs_c, bias_c = flax_dtypes.promote_dtype(inputs, bias, dtype=dtype)
-    y = _fused_linear(make_static(dtype), inputs_c, kernel, layer_inputs)
+    y = _fused_linear(static_of(dtype, None), inputs_c, kernel, layer_inputs)
     if bias_c is not None:
       y += jnp.reshape(bias_c, (1,) * (y.ndim - 1) + (-1,))
-    return y
-
-  def _in_block(self, tap: _context.BlockTap, inputs):
-    """This layer inside one block of a ``forge_jax.ScannedBlocks`` (the
-    block's ``tap`` says how): ``nn.Dense``'s computation, recorded or with
-    the tap whose cotangent is this layer's ``dy``."""
-    path = tuple(self.path)
-    name = _context.layer_name((*tap.prefix, *path))
-    pallas_kernels.fused_wgrad.check_block_config(
-        self.block_config, f"forge_jax.Dense at {name!r}")
-    if tap.mode == "record":
-      return self._record_in_block(tap, path, name, inputs)
-    y = self._standard(inputs)
-    if tap.mode == "tap" and path in tap.forge:
-      kernel = self.get_variable("params", "kernel")
-      bias = self.get_variable("params", "bias") if self.use_bias else None
-      dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias,
-                                             dtype=self.dtype)
-      tap.inputs[path] = jnp.asarray(inputs, dtype)
-      y = y + tap.taps[path]
-    return y
-
-  def _record_in_block(self, tap, path, name, inputs):
-    """``record`` mode: reports this layer; a fused one reads its kernel
-    through the fused op (never differentiated here, only traced), so that
-    ``ScannedBlocks`` can tell its own read from any other in the block's
-    jaxpr."""
-    if not self.fused:
-      y = self._standard(inputs)
-    else:
-      self._refuse_custom_dot(name)
-      y = self._fused(
-          inputs,
-          lambda dtype: _Static(path=(*tap.prefix, *path), rule=None,
-                                dtype=dtype, precision=self.precision,
-                                config=self.block_config),
-          _context.LayerInputs(slots=(), hparams=(),
-                               touched=jnp.zeros((), jnp.float32)))
-    rec = tap.records.get(path)
-    if rec is None:
-      kernel = self.get_variable("params", "kernel")
-      rec = tap.records[path] = _context.DenseRecord(
-          kernel_shape=tuple(kernel.shape), param_dtype=kernel.dtype,
-          fused=self.fused, config=self.block_config,
-          precision=self.precision,
-          out=jax.ShapeDtypeStruct(y.shape, y.dtype))
-    rec.calls += 1
     return y
 
   @nn.compact
   def __call__(self, inputs):
     tap = _context.current_tap()
     if tap is not None:  # inside a forge_jax.ScannedBlocks block
-      return self._in_block(tap, inputs)
+      return in_block(self, _KIND, tap, inputs)
     pallas_kernels.fused_wgrad.check_block_config(
         self.block_config,
         f"forge_jax.Dense at {_context.layer_name(self.path)!r}")
@@ -273,8 +320,8 @@ class Dense(nn.Dense):
       # Standard path: outside a step, fused=False, or a shared layer that
       # make_step(..., shared="standard") moved here for this step.
       return self._standard(inputs)
-    self._refuse_custom_dot(_context.layer_name(self.path))
     path = tuple(self.path)
+    self._refuse(_context.layer_name(path), 2, ctx.spec)
     if ctx.mode == "discover":
       _context.register_layer(
           ctx, path, (jnp.shape(inputs)[-1], self.features), self.param_dtype,
@@ -289,9 +336,9 @@ class Dense(nn.Dense):
           "the step discovered its FORGE layers: the loss function must call "
           "the same layers on every trace")
     return self._fused(
-        inputs,
-        lambda dtype: _Static(path=path, rule=ctx.rule, dtype=dtype,
-                              precision=self.precision,
-                              config=self.block_config, spec=ctx.spec,
-                              layout=ctx.layouts.get(path), wgrad=ctx.wgrad),
+        inputs, *self._gemm_dims(inputs, _context.layer_name(path)),
+        lambda dtype, gemm: _Static(
+            path=path, rule=ctx.rule, dtype=dtype, precision=self.precision,
+            config=self.block_config, spec=ctx.spec,
+            layout=ctx.layouts.get(path), wgrad=ctx.wgrad, gemm=gemm),
         ctx.inputs[path])

@@ -12,7 +12,7 @@ from flax.linen import dtypes as flax_dtypes
 
 import pallas_kernels
 from forge_jax import _context
-from forge_jax.dense import _Static, _fused_linear
+from forge_jax.dense import _Static, _fused_linear, in_block, refuse_custom_dot
 
 # nn.DenseGeneral.__call__ without Flax's method wrapper (as Dense._standard).
 _BODY = getattr(nn.DenseGeneral.__call__, "__wrapped__", None)
@@ -22,7 +22,6 @@ _KIND = "forge_jax.DenseGeneral"
 
 def _as_tuple(v) -> tuple:
   return tuple(v) if isinstance(v, (tuple, list)) else (v,)
-
 
 
 def _reshaped(init, flat_shape):
@@ -35,6 +34,7 @@ def _reshaped(init, flat_shape):
       return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
     return jnp.reshape(value, shape)
   return wrapped
+
 
 class DenseGeneral(nn.DenseGeneral):
   """A drop-in for :class:`flax.linen.DenseGeneral` whose backward applies the
@@ -49,15 +49,19 @@ class DenseGeneral(nn.DenseGeneral):
   The fused op then sees the input as ``(tokens, prod(in_dims))`` and the
   kernel parameter, viewed inside it, as ``(prod(in_dims), prod(features))``;
   the updated kernel and slots come back in the parameter's own shape. The
-  bias takes the ordinary path.
+  bias takes the ordinary path. Inside a :class:`forge_jax.ScannedBlocks`
+  block it is fused as ``forge_jax.Dense`` is there: its stacked kernel
+  ``(L, *in_dims, *features)`` and stacked slots are stepped at layer ``i``
+  as ``(L, prod(in_dims), prod(features))`` views (reshapes, no copy) and
+  come back in their own shape.
 
   Extra attributes (after ``nn.DenseGeneral``'s, all optional): ``fused``
   and ``block_config``, as for :class:`forge_jax.Dense`.
 
   Raises (at call time, inside a FORGE step, for a fused layer):
     ValueError: ``batch_dims`` set, ``axis`` not the trailing axes in order,
-      a custom ``dot_general`` or ``promote_dtype``, a Muon step of a kernel
-      with more than two axes, or use inside ``forge_jax.ScannedBlocks``.
+      a custom ``dot_general`` or ``promote_dtype``, or a Muon step of a
+      kernel with more than two axes.
 
   Example:
     >>> import forge_jax, jax, jax.numpy as jnp
@@ -92,11 +96,9 @@ class DenseGeneral(nn.DenseGeneral):
             _as_tuple(self.features))
 
   def _refuse(self, name: str, kernel_ndim: int, spec) -> None:
-    if (self.dot_general is not None or self.dot_general_cls is not None
-        or self.promote_dtype is not flax_dtypes.promote_dtype):
-      raise ValueError(
-          f"{_KIND} at {name!r}: a custom dot_general or promote_dtype "
-          "cannot be fused; set fused=False for this layer")
+    """Refuses what cannot be fused: a custom dot, or Muon (``spec``) on a
+    kernel of ``kernel_ndim`` > 2 axes."""
+    refuse_custom_dot(self, _KIND, name)
     if spec is not None and spec.family == "muon" and kernel_ndim > 2:
       raise ValueError(
           f"{_KIND} at {name!r}: Muon orthogonalizes a matrix, and this "
@@ -139,14 +141,9 @@ class DenseGeneral(nn.DenseGeneral):
         not one GEMM (see the class docstring).
     """
     tap = _context.current_tap()
-    name = _context.layer_name(
-        (*tap.prefix, *self.path) if tap is not None else self.path)
-    if tap is not None:
-      if self.fused:
-        raise ValueError(
-            f"{_KIND} at {name!r} is not fused inside forge_jax.ScannedBlocks;"
-            " set fused=False for this layer, or use forge_jax.Dense")
-      return self._standard(inputs)
+    if tap is not None:  # inside a forge_jax.ScannedBlocks block
+      return in_block(self, _KIND, tap, inputs)
+    name = _context.layer_name(self.path)
     pallas_kernels.fused_wgrad.check_block_config(
         self.block_config, f"{_KIND} at {name!r}")
     ctx = _context.current()
@@ -161,7 +158,7 @@ class DenseGeneral(nn.DenseGeneral):
       _context.register_layer(
           ctx, path, in_dims + features, self.param_dtype, _KIND,
           hint=" (Inside nn.scan a layer is traced more than once: for "
-          "scanned blocks use forge_jax.ScannedBlocks with forge_jax.Dense.)")
+          "scanned blocks use forge_jax.ScannedBlocks.)")
       return self._standard(inputs)
     if path not in ctx.inputs:
       raise RuntimeError(

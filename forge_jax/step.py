@@ -611,7 +611,7 @@ def make_step(
       with no edit to the model: same parameters (names, shapes, boxes), so
       ``model.init``'s variables and checkpoints work unchanged. A layer
       FORGE cannot fuse (``nn.DenseGeneral`` with ``batch_dims`` or
-      non-trailing ``axis``, or inside a ``forge_jax.ScannedBlocks`` block;
+      non-trailing ``axis``, or of more than two axes under Muon;
       a custom ``dot_general``; a non-float or float64 kernel or
       computation; a layer of another model applied in ``loss_fn``) runs as
       it is, on the standard path, and is reported: a

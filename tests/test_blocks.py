@@ -24,9 +24,13 @@ D = 24  # the carry width; the block's other widths are odd
 class Block(nn.Module):
   """A residual block: a norm scale, an up projection (bias, 2D + 3 wide),
   a down projection (no bias), a side projection that never fuses, and a
-  plain flax layer."""
+  plain flax layer. With ``general``, up and down are DenseGeneral layers
+  with 3-axis kernels, as attention's projections are: up ``D -> (3, 17)``
+  (kernel ``(D, 3, 17)``, bias ``(3, 17)``), down ``(3, 17) -> D`` over the
+  two trailing axes (kernel ``(3, 17, D)``)."""
   dense: type = nn.Dense
   side: bool = True
+  general: bool = False
   dtype: jnp.dtype = None
   param_dtype: jnp.dtype = jnp.float32
 
@@ -36,8 +40,15 @@ class Block(nn.Module):
     s = self.param("scale", nn.initializers.ones, (x.shape[-1],),
                    self.param_dtype)
     h = x * s.astype(x.dtype)
-    a = self.dense(2 * D + 3, name="up", **kw)(h)
-    y = self.dense(D, use_bias=False, name="down", **kw)(nn.silu(a))
+    if self.general:
+      general = (forge_jax.DenseGeneral if self.dense is forge_jax.Dense
+                 else nn.DenseGeneral)
+      a = general((3, 17), name="up", **kw)(h)  # 3 * 17 == 2 * D + 3
+      y = general(D, axis=(-2, -1), use_bias=False, name="down",
+                  **kw)(nn.silu(a))
+    else:
+      a = self.dense(2 * D + 3, name="up", **kw)(h)
+      y = self.dense(D, use_bias=False, name="down", **kw)(nn.silu(a))
     if self.side:
       side = (forge_jax.Dense(D, fused=False, name="side", **kw)
               if self.dense is forge_jax.Dense else
@@ -98,7 +109,11 @@ def _data(steps, lead=(48,), d_in=37, d_out=5, seed=1):
 
 
 def _train(make_tx, steps=5, lead=(48,), model_kw={}, wgrad="fused",
-           shared="error", **tx_kw):
+           shared="error", fused_ops=None, **tx_kw):
+  """FORGE's model and flax's trained side by side; ``fused_ops``: how many
+  fused Pallas kernels the FORGE step's program must call (one per fused
+  layer, the stacked ones once, inside the backward loop), checked when
+  given."""
   batches = _data(steps, lead)
   ref_model, f_model = Model(False, **model_kw), Model(True, **model_kw)
   variables = ref_model.init(jax.random.key(0), batches[0][0])
@@ -107,6 +122,11 @@ def _train(make_tx, steps=5, lead=(48,), model_kw={}, wgrad="fused",
   f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx, wgrad=wgrad,
                                        shared=shared),
                    donate_argnums=(0, 1))
+  if fused_ops is not None:
+    traced = f_step.trace(variables, f_tx.init(variables["params"]),
+                          batches[0])
+    assert str(traced.jaxpr).count("pallas_call") == fused_ops
+    f_step = traced.lower().compile()
   (f_v, f_s), (ref_v, ref_s), losses = train_side_by_side(
       f_step, optax_step(mse(ref_model), ref_tx), variables, f_tx, ref_tx,
       batches)
@@ -143,13 +163,26 @@ def test_param_tree_output_and_gradients_are_flax_nn_scan():
                      jax.grad(loss(Model(False)))(ref), 0.0, "grads")
 
 
-@pytest.mark.parametrize("stack_update", ["layer", "slice"])
-@pytest.mark.parametrize("wgrad", ["fused", "xla"])
-def test_matches_flax_scan_optax_adamw_fp32(stack_update, wgrad):
+@pytest.mark.parametrize("stack_update,wgrad,general", [
+    ("layer", "fused", True), ("layer", "xla", False),
+    ("slice", "fused", False), ("slice", "xla", True)])
+def test_matches_flax_scan_optax_adamw_fp32(stack_update, wgrad, general):
+  """``general``: the block's up and down projections are fused
+  DenseGeneral layers with 3-axis kernels, stepped as (L, n_in, n_out)
+  views of their stacks; both stack_update modes and both wgrad settings
+  see one of them."""
   init, ref, got, losses = _train(
       "adamw", steps=5, lead=(4, 12), wgrad=wgrad,
-      model_kw=dict(stack_update=stack_update),
+      model_kw=dict(stack_update=stack_update,
+                    block_kw=dict(general=general)),
+      # embed and head, and up and down inside the backward loop
+      fused_ops=4 if wgrad == "fused" else None,
       learning_rate=1e-2, weight_decay=1e-2)
+  blocks = init["params"]["layers"]["block"]
+  assert blocks["up"]["kernel"].shape == ((3, D, 3, 17) if general
+                                          else (3, D, 2 * D + 3))
+  assert blocks["down"]["kernel"].shape == ((3, 3, 17, D) if general
+                                            else (3, 2 * D + 3, D))
   _assert_parity(init, ref, got, losses)
 
 
@@ -343,15 +376,25 @@ def test_untouched_blocks_get_the_zero_gradient_update():
   assert 0 < rel_err(k1, k0) < 1e-2
 
 
-def _plain_blocks(forge, layers, n, dtype, stack_update="auto"):
+def _plain_blocks(forge, layers, n, dtype, stack_update="auto",
+                  general=False):
+  """``layers`` blocks ``x + down(relu(up(x)))``, no biases: up ``n -> 2n``
+  and down ``2n -> n`` (``general``: DenseGeneral layers, up ``n -> (2,
+  n)`` and down ``(2, n) -> n``, whose kernels are viewed as the same (n,
+  2n) and (2n, n) matrices)."""
   class Blk(nn.Module):
     dense: type
 
     @nn.compact
     def __call__(self, x):
       kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype)
-      h = self.dense(2 * n, name="up", **kw)(x)
-      return x + self.dense(n, name="down", **kw)(nn.relu(h))
+      if not general:
+        h = self.dense(2 * n, name="up", **kw)(x)
+        return x + self.dense(n, name="down", **kw)(nn.relu(h))
+      dg = (forge_jax.DenseGeneral if self.dense is forge_jax.Dense
+            else nn.DenseGeneral)
+      h = dg((2, n), name="up", **kw)(x)
+      return x + dg(n, axis=(-2, -1), name="down", **kw)(nn.relu(h))
 
   class M(nn.Module):
     @nn.compact
@@ -365,12 +408,14 @@ def _plain_blocks(forge, layers, n, dtype, stack_update="auto"):
   return M()
 
 
-def test_blocks_step_lowers_for_cuda_without_a_gpu(monkeypatch):
-  """Deviceless AOT lowering: one Triton kernel per FORGE Dense of the block,
-  each given the (L, in, out) stacks that the backward loop carries."""
+@pytest.mark.parametrize("general", [False, True], ids=["dense", "general"])
+def test_blocks_step_lowers_for_cuda_without_a_gpu(monkeypatch, general):
+  """Deviceless AOT lowering: one Triton kernel per FORGE layer of the block,
+  each given the (L, in, out) stacks that the backward loop carries (a
+  DenseGeneral's (L, *in_dims, *features) stacks viewed so)."""
   import pallas_kernels.fused_wgrad as fw
   monkeypatch.setattr(fw, "default_interpret", lambda: False)
-  model = _plain_blocks(True, 4, 256, jnp.bfloat16)
+  model = _plain_blocks(True, 4, 256, jnp.bfloat16, general=general)
   x = jnp.ones((64, 256), jnp.bfloat16)
   variables = model.init(jax.random.key(0), x)
   tx = forge_jax.adamw(1e-3)
@@ -386,8 +431,9 @@ def test_blocks_step_lowers_for_cuda_without_a_gpu(monkeypatch):
   assert text.count("tf.aliasing_output") == 7
 
 
-def _blocks_step_compiled(forge, layers, n, bt, dtype, wgrad="fused"):
-  model = _plain_blocks(forge, layers, n, dtype)
+def _blocks_step_compiled(forge, layers, n, bt, dtype, wgrad="fused",
+                          general=False):
+  model = _plain_blocks(forge, layers, n, dtype, general=general)
   x = jnp.ones((bt, n), dtype)
   variables = model.init(jax.random.key(0), x)
   make = forge_jax.adamw if forge else optax.adamw
@@ -402,30 +448,35 @@ def _blocks_step_compiled(forge, layers, n, bt, dtype, wgrad="fused"):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("general", [False, True], ids=["dense", "general"])
 @pytest.mark.parametrize("wgrad", ["fused", "xla"])
-def test_scanned_blocks_have_no_gradient_pool_on_gpu(wgrad):
+def test_scanned_blocks_have_no_gradient_pool_on_gpu(wgrad, general):
   """The pool saved and the stacks updated in place, with either wgrad
-  ("xla": XLA's GEMM, then stored_g_update on the stacks); no stack-sized
-  copy inside the compiled step's loops."""
+  ("xla": XLA's GEMM, then stored_g_update on the stacks), for Dense and
+  DenseGeneral (3-axis kernels, reshaped views of their stacks) layers; no
+  stack-sized copy inside the compiled step's loops."""
   layers, n, bt = 8, 2048, 512
   pool = layers * 2 * (2 * n * n) * 2  # up + down kernels, bf16
   forge, run = _blocks_step_compiled(True, layers, n, bt, jnp.bfloat16,
-                                     wgrad)
-  ref, _ = _blocks_step_compiled(False, layers, n, bt, jnp.bfloat16)
+                                     wgrad, general)
+  ref, _ = _blocks_step_compiled(False, layers, n, bt, jnp.bfloat16,
+                                 general=general)
   assert_pool_saved_in_place(forge, ref, run, pool, n * 2 * n * 2)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("general", [False, True], ids=["dense", "general"])
 @pytest.mark.parametrize("wgrad", ["fused", "xla"])
-def test_matches_flax_scan_optax_adamw_fp32_on_gpu(wgrad):
+def test_matches_flax_scan_optax_adamw_fp32_on_gpu(wgrad, general):
   init, ref, got, losses = _train(
       "adamw", steps=5, lead=(4, 12), wgrad=wgrad,
+      model_kw=dict(block_kw=dict(general=general)),
       learning_rate=SCHEDULE, weight_decay=1e-2)
   _assert_parity(init, ref, got, losses)
 
 
-def _xla_wgrad_step(stack_update, layers, n, bt):
-  model = _plain_blocks(True, layers, n, jnp.bfloat16, stack_update)
+def _xla_wgrad_step(stack_update, layers, n, bt, general=False):
+  model = _plain_blocks(True, layers, n, jnp.bfloat16, stack_update, general)
   x = jnp.ones((bt, n), jnp.bfloat16)
   variables = model.init(jax.random.key(0), x)
   tx = forge_jax.adamw(1e-3, mu_dtype=jnp.bfloat16)
@@ -434,36 +485,54 @@ def _xla_wgrad_step(stack_update, layers, n, bt):
           tx.init(variables["params"]), x)
 
 
-def test_xla_wgrad_slice_mode_loop_copies_no_stack(monkeypatch):
+@pytest.mark.parametrize("general", [False, True], ids=["dense", "general"])
+def test_xla_wgrad_slice_mode_loop_copies_no_stack(monkeypatch, general):
   """make_step(wgrad="xla") on a scanned stack, stack_update="slice": XLA
   used to fuse each layer's update into the write-back of its slice and
   copy every W/m/v stack on every loop iteration. The new slices are
   materialised first (`scan.update_layer`): no array of a stack's size is
-  copied inside any while-loop body of the compiled step."""
+  copied inside any while-loop body of the compiled step. DenseGeneral
+  layers (``general``): their (L, *in_dims, *features) stacks enter and
+  leave the backward loop as (L, n_in, n_out) views, and no array of a
+  stack's size is copied anywhere in the program (the reshapes are
+  bitcasts)."""
   from benchmarks import hlo_schedule
   import pallas_kernels.fused_wgrad as fw
   # No Pallas call on this path: it compiles on the CPU as on a GPU.
   monkeypatch.setattr(fw, "default_interpret", lambda: False)
   layers, n = 4, 64
-  step, variables, opt_state, x = _xla_wgrad_step("slice", layers, n, 32)
+  step, variables, opt_state, x = _xla_wgrad_step("slice", layers, n, 32,
+                                                  general)
   text = jax.jit(step, donate_argnums=(0, 1)).lower(
       variables, opt_state, x).compile().as_text()
   stack_bytes = layers * n * 2 * n * 2  # one (L, n, 2n) bf16 stack
   copies = hlo_schedule.loop_copies(text, stack_bytes)
   assert copies == [], copies
+  anywhere = [(c, name, t)
+              for c, instrs in hlo_schedule.computations(text).items()
+              for name, t, op, _, _ in instrs
+              if op == "copy" and hlo_schedule.nbytes(t) >= stack_bytes]
+  assert anywhere == [], anywhere
+  # Not vacuous: the program holds the stacks in the parameters' shapes.
+  shapes = ("[4,64,2,64]", "[4,2,64,64]") if general else ("[4,64,128]",)
+  assert all(f"bf16{s}" in text for s in shapes)
 
 
-def test_xla_wgrad_layer_mode_updates_the_stacks_in_place(monkeypatch):
+@pytest.mark.parametrize("general", [False, True], ids=["dense", "general"])
+def test_xla_wgrad_layer_mode_updates_the_stacks_in_place(monkeypatch,
+                                                          general):
   """wgrad="xla", stack_update="layer" (the default): XLA's GEMM forms
   layer i's G and `pallas_kernels.stored_g_update` (the fused kernel's
   epilogue) updates layer i of the carried W/m/v stacks in place (XLA's
   elementwise rule plus a dynamic-update-slice per array would copy every
   new slice into its stack). Deviceless lowering: one stored-G Triton
-  kernel per FORGE Dense, each taking a 2-D G and the (L, in, out) stacks,
-  aliased in place, and no dynamic-update-slice of a weight stack."""
+  kernel per FORGE layer, each taking a 2-D G and the (L, in, out) stacks
+  (a DenseGeneral's viewed so), aliased in place, and no
+  dynamic-update-slice of a weight stack."""
   import pallas_kernels.fused_wgrad as fw
   monkeypatch.setattr(fw, "default_interpret", lambda: False)
-  step, variables, opt_state, x = _xla_wgrad_step("layer", 4, 256, 64)
+  step, variables, opt_state, x = _xla_wgrad_step("layer", 4, 256, 64,
+                                                  general)
   text = lower_for_cuda(step, variables, opt_state, x, donate_argnums=(0, 1))
   triton = triton_calls(text)
   assert len(triton) == 2, len(triton)
@@ -473,7 +542,8 @@ def test_xla_wgrad_layer_mode_updates_the_stacks_in_place(monkeypatch):
     assert call.count(f"tensor<{stack}xbf16>") == 6  # W, m, v in and out
     assert call.count("operand_index") == 3  # each output aliases its input
   updates = [l for l in text.splitlines() if "dynamic_update_slice" in l]
-  assert not [l for l in updates if "4x512x256" in l or "4x256x512" in l]
+  stacks = ("4x512x256", "4x256x512", "4x2x256x256", "4x256x2x256")
+  assert not [l for l in updates if any(s in l for s in stacks)]
 
 
 # --- Blocks FORGE cannot fuse as they stand --------------------------------
@@ -580,6 +650,14 @@ class CustomDotBlock(nn.Module):
     return x + forge_jax.Dense(D, name="p", dot_general=jax.lax.dot_general)(x)
 
 
+class LeadingAxisBlock(nn.Module):
+  """A DenseGeneral contracting the input's leading axis: not one GEMM."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x + forge_jax.DenseGeneral(x.shape[0], axis=0, name="p")(x).T
+
+
 class BadConfigBlock(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -623,10 +701,14 @@ def test_a_block_that_draws_randomness_is_refused_with_the_fix():
   assert np.isfinite(float(loss))
 
 
-def test_fused_false_runs_a_block_that_cannot_be_fused():
-  with pytest.raises(ValueError, match="layers/block/p.*custom dot_general"):
-    _step_on(CustomDotBlock)
-  loss, _, _ = _step_on(CustomDotBlock, fused=False)
+@pytest.mark.parametrize("block,match", [
+    (CustomDotBlock, "Dense at 'layers/block/p'.*custom dot_general"),
+    (LeadingAxisBlock, "DenseGeneral at 'layers/block/p': axis=0 .*trailing"),
+], ids=["custom-dot", "leading-axis"])
+def test_fused_false_runs_a_block_that_cannot_be_fused(block, match):
+  with pytest.raises(ValueError, match=match):
+    _step_on(block)
+  loss, _, _ = _step_on(block, fused=False)
   assert np.isfinite(float(loss))
 
 

@@ -253,22 +253,46 @@ def test_layers_from_setup_remat_and_subclasses_are_converted():
   assert step.skipped == {} and calls == 5
 
 
-def test_muon_keeps_a_dense_general_kernel_of_three_axes_standard():
+class HeadsBlock(nn.Module):
+  """A scanned block with one 3-axis nn.DenseGeneral kernel, (8, 2, 4)."""
+
+  @nn.compact
+  def __call__(self, h):
+    return h + nn.DenseGeneral((2, 4), name="heads")(h).reshape(h.shape)
+
+
+class Heads(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = forge_jax.ScannedBlocks(HeadsBlock, 2, name="blocks")(nn.Dense(8)(x))
+    return nn.DenseGeneral((2, 3), name="heads")(h)  # kernel (8, 2, 3)
+
+
+@pytest.mark.parametrize("family", ["adamw", "muon"])
+def test_dense_general_kernels_of_three_axes_are_converted_but_for_muon(
+    family):
+  """A 3-axis nn.DenseGeneral kernel is converted, in a ScannedBlocks block
+  as in the model (its stack stepped as (L, n_in, n_out) views); under
+  Muon, which optax applies to the kernel as it is, both stay standard and
+  are reported."""
   x = jnp.ones((4, 3, 6))
-
-  class Heads(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      return nn.DenseGeneral((2, 3), name="heads")(nn.Dense(8)(x))
-
   v = Heads().init(jax.random.key(0), x)
-  tx = forge_jax.muon(1e-2)
+  tx = getattr(forge_jax, family)(1e-2)
   step = forge_jax.make_step(
       lambda v, x: jnp.mean(Heads().apply(v, x) ** 2), tx, convert=True)
+  if family == "adamw":
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", forge_jax.ConvertSkipWarning)
+      _, calls = trace(step, v, tx.init(v["params"]), x)
+    assert step.converted == ["Dense_0", "blocks/block/heads", "heads"]
+    assert step.skipped == {} and calls == 3
+    return
   with pytest.warns(forge_jax.ConvertSkipWarning, match="heads: .*Muon"):
-    trace(step, v, tx.init(v["params"]), x)
-  assert step.converted == ["Dense_0"]
-  assert "orthogonalizes a matrix" in step.skipped["heads"]
+    _, calls = trace(step, v, tx.init(v["params"]), x)
+  assert step.converted == ["Dense_0"] and calls == 1
+  assert sorted(step.skipped) == ["blocks/block/heads", "heads"]
+  for why in step.skipped.values():
+    assert "orthogonalizes a matrix" in why
 
 
 class Teacher(nn.Module):
