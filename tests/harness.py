@@ -137,3 +137,44 @@ def assert_mirrors_flax_fields(ours, flax_cls):
   for f in ref:
     assert (ours.__dataclass_fields__[f].default ==
             flax_cls.__dataclass_fields__[f].default), f
+
+
+# --- Reading a step's jaxpr ----------------------------------------------------
+
+
+def _sub_jaxprs(eqn):
+  for v in eqn.params.values():
+    for item in (v if isinstance(v, (tuple, list)) else (v,)):
+      if hasattr(item, "eqns"):
+        yield item
+      elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+        yield item.jaxpr
+
+
+def jaxpr_eqns(jaxpr):
+  """Every equation, through calls, custom rules and control flow (not into
+  a Pallas kernel's body: its dots are tile-sized)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    if eqn.primitive.name != "pallas_call":
+      for sub in _sub_jaxprs(eqn):
+        yield from jaxpr_eqns(sub)
+
+
+def kernel_gradient_dots(jaxpr, kernel_shapes, bt):
+  """``dot_general``s outside Pallas kernels that contract the ``bt`` token
+  axis into a kernel-shaped output (either orientation): the weight
+  gradients ``G = x^T dy``, as the kernel shapes they match."""
+  found = []
+  for eqn in jaxpr_eqns(jaxpr):
+    if eqn.primitive.name != "dot_general":
+      continue
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    out = tuple(eqn.outvars[0].aval.shape)
+    if [lhs[d] for d in lc] == [bt]:
+      if out in kernel_shapes:
+        found.append(out)
+      elif out[::-1] in kernel_shapes:  # AD forms dy^T x, then transposes
+        found.append(out[::-1])
+  return found

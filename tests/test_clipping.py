@@ -17,6 +17,7 @@ import forge_jax
 import forge_torch
 import pallas_kernels as pk
 from forge_jax import clip as jclip
+from tests import harness
 from tests.harness import MLP, WIDTHS, mse, reference_step
 from tests.tolerances import assert_close, rel_err, tol, worst_leaf
 
@@ -172,25 +173,6 @@ def _assert_clipped_parity(got, ref, norms, m, losses):
   assert err <= F32, (err, where)
 
 
-def _kernel_gradient_dots(jaxpr, kernel_shapes, bt):
-  """``dot_general``s outside Pallas kernels that contract the token axis
-  into a kernel-shaped output: weight gradients ``G = x^T dy``."""
-  from tests.test_regimes23 import _eqns  # noqa: PLC0415
-  found = []
-  for eqn in _eqns(jaxpr):
-    if eqn.primitive.name != "dot_general":
-      continue
-    (lc, _), _ = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval.shape
-    out = tuple(eqn.outvars[0].aval.shape)
-    if [lhs[d] for d in lc] == [bt]:
-      if out in kernel_shapes:
-        found.append(out)
-      elif out[::-1] in kernel_shapes:  # AD forms dy^T x, then transposes
-        found.append(out[::-1])
-  return found
-
-
 def test_jax_clipped_adamw_matches_optax_chain_without_a_weight_gradient():
   """The odd-width MLP, fp32, every parameter and moment after 10 steps:
   optax.chain(forge_jax.clip_by_global_norm(m), forge_jax.adamw(...))
@@ -198,7 +180,6 @@ def test_jax_clipped_adamw_matches_optax_chain_without_a_weight_gradient():
   step runs three norm kernels and three fused updates and forms no weight
   gradient outside them (optax's step, by the same detector, forms all
   three)."""
-  from tests.test_regimes23 import _eqns  # noqa: PLC0415
   make = lambda lib: lib.adamw(3e-2, weight_decay=1e-2,
                                mask=lambda p: jax.tree.map(
                                    lambda a: a.ndim > 1, p))
@@ -210,13 +191,14 @@ def test_jax_clipped_adamw_matches_optax_chain_without_a_weight_gradient():
 
   bt = batches[0][0].shape[0]
   shapes = {(WIDTHS[i], WIDTHS[i + 1]) for i in range(3)}
-  assert _kernel_gradient_dots(jaxpr, shapes, bt) == []
-  kernels = sorted(e.params["name"] for e in _eqns(jaxpr)
+  assert harness.kernel_gradient_dots(jaxpr, shapes, bt) == []
+  kernels = sorted(e.params["name"] for e in harness.jaxpr_eqns(jaxpr)
                    if e.primitive.name == "pallas_call")
   assert kernels == (["fused_wgrad_adamw_clipped"] * 3
                      + ["wgrad_sqnorm"] * 3), kernels
   ref = jax.make_jaxpr(jax.grad(mse(MLP(nn.Dense))))(got[0], batches[0]).jaxpr
-  assert sorted(_kernel_gradient_dots(ref, shapes, bt)) == sorted(shapes)
+  assert sorted(harness.kernel_gradient_dots(ref, shapes, bt)) == sorted(
+      shapes)
 
 
 class _Stacked(nn.Module):

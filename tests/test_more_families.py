@@ -33,16 +33,16 @@ import pytest
 import forge_jax
 import pallas_kernels as pk
 from pallas_kernels import families
+from tests import harness
 from tests.harness import (MLP, WIDTHS, lower_rule_for_cuda, reference_step,
                            train_side_by_side, triton_calls)
 from tests.harness import decay_kernels_only as _decay_kernels_only
 from tests.harness import mse as _mse
-from tests.test_regimes23 import _eqns, _kernel_gradient_dots
 from tests.tolerances import rel_err, tol, worst_leaf
 
 F32_TOL = tol(jnp.float32)
 STEPS = 10
-BT = 48  # tokens per step, as tests.test_regimes23's jaxpr detector expects
+BT = 48  # tokens per step; no kernel dimension has this size
 NS = (3.4445, -4.7750, 2.0315)
 
 
@@ -386,10 +386,10 @@ def test_scion_forms_no_kernel_gradient_the_others_one_per_layer(name, data):
   step = forge_jax.make_step(_mse(MLP(forge_jax.Dense)), tx)
   jaxpr = jax.make_jaxpr(step)(variables, tx.init(variables["params"]),
                                (xs[0], ys[0])).jaxpr
-  dots = sorted(_kernel_gradient_dots(jaxpr))
-  kernels = [e.params["name"] for e in _eqns(jaxpr)
-             if e.primitive.name == "pallas_call"]
   shapes = sorted(zip(WIDTHS[:-1], WIDTHS[1:]))
+  dots = sorted(harness.kernel_gradient_dots(jaxpr, set(shapes), BT))
+  kernels = [e.params["name"] for e in harness.jaxpr_eqns(jaxpr)
+             if e.primitive.name == "pallas_call"]
   if tx.spec.regime == 2:
     assert dots == [] and kernels == ["fused_wgrad_scion_momentum"] * 3
   else:

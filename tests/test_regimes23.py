@@ -24,6 +24,7 @@ import pytest
 
 import forge_jax
 import pallas_kernels as pk
+from tests import harness
 from tests.harness import (MLP, WIDTHS, lower_rule_for_cuda, reference_step,
                            train_side_by_side,
                            triton_calls)
@@ -216,41 +217,9 @@ def test_untouched_layer_gets_the_zero_gradient_update(name, data):
 # --- the paths, read off the jaxpr -------------------------------------------
 
 
-def _sub_jaxprs(eqn):
-  for v in eqn.params.values():
-    for item in (v if isinstance(v, (tuple, list)) else (v,)):
-      if hasattr(item, "eqns"):
-        yield item
-      elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-        yield item.jaxpr
-
-
-def _eqns(jaxpr):
-  """Every equation, through calls, custom rules and control flow (not into
-  a Pallas kernel's body: its dots are tile-sized)."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    if eqn.primitive.name != "pallas_call":
-      for sub in _sub_jaxprs(eqn):
-        yield from _eqns(sub)
-
-
 def _kernel_gradient_dots(jaxpr):
-  """``dot_general``s that contract the token axis into a kernel-shaped
-  output (either orientation): the weight gradients ``G = x^T dy``."""
-  found = []
-  for eqn in _eqns(jaxpr):
-    if eqn.primitive.name != "dot_general":
-      continue
-    (lc, _), _ = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval.shape
-    out = tuple(eqn.outvars[0].aval.shape)
-    if [lhs[d] for d in lc] == [BT]:
-      if out in KERNEL_SHAPES:
-        found.append(out)
-      elif out[::-1] in KERNEL_SHAPES:  # AD forms dy^T x, then transposes
-        found.append(out[::-1])
-  return found
+  """The weight gradients ``G = x^T dy`` the step forms outside kernels."""
+  return harness.kernel_gradient_dots(jaxpr, KERNEL_SHAPES, BT)
 
 
 def _step_jaxpr(forge_tx, variables, batch):
@@ -266,7 +235,7 @@ def test_regime_2_never_forms_a_kernel_gradient_regime_3_one_per_layer(
   forge_tx, optax_tx = _transforms(FAMILIES[family])
   jaxpr = _step_jaxpr(forge_tx, variables, (xs[0], ys[0]))
   dots = _kernel_gradient_dots(jaxpr)
-  kernels = [e.params["name"] for e in _eqns(jaxpr)
+  kernels = [e.params["name"] for e in harness.jaxpr_eqns(jaxpr)
              if e.primitive.name == "pallas_call"]
 
   # The detector is not vacuous: optax's own step forms the three Gs.
