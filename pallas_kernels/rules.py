@@ -636,8 +636,10 @@ MOMENTUM_ACCUMULATE_HPARAMS = ("acc_scale", "acc_first", "acc_final")
 
 
 def _check_extra_hparams(rule: UpdateRule, extra: tuple[str, ...],
-                         slots: tuple[str, ...] = ()) -> None:
-  """``extra`` hyperparameters and ``slots`` (names only) added to ``rule``."""
+                         slots: tuple[str, ...] = (),
+                         purpose: str = "gradient accumulation") -> None:
+  """``extra`` hyperparameters and ``slots`` (names only) added to ``rule``
+  for ``purpose``."""
   clash = [n for n in extra + slots
            if n in rule.hparams or n in rule.slots or n in dict(rule.static)]
   if clash:
@@ -645,7 +647,7 @@ def _check_extra_hparams(rule: UpdateRule, extra: tuple[str, ...],
   if len(rule.hparams) + len(extra) > HPARAM_VECTOR_LEN:
     raise ValueError(
         f"rule {rule.name!r} has {len(rule.hparams)} hyperparameters; with "
-        f"{len(extra)} more for gradient accumulation they exceed the kernel's"
+        f"{len(extra)} more for {purpose} they exceed the kernel's"
         f" {HPARAM_VECTOR_LEN}-entry hyperparameter vector")
 
 
@@ -768,15 +770,8 @@ def grad_scaled(rule: UpdateRule) -> UpdateRule:
   Raises:
     ValueError: the names are taken, or the vector would overflow.
   """
-  clash = [n for n in GRAD_SCALE_HPARAMS
-           if n in rule.hparams or n in rule.slots or n in dict(rule.static)]
-  if clash:
-    raise ValueError(f"rule {rule.name!r} already uses the names {clash}")
-  if len(rule.hparams) + len(GRAD_SCALE_HPARAMS) > HPARAM_VECTOR_LEN:
-    raise ValueError(
-        f"rule {rule.name!r} has {len(rule.hparams)} hyperparameters; with "
-        f"the {len(GRAD_SCALE_HPARAMS)} gradient-clipping factors they exceed "
-        f"the kernel's {HPARAM_VECTOR_LEN}-entry hyperparameter vector")
+  _check_extra_hparams(rule, GRAD_SCALE_HPARAMS,
+                       purpose="the gradient-clipping factors")
 
   def update(g, w, slots, h):
     return rule.update((g / h["gscale_div"]) * h["gscale_mul"], w, slots, h)

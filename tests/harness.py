@@ -29,6 +29,16 @@ class MLP(nn.Module):
     return y
 
 
+def mlp_data(steps: int, bt: int):
+  """``steps`` batches of ``bt`` random tokens for the odd-width MLP
+  (inputs ``xs``, targets ``ys``) and its ``nn.Dense`` initialisation."""
+  kx, ky, kp = jax.random.split(jax.random.key(0), 3)
+  xs = jax.random.normal(kx, (steps, bt, WIDTHS[0]))
+  ys = jax.random.normal(ky, (steps, bt, WIDTHS[-1]))
+  variables = MLP(nn.Dense).init(kp, xs[0])
+  return xs, ys, variables
+
+
 def mse(model):
   """``loss_fn(variables, (x, y))``: mean squared error of ``model``, in fp32
   (a bf16 model's output is upcast first)."""

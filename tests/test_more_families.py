@@ -85,11 +85,7 @@ def _forge_tx(name):
 
 @pytest.fixture(scope="module")
 def data():
-  kx, ky, kp = jax.random.split(jax.random.key(0), 3)
-  xs = jax.random.normal(kx, (STEPS, BT, WIDTHS[0]))
-  ys = jax.random.normal(ky, (STEPS, BT, WIDTHS[-1]))
-  variables = MLP(nn.Dense).init(kp, xs[0])
-  return xs, ys, variables
+  return harness.mlp_data(STEPS, BT)
 
 
 def _check(what, actual, expected):
