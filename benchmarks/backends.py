@@ -36,8 +36,10 @@ MOSAIC_DEFAULT = ("128x128x64/3", "64x128x64/3")
 
 def parse_mosaic(label: str) -> pk.MosaicConfig:
   """``MxNxK/STEPS`` with optional ``,wgW`` (compute warpgroups), ``,dD``
-  (delay_release), ``,eMxN`` (epilogue sub-tile) and ``,bB`` (state
-  buffers) knobs, and ``,pn`` (prefetch the next tile's state)."""
+  (delay_release), ``,eMxN`` (epilogue sub-tile), ``,bB`` (state
+  buffers), ``,rR`` (a ring of R streamed state sub-tiles) and ``,sS``
+  (tile order: snaking bands S tile columns wide) knobs, and ``,pn``
+  (prefetch the next tile's state)."""
   try:
     head, *knobs = label.split(",")
     tiles, steps = head.split("/")
@@ -52,6 +54,10 @@ def parse_mosaic(label: str) -> pk.MosaicConfig:
         extra["prefetch_next"] = True
       elif knob.startswith("b"):
         extra["state_buffers"] = int(knob[1:])
+      elif knob.startswith("r"):
+        extra["state_ring"] = int(knob[1:])
+      elif knob.startswith("s"):
+        extra["band"] = int(knob[1:])
       elif knob.startswith("e"):
         em, en = (int(v) for v in knob[1:].split("x"))
         extra.update(epi_m=em, epi_n=en)
@@ -61,8 +67,8 @@ def parse_mosaic(label: str) -> pk.MosaicConfig:
                            **extra)
   except ValueError as e:
     raise argparse.ArgumentTypeError(
-        f"--mosaic {label!r}: expected MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,pn], e.g. "
-        f"128x128x64/3 or 64x128x64/4,wg1,d0 ({e})")
+        f"--mosaic {label!r}: expected MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn], "
+        f"e.g. 128x128x64/3 or 128x256x64/2,r2 ({e})")
 
 
 def _state(bt, n_in, n_out, slot_dtype):
@@ -111,7 +117,8 @@ def main(argv=None):
   p.add_argument("--moments", nargs="+", default=["bf16", "fp32"],
                  choices=["bf16", "fp32"])
   p.add_argument("--mosaic", nargs="+", default=list(MOSAIC_DEFAULT),
-                 help="Mosaic GPU tilings, MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,pn]")
+                 help="Mosaic GPU tilings, "
+                 "MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn]")
   args = p.parse_args(argv)
   try:
     mosaic_cfgs = [(m, parse_mosaic(m)) for m in args.mosaic]

@@ -70,6 +70,18 @@ class MosaicConfig:
     prefetch_next: with 2 state buffers, issue the next tile's state loads
       when this tile's K loop ends (before its epilogue) instead of at the
       next tile's start, so they also fly during this tile's epilogue.
+    state_ring: 0 holds each warpgroup's whole share of the state tile in
+      shared memory (``state_buffers`` copies). ``R >= 1`` streams it
+      instead through a ring of ``R`` epilogue sub-tiles per warpgroup: the
+      first ``R`` sub-tiles' loads fly during the K loop, and each sub-tile's
+      slot is reloaded with the sub-tile ``R`` places later once its stores
+      have read it. Shared memory no longer grows with the tile, so larger
+      tiles (fewer re-reads of ``x`` and ``dy``) fit.
+    band: the order the persistent programs take the tiles in: down bands
+      of ``band`` tile columns, snaking (``plgpu.planar_snake``). 1 sweeps
+      one tile column at a time, so every column re-reads all of ``x``:
+      from HBM once ``x`` no longer fits in L2. Wider bands keep the
+      concurrent tiles' ``x`` and ``dy`` blocks in L2 together.
   """
 
   tile_m: int = 128
@@ -82,6 +94,8 @@ class MosaicConfig:
   delay_release: int = 1
   state_buffers: int = 1
   prefetch_next: bool = False
+  state_ring: int = 0
+  band: int = 1
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "tile_k"):
@@ -107,6 +121,16 @@ class MosaicConfig:
                        "must be 1 or 2")
     if self.prefetch_next and self.state_buffers != 2:
       raise ValueError("MosaicConfig: prefetch_next needs state_buffers=2")
+    if not isinstance(self.state_ring, int) or not 0 <= self.state_ring <= 8:
+      raise ValueError(f"MosaicConfig: state_ring={self.state_ring!r} must "
+                       "be 0 (whole state tile held) to 8")
+    if not isinstance(self.band, int) or self.band < 1:
+      raise ValueError(f"MosaicConfig: band={self.band!r} must be a "
+                       "positive number of tile columns")
+    if self.state_ring and self.state_buffers != 1:
+      raise ValueError("MosaicConfig: state_ring streams the state through "
+                       "its own ring; leave state_buffers=1 and "
+                       "prefetch_next=False with it")
     if (self.tile_m % self.epi_m or self.wg_n % self.epi_n
         or self.epi_m % 8 or self.epi_n % 32):
       raise ValueError(
@@ -123,26 +147,43 @@ class MosaicConfig:
     """Shared memory the kernel asks for (pipeline buffers + state tile)."""
     operands = self.steps * self.tile_k * (self.tile_m + self.tile_n)
     state = sum(jnp.dtype(d).itemsize for d in state_dtypes)
-    return (operands * jnp.dtype(x_dtype).itemsize
-            + self.state_buffers * state * self.tile_m * self.tile_n)
+    if self.state_ring:
+      held = self.compute_wgs * self.state_ring * self.epi_m * self.epi_n
+    else:
+      held = self.state_buffers * self.tile_m * self.tile_n
+    return operands * jnp.dtype(x_dtype).itemsize + state * held
 
 
 def default_config(x_dtype, state_dtypes, bt: int | None = None
                    ) -> MosaicConfig:
   """The tiling that measured fastest on the H200 for the case, among those
-  whose shared memory fits a block.
+  whose shared memory fits a block (``benchmarks.backends``; figures in
+  docs/benchmarks.md, "Kernel backends").
 
-  Up to 1024 tokens with 16-bit state, 64 x 128 tiles with two state
-  buffers and the next tile's state prefetched (1.02-1.04x XLA at BT 512,
-  against 0.90x for 128 x 128); otherwise 128 x 128 tiles with 4 then 3 K
-  steps in flight, then 64 x 128 tiles (fp32 moments) before fewer steps.
+  * Up to 1024 tokens, 16-bit state: 64 x 128 tiles, two state buffers, the
+    next tile's state prefetched (1.05-1.07x XLA's GEMM + AdamW at BT 512).
+  * Up to 1024 tokens, wider state: 128 x 128 tiles streaming the state
+    through a ring of one 64 x 64 sub-tile (0.99-1.10x with fp32 moments).
+  * More tokens: 128 x 128 tiles streaming 64 x 32 sub-tiles through a ring
+    of two, taken in bands of 8 tile columns (0.84-1.01x at BT 2048 and
+    4096, against 0.74-0.99x in single columns: with 14336 input features
+    ``x`` outgrows L2).
+
+  Each with 4 K steps in flight; where one does not fit (wide state dtypes),
+  the first of 128 or 64 rows with 4, 3 or 2 steps that does.
   """
-  if (bt is not None and bt <= 1024
-      and all(jnp.dtype(d).itemsize <= 2 for d in state_dtypes)):
-    cfg = MosaicConfig(tile_m=64, tile_n=128, steps=4, state_buffers=2,
-                       prefetch_next=True)
-    if cfg.smem_bytes(x_dtype, state_dtypes) <= _SMEM_BYTES:
-      return cfg
+  small = bt is not None and bt <= 1024
+  narrow = all(jnp.dtype(d).itemsize <= 2 for d in state_dtypes)
+  if small and narrow:
+    best = MosaicConfig(tile_m=64, tile_n=128, steps=4, state_buffers=2,
+                        prefetch_next=True)
+  elif small:
+    best = MosaicConfig(tile_m=128, tile_n=128, steps=4, state_ring=1)
+  else:
+    best = MosaicConfig(tile_m=128, tile_n=128, steps=4, epi_n=32,
+                        state_ring=2, band=8)
+  if best.smem_bytes(x_dtype, state_dtypes) <= _SMEM_BYTES:
+    return best
   for tm, steps in ((128, 4), (128, 3), (64, 4), (64, 3), (128, 2), (64, 2)):
     cfg = MosaicConfig(tile_m=tm, steps=steps)
     if cfg.smem_bytes(x_dtype, state_dtypes) <= _SMEM_BYTES:
@@ -227,22 +268,38 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
         max_concurrent_steps=cfg.steps, compute_context=context)
 
   ignore = lambda *_, **__: None
+  em, en, ring = cfg.epi_m, cfg.epi_n, cfg.state_ring
+  # The epilogue's sub-tiles of a warpgroup's (tm, wn) share, in order.
+  subs = [(i, j) for i in range(tm // em) for j in range(wn // en)]
+  # Whole tile: (buffer, warpgroup, tm, wn); ring: (warpgroup, slot, em, en).
+  held = (cw, ring, em, en) if ring else (nbuf, cw, tm, wn)
+  n_bars = cw * ring if ring else nbuf * cw
+
+  def update(g, sub, h, bufs):
+    """The rule on one sub-tile: the accumulator slice ``g`` and the state
+    at ``buf[sub]`` (rewritten there)."""
+    old = [buf[sub].astype(jnp.float32) for buf in bufs[:len(state_gmem)]]
+    if rule.updates_weight:
+      w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
+      new = (w_new, *new)
+    else:
+      _, new = rule.update(g, None, tuple(old), h)
+    for buf, val in zip(bufs, new):
+      buf[sub] = val.astype(buf.dtype)
 
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem,
                                                                dy_gmem),
-      bufs=[plgpu.SMEM((nbuf, cw, tm, wn), r.dtype,
-                       transforms=_transforms(cfg.epi_n, r.dtype))
+      bufs=[plgpu.SMEM(held, r.dtype, transforms=_transforms(en, r.dtype))
             for r, _ in stored],
-      bar=plgpu.Barrier(num_barriers=nbuf * cw,
-                        num_arrivals=len(state_gmem)),
+      bar=plgpu.Barrier(num_barriers=n_bars, num_arrivals=len(state_gmem)),
       collective_axes="wg")
   def _scope(pipeline_allocs, bufs, bar):
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile(info):
       (lin,) = info.index
-      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, 1)
+      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.band)
       rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
       own = pl.ds(wg * wn, wn)   # this warpgroup's columns of the tile
       own_cols = pl.ds(ni * tn + wg * wn, wn)
@@ -259,9 +316,51 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
                                   buf.at[to_slot, wg],
                                   bar.at[to_slot * cw + wg])
 
+      def sub_at(s):
+        """Rows and columns of ``W`` of this tile's sub-tile ``s``."""
+        i, j = subs[s]
+        return (pl.ds(mi * tm + i * em, em),
+                pl.ds(ni * tn + wg * wn + j * en, en))
+
+      def load_sub(s):
+        # Ring slot s % ring; the stores that last read it have drained
+        # from shared memory (waited for by the caller).
+        r = s % ring
+        for ref, buf in zip(state_gmem, bufs):
+          plgpu.copy_gmem_to_smem(at(ref, *sub_at(s)), buf.at[wg, r],
+                                  bar.at[wg * ring + r])
+
+      def streamed_epilogue(acc, h):
+        for s, (i, j) in enumerate(subs):
+          r = s % ring
+          plgpu.barrier_wait(bar.at[wg * ring + r])
+          update(acc[i * em:(i + 1) * em, j * en:(j + 1) * en],
+                 (wg, r, pl.ds(0, em), pl.ds(0, en)), h, bufs)
+          plgpu.commit_smem()
+          for (ref, is_state), buf in zip(stored, bufs):
+            plgpu.copy_smem_to_gmem(buf.at[wg, r], at(ref, *sub_at(s),
+                                                      is_state))
+          if s + ring < len(subs):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            load_sub(s + ring)
+
+      def held_epilogue(acc, h):
+        plgpu.barrier_wait(loaded)
+        for i, j in subs:
+          update(acc[i * em:(i + 1) * em, j * en:(j + 1) * en],
+                 (slot, wg, pl.ds(i * em, em), pl.ds(j * en, en)), h, bufs)
+        plgpu.commit_smem()
+        for (ref, is_state), buf in zip(stored, bufs):
+          plgpu.copy_smem_to_gmem(buf.at[slot, wg],
+                                  at(ref, rows, own_cols, is_state))
+
       def context(run_pipeline):
         # This tile's state loads fly during its K loop.
-        if cfg.prefetch_next:
+        if ring:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for s in range(min(ring, len(subs))):
+            load_sub(s)
+        elif cfg.prefetch_next:
           pl.when(info.local_index == 0)(
               lambda: prefetch(rows, own_cols, slot, 0))
         else:
@@ -275,32 +374,15 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
 
             @pl.when(nxt < m_iters * n_iters)
             def _next():
-              nmi, nni = plgpu.planar_snake(nxt, (m_iters, n_iters), 1, 1)
+              nmi, nni = plgpu.planar_snake(nxt, (m_iters, n_iters), 1,
+                                            cfg.band)
               # Only the previous tile's stores, from the other buffer,
               # can still be pending.
               prefetch(pl.ds(nmi * tm, tm), pl.ds(nni * tn + wg * wn, wn),
                        1 - slot, 0)
           acc = acc_ref[...]
-          plgpu.barrier_wait(loaded)
           h = rule.unpack(h_gmem, slot_dtypes, round_by_convert=not interpret)
-          em, en = cfg.epi_m, cfg.epi_n
-          for i in range(tm // em):
-            for j in range(wn // en):
-              sub = (slot, wg, pl.ds(i * em, em), pl.ds(j * en, en))
-              g = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
-              old = [buf[sub].astype(jnp.float32)
-                     for buf in bufs[:len(state_gmem)]]
-              if rule.updates_weight:
-                w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
-                new = (w_new, *new)
-              else:
-                _, new = rule.update(g, None, tuple(old), h)
-              for buf, val in zip(bufs, new):
-                buf[sub] = val.astype(buf.dtype)
-          plgpu.commit_smem()
-          for (ref, is_state), buf in zip(stored, bufs):
-            plgpu.copy_smem_to_gmem(buf.at[slot, wg],
-                                    at(ref, rows, own_cols, is_state))
+          (streamed_epilogue if ring else held_epilogue)(acc, h)
 
       def k_step(_, x_smem, dy_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem.at[:, own])

@@ -114,6 +114,29 @@ def test_mosaic_kernel_updates_one_layer_of_a_stack():
   _check_stacked(_case(10, 128, 128, 192, pk.ADAMW), 2, SMALL, interpret=True)
 
 
+RING = pk.MosaicConfig(tile_m=128, tile_n=256, tile_k=64, steps=2,
+                      state_ring=2)
+
+
+@pytest.mark.parametrize("cfg", [
+    RING,  # each warpgroup streams four 64 x 64 sub-tiles through 2 slots
+    pk.MosaicConfig(tile_m=64, tile_n=128, tile_k=64, steps=2, epi_n=32,
+                    state_ring=3, band=3),  # 2 sub-tiles per slot, 3 slots;
+    # bands of 3 tile columns over 4: the last band is narrower.
+], ids=["128x256-ring2", "64x128-e64x32-ring3-band3"])
+def test_mosaic_kernel_streams_state_through_a_ring(cfg):
+  # 2 x 2 (and 4 x 4) tiles over 4 programs; ring slots reused within a
+  # tile and across tiles.
+  _check(pk.ADAMW, _case(13, 128, 256, 512, pk.ADAMW), cfg, interpret=True)
+
+
+def test_mosaic_kernel_ring_with_stacks_and_state_only_rules():
+  one = pk.MosaicConfig(tile_m=64, tile_n=128, steps=2, state_ring=1)
+  _check_stacked(_case(14, 128, 128, 256, pk.ADAMW), 1, one, interpret=True)
+  _check_state_only(pk.muon_rule(), _case(15, 128, 128, 256, pk.muon_rule()),
+                    one, interpret=True)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(n_in=100), "not a multiple of the tiles"),
     (dict(bt=96), "not a multiple of the tiles"),
@@ -166,9 +189,20 @@ def test_gpu_mosaic_kernel_compiled_matches_reference(rule, slot_dtype):
                     prefetch_next=True),
     pk.MosaicConfig(tile_m=64, tile_n=192, steps=2, compute_wgs=3,
                     delay_release=0),
-], ids=["two-buffers", "prefetch-next", "three-warpgroups"])
+    RING,
+    pk.MosaicConfig(tile_m=64, tile_n=128, steps=4, epi_n=32, state_ring=4),
+], ids=["two-buffers", "prefetch-next", "three-warpgroups", "ring",
+        "ring-e64x32"])
 def test_gpu_mosaic_kernel_compiled_knobs(cfg):
   _check(pk.ADAMW, _case(9, 512, 1024, 768, pk.ADAMW), cfg, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_kernel_ring_stacked_and_state_only():
+  one = pk.MosaicConfig(tile_m=64, tile_n=128, steps=2, state_ring=1)
+  _check_stacked(_case(16, 512, 256, 512, pk.ADAMW), 1, one, interpret=False)
+  _check_state_only(pk.muon_rule(), _case(17, 512, 256, 512, pk.muon_rule()),
+                    one, interpret=False)
 
 
 @pytest.mark.gpu
@@ -205,6 +239,11 @@ def test_backends_benchmark_arguments(capsys):
       pk.MosaicConfig(tile_m=64, tile_n=128, tile_k=64, steps=4,
                       compute_wgs=1, delay_release=0, epi_m=32, epi_n=64,
                       state_buffers=2, prefetch_next=True))
+  assert backends.parse_mosaic("128x256x64/2,e64x32,r4,s8") == (
+      pk.MosaicConfig(tile_m=128, tile_n=256, tile_k=64, steps=2, epi_n=32,
+                      state_ring=4, band=8))
+  with pytest.raises(ValueError, match="state_ring streams"):
+    pk.MosaicConfig(state_ring=2, state_buffers=2)
   with pytest.raises(ValueError, match="prefetch_next needs"):
     pk.MosaicConfig(prefetch_next=True)
   with pytest.raises(SystemExit):
@@ -215,18 +254,27 @@ def test_backends_benchmark_arguments(capsys):
     assert "needs a GPU" in capsys.readouterr().out
 
 
-def test_default_mosaic_tiling_fits_shared_memory():
-  bf16 = pk.mosaic_kernel.default_config(BF16, [BF16] * 3)
-  assert (bf16.tile_m, bf16.steps, bf16.compute_wgs) == (128, 4, 2)
-  fp32 = pk.mosaic_kernel.default_config(BF16, [F32] * 3)
-  assert fp32.smem_bytes(BF16, [F32] * 3) <= pk.mosaic_kernel._SMEM_BYTES
-  assert fp32.tile_m * fp32.steps < 128 * 3
-  short = pk.mosaic_kernel.default_config(BF16, [BF16] * 3, bt=512)
-  assert (short.tile_m, short.state_buffers, short.prefetch_next) == (
-      64, 2, True)
-  assert pk.mosaic_kernel.default_config(BF16, [BF16] * 3, bt=2048) == bf16
-  assert not pk.mosaic_kernel.default_config(BF16, [F32] * 3,
-                                             bt=512).prefetch_next
+@pytest.mark.parametrize("state", [[BF16] * 3, [BF16, F32, F32], [F32] * 3,
+                                   [F32] * 4], ids=["bf16", "fp32-moments",
+                                                    "fp32", "fp32-4-arrays"])
+@pytest.mark.parametrize("bt", [None, 512, 4096])
+def test_default_mosaic_tiling_fits_shared_memory(state, bt):
+  cfg = pk.mosaic_kernel.default_config(BF16, state, bt=bt)
+  assert cfg.smem_bytes(BF16, state) <= pk.mosaic_kernel._SMEM_BYTES
+
+
+def test_default_mosaic_tiling_is_the_measured_winner():
+  default = pk.mosaic_kernel.default_config
+  short = default(BF16, [BF16] * 3, bt=512)
+  assert (short.tile_m, short.state_buffers, short.prefetch_next,
+          short.state_ring) == (64, 2, True, 0)
+  short_fp32 = default(BF16, [BF16, F32, F32], bt=512)
+  assert (short_fp32.tile_m, short_fp32.state_ring) == (128, 1)
+  for state in ([BF16] * 3, [BF16, F32, F32]):
+    long = default(BF16, state, bt=2048)
+    assert (long.tile_m, long.tile_n, long.epi_n, long.state_ring,
+            long.band) == (128, 128, 32, 2, 8)
+    assert default(BF16, state) == long  # tokens unknown: the long case
 
 
 @pytest.mark.parametrize("prefetch_next", [False, True],
@@ -238,5 +286,6 @@ def test_mosaic_kernel_three_warpgroups_two_state_buffers_no_delay(
   # (and, prefetching the next tile, chain a prefetch across tiles).
   cfg = pk.MosaicConfig(tile_m=64, tile_n=192, tile_k=64, steps=2,
                         compute_wgs=3, delay_release=0, state_buffers=2,
-                        prefetch_next=prefetch_next)
+                        prefetch_next=prefetch_next,
+                        band=2 if prefetch_next else 1)
   _check(pk.ADAMW, _case(8, 128, 192, 384, pk.ADAMW), cfg, interpret=True)
