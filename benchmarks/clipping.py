@@ -1,6 +1,10 @@
 """Global-norm clipping: the two-pass FORGE step against optax's clipped step.
 
-    ./dev.sh python -m benchmarks.clipping --out out/bench/clipping.csv
+    ./dev.sh python -m benchmarks.clipping --out out/bench/clipping.csv \
+        --plot out/bench/clipping.png
+    ./dev.sh python -m benchmarks.clipping --replot \
+        --out benchmarks/results/h200/clipping.csv \
+        --plot benchmarks/results/h200/clipping.png
 
 Per model (`--models`: `layer`, one bf16 `width`x`width` Dense; `mlp`,
 `--layers` of them unrolled with ReLUs; `scan`, a ScannedDenseStack of
@@ -21,11 +25,16 @@ enough that every step clips. It also times the norm kernel alone,
 pallas_kernels.wgrad_sqnorm, against XLA's sum((x^T dy)^2) at the layer's
 shape. Without a GPU it measures nothing unless `--smoke` (tiny shapes,
 Pallas interpret mode: a test of this script; its times mean nothing).
+
+`--plot PNG` draws the CSV (:func:`plot`: per model, the four arms' step
+time and compiled temporaries); `--replot` only draws an existing `--out`
+CSV, on any machine, and measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -132,6 +141,85 @@ def time_norm_kernel(res, shape, bt, width, n_inner, n_outer):
         f"{tf[1] * 1e6:8.1f} us  {tx[1] / tf[1]:.2f}x", flush=True)
 
 
+def plot_rows(csv_path: str) -> dict:
+  """``{(model, arm, metric): row}`` of a clipping CSV: the newest row of
+  each (rows are appended, so the last in file order), for the models of
+  :data:`MODELS`, the arms of :data:`ARMS` and the metrics ``time`` and
+  ``temp``."""
+  last = {}
+  for r in common.read_rows(csv_path):
+    if (r.get("benchmark") == "clipping" and r.get("case") in MODELS
+        and r.get("provider") in ARMS and r.get("metric") in ("time", "temp")):
+      last[(r["case"], r["provider"], r["metric"])] = r
+  return last
+
+
+def plot(csv_path: str, png_path: str) -> int:
+  """Writes the plot of clipping CSV ``csv_path`` to ``png_path``: one panel
+  of median step time (µs) and one of compiled temporaries (MiB), a group of
+  bars per model, one bar per arm (the clipped arms hatched), under each
+  model's name in the time panel its clipping cost (clipped / unclipped
+  step time, FORGE and optax). Returns 0, or 1 (nothing written, the
+  reason on stderr) when the CSV has no clipping step-time rows."""
+  last = plot_rows(csv_path)
+  models = [m for m in MODELS if any((m, a, "time") in last for a in ARMS)]
+  if not models:
+    print(f"clipping.py: {csv_path} has no clipping step-time rows (case one "
+          f"of {', '.join(MODELS)}, provider one of {', '.join(ARMS)}, "
+          "metric time); nothing plotted. Write it with "
+          "`python -m benchmarks.clipping --out CSV`.", file=sys.stderr)
+    return 1
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  def p50(model, arm, metric):
+    r = last.get((model, arm, metric))
+    return float(r["p50"]) if r else float("nan")
+
+  names, costs = [], []
+  for m in models:
+    shape = next(last[(m, a, "time")]["shape"] for a in ARMS
+                 if (m, a, "time") in last)
+    names.append(shape.replace(" BT=", "\nBT="))
+    cost = [f"{who} {p50(m, a + '_clipped', 'time') / p50(m, a, 'time'):.2f}x"
+            for who, a in (("FORGE", "forge"), ("optax", "optax"))]
+    cost = ", ".join(c for c in cost if "nan" not in c)
+    costs.append(f"\nclipped / unclipped:\n{cost}" if cost else "")
+  colors = {"optax": "gray", "forge": "tab:orange"}
+  panels = (("time", "median step time (µs)"),
+            ("temp", "compiled temporaries (MiB)"))
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+  width = 0.8 / len(ARMS)
+  for ax, (metric, ylabel) in zip(axes, panels):
+    for i, arm in enumerate(ARMS):
+      vals = [p50(m, arm, metric) for m in models]  # no row: no bar, not 0
+      bars = ax.bar([j + i * width for j in range(len(models))], vals, width,
+                    label=arm, color=colors[arm.split("_")[0]],
+                    hatch="//" if arm.endswith("_clipped") else None,
+                    edgecolor="black", linewidth=0.5)
+      ax.bar_label(bars, labels=["" if v != v else f"{v:.0f}" for v in vals],
+                   fontsize=7)
+    ax.set_xticks([j + width * (len(ARMS) - 1) / 2
+                   for j in range(len(models))])
+    ax.set_xticklabels([n + (c if metric == "time" else "")
+                        for n, c in zip(names, costs)], fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+  rows = list(last.values())
+  device = ", ".join(sorted({r["device"] for r in rows}))
+  commit = ", ".join(sorted({r["commit"] for r in rows}))
+  fig.suptitle("Exact global-norm clipping: bf16 layers, AdamW, max_norm "
+               f"{MAX_NORM:g} (every step clips); {device}, commit {commit}",
+               fontsize=9)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+  fig.savefig(png_path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {png_path}")
+  return 0
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/bench/clipping.csv")
@@ -146,7 +234,18 @@ def main(argv=None):
   p.add_argument("--smoke", action="store_true",
                  help="tiny shapes, CPU allowed (Pallas interpret mode): a "
                  "test of this script; its times mean nothing")
+  p.add_argument("--plot", default=None, metavar="PNG",
+                 help="draw --out (after measuring) into this PNG")
+  p.add_argument("--replot", action="store_true",
+                 help="only draw an existing --out CSV into --plot; measure "
+                 "nothing (any machine)")
   args = p.parse_args(argv)
+  if args.replot:
+    if not args.plot:
+      p.error("--replot needs --plot PNG (where to draw --out)")
+    if not os.path.exists(args.out):
+      p.error(f"--replot: no CSV at {args.out}")
+    return plot(args.out, args.plot)
   if args.smoke:
     args.width, args.layers, args.tokens = 48, 2, 24
     args.inner, args.outer = 2, 1
@@ -185,7 +284,7 @@ def main(argv=None):
           flush=True)
   time_norm_kernel(res, f"BT={bt} {width}x{width}", bt, width, args.inner,
                    args.outer)
-  return 0
+  return plot(args.out, args.plot) if args.plot else 0
 
 
 if __name__ == "__main__":

@@ -289,3 +289,64 @@ def test_dev_sh_install_failure_shows_pips_error(tmp_path):
   assert "pip install --upgrade pip failed" in p.stderr
   assert "No matching distribution found for jax" in p.stderr
   assert not (venv / ".forge-installed-demo").exists()
+
+
+# --- 13. clipping.py --replot: draws a CSV, refuses one without its rows -----
+def _clipping_csv(path, rows):
+  from benchmarks import common
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, common.CSV_FIELDS)
+    w.writeheader()
+    for bench, case, prov, metric, p50 in rows:
+      w.writerow(dict(benchmark=bench, case=case, provider=prov,
+                      shape=f"{case} L=2 BT=24 48x48", dtypes="bf16",
+                      metric=metric, p20=p50, p50=p50, p80=p50,
+                      unit="us" if metric == "time" else "MiB",
+                      device="cpu:test", versions="v", timestamp="t",
+                      commit="abc1234"))
+
+
+def test_clipping_replot_draws_the_csv_and_refuses_one_without_its_rows(
+    tmp_path, capsys):
+  """--replot draws a CSV (two models, the scanned stack without its optax
+  clipped arm: a missing bar, not an error; the newest of two rows wins),
+  measuring nothing; a CSV with no model step-time rows (another benchmark's,
+  or only the norm kernel's) exits 1 with the reason and writes no PNG, and
+  --replot without --plot is a usage error."""
+  from benchmarks import clipping
+  rows = [("kernel", "layer", "forge", "time", 9.0),
+          ("clipping", "layer", "forge", "time", 999.0)]  # older: superseded
+  for i, (model, arm) in enumerate((m, a) for m in ("layer", "scan")
+                                   for a in clipping.ARMS):
+    if (model, arm) != ("scan", "optax_clipped"):
+      rows += [("clipping", model, arm, "time", 100.0 + 37 * i),
+               ("clipping", model, arm, "temp", 20.0 + 3 * i),
+               ("clipping", model, arm, "wgrad_gemms", 1.0)]
+  rows.append(("clipping", "norm_kernel", "wgrad_sqnorm", "time", 5.0))
+  good = tmp_path / "clipping.csv"
+  _clipping_csv(good, rows)
+  last = clipping.plot_rows(str(good))
+  assert float(last[("layer", "forge", "time")]["p50"]) == 100.0 + 37 * 2
+  assert ("scan", "optax_clipped", "time") not in last
+  assert {k[0] for k in last} == {"layer", "scan"}
+  png = tmp_path / "sub" / "clipping.png"
+  assert clipping.main(["--replot", "--out", str(good), "--plot",
+                        str(png)]) == 0
+  with open(png, "rb") as f:
+    data = f.read()
+  assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+  for bad_rows in ([r for r in rows if r[0] == "kernel"],
+                   [r for r in rows if r[1] == "norm_kernel"]):
+    bad = tmp_path / "bad.csv"
+    _clipping_csv(bad, bad_rows)
+    out = tmp_path / "bad.png"
+    capsys.readouterr()
+    assert clipping.main(["--replot", "--out", str(bad), "--plot",
+                          str(out)]) == 1
+    assert "no clipping step-time rows" in capsys.readouterr().err
+    assert not out.exists()
+  with pytest.raises(SystemExit) as e:
+    clipping.main(["--replot", "--out", str(good)])
+  assert e.value.code == 2
+  assert "--replot needs --plot" in capsys.readouterr().err
