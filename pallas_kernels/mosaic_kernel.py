@@ -13,17 +13,17 @@ so they are in flight while the tensor cores run; it accumulates
 memory (free for 16-bit operands); its epilogue applies the rule in
 ``(epi_m, epi_n)`` sub-tiles (the accumulator slice and the state read from
 shared memory), writes the new state back to shared memory and TMA-stores
-it in place, asynchronously (drained during the next tile's K loop). ``G``
-never leaves registers.
+it in place, asynchronously (drained during the next tile's K loop); or,
+with ``state_ring``, streams the state through a ring of sub-tile slots
+instead of holding the whole tile. ``G`` never leaves registers.
 
 Stacked ``(L, in, out)`` state (``layer=i``) updates layer ``i`` in place,
 the index read from memory at run time. A rule that does not update the
 weight (the state-only update of a regime-2 family) leaves ``W`` unread;
 write-only outputs (Muon's ``mu_hat``) are stored, never loaded. Not yet
 covered (each refused with the reason by :func:`unsupported`): shapes the
-tiles do not divide, a stored
-``G``, rules that do not update the weight or have write-only outputs, fp32
-operands (wgmma takes 16-bit ones here).
+tiles do not divide, a stored ``G``, fp32 operands (wgmma takes 16-bit ones
+here).
 :func:`launch` is its entry point; :mod:`pallas_kernels.fused_wgrad`
 holds the public wrappers (``backend="mosaic_gpu"``).
 """
