@@ -116,6 +116,8 @@ def _forward(static, x, kernels, others, save):
     y = _apply(static, _with(others_i, static.forge, kernels_i), h,
                _context.BlockTap("plain"))
     return y, (h if save else None)
+  if save:  # the saved inputs' stack made when the forward runs
+    return _scan.scan_saving(body, x, (kernels, others), kernels)
   return lax.scan(body, x, (kernels, others))
 
 

@@ -76,11 +76,57 @@ def _layer(static, h, w, b):
   return static.activation(z), z
 
 
+def scan_saving(body, carry, per_layer, after):
+  """``lax.scan(body, carry, per_layer)`` whose stacked outputs are written
+  into carried stacks that are made no earlier than ``after`` is ready.
+
+  ``lax.scan`` starts its stacked outputs from a constant (zeros), which XLA
+  may compute, or fuse with another scan's, at the very start of the step. In
+  a clipped step (``forge_jax/clip.py``) that keeps the update pass's saved
+  activations -- ``(L, tokens, features)`` stacks -- live through the whole
+  norm pass. Here their zero start comes out of an ``optimization_barrier``
+  with ``after`` (the kernel stack the forward reads, which the update pass
+  gets from the norm pass's barrier), so they are made when the forward runs.
+
+  Args:
+    body: ``body(carry, per_layer_i) -> (carry, saved_i)``, as for
+      ``lax.scan``.
+    carry: the initial carry.
+    per_layer: the per-layer inputs, stacked on axis 0 (``L`` layers).
+    after: an array the stacks' start waits for.
+
+  Returns:
+    ``(carry, saved)``, as ``lax.scan`` returns them.
+  """
+  num = jax.tree.leaves(per_layer)[0].shape[0]
+  saved = jax.eval_shape(lambda c, p: body(c, p)[1], carry,
+                         jax.tree.map(lambda a: a[0], per_layer))
+  zero, _ = lax.optimization_barrier((jnp.zeros((), jnp.float32), after))
+  stacks = jax.tree.map(lambda a: jnp.broadcast_to(
+      zero.astype(a.dtype), (num, *a.shape)), saved)
+
+  def write(state, i_per_layer):
+    c, st = state
+    i, p = i_per_layer
+    c, out = body(c, p)
+    return (c, jax.tree.map(
+        lambda s_, o: lax.dynamic_update_index_in_dim(s_, o, i, 0), st,
+        out)), None
+
+  (carry, stacks), _ = lax.scan(write, (carry, stacks),
+                                (jnp.arange(num), per_layer))
+  return carry, stacks
+
+
 def _forward(static, x, kernels, biases, save):
+  """``(y, None)``, or with ``save`` ``(y, (xs, zs))``: each layer's input and
+  pre-activation, stacked over the layers."""
   def body(h, wb):
     w, b = wb
     y, z = _layer(static, h, w, b)
     return y, ((h, z) if save else None)
+  if save:
+    return scan_saving(body, x, (kernels, biases), kernels)
   return lax.scan(body, x, (kernels, biases))
 
 

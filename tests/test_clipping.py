@@ -231,6 +231,53 @@ def test_optax_clip_scanned_stack_and_injected_hyperparams_match():
   _assert_clipped_parity(got, ref, norms, m, losses)
 
 
+def test_clipped_scanned_stack_keeps_one_set_of_saved_activations():
+  """A bf16 ScannedDenseStack's clipped step, compiled (wgrad="xla",
+  stack_update="slice": plain XLA, no interpreter copies), holds less than
+  one saved-activation stack (L, tokens, features) of temporaries beyond the
+  unclipped step's. lax.scan starts its stacked outputs from a constant,
+  which XLA made at the start of the step: the update pass's two stacks were
+  live through the whole norm pass (two stacks more). The stacks now come
+  from scan.scan_saving, equal to lax.scan bit for bit."""
+  from forge_jax import scan as jscan  # noqa: PLC0415
+  layers, width, bt = 3, 40, 200
+  model = forge_jax.ScannedDenseStack(width, layers, use_bias=False,
+                                      dtype=jnp.bfloat16,
+                                      param_dtype=jnp.bfloat16,
+                                      stack_update="slice")
+  x = jax.random.normal(jax.random.key(3), (bt, width), jnp.bfloat16)
+  variables = model.init(jax.random.key(4), x)
+  loss_fn = lambda v, b: jnp.mean(model.apply(v, b).astype(jnp.float32) ** 2)
+  temp = {}
+  for clip in (False, True):
+    tx = forge_jax.adamw(1e-3)
+    if clip:
+      tx = optax.chain(forge_jax.clip_by_global_norm(1.0), tx)
+    step = jax.jit(forge_jax.make_step(loss_fn, tx, wgrad="xla"),
+                   donate_argnums=(0, 1))
+    compiled = step.lower(variables, tx.init(variables["params"]), x).compile()
+    temp[clip] = compiled.memory_analysis().temp_size_in_bytes
+  stack = layers * bt * width * 2
+  assert temp[True] - temp[False] < stack, (temp, stack)
+
+  def body(c, p):
+    w, k = p
+    c = jnp.tanh(c @ w) + k
+    return c, (c.astype(jnp.bfloat16), jnp.sum(c, axis=0), None)
+
+  kw, kc, kk = jax.random.split(jax.random.key(6), 3)
+  per_layer = (jax.random.normal(kw, (5, 7, 7)),
+               jax.random.randint(kk, (5,), -3, 4))
+  c0 = jax.random.normal(kc, (3, 7))
+  got = jscan.scan_saving(body, c0, per_layer, per_layer[0])
+  want = jax.lax.scan(body, c0, per_layer)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                  np.asarray(w, np.float32))
+
+
 @pytest.mark.parametrize("chain,match", [
     (lambda: optax.chain(forge_jax.adamw(1e-3),
                          forge_jax.clip_by_global_norm(1.0)),
