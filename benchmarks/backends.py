@@ -39,32 +39,10 @@ def parse_mosaic(label: str) -> pk.MosaicConfig:
   (delay_release), ``,eMxN`` (epilogue sub-tile), ``,bB`` (state
   buffers), ``,rR`` (a ring of R streamed state sub-tiles) and ``,sS``
   (tile order: snaking bands S tile columns wide) knobs, and ``,pn``
-  (prefetch the next tile's state)."""
+  (prefetch the next tile's state): :meth:`MosaicConfig.from_label`, as
+  an argparse type."""
   try:
-    head, *knobs = label.split(",")
-    tiles, steps = head.split("/")
-    tm, tn, tk = (int(v) for v in tiles.split("x"))
-    extra = {}
-    for knob in knobs:
-      if knob.startswith("wg"):
-        extra["compute_wgs"] = int(knob[2:])
-      elif knob.startswith("d"):
-        extra["delay_release"] = int(knob[1:])
-      elif knob == "pn":
-        extra["prefetch_next"] = True
-      elif knob.startswith("b"):
-        extra["state_buffers"] = int(knob[1:])
-      elif knob.startswith("r"):
-        extra["state_ring"] = int(knob[1:])
-      elif knob.startswith("s"):
-        extra["band"] = int(knob[1:])
-      elif knob.startswith("e"):
-        em, en = (int(v) for v in knob[1:].split("x"))
-        extra.update(epi_m=em, epi_n=en)
-      else:
-        raise ValueError(f"unknown knob {knob!r}")
-    return pk.MosaicConfig(tile_m=tm, tile_n=tn, tile_k=tk, steps=int(steps),
-                           **extra)
+    return pk.MosaicConfig.from_label(label)
   except ValueError as e:
     raise argparse.ArgumentTypeError(
         f"--mosaic {label!r}: expected MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn], "

@@ -11,8 +11,12 @@ thin framework layers over these kernels. The public names:
   :func:`stored_g_update` does, in place); :func:`stored_g_update` -- the
   kernel's epilogue alone, on a gradient already in memory;
   :class:`BlockConfig` -- its tiling (:class:`MosaicConfig` for the Mosaic
-  GPU backend, ``backend="mosaic_gpu"``); :func:`select_config` -- the tiling it
-  picks (the autotune cache, else a heuristic); :func:`default_interpret` --
+  GPU backend, ``backend="mosaic_gpu"``); :func:`select_config` -- the Triton
+  tiling it picks (the autotune cache, else a heuristic);
+  :func:`select_backend` -- the backend (and tiling) it takes without one
+  (Mosaic GPU where the autotune cache measured it faster on this Hopper GPU,
+  else Triton; ``$FORGE_BACKEND`` overrides), :func:`describe_backend` --
+  which it takes for given arguments, and why; :func:`default_interpret` --
   whether it runs in Pallas interpret mode (no GPU; the first kernel run so
   gives an :class:`InterpretModeWarning`).
 * :class:`UpdateRule` -- one optimizer family's elementwise epilogue, with
@@ -53,10 +57,13 @@ from pallas_kernels import families, torch_rules, tuning_cache  # noqa: F401
 from pallas_kernels.families import FAMILIES, Family, classify
 from pallas_kernels.mosaic_kernel import MosaicConfig
 from pallas_kernels.fused_wgrad import (
+    BackendChoice,
     BlockConfig,
     default_interpret,
+    describe_backend,
     fused_wgrad_update,
     fused_wgrad_update_reference,
+    select_backend,
     select_config,
     stored_g_update,
     unfused_wgrad_update,
@@ -88,12 +95,13 @@ from pallas_kernels.rules import (
 )
 
 __all__ = [
-    "ADAMW", "BlockConfig", "MosaicConfig", "Declaration", "ExecutionPath", "FAMILIES",
+    "ADAMW", "BackendChoice", "BlockConfig", "MosaicConfig", "Declaration", "ExecutionPath", "FAMILIES",
     "Family", "HPARAM_VECTOR_LEN", "InterpretModeWarning", "Reads", "Regime",
     "UpdateRule", "adagrad_rule", "adam_rule", "adamax_rule", "adamw_rule",
-    "classify", "default_interpret", "fused_wgrad_update",
+    "classify", "default_interpret", "describe_backend", "fused_wgrad_update",
     "fused_wgrad_update_reference", "lamb_rule", "lion_rule", "muon_rule", "scion_rule",
-    "radam_rule", "rmsprop_rule", "select_config", "sgd_rule",
+    "radam_rule", "rmsprop_rule", "select_backend", "select_config",
+    "sgd_rule",
     "stored_g_update", "unfused_wgrad_update", "grad_scaled", "wgrad_sqnorm",
     "wgrad_sqnorm_reference",
 ]

@@ -1,25 +1,39 @@
-"""The tuner of the fused kernel's tiling, and its command line.
+"""The tuner of the fused kernel's tilings (both backends), and its command
+line.
 
-* :data:`CONFIG_SPACE`: the curated candidate tilings (tile sizes, ``BT``
-  chunk, warps, stages, tile order), as data.
+* :data:`CONFIG_SPACE`: the curated candidate Triton tilings (tile sizes,
+  ``BT`` chunk, warps, stages, tile order), as data;
+  :data:`MOSAIC_CONFIG_SPACE`: the Mosaic GPU kernel's (tile sizes, K steps
+  in flight, epilogue sub-tile, compute warpgroups, state buffers or ring,
+  tile order), as labels.
 * :func:`tune`: times each candidate with the real kernel on *scratch* arrays
   (fresh random arrays of the right shapes and dtypes; never the caller's
   weight or state), skips candidates that fail to compile, and returns the
   best with every timing. The timer is injectable (tests use a fake one).
-* :func:`main`: measures on this GPU (or imports a benchmarks/kernel.py CSV,
-  or merges other cache files) and merges the winners into a cache JSON,
-  which :mod:`pallas_kernels.tuning_cache` reads.
+* :func:`main`: measures on this GPU (or imports a benchmarks/kernel.py or
+  benchmarks.backends CSV, or merges other cache files) and merges the
+  winners into a cache JSON, which :mod:`pallas_kernels.tuning_cache` reads.
+  A Mosaic GPU entry records the Triton kernel's time for the same case in
+  the same run: ``fused_wgrad_update(backend=None)`` takes the Mosaic GPU
+  kernel only where it was the faster.
 
 Command line::
 
     # re-tune on this machine's GPU, merging into the JSON (refuses on CPU):
     python -m pallas_kernels.autotune --shapes 4096x4096 4096x14336 \\
         --tokens 512 2048 --out pallas_kernels/tuned_configs.json
-    # a quick re-tune over chosen candidates instead of CONFIG_SPACE:
+    # both backends (Hopper), each entry beside the other's time:
+    python -m pallas_kernels.autotune --backend both --shapes 4096x4096 \\
+        --tokens 512 --out JSON
+    # a quick re-tune over chosen candidates instead of the spaces (a label
+    # with '/' is a Mosaic GPU tiling):
     python -m pallas_kernels.autotune --shapes 2048x5632 --tokens 512 \\
         --config 64x64x64,g1,w4,s3,e 64x128x32,g1,w4,s4,e,o2 --out JSON
-    # rebuild the cache's entries from a benchmarks/kernel.py CSV:
+    # rebuild the cache's entries from a benchmarks/kernel.py CSV (Triton)
+    # or a benchmarks.backends CSV (Mosaic GPU):
     python -m pallas_kernels.autotune --from-csv kernel.csv --out JSON
+    python -m pallas_kernels.autotune --from-csv backends.csv \\
+        --commit ddd1e56 --mosaic-pick default --out JSON
 """
 
 from __future__ import annotations
@@ -40,23 +54,30 @@ from typing import Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import families
+from pallas_kernels import families, mosaic_kernel
 from pallas_kernels.fused_wgrad import fused_wgrad_update
+from pallas_kernels.mosaic_kernel import MosaicConfig
 from pallas_kernels.rules import UpdateRule
 from pallas_kernels.tiling import BlockConfig
 from pallas_kernels.tuning_cache import (
     ANY_RULE,
+    BACKENDS,
     ENV_VAR,
     FORMAT_VERSION,
+    MOSAIC_GPU,
+    MOSAIC_MIN_CAPABILITY,
     SHIPPED_CACHE,
+    TRITON,
     cache_key,
     clear_cache,
+    compute_capability,
     config_label,
     current_device_kind,
     describe,
     dtype_name,
     parse_label,
     read_json,
+    select_config,
     validated,
 )
 
@@ -102,6 +123,56 @@ def config_space() -> list[BlockConfig]:
   return [BlockConfig(*c) for c in CONFIG_SPACE]
 
 
+# The Mosaic GPU kernel's candidate tilings, as MosaicConfig labels
+# (tile_m x tile_n x tile_k / K steps in flight, then ,wgW compute
+# warpgroups, ,dD delay_release, ,eMxN epilogue sub-tile, ,bB state
+# buffers, ,rR state ring, ,sS snaking bands of S tile columns, ,pn
+# prefetch the next tile's state). The kernel has no cluster knob.
+MOSAIC_CONFIG_SPACE: tuple[str, ...] = (
+    # The defaults (mosaic_kernel.default_config) and their fallbacks.
+    "64x128x64/4,b2,pn",
+    "128x128x64/4,r1",
+    "128x128x64/4,e64x32,r2,s8",
+    "128x128x64/4", "128x128x64/3", "64x128x64/4", "64x128x64/3",
+    "128x128x64/2", "64x128x64/2",
+    # The other tilings of the H200 measurements
+    # (benchmarks/results/h200/backends.csv).
+    "64x128x64/4,b2,s8,pn",
+    "128x128x64/4,r2",
+    "128x128x64/4,e64x32,r2",
+    "64x128x64/4,e64x32,r4",
+    "128x256x64/2,r2",
+    "128x256x64/2,e64x32,r4",
+    "256x128x64/2,r2",
+    # One knob at a time around the defaults.
+    "128x128x64/4,e64x32,r2,s4",
+    "128x128x64/4,e64x32,r2,s16",
+    "128x128x64/4,e64x32,r4,s8",
+    "128x128x64/4,r1,s8",
+    "128x128x64/4,d0,e64x32,r2,s8",
+    "128x128x64/4,wg1,r2,s8",
+    "128x128x64/3,e64x32,r2,s8",
+    "128x128x128/2,e64x32,r2,s8",
+    "128x256x64/3,e64x32,r2,s8",
+    "128x256x64/2,wg4,e64x32,r2,s8",
+    "64x256x64/4,e64x32,r2,s8",
+    "64x128x64/4,b2,s4,pn",
+    "64x128x64/4,b2",
+    "64x128x64/4,r2",
+)
+
+
+def mosaic_config_space() -> list[MosaicConfig]:
+  """:data:`MOSAIC_CONFIG_SPACE` as :class:`MosaicConfig` objects."""
+  return [MosaicConfig.from_label(c) for c in MOSAIC_CONFIG_SPACE]
+
+
+def label_of(cfg: BlockConfig | MosaicConfig) -> str:
+  """A tiling's label: :func:`config_label` for a Triton tiling,
+  :attr:`MosaicConfig.label` for a Mosaic GPU one."""
+  return cfg.label if isinstance(cfg, MosaicConfig) else config_label(cfg)
+
+
 # --- tuning ------------------------------------------------------------------
 
 # Plausible values for the hyperparameters the families use (AdamW-like); any
@@ -130,7 +201,7 @@ def scratch_state(bt: int, n_in: int, n_out: int, w_dtype,
   return (x, dy, w, *slots)
 
 
-Timer = Callable[[Callable, tuple, BlockConfig], float]
+Timer = Callable[[Callable, tuple, "BlockConfig | MosaicConfig"], float]
 
 
 def time_steps(step, state, n_inner: int, n_outer: int):
@@ -172,12 +243,14 @@ class TuneResult:
     best_s: its time per step, seconds.
     timings: seconds per step of every config that ran, in the order tried.
     failures: the configs that failed (to compile or run), with the error.
+    backend: the backend tuned (``"triton"`` or ``"mosaic_gpu"``).
   """
 
-  best: BlockConfig
+  best: BlockConfig | MosaicConfig
   best_s: float
-  timings: dict[BlockConfig, float]
-  failures: dict[BlockConfig, str]
+  timings: dict
+  failures: dict
+  backend: str = TRITON
 
 
 def candidates(bt: int, n_in: int, n_out: int,
@@ -192,10 +265,31 @@ def candidates(bt: int, n_in: int, n_out: int,
   return out
 
 
+def mosaic_candidates(bt: int, n_in: int, n_out: int, x_dtype, w_dtype,
+                      slot_dtypes: Sequence, rule: UpdateRule,
+                      configs: Iterable[MosaicConfig] | None = None
+                      ) -> list[MosaicConfig]:
+  """``configs`` (default :func:`mosaic_config_space`) that the Mosaic GPU
+  kernel accepts for the problem (tiles that divide it, shared memory that
+  fits: :func:`~pallas_kernels.mosaic_kernel.unsupported`), duplicates
+  dropped."""
+  w = jax.ShapeDtypeStruct((n_in, n_out), dtype_name(w_dtype))
+  slots = [jax.ShapeDtypeStruct((n_in, n_out), dtype_name(d))
+           for d in slot_dtypes]
+  out = []
+  for c in (mosaic_config_space() if configs is None else configs):
+    if c not in out and mosaic_kernel.unsupported(
+        bt, n_in, n_out, dtype_name(x_dtype), w, slots, rule, c,
+        stacked=False, g_stored=False) is None:
+      out.append(c)
+  return out
+
+
 def tune(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
-         rule: UpdateRule, *, configs: Iterable[BlockConfig] | None = None,
+         rule: UpdateRule, *, configs: Iterable | None = None,
          timer: Timer | None = None, act_dtype=None,
-         interpret: bool | None = None, verbose: bool = False) -> TuneResult:
+         interpret: bool | None = None, verbose: bool = False,
+         backend: str = TRITON) -> TuneResult:
   """Times the fused kernel for each candidate config and returns the best.
 
   Every candidate runs on its own fresh scratch arrays (:func:`scratch_state`:
@@ -207,11 +301,20 @@ def tune(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
     bt, n_in, n_out: tokens and the weight's shape ``(in, out)``.
     w_dtype, slot_dtypes: the weight's and the rule's slots' storage dtypes.
     rule: the optimizer rule the kernel's epilogue applies.
-    configs: candidates (default :data:`CONFIG_SPACE`), clamped to the shape.
+    configs: candidates. Triton: :class:`BlockConfig` s (default
+      :data:`CONFIG_SPACE`), clamped to the shape. Mosaic GPU:
+      :class:`MosaicConfig` s (default :data:`MOSAIC_CONFIG_SPACE`), those
+      the kernel does not accept for the problem left out
+      (:func:`mosaic_candidates`).
     timer: ``timer(step, state, config) -> seconds per step`` where
       ``step(state) -> state`` runs the kernel once on the scratch tuple
       ``state``; default :func:`loop_timer`. An exception counts as a failure.
     interpret: passed to the kernel (default: unless on a GPU).
+    backend: ``"triton"`` or ``"mosaic_gpu"``.
+
+  Raises:
+    RuntimeError: no candidate ran (or, for Mosaic GPU, none is accepted
+      for the problem).
   """
   if not isinstance(rule, UpdateRule):
     raise TypeError(
@@ -222,6 +325,9 @@ def tune(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
   if len(slot_dtypes) != len(rule.slots):
     raise ValueError(f"rule {rule.name!r} has slots {rule.slots}; got "
                      f"{len(slot_dtypes)} slot dtypes")
+  if backend not in BACKENDS:
+    raise ValueError(f"tune(backend={backend!r}): use 'triton' or "
+                     "'mosaic_gpu'")
   timer = loop_timer() if timer is None else timer
   h = _tuning_hparams(rule)
 
@@ -229,31 +335,42 @@ def tune(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
     def step(state):
       x, dy, w, *slots = state
       w, new = fused_wgrad_update(x, dy, w, slots, h, rule=rule, config=cfg,
-                                  interpret=interpret)
+                                  interpret=interpret, backend=backend)
       return (x, dy, w, *new[:len(rule.slots)])
     return step
 
+  if backend == MOSAIC_GPU:
+    act = dtype_name(w_dtype if act_dtype is None else act_dtype)
+    cands = mosaic_candidates(bt, n_in, n_out, act, w_dtype, slot_dtypes,
+                              rule, configs)
+    if not cands:
+      raise RuntimeError(
+          f"no Mosaic GPU tiling covers BT={bt} {n_in}x{n_out} with {act} "
+          "x and dy (the kernel takes 16-bit x and dy, and tiles that "
+          "divide BT, in and out; see mosaic_kernel.unsupported)")
+  else:
+    cands = candidates(bt, n_in, n_out, configs)
   timings, failures = {}, {}
-  for cfg in candidates(bt, n_in, n_out, configs):
+  for cfg in cands:
     state = scratch_state(bt, n_in, n_out, w_dtype, slot_dtypes, act_dtype)
     try:
       t = float(timer(make_step(cfg), state, cfg))
     except Exception as e:  # noqa: BLE001 -- a config may not compile
       failures[cfg] = f"{type(e).__name__}: {str(e)[:300]}"
       if verbose:
-        print(f"  {config_label(cfg)}: failed: {failures[cfg]}", flush=True)
+        print(f"  {label_of(cfg)}: failed: {failures[cfg]}", flush=True)
       continue
     finally:
       del state
     timings[cfg] = t
     if verbose:
-      print(f"  {config_label(cfg)}: {t * 1e6:.1f} us", flush=True)
+      print(f"  {label_of(cfg)}: {t * 1e6:.1f} us", flush=True)
   if not timings:
     raise RuntimeError(
         f"no config ran for BT={bt} {n_in}x{n_out}: " + "; ".join(
-            f"{config_label(c)}: {e}" for c, e in failures.items()))
+            f"{label_of(c)}: {e}" for c, e in failures.items()))
   best = min(timings, key=timings.get)  # first of equals: the order tried
-  return TuneResult(best, timings[best], timings, failures)
+  return TuneResult(best, timings[best], timings, failures, backend)
 
 
 # --- writing the cache -------------------------------------------------------
@@ -261,8 +378,12 @@ def tune(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
 
 def _empty_cache() -> dict:
   return {"format": FORMAT_VERSION,
-          "about": ("forge-jax tuned BlockConfigs: devices[device_kind]"
-                    "[\"entries\"][key], key = rule|btBUCKET|INxOUT|w=DTYPE|"
+          "about": ("forge-jax tuned tilings: devices[device_kind]"
+                    "[\"entries\"][key] (the Triton kernel's BlockConfigs) "
+                    "and devices[device_kind][\"mosaic_gpu\"][key] (the "
+                    "Mosaic GPU kernel's MosaicConfigs, each with time_us "
+                    "and triton_time_us, the Triton kernel's time in the "
+                    "same run), key = rule|btBUCKET|INxOUT|w=DTYPE|"
                     "slots=DTYPES (pallas_kernels.tuning_cache.cache_key); each "
                     "entry names its measurement in devices[kind][\"sources\"]."),
           "devices": {}}
@@ -277,13 +398,16 @@ def _read_or_empty(path: str) -> dict:
 
 
 def merge(data: dict, device_kind: str, source_id: str, source: dict,
-          entries: Mapping[str, dict]) -> dict:
-  """Adds ``entries`` (key -> entry) and their source to ``data`` in place."""
+          entries: Mapping[str, dict], backend: str = TRITON) -> dict:
+  """Adds ``entries`` (key -> entry) of ``backend``'s kernel and their source
+  to ``data`` in place."""
+  table = "entries" if backend == TRITON else MOSAIC_GPU
   dev = data["devices"].setdefault(device_kind, {"sources": {}, "entries": {}})
   dev.setdefault("sources", {})[source_id] = source
   for key, entry in entries.items():
-    dev.setdefault("entries", {})[key] = dict(entry, source=source_id)
-  dev["entries"] = dict(sorted(dev["entries"].items()))
+    dev.setdefault(table, {})[key] = dict(entry, source=source_id)
+  if table in dev:
+    dev[table] = dict(sorted(dev[table].items()))
   return data
 
 
@@ -299,19 +423,23 @@ def merge_file(data: dict, path: str) -> int:
   n = 0
   for kind, dev in other["devices"].items():
     sources = dict(dev.get("sources", {}))
-    entries_of = {sid: {} for sid in sources}
-    for k, e in dev.get("entries", {}).items():
-      sid = e.get("source")
-      if sid not in sources:
-        # An entry with no (or an unknown) source record, e.g. written by
-        # hand: lookup() uses it, so it is merged, under a record saying so.
-        sid = f"unrecorded@{path}"
-        sources.setdefault(sid, {"kind": "entries without a source record"})
-        entries_of.setdefault(sid, {})
-      entries_of[sid][k] = {f: v for f, v in e.items() if f != "source"}
-    for sid, entries in entries_of.items():
-      merge(data, kind, sid, dict(sources[sid], file=path), entries)
-      n += len(entries)
+    for backend, table in ((TRITON, "entries"), (MOSAIC_GPU, MOSAIC_GPU)):
+      entries_of = {sid: {} for sid in sources}
+      for k, e in dev.get(table, {}).items():
+        sid = e.get("source")
+        if sid not in sources:
+          # An entry with no (or an unknown) source record, e.g. written by
+          # hand: lookup() uses it, so it is merged, under a record saying
+          # so.
+          sid = f"unrecorded@{path}"
+          sources.setdefault(sid, {"kind": "entries without a source record"})
+          entries_of.setdefault(sid, {})
+        entries_of[sid][k] = {f: v for f, v in e.items() if f != "source"}
+      for sid, entries in entries_of.items():
+        if entries or backend == TRITON:
+          merge(data, kind, sid, dict(sources[sid], file=path), entries,
+                backend)
+        n += len(entries)
   return n
 
 
@@ -325,8 +453,8 @@ def write(path: str, data: dict) -> None:
   clear_cache()
 
 
-def _entry(cfg: BlockConfig, time_us: float, timings_us: Mapping[str, float],
-           bt: int, **extra) -> dict:
+def _entry(cfg: BlockConfig | MosaicConfig, time_us: float,
+           timings_us: Mapping[str, float], bt: int, **extra) -> dict:
   return {"config": dataclasses.asdict(cfg), "time_us": round(time_us, 4),
           "bt_measured": bt, **extra,
           "timings_us": {k: round(v, 4) for k, v in timings_us.items()}}
@@ -345,24 +473,46 @@ def _csv_dtypes(field: str) -> tuple[str, tuple[str, ...]]:
   return w, tuple(slots)
 
 
-def winners_from_csv(path: str, rule: str = "adamw", metric: str = "p50"):
+def _read_csv(path: str, what: str, need: set, commit: str | None):
+  """The rows of a benchmark CSV (those of ``commit`` when given)."""
+  with open(path, newline="") as f:
+    reader = csv.DictReader(f)
+    need = need | ({"commit"} if commit is not None else set())
+    missing = sorted(need - set(reader.fieldnames or ()))
+    if missing:
+      raise ValueError(f"{path}: not a {what} CSV (no column "
+                       f"{', '.join(missing)})")
+    rows = list(reader)
+  if commit is not None:
+    rows = [r for r in rows if r["commit"] == commit]
+    if not rows:
+      raise ValueError(f"{path}: no rows of commit {commit!r}")
+  return rows
+
+
+def csv_benchmarks(path: str) -> set[str]:
+  """The ``benchmark`` column's values in a benchmark CSV (``{"kernel"}``
+  for a benchmarks/kernel.py one, ``{"backends"}`` for a
+  benchmarks.backends one)."""
+  return {r["benchmark"] for r in _read_csv(path, "benchmark",
+                                             {"benchmark"}, None)}
+
+
+def winners_from_csv(path: str, rule: str = "adamw", metric: str = "p50",
+                     commit: str | None = None):
   """The best tiling per (shape, BT, dtypes) in a benchmarks/kernel.py CSV.
 
   Reads its ``forge[<config>]`` time rows (the fused AdamW step per curated
-  config) and picks the lowest ``metric`` (the benchmark's own choice: p50,
-  first of equals). Returns ``(device_kind, source, entries)``.
+  config; those of ``commit`` only, when given) and picks the lowest
+  ``metric`` (the benchmark's own choice: p50, first of equals). Returns
+  ``(device_kind, source_id, source, entries)``.
   """
   groups: dict[tuple, list] = {}
   devices, versions, stamps = set(), set(), set()
-  with open(path, newline="") as f:
-    reader = csv.DictReader(f)
-    need = {"benchmark", "provider", "shape", "dtypes", "metric", metric,
-            "unit", "device", "versions", "timestamp"}
-    missing = sorted(need - set(reader.fieldnames or ()))
-    if missing:
-      raise ValueError(f"{path}: not a benchmarks/kernel.py CSV (no column "
-                       f"{', '.join(missing)})")
-    rows = list(reader)
+  rows = _read_csv(path, "benchmarks/kernel.py",
+                   {"benchmark", "provider", "shape", "dtypes", "metric",
+                    metric, "unit", "device", "versions", "timestamp"},
+                   commit)
   for r in rows:
     m = re.match(r"^forge\[(.+)\]$", r["provider"])
     if r["benchmark"] != "kernel" or r["metric"] != "time" or not m:
@@ -400,6 +550,145 @@ def winners_from_csv(path: str, rule: str = "adamw", metric: str = "p50"):
       "measured": ", ".join(sorted(stamps)),
       "metric": f"{metric} of the fused AdamW step per config, us",
   }
+  if commit is not None:
+    source["commit"] = commit
+  source_id = f"{os.path.basename(path)}@{min(stamps)}"
+  return device_kind, source_id, source, entries
+
+
+# How mosaic_winners_from_csv picks a case's tiling.
+MOSAIC_PICKS = {
+    "fastest": "the fastest Mosaic GPU tiling measured for the case",
+    "default": ("the kernel's default tiling for the case "
+                "(mosaic_kernel.default_config) where measured, else the "
+                "fastest"),
+}
+
+
+def _backends_dtypes(field: str) -> tuple[str, str, tuple[str, ...]]:
+  """``"x,dy,W bf16; m,v fp32"`` -> ``("bfloat16", "bfloat16", ("float32",
+  "float32"))``: the dtypes of ``x`` and ``dy``, of ``W``, of the slots."""
+  act, w, slots = None, None, []
+  try:
+    for part in field.split(";"):
+      names, d = part.split()
+      d = dtype_name(d)
+      for name in names.split(","):
+        if name in ("x", "dy"):
+          act = d
+        elif name.lower() == "w":
+          w = d
+        else:
+          slots.append(d)
+  except (ValueError, TypeError):
+    act = None
+  if act is None or w is None or not slots:
+    raise ValueError(f"dtypes {field!r} is not of the form "
+                     "'x,dy,W bf16; m,v fp32'")
+  return act, w, tuple(slots)
+
+
+def mosaic_winners_from_csv(path: str, rule: str | None = None,
+                            metric: str = "p50", commit: str | None = None,
+                            pick: str = "fastest"):
+  """Mosaic GPU entries from a benchmarks.backends CSV.
+
+  Per case (rule, shape, BT, dtypes), among its ``forge_mosaic_<label>``
+  time rows (those of ``commit`` only, when given) that have a
+  ``forge_triton`` row of the same case in the same run (same timestamp),
+  the tiling ``pick`` names (:data:`MOSAIC_PICKS`), at its lowest
+  ``metric`` over the runs; the entry records that time (``time_us``) and
+  the Triton kernel's in the same run (``triton_time_us``), so it selects
+  the Mosaic GPU kernel for ``backend=None`` only if that was the faster.
+
+  Args:
+    path: the CSV.
+    rule: the rule name the entries are keyed by; default each row's
+      ``case`` (``"adamw"``).
+    metric: the column compared (the benchmark's p50).
+    commit: only the rows of this commit (the ``commit`` column).
+    pick: ``"fastest"`` or ``"default"``.
+
+  Returns:
+    ``(device_kind, source_id, source, entries)``.
+  """
+  if pick not in MOSAIC_PICKS:
+    raise ValueError(f"pick={pick!r}: use one of {sorted(MOSAIC_PICKS)}")
+  rows = _read_csv(path, "benchmarks.backends",
+                   {"benchmark", "case", "provider", "shape", "dtypes",
+                    "metric", metric, "unit", "device", "versions",
+                    "timestamp"}, commit)
+  triton, mosaic = {}, {}
+  devices, versions, stamps = set(), set(), set()
+  for r in rows:
+    if r["benchmark"] != "backends" or r["metric"] != "time":
+      continue
+    case = (r["case"], r["shape"], r["dtypes"])
+    run = (r["timestamp"], r.get("commit"))
+    t = float(r[metric]) * _to_us(r["unit"])
+    if r["provider"] == "forge_triton":
+      triton[(case, run)] = t
+    elif r["provider"].startswith("forge_mosaic_"):
+      label = r["provider"][len("forge_mosaic_"):]
+      try:
+        cfg = MosaicConfig.from_label(label)
+      except ValueError as e:
+        raise ValueError(f"{path}: provider {r['provider']!r}: {e}") from None
+      mosaic.setdefault(case, []).append((cfg, t, run))
+    else:
+      continue
+    devices.add(r["device"])
+    versions.add(r["versions"])
+    stamps.add(r["timestamp"])
+  if not mosaic:
+    raise ValueError(f"{path}: no forge_mosaic_<tiling> time rows"
+                     + (f" of commit {commit!r}" if commit else ""))
+  if len(devices) != 1:
+    raise ValueError(f"{path}: rows from several devices {sorted(devices)}")
+  (device,) = devices
+  device_kind = device.split(":", 1)[1] if ":" in device else device
+  entries = {}
+  for case, measured in mosaic.items():
+    measured = [m for m in measured if (case, m[2]) in triton]
+    if not measured:
+      continue  # no Triton time of the same run to compare with
+    case_rule, shape, dtypes = case
+    sm = _SHAPE.match(shape)
+    if not sm:
+      raise ValueError(f"{path}: unexpected shape {shape!r}")
+    bt, n_in, n_out = (int(v) for v in sm.groups())
+    act, w, slots = _backends_dtypes(dtypes)
+    chosen = measured
+    if pick == "default":
+      if case_rule not in RULES:
+        raise ValueError(f"{path}: case {case_rule!r} is not a rule name; "
+                         "pick='default' needs the rule")
+      default = mosaic_kernel.default_config(
+          act, mosaic_kernel.smem_dtypes(RULES[case_rule], w, slots), bt=bt)
+      chosen = [m for m in measured if m[0] == default] or measured
+    cfg, t, run = min(chosen, key=lambda m: m[1])  # first of equals
+    timings = {}
+    for c, tc, _ in measured:
+      timings[c.label] = min(tc, timings.get(c.label, tc))
+    key = cache_key(rule or case_rule, bt, n_in, n_out, w, slots)
+    entries[key] = _entry(cfg, t, timings, bt,
+                          triton_time_us=round(triton[(case, run)], 4),
+                          run=run[0])
+  if not entries:
+    raise ValueError(f"{path}: no forge_mosaic_<tiling> row has a "
+                     "forge_triton row of the same case and run")
+  source = {
+      "kind": "benchmarks.backends CSV",
+      "csv": _display_path(path),
+      "device": device,
+      "versions": "; ".join(sorted(versions)),
+      "measured": ", ".join(sorted(stamps)),
+      "metric": (f"{metric} of the fused AdamW step, us; triton_time_us: the "
+                 "forge_triton row of the same case and run"),
+      "pick": MOSAIC_PICKS[pick],
+  }
+  if commit is not None:
+    source["commit"] = commit
   source_id = f"{os.path.basename(path)}@{min(stamps)}"
   return device_kind, source_id, source, entries
 
@@ -456,8 +745,12 @@ def positive_int(s: str) -> int:
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _label_arg(label: str) -> BlockConfig:
+def _label_arg(label: str) -> BlockConfig | MosaicConfig:
+  """A ``--config`` label: with a ``/`` a Mosaic GPU tiling
+  (``128x128x64/4,r2``), else a Triton one (``64x128x32,g1,w4,s4``)."""
   try:
+    if "/" in label:
+      return MosaicConfig.from_label(label)
     return parse_label(label)
   except ValueError as e:  # a bad label or an invalid knob value
     raise argparse.ArgumentTypeError(str(e)) from None
@@ -482,25 +775,57 @@ def default_out() -> str | None:
 _CLI_DEFAULTS = dict(
     shapes=[(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)],
     tokens=[512, 2048], rule="adamw", w_dtype="bfloat16",
-    slot_dtype="bfloat16")
+    slot_dtype="bfloat16", backend=TRITON)
+
+
+def _import_csv(data: dict, path: str, args) -> str:
+  """Merges the entries of one ``--from-csv`` file into ``data``; returns
+  what was merged, in words."""
+  rule = ANY_RULE if args.any_rule else None
+  if "backends" in csv_benchmarks(path):
+    kind, sid, source, entries = mosaic_winners_from_csv(
+        path, rule=rule, commit=args.commit, pick=args.mosaic_pick or
+        "fastest")
+    merge(data, kind, sid, source, entries, MOSAIC_GPU)
+    faster = sum(e["time_us"] < e["triton_time_us"] for e in entries.values())
+    return (f"{len(entries)} Mosaic GPU entries for {kind!r} ({faster} "
+            "measured faster than Triton)")
+  kind, sid, source, entries = winners_from_csv(path, rule=rule or "adamw",
+                                                commit=args.commit)
+  merge(data, kind, sid, source, entries)
+  return f"{len(entries)} winners for {kind!r}"
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
       prog="python -m pallas_kernels.autotune",
-      description="Tune the fused kernel's tiling on this GPU (or import a "
-      "benchmarks/kernel.py CSV) and merge the winners into a cache JSON.")
+      description="Tune the fused kernel's tilings on this GPU (or import a "
+      "benchmarks/kernel.py or benchmarks.backends CSV) and merge the "
+      "winners into a cache JSON.")
   p.add_argument("--out", default=None,
                  help=f"cache JSON to merge into (default: ${ENV_VAR} when "
                  "set, else the shipped one in a source checkout; an "
                  "installed package needs --out or the variable)")
   p.add_argument("--from-csv", nargs="+", metavar="CSV",
                  help="take the winners from benchmarks/kernel.py CSVs "
+                 "(Triton tilings) or benchmarks.backends CSVs (Mosaic GPU "
+                 "tilings, each against the Triton kernel of the same run) "
                  "instead of measuring")
+  p.add_argument("--commit", default=None,
+                 help="with --from-csv: only the rows of this commit (the "
+                 "CSV's commit column)")
+  p.add_argument("--mosaic-pick", choices=sorted(MOSAIC_PICKS), default=None,
+                 help="with --from-csv of a benchmarks.backends CSV: the "
+                 "tiling an entry takes: the fastest measured (default), "
+                 "or the kernel's default tiling where measured")
   p.add_argument("--merge", nargs="+", metavar="JSON",
                  help="merge other cache files (e.g. a tuning run's --out) "
                  "instead of measuring")
   # Measurement choices (default None: refused with --from-csv / --merge).
+  p.add_argument("--backend", choices=[TRITON, MOSAIC_GPU, "both"],
+                 help="the kernel(s) to tune (default: triton). mosaic_gpu "
+                 "(Hopper) also times the Triton kernel's tiling for each "
+                 "case, which each Mosaic GPU entry records beside its own")
   p.add_argument("--shapes", nargs="+", type=_parse_shape, metavar="INxOUT",
                  help="default: 4096x4096 4096x1024 4096x14336 14336x4096")
   p.add_argument("--tokens", nargs="+", type=positive_int,
@@ -515,15 +840,24 @@ def main(argv=None) -> int:
                  "rule without its own entry)")
   p.add_argument("--config", nargs="+", metavar="LABEL", default=None,
                  type=_label_arg,
-                 help="candidates instead of CONFIG_SPACE, as labels such as "
-                 "64x128x32,g1,w4,s4,e,o2 (a quick re-tune)")
+                 help="candidates instead of CONFIG_SPACE and "
+                 "MOSAIC_CONFIG_SPACE: Triton labels such as "
+                 "64x128x32,g1,w4,s4,e,o2, Mosaic GPU labels (with a '/') "
+                 "such as 128x128x64/4,e64x32,r2,s8 (a quick re-tune; a "
+                 "backend tuned with no label of its kind takes its whole "
+                 "space)")
   args = p.parse_args(argv)
   if args.from_csv and args.config:
     p.error("--config chooses tilings to measure; --from-csv measures "
             "nothing (it reads the CSVs' own tilings)")
   if args.merge and args.config:
     p.error("--config chooses tilings to measure; --merge measures nothing")
-  configs = args.config
+  if not args.from_csv:
+    for flag, value in (("--commit", args.commit),
+                        ("--mosaic-pick", args.mosaic_pick)):
+      if value is not None:
+        p.error(f"{flag} chooses the rows of --from-csv CSVs; it needs "
+                "--from-csv")
   if args.from_csv or args.merge:
     # These choose what to measure; --from-csv and --merge measure nothing.
     given = ["--" + dest.replace("_", "-") for dest in _CLI_DEFAULTS
@@ -536,6 +870,16 @@ def main(argv=None) -> int:
   for dest, value in _CLI_DEFAULTS.items():
     if getattr(args, dest) is None:
       setattr(args, dest, value)
+  tuned = [TRITON, MOSAIC_GPU] if args.backend == "both" else [args.backend]
+  triton_configs = [c for c in args.config or () if isinstance(c, BlockConfig)]
+  mosaic_configs = [c for c in args.config or ()
+                    if isinstance(c, MosaicConfig)]
+  for backend, given in ((TRITON, triton_configs),
+                         (MOSAIC_GPU, mosaic_configs)):
+    if given and backend not in tuned:
+      p.error(f"--config {label_of(given[0])} is a {backend} tiling, but "
+              f"--backend {args.backend} does not tune {backend}: add "
+              f"--backend {backend} or both")
   if args.out is None:
     args.out = default_out()
     if args.out is None:
@@ -553,12 +897,9 @@ def main(argv=None) -> int:
   if args.from_csv or args.merge:
     for path in args.from_csv or ():
       try:
-        kind, sid, source, entries = winners_from_csv(
-            path, rule=ANY_RULE if args.any_rule else "adamw")
+        print(f"{path}: {_import_csv(data, path, args)}")
       except (OSError, ValueError) as e:
         p.error(f"--from-csv {path}: {e}")
-      merge(data, kind, sid, source, entries)
-      print(f"{path}: {len(entries)} winners for {kind!r}")
     for path in args.merge or ():
       try:
         n = merge_file(data, path)
@@ -575,6 +916,15 @@ def main(argv=None) -> int:
           f"{jax.default_backend()!r}); nothing measured, {args.out} "
           "unchanged.", file=sys.stderr)
     return 2
+  if MOSAIC_GPU in tuned:
+    cc = compute_capability()
+    if cc is None or cc < MOSAIC_MIN_CAPABILITY:
+      have = "no compute capability" if cc is None else f"{cc[0]}.{cc[1]}"
+      print(f"error: --backend {args.backend}: the Mosaic GPU kernel needs "
+            f"a GPU of compute capability 9.0 or newer (Hopper); {kind} "
+            f"reports {have}. Tune --backend triton there; nothing "
+            f"measured, {args.out} unchanged.", file=sys.stderr)
+      return 2
   rule = RULES[args.rule]
   slots = (args.slot_dtype,) * len(rule.slots)
   stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -583,25 +933,54 @@ def main(argv=None) -> int:
             "device": f"{jax.devices()[0].platform}:{kind}",
             "versions": _versions(), "measured": stamp,
             "metric": "median of 5 calls of a 20-step fori_loop, us per step"}
-  entries = {}
+  entries, mosaic_entries = {}, {}
   print(f"device {kind}; {source['versions']}", flush=True)
   for (n_in, n_out) in args.shapes:
     for bt in args.tokens:
       print(f"{args.rule} BT={bt} {n_in}x{n_out} w={args.w_dtype} "
             f"slots={args.slot_dtype}", flush=True)
-      res = tune(bt, n_in, n_out, args.w_dtype, slots, rule,
-                 configs=configs, verbose=True)
       key = cache_key(ANY_RULE if args.any_rule else rule, bt, n_in, n_out,
                       args.w_dtype, slots)
-      entries[key] = _entry(
-          res.best, res.best_s * 1e6,
-          {config_label(c): t * 1e6 for c, t in res.timings.items()}, bt,
-          failed=sorted(config_label(c) for c in res.failures))
-      print(f"  best {config_label(res.best)}: {res.best_s * 1e6:.1f} us",
-            flush=True)
+      res = None
+      if TRITON in tuned:
+        res = tune(bt, n_in, n_out, args.w_dtype, slots, rule,
+                   configs=triton_configs or None, verbose=True)
+        entries[key] = _entry(
+            res.best, res.best_s * 1e6,
+            {config_label(c): t * 1e6 for c, t in res.timings.items()}, bt,
+            failed=sorted(config_label(c) for c in res.failures))
+        print(f"  best {config_label(res.best)}: {res.best_s * 1e6:.1f} us",
+              flush=True)
+      if MOSAIC_GPU in tuned:
+        if res is None:  # the Triton kernel as it would run: its tiling
+          base = select_config(bt, n_in, n_out, args.w_dtype, slots, rule,
+                               interpret=False)
+          print(f"  triton {config_label(base)} (its tiling for the case):",
+                flush=True)
+          res = tune(bt, n_in, n_out, args.w_dtype, slots, rule,
+                     configs=[base], verbose=True)
+        try:
+          mres = tune(bt, n_in, n_out, args.w_dtype, slots, rule,
+                      configs=mosaic_configs or None, verbose=True,
+                      backend=MOSAIC_GPU)
+        except RuntimeError as e:
+          print(f"  mosaic_gpu: no entry ({e})", flush=True)
+        else:
+          mosaic_entries[key] = _entry(
+              mres.best, mres.best_s * 1e6,
+              {c.label: t * 1e6 for c, t in mres.timings.items()}, bt,
+              triton_time_us=round(res.best_s * 1e6, 4),
+              triton_config=config_label(res.best),
+              failed=sorted(c.label for c in mres.failures))
+          print(f"  best mosaic_gpu {mres.best.label}: "
+                f"{mres.best_s * 1e6:.1f} us (triton "
+                f"{res.best_s * 1e6:.1f} us)", flush=True)
       merge(data, kind, sid, source, entries)
+      if mosaic_entries:
+        merge(data, kind, sid, source, mosaic_entries, MOSAIC_GPU)
       write(args.out, data)  # after every case: a long run keeps its results
-  print(f"wrote {len(entries)} entries for {kind!r} to {args.out}")
+  print(f"wrote {len(entries)} Triton and {len(mosaic_entries)} Mosaic GPU "
+        f"entries for {kind!r} to {args.out}")
   return 0
 
 

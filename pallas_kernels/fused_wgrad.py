@@ -13,14 +13,18 @@ formed by XLA.
 The caller must have read the *pre-update* ``W`` (for ``dx = dy @ W^T``)
 before the kernel runs; inside ``jax.jit`` data dependencies order that.
 
-The kernel is :mod:`pallas_kernels.triton_kernel`; its tiling
-:mod:`pallas_kernels.tiling` (chosen by
-:func:`~pallas_kernels.tuning_cache.select_config`), its input checks
-:mod:`pallas_kernels.checks`, its reference :mod:`pallas_kernels.reference`.
+The kernels are :mod:`pallas_kernels.triton_kernel` and
+:mod:`pallas_kernels.mosaic_kernel` (Hopper; which one a call takes:
+:func:`~pallas_kernels.tuning_cache.select_backend`, shown by
+:func:`describe_backend`); the Triton tiling :mod:`pallas_kernels.tiling`
+(chosen by :func:`~pallas_kernels.tuning_cache.select_config`); the input
+checks :mod:`pallas_kernels.checks`, the reference
+:mod:`pallas_kernels.reference`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -38,11 +42,17 @@ from pallas_kernels.interpret import default_interpret, warn_interpret_once
 from pallas_kernels.reference import apply_rule, fused_wgrad_update_reference
 from pallas_kernels.rules import UpdateRule
 from pallas_kernels.tiling import BlockConfig, check_block_config
-from pallas_kernels.tuning_cache import select_config
+from pallas_kernels.tuning_cache import (
+    BACKEND_ENV_VAR,
+    BackendChoice,
+    select_backend,
+    select_config,
+)
 
-__all__ = ["BlockConfig", "check_block_config", "default_interpret",
-           "fused_wgrad_update", "fused_wgrad_update_reference",
-           "select_config", "stored_g_update", "unfused_wgrad_update"]
+__all__ = ["BackendChoice", "BlockConfig", "check_block_config",
+           "default_interpret", "describe_backend", "fused_wgrad_update",
+           "fused_wgrad_update_reference", "select_backend", "select_config",
+           "stored_g_update", "unfused_wgrad_update"]
 
 
 def _interpret(interpret: bool | None) -> bool:
@@ -90,12 +100,13 @@ def fused_wgrad_update(
       any float dtype (e.g. ``mu`` in ``mu_dtype``). Written in place.
     hparams: ``rule.pack(...)``: this step's runtime hyperparameters.
     rule: the optimizer family's elementwise update.
-    config: tiling; when ``None``, :func:`select_config` (the autotuned
-      winner cached for this GPU, else a heuristic). With
-      ``backend="mosaic_gpu"``: a
-      :class:`~pallas_kernels.mosaic_kernel.MosaicConfig` (default: the
-      largest tiling whose shared memory fits,
-      :func:`~pallas_kernels.mosaic_kernel.default_config`).
+    config: tiling: a :class:`BlockConfig` (a Triton tiling) or a
+      :class:`~pallas_kernels.mosaic_kernel.MosaicConfig` (a Mosaic GPU
+      one); with ``backend=None`` its type picks the backend. When
+      ``None``, the chosen backend's tiling for the case: Triton's
+      :func:`select_config` (the autotuned winner cached for this GPU, else
+      a heuristic); Mosaic GPU's cached entry, else
+      :func:`~pallas_kernels.mosaic_kernel.default_config`.
     interpret: run in Pallas interpret mode (CPU); default: unless on a GPU
       (without one, the first such call gives an ``InterpretModeWarning``).
     layer: for a stack of layers: ``w`` and the slots are ``(L, in, out)``
@@ -103,11 +114,17 @@ def fused_wgrad_update(
       in place in the stacks -- no slice is copied out or back. A static
       index out of range raises; a traced one is clamped into ``[0, L)``, as
       ``lax.dynamic_update_slice`` clamps.
-    backend: ``"triton"`` (the default, also for ``None``) or
-      ``"mosaic_gpu"`` (Hopper, :mod:`pallas_kernels.mosaic_kernel`;
-      faster than the Triton kernel at the Llama-3.1-8B shapes measured,
-      but not yet for every case: a case it does not cover raises
-      ``ValueError`` with the reason, never falling back silently).
+    backend: ``"triton"``, ``"mosaic_gpu"`` (Hopper,
+      :mod:`pallas_kernels.mosaic_kernel`; a case it does not cover raises
+      ``ValueError`` with the reason, never falling back silently) or
+      ``None``: the backend of ``config``'s type; else the one
+      ``$FORGE_BACKEND`` names (``triton`` or ``mosaic_gpu``); else Mosaic
+      GPU where it is known to be faster -- compiled on a GPU of compute
+      capability 9.0 or newer, for a case the autotune cache measured it
+      faster than the Triton kernel on this device kind and that it
+      covers -- and Triton everywhere else
+      (:func:`~pallas_kernels.tuning_cache.select_backend`;
+      :func:`describe_backend` tells which a call takes, and why).
 
   Returns:
     ``(w_new, slots_new)``, aliasing the buffers of ``w`` and ``slots`` when
@@ -131,16 +148,22 @@ def fused_wgrad_update(
   if stacked:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   interpret = _interpret(interpret)
-  if backend not in (None, "triton", "mosaic_gpu"):
-    raise ValueError(f"fused_wgrad_update: backend={backend!r}; use None, "
-                     "'triton' or 'mosaic_gpu'")
-  if backend == "mosaic_gpu":
-    return _mosaic(x2, dy2, w, slots, hparams, rule, config, interpret,
+  varying = _varying(x2, dy2, w, *slots)
+  choice = select_backend(bt, n_in, n_out, w.dtype, [a.dtype for a in slots],
+                          rule, x2.dtype, interpret=interpret,
+                          stacked=stacked, config=config, backend=backend,
+                          varying=varying)
+  if choice.backend == "mosaic_gpu":
+    if varying:
+      raise ValueError(
+          "fused_wgrad_update(backend='mosaic_gpu'): inside shard_map, on "
+          "operands that vary over a mesh axis, the Mosaic GPU kernel cannot "
+          "run (jax's mpmd_map, which it is built on, refuses state refs "
+          f"that vary over mesh axes). The backend was chosen because "
+          f"{choice.reason}; use backend='triton' inside shard_map.")
+    return _mosaic(x2, dy2, w, slots, hparams, rule, choice, interpret,
                    layer)
-  check_block_config(config, "fused_wgrad_update(config=...)")
-  cfg = config or select_config(bt, n_in, n_out, w.dtype,
-                                [a.dtype for a in slots], rule,
-                                interpret=interpret)
+  cfg = choice.config
   if bt == 0:
     # No tokens: G = 0, the optimizer still steps (moments decay, weight decay).
     return apply_rule(rule, jnp.zeros((n_in, n_out), jnp.float32), w, slots,
@@ -151,24 +174,80 @@ def fused_wgrad_update(
       interpret=interpret, bt=bt, precision=_dot_precision(x, dy, w))
 
 
-def _mosaic(x, dy, w, slots, hparams, rule, config, interpret, layer):
-  """``fused_wgrad_update`` on the Mosaic GPU backend."""
-  cfg = config
-  if cfg is None:
-    cfg = mosaic_kernel.default_config(
-        x.dtype, mosaic_kernel.smem_dtypes(rule, w.dtype,
-                                           [a.dtype for a in slots]),
-        bt=x.shape[0])
-  if not isinstance(cfg, mosaic_kernel.MosaicConfig):
-    raise TypeError("fused_wgrad_update(backend='mosaic_gpu'): config must "
-                    f"be a MosaicConfig, got {type(config).__name__}")
+def _varying(*arrays) -> bool:
+  """Whether any of ``arrays`` varies over a ``shard_map`` mesh axis (never
+  for shapes without values, ``jax.ShapeDtypeStruct`` s)."""
+  if any(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):
+    return False
+  return bool(triton_kernel.varying_axes(arrays).varying)
+
+
+def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
+                     backend: str | None = None,
+                     interpret: bool | None = None,
+                     layer=None) -> BackendChoice:
+  """The backend and tiling :func:`fused_wgrad_update` takes with these
+  arguments, and why (:func:`~pallas_kernels.tuning_cache.select_backend`,
+  the function the kernel call itself asks).
+
+  ``x``, ``dy``, ``w`` and ``slots`` may be arrays or
+  ``jax.ShapeDtypeStruct`` s (only shapes and dtypes are read);
+  ``layer`` only says whether the state is stacked.
+
+  Returns:
+    A :class:`~pallas_kernels.tuning_cache.BackendChoice`
+    ``(backend, config, reason)``, e.g. ``("mosaic_gpu",
+    MosaicConfig(...), "the autotune cache's Mosaic GPU tiling
+    64x128x64/4,b2,pn measured 101.1 us against the Triton kernel's
+    105.0 us on NVIDIA H200")``.
+  """
+  bt = math.prod(x.shape[:-1])
+  n_in, n_out = w.shape[-2:]
+  if interpret is None:
+    interpret = default_interpret()
+  return select_backend(bt, n_in, n_out, w.dtype, [a.dtype for a in slots],
+                        rule, jnp.promote_types(x.dtype, dy.dtype),
+                        interpret=interpret, stacked=layer is not None,
+                        config=config, backend=backend,
+                        varying=_varying(x, dy, w, *slots))
+
+
+def _mosaic(x, dy, w, slots, hparams, rule, choice, interpret, layer):
+  """``fused_wgrad_update`` on the Mosaic GPU backend, as ``choice`` (a
+  :class:`~pallas_kernels.tuning_cache.BackendChoice`) took it."""
+  cfg = choice.config
   why = mosaic_kernel.unsupported(
       x.shape[0], w.shape[-2], w.shape[-1], x.dtype, w, slots, rule, cfg,
       stacked=layer is not None, g_stored=False)
   if why is not None:
-    raise ValueError(f"fused_wgrad_update(backend='mosaic_gpu'): {why}. "
+    raise ValueError(
+        f"fused_wgrad_update(backend='mosaic_gpu'): {why}. The Mosaic GPU "
+        f"backend was chosen because {choice.reason}; use backend='triton' "
+        "for this case" + (
+            f" (or unset ${BACKEND_ENV_VAR})"
+            if choice.reason.startswith("$") else "") + ".")
+  return mosaic_kernel.launch((x, dy), w, slots, hparams, rule=rule,
+                              cfg=cfg, interpret=interpret, layer=layer)
+
+
+def _mosaic_stored(g, w, slots, hparams, rule, config, interpret, layer):
+  """``stored_g_update`` on the Mosaic GPU backend."""
+  n_in, n_out = w.shape[-2:]
+  cfg = config
+  if cfg is None:
+    cfg = mosaic_kernel.stored_config(
+        n_in, n_out, mosaic_kernel.smem_dtypes(
+            rule, w.dtype, [a.dtype for a in slots]) + [g.dtype])
+  if not isinstance(cfg, mosaic_kernel.MosaicConfig):
+    raise TypeError("stored_g_update(backend='mosaic_gpu'): config must be "
+                    f"a MosaicConfig, got {type(config).__name__}")
+  why = mosaic_kernel.unsupported(0, n_in, n_out, g.dtype, w, slots, rule,
+                                  cfg, stacked=layer is not None,
+                                  g_stored=True)
+  if why is not None:
+    raise ValueError(f"stored_g_update(backend='mosaic_gpu'): {why}. "
                      "Use backend='triton' for this case.")
-  return mosaic_kernel.launch(x, dy, w, slots, hparams, rule=rule, cfg=cfg,
+  return mosaic_kernel.launch((g,), w, slots, hparams, rule=rule, cfg=cfg,
                               interpret=interpret, layer=layer)
 
 
@@ -215,8 +294,8 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
 
 
 def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
-                    config: BlockConfig | None = None,
-                    interpret: bool | None = None, layer=None):
+                    config=None, interpret: bool | None = None, layer=None,
+                    backend: str | None = None):
   """One optimizer step of ``w`` from a gradient ``g`` already in memory:
   the fused kernel's epilogue without its GEMM (the same kernel body), ``W``
   and the slots updated in place.
@@ -228,8 +307,12 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   into its stack. ``g`` is ``(in, out)`` (one layer), of any float dtype;
   it is read once, in fp32. ``config``: the tiling (``block_bt``,
   ``num_stages`` and ``group_in`` do not matter here); default
-  :meth:`BlockConfig.stored_default`. Otherwise the arguments and returns
-  of :func:`fused_wgrad_update`.
+  :meth:`BlockConfig.stored_default`. ``backend``: ``"triton"`` (the
+  default, also for ``None``) or ``"mosaic_gpu"`` (``G`` streamed through
+  the state ring with the state; ``config`` a ``MosaicConfig`` with
+  ``state_ring``, default :func:`mosaic_kernel.stored_config`; a case it
+  does not cover raises ``ValueError`` with the reason). Otherwise the
+  arguments and returns of :func:`fused_wgrad_update`.
   """
   g, w = jnp.asarray(g), jnp.asarray(w)
   slots = tuple(jnp.asarray(a) for a in slots)
@@ -248,6 +331,12 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   if layer is not None:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   interpret = _interpret(interpret)
+  if backend not in (None, "triton", "mosaic_gpu"):
+    raise ValueError(f"stored_g_update: backend={backend!r}; use None, "
+                     "'triton' or 'mosaic_gpu'")
+  if backend == "mosaic_gpu":
+    return _mosaic_stored(g, w, slots, hparams, rule, config, interpret,
+                          layer)
   check_block_config(config, "stored_g_update(config=...)")
   cfg = config or BlockConfig.stored_default(n_in, n_out)
   return triton_kernel.launch((g,), w, slots, hparams, rule=rule, cfg=cfg,

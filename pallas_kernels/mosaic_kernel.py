@@ -22,8 +22,10 @@ the index read from memory at run time. A rule that does not update the
 weight (the state-only update of a regime-2 family) leaves ``W`` unread;
 write-only outputs (Muon's ``mu_hat``) are stored, never loaded. Not yet
 covered (each refused with the reason by :func:`unsupported`): shapes the
-tiles do not divide, a stored ``G``, fp32 operands (wgmma takes 16-bit ones
-here).
+tiles do not divide, fp32 operands (wgmma takes 16-bit ones here). A
+gradient already in memory (``stored_g_update``) takes the same body
+without the K loop: ``G``'s sub-tiles stream through the ring with the
+state's.
 :func:`launch` is its entry point; :mod:`pallas_kernels.fused_wgrad`
 holds the public wrappers (``backend="mosaic_gpu"``).
 """
@@ -41,7 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rules import UpdateRule
 
-__all__ = ["MosaicConfig", "default_config", "launch", "unsupported"]
+__all__ = ["MosaicConfig", "default_config", "launch", "stored_config",
+           "unsupported"]
 
 # Shared memory per block on Hopper (227 KiB).
 _SMEM_BYTES = 232448
@@ -143,9 +146,90 @@ class MosaicConfig:
     """Columns of the tile each compute warpgroup owns."""
     return self.tile_n // self.compute_wgs
 
+  # The label's knobs, in label order: prefix -> the fields it sets.
+  _KNOBS = (("wg", ("compute_wgs",)), ("d", ("delay_release",)),
+            ("e", ("epi_m", "epi_n")), ("b", ("state_buffers",)),
+            ("r", ("state_ring",)), ("s", ("band",)))
+  LABEL_FORM = "MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn]"
+
+  @property
+  def label(self) -> str:
+    """``128x128x64/4,e64x32,r2,s8``: ``tile_m x tile_n x tile_k / steps``,
+    then each knob that is off its default: ``,wgW`` (compute_wgs),
+    ``,dD`` (delay_release), ``,eMxN`` (the epilogue sub-tile), ``,bB``
+    (state_buffers), ``,rR`` (state_ring), ``,sS`` (band), ``,pn``
+    (prefetch_next). ``MosaicConfig.from_label(cfg.label) == cfg``."""
+    fields = {f.name: f.default for f in dataclasses.fields(self)}
+    # compute_wgs's default follows tile_n (__post_init__).
+    fields["compute_wgs"] = 2 if self.tile_n % 128 == 0 else 1
+    out = f"{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.steps}"
+    for prefix, names in self._KNOBS:
+      values = [getattr(self, n) for n in names]
+      if values != [fields[n] for n in names]:
+        out += f",{prefix}" + "x".join(str(v) for v in values)
+    return out + (",pn" if self.prefetch_next else "")
+
+  @classmethod
+  def from_label(cls, label: str) -> "MosaicConfig":
+    """The tiling a :attr:`label` names (knobs in any order, each once;
+    a knob left out takes its default).
+
+    Raises:
+      ValueError: ``label`` is not of the form
+        ``MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn]``, or names an
+        invalid tiling; the message says which part and why.
+    """
+    if not isinstance(label, str):
+      raise ValueError(f"a Mosaic GPU tiling label is a string of the form "
+                       f"{cls.LABEL_FORM}, got {type(label).__name__}")
+
+    def numbers(text: str, count: int, what: str) -> list[int]:
+      parts = text.split("x")
+      if len(parts) != count or not all(p.isascii() and p.isdecimal()
+                                        for p in parts):
+        form = "x".join(["N"] * count)
+        raise ValueError(f"Mosaic GPU tiling label {label!r}: {what} is not "
+                         f"{form} (whole numbers); the form is "
+                         f"{cls.LABEL_FORM}, e.g. 128x128x64/4,e64x32,r2,s8")
+      return [int(p) for p in parts]
+
+    head, *knobs = label.strip().split(",")
+    tiles, slash, steps = head.partition("/")
+    if not slash:
+      raise ValueError(f"Mosaic GPU tiling label {label!r}: no '/STEPS' after "
+                       f"the tile; the form is {cls.LABEL_FORM}, e.g. "
+                       "128x128x64/4,e64x32,r2,s8")
+    tm, tn, tk = numbers(tiles, 3, f"the tile {tiles!r}")
+    (n_steps,) = numbers(steps, 1, f"the step count {steps!r}")
+    prefixes = dict(cls._KNOBS)
+    extra = {}
+    for knob in knobs:
+      if knob == "pn":
+        names, values = ("prefetch_next",), [True]
+      else:
+        prefix = "wg" if knob.startswith("wg") else knob[:1]
+        if prefix not in prefixes:
+          raise ValueError(
+              f"Mosaic GPU tiling label {label!r}: unknown knob {knob!r}; "
+              f"the knobs are ,wgW ,dD ,eMxN ,bB ,rR ,sS and ,pn (the form "
+              f"is {cls.LABEL_FORM})")
+        names = prefixes[prefix]
+        values = numbers(knob[len(prefix):], len(names),
+                         f"the value after {prefix!r} in knob {knob!r}")
+      if names[0] in extra:
+        raise ValueError(f"Mosaic GPU tiling label {label!r}: knob {knob!r} "
+                         "is given twice")
+      extra.update(zip(names, values))
+    try:
+      return cls(tile_m=tm, tile_n=tn, tile_k=tk, steps=n_steps, **extra)
+    except ValueError as e:
+      raise ValueError(f"Mosaic GPU tiling label {label!r}: {e}") from None
+
   def smem_bytes(self, x_dtype, state_dtypes) -> int:
-    """Shared memory the kernel asks for (pipeline buffers + state tile)."""
-    operands = self.steps * self.tile_k * (self.tile_m + self.tile_n)
+    """Shared memory the kernel asks for (pipeline buffers + state tile);
+    ``x_dtype=None``: no K loop (a stored ``G``, counted in the state)."""
+    operands = 0 if x_dtype is None else (
+        self.steps * self.tile_k * (self.tile_m + self.tile_n))
     state = sum(jnp.dtype(d).itemsize for d in state_dtypes)
     if self.state_ring:
       held = self.compute_wgs * self.state_ring * self.epi_m * self.epi_n
@@ -191,6 +275,23 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None
   return cfg
 
 
+def stored_config(n_in: int, n_out: int, state_dtypes) -> MosaicConfig:
+  """The tiling for a stored ``G`` (``state_dtypes`` counting ``G``'s):
+  the largest of 128 x 256, 128 x 128, 64 x 128 and 64 x 64 tiles that
+  divides the weight, its state streamed in 64 x 64 sub-tiles through the
+  deepest ring (3 to 1) that fits; 128 x 256 if none divides (which
+  :func:`unsupported` then refuses)."""
+  tiles = [(tm, tn) for tm, tn in ((128, 256), (128, 128), (64, 128),
+                                   (64, 64))
+           if n_in % tm == 0 and n_out % tn == 0] or [(128, 256)]
+  tm, tn = tiles[0]
+  for ring in (3, 2, 1):
+    cfg = MosaicConfig(tile_m=tm, tile_n=tn, state_ring=ring)
+    if cfg.smem_bytes(None, state_dtypes) <= _SMEM_BYTES:
+      break
+  return cfg
+
+
 def smem_dtypes(rule: UpdateRule, w_dtype, slot_dtypes) -> list:
   """The dtypes of the arrays whose tiles the kernel holds in shared memory:
   the weight (if the rule updates it), the slots, the write-only outputs."""
@@ -203,18 +304,28 @@ def smem_dtypes(rule: UpdateRule, w_dtype, slot_dtypes) -> list:
 def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
                 rule: UpdateRule, cfg: MosaicConfig, *, stacked: bool,
                 g_stored: bool) -> str | None:
-  """Why the Mosaic GPU kernel cannot run this case, or ``None``."""
+  """Why the Mosaic GPU kernel cannot run this case, or ``None``.
+
+  With ``g_stored``, ``x_dtype`` is the stored gradient's dtype and ``bt``
+  is not used."""
+  held = smem_dtypes(rule, w.dtype, [s.dtype for s in slots])
   if g_stored:
-    return "a stored gradient (stored_g_update) is not supported yet"
-  if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16),
-                                jnp.dtype(jnp.float16)):
-    return (f"x and dy are {jnp.dtype(x_dtype).name}; the Mosaic GPU kernel "
-            "takes bfloat16 or float16 operands")
-  if n_in % cfg.tile_m or n_out % cfg.tile_n or bt % cfg.tile_k:
-    return (f"BT x in x out = {bt} x {n_in} x {n_out} is not a multiple of "
-            f"the tiles {cfg.tile_k} x {cfg.tile_m} x {cfg.tile_n}")
-  need = cfg.smem_bytes(x_dtype, smem_dtypes(rule, w.dtype,
-                                             [s.dtype for s in slots]))
+    if not cfg.state_ring:
+      return ("a stored gradient is streamed with the state: the tiling "
+              "needs state_ring >= 1")
+    if n_in % cfg.tile_m or n_out % cfg.tile_n:
+      return (f"in x out = {n_in} x {n_out} is not a multiple of the tile "
+              f"{cfg.tile_m} x {cfg.tile_n}")
+    need = cfg.smem_bytes(None, held + [jnp.dtype(x_dtype)])
+  else:
+    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16),
+                                  jnp.dtype(jnp.float16)):
+      return (f"x and dy are {jnp.dtype(x_dtype).name}; the Mosaic GPU "
+              "kernel takes bfloat16 or float16 operands")
+    if n_in % cfg.tile_m or n_out % cfg.tile_n or bt % cfg.tile_k:
+      return (f"BT x in x out = {bt} x {n_in} x {n_out} is not a multiple "
+              f"of the tiles {cfg.tile_k} x {cfg.tile_m} x {cfg.tile_n}")
+    need = cfg.smem_bytes(x_dtype, held)
   if need > _SMEM_BYTES:
     return (f"the tiling needs {need} bytes of shared memory, more than the "
             f"{_SMEM_BYTES} a block has: use smaller tiles or fewer steps")
@@ -229,12 +340,18 @@ def _transforms(minor: int, dtype):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
-                 cfg: MosaicConfig, bt: int, n_in: int, n_out: int,
-                 interpret: bool, stacked: bool):
-  # Stacked: the layer index comes first. Then the state the rule reads and
-  # rewrites ((L,) in, out when stacked): the weight if the rule updates it,
-  # the slots; last the write-only outputs (in, out).
+def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, bt: int,
+                 n_in: int, n_out: int, interpret: bool, stacked: bool,
+                 g_stored: bool):
+  # The operands: x and dy (BT, in) and (BT, out); or, with a stored
+  # gradient, G (in, out) alone. Then the hyperparameters. Stacked: the
+  # layer index next. Then the state the rule reads and rewrites ((L,) in,
+  # out when stacked): the weight if the rule updates it, the slots; last
+  # the write-only outputs (in, out).
+  if g_stored:
+    g_gmem, h_gmem, *refs = refs
+  else:
+    x_gmem, dy_gmem, h_gmem, *refs = refs
   if stacked:
     layer_gmem, *refs = refs
     layer = layer_gmem[0]
@@ -287,15 +404,28 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
     for buf, val in zip(bufs, new):
       buf[sub] = val.astype(buf.dtype)
 
+  # The arrays loaded per tile or sub-tile, with whether they are stacked:
+  # the state, and a stored G (one layer, (in, out)) last.
+  loaded_refs = [(ref, True) for ref in state_gmem]
+  allocs = {}
+  if g_stored:
+    loaded_refs.append((g_gmem, False))
+    allocs["g_buf"] = plgpu.SMEM(held, g_gmem.dtype,
+                                 transforms=_transforms(en, g_gmem.dtype))
+  else:
+    allocs["pipeline_allocs"] = pipeline(ignore, ignore).get_allocations(
+        x_gmem, dy_gmem)
+
   @functools.partial(
       pl.run_scoped,
-      pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem,
-                                                               dy_gmem),
       bufs=[plgpu.SMEM(held, r.dtype, transforms=_transforms(en, r.dtype))
             for r, _ in stored],
-      bar=plgpu.Barrier(num_barriers=n_bars, num_arrivals=len(state_gmem)),
-      collective_axes="wg")
-  def _scope(pipeline_allocs, bufs, bar):
+      bar=plgpu.Barrier(num_barriers=n_bars, num_arrivals=len(loaded_refs)),
+      collective_axes="wg", **allocs)
+  def _scope(bufs, bar, pipeline_allocs=None, g_buf=None):
+    # The buffers loaded per sub-tile, in loaded_refs' order.
+    in_bufs = [*bufs[:len(state_gmem)], *([g_buf] if g_stored else [])]
+
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile(info):
       (lin,) = info.index
@@ -326,16 +456,19 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
         # Ring slot s % ring; the stores that last read it have drained
         # from shared memory (waited for by the caller).
         r = s % ring
-        for ref, buf in zip(state_gmem, bufs):
-          plgpu.copy_gmem_to_smem(at(ref, *sub_at(s)), buf.at[wg, r],
-                                  bar.at[wg * ring + r])
+        for (ref, is_state), buf in zip(loaded_refs, in_bufs):
+          plgpu.copy_gmem_to_smem(at(ref, *sub_at(s), is_state),
+                                  buf.at[wg, r], bar.at[wg * ring + r])
 
       def streamed_epilogue(acc, h):
+        # acc: the tile's accumulator, or None to read G from its buffer.
         for s, (i, j) in enumerate(subs):
           r = s % ring
           plgpu.barrier_wait(bar.at[wg * ring + r])
-          update(acc[i * em:(i + 1) * em, j * en:(j + 1) * en],
-                 (wg, r, pl.ds(0, em), pl.ds(0, en)), h, bufs)
+          sub = (wg, r, pl.ds(0, em), pl.ds(0, en))
+          g = (g_buf[sub].astype(jnp.float32) if acc is None else
+               acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
+          update(g, sub, h, bufs)
           plgpu.commit_smem()
           for (ref, is_state), buf in zip(stored, bufs):
             plgpu.copy_smem_to_gmem(buf.at[wg, r], at(ref, *sub_at(s),
@@ -354,12 +487,21 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
           plgpu.copy_smem_to_gmem(buf.at[slot, wg],
                                   at(ref, rows, own_cols, is_state))
 
+      def load_ring():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for s in range(min(ring, len(subs))):
+          load_sub(s)
+
+      if g_stored:
+        load_ring()
+        streamed_epilogue(None, rule.unpack(h_gmem, slot_dtypes,
+                                            round_by_convert=not interpret))
+        return
+
       def context(run_pipeline):
         # This tile's state loads fly during its K loop.
         if ring:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for s in range(min(ring, len(subs))):
-            load_sub(s)
+          load_ring()
         elif cfg.prefetch_next:
           pl.when(info.local_index == 0)(
               lambda: prefetch(rows, own_cols, slot, 0))
@@ -394,12 +536,16 @@ def _kernel_body(x_gmem, dy_gmem, h_gmem, *refs, rule: UpdateRule,
   plgpu.wait_smem_to_gmem(0)
 
 
-def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
-           interpret: bool, layer=None, num_sms: int | None = None):
+def launch(operands, w, slots, hparams, *, rule: UpdateRule,
+           cfg: MosaicConfig, interpret: bool, layer=None,
+           num_sms: int | None = None):
   """The kernel on checked inputs that :func:`unsupported` accepts.
 
   Args:
-    x, dy: ``(BT, in)`` and ``(BT, out)``, one 16-bit dtype.
+    operands: ``(x, dy)``, ``(BT, in)`` and ``(BT, out)`` in one 16-bit
+      dtype, whose ``G = x^T dy`` the kernel forms; or ``(g,)``, a gradient
+      ``(in, out)`` already in memory (one layer), streamed with the state
+      (needs ``cfg.state_ring``).
     w, slots: the weight and the rule's slots, ``(in, out)``, or stacked
       ``(L, in, out)`` with ``layer``; updated in place (the kernel writes
       them through refs).
@@ -415,27 +561,29 @@ def launch(x, dy, w, slots, hparams, *, rule: UpdateRule, cfg: MosaicConfig,
     ``(w_new, slots_new + outputs)``; ``w_new`` is ``w`` itself when the
     rule does not update the weight.
   """
-  bt, n_in = x.shape
-  n_out = dy.shape[1]
+  g_stored = len(operands) == 1
+  n_in, n_out = w.shape[-2:]
+  bt = 0 if g_stored else operands[0].shape[0]
   if num_sms is None:
     num_sms = 4 if interpret else jax.devices()[0].core_count
   stacked = layer is not None
   body = functools.partial(_kernel_body, rule=rule, cfg=cfg, bt=bt,
                            n_in=n_in, n_out=n_out, interpret=interpret,
-                           stacked=stacked)
+                           stacked=stacked, g_stored=g_stored)
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
   kernel = plgpu.kernel(
       body, grid=(num_sms,), grid_names=("sm",),
       out_type=tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
                      for _ in rule.outputs),
-      num_threads=cfg.compute_wgs + 1, thread_name="wg",
+      # A stored G needs no memory warpgroup: no K loop to stream.
+      num_threads=cfg.compute_wgs + (0 if g_stored else 1), thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   state = (w, *slots) if rule.updates_weight else slots
   refs = [jax.new_ref(a) for a in state]
   extra = (jnp.reshape(layer, (1,)).astype(jnp.int32),) if stacked else ()
-  outputs = kernel(x, dy, hparams, *extra, *refs)
+  outputs = kernel(*operands, hparams, *extra, *refs)
   new = [r[...] for r in refs]
   w_new = new.pop(0) if rule.updates_weight else w
   return w_new, (*new, *outputs)

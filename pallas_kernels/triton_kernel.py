@@ -163,7 +163,7 @@ def _epilogue(rule, cfg, h_ref, in_refs, out_refs, gs, old, load_state,
                   eviction_policy=state_policy)
 
 
-def _varying_axes(arrays):
+def varying_axes(arrays):
   """The union of the arrays' device-varying mesh axes inside
   ``jax.shard_map`` (none outside one), as a ``ManualAxisType``."""
   varying = frozenset()
@@ -214,7 +214,7 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
   # Inside jax.shard_map(check_vma=True) every output varies over the mesh
   # axes any input varies over (a weight updated from a device-varying G
   # comes back device-varying, and the out_specs check reports it).
-  mat = _varying_axes((*operands, hparams, *state))
+  mat = varying_axes((*operands, hparams, *state))
   if mat.varying:  # the aliased inputs typed as their outputs are
     operands, hparams, state = jax.tree.map(
         lambda a: _vary(a, mat.varying), (operands, hparams, state))

@@ -1,27 +1,37 @@
-"""The cache of tuned tilings, and the tiling a kernel takes when given none.
+"""The cache of tuned tilings, and the backend and tiling a kernel takes
+when given none.
 
 ``tuned_configs.json`` ships beside this module, keyed by device kind
 (``jax.devices()[0].device_kind``, e.g. ``"NVIDIA H200"``) and then by
-:func:`cache_key` ``(rule, BT bucket, in, out, w dtype, slot dtypes)``.
+:func:`cache_key` ``(rule, BT bucket, in, out, w dtype, slot dtypes)``:
+``devices[kind]["entries"]`` holds the Triton kernel's tilings
+(:class:`~pallas_kernels.tiling.BlockConfig`), ``devices[kind]["mosaic_gpu"]``
+the Mosaic GPU kernel's (:class:`~pallas_kernels.mosaic_kernel.MosaicConfig`),
+each with its measured time and the Triton kernel's time in the same run.
 ``$FORGE_AUTOTUNE_CACHE`` names another file of the same form (e.g. a
 re-tuned one) that is consulted first. :func:`lookup` returns the cached
-:class:`~pallas_kernels.tiling.BlockConfig` or ``None``;
-:func:`select_config` is the tiling ``fused_wgrad_update`` takes without a
-``config``. The tuner that writes the cache is
-:mod:`pallas_kernels.autotune`.
+Triton tiling or ``None``, :func:`lookup_mosaic` the cached Mosaic GPU
+entry or ``None``; :func:`select_config` is the Triton tiling
+``fused_wgrad_update`` takes without a ``config``, :func:`select_backend`
+the backend (and its tiling) it takes without a ``backend``. The tuner that
+writes the cache is :mod:`pallas_kernels.autotune`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import mosaic_kernel
 from pallas_kernels.interpret import default_interpret
+from pallas_kernels.mosaic_kernel import MosaicConfig
+from pallas_kernels.rules import UpdateRule
 from pallas_kernels.tiling import BlockConfig, next_pow2
 
 SHIPPED_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -29,11 +39,21 @@ SHIPPED_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 ENV_VAR = "FORGE_AUTOTUNE_CACHE"
 FORMAT_VERSION = 1
 ANY_RULE = "any"
+# The kernel backends, and the variable that picks one for calls that name
+# none.
+TRITON, MOSAIC_GPU = "triton", "mosaic_gpu"
+BACKENDS = (TRITON, MOSAIC_GPU)
+BACKEND_ENV_VAR = "FORGE_BACKEND"
+# The Mosaic GPU kernel needs Hopper (sm_90) or newer.
+MOSAIC_MIN_CAPABILITY = (9, 0)
 
-__all__ = ["ANY_RULE", "ENV_VAR", "FORMAT_VERSION", "SHIPPED_CACHE",
-           "bt_bucket", "cache_key", "cache_paths", "clear_cache", "config_label",
-           "current_device_kind", "describe", "dtype_name", "load", "lookup",
-           "parse_label", "read_json", "select_config", "validated"]
+__all__ = ["ANY_RULE", "BACKENDS", "BACKEND_ENV_VAR", "BackendChoice",
+           "ENV_VAR", "FORMAT_VERSION", "MOSAIC_GPU", "MosaicEntry",
+           "SHIPPED_CACHE", "TRITON", "bt_bucket", "cache_key", "cache_paths",
+           "clear_cache", "compute_capability", "config_label",
+           "current_device_kind", "describe", "dtype_name", "env_backend",
+           "load", "lookup", "lookup_mosaic", "parse_label", "read_json",
+           "select_backend", "select_config", "validated"]
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32",
                   "f16": "float16", "fp16": "float16"}
@@ -138,9 +158,46 @@ def load(path: str) -> dict:
   return _parsed[path]
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicEntry:
+  """A cached Mosaic GPU tiling for one case.
+
+  Attributes:
+    config: the tiling.
+    time_us: its measured time per step, microseconds (``None`` if not
+      recorded).
+    triton_time_us: the Triton kernel's time for the same case in the same
+      run, microseconds (``None`` if not recorded). The entry selects the Mosaic GPU
+      kernel for ``backend=None`` only when both are recorded and
+      ``time_us < triton_time_us``.
+  """
+
+  config: MosaicConfig
+  time_us: float | None = None
+  triton_time_us: float | None = None
+
+  @property
+  def faster_than_triton(self) -> bool:
+    """Whether it measured faster than the Triton kernel (both times
+    recorded)."""
+    return (self.time_us is not None and self.triton_time_us is not None
+            and self.time_us < self.triton_time_us)
+
+
+def _time(entry: dict, name: str) -> float | None:
+  v = entry.get(name)
+  if v is None:
+    return None
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+    raise ValueError(f"{name} must be a positive number of microseconds, "
+                     f"got {v!r}")
+  return float(v)
+
+
 def validated(data: dict, where: str) -> dict:
   """The parsed form of a cache file's ``data``: ``{"data": data,
-  "configs": {(device kind, key): BlockConfig}}``.
+  "configs": {(device kind, key): BlockConfig}, "mosaic": {(device kind,
+  key): MosaicEntry}}``.
 
   Raises:
     ValueError: naming ``where``, when ``data`` is not a valid cache.
@@ -152,20 +209,31 @@ def validated(data: dict, where: str) -> dict:
   if not isinstance(devices, dict):
     raise ValueError(f"{where}: \"devices\" must be an object (device kind "
                      f"-> entries), got {type(devices).__name__}")
-  configs = {}
+  configs, mosaic = {}, {}
   for kind, dev in devices.items():
     entries = dev.get("entries", {}) if isinstance(dev, dict) else None
     sources = dev.get("sources", {}) if isinstance(dev, dict) else None
-    if not isinstance(entries, dict) or not isinstance(sources, dict):
+    mosaic_entries = (dev.get(MOSAIC_GPU, {}) if isinstance(dev, dict)
+                      else None)
+    if not all(isinstance(d, dict)
+               for d in (entries, sources, mosaic_entries)):
       raise ValueError(
-          f"{where}: devices[{kind!r}] must be an object whose \"entries\" and "
-          "\"sources\" are objects")
+          f"{where}: devices[{kind!r}] must be an object whose \"entries\", "
+          f"\"sources\" and \"{MOSAIC_GPU}\" (if present) are objects")
     for key, entry in entries.items():
       try:
         configs[(kind, key)] = BlockConfig(**entry["config"])
       except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: bad entry {kind!r} / {key!r}: {e}") from e
-  return {"data": data, "configs": configs}
+    for key, entry in mosaic_entries.items():
+      try:
+        mosaic[(kind, key)] = MosaicEntry(
+            MosaicConfig(**entry["config"]), _time(entry, "time_us"),
+            _time(entry, "triton_time_us"))
+      except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{where}: bad {MOSAIC_GPU} entry {kind!r} / "
+                         f"{key!r}: {e}") from e
+  return {"data": data, "configs": configs, "mosaic": mosaic}
 
 
 def cache_paths() -> list[str]:
@@ -195,6 +263,22 @@ def lookup(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
   means the current device, and on a CPU (or anything but a GPU) nothing
   matches.
   """
+  return _lookup("configs", bt, n_in, n_out, w_dtype, slot_dtypes, rule,
+                 device_kind, paths)
+
+
+def lookup_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
+                  slot_dtypes: Sequence, rule=None, *,
+                  device_kind: str | None = None,
+                  paths: Sequence[str] | None = None) -> MosaicEntry | None:
+  """The cached Mosaic GPU entry for this problem on ``device_kind``, or
+  ``None``: the same keys, files and order as :func:`lookup`."""
+  return _lookup("mosaic", bt, n_in, n_out, w_dtype, slot_dtypes, rule,
+                 device_kind, paths)
+
+
+def _lookup(table, bt, n_in, n_out, w_dtype, slot_dtypes, rule, device_kind,
+            paths):
   if device_kind is None:
     device_kind = current_device_kind()
     if device_kind is None:
@@ -206,20 +290,39 @@ def lookup(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
   if _rule_name(rule) != ANY_RULE:
     keys.append(cache_key(None, bt, n_in, n_out, w_dtype, slot_dtypes))
   for path in (cache_paths() if paths is None else paths):
-    configs = load(path)["configs"]
+    found = load(path)[table]
     for key in keys:
-      cfg = configs.get((device_kind, key))
-      if cfg is not None:
-        return cfg
+      hit = found.get((device_kind, key))
+      if hit is not None:
+        return hit
   return None
+
+
+def _gpu_device():
+  """``jax.devices()[0]`` when the default backend is a GPU, else ``None``."""
+  if jax.default_backend() != "gpu":
+    return None
+  return jax.devices()[0]
 
 
 def current_device_kind() -> str | None:
   """``jax.devices()[0].device_kind`` when the default backend is a GPU, else
   ``None`` (tuned entries are for GPUs; CPU/interpret uses the heuristic)."""
-  if jax.default_backend() != "gpu":
+  device = _gpu_device()
+  return None if device is None else device.device_kind
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """The GPU's compute capability, e.g. ``(9, 0)`` on an H100 or H200, from
+  its JAX device's ``compute_capability`` (``"9.0"``); ``None`` without a
+  GPU, or when the device does not report one in that form (a GPU that is
+  not NVIDIA's, say)."""
+  device = _gpu_device()
+  text = getattr(device, "compute_capability", None)
+  if not isinstance(text, str):
     return None
-  return jax.devices()[0].device_kind
+  m = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", text)
+  return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
@@ -251,3 +354,223 @@ def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
       return cfg
     return BlockConfig.compiled_default(bt, n_in, n_out, w_dtype)
   return BlockConfig.default(bt, n_in, n_out)
+
+
+# --- the backend -------------------------------------------------------------
+
+
+class BackendChoice(NamedTuple):
+  """The kernel backend a ``fused_wgrad_update`` call takes.
+
+  Attributes:
+    backend: ``"triton"`` or ``"mosaic_gpu"``.
+    config: its tiling: a :class:`~pallas_kernels.tiling.BlockConfig` for
+      Triton, a :class:`~pallas_kernels.mosaic_kernel.MosaicConfig` for
+      Mosaic GPU.
+    reason: why, in words.
+  """
+
+  backend: str
+  config: BlockConfig | MosaicConfig
+  reason: str
+
+
+def env_backend() -> str | None:
+  """The backend ``$FORGE_BACKEND`` names (``"triton"`` or
+  ``"mosaic_gpu"``), or ``None`` when it is unset or empty.
+
+  Raises:
+    ValueError: it names anything else.
+  """
+  value = os.environ.get(BACKEND_ENV_VAR, "").strip()
+  if not value:
+    return None
+  if value not in BACKENDS:
+    raise ValueError(
+        f"${BACKEND_ENV_VAR}={value!r} is not a kernel backend: set it to "
+        f"'triton' or 'mosaic_gpu', or unset it to let each call choose "
+        "(the Mosaic GPU kernel where the autotune cache measured it faster "
+        "on this GPU, else Triton)")
+  return value
+
+
+def _mosaic_shapes(n_in, n_out, w_dtype, slot_dtypes):
+  """Stand-ins of ``w`` and the slots (the Mosaic checks read their
+  dtypes)."""
+  w = jax.ShapeDtypeStruct((n_in, n_out), dtype_name(w_dtype))
+  slots = [jax.ShapeDtypeStruct((n_in, n_out), dtype_name(d))
+           for d in slot_dtypes]
+  return w, slots
+
+
+def _mosaic_default(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
+                    g_stored) -> MosaicConfig:
+  held = mosaic_kernel.smem_dtypes(rule, dtype_name(w_dtype),
+                                   [dtype_name(d) for d in slot_dtypes])
+  if g_stored:
+    return mosaic_kernel.stored_config(n_in, n_out,
+                                       held + [jnp.dtype(x_dtype)])
+  return mosaic_kernel.default_config(dtype_name(x_dtype), held, bt=bt)
+
+
+def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
+                   rule, x_dtype, *, interpret: bool | None = None,
+                   stacked: bool = False, g_stored: bool = False,
+                   config=None, backend: str | None = None,
+                   varying: bool = False,
+                   where: str = "fused_wgrad_update") -> BackendChoice:
+  """The backend and tiling a kernel call takes; runs at trace time.
+
+  In order, the first that applies:
+
+  1. ``backend="triton"`` or ``"mosaic_gpu"``: that backend, with
+     ``config`` if given (of that backend's type), else its tiling for the
+     case (Triton: :func:`select_config`; Mosaic GPU: the cached entry's
+     tiling on a GPU where it covers the case, else
+     :func:`~pallas_kernels.mosaic_kernel.default_config`).
+  2. ``config`` given: the backend of its type (a ``BlockConfig`` is a
+     Triton tiling, a ``MosaicConfig`` a Mosaic GPU one).
+  3. ``$FORGE_BACKEND`` set to ``triton`` or ``mosaic_gpu``: as if that
+     were passed as ``backend``.
+  4. Otherwise Mosaic GPU only when all hold: compiled (not interpret
+     mode), outside ``shard_map`` (``varying``: jax's ``mpmd_map``, which
+     the Mosaic GPU kernel is built on, refuses state refs that vary over
+     a mesh axis), on a GPU of compute capability 9.0 or newer, a kernel that
+     forms ``G`` (not a stored gradient), the autotune cache holds a Mosaic
+     GPU entry for the case on this device kind (:func:`lookup_mosaic`)
+     that measured faster than the Triton kernel in the same run, and the
+     Mosaic GPU kernel covers the case with that tiling
+     (:func:`~pallas_kernels.mosaic_kernel.unsupported`). Else Triton with
+     :func:`select_config`'s tiling.
+
+  A backend chosen by 1 to 3 is not second-guessed: a case the Mosaic GPU
+  kernel does not cover then fails when it is called (``ValueError`` with
+  the reason), never falls back.
+
+  Args:
+    bt, n_in, n_out: tokens and the weight's shape ``(in, out)``.
+    w_dtype, slot_dtypes: the weight's and the slots' storage dtypes.
+    rule: the :class:`~pallas_kernels.rules.UpdateRule`.
+    x_dtype: the dtype of ``x`` and ``dy`` (with ``g_stored``, ``G``'s).
+    interpret: Pallas interpret mode (default: when there is no GPU).
+    stacked: the state is a stack of layers (``layer=i``).
+    g_stored: the gradient is already in memory (``stored_g_update``).
+    varying: the operands vary over a ``shard_map`` mesh axis.
+    config: the caller's tiling, or ``None``.
+    backend: the caller's backend, or ``None``.
+    where: the call named in error messages.
+
+  Returns:
+    A :class:`BackendChoice` ``(backend, config, reason)``.
+
+  Raises:
+    ValueError: ``backend`` or ``$FORGE_BACKEND`` names no backend.
+    TypeError: ``config`` is not a tiling of the chosen backend.
+  """
+  if interpret is None:
+    interpret = default_interpret()
+  if backend is not None and backend not in BACKENDS:
+    raise ValueError(f"{where}: backend={backend!r}; use None, 'triton' or "
+                     "'mosaic_gpu'")
+  if config is not None and not isinstance(config, (BlockConfig,
+                                                    MosaicConfig)):
+    raise TypeError(
+        f"{where}(config=...): block_config must be a "
+        "pallas_kernels.BlockConfig (a Triton tiling), a "
+        "pallas_kernels.MosaicConfig (a Mosaic GPU tiling) or None, got "
+        f"{type(config).__name__} {config!r:.80}")
+  if not isinstance(rule, UpdateRule):
+    raise TypeError(f"{where}: rule must be an UpdateRule (e.g. "
+                    f"pallas_kernels.ADAMW), got {type(rule).__name__}")
+  if backend is not None:
+    how = f"backend={backend!r} was passed"
+  elif config is not None:
+    backend = MOSAIC_GPU if isinstance(config, MosaicConfig) else TRITON
+    how = f"config is a {type(config).__name__}"
+  else:
+    backend = env_backend()
+    how = f"${BACKEND_ENV_VAR}={backend}"
+  if backend == TRITON:
+    if isinstance(config, MosaicConfig):
+      raise TypeError(
+          f"{where}(backend='triton'): config must be a BlockConfig (a "
+          f"Triton tiling), got a MosaicConfig ({config.label}); pass "
+          "backend='mosaic_gpu' for it, or leave backend=None (a config "
+          "picks its own backend)")
+    cfg = config or select_config(bt, n_in, n_out, w_dtype, slot_dtypes,
+                                  rule, interpret=interpret)
+    return BackendChoice(TRITON, cfg, how)
+  if backend == MOSAIC_GPU:
+    if isinstance(config, BlockConfig):
+      raise TypeError(
+          f"{where}(backend='mosaic_gpu'): config must be a MosaicConfig (a "
+          f"Mosaic GPU tiling), got a BlockConfig ({config_label(config)}); "
+          "pass backend='triton' for it, or leave backend=None (a config "
+          "picks its own backend)")
+    if config is not None:
+      return BackendChoice(MOSAIC_GPU, config, how)
+    entry = None if interpret or g_stored else lookup_mosaic(
+        bt, n_in, n_out, w_dtype, slot_dtypes, rule)
+    if entry is not None and _mosaic_refusal(
+        entry.config, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
+        stacked, g_stored) is None:
+      return BackendChoice(MOSAIC_GPU, entry.config,
+                           f"{how}; the autotune cache's tiling")
+    return BackendChoice(
+        MOSAIC_GPU, _mosaic_default(bt, n_in, n_out, w_dtype, slot_dtypes,
+                                    rule, x_dtype, g_stored),
+        f"{how}; the default tiling for the case")
+  # No backend asked for: the faster for the case, as far as it is known.
+  triton = lambda why: BackendChoice(
+      TRITON, select_config(bt, n_in, n_out, w_dtype, slot_dtypes, rule,
+                            interpret=interpret), why)
+  if interpret:
+    return triton("interpret mode: the Mosaic GPU kernel is chosen only when "
+                  "compiled for a GPU")
+  if varying:
+    return triton("inside shard_map: the Mosaic GPU kernel cannot take state "
+                  "that varies over a mesh axis")
+  capability = compute_capability()
+  if capability is None:
+    return triton("no NVIDIA GPU that reports its compute capability")
+  if capability < MOSAIC_MIN_CAPABILITY:
+    return triton(f"the GPU's compute capability is "
+                  f"{capability[0]}.{capability[1]}; the Mosaic GPU kernel "
+                  "needs 9.0 or newer (Hopper)")
+  if g_stored:
+    return triton("a stored gradient: the autotune cache has no Mosaic GPU "
+                  "measurements for it")
+  if bt < 1:
+    return triton("no tokens")
+  entry = lookup_mosaic(bt, n_in, n_out, w_dtype, slot_dtypes, rule)
+  kind = current_device_kind()
+  if entry is None:
+    return triton(f"the autotune cache has no Mosaic GPU entry for this "
+                  f"case on {kind}")
+  label = entry.config.label
+  if not entry.faster_than_triton:
+    return triton(f"the autotune cache's Mosaic GPU tiling {label} measured "
+                  f"{_us(entry.time_us)} against the Triton kernel's "
+                  f"{_us(entry.triton_time_us)} on {kind}")
+  why = _mosaic_refusal(entry.config, bt, n_in, n_out, w_dtype, slot_dtypes,
+                        rule, x_dtype, stacked, g_stored)
+  if why is not None:
+    return triton(f"the autotune cache's Mosaic GPU tiling {label} does not "
+                  f"cover this case: {why}")
+  return BackendChoice(
+      MOSAIC_GPU, entry.config,
+      f"the autotune cache's Mosaic GPU tiling {label} measured "
+      f"{_us(entry.time_us)} against the Triton kernel's "
+      f"{_us(entry.triton_time_us)} on {kind}")
+
+
+def _us(t: float | None) -> str:
+  return "an unrecorded time" if t is None else f"{t:.1f} us"
+
+
+def _mosaic_refusal(cfg, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
+                    x_dtype, stacked, g_stored) -> str | None:
+  w, slots = _mosaic_shapes(n_in, n_out, w_dtype, slot_dtypes)
+  return mosaic_kernel.unsupported(bt, n_in, n_out, dtype_name(x_dtype), w,
+                                   slots, rule, cfg, stacked=stacked,
+                                   g_stored=g_stored)

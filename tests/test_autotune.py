@@ -1,5 +1,6 @@
-"""The autotuner: its config space, the shipped cache, lookup and tune()."""
+"""The autotuner: its config spaces, the shipped cache, lookup and tune()."""
 
+import csv
 import dataclasses
 import json
 import os
@@ -26,6 +27,11 @@ H200_CSVS = [H200_CSV] + [os.path.join(ROOT, AUTOTUNE, f"variants_{s}.csv")
 # of those shapes at BT 512, whose winners replace the first one's there.
 H200_TUNED = [os.path.join(AUTOTUNE, "decoder_shapes_tuned.json"),
               os.path.join(AUTOTUNE, "decoder_shapes_bt512_tuned.json")]
+# The Mosaic GPU entries: the kernel's default tilings per case in the
+# benchmarks.backends run of commit ddd1e56, each beside the Triton kernel.
+BACKENDS_CSV = os.path.join("benchmarks", "results", "h200", "backends.csv")
+MOSAIC_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "ddd1e56",
+                   "--mosaic-pick", "default"]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -88,7 +94,7 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   # its BT-512 winners replaced by the wider tuning).
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
-      sorted(os.path.relpath(p, ROOT) for p in H200_CSVS))
+      sorted([os.path.relpath(p, ROOT) for p in H200_CSVS] + [BACKENDS_CSV]))
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -97,8 +103,9 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
     assert source["device"] == "gpu:NVIDIA H200"
     assert "jax 0.11.2" in source["versions"]
     assert "triton 3.6.0" in source["versions"]
-    assert source["measured"].startswith("2026-11-29")
-  for entry in dev["entries"].values():
+    assert source["measured"].startswith(
+        "2026-12-02" if source.get("csv") == BACKENDS_CSV else "2026-11-29")
+  for entry in [*dev["entries"].values(), *dev["mosaic_gpu"].values()]:
     assert entry["source"] in dev["sources"]
 
 
@@ -107,6 +114,7 @@ def test_from_csv_reproduces_the_shipped_winners(tmp_path, monkeypatch):
   out = tmp_path / "tuned.json"
   assert autotune.main(["--from-csv", *H200_CSVS, "--out", str(out)]) == 0
   assert autotune.main(["--merge", *H200_TUNED, "--out", str(out)]) == 0
+  assert autotune.main([*MOSAIC_FROM_CSV, "--out", str(out)]) == 0
   got = json.loads(out.read_text())
   assert got == _shipped()
 
@@ -640,3 +648,311 @@ def test_cli_refuses_to_write_into_an_installed_package(tmp_path, monkeypatch,
   assert e.value.code == 2
   assert "pass --out FILE, or set $FORGE_AUTOTUNE_CACHE" in capsys.readouterr().err
   assert not shipped.exists()
+
+
+# --- the Mosaic GPU backend ---------------------------------------------------
+
+H200 = "NVIDIA H200"
+M = pk.MosaicConfig
+
+
+def test_mosaic_config_space_is_valid_and_fits_a_typical_case():
+  space = autotune.mosaic_config_space()
+  assert 6 <= len(space) <= 36 and len(space) == len(set(space))
+  assert [c.label for c in space] == list(autotune.MOSAIC_CONFIG_SPACE)
+  bf, f32 = jnp.bfloat16, jnp.float32
+  # The kernel's default tilings are candidates.
+  for state, bt in (([bf] * 3, 512), ([bf] * 3, 2048), ([bf, f32, f32], 512)):
+    assert pk.mosaic_kernel.default_config(bf, state, bt=bt) in space
+  # BT 2048, 4096 x 4096, bf16 AdamW: every candidate fits shared memory and
+  # is accepted by the kernel.
+  w, slots = jax.ShapeDtypeStruct((4096, 4096), bf), [
+      jax.ShapeDtypeStruct((4096, 4096), bf)] * 2
+  for cfg in space:
+    assert cfg.smem_bytes(bf, [bf] * 3) <= pk.mosaic_kernel._SMEM_BYTES
+    assert pk.mosaic_kernel.unsupported(2048, 4096, 4096, bf, w, slots,
+                                        pk.ADAMW, cfg, stacked=False,
+                                        g_stored=False) is None, cfg.label
+  assert autotune.mosaic_candidates(2048, 4096, 4096, "bf16", "bf16", BF16,
+                                    pk.ADAMW) == space
+  # fp32 moments: fewer fit; 192 inputs: only the 64-row tiles divide them.
+  wide = autotune.mosaic_candidates(2048, 4096, 4096, "bf16", "bf16",
+                                    ("float32",) * 2, pk.ADAMW)
+  assert 6 <= len(wide) < len(space)
+  assert all(c.smem_bytes(bf, [bf, f32, f32]) <= pk.mosaic_kernel._SMEM_BYTES
+             for c in wide)
+  narrow = autotune.mosaic_candidates(512, 192, 4096, "bf16", "bf16", BF16,
+                                      pk.ADAMW)
+  assert narrow and all(c.tile_m == 64 for c in narrow)
+  assert autotune.mosaic_candidates(512, 4096, 4096, "float32", "bf16",
+                                    BF16, pk.ADAMW) == []
+
+
+def _csv_rows(path):
+  with open(os.path.join(ROOT, path), newline="") as f:
+    return [r for r in csv.DictReader(f) if r["metric"] == "time"]
+
+
+def test_shipped_mosaic_entries_are_the_measured_default_tilings():
+  dev = _shipped()["devices"][H200]
+  entries = dev["mosaic_gpu"]
+  # 4 shapes x BT 512/2048/4096 (bf16 moments), 2 shapes x BT 512/2048
+  # (fp32 moments).
+  assert len(entries) == 16
+  want = {(512, "bfloat16"): "64x128x64/4,b2,pn",
+          (2048, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
+          (4096, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
+          (512, "float32"): "128x128x64/4,r1",
+          (2048, "float32"): "128x128x64/4,e64x32,r2"}
+  rows = _csv_rows(BACKENDS_CSV)
+  for key, entry in entries.items():
+    rule, bt, shape, w, slots = key.split("|")
+    bt = int(bt[2:])
+    slot = slots.split("=")[1].split(",")[0]
+    label = M(**entry["config"]).label
+    assert (rule, w) == ("adamw", "w=bfloat16")
+    assert label == want[(bt, slot)], key
+    assert entry["timings_us"][label] == entry["time_us"]
+    # Its time and the Triton kernel's are the rows of one run of the CSV.
+    case = [r for r in rows if r["commit"] == "ddd1e56"
+            and r["timestamp"] == entry["run"]
+            and r["shape"] == f"BT={bt} {shape}"
+            and r["dtypes"].endswith("bf16" if slot == "bfloat16" else "fp32")]
+    mosaic = [float(r["p50"]) for r in case if r["provider"].startswith(
+        "forge_mosaic_") and M.from_label(r["provider"][13:]).label == label]
+    (triton,) = [float(r["p50"]) for r in case
+                 if r["provider"] == "forge_triton"]
+    assert entry["time_us"] in mosaic
+    assert entry["triton_time_us"] == triton
+  slower = {k for k, e in entries.items()
+            if e["time_us"] >= e["triton_time_us"]}
+  assert slower == {"adamw|bt4096|4096x1024|w=bfloat16|slots=bfloat16,bfloat16"}
+  (source,) = {dev["sources"][e["source"]]["csv"] for e in entries.values()}
+  assert source == BACKENDS_CSV
+  sid = next(iter(entries.values()))["source"]
+  assert dev["sources"][sid]["commit"] == "ddd1e56"
+  assert "default tiling" in dev["sources"][sid]["pick"]
+
+
+_BACKENDS_HEADER = ["benchmark", "case", "provider", "shape", "dtypes",
+                    "metric", "p20", "p50", "p80", "unit", "device",
+                    "versions", "timestamp", "commit"]
+
+
+def _backends_csv(path, rows):
+  """A benchmarks.backends CSV of ``(run, commit, shape, moments, provider,
+  p50 us)`` time rows (each with a max_rel_err row beside it)."""
+  with open(path, "w", newline="") as f:
+    out = csv.writer(f)
+    out.writerow(_BACKENDS_HEADER)
+    for run, commit, shape, moments, provider, t in rows:
+      for metric, v in (("time", t), ("max_rel_err_vs_xla", 0.001)):
+        out.writerow(["backends", "adamw", provider, shape,
+                      f"x,dy,W bf16; m,v {moments}", metric, v, v, v,
+                      "us" if metric == "time" else "", "gpu:Fake GPU",
+                      "jax 0.12", f"2026-12-0{run}T00:00:00+00:00", commit])
+
+
+def test_mosaic_entries_from_a_backends_csv(tmp_path):
+  a, b = "forge_mosaic_128x128x64/4,e64x32,r2,s8", "forge_mosaic_64x128x64/2"
+  path = tmp_path / "b.csv"
+  _backends_csv(path, [
+      # BT 2048: run 1 has b fastest; run 2 the default tiling a, slower
+      # than b but faster than Triton. The default pick takes a.
+      (1, "c1", "BT=2048 4096x4096", "bf16", "forge_triton", 200.0),
+      (1, "c1", "BT=2048 4096x4096", "bf16", b, 150.0),
+      (2, "c1", "BT=2048 4096x4096", "bf16", "forge_triton", 210.0),
+      (2, "c1", "BT=2048 4096x4096", "bf16", a, 170.0),
+      (2, "c1", "BT=2048 4096x4096", "bf16", "xla_unfused", 100.0),
+      # BT 512, fp32 moments: Mosaic slower than Triton.
+      (1, "c1", "BT=512 4096x1024", "fp32", "forge_triton", 30.0),
+      (1, "c1", "BT=512 4096x1024", "fp32", b, 31.0),
+      # No Triton row in its run: left out.
+      (3, "c1", "BT=512 4096x4096", "bf16", b, 1.0),
+      # Another commit.
+      (4, "c0", "BT=2048 4096x4096", "bf16", "forge_triton", 500.0),
+      (4, "c0", "BT=2048 4096x4096", "bf16", b, 1.0),
+  ])
+  key = tuning_cache.cache_key("adamw", 2048, 4096, 4096, "bf16", BF16)
+  slow = tuning_cache.cache_key("adamw", 512, 4096, 1024, "bf16",
+                                ("float32",) * 2)
+  kind, sid, source, entries = autotune.mosaic_winners_from_csv(
+      str(path), commit="c1")
+  assert (kind, sid) == ("Fake GPU", "b.csv@2026-12-01T00:00:00+00:00")
+  assert sorted(entries) == sorted([key, slow])
+  fast = entries[key]
+  assert M(**fast["config"]) == M.from_label(b[13:])
+  assert (fast["time_us"], fast["triton_time_us"]) == (150.0, 200.0)
+  assert fast["timings_us"] == {b[13:]: 150.0, a[13:]: 170.0}
+  assert entries[slow]["time_us"] > entries[slow]["triton_time_us"]
+  assert source["commit"] == "c1" and "fastest" in source["pick"]
+  _, _, source, entries = autotune.mosaic_winners_from_csv(
+      str(path), commit="c1", pick="default")
+  assert M(**entries[key]["config"]) == M.from_label(a[13:])
+  assert (entries[key]["time_us"], entries[key]["triton_time_us"]) == (
+      170.0, 210.0)
+  # Without the commit filter the other commit's faster row wins.
+  _, _, _, entries = autotune.mosaic_winners_from_csv(str(path))
+  assert entries[key]["time_us"] == 1.0
+  # Through the CLI: Mosaic entries, looked up and chosen by that device.
+  out = tmp_path / "t.json"
+  assert autotune.main(["--from-csv", str(path), "--commit", "c1",
+                        "--out", str(out)]) == 0
+  found = tuning_cache.lookup_mosaic(2048, 4096, 4096, "bf16", BF16,
+                                     pk.ADAMW, device_kind="Fake GPU",
+                                     paths=[str(out)])
+  assert found == tuning_cache.MosaicEntry(M.from_label(b[13:]), 150.0, 200.0)
+  assert found.faster_than_triton
+  assert not json.loads(out.read_text())["devices"]["Fake GPU"]["entries"]
+  # --merge carries Mosaic GPU entries over.
+  merged = tmp_path / "m.json"
+  assert autotune.main(["--merge", str(out), "--out", str(merged)]) == 0
+  assert (json.loads(merged.read_text())["devices"]["Fake GPU"]["mosaic_gpu"]
+          .keys() == {key, slow})
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--commit", "abc"], "--commit chooses the rows of --from-csv CSVs"),
+    (["--mosaic-pick", "default"], "needs --from-csv"),
+    (["--mosaic-pick", "slowest"], "invalid choice: 'slowest'"),
+    (["--from-csv", "x.csv", "--backend", "both"], "--backend choose(s)"),
+    (["--backend", "triton", "--config", "128x128x64/4,r2"],
+     "128x128x64/4,r2 is a mosaic_gpu tiling, but --backend triton"),
+    (["--backend", "mosaic_gpu", "--config", "64x64x64,g1,w4,s3"],
+     "is a triton tiling, but --backend mosaic_gpu"),
+    (["--config", "128x128x64/4,q1"], "unknown knob 'q1'"),
+])
+def test_autotune_cli_mosaic_usage_errors(argv, match, tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    autotune.main([*argv, "--out", str(tmp_path / "t.json")])
+  assert e.value.code == 2
+  assert match in capsys.readouterr().err
+  assert not (tmp_path / "t.json").exists()
+
+
+def test_bad_backends_csvs_fail_clearly(tmp_path):
+  path = tmp_path / "b.csv"
+  _backends_csv(path, [(1, "c1", "BT=512 64x64", "bf16", "forge_triton", 1.0),
+                       (1, "c1", "BT=512 64x64", "bf16",
+                        "forge_mosaic_96x64x64/2", 1.0)])
+  with pytest.raises(ValueError, match="provider 'forge_mosaic_96x64x64/2'.*"
+                     "tile_m=96"):
+    autotune.mosaic_winners_from_csv(str(path))
+  with pytest.raises(ValueError, match="no rows of commit 'nope'"):
+    autotune.mosaic_winners_from_csv(str(path), commit="nope")
+  with pytest.raises(ValueError, match="no column commit"):
+    autotune.winners_from_csv(os.path.join(ROOT, AUTOTUNE, "kernel.csv"),
+                              commit="abc")
+  _backends_csv(path, [(1, "c1", "BT=512 64x64", "bf16", "forge_triton", 1.0)])
+  with pytest.raises(ValueError, match="no forge_mosaic_<tiling> time rows"):
+    autotune.mosaic_winners_from_csv(str(path))
+
+
+def test_bad_mosaic_cache_entries_fail_clearly(tmp_path):
+  path = tmp_path / "bad.json"
+  for entry, match in (({"config": {"tile_m": 96}}, "tile_m=96"),
+                       ({"config": {}, "time_us": -1}, "positive number"),
+                       ({"config": {}, "triton_time_us": "fast"},
+                        "positive number")):
+    data = autotune._empty_cache()
+    data["devices"]["X"] = {"entries": {}, "mosaic_gpu": {"k": entry}}
+    path.write_text(json.dumps(data))
+    tuning_cache.clear_cache()
+    with pytest.raises(ValueError, match=f"bad mosaic_gpu entry.*{match}"):
+      tuning_cache.load(str(path))
+
+
+def test_tune_mosaic_runs_the_mosaic_kernel_and_picks_the_fastest():
+  # 64 x 64 x 128 in interpret mode: one candidate runs for real through
+  # fused_wgrad_update(backend="mosaic_gpu"), the others are timed by
+  # the stand-in timer only; the 128-row tile does not divide 64 inputs.
+  configs = [M.from_label(l) for l in ("64x128x64/2,r1", "64x64x64/2",
+                                       "128x128x64/4,r1", "64x128x64/2")]
+  times = {configs[0]: 3e-6, configs[1]: 2e-6,
+           configs[3]: RuntimeError("does not compile")}
+  calls = []
+  res = autotune.tune(64, 64, 128, "bf16", BF16, pk.ADAMW, configs=configs,
+                      backend="mosaic_gpu", timer=_fake_timer(times, calls,
+                                                              run=False))
+  assert res.backend == "mosaic_gpu"
+  assert res.best == configs[1] and res.timings == {configs[0]: 3e-6,
+                                                    configs[1]: 2e-6}
+  assert list(res.failures) == [configs[3]]
+  assert [c for c, _ in calls] == [configs[0], configs[1], configs[3]]
+  # One real run of a candidate's step: the Mosaic GPU kernel on scratch.
+  ran = []
+
+  def timer(step, state, cfg):
+    new = jax.block_until_ready(step(state))
+    ran.append((cfg, new))
+    return 1e-6
+
+  autotune.tune(64, 64, 128, "bf16", BF16, pk.ADAMW, configs=configs[:1],
+                backend="mosaic_gpu", timer=timer, interpret=True)
+  ((cfg, (x, dy, w, mu, nu)),) = ran
+  x0, dy0, w0, mu0, nu0 = autotune.scratch_state(64, 64, 128, "bf16", BF16)
+  ref_w, (ref_mu, ref_nu) = pk.fused_wgrad_update_reference(
+      x0, dy0, w0, (mu0, nu0), autotune._tuning_hparams(pk.ADAMW),
+      rule=pk.ADAMW)
+  from tests.tolerances import assert_close
+  for got, ref, what in ((w, ref_w, "w"), (mu, ref_mu, "mu"),
+                         (nu, ref_nu, "nu")):
+    assert_close(got, ref, what=what)
+  with pytest.raises(RuntimeError, match="no Mosaic GPU tiling covers BT=64 "
+                     "64x128 with float32 x and dy"):
+    autotune.tune(64, 64, 128, "float32", ("float32",) * 2, pk.ADAMW,
+                  backend="mosaic_gpu", timer=timer)
+
+
+def _fake_gpu_cli(monkeypatch, capability=(9, 0)):
+  monkeypatch.setattr(autotune, "current_device_kind", lambda: "Fake GPU")
+  monkeypatch.setattr(autotune, "compute_capability", lambda: capability)
+
+  def time_of(step, state, cfg):
+    if isinstance(cfg, M):
+      return 1e-6 * cfg.tile_m / 16   # 64-row tiles: 4 us, 128: 8 us
+    return 5e-6
+
+  monkeypatch.setattr(autotune, "loop_timer", lambda: time_of)
+
+
+def test_autotune_cli_tunes_the_mosaic_backend(tmp_path, monkeypatch):
+  _fake_gpu_cli(monkeypatch)
+  out = tmp_path / "t.json"
+  labels = ["128x128x64/4,r1", "64x128x64/2,r1"]
+  assert autotune.main(["--backend", "mosaic_gpu", "--shapes", "256x256",
+                        "--tokens", "128", "--config", *labels,
+                        "--out", str(out)]) == 0
+  dev = json.loads(out.read_text())["devices"]["Fake GPU"]
+  assert not dev["entries"]  # the Triton kernel timed, not tuned
+  (entry,) = dev["mosaic_gpu"].values()
+  assert sorted(entry["timings_us"]) == sorted(labels)
+  assert M(**entry["config"]) == M.from_label(labels[1])
+  assert entry["time_us"] == pytest.approx(4.0)
+  assert entry["triton_time_us"] == pytest.approx(5.0)
+  # On the CPU no cache entry applies: the compiled heuristic's tiling.
+  assert entry["triton_config"] == tuning_cache.config_label(
+      pk.BlockConfig.compiled_default(128, 256, 256, "bfloat16"))
+  # both: a Triton entry beside it, each backend taking its own labels.
+  out2 = tmp_path / "both.json"
+  assert autotune.main(["--backend", "both", "--shapes", "256x256",
+                        "--tokens", "128", "--config", labels[0],
+                        "16x16x16,g1,w4,s2", "32x32x16,g1,w4,s2",
+                        "--out", str(out2)]) == 0
+  dev = json.loads(out2.read_text())["devices"]["Fake GPU"]
+  (triton,), (mosaic,) = dev["entries"].values(), dev["mosaic_gpu"].values()
+  assert sorted(triton["timings_us"]) == ["16x16x16,g1,w4,s2",
+                                          "32x32x16,g1,w4,s2"]
+  assert list(mosaic["timings_us"]) == [labels[0]]
+  assert mosaic["triton_time_us"] == triton["time_us"] == pytest.approx(5.0)
+  assert mosaic["triton_config"] == "16x16x16,g1,w4,s2"  # first of equals
+
+
+def test_autotune_cli_refuses_mosaic_below_hopper(tmp_path, monkeypatch,
+                                                  capsys):
+  _fake_gpu_cli(monkeypatch, capability=(8, 0))
+  out = tmp_path / "t.json"
+  assert autotune.main(["--backend", "both", "--shapes", "256x256",
+                        "--tokens", "128", "--out", str(out)]) == 2
+  assert "compute capability 9.0 or newer" in capsys.readouterr().err
+  assert not out.exists()

@@ -196,10 +196,11 @@ def _stored_case(seed, layers, n_in, n_out, dtypes, rule):
   return g, w, tuple(slots)
 
 
-def _check_stored(rule, g, w, slots, h, layer, config=None, interpret=True):
+def _check_stored(rule, g, w, slots, h, layer, config=None, interpret=True,
+                  backend=None):
   got_w, got_slots = pk.stored_g_update(g, w, slots, h, rule=rule,
                                         layer=layer, config=config,
-                                        interpret=interpret)
+                                        interpret=interpret, backend=backend)
   ref_w, ref_slots = apply_rule(rule, g, w, slots, h, layer)
   pick = (lambda a: a) if layer is None else (lambda a: a[layer])
   news = ((got_w, ref_w, w, "w"),) if rule.updates_weight else ()

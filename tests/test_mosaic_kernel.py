@@ -9,7 +9,8 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import autotune
-from tests.test_kernel import check_against_reference
+from tests.test_kernel import (_check_stored, _stored_case, _stored_hparams,
+                               check_against_reference)
 from tests.tolerances import assert_close
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -137,6 +138,40 @@ def test_mosaic_kernel_ring_with_stacks_and_state_only_rules():
                     one, interpret=True)
 
 
+@pytest.mark.parametrize("rule,layers,layer,dtypes", [
+    (pk.ADAMW, None, None, (BF16,) * 4),
+    (pk.ADAMW, 3, 1, (F32, BF16, BF16, F32)),  # fp32 G; stacked state
+    (pk.muon_rule(), None, None, (BF16,) * 4),  # state only, mu_hat output
+], ids=["adamw-bf16", "adamw-fp32-g-stacked", "muon"])
+def test_mosaic_stored_g_update_is_the_rule_on_that_g(rule, layers, layer,
+                                                      dtypes):
+  # 128 x 256 in 128 x 128 tiles (stored_config), the ring of 64 x 64
+  # sub-tiles carrying G with the state.
+  g, w, slots = _stored_case(18, layers, 128, 256, dtypes, rule)
+  _check_stored(rule, g, w, slots, _stored_hparams(rule), layer,
+                backend="mosaic_gpu")
+
+
+def test_mosaic_stored_g_update_tilings_and_refusals():
+  g, w, slots = _stored_case(19, None, 128, 384, (BF16,) * 4, pk.ADAMW)
+  h = _stored_hparams(pk.ADAMW)
+  cfg = pk.MosaicConfig(tile_m=64, tile_n=128, epi_n=32, state_ring=2)
+  _check_stored(pk.ADAMW, g, w, slots, h, None, cfg, backend="mosaic_gpu")
+  assert pk.mosaic_kernel.stored_config(128, 384, [BF16] * 4).tile_n == 128
+  with pytest.raises(ValueError, match="needs state_ring >= 1"):
+    pk.stored_g_update(g, w, slots, h, rule=pk.ADAMW, interpret=True,
+                       backend="mosaic_gpu", config=SMALL)
+  with pytest.raises(ValueError, match="not a multiple of the tile"):
+    pk.stored_g_update(g[:, :100], w[:, :100], tuple(a[:, :100] for a in slots),
+                       h, rule=pk.ADAMW, interpret=True, backend="mosaic_gpu")
+  with pytest.raises(TypeError, match="must be a MosaicConfig"):
+    pk.stored_g_update(g, w, slots, h, rule=pk.ADAMW, interpret=True,
+                       backend="mosaic_gpu", config=pk.BlockConfig(16, 16, 16))
+  with pytest.raises(ValueError, match="backend='cuda'"):
+    pk.stored_g_update(g, w, slots, h, rule=pk.ADAMW, backend="cuda",
+                       interpret=True)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(n_in=100), "not a multiple of the tiles"),
     (dict(bt=96), "not a multiple of the tiles"),
@@ -195,6 +230,18 @@ def test_gpu_mosaic_kernel_compiled_matches_reference(rule, slot_dtype):
         "ring-e64x32"])
 def test_gpu_mosaic_kernel_compiled_knobs(cfg):
   _check(pk.ADAMW, _case(9, 512, 1024, 768, pk.ADAMW), cfg, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule,layers,layer,dtypes", [
+    (pk.ADAMW, 3, 2, (BF16,) * 4),
+    (pk.ADAMW, None, None, (F32, F32, F32, F32)),
+    (pk.muon_rule(), None, None, (BF16,) * 4),
+], ids=["adamw-bf16-stacked", "adamw-fp32", "muon"])
+def test_gpu_mosaic_stored_g_update(rule, layers, layer, dtypes):
+  g, w, slots = _stored_case(20, layers, 512, 768, dtypes, rule)
+  _check_stored(rule, g, w, slots, _stored_hparams(rule), layer,
+                interpret=False, backend="mosaic_gpu")
 
 
 @pytest.mark.gpu

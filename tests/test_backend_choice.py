@@ -1,0 +1,427 @@
+"""Which kernel backend ``fused_wgrad_update`` takes: Mosaic GPU tiling
+labels, ``select_backend`` (on a stand-in GPU), ``$FORGE_BACKEND``, a
+config's type, and the kernel call taking what was chosen."""
+
+import dataclasses
+import json
+import random
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import autotune, fused_wgrad, mosaic_kernel, tuning_cache
+from tests.test_kernel import adamw_hparams, check_against_reference, make_case
+
+M = pk.MosaicConfig
+BF16, F32 = "bfloat16", "float32"
+# The shipped cache's Mosaic GPU tilings (benchmarks/results/h200/backends.csv).
+SHORT = M.from_label("64x128x64/4,b2,pn")        # BT 512, bf16 moments
+LONG = M.from_label("128x128x64/4,e64x32,r2,s8")  # BT 2048 and 4096, bf16
+LONG_F32 = M.from_label("128x128x64/4,e64x32,r2")  # BT 2048, fp32 moments
+
+
+@pytest.fixture(autouse=True)
+def _no_overrides(monkeypatch):
+  monkeypatch.delenv(tuning_cache.BACKEND_ENV_VAR, raising=False)
+  monkeypatch.delenv(tuning_cache.ENV_VAR, raising=False)
+  tuning_cache.clear_cache()
+  yield
+  tuning_cache.clear_cache()
+
+
+def _gpu(monkeypatch, capability="9.0", kind="NVIDIA H200"):
+  """A stand-in GPU device: ``compute_capability=None`` leaves the
+  attribute out."""
+  device = types.SimpleNamespace(platform="gpu", device_kind=kind)
+  if capability is not None:
+    device.compute_capability = capability
+  monkeypatch.setattr(tuning_cache, "_gpu_device", lambda: device)
+
+
+def _choose(bt=512, n_in=4096, n_out=4096, slots=(BF16, BF16), *,
+            rule=pk.ADAMW, x_dtype=BF16, interpret=False, **kw):
+  return tuning_cache.select_backend(bt, n_in, n_out, BF16, slots, rule,
+                                     x_dtype, interpret=interpret, **kw)
+
+
+def _triton_config(bt=512, n_in=4096, n_out=4096, slots=(BF16, BF16),
+                   interpret=False):
+  return pk.select_config(bt, n_in, n_out, BF16, slots, pk.ADAMW,
+                          interpret=interpret)
+
+
+# --- labels ------------------------------------------------------------------
+
+
+def _random_configs(n, seed=0):
+  """``n`` distinct valid MosaicConfigs drawn over every knob."""
+  rng = random.Random(seed)
+  out = set()
+  while len(out) < n:
+    try:
+      out.add(M(tile_m=rng.choice([64, 128, 192, 256]),
+                tile_n=rng.choice([64, 128, 192, 256, 384]),
+                tile_k=rng.choice([64, 128]), steps=rng.randint(1, 5),
+                epi_m=rng.choice([8, 16, 32, 64, 128]),
+                epi_n=rng.choice([32, 64, 128]),
+                compute_wgs=rng.choice([None, 1, 2, 3, 4]),
+                delay_release=rng.choice([0, 1]),
+                state_buffers=rng.choice([1, 2]),
+                prefetch_next=rng.choice([False, True]),
+                state_ring=rng.choice([0, 0, 1, 2, 5, 8]),
+                band=rng.choice([1, 1, 3, 8, 16])))
+    except ValueError:
+      pass  # an invalid combination
+  return sorted(out, key=lambda c: c.label)
+
+
+def test_labels_round_trip_every_knob():
+  configs = _random_configs(300) + autotune.mosaic_config_space()
+  for cfg in configs:
+    assert M.from_label(cfg.label) == cfg, cfg.label
+    assert M.from_label(cfg.label).label == cfg.label
+  assert len({c.label for c in configs}) == len(set(configs))
+  # Every field (a knob added later included) is off its default in some
+  # drawn config, so the round trip above covers it.
+  default = M()
+  for field in dataclasses.fields(M):
+    # (compute_wgs's default follows tile_n)
+    off = [getattr(c, field.name) != getattr(
+        M(tile_n=c.tile_n) if field.name == "compute_wgs" else default,
+        field.name) for c in configs]
+    assert any(off), field.name
+  assert default.label == "128x128x64/3"
+  assert LONG.label == "128x128x64/4,e64x32,r2,s8"
+  assert M.from_label("64x192x64/2,wg3,d0,b2,pn") == M(
+      tile_m=64, tile_n=192, steps=2, compute_wgs=3, delay_release=0,
+      state_buffers=2, prefetch_next=True)
+  # Knobs in any order, defaults spelt out: the same tiling, one label.
+  odd = M.from_label(" 128x128x64/3,s1,r0,e64x64,d1,wg2,b1 ")
+  assert odd == default and odd.label == "128x128x64/3"
+  assert M.from_label("64x128x64/4,pn,s8,b2").label == "64x128x64/4,b2,s8,pn"
+
+
+@pytest.mark.parametrize("label,match", [
+    ("64x128/2", "the tile '64x128' is not NxNxN"),
+    ("128x128x64", "no '/STEPS'"),
+    ("", "no '/STEPS'"),
+    ("128x128x64/four", "the step count 'four' is not N"),
+    ("128x128x64/4,q2", "unknown knob 'q2'"),
+    ("128x128x64/4,", "unknown knob ''"),
+    ("128x128x64/4,e64", "the value after 'e' in knob 'e64' is not NxN"),
+    ("128x128x64/4,r-1", "the value after 'r' in knob 'r-1' is not N"),
+    ("128x128x64/4,r2,r3", "knob 'r3' is given twice"),
+    ("\uff11\uff12\uff18x128x64/4", "is not NxNxN"),
+    ("96x128x64/4", "tile_m=96 must be a positive multiple of 64"),
+    ("128x128x64/0", "steps=0 must be >= 1"),
+    ("128x128x64/4,pn", "prefetch_next needs state_buffers=2"),
+    ("128x128x64/4,b2,r2", "state_ring streams the state"),
+    (None, "is a string"),
+])
+def test_bad_labels_are_refused_in_plain_words(label, match):
+  with pytest.raises(ValueError, match=match):
+    M.from_label(label)
+
+
+def test_backends_benchmark_parses_with_the_shared_labels(capsys):
+  from benchmarks import backends
+  for cfg in _random_configs(20, seed=1):
+    assert backends.parse_mosaic(cfg.label) == cfg
+  import argparse
+  with pytest.raises(argparse.ArgumentTypeError,
+                     match=r"expected MxNxK/STEPS.*unknown knob 'x1'"):
+    backends.parse_mosaic("64x128x64/2,x1")
+
+
+# --- select_backend on a stand-in GPU ----------------------------------------
+
+
+@pytest.mark.parametrize("capability,interpret,backend,reason", [
+    ("9.0", False, "mosaic_gpu", "measured 101.1 us against the Triton "
+     "kernel's 105.0 us on NVIDIA H200"),
+    ("10.0", False, "mosaic_gpu", "measured 101.1 us"),
+    ("9.0", True, "triton", "interpret mode"),
+    ("8.0", False, "triton", "compute capability is 8.0; the Mosaic GPU "
+     "kernel needs 9.0 or newer"),
+    (None, False, "triton", "reports its compute capability"),
+    ("gfx90a", False, "triton", "reports its compute capability"),
+], ids=["sm90", "sm100", "sm90-interpret", "sm80", "no-capability",
+        "not-nvidia"])
+def test_the_device_decides_whether_mosaic_is_considered(
+    monkeypatch, capability, interpret, backend, reason):
+  _gpu(monkeypatch, capability)
+  choice = _choose(interpret=interpret)
+  assert choice.backend == backend
+  assert reason in choice.reason
+  if backend == "mosaic_gpu":
+    assert choice.config == SHORT
+  else:
+    assert choice.config == _triton_config(interpret=interpret)
+
+
+def test_no_gpu_at_all_takes_triton():
+  if jax.default_backend() == "gpu":
+    pytest.skip("on a GPU")
+  assert tuning_cache.compute_capability() is None
+  choice = _choose()
+  assert choice.backend == "triton" and choice.config == _triton_config()
+
+
+@pytest.mark.parametrize("case,backend,config,reason", [
+    (dict(bt=2048, n_in=14336), "mosaic_gpu", LONG, "594.9 us against"),
+    # BT 1536 is in the 2048 bucket and a multiple of the 64-row K step.
+    (dict(bt=1536, n_out=14336), "mosaic_gpu", LONG, "596.0 us against"),
+    (dict(bt=2048, slots=(F32, F32)), "mosaic_gpu", LONG_F32, "213.9 us"),
+    (dict(stacked=True), "mosaic_gpu", SHORT, "101.1 us"),
+    (dict(rule=pk.adam_rule()), "mosaic_gpu", SHORT, "101.1 us"),
+    # Measured slower than the Triton kernel in the same run.
+    (dict(bt=4096, n_out=1024), "triton", None,
+     "128x128x64/4,e64x32,r2,s8 measured 86.0 us against the Triton "
+     "kernel's 81.8 us"),
+    # In a cached BT bucket, but not a multiple of the K step.
+    (dict(bt=1500, n_out=14336), "triton", None,
+     "does not cover this case: BT x in x out = 1500 x 4096 x 14336"),
+    (dict(x_dtype=F32), "triton", None, "bfloat16 or float16 operands"),
+    (dict(bt=8192), "triton", None, "no Mosaic GPU entry for this case"),
+    (dict(n_in=100), "triton", None, "no Mosaic GPU entry for this case"),
+    (dict(rule=pk.lion_rule(), slots=(BF16,)), "triton", None,
+     "no Mosaic GPU entry"),
+    (dict(g_stored=True), "triton", None, "a stored gradient"),
+    (dict(bt=0), "triton", None, "no tokens"),
+], ids=["down-2048", "up-1536", "fp32-moments", "stacked", "adam-tuned-as",
+        "measured-slower", "ragged-bt", "fp32-x", "bt-not-cached",
+        "in-100", "lion", "stored-g", "no-tokens"])
+def test_the_cache_decides_per_case(monkeypatch, case, backend, config,
+                                    reason):
+  _gpu(monkeypatch)
+  choice = _choose(**case)
+  assert choice.backend == backend, choice.reason
+  assert reason in choice.reason
+  if config is not None:
+    assert choice.config == config
+  else:
+    assert isinstance(choice.config, pk.BlockConfig)
+
+
+def test_another_hopper_without_entries_takes_triton(monkeypatch):
+  _gpu(monkeypatch, kind="NVIDIA H100 80GB HBM3")
+  choice = _choose()
+  assert choice.backend == "triton"
+  assert "no Mosaic GPU entry for this case on NVIDIA H100" in choice.reason
+
+
+def _cache_with(tmp_path, monkeypatch, n_in, n_out, cfg, time_us,
+                triton_time_us):
+  """A ``$FORGE_AUTOTUNE_CACHE`` with one Mosaic GPU entry (BT 512)."""
+  data = autotune._empty_cache()
+  key = tuning_cache.cache_key(pk.ADAMW, 512, n_in, n_out, BF16, (BF16, BF16))
+  autotune.merge(data, "NVIDIA H200", "test", {"kind": "test"}, {key: {
+      "config": dataclasses.asdict(cfg), "time_us": time_us,
+      "triton_time_us": triton_time_us}}, "mosaic_gpu")
+  path = tmp_path / "mine.json"
+  autotune.write(str(path), data)
+  monkeypatch.setenv(tuning_cache.ENV_VAR, str(path))
+  tuning_cache.clear_cache()
+
+
+def test_an_entry_the_kernel_cannot_run_is_not_taken(tmp_path, monkeypatch):
+  # A (hand-written) entry, faster, for in=100: the 64-row tiles do not
+  # divide 100, so the kernel call would refuse it.
+  _gpu(monkeypatch)
+  _cache_with(tmp_path, monkeypatch, 100, 4096, SHORT, 1.0, 2.0)
+  choice = _choose(n_in=100)
+  assert choice.backend == "triton"
+  assert "does not cover this case" in choice.reason
+  assert "not a multiple of the tiles" in choice.reason
+  # The same entry where the tiles divide: taken; the user's cache file
+  # comes before the shipped one.
+  _cache_with(tmp_path, monkeypatch, 4096, 4096, LONG, 1.0, 2.0)
+  assert _choose().config == LONG
+  # Without a Triton time to compare with, the entry selects nothing.
+  _cache_with(tmp_path, monkeypatch, 4096, 4096, LONG, 1.0, None)
+  choice = _choose()
+  assert choice.backend == "triton" and "unrecorded" in choice.reason
+
+
+def test_environment_override(monkeypatch):
+  _gpu(monkeypatch)
+  monkeypatch.setenv("FORGE_BACKEND", "triton")
+  choice = _choose()
+  assert choice == ("triton", _triton_config(), "$FORGE_BACKEND=triton")
+  # mosaic_gpu where the cache would not choose it: the cache's tiling for
+  # the case, else the kernel's default tiling.
+  monkeypatch.setenv("FORGE_BACKEND", "mosaic_gpu")
+  choice = _choose(bt=4096, n_out=1024)
+  assert choice.backend == "mosaic_gpu" and choice.config == LONG
+  assert choice.reason.startswith("$FORGE_BACKEND=mosaic_gpu")
+  _gpu(monkeypatch, "8.0")
+  choice = _choose(bt=256, n_out=1024)
+  assert choice.backend == "mosaic_gpu"
+  assert choice.config == mosaic_kernel.default_config(
+      jnp.bfloat16, [jnp.bfloat16] * 3, bt=256)
+  # An explicit config or backend comes first.
+  assert _choose(config=pk.BlockConfig()).backend == "triton"
+  assert _choose(backend="triton").backend == "triton"
+  monkeypatch.setenv("FORGE_BACKEND", " ")
+  assert _choose().backend == "triton"  # empty: unset
+  monkeypatch.setenv("FORGE_BACKEND", "cuda")
+  with pytest.raises(ValueError, match="FORGE_BACKEND='cuda' is not a "
+                     "kernel backend: set it to 'triton' or 'mosaic_gpu'"):
+    _choose()
+
+
+def test_a_config_picks_its_own_backend():
+  blocks, mosaic = pk.BlockConfig(32, 64, 32), M(tile_m=64, tile_n=64)
+  assert _choose(config=blocks) == ("triton", blocks,
+                                    "config is a BlockConfig")
+  assert _choose(config=mosaic)[:2] == ("mosaic_gpu", mosaic)
+  assert _choose(config=mosaic, backend="mosaic_gpu").config == mosaic
+  with pytest.raises(TypeError, match=r"fused_wgrad_update\(backend="
+                     r"'triton'\): config must be a BlockConfig .* got a "
+                     r"MosaicConfig \(64x64x64/3\)"):
+    _choose(config=mosaic, backend="triton")
+  with pytest.raises(TypeError, match=r"\(backend='mosaic_gpu'\): config "
+                     r"must be a MosaicConfig .* got a BlockConfig"):
+    _choose(config=blocks, backend="mosaic_gpu")
+  with pytest.raises(TypeError, match="block_config must be a "
+                     "pallas_kernels.BlockConfig .*MosaicConfig"):
+    _choose(config="64x128x64/4")
+  with pytest.raises(ValueError, match="backend='cuda'; use None"):
+    _choose(backend="cuda")
+
+
+def test_explicit_mosaic_takes_the_cached_tiling_compiled_only(monkeypatch):
+  _gpu(monkeypatch)
+  slots = (F32, F32)
+  # The fp32-moment entry at BT 2048 is not the kernel's default tiling.
+  compiled = _choose(bt=2048, slots=slots, backend="mosaic_gpu")
+  assert compiled.config == LONG_F32
+  assert "the autotune cache's tiling" in compiled.reason
+  interpreted = _choose(bt=2048, slots=slots, backend="mosaic_gpu",
+                        interpret=True)
+  assert interpreted.config == mosaic_kernel.default_config(
+      jnp.bfloat16, [jnp.bfloat16, jnp.float32, jnp.float32], bt=2048)
+  assert interpreted.config != LONG_F32
+
+
+def test_describe_backend_reads_shapes_and_dtypes(monkeypatch):
+  _gpu(monkeypatch)
+  S = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  slots = (S((4096, 4096), bf),) * 2
+  # (8, 64) tokens: BT 512.
+  choice = pk.describe_backend(S((8, 64, 4096), bf), S((8, 64, 4096), bf),
+                               S((4096, 4096), bf), slots, rule=pk.ADAMW,
+                               interpret=False)
+  assert choice[:2] == ("mosaic_gpu", SHORT)
+  stacked = pk.describe_backend(
+      S((512, 4096), bf), S((512, 4096), bf), S((3, 4096, 4096), bf),
+      (S((3, 4096, 4096), bf),) * 2, rule=pk.ADAMW, interpret=False, layer=1)
+  assert stacked.backend == "mosaic_gpu"
+  # x bf16 and dy fp32 are promoted to fp32, which the kernel does not take.
+  mixed = pk.describe_backend(S((512, 4096), bf), S((512, 4096), jnp.float32),
+                              S((4096, 4096), bf), slots, rule=pk.ADAMW,
+                              interpret=False)
+  assert mixed.backend == "triton" and "float32" in mixed.reason
+
+
+# --- the kernel call takes what was chosen -----------------------------------
+
+
+def _spy(monkeypatch, module):
+  calls = []
+  real = module.launch
+
+  def launch(*args, **kwargs):
+    calls.append(kwargs["cfg"])
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(module, "launch", launch)
+  return calls
+
+
+def test_fused_wgrad_update_runs_the_chosen_backend(monkeypatch):
+  mosaic_calls = _spy(monkeypatch, fused_wgrad.mosaic_kernel)
+  triton_calls = _spy(monkeypatch, fused_wgrad.triton_kernel)
+  x, dy, w, slots = make_case(31, (64,), 64, 128, (jnp.bfloat16,) * 4)
+  h = adamw_hparams()
+  # $FORGE_BACKEND=mosaic_gpu in interpret mode: the Mosaic GPU kernel, its
+  # default tiling for the case, matching the reference.
+  monkeypatch.setenv("FORGE_BACKEND", "mosaic_gpu")
+  check_against_reference(x, dy, w, slots, h, pk.ADAMW, interpret=True)
+  assert mosaic_calls == [mosaic_kernel.default_config(
+      jnp.bfloat16, [jnp.bfloat16] * 3, bt=64)] and not triton_calls
+  # A Triton tiling beats the variable.
+  blocks = pk.BlockConfig(32, 64, 32)
+  pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW, config=blocks,
+                        interpret=True)
+  assert triton_calls == [blocks]
+  # A case the kernel does not cover fails, naming the variable.
+  x96, dy96, w96, slots96 = make_case(32, (64,), 96, 128, (jnp.bfloat16,) * 4)
+  with pytest.raises(ValueError, match=r"not a multiple of the tiles.*"
+                     r"\$FORGE_BACKEND=mosaic_gpu.*unset \$FORGE_BACKEND"):
+    pk.fused_wgrad_update(x96, dy96, w96, slots96, h, rule=pk.ADAMW,
+                          interpret=True)
+  monkeypatch.setenv("FORGE_BACKEND", "bogus")
+  with pytest.raises(ValueError, match="FORGE_BACKEND='bogus'"):
+    pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW, interpret=True)
+  # Unset, on the CPU: Triton, whatever the cache holds.
+  monkeypatch.delenv("FORGE_BACKEND")
+  pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW, interpret=True)
+  assert len(triton_calls) == 2 and len(mosaic_calls) == 1
+  assert triton_calls[1] == pk.BlockConfig.default(64, 64, 128)
+
+
+def test_inside_shard_map_the_choice_is_triton(monkeypatch):
+  # On a Hopper at a case the cache sends to Mosaic GPU, operands that vary
+  # over a mesh axis (shard_map) take Triton: jax's mpmd_map refuses refs
+  # that vary over mesh axes.
+  _gpu(monkeypatch)
+  assert _choose().backend == "mosaic_gpu"
+  inside = _choose(varying=True)
+  assert inside.backend == "triton" and "shard_map" in inside.reason
+  # Asked for explicitly, it fails in plain words (a one-device mesh: the
+  # typing is the same as on eight).
+  mesh = jax.make_mesh((1,), ("d",))
+  x, dy, w, slots = make_case(33, (64,), 64, 128, (jnp.bfloat16,) * 4)
+  h = adamw_hparams()
+  spec = jax.sharding.PartitionSpec(None, "d")
+
+  def step(dy, w, m, v):
+    return pk.fused_wgrad_update(x, dy, w, (m, v), h, rule=pk.ADAMW,
+                                 backend="mosaic_gpu", interpret=True)[0]
+  sharded = jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 4,
+                          out_specs=spec)
+  with pytest.raises(ValueError, match="inside shard_map.*backend='triton'"):
+    jax.jit(sharded).lower(*jax.device_put(
+        (dy, w, *slots), jax.sharding.NamedSharding(mesh, spec)))
+
+
+def test_shipped_mosaic_entries_select_mosaic_only_where_faster():
+  with open(tuning_cache.SHIPPED_CACHE) as f:
+    entries = json.load(f)["devices"]["NVIDIA H200"]["mosaic_gpu"]
+  mosaic = tuning_cache.load(tuning_cache.SHIPPED_CACHE)["mosaic"]
+  faster = {key for (kind, key), e in mosaic.items() if e.faster_than_triton}
+  assert len(entries) == 16 and len(faster) == 15
+  assert set(entries) - faster == {
+      "adamw|bt4096|4096x1024|w=bfloat16|slots=bfloat16,bfloat16"}
+
+
+# --- GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_backend_none_takes_mosaic_at_a_shipped_case():
+  if tuning_cache.current_device_kind() != "NVIDIA H200":
+    pytest.skip("the shipped Mosaic GPU entries are the H200's")
+  x, dy, w, slots = make_case(33, (512,), 4096, 4096, (jnp.bfloat16,) * 4)
+  h = adamw_hparams()
+  choice = pk.describe_backend(x, dy, w, slots, rule=pk.ADAMW)
+  assert choice.backend == "mosaic_gpu" and choice.config == SHORT, choice
+  text = jax.jit(lambda *a: pk.fused_wgrad_update(
+      *a[:3], a[3:], h, rule=pk.ADAMW)).lower(x, dy, w, *slots).as_text()
+  assert "mosaic_gpu" in text and "xla.gpu.triton" not in text
+  check_against_reference(x, dy, w, slots, h, pk.ADAMW, interpret=False)
