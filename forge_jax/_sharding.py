@@ -27,7 +27,9 @@ Where no reduction is needed the fused kernel runs per shard and ``G`` never
 exists; otherwise the shard's ``G`` is formed by XLA's GEMM, reduced, and the
 kernel's epilogue alone (``pallas_kernels.stored_g_update``) updates ``W`` and
 its slots in place: ``G`` is a transient of one reduction bucket (the layer,
-or ``MeshLayout.bucket_bytes`` of it).
+or ``MeshLayout.bucket_bytes`` of it). A fully sharded kernel is gathered by
+XLA for its layer's matmuls, tied to the layer (:func:`gathered_after`), so
+that one layer's gathered kernel exists at a time.
 
 See docs/distributed.md.
 """
@@ -330,6 +332,12 @@ class KernelPlan:
     return bool(self.data)
 
   @property
+  def gathered(self) -> bool:
+    """Whether XLA gathers the kernel for the layer's matmuls (fully
+    sharded along a dimension)."""
+    return bool(self.scatter_in or self.scatter_out)
+
+  @property
   def w_spec(self) -> P:
     return P(_entry(self.w_in), _entry(self.w_out))
 
@@ -565,6 +573,13 @@ def plan_layers(mesh_layout: MeshLayout | None, boxed_params, layers,
       raise ValueError(f"{where}: the kernel's PartitionSpec {spec} has more "
                        "entries than the kernel's 2 dimensions")
     w_in, w_out = (_axes(e) for e in entries)
+    twice = sorted({a for a in w_in + w_out if (w_in + w_out).count(a) > 1})
+    if twice:
+      raise ValueError(
+          f"{where}: its kernel's PartitionSpec {spec} names the mesh axes "
+          f"{twice} more than once. A mesh axis shards one dimension of a "
+          "kernel (its in or its out dimension), once; give each axis to "
+          "one dimension.")
     for dim, axes, size in (("in", w_in, info.kernel_shape[0]),
                             ("out", w_out, info.kernel_shape[1])):
       unknown = [a for a in axes if a not in mesh.axis_names]
@@ -595,12 +610,34 @@ def plan_layers(mesh_layout: MeshLayout | None, boxed_params, layers,
 
 
 def plan_of(path) -> KernelPlan | None:
-  """Inside a step's backward: the plan of the FORGE layer at ``path``, or
-  ``None`` when the step has no mesh layout."""
+  """Inside a step's trace (forward or backward): the plan of the FORGE
+  layer at ``path``, or ``None`` when the step has no mesh layout."""
   ctx = _context.current()
   if ctx is None:
     return None
   return ctx.sharding.get(tuple(path))
+
+
+def gathered_after(path, kernel, anchor):
+  """``kernel``, as the FORGE layer at ``path`` reads it for a matmul: where
+  the kernel is fully sharded, made to depend on ``anchor`` (the layer's
+  input in the forward, its output gradient in the backward) by an
+  ``optimization_barrier``; else ``kernel`` itself.
+
+  XLA gathers a fully sharded kernel for the layer's matmuls. Left alone,
+  it gathers each kernel once, early (the gather depends on the parameters
+  only), and keeps the gathered copy from the forward to the backward (the
+  two gathers are the same expression): every device would hold every
+  kernel whole, a copy of the model's weights. Tied to the anchor, the
+  forward's and the backward's gathers are distinct and each waits for its
+  matmul's other operand, so one layer's gathered kernel exists at a time
+  (the gather does not overlap the previous layer's compute).
+  """
+  plan = plan_of(path)
+  if plan is None or not plan.gathered:
+    return kernel
+  kernel, _ = lax.optimization_barrier((kernel, anchor))
+  return kernel
 
 
 def check_layout_argument(mesh_layout) -> None:

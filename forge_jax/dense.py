@@ -58,7 +58,9 @@ def _fused_linear(static: _Static, x, kernel, inputs: _context.LayerInputs):
 
 
 def _fused_linear_fwd(static, x, kernel, inputs):
-  y = _matmul(x, _gemm_view(static, kernel).astype(static.dtype),
+  # On a mesh, a fully sharded kernel is gathered for this matmul alone.
+  k = _sharding.gathered_after(static.path, kernel, x)
+  y = _matmul(x, _gemm_view(static, k).astype(static.dtype),
               static.precision)
   return y, (x, kernel, inputs)
 
@@ -75,7 +77,8 @@ def _fused_linear_bwd(static, res, dy):
   x, kernel, inputs = res
   # dx must read the pre-update kernel: it is computed from `kernel` before
   # the fused kernel (which aliases that buffer) writes it.
-  k = _gemm_view(static, kernel).astype(static.dtype)
+  k = _gemm_view(static, _sharding.gathered_after(static.path, kernel, dy))
+  k = k.astype(static.dtype)
   dx = lax.dot_general(dy, k, (((dy.ndim - 1,), (1,)), ((), ())),
                        precision=static.precision)
   if _clip.is_norm_pass(static.wgrad):

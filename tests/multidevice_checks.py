@@ -3,14 +3,24 @@ their own: ``python -m tests.multidevice_checks [--cpu-devices N]``.
 
 JAX fixes its device count when it starts, so simulated CPU devices
 (``--xla_force_host_platform_device_count``) need a fresh process; on GPUs the
-real ones are used. Prints one JSON object: per run, the relative error of
-every parameter and optimizer state against the same model trained unsharded
-by optax, the arrays whose sharding changed, and whether every kernel and slot
-shard kept its buffer (donated, updated in place); per refused layout, the
-error message (``null`` if nothing was refused).
+real ones are used. Prints one JSON object:
 
-One model carries every layout at once, a layer per layout, so that each run
-compiles one step (the Pallas interpreter makes compiling slow on a CPU).
+* ``runs``: one model carrying many layouts at once, a layer per layout (so
+  that each run compiles one step: the Pallas interpreter makes compiling
+  slow on a CPU), against the same model trained unsharded by optax;
+* ``layouts``: a small decoder and an odd-width MLP, each in four layouts
+  (data parallel, tensor parallel, data x tensor parallel, fully sharded),
+  against the same FORGE step on one device;
+* ``memory``: per layout, the compiled step's memory analysis for an MLP
+  whose kernels outweigh its activations;
+* ``tied``: a kernel read twice under a fully sharded layout;
+* ``refusals``: per refused layout, the error message (``null`` if nothing
+  was refused).
+
+Per run: the relative error of every parameter and optimizer state, the
+largest difference between replicas of one shard (``drift``), the arrays
+whose sharding changed, and whether every kernel and slot shard kept its
+buffer (donated, updated in place).
 """
 
 import argparse
@@ -35,7 +45,9 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
+import math
 import re
+from typing import Any
 import warnings
 
 import flax.linen as nn
@@ -52,6 +64,7 @@ from forge_jax import _context
 from forge_jax import _sharding
 
 BATCH, SEQ = 8, 3  # x is (batch, seq, width): 24 tokens
+LAYOUT_STEPS = 10  # the four layouts of the decoder and the MLP
 STEPS = 5
 # (name, features): in 24 -> ... -> 16. Every width is a multiple of 8 and
 # splits into odd shards on some layout (40 / 8 = 5, 56 / 8 = 7, 24 / 8 = 3),
@@ -70,9 +83,6 @@ SPECS = {
     # fully sharded along out (c) and in (f), data parallel (d).
     "2d": {"a": P(D, M), "b": P(M, None), "c": P(None, D), "d": P(),
            "e": P(None, M), "f": P(D, None), "g": P(M, D)},
-    # Tensor parallel alone: a 1-D model mesh, the batch replicated.
-    "tp": {"a": P(None, M), "b": P(M, None), "c": P(), "d": P(M, None),
-           "e": P(), "f": P(None, M), "g": P(M, None)},
     # A 1-D data mesh: fully sharded and data parallel, n-way.
     "dp": {"a": P(D, None), "b": P(), "c": P(None, D), "d": P(),
            "e": P(D, None), "f": P(None, D), "g": P()},
@@ -150,7 +160,6 @@ RUNS = {
     # The layouts of SPECS["2d"] but the last two (covered by the mirror
     # images a and c and by the runs below), one layer each.
     "dp_tp_fsdp": Run("2d", depth=5),
-    "tp": Run("tp", depth=2, data_axes=()),
     # n-way fully sharded and data parallel, specs read from Flax's boxes.
     "fsdp_dp_boxed": Run("dp", depth=2, boxed=True),
     # a's reduce-scattered gradient in two buckets of 3 of its 6 local rows
@@ -228,6 +237,30 @@ def state_shardings(tx, state, params, param_shardings, mesh):
       is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
+def _drift(tree) -> float:
+  """The largest difference between two devices' copies of one shard of
+  any array of ``tree`` (replicated arrays, and arrays replicated along
+  some mesh axes): 0 when every replica is bit-identical."""
+  worst = 0.0
+  for a in jax.tree.leaves(tree):
+    first = {}
+    for shard in a.addressable_shards:
+      key = tuple((i.start, i.stop, i.step) for i in shard.index)
+      data = np.asarray(shard.data)
+      if key not in first:
+        first[key] = data
+      elif data.size:
+        diff = np.abs(data.astype(np.float64) - first[key].astype(np.float64))
+        worst = max(worst, float(np.max(diff)))
+  return worst
+
+
+def _local_bytes(tree) -> int:
+  """Bytes of one device's shards of every array of ``tree``."""
+  return int(sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                 for a in jax.tree.leaves(tree)))
+
+
 def _shard_buffers(tree):
   """The device buffer of every shard of every kernel-shaped array."""
   return [[s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
@@ -240,6 +273,25 @@ def _entries(spec) -> list:
   for e in tuple(spec) + (None,) * (2 - len(spec)):
     out.append([] if e is None else [e] if isinstance(e, str) else list(e))
   return out
+
+
+def _train(compiled, variables, opt_state, data, unbox=lambda v: v):
+  """``compiled`` stepped over ``data``: the final variables and state,
+  per step whether every shard kept its buffer (in place), and each array
+  whose sharding changed (``"path: before -> after"``)."""
+  before = jax.tree.map(lambda a: a.sharding, (variables, opt_state))
+  in_place = []
+  for b in data:
+    buffers = _shard_buffers((unbox(variables), opt_state))
+    _, variables, opt_state = compiled(variables, opt_state, b)
+    in_place.append(_shard_buffers((unbox(variables), opt_state)) == buffers)
+  after = jax.tree.map(lambda a: a.sharding, (variables, opt_state))
+  moved = [
+      f"{jax.tree_util.keystr(kp)}: {a} -> {b}"
+      for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(before),
+                            jax.tree.leaves(after))
+      if not (a == b or a.is_equivalent_to(b, 2))]
+  return variables, opt_state, in_place, moved
 
 
 def run(run: Run, n: int) -> dict:
@@ -274,25 +326,15 @@ def run(run: Run, n: int) -> dict:
   batch_sharding = NamedSharding(mesh, P(run.data_axes or None))
   data = [place(b, (batch_sharding,) * 2) for b in data]
   compiled = step.lower(variables, opt_state, data[0]).compile()
-  before = jax.tree.map(lambda a: a.sharding, (variables, opt_state))
-  in_place = []  # per step: every kernel and slot shard kept its buffer
-  for b in data:
-    buffers = _shard_buffers((meta.unbox(variables), opt_state))
-    _, variables, opt_state = compiled(variables, opt_state, b)
-    in_place.append(
-        _shard_buffers((meta.unbox(variables), opt_state)) == buffers)
-  after = jax.tree.map(lambda a: a.sharding, (variables, opt_state))
-  moved = [
-      f"{jax.tree_util.keystr(kp)}: {a} -> {b}"
-      for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(before),
-                            jax.tree.leaves(after))
-      if not (a == b or a.is_equivalent_to(b, 2))]
+  variables, opt_state, in_place, moved = _train(
+      compiled, variables, opt_state, data, meta.unbox)
   got = (meta.unbox(variables)["params"], opt_state)
   errs = jax.tree_util.tree_leaves_with_path(
       jax.tree.map(rel_err, got, (v_ref["params"], s_ref)))
   worst_path, worst = max(errs, key=lambda e: e[1])
   return {"max_rel_err": worst, "worst": jax.tree_util.keystr(worst_path),
-          "n_arrays": len(errs), "shardings_moved": moved,
+          "n_arrays": len(errs), "drift": _drift(got),
+          "shardings_moved": moved,
           "in_place": in_place, "n_shards": len(jax.tree.leaves(
               _shard_buffers(meta.unbox(variables)["params"]))),
           "kernel_specs": {l: _entries(got[0][l]["kernel"].sharding.spec)
@@ -312,6 +354,359 @@ def reductions(hlo: str) -> list:
       got.append([[int(d) for d in dims.split(",") if d]
                   for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))])
   return got
+
+
+# --------------------------------------------------------------------------
+# Four layouts of a small decoder and of an odd-width MLP, 10 steps each,
+# against the same FORGE step on one device.
+
+# Each layout: the mesh (a kind of make_mesh) and the data axes.
+LAYOUTS = {"dp": ("dp", (D,)), "tp": ("tp", ()), "dp_tp": ("2d", (D,)),
+           "fsdp": ("dp", (D,))}
+# in -> hidden -> hidden -> out: no width a power of two; on eight devices the
+# hidden widths shard into 7 and 5 columns, so kernel tiles are partial on
+# every device. The outer widths (37, 5) are never sharded.
+MLP_WIDTHS = (37, 56, 40, 5)
+# The decoder: vocabulary, model width, heads, MLP width (shards of 5 and 7).
+VOCAB, WIDTH, HEADS, HIDDEN = 29, 40, 8, 56
+
+
+class OddMLP(nn.Module):
+  """``MLP_WIDTHS`` of ``forge_jax.Dense``, ReLUs between."""
+
+  @nn.compact
+  def __call__(self, x):
+    for i, features in enumerate(MLP_WIDTHS[1:]):
+      x = forge_jax.Dense(features, name=f"l{i}",
+                          bias_init=nn.initializers.normal(0.1))(x)
+      if i < len(MLP_WIDTHS) - 2:
+        x = nn.relu(x)
+    return x
+
+
+class Decoder(nn.Module):
+  """One pre-LN decoder block and a head: causal multi-head attention (its
+  joint query-key-value projection and its output projection
+  ``forge_jax.Dense``), a GELU MLP of two ``forge_jax.Dense``, a
+  ``forge_jax.Dense`` head over the vocabulary; the embedding and the norms
+  take optax's update."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, WIDTH, name="embed",
+                 embedding_init=nn.initializers.normal(1.0))(tokens)
+    b, t, _ = x.shape
+    h = nn.LayerNorm(name="ln1")(x)
+    # No bias: the key's would get an exactly-zero gradient under the
+    # softmax, which Adam turns into an update of rounding noise.
+    qkv = forge_jax.Dense(3 * WIDTH, use_bias=False, name="qkv")(h)
+    q, k, v = (a.reshape(b, t, HEADS, WIDTH // HEADS)
+               for a in jnp.split(qkv, 3, axis=-1))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(WIDTH // HEADS)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v)
+    x = x + forge_jax.Dense(WIDTH, name="o")(a.reshape(b, t, WIDTH))
+    h = nn.gelu(forge_jax.Dense(HIDDEN, name="up")(nn.LayerNorm(name="ln2")(x)))
+    x = x + forge_jax.Dense(WIDTH, name="down")(h)
+    return forge_jax.Dense(VOCAB, name="head")(nn.LayerNorm(name="ln3")(x))
+
+
+def mlp_specs(layout: str):
+  """The odd-width MLP's parameter specs (a prefix tree) per layout."""
+  if layout == "dp":
+    return P()
+  if layout == "fsdp":  # every kernel sharded, along out or in
+    return {"l0": {"kernel": P(None, D), "bias": P(D)},
+            "l1": {"kernel": P(D, None), "bias": P(D)},
+            "l2": {"kernel": P(D, None), "bias": P()}}
+  # tp, dp_tp: column parallel, then row parallel (twice).
+  return {"l0": {"kernel": P(None, M), "bias": P(M)},
+          "l1": {"kernel": P(M, None), "bias": P()},
+          "l2": {"kernel": P(M, None), "bias": P()}}
+
+
+def decoder_specs(layout: str):
+  """The decoder's parameter specs (a prefix tree) per layout."""
+  if layout == "dp":
+    return P()
+  if layout == "fsdp":  # every parameter sharded that the devices divide
+    norm = {"scale": P(D), "bias": P(D)}
+    return {"embed": P(None, D), "ln1": norm, "ln2": norm, "ln3": norm,
+            "qkv": P(None, D), "o": {"kernel": P(D, None), "bias": P(D)},
+            "up": {"kernel": P(None, D), "bias": P(D)},
+            "down": {"kernel": P(D, None), "bias": P(D)},
+            "head": {"kernel": P(D, None), "bias": P()}}
+  # tp, dp_tp: Megatron's layout -- heads and the MLP's hidden units split
+  # over the model axis; the head row parallel.
+  column = {"kernel": P(None, M), "bias": P(M)}
+  row = {"kernel": P(M, None), "bias": P()}
+  return {"embed": P(), "ln1": P(), "ln2": P(), "ln3": P(),
+          "qkv": P(None, M), "o": row,
+          "up": column, "down": row, "head": row}
+
+
+def mlp_batches():
+  rng = np.random.default_rng(3)
+  normal = lambda *shape: rng.standard_normal(shape, np.float32)
+  return [(normal(BATCH, SEQ, MLP_WIDTHS[0]),
+           normal(BATCH, SEQ, MLP_WIDTHS[-1])) for _ in range(LAYOUT_STEPS)]
+
+
+def decoder_batches():
+  rng = np.random.default_rng(4)
+  seqs = [rng.integers(0, VOCAB, (BATCH, 6), np.int32)
+          for _ in range(LAYOUT_STEPS)]
+  return [(seq[:, :-1], seq[:, 1:]) for seq in seqs]
+
+
+def next_token_loss(model):
+  def f(variables, batch):
+    tokens, targets = batch
+    return optax.softmax_cross_entropy_with_integer_labels(
+        model.apply(variables, tokens), targets).mean()
+  return f
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A model of the layout checks."""
+
+  module: type
+  specs: Any  # layout -> the parameters' specs
+  batches: Any
+  loss: Any  # module -> loss_fn
+  # AdamW's learning rate. The decoder's is smaller: its softmax and norms
+  # amplify the rounding of a changed summation order (XLA's partitioned
+  # sums), and over 10 steps of 1e-2 that alone moves its moments by ~6e-6
+  # relative -- for optax's step partitioned the same way too.
+  lr: float
+
+
+MODELS = {
+    "mlp": Model(OddMLP, mlp_specs, mlp_batches, loss_fn, 1e-2),
+    "decoder": Model(Decoder, decoder_specs, decoder_batches, next_token_loss,
+                     1e-3),
+}
+
+
+def _full_shardings(specs, params, mesh):
+  """A NamedSharding for every leaf of ``params`` from a prefix tree of
+  specs."""
+  return jax.tree.map(
+      lambda spec, sub: jax.tree.map(lambda _: NamedSharding(mesh, spec), sub),
+      specs, params, is_leaf=lambda x: isinstance(x, P))
+
+
+_INPUTS = {}
+_SINGLE = {}
+
+
+def inputs(name: str):
+  """The model's initial variables and its batches, on the host (made
+  once: initialising op by op is slow to compile)."""
+  if name not in _INPUTS:
+    m = MODELS[name]
+    data = m.batches()
+    variables = jax.jit(m.module().init)(jax.random.key(0), data[0][0])
+    _INPUTS[name] = jax.tree.map(np.asarray, (variables, data))
+  return _INPUTS[name]
+
+
+def single_device(name: str):
+  """The model trained by the same FORGE step on one device (once)."""
+  if name not in _SINGLE:
+    m = MODELS[name]
+    model = m.module()
+    variables, data = jax.tree.map(jnp.asarray, inputs(name))
+    tx = forge_jax.adamw(m.lr, weight_decay=0.1)
+    state = tx.init(variables["params"])
+    step = jax.jit(forge_jax.make_step(m.loss(model), tx),
+                   donate_argnums=(0, 1))
+    for b in data:
+      _, variables, state = step(variables, state, b)
+    _SINGLE[name] = variables["params"], state
+  return _SINGLE[name]
+
+
+def layout_run(name: str, layout: str, n: int) -> dict:
+  """``name`` trained ``LAYOUT_STEPS`` steps in ``layout`` on ``n``
+  devices, against :func:`single_device`."""
+  m = MODELS[name]
+  kind, data_axes = LAYOUTS[layout]
+  mesh = make_mesh(kind, n)
+  model, (start, data) = m.module(), inputs(name)
+  tx = forge_jax.adamw(m.lr, weight_decay=0.1)
+  specs = m.specs(layout)
+  variables = start
+  params = variables["params"]
+  shardings = _full_shardings(specs, params, mesh)
+  state = tx.init(params)
+  opt_state = place(state, state_shardings(tx, state, params, shardings,
+                                           mesh))
+  variables = place(variables, {"params": shardings})
+  step = jax.jit(forge_jax.make_step(
+      m.loss(model), tx, mesh_layout=forge_jax.MeshLayout(
+          mesh, data_axes=data_axes, param_specs=specs)),
+                 donate_argnums=(0, 1))
+  batch_sharding = NamedSharding(mesh, P(data_axes or None))
+  data = [place(b, (batch_sharding,) * 2) for b in data]
+  compiled = step.lower(variables, opt_state, data[0]).compile()
+  memory = compiled.memory_analysis()
+  state_bytes = _local_bytes((variables, opt_state))
+  variables, opt_state, in_place, moved = _train(compiled, variables,
+                                                 opt_state, data)
+  got = (variables["params"], opt_state)
+  errs = jax.tree_util.tree_leaves_with_path(
+      jax.tree.map(rel_err, got, single_device(name)))
+  worst_path, worst = max(errs, key=lambda e: e[1])
+  return {
+      "max_rel_err": worst, "worst": jax.tree_util.keystr(worst_path),
+      "n_arrays": len(errs),
+      # Not a vacuous match: the smallest relative change of a parameter.
+      "min_moved": min(jax.tree.leaves(jax.tree.map(
+          rel_err, got[0], start["params"]))),
+      "drift": _drift(got), "shardings_moved": moved, "in_place": in_place,
+      "mesh": dict(zip(mesh.axis_names, mesh.axis_sizes)),
+      "kernel_specs": {
+          path: _entries(a.sharding.spec) for path, a in (
+              (jax.tree_util.keystr(kp[:-1]), a) for kp, a in
+              jax.tree_util.tree_leaves_with_path(got[0])
+              if kp[-1].key == "kernel")},
+      "local_kernels": [list(a.sharding.shard_shape(a.shape)) for kp, a in
+                        jax.tree_util.tree_leaves_with_path(got[0])
+                        if kp[-1].key == "kernel"],
+      # Per device: the donated state (params and optimizer state) aliased
+      # to the outputs, and the step's other buffers.
+      "memory": {"state": state_bytes,
+                 "alias": memory.alias_size_in_bytes,
+                 "output": memory.output_size_in_bytes,
+                 "temp": memory.temp_size_in_bytes},
+      "reductions": reductions(compiled.as_text())}
+
+
+# The memory check: an MLP whose kernels outweigh its activations (8 tokens;
+# widths shard into 31 and 5 columns). Four square layers make one copy of
+# every kernel -- the weights gathered whole on every device, or a gradient
+# of every layer at once -- over four layers' worth, about twice what a step
+# needs at any time (a layer's gathered kernel or gradient, and the result
+# of its reduction).
+MEMORY_WIDTHS = (40, 248, 248, 248, 248, 248, 40)
+
+
+class WideMLP(nn.Module):
+  """``MEMORY_WIDTHS`` of ``forge_jax.Dense``, ReLUs between."""
+
+  @nn.compact
+  def __call__(self, x):
+    for i, features in enumerate(MEMORY_WIDTHS[1:]):
+      x = forge_jax.Dense(features, name=f"l{i}")(x)
+      if i < len(MEMORY_WIDTHS) - 2:
+        x = nn.relu(x)
+    return x
+
+
+def memory_specs(layout: str):
+  """The wide MLP's parameter specs per layout: its kernels alternately
+  sharded along out and in (tensor parallel or fully sharded)."""
+  if layout == "dp":
+    return P()
+  axis = D if layout == "fsdp" else M
+  return {f"l{i}": {"kernel": P(None, axis) if i % 2 == 0 else P(axis, None),
+                    "bias": P(axis) if i % 2 == 0 else P()}
+          for i in range(len(MEMORY_WIDTHS) - 1)}
+
+
+def memory(n: int) -> dict:
+  """Per layout, the compiled step's temporaries per device against the
+  bytes of the model's kernels. On a CPU the step updates with XLA's code
+  (``wgrad="xla"``): the Pallas interpreter copies its operands (padded to
+  the kernel's tiles), which the compiled kernel does not; on GPUs, the
+  fused kernel."""
+  wgrad = "fused" if jax.default_backend() == "gpu" else "xla"
+  model, tx = WideMLP(), forge_jax.adamw(1e-3)
+  x = jax.ShapeDtypeStruct((BATCH, MEMORY_WIDTHS[0]), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+  kernels = [a for kp, a in jax.tree_util.tree_leaves_with_path(params)
+             if kp[-1].key == "kernel"]
+  out = {"wgrad": wgrad,
+         "kernels": int(sum(a.size * a.dtype.itemsize for a in kernels)),
+         "largest": int(max(a.size * a.dtype.itemsize for a in kernels))}
+  for layout, (kind, data_axes) in LAYOUTS.items():
+    mesh = make_mesh(kind, n)
+    specs = memory_specs(layout)
+    shardings = _full_shardings(specs, params, mesh)
+    state = jax.eval_shape(tx.init, params)
+    args = (_placed({"params": params}, {"params": shardings}),
+            _placed(state, state_shardings(tx, state, params, shardings,
+                                           mesh)),
+            _abstract((x, x), NamedSharding(mesh, P(data_axes or None))))
+    step = forge_jax.make_step(
+        loss_fn(model), tx, wgrad=wgrad, mesh_layout=forge_jax.MeshLayout(
+            mesh, data_axes=data_axes, param_specs=specs))
+    analysis = jax.jit(step, donate_argnums=(0, 1)).lower(
+        *args).compile().memory_analysis()
+    out[layout] = {"temp": analysis.temp_size_in_bytes,
+                   "alias": analysis.alias_size_in_bytes,
+                   "state": _local_bytes(args[:2])}
+  return out
+
+
+def _placed(tree, shardings):
+  """Shapes, dtypes and shardings of ``tree`` (a tree of shardings alike)."""
+  return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+      shardings)
+
+
+class Tied(nn.Module):
+  """A square layer applied twice (its kernel read by two backward paths),
+  then a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    tied = forge_jax.Dense(IN, name="tied")
+    return forge_jax.Dense(OUT, name="head")(nn.relu(tied(nn.relu(tied(x)))))
+
+
+def tied(n: int) -> dict:
+  """A kernel read twice, fully sharded: refused by default
+  (``shared="error"``); with ``shared="standard"`` its layer takes optax's
+  update (which XLA partitions), trained against the same step on one
+  device."""
+  mesh = make_mesh("dp", n)
+  model, tx = Tied(), forge_jax.adamw(1e-2, weight_decay=0.1)
+  data = batches(LAYOUT_STEPS)
+  specs = {"tied": {"kernel": P(D, None), "bias": P(D)},
+           "head": {"kernel": P(D, None), "bias": P()}}
+  layout = forge_jax.MeshLayout(mesh, data_axes=D, param_specs=specs)
+  variables = jax.jit(model.init)(jax.random.key(0), data[0][0])
+  params = variables["params"]
+  shardings = _full_shardings(specs, params, mesh)
+  state = tx.init(params)
+  state_sh = state_shardings(tx, state, params, shardings, mesh)
+  batch_sh = (NamedSharding(mesh, P(D)),) * 2
+  refused = _message(lambda: jax.jit(forge_jax.make_step(
+      loss_fn(model), tx, mesh_layout=layout)).trace(
+          _placed(variables, {"params": shardings}),
+          _placed(state, state_sh), _placed(data[0], batch_sh)))
+  # One device, then the mesh.
+  step = jax.jit(forge_jax.make_step(loss_fn(model), tx, shared="standard"))
+  v, s = variables, state
+  for b in data:
+    _, v, s = step(v, s, b)
+  sharded = forge_jax.make_step(loss_fn(model), tx, mesh_layout=layout,
+                                shared="standard")
+  step = jax.jit(sharded, donate_argnums=(0, 1))
+  got_v = place(variables, {"params": shardings})
+  got_s = place(state, state_sh)
+  for b in data:
+    _, got_v, got_s = step(got_v, got_s, place(b, batch_sh))
+  got = (got_v["params"], got_s)
+  return {"refused": refused, "standard_layers": sharded.standard_layers,
+          "max_rel_err": max(jax.tree.leaves(jax.tree.map(
+              rel_err, got, (v["params"], s)))),
+          "drift": _drift(got),
+          "kernel_spec": _entries(got[0]["tied"]["kernel"].sharding.spec)}
 
 
 # --------------------------------------------------------------------------
@@ -372,9 +767,17 @@ def refusals(n: int) -> dict:
       args=_abstract((v, s, (x, y)), NamedSharding(mesh2, P())))
   # No box and no param_specs: the kernels' sharding is unknown.
   out["unknown_sharding"] = attempt(forge_jax.MeshLayout(mesh, data_axes=D))
-  # A kernel dimension its axes do not divide (up's 45 outputs over n).
+  # A kernel dimension its axes do not divide (up's 45 outputs over n):
+  # the shards would be uneven (the kernel's tiles are not the constraint:
+  # a shard's partial tiles are masked, as every run above has them).
   out["indivisible_kernel"] = attempt(forge_jax.MeshLayout(
       mesh, data_axes=D, param_specs={"up": P(None, D), "down": P()}))
+  # One mesh axis on both dimensions of a kernel (up's 24 inputs and 45
+  # outputs over the model axis; down replicated).
+  out["axis_on_both_dims"] = attempt(
+      forge_jax.MeshLayout(mesh2, data_axes=D, param_specs={
+          "up": {"kernel": P(M, M), "bias": P()}, "down": P()}),
+      args=_abstract((v, s, (x, y)), NamedSharding(mesh2, P())))
   # A batch whose leading dimension the data axes do not divide.
   short = (jax.ShapeDtypeStruct((n - 1, SEQ, IN), jnp.float32),
            jax.ShapeDtypeStruct((n - 1, SEQ, OUT), jnp.float32))
@@ -432,6 +835,10 @@ def main() -> None:
   result = {"devices": n, "platform": jax.default_backend()}
   with jax.default_matmul_precision("highest"):
     result["runs"] = {name: run(r, n) for name, r in RUNS.items()}
+    result["layouts"] = {f"{name}_{layout}": layout_run(name, layout, n)
+                         for name in MODELS for layout in LAYOUTS}
+    result["memory"] = memory(n)
+    result["tied"] = tied(n)
     result["refusals"] = refusals(n)
     result["missing_reduction"] = missing_reduction(n)
   print(json.dumps(result))

@@ -24,7 +24,7 @@ from jax.sharding import (AbstractDevice, AbstractMesh, AxisType, Mesh,
 import forge_jax
 from tests import multidevice_checks as checks
 from tests.harness import triton_calls
-from tests.tolerances import tol
+from tests.tolerances import SHARDED_RTOL, tol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,10 +57,11 @@ def report(tmp_path_factory):
     return got
 
 
-def _assert_run_ok(name, r):
-  # fp32 parity with optax on one device, every parameter and state array.
-  assert r["max_rel_err"] <= tol(jnp.float32), (name, r["worst"],
-                                                r["max_rel_err"])
+def _assert_run_ok(name, r, rtol=tol(jnp.float32)):
+  # fp32 parity with the one-device run, every parameter and state array.
+  assert r["max_rel_err"] <= rtol, (name, r["worst"], r["max_rel_err"])
+  # Every replica of every shard bit-identical.
+  assert r["drift"] == 0.0, (name, r["drift"])
   # Every output sharded as its input.
   assert r["shardings_moved"] == [], (name, r["shardings_moved"])
   # Every kernel and slot shard updated in its own (donated) buffer from the
@@ -83,7 +84,77 @@ def test_layouts_train_as_optax_in_place_keeping_shardings(report):
   assert main["kernel_specs"] == {
       "a": [["data"], ["model"]], "b": [["model"], []],
       "c": [[], ["data"]], "d": [[], []], "e": [[], ["model"]]}
-  assert report["runs"]["tp"]["mesh"] == {"model": 8}
+
+
+LAYOUT_MESHES = {"dp": {"data": 8}, "tp": {"model": 8},
+                 "dp_tp": {"data": 4, "model": 2}, "fsdp": {"data": 8}}
+
+
+def test_decoder_and_mlp_layouts_match_one_device(report):
+  """A small decoder (attention and MLP) and the odd-width MLP, 10 fp32
+  steps data parallel (8), tensor parallel (8), data x tensor parallel
+  (4 x 2) and fully sharded (8): every parameter and AdamW moment equals
+  the same FORGE step on one device to SHARDED_RTOL, every replica is
+  bit-identical, every output keeps its input's sharding, and every weight
+  and moment shard is written in place (its buffer kept; the compiled step
+  aliases all of the donated state to its outputs)."""
+  runs = report["layouts"]
+  assert set(runs) == {f"{m}_{l}" for m in checks.MODELS
+                       for l in checks.LAYOUTS}
+  for name, r in runs.items():
+    _assert_run_ok(name, r, SHARDED_RTOL)
+    layout = name.split("_", 1)[1]
+    assert r["mesh"] == LAYOUT_MESHES[layout], (name, r["mesh"])
+    assert len(r["in_place"]) == checks.LAYOUT_STEPS
+    # Not a vacuous match: every parameter moved.
+    assert r["min_moved"] > 1e3 * SHARDED_RTOL, (name, r["min_moved"])
+    mem = r["memory"]
+    assert mem["alias"] == mem["state"], (name, mem)
+    # The kernels really were sharded as the layout says.
+    axes = {a for spec in r["kernel_specs"].values() for d in spec for a in d}
+    assert axes == {"dp": set(), "tp": {"model"}, "dp_tp": {"model"},
+                    "fsdp": {"data"}}[layout], (name, r["kernel_specs"])
+    if layout == "fsdp":
+      assert all(spec != [[], []] for spec in r["kernel_specs"].values())
+  assert runs["decoder_tp"]["kernel_specs"]["['qkv']"] == [[], ["model"]]
+  # down, head, o, qkv, up: one eighth of each along its fully sharded
+  # dimension (56 / 8, 40 / 8, 120 / 8).
+  assert runs["decoder_fsdp"]["local_kernels"] == [
+      [7, 40], [5, 29], [5, 40], [40, 15], [40, 7]]
+
+
+def test_no_weight_sized_copy_per_device(report):
+  """The compiled step's memory analysis, per device, for an MLP whose
+  kernels outweigh its activations: in every layout the temporaries hold
+  less than one copy of the model's kernels -- no layer's gathered kernel
+  (fully sharded) or gradient (data parallel) lives longer than its own
+  step -- and the whole donated state is aliased to the outputs."""
+  mem = report["memory"]
+  assert mem["wgrad"] == "xla"
+  for layout in checks.LAYOUTS:
+    got = mem[layout]
+    assert got["temp"] < mem["kernels"], (layout, got, mem["kernels"])
+    assert got["alias"] == got["state"], (layout, got)
+  # The measure sees a layer's transients: data parallel holds a whole
+  # layer's gradient, fully sharded a whole layer's gathered kernel.
+  for layout in ("dp", "fsdp"):
+    assert mem[layout]["temp"] > mem["largest"], (layout, mem)
+
+
+def test_tied_kernel_under_fsdp(report):
+  """A kernel read twice (a layer applied twice), fully sharded: refused by
+  default, naming the layer and both fixes; with shared="standard" the
+  layer takes optax's update, which XLA partitions, and trains as on one
+  device."""
+  got = report["tied"]
+  assert got["refused"] is not None, "a tied kernel was not refused"
+  for words in ("'tied' is called more than once", "fused=False",
+                'shared="standard"'):
+    assert words in got["refused"], got["refused"]
+  assert got["standard_layers"] == ["tied"]
+  assert got["kernel_spec"] == [["data"], []]
+  assert got["max_rel_err"] <= SHARDED_RTOL, got
+  assert got["drift"] == 0.0
 
 
 def _matrices(collective):
@@ -96,11 +167,19 @@ def test_each_reduction_holds_one_layers_gradient(report):
   gradient is reduced on its own, after the previous layer's update
   (otherwise XLA merges them into one collective, a gradient pool). Tensor
   parallel reduces no kernel gradient at all."""
-  runs = report["runs"]
+  runs = {**report["runs"], **{name: r for name, r in
+                               report["layouts"].items()
+                               if name.startswith("mlp")}}
   for name, r in runs.items():
     for collective in r["reductions"]:
       assert len(_matrices(collective)) <= 1, (name, collective)
-  assert not any(_matrices(c) for c in runs["tp"]["reductions"])
+  # Tensor parallel: no collective carries a kernel's gradient.
+  for model in checks.MODELS:
+    r = report["layouts"][f"{model}_tp"]
+    kernels = {tuple(s) for s in r["local_kernels"]}
+    kernels |= {s[::-1] for s in kernels}
+    assert not any(tuple(m) in kernels for c in r["reductions"]
+                   for m in _matrices(c)), (model, r["reductions"])
   # Five layers, five reductions of a gradient (local shards on 4 x 2).
   main = sorted(m for c in runs["dp_tp_fsdp"]["reductions"]
                 for m in _matrices(c))
@@ -116,6 +195,7 @@ REFUSED = {
     "data_and_model_on_one_dim": "both data axes",
     "unknown_sharding": "sharding is unknown",
     "indivisible_kernel": "is not divisible by the 8 devices",
+    "axis_on_both_dims": "names the mesh axes ['model'] more than once",
     "indivisible_batch": "batch) dimension 7 is not divisible",
     "stacked_kernel": "2-D (in, out) kernels only",
 }
@@ -291,6 +371,13 @@ def test_layouts_on_the_gpus():
   assert got["platform"] == "gpu" and got["devices"] == jax.device_count()
   for name, r in got["runs"].items():
     _assert_run_ok(name, r)
+  for name, r in got["layouts"].items():
+    _assert_run_ok(name, r, SHARDED_RTOL)
+    assert r["memory"]["alias"] == r["memory"]["state"], (name, r["memory"])
+  assert got["memory"]["wgrad"] == "fused"  # compiled: no interpreter copies
+  for layout in checks.LAYOUTS:
+    assert got["memory"][layout]["temp"] < got["memory"]["kernels"], layout
+  assert got["tied"]["max_rel_err"] <= SHARDED_RTOL
   for case, text in REFUSED.items():
     text = text.replace("8 devices", f"{got['devices']} devices")
     if case == "indivisible_batch":

@@ -1,14 +1,16 @@
 """forge_torch under torch's DistributedDataParallel and FSDP2's fully_shard:
-two CPU ranks (gloo) against single-process torch.optim.AdamW on the full
-batch, and the misuses that must be refused (DDP without
+two and four CPU ranks (gloo) against single-process torch.optim.AdamW on
+the full batch, a weight tied across two managed layers under fully_shard,
+and the misuses that must be refused (DDP without
 forge_torch.distributed.prepare_ddp, fully_shard without prepare_fsdp,
-global-norm clipping).
+global-norm clipping, a managed weight read twice under DDP, a tied weight
+split across FSDP groups).
 
-The ranks run once per test session, rank 0 in the test process and rank 1
-in a spawned one (``torch.multiprocessing``), rendezvousing through a file
-store; the tests assert on what they report (the kernels run in Pallas
-interpret mode and compile in every process, so the ranks run everything
-in one go).
+The ranks run once per test session and world size, rank 0 in the test
+process and the others in child processes (``torch.multiprocessing``),
+rendezvousing through a file store; the tests assert on what they report
+(the kernels run in Pallas interpret mode and compile in every process, so
+the ranks run everything in one go).
 """
 
 import contextlib
@@ -40,7 +42,10 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
 
 FP32 = tol(jnp.float32)
+# The world sizes run: two ranks run every case; four ranks the plain DDP and
+# fully_shard ones (D = 13 rows shard 4 + 4 + 4 + 1 under FSDP2).
 WORLD = 2
+WIDE_WORLD = 4
 # Odd sizes; both managed layers are D x D and every micro-batch has the same
 # 2 x 3 token rows per rank, so each process compiles two kernels only (the
 # gradient into its buffer; the update from the averaged buffer).
@@ -56,11 +61,14 @@ ACCUMULATED = [2, 2, 1]
 
 
 class Net(nn.Module):
-  """fc1, fc2: FORGE-managed; norm, head and the biases: DDP's."""
+  """fc1, fc2: FORGE-managed; norm, head and the biases: DDP's. ``tied``:
+  fc2 reads fc1's weight (one Parameter, two layers)."""
 
-  def __init__(self):
+  def __init__(self, tied: bool = False):
     super().__init__()
     self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, D)
+    if tied:
+      self.fc2.weight = self.fc1.weight
     self.norm = nn.LayerNorm(D)
     self.head = nn.Linear(D, OUT)
 
@@ -68,9 +76,9 @@ class Net(nn.Module):
     return self.head(self.norm(self.fc2(F.gelu(self.fc1(x)))))
 
 
-def make_net() -> Net:
+def make_net(tied: bool = False) -> Net:
   torch.manual_seed(0)
-  return Net()
+  return Net(tied)
 
 
 def converted(net: nn.Module) -> nn.Module:
@@ -79,12 +87,27 @@ def converted(net: nn.Module) -> nn.Module:
   return model
 
 
-def batches(micro_batches, seed):
+def tied_after_convert() -> nn.Module:
+  """The converted net with fc2 reading fc1's managed weight (tied after
+  forge_torch.convert, which leaves weights tied before it on the standard
+  path)."""
+  model = converted(make_net())
+  model.fc2.weight = model.fc1.weight
+  return model
+
+
+def batches(micro_batches, seed, world=WORLD):
   """``[step][micro-batch][rank] -> (x, y)``: every rank its own data."""
   g = torch.Generator().manual_seed(seed)
   return [[[(torch.randn(ROWS, SEQ, D, generator=g),
              torch.randn(ROWS, SEQ, OUT, generator=g))
-            for _ in range(WORLD)] for _ in range(k)] for k in micro_batches]
+            for _ in range(world)] for _ in range(k)] for k in micro_batches]
+
+
+def managed_names(model: nn.Module, opt) -> list[str]:
+  """The names of the optimizer's managed weights (a tied one once)."""
+  return [n for n, p in model.named_parameters()
+          if any(p is q for q in opt.managed_params)]
 
 
 def rel(a, b) -> float:
@@ -96,11 +119,11 @@ def rel(a, b) -> float:
 # --- what each rank runs ------------------------------------------------------
 
 
-def _error(fn) -> str:
-  """The message of the RuntimeError ``fn()`` raises ('' if none)."""
+def _error(fn, kinds=RuntimeError) -> str:
+  """The message of the error of ``kinds`` ``fn()`` raises ('' if none)."""
   try:
     fn()
-  except RuntimeError as e:
+  except kinds as e:
     return str(e)
   return ""
 
@@ -136,27 +159,50 @@ def _misuses(rank: int) -> dict:
   forge_dist.prepare_fsdp(model)
   opt = forge_torch.AdamW(model.parameters(), max_grad_norm=1.0)
   found["fsdp_clip"] = _error(lambda: F.mse_loss(model(x), y).backward())
+  # A managed weight tied across two layers under DDP: read twice in the
+  # step, refused at its second forward.
+  model = tied_after_convert()
+  ddp = forge_dist.wrap_ddp(model)
+  opt = forge_torch.AdamW(ddp.parameters())
+  found["ddp_tied"] = _error(lambda: ddp(x))
+  # The tied weight under fully_shard with its two layers in different FSDP
+  # groups: fully_shard refuses it (the groups would shard two copies);
+  # both layers in one group train as the single process does
+  # (_train_fsdp(..., tied=True)).
+  model = tied_after_convert()
+  fully_shard(model.fc1)
+  fully_shard(model)
+  forge_dist.prepare_fsdp(model)
+  forge_torch.AdamW(model.parameters())
+  found["fsdp_tied_split"] = _error(lambda: model(x), (RuntimeError,
+                                                      ValueError))
   return found
 
 
-def _train_fsdp(rank: int, micro_batches, accumulate: int, seed: int
-                ) -> dict:
+def _train_fsdp(rank: int, micro_batches, accumulate: int, seed: int,
+                world: int = WORLD, tied: bool = False) -> dict:
   """fully_shard per managed layer and on the root; D = 13 rows split
-  7 + 6 over the two ranks (FSDP2 pads the second shard)."""
-  model = converted(make_net())
-  fully_shard(model.fc1)
-  fully_shard(model.fc2)
+  7 + 6 over two ranks, 4 + 4 + 4 + 1 over four (FSDP2 pads the short
+  shards). ``tied``: fc1 and fc2 share one weight, both in the root's FSDP
+  group (fully_shard's rule for shared parameters), so FSDP sums both
+  layers' gradients before the reduce-scatter and the weight is updated
+  once from the sum."""
+  model = tied_after_convert() if tied else converted(make_net())
+  if not tied:
+    fully_shard(model.fc1)
+    fully_shard(model.fc2)
   fully_shard(model)
   names = forge_dist.prepare_fsdp(model)
   opt = forge_torch.AdamW(model.parameters(), lr=LR, weight_decay=WD)
   opt.accumulate_steps = accumulate
-  assert opt.managed_params == [model.fc1.weight, model.fc2.weight]
+  assert opt.managed_params == (
+      [model.fc1.weight] if tied else [model.fc1.weight, model.fc2.weight])
   calls = forge_torch.bridge_stats.calls
-  for s, step in enumerate(batches(micro_batches, seed)):
+  for s, step in enumerate(batches(micro_batches, seed, world)):
     # The second step of the plain run takes fc2 unfused: FSDP's sharded
     # gradient stays for opt.step(), which applies torch's own update to
     # the state FORGE created.
-    model.fc2.fused = not (accumulate == 1 and s == 1)
+    model.fc2.fused = tied or not (accumulate == 1 and s == 1)
     for micro in step:
       x, y = micro[rank]
       F.mse_loss(model(x), y).backward()
@@ -177,6 +223,7 @@ def _train_fsdp(rank: int, micro_batches, accumulate: int, seed: int
   # weights as they are: "params" below are read after it).
   full = dcp_state.get_optimizer_state_dict(
       model, opt, options=dcp_state.StateDictOptions(full_state_dict=True))
+  managed = managed_names(model, opt)
   new = forge_torch.AdamW(model.parameters(), lr=LR, weight_decay=WD)
   dcp_state.set_optimizer_state_dict(
       model, new, full,
@@ -191,7 +238,7 @@ def _train_fsdp(rank: int, micro_batches, accumulate: int, seed: int
       # full_tensor(): a collective, run by every rank.
       "params": {k: v.full_tensor().detach()
                  for k, v in model.named_parameters()},
-      "exp_avg_sq": [full["state"][n]["exp_avg_sq"] for n in names],
+      "exp_avg_sq": {n: full["state"][n]["exp_avg_sq"] for n in managed},
       "reloaded": reloaded,
       "local_rows": [s["exp_avg_sq"].to_local().shape[0] for s in state],
       "placements": placements,
@@ -199,7 +246,7 @@ def _train_fsdp(rank: int, micro_batches, accumulate: int, seed: int
 
 
 def _train(rank: int, micro_batches, accumulate: int, seed: int,
-           device: str) -> dict:
+           device: str, world: int = WORLD) -> dict:
   model = converted(make_net()).to(device)
   with torch.no_grad():  # prepare_ddp copies rank 0's managed weights
     model.fc1.weight.add_(float(rank))
@@ -211,7 +258,7 @@ def _train(rank: int, micro_batches, accumulate: int, seed: int,
   opt = forge_torch.AdamW(ddp.parameters(), lr=LR, weight_decay=WD)
   opt.accumulate_steps = accumulate
   assert opt.managed_params == [model.fc1.weight, model.fc2.weight]
-  for s, step in enumerate(batches(micro_batches, seed)):
+  for s, step in enumerate(batches(micro_batches, seed, world)):
     # Plain DDP's second step runs fc2 as nn.Linear: its ordinary gradient,
     # which DDP ignores, is averaged by opt.step().
     model.fc2.fused = not (accumulate == 1 and s == 1)
@@ -227,28 +274,36 @@ def _train(rank: int, micro_batches, accumulate: int, seed: int,
   return {
       "names": names,
       "params": {k: v.detach().cpu() for k, v in model.named_parameters()},
-      "exp_avg_sq": [opt.state[p]["exp_avg_sq"].cpu()
-                     for p in opt.managed_params],
+      "exp_avg_sq": {n: opt.state[model.get_parameter(n)]["exp_avg_sq"].cpu()
+                     for n in managed_names(model, opt)},
   }
 
 
-def _rank(rank: int, init: str, device: str) -> dict:
-  """What rank ``rank`` reports (an exception's traceback, if one ends it)."""
+def _rank(rank: int, init: str, device: str, world: int = WORLD) -> dict:
+  """What rank ``rank`` of ``world`` reports (an exception's traceback, if
+  one ends it)."""
   threads = torch.get_num_threads()
   torch.set_num_threads(1)
   dist = torch.distributed
   dist.init_process_group("gloo", init_method=init, rank=rank,
-                          world_size=WORLD,
+                          world_size=world,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
   try:
     cpu = device == "cpu"
+    if world != WORLD:  # the plain cases only
+      return {"plain": _train(rank, PLAIN, 1, seed=1, device=device,
+                              world=world),
+              "fsdp_plain": (_train_fsdp(rank, PLAIN, 1, seed=3, world=world)
+                             if cpu else None)}
     return {"misuses": _misuses(rank) if cpu else None,
             "plain": _train(rank, PLAIN, 1, seed=1, device=device),
             "accumulated": _train(rank, ACCUMULATED, 2, seed=2, device=device),
             # FSDP2 over gloo: CPU tensors only.
             "fsdp_plain": _train_fsdp(rank, PLAIN, 1, seed=3) if cpu else None,
             "fsdp_accumulated": (_train_fsdp(rank, ACCUMULATED, 2, seed=4)
-                                 if cpu else None)}
+                                 if cpu else None),
+            "fsdp_tied": (_train_fsdp(rank, PLAIN, 1, seed=5, tied=True)
+                          if cpu else None)}
   except Exception:  # noqa: BLE001 -- reported to the tests
     return {"error": traceback.format_exc()}
   finally:
@@ -256,22 +311,22 @@ def _rank(rank: int, init: str, device: str) -> dict:
     torch.set_num_threads(threads)
 
 
-def _child(rank: int, init: str, device: str, out: str) -> None:
-  """A spawned process's rank: its report, saved to ``out``."""
-  torch.save(_rank(rank, init, device), out)
+def _child(rank: int, init: str, device: str, world: int, out: str) -> None:
+  """A child process's rank: its report, saved to ``out``."""
+  torch.save(_rank(rank, init, device, world), out)
 
 
 # --- the reference and the tests ----------------------------------------------
 
 
-def reference(micro_batches, seed, device="cpu"
+def reference(micro_batches, seed, device="cpu", world=WORLD, tied=False
               ) -> tuple[nn.Module, torch.optim.AdamW]:
   """torch.optim.AdamW in one process: each micro-batch's loss is the mean
   over all ranks' rows (DDP's average of the ranks' means), its gradients
   summed over a step's micro-batches."""
-  net = make_net().to(device)
+  net = make_net(tied).to(device)
   opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
-  for step in batches(micro_batches, seed):
+  for step in batches(micro_batches, seed, world):
     for micro in step:
       x = torch.cat([x for x, _ in micro]).to(device)
       y = torch.cat([y for _, y in micro]).to(device)
@@ -281,32 +336,36 @@ def reference(micro_batches, seed, device="cpu"
   return net, opt
 
 
-def run_ranks(root, device: str) -> list[dict]:
-  """Every rank's report, the ranks run once per test session on
+def run_ranks(root, device: str, world: int = WORLD) -> list[dict]:
+  """Every rank's report, the ``world`` ranks run once per test session on
   ``device``: pytest-xdist workers share them through files in the
   session's temporary root, written under an exclusive lock."""
   if os.environ.get("PYTEST_XDIST_WORKER"):
     root = root.parent  # shared by the workers of this session
-  out = root / f"torch_ddp_{device}"
+  out = root / f"torch_ddp_{device}_{world}"
   with open(f"{out}.lock", "w", encoding="utf-8") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    paths = [out / f"rank{r}.pt" for r in range(WORLD)]
+    paths = [out / f"rank{r}.pt" for r in range(world)]
     if not all(p.is_file() for p in paths):
       # Rank 0 is this process (torch, JAX and forge_torch are imported
-      # already); the others are spawned (a forked child would inherit
-      # JAX's threads).
+      # already); the others are forked from a fresh server process that
+      # imports this module once (a child forked from this process would
+      # inherit JAX's threads; spawning each child would import torch, JAX
+      # and forge_torch once per rank).
       out.mkdir(exist_ok=True)
       store = out / "store"
       store.unlink(missing_ok=True)
       init = f"file://{store}"
-      spawn = mp.get_context("spawn")
-      children = [spawn.Process(target=_child,
-                                args=(r, init, device, str(paths[r])))
-                  for r in range(1, WORLD)]
+      context = mp.get_context("forkserver")
+      context.set_forkserver_preload([__name__])
+      children = [context.Process(target=_child,
+                                  args=(r, init, device, world,
+                                        str(paths[r])))
+                  for r in range(1, world)]
       for c in children:
         c.start()
       try:
-        torch.save(_rank(0, init, device), paths[0])
+        torch.save(_rank(0, init, device, world), paths[0])
       finally:
         for c in children:
           c.join(timeout=2 * TIMEOUT_S)
@@ -325,31 +384,59 @@ def reports(tmp_path_factory):
   return run_ranks(tmp_path_factory.getbasetemp(), "cpu")
 
 
-SEEDS = {"plain": 1, "accumulated": 2, "fsdp_plain": 3, "fsdp_accumulated": 4}
+@pytest.fixture(scope="module")
+def wide_reports(tmp_path_factory):
+  return run_ranks(tmp_path_factory.getbasetemp(), "cpu", WIDE_WORLD)
+
+
+SEEDS = {"plain": 1, "accumulated": 2, "fsdp_plain": 3, "fsdp_accumulated": 4,
+         "fsdp_tied": 5}
 
 
 def check_against_torch(ranks: list[dict], case: str, device: str) -> None:
+  """Every rank's parameters (bit-identical across the ranks) and the
+  managed weights' second moments against torch.optim.AdamW in one process
+  on the same global batches."""
   micro_batches = ACCUMULATED if case.endswith("accumulated") else PLAIN
-  ref, ref_opt = reference(micro_batches, SEEDS[case], device)
+  tied = case == "fsdp_tied"
+  ref, ref_opt = reference(micro_batches, SEEDS[case], device, len(ranks),
+                           tied)
   if case != "accumulated":
     assert ranks[0]["names"] == ["fc1.weight", "fc2.weight"]
-  start = make_net()
+  start = make_net(tied)
   for name, pr in ref.named_parameters():
-    p0, p1 = (r["params"][name] for r in ranks)
+    p0 = ranks[0]["params"][name]
     # Replicas stay identical (the collective's result is the same bytes on
     # every rank), and equal to the single-process run.
-    assert torch.equal(p0, p1), name
+    for r, report in enumerate(ranks[1:], 1):
+      assert torch.equal(report["params"][name], p0), (name, r)
     assert rel(p0, pr.cpu()) <= FP32, (name, rel(p0, pr.cpu()))
     # Not a vacuous match: every parameter moved.
     assert rel(p0, start.get_parameter(name)) > 1e3 * FP32, name
-  managed = [ref.fc1.weight, ref.fc2.weight]
-  for got, p in zip(ranks[0]["exp_avg_sq"], managed):
-    assert rel(got, ref_opt.state[p]["exp_avg_sq"].cpu()) <= FP32
+  managed = ["fc1.weight"] if tied else ["fc1.weight", "fc2.weight"]
+  assert list(ranks[0]["exp_avg_sq"]) == managed
+  for name, got in ranks[0]["exp_avg_sq"].items():
+    want = ref_opt.state[ref.get_parameter(name)]["exp_avg_sq"].cpu()
+    assert rel(got, want) <= FP32, (name, rel(got, want))
 
 
 @pytest.mark.parametrize("case", ["plain", "accumulated"])
 def test_ddp_matches_single_process_adamw(reports, case):
   check_against_torch([r[case] for r in reports], case, "cpu")
+
+
+def test_four_ranks_match_single_process_adamw(wide_reports):
+  """DDP and fully_shard over four ranks: the same parity, every replica
+  bit-identical; D = 13 rows shard 4 + 4 + 4 + 1 under FSDP2."""
+  assert len(wide_reports) == WIDE_WORLD
+  check_against_torch([r["plain"] for r in wide_reports], "plain", "cpu")
+  check_against_torch([r["fsdp_plain"] for r in wide_reports], "fsdp_plain",
+                      "cpu")
+  rows = [r["fsdp_plain"]["local_rows"] for r in wide_reports]
+  assert rows == [[4, 4], [4, 4], [4, 4], [1, 1]], rows
+  for r in wide_reports:  # fc2 unfused in the second step
+    assert r["fsdp_plain"]["fused_updates"] == 2 * len(PLAIN) - 1
+    assert r["fsdp_plain"]["placements"] == [(True, True)] * 2
 
 
 @pytest.mark.gpu
@@ -376,6 +463,21 @@ def test_fully_shard_matches_single_process_adamw(reports, case):
     assert r[case]["reloaded"] == [True, True]
 
 
+def test_fully_shard_tied_weight_matches_single_process_adamw(reports):
+  """A managed weight read by two layers (fc2 tied to fc1), both in the
+  root's FSDP group: FSDP sums both layers' gradients before it
+  reduce-scatters, so the shard is updated once, from the whole gradient,
+  as torch.optim.AdamW updates the tied model in one process."""
+  check_against_torch([r["fsdp_tied"] for r in reports], "fsdp_tied", "cpu")
+  for r in reports:
+    # Both names of the one weight; one fused update per step.
+    assert r["fsdp_tied"]["names"] == ["fc1.weight", "fc2.weight"]
+    assert r["fsdp_tied"]["fused_updates"] == len(PLAIN)
+    assert r["fsdp_tied"]["local_rows"] == [r["fsdp_plain"]["local_rows"][0]]
+    assert r["fsdp_tied"]["placements"] == [(True, True)]
+    assert r["fsdp_tied"]["reloaded"] == [True]
+
+
 def test_misuse_is_refused(reports):
   for report in reports:
     found = report["misuses"]
@@ -390,6 +492,13 @@ def test_misuse_is_refused(reports):
     assert "after fully_shard" in found["fsdp_early"], found["fsdp_early"]
     assert "max_grad_norm" in found["fsdp_clip"], found["fsdp_clip"]
     assert "fully_shard" in found["fsdp_clip"], found["fsdp_clip"]
+    # A weight tied across two managed layers: under DDP its second reader
+    # is refused; under fully_shard, split over two FSDP groups, fully_shard
+    # refuses it and says how to group it.
+    assert "called a second time" in found["ddp_tied"], found["ddp_tied"]
+    assert "fc2" in found["ddp_tied"], found["ddp_tied"]
+    assert "shared" in found["fsdp_tied_split"], found["fsdp_tied_split"]
+    assert "same FSDP group" in found["fsdp_tied_split"]
 
 
 def test_prepare_ddp_needs_a_process_group():

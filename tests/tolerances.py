@@ -30,6 +30,12 @@ ULPS = {
 }
 
 
+# A step sharded over devices against the same step on one device (fp32):
+# the same arithmetic but for the order of the sums XLA splits across the
+# devices (tests/test_distributed.py).
+SHARDED_RTOL = 1e-6
+
+
 # The relative error of a *derived* fp32 value that cancels: a training
 # run's last loss, a small residual of the first, amplifies the parameters'
 # relative error (checked at tol(float32)) by about first / last loss. Used
