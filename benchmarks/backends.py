@@ -91,7 +91,8 @@ def main(argv=None):
   p.add_argument("--tokens", type=common.positive_int, nargs="+",
                  default=[512, 2048, 4096])
   p.add_argument("--shapes", nargs="+", default=list(common.LLAMA8B_SHAPES),
-                 choices=list(common.LLAMA8B_SHAPES))
+                 help="Llama-3.1-8B shape names (the default), 'decoder' for "
+                 "the 0.886 B decoder's four, or any 'NAME NxM'")
   p.add_argument("--moments", nargs="+", default=["bf16", "fp32"],
                  choices=["bf16", "fp32"])
   p.add_argument("--mosaic", nargs="+", default=list(MOSAIC_DEFAULT),
@@ -102,6 +103,12 @@ def main(argv=None):
     mosaic_cfgs = [(m, parse_mosaic(m)) for m in args.mosaic]
   except argparse.ArgumentTypeError as e:
     p.error(str(e))
+  names = [n for s in args.shapes for n in (
+      common.DECODER_SHAPES if s == "decoder" else [s])]
+  try:
+    shapes = {n: common.parse_shape(n) for n in names}
+  except ValueError as e:
+    p.error(str(e))
   if jax.default_backend() != "gpu":
     print("benchmarks.backends needs a GPU; nothing measured.")
     return 0
@@ -111,8 +118,7 @@ def main(argv=None):
   for moments in args.moments:
     slot_dtype = jnp.bfloat16 if moments == "bf16" else jnp.float32
     dtypes = f"x,dy,W bf16; m,v {moments}"
-    for name in args.shapes:
-      n_in, n_out = common.LLAMA8B_SHAPES[name]
+    for name, (n_in, n_out) in shapes.items():
       for bt in args.tokens:
         shape = f"BT={bt} {n_in}x{n_out}"
         ref = jax.jit(arms["xla_unfused"])(_state(bt, n_in, n_out, slot_dtype))

@@ -25,6 +25,30 @@ LLAMA8B_SHAPES = {
     "down 14336x4096": (14336, 4096),
 }
 TOKENS = (512, 2048, 4096)
+# The 0.886 B Llama-style decoder's (benchmarks/e2e.py) projection shapes.
+DECODER_SHAPES = {
+    "decoder q/o 2048x2048": (2048, 2048),
+    "decoder k/v 2048x1024": (2048, 1024),
+    "decoder up/gate 2048x5632": (2048, 5632),
+    "decoder down 5632x2048": (5632, 2048),
+}
+
+
+def parse_shape(name: str) -> tuple[int, int]:
+  """``(n_in, n_out)`` of a shape named in :data:`LLAMA8B_SHAPES` or
+  :data:`DECODER_SHAPES`, or of any ``"NAME NxM"`` (e.g. ``"t 40x24"``:
+  small shapes for CPU smoke tests)."""
+  if name in LLAMA8B_SHAPES:
+    return LLAMA8B_SHAPES[name]
+  try:
+    n_in, n_out = (int(d) for d in name.split()[-1].split("x"))
+  except ValueError:
+    n_in = n_out = 0
+  if n_in < 1 or n_out < 1:
+    raise ValueError(f"--shapes: {name!r} is neither one of "
+                     f"{list(LLAMA8B_SHAPES)} nor 'NAME NxM' with "
+                     "N, M >= 1")
+  return n_in, n_out
 
 CSV_FIELDS = ["benchmark", "case", "provider", "shape", "dtypes", "metric",
               "p20", "p50", "p80", "unit", "device", "versions", "timestamp",

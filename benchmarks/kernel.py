@@ -73,22 +73,6 @@ def hparams():
                        bc1_next=1 - b1**(t + 1))
 
 
-def parse_shape(name):
-  """``(n_in, n_out)`` of a Llama-3.1-8B shape name, or of any ``"NAME
-  NxM"`` (e.g. ``"t 40x24"``: small shapes for CPU smoke tests)."""
-  if name in common.LLAMA8B_SHAPES:
-    return common.LLAMA8B_SHAPES[name]
-  try:
-    n_in, n_out = (int(d) for d in name.split()[-1].split("x"))
-  except ValueError:
-    n_in = n_out = 0
-  if n_in < 1 or n_out < 1:
-    raise ValueError(f"--shapes: {name!r} is neither one of "
-                     f"{list(common.LLAMA8B_SHAPES)} nor 'NAME NxM' with "
-                     "N, M >= 1")
-  return n_in, n_out
-
-
 def step_bytes(bt, n_in, n_out, moment_itemsize, fused=True):
   """HBM bytes one step must move: x and dy read once, bf16 W and both
   moments read and written; the unfused step also writes the bf16 G and reads
@@ -401,7 +385,7 @@ def main(argv=None):
           p.error(f"--config: {e}")
   for name in args.shapes:
     try:
-      parse_shape(name)
+      common.parse_shape(name)
     except ValueError as e:
       p.error(str(e))
   if args.config and args.configs != len(CONFIGS):
@@ -426,7 +410,7 @@ def main(argv=None):
     return 1
   if args.torch == "auto" and torch_dev is None:
     print("torch arms off: torch not installed or without CUDA")
-  shapes = {name: parse_shape(name) for name in args.shapes}
+  shapes = {name: common.parse_shape(name) for name in args.shapes}
   configs = ([c if c == AUTO else pk.tuning_cache.parse_label(c)
               for c in args.config]
              if args.config else CONFIGS[:args.configs])

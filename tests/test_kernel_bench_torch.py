@@ -76,8 +76,12 @@ def test_step_bytes():
   assert fused == 512 * (4096 + 1024) * 2 + 4096 * 1024 * 2 * 6
   assert kernel.step_bytes(512, 4096, 1024, 2, fused=False) == (
       fused + 2 * 4096 * 1024 * 2)
-  assert kernel.parse_shape("q/o 4096x4096") == (4096, 4096)
-  assert kernel.parse_shape("t 40x24") == (40, 24)
+  assert common.parse_shape("q/o 4096x4096") == (4096, 4096)
+  assert common.parse_shape("t 40x24") == (40, 24)
+  assert [common.parse_shape(n) for n in common.DECODER_SHAPES] == list(
+      common.DECODER_SHAPES.values())
+  with pytest.raises(ValueError, match="neither one of"):
+    common.parse_shape("q/o")
 
 
 def test_torch_and_forge_torch_arms_compute_the_same_step():
