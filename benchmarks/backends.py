@@ -2,7 +2,8 @@
 
     ./dev.sh python -m benchmarks.backends --out out/bench/backends.csv
 
-One layer at the Llama-3.1-8B projection shapes: XLA's ``dot(x.T, dy)``
+One layer at the Llama-3.1-8B projection shapes (``--shapes``: others):
+XLA's ``dot(x.T, dy)``
 followed by the rule applied elementwise, the Triton kernel
 (``backend="triton"``, its tuned tiling) and the Mosaic GPU kernel
 (``backend="mosaic_gpu"``, each ``--mosaic`` tiling), side by side in one
@@ -31,7 +32,9 @@ HPARAMS = RULE.pack(lr=1e-4, b1=0.9, b2=0.999, one_minus_b1=0.1,
                     one_minus_b2=0.001, eps=1e-8, eps_root=0.0,
                     weight_decay=1e-2, bc1=0.1, bc2=0.001, bc1_next=0.19)
 # tile_m x tile_n x tile_k / pipeline steps.
-MOSAIC_DEFAULT = ("128x128x64/3", "64x128x64/3")
+# The default tilings (mosaic_kernel.default_config) up to 1024 tokens and
+# beyond, 16-bit state.
+MOSAIC_DEFAULT = ("64x128x64/4,b2,pn", "128x128x64/4,e64x32,r2,s8")
 
 
 def parse_mosaic(label: str) -> pk.MosaicConfig:

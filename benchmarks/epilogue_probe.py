@@ -1,4 +1,4 @@
-r"""Where does the fused kernel's epilogue lose bandwidth? (issue #4 probe)
+r"""Where does the fused kernel's epilogue lose bandwidth? (a probe)
 
     ./dev.sh python -m benchmarks.epilogue_probe --out out/probe   # on a GPU
 

@@ -61,7 +61,8 @@ CONFIGS = [
 LR, B1, B2, EPS, WD, STEP = 1e-4, 0.9, 0.999, 1e-8, 1e-4, 10
 
 
-# --config auto: the tiling fused_wgrad_update picks by itself for the case.
+# --config auto: the Triton tiling fused_wgrad_update picks by itself for the
+# case.
 AUTO = "auto"
 
 
@@ -356,8 +357,10 @@ def main(argv=None):
                  help="tilings to try instead, as labels such as "
                  "64x128x64,g1,w4,s3; appended knobs: ',p' prefetch, ',e' "
                  "stream_state, ',oN' split_out=N (docs/perf_notes.md); "
-                 "'auto': the tiling the kernel picks by itself (the "
-                 "autotune cache, else the heuristic)")
+                 "'auto': the Triton tiling the kernel picks by itself "
+                 "(the autotune cache, else the heuristic; this benchmark "
+                 "times the Triton kernel, benchmarks.backends the Mosaic "
+                 "GPU one)")
   p.add_argument("--torch", choices=("auto", "on", "off"), default="auto",
                  help="the torch arms (torch: cuBLAS + AdamW(fused=True); "
                  "forge_torch: the kernel through the forge_torch bridge), "

@@ -258,9 +258,10 @@ class Dense(nn.Dense):
       is called more than once per step or whose kernel is tied to another
       op. ``forge_jax.make_step(..., shared="standard")`` does this
       automatically for every such layer.
-    block_config: tiling of the fused kernel; when ``None``, the autotuned
-      winner cached for this GPU and shape, else a heuristic
-      (``pallas_kernels.select_config``).
+    block_config: tiling of the fused kernel (a ``BlockConfig`` runs the
+      Triton kernel, a ``MosaicConfig`` the Mosaic GPU one); when ``None``,
+      the backend and tiling the kernel chooses for the case
+      (``pallas_kernels.select_backend``).
 
   Example:
     >>> import forge_jax, jax, jax.numpy as jnp

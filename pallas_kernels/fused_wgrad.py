@@ -149,6 +149,14 @@ def fused_wgrad_update(
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   interpret = _interpret(interpret)
   varying = _varying(x2, dy2, w, *slots)
+  if bt == 0:
+    # No tokens: G = 0, the optimizer still steps (moments decay, weight
+    # decay), whichever backend was asked for (its arguments still checked).
+    select_backend(bt, n_in, n_out, w.dtype, [a.dtype for a in slots], rule,
+                   x2.dtype, interpret=interpret, stacked=stacked,
+                   config=config, backend=backend, varying=varying)
+    return apply_rule(rule, jnp.zeros((n_in, n_out), jnp.float32), w, slots,
+                      hparams, layer)
   choice = select_backend(bt, n_in, n_out, w.dtype, [a.dtype for a in slots],
                           rule, x2.dtype, interpret=interpret,
                           stacked=stacked, config=config, backend=backend,
@@ -164,10 +172,6 @@ def fused_wgrad_update(
     return _mosaic(x2, dy2, w, slots, hparams, rule, choice, interpret,
                    layer)
   cfg = choice.config
-  if bt == 0:
-    # No tokens: G = 0, the optimizer still steps (moments decay, weight decay).
-    return apply_rule(rule, jnp.zeros((n_in, n_out), jnp.float32), w, slots,
-                      hparams, layer)
 
   return triton_kernel.launch(
       (x2, dy2), w, slots, hparams, rule=rule, cfg=cfg, layer=layer,

@@ -245,7 +245,7 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None
   docs/benchmarks.md, "Kernel backends").
 
   * Up to 1024 tokens, 16-bit state: 64 x 128 tiles, two state buffers, the
-    next tile's state prefetched (1.05-1.07x XLA's GEMM + AdamW at BT 512).
+    next tile's state prefetched (1.02-1.05x XLA's GEMM + AdamW at BT 512).
   * Up to 1024 tokens, wider state: 128 x 128 tiles streaming the state
     through a ring of one 64 x 64 sub-tile (0.99-1.10x with fp32 moments).
   * More tokens: 128 x 128 tiles streaming 64 x 32 sub-tiles through a ring

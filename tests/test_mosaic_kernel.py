@@ -115,6 +115,23 @@ def test_mosaic_kernel_updates_one_layer_of_a_stack():
   _check_stacked(_case(10, 128, 128, 192, pk.ADAMW), 2, SMALL, interpret=True)
 
 
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
+def test_no_tokens_steps_the_state_on_either_backend(backend):
+  # G = 0: the moments decay and weight decay applies, as the reference does.
+  _, _, w, slots = _case(21, 64, 128, 128, pk.ADAMW, w_dtype=F32,
+                         slot_dtype=F32)
+  x, dy = jnp.zeros((0, 128), BF16), jnp.zeros((0, 128), BF16)
+  h = _hparams(pk.ADAMW)
+  got_w, got = pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW,
+                                     backend=backend, interpret=True)
+  ref_w, ref = pk.fused_wgrad_update_reference(x, dy, w, slots, h,
+                                               rule=pk.ADAMW)
+  for a, b, old in zip((got_w, *got), (ref_w, *ref), (w, *slots)):
+    assert_close(a, b)
+    assert not np.array_equal(np.asarray(a, np.float32),
+                              np.asarray(old, np.float32))
+
+
 RING = pk.MosaicConfig(tile_m=128, tile_n=256, tile_k=64, steps=2,
                       state_ring=2)
 
@@ -226,8 +243,11 @@ def test_gpu_mosaic_kernel_compiled_matches_reference(rule, slot_dtype):
                     delay_release=0),
     RING,
     pk.MosaicConfig(tile_m=64, tile_n=128, steps=4, epi_n=32, state_ring=4),
+    # The default beyond 1024 tokens (the shipped cache's tiling there).
+    pk.MosaicConfig(tile_m=128, tile_n=128, steps=4, epi_n=32, state_ring=2,
+                    band=8),
 ], ids=["two-buffers", "prefetch-next", "three-warpgroups", "ring",
-        "ring-e64x32"])
+        "ring-e64x32", "ring-banded"])
 def test_gpu_mosaic_kernel_compiled_knobs(cfg):
   _check(pk.ADAMW, _case(9, 512, 1024, 768, pk.ADAMW), cfg, interpret=False)
 
