@@ -455,7 +455,12 @@ class Linear(nn.Linear):
   # Run eagerly under torch.compile (a graph break around the layer): traced
   # by Dynamo, the fused autograd.Function would be replaced by an ordinary
   # linear, and the weight would get a .grad instead of FORGE's update.
-  @torch.compiler.disable
+  # torch._disable_dynamo is torch.compiler.disable applied at the first call
+  # (torch's own lazy form, in a module Dynamo never traces), so importing
+  # forge_torch does not import torch._dynamo (seconds); under
+  # torch.compile it breaks the graph at the layer just as the decorator does.
+  # A torch without it (a private name) gets the eager decorator.
+  @getattr(torch, "_disable_dynamo", torch.compiler.disable)
   def forward(self, input: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if (self.fused and torch.is_grad_enabled()

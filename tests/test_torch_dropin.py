@@ -1,5 +1,8 @@
 """forge_torch in real training code: gradient clipping, torch.compile,
 convert()'s report of skipped layers, and errors that name layers by path."""
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -104,6 +107,21 @@ def test_torch_compile_keeps_the_fused_update(backend):
     ref_opt.zero_grad()
   for p, q in zip(model.parameters(), ref.parameters()):
     torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_import_does_not_load_dynamo():
+  """Importing forge_torch leaves torch._dynamo (seconds to import) unloaded:
+  the layer's compile guard above is applied at its first call, not at import.
+  """
+  code = ("import sys, forge_torch\n"
+          "assert 'torch' in sys.modules and 'jax' in sys.modules\n"
+          "print(sorted(m for m in sys.modules\n"
+          "             if m == 'torch._dynamo' or m.startswith('torch._dynamo.')))")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = subprocess.run([sys.executable, "-c", code], cwd=root,
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr
+  assert p.stdout.strip() == "[]", p.stdout
 
 
 # --- convert() reports what it skips ---------------------------------------------
