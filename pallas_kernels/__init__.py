@@ -35,6 +35,9 @@ thin framework layers over these kernels. The public names:
   read (:class:`Reads`); :data:`FAMILIES` -- the declared families;
   :mod:`pallas_kernels.families` -- the family registry (a :class:`Family`
   per family: declaration, rule factories, mirrored transforms).
+* :mod:`pallas_kernels.quant` -- the reference of low-precision optimizer
+  state (blocked int8/fp8 moments, stochastic rounding to bf16); no kernel
+  uses it yet.
 * :mod:`pallas_kernels.tuning_cache` -- the cache of tuned tilings;
   :mod:`pallas_kernels.autotune` -- the tuner and its CLI.
 """
@@ -53,7 +56,7 @@ for _name in ("jax._src.pallas.fuser",):
     pass
 
 # Submodules reachable as attributes (pallas_kernels.families.REGISTRY, ...).
-from pallas_kernels import families, torch_rules, tuning_cache  # noqa: F401
+from pallas_kernels import families, quant, torch_rules, tuning_cache  # noqa: F401
 from pallas_kernels.families import FAMILIES, Family, classify
 from pallas_kernels.mosaic_kernel import MosaicConfig
 from pallas_kernels.fused_wgrad import (
