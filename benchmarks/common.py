@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pallas_kernels import autotune
+from pallas_kernels import autotune, tuning_cache
 
 # Llama-3.1-8B projection shapes (in, out), one place for tests and benches.
 LLAMA8B_SHAPES = {
@@ -60,12 +60,18 @@ positive_int = autotune.positive_int
 
 
 def versions() -> str:
+  """The packages' versions, and a kernel backend forced by
+  ``$FORGE_BACKEND`` (which every FORGE kernel call of the run then takes),
+  for a results row."""
   parts = [f"python {platform.python_version()}", f"jax {jax.__version__}"]
   for mod in ("jaxlib", "flax", "optax", "triton", "torch"):
     try:
       parts.append(f"{mod} {__import__(mod).__version__}")
     except Exception:  # noqa: BLE001 -- optional packages
       pass
+  forced = os.environ.get(tuning_cache.BACKEND_ENV_VAR)
+  if forced:
+    parts.append(f"{tuning_cache.BACKEND_ENV_VAR}={forced}")
   return "; ".join(parts)
 
 

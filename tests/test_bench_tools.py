@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from benchmarks import epilogue_probe, ncu_summary
+from benchmarks import common, epilogue_probe, ncu_summary
 from benchmarks.kernel import hparams
 from tests.tolerances import assert_close
 
@@ -142,3 +142,10 @@ def test_suite_script_refuses_an_unknown_part_before_anything_runs(tmp_path):
   assert p.returncode == 2
   assert "unknown part 'scna' (parts: kernel e2e scan)" in p.stderr
   assert not (tmp_path / "out").exists()
+
+
+def test_rows_record_a_backend_forced_by_the_environment(monkeypatch):
+  monkeypatch.delenv("FORGE_BACKEND", raising=False)
+  assert "FORGE_BACKEND" not in common.versions()
+  monkeypatch.setenv("FORGE_BACKEND", "mosaic_gpu")
+  assert common.versions().endswith("; FORGE_BACKEND=mosaic_gpu")
