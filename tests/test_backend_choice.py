@@ -425,3 +425,39 @@ def test_gpu_backend_none_takes_mosaic_at_a_shipped_case():
       *a[:3], a[3:], h, rule=pk.ADAMW)).lower(x, dy, w, *slots).as_text()
   assert "mosaic_gpu" in text and "xla.gpu.triton" not in text
   check_against_reference(x, dy, w, slots, h, pk.ADAMW, interpret=False)
+
+
+def test_forge_jax_layers_train_the_same_on_the_mosaic_backend(monkeypatch):
+  # A Dense layer and a scanned stack (stacked state, layer=i inside the
+  # scan) through make_step, in interpret mode: the Mosaic GPU kernel
+  # ($FORGE_BACKEND) gives the Triton kernel's parameters and state.
+  import flax.linen as nn
+  import numpy as np
+  import forge_jax
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      kw = dict(dtype=BF16, param_dtype=BF16)
+      x = nn.relu(forge_jax.Dense(128, **kw)(x))
+      return forge_jax.ScannedDenseStack(features=128, num_layers=2, **kw)(x)
+
+  net = Net()
+  x = jax.random.normal(jax.random.key(0), (64, 128), BF16)
+  loss = lambda v, b: jnp.mean(net.apply(v, b).astype(jnp.float32) ** 2)
+  tx = forge_jax.adamw(1e-2)
+  results = {}
+  for backend in ("triton", "mosaic_gpu"):
+    monkeypatch.setenv("FORGE_BACKEND", backend)
+    calls = _spy(monkeypatch, getattr(fused_wgrad, {
+        "triton": "triton_kernel", "mosaic_gpu": "mosaic_kernel"}[backend]))
+    variables = net.init(jax.random.key(1), x)
+    state = tx.init(variables["params"])
+    _, variables, state = jax.jit(forge_jax.make_step(loss, tx))(
+        variables, state, x)
+    assert len(calls) == 2  # the Dense layer's and the stack's kernel
+    results[backend] = jax.tree.leaves((variables, state))
+    monkeypatch.undo()
+  for a, b in zip(results["triton"], results["mosaic_gpu"]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
