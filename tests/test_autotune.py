@@ -757,8 +757,9 @@ def test_mosaic_entries_from_a_backends_csv(tmp_path):
   a, b = "forge_mosaic_128x128x64/4,e64x32,r2,s8", "forge_mosaic_64x128x64/2"
   path = tmp_path / "b.csv"
   _backends_csv(path, [
-      # BT 2048: run 1 has b fastest; run 2 the default tiling a, slower
-      # than b but faster than Triton. The default pick takes a.
+      # BT 2048: the first measurement has b fastest; the second the
+      # default tiling a, slower than b but faster than Triton. The default
+      # pick takes a.
       (1, "c1", "BT=2048 4096x4096", "bf16", "forge_triton", 200.0),
       (1, "c1", "BT=2048 4096x4096", "bf16", b, 150.0),
       (2, "c1", "BT=2048 4096x4096", "bf16", "forge_triton", 210.0),
