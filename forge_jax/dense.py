@@ -258,10 +258,9 @@ class Dense(nn.Dense):
       is called more than once per step or whose kernel is tied to another
       op. ``forge_jax.make_step(..., shared="standard")`` does this
       automatically for every such layer.
-    block_config: tiling of the fused kernel (a ``BlockConfig`` runs the
-      Triton kernel, a ``MosaicConfig`` the Mosaic GPU one); when ``None``,
-      the backend and tiling the kernel chooses for the case
-      (``pallas_kernels.select_backend``).
+    block_config: a Triton tiling of the fused kernel (a ``BlockConfig``,
+      which runs the Triton kernel); when ``None``, the backend and tiling
+      the kernel chooses for the case (``pallas_kernels.select_backend``).
 
   Example:
     >>> import forge_jax, jax, jax.numpy as jnp

@@ -162,15 +162,13 @@ def fused_wgrad_update(
                           stacked=stacked, config=config, backend=backend,
                           varying=varying)
   if choice.backend == "mosaic_gpu":
-    if varying:
-      raise ValueError(
-          "fused_wgrad_update(backend='mosaic_gpu'): inside shard_map, on "
-          "operands that vary over a mesh axis, the Mosaic GPU kernel cannot "
-          "run (jax's mpmd_map, which it is built on, refuses state refs "
-          f"that vary over mesh axes). The backend was chosen because "
-          f"{choice.reason}; use backend='triton' inside shard_map.")
-    return _mosaic(x2, dy2, w, slots, hparams, rule, choice, interpret,
-                   layer)
+    _mosaic_refusal(choice, varying, "fused_wgrad_update", lambda: (
+        mosaic_kernel.unsupported(bt, n_in, n_out, x2.dtype, w, slots, rule,
+                                  choice.config, stacked=stacked,
+                                  g_stored=False)))
+    return mosaic_kernel.launch((x2, dy2), w, slots, hparams, rule=rule,
+                                cfg=choice.config, interpret=interpret,
+                                layer=layer)
   cfg = choice.config
 
   return triton_kernel.launch(
@@ -216,43 +214,27 @@ def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
                         varying=_varying(x, dy, w, *slots))
 
 
-def _mosaic(x, dy, w, slots, hparams, rule, choice, interpret, layer):
-  """``fused_wgrad_update`` on the Mosaic GPU backend, as ``choice`` (a
-  :class:`~pallas_kernels.tuning_cache.BackendChoice`) took it."""
-  cfg = choice.config
-  why = mosaic_kernel.unsupported(
-      x.shape[0], w.shape[-2], w.shape[-1], x.dtype, w, slots, rule, cfg,
-      stacked=layer is not None, g_stored=False)
-  if why is not None:
-    raise ValueError(
-        f"fused_wgrad_update(backend='mosaic_gpu'): {why}. The Mosaic GPU "
-        f"backend was chosen because {choice.reason}; use backend='triton' "
-        "for this case" + (
-            f" (or unset ${BACKEND_ENV_VAR})"
-            if choice.reason.startswith("$") else "") + ".")
-  return mosaic_kernel.launch((x, dy), w, slots, hparams, rule=rule,
-                              cfg=cfg, interpret=interpret, layer=layer)
-
-
-def _mosaic_stored(g, w, slots, hparams, rule, config, interpret, layer):
-  """``stored_g_update`` on the Mosaic GPU backend."""
-  n_in, n_out = w.shape[-2:]
-  cfg = config
-  if cfg is None:
-    cfg = mosaic_kernel.stored_config(
-        n_in, n_out, mosaic_kernel.smem_dtypes(
-            rule, w.dtype, [a.dtype for a in slots]) + [g.dtype])
-  if not isinstance(cfg, mosaic_kernel.MosaicConfig):
-    raise TypeError("stored_g_update(backend='mosaic_gpu'): config must be "
-                    f"a MosaicConfig, got {type(config).__name__}")
-  why = mosaic_kernel.unsupported(0, n_in, n_out, g.dtype, w, slots, rule,
-                                  cfg, stacked=layer is not None,
-                                  g_stored=True)
-  if why is not None:
-    raise ValueError(f"stored_g_update(backend='mosaic_gpu'): {why}. "
-                     "Use backend='triton' for this case.")
-  return mosaic_kernel.launch((g,), w, slots, hparams, rule=rule, cfg=cfg,
-                              interpret=interpret, layer=layer)
+def _mosaic_refusal(choice, varying: bool, where: str, why_not) -> None:
+  """Raises, in plain words, when the Mosaic GPU backend that ``choice`` (a
+  :class:`~pallas_kernels.tuning_cache.BackendChoice`) took cannot run:
+  inside ``shard_map`` on varying operands, or a case ``why_not()`` (the
+  kernel's :func:`~pallas_kernels.mosaic_kernel.unsupported`) refuses."""
+  if varying:
+    why = ("inside shard_map, on operands that vary over a mesh axis, the "
+           "Mosaic GPU kernel cannot run (jax's mpmd_map, which it is built "
+           "on, refuses state refs that vary over mesh axes)")
+  else:
+    why = why_not()
+  if why is None:
+    return
+  if choice.reason.startswith("config is"):
+    fix = "pass a BlockConfig, or no config, for this case"
+  else:
+    fix = "use backend='triton' for this case" + (
+        f" (or unset ${BACKEND_ENV_VAR})"
+        if choice.reason.startswith("$") else "")
+  raise ValueError(f"{where}(backend='mosaic_gpu'): {why}. The Mosaic GPU "
+                   f"backend was chosen because {choice.reason}; {fix}.")
 
 
 def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
@@ -335,14 +317,21 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   if layer is not None:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   interpret = _interpret(interpret)
-  if backend not in (None, "triton", "mosaic_gpu"):
-    raise ValueError(f"stored_g_update: backend={backend!r}; use None, "
-                     "'triton' or 'mosaic_gpu'")
-  if backend == "mosaic_gpu":
-    return _mosaic_stored(g, w, slots, hparams, rule, config, interpret,
-                          layer)
-  check_block_config(config, "stored_g_update(config=...)")
-  cfg = config or BlockConfig.stored_default(n_in, n_out)
-  return triton_kernel.launch((g,), w, slots, hparams, rule=rule, cfg=cfg,
-                              layer=layer, interpret=interpret, bt=0,
-                              precision=None)
+  varying = _varying(g, w, *slots)
+  choice = select_backend(0, n_in, n_out, w.dtype, [a.dtype for a in slots],
+                          rule, g.dtype, interpret=interpret,
+                          stacked=layer is not None, g_stored=True,
+                          config=config, backend=backend, varying=varying,
+                          where="stored_g_update")
+  if choice.backend == "mosaic_gpu":
+    _mosaic_refusal(choice, varying, "stored_g_update", lambda: (
+        mosaic_kernel.unsupported(0, n_in, n_out, g.dtype, w, slots, rule,
+                                  choice.config, stacked=layer is not None,
+                                  g_stored=True)))
+    return mosaic_kernel.launch((g,), w, slots, hparams, rule=rule,
+                                cfg=choice.config, interpret=interpret,
+                                layer=layer)
+  check_block_config(choice.config, "stored_g_update(config=...)")
+  return triton_kernel.launch((g,), w, slots, hparams, rule=rule,
+                              cfg=choice.config, layer=layer,
+                              interpret=interpret, bt=0, precision=None)

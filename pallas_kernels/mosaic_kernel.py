@@ -229,13 +229,14 @@ class MosaicConfig:
     """Shared memory the kernel asks for (pipeline buffers + state tile);
     ``x_dtype=None``: no K loop (a stored ``G``, counted in the state)."""
     operands = 0 if x_dtype is None else (
-        self.steps * self.tile_k * (self.tile_m + self.tile_n))
+        self.steps * self.tile_k * (self.tile_m + self.tile_n)
+        * jnp.dtype(x_dtype).itemsize)
     state = sum(jnp.dtype(d).itemsize for d in state_dtypes)
     if self.state_ring:
       held = self.compute_wgs * self.state_ring * self.epi_m * self.epi_n
     else:
       held = self.state_buffers * self.tile_m * self.tile_n
-    return operands * jnp.dtype(x_dtype).itemsize + state * held
+    return operands + state * held
 
 
 def default_config(x_dtype, state_dtypes, bt: int | None = None

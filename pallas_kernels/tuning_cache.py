@@ -475,13 +475,22 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
   if config is not None and not isinstance(config, (BlockConfig,
                                                     MosaicConfig)):
     raise TypeError(
-        f"{where}(config=...): block_config must be a "
+        f"{where}(config=...): config must be a "
         "pallas_kernels.BlockConfig (a Triton tiling), a "
         "pallas_kernels.MosaicConfig (a Mosaic GPU tiling) or None, got "
         f"{type(config).__name__} {config!r:.80}")
   if not isinstance(rule, UpdateRule):
     raise TypeError(f"{where}: rule must be an UpdateRule (e.g. "
                     f"pallas_kernels.ADAMW), got {type(rule).__name__}")
+
+  def triton_default():
+    # The Triton kernel's tiling for the case: a stored G's epilogue-only
+    # default, else the tuned or heuristic one.
+    if g_stored:
+      return BlockConfig.stored_default(n_in, n_out)
+    return select_config(bt, n_in, n_out, w_dtype, slot_dtypes, rule,
+                         interpret=interpret)
+
   if backend is not None:
     how = f"backend={backend!r} was passed"
   elif config is not None:
@@ -497,9 +506,7 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
           f"Triton tiling), got a MosaicConfig ({config.label}); pass "
           "backend='mosaic_gpu' for it, or leave backend=None (a config "
           "picks its own backend)")
-    cfg = config or select_config(bt, n_in, n_out, w_dtype, slot_dtypes,
-                                  rule, interpret=interpret)
-    return BackendChoice(TRITON, cfg, how)
+    return BackendChoice(TRITON, config or triton_default(), how)
   if backend == MOSAIC_GPU:
     if isinstance(config, BlockConfig):
       raise TypeError(
@@ -521,9 +528,7 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
                                     rule, x_dtype, g_stored),
         f"{how}; the default tiling for the case")
   # No backend asked for: the faster for the case, as far as it is known.
-  triton = lambda why: BackendChoice(
-      TRITON, select_config(bt, n_in, n_out, w_dtype, slot_dtypes, rule,
-                            interpret=interpret), why)
+  triton = lambda why: BackendChoice(TRITON, triton_default(), why)
   if interpret:
     return triton("interpret mode: the Mosaic GPU kernel is chosen only when "
                   "compiled for a GPU")

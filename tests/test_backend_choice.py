@@ -286,7 +286,7 @@ def test_a_config_picks_its_own_backend():
   with pytest.raises(TypeError, match=r"\(backend='mosaic_gpu'\): config "
                      r"must be a MosaicConfig .* got a BlockConfig"):
     _choose(config=blocks, backend="mosaic_gpu")
-  with pytest.raises(TypeError, match="block_config must be a "
+  with pytest.raises(TypeError, match=r"\(config=...\): config must be a "
                      "pallas_kernels.BlockConfig .*MosaicConfig"):
     _choose(config="64x128x64/4")
   with pytest.raises(ValueError, match="backend='cuda'; use None"):

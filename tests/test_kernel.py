@@ -459,10 +459,10 @@ def test_invalid_block_configs_fail_clearly(kwargs, match):
 def test_a_config_that_is_not_a_block_config_is_refused(config):
   x, dy, w = jnp.ones((8, 16)), jnp.ones((8, 16)), jnp.ones((16, 16))
   with pytest.raises(TypeError, match=r"fused_wgrad_update\(config=\.\.\.\): "
-                     "block_config must be a pallas_kernels.BlockConfig"):
+                     "config must be a pallas_kernels.BlockConfig"):
     pk.fused_wgrad_update(x, dy, w, (jnp.zeros((16, 16)),) * 2,
                           jnp.zeros(pk.HPARAM_VECTOR_LEN), rule=pk.ADAMW,
-                          config=config)
+                          config=config, interpret=True)
 
 
 def test_fit_shrinks_blocks_and_split_out_to_the_problem():

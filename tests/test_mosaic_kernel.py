@@ -169,11 +169,26 @@ def test_mosaic_stored_g_update_is_the_rule_on_that_g(rule, layers, layer,
                 backend="mosaic_gpu")
 
 
-def test_mosaic_stored_g_update_tilings_and_refusals():
+def test_mosaic_stored_g_update_tilings_and_refusals(monkeypatch):
   g, w, slots = _stored_case(19, None, 128, 384, (BF16,) * 4, pk.ADAMW)
   h = _stored_hparams(pk.ADAMW)
   cfg = pk.MosaicConfig(tile_m=64, tile_n=128, epi_n=32, state_ring=2)
   _check_stored(pk.ADAMW, g, w, slots, h, None, cfg, backend="mosaic_gpu")
+  # A MosaicConfig, or $FORGE_BACKEND, picks the backend as for
+  # fused_wgrad_update.
+  launched = []
+  real = pk.mosaic_kernel.launch
+  monkeypatch.setattr(pk.mosaic_kernel, "launch", lambda *a, **k: (
+      launched.append(k["cfg"]), real(*a, **k))[1])
+  _check_stored(pk.ADAMW, g, w, slots, h, None, cfg)
+  monkeypatch.setenv("FORGE_BACKEND", "mosaic_gpu")
+  _check_stored(pk.ADAMW, g, w, slots, h, None)
+  monkeypatch.delenv("FORGE_BACKEND")
+  assert launched == [cfg, pk.mosaic_kernel.stored_config(128, 384,
+                                                          [BF16] * 4)]
+  with pytest.raises(ValueError, match="pass a BlockConfig, or no config"):
+    pk.stored_g_update(g, w, slots, h, rule=pk.ADAMW, interpret=True,
+                       config=SMALL)
   assert pk.mosaic_kernel.stored_config(128, 384, [BF16] * 4).tile_n == 128
   with pytest.raises(ValueError, match="needs state_ring >= 1"):
     pk.stored_g_update(g, w, slots, h, rule=pk.ADAMW, interpret=True,
