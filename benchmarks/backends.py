@@ -31,25 +31,25 @@ RULE = pk.ADAMW
 HPARAMS = RULE.pack(lr=1e-4, b1=0.9, b2=0.999, one_minus_b1=0.1,
                     one_minus_b2=0.001, eps=1e-8, eps_root=0.0,
                     weight_decay=1e-2, bc1=0.1, bc2=0.001, bc1_next=0.19)
-# tile_m x tile_n x tile_k / pipeline steps.
-# The default tilings (mosaic_kernel.default_config) up to 1024 tokens and
-# beyond, 16-bit state.
-MOSAIC_DEFAULT = ("64x128x64/4,b2,pn", "128x128x64/4,e64x32,r2,s8")
+# tile_m x tile_n x tile_k / pipeline steps, then knobs.
+# The default tilings (mosaic_kernel.default_config: the ping-pong
+# schedule) up to 1024 tokens and beyond.
+MOSAIC_DEFAULT = ("128x128x64/4,e64x32,pp", "128x128x64/4,e64x32,s8,pp")
 
 
 def parse_mosaic(label: str) -> pk.MosaicConfig:
   """``MxNxK/STEPS`` with optional ``,wgW`` (compute warpgroups), ``,dD``
   (delay_release), ``,eMxN`` (epilogue sub-tile), ``,bB`` (state
   buffers), ``,rR`` (a ring of R streamed state sub-tiles) and ``,sS``
-  (tile order: snaking bands S tile columns wide) knobs, and ``,pn``
-  (prefetch the next tile's state): :meth:`MosaicConfig.from_label`, as
-  an argparse type."""
+  (tile order: snaking bands S tile columns wide) knobs, ``,pn``
+  (prefetch the next tile's state) and ``,pp`` (the ping-pong schedule):
+  :meth:`MosaicConfig.from_label`, as an argparse type."""
   try:
     return pk.MosaicConfig.from_label(label)
   except ValueError as e:
     raise argparse.ArgumentTypeError(
-        f"--mosaic {label!r}: expected MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn], "
-        f"e.g. 128x128x64/3 or 128x256x64/2,r2 ({e})")
+        f"--mosaic {label!r}: expected {pk.MosaicConfig.LABEL_FORM}, "
+        f"e.g. 128x128x64/3 or 128x128x64/4,e64x32,s8,pp ({e})")
 
 
 def _state(bt, n_in, n_out, slot_dtype):
@@ -100,7 +100,7 @@ def main(argv=None):
                  choices=["bf16", "fp32"])
   p.add_argument("--mosaic", nargs="+", default=list(MOSAIC_DEFAULT),
                  help="Mosaic GPU tilings, "
-                 "MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn]")
+                 f"{pk.MosaicConfig.LABEL_FORM}")
   args = p.parse_args(argv)
   try:
     mosaic_cfgs = [(m, parse_mosaic(m)) for m in args.mosaic]

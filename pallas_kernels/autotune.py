@@ -5,7 +5,7 @@ line.
   ``BT`` chunk, warps, stages, tile order), as data;
   :data:`MOSAIC_CONFIG_SPACE`: the Mosaic GPU kernel's (tile sizes, K steps
   in flight, epilogue sub-tile, compute warpgroups, state buffers or ring,
-  tile order), as labels.
+  tile order, column-split or ping-pong schedule), as labels.
 * :func:`tune`: times each candidate with the real kernel on *scratch* arrays
   (fresh random arrays of the right shapes and dtypes; never the caller's
   weight or state), skips candidates that fail to compile, and returns the
@@ -127,9 +127,22 @@ def config_space() -> list[BlockConfig]:
 # (tile_m x tile_n x tile_k / K steps in flight, then ,wgW compute
 # warpgroups, ,dD delay_release, ,eMxN epilogue sub-tile, ,bB state
 # buffers, ,rR state ring, ,sS snaking bands of S tile columns, ,pn
-# prefetch the next tile's state). The kernel has no cluster knob.
+# prefetch the next tile's state, ,pp the ping-pong schedule). The kernel
+# has no cluster knob.
 MOSAIC_CONFIG_SPACE: tuple[str, ...] = (
-    # The defaults (mosaic_kernel.default_config) and their fallbacks.
+    # The ping-pong defaults (mosaic_kernel.default_config) up to 1024
+    # tokens and beyond, and their fallbacks: 3 K steps (wide state), 64
+    # rows (shapes 128 does not divide).
+    "128x128x64/4,e64x32,pp",
+    "128x128x64/4,e64x32,s8,pp",
+    "128x128x64/3,e64x32,pp",
+    "64x128x64/4,e64x32,pp",
+    # Ping-pong: a fixed ring of 2; 64 x 256 tiles.
+    "128x128x64/4,e64x32,r2,s8,pp",
+    "64x256x64/3,e64x32,s8,pp",
+    # The column-split schedule: its best measured tilings (64 x 128 with
+    # two state buffers up to 1024 tokens; 128 x 128 streaming the state,
+    # in bands of 8 beyond) and their fallbacks.
     "64x128x64/4,b2,pn",
     "128x128x64/4,r1",
     "128x128x64/4,e64x32,r2,s8",
@@ -664,7 +677,8 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
         raise ValueError(f"{path}: case {case_rule!r} is not a rule name; "
                          "pick='default' needs the rule")
       default = mosaic_kernel.default_config(
-          act, mosaic_kernel.smem_dtypes(RULES[case_rule], w, slots), bt=bt)
+          act, mosaic_kernel.smem_dtypes(RULES[case_rule], w, slots), bt=bt,
+          shape=(n_in, n_out))
       chosen = [m for m in measured if m[0] == default] or measured
     cfg, t, run = min(chosen, key=lambda m: m[1])  # first of equals
     timings = {}

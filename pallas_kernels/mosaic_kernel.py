@@ -2,30 +2,47 @@
 by ``wgmma`` with the rule in its epilogue.
 
 Persistent and warp-specialised: one program per SM walks the output tiles
-(``plgpu.nd_loop``). A memory warpgroup streams the ``x`` and ``dy`` blocks
-of each tile's K loop by TMA (``plgpu.emit_pipeline_warp_specialized``),
-running ahead into the next tile's blocks while the epilogue runs;
-``compute_wgs`` compute warpgroups each own a column slice of the
-``(tile_m, tile_n)`` tile of ``G = x^T dy``. Each first issues the TMA loads
-of its slice of ``W`` and of each slot into its own shared-memory buffers,
-so they are in flight while the tensor cores run; it accumulates
-``x_blk^T dy_blk`` in fp32 by ``wgmma`` with ``x`` transposed in shared
-memory (free for 16-bit operands); its epilogue applies the rule in
-``(epi_m, epi_n)`` sub-tiles (the accumulator slice and the state read from
-shared memory), writes the new state back to shared memory and TMA-stores
-it in place, asynchronously (drained during the next tile's K loop); or,
-with ``state_ring``, streams the state through a ring of sub-tile slots
-instead of holding the whole tile. ``G`` never leaves registers.
+(in snaking bands of ``band`` tile columns, ``plgpu.planar_snake``). A
+memory warpgroup streams the ``x`` and ``dy`` blocks of each tile's K loop
+by TMA; compute warpgroups accumulate ``x_blk^T dy_blk`` in fp32 by
+``wgmma`` (``x`` transposed in shared memory, free for 16-bit operands),
+then apply the rule in ``(epi_m, epi_n)`` sub-tiles: the accumulator slice
+and the state read from shared memory, the new state written back there
+and TMA-stored in place, asynchronously (drained while the next tile
+runs). ``G`` never leaves registers. Two schedules
+(:attr:`MosaicConfig.pingpong`):
 
-Stacked ``(L, in, out)`` state (``layer=i``) updates layer ``i`` in place,
-the index read from memory at run time. A rule that does not update the
-weight (the state-only update of a regime-2 family) leaves ``W`` unread;
-write-only outputs (Muon's ``mu_hat``) are stored, never loaded. Not yet
-covered (each refused with the reason by :func:`unsupported`): shapes the
-tiles do not divide, fp32 operands (wgmma takes 16-bit ones here). A
-gradient already in memory (``stored_g_update``) takes the same body
-without the K loop: ``G``'s sub-tiles stream through the ring with the
-state's.
+* **Column split** (``pingpong=False``): ``compute_wgs`` compute warpgroups
+  each own a column slice of every ``(tile_m, tile_n)`` tile; all run its
+  K loop (``plgpu.emit_pipeline_warp_specialized``, the memory warpgroup
+  running ahead into the next tile's blocks), then all run its epilogue.
+  Each first issues the TMA loads of its slice of ``W`` and of each slot
+  into its own shared-memory buffers, so they are in flight while the
+  tensor cores run (``state_buffers``, ``prefetch_next``); or, with
+  ``state_ring``, streams the state through a ring of sub-tile slots
+  instead of holding the whole slice.
+* **Ping-pong** (``pingpong=True``): two compute warpgroups each own whole
+  tiles, taking the tiles of their program in turn, so while one runs a
+  tile's K loop on the tensor cores the other runs the epilogue of its
+  previous tile. The memory warpgroup streams the blocks of the program's
+  tiles, in tile order, through one ring of ``steps`` slots that both
+  compute warpgroups read; each slot has a "full" barrier per compute
+  warpgroup (a thread must wait on every phase of a barrier it waits on,
+  so each waits only on its own) and one "consumed" barrier, waited on by
+  the memory warpgroup alone. The state always streams through a ring of
+  sub-tiles per warpgroup, the first loads in flight during the K loop.
+
+Both share the epilogue: the rule on a sub-tile, the sub-tile loads and
+stores, the streamed ring. Stacked ``(L, in, out)`` state (``layer=i``)
+updates layer ``i`` in place, the index read from memory at run time. A
+rule that does not update the weight (the state-only update of a regime-2
+family) leaves ``W`` unread; write-only outputs (Muon's ``mu_hat``) are
+stored, never loaded. Not yet covered (each refused with the reason by
+:func:`unsupported`): shapes the tiles do not divide, fp32 operands (wgmma
+takes 16-bit ones here), quantized slots and stochastic rounding. A
+gradient already in memory (``stored_g_update``) takes the column-split
+body without the K loop: ``G``'s sub-tiles stream through the ring with
+the state's.
 :func:`launch` is its entry point; :mod:`pallas_kernels.fused_wgrad`
 holds the public wrappers (``backend="mosaic_gpu"``).
 """
@@ -41,6 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import lowp
 from pallas_kernels.rules import UpdateRule
 
 __all__ = ["MosaicConfig", "default_config", "launch", "stored_config",
@@ -48,6 +66,12 @@ __all__ = ["MosaicConfig", "default_config", "launch", "stored_config",
 
 # Shared memory per block on Hopper (227 KiB).
 _SMEM_BYTES = 232448
+# Shared memory the ping-pong schedule keeps for its barriers (and the
+# alignment of its buffers) beside the operand and state rings.
+_PINGPONG_RESERVE = 1024
+# Registers per thread of the memory warpgroup; the compute warpgroups
+# share the rest (at most 232 each with two).
+_MEMORY_REGISTERS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +82,16 @@ class MosaicConfig:
     tile_m: rows of ``W`` per output tile (a multiple of 64).
     tile_n: columns of ``W`` per output tile (a multiple of 64).
     tile_k: token rows per K step (a multiple of 64).
-    steps: K blocks in flight in the pipeline (>= 1).
+    steps: K blocks in flight in the pipeline (>= 1); with ``pingpong``,
+      the slots of the operand ring the two compute warpgroups share.
     epi_m, epi_n: the epilogue's sub-tile (divide each compute warpgroup's
-      ``tile_m x tile_n / compute_wgs`` share).
+      ``tile_m x tile_n / compute_wgs`` share; rows a multiple of 8,
+      columns of 32; with ``pingpong`` they divide the whole tile, rows a
+      multiple of 64).
     compute_wgs: compute warpgroups (1 to 4) splitting the tile's columns
       (each takes a multiple of 64); default 2 where ``tile_n`` is a
       multiple of 128, else 1. More warpgroups hide more of the epilogue's
-      latency; each gets fewer registers.
+      latency; each gets fewer registers. With ``pingpong`` always 2.
     delay_release: K steps a block stays in shared memory after its
       ``wgmma`` is issued (0 or 1): 1 keeps one ``wgmma`` in flight.
     state_buffers: shared-memory buffers for the state tiles (1 or 2). With
@@ -79,12 +106,21 @@ class MosaicConfig:
       first ``R`` sub-tiles' loads fly during the K loop, and each sub-tile's
       slot is reloaded with the sub-tile ``R`` places later once its stores
       have read it. Shared memory no longer grows with the tile, so larger
-      tiles (fewer re-reads of ``x`` and ``dy``) fit.
+      tiles (fewer re-reads of ``x`` and ``dy``) fit. With ``pingpong`` the
+      state always streams: 0 there means a ring of as many sub-tiles as
+      fit beside the operand ring (at most a tile's; :meth:`ring_for`),
+      and a ring longer than a tile's sub-tiles is cut to them.
     band: the order the persistent programs take the tiles in: down bands
       of ``band`` tile columns, snaking (``plgpu.planar_snake``). 1 sweeps
       one tile column at a time, so every column re-reads all of ``x``:
       from HBM once ``x`` no longer fits in L2. Wider bands keep the
       concurrent tiles' ``x`` and ``dy`` blocks in L2 together.
+    pingpong: the ping-pong schedule (module docstring): two compute
+      warpgroups each own whole tiles, one running its K loop while the
+      other runs its epilogue. Each holds a whole tile's fp32 accumulator,
+      ``tile_m * tile_n / 128`` registers per thread, so ``tile_m *
+      tile_n <= 16384`` (128 x 128, 64 x 256 or smaller). Not for a stored
+      gradient (:func:`stored_g_update`), which has no K loop to overlap.
   """
 
   tile_m: int = 128
@@ -99,6 +135,7 @@ class MosaicConfig:
   prefetch_next: bool = False
   state_ring: int = 0
   band: int = 1
+  pingpong: bool = False
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "tile_k"):
@@ -108,11 +145,15 @@ class MosaicConfig:
                          "multiple of 64")
     if not isinstance(self.steps, int) or self.steps < 1:
       raise ValueError(f"MosaicConfig: steps={self.steps!r} must be >= 1")
+    if not isinstance(self.pingpong, bool):
+      raise ValueError(f"MosaicConfig: pingpong={self.pingpong!r} must be "
+                       "True or False")
     if self.compute_wgs is None:
-      object.__setattr__(self, "compute_wgs",
-                         2 if self.tile_n % 128 == 0 else 1)
-    if (self.compute_wgs not in (1, 2, 3, 4)
-        or self.tile_n % (64 * self.compute_wgs)):
+      object.__setattr__(self, "compute_wgs", self._default_compute_wgs())
+    if self.pingpong:
+      self._check_pingpong()
+    elif (self.compute_wgs not in (1, 2, 3, 4)
+          or self.tile_n % (64 * self.compute_wgs)):
       raise ValueError(
           f"MosaicConfig: compute_wgs={self.compute_wgs!r} must be 1 to 4 "
           f"and split tile_n={self.tile_n} into multiples of 64")
@@ -126,7 +167,8 @@ class MosaicConfig:
       raise ValueError("MosaicConfig: prefetch_next needs state_buffers=2")
     if not isinstance(self.state_ring, int) or not 0 <= self.state_ring <= 8:
       raise ValueError(f"MosaicConfig: state_ring={self.state_ring!r} must "
-                       "be 0 (whole state tile held) to 8")
+                       "be 0 (the whole state tile held; with pingpong, a "
+                       "ring of as many sub-tiles as fit) to 8")
     if not isinstance(self.band, int) or self.band < 1:
       raise ValueError(f"MosaicConfig: band={self.band!r} must be a "
                        "positive number of tile columns")
@@ -141,33 +183,71 @@ class MosaicConfig:
           f"must divide each compute warpgroup's {self.tile_m}x{self.wg_n} "
           "share of the tile (rows a multiple of 8, columns of 32)")
 
+  def _default_compute_wgs(self) -> int:
+    return 2 if self.pingpong or self.tile_n % 128 == 0 else 1
+
+  def _check_pingpong(self):
+    """The ping-pong schedule's own limits (``pingpong=True``)."""
+    if self.compute_wgs != 2:
+      raise ValueError(
+          f"MosaicConfig: compute_wgs={self.compute_wgs!r} with pingpong: "
+          "the ping-pong schedule runs exactly 2 compute warpgroups, each "
+          "owning whole tiles in turn; leave compute_wgs unset (or 2)")
+    if self.tile_m * self.tile_n > 16384:
+      raise ValueError(
+          f"MosaicConfig: with pingpong each compute warpgroup holds a whole "
+          f"{self.tile_m}x{self.tile_n} tile's fp32 accumulator, "
+          f"{self.tile_m * self.tile_n // 128} registers per thread, more "
+          "than the 128 that fit beside the epilogue: keep tile_m * tile_n "
+          "<= 16384 (e.g. 128x128 or 64x256)")
+    if self.state_buffers != 1 or self.prefetch_next:
+      raise ValueError(
+          "MosaicConfig: with pingpong the state streams through a ring of "
+          "epilogue sub-tiles (state_ring; 0 = as many as fit), so leave "
+          "state_buffers=1 and prefetch_next=False")
+    if self.epi_m % 64 or self.tile_m % self.epi_m:
+      raise ValueError(
+          f"MosaicConfig: with pingpong the epilogue sub-tile's rows "
+          f"(epi_m={self.epi_m}) must be a multiple of 64 that divides "
+          f"tile_m={self.tile_m}")
+
   @property
   def wg_n(self) -> int:
-    """Columns of the tile each compute warpgroup owns."""
-    return self.tile_n // self.compute_wgs
+    """Columns of the tile each compute warpgroup owns (with ``pingpong``
+    each owns whole tiles: all ``tile_n``)."""
+    return self.tile_n if self.pingpong else self.tile_n // self.compute_wgs
 
-  # The label's knobs, in label order: prefix -> the fields it sets.
+  @property
+  def sub_tiles(self) -> int:
+    """Epilogue sub-tiles of a compute warpgroup's share of a tile."""
+    return (self.tile_m // self.epi_m) * (self.wg_n // self.epi_n)
+
+  # The label's knobs, in label order: prefix -> the fields it sets; then
+  # the flags (a knob without a value that sets its field to True).
   _KNOBS = (("wg", ("compute_wgs",)), ("d", ("delay_release",)),
             ("e", ("epi_m", "epi_n")), ("b", ("state_buffers",)),
             ("r", ("state_ring",)), ("s", ("band",)))
-  LABEL_FORM = "MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn]"
+  _FLAGS = (("pn", "prefetch_next"), ("pp", "pingpong"))
+  LABEL_FORM = "MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn][,pp]"
 
   @property
   def label(self) -> str:
-    """``128x128x64/4,e64x32,r2,s8``: ``tile_m x tile_n x tile_k / steps``,
+    """``128x128x64/4,e64x32,s8,pp``: ``tile_m x tile_n x tile_k / steps``,
     then each knob that is off its default: ``,wgW`` (compute_wgs),
     ``,dD`` (delay_release), ``,eMxN`` (the epilogue sub-tile), ``,bB``
     (state_buffers), ``,rR`` (state_ring), ``,sS`` (band), ``,pn``
-    (prefetch_next). ``MosaicConfig.from_label(cfg.label) == cfg``."""
+    (prefetch_next), ``,pp`` (pingpong).
+    ``MosaicConfig.from_label(cfg.label) == cfg``."""
     fields = {f.name: f.default for f in dataclasses.fields(self)}
-    # compute_wgs's default follows tile_n (__post_init__).
-    fields["compute_wgs"] = 2 if self.tile_n % 128 == 0 else 1
+    # compute_wgs's default follows tile_n and pingpong (__post_init__).
+    fields["compute_wgs"] = self._default_compute_wgs()
     out = f"{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.steps}"
     for prefix, names in self._KNOBS:
       values = [getattr(self, n) for n in names]
       if values != [fields[n] for n in names]:
         out += f",{prefix}" + "x".join(str(v) for v in values)
-    return out + (",pn" if self.prefetch_next else "")
+    return out + "".join(f",{flag}" for flag, name in self._FLAGS
+                         if getattr(self, name))
 
   @classmethod
   def from_label(cls, label: str) -> "MosaicConfig":
@@ -176,8 +256,8 @@ class MosaicConfig:
 
     Raises:
       ValueError: ``label`` is not of the form
-        ``MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn]``, or names an
-        invalid tiling; the message says which part and why.
+        ``MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn][,pp]``, or
+        names an invalid tiling; the message says which part and why.
     """
     if not isinstance(label, str):
       raise ValueError(f"a Mosaic GPU tiling label is a string of the form "
@@ -190,7 +270,7 @@ class MosaicConfig:
         form = "x".join(["N"] * count)
         raise ValueError(f"Mosaic GPU tiling label {label!r}: {what} is not "
                          f"{form} (whole numbers); the form is "
-                         f"{cls.LABEL_FORM}, e.g. 128x128x64/4,e64x32,r2,s8")
+                         f"{cls.LABEL_FORM}, e.g. 128x128x64/4,e64x32,s8,pp")
       return [int(p) for p in parts]
 
     head, *knobs = label.strip().split(",")
@@ -198,21 +278,22 @@ class MosaicConfig:
     if not slash:
       raise ValueError(f"Mosaic GPU tiling label {label!r}: no '/STEPS' after "
                        f"the tile; the form is {cls.LABEL_FORM}, e.g. "
-                       "128x128x64/4,e64x32,r2,s8")
+                       "128x128x64/4,e64x32,s8,pp")
     tm, tn, tk = numbers(tiles, 3, f"the tile {tiles!r}")
     (n_steps,) = numbers(steps, 1, f"the step count {steps!r}")
     prefixes = dict(cls._KNOBS)
+    flags = dict(cls._FLAGS)
     extra = {}
     for knob in knobs:
-      if knob == "pn":
-        names, values = ("prefetch_next",), [True]
+      if knob in flags:
+        names, values = (flags[knob],), [True]
       else:
         prefix = "wg" if knob.startswith("wg") else knob[:1]
         if prefix not in prefixes:
           raise ValueError(
               f"Mosaic GPU tiling label {label!r}: unknown knob {knob!r}; "
-              f"the knobs are ,wgW ,dD ,eMxN ,bB ,rR ,sS and ,pn (the form "
-              f"is {cls.LABEL_FORM})")
+              f"the knobs are ,wgW ,dD ,eMxN ,bB ,rR ,sS ,pn and ,pp (the "
+              f"form is {cls.LABEL_FORM})")
         names = prefixes[prefix]
         values = numbers(knob[len(prefix):], len(names),
                          f"the value after {prefix!r} in knob {knob!r}")
@@ -225,54 +306,77 @@ class MosaicConfig:
     except ValueError as e:
       raise ValueError(f"Mosaic GPU tiling label {label!r}: {e}") from None
 
-  def smem_bytes(self, x_dtype, state_dtypes) -> int:
-    """Shared memory the kernel asks for (pipeline buffers + state tile);
-    ``x_dtype=None``: no K loop (a stored ``G``, counted in the state)."""
-    operands = 0 if x_dtype is None else (
+  def _operand_bytes(self, x_dtype) -> int:
+    return 0 if x_dtype is None else (
         self.steps * self.tile_k * (self.tile_m + self.tile_n)
         * jnp.dtype(x_dtype).itemsize)
-    state = sum(jnp.dtype(d).itemsize for d in state_dtypes)
+
+  def ring_for(self, x_dtype, state_dtypes) -> int:
+    """The state ring the kernel runs with these dtypes: ``state_ring``;
+    with ``pingpong`` and ``state_ring=0``, the most epilogue sub-tiles
+    (at least 1, at most a tile's) whose buffers fit beside the operand
+    ring, for both compute warpgroups; with ``pingpong``, at most a tile's
+    sub-tiles."""
+    if not self.pingpong:
+      return self.state_ring
     if self.state_ring:
-      held = self.compute_wgs * self.state_ring * self.epi_m * self.epi_n
+      return min(self.state_ring, self.sub_tiles)
+    sub = self.epi_m * self.epi_n * sum(jnp.dtype(d).itemsize
+                                        for d in state_dtypes)
+    free = _SMEM_BYTES - _PINGPONG_RESERVE - self._operand_bytes(x_dtype)
+    return max(1, min(self.sub_tiles, free // (self.compute_wgs * sub)))
+
+  def smem_bytes(self, x_dtype, state_dtypes) -> int:
+    """Shared memory the kernel asks for (pipeline buffers + state tiles or
+    ring; with ``pingpong`` also 1 KiB for its barriers); ``x_dtype=None``:
+    no K loop (a stored ``G``, counted in the state)."""
+    state = sum(jnp.dtype(d).itemsize for d in state_dtypes)
+    ring = self.ring_for(x_dtype, state_dtypes)
+    if ring:
+      held = self.compute_wgs * ring * self.epi_m * self.epi_n
     else:
       held = self.state_buffers * self.tile_m * self.tile_n
-    return operands + state * held
+    reserve = _PINGPONG_RESERVE if self.pingpong else 0
+    return self._operand_bytes(x_dtype) + state * held + reserve
 
 
-def default_config(x_dtype, state_dtypes, bt: int | None = None
-                   ) -> MosaicConfig:
-  """The tiling that measured fastest on the H200 for the case, among those
-  whose shared memory fits a block (``benchmarks.backends``; figures in
-  docs/benchmarks.md, "Kernel backends").
+def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
+                   shape: tuple[int, int] | None = None) -> MosaicConfig:
+  """The default tiling for a case: the ping-pong schedule
+  (``pingpong=True``) on 128 x 128 tiles, 64 token rows per K step with 4
+  in flight, the state streamed in 64 x 32 epilogue sub-tiles through a
+  ring of as many as fit (``state_ring=0``: 4 with bf16 ``W, m, v``, 2
+  with fp32 moments), taken in snaking bands of 8 tile columns beyond 1024
+  tokens (``bt`` unknown counts as beyond) and one column at a time up to
+  1024.
 
-  * Up to 1024 tokens, 16-bit state: 64 x 128 tiles, two state buffers, the
-    next tile's state prefetched (1.02-1.05x XLA's GEMM + AdamW at BT 512).
-  * Up to 1024 tokens, wider state: 128 x 128 tiles streaming the state
-    through a ring of one 64 x 64 sub-tile (0.99-1.10x with fp32 moments).
-  * More tokens: 128 x 128 tiles streaming 64 x 32 sub-tiles through a ring
-    of two, taken in bands of 8 tile columns (0.84-1.01x at BT 2048 and
-    4096, against 0.74-0.99x in single columns: with 14336 input features
-    ``x`` outgrows L2).
+  With 16-bit state it measured faster on the H200 than the column-split
+  schedule's default tilings at BT 512 and 2048 on the four Llama-3.1-8B
+  projection shapes; with fp32 moments it was checked against the
+  reference there (at 512 x 4096 x 1024), but its speed was not timed.
+  It covers every case the column-split schedule does except a stored
+  gradient (which takes :func:`stored_config`), so it does not depend on
+  the rule.
 
-  Each with 4 K steps in flight; where one does not fit (wide state dtypes),
-  the first of 128 or 64 rows with 4, 3 or 2 steps that does.
+  ``state_dtypes``: the arrays whose tiles the kernel holds in shared
+  memory (:func:`smem_dtypes`). ``shape``: the weight's ``(in, out)``;
+  where 128 x 128 tiles do not divide it, the first of 64 x 128, 128 x 64
+  and 64 x 64 that does (else 128 x 128, which :func:`unsupported` then
+  refuses). Where 4 K steps do not fit shared memory (many or wide state
+  arrays), 3, then 2.
   """
-  small = bt is not None and bt <= 1024
-  narrow = all(jnp.dtype(d).itemsize <= 2 for d in state_dtypes)
-  if small and narrow:
-    best = MosaicConfig(tile_m=64, tile_n=128, steps=4, state_buffers=2,
-                        prefetch_next=True)
-  elif small:
-    best = MosaicConfig(tile_m=128, tile_n=128, steps=4, state_ring=1)
-  else:
-    best = MosaicConfig(tile_m=128, tile_n=128, steps=4, epi_n=32,
-                        state_ring=2, band=8)
-  if best.smem_bytes(x_dtype, state_dtypes) <= _SMEM_BYTES:
-    return best
-  for tm, steps in ((128, 4), (128, 3), (64, 4), (64, 3), (128, 2), (64, 2)):
-    cfg = MosaicConfig(tile_m=tm, steps=steps)
+  band = 1 if bt is not None and bt <= 1024 else 8
+  tiles = [(128, 128), (64, 128), (128, 64), (64, 64)]
+  if shape is not None:
+    n_in, n_out = shape
+    tiles = [(tm, tn) for tm, tn in tiles
+             if n_in % tm == 0 and n_out % tn == 0] or tiles
+  tm, tn = tiles[0]
+  for steps in (4, 3, 2):
+    cfg = MosaicConfig(tile_m=tm, tile_n=tn, steps=steps, epi_n=32,
+                       band=band, pingpong=True)
     if cfg.smem_bytes(x_dtype, state_dtypes) <= _SMEM_BYTES:
-      return cfg
+      break
   return cfg
 
 
@@ -304,13 +408,20 @@ def smem_dtypes(rule: UpdateRule, w_dtype, slot_dtypes) -> list:
 
 def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
                 rule: UpdateRule, cfg: MosaicConfig, *, stacked: bool,
-                g_stored: bool) -> str | None:
+                g_stored: bool, low_precision: bool = False) -> str | None:
   """Why the Mosaic GPU kernel cannot run this case, or ``None``.
 
   With ``g_stored``, ``x_dtype`` is the stored gradient's dtype and ``bt``
-  is not used."""
+  is not used. ``low_precision``: a slot is quantized or the weight is
+  stored by stochastic rounding (:mod:`pallas_kernels.lowp`)."""
+  if low_precision:
+    return lowp.MOSAIC_REFUSAL
   held = smem_dtypes(rule, w.dtype, [s.dtype for s in slots])
   if g_stored:
+    if cfg.pingpong:
+      return ("a stored gradient has no K loop for the ping-pong schedule "
+              "to overlap with the epilogue: use a tiling without ',pp' "
+              "(pingpong=False), e.g. mosaic_kernel.stored_config's")
     if not cfg.state_ring:
       return ("a stored gradient is streamed with the state: the tiling "
               "needs state_ring >= 1")
@@ -328,8 +439,11 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
               f"of the tiles {cfg.tile_k} x {cfg.tile_m} x {cfg.tile_n}")
     need = cfg.smem_bytes(x_dtype, held)
   if need > _SMEM_BYTES:
-    return (f"the tiling needs {need} bytes of shared memory, more than the "
-            f"{_SMEM_BYTES} a block has: use smaller tiles or fewer steps")
+    ring = (f" with a state ring of {cfg.ring_for(x_dtype, held)} sub-tiles"
+            if cfg.pingpong else "")
+    return (f"the tiling needs {need} bytes of shared memory{ring}, more "
+            f"than the {_SMEM_BYTES} a block has: use smaller tiles, fewer "
+            "steps or a smaller epilogue sub-tile")
   return None
 
 
@@ -341,14 +455,15 @@ def _transforms(minor: int, dtype):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, bt: int,
-                 n_in: int, n_out: int, interpret: bool, stacked: bool,
-                 g_stored: bool):
+def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
+                 bt: int, n_in: int, n_out: int, interpret: bool,
+                 stacked: bool, g_stored: bool):
   # The operands: x and dy (BT, in) and (BT, out); or, with a stored
   # gradient, G (in, out) alone. Then the hyperparameters. Stacked: the
   # layer index next. Then the state the rule reads and rewrites ((L,) in,
   # out when stacked): the weight if the rule updates it, the slots; last
-  # the write-only outputs (in, out).
+  # the write-only outputs (in, out). `ring`: the state ring
+  # (cfg.ring_for(...); 0: each warpgroup's share of the tile held whole).
   if g_stored:
     g_gmem, h_gmem, *refs = refs
   else:
@@ -369,29 +484,20 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, bt: int,
   delay = cfg.delay_release
   slot_dtypes = [r.dtype for r in
                  state_gmem[1 if rule.updates_weight else 0:]]
-  wg = lax.axis_index("wg")
 
-  def pipeline(body, context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_iters,), memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec((tk, tm), lambda k: (k, 0),
-                            transforms=_transforms(tm, x_gmem.dtype),
-                            delay_release=delay),
-            plgpu.BlockSpec((tk, tn), lambda k: (k, 0),
-                            transforms=_transforms(tn, dy_gmem.dtype),
-                            delay_release=delay),
-        ],
-        wg_axis="wg", num_compute_wgs=cfg.compute_wgs,
-        max_concurrent_steps=cfg.steps, compute_context=context)
+  def hparams():
+    return rule.unpack(h_gmem, slot_dtypes, round_by_convert=not interpret)
 
-  ignore = lambda *_, **__: None
-  em, en, ring = cfg.epi_m, cfg.epi_n, cfg.state_ring
+  em, en = cfg.epi_m, cfg.epi_n
   # The epilogue's sub-tiles of a warpgroup's (tm, wn) share, in order.
   subs = [(i, j) for i in range(tm // em) for j in range(wn // en)]
   # Whole tile: (buffer, warpgroup, tm, wn); ring: (warpgroup, slot, em, en).
   held = (cw, ring, em, en) if ring else (nbuf, cw, tm, wn)
   n_bars = cw * ring if ring else nbuf * cw
+  # Sub-tiles between a ring slot's stores and its reload: with ping-pong
+  # and a ring of 2 or more, 1 (the stores drain while the next sub-tile is
+  # updated); otherwise 0 (reloaded as soon as its stores have read it).
+  lag = 1 if cfg.pingpong and ring >= 2 else 0
 
   def update(g, sub, h, bufs):
     """The rule on one sub-tile: the accumulator slice ``g`` and the state
@@ -405,6 +511,21 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, bt: int,
     for buf, val in zip(bufs, new):
       buf[sub] = val.astype(buf.dtype)
 
+  def pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((tk, tm), lambda k: (k, 0),
+                            transforms=_transforms(tm, x_gmem.dtype),
+                            delay_release=delay),
+            plgpu.BlockSpec((tk, tn), lambda k: (k, 0),
+                            transforms=_transforms(tn, dy_gmem.dtype),
+                            delay_release=delay),
+        ],
+        wg_axis="wg", num_compute_wgs=cw,
+        max_concurrent_steps=cfg.steps, compute_context=context)
+
+  ignore = lambda *_, **__: None
   # The arrays loaded per tile or sub-tile, with whether they are stacked:
   # the state, and a stored G (one layer, (in, out)) last.
   loaded_refs = [(ref, True) for ref in state_gmem]
@@ -413,6 +534,17 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, bt: int,
     loaded_refs.append((g_gmem, False))
     allocs["g_buf"] = plgpu.SMEM(held, g_gmem.dtype,
                                  transforms=_transforms(en, g_gmem.dtype))
+  elif cfg.pingpong:
+    allocs.update(
+        x_ring=plgpu.SMEM((cfg.steps, tk, tm), x_gmem.dtype,
+                          transforms=_transforms(tm, x_gmem.dtype)),
+        dy_ring=plgpu.SMEM((cfg.steps, tk, tn), dy_gmem.dtype,
+                           transforms=_transforms(tn, dy_gmem.dtype)),
+        # full[c * steps + slot]: the slot's x and dy blocks for compute
+        # warpgroup c have landed.
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=cw * cfg.steps),
+        # consumed[slot]: the warpgroup that read the slot is done with it.
+        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=cfg.steps))
   else:
     allocs["pipeline_allocs"] = pipeline(ignore, ignore).get_allocations(
         x_gmem, dy_gmem)
@@ -423,17 +555,72 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, bt: int,
             for r, _ in stored],
       bar=plgpu.Barrier(num_barriers=n_bars, num_arrivals=len(loaded_refs)),
       collective_axes="wg", **allocs)
-  def _scope(bufs, bar, pipeline_allocs=None, g_buf=None):
+  def _scope(bufs, bar, pipeline_allocs=None, g_buf=None, x_ring=None,
+             dy_ring=None, full=None, consumed=None):
     # The buffers loaded per sub-tile, in loaded_refs' order.
     in_bufs = [*bufs[:len(state_gmem)], *([g_buf] if g_stored else [])]
+
+    # The epilogue pieces both schedules share. `t = (mi, ni, col0, wg)`:
+    # warpgroup `wg` on the tile (mi, ni), its share from column `col0` of
+    # the tile on (0 with ping-pong: the whole tile).
+    def sub_at(t, s):
+      """Rows and columns of ``W`` of sub-tile ``s`` of ``t``'s share."""
+      mi, ni, col0, _ = t
+      i, j = subs[s]
+      return (pl.ds(mi * tm + i * em, em),
+              pl.ds(ni * tn + col0 + j * en, en))
+
+    def load_sub(t, s):
+      # Into ring slot s % ring; the stores that last read the slot have
+      # drained from shared memory (waited for by the caller).
+      wg, r = t[3], s % ring
+      for (ref, is_state), buf in zip(loaded_refs, in_bufs):
+        plgpu.copy_gmem_to_smem(at(ref, *sub_at(t, s), is_state),
+                                buf.at[wg, r], bar.at[wg * ring + r])
+
+    def load_ring(t):
+      # The share's first sub-tiles, once the warpgroup's previous stores
+      # have left shared memory.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for s in range(min(ring, len(subs))):
+        load_sub(t, s)
+
+    def streamed_epilogue(t, acc, h):
+      # acc: the share's accumulator, or None to read G from its buffer.
+      wg = t[3]
+      for s, (i, j) in enumerate(subs):
+        r = s % ring
+        plgpu.barrier_wait(bar.at[wg * ring + r])
+        sub = (wg, r, pl.ds(0, em), pl.ds(0, en))
+        g = (g_buf[sub].astype(jnp.float32) if acc is None else
+             acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
+        update(g, sub, h, bufs)
+        plgpu.commit_smem()
+        for (ref, is_state), buf in zip(stored, bufs):
+          plgpu.copy_smem_to_gmem(buf.at[wg, r], at(ref, *sub_at(t, s),
+                                                    is_state))
+        done = s - lag   # the sub-tile whose slot is reloaded now
+        if done >= 0 and done + ring < len(subs):
+          # One store group per stored array and sub-tile: those of the
+          # `lag` sub-tiles since may still be reading.
+          plgpu.wait_smem_to_gmem(lag * len(stored), wait_read_only=True)
+          load_sub(t, done + ring)
+
+    if cfg.pingpong:
+      _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
+                      x_ring, dy_ring, full, consumed, cfg=cfg,
+                      m_iters=m_iters, n_iters=n_iters, k_iters=k_iters)
+      return
+
+    wg = lax.axis_index("wg")
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile(info):
       (lin,) = info.index
       mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.band)
-      rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
-      own = pl.ds(wg * wn, wn)   # this warpgroup's columns of the tile
-      own_cols = pl.ds(ni * tn + wg * wn, wn)
+      t = (mi, ni, wg * wn, wg)
+      rows = pl.ds(mi * tm, tm)
+      own_cols = pl.ds(ni * tn + wg * wn, wn)  # this warpgroup's columns
       slot = info.local_index % nbuf if nbuf > 1 else 0
       loaded = bar.at[slot * cw + wg]
 
@@ -447,37 +634,6 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, bt: int,
                                   buf.at[to_slot, wg],
                                   bar.at[to_slot * cw + wg])
 
-      def sub_at(s):
-        """Rows and columns of ``W`` of this tile's sub-tile ``s``."""
-        i, j = subs[s]
-        return (pl.ds(mi * tm + i * em, em),
-                pl.ds(ni * tn + wg * wn + j * en, en))
-
-      def load_sub(s):
-        # Ring slot s % ring; the stores that last read it have drained
-        # from shared memory (waited for by the caller).
-        r = s % ring
-        for (ref, is_state), buf in zip(loaded_refs, in_bufs):
-          plgpu.copy_gmem_to_smem(at(ref, *sub_at(s), is_state),
-                                  buf.at[wg, r], bar.at[wg * ring + r])
-
-      def streamed_epilogue(acc, h):
-        # acc: the tile's accumulator, or None to read G from its buffer.
-        for s, (i, j) in enumerate(subs):
-          r = s % ring
-          plgpu.barrier_wait(bar.at[wg * ring + r])
-          sub = (wg, r, pl.ds(0, em), pl.ds(0, en))
-          g = (g_buf[sub].astype(jnp.float32) if acc is None else
-               acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
-          update(g, sub, h, bufs)
-          plgpu.commit_smem()
-          for (ref, is_state), buf in zip(stored, bufs):
-            plgpu.copy_smem_to_gmem(buf.at[wg, r], at(ref, *sub_at(s),
-                                                      is_state))
-          if s + ring < len(subs):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            load_sub(s + ring)
-
       def held_epilogue(acc, h):
         plgpu.barrier_wait(loaded)
         for i, j in subs:
@@ -488,21 +644,15 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, bt: int,
           plgpu.copy_smem_to_gmem(buf.at[slot, wg],
                                   at(ref, rows, own_cols, is_state))
 
-      def load_ring():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for s in range(min(ring, len(subs))):
-          load_sub(s)
-
       if g_stored:
-        load_ring()
-        streamed_epilogue(None, rule.unpack(h_gmem, slot_dtypes,
-                                            round_by_convert=not interpret))
+        load_ring(t)
+        streamed_epilogue(t, None, hparams())
         return
 
       def context(run_pipeline):
         # This tile's state loads fly during its K loop.
         if ring:
-          load_ring()
+          load_ring(t)
         elif cfg.prefetch_next:
           pl.when(info.local_index == 0)(
               lambda: prefetch(rows, own_cols, slot, 0))
@@ -524,29 +674,125 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, bt: int,
               prefetch(pl.ds(nmi * tm, tm), pl.ds(nni * tn + wg * wn, wn),
                        1 - slot, 0)
           acc = acc_ref[...]
-          h = rule.unpack(h_gmem, slot_dtypes, round_by_convert=not interpret)
-          (streamed_epilogue if ring else held_epilogue)(acc, h)
+          h = hparams()
+          if ring:
+            streamed_epilogue(t, acc, h)
+          else:
+            held_epilogue(acc, h)
 
       def k_step(_, x_smem, dy_smem, acc_ref):
-        plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem.at[:, own])
+        plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)),
+                    dy_smem.at[:, pl.ds(wg * wn, wn)])
         plgpu.wgmma_wait(delay)
         return acc_ref
 
-      pipeline(k_step, context)(x_gmem.at[:, rows], dy_gmem.at[:, cols],
+      pipeline(k_step, context)(x_gmem.at[:, rows],
+                                dy_gmem.at[:, pl.ds(ni * tn, tn)],
                                 allocations=pipeline_allocs)
   plgpu.wait_smem_to_gmem(0)
 
 
+def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
+                    x_ring, dy_ring, full, consumed, *, cfg: MosaicConfig,
+                    m_iters: int, n_iters: int, k_iters: int):
+  """The ping-pong schedule's tile loops (module docstring), warpgroups 0
+  and 1 computing, 2 streaming the operands; the epilogue pieces are
+  :func:`_kernel_body`'s."""
+  tm, tn, tk, n_steps = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.steps
+  cw, delay = cfg.compute_wgs, cfg.delay_release
+  wg = lax.axis_index("wg")
+  sm, n_sm = lax.axis_index("sm"), lax.axis_size("sm")
+  # This program's tiles: sm + j * n_sm for j < my_tiles; tile j is compute
+  # warpgroup j % 2's, and its K steps are j * k_iters + k of the stream
+  # through the operand ring.
+  my_tiles = lax.div(m_iters * n_iters - sm + n_sm - 1, n_sm)
+
+  def coords(j):
+    return plgpu.planar_snake(sm + j * n_sm, (m_iters, n_iters), 1, cfg.band)
+
+  @pl.when(wg == cw)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+    @pl.loop(0, my_tiles)
+    def _tile(j):
+      mi, ni = coords(j)
+      owner = lax.rem(j, cw)
+
+      @pl.loop(0, k_iters)
+      def _k(k):
+        step = j * k_iters + k
+        slot = lax.rem(step, n_steps)
+
+        @pl.when(step >= n_steps)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+        rows = pl.ds(k * tk, tk)
+        landed = full.at[owner * n_steps + slot]
+        plgpu.copy_gmem_to_smem(x_gmem.at[rows, pl.ds(mi * tm, tm)],
+                                x_ring.at[slot], landed)
+        plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(ni * tn, tn)],
+                                dy_ring.at[slot], landed)
+
+    # Observe the last steps' releases too, so that no barrier is left with
+    # a phase this warpgroup did not see.
+    total = my_tiles * k_iters
+
+    @pl.loop(jnp.maximum(total - n_steps, 0), total)
+    def _drain(step):
+      plgpu.barrier_wait(consumed.at[lax.rem(step, n_steps)])
+
+  @pl.when(wg < cw)
+  def _compute():
+    plgpu.set_max_registers(
+        min(232, (512 - _MEMORY_REGISTERS) // cw // 8 * 8),
+        action="increase")
+    h = hparams()
+
+    def release(step):
+      plgpu.barrier_arrive(consumed.at[lax.rem(step, n_steps)])
+
+    @pl.loop(0, lax.div(my_tiles - wg + cw - 1, cw))
+    def _tile(u):
+      j = wg + u * cw
+      mi, ni = coords(j)
+      t = (mi, ni, 0, wg)
+      # This tile's first state sub-tiles fly during its K loop.
+      load_ring(t)
+
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn)))
+      def _acc(acc_ref):
+        first = j * k_iters
+
+        @pl.loop(0, k_iters)
+        def _k(k):
+          step = first + k
+          slot = lax.rem(step, n_steps)
+          plgpu.barrier_wait(full.at[wg * n_steps + slot])
+          plgpu.wgmma(acc_ref, x_ring.at[slot].transpose((1, 0)),
+                      dy_ring.at[slot])
+          plgpu.wgmma_wait(delay)
+          if delay:  # the previous step's wgmma has read its slot
+            pl.when(k > 0)(lambda: release(step - 1))
+          else:
+            release(step)
+
+        if delay:
+          plgpu.wgmma_wait(0)
+          release(first + k_iters - 1)
+        streamed_epilogue(t, acc_ref[...], h)
+
+
 def launch(operands, w, slots, hparams, *, rule: UpdateRule,
-           cfg: MosaicConfig, interpret: bool, layer=None,
-           num_sms: int | None = None):
+           cfg: MosaicConfig, interpret: bool | plgpu.InterpretGPUParams,
+           layer=None, num_sms: int | None = None):
   """The kernel on checked inputs that :func:`unsupported` accepts.
 
   Args:
     operands: ``(x, dy)``, ``(BT, in)`` and ``(BT, out)`` in one 16-bit
       dtype, whose ``G = x^T dy`` the kernel forms; or ``(g,)``, a gradient
       ``(in, out)`` already in memory (one layer), streamed with the state
-      (needs ``cfg.state_ring``).
+      (needs ``cfg.state_ring``, and not ``cfg.pingpong``).
     w, slots: the weight and the rule's slots, ``(in, out)``, or stacked
       ``(L, in, out)`` with ``layer``; updated in place (the kernel writes
       them through refs).
@@ -554,7 +800,9 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
     rule, cfg: the update rule and the tiling.
     layer: with stacked state, the int32 index (in range) of the layer to
       update; ``None`` for 2-D state.
-    interpret: run in Pallas GPU interpret mode (on the CPU).
+    interpret: run in Pallas GPU interpret mode (on the CPU): ``True``, or
+      the interpreter's ``plgpu.InterpretGPUParams`` (e.g. with
+      ``detect_races=True``); ``False`` to compile.
     num_sms: programs in the persistent grid; default the GPU's SM count
       (4 in interpret mode).
 
@@ -568,10 +816,17 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
   if num_sms is None:
     num_sms = 4 if interpret else jax.devices()[0].core_count
   stacked = layer is not None
-  body = functools.partial(_kernel_body, rule=rule, cfg=cfg, bt=bt,
-                           n_in=n_in, n_out=n_out, interpret=interpret,
-                           stacked=stacked, g_stored=g_stored)
+  ring = cfg.ring_for(None if g_stored else operands[0].dtype,
+                      smem_dtypes(rule, w.dtype, [a.dtype for a in slots]))
+  body = functools.partial(_kernel_body, rule=rule, cfg=cfg, ring=ring,
+                           bt=bt, n_in=n_in, n_out=n_out,
+                           interpret=bool(interpret), stacked=stacked,
+                           g_stored=g_stored)
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
+  if isinstance(interpret, plgpu.InterpretGPUParams):
+    params = interpret
+  else:
+    params = plgpu.InterpretGPUParams() if interpret else None
   kernel = plgpu.kernel(
       body, grid=(num_sms,), grid_names=("sm",),
       out_type=tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
@@ -580,7 +835,7 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
       num_threads=cfg.compute_wgs + (0 if g_stored else 1), thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)
+      interpret=params)
   state = (w, *slots) if rule.updates_weight else slots
   refs = [jax.new_ref(a) for a in state]
   extra = (jnp.reshape(layer, (1,)).astype(jnp.int32),) if stacked else ()

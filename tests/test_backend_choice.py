@@ -353,7 +353,8 @@ def test_fused_wgrad_update_runs_the_chosen_backend(monkeypatch):
   monkeypatch.setenv("FORGE_BACKEND", "mosaic_gpu")
   check_against_reference(x, dy, w, slots, h, pk.ADAMW, interpret=True)
   assert mosaic_calls == [mosaic_kernel.default_config(
-      jnp.bfloat16, [jnp.bfloat16] * 3, bt=64)] and not triton_calls
+      jnp.bfloat16, [jnp.bfloat16] * 3, bt=64, shape=(64, 128))]
+  assert not triton_calls
   # A Triton tiling beats the variable.
   blocks = pk.BlockConfig(32, 64, 32)
   pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW, config=blocks,

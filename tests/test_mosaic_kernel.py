@@ -7,13 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
 import pallas_kernels as pk
-from pallas_kernels import autotune
+from pallas_kernels import autotune, lowp
 from tests.test_kernel import (_check_stored, _stored_case, _stored_hparams,
                                check_against_reference)
-from tests.tolerances import assert_close
+from tests.tolerances import assert_close, assert_update_close
 
-BF16, F32 = jnp.bfloat16, jnp.float32
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 SMALL = pk.MosaicConfig(tile_m=64, tile_n=64, tile_k=64, steps=2)
 RULES = [pk.ADAMW, pk.sgd_rule(momentum=True, nesterov=True), pk.lion_rule(),
          pk.adagrad_rule(), pk.rmsprop_rule()]
@@ -345,18 +347,28 @@ def test_default_mosaic_tiling_fits_shared_memory(state, bt):
   assert cfg.smem_bytes(BF16, state) <= pk.mosaic_kernel._SMEM_BYTES
 
 
-def test_default_mosaic_tiling_is_the_measured_winner():
+def test_default_mosaic_tiling_is_the_ping_pong_schedule():
   default = pk.mosaic_kernel.default_config
-  short = default(BF16, [BF16] * 3, bt=512)
-  assert (short.tile_m, short.state_buffers, short.prefetch_next,
-          short.state_ring) == (64, 2, True, 0)
-  short_fp32 = default(BF16, [BF16, F32, F32], bt=512)
-  assert (short_fp32.tile_m, short_fp32.state_ring) == (128, 1)
-  for state in ([BF16] * 3, [BF16, F32, F32]):
+  bf16, fp32_moments = [BF16] * 3, [BF16, F32, F32]
+  for state, ring in ((bf16, 4), (fp32_moments, 2)):
+    short = default(BF16, state, bt=512)
+    assert short.label == "128x128x64/4,e64x32,pp"
+    # The ring: as many 64 x 32 sub-tiles as fit beside 4 K steps.
+    assert short.ring_for(BF16, state) == ring
     long = default(BF16, state, bt=2048)
-    assert (long.tile_m, long.tile_n, long.epi_n, long.state_ring,
-            long.band) == (128, 128, 32, 2, 8)
+    assert long.label == "128x128x64/4,e64x32,s8,pp"
     assert default(BF16, state) == long  # tokens unknown: the long case
+  # Shapes 128 does not divide: the first of 64 x 128, 128 x 64, 64 x 64
+  # that does, else 128 x 128 (refused).
+  for shape, tile in (((4096, 1024), (128, 128)), ((192, 1024), (64, 128)),
+                      ((128, 192), (128, 64)), ((64, 64), (64, 64)),
+                      ((96, 128), (128, 128))):
+    cfg = default(BF16, bf16, bt=512, shape=shape)
+    assert (cfg.tile_m, cfg.tile_n) == tile and cfg.pingpong, shape
+  # Too much state for 4 K steps beside a ring of one sub-tile: 3.
+  many = default(BF16, [F32] * 8, bt=512)
+  assert many.steps == 3 and many.ring_for(BF16, [F32] * 8) == 1
+  assert many.smem_bytes(BF16, [F32] * 8) <= pk.mosaic_kernel._SMEM_BYTES
 
 
 @pytest.mark.parametrize("prefetch_next", [False, True],
@@ -371,3 +383,198 @@ def test_mosaic_kernel_three_warpgroups_two_state_buffers_no_delay(
                         prefetch_next=prefetch_next,
                         band=2 if prefetch_next else 1)
   _check(pk.ADAMW, _case(8, 128, 192, 384, pk.ADAMW), cfg, interpret=True)
+
+
+# --- the ping-pong schedule ---------------------------------------------------
+
+# The interpreter with its race detector on: a buffer overwritten while
+# another thread may still read it (a missing barrier or store wait) raises.
+RACES = plgpu.InterpretGPUParams(detect_races=True)
+
+
+def _check_pingpong(rule, case, label, num_sms, layer=None):
+  """The ping-pong tiling ``label`` over ``num_sms`` programs, interpreted
+  with race detection, against the reference: the weight (or, for a rule
+  that does not update it, ``w`` as is), each slot and output; every
+  element of each state array stepped; with ``layer``, the stack's other
+  layers bit for bit as they were."""
+  x, dy, w, slots = case
+  cfg = pk.MosaicConfig.from_label(label)
+  assert cfg.pingpong and cfg.label == label
+  h = _hparams(rule)
+  assert pk.mosaic_kernel.unsupported(
+      x.shape[0], *w.shape[-2:], x.dtype, w, slots, rule, cfg,
+      stacked=layer is not None, g_stored=False) is None
+  got_w, got = pk.mosaic_kernel.launch(
+      (x, dy), w, slots, h, rule=rule, cfg=cfg, interpret=RACES,
+      num_sms=num_sms, layer=None if layer is None else jnp.int32(layer))
+  one = (lambda a: a) if layer is None else (lambda a: a[layer])
+  ref_w, ref = pk.fused_wgrad_update_reference(
+      x, dy, one(w), tuple(map(one, slots)), h, rule=rule)
+  if not rule.updates_weight:
+    np.testing.assert_array_equal(np.asarray(got_w, np.float32),
+                                  np.asarray(w, np.float32))
+  state = [("w", got_w, ref_w, w)] if rule.updates_weight else []
+  state += list(zip(rule.slots, got, ref, slots))
+  for what, g, r, old in state:
+    assert g.shape == old.shape and g.dtype == old.dtype, what
+    if layer is not None:
+      for other in set(range(old.shape[0])) - {layer}:
+        np.testing.assert_array_equal(np.asarray(g[other], np.float32),
+                                      np.asarray(old[other], np.float32))
+      g, old = g[layer], old[layer]
+    assert_close(g, r, what=what)
+    assert_update_close(g, r, old, what=what)
+    changed = np.asarray(g, np.float32) != np.asarray(old, np.float32)
+    assert changed.mean() > 0.9, f"{what}: {changed.mean():.1%} stepped"
+  assert len(got) == len(rule.slots) + len(rule.outputs)
+  for what, g, r in zip(rule.outputs, got[len(rule.slots):],
+                        ref[len(rule.slots):]):
+    assert g.shape == r.shape and g.dtype == r.dtype, what
+    assert_close(g, r, what=what)
+
+
+@pytest.mark.parametrize("rule,shape,dtypes,label,num_sms,layer", [
+    # 1 x 5 tiles over 2 programs: 3 and 2, so on the first warpgroup 0
+    # takes two tiles and 1 one; 2 K steps through a ring of 4 slots that
+    # change owner between tiles; 8 sub-tiles through a ring of 4 (as many
+    # as fit).
+    (pk.ADAMW, (128, 128, 640), (BF16,) * 3, "128x128x64/4,e64x32,pp", 2,
+     None),
+    # fp32 state, 9 tiles over 2 programs (5 and 4): 4 K steps through 3
+    # slots, which change owner within a tile.
+    (pk.ADAMW, (256, 192, 192), (BF16, F32, F32), "64x64x64/3,e64x32,pp", 2,
+     None),
+    # fp16 operands, bf16 weight and fp32 slots; one wgmma in flight at most
+    # (d0), a ring of one sub-tile (each reloaded at once), bands of 2 tile
+    # columns; 2 x 3 tiles over 5 programs.
+    (pk.lion_rule(), (192, 128, 384), (F16, BF16, F32),
+     "64x128x64/2,d0,e64x32,r1,s2,pp", 5, None),
+    # Layer 1 of a stack of 3, a ring of 2 over 4 sub-tiles, 2 x 2 tiles
+    # over 3 programs.
+    (pk.ADAMW, (128, 128, 256), (BF16,) * 3, "64x128x64/2,e64x32,r2,pp", 3,
+     1),
+    # A state-only rule (the weight unread) with a write-only output
+    # (mu_hat, stored, never loaded); 4 tiles over 6 programs: two get none.
+    (pk.muon_rule(), (128, 128, 256), (BF16,) * 3, "64x128x64/2,pp",
+     6, None),
+], ids=["128x128-5-tiles", "fp32-state", "fp16-d0-ring1-band",
+        "stacked-layer", "muon-no-tile-programs"])
+def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
+                                    layer):
+  x_dtype, w_dtype, slot_dtype = dtypes
+  x, dy, w, slots = _case(sum(shape), *shape, rule, x_dtype=x_dtype,
+                          w_dtype=w_dtype, slot_dtype=slot_dtype)
+  if layer is not None:
+    stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
+    w, slots = stack(w), tuple(map(stack, slots))
+  _check_pingpong(rule, (x, dy, w, slots), label, num_sms, layer)
+
+
+def test_pingpong_through_fused_wgrad_update():
+  # The default tiling, picked by fused_wgrad_update for backend=
+  # "mosaic_gpu": ping-pong, 64 x 128 tiles for a weight 128 does not
+  # divide (192 x 256: 3 x 2 tiles over 4 programs).
+  x, dy, w, slots = _case(23, 128, 192, 256, pk.ADAMW)
+  choice = pk.describe_backend(x, dy, w, slots, rule=pk.ADAMW,
+                               backend="mosaic_gpu", interpret=True)
+  assert choice.config.label == "64x128x64/4,e64x32,pp"
+  _check(pk.ADAMW, (x, dy, w, slots), None, interpret=True)
+
+
+def test_pingpong_labels_and_limits():
+  cfg = pk.MosaicConfig.from_label("128x128x64/4,e64x32,s8,pp")
+  assert cfg == pk.MosaicConfig(tile_m=128, tile_n=128, tile_k=64, steps=4,
+                                epi_n=32, band=8, pingpong=True)
+  assert (cfg.compute_wgs, cfg.wg_n, cfg.sub_tiles) == (2, 128, 8)
+  assert pk.MosaicConfig.from_label(" 128x128x64/4,pp,wg2,e64x32 ") == (
+      pk.MosaicConfig(tile_m=128, tile_n=128, steps=4, epi_n=32,
+                      pingpong=True))
+  assert pk.MosaicConfig(tile_m=64, tile_n=64, pingpong=True).label == (
+      "64x64x64/3,pp")  # two compute warpgroups is its default
+  from benchmarks import backends
+  assert backends.parse_mosaic(cfg.label) == cfg
+  assert [backends.parse_mosaic(m) for m in backends.MOSAIC_DEFAULT] == [
+      pk.mosaic_kernel.default_config(BF16, [BF16] * 3, bt)
+      for bt in (512, 2048)]
+  for label, match in [
+      ("128x256x64/2,pp", "256 registers per thread"),
+      ("128x128x64/4,wg1,pp", "exactly 2 compute warpgroups"),
+      ("64x128x64/4,b2,pn,pp", "leave state_buffers=1 and prefetch_next"),
+      ("128x128x64/4,e32x64,pp", "multiple of 64 that divides tile_m"),
+      ("128x128x64/4,pp,pp", "knob 'pp' is given twice"),
+      ("128x128x64/4,p", "unknown knob 'p'.*,pn and ,pp")]:
+    with pytest.raises(ValueError, match=match):
+      pk.MosaicConfig.from_label(label)
+  # The state ring: as many sub-tiles as fit, or the one asked for, at most
+  # a tile's.
+  assert cfg.ring_for(BF16, [BF16] * 3) == 4
+  assert cfg.ring_for(BF16, [BF16, F32, F32]) == 2
+  assert cfg.ring_for(BF16, [BF16] * 2) == 6
+  small = pk.MosaicConfig(tile_m=64, tile_n=64, epi_n=32, pingpong=True)
+  assert small.ring_for(BF16, [BF16]) == small.sub_tiles == 2
+  fixed = pk.MosaicConfig(steps=4, epi_n=32, state_ring=3, pingpong=True)
+  assert fixed.ring_for(BF16, [F32] * 3) == 3
+  assert fixed.smem_bytes(BF16, [F32] * 3) == (
+      4 * 64 * 256 * 2 + 2 * 3 * 64 * 32 * 12 + 1024)
+
+
+def test_pingpong_refusals():
+  x, dy, w, slots = _case(24, 128, 128, 128, pk.ADAMW, w_dtype=F32,
+                          slot_dtype=F32)
+  h = _hparams(pk.ADAMW)
+  pp = pk.MosaicConfig(steps=4, epi_n=32, pingpong=True)
+
+  def unsupported(cfg, g_stored=False, low_precision=False):
+    return pk.mosaic_kernel.unsupported(
+        128, 128, 128, BF16, w, slots, pk.ADAMW, cfg, stacked=False,
+        g_stored=g_stored, low_precision=low_precision)
+
+  assert unsupported(pp) is None
+  # A stored gradient stays on the column-split schedule.
+  assert "stored gradient has no K loop" in unsupported(pp, g_stored=True)
+  with pytest.raises(ValueError, match="use a tiling without ',pp'"):
+    pk.stored_g_update(jnp.ones((128, 128), BF16), w, slots, h,
+                       rule=pk.ADAMW, interpret=True, backend="mosaic_gpu",
+                       config=pp)
+  # Quantized moments or stochastic rounding: refused, as for any tiling.
+  assert unsupported(pp, low_precision=True) == lowp.MOSAIC_REFUSAL
+  # A fixed ring too long for shared memory: the need, with the ring.
+  deep = pk.MosaicConfig(steps=6, state_ring=4, pingpong=True)
+  assert "with a state ring of 4 sub-tiles" in unsupported(deep)
+  assert "shared memory" in unsupported(deep)
+  with pytest.raises(ValueError, match="is not a multiple of the tiles"):
+    pk.fused_wgrad_update(x[:, :64], dy, w[:64], tuple(a[:64] for a in slots),
+                          h, rule=pk.ADAMW, config=pp, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label,slot_dtype", [
+    ("128x128x64/4,e64x32,pp", BF16),   # the default up to 1024 tokens
+    ("128x128x64/4,e64x32,s8,pp", BF16),  # ... and beyond
+    ("128x128x64/4,e64x32,pp", F32),
+    ("64x128x64/2,d0,e64x32,r1,s2,pp", BF16),
+    ("64x256x64/3,e64x32,r2,pp", BF16),
+    ("128x128x64/3,e64x64,pp", F32),
+])
+def test_gpu_mosaic_pingpong_compiled_matches_reference(label, slot_dtype):
+  case = _case(25, 512, 1024, 768, pk.ADAMW, w_dtype=slot_dtype,
+               slot_dtype=slot_dtype)
+  _check(pk.ADAMW, case, pk.MosaicConfig.from_label(label), interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_pingpong_stacked_state_only_and_in_place():
+  pp = pk.MosaicConfig.from_label("128x128x64/4,e64x32,s8,pp")
+  _check_stacked(_case(26, 512, 1024, 768, pk.ADAMW), 2, pp,
+                 interpret=False)
+  _check_state_only(pk.muon_rule(), _case(27, 512, 1024, 768,
+                                          pk.muon_rule()), pp,
+                    interpret=False)
+  x, dy, w, slots = _case(28, 512, 1024, 768, pk.ADAMW)
+  h = _hparams(pk.ADAMW)
+  step = jax.jit(lambda x, dy, w, s: pk.fused_wgrad_update(
+      x, dy, w, s, h, rule=pk.ADAMW, config=pp), donate_argnums=(2, 3))
+  ptrs = [a.unsafe_buffer_pointer() for a in (w, *slots)]
+  new_w, new_slots = step(x, dy, w, slots)
+  assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs
