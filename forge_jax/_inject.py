@@ -165,4 +165,7 @@ def spec_for(inj: Injected, opt_state, params) -> ForgeSpec:
       weight_decay_mask=spec.weight_decay_mask, family=spec.family,
       layer_pass=spec.layer_pass,
       shared=lambda state: spec.shared(state.inner_state),
-      momentum_decay=spec.momentum_decay)
+      momentum_decay=spec.momentum_decay,
+      low_precision=spec.low_precision,
+      sr_step=None if spec.sr_step is None else (
+          lambda state: spec.sr_step(state.inner_state)))

@@ -28,6 +28,7 @@ import optax
 
 import pallas_kernels
 from forge_jax import _state
+from forge_jax import low_precision
 
 
 @contextlib.contextmanager
@@ -105,18 +106,47 @@ WGRAD_MODES = ("fused", "xla")
 
 
 def wgrad_update(x, dy, w, slots, hparams, *, rule, config=None,
-                 wgrad="fused", layer=None, precision=None):
+                 wgrad="fused", layer=None, precision=None, formats=None,
+                 stochastic_rounding=None):
   """The rule's step from ``G = x^T dy``: the fused kernel (``wgrad="fused"``,
   ``G`` never in memory) or XLA's GEMM, at the layer's ``precision``, then
   the rule's elementwise update (``"xla"``, ``G`` in memory for this call:
-  make_step's ``wgrad``)."""
+  make_step's ``wgrad``). ``formats`` and ``stochastic_rounding``: for
+  quantized slots and stochastic rounding, as the kernel takes them."""
   if wgrad == "xla":
     return pallas_kernels.unfused_wgrad_update(
-        x, dy, w, slots, hparams, rule=rule, layer=layer, precision=precision)
+        x, dy, w, slots, hparams, rule=rule, layer=layer, precision=precision,
+        formats=formats, stochastic_rounding=stochastic_rounding)
   if wgrad != "fused":
     raise ValueError(f"wgrad={wgrad!r} must be one of {WGRAD_MODES}")
-  return pallas_kernels.fused_wgrad_update(x, dy, w, slots, hparams, rule=rule,
-                                           config=config, layer=layer)
+  return pallas_kernels.fused_wgrad_update(
+      x, dy, w, slots, hparams, rule=rule, config=config, layer=layer,
+      formats=formats, stochastic_rounding=stochastic_rounding)
+
+
+def _low_precision_step(spec, layout: _state.KernelLayout, w, inputs, step):
+  """A regime-1 step on low-precision state: the layer's slot leaves
+  regrouped into the kernel's slots (a quantized one as its
+  ``Quantized`` pair, int8 codes back from their transport), ``step(slots,
+  formats, sr)`` run, and its new slots flattened back for the layer."""
+  lp = spec.low_precision
+  leaves = low_precision.from_transport(inputs.slots, layout.leaf_dtypes)
+  # A slot's subtree holds one float array or a quantized moment's codes and
+  # scales (a Quantized pair; flax.nnx's state may hold it as a mapping
+  # {"q", "scale"}, whose leaves come in the same order).
+  slots = []
+  for sub in layout.split(list(leaves)):
+    parts = jax.tree.leaves(sub)
+    slots.append(pallas_kernels.quant.Quantized(*parts) if len(parts) == 2
+                 else parts[0])
+  slots = tuple(slots)
+  sr = None
+  if lp.sr_for(w):
+    seed_step = inputs.shared[0]
+    sr = (seed_step[0], seed_step[1])
+  w_new, new = step(slots, lp.kernel_formats(slots), sr)
+  flat = jax.tree.leaves(tuple(new[:len(slots)]))
+  return w_new, low_precision.to_transport(flat)
 
 
 def step_in_backward(spec, layout, x, dy, w, inputs, config=None,
@@ -131,6 +161,12 @@ def step_in_backward(spec, layout, x, dy, w, inputs, config=None,
   if spec.regime == 3:
     return _deferred(spec, layout, form_gradient(x, dy).reshape(w.shape), w,
                      inputs)
+  if spec.low_precision is not None:
+    return _low_precision_step(
+        spec, layout, w, inputs, lambda slots, formats, sr: wgrad_update(
+            x, dy, w, slots, inputs.hparams, rule=spec.rule, config=config,
+            wgrad=wgrad, precision=precision, formats=formats,
+            stochastic_rounding=sr))
   w1, new = wgrad_update(x, dy, w, inputs.slots, inputs.hparams,
                          rule=spec.rule, config=config, wgrad=wgrad,
                          precision=precision)
@@ -141,6 +177,16 @@ def step_from_grad(spec, layout, g, w, inputs):
   """The same step from an explicit gradient (Remark 1: ``g = 0``)."""
   if spec.regime == 3:
     return _deferred(spec, layout, g, w, inputs)
+  if spec.low_precision is not None:
+    lp = spec.low_precision
+
+    def reference(slots, formats, sr):
+      del formats  # the plan reads them from the settings
+      return pallas_kernels.reference.apply_rule(
+          spec.rule, g, w, slots, inputs.hparams, plan=lp.plan(slots, w),
+          sr=sr)
+
+    return _low_precision_step(spec, layout, w, inputs, reference)
   w1, new = spec.rule.apply(g, w, inputs.slots, inputs.hparams)
   return _after_epilogue(spec, w1, new, inputs)
 

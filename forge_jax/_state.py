@@ -156,6 +156,9 @@ class KernelLayout:
       layer's ``shared`` inputs.
     params_skeleton: deferred path only: the params tree with ``None``
       leaves, into which the kernel's arrays are put to make one-leaf trees.
+    leaf_dtypes: low-precision state only: the dtypes of the slot leaves as
+      the state stores them (int8 codes travel through the layer as a float
+      dtype of the same width: ``forge_jax.low_precision.to_transport``).
   """
 
   keypath: KeyPath
@@ -163,6 +166,7 @@ class KernelLayout:
   slot_defs: tuple[Any, ...]
   shared_def: Any = None
   params_skeleton: Any = None
+  leaf_dtypes: Optional[tuple[Any, ...]] = None
 
   def split(self, leaves):
     """The flat slot arrays, regrouped into one subtree per slot field."""

@@ -190,6 +190,12 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
         f"{MODES}")
   every_k, every_k_schedule = _check_k(every_k_schedule)
   spec = tx.spec
+  if spec.low_precision is not None:
+    raise ValueError(
+        f"forge_jax.MultiSteps: forge_jax.{spec.family} with low-precision "
+        "state (moments= or stochastic_rounding=) cannot accumulate "
+        "gradients yet; accumulate with moments=None and "
+        "stochastic_rounding=False")
   if mode == "exact":
     out = _exact(tx, spec, every_k_schedule, every_k)
   elif spec.momentum_decay is None or spec.regime != 1:

@@ -130,13 +130,45 @@ def _update(static, x, dy, kernel, inputs):
                              and static.spec.regime == 3):
     return _update_matrix(static, x, dy, kernel, inputs)
   shape = kernel.shape
-  viewed = tuple(s.shape == shape for s in inputs.slots)
-  slots = tuple(s.reshape(static.gemm) if v else s
-                for s, v in zip(inputs.slots, viewed))
+  views = {shape: static.gemm}
+  if static.spec is not None and static.spec.low_precision is not None:
+    # A quantized moment's scales (one per 64 elements of the kernel's last
+    # axis) viewed as the GEMM's (one per 64 of its rows' elements).
+    views.update(_scale_views(static, shape))
+  slots = tuple(s.reshape(views[s.shape]) if s.shape in views else s
+                for s in inputs.slots)
   new_kernel, new_slots = _update_matrix(
       static, x, dy, kernel.reshape(static.gemm), inputs._replace(slots=slots))
   return new_kernel.reshape(shape), tuple(
-      s.reshape(shape) if v else s for s, v in zip(new_slots, viewed))
+      n.reshape(s.shape) if s.shape in views else n
+      for n, s in zip(new_slots, inputs.slots))
+
+
+def _scale_views(static, shape) -> dict:
+  """``{scale shape of the kernel: scale shape of its GEMM matrix}`` for
+  quantized moments of a ``forge_jax.DenseGeneral`` kernel; refuses a
+  kernel whose blocks along its last axis are not blocks of the matrix's
+  rows (several feature axes, the last not a multiple of the block)."""
+  lp = static.spec.low_precision
+  views = {}
+  for fmt in {f for f in lp.formats if f is not None}:
+    param = fmt.scale_shape(shape)
+    matrix = fmt.scale_shape(static.gemm)
+    n_out = static.gemm[1]
+    if shape[-1] != n_out and shape[-1] % fmt.block:
+      raise ValueError(
+          f"{static.kind} at {_context.layer_name(static.path)!r}: its "
+          f"kernel {tuple(shape)} has several feature axes, the last of "
+          f"{shape[-1]} elements, not a multiple of {fmt.block}: the "
+          f"quantized moments' blocks ({fmt.block} consecutive elements of "
+          "the kernel's last axis) are not blocks of the fused kernel's "
+          f"({static.gemm[0]}, {n_out}) matrix. Give this layer "
+          "fused=False (the standard path steps it with the same "
+          "quantized state), or features whose last axis is a multiple of "
+          f"{fmt.block}.")
+    if param != tuple(shape):  # (else a one-column kernel: viewed as one)
+      views[param] = matrix
+  return views
 
 
 _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)

@@ -153,6 +153,12 @@ def require_regime_1(where: str, spec, what: str) -> None:
         "regime-3 statistics to the whole stacked (L, in, out) leaf, which "
         f"a per-layer update cannot reproduce. Give this {what} fused=False "
         "(standard optax path).")
+  if getattr(spec, "low_precision", None) is not None:
+    raise ValueError(
+        f"{where}: low-precision optimizer state (moments='int8'/'fp8'/a "
+        "dtype, or stochastic_rounding=True) is not supported in a scanned "
+        f"stack yet. Give this {what} fused=False: the transform then steps "
+        "its stacked kernels with the same low-precision state.")
 
 
 def updates_in_place(stack_update: str) -> bool:

@@ -24,6 +24,7 @@ from forge_jax import _paths
 from forge_jax import _sharding
 from forge_jax import _state
 from forge_jax import _usage
+from forge_jax import low_precision as _low_precision
 from forge_jax.transforms import ForgeTransformation
 
 KeyPath = tuple[Any, ...]
@@ -386,6 +387,18 @@ def _gather_layer_inputs(fused: _FusedLayers, spec, opt_state, params,
             f"transform's FORGE path does not update ({spec.family})")
     flat = [jax.tree.flatten(t) for t in subtrees]
     slots = tuple(a for leaves, _ in flat for a in leaves)
+    leaf_dtypes, shared = None, shared_state
+    lp = spec.low_precision
+    if lp is not None:
+      # Quantized moments: int8 codes travel as a float dtype (their new
+      # values come back as cotangents); the stochastic-rounding seed and
+      # step of this kernel are read with the shared state.
+      leaf_dtypes = tuple(a.dtype for a in slots)
+      slots = _low_precision.to_transport(slots)
+      if lp.stochastic_rounding:
+        shared = (jnp.stack([
+            jnp.asarray(_low_precision.param_seed(lp.seed, kp), jnp.uint32),
+            jnp.asarray(spec.sr_step(opt_state)).astype(jnp.uint32)]),)
     bad = [a.dtype for a in slots if not jnp.issubdtype(a.dtype, jnp.inexact)]
     if bad:
       raise TypeError(
@@ -394,13 +407,14 @@ def _gather_layer_inputs(fused: _FusedLayers, spec, opt_state, params,
           " cotangents, which must be floating point")
     fused.layouts[p] = _state.KernelLayout(
         keypath=kp, slot_ids=slot_ids, slot_defs=tuple(d for _, d in flat),
-        shared_def=shared_def, params_skeleton=skeleton)
+        shared_def=shared_def, params_skeleton=skeleton,
+        leaf_dtypes=leaf_dtypes)
     fused.inputs[p] = _context.LayerInputs(
         slots=slots,
         hparams=packed[spec.regime == 3 or _weight_decay_on(
             spec.weight_decay_mask, params, kp)],
         touched=jnp.zeros((), jnp.float32),
-        shared=shared_state)
+        shared=shared)
   return fields, slot_ids
 
 
@@ -458,7 +472,10 @@ def _forge_updates(spec, params, grads, new_inputs, fused: _FusedLayers,
                                lambda k=kernel, s=slots: (k, s),
                                zero_grad_step)
     new_kernels[kp] = kernel
-    new_subtrees[kp] = dict(zip(slot_ids, fused.layouts[p].split(list(slots))))
+    layout = fused.layouts[p]
+    if layout.leaf_dtypes is not None:  # int8 codes back from their transport
+      slots = _low_precision.from_transport(slots, layout.leaf_dtypes)
+    new_subtrees[kp] = dict(zip(slot_ids, layout.split(list(slots))))
   return new_kernels, new_subtrees
 
 
@@ -690,6 +707,12 @@ def make_step(
     _sharding.check_placement(mesh_layout, params, batch)
     spec = (tx.spec if injected is None
             else _inject.spec_for(injected, state_in, params))
+    if spec.low_precision is not None and mesh_layout is not None:
+      raise ValueError(
+          f"forge_jax.make_step(mesh_layout=...): forge_jax.{spec.family} "
+          "with low-precision state (moments= or stochastic_rounding=) does "
+          "not run on a device mesh yet; train it on one device, or with "
+          "moments=None and stochastic_rounding=False")
     if clipping is not None:  # the kernels step from the clipped gradient
       spec = _clip.clipped_spec(spec)
     # convert=True: the model's nn.Dense / nn.DenseGeneral run as FORGE

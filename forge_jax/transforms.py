@@ -42,6 +42,7 @@ from optax.transforms._adding import WeightDecaySchedule as _WeightDecaySchedule
 
 import pallas_kernels
 from forge_jax import _context
+from forge_jax import low_precision as _lowp
 
 
 def _no_shared(state):
@@ -81,6 +82,12 @@ class ForgeSpec:
       with momentum, no Nesterov), the name of that decay's hyperparameter;
       ``None`` otherwise. ``forge_jax.MultiSteps(..., mode="momentum")``
       needs it (``pallas_kernels.rules.momentum_accumulating``).
+    low_precision: a :class:`forge_jax.low_precision.LowPrecision` when the
+      transform keeps int8/fp8 moments, moments in a given float dtype, or
+      stores bf16 weights by stochastic rounding (``moments=``,
+      ``stochastic_rounding=``); ``None`` otherwise.
+    sr_step: with ``low_precision``, ``sr_step(opt_state)``: this step's
+      1-based number, hashed into the stochastic-rounding bits.
   """
 
   rule: Optional[pallas_kernels.UpdateRule]
@@ -92,6 +99,8 @@ class ForgeSpec:
   update: Optional[optax.TransformUpdateFn] = None
   shared: Callable[[Any], Any] = _no_shared
   momentum_decay: Optional[str] = None
+  low_precision: Any = None
+  sr_step: Optional[Callable[[Any], Any]] = None
   regime: int = dataclasses.field(init=False)
 
   def __post_init__(self):
@@ -119,6 +128,10 @@ class ForgeSpec:
       raise ValueError(
           f"ForgeSpec for {regime.family!r}: a regime-2 epilogue rule must "
           "leave the weight to the layer pass (updates_weight=False)")
+    if self.low_precision is not None and n != 1:
+      raise ValueError(
+          f"ForgeSpec for {regime.family!r}: low-precision state is "
+          "supported for regime-1 families only")
 
 
 # The family and spec of each ForgeTransformation, by its update function:
@@ -232,6 +245,8 @@ def _forge(inner: optax.GradientTransformation,
            shared: Callable[[Any], Any] = _no_shared,
            scope: Callable[[Any], Any] = lambda state: state,
            momentum_decay: Optional[str] = None,
+           low_precision: Optional[_lowp.LowPrecision] = None,
+           init_values: Optional[dict[str, float]] = None,
            ) -> ForgeTransformation:
   """``inner`` itself, plus the :class:`ForgeSpec` that drives FORGE layers.
 
@@ -240,6 +255,12 @@ def _forge(inner: optax.GradientTransformation,
   and, where the family has decoupled weight decay, ``weight_decay`` (read at
   ``add_decayed_weights``' count). ``scope(state)`` is the part of the state
   that FORGE kernels' transforms live in (Muon: its ``'muon'`` partition).
+
+  With ``low_precision`` (``moments=`` or ``stochastic_rounding=``) the
+  transform is not ``inner`` but
+  :func:`forge_jax.low_precision.transform` of ``rule`` -- the same update,
+  on the low-precision state; its hyperparameters are read from its one
+  step count (``init_values``: the slots' initial values).
   """
 
   def all_hparams(state):
@@ -252,6 +273,17 @@ def _forge(inner: optax.GradientTransformation,
           weight_decay, _field(sub, _WeightDecaySchedule, "count"))
     return h
 
+  if low_precision is not None:
+    inner = _lowp.transform(low_precision, rule, all_hparams,
+                            mask=_holes_aware(mask), init_values=init_values)
+    spec = ForgeSpec(
+        rule=rule, slot_fields=tuple(slot_fields),
+        hparams=lambda state: all_hparams(_lowp.count_view(state.count)),
+        weight_decay_mask=mask, family=family, layer_pass=layer_pass,
+        shared=shared, momentum_decay=momentum_decay,
+        low_precision=low_precision,
+        sr_step=lambda state: numerics.safe_increment(state.count))
+    return ForgeTransformation(inner.init, inner.update, spec)
   spec = ForgeSpec(rule=rule, slot_fields=tuple(slot_fields),
                    hparams=all_hparams, weight_decay_mask=mask, family=family,
                    layer_pass=layer_pass, shared=shared,
@@ -324,11 +356,25 @@ def _adam_hparams(state, b1, b2, eps, eps_root,
   )
 
 
+def _param_dtype(p):
+  """The dtype optax gives a moment that follows its parameter."""
+  return jnp.dtype(p.dtype)
+
+
+def _dtype_or_param(dtype):
+  """``dtype`` if given, else the parameter's (optax's ``mu_dtype=None``)."""
+  return _param_dtype if dtype is None else (lambda p: jnp.dtype(dtype))
+
+
 def sgd(
     learning_rate: optax.ScalarOrSchedule,
     momentum: Optional[float] = None,
     nesterov: bool = False,
     accumulator_dtype: Optional[Any] = None,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
+    seed: Optional[int] = None,
 ) -> ForgeTransformation:
   r"""Stochastic gradient descent: ``optax.sgd``, FORGE-enabled.
 
@@ -345,6 +391,8 @@ def sgd(
     momentum: the trace's decay; ``None`` for plain SGD (no slot).
     nesterov: Nesterov momentum (only with ``momentum``).
     accumulator_dtype: dtype of the momentum trace; ``None`` follows params.
+    moments, stochastic_rounding, seed: low-precision state (the momentum
+      trace; see :func:`adamw`).
 
   Returns:
     A :class:`ForgeTransformation`.
@@ -359,21 +407,29 @@ def sgd(
   if momentum is not None:
     rule = rule.with_static(
         round_trace=_rounds_product(momentum, accumulator_dtype))
+  family = "sgd" if momentum is None else "sgd_momentum"
   return _forge(inner, rule, rule.slots, learning_rate,
                 lambda state: {} if momentum is None else dict(
                     decay=momentum,
                     decay_m=_stored_decay(momentum, accumulator_dtype)),
-                family="sgd" if momentum is None else "sgd_momentum",
+                family=family,
                 # The trace is affine in G and, without Nesterov, the only
                 # way G reaches W: MultiSteps' momentum mode applies.
                 momentum_decay=("decay" if momentum is not None
-                                and not nesterov else None))
+                                and not nesterov else None),
+                low_precision=_lowp.make(
+                    "sgd", rule, moments, stochastic_rounding, seed,
+                    (_dtype_or_param(accumulator_dtype),) * len(rule.slots)))
 
 
 def adagrad(
     learning_rate: optax.ScalarOrSchedule,
     initial_accumulator_value: float = 0.1,
     eps: float = 1e-7,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
+    seed: Optional[int] = None,
 ) -> ForgeTransformation:
   r"""Adagrad: ``optax.adagrad``, FORGE-enabled.
 
@@ -388,6 +444,8 @@ def adagrad(
     learning_rate: a scalar or an optax schedule.
     initial_accumulator_value: initial :math:`s_0`.
     eps: added inside the square root.
+    moments, stochastic_rounding, seed: low-precision state (the
+      accumulator, a second moment; see :func:`adamw`).
 
   Returns:
     A :class:`ForgeTransformation`.
@@ -398,8 +456,13 @@ def adagrad(
   inner = optax.adagrad(learning_rate,
                         initial_accumulator_value=initial_accumulator_value,
                         eps=eps)
-  return _forge(inner, pallas_kernels.adagrad_rule(), ("sum_of_squares",),
-                learning_rate, lambda state: dict(eps=eps), family="adagrad")
+  rule = pallas_kernels.adagrad_rule()
+  return _forge(inner, rule, ("sum_of_squares",),
+                learning_rate, lambda state: dict(eps=eps), family="adagrad",
+                low_precision=_lowp.make("adagrad", rule, moments,
+                                         stochastic_rounding, seed,
+                                         (_param_dtype,)),
+                init_values={"sum_of_squares": initial_accumulator_value})
 
 
 def rmsprop(
@@ -412,6 +475,10 @@ def rmsprop(
     momentum: Optional[float] = None,
     nesterov: bool = False,
     bias_correction: bool = False,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
+    seed: Optional[int] = None,
 ) -> ForgeTransformation:
   r"""RMSprop: ``optax.rmsprop``, FORGE-enabled, with all of its options.
 
@@ -430,6 +497,8 @@ def rmsprop(
     learning_rate: a scalar or an optax schedule.
     decay, eps, initial_scale, eps_in_sqrt, centered, momentum, nesterov,
       bias_correction: as in :func:`optax.rmsprop`.
+    moments, stochastic_rounding, seed: low-precision state (``nu`` is a
+      second moment; see :func:`adamw`).
 
   Returns:
     A :class:`ForgeTransformation`.
@@ -457,7 +526,11 @@ def rmsprop(
     return h
 
   return _forge(inner, rule, rule.slots, learning_rate, hparams,
-                family="rmsprop")
+                family="rmsprop",
+                low_precision=_lowp.make(
+                    "rmsprop", rule, moments, stochastic_rounding, seed,
+                    (_param_dtype,) * len(rule.slots)),
+                init_values={"nu": initial_scale})
 
 
 def adam(
@@ -469,6 +542,9 @@ def adam(
     mu_dtype: Optional[Any] = None,
     *,
     nesterov: bool = False,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
+    seed: Optional[int] = None,
 ) -> ForgeTransformation:
   r"""Adam: ``optax.adam``, FORGE-enabled.
 
@@ -486,6 +562,8 @@ def adam(
     b1, b2, eps, eps_root: Adam's constants, as in optax.
     mu_dtype: dtype of the first moment; ``None`` follows the parameters.
     nesterov: Nesterov momentum (NAdam).
+    moments, stochastic_rounding, seed: low-precision state (see
+      :func:`adamw`).
 
   Returns:
     A :class:`ForgeTransformation`.
@@ -497,11 +575,15 @@ def adam(
                      mu_dtype=mu_dtype, nesterov=nesterov)
   rule = _adam_family_rule(pallas_kernels.adam_rule(nesterov=nesterov), b1,
                            mu_dtype)
+  family = "nadam" if nesterov else "adam"
   return _forge(inner, rule,
                 ("mu", "nu"), learning_rate,
                 lambda state: _adam_hparams(state, b1, b2, eps, eps_root,
                                             mu_dtype),
-                family="nadam" if nesterov else "adam")
+                family=family,
+                low_precision=_lowp.make(
+                    family, rule, moments, stochastic_rounding, seed,
+                    (_dtype_or_param(mu_dtype), _param_dtype)))
 
 
 nadam = functools.partial(adam, nesterov=True)
@@ -520,6 +602,9 @@ def adamw(
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     *,
     nesterov: bool = False,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
+    seed: Optional[int] = None,
 ) -> ForgeTransformation:
   r"""AdamW with decoupled weight decay: ``optax.adamw``, FORGE-enabled.
 
@@ -544,6 +629,21 @@ def adamw(
     weight_decay: decoupled weight decay rate (scalar or schedule).
     mask: which parameters get weight decay (tree, prefix or callable).
     nesterov: Nesterov momentum, as in ``optax.adamw``.
+    moments: how the moments are stored: ``None`` (default) as optax
+      stores them; ``"int8"`` (8-bit integer codes), ``"fp8"`` (the same
+      as ``"fp8_e4m3"``: float8_e4m3fn codes) or ``"fp8_e5m2"``, each with
+      one float32 scale per 64 consecutive elements of a row, for
+      parameters of at least 4096 elements (smaller ones keep float
+      moments); a ``pallas_kernels.quant.MomentFormat``; a tuple with one
+      of those per moment (``("fp8_e4m3", "fp8_e5m2")``: ``mu`` e4m3, ``nu``
+      e5m2); or a float dtype (every moment stored in it). The state is
+      then a ``forge_jax.low_precision`` NamedTuple (docs/optimizers.md,
+      low-precision state).
+    stochastic_rounding: store bfloat16 parameters by stochastic rounding
+      (unbiased; the default rounds to nearest). Other dtypes are stored as
+      usual.
+    seed: the stochastic-rounding seed (``None``: 0; each parameter hashes
+      its own from it and its key path).
 
   Returns:
     A :class:`ForgeTransformation`.
@@ -552,6 +652,10 @@ def adamw(
     >>> tx = forge_jax.adamw(optax.cosine_decay_schedule(1e-3, 1000))
     >>> opt_state = tx.init(variables["params"])
     >>> step = jax.jit(forge_jax.make_step(loss_fn, tx), donate_argnums=(0, 1))
+
+    With int8 moments and stochastic rounding of bf16 weights:
+
+    >>> tx = forge_jax.adamw(1e-3, moments="int8", stochastic_rounding=True)
   """
   inner = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                       mu_dtype=mu_dtype, weight_decay=weight_decay,
@@ -563,7 +667,11 @@ def adamw(
                 ("mu", "nu"), learning_rate,
                 lambda state: _adam_hparams(state, b1, b2, eps, eps_root,
                                             mu_dtype),
-                weight_decay=weight_decay, mask=mask, family="adamw")
+                weight_decay=weight_decay, mask=mask, family="adamw",
+                low_precision=_lowp.make(
+                    "nadamw" if nesterov else "adamw", rule, moments,
+                    stochastic_rounding, seed,
+                    (_dtype_or_param(mu_dtype), _param_dtype)))
 
 
 nadamw = functools.partial(adamw, nesterov=True)
@@ -576,6 +684,10 @@ def adamax(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
+    seed: Optional[int] = None,
 ) -> ForgeTransformation:
   r"""Adamax: ``optax.adamax``, FORGE-enabled.
 
@@ -589,6 +701,9 @@ def adamax(
   Args:
     learning_rate: a scalar or an optax schedule.
     b1, b2, eps: as in optax.
+    moments, stochastic_rounding, seed: low-precision state (``nu``, the
+      infinity norm, is kept as a second moment: non-negative, floored;
+      see :func:`adamw`).
 
   Returns:
     A :class:`ForgeTransformation`.
@@ -602,8 +717,12 @@ def adamax(
     t = _count_after(state, optax.ScaleByAdamState)
     return dict(b1=b1, one_minus_b1=1 - b1, b2=b2, eps=eps, bc1=1 - b1**t)
 
-  return _forge(inner, pallas_kernels.adamax_rule(), ("mu", "nu"),
-                learning_rate, hparams, family="adamax")
+  rule = pallas_kernels.adamax_rule()
+  return _forge(inner, rule, ("mu", "nu"),
+                learning_rate, hparams, family="adamax",
+                low_precision=_lowp.make("adamax", rule, moments,
+                                         stochastic_rounding, seed,
+                                         (_param_dtype, _param_dtype)))
 
 
 def radam(
@@ -615,6 +734,9 @@ def radam(
     threshold: float = 5.0,
     *,
     nesterov: bool = False,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
+    seed: Optional[int] = None,
 ) -> ForgeTransformation:
   r"""Rectified Adam: ``optax.radam``, FORGE-enabled.
 
@@ -629,6 +751,8 @@ def radam(
   Args:
     learning_rate: a scalar or an optax schedule.
     b1, b2, eps, eps_root, threshold, nesterov: as in optax.
+    moments, stochastic_rounding, seed: low-precision state (see
+      :func:`adamw`).
 
   Returns:
     A :class:`ForgeTransformation`.
@@ -651,8 +775,12 @@ def radam(
     return dict(_adam_hparams(state, b1, b2, eps, eps_root),
                 r=jnp.where(rectify, r, 0.0), rectify=rectify)
 
-  return _forge(inner, pallas_kernels.radam_rule(nesterov=nesterov),
-                ("mu", "nu"), learning_rate, hparams, family="radam")
+  rule = pallas_kernels.radam_rule(nesterov=nesterov)
+  return _forge(inner, rule,
+                ("mu", "nu"), learning_rate, hparams, family="radam",
+                low_precision=_lowp.make("radam", rule, moments,
+                                         stochastic_rounding, seed,
+                                         (_param_dtype, _param_dtype)))
 
 
 def lion(
@@ -662,6 +790,10 @@ def lion(
     mu_dtype: Optional[Any] = None,
     weight_decay: optax.ScalarOrSchedule = 1e-3,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
+    seed: Optional[int] = None,
 ) -> ForgeTransformation:
   r"""Lion: ``optax.lion``, FORGE-enabled.
 
@@ -679,6 +811,8 @@ def lion(
     mu_dtype: dtype of the moment; ``None`` follows the parameters.
     weight_decay: decoupled weight decay rate (scalar or schedule).
     mask: which parameters get weight decay (tree, prefix or callable).
+    moments, stochastic_rounding, seed: low-precision state (see
+      :func:`adamw`).
 
   Returns:
     A :class:`ForgeTransformation`.
@@ -688,16 +822,17 @@ def lion(
   """
   inner = optax.lion(learning_rate, b1=b1, b2=b2, mu_dtype=mu_dtype,
                      weight_decay=weight_decay, mask=_holes_aware(mask))
+  rule = pallas_kernels.lion_rule().with_static(
+      round_b1=_rounds_product(b1, mu_dtype),
+      round_b2=_rounds_product(b2, mu_dtype))
   return _forge(
-      inner,
-      pallas_kernels.lion_rule().with_static(
-          round_b1=_rounds_product(b1, mu_dtype),
-          round_b2=_rounds_product(b2, mu_dtype)),
-      ("mu",), learning_rate,
+      inner, rule, ("mu",), learning_rate,
       # b1 and b2 both multiply the stored moment (scale_by_lion).
       lambda state: dict(b1=_stored_decay(b1, mu_dtype), one_minus_b1=1 - b1,
                          b2=_stored_decay(b2, mu_dtype), one_minus_b2=1 - b2),
-      weight_decay=weight_decay, mask=mask, family="lion")
+      weight_decay=weight_decay, mask=mask, family="lion",
+      low_precision=_lowp.make("lion", rule, moments, stochastic_rounding,
+                               seed, (_dtype_or_param(mu_dtype),)))
 
 
 # --- Regime 2: the epilogue advances the state, a layer pass updates W ---------
@@ -711,6 +846,9 @@ def lamb(
     eps_root: float = 0.0,
     weight_decay: optax.ScalarOrSchedule = 0.0,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
 ) -> ForgeTransformation:
   r"""LAMB: ``optax.lamb``, FORGE-enabled (regime 2).
 
@@ -742,6 +880,7 @@ def lamb(
     >>> tx = forge_jax.lamb(optax.linear_schedule(2e-3, 0.0, 1000),
     ...                     weight_decay=1e-2)
   """
+  _lowp.refuse("lamb", moments, stochastic_rounding)
   inner = optax.lamb(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                      weight_decay=weight_decay, mask=_holes_aware(mask))
   trust_ratio = optax.scale_by_trust_ratio()
@@ -783,6 +922,8 @@ def muon(
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     muon_weight_dimension_numbers: Any = None,
     consistent_rms: Optional[float] = None,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
 ) -> ForgeTransformation:
   r"""Muon: ``optax.contrib.muon``, FORGE-enabled (regime 2).
 
@@ -820,6 +961,7 @@ def muon(
   Example:
     >>> tx = forge_jax.muon(optax.cosine_decay_schedule(2e-2, 1000))
   """
+  _lowp.refuse("muon", moments, stochastic_rounding)
   from optax.contrib import _muon
 
   if muon_weight_dimension_numbers is not None:
@@ -971,6 +1113,9 @@ def scion(
     ns_coeffs: Any = (3.4445, -4.7750, 2.0315),
     ns_steps: int = 5,
     eps: float = 1e-8,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
 ) -> ForgeTransformation:
   r"""Scion (Pethick et al. 2025, "Training Deep Learning Models with
   Norm-Constrained LMOs", arXiv:2502.07529), FORGE-enabled (regime 2).
@@ -1021,6 +1166,7 @@ def scion(
     >>> tx = forge_jax.scion(optax.cosine_decay_schedule(2**-10, 1000),
     ...                      scale=10.0)
   """
+  _lowp.refuse("scion", moments, stochastic_rounding)
   parts = [scale_by_scion(momentum, scale, ns_coeffs, ns_steps, eps)]
   if not unconstrained:
     parts.append(optax.add_decayed_weights(1.0))
@@ -1060,6 +1206,9 @@ def adafactor(
     eps: float = 1e-30,
     factored: bool = True,
     weight_decay_mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
 ) -> ForgeTransformation:
   r"""Adafactor: ``optax.adafactor``, FORGE-enabled (regime 3, deferred).
 
@@ -1083,6 +1232,7 @@ def adafactor(
   Example:
     >>> tx = forge_jax.adafactor(optax.linear_schedule(1e-2, 1e-3, 1000))
   """
+  _lowp.refuse("adafactor", moments, stochastic_rounding)
   inner = optax.adafactor(
       learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
       decay_rate=decay_rate, decay_offset=decay_offset,
@@ -1094,7 +1244,8 @@ def adafactor(
   return _forge_deferred(inner, "adafactor")
 
 
-def sm3(learning_rate: float, momentum: float = 0.9) -> ForgeTransformation:
+def sm3(learning_rate: float, momentum: float = 0.9, *, moments: Any = None,
+        stochastic_rounding: bool = False) -> ForgeTransformation:
   r"""SM3: ``optax.sm3``, FORGE-enabled (regime 3, deferred).
 
   Its state update reads row and column maxima of the accumulated
@@ -1114,6 +1265,7 @@ def sm3(learning_rate: float, momentum: float = 0.9) -> ForgeTransformation:
   Example:
     >>> tx = forge_jax.sm3(1e-2)
   """
+  _lowp.refuse("sm3", moments, stochastic_rounding)
   return _forge_deferred(optax.sm3(learning_rate, momentum=momentum), "sm3")
 
 
@@ -1229,6 +1381,8 @@ def adam_mini(
     *,
     block_axes: Optional[Callable[[Any, jax.Array],
                                   Optional[tuple[int, ...]]]] = None,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
 ) -> ForgeTransformation:
   r"""Adam-mini (Zhang et al. 2024, "Adam-mini: Use Fewer Learning Rates To
   Gain More", arXiv:2406.16793), FORGE-enabled (regime 3, deferred).
@@ -1279,6 +1433,7 @@ def adam_mini(
     >>> heads = lambda path, p: (0, 2) if p.ndim == 3 else None
     >>> tx = forge_jax.adam_mini(1e-3, weight_decay=0.1, block_axes=heads)
   """
+  _lowp.refuse("adam_mini", moments, stochastic_rounding)
   inner = optax.chain(
       scale_by_adam_mini(b1, b2, eps, mu_dtype, block_axes),
       optax.add_decayed_weights(weight_decay, _holes_aware(mask)),
@@ -1294,6 +1449,9 @@ def adalomo(
     clipping_threshold: float = 1.0,
     weight_decay: optax.ScalarOrSchedule = 0.0,
     weight_decay_mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
 ) -> ForgeTransformation:
   r"""AdaLomo (Lv et al. 2023, "AdaLomo: Low-memory Optimization with
   Adaptive Learning Rate", arXiv:2310.10195), FORGE-enabled (regime 3).
@@ -1344,6 +1502,7 @@ def adalomo(
   Example:
     >>> tx = forge_jax.adalomo(optax.linear_schedule(5e-3, 5e-4, 1000))
   """
+  _lowp.refuse("adalomo", moments, stochastic_rounding)
   inner = optax.chain(
       optax.scale_by_factored_rms(factored=True, decay_rate=decay_rate,
                                   min_dim_size_to_factor=1, epsilon=eps),
@@ -1364,6 +1523,9 @@ def lars(
     trust_ratio_mask: Any = True,
     momentum: Any = 0.9,
     nesterov: bool = False,
+    *,
+    moments: Any = None,
+    stochastic_rounding: bool = False,
 ) -> ForgeTransformation:
   r"""LARS: ``optax.lars``, FORGE-enabled (regime 3, deferred).
 
@@ -1397,6 +1559,7 @@ def lars(
     >>> tx = forge_jax.lars(optax.cosine_decay_schedule(0.5, 1000),
     ...                     weight_decay=1e-4)
   """
+  _lowp.refuse("lars", moments, stochastic_rounding)
   return _forge_deferred(
       optax.lars(learning_rate, weight_decay=weight_decay,
                  weight_decay_mask=_holes_aware(weight_decay_mask),

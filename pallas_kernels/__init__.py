@@ -36,8 +36,10 @@ thin framework layers over these kernels. The public names:
   :mod:`pallas_kernels.families` -- the family registry (a :class:`Family`
   per family: declaration, rule factories, mirrored transforms).
 * :mod:`pallas_kernels.quant` -- the reference of low-precision optimizer
-  state (blocked int8/fp8 moments, stochastic rounding to bf16); no kernel
-  uses it yet.
+  state (blocked int8/fp8 moments, stochastic rounding to bf16);
+  :mod:`pallas_kernels.lowp` -- the same in the Triton kernel's epilogue (a
+  slot passed as ``quant.Quantized(q, scale)``, ``stochastic_rounding=(seed,
+  step)``).
 * :mod:`pallas_kernels.tuning_cache` -- the cache of tuned tilings;
   :mod:`pallas_kernels.autotune` -- the tuner and its CLI.
 """
@@ -56,7 +58,7 @@ for _name in ("jax._src.pallas.fuser",):
     pass
 
 # Submodules reachable as attributes (pallas_kernels.families.REGISTRY, ...).
-from pallas_kernels import families, quant, torch_rules, tuning_cache  # noqa: F401
+from pallas_kernels import families, lowp, quant, torch_rules, tuning_cache  # noqa: F401
 from pallas_kernels.families import FAMILIES, Family, classify
 from pallas_kernels.mosaic_kernel import MosaicConfig
 from pallas_kernels.fused_wgrad import (

@@ -9,7 +9,7 @@ import numpy as np
 from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
 
 __all__ = ["check_float_dtype", "check_inputs", "checked_inputs",
-           "flatten_tokens"]
+           "checked_state_inputs", "flatten_tokens", "state_arrays"]
 
 
 def check_float_dtype(name: str, a) -> None:
@@ -97,6 +97,49 @@ def checked_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
   slots = tuple(jnp.asarray(a) for a in slots)
   common = jnp.result_type(x, dy)
   return x.astype(common), dy.astype(common), w, slots
+
+
+def checked_state_inputs(x, dy, w, slots, hparams, rule: UpdateRule,
+                         layer=None, formats=None, stochastic_rounding=None,
+                         *, where: str):
+  """:func:`checked_inputs` for a call whose slots may be quantized and
+  whose weight may be stored by stochastic rounding
+  (:func:`pallas_kernels.lowp.plan_state` checks those).
+
+  ``x`` and ``dy`` may be ``jax.ShapeDtypeStruct`` stand-ins of the right
+  widths (a stored gradient's call): they are checked and returned as
+  they are.
+
+  Returns:
+    ``(x, dy, w, slots, plan)``: ``plan`` ``None`` for plain state (the
+    arrays as :func:`checked_inputs` returns them), else the
+    :class:`~pallas_kernels.lowp.StatePlan`, with each quantized slot a
+    ``Quantized`` pair of JAX arrays.
+  """
+  from pallas_kernels import lowp  # noqa: PLC0415 -- lowp imports rules
+
+  slots = tuple(slots)
+  plan, stand_ins = lowp.plan_state(slots, rule, w, formats,
+                                    stochastic_rounding, where=where)
+  if plan is None and not isinstance(x, jax.ShapeDtypeStruct):
+    x, dy, w, slots = checked_inputs(x, dy, w, slots, hparams, rule, layer)
+    return x, dy, w, slots, None
+  check_inputs(x, dy, w, stand_ins, hparams, rule, layer)
+  if isinstance(x, jax.ShapeDtypeStruct):  # stand-ins (stored_g_update)
+    return x, dy, jnp.asarray(w), state_arrays(slots), plan
+  x, dy, w = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(w)
+  common = jnp.result_type(x, dy)
+  return (x.astype(common), dy.astype(common), w, state_arrays(slots),
+          plan)
+
+
+def state_arrays(slots) -> tuple:
+  """The slots as JAX arrays, a quantized one as a ``Quantized`` pair."""
+  from pallas_kernels.quant import Quantized  # noqa: PLC0415
+
+  return tuple(Quantized(jnp.asarray(a.q), jnp.asarray(a.scale))
+               if isinstance(a, Quantized) else jnp.asarray(a)
+               for a in slots)
 
 
 def flatten_tokens(x, dy):

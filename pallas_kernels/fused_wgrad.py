@@ -31,11 +31,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import mosaic_kernel, triton_kernel
+from pallas_kernels import lowp, mosaic_kernel, triton_kernel
 from pallas_kernels.checks import (
     check_float_dtype,
     check_inputs,
     checked_inputs,
+    checked_state_inputs,
     flatten_tokens,
 )
 from pallas_kernels.interpret import default_interpret, warn_interpret_once
@@ -45,6 +46,7 @@ from pallas_kernels.tiling import BlockConfig, check_block_config
 from pallas_kernels.tuning_cache import (
     BACKEND_ENV_VAR,
     BackendChoice,
+    config_label,
     select_backend,
     select_config,
 )
@@ -86,6 +88,8 @@ def fused_wgrad_update(
     interpret: bool | None = None,
     layer: jax.Array | int | None = None,
     backend: str | None = None,
+    formats=None,
+    stochastic_rounding=None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """One optimizer step of ``w`` from ``G = x^T dy``, without storing ``G``.
 
@@ -97,7 +101,12 @@ def fused_wgrad_update(
     w: the weight, ``(in, out)``, fp32 or bf16 (fp16 works too; float64 is
       refused). Written in place.
     slots: the rule's state arrays (``rule.slots``), each of ``w``'s shape, in
-      any float dtype (e.g. ``mu`` in ``mu_dtype``). Written in place.
+      any float dtype (e.g. ``mu`` in ``mu_dtype``), or quantized: a
+      :class:`pallas_kernels.quant.Quantized` pair ``(q, scale)`` -- codes of
+      ``w``'s shape in int8, float8_e4m3fn or float8_e5m2 and float32 scales
+      ``(..., in, ceil(out / 64))``, one per 64 consecutive elements of a
+      row (Triton backend only; :mod:`pallas_kernels.lowp`). Written in
+      place.
     hparams: ``rule.pack(...)``: this step's runtime hyperparameters.
     rule: the optimizer family's elementwise update.
     config: tiling: a :class:`BlockConfig` (a Triton tiling) or a
@@ -122,16 +131,32 @@ def fused_wgrad_update(
       GPU where it is known to be faster -- compiled on a GPU of compute
       capability 9.0 or newer, for a case the autotune cache measured it
       faster than the Triton kernel on this device kind and that it
-      covers -- and Triton everywhere else
+      covers -- and Triton everywhere else, and always with quantized
+      slots or stochastic rounding, which only the Triton kernel supports
       (:func:`~pallas_kernels.tuning_cache.select_backend`;
       :func:`describe_backend` tells which a call takes, and why).
+    formats: for quantized slots whose format is not the default of their
+      codes' dtype (block 64, second-moment floor ``v_floor=1``): one
+      :class:`~pallas_kernels.quant.MomentFormat` or ``None`` per slot, or
+      a mapping from slot name to format. Which slots are second moments
+      (clamped at zero and floored) is the rule's
+      :attr:`~pallas_kernels.rules.UpdateRule.second_moments`. A quantized
+      slot's blocks must not straddle a column sub-tile of the tiling: a
+      chosen tiling is fitted to them, a ``config`` that splits them is
+      refused.
+    stochastic_rounding: ``None`` (round to nearest), or ``(seed, step)``,
+      integer scalars (Python or traced, taken modulo 2**32; a new step
+      does not recompile): a bfloat16 ``w`` is stored by
+      :func:`pallas_kernels.quant.stochastic_round_to_bf16` with each
+      element's global flat index, independent of the tiling.
 
   Returns:
     ``(w_new, slots_new)``, aliasing the buffers of ``w`` and ``slots`` when
     the caller donates them. For a rule with ``outputs`` (Muon's ``mu_hat``),
     ``slots_new`` continues with those fresh arrays (``w``'s shape,
     ``rule.output_dtype``). For a rule with ``updates_weight=False`` the
-    kernel does not touch ``w`` and ``w_new`` is ``w``.
+    kernel does not touch ``w`` and ``w_new`` is ``w``. A quantized slot
+    comes back as a ``Quantized`` pair.
 
   Example:
     >>> from pallas_kernels import ADAMW, fused_wgrad_update
@@ -139,8 +164,20 @@ def fused_wgrad_update(
     ...                one_minus_b2=0.001, eps=1e-8, eps_root=0.0,
     ...                weight_decay=1e-4, bc1=0.1, bc2=0.001, bc1_next=0.19)
     >>> w, (mu, nu) = fused_wgrad_update(x, dy, w, (mu, nu), h, rule=ADAMW)
+
+    With int8 moments (``quant.quantize`` makes the pairs)::
+
+    >>> from pallas_kernels import quant
+    >>> fmt = quant.MomentFormat("int8")
+    >>> mu_q = quant.quantize(mu, fmt)
+    >>> nu_q = quant.quantize(nu, fmt, second_moment=True)
+    >>> w, (mu_q, nu_q) = fused_wgrad_update(x, dy, w, (mu_q, nu_q), h,
+    ...                                      rule=ADAMW)
   """
-  x, dy, w, slots = checked_inputs(x, dy, w, slots, hparams, rule, layer)
+  where = "fused_wgrad_update"
+  x, dy, w, slots, plan = checked_state_inputs(
+      x, dy, w, slots, hparams, rule, layer, formats, stochastic_rounding,
+      where=where)
   x2, dy2 = flatten_tokens(x, dy)
   bt = x2.shape[0]
   n_in, n_out = w.shape[-2:]
@@ -148,32 +185,68 @@ def fused_wgrad_update(
   if stacked:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   interpret = _interpret(interpret)
-  varying = _varying(x2, dy2, w, *slots)
+  varying = _varying(x2, dy2, w, *jax.tree.leaves(slots))
+  slot_dtypes = _slot_dtypes(slots, plan)
   if bt == 0:
     # No tokens: G = 0, the optimizer still steps (moments decay, weight
     # decay), whichever backend was asked for (its arguments still checked).
-    select_backend(bt, n_in, n_out, w.dtype, [a.dtype for a in slots], rule,
-                   x2.dtype, interpret=interpret, stacked=stacked,
-                   config=config, backend=backend, varying=varying)
+    choice = select_backend(bt, n_in, n_out, w.dtype, slot_dtypes, rule,
+                            x2.dtype, interpret=interpret, stacked=stacked,
+                            config=config, backend=backend, varying=varying,
+                            low_precision=plan is not None)
+    _check_low_precision_backend(choice, plan, n_out, config, where)
     return apply_rule(rule, jnp.zeros((n_in, n_out), jnp.float32), w, slots,
-                      hparams, layer)
-  choice = select_backend(bt, n_in, n_out, w.dtype, [a.dtype for a in slots],
+                      hparams, layer, plan=plan, sr=stochastic_rounding)
+  choice = select_backend(bt, n_in, n_out, w.dtype, slot_dtypes,
                           rule, x2.dtype, interpret=interpret,
                           stacked=stacked, config=config, backend=backend,
-                          varying=varying)
+                          varying=varying, low_precision=plan is not None)
   if choice.backend == "mosaic_gpu":
-    _mosaic_refusal(choice, varying, "fused_wgrad_update", lambda: (
+    _mosaic_refusal(choice, varying, where, lambda: (
         mosaic_kernel.unsupported(bt, n_in, n_out, x2.dtype, w, slots, rule,
                                   choice.config, stacked=stacked,
-                                  g_stored=False)))
+                                  g_stored=False,
+                                  low_precision=plan is not None)))
     return mosaic_kernel.launch((x2, dy2), w, slots, hparams, rule=rule,
                                 cfg=choice.config, interpret=interpret,
                                 layer=layer)
-  cfg = choice.config
+  cfg = _check_low_precision_backend(choice, plan, n_out, config, where)
 
   return triton_kernel.launch(
       (x2, dy2), w, slots, hparams, rule=rule, cfg=cfg, layer=layer,
-      interpret=interpret, bt=bt, precision=_dot_precision(x, dy, w))
+      interpret=interpret, bt=bt, precision=_dot_precision(x, dy, w),
+      plan=plan, sr=stochastic_rounding)
+
+
+def _slot_dtypes(slots, plan) -> list:
+  """The slots' dtypes as the backend choice and the autotune cache read
+  them: a quantized slot counts as float32 (its values in the epilogue)."""
+  if plan is None:
+    return [a.dtype for a in slots]
+  return plan.logical_dtypes(slots)
+
+
+def _check_low_precision_backend(choice, plan, n_out: int, config,
+                                 where: str):
+  """The Triton tiling a call with low-precision state runs: ``choice``'s,
+  fitted to the quantized slots' blocks (:func:`lowp.fit_tiling`) unless the
+  caller gave it (then refused if it splits a block). With the Mosaic GPU
+  backend (only asked for explicitly: ``backend=None`` takes Triton for
+  such a call), refuses in plain words."""
+  if plan is None:
+    return choice.config
+  if choice.backend == "mosaic_gpu":
+    _mosaic_refusal(choice, False, where, lambda: lowp.MOSAIC_REFUSAL)
+  cfg = choice.config
+  if not plan.quantized:
+    return cfg
+  if config is not None:
+    why = lowp.tiling_problem(cfg, plan, n_out)
+    if why is not None:
+      raise ValueError(f"{where}(config={config_label(cfg)}): the tiling "
+                       f"cannot hold quantized moments: {why}")
+    return cfg
+  return lowp.fit_tiling(cfg, plan, n_out)
 
 
 def _varying(*arrays) -> bool:
@@ -187,14 +260,16 @@ def _varying(*arrays) -> bool:
 def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
                      backend: str | None = None,
                      interpret: bool | None = None,
-                     layer=None) -> BackendChoice:
+                     layer=None, stochastic_rounding=None) -> BackendChoice:
   """The backend and tiling :func:`fused_wgrad_update` takes with these
   arguments, and why (:func:`~pallas_kernels.tuning_cache.select_backend`,
   the function the kernel call itself asks).
 
   ``x``, ``dy``, ``w`` and ``slots`` may be arrays or
-  ``jax.ShapeDtypeStruct`` s (only shapes and dtypes are read);
-  ``layer`` only says whether the state is stacked.
+  ``jax.ShapeDtypeStruct`` s (only shapes and dtypes are read), a
+  quantized slot a ``Quantized`` pair of them; ``layer`` only says whether
+  the state is stacked, ``stochastic_rounding`` only whether it is asked
+  for (a call with either takes the Triton kernel).
 
   Returns:
     A :class:`~pallas_kernels.tuning_cache.BackendChoice`
@@ -207,11 +282,16 @@ def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
   n_in, n_out = w.shape[-2:]
   if interpret is None:
     interpret = default_interpret()
-  return select_backend(bt, n_in, n_out, w.dtype, [a.dtype for a in slots],
+  quantized = [isinstance(a, lowp.Quantized) for a in slots]
+  return select_backend(bt, n_in, n_out, w.dtype,
+                        [jnp.float32 if q else a.dtype
+                         for q, a in zip(quantized, slots)],
                         rule, jnp.promote_types(x.dtype, dy.dtype),
                         interpret=interpret, stacked=layer is not None,
                         config=config, backend=backend,
-                        varying=_varying(x, dy, w, *slots))
+                        varying=_varying(x, dy, w, *jax.tree.leaves(slots)),
+                        low_precision=any(quantized)
+                        or stochastic_rounding is not None)
 
 
 def _mosaic_refusal(choice, varying: bool, where: str, why_not) -> None:
@@ -238,7 +318,8 @@ def _mosaic_refusal(choice, varying: bool, where: str, why_not) -> None:
 
 
 def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
-                         layer=None, precision=None):
+                         layer=None, precision=None, formats=None,
+                         stochastic_rounding=None):
   """The same step as :func:`fused_wgrad_update`, unfused: XLA's GEMM forms
   ``G = x^T dy`` in memory and ``rule.apply`` (XLA's elementwise code)
   consumes it -- or, for layer ``layer`` of stacks on a GPU,
@@ -261,7 +342,9 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
   ``interpret`` (the stacked kernel takes :meth:`BlockConfig.stored_default`
   and runs compiled).
   """
-  x, dy, w, slots = checked_inputs(x, dy, w, slots, hparams, rule, layer)
+  x, dy, w, slots, plan = checked_state_inputs(
+      x, dy, w, slots, hparams, rule, layer, formats, stochastic_rounding,
+      where="unfused_wgrad_update")
   # G as JAX's transpose of the layer's dot forms it -- dy^T x over every
   # token axis at once, then transposed -- so that it rounds as optax's does.
   tokens = tuple(range(x.ndim - 1))
@@ -275,13 +358,16 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
     # the stored G. (XLA's elementwise rule plus a dynamic-update-slice per
     # array would copy every new slice into its stack once more.)
     return stored_g_update(g, w, slots, hparams, rule=rule, layer=layer,
-                           interpret=False)
-  return apply_rule(rule, g, w, slots, hparams, layer)
+                           interpret=False, formats=formats,
+                           stochastic_rounding=stochastic_rounding)
+  return apply_rule(rule, g, w, slots, hparams, layer, plan=plan,
+                    sr=stochastic_rounding)
 
 
 def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
                     config=None, interpret: bool | None = None, layer=None,
-                    backend: str | None = None):
+                    backend: str | None = None, formats=None,
+                    stochastic_rounding=None):
   """One optimizer step of ``w`` from a gradient ``g`` already in memory:
   the fused kernel's epilogue without its GEMM (the same kernel body), ``W``
   and the slots updated in place.
@@ -297,11 +383,13 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   default, also for ``None``) or ``"mosaic_gpu"`` (``G`` streamed through
   the state ring with the state; ``config`` a ``MosaicConfig`` with
   ``state_ring``, default :func:`mosaic_kernel.stored_config`; a case it
-  does not cover raises ``ValueError`` with the reason). Otherwise the
-  arguments and returns of :func:`fused_wgrad_update`.
+  does not cover raises ``ValueError`` with the reason; quantized slots
+  and ``stochastic_rounding`` take the Triton kernel, as in
+  :func:`fused_wgrad_update`). Otherwise the arguments and returns of
+  :func:`fused_wgrad_update`.
   """
+  where = "stored_g_update"
   g, w = jnp.asarray(g), jnp.asarray(w)
-  slots = tuple(jnp.asarray(a) for a in slots)
   check_float_dtype("g", g)
   if w.ndim < 2:
     raise ValueError(f"w must be 2-D (in, out), got shape {w.shape}")
@@ -311,27 +399,31 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
                      f"{(n_in, n_out)}, got {g.shape}")
   # x, dy stand-ins of the right widths: the shared checks (w, slots,
   # hparams, layer) need them.
-  check_inputs(jax.ShapeDtypeStruct((1, n_in), g.dtype),
-                jax.ShapeDtypeStruct((1, n_out), g.dtype), w, slots, hparams,
-                rule, layer)
+  _, _, w, slots, plan = checked_state_inputs(
+      jax.ShapeDtypeStruct((1, n_in), g.dtype),
+      jax.ShapeDtypeStruct((1, n_out), g.dtype), w, slots, hparams, rule,
+      layer, formats, stochastic_rounding, where=where)
   if layer is not None:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   interpret = _interpret(interpret)
-  varying = _varying(g, w, *slots)
-  choice = select_backend(0, n_in, n_out, w.dtype, [a.dtype for a in slots],
+  varying = _varying(g, w, *jax.tree.leaves(slots))
+  choice = select_backend(0, n_in, n_out, w.dtype, _slot_dtypes(slots, plan),
                           rule, g.dtype, interpret=interpret,
                           stacked=layer is not None, g_stored=True,
                           config=config, backend=backend, varying=varying,
-                          where="stored_g_update")
+                          where=where, low_precision=plan is not None)
   if choice.backend == "mosaic_gpu":
-    _mosaic_refusal(choice, varying, "stored_g_update", lambda: (
+    _mosaic_refusal(choice, varying, where, lambda: (
         mosaic_kernel.unsupported(0, n_in, n_out, g.dtype, w, slots, rule,
                                   choice.config, stacked=layer is not None,
-                                  g_stored=True)))
+                                  g_stored=True,
+                                  low_precision=plan is not None)))
     return mosaic_kernel.launch((g,), w, slots, hparams, rule=rule,
                                 cfg=choice.config, interpret=interpret,
                                 layer=layer)
   check_block_config(choice.config, "stored_g_update(config=...)")
+  cfg = _check_low_precision_backend(choice, plan, n_out, config, where)
   return triton_kernel.launch((g,), w, slots, hparams, rule=rule,
-                              cfg=choice.config, layer=layer,
-                              interpret=interpret, bt=0, precision=None)
+                              cfg=cfg, layer=layer, interpret=interpret,
+                              bt=0, precision=None, plan=plan,
+                              sr=stochastic_rounding)

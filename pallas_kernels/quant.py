@@ -274,7 +274,11 @@ def quantize_blocks(xb: jax.Array, fmt: MomentFormat, *,
     q = jnp.rint(y).astype(jnp.int8)
   else:
     q = y.astype(fmt.dtype)
-    q = jnp.where(q.astype(jnp.float32) == 0, jnp.zeros((), fmt.dtype), q)
+    # On the bits: a compiler may fold a float select of zero for zero
+    # (XLA:GPU does), which would keep the -0 code.
+    bits = lax.bitcast_convert_type(q, jnp.uint8)
+    q = lax.bitcast_convert_type(jnp.where(bits == 0x80, jnp.uint8(0), bits),
+                                 fmt.dtype)
   return q, scale[..., 0]
 
 
@@ -437,9 +441,9 @@ def stochastic_round_to_bf16(x, seed, step, index) -> jax.Array:
   high 16 bits: a value ``f`` of the way (in bf16 ulps) from the bf16 value
   below its magnitude to the one above rounds up with probability ``f``,
   so the expected result is ``x``. Values already in bf16 (and zeros, infs)
-  are unchanged; the sign is kept; nan stays nan (through the ordinary
-  conversion, as a nan payload in the low bits could otherwise truncate to
-  inf). Finite values beyond bf16's largest finite value round to it or to
+  are unchanged; the sign is kept; nan becomes bf16's quiet nan
+  ``0x7FC0`` (the truncation could turn a nan payload in the low bits into
+  inf, and conversions' nan bits differ between backends). Finite values beyond bf16's largest finite value round to it or to
   inf, as if inf were the next value.
 
   Args:
@@ -471,4 +475,6 @@ def stochastic_round_to_bf16(x, seed, step, index) -> jax.Array:
   noise = counter_hash(seed, step, index) >> 16
   high = ((bits + noise) >> 16).astype(jnp.uint16)
   out = lax.bitcast_convert_type(high, jnp.bfloat16)
-  return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), out)
+  # nan: the one quiet nan 0x7FC0 (a conversion's nan bits differ between
+  # backends).
+  return jnp.where(jnp.isnan(x), jnp.full(x.shape, jnp.nan, jnp.bfloat16), out)

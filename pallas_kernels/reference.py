@@ -11,13 +11,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.checks import checked_inputs, flatten_tokens
+from pallas_kernels import lowp
+from pallas_kernels.checks import checked_state_inputs, flatten_tokens
 from pallas_kernels.rules import UpdateRule
 
 __all__ = ["apply_rule", "fused_wgrad_update_reference"]
 
 
-def apply_rule(rule: UpdateRule, g, w, slots, hparams, layer=None):
+def apply_rule(rule: UpdateRule, g, w, slots, hparams, layer=None, *,
+               plan: lowp.StatePlan | None = None, sr=None):
   """``rule.apply`` on a gradient ``g``, by XLA.
 
   Args:
@@ -28,11 +30,17 @@ def apply_rule(rule: UpdateRule, g, w, slots, hparams, layer=None):
     hparams: ``rule.pack(...)``.
     layer: ``None``, or the layer of the stacks to update (an integer
       scalar, may be traced; clamped into ``[0, L)``).
+    plan: low-precision state (quantized slots as ``Quantized`` pairs,
+      stochastic rounding; :func:`pallas_kernels.lowp.plan_state`), or
+      ``None``: :func:`pallas_kernels.lowp.apply` runs the rule then.
+    sr: with a plan's stochastic rounding, ``(seed, step)``.
 
   Returns:
     ``(w_new, slots_new)`` as :func:`pallas_kernels.fused_wgrad_update`
     returns them: with ``layer``, the stacks with that layer replaced.
   """
+  if plan is not None:
+    return lowp.apply(rule, plan, g, w, slots, hparams, sr, layer)
   if layer is None:
     return rule.apply(g, w, slots, hparams)
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
@@ -52,12 +60,17 @@ def apply_rule(rule: UpdateRule, g, w, slots, hparams, layer=None):
 
 
 def fused_wgrad_update_reference(x, dy, w, slots, hparams, *, rule: UpdateRule,
-                                 layer=None):
+                                 layer=None, formats=None,
+                                 stochastic_rounding=None):
   """Pure-``jnp`` reference of :func:`pallas_kernels.fused_wgrad_update`:
-  form ``G`` in fp32, then apply ``rule``. Same arguments and returns,
-  without ``config`` and ``interpret``."""
-  x, dy, w, slots = checked_inputs(x, dy, w, slots, hparams, rule, layer)
+  form ``G`` in fp32, then apply ``rule`` (quantized slots and stochastic
+  rounding as :mod:`pallas_kernels.quant` specifies them). Same arguments
+  and returns, without ``config``, ``interpret`` and ``backend``."""
+  x, dy, w, slots, plan = checked_state_inputs(
+      x, dy, w, slots, hparams, rule, layer, formats, stochastic_rounding,
+      where="fused_wgrad_update_reference")
   x2, dy2 = flatten_tokens(x, dy)
   g = jnp.dot(x2.T, dy2, precision=lax.Precision.HIGHEST,
               preferred_element_type=jnp.float32)
-  return apply_rule(rule, g, w, slots, hparams, layer)
+  return apply_rule(rule, g, w, slots, hparams, layer, plan=plan,
+                    sr=stochastic_rounding)

@@ -93,6 +93,13 @@ class UpdateRule:
       arithmetic: the Adam variants and torch's Adam/AdamW formulas take
       ``"adamw"``'s (the only family tuned). ``None``: its own entries and
       ``"any"`` ones only.
+    second_moments: the slots that hold a second moment -- an average or
+      sum of squares, or Adamax's infinity norm: non-negative values that
+      the update divides by (``"nu"``, ``"sum_of_squares"``, torch's
+      ``"exp_avg_sq"``). Stored quantized
+      (:mod:`pallas_kernels.lowp`), such a slot is clamped at zero and
+      floored (:class:`~pallas_kernels.quant.MomentFormat`'s ``v_floor``);
+      every other slot is quantized as a signed value.
   """
 
   name: str
@@ -104,8 +111,13 @@ class UpdateRule:
   defaults: tuple[tuple[str, str], ...] = ()
   static: tuple[tuple[str, float], ...] = ()
   tuned_as: str | None = None
+  second_moments: tuple[str, ...] = ()
 
   def __post_init__(self):
+    unknown = [n for n in self.second_moments if n not in self.slots]
+    if unknown:
+      raise ValueError(f"rule {self.name!r}: second_moments {unknown} are "
+                       f"not among its slots {self.slots}")
     if self.tuned_as is not None and (not isinstance(self.tuned_as, str)
                                       or self.tuned_as == self.name):
       raise ValueError(f"rule {self.name!r}: tuned_as must name another "
@@ -263,8 +275,19 @@ def lerp(start, end, weight):
   ``start + weight * (end - start)`` if ``|weight| < 0.5``, else
   ``end - (end - start) * (1 - weight)`` (ATen's ``lerp`` formula).
   """
-  return jnp.where(jnp.abs(weight) < 0.5, start + weight * (end - start),
-                   end - (end - start) * (1.0 - weight))
+  return select(jnp.abs(weight) < 0.5, start + weight * (end - start),
+                end - (end - start) * (1.0 - weight))
+
+
+def select(pred, on_true, on_false):
+  """``jnp.where(pred, on_true, on_false)`` with all three broadcast to their
+  common shape first: the Mosaic GPU kernel's lowering selects only between
+  operands of one shape (a scalar predicate, e.g. a hyperparameter test, is
+  not broadcast implicitly)."""
+  shape = jnp.broadcast_shapes(jnp.shape(pred), jnp.shape(on_true),
+                               jnp.shape(on_false))
+  return jnp.where(*(jnp.broadcast_to(v, shape)
+                     for v in (pred, on_true, on_false)))
 
 
 def _stored_product(h, decay: str, t, slot: str, flag: str | None):
@@ -375,7 +398,8 @@ def adagrad_rule() -> UpdateRule:
     return _descend(w, scale * g, h), (sum_of_squares,)
 
   return UpdateRule(name="adagrad", slots=("sum_of_squares",),
-                    hparams=("lr", "eps"), update=update)
+                    hparams=("lr", "eps"), update=update,
+                    second_moments=("sum_of_squares",))
 
 
 def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
@@ -426,7 +450,7 @@ def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
       hparams=("lr", "decay", "one_minus_decay", "eps")
       + (("bc",) if bias_correction else ())
       + (("momentum",) if momentum else ()),
-      update=update)
+      update=update, second_moments=("nu",))
 
 
 def adam_rule(nesterov: bool = False) -> UpdateRule:
@@ -443,7 +467,8 @@ def adam_rule(nesterov: bool = False) -> UpdateRule:
   return UpdateRule(name=rule_name("adam", nesterov=nesterov),
                     slots=("mu", "nu"), hparams=_ADAM_HPARAMS, update=update,
                     defaults=_ADAM_DEFAULTS,
-                    static=_ADAM_STATIC, tuned_as="adamw")
+                    static=_ADAM_STATIC, tuned_as="adamw",
+                    second_moments=("nu",))
 
 
 def adamw_rule(nesterov: bool = False) -> UpdateRule:
@@ -471,6 +496,7 @@ def adamw_rule(nesterov: bool = False) -> UpdateRule:
       static=_ADAM_STATIC,
       update=update,
       tuned_as="adamw" if nesterov else None,
+      second_moments=("nu",),
   )
 
 
@@ -489,7 +515,7 @@ def adamax_rule() -> UpdateRule:
 
   return UpdateRule(name="adamax", slots=("mu", "nu"),
                     hparams=("lr", "b1", "one_minus_b1", "b2", "eps", "bc1"),
-                    update=update)
+                    update=update, second_moments=("nu",))
 
 
 def radam_rule(nesterov: bool = False) -> UpdateRule:
@@ -503,16 +529,16 @@ def radam_rule(nesterov: bool = False) -> UpdateRule:
 
   def update(g, w, slots, h):
     mu, nu, mu_hat, nu_hat = _adam_moments(g, *slots, h, nesterov)
-    u = jnp.where(h["rectify"] > 0,
-                  h["r"] * mu_hat / (jnp.sqrt(nu_hat + h["eps_root"])
-                                     + h["eps"]),
-                  mu_hat)
+    u = select(h["rectify"] > 0,
+               h["r"] * mu_hat / (jnp.sqrt(nu_hat + h["eps_root"])
+                                  + h["eps"]),
+               mu_hat)
     return _descend(w, u, h), (mu, nu)
 
   return UpdateRule(name=rule_name("radam", nesterov=nesterov),
                     slots=("mu", "nu"), hparams=_ADAM_HPARAMS + ("r", "rectify"),
                     update=update, defaults=_ADAM_DEFAULTS,
-                    static=_ADAM_STATIC)
+                    static=_ADAM_STATIC, second_moments=("nu",))
 
 
 def lion_rule() -> UpdateRule:
@@ -559,7 +585,7 @@ def lamb_rule() -> UpdateRule:
   return UpdateRule(name="lamb_moments", slots=("mu", "nu"),
                     hparams=_ADAM_HPARAMS + ("weight_decay",), update=update,
                     defaults=_ADAM_DEFAULTS, static=_ADAM_STATIC,
-                    updates_weight=False)
+                    updates_weight=False, second_moments=("nu",))
 
 
 def muon_rule(nesterov: bool = True) -> UpdateRule:
@@ -679,17 +705,18 @@ def accumulating(rule: UpdateRule) -> UpdateRule:
     mean = acc + (g - acc) / h["acc_n"]
     final = h["acc_final"] > 0
     w_new, new = rule.update(mean, w, inner, h)
-    kept = tuple(jnp.where(final, s_new, s)
+    kept = tuple(select(final, s_new, s)
                  for s_new, s in zip(new[:n_slots], inner))
     if rule.updates_weight:
-      w_new = jnp.where(final, w_new, w)
-    return w_new, (jnp.where(final, 0.0, mean), *kept, *new[n_slots:])
+      w_new = select(final, w_new, w)
+    return w_new, (select(final, 0.0, mean), *kept, *new[n_slots:])
 
   return UpdateRule(
       name=f"{rule.name}_accumulate", slots=("acc", *rule.slots),
       hparams=rule.hparams + ACCUMULATE_HPARAMS, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
-      defaults=rule.defaults, static=rule.static)
+      defaults=rule.defaults, static=rule.static,
+      second_moments=rule.second_moments)
 
 
 def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
@@ -731,14 +758,15 @@ def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
       h[name] = jnp.where(h["acc_first"] > 0, h[name], 1.0)
     w_new, new = rule.update(g * h["acc_scale"], w, slots, h)
     if rule.updates_weight:
-      w_new = jnp.where(h["acc_final"] > 0, w_new, w)
+      w_new = select(h["acc_final"] > 0, w_new, w)
     return w_new, new
 
   return UpdateRule(
       name=f"{rule.name}_momentum_accumulate", slots=rule.slots,
       hparams=rule.hparams + MOMENTUM_ACCUMULATE_HPARAMS, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
-      defaults=rule.defaults, static=rule.static)
+      defaults=rule.defaults, static=rule.static,
+      second_moments=rule.second_moments)
 
 
 # --- Global-norm clipping (forge_jax.clip_by_global_norm, max_grad_norm=) -----
@@ -781,4 +809,5 @@ def grad_scaled(rule: UpdateRule) -> UpdateRule:
       hparams=rule.hparams + GRAD_SCALE_HPARAMS, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
       defaults=rule.defaults, static=rule.static,
-      tuned_as=rule.tuned_as or rule.name)
+      tuned_as=rule.tuned_as or rule.name,
+      second_moments=rule.second_moments)

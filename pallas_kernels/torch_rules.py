@@ -45,7 +45,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.rules import UpdateRule, lerp, pack_host, rule_name
+from pallas_kernels.rules import (UpdateRule, lerp, pack_host, rule_name,
+                                  select)
 
 # --------------------------------------------------------------------------
 # Shared pieces.
@@ -129,7 +130,8 @@ def adagrad_rule() -> UpdateRule:
     return w + h["neg_clr"] * (g / std), (state_sum,)
 
   return UpdateRule(name=_name("adagrad"), slots=("sum",),
-                    hparams=_COUPLED + ("eps", "neg_clr"), update=update)
+                    hparams=_COUPLED + ("eps", "neg_clr"), update=update,
+                    second_moments=("sum",))
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,7 +178,7 @@ def rmsprop_rule(centered: bool, momentum: bool) -> UpdateRule:
       + (("grad_avg",) if centered else ()),
       hparams=_COUPLED + ("alpha", "one_minus_alpha", "eps", "neg_lr")
       + (("momentum",) if momentum else ()),
-      update=update)
+      update=update, second_moments=("square_avg",))
 
 
 def adam_rule(amsgrad: bool, cuda_fused: bool = False) -> UpdateRule:
@@ -250,6 +252,8 @@ def _adam_rule(amsgrad: bool, cuda_fused: bool) -> UpdateRule:
       slots=("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad
                                          else ()),
       hparams=hparams, update=update,
+      second_moments=("exp_avg_sq",) + (("max_exp_avg_sq",) if amsgrad
+                                         else ()),
       # optax's AdamW tilings, for the same two moments (amsgrad's third
       # slot is more state than they were tuned for).
       tuned_as=None if amsgrad else "adamw")
@@ -274,7 +278,7 @@ def adamax_rule() -> UpdateRule:
 
   return UpdateRule(name=_name("adamax"), slots=("exp_avg", "exp_inf"),
                     hparams=_COUPLED + ("one_minus_b1", "b2", "eps", "neg_clr"),
-                    update=update)
+                    update=update, second_moments=("exp_inf",))
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,7 +313,7 @@ def nadam_rule() -> UpdateRule:
       name=_name("nadam"), slots=("exp_avg", "exp_avg_sq"),
       hparams=_DECOUPLED + ("one_minus_b1", "b2", "one_minus_b2", "bc2", "eps",
                             "c_grad", "c_avg"),
-      update=update)
+      update=update, second_moments=("exp_avg_sq",))
 
 
 @functools.lru_cache(maxsize=None)
@@ -336,14 +340,14 @@ def radam_rule() -> UpdateRule:
     exp_avg_sq = exp_avg_sq * h["b2"] + h["one_minus_b2"] * g * g
     bce_lr = (exp_avg / h["bc1"]) * h["lr"]
     adaptive = h["bc2_sqrt"] / (jnp.sqrt(exp_avg_sq) + h["eps"])
-    u = jnp.where(h["rectify"] > 0, (bce_lr * adaptive) * h["rect"], bce_lr)
+    u = select(h["rectify"] > 0, (bce_lr * adaptive) * h["rect"], bce_lr)
     return w - u, (exp_avg, exp_avg_sq)
 
   return UpdateRule(
       name=_name("radam"), slots=("exp_avg", "exp_avg_sq"),
       hparams=_DECOUPLED + ("one_minus_b1", "b2", "one_minus_b2", "bc1", "lr",
                             "bc2_sqrt", "eps", "rect", "rectify"),
-      update=update)
+      update=update, second_moments=("exp_avg_sq",))
 
 
 def adamw_hparams(*, lr: float, beta1: float, beta2: float, eps: float,

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import lowp, quant
 from pallas_kernels.rules import UpdateRule
 from pallas_kernels.tiling import BlockConfig
 
@@ -39,17 +40,23 @@ def _and(*masks):
 
 def _fused_kernel(*refs, rule: UpdateRule, cfg: BlockConfig, bt: int,
                   n_in: int, n_out: int, precision, stacked: bool,
-                  interpret: bool, g_stored: bool = False):
+                  interpret: bool, g_stored: bool = False,
+                  plan: lowp.StatePlan | None = None):
   # Inputs: x, dy (or, with g_stored, a stored G), the hyperparameters, (the
-  # layer index if stacked), (W if the rule updates it), slots.
+  # layer index if stacked), (the stochastic-rounding seed and step), (W if
+  # the rule updates it), slots (a quantized one as its codes and scales).
   # Outputs: the same state, aliased, then the rule's write-only outputs.
   if g_stored:
     g_ref, h_ref, *refs = refs
   else:
     x_ref, dy_ref, h_ref, *refs = refs
+  layer_ref = sr_ref = None
   if stacked:
     layer_ref, *refs = refs
-  n_state = int(rule.updates_weight) + len(rule.slots)
+  if plan is not None and plan.stochastic_rounding:
+    sr_ref, *refs = refs
+  n_state = int(rule.updates_weight) + (
+      len(rule.slots) if plan is None else sum(s.arrays for s in plan.slots))
   in_refs, out_refs = refs[:n_state], refs[n_state:]
   bi, bo = cfg.block_in, cfg.block_out
 
@@ -87,10 +94,19 @@ def _fused_kernel(*refs, rule: UpdateRule, cfg: BlockConfig, bt: int,
   state_policy = "evict_first" if cfg.stream_state else None
   operand_policy = "evict_last" if cfg.stream_state else None
 
-  def load_state(j):
-    return [plgpu.load(r.at[state_tiles[j]], mask=masks[j],
-                       other=None if masks[j] is None else 0.0,
-                       eviction_policy=state_policy) for r in in_refs]
+  if plan is not None:
+    state = _LowPrecisionState(
+        plan, rule, cfg, in_refs, out_refs, n_in, n_out, ti, to, col0, so,
+        row_ok, col_ok, layer_ref, sr_ref, tiles, state_tiles, masks,
+        state_policy, interpret)
+    load_state = state.load
+  else:
+    state = None
+
+    def load_state(j):
+      return [plgpu.load(r.at[state_tiles[j]], mask=masks[j],
+                         other=None if masks[j] is None else 0.0,
+                         eviction_policy=state_policy) for r in in_refs]
 
   # With `prefetch` the W/slot loads are issued before the main loop, so they
   # are in flight while the tensor cores run.
@@ -106,6 +122,9 @@ def _fused_kernel(*refs, rule: UpdateRule, cfg: BlockConfig, bt: int,
   else:
     gs = _main_loop(x_ref, dy_ref, cfg, bt, ti, col0, so, row_ok, col_ok,
                     operand_policy, precision)
+  if state is not None:
+    state.epilogue(h_ref, gs, old)
+    return
   _epilogue(rule, cfg, h_ref, in_refs, out_refs, gs, old, load_state,
             state_tiles, tiles, masks, state_policy, interpret)
 
@@ -163,6 +182,147 @@ def _epilogue(rule, cfg, h_ref, in_refs, out_refs, gs, old, load_state,
                   eviction_policy=state_policy)
 
 
+class _LowPrecisionState:
+  """The epilogue with low-precision state (:mod:`pallas_kernels.lowp`):
+  quantized slots dequantized after their load and requantized before
+  their store, the weight stored by stochastic rounding. Built once per
+  program; ``load(j)`` and ``epilogue`` work on column sub-tile ``j``."""
+
+  def __init__(self, plan, rule, cfg, in_refs, out_refs, n_in, n_out, ti, to,
+               col0, so, row_ok, col_ok, layer_ref, sr_ref, tiles,
+               state_tiles, masks, policy, interpret):
+    self.plan, self.rule, self.interpret = plan, rule, interpret
+    self.in_refs, self.out_refs = in_refs, out_refs
+    self.tiles, self.state_tiles, self.masks = tiles, state_tiles, masks
+    self.col_ok, self.policy = col_ok, policy
+    self.sr_ref = sr_ref
+    self.compiled = not interpret
+    bi, bo = cfg.block_in, cfg.block_out
+    self.layer = None if layer_ref is None else layer_ref[0]
+    # The first global row of this tile (a stack's rows counted across its
+    # layers), for the stochastic-rounding index.
+    self.row0 = ti * bi if layer_ref is None else self.layer * n_in + ti * bi
+    self.n_out, self.so, self.col0 = n_out, so, col0
+    # Each quantized slot's scale tile: (rows, scales per sub-tile), its
+    # first scale column for sub-tile j, and its mask.
+    self.scale_tiles, self.scale_masks = {}, {}
+    row = None if row_ok is None else row_ok[:, None]
+    for block in plan.blocks:
+      nsc = lowp.scale_columns(so, block)
+      n_sc = -(-n_out // block)
+      tiles_j, masks_j = [], []
+      for j in range(len(col0)):
+        first = (to * (bo // block) + j * (so // block)) if so >= block else 0
+        rows = pl.ds(ti * bi, bi)
+        cols = pl.ds(first, nsc)
+        tiles_j.append((rows, cols) if layer_ref is None
+                       else (self.layer, rows, cols))
+        cm = ((first + jnp.arange(nsc) < n_sc)[None, :]
+              if n_sc % nsc else None)
+        masks_j.append(_and(row, cm))
+      self.scale_tiles[block], self.scale_masks[block] = tiles_j, masks_j
+
+  def _slot_refs(self, refs):
+    """``refs`` past the weight, grouped per slot."""
+    refs = list(refs[int(self.rule.updates_weight):])
+    out = []
+    for s in self.plan.slots:
+      out.append(refs[:s.arrays])
+      refs = refs[s.arrays:]
+    return out
+
+  def load(self, j):
+    """The fp32 values of sub-tile ``j``: the weight (if read), then each
+    slot (a quantized one dequantized)."""
+    mask = self.masks[j]
+    vals = []
+    if self.rule.updates_weight:
+      vals.append(plgpu.load(
+          self.in_refs[0].at[self.state_tiles[j]], mask=mask,
+          other=None if mask is None else 0.0,
+          eviction_policy=self.policy).astype(jnp.float32))
+    for s, refs in zip(self.plan.slots, self._slot_refs(self.in_refs)):
+      if s.fmt is None:
+        vals.append(plgpu.load(
+            refs[0].at[self.state_tiles[j]], mask=mask,
+            other=None if mask is None else 0.0,
+            eviction_policy=self.policy).astype(jnp.float32))
+        continue
+      q_ref, scale_ref = refs
+      # Codes are loaded without a fill value (an fp8 constant is not
+      # needed); the lanes outside the array are zeroed below.
+      q = plgpu.load(q_ref.at[self.state_tiles[j]], mask=mask,
+                     eviction_policy=self.policy)
+      sm = self.scale_masks[s.fmt.block][j]
+      scale = plgpu.load(scale_ref.at[self.scale_tiles[s.fmt.block][j]],
+                         mask=sm, other=None if sm is None else 0.0,
+                         eviction_policy=self.policy)
+      v = lowp.dequantize_tile(q, scale, s.fmt, self.compiled)
+      if mask is not None:
+        v = jnp.where(mask, v, 0.0)
+      vals.append(v)
+    return vals
+
+  def epilogue(self, h_ref, gs, old):
+    rule, plan = self.rule, self.plan
+    # The rule sees a quantized slot as fp32 (nothing rounded to a storage
+    # dtype); a float slot as its dtype, as in the plain epilogue.
+    stored = []
+    for s, refs in zip(plan.slots, self._slot_refs(self.in_refs)):
+      stored.append(jnp.float32 if s.fmt is not None else refs[0].dtype)
+    h = rule.unpack(h_ref, stored, round_by_convert=self.compiled)
+    n = len(rule.slots)
+    if plan.stochastic_rounding:
+      seed, step = self.sr_ref[0], self.sr_ref[1]
+    for j, g in enumerate(gs):
+      vals = old[j] if old[j] is not None else self.load(j)
+      if rule.updates_weight:
+        w_new, new = rule.update(g, vals[0], tuple(vals[1:]), h)
+      else:
+        _, new = rule.update(g, None, tuple(vals), h)
+      mask = self.masks[j]
+      out = list(self.out_refs)
+      if rule.updates_weight:
+        w_ref = out.pop(0)
+        if plan.stochastic_rounding:
+          idx = quant.global_index((w_new.shape[0], self.so), self.row0,
+                                   self.col0[j], self.n_out)
+          w_store = quant.stochastic_round_to_bf16(
+              w_new.astype(jnp.float32), seed, step, idx)
+        else:
+          w_store = w_new.astype(w_ref.dtype)
+        plgpu.store(w_ref.at[self.state_tiles[j]], w_store, mask=mask,
+                    eviction_policy=self.policy)
+      for s, v in zip(plan.slots, new[:n]):
+        if s.fmt is None:
+          r = out.pop(0)
+          plgpu.store(r.at[self.state_tiles[j]], v.astype(r.dtype),
+                      mask=mask, eviction_policy=self.policy)
+          continue
+        q_ref, scale_ref = out.pop(0), out.pop(0)
+        if self.col_ok[j] is not None:
+          # Columns past the array count as zeros in their block.
+          v = jnp.where(self.col_ok[j][None, :], v, 0.0)
+        q, scale = lowp.quantize_tile(v, s.fmt, s.second, self.compiled)
+        plgpu.store(q_ref.at[self.state_tiles[j]], q, mask=mask,
+                    eviction_policy=self.policy)
+        plgpu.store(scale_ref.at[self.scale_tiles[s.fmt.block][j]], scale,
+                    mask=self.scale_masks[s.fmt.block][j],
+                    eviction_policy=self.policy)
+      for r, v in zip(out, new[n:]):  # the rule's write-only outputs
+        plgpu.store(r.at[self.tiles[j]], v.astype(r.dtype), mask=mask,
+                    eviction_policy=self.policy)
+
+
+def _plan_tags(plan) -> list[str]:
+  """Name parts of low-precision state: each quantized slot's format, and
+  ``sr`` for stochastic rounding."""
+  if plan is None:
+    return []
+  tags = [s.fmt.kind for s in plan.slots if s.fmt is not None]
+  return tags + (["sr"] if plan.stochastic_rounding else [])
+
+
 def varying_axes(arrays):
   """The union of the arrays' device-varying mesh axes inside
   ``jax.shard_map`` (none outside one), as a ``ManualAxisType``."""
@@ -179,7 +339,8 @@ def _vary(a, axes):
 
 
 def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
-           layer, interpret: bool, bt: int, precision):
+           layer, interpret: bool, bt: int, precision,
+           plan: lowp.StatePlan | None = None, sr=None):
   """The ``pallas_call`` of the kernel on checked inputs.
 
   Args:
@@ -196,6 +357,10 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
     interpret: run in Pallas interpret mode.
     bt: the number of token rows (0 with a stored gradient).
     precision: the dot's precision.
+    plan: low-precision state (:func:`pallas_kernels.lowp.plan_state`), or
+      ``None``; with a plan, quantized slots are ``Quantized`` pairs (the
+      tiling already fitted to their blocks).
+    sr: with ``plan.stochastic_rounding``, ``(seed, step)``.
 
   Returns:
     ``(w_new, slots_new)`` as :func:`pallas_kernels.fused_wgrad_update`
@@ -208,9 +373,14 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
   kernel = functools.partial(
       _fused_kernel, rule=rule, cfg=cfg, bt=bt, n_in=n_in, n_out=n_out,
       precision=precision, stacked=stacked, interpret=bool(interpret),
-      g_stored=g_stored)
-  state = (w, *slots) if rule.updates_weight else slots
-  out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
+      g_stored=g_stored, plan=plan)
+  if plan is None:
+    slot_arrays = tuple(slots)
+    out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
+  else:
+    slot_arrays = plan.flatten(slots)
+    out_dtype = rule.output_dtype(w.dtype, plan.logical_dtypes(slots))
+  state = (w, *slot_arrays) if rule.updates_weight else slot_arrays
   # Inside jax.shard_map(check_vma=True) every output varies over the mesh
   # axes any input varies over (a weight updated from a device-varying G
   # comes back device-varying, and the out_specs check reports it).
@@ -222,6 +392,8 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
                                        manual_axis_type=mat)
                   for _ in rule.outputs)
   extra = (layer.reshape(1),) if stacked else ()
+  if plan is not None and plan.stochastic_rounding:
+    extra += (lowp.seed_step_vector(sr),)
   # After the operands, hparams (and the layer index).
   first_state_arg = len(operands) + 1 + len(extra)
   out = pl.pallas_call(
@@ -238,8 +410,11 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
       # Nonzero static settings (e.g. round_mu=1) are named, so a profile
       # tells the kernels apart (with fp32 slots round_mu changes no code).
       name="_".join(["stored_g_update" if g_stored else "fused_wgrad",
-                     rule.name, *(n for n, v in rule.static if v)]),
+                     rule.name, *(n for n, v in rule.static if v),
+                     *_plan_tags(plan)]),
   )(*operands, hparams, *extra, *state)
   if rule.updates_weight:
-    return out[0], tuple(out[1:])
-  return w, tuple(out)
+    w_new, out = out[0], tuple(out[1:])
+  else:
+    w_new, out = w, tuple(out)
+  return w_new, out if plan is None else plan.unflatten(out)

@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_kernel
+from pallas_kernels import lowp, mosaic_kernel
 from pallas_kernels.interpret import default_interpret
 from pallas_kernels.mosaic_kernel import MosaicConfig
 from pallas_kernels.rules import UpdateRule
@@ -410,7 +410,8 @@ def _mosaic_default(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
   if g_stored:
     return mosaic_kernel.stored_config(n_in, n_out,
                                        held + [jnp.dtype(x_dtype)])
-  return mosaic_kernel.default_config(dtype_name(x_dtype), held, bt=bt)
+  return mosaic_kernel.default_config(dtype_name(x_dtype), held, bt=bt,
+                                     shape=(n_in, n_out))
 
 
 def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
@@ -418,7 +419,8 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
                    stacked: bool = False, g_stored: bool = False,
                    config=None, backend: str | None = None,
                    varying: bool = False,
-                   where: str = "fused_wgrad_update") -> BackendChoice:
+                   where: str = "fused_wgrad_update",
+                   low_precision: bool = False) -> BackendChoice:
   """The backend and tiling a kernel call takes; runs at trace time.
 
   In order, the first that applies:
@@ -440,8 +442,10 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
      GPU entry for the case on this device kind (:func:`lookup_mosaic`)
      that measured faster than the Triton kernel in the same run, and the
      Mosaic GPU kernel covers the case with that tiling
-     (:func:`~pallas_kernels.mosaic_kernel.unsupported`). Else Triton with
-     :func:`select_config`'s tiling.
+     (:func:`~pallas_kernels.mosaic_kernel.unsupported`), and no slot is
+     quantized nor the weight stored by stochastic rounding
+     (``low_precision``: the Mosaic GPU kernel supports neither). Else
+     Triton with :func:`select_config`'s tiling.
 
   A backend chosen by 1 to 3 is not second-guessed: a case the Mosaic GPU
   kernel does not cover then fails when it is called (``ValueError`` with
@@ -456,6 +460,8 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
     stacked: the state is a stack of layers (``layer=i``).
     g_stored: the gradient is already in memory (``stored_g_update``).
     varying: the operands vary over a ``shard_map`` mesh axis.
+    low_precision: a slot is quantized, or the weight is stored by
+      stochastic rounding (:mod:`pallas_kernels.lowp`).
     config: the caller's tiling, or ``None``.
     backend: the caller's backend, or ``None``.
     where: the call named in error messages.
@@ -529,6 +535,8 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
         f"{how}; the default tiling for the case")
   # No backend asked for: the faster for the case, as far as it is known.
   triton = lambda why: BackendChoice(TRITON, triton_default(), why)
+  if low_precision:
+    return triton(lowp.MOSAIC_REFUSAL)
   if interpret:
     return triton("interpret mode: the Mosaic GPU kernel is chosen only when "
                   "compiled for a GPU")

@@ -292,7 +292,10 @@ def test_lars_signature_and_defaults_match_optax():
     return [(p.name, p.kind, p.default)
             for p in inspect.signature(fn).parameters.values()]
 
-  assert params(forge_jax.lars) == params(optax.lars)
+  # + forge_jax's keyword-only low-precision options (refused for LARS).
+  extra = [("moments", inspect.Parameter.KEYWORD_ONLY, None),
+           ("stochastic_rounding", inspect.Parameter.KEYWORD_ONLY, False)]
+  assert params(forge_jax.lars) == params(optax.lars) + extra
 
 
 # --- 10 MLP steps: FORGE, the transform, the paper's rule -------------------------

@@ -1,0 +1,404 @@
+"""Low-precision optimizer state for the forge_jax transforms: int8 and fp8
+moments, stochastic-rounded bf16 weights.
+
+``forge_jax.adamw(..., moments="int8")`` (and the other families that keep
+moments, :data:`FAMILIES`) returns a transform whose state is this module's
+:class:`LowPrecisionState`-style NamedTuple: the step count and, per slot
+(``mu``, ``nu``, ...), a params-shaped tree whose leaves are
+``pallas_kernels.quant.Quantized(q, scale)`` pairs -- int8 or fp8 codes of
+the parameter's shape and one float32 scale per 64 consecutive elements of
+its last axis -- for parameters of at least
+``pallas_kernels.quant.MIN_QUANTIZED_SIZE`` (4096) elements, and float
+arrays for smaller ones (biases, norm scales), as bitsandbytes keeps them.
+FORGE kernels step it in the fused kernel's epilogue; every other parameter
+is stepped by this transform with the same rule and the same quantizer
+(``pallas_kernels.lowp.apply``), so the whole model's state is one format.
+
+``stochastic_rounding=True`` stores bfloat16 parameters by stochastic
+rounding (``pallas_kernels.quant.stochastic_round_to_bf16``): the random
+bits hash ``(seed of the parameter, step, element index)``, where the
+parameter's seed is ``(seed + crc32(its key path)) mod 2**32``
+(:func:`param_seed`) and the step is the 1-based step number, so a run is
+reproducible and independent of the kernel's tiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+import optax
+from optax._src import numerics
+
+import pallas_kernels
+from pallas_kernels import lowp, quant
+from pallas_kernels.quant import MomentFormat, Quantized
+
+__all__ = ["FAMILIES", "LowPrecision", "MOMENT_KINDS", "param_seed",
+           "state_class"]
+
+# The forge_jax families that take `moments=` and `stochastic_rounding=`:
+# the regime-1 families, whose whole step runs in the kernel's epilogue.
+FAMILIES = ("adam", "adamw", "nadam", "nadamw", "radam", "adamax", "lion",
+            "sgd", "rmsprop", "adagrad")
+
+# moments= names: int8, or fp8 (float8_e4m3fn: with 64-element blocks and
+# the second-moment floor it measured closer to fp32 state than e5m2 for
+# second moments, docs/optimizers.md), or one fp8 kind for every slot.
+MOMENT_KINDS = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+# int8 codes cross a custom_vjp as their bit pattern in this float dtype: a
+# cotangent must be floating point, and the bits are never computed on.
+_TRANSPORT = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def param_seed(seed, keypath):
+  """The stochastic-rounding seed of the parameter at ``keypath`` (a key
+  path of the params tree): ``(seed + crc32(keystr(keypath))) mod 2**32``,
+  so that parameters draw independent bits. A Python int for an int
+  ``seed``, else a uint32 array."""
+  crc = zlib.crc32(jax.tree_util.keystr(tuple(keypath)).encode())
+  if isinstance(seed, int):
+    return (seed + crc) % 2 ** 32
+  return jnp.asarray(seed).astype(jnp.uint32) + jnp.uint32(crc)
+
+
+_STATE_CLASSES: dict[tuple[str, ...], type] = {}
+
+
+def state_class(slots: tuple[str, ...]) -> type:
+  """The NamedTuple state of a low-precision transform with these slots:
+  ``(count, *slots)``, e.g. ``LowPrecisionState(count, mu, nu)``. One class
+  per slot tuple, also reachable as ``forge_jax.low_precision.
+  LowPrecisionState_mu_nu`` (so that it pickles)."""
+  slots = tuple(slots)
+  cls = _STATE_CLASSES.get(slots)
+  if cls is None:
+    name = "_".join(("LowPrecisionState",) + slots)
+    cls = NamedTuple("LowPrecisionState",
+                     [("count", jax.Array)] + [(s, Any) for s in slots])
+    cls.__qualname__ = name
+    cls.__module__ = __name__
+    cls.__doc__ = (
+        f"State of a low-precision forge_jax transform: the step count and "
+        f"the slots {slots}, each a params-shaped tree of "
+        "pallas_kernels.quant.Quantized(q, scale) pairs (parameters of at "
+        "least 4096 elements) or float arrays.")
+    globals()[name] = cls
+    _STATE_CLASSES[slots] = cls
+  return cls
+
+
+def _is_float_dtype(moments) -> bool:
+  try:
+    dtype = jnp.dtype(moments)
+  except TypeError:
+    return False
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LowPrecision:
+  """A transform's low-precision settings (static; part of its spec).
+
+  Attributes:
+    family: the forge_jax family (for errors).
+    slots: the rule's slot names.
+    formats: per slot, the :class:`MomentFormat` of a quantized moment, or
+      ``None`` where the slot stays a float array.
+    float_dtypes: per slot, the dtype of the float arrays (``None``: the
+      dtype the family's optax transform gives it, ``default_dtypes``);
+      for a quantized slot, the dtype of the small parameters' moments.
+    default_dtypes: per slot, ``fn(param) -> dtype`` as optax gives it.
+    stochastic_rounding: store bfloat16 parameters by stochastic rounding.
+    seed: the stochastic-rounding seed (a Python int, or an integer scalar
+      array where ``optax.inject_hyperparams`` passed one).
+    second: per slot, whether it is a second moment.
+  """
+
+  family: str
+  slots: tuple[str, ...]
+  formats: tuple[Optional[MomentFormat], ...]
+  float_dtypes: tuple[Any, ...]
+  default_dtypes: tuple[Callable[[Any], Any], ...]
+  stochastic_rounding: bool
+  seed: int
+  second: tuple[bool, ...]
+
+  @property
+  def quantized(self) -> bool:
+    """Whether any moment is quantized (for large enough parameters)."""
+    return any(f is not None for f in self.formats)
+
+  def slot_dtype(self, i: int, param):
+    d = self.float_dtypes[i]
+    return jnp.dtype(d) if d is not None else jnp.dtype(
+        self.default_dtypes[i](param))
+
+  def sr_for(self, param) -> bool:
+    """Stochastic rounding applies to ``param`` (a bfloat16 parameter)."""
+    return self.stochastic_rounding and jnp.dtype(
+        jnp.result_type(param)) == jnp.bfloat16
+
+  def init_slot(self, i: int, param, value: float = 0.0):
+    """Slot ``i``'s initial state for ``param``: quantized (``value``
+    everywhere) or a float array."""
+    fmt = self.formats[i]
+    if fmt is not None and jnp.ndim(param) >= 1 and fmt.quantizes(
+        jnp.shape(param)):
+      full = jnp.full(jnp.shape(param), value, jnp.float32)
+      return quant.quantize(full, fmt, second_moment=self.second[i])
+    return jnp.full(jnp.shape(param), value, self.slot_dtype(i, param))
+
+  def plan(self, slots, param) -> lowp.StatePlan:
+    """The kernel's plan for ``param``'s slots (as stored)."""
+    return lowp.StatePlan(
+        tuple(lowp.SlotPlan(f if isinstance(s, Quantized) else None, sec)
+              for f, s, sec in zip(self.formats, slots, self.second)),
+        self.sr_for(param))
+
+  def kernel_formats(self, slots):
+    """``formats=`` for the kernel call: each quantized slot's format."""
+    return tuple(f if isinstance(s, Quantized) else None
+                 for f, s in zip(self.formats, slots))
+
+
+def make(family: str, rule: pallas_kernels.UpdateRule, moments,
+         stochastic_rounding: bool, seed,
+         default_dtypes: tuple[Callable[[Any], Any], ...]
+         ) -> Optional[LowPrecision]:
+  """The :class:`LowPrecision` of a transform's arguments, or ``None`` when
+  they ask for neither (``moments=None``, ``stochastic_rounding=False``):
+  the transform is then optax's own.
+
+  Raises:
+    ValueError: ``moments`` is not a known kind, a float dtype or a
+      ``MomentFormat``; a bad ``seed`` or ``stochastic_rounding``.
+  """
+  where = f"forge_jax.{family}"
+  if not isinstance(stochastic_rounding, (bool, np.bool_)):
+    raise TypeError(f"{where}: stochastic_rounding must be True or False, "
+                    f"got {stochastic_rounding!r}")
+  stochastic_rounding = bool(stochastic_rounding)
+  if moments is None and not stochastic_rounding:
+    return None
+  seed = 0 if seed is None else seed
+  # A Python int, or an integer scalar array (optax.inject_hyperparams
+  # passes numeric arguments as arrays).
+  if isinstance(seed, bool) or not (isinstance(seed, int) or (
+      hasattr(seed, "dtype") and jnp.issubdtype(seed.dtype, jnp.integer)
+      and jnp.ndim(seed) == 0)):
+    raise TypeError(f"{where}: seed must be an integer (the stochastic-"
+                    f"rounding seed), got {seed!r:.80}")
+  slots = rule.slots
+  second = tuple(s in rule.second_moments for s in slots)
+  n = len(slots)
+  if not slots and moments is not None:
+    raise ValueError(
+        f"{where}: moments={moments!r}, but this optimizer keeps no moments "
+        "(plain SGD has no state); pass momentum=... or leave moments=None")
+  formats, float_dtypes = (None,) * n, (None,) * n
+  if moments is None:
+    pass
+  elif isinstance(moments, (tuple, list)):
+    if len(moments) != n:
+      raise ValueError(
+          f"{where}: moments={moments!r} gives {len(moments)} formats; this "
+          f"optimizer keeps {n} moments {slots} (one entry per moment, in "
+          "that order, or one for all)")
+    formats = tuple(_format_of(m, where, moments) for m in moments)
+  elif not isinstance(moments, str) and _is_float_dtype(moments):
+    float_dtypes = (jnp.dtype(moments),) * n
+  else:
+    formats = (_format_of(moments, where, moments),) * n
+  return LowPrecision(family=family, slots=slots, formats=formats,
+                      float_dtypes=float_dtypes,
+                      default_dtypes=tuple(default_dtypes),
+                      stochastic_rounding=stochastic_rounding, seed=seed,
+                      second=second)
+
+
+def _format_of(kind, where: str, moments) -> MomentFormat:
+  """One ``moments=`` entry as a :class:`MomentFormat`."""
+  if isinstance(kind, MomentFormat):
+    return kind
+  if isinstance(kind, str) and kind in MOMENT_KINDS:
+    return MomentFormat("fp8_e4m3" if kind == "fp8" else kind)
+  raise ValueError(
+      f"{where}: moments={moments!r}; use 'int8' (8-bit integer codes), "
+      "'fp8' or 'fp8_e4m3' (float8_e4m3fn codes), 'fp8_e5m2' "
+      "(float8_e5m2 codes) -- each with one float32 scale per 64 elements "
+      "-- a pallas_kernels.quant.MomentFormat, a tuple of those with one "
+      "per moment (e.g. ('fp8_e4m3', 'fp8_e5m2') for Adam's mu and nu), a "
+      "float dtype such as jnp.bfloat16 (every moment stored in it), or "
+      "None (the dtypes optax gives them)")
+
+
+def refuse(family: str, moments, stochastic_rounding) -> None:
+  """Refuses ``moments=`` or ``stochastic_rounding=`` for a family that
+  does not take them (regimes 2 and 3), in plain words."""
+  if moments is None and not stochastic_rounding:
+    return
+  raise ValueError(
+      f"forge_jax.{family}: moments={moments!r}, stochastic_rounding="
+      f"{stochastic_rounding!r}: low-precision optimizer state and "
+      "stochastic rounding are supported for the families whose whole step "
+      "runs in the fused kernel's epilogue -- " + ", ".join(FAMILIES)
+      + f". {family}'s weight update reads a whole layer (a per-layer pass "
+      "or a deferred update), which does not read quantized moments yet; "
+      "leave moments=None and stochastic_rounding=False.")
+
+
+# --- the transform: every parameter that is not a FORGE kernel --------------
+
+
+class _Counts(NamedTuple):
+  """The step count under the optax state names a family's hyperparameters
+  read it from (all of them count steps alike)."""
+  adam: Any
+  rms: Any
+  rstd: Any
+  schedule: Any
+  decay: Any
+
+
+def count_view(count):
+  """A tuple of optax states that all hold ``count``: what a family's
+  ``hparams(state)`` reads its step counts from (``ScaleByAdamState``,
+  ``ScaleByScheduleState``, ...), built from a low-precision state's one
+  count."""
+  from optax._src.transform import (  # noqa: PLC0415
+      ScaleByRmsWithCountState, ScaleByRStdDevWithCountState)
+  from optax.transforms._adding import WeightDecaySchedule  # noqa: PLC0415
+  return _Counts(
+      optax.ScaleByAdamState(count=count, mu=None, nu=None),
+      ScaleByRmsWithCountState(count=count, nu=None),
+      ScaleByRStdDevWithCountState(count=count, mu=None, nu=None),
+      optax.ScaleByScheduleState(count=count),
+      WeightDecaySchedule(count=count))
+
+
+def _mask_leaves(mask, params):
+  """``mask`` (``None``, a tree, a prefix of ``params`` or a callable) as one
+  bool per leaf of ``params`` (``None`` leaves stay ``None``)."""
+  none = lambda x: x is None
+  if mask is None:
+    return jax.tree.map(lambda p: True, params, is_leaf=none)
+  tree = mask(params) if callable(mask) else mask
+  return jax.tree.map(
+      lambda m, sub: jax.tree.map(lambda p: None if p is None else m, sub,
+                                  is_leaf=none),
+      tree, params, is_leaf=none)
+
+
+def transform(lp: LowPrecision, rule: pallas_kernels.UpdateRule,
+              hparams: Callable[[Any], dict], mask=None,
+              init_values: Optional[dict[str, float]] = None
+              ) -> optax.GradientTransformation:
+  """The optax-style transform of a low-precision family.
+
+  Args:
+    lp: the settings.
+    rule: the family's kernel rule (its update, in optax's operation order).
+    hparams: ``hparams(state) -> dict``, the family's hyperparameters by
+      ``rule.hparams`` name (``lr`` and ``weight_decay`` included), read
+      from ``count_view(state.count)``.
+    mask: the weight-decay mask (a tree, a prefix or a callable).
+    init_values: initial slot values by name (Adagrad's accumulator, ...);
+      0 otherwise.
+
+  Returns:
+    ``(init, update)``: ``init(params)`` builds ``state_class(rule.slots)``;
+    ``update(grads, state, params)`` steps every parameter whose gradient
+    is not ``None`` with ``rule`` and the quantizer, and returns the
+    updates that ``optax.apply_updates`` turns into the new parameters.
+  """
+  cls = state_class(rule.slots)
+  init_values = dict(init_values or {})
+  none = lambda x: x is None
+
+  def init_fn(params):
+    slots = {
+        name: jax.tree.map(
+            lambda p, i=i, name=name: lp.init_slot(
+                i, p, init_values.get(name, 0.0)), params)
+        for i, name in enumerate(rule.slots)}
+    return cls(count=jnp.zeros([], jnp.int32), **slots)
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError(
+          f"forge_jax.{lp.family} with low-precision state needs the "
+          "parameters in update(grads, state, params): it returns the "
+          "difference between the new and the old parameters")
+    count_inc = numerics.safe_increment(state.count)
+    h = dict(hparams(count_view(state.count)))
+    packed = {
+        on: rule.pack(**(h if on or "weight_decay" not in h
+                         else {**h, "weight_decay": 0.0}))
+        for on in (True, False)}
+    wd = _mask_leaves(mask, params)
+    flat_p, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=none)
+    def_ = jax.tree.structure(params, is_leaf=none)
+    flat_g = def_.flatten_up_to(updates)
+    flat_wd = def_.flatten_up_to(wd)
+    flat_s = [def_.flatten_up_to(getattr(state, n)) for n in rule.slots]
+    out_u, out_s = [], [[] for _ in rule.slots]
+    for k, ((kp, p), g, on) in enumerate(zip(flat_p, flat_g, flat_wd)):
+      slots = tuple(s[k] for s in flat_s)
+      if p is None or g is None:
+        out_u.append(None)
+        for j, s in enumerate(slots):
+          out_s[j].append(s)
+        continue
+      sr = ((param_seed(lp.seed, kp), count_inc) if lp.sr_for(p) else None)
+      w_new, new = step_leaf(lp, rule, g, p, slots, packed[bool(on)], sr)
+      out_u.append(w_new.astype(jnp.float32) - jnp.asarray(p, jnp.float32))
+      for j, s in enumerate(new):
+        out_s[j].append(s)
+    new_state = cls(count=count_inc, **{
+        n: def_.unflatten(v) for n, v in zip(rule.slots, out_s)})
+    return def_.unflatten(out_u), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def step_leaf(lp: LowPrecision, rule, g, p, slots, hparams, sr):
+  """One parameter's step by the reference: ``(w_new, new_slots)``; a
+  scalar parameter is stepped as a one-element vector."""
+  p = jnp.asarray(p)
+  shape = p.shape
+  if p.ndim == 0:
+    g, p = jnp.reshape(g, (1,)), jnp.reshape(p, (1,))
+    slots = tuple(jnp.reshape(s, (1,)) for s in slots)
+  plan = lp.plan(slots, p)
+  w_new, new = pallas_kernels.reference.apply_rule(
+      rule, jnp.asarray(g), p, slots, hparams, plan=plan, sr=sr)
+  new = new[:len(rule.slots)]
+  if len(shape) == 0:
+    w_new = w_new.reshape(shape)
+    new = tuple(s.reshape(shape) for s in new)
+  return w_new, tuple(new)
+
+
+# --- int8 codes across the layers' custom_vjp ---------------------------------
+
+
+def to_transport(leaves) -> tuple:
+  """Slot leaves as a FORGE layer carries them: int8 codes viewed as a
+  float dtype of the same width (their cotangent, the new codes, must be
+  floating point); the bits are not changed."""
+  return tuple(lax.bitcast_convert_type(a, _TRANSPORT)
+               if jnp.dtype(a.dtype) == jnp.int8 else a for a in leaves)
+
+
+def from_transport(leaves, dtypes) -> tuple:
+  """The inverse of :func:`to_transport`, given the leaves' own dtypes."""
+  return tuple(lax.bitcast_convert_type(a, jnp.int8)
+               if jnp.dtype(d) == jnp.int8 and a.dtype != jnp.int8 else a
+               for a, d in zip(leaves, dtypes))
