@@ -4,7 +4,11 @@
 * :func:`convert` -- turns a model's eligible ``nn.Linear`` layers into it;
 * :func:`set_sync_mode` / :func:`get_sync_mode` -- how the fused update is
   ordered with torch's CUDA stream (``"stream"``, the default, or ``"host"``;
-  process default from ``$FORGE_TORCH_SYNC``);
+  process default from ``$FORGE_TORCH_SYNC``) where it goes through DLPack;
+* :func:`set_direct_launch` -- on a Hopper GPU the Mosaic GPU kernel is
+  launched straight on the torch tensors, without JAX at call time (on by
+  default; ``$FORGE_TORCH_DIRECT=0`` or ``set_direct_launch(False)`` turns it
+  off);
 * :class:`SGD`, :class:`Adagrad`, :class:`RMSprop`, :class:`Adam`,
   :class:`AdamW`, :class:`Adamax`, :class:`NAdam`, :class:`RAdam` -- the
   ``torch.optim`` optimizers of those names, driving those layers (gradient
@@ -21,8 +25,10 @@
   weight; ``bridge_stats`` -- the bridge's counters (calls, in-place writes,
   copies back), as ``benchmarks/torch_memory.py`` reports them.
 
-The fused kernel is the JAX/Pallas one (``pallas_kernels``), called on the
-torch tensors through DLPack (:mod:`forge_torch._bridge`). torch is an
+The fused kernel is the JAX/Pallas one (``pallas_kernels``): launched
+directly on the torch tensors where it is the Mosaic GPU kernel
+(:mod:`forge_torch._direct`), else called on them through DLPack
+(:mod:`forge_torch._bridge`). torch is an
 optional dependency of the project: only this package imports it.
 
 Importing this package wraps ``torch.nn.utils.clip_grad_norm_``,
@@ -41,6 +47,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from forge_torch._bridge import STATS as bridge_stats  # noqa: E402
 from forge_torch._bridge import get_sync_mode, set_sync_mode  # noqa: E402
+from forge_torch._direct import set_enabled as set_direct_launch  # noqa: E402
 from forge_torch import _clip  # noqa: E402
 from forge_torch import distributed  # noqa: E402
 from forge_torch.linear import (  # noqa: E402
@@ -65,4 +72,5 @@ _clip.install()
 __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Adamax", "ConvertSkipWarning",
            "Linear", "NAdam", "RAdam", "RMSprop", "bridge_stats", "convert",
            "distributed",
-           "get_sync_mode", "is_forge_weight", "set_sync_mode"]
+           "get_sync_mode", "is_forge_weight", "set_direct_launch",
+           "set_sync_mode"]

@@ -28,7 +28,8 @@ import jax
 import torch
 
 import pallas_kernels
-from pallas_kernels import torch_rules
+from forge_torch import _direct
+from pallas_kernels import mosaic_kernel, torch_rules, tuning_cache
 from pallas_kernels.rules import UpdateRule
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -158,6 +159,12 @@ class BridgeStats:
     not_donated_warnings: JAX "donated buffers were not usable" warnings seen.
     donation_errors: donated calls JAX rejected (the bridge then stops
       donating for the rest of the process and copies back).
+    direct: of ``calls``, those that launched the Mosaic GPU kernel
+      directly on the torch tensors (:mod:`forge_torch._direct`); the others
+      went through DLPack and JAX.
+    direct_unavailable: why no call launches directly in this process
+      (``None`` while direct launches are possible; they also need a Hopper
+      GPU and a case the Mosaic GPU kernel covers, see ``docs/torch.md``).
   """
 
   calls: int = 0
@@ -165,10 +172,16 @@ class BridgeStats:
   copied: int = 0
   not_donated_warnings: int = 0
   donation_errors: int = 0
+  direct: int = 0
+
+  @property
+  def direct_unavailable(self) -> str | None:
+    return _direct.unavailable()
 
   def reset(self) -> None:
     self.calls = self.in_place = self.copied = 0
     self.not_donated_warnings = self.donation_errors = 0
+    self.direct = 0
 
 
 STATS = BridgeStats()
@@ -385,8 +398,212 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
   return _fused_update(x, dy, w, slots, hparams, rule, config, views)
 
 
+# --------------------------------------------------------------------------
+# Direct launch (Hopper): the Mosaic GPU kernel on the torch tensors.
+# --------------------------------------------------------------------------
+
+# (device, shapes, dtypes, rule, config) -> the MosaicConfig to launch
+# directly, or None for the DLPack path.
+_DIRECT_CHOICE: dict = {}
+
+
+def _direct_config(key, bt, n_in, n_out, x_dtype, w, slots, rule, config,
+                   device):
+  """The Mosaic GPU tiling a direct launch takes for this case, or ``None``.
+
+  Without a tiling from the caller, Mosaic GPU where it covers the case on
+  a GPU of compute capability 9.0 or newer: its cached tiling for the case,
+  else its default one. Unlike in JAX (where the backend follows the
+  autotune cache's kernel times), a torch call prefers it whenever it
+  applies, because launching it directly saves more host time per call than
+  the two kernels' times differ by. A Triton tiling (``config``) or
+  ``$FORGE_BACKEND=triton`` keeps the DLPack path."""
+  hit = _DIRECT_CHOICE.get(key, False)
+  if hit is not False:
+    return hit
+  cfg = None
+  env = tuning_cache.env_backend()
+  xd = _direct.jnp_dtype(x_dtype)
+  state = [jax.ShapeDtypeStruct(tuple(t.shape), _direct.jnp_dtype(t.dtype))
+           for t in (w, *slots)]
+  if (isinstance(config, (mosaic_kernel.MosaicConfig, type(None)))
+      and env in (None, tuning_cache.MOSAIC_GPU)
+      and torch.cuda.get_device_capability(device) >= (9, 0)
+      and xd is not None and None not in [s.dtype for s in state]):
+    cfg = config
+    if cfg is None:
+      entry = tuning_cache.lookup_mosaic(
+          bt, n_in, n_out, state[0].dtype, [s.dtype for s in state[1:]],
+          rule, device_kind=torch.cuda.get_device_name(device))
+      cfg = entry.config if entry is not None else mosaic_kernel.default_config(
+          xd, mosaic_kernel.smem_dtypes(rule, state[0].dtype,
+                                        [s.dtype for s in state[1:]]), bt,
+          shape=(n_in, n_out))
+    if mosaic_kernel.unsupported(bt, n_in, n_out, xd, state[0], state[1:],
+                                 rule, cfg, stacked=False, g_stored=False):
+      cfg = None
+  with _LOCK:
+    _DIRECT_CHOICE[key] = cfg
+  return cfg
+
+
+def _raw_stream(device_index: int) -> int:
+  """torch's current CUDA stream on ``device_index``, as its raw handle."""
+  return torch.cuda.current_stream(device_index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+  # The same, without making a Stream object (a few microseconds per call).
+  _raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
+
+
+class _HparamsRing:
+  """Device copies of packed hparams vectors for direct launches, on one
+  device and stream: a ring of ``SIZE`` rows in pinned host memory and on
+  the device. A vector among the last ``SIZE`` distinct ones is served from
+  its device row (every managed layer of a param group gets the same vector
+  in a step); a new one is written into the next host row and copied
+  asynchronously (no host synchronisation) into its device row on the
+  stream the kernels run on, so that the copy comes before the kernel that
+  reads it and after every earlier kernel that read the row's previous
+  vector. A host row is rewritten only once its previous copy has completed
+  (its event; long done in practice)."""
+
+  SIZE = 64
+
+  def __init__(self, device, length: int):
+    self.host = torch.empty((self.SIZE, length), dtype=torch.float32,
+                            pin_memory=True)
+    self.host_np = self.host.numpy()
+    self.dev = torch.empty((self.SIZE, length), dtype=torch.float32,
+                           device=device)
+    self.host_rows = list(self.host.unbind(0))
+    self.rows = list(self.dev.unbind(0))
+    self.events = [torch.cuda.Event() for _ in range(self.SIZE)]
+    self.keys: list = [None] * self.SIZE
+    self.index: dict = {}
+    self.next = 0
+
+  def get(self, vec: np.ndarray) -> torch.Tensor:
+    """The device row holding ``vec`` (copied on torch's current stream,
+    the ring's)."""
+    key = vec.tobytes()
+    i = self.index.get(key)
+    if i is not None:
+      return self.rows[i]
+    i, self.next = self.next, (self.next + 1) % self.SIZE
+    if self.keys[i] is not None:
+      self.events[i].synchronize()  # its last copy has read the host row
+      del self.index[self.keys[i]]
+    self.host_np[i] = vec
+    self.rows[i].copy_(self.host_rows[i], non_blocking=True)
+    self.events[i].record()
+    self.index[key], self.keys[i] = i, key
+    return self.rows[i]
+
+
+class _Launch:
+  """A resolved direct launch: the compiled kernel and what was checked to
+  choose it (the rule and tiling objects, kept alive so their ids in the
+  fast-path key stay theirs)."""
+
+  __slots__ = ("kernel", "rule", "config", "n_state", "ring")
+
+  def __init__(self, kernel, rule, config, n_state, ring):
+    self.kernel, self.rule, self.config = kernel, rule, config
+    self.n_state, self.ring = n_state, ring
+
+
+# Fast path: (shapes, dtypes, device, stream, id(rule), id(config)) ->
+# _Launch, or None for the DLPack path.
+_LAUNCHES: dict = {}
+
+
+def _resolve(x2, dy2, w, slots, vec, rule, config, device_index: int,
+             stream: int):
+  """The launch for a case not seen before: the tiling, the compiled kernel
+  and the hparams ring; ``None`` where the case takes the DLPack path."""
+  bt = x2.shape[0]
+  n_in, n_out = w.shape
+  if bt == 0 or x2.shape[1] != n_in or dy2.shape[1] != n_out:
+    return None
+  device = torch.device("cuda", device_index)
+  key = (device, bt, n_in, n_out, x2.dtype, w.dtype,
+         tuple(s.dtype for s in slots), rule, config)
+  cfg = _direct_config(key, bt, n_in, n_out, x2.dtype, w, slots, rule, config,
+                       device)
+  if cfg is None:
+    return None
+  kernel = _direct.kernel_for(
+      (key, cfg, vec.shape), lambda: _direct.DirectKernel(
+          device, x2.shape, dy2.shape, x2.dtype,
+          [(tuple(t.shape), t.dtype) for t in (w, *slots)], vec.shape[0],
+          rule, cfg))
+  if kernel is None:
+    return None
+  ring_key = (device_index, stream, vec.shape[0])
+  with _LOCK:
+    ring = _RINGS.get(ring_key)
+    if ring is None:
+      ring = _RINGS[ring_key] = _HparamsRing(device, vec.shape[0])
+  return _Launch(kernel, rule, config,
+                 len(slots) + (1 if rule.updates_weight else 0), ring)
+
+
+_RINGS: dict = {}
+
+
+def _direct_update(x, dy, w, slots, hparams, rule, config) -> bool:
+  """Launches the Mosaic GPU kernel directly on the torch tensors, in place,
+  on torch's current stream; ``False`` (nothing done) where the case takes
+  the DLPack path."""
+  if _direct.unavailable() is not None or isinstance(hparams, jax.Array):
+    return False
+  if x.dtype != dy.dtype or x.dim() < 1 or dy.dim() < 1:
+    return False
+  x2 = x.detach().reshape(-1, x.shape[-1])
+  dy2 = dy.detach().reshape(-1, dy.shape[-1])
+  device_index = w.get_device()
+  stream = _raw_stream(device_index)
+  vec = np.ascontiguousarray(hparams, dtype=np.float32)
+  key = (x2.shape, dy2.shape, x2.dtype, w.shape, w.dtype,
+         *(s.dtype for s in slots), len(slots), device_index, stream,
+         vec.shape[0], id(rule), id(config))
+  launch = _LAUNCHES.get(key, False)
+  if launch is False or (launch is not None and (
+      launch.rule is not rule or launch.config is not config)):
+    launch = _resolve(x2, dy2, w, slots, vec, rule, config, device_index,
+                      stream)
+    with _LOCK:
+      _LAUNCHES[key] = launch
+  if launch is None:
+    return False
+  with _LOCK:
+    h = launch.ring.get(vec)
+    launch.kernel(stream, x2.contiguous(), dy2.contiguous(), h, w.detach(),
+                  *(s.detach() for s in slots))
+    STATS.calls += 1
+    STATS.direct += 1
+    STATS.in_place += launch.n_state
+  return True
+
+
+def _capturing() -> bool:
+  """Whether torch's current CUDA stream is recording a CUDA graph."""
+  return torch.cuda.is_current_stream_capturing()
+
+
 def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
   global _DONATION_BROKEN
+  if w.is_cuda:
+    if _capturing():
+      raise RuntimeError(
+          "forge_torch: a fused update cannot be recorded in a CUDA graph "
+          "(its hyperparameters are copied from the host at every step, and "
+          "the DLPack path runs JAX work the capture cannot record); run the "
+          "backward of forge_torch.Linear layers outside graph capture")
+    if _direct_update(x, dy, w, slots, hparams, rule, config):
+      return True
   # The tensors the kernel writes: the weight (unless the rule is
   # state-only) and the slots.
   tensors = (w, *slots) if rule.updates_weight else tuple(slots)

@@ -687,7 +687,7 @@ def _mocked_cuda_bridge(monkeypatch, seed):
   record_stream), JAX's kernel in interpret mode. ``run()`` makes one fused
   update on fresh state, checks it against a plain CPU call and returns the
   warnings it raised."""
-  from forge_torch import _bridge
+  from forge_torch import _bridge, _direct
   from pallas_kernels import torch_rules as _rules
   recorded = []
 
@@ -704,6 +704,9 @@ def _mocked_cuda_bridge(monkeypatch, seed):
   monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
   monkeypatch.setattr(_bridge, "_device_has_ready_stream", lambda d: True)
   monkeypatch.setattr(_bridge, "_STREAM_FALLBACK", None)
+  # The DLPack path's control flow: no graph capture, no direct launch.
+  monkeypatch.setattr(_bridge, "_capturing", lambda: False)
+  monkeypatch.setattr(_direct, "_OFF", "the CUDA branch is mocked")
   jitted = _bridge._jitted  # CPU: interpret mode, nothing donated
   monkeypatch.setattr(_bridge, "_jitted",
                       lambda key, rule, config, interpret, donate:
@@ -1187,3 +1190,189 @@ def test_gpu_reused_views_are_ordered_with_torch_writes():
   torch.cuda.synchronize()
   assert torch.equal(w_old, before) and not torch.equal(w_new, before)
   assert cache.misses == 4 and cache.hits == 8  # w imported, m and v reused
+
+
+# --- Direct launch: the Mosaic GPU kernel on the torch tensors ----------------
+
+
+@contextlib.contextmanager
+def direct_launch(enabled):
+  was = forge_torch.set_direct_launch(enabled)
+  try:
+    yield
+  finally:
+    forge_torch.set_direct_launch(was)
+
+
+def test_direct_launch_switch_and_cpu_path():
+  """The switch takes booleans only and is reported; on the CPU every call
+  goes through DLPack (the direct launch needs a Hopper GPU)."""
+  with pytest.raises(TypeError, match="True or False"):
+    forge_torch.set_direct_launch("no")
+  stats = forge_torch.bridge_stats
+  with direct_launch(False):
+    assert "set_direct_launch" in stats.direct_unavailable
+  model = forge_copy(make_mlp())
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+  stats.reset()
+  train(model, opt, None, batches(2))
+  assert stats.calls == 3 * 2 and stats.direct == 0
+
+
+def _direct_case(seed, bt=512, n_in=384, n_out=256, state=torch.bfloat16):
+  """x, dy (bf16, (BT, in), (BT, out)) and w, m, v (in, out) on CUDA."""
+  g = torch.Generator(device="cuda").manual_seed(seed)
+  x = torch.randn(bt, n_in, device="cuda", generator=g).bfloat16()
+  dy = torch.randn(bt, n_out, device="cuda", generator=g).bfloat16()
+  w = (0.05 * torch.randn(n_in, n_out, device="cuda", generator=g)).to(state)
+  m = (1e-3 * torch.randn(n_in, n_out, device="cuda", generator=g)).to(state)
+  v = (1e-5 * torch.rand(n_in, n_out, device="cuda", generator=g)).to(state)
+  return x, dy, w, m, v
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+@pytest.mark.parametrize("state", [torch.bfloat16, torch.float32])
+def test_gpu_direct_launch_matches_the_jax_call(state):
+  """The direct launch writes the torch tensors in place (same pointers) with
+  the bits of the same Mosaic GPU kernel called through JAX (DLPack path,
+  the same tiling), and matches torch.optim.AdamW."""
+  from forge_torch import _bridge, _direct
+  from pallas_kernels import torch_rules as _rules
+  h = _rules.adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=1e-2, step=3)
+  x, dy, w0, m0, v0 = _direct_case(0, state=state)
+  stats = forge_torch.bridge_stats
+  w, m, v = w0.clone(), m0.clone(), v0.clone()
+  ptrs = [t.data_ptr() for t in (w, m, v)]
+  stats.reset()
+  assert _bridge.fused_update(x, dy, w, (m, v), h)
+  assert stats.direct == 1 and stats.in_place == 3, (
+      stats, stats.direct_unavailable)
+  assert [t.data_ptr() for t in (w, m, v)] == ptrs
+  assert not torch.equal(w, w0)
+  # The tiling it launched (the cache key: the case, then the tiling).
+  cfg = next(k[1] for k in _direct._KERNELS
+             if k[0][1:6] == (512, 384, 256, torch.bfloat16, state))
+  with direct_launch(False):
+    w2, m2, v2 = w0.clone(), m0.clone(), v0.clone()
+    _bridge.fused_update(x, dy, w2, (m2, v2), h, config=cfg)
+  torch.cuda.synchronize()
+  for name, a, b in (("w", w, w2), ("exp_avg", m, m2), ("exp_avg_sq", v, v2)):
+    assert torch.equal(a, b), name
+  # torch's own AdamW on G = x^T dy.
+  p = nn.Parameter(w0.clone())
+  opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=1e-2)
+  p.grad = (x.float().T @ dy.float()).to(state)
+  opt.step()
+  st = opt.state[p]
+  with torch.no_grad():
+    p.copy_(w0)
+    st["exp_avg"].copy_(m0)
+    st["exp_avg_sq"].copy_(v0)
+    st["step"].fill_(2)
+  opt.step()
+  bar = tol(jnp.float32 if state == torch.float32 else jnp.bfloat16)
+  # (fp32 state: G is accumulated in fp32 by the kernel, rounded to
+  # fp32 by torch's reference: both from the same bf16 products.)
+  assert rel(w, p) <= bar and rel(m, st["exp_avg"]) <= bar
+  assert rel(v, st["exp_avg_sq"]) <= bar
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+@pytest.mark.parametrize("side_stream", [False, True],
+                         ids=["current-stream", "side-stream"])
+def test_gpu_direct_launch_race_detector(side_stream):
+  """The direct launch runs on torch's current stream, in order: a busy
+  stream ahead of the producers of x/dy and of a GEMM reading the
+  pre-update W, and x/dy trashed right after the call, give the bits of a
+  quiet call (the kernel is deterministic)."""
+  from forge_torch import _bridge
+  from pallas_kernels import torch_rules as _rules
+  h = _rules.adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=1e-2, step=3)
+  stats = forge_torch.bridge_stats
+  stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+  for rep in range(3):
+    x_true, dy_true, w0, m0, v0 = _direct_case(10 + rep, bt=2048, n_in=1024,
+                                               n_out=512)
+    gi_ref = dy_true.float() @ w0.float().T
+    ref = [t.clone() for t in (w0, m0, v0)]
+    torch.cuda.synchronize()
+    _bridge.fused_update(x_true, dy_true, ref[0], ref[1:], h)
+    torch.cuda.synchronize()
+    w, m, v = w0.clone(), m0.clone(), v0.clone()
+    big = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    stats.reset()
+    with torch.cuda.stream(stream):
+      if side_stream:
+        stream.wait_stream(torch.cuda.default_stream())
+      big = _busy(big, 30)
+      z = (0.0 * big[0, 0]).bfloat16()
+      x, dy = x_true + z, dy_true + z
+      gi = dy.float() @ w.float().T  # must read the pre-update w
+      _bridge.fused_update(x, dy, w, (m, v), h)
+      x.fill_(float("nan"))
+      dy.mul_(-3.0)
+      del x, dy
+      trash = [torch.full_like(x_true, 7.0), torch.full_like(dy_true, -7.0)]
+      got = [t.clone() for t in (w, m, v)]
+    torch.cuda.synchronize()
+    del trash
+    assert stats.direct == 1, (stats, stats.direct_unavailable)
+    assert rel(gi, gi_ref) <= tol(jnp.float32), (
+        f"rep {rep}: the GEMM queued before the fused update saw the new W")
+    for name, a, b in zip(("w", "exp_avg", "exp_avg_sq"), got, ref):
+      assert torch.equal(a, b), f"rep {rep}: {name}: a stream-ordering race"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+def test_gpu_fused_update_refuses_graph_capture():
+  from forge_torch import _bridge
+  from pallas_kernels import torch_rules as _rules
+  h = _rules.adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=1e-2, step=1)
+  x, dy, w, m, v = _direct_case(3)
+  _bridge.fused_update(x, dy, w, (m, v), h)  # compiled outside the capture
+  w0 = w.clone()
+  s = torch.cuda.Stream()
+  s.wait_stream(torch.cuda.current_stream())
+  with pytest.raises(RuntimeError, match="CUDA graph"):
+    with torch.cuda.stream(s), torch.cuda.graph(torch.cuda.CUDAGraph()):
+      _bridge.fused_update(x, dy, w, (m, v), h)
+  torch.cuda.synchronize()
+  assert torch.equal(w, w0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+def test_gpu_autocast_training_launches_directly():
+  """fp32 layers under torch.autocast(bfloat16): bf16 x/dy beside fp32
+  state, launched directly; the same as nn.Linear + torch AdamW under the
+  same autocast within bf16's tolerance."""
+  torch.manual_seed(0)
+  ref = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 128)
+                      ).cuda()
+  fm = copy.deepcopy(ref)
+  forge_torch.convert(fm)
+  o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+  o_f = forge_torch.AdamW(fm.parameters(), lr=1e-3)
+  stats = forge_torch.bridge_stats
+  stats.reset()
+  g = torch.Generator(device="cuda").manual_seed(1)
+  for _ in range(4):
+    x = torch.randn(512, 256, device="cuda", generator=g)
+    for model, opt in ((ref, o_ref), (fm, o_f)):
+      with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(x).float().square().mean()
+      loss.backward()
+      opt.step()
+      opt.zero_grad()
+  torch.cuda.synchronize()
+  assert stats.calls == 8 and stats.direct == 8, (stats,
+                                                  stats.direct_unavailable)
+  for (name, a), b in zip(fm.named_parameters(), ref.parameters()):
+    assert rel(a, b) <= tol(jnp.bfloat16), name
