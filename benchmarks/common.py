@@ -184,11 +184,16 @@ def copy_ceiling_bytes_per_s(nbytes: int = 2 << 30) -> float:
 
 
 class Results:
-  """Rows appended to one CSV (created with a header if new)."""
+  """Rows appended to one CSV (created with a header if new).
 
-  def __init__(self, path: str, benchmark: str):
+  ``device``: the rows' device column; by default JAX's first device
+  (:func:`device_name`). A torch benchmark passes torch's device name, which
+  also keeps its process from starting JAX's GPU backend."""
+
+  def __init__(self, path: str, benchmark: str, device: str | None = None):
     self.path, self.benchmark = path, benchmark
-    self.device, self.versions = device_name(), versions()
+    self.device = device_name() if device is None else device
+    self.versions = versions()
     self.commit = commit()
     self.stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

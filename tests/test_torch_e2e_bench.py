@@ -1,0 +1,258 @@
+"""benchmarks/torch_e2e.py: the torch decoder is benchmarks/e2e.py's model,
+the driver's CPU smoke run trains both arms alike and writes its rows and
+plot, and bad flags (or no CUDA device) are refused in plain words."""
+
+import contextlib
+import csv
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks import common, e2e, torch_e2e  # noqa: E402
+from tests.tolerances import assert_close, tol  # noqa: E402
+
+FP32_TOL = tol(jnp.float32)
+# One block, odd vocab: the smallest decoder that runs every code path.
+SMOKE = e2e.Config(layers=1, d_model=32, heads=4, kv_heads=2, ffn=48,
+                   vocab=61, seq=8, dtype="float32")
+SMOKE_FLAGS = ["--layers", "1", "--d-model", "32", "--heads", "4",
+               "--kv-heads", "2", "--ffn", "48", "--vocab", "61", "--seq", "8",
+               "--dtype", "float32"]
+
+
+def _flax_params(model: torch_e2e.Decoder) -> dict:
+  """The torch decoder's weights as benchmarks/e2e.py's Decoder tree (flax
+  kernels are ``(in, out)``: torch's weights transposed)."""
+  w = lambda t: jnp.asarray(t.detach().numpy())
+  dense = lambda lin: {"kernel": w(lin.weight).T}
+  params = {"embed": {"embedding": w(model.embed.weight)},
+            "final_norm": {"scale": w(model.final_norm.weight)},
+            "lm_head": dense(model.lm_head)}
+  for i, b in enumerate(model.blocks):
+    params[f"block_{i}"] = {
+        "attn_norm": {"scale": w(b.attn_norm.weight)},
+        "mlp_norm": {"scale": w(b.mlp_norm.weight)},
+        "attn": {n: dense(getattr(b.attn, n)) for n in "qkvo"},
+        "mlp": {n: dense(getattr(b.mlp, n)) for n in ("gate", "up", "down")}}
+  return {"params": params}
+
+
+def test_the_torch_decoder_is_the_jax_benchmarks_model():
+  """Same parameters as the JAX decoder at the benchmark's config (the
+  0.886 B one, built on the meta device) and the same function: given the
+  same weights, the same fp32 logits (RMSNorm, rotary, grouped-query
+  attention, SwiGLU, untied head), random weights and tokens."""
+  full = e2e.Config()
+  model = torch_e2e.build_model(full, "meta")
+  n = sum(p.numel() for p in model.parameters())
+  assert n == e2e.param_count(full) == 886_114_304
+  assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+  # Every projection and the head are managed: the pool is every parameter
+  # but the embedding and the norm scales, 2 bytes each.
+  assert len(torch_e2e.linear_names(model)) == 7 * full.layers + 1
+  pool, total = torch_e2e.pool_bytes(model)
+  d = full.d_model
+  assert total == 2 * n
+  assert pool == 2 * (n - full.vocab * d - (2 * full.layers + 1) * d)
+
+  cfg = e2e.Config(layers=2, d_model=32, heads=4, kv_heads=2, ffn=48,
+                   vocab=61, seq=8, dtype="float32")
+  model = torch_e2e.build_model(cfg, "cpu", seed=3)
+  with torch.no_grad():  # norm scales away from one, so that they count
+    for name, p in model.named_parameters():
+      if p.dim() == 1:
+        p.uniform_(0.5, 1.5)
+  tokens, _ = torch_e2e.make_batch(cfg, 3, "cpu", seed=5)
+  with torch.no_grad():
+    got = model(tokens).numpy()
+  variables = _flax_params(model)
+  abstract = e2e.abstract_variables(cfg)
+  spec = lambda t: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), t)
+  assert spec(variables) == spec(abstract)
+  want = e2e.Decoder(cfg).apply(variables, jnp.asarray(tokens.numpy()))
+  assert_close(got, want, FP32_TOL, what="logits")
+  # The batch is benchmarks/e2e.py's for the same seed.
+  jt, jy = e2e.make_batch(cfg, 3, seed=5)
+  np.testing.assert_array_equal(tokens.numpy(), np.asarray(jt))
+  assert torch_e2e.CHECK_RTOL == FP32_TOL
+
+
+def _rows(path):
+  with open(path, newline="") as f:
+    reader = csv.DictReader(f)
+    assert reader.fieldnames == common.CSV_FIELDS
+    return list(reader)
+
+
+def test_cpu_smoke_run_writes_rows_and_plot(tmp_path, capsys):
+  """The driver on the CPU (fp32, one block), each arm's cell its own
+  process: rows marked cpu, no memory rows (CUDA only), the arms' losses
+  equal to fp32 parity and falling, every managed layer fused in every
+  step, the gradient pool counted, the plot written."""
+  out = tmp_path / "run"
+  rc = torch_e2e.main(["--device", "cpu", *SMOKE_FLAGS, "--bt", "16",
+                       "--steps", "2", "--warmup", "1", "--out-dir",
+                       str(out)])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  assert "timings are not GPU figures" in text
+  rows = _rows(out / "torch_e2e.csv")
+  assert {r["benchmark"] for r in rows} == {"torch_e2e"}
+  assert all(r["device"].startswith("cpu:") for r in rows)
+  assert all(r["commit"] and r["versions"] and r["timestamp"] for r in rows)
+
+  cell = {(r["provider"], r["metric"]): r for r in rows}
+  assert all(r["case"].endswith("BT=16") for r in rows)
+  value = lambda arm, metric: float(cell[(arm, metric)]["p50"])
+  for arm in torch_e2e.ARMS:
+    assert value(arm, "param_count") == e2e.param_count(SMOKE)
+    assert value(arm, "step_time") > 0
+    assert cell[(arm, "step_time")]["unit"] == "ms"
+    assert value(arm, "loss_final") < value(arm, "loss_first")
+    assert not any((arm, m) in cell for m in ("peak_memory", "base_memory",
+                                              "after_backward"))
+    assert "m=float32,v=float32" in cell[(arm, "step_time")]["dtypes"]
+  for metric in ("loss_first", "loss_final"):
+    a, b = value("forge", metric), value("torch", metric)
+    assert abs(a - b) <= FP32_TOL * abs(b), (metric, a, b)
+  pool, total = torch_e2e.pool_bytes(torch_e2e.build_model(SMOKE, "meta"))
+  for arm in torch_e2e.ARMS:
+    assert math.isclose(value(arm, "grad_pool"), pool / 2**20, rel_tol=1e-5)
+    assert math.isclose(value(arm, "grad_total"), total / 2**20,
+                        rel_tol=1e-5)
+  assert value("forge", "bridge_calls") == 8  # 7 projections + the head
+  assert ("torch", "bridge_calls") not in cell
+  assert (out / "torch_e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _in_process(argv, env, timeout, label, tag):
+  """benchmarks.e2e.run_tagged, but the cell runs in this process (the
+  subprocess path is the smoke run's)."""
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    rc = torch_e2e.main(argv[argv.index("benchmarks.torch_e2e") + 1:])
+  lines = [l for l in buf.getvalue().splitlines() if l.startswith(tag)]
+  if rc or not lines:
+    return None, f"exit {rc}"
+  return json.loads(lines[-1][len(tag):]), None
+
+
+@pytest.mark.parametrize("perturb", [False, True])
+def test_check_compares_the_arms_at_fp32_parity(tmp_path, monkeypatch,
+                                                capsys, perturb):
+  """--check: both arms 3 steps on the tiny fp32 decoder; every parameter,
+  update and loss within 1e-5 and the rows written. With the forge arm's
+  learning rate off by 1e-4 (relative), the check fails the run."""
+  monkeypatch.setattr(torch_e2e.e2e, "run_tagged", _in_process)
+  if perturb:
+    make = torch_e2e.make_optimizer
+
+    def off(arm, model, hparams=None):
+      if arm == "forge":
+        hparams = dict(hparams or e2e.HPARAMS)
+        hparams["learning_rate"] *= 1 + 1e-4
+      return make(arm, model, hparams)
+
+    monkeypatch.setattr(torch_e2e, "make_optimizer", off)
+  out = tmp_path / "t.csv"
+  rc = torch_e2e.main(["--device", "cpu", *SMOKE_FLAGS, "--bt", "8",
+                       "--steps", "1", "--warmup", "1", "--check", "--out",
+                       str(out)])
+  text = capsys.readouterr().out
+  parity = {r["metric"]: float(r["p50"]) for r in _rows(out)
+            if r["metric"].startswith("parity_")}
+  assert set(parity) == {"parity_param_err", "parity_update_err",
+                         "parity_loss_err"}
+  assert "fused calls 45 of 45" in text  # 15 managed layers x 3 steps
+  if perturb:
+    assert rc == 1
+    assert parity["parity_update_err"] > FP32_TOL
+    assert "FAILED: the parity check (--check) did not pass" in text
+  else:
+    assert rc == 0, text
+    assert all(0 <= v <= FP32_TOL for v in parity.values()), parity
+    assert "unmoved none: OK" in text
+
+
+def test_failed_cells_get_rows_and_a_failing_exit(tmp_path, monkeypatch,
+                                                  capsys):
+  calls = []
+
+  def fail(argv, env, timeout, label, tag):
+    calls.append(label)
+    return None, "exit 1: RuntimeError: out of memory"
+
+  monkeypatch.setattr(torch_e2e.e2e, "run_tagged", fail)
+  out = tmp_path / "t.csv"
+  rc = torch_e2e.main(["--device", "cpu", *SMOKE_FLAGS, "--bt", "8", "16",
+                       "--out", str(out), "--plot", str(tmp_path / "t.png")])
+  assert rc == 1
+  assert calls == ["torch BT=8", "forge BT=8", "torch BT=16", "forge BT=16"]
+  rows = _rows(out)
+  assert [(r["provider"], r["metric"], r["unit"]) for r in rows] == [
+      (arm, "failed", "exit 1: RuntimeError: out of memory")
+      for _ in (8, 16) for arm in torch_e2e.ARMS]
+  assert all(r["device"].startswith("cpu:") and r["p50"] == "nan"
+             for r in rows)
+  assert "failed cell forge BT=16" in capsys.readouterr().out
+  assert not (tmp_path / "t.png").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--bt", "12"], "--bt 12 is not a multiple of --seq 8"),
+    (["--d-model", "30"], "d_model must be a multiple of heads"),
+    (["--bt", "0"], "0 must be >= 1"),
+    (["--out-dir", "d", "--out", "x.csv"], "give --out-dir, or --out and "
+     "--plot, not both"),
+    (["--replot"], "--replot needs --plot PNG"),
+])
+def test_bad_flags_are_refused_in_plain_words(flags, words, capsys):
+  with pytest.raises(SystemExit) as e:
+    torch_e2e.main(["--device", "cpu", *SMOKE_FLAGS, *flags])
+  assert e.value.code == 2
+  assert words in capsys.readouterr().err
+
+
+def test_no_cuda_device_is_refused_not_measured(tmp_path, monkeypatch,
+                                                capsys):
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+  monkeypatch.setattr(torch_e2e.e2e, "run_tagged", lambda *a: pytest.fail(
+      "a cell ran without a CUDA device"))
+  out = tmp_path / "t.csv"
+  assert torch_e2e.main([*SMOKE_FLAGS, "--bt", "16", "--out", str(out)]) == 1
+  err = capsys.readouterr().err
+  assert "no CUDA device" in err and "--device cpu" in err
+  assert not out.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device for torch")
+def test_gpu_small_run_saves_the_pool(tmp_path, capsys):
+  """On the GPU (bf16, a small decoder, BT 128): the parity check passes,
+  every state tensor is written in place, the managed weights' gradients
+  are gone after the backward and the forge arm's peak is the lower."""
+  out = tmp_path / "run"
+  rc = torch_e2e.main(["--layers", "2", "--d-model", "256", "--heads", "4",
+                       "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
+                       "--seq", "64", "--bt", "128", "--steps", "3",
+                       "--warmup", "2", "--check", "--out-dir", str(out)])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  cell = {(r["provider"], r["metric"]): float(r["p50"])
+          for r in _rows(out / "torch_e2e.csv") if r["case"].endswith("BT=128")}
+  assert cell[("forge", "bridge_copied")] == 0
+  assert cell[("forge", "bridge_calls")] == 7 * 2 + 1
+  pool = cell[("forge", "grad_pool")]
+  gone = cell[("torch", "after_backward")] - cell[("forge", "after_backward")]
+  assert gone >= 0.99 * pool, (gone, pool)
+  assert cell[("forge", "peak_memory")] < cell[("torch", "peak_memory")]
+  assert (out / "torch_e2e.png").exists()
