@@ -32,6 +32,11 @@ H200_TUNED = [os.path.join(AUTOTUNE, "decoder_shapes_tuned.json"),
 BACKENDS_CSV = os.path.join("benchmarks", "results", "h200", "backends.csv")
 MOSAIC_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "ddd1e56",
                    "--mosaic-pick", "default"]
+# Then the run of commit 9228555 (the ping-pong schedule beside the previous
+# defaults, BT 512 and 2048): its fastest tiling per case it measured
+# replaces the entry.
+MOSAIC_PINGPONG_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "9228555",
+                            "--mosaic-pick", "fastest"]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -94,7 +99,8 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   # its BT-512 winners replaced by the wider tuning).
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
-      sorted([os.path.relpath(p, ROOT) for p in H200_CSVS] + [BACKENDS_CSV]))
+      sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
+             + [BACKENDS_CSV] * 2))  # the runs of ddd1e56 and 9228555
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -129,6 +135,7 @@ def test_from_csv_reproduces_the_shipped_winners(tmp_path, monkeypatch):
   assert autotune.main(["--from-csv", *H200_CSVS, "--out", str(out)]) == 0
   assert autotune.main(["--merge", *H200_TUNED, "--out", str(out)]) == 0
   assert autotune.main([*MOSAIC_FROM_CSV, "--out", str(out)]) == 0
+  assert autotune.main([*MOSAIC_PINGPONG_FROM_CSV, "--out", str(out)]) == 0
   got = json.loads(out.read_text())
   assert got == _shipped()
 
@@ -710,42 +717,54 @@ def _csv_rows(path):
 def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   dev = _shipped()["devices"][H200]
   entries = dev["mosaic_gpu"]
-  # 4 shapes x BT 512/2048/4096 (bf16 moments), 2 shapes x BT 512/2048
-  # (fp32 moments).
-  assert len(entries) == 16
+  # 4 shapes x BT 512/2048/4096 (bf16 moments), 3 shapes at BT 512 and 2 at
+  # BT 2048 (fp32 moments).
+  assert len(entries) == 17
+  # The run of ddd1e56: the column-split defaults of that commit.
   want = {(512, "bfloat16"): "64x128x64/4,b2,pn",
           (2048, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
           (4096, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
           (512, "float32"): "128x128x64/4,r1",
           (2048, "float32"): "128x128x64/4,e64x32,r2"}
   rows = _csv_rows(BACKENDS_CSV)
+  by_commit = {}
   for key, entry in entries.items():
     rule, bt, shape, w, slots = key.split("|")
     bt = int(bt[2:])
     slot = slots.split("=")[1].split(",")[0]
     label = M(**entry["config"]).label
+    source = dev["sources"][entry["source"]]
+    assert source["csv"] == BACKENDS_CSV
+    commit = source["commit"]
+    by_commit.setdefault(commit, set()).add(key)
     assert (rule, w) == ("adamw", "w=bfloat16")
-    assert label == want[(bt, slot)], key
     assert entry["timings_us"][label] == entry["time_us"]
     # Its time and the Triton kernel's are the rows of one run of the CSV.
-    case = [r for r in rows if r["commit"] == "ddd1e56"
+    case = [r for r in rows if r["commit"] == commit
             and r["timestamp"] == entry["run"]
             and r["shape"] == f"BT={bt} {shape}"
             and r["dtypes"].endswith("bf16" if slot == "bfloat16" else "fp32")]
-    mosaic = [float(r["p50"]) for r in case if r["provider"].startswith(
-        "forge_mosaic_") and M.from_label(r["provider"][13:]).label == label]
+    mosaic = {M.from_label(r["provider"][13:]).label: float(r["p50"])
+              for r in case if r["provider"].startswith("forge_mosaic_")}
     (triton,) = [float(r["p50"]) for r in case
                  if r["provider"] == "forge_triton"]
-    assert entry["time_us"] in mosaic
+    assert entry["time_us"] == mosaic[label]
     assert entry["triton_time_us"] == triton
+    if commit == "ddd1e56":
+      assert label == want[(bt, slot)], key
+      assert "default tiling" in source["pick"]
+    else:  # the ping-pong run: the fastest tiling it measured
+      assert commit == "9228555" and "fastest" in source["pick"]
+      assert entry["time_us"] == min(mosaic.values()), key
+  # The later run replaced the cases it measured (BT 512 and 2048, bf16
+  # moments; BT 512, fp32 moments but the down projection's).
+  assert len(by_commit["9228555"]) == 11
+  assert {M(**entries[k]["config"]).pingpong
+          for k in by_commit["9228555"] if "bt512|" in k
+          and "float32" not in k} == {True}
   slower = {k for k, e in entries.items()
             if e["time_us"] >= e["triton_time_us"]}
   assert slower == {"adamw|bt4096|4096x1024|w=bfloat16|slots=bfloat16,bfloat16"}
-  (source,) = {dev["sources"][e["source"]]["csv"] for e in entries.values()}
-  assert source == BACKENDS_CSV
-  sid = next(iter(entries.values()))["source"]
-  assert dev["sources"][sid]["commit"] == "ddd1e56"
-  assert "default tiling" in dev["sources"][sid]["pick"]
 
 
 _BACKENDS_HEADER = ["benchmark", "case", "provider", "shape", "dtypes",
