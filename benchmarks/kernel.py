@@ -124,7 +124,7 @@ def to_torch(arrays, device, dtype=None):
   return out
 
 
-def torch_adamw_arm(x, dy, w, m, v, first_step=STEP):
+def torch_adamw_arm(x, dy, w, m, v, first_step=STEP, weight_decay=WD):
   """The torch arm: ``W.grad = x^T dy`` by cuBLAS into a preallocated buffer,
   then ``torch.optim.AdamW(fused=True).step()`` (moments in W's dtype, as
   torch keeps them), from state ``w, m, v`` at step ``first_step``.
@@ -133,7 +133,7 @@ def torch_adamw_arm(x, dy, w, m, v, first_step=STEP):
   W = torch.nn.Parameter(w.clone())
   gbuf = torch.zeros_like(W)
   opt = torch.optim.AdamW([W], lr=LR, betas=(B1, B2), eps=EPS,
-                          weight_decay=WD, fused=True)
+                          weight_decay=weight_decay, fused=True)
   # One step lets torch create its state (its dtypes, devices, the fused
   # on-device step count); then load the benchmark's state into it.
   W.grad = gbuf

@@ -321,15 +321,6 @@ def _moment_dtypes(opt) -> str:
   return f"m={names('exp_avg')},v={names('exp_avg_sq')}"
 
 
-def _jax_peak_bytes():
-  import jax  # noqa: PLC0415 -- forge arm only: JAX already started
-  try:
-    stats = jax.devices()[0].memory_stats()
-  except Exception:  # noqa: BLE001 -- not every backend has stats
-    return None
-  return None if not stats else stats.get("peak_bytes_in_use")
-
-
 def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
              device: str, seed: int = 0) -> dict:
   """Builds, warms up and times one (arm, BT) cell in this process; returns
@@ -406,7 +397,7 @@ def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
              bridge_direct=stats.direct / steps,
              bridge_copied=stats.copied / steps,
              sync=forge_torch.get_sync_mode(effective=True),
-             jax_peak_bytes=_jax_peak_bytes() if cuda else None)
+             jax_peak_bytes=e2e._peak_bytes() if cuda else None)
   return r
 
 
