@@ -503,19 +503,17 @@ class _HparamsRing:
 
 
 class _Launch:
-  """A resolved direct launch: the compiled kernel and what was checked to
-  choose it (the rule and tiling objects, kept alive so their ids in the
-  fast-path key stay theirs)."""
+  """A resolved direct launch: the compiled kernel, the number of state
+  tensors it writes and the hyperparameter ring it reads from."""
 
-  __slots__ = ("kernel", "rule", "config", "n_state", "ring")
+  __slots__ = ("kernel", "n_state", "ring")
 
-  def __init__(self, kernel, rule, config, n_state, ring):
-    self.kernel, self.rule, self.config = kernel, rule, config
-    self.n_state, self.ring = n_state, ring
+  def __init__(self, kernel, n_state, ring):
+    self.kernel, self.n_state, self.ring = kernel, n_state, ring
 
 
-# Fast path: (shapes, dtypes, device, stream, id(rule), id(config)) ->
-# _Launch, or None for the DLPack path.
+# Fast path: (shapes, dtypes, device, stream, rule, config) -> _Launch, or
+# None for the DLPack path.
 _LAUNCHES: dict = {}
 
 
@@ -546,8 +544,7 @@ def _resolve(x2, dy2, w, slots, vec, rule, config, device_index: int,
     ring = _RINGS.get(ring_key)
     if ring is None:
       ring = _RINGS[ring_key] = _HparamsRing(device, vec.shape[0])
-  return _Launch(kernel, rule, config,
-                 len(slots) + (1 if rule.updates_weight else 0), ring)
+  return _Launch(kernel, len(slots) + (1 if rule.updates_weight else 0), ring)
 
 
 _RINGS: dict = {}
@@ -568,10 +565,9 @@ def _direct_update(x, dy, w, slots, hparams, rule, config) -> bool:
   vec = np.ascontiguousarray(hparams, dtype=np.float32)
   key = (x2.shape, dy2.shape, x2.dtype, w.shape, w.dtype,
          *(s.dtype for s in slots), len(slots), device_index, stream,
-         vec.shape[0], id(rule), id(config))
+         vec.shape[0], rule, config)
   launch = _LAUNCHES.get(key, False)
-  if launch is False or (launch is not None and (
-      launch.rule is not rule or launch.config is not config)):
+  if launch is False:
     launch = _resolve(x2, dy2, w, slots, vec, rule, config, device_index,
                       stream)
     with _LOCK:
