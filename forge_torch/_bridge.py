@@ -561,6 +561,8 @@ def _direct_update(x, dy, w, slots, hparams, rule, config) -> bool:
   x2 = x.detach().reshape(-1, x.shape[-1])
   dy2 = dy.detach().reshape(-1, dy.shape[-1])
   device_index = w.get_device()
+  if x.get_device() != device_index or dy.get_device() != device_index:
+    return False  # (the DLPack path says which tensor is elsewhere)
   stream = _raw_stream(device_index)
   vec = np.ascontiguousarray(hparams, dtype=np.float32)
   key = (x2.shape, dy2.shape, x2.dtype, w.shape, w.dtype,
