@@ -25,14 +25,23 @@ from typing import Sequence
 
 import numpy as np
 import jax
+import jax.numpy as jnp
+from jax import lax
 import torch
 
 import pallas_kernels
 from forge_torch import _direct
 from pallas_kernels import mosaic_kernel, torch_rules, tuning_cache
+from pallas_kernels.quant import Quantized
 from pallas_kernels.rules import UpdateRule
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# Codes of a quantized slot (pallas_kernels.quant): torch dtype -> JAX dtype.
+# float8 codes cross DLPack as their uint8 bit pattern (not every torch /
+# JAX pair exchanges float8 through DLPack) and are bitcast inside the call.
+CODE_DTYPES = {torch.int8: jnp.dtype(jnp.int8),
+               torch.float8_e4m3fn: jnp.dtype(jnp.float8_e4m3fn),
+               torch.float8_e5m2: jnp.dtype(jnp.float8_e5m2)}
 
 
 # --------------------------------------------------------------------------
@@ -220,11 +229,56 @@ class _Jitted:
     self.warm = False
 
 
+def _low_precision_fn(rule: UpdateRule, config, interpret: bool,
+                      layout: tuple, sr: bool):
+  """The fused update on flat slot arrays: per slot of ``layout``, ``None``
+  (one float array) or the codes' JAX dtype name (two arrays, codes --
+  float8 ones as their uint8 bits -- and scales, passed to the kernel as a
+  ``Quantized`` pair); ``sr``: an extra ``uint32[2]`` argument holds the
+  stochastic-rounding ``(seed, step)``. Returns the flat slots likewise."""
+
+  def fn(x, dy, w, flat, hparams, seed_step=None):
+    slots, i = [], 0
+    for kind in layout:
+      if kind is None:
+        slots.append(flat[i])
+        i += 1
+        continue
+      q, scale = flat[i], flat[i + 1]
+      i += 2
+      if q.dtype != jnp.dtype(kind):
+        q = lax.bitcast_convert_type(q, jnp.dtype(kind))
+      slots.append(Quantized(q, scale))
+    w_new, new = pallas_kernels.fused_wgrad_update(
+        x, dy, w, tuple(slots), hparams, rule=rule, config=config,
+        interpret=interpret,
+        stochastic_rounding=(seed_step[0], seed_step[1]) if sr else None)
+    out = []
+    for s in new:
+      if isinstance(s, Quantized):
+        q = s.q
+        if q.dtype != jnp.int8:
+          q = lax.bitcast_convert_type(q, jnp.uint8)
+        out += [q, s.scale]
+      else:
+        out.append(s)
+    return w_new, tuple(out)
+
+  return fn
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted(key, rule: UpdateRule, config, interpret: bool,
-            donate: bool) -> _Jitted:
-  """One jitted fused update per (device, shapes, dtypes, rule, config)."""
+            donate: bool, layout: tuple | None = None,
+            sr: bool = False) -> _Jitted:
+  """One jitted fused update per (device, shapes, dtypes, rule, config);
+  ``layout``, ``sr``: quantized slots and stochastic rounding
+  (:func:`_low_precision_fn`)."""
   del key  # part of the cache key only; jit specialises on it as well
+  if layout is not None:
+    return _Jitted(jax.jit(
+        _low_precision_fn(rule, config, interpret, layout, sr),
+        donate_argnums=(2, 3) if donate else ()))
   fn = functools.partial(pallas_kernels.fused_wgrad_update, rule=rule,
                          config=config, interpret=interpret)
   if not rule.updates_weight:
@@ -235,6 +289,13 @@ def _jitted(key, rule: UpdateRule, config, interpret: bool,
         None, update(x, dy, w, slots, hparams)[1])
     return _Jitted(jax.jit(fn, donate_argnums=(3,) if donate else ()))
   return _Jitted(jax.jit(fn, donate_argnums=(2, 3) if donate else ()))
+
+
+def _entry(key, rule, config, interpret, donate, layout, sr) -> _Jitted:
+  """:func:`_jitted`'s entry; the low-precision arguments only where set."""
+  if layout is None:
+    return _jitted(key, rule, config, interpret, donate)
+  return _jitted(key, rule, config, interpret, donate, layout, sr)
 
 
 def _run(entry: _Jitted, args) -> tuple:
@@ -350,10 +411,11 @@ class ViewCache:
 
 
 def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
-                 slots: Sequence[torch.Tensor], hparams, *,
+                 slots: Sequence[torch.Tensor | Quantized], hparams, *,
                  rule: UpdateRule = torch_rules.adam_rule(amsgrad=False),
                  config: pallas_kernels.BlockConfig | None = None,
-                 views: ViewCache | None = None) -> bool:
+                 views: ViewCache | None = None,
+                 stochastic_rounding: tuple[int, int] | None = None) -> bool:
   """``w, slots <- rule(w, slots, G = x^T dy)`` on torch tensors, in place.
 
   Args:
@@ -364,13 +426,23 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     w: ``(n_in, n_out)`` weight, updated in place (for a torch ``Linear``:
       ``weight`` ``(out, in)`` itself, so ``G`` is torch's own weight grad);
       only read for its shape by a rule with ``updates_weight=False``.
-    slots: the rule's state tensors, ``w``'s shape, updated in place.
+    slots: the rule's state tensors, ``w``'s shape, updated in place; a
+      quantized slot (``pallas_kernels.quant``) is a
+      ``pallas_kernels.quant.Quantized(q, scale)`` pair of torch tensors:
+      codes ``q`` of ``w``'s shape (int8, float8_e4m3fn or float8_e5m2)
+      and float32 ``scale`` ``(n_in, ceil(n_out / 64))``, one per 64
+      consecutive elements of a row of ``w`` (for a torch ``Linear``: along
+      its ``in`` dimension). Quantized slots run on the Triton kernel,
+      through DLPack (never a direct launch).
     hparams: the rule's packed fp32 vector (numpy, or a JAX array on the
       tensors' device).
     rule, config: the kernel's update rule and tiling.
     views: this weight's :class:`ViewCache` (CUDA): the state's JAX views
       from the last in-place call are reused instead of imported again, and
       this call's are kept. None: import every tensor (the default).
+    stochastic_rounding: ``None`` (round to nearest), or ``(seed, step)``,
+      integers: a bfloat16 ``w`` is stored by stochastic rounding
+      (``pallas_kernels.quant.stochastic_round_to_bf16``) with these.
 
   On CUDA the kernel is ordered with torch's current stream as the sync mode
   says (:func:`set_sync_mode`): either way, work torch queued on that stream
@@ -381,21 +453,62 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     ``True`` if every state tensor the rule writes was written in place by
     the kernel, ``False`` if any had to be copied back.
   """
+  floats = [s for s in slots if not isinstance(s, Quantized)]
   for name, t in (("x", x), ("dy", dy), ("w", w),
-                  *((f"slot {i}", s) for i, s in enumerate(slots))):
+                  *((f"slot {i}", s) for i, s in enumerate(floats))):
     # JAX would import float64 as float32 (x64 off) and the result would be
     # copied back: fp32 arithmetic on float64 tensors, silently.
     check_dtype(t, f"fused_update's {name}")
-  for t in (w, *slots):
+  for i, s in enumerate(slots):
+    if isinstance(s, Quantized):
+      _check_quantized(s, w, f"fused_update's slot {i}")
+  for t in (w, *_flat_slots(slots)):
     if not t.is_contiguous():
       raise ValueError("forge_torch: weight and optimizer state must be "
                        "contiguous to be updated in place")
+  if stochastic_rounding is not None:
+    seed, step = stochastic_rounding
+    stochastic_rounding = (int(seed) % 2**32, int(step) % 2**32)
   if w.is_cuda and w.device.index != torch.cuda.current_device():
     # torch's __dlpack__ exports only tensors of the current device, and
     # orders them with that device's current stream.
     with torch.cuda.device(w.device):
-      return _fused_update(x, dy, w, slots, hparams, rule, config, views)
-  return _fused_update(x, dy, w, slots, hparams, rule, config, views)
+      return _fused_update(x, dy, w, slots, hparams, rule, config, views,
+                           stochastic_rounding)
+  return _fused_update(x, dy, w, slots, hparams, rule, config, views,
+                       stochastic_rounding)
+
+
+def _check_quantized(s: Quantized, w: torch.Tensor, what: str) -> None:
+  """A quantized slot's codes and scales fit weight ``w`` (kernel layout)."""
+  q, scale = s
+  n_in, n_out = w.shape[-2:]
+  want = (*w.shape[:-1], -(-n_out // 64))
+  if (not isinstance(q, torch.Tensor) or not isinstance(scale, torch.Tensor)
+      or q.dtype not in CODE_DTYPES or tuple(q.shape) != tuple(w.shape)
+      or scale.dtype != torch.float32 or tuple(scale.shape) != want
+      or q.device != w.device or scale.device != w.device):
+    raise TypeError(
+        f"forge_torch: {what} is a quantized moment whose codes are "
+        f"{getattr(q, 'dtype', type(q))}{list(getattr(q, 'shape', ()))} and "
+        f"scales {getattr(scale, 'dtype', type(scale))}"
+        f"{list(getattr(scale, 'shape', ()))}; for a weight "
+        f"{list(w.shape)} on {w.device} they must be int8, float8_e4m3fn or "
+        f"float8_e5m2 codes of the weight's shape and float32 scales "
+        f"{list(want)} (one per 64 elements of a row), on its device")
+
+
+def _flat_slots(slots) -> list[torch.Tensor]:
+  """The slots' tensors, a quantized slot as its codes then its scales
+  (float8 codes as their uint8 bits: what crosses DLPack)."""
+  flat = []
+  for s in slots:
+    if isinstance(s, Quantized):
+      q = s.q if s.q.dtype == torch.int8 else s.q.view(torch.uint8)
+      flat += [q, s.scale]
+    else:
+      flat.append(s)
+  return flat
 
 
 # --------------------------------------------------------------------------
@@ -550,11 +663,16 @@ def _resolve(x2, dy2, w, slots, vec, rule, config, device_index: int,
 _RINGS: dict = {}
 
 
-def _direct_update(x, dy, w, slots, hparams, rule, config) -> bool:
+def _direct_update(x, dy, w, slots, hparams, rule, config,
+                   stochastic_rounding=None) -> bool:
   """Launches the Mosaic GPU kernel directly on the torch tensors, in place,
   on torch's current stream; ``False`` (nothing done) where the case takes
-  the DLPack path."""
+  the DLPack path -- always for quantized slots and stochastic rounding,
+  which the Mosaic GPU kernel does not support."""
   if _direct.unavailable() is not None or isinstance(hparams, jax.Array):
+    return False
+  if stochastic_rounding is not None or any(
+      isinstance(s, Quantized) for s in slots):
     return False
   if x.dtype != dy.dtype or x.dim() < 1 or dy.dim() < 1:
     return False
@@ -591,7 +709,8 @@ def _capturing() -> bool:
   return torch.cuda.is_current_stream_capturing()
 
 
-def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
+def _fused_update(x, dy, w, slots, hparams, rule, config, views,
+                  stochastic_rounding=None) -> bool:
   global _DONATION_BROKEN
   if w.is_cuda:
     if _capturing():
@@ -600,8 +719,17 @@ def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
           "(its hyperparameters are copied from the host at every step, and "
           "the DLPack path runs JAX work the capture cannot record); run the "
           "backward of forge_torch.Linear layers outside graph capture")
-    if _direct_update(x, dy, w, slots, hparams, rule, config):
+    if _direct_update(x, dy, w, slots, hparams, rule, config,
+                      stochastic_rounding):
       return True
+  # Quantized slots / stochastic rounding: the slots' static layout (per
+  # slot None or its codes' dtype), else None (the plain call).
+  layout = None
+  if stochastic_rounding is not None or any(
+      isinstance(s, Quantized) for s in slots):
+    layout = tuple(CODE_DTYPES[s.q.dtype].name if isinstance(s, Quantized)
+                   else None for s in slots)
+  slots = _flat_slots(slots)
   # The tensors the kernel writes: the weight (unless the rule is
   # state-only) and the slots.
   tensors = (w, *slots) if rule.updates_weight else tuple(slots)
@@ -644,11 +772,16 @@ def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
   wj, *sj = [_to_jax(t) if a is None else a for t, a in zip(held[2:], state)]
   sj = tuple(sj)
   hp = _device_hparams(hparams, device)
+  extra = ()
+  if stochastic_rounding is not None:
+    extra = (jax.device_put(np.asarray(stochastic_rounding, np.uint32),
+                            device),)
+  sr = stochastic_rounding is not None
   key = (device, x_c.shape, dy_c.shape, x_c.dtype, dy_c.dtype,
          tuple((t.shape, t.dtype) for t in tensors))
   try:
-    w_new, s_new = _run(_jitted(key, rule, config, interpret, donate),
-                        (xj, dyj, wj, sj, hp))
+    w_new, s_new = _run(_entry(key, rule, config, interpret, donate, layout,
+                               sr), (xj, dyj, wj, sj, hp, *extra))
   except (RuntimeError, ValueError) as e:
     if not donate or "donat" not in str(e).lower():
       raise
@@ -661,8 +794,8 @@ def _fused_update(x, dy, w, slots, hparams, rule, config, views) -> bool:
     xj, dyj = _to_jax(x_c), _to_jax(dy_c)
     wj = _to_jax(held[2])
     sj = tuple(_to_jax(s) for s in held[3:])
-    w_new, s_new = _run(_jitted(key, rule, config, interpret, donate),
-                        (xj, dyj, wj, sj, hp))
+    w_new, s_new = _run(_entry(key, rule, config, interpret, donate, layout,
+                               sr), (xj, dyj, wj, sj, hp, *extra))
   outs = (w_new, *s_new) if rule.updates_weight else tuple(s_new)
   if ordered:
     handle = _torch_stream_handle(stream)
@@ -719,6 +852,7 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
         "be torch.float32 or torch.bfloat16 (keep other layers as nn.Linear)")
 
 
-__all__ = ["BridgeStats", "STATS", "SUPPORTED_DTYPES", "SYNC_MODES",
+__all__ = ["BridgeStats", "CODE_DTYPES", "STATS", "SUPPORTED_DTYPES",
+           "SYNC_MODES",
            "ViewCache", "check_dtype", "fused_update", "get_sync_mode",
            "set_sync_mode"]

@@ -170,17 +170,18 @@ def set_max_grad_norm(opt, value) -> None:
   opt._forge_max_grad_norm = value
 
 
-def signature_with_max_grad_norm(base: type) -> inspect.Signature:
-  """``base``'s constructor signature plus the keyword-only
-  ``max_grad_norm=None`` (a forge_torch optimizer's)."""
+def signature_with_options(base: type, options) -> inspect.Signature:
+  """``base``'s constructor signature plus the keyword-only ``options``
+  (``(name, default)`` pairs: a forge_torch optimizer's own, e.g.
+  ``max_grad_norm=None``), before any ``**kwargs``."""
   sig = inspect.signature(base)
-  extra = inspect.Parameter("max_grad_norm", inspect.Parameter.KEYWORD_ONLY,
-                            default=None)
+  extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                             default=default) for name, default in options]
   params = list(sig.parameters.values())
   if params and params[-1].kind == inspect.Parameter.VAR_KEYWORD:
-    params.insert(len(params) - 1, extra)
+    params[-1:-1] = extra
   else:
-    params.append(extra)
+    params += extra
   return sig.replace(parameters=params)
 
 

@@ -46,9 +46,13 @@ scalars from the group and the step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
+import zlib
 from typing import Any, Callable, ClassVar, Mapping
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _get_value
@@ -61,6 +65,8 @@ from forge_torch import _clip
 from forge_torch import distributed as _distributed
 from forge_torch import linear as _linear
 from pallas_kernels import families
+from pallas_kernels import quant
+from pallas_kernels.quant import MomentFormat, Quantized
 from pallas_kernels.rules import UpdateRule, pack_host
 
 # Options torch has that no family fuses: option -> (value that is supported,
@@ -72,6 +78,72 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "differentiable": (False, "the fused update happens inside backward and "
                        "is not itself differentiable"),
 }
+
+
+# moments= names -> the pallas_kernels.quant format kind (forge_jax's names).
+MOMENT_KINDS: dict[str, str] = {"int8": "int8", "fp8": "fp8_e4m3",
+                                "fp8_e4m3": "fp8_e4m3",
+                                "fp8_e5m2": "fp8_e5m2"}
+# A quantized moment's codes: the format kind -> their torch dtype.
+_CODE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8,
+                                        "fp8_e4m3": torch.float8_e4m3fn,
+                                        "fp8_e5m2": torch.float8_e5m2}
+# state[name + SCALE_SUFFIX]: a quantized moment's float32 scales.
+SCALE_SUFFIX = "_scale"
+# The warning lists at most this many parameters by position.
+_LIST_AT_MOST = 8
+
+
+class _Raw:
+  """A state tensor that torch's ``load_state_dict`` must not cast to the
+  parameter's dtype (codes and float32 scales): it casts ``torch.Tensor``
+  values and rebuilds iterables, and leaves anything else as it is."""
+
+  __slots__ = ("tensor",)
+
+  def __init__(self, tensor: torch.Tensor):
+    self.tensor = tensor
+
+
+def _quantize_tensor(x: torch.Tensor, fmt: MomentFormat, second: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+  """``pallas_kernels.quant.quantize(x)`` as torch tensors on ``x``'s
+  device: codes of ``x``'s shape and float32 scales, one per 64 elements of
+  its last axis. All zeros (the usual initial state): zero codes and zero
+  scales, as the format stores them, without a host round trip."""
+  dtype = _CODE_DTYPES[fmt.kind]
+  scale_shape = fmt.scale_shape(x.shape)
+  if not bool(torch.any(x)):
+    return (torch.zeros(x.shape, dtype=dtype, device=x.device),
+            torch.zeros(scale_shape, dtype=torch.float32, device=x.device))
+  qx = quant.quantize(jnp.asarray(x.detach().float().cpu().numpy()), fmt,
+                      second_moment=second)
+  bits = np.array(qx.q).view(np.int8 if fmt.kind == "int8" else np.uint8)
+  q = torch.from_numpy(bits).view(dtype).to(x.device)
+  return q, torch.from_numpy(np.array(qx.scale)).to(x.device)
+
+
+def _dequantize_tensor(q: torch.Tensor, scale: torch.Tensor,
+                       block: int = 64) -> torch.Tensor:
+  """``float32(q) * scale`` of each element's block (the format's
+  dequantization), float32."""
+  full = scale.repeat_interleave(block, dim=-1)[..., :q.shape[-1]]
+  return q.float() * full
+
+
+@functools.lru_cache(maxsize=None)
+def _with_second_moments(rule: UpdateRule, second: tuple[str, ...]
+                         ) -> UpdateRule:
+  """``rule`` naming ``second`` as its second moments (the gradient
+  accumulation rule wraps a family's without them): which quantized slots
+  are clamped at zero and floored."""
+  return dataclasses.replace(rule, second_moments=second)
+
+
+# The keyword-only options a forge_torch optimizer adds to torch's
+# constructor, with their defaults (in its signature, in this order).
+FORGE_OPTIONS = (("max_grad_norm", None), ("moments", None),
+                 ("stochastic_rounding", False), ("seed", 0))
 
 
 def _unhooked(fn: Callable) -> Callable:
@@ -141,6 +213,14 @@ class _ForgeOptimizer:
   # can refuse it: the managed weights were already updated during backward
   # with the loss-scaled gradient, which no later unscaling can undo.
   _step_supports_amp_scaling: ClassVar[bool] = True
+  # Whether the family counts steps (``state["step"]``), which stochastic
+  # rounding draws its random bits from.
+  _forge_counts_steps: ClassVar[bool] = True
+  # The low-precision options (set per instance by the constructor).
+  _forge_moments: str | None = None
+  _forge_format: MomentFormat | None = None
+  _forge_sr: bool = False
+  _forge_seed: int = 0
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -149,15 +229,200 @@ class _ForgeOptimizer:
                  and not issubclass(b, _ForgeOptimizer)), None)
     if base is not None:  # None for intermediate mixins (_AdamMoments)
       cls._forge_torch = base
-      # torch's constructor, plus max_grad_norm (forge_torch/_clip.py).
-      cls.__signature__ = _clip.signature_with_max_grad_norm(base)
+      # torch's constructor, plus max_grad_norm (forge_torch/_clip.py) and
+      # the low-precision state options.
+      cls.__signature__ = _clip.signature_with_options(base, FORGE_OPTIONS)
 
-  def __init__(self, *args, max_grad_norm: float | None = None, **kwargs):
+  def __init__(self, *args, max_grad_norm: float | None = None,
+               moments: str | None = None, stochastic_rounding: bool = False,
+               seed: int = 0, **kwargs):
     # max_grad_norm: clip by the global norm, in two passes of a closure
-    # given to step() (forge_torch/_clip.py); the rest is torch's.
+    # given to step() (forge_torch/_clip.py); moments, stochastic_rounding,
+    # seed: low-precision state of managed weights; the rest is torch's.
     self.max_grad_norm = max_grad_norm
     self.last_grad_norm = None  # the last clipped step's norm (a tensor)
+    self._forge_set_low_precision(moments, stochastic_rounding, seed)
     super().__init__(*args, **kwargs)
+    self._forge_warn_unmanaged(self.param_groups)
+    self._forge_constructed = True
+
+  # -- low-precision state ----------------------------------------------------
+
+  def _forge_set_low_precision(self, moments, stochastic_rounding,
+                               seed) -> None:
+    name = f"forge_torch.{type(self).__name__}"
+    if moments is not None and not (isinstance(moments, str)
+                                    and moments in MOMENT_KINDS):
+      raise ValueError(
+          f"{name}: moments={moments!r} is not supported. Use 'int8' "
+          "(8-bit integer codes), 'fp8' (float8_e4m3fn codes; 'fp8_e4m3' is "
+          "the same) or 'fp8_e5m2' (float8_e5m2 codes: more range, fewer "
+          "digits) -- each with one float32 scale per 64 elements -- or "
+          "None (the default: moments in the weight's dtype, as torch keeps "
+          "them)")
+    if not isinstance(stochastic_rounding, (bool, np.bool_)):
+      raise TypeError(f"{name}: stochastic_rounding must be True or False, "
+                      f"got {stochastic_rounding!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+      raise TypeError(f"{name}: seed must be an integer (the stochastic-"
+                      f"rounding seed), got {seed!r:.80}")
+    if stochastic_rounding and not self._forge_counts_steps:
+      raise ValueError(
+          f"{name}: stochastic_rounding=True draws its random bits from the "
+          "step number, and torch's SGD keeps no step count in its state; "
+          "use another optimizer, or leave stochastic_rounding=False")
+    self._forge_moments = moments
+    self._forge_format = (None if moments is None
+                          else MomentFormat(MOMENT_KINDS[moments]))
+    self._forge_sr = bool(stochastic_rounding)
+    self._forge_seed = int(seed)
+
+  @property
+  def moments(self) -> str | None:
+    """How managed weights of at least 4096 elements store their moments:
+    ``"int8"``, ``"fp8"`` / ``"fp8_e4m3"``, ``"fp8_e5m2"`` (codes plus one
+    float32 scale per 64 elements, ``state[name]`` and
+    ``state[name + "_scale"]``), or ``None`` (torch's float state)."""
+    return self._forge_moments
+
+  @property
+  def stochastic_rounding(self) -> bool:
+    """Whether managed (bfloat16) weights are stored by stochastic
+    rounding (``pallas_kernels.quant.stochastic_round_to_bf16``)."""
+    return self._forge_sr
+
+  @property
+  def seed(self) -> int:
+    """The stochastic-rounding seed; a managed weight's own seed is
+    ``(seed + crc32("param_groups[g][i]")) mod 2**32`` for its position
+    ``i`` in param group ``g``."""
+    return self._forge_seed
+
+  def _forge_moment_format(self, p: torch.Tensor) -> MomentFormat | None:
+    """The format of managed weight ``p``'s moments, or ``None`` (float
+    moments: ``moments=None``, or fewer than 4096 elements)."""
+    fmt = self._forge_format
+    if fmt is None or not fmt.quantizes(tuple(p.shape)):
+      return None
+    return fmt
+
+  def _forge_param_seed(self, p: torch.Tensor) -> int:
+    """``p``'s stochastic-rounding seed (see :attr:`seed`)."""
+    for gi, group in enumerate(self.param_groups):
+      for pi, q in enumerate(group["params"]):
+        if q is p:
+          crc = zlib.crc32(f"param_groups[{gi}][{pi}]".encode())
+          return (self._forge_seed + crc) % 2**32
+    raise RuntimeError("forge_torch: a managed weight is in none of the "
+                       "optimizer's param groups")
+
+  def _forge_check_low_precision(self, group: Mapping[str, Any],
+                                 managed: list[torch.Tensor]) -> None:
+    """Refuses a group's managed weights that the options cannot apply to."""
+    name = f"forge_torch.{type(self).__name__}"
+    if self._forge_moments is not None and managed and not self._forge_rule(
+        group).slots:
+      raise ValueError(
+          f"{name}: moments={self._forge_moments!r}, but this param group "
+          "keeps no moments (SGD without momentum has no state); give the "
+          "group momentum, or leave moments=None")
+    if self._forge_sr:
+      for p in managed:
+        if p.dtype != torch.bfloat16:
+          raise ValueError(
+              f"{name}: stochastic_rounding=True stores bfloat16 weights by "
+              f"stochastic rounding, but the forge_torch.Linear "
+              f"{_linear.weight_name(p)} is {p.dtype}. Cast the model to "
+              "bfloat16 before building the optimizer "
+              "(model.to(torch.bfloat16)), or leave stochastic_rounding="
+              "False")
+
+  def _forge_warn_unmanaged(self, groups) -> None:
+    """Warns once per call about parameters the options do not reach:
+    torch's own step updates them with float moments, rounding to
+    nearest."""
+    if self._forge_moments is None and not self._forge_sr:
+      return
+    lines = []
+    for group in groups:
+      gi = next((i for i, g in enumerate(self.param_groups) if g is group), 0)
+      for pi, p in enumerate(group["params"]):
+        if _linear.is_forge_weight(p):
+          continue
+        why = []
+        if (self._forge_moments is not None
+            and p.numel() >= quant.MIN_QUANTIZED_SIZE):
+          why.append("float moments")
+        if (self._forge_sr and p.dtype == torch.bfloat16
+            and p.numel() >= quant.MIN_QUANTIZED_SIZE):
+          why.append("rounded to nearest")
+        if why:
+          lines.append(f"param_groups[{gi}]['params'][{pi}] (shape "
+                       f"{tuple(p.shape)}): {', '.join(why)}")
+    if not lines:
+      return
+    shown = "; ".join(lines[:_LIST_AT_MOST]) + (
+        f"; and {len(lines) - _LIST_AT_MOST} more"
+        if len(lines) > _LIST_AT_MOST else "")
+    name = type(self).__name__
+    warnings.warn(
+        f"forge_torch.{name}(moments={self._forge_moments!r}, "
+        f"stochastic_rounding={self._forge_sr}): {len(lines)} parameter(s) "
+        f"are not forge_torch.Linear weights, so torch.optim.{name}'s own "
+        "step updates them with its float state and rounds them to nearest: "
+        f"{shown}. Only forge_torch.Linear weights get int8/fp8 moments (of "
+        "at least 4096 elements) and stochastic rounding (bfloat16); make "
+        "large layers forge_torch.Linear, or give these parameters to a "
+        "separate torch optimizer to silence this warning.",
+        UserWarning, stacklevel=3)
+
+  def _forge_low_precision_slots(self, p, state, rule, fmt, layer: str
+                                 ) -> list[Quantized]:
+    """``p``'s quantized slots as ``Quantized`` pairs of its state tensors,
+    checked against the format."""
+    out = []
+    dtype = _CODE_DTYPES[fmt.kind]
+    scale_shape = fmt.scale_shape(tuple(p.shape))
+    for name in rule.slots:
+      q, scale = state.get(name), state.get(name + SCALE_SUFFIX)
+      if (not isinstance(q, torch.Tensor)
+          or not isinstance(scale, torch.Tensor) or q.dtype != dtype
+          or q.shape != p.shape or q.device != p.device
+          or scale.dtype != torch.float32
+          or tuple(scale.shape) != scale_shape or scale.device != p.device):
+        raise RuntimeError(
+            f"forge_torch.Linear {layer}: with moments="
+            f"{self._forge_moments!r} its optimizer state {name!r} must be "
+            f"{dtype} codes {list(p.shape)} and {name + SCALE_SUFFIX!r} "
+            f"float32 scales {list(scale_shape)} on {p.device}; got "
+            f"{_describe(q)} and {_describe(scale)} (was the state replaced, "
+            "or the model moved after the state was created?)")
+      out.append(Quantized(q, scale))
+    return out
+
+  def _forge_convert_state(self, p: torch.Tensor, state: dict,
+                           rule: UpdateRule) -> None:
+    """Brings loaded state of managed weight ``p`` to this optimizer's
+    format: float moments (a torch checkpoint) quantized, quantized ones in
+    another format requantized, quantized ones dequantized for float
+    state."""
+    fmt = self._forge_moment_format(p)
+    for name in rule.slots:
+      value = state.get(name)
+      scale = state.pop(name + SCALE_SUFFIX, None)
+      if not isinstance(value, torch.Tensor):
+        continue
+      if scale is not None:
+        if fmt is not None and value.dtype == _CODE_DTYPES[fmt.kind]:
+          state[name + SCALE_SUFFIX] = scale
+          continue
+        value = _dequantize_tensor(value.to(p.device), scale.to(p.device))
+      if fmt is None:
+        state[name] = value.to(dtype=p.dtype, device=p.device)
+      else:
+        second = name in rule.second_moments
+        state[name], state[name + SCALE_SUFFIX] = _quantize_tensor(
+            value.to(p.device), fmt, second)
 
   @property
   def max_grad_norm(self) -> float | None:
@@ -227,6 +492,8 @@ class _ForgeOptimizer:
     state = dict(super().__getstate__())
     state["_forge_accumulate_steps"] = self.accumulate_steps
     state["_forge_max_grad_norm"] = self.max_grad_norm
+    state["_forge_low_precision"] = (self._forge_moments, self._forge_sr,
+                                     self._forge_seed)
     state["_forge_managed_at"] = [
         (gi, pi) for gi, g in enumerate(self.param_groups)
         for pi, p in enumerate(g["params"]) if p in self._forge_managed]
@@ -240,7 +507,10 @@ class _ForgeOptimizer:
     at = state.pop("_forge_managed_at", None)
     k = state.pop("_forge_accumulate_steps", None)
     clip = state.pop("_forge_max_grad_norm", None)
+    low = state.pop("_forge_low_precision", None)
     super().__setstate__(state)
+    if low is not None:
+      self._forge_set_low_precision(*low)
     if clip is not None:
       self._forge_max_grad_norm = clip
     if k is not None:
@@ -284,11 +554,14 @@ class _ForgeOptimizer:
         _bridge.check_dtype(p, "a forge_torch.Linear weight")
       if managed:
         self._forge_rule(group)  # refuses unfusable combinations now
+      self._forge_check_low_precision(group, managed)
     except (TypeError, ValueError):
       self.param_groups.pop()
       raise
     for p in managed:
       self._forge_take(p, index)
+    if getattr(self, "_forge_constructed", False):
+      self._forge_warn_unmanaged([group])
 
   def load_state_dict(self, state_dict) -> None:
     # The loaded groups' options must pass the checks add_param_group made
@@ -301,14 +574,54 @@ class _ForgeOptimizer:
       if index < len(self.param_groups) and any(
           p in self._forge_managed for p in self.param_groups[index]["params"]):
         self._forge_rule({**self.param_groups[index], **options})
+    state_dict, raw = self._forge_hold_raw(state_dict)
     super().load_state_dict(state_dict)
     for index, group in enumerate(self.param_groups):
       for p in group["params"]:
         if p in self._forge_managed:
           self._forge_managed[p] = index
+    for p in raw:  # codes and scales as saved, on the weight's device
+      state = self.state[p]
+      for k, v in list(state.items()):
+        if isinstance(v, _Raw):
+          state[k] = v.tensor.to(device=p.device, copy=True)
+    for index, group in enumerate(self.param_groups):
+      for p in group["params"]:
+        if p in self._forge_managed and p in self.state:
+          self._forge_convert_state(p, self.state[p],
+                                    self._forge_rule(group, p.device))
     # The loaded state tensors are new memory; drop the views of the old.
     self._forge_views = WeakIdKeyDictionary()
     self._forge_reset_step()
+
+  def _forge_hold_raw(self, state_dict):
+    """``state_dict`` with managed weights' codes and scales wrapped so that
+    torch's loader keeps their dtypes (it casts floating-point parameters'
+    state to the parameter's dtype: int8 codes would become floats and
+    float32 scales of a bfloat16 weight would lose digits); and the
+    managed parameters concerned."""
+    if not isinstance(state_dict, Mapping) or not isinstance(
+        state_dict.get("state"), Mapping):
+      return state_dict, []
+    saved_ids = [i for g in state_dict.get("param_groups", [])
+                 for i in g.get("params", [])]
+    params = [p for g in self.param_groups for p in g["params"]]
+    state = dict(state_dict["state"])
+    raw = []
+    for sid, p in zip(saved_ids, params):
+      entry = state.get(sid)
+      if p not in self._forge_managed or not isinstance(entry, Mapping):
+        continue
+      wrapped = {
+          k: _Raw(v) if isinstance(v, torch.Tensor) and (
+              v.dtype in _CODE_DTYPES.values() or (
+                  isinstance(k, str) and k.endswith(SCALE_SUFFIX)
+                  and f"{k[:-len(SCALE_SUFFIX)]}" in entry)) else v
+          for k, v in entry.items()}
+      if any(isinstance(v, _Raw) for v in wrapped.values()):
+        state[sid] = wrapped
+        raw.append(p)
+    return {**state_dict, "state": state}, raw
 
   def zero_grad(self, set_to_none: bool = True) -> None:
     """torch's ``zero_grad``; a managed weight's ``grad`` becomes ``None``
@@ -474,8 +787,21 @@ class _ForgeOptimizer:
       if init:
         state = self.state[p]
         state.update(init)
+    fmt = self._forge_moment_format(p)
+    if fmt is not None:  # initial moments (fresh, or Adagrad's), quantized
+      for name in rule.slots:
+        s = state.get(name)
+        if (name + SCALE_SUFFIX not in state and isinstance(s, torch.Tensor)
+            and s.dtype == p.dtype and s.shape == p.shape):
+          state[name], state[name + SCALE_SUFFIX] = _quantize_tensor(
+              s, fmt, name in rule.second_moments)
+    if self._forge_sr and p.dtype != torch.bfloat16:
+      raise RuntimeError(
+          f"forge_torch.Linear {layer}: stochastic_rounding=True needs a "
+          f"bfloat16 weight; this one is {p.dtype} (was the model cast after "
+          "the optimizer was built?)")
     slots = []
-    for name in rule.slots:
+    for name in (() if fmt is not None else rule.slots):
       s = state.get(name)
       if not isinstance(s, torch.Tensor):
         raise RuntimeError(
@@ -490,7 +816,15 @@ class _ForgeOptimizer:
             f"{p.dtype}{list(p.shape)} on {p.device} (was the model moved or "
             "cast after the optimizer state was created?)")
       slots.append(s)
-    weight, bumped = p.data, [p, *slots]
+    if fmt is not None:
+      slots = self._forge_low_precision_slots(p, state, rule, fmt, layer)
+    weight, bumped = p.data, [p, *_state_tensors(slots)]
+    if (fmt is not None or self._forge_sr) and _distributed.is_sharded(p):
+      raise RuntimeError(
+          f"forge_torch.Linear {layer}: moments= and stochastic_rounding= "
+          "are not supported for fully_shard (FSDP2) weights yet: their "
+          "scales and random bits would have to follow the weight's shards; "
+          "build the optimizer with moments=None, stochastic_rounding=False")
     if _distributed.is_sharded(p):  # fully_shard: this rank's shards
       _check_sharded_state(p, rule.slots, slots, layer)
       weight = _distributed.local(p)
@@ -508,11 +842,16 @@ class _ForgeOptimizer:
     kernel_rule, kernel_slots = rule, slots
     if acc is not None:  # G + the step's earlier micro-batches' sum
       kernel_rule = _accumulate.from_accumulator(rule)
+      if fmt is not None:
+        kernel_rule = _with_second_moments(kernel_rule, rule.second_moments)
       kernel_slots = [acc, *slots]
+    sr = None
+    if self._forge_sr:  # the step t this update is (1-based)
+      sr = (self._forge_param_seed(p), int(t))
     if weight.numel() > 0:  # (a fully_shard rank may hold no rows)
       _bridge.fused_update(grad_output, input, weight, kernel_slots,
                            pack_host(kernel_rule, values), rule=kernel_rule,
-                           config=config, views=views)
+                           config=config, views=views, stochastic_rounding=sr)
     if acc is not None:  # consumed: its memory is freed
       views.discard(acc)
       self._forge_acc.pop(p, None)
@@ -670,6 +1009,16 @@ class _ForgeOptimizer:
             "formed, so it cannot add a second use's gradient: keep the "
             "layers that share this weight as nn.Linear "
             "(forge_torch.convert() does so).")
+      if p.grad is not None and any(
+          isinstance(k, str) and k.endswith(SCALE_SUFFIX)
+          for k in self.state.get(p, {})):
+        raise RuntimeError(
+            f"the FORGE-managed {_linear.weight_name(p)} received an "
+            "ordinary gradient (its layer ran with fused = False), but its "
+            f"moments are stored as {self._forge_moments} codes, which "
+            f"torch.optim.{type(self).__name__}'s own step cannot update. "
+            "Keep the layer fused, or build the optimizer with "
+            "moments=None.")
     # DDP: ordinary gradients of prepared weights (a layer run unfused).
     _distributed.reduce_grads(self)
     # fully_shard with accumulate_steps > 1: the summed sharded gradients.
@@ -691,6 +1040,20 @@ def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
       return tuple(snap(a) for a in v)
     return v
   return {k: snap(v) for k, v in group.items() if k != "params"}
+
+
+def _describe(t) -> str:
+  if not isinstance(t, torch.Tensor):
+    return "none" if t is None else type(t).__name__
+  return f"{t.dtype}{list(t.shape)} on {t.device}"
+
+
+def _state_tensors(slots) -> list[torch.Tensor]:
+  """The tensors of the slots (a quantized one: its codes and scales)."""
+  out = []
+  for s in slots:
+    out += list(s) if isinstance(s, Quantized) else [s]
+  return out
 
 
 def _check_sharded_state(p: torch.Tensor, names, slots, layer: str) -> None:
@@ -756,6 +1119,15 @@ _COMMON_DOC = """
 
   If a managed weight is given to a second forge_torch optimizer, the newest
   one owns it.
+
+  Low-precision state (keyword-only, beside torch's options): ``moments=``
+  ``None`` (torch's float state), ``"int8"``, ``"fp8"`` (float8_e4m3fn) or
+  ``"fp8_e5m2"``: a managed weight of at least 4096 elements keeps each
+  moment as codes ``state[name]`` plus float32 scales
+  ``state[name + "_scale"]`` of shape ``(out, ceil(in / 64))``;
+  ``stochastic_rounding=True`` stores (bfloat16) managed weights by
+  stochastic rounding, with ``seed``. Other parameters keep torch's float
+  state and rounding (a warning names the large ones). ``docs/torch.md``.
 """
 
 
@@ -782,7 +1154,10 @@ class SGD(_ForgeOptimizer, torch.optim.SGD):
   All options: ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``,
   ``maximize``. State: ``momentum_buffer`` (with momentum; created by the
   first step as ``grad``, as in torch), nothing otherwise.
+  ``stochastic_rounding=True`` is refused (SGD keeps no step count).
   """
+
+  _forge_counts_steps = False
 
   def _forge_rule(self, group, device=None):
     family = "sgd_momentum" if group["momentum"] != 0 else "sgd"

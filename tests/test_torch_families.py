@@ -435,11 +435,15 @@ def test_bfloat16_matches_torch(family, kwargs):
 def test_subclass_signature_and_defaults_match_torch(family):
   cls, base = getattr(forge_torch, family), getattr(torch.optim, family)
   assert issubclass(cls, base)
-  # torch's constructor, plus the keyword-only max_grad_norm (clipping).
+  # torch's constructor, plus the keyword-only max_grad_norm (clipping) and
+  # the low-precision state options.
   sig = inspect.signature(cls)
   params = dict(sig.parameters)
-  extra = params.pop("max_grad_norm")
-  assert (extra.kind, extra.default) == (inspect.Parameter.KEYWORD_ONLY, None)
+  for name, default in (("max_grad_norm", None), ("moments", None),
+                        ("stochastic_rounding", False), ("seed", 0)):
+    extra = params.pop(name)
+    assert (extra.kind, extra.default) == (inspect.Parameter.KEYWORD_ONLY,
+                                           default), name
   assert sig.replace(parameters=list(params.values())) == inspect.signature(base)
   layer = forge_torch.Linear(4, 3)
   ours = cls(layer.parameters())
