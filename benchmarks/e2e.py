@@ -658,13 +658,15 @@ def _summarize_arm(results: dict, bts, arm: str, cells: dict,
   return ok
 
 
-def bar_rows(csv_path: str, pick: dict | None = None) -> dict:
+def bar_rows(csv_path: str, pick: dict | None = None,
+             benchmark: str = "e2e") -> dict:
   """``{(BT, arm, metric): row}`` that :func:`plot` draws: the newest row of
-  each key; with ``pick`` (``{(BT, arm): timestamp}``, the cells a driver
-  run reports), the rows of those cells only."""
+  each key among ``benchmark``'s per-BT rows; with ``pick`` (``{(BT, arm):
+  timestamp}``, the cells a driver run reports), the rows of those cells
+  only."""
   last = {}
   for r in common.read_rows(csv_path):  # in file order: newest last
-    if r["benchmark"] != "e2e":
+    if r["benchmark"] != benchmark or "BT=" not in r["case"]:
       continue
     bt, arm = int(r["case"].split("BT=")[1]), r["provider"]
     if pick is not None and pick.get((bt, arm)) != r["timestamp"]:

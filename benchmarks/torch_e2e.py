@@ -592,15 +592,7 @@ def summarize(results: dict, bts) -> bool:
 def bar_rows(csv_path: str, pick: dict | None = None) -> dict:
   """``{(BT, arm, metric): row}`` of a torch_e2e CSV: the newest row of each
   key, or with ``pick`` (``{(BT, arm): timestamp}``) those cells' rows."""
-  last = {}
-  for r in common.read_rows(csv_path):  # file order: newest last
-    if r["benchmark"] != BENCHMARK or "BT=" not in r["case"]:
-      continue
-    bt, arm = int(r["case"].split("BT=")[1]), r["provider"]
-    if pick is not None and pick.get((bt, arm)) != r["timestamp"]:
-      continue
-    last[(bt, arm, r["metric"])] = r
-  return last
+  return e2e.bar_rows(csv_path, pick, benchmark=BENCHMARK)
 
 
 def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
