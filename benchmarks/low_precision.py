@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime as _dt
 import os
 import sys
 import warnings
@@ -39,6 +40,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import forge_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 MOMENTS = ("int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3/fp8_e5m2")
 
@@ -156,11 +158,14 @@ def sr_trajectories(steps: int, lr: float, hidden: int = 128,
 
 
 def _write(path: str, header, rows) -> None:
+  """The rows, each followed by the device, versions, commit and time."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+  where = [common.device_name(), common.versions(), common.commit(), stamp]
   with open(path, "w", newline="") as f:
     w = csv.writer(f)
-    w.writerow(header)
-    w.writerows(rows)
+    w.writerow([*header, "device", "versions", "commit", "timestamp"])
+    w.writerows([*row, *where] for row in rows)
 
 
 def main(argv=None) -> int:
