@@ -515,13 +515,7 @@ def _flat_slots(slots) -> list[torch.Tensor]:
 # Direct launch (Hopper): the Mosaic GPU kernel on the torch tensors.
 # --------------------------------------------------------------------------
 
-# (device, shapes, dtypes, rule, config) -> the MosaicConfig to launch
-# directly, or None for the DLPack path.
-_DIRECT_CHOICE: dict = {}
-
-
-def _direct_config(key, bt, n_in, n_out, x_dtype, w, slots, rule, config,
-                   device):
+def _direct_config(bt, n_in, n_out, x_dtype, w, slots, rule, config, device):
   """The Mosaic GPU tiling a direct launch takes for this case, or ``None``.
 
   Without a tiling from the caller, Mosaic GPU where it covers the case on
@@ -530,10 +524,8 @@ def _direct_config(key, bt, n_in, n_out, x_dtype, w, slots, rule, config,
   autotune cache's kernel times), a torch call prefers it whenever it
   applies, because launching it directly saves more host time per call than
   the two kernels' times differ by. A Triton tiling (``config``) or
-  ``$FORGE_BACKEND=triton`` keeps the DLPack path."""
-  hit = _DIRECT_CHOICE.get(key, False)
-  if hit is not False:
-    return hit
+  ``$FORGE_BACKEND=triton`` keeps the DLPack path. Called once per case
+  (:func:`_resolve`; the fast path caches the result)."""
   cfg = None
   env = tuning_cache.env_backend()
   xd = _direct.jnp_dtype(x_dtype)
@@ -555,8 +547,6 @@ def _direct_config(key, bt, n_in, n_out, x_dtype, w, slots, rule, config,
     if mosaic_kernel.unsupported(bt, n_in, n_out, xd, state[0], state[1:],
                                  rule, cfg, stacked=False, g_stored=False):
       cfg = None
-  with _LOCK:
-    _DIRECT_CHOICE[key] = cfg
   return cfg
 
 
@@ -641,7 +631,7 @@ def _resolve(x2, dy2, w, slots, vec, rule, config, device_index: int,
   device = torch.device("cuda", device_index)
   key = (device, bt, n_in, n_out, x2.dtype, w.dtype,
          tuple(s.dtype for s in slots), rule, config)
-  cfg = _direct_config(key, bt, n_in, n_out, x2.dtype, w, slots, rule, config,
+  cfg = _direct_config(bt, n_in, n_out, x2.dtype, w, slots, rule, config,
                        device)
   if cfg is None:
     return None
