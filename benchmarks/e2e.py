@@ -640,13 +640,8 @@ def _summarize_arm(results: dict, bts, arm: str, cells: dict,
     row("loss final", g(f, lambda r: r["losses"][-1]),
         g(o, lambda r: r["losses"][-1]), ".5f")
     if f is not None and o is not None:
-      lf, lo = f["losses"][0], o["losses"][0]
-      rel = abs(lf - lo) / max(abs(lo), 1e-30)
-      same = rel <= FIRST_LOSS_RTOL
-      ok &= same
-      print(f"{bt:>6} first-step loss {arm} {lf!r} vs optax {lo!r}: rel diff "
-            f"{rel:.2e} ({'OK' if same else 'MISMATCH'}, tol "
-            f"{FIRST_LOSS_RTOL:g})")
+      ok &= first_losses_agree(bt, arm, f["losses"][0], "optax",
+                               o["losses"][0])
       for name, r in ((arm, f), ("optax", o)):
         if not r["losses"][-1] < r["losses"][0]:
           print(f"{bt:>6} warning: {name} loss did not fall "
@@ -656,6 +651,18 @@ def _summarize_arm(results: dict, bts, arm: str, cells: dict,
               f"{f['step_ms'][1] <= o['step_ms'][1]}; {arm} peak <= optax: "
               f"{f['peak_bytes'] <= o['peak_bytes']}")
   return ok
+
+
+def first_losses_agree(bt: int, name: str, loss: float, ref_name: str,
+                       ref_loss: float) -> bool:
+  """Whether two arms' first-step losses (the same initialisation and
+  batch) agree within :data:`FIRST_LOSS_RTOL`; prints the comparison."""
+  rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+  same = rel <= FIRST_LOSS_RTOL
+  print(f"{bt:>6} first-step loss {name} {loss!r} vs {ref_name} "
+        f"{ref_loss!r}: rel diff {rel:.2e} ({'OK' if same else 'MISMATCH'}, "
+        f"tol {FIRST_LOSS_RTOL:g})")
+  return same
 
 
 def bar_rows(csv_path: str, pick: dict | None = None,

@@ -107,8 +107,6 @@ from benchmarks import common, e2e  # noqa: E402
 BENCHMARK = "torch_e2e"
 ARMS = ("torch", "forge")
 RESULT_TAG = "TORCH_E2E_CELL_RESULT "
-# The arms' first losses: the same forward kernels on the same weights.
-FIRST_LOSS_RTOL = e2e.FIRST_LOSS_RTOL
 # --check: the project's fp32 parity bar (tests/tolerances.py, float32).
 CHECK_RTOL = 1e-5
 CHECK_STEPS = 3
@@ -579,13 +577,8 @@ def summarize(results: dict, bts) -> bool:
       print(f"{bt:>6} peak saved {saved / MIB:.1f} MiB = {saved / pool:.1%} "
             f"of the pool; after backward {gone / MIB:.1f} MiB = "
             f"{gone / pool:.1%} of the pool")
-    lt, lf = t["losses"][0], f["losses"][0]
-    rel = abs(lf - lt) / max(abs(lt), 1e-30)
-    same = rel <= FIRST_LOSS_RTOL
-    ok &= same
-    print(f"{bt:>6} first-step loss forge {lf!r} vs torch {lt!r}: rel diff "
-          f"{rel:.2e} ({'OK' if same else 'MISMATCH'}, tol "
-          f"{FIRST_LOSS_RTOL:g})")
+    ok &= e2e.first_losses_agree(bt, "forge", f["losses"][0], "torch",
+                                 t["losses"][0])
   return ok
 
 
