@@ -7,7 +7,9 @@ XLA's ``dot(x.T, dy)``
 followed by the rule applied elementwise, the Triton kernel
 (``backend="triton"``, its tuned tiling) and the Mosaic GPU kernel
 (``backend="mosaic_gpu"``, each ``--mosaic`` tiling), side by side in one
-process, bf16 ``x``, ``dy``, ``W`` and bf16 or fp32 moments. Each arm's
+process, bf16 ``x``, ``dy``, ``W`` and bf16 or fp32 moments. ``--rules``
+adds SGD (``W`` alone) and SGD with momentum (``W`` and one slot) beside
+AdamW (``W`` and two): what each streamed state array costs. Each arm's
 result is compared with XLA's before it is timed: an arm off by more than
 bf16 rounding (2 %, relative to the largest element) makes the command exit
 1. Needs a Hopper GPU.
@@ -31,6 +33,10 @@ RULE = pk.ADAMW
 HPARAMS = RULE.pack(lr=1e-4, b1=0.9, b2=0.999, one_minus_b1=0.1,
                     one_minus_b2=0.001, eps=1e-8, eps_root=0.0,
                     weight_decay=1e-2, bc1=0.1, bc2=0.001, bc1_next=0.19)
+# --rules: AdamW (the default), and the rules that stream fewer state
+# arrays (SGD: W alone; SGD with momentum: W and one slot), which show what
+# each state array costs the fused step.
+RULES = ("adamw", "sgd_momentum", "sgd")
 # tile_m x tile_n x tile_k / pipeline steps, then knobs.
 # The default tilings (mosaic_kernel.default_config: the ping-pong
 # schedule) up to 1024 tokens and beyond.
@@ -42,7 +48,8 @@ def parse_mosaic(label: str) -> pk.MosaicConfig:
   (delay_release), ``,eMxN`` (epilogue sub-tile), ``,bB`` (state
   buffers), ``,rR`` (a ring of R streamed state sub-tiles) and ``,sS``
   (tile order: snaking bands S tile columns wide) knobs, ``,pn``
-  (prefetch the next tile's state) and ``,pp`` (the ping-pong schedule):
+  (prefetch the next tile's state), ``,pp`` (the ping-pong schedule) and
+  ``,lp`` (the epilogue looped over its sub-tiles):
   :meth:`MosaicConfig.from_label`, as an argparse type."""
   try:
     return pk.MosaicConfig.from_label(label)
@@ -52,27 +59,36 @@ def parse_mosaic(label: str) -> pk.MosaicConfig:
         f"e.g. 128x128x64/3 or 128x128x64/4,e64x32,s8,pp ({e})")
 
 
-def _state(bt, n_in, n_out, slot_dtype):
+def _rule(name: str):
+  """The rule ``--rules`` names and its (timing-only) hyperparameters."""
+  if name == "adamw":
+    return RULE, HPARAMS
+  from pallas_kernels import autotune  # noqa: PLC0415
+  rule = autotune.RULES[name]
+  return rule, autotune._tuning_hparams(rule)  # noqa: SLF001
+
+
+def _state(bt, n_in, n_out, slot_dtype, n_slots=2):
   k = jax.random.split(jax.random.key(0), 5)
   x = jax.random.normal(k[0], (bt, n_in), jnp.bfloat16)
   dy = jax.random.normal(k[1], (bt, n_out), jnp.bfloat16)
   w = jax.random.normal(k[2], (n_in, n_out), jnp.bfloat16)
   mu = (0.1 * jax.random.normal(k[3], (n_in, n_out))).astype(slot_dtype)
   nu = (0.1 * jax.random.uniform(k[4], (n_in, n_out))).astype(slot_dtype)
-  return x, dy, w, (mu, nu)
+  return x, dy, w, (mu, nu)[:n_slots]
 
 
-def _arms(mosaic_cfgs):
+def _arms(mosaic_cfgs, rule=RULE, hparams=HPARAMS):
   def xla(s):
     x, dy, w, slots = s
     g = jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
-    w, slots = RULE.apply(g, w, slots, HPARAMS)
+    w, slots = rule.apply(g, w, slots, hparams)
     return x, dy, w, slots
 
   def fused(backend, cfg=None):
     def step(s):
       x, dy, w, slots = s
-      w, slots = pk.fused_wgrad_update(x, dy, w, slots, HPARAMS, rule=RULE,
+      w, slots = pk.fused_wgrad_update(x, dy, w, slots, hparams, rule=rule,
                                        backend=backend, config=cfg)
       return x, dy, w, slots
     return step
@@ -98,6 +114,8 @@ def main(argv=None):
                  "the 0.886 B decoder's four, or any 'NAME NxM'")
   p.add_argument("--moments", nargs="+", default=["bf16", "fp32"],
                  choices=["bf16", "fp32"])
+  p.add_argument("--rules", nargs="+", default=["adamw"], choices=RULES,
+                 help="the update rules timed (default AdamW)")
   p.add_argument("--mosaic", nargs="+", default=list(MOSAIC_DEFAULT),
                  help="Mosaic GPU tilings, "
                  f"{pk.MosaicConfig.LABEL_FORM}")
@@ -116,36 +134,47 @@ def main(argv=None):
     print("benchmarks.backends needs a GPU; nothing measured.")
     return 0
   res = common.Results(args.out, "backends")
-  arms = _arms(mosaic_cfgs)
   wrong = []
-  for moments in args.moments:
+  for rule_name, moments in [(r, m) for r in args.rules
+                             for m in args.moments]:
+    rule, hparams = _rule(rule_name)
+    arms = _arms(mosaic_cfgs, rule, hparams)
+    n_slots = len(rule.slots)
     slot_dtype = jnp.bfloat16 if moments == "bf16" else jnp.float32
-    dtypes = f"x,dy,W bf16; m,v {moments}"
+    dtypes = (f"x,dy,W bf16; m,v {moments}" if n_slots == 2 else
+              f"x,dy,W bf16; {n_slots} slot(s) {moments}")
+    state = lambda bt, n_in, n_out: _state(bt, n_in, n_out, slot_dtype,
+                                           n_slots)
     for name, (n_in, n_out) in shapes.items():
       for bt in args.tokens:
         shape = f"BT={bt} {n_in}x{n_out}"
-        ref = jax.jit(arms["xla_unfused"])(_state(bt, n_in, n_out, slot_dtype))
+        ref = jax.jit(arms["xla_unfused"])(state(bt, n_in, n_out))
         times = {}
         for arm, step in arms.items():
           try:
-            out = jax.jit(step)(_state(bt, n_in, n_out, slot_dtype))
+            out = jax.jit(step)(state(bt, n_in, n_out))
             err = max(_max_rel_err(a, b) for a, b in
                       zip((out[2], *out[3]), (ref[2], *ref[3])))
-            (q, _) = common.time_loop(step, _state(bt, n_in, n_out, slot_dtype))
+            (q, _) = common.time_loop(step, state(bt, n_in, n_out))
           except ValueError as e:  # a tiling this case does not allow
-            print(f"{shape} {moments} {arm}: skipped ({e})", flush=True)
+            print(f"{shape} {rule_name} {moments} {arm}: skipped ({e})",
+                  flush=True)
             continue
           if err > 2e-2:
-            wrong.append(f"{shape} m,v {moments} {arm}: error {err:.2g}")
+            wrong.append(f"{shape} {rule_name} {moments} {arm}: error "
+                         f"{err:.2g}")
           times[arm] = q[1]
-          res.add("adamw", arm, shape, dtypes, "time",
+          res.add(rule_name, arm, shape, dtypes, "time",
                   tuple(t * 1e6 for t in q), "us")
-          res.add("adamw", arm, shape, dtypes, "max_rel_err_vs_xla", err, "")
+          res.add(rule_name, arm, shape, dtypes, "max_rel_err_vs_xla", err,
+                  "")
           ratio = times["xla_unfused"] / q[1]
           if arm != "xla_unfused":
-            res.add("adamw", arm, shape, dtypes, "speedup_vs_xla", ratio, "x")
-          print(f"{shape:22s} m,v {moments} {arm:28s} {q[1]*1e6:8.1f} us "
-                f"{ratio:5.2f}x vs xla  err {err:.1e}", flush=True)
+            res.add(rule_name, arm, shape, dtypes, "speedup_vs_xla", ratio,
+                    "x")
+          print(f"{shape:22s} {rule_name} {moments} {arm:28s} "
+                f"{q[1]*1e6:8.1f} us {ratio:5.2f}x vs xla  err {err:.1e}",
+                flush=True)
   if wrong:
     print("WRONG RESULTS:\n  " + "\n  ".join(wrong), flush=True)
     return 1

@@ -127,8 +127,8 @@ def config_space() -> list[BlockConfig]:
 # (tile_m x tile_n x tile_k / K steps in flight, then ,wgW compute
 # warpgroups, ,dD delay_release, ,eMxN epilogue sub-tile, ,bB state
 # buffers, ,rR state ring, ,sS snaking bands of S tile columns, ,pn
-# prefetch the next tile's state, ,pp the ping-pong schedule). The kernel
-# has no cluster knob.
+# prefetch the next tile's state, ,pp the ping-pong schedule, ,lp the
+# epilogue looped over its sub-tiles). The kernel has no cluster knob.
 MOSAIC_CONFIG_SPACE: tuple[str, ...] = (
     # The ping-pong defaults (mosaic_kernel.default_config) up to 1024
     # tokens and beyond, and their fallbacks: 3 K steps (wide state), 64
@@ -140,6 +140,11 @@ MOSAIC_CONFIG_SPACE: tuple[str, ...] = (
     # Ping-pong: a fixed ring of 2; 64 x 256 tiles.
     "128x128x64/4,e64x32,r2,s8,pp",
     "64x256x64/3,e64x32,s8,pp",
+    # Ping-pong with the epilogue looped over its sub-tiles (rolled), in
+    # 64 x 32 and 64 x 64 sub-tiles.
+    "128x128x64/4,e64x32,pp,lp",
+    "128x128x64/4,pp,lp",
+    "128x128x64/4,s8,pp,lp",
     # The column-split schedule: its best measured tilings (64 x 128 with
     # two state buffers up to 1024 tokens; 128 x 128 streaming the state,
     # in bands of 8 beyond) and their fallbacks.
@@ -580,11 +585,16 @@ MOSAIC_PICKS = {
 
 def _backends_dtypes(field: str) -> tuple[str, str, tuple[str, ...]]:
   """``"x,dy,W bf16; m,v fp32"`` -> ``("bfloat16", "bfloat16", ("float32",
-  "float32"))``: the dtypes of ``x`` and ``dy``, of ``W``, of the slots."""
+  "float32"))``: the dtypes of ``x`` and ``dy``, of ``W``, of the slots
+  (``"...; 1 slot(s) fp32"``: a rule's slots by number, none for ``0``)."""
   act, w, slots = None, None, []
   try:
     for part in field.split(";"):
-      names, d = part.split()
+      words = part.split()
+      if len(words) == 3 and words[1] == "slot(s)":
+        slots += [dtype_name(words[2])] * int(words[0])
+        continue
+      names, d = words
       d = dtype_name(d)
       for name in names.split(","):
         if name in ("x", "dy"):
@@ -595,9 +605,9 @@ def _backends_dtypes(field: str) -> tuple[str, str, tuple[str, ...]]:
           slots.append(d)
   except (ValueError, TypeError):
     act = None
-  if act is None or w is None or not slots:
+  if act is None or w is None:
     raise ValueError(f"dtypes {field!r} is not of the form "
-                     "'x,dy,W bf16; m,v fp32'")
+                     "'x,dy,W bf16; m,v fp32' (or '...; N slot(s) fp32')")
   return act, w, tuple(slots)
 
 

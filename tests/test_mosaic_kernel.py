@@ -141,9 +141,10 @@ RING = pk.MosaicConfig(tile_m=128, tile_n=256, tile_k=64, steps=2,
 @pytest.mark.parametrize("cfg", [
     RING,  # each warpgroup streams four 64 x 64 sub-tiles through 2 slots
     pk.MosaicConfig(tile_m=64, tile_n=128, tile_k=64, steps=2, epi_n=32,
-                    state_ring=3, band=3),  # 2 sub-tiles per slot, 3 slots;
-    # bands of 3 tile columns over 4: the last band is narrower.
-], ids=["128x256-ring2", "64x128-e64x32-ring3-band3"])
+                    state_ring=3, band=3, rolled=True),  # 2 sub-tiles per
+    # slot, 3 slots, looped over (rolled); bands of 3 tile columns over 4:
+    # the last band is narrower.
+], ids=["128x256-ring2", "64x128-e64x32-ring3-band3-rolled"])
 def test_mosaic_kernel_streams_state_through_a_ring(cfg):
   # 2 x 2 (and 4 x 4) tiles over 4 programs; ring slots reused within a
   # tile and across tiles.
@@ -263,8 +264,10 @@ def test_gpu_mosaic_kernel_compiled_matches_reference(rule, slot_dtype):
     # The default beyond 1024 tokens (the shipped cache's tiling there).
     pk.MosaicConfig(tile_m=128, tile_n=128, steps=4, epi_n=32, state_ring=2,
                     band=8),
+    pk.MosaicConfig.from_label("128x128x64/4,e64x32,r2,s8,lp"),
+    pk.MosaicConfig.from_label("128x128x64/4,e64x32,pp,lp"),
 ], ids=["two-buffers", "prefetch-next", "three-warpgroups", "ring",
-        "ring-e64x32", "ring-banded"])
+        "ring-e64x32", "ring-banded", "ring-rolled", "pingpong-rolled"])
 def test_gpu_mosaic_kernel_compiled_knobs(cfg):
   _check(pk.ADAMW, _case(9, 512, 1024, 768, pk.ADAMW), cfg, interpret=False)
 
@@ -350,13 +353,16 @@ def test_default_mosaic_tiling_fits_shared_memory(state, bt):
 def test_default_mosaic_tiling_is_the_ping_pong_schedule():
   default = pk.mosaic_kernel.default_config
   bf16, fp32_moments = [BF16] * 3, [BF16, F32, F32]
-  for state, ring in ((bf16, 4), (fp32_moments, 2)):
+  # 16-bit state: 64 x 32 sub-tiles, unrolled; 4-byte state: 64 x 64,
+  # looped over (rolled).
+  for state, ring, epi in ((bf16, 4, ",e64x32"), (fp32_moments, 1, "")):
+    rolled = "" if epi else ",lp"
     short = default(BF16, state, bt=512)
-    assert short.label == "128x128x64/4,e64x32,pp"
-    # The ring: as many 64 x 32 sub-tiles as fit beside 4 K steps.
+    assert short.label == f"128x128x64/4{epi},pp{rolled}"
+    # The ring: as many sub-tiles as fit beside 4 K steps.
     assert short.ring_for(BF16, state) == ring
     long = default(BF16, state, bt=2048)
-    assert long.label == "128x128x64/4,e64x32,s8,pp"
+    assert long.label == f"128x128x64/4{epi},s8,pp{rolled}"
     assert default(BF16, state) == long  # tokens unknown: the long case
   # Shapes 128 does not divide: the first of 64 x 128, 128 x 64, 64 x 64
   # that does, else 128 x 128 (refused).
@@ -366,8 +372,10 @@ def test_default_mosaic_tiling_is_the_ping_pong_schedule():
     cfg = default(BF16, bf16, bt=512, shape=shape)
     assert (cfg.tile_m, cfg.tile_n) == tile and cfg.pingpong, shape
   # Too much state for 4 K steps beside a ring of one sub-tile: 3.
+  # 64 x 64 sub-tiles of it fit with no K steps: 64 x 32.
   many = default(BF16, [F32] * 8, bt=512)
   assert many.steps == 3 and many.ring_for(BF16, [F32] * 8) == 1
+  assert (many.epi_n, many.rolled) == (32, True)
   assert many.smem_bytes(BF16, [F32] * 8) <= pk.mosaic_kernel._SMEM_BYTES
 
 
@@ -450,16 +458,16 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
     # columns; 2 x 3 tiles over 5 programs.
     (pk.lion_rule(), (192, 128, 384), (F16, BF16, F32),
      "64x128x64/2,d0,e64x32,r1,s2,pp", 5, None),
-    # Layer 1 of a stack of 3, a ring of 2 over 4 sub-tiles, 2 x 2 tiles
-    # over 3 programs.
-    (pk.ADAMW, (128, 128, 256), (BF16,) * 3, "64x128x64/2,e64x32,r2,pp", 3,
-     1),
+    # Layer 1 of a stack of 3, a ring of 2 over 4 sub-tiles (looped over:
+    # rolled), 2 x 2 tiles over 3 programs.
+    (pk.ADAMW, (128, 128, 256), (BF16,) * 3, "64x128x64/2,e64x32,r2,pp,lp",
+     3, 1),
     # A state-only rule (the weight unread) with a write-only output
     # (mu_hat, stored, never loaded); 4 tiles over 6 programs: two get none.
     (pk.muon_rule(), (128, 128, 256), (BF16,) * 3, "64x128x64/2,pp",
      6, None),
 ], ids=["128x128-5-tiles", "fp32-state", "fp16-d0-ring1-band",
-        "stacked-layer", "muon-no-tile-programs"])
+        "stacked-layer-rolled", "muon-no-tile-programs"])
 def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
                                     layer):
   x_dtype, w_dtype, slot_dtype = dtypes
@@ -503,7 +511,8 @@ def test_pingpong_labels_and_limits():
       ("64x128x64/4,b2,pn,pp", "leave state_buffers=1 and prefetch_next"),
       ("128x128x64/4,e32x64,pp", "multiple of 64 that divides tile_m"),
       ("128x128x64/4,pp,pp", "knob 'pp' is given twice"),
-      ("128x128x64/4,p", "unknown knob 'p'.*,pn and ,pp")]:
+      ("128x128x64/4,p", "unknown knob 'p'.*,pn ,pp and ,lp"),
+      ("128x128x64/4,lp", "rolled .* needs pingpong or state_ring")]:
     with pytest.raises(ValueError, match=match):
       pk.MosaicConfig.from_label(label)
   # The state ring: as many sub-tiles as fit, or the one asked for, at most

@@ -98,8 +98,10 @@ def test_fp32_state_lowers_for_cuda(name):
     # wgmma in flight at most and a ring of one sub-tile.
     ("optax:adamw", "128x128x64/4,e64x32,s8,pp", 3, jnp.float16),
     ("optax:muon", "64x128x64/2,d0,e64x32,r1,pp", None, jnp.bfloat16),
+    # The epilogue looped over its sub-tiles (rolled).
+    ("optax:adamw", "128x128x64/4,e64x32,pp,lp", None, jnp.bfloat16),
 ], ids=["column-split-buffers", "column-split-ring", "pingpong-stacked-fp16",
-        "pingpong-d0-ring1-state-only"])
+        "pingpong-d0-ring1-state-only", "pingpong-rolled"])
 def test_schedules_lower_for_cuda(name, label, layers, x_dtype):
   cfg = mosaic_kernel.MosaicConfig.from_label(label)
   lowered = _lower(RULES[name], jnp.bfloat16, cfg, n=128, layers=layers,
