@@ -86,21 +86,34 @@ def _time(step, n_inner, reps):
   return common.quantiles(gpu), common.quantiles(host)
 
 
-def _forge_arm(tensors, rule, direct: bool):
-  import forge_torch  # noqa: PLC0415
+def _forge_arm(tensors, rule):
+  """One update per call, the next step's hyperparameters each time (a new
+  vector per call: the case that installs one in the direct launch's ring);
+  direct or through DLPack as ``forge_torch.set_direct_launch`` says."""
   from forge_torch import _bridge  # noqa: PLC0415
   go, inp, w, m, v = tensors
   t = [STEP]
 
   def step():
-    was = forge_torch.set_direct_launch(direct)
-    try:
-      _bridge.fused_update(go, inp, w, (m, v), _hparams(t[0]), rule=rule)
-    finally:
-      forge_torch.set_direct_launch(was)
+    _bridge.fused_update(go, inp, w, (m, v), _hparams(t[0]), rule=rule)
     t[0] += 1
 
   return step
+
+
+def _launch_path(arm: str):
+  """``forge_torch.set_direct_launch`` for ``arm`` (restored on exit)."""
+  import contextlib  # noqa: PLC0415
+  import forge_torch  # noqa: PLC0415
+
+  @contextlib.contextmanager
+  def scope():
+    was = forge_torch.set_direct_launch(arm != "forge_torch_dlpack")
+    try:
+      yield
+    finally:
+      forge_torch.set_direct_launch(was)
+  return scope()
 
 
 def _torch_arm(tensors):
@@ -153,9 +166,8 @@ def bench_case(res, bt, n_in, n_out, arms, n_inner, reps) -> bool:
   for arm in ("forge_torch", "forge_torch_dlpack", "torch"):
     tensors = [t.clone() for t in base]
     _bridge.STATS.reset()
-    {"torch": lambda: _torch_arm(tensors),
-     "forge_torch": lambda: _forge_arm(tensors, rule, True),
-     "forge_torch_dlpack": lambda: _forge_arm(tensors, rule, False)}[arm]()()
+    with _launch_path(arm):
+      (_torch_arm(tensors) if arm == "torch" else _forge_arm(tensors, rule))()
     torch.cuda.synchronize()
     if arm == "forge_torch":
       if _bridge.STATS.direct != 1:
@@ -188,11 +200,10 @@ def bench_case(res, bt, n_in, n_out, arms, n_inner, reps) -> bool:
       res.add(f"tiling {cfg.label}", arm, shape, dtypes, "step", q, "s")
       continue
     tensors = [t.clone() for t in base]
-    fn = {"torch": lambda: _torch_arm(tensors),
-          "forge_torch": lambda: _forge_arm(tensors, rule, True),
-          "forge_torch_dlpack": lambda: _forge_arm(tensors, rule, False)}[arm]()
+    fn = _torch_arm(tensors) if arm == "torch" else _forge_arm(tensors, rule)
     _bridge.STATS.reset()
-    gpu, host = _time(fn, n_inner, reps)
+    with _launch_path(arm):
+      gpu, host = _time(fn, n_inner, reps)
     case = (f"direct {_bridge.STATS.direct}/{_bridge.STATS.calls}"
             if arm.startswith("forge") else "cuBLAS + AdamW(fused=True)")
     res.add(case, arm, shape, dtypes, "step", gpu, "s")

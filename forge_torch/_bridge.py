@@ -16,6 +16,7 @@ uses host mode. ``docs/torch.md`` explains both modes and their sources.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -561,48 +562,74 @@ if hasattr(torch._C, "_cuda_getCurrentRawStream"):
 
 
 class _HparamsRing:
-  """Device copies of packed hparams vectors for direct launches, on one
-  device and stream: a ring of ``SIZE`` rows in pinned host memory and on
-  the device. A vector among the last ``SIZE`` distinct ones is served from
-  its device row (every managed layer of a param group gets the same vector
-  in a step); a new one is written into the next host row and copied
-  asynchronously (no host synchronisation) into its device row on the
-  stream the kernels run on, so that the copy comes before the kernel that
-  reads it and after every earlier kernel that read the row's previous
-  vector. A host row is rewritten only once its previous copy has completed
-  (its event; long done in practice)."""
+  """Hyperparameter vectors for direct launches on one device and stream,
+  in a ring of ``SIZE`` rows of pinned host memory that the kernels read
+  directly (zero copy: under CUDA's unified addressing, memory that torch
+  pins through ``cudaHostAlloc`` is readable by kernels at its host
+  address). A vector among the last ``SIZE`` distinct ones is served from
+  its row (every managed layer of a param group gets the same vector in a
+  step); a new one is written into the next row, once every launch that
+  read the row's previous vector has finished. That is known from events
+  recorded on the ring's stream when vectors are installed: the first
+  recorded after a row's last launch completes after it (in practice long
+  before it is needed, so waiting on it does not block). No host-to-device
+  copy is enqueued per step.
+
+  Per call this costs a dictionary lookup; per new vector a row write and
+  an event record."""
 
   SIZE = 64
 
-  def __init__(self, device, length: int):
+  def __init__(self, device, length: int, stream: torch.cuda.Stream):
     self.host = torch.empty((self.SIZE, length), dtype=torch.float32,
                             pin_memory=True)
     self.host_np = self.host.numpy()
-    self.dev = torch.empty((self.SIZE, length), dtype=torch.float32,
-                           device=device)
-    self.host_rows = list(self.host.unbind(0))
-    self.rows = list(self.dev.unbind(0))
-    self.events = [torch.cuda.Event() for _ in range(self.SIZE)]
+    base, row = self.host.data_ptr(), self.host.stride(0) * 4
+    self.ptrs = [base + i * row for i in range(self.SIZE)]
+    self.stream = stream
     self.keys: list = [None] * self.SIZE
     self.index: dict = {}
     self.next = 0
+    # Launches so far, the number of the last launch that read each row,
+    # and (launches before it, event) per installation, oldest first.
+    self.launches = 0
+    self.last_use = [0] * self.SIZE
+    self.marks: collections.deque = collections.deque()
 
-  def get(self, vec: np.ndarray) -> torch.Tensor:
-    """The device row holding ``vec`` (copied on torch's current stream,
-    the ring's)."""
+  def get(self, vec: np.ndarray) -> int:
+    """The device address of the row holding ``vec``, for the launch the
+    caller enqueues next on the ring's stream."""
     key = vec.tobytes()
     i = self.index.get(key)
-    if i is not None:
-      return self.rows[i]
+    if i is None:
+      i = self._install(key, vec)
+    self.launches += 1
+    self.last_use[i] = self.launches
+    return self.ptrs[i]
+
+  def _install(self, key: bytes, vec: np.ndarray) -> int:
     i, self.next = self.next, (self.next + 1) % self.SIZE
     if self.keys[i] is not None:
-      self.events[i].synchronize()  # its last copy has read the host row
+      self._wait_for(self.last_use[i])
       del self.index[self.keys[i]]
     self.host_np[i] = vec
-    self.rows[i].copy_(self.host_rows[i], non_blocking=True)
-    self.events[i].record()
-    self.index[key], self.keys[i] = i, key
-    return self.rows[i]
+    self.keys[i] = key
+    self.index[key] = i
+    event = torch.cuda.Event()
+    event.record(self.stream)
+    self.marks.append((self.launches, event))
+    return i
+
+  def _wait_for(self, launch: int) -> None:
+    """Returns once launch number ``launch`` has finished on the GPU."""
+    # Events recorded before that launch was enqueued do not cover it; a
+    # later one covers it and every launch before.
+    while self.marks and self.marks[0][0] < launch:
+      self.marks.popleft()
+    if self.marks:
+      self.marks[0][1].synchronize()
+    else:
+      self.stream.synchronize()
 
 
 class _Launch:
@@ -640,13 +667,15 @@ def _resolve(x2, dy2, w, slots, vec, rule, config, device_index: int,
           device, x2.shape, dy2.shape, x2.dtype,
           [(tuple(t.shape), t.dtype) for t in (w, *slots)], vec.shape[0],
           rule, cfg))
-  if kernel is None:
+  if kernel is None or kernel.writes_outputs:
+    # (A rule's write-only outputs, Muon's, come back through DLPack.)
     return None
   ring_key = (device_index, stream, vec.shape[0])
   with _LOCK:
     ring = _RINGS.get(ring_key)
     if ring is None:
-      ring = _RINGS[ring_key] = _HparamsRing(device, vec.shape[0])
+      ring = _RINGS[ring_key] = _HparamsRing(
+          device, vec.shape[0], torch.cuda.current_stream(device))
   return _Launch(kernel, len(slots) + (1 if rule.updates_weight else 0), ring)
 
 
@@ -666,15 +695,15 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
     return False
   if x.dtype != dy.dtype or x.dim() < 1 or dy.dim() < 1:
     return False
-  x2 = x.detach().reshape(-1, x.shape[-1])
-  dy2 = dy.detach().reshape(-1, dy.shape[-1])
+  x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+  dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
   device_index = w.get_device()
   if x.get_device() != device_index or dy.get_device() != device_index:
     return False  # (the DLPack path says which tensor is elsewhere)
   stream = _raw_stream(device_index)
   vec = np.ascontiguousarray(hparams, dtype=np.float32)
   key = (x2.shape, dy2.shape, x2.dtype, w.shape, w.dtype,
-         *(s.dtype for s in slots), len(slots), device_index, stream,
+         *[s.dtype for s in slots], len(slots), device_index, stream,
          vec.shape[0], rule, config)
   launch = _LAUNCHES.get(key, False)
   if launch is False:
@@ -684,10 +713,13 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
       _LAUNCHES[key] = launch
   if launch is None:
     return False
+  # Non-contiguous operands are copied (on this stream, before the launch).
+  x2, dy2 = x2.contiguous(), dy2.contiguous()
   with _LOCK:
     h = launch.ring.get(vec)
-    launch.kernel(stream, x2.contiguous(), dy2.contiguous(), h, w.detach(),
-                  *(s.detach() for s in slots))
+    launch.kernel.launch_ptrs(stream, [
+        x2.data_ptr(), dy2.data_ptr(), h, w.data_ptr(),
+        *[s.data_ptr() for s in slots]])
     STATS.calls += 1
     STATS.direct += 1
     STATS.in_place += launch.n_state
@@ -706,7 +738,7 @@ def _fused_update(x, dy, w, slots, hparams, rule, config, views,
     if _capturing():
       raise RuntimeError(
           "forge_torch: a fused update cannot be recorded in a CUDA graph "
-          "(its hyperparameters are copied from the host at every step, and "
+          "(its hyperparameters are host memory rewritten at every step, and "
           "the DLPack path runs JAX work the capture cannot record); run the "
           "backward of forge_torch.Linear layers outside graph capture")
     if _direct_update(x, dy, w, slots, hparams, rule, config,

@@ -293,6 +293,23 @@ class DirectKernel:
       self._launch, unload = _bind(module_asm)
     self._unload = unload
     self._n_buffers = len(operand_args) + len(aliases)
+    self._buffers_t = ctypes.c_void_p * self._n_buffers
+    # Per buffer (operands, then results), the argument it points into;
+    # only meaningful when every result aliases an operand.
+    self.writes_outputs = any(a is None for a in aliases)
+    self._order = list(operand_args) + [
+        operand_args[a] for a in aliases if a is not None]
+
+  def launch_ptrs(self, stream: int, ptrs: Sequence[int]) -> None:
+    """Launches on the CUDA stream whose raw handle is ``stream`` with the
+    device addresses ``ptrs`` of ``(x, dy, hparams, w, *slots)``, for a
+    rule without write-only outputs (the fast path of
+    :func:`forge_torch._bridge._direct_update`: no tensor objects)."""
+    if self.writes_outputs:
+      raise ValueError("launch_ptrs: this kernel writes fresh outputs; "
+                       "call it with tensors instead")
+    self._launch(self._buffers_t(*[ptrs[a] for a in self._order]), stream,
+                 self.device_index)
 
   def __call__(self, stream: int, *args: torch.Tensor) -> list[torch.Tensor]:
     """Launches on the CUDA stream whose raw handle is ``stream`` (the

@@ -1281,6 +1281,44 @@ def test_gpu_direct_launch_matches_the_jax_call(state):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+def test_gpu_direct_launch_hyperparameter_ring_wraps():
+  """The kernel reads its hyperparameters from the ring's pinned host rows:
+  with the GPU held busy so the host runs far ahead, more new vectors than
+  the ring has rows (each row rewritten only after the launches that read
+  it), and earlier vectors served again from their rows, every step equals
+  the same kernel called through DLPack with the same vectors."""
+  from forge_torch import _bridge, _direct
+  from pallas_kernels import torch_rules as _rules
+  new = [_rules.adamw_hparams(lr=1e-3 * (1 + 0.01 * i), beta1=0.9,
+                              beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                              step=1 + i)
+         for i in range(_bridge._HparamsRing.SIZE + 6)]
+  hs = []
+  for i, h in enumerate(new):
+    hs += [h, new[i - 2]] if i % 10 == 3 else [h]  # a recent one again
+  steps = len(hs)
+  x, dy, w0, m0, v0 = _direct_case(5, bt=128, n_in=256, n_out=384)
+  stats = forge_torch.bridge_stats
+  w, m, v = w0.clone(), m0.clone(), v0.clone()
+  stats.reset()
+  torch.cuda.synchronize()
+  torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued first
+  for h in hs:
+    assert _bridge.fused_update(x, dy, w, (m, v), h)
+  assert stats.direct == steps, (stats, stats.direct_unavailable)
+  cfg = next(k[1] for k in _direct._KERNELS
+             if k[0][1:4] == (128, 256, 384))
+  with direct_launch(False):
+    w2, m2, v2 = w0.clone(), m0.clone(), v0.clone()
+    for h in hs:
+      _bridge.fused_update(x, dy, w2, (m2, v2), h, config=cfg)
+  torch.cuda.synchronize()
+  for name, a, b in (("w", w, w2), ("exp_avg", m, m2), ("exp_avg_sq", v, v2)):
+    assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
 @pytest.mark.parametrize("side_stream", [False, True],
                          ids=["current-stream", "side-stream"])
 def test_gpu_direct_launch_race_detector(side_stream):
