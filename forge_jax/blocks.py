@@ -121,14 +121,50 @@ def _forward(static, x, kernels, others, save):
   return lax.scan(body, x, (kernels, others))
 
 
-def _as_gemm(a, kernel, rec):
-  """``a``, the stacked ``kernel`` ``(L, *kernel_shape)`` or a slot of its
-  shape, as the ``(L, n_in, n_out)`` stack of the layer's GEMM matrices
-  (``rec.gemm``); any other array as it is. A reshape of a contiguous
+def gemm_views(kernel_shape, rec, lp) -> dict:
+  """``{shape of a stacked leaf: its view}``: the stacked kernel
+  ``(L, *kernel_shape)`` (and each slot of its shape) as the
+  ``(L, n_in, n_out)`` stack of the layer's GEMM matrices (``rec.gemm``);
+  with low-precision state ``lp``, a quantized moment's scales (one per
+  ``block`` consecutive elements of the kernel's last axis) as the
+  matrices' (one per ``block`` elements of a row).
+  :func:`check_scale_view` has checked that those blocks are the rows'."""
+  num = kernel_shape[0]
+  matrix = (num, *rec.gemm)
+  views = {tuple(kernel_shape): matrix}
+  for fmt in ({f for f in lp.formats if f is not None}
+              if lp is not None else ()):
+    views.setdefault(tuple(fmt.scale_shape(tuple(kernel_shape))),
+                     tuple(fmt.scale_shape(matrix)))
+  return views
+
+
+def check_scale_view(rec, lp, name: str) -> None:
+  """Refuses quantized moments of a ``forge_jax.DenseGeneral`` kernel with
+  several feature axes, the last not a multiple of the block: its blocks
+  along that axis are not blocks of the GEMM matrix's rows."""
+  if lp is None or rec.gemm is None:
+    return
+  last, n_out = rec.kernel_shape[-1], rec.gemm[1]
+  for fmt in {f for f in lp.formats if f is not None}:
+    if last != n_out and last % fmt.block:
+      raise ValueError(
+          f"{rec.kind} at {name!r} (in a forge_jax.ScannedBlocks block): its "
+          f"kernel {tuple(rec.kernel_shape)} has several feature axes, the "
+          f"last of {last} elements, not a multiple of {fmt.block}: the "
+          f"quantized moments' blocks ({fmt.block} consecutive elements of "
+          "the kernel's last axis) are not blocks of the fused kernel's "
+          f"{tuple(rec.gemm)} matrix rows. Give this layer fused=False (the "
+          "standard path steps it with the same quantized state), or "
+          f"features whose last axis is a multiple of {fmt.block}.")
+
+
+def _as_gemm(a, views):
+  """``a``, a stacked kernel or one of its slot leaves, in its GEMM view
+  (:func:`gemm_views`); any other array as it is. A reshape of a contiguous
   array: a bitcast, no copy (a Dense kernel is such a stack already)."""
-  if a.shape != kernel.shape:
-    return a
-  return a.reshape(kernel.shape[0], *rec.gemm)
+  view = views.get(tuple(a.shape))
+  return a if view is None else a.reshape(view)
 
 
 def _as_param(stacks, like):
@@ -205,15 +241,17 @@ def _fused_blocks_bwd(static, res, dy):
     return (dh_in.astype(dh.dtype), tuple(new_k), tuple(new_s),
             sqnorms), d_others
 
+  views = tuple(gemm_views(k.shape, rec, static.spec.low_precision)
+                for k, rec in zip(kernels, records))
   with _paths.refusing_derivatives(
       f"forge_jax.ScannedBlocks at {_context.layer_name(static.path)!r}"):
     (dx, new_kernels, new_slots, sqnorms), d_others = lax.scan(
         body, (dy,
                () if norm_pass else tuple(
-                   _as_gemm(k, k, rec) for k, rec in zip(kernels, records)),
+                   _as_gemm(k, v) for k, v in zip(kernels, views)),
                () if norm_pass else tuple(
-                   tuple(_as_gemm(s, k, rec) for s in t.slots)
-                   for t, k, rec in zip(inputs, kernels, records)),
+                   tuple(_as_gemm(s, v) for s in t.slots)
+                   for t, v in zip(inputs, views)),
                tuple(jnp.zeros((), jnp.float32) for _ in static.forge)),
         (jnp.arange(num_layers), hs, others), reverse=True)
   d_others = jax.tree.map(lambda g, o: g.astype(o.dtype), d_others, others)
@@ -299,8 +337,11 @@ class ScannedBlocks(nn.Module):
   (``batch_dims=()``, trailing contracted axes: one GEMM) is stepped as its
   ``(n_in, n_out)`` matrix: its stacked kernel ``(L, *in_dims, *features)``
   and slots are viewed as ``(L, n_in, n_out)`` (reshapes, no copy) and come
-  back in their own shape. Regime-1 families only (SGD ... Lion), as for
-  ``forge_jax.ScannedDenseStack``, whose docstring says why.
+  back in their own shape (a quantized moment's scales, one per 64
+  elements of the kernel's last axis, viewed as the matrix's: a kernel
+  with several feature axes needs the last to be a multiple of 64).
+  Regime-1 families only (SGD ... Lion), low-precision state included, as
+  for ``forge_jax.ScannedDenseStack``, whose docstring says why.
   Each FORGE kernel's hyperparameters and weight-decay mask entry are those of
   its one stacked leaf. A FORGE layer the block calls twice, whose
   kernel the block also reads elsewhere (a tied projection), or that runs
@@ -469,6 +510,8 @@ class ScannedBlocks(nn.Module):
       fused_wgrad.check_block_config(
           records[p].config, f"{records[p].kind} at "
           f"{_context.layer_name(_full(path, p))!r}")
+      check_scale_view(records[p], spec.low_precision,
+                       _context.layer_name(_full(path, p)))
     static = _Static(
         path=path, block=block, forge=forge, records=records, spec=spec,
         layouts=tuple(ctx.layouts.get(_full(path, p)) for p in forge),

@@ -14,12 +14,22 @@ FORGE kernels step it in the fused kernel's epilogue; every other parameter
 is stepped by this transform with the same rule and the same quantizer
 (``pallas_kernels.lowp.apply``), so the whole model's state is one format.
 
+A stacked parameter (the ``(L, in, out)`` kernel of a
+``forge_jax.ScannedDenseStack`` or of a layer in ``forge_jax.ScannedBlocks``)
+is one leaf: its moments are stacked ``Quantized(q (L, in, out), scale (L,
+in, ceil(out / 64)))`` pairs, whose blocks lie within one row of one layer,
+so the scanned stack's backward requantizes layer ``i`` of them in place
+and gets the bits this transform gives the whole leaf.
+
 ``stochastic_rounding=True`` stores bfloat16 parameters by stochastic
 rounding (``pallas_kernels.quant.stochastic_round_to_bf16``): the random
 bits hash ``(seed of the parameter, step, element index)``, where the
 parameter's seed is ``(seed + crc32(its key path)) mod 2**32``
 (:func:`param_seed`) and the step is the 1-based step number, so a run is
-reproducible and independent of the kernel's tiling.
+reproducible and independent of the kernel's tiling; the element index is
+the flat index in the whole parameter, a stacked one's earlier layers
+counted in (``pallas_kernels.quant.global_index``), so a scanned stack that
+steps layer ``i`` on its own draws the bits of the whole leaf's update.
 """
 
 from __future__ import annotations
@@ -147,13 +157,25 @@ class LowPrecision:
 
   def init_slot(self, i: int, param, value: float = 0.0):
     """Slot ``i``'s initial state for ``param``: quantized (``value``
-    everywhere) or a float array."""
+    everywhere) or a float array.
+
+    Every block of a constant holds the same values (a partial last block
+    too: its missing columns count as zeros, which leave its absmax
+    ``|value|``), so one block is quantized and its code and scale are
+    broadcast: ``quant.quantize`` of the whole constant, bit for bit,
+    without a parameter-sized float32 array (which XLA would also try to
+    constant-fold under ``jax.jit``, for minutes at billions of elements).
+    """
     fmt = self.formats[i]
-    if fmt is not None and jnp.ndim(param) >= 1 and fmt.quantizes(
-        jnp.shape(param)):
-      full = jnp.full(jnp.shape(param), value, jnp.float32)
-      return quant.quantize(full, fmt, second_moment=self.second[i])
-    return jnp.full(jnp.shape(param), value, self.slot_dtype(i, param))
+    shape = tuple(jnp.shape(param))
+    if fmt is not None and shape and fmt.quantizes(shape):
+      one = quant.quantize(
+          jnp.full((1, min(shape[-1], fmt.block)), value, jnp.float32), fmt,
+          second_moment=self.second[i])
+      return Quantized(jnp.broadcast_to(one.q[0, 0], shape),
+                       jnp.broadcast_to(one.scale[0, 0],
+                                        fmt.scale_shape(shape)))
+    return jnp.full(shape, value, self.slot_dtype(i, param))
 
   def plan(self, slots, param) -> lowp.StatePlan:
     """The kernel's plan for ``param``'s slots (as stored)."""

@@ -143,7 +143,15 @@ def check_stack_settings(where: str, num_layers, stack_update) -> None:
 
 def require_regime_1(where: str, spec, what: str) -> None:
   """A scanned stack steps each layer of a stacked leaf on its own: refuses
-  a family whose update reads the whole leaf (regime 2 or 3)."""
+  a family whose update reads the whole leaf (regime 2 or 3).
+
+  Low-precision state (``moments=``, ``stochastic_rounding=``) is a
+  regime-1 family's and is stepped per layer like any other state: a
+  quantized moment's scales belong to blocks of one row, and the
+  stochastic-rounding index of layer ``l``'s elements counts the layers
+  before it (``pallas_kernels.quant.global_index``), as the standard path
+  counts them in the stacked leaf.
+  """
   if spec is None or spec.regime != 1:
     family = getattr(spec, "family", None)
     raise ValueError(
@@ -153,12 +161,6 @@ def require_regime_1(where: str, spec, what: str) -> None:
         "regime-3 statistics to the whole stacked (L, in, out) leaf, which "
         f"a per-layer update cannot reproduce. Give this {what} fused=False "
         "(standard optax path).")
-  if getattr(spec, "low_precision", None) is not None:
-    raise ValueError(
-        f"{where}: low-precision optimizer state (moments='int8'/'fp8'/a "
-        "dtype, or stochastic_rounding=True) is not supported in a scanned "
-        f"stack yet. Give this {what} fused=False: the transform then steps "
-        "its stacked kernels with the same low-precision state.")
 
 
 def updates_in_place(stack_update: str) -> bool:
@@ -186,7 +188,28 @@ def update_layer(spec, layout, in_place_layer: bool, i, x_i, dy_i, w_stack,
   layer ``i`` in place). Otherwise layer
   ``i``'s ``W`` and slots are copied out of the stacks, stepped, and written
   back (one layer's ``W`` and slots of temporaries).
+
+  Low-precision state (``spec.low_precision``): the slot stacks are the
+  state's leaves as the layer carries them (a quantized moment's codes --
+  int8 ones as their float transport, ``forge_jax.low_precision`` -- and
+  its scales ``(L, in, ceil(out / 64))``), regrouped into ``Quantized``
+  stacks for the kernel. With stochastic rounding the layer is always
+  stepped inside the stacks (``layer=i``), whatever ``in_place_layer``
+  says: each element's random bits hash its index in the whole stacked
+  leaf (layer ``i`` starts at row ``i * in``), which a copied-out slice
+  would count from 0.
   """
+  lp = spec.low_precision
+  if lp is not None and (in_place_layer or lp.sr_for(w_stack)):
+    def step(slots, formats, sr):
+      return _paths.wgrad_update(
+          x_i, dy_i, w_stack, slots, inputs.hparams, rule=spec.rule,
+          config=config, wgrad=wgrad, layer=i, precision=precision,
+          formats=formats, stochastic_rounding=sr)
+    w_stack, slot_stacks = _paths._low_precision_step(  # noqa: SLF001
+        spec, layout, w_stack, inputs._replace(slots=tuple(slot_stacks)),
+        step)
+    return w_stack, tuple(slot_stacks)
   if in_place_layer:
     w_stack, slot_stacks = _paths.wgrad_update(
         x_i, dy_i, w_stack, slot_stacks, inputs.hparams, rule=spec.rule,
@@ -313,6 +336,12 @@ class ScannedDenseStack(nn.Module):
   stacked leaf, which a per-layer step cannot reproduce; use ``fused=False``).
   The kernel stack's hyperparameters and weight-decay mask entry are those of
   its one parameter leaf, shared by the ``L`` layers, as in optax.
+  Low-precision state (``forge_jax.adamw(..., moments="int8" | "fp8" | ...,
+  stochastic_rounding=True)``) is stepped the same way: the state holds
+  stacked ``Quantized(q (L, in, out), scale (L, in, ceil(out / 64)))``
+  slots (or stacked float arrays), and layer ``i`` of them is requantized
+  in place; stochastic rounding hashes each element's index in the whole
+  stacked leaf, as the standard path does.
 
   The input's last dimension must be ``features`` and its dtype the
   computation dtype (as for ``nn.scan``, whose carry keeps one dtype).
