@@ -72,16 +72,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from forge_torch import linear as _linear
 
 # Managed weight -> the process group (None: the default group) whose ranks
 # average its gradient before each update. Set by prepare_ddp().
-_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_GROUPS = _linear.WeakIdMap()
 # fully_shard's sharded weight (a DTensor Parameter) -> weakref to its
 # forge_torch.Linear. Set by prepare_fsdp().
-_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_SHARDED = _linear.WeakIdMap()
 
 
 def _dist():

@@ -11,28 +11,99 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import forward_ad as _forward_ad
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils.weak import WeakIdRef
 
 import pallas_kernels
 from forge_torch import _bridge
 
+
+class WeakIdMap(MutableMapping):
+  """A mapping keyed by object identity that holds its keys weakly: what
+  ``torch.utils.weak.WeakIdKeyDictionary`` is, with lookups cheap enough
+  for every forward and backward of every layer (one dict access by
+  ``id(key)``, where ``WeakIdKeyDictionary`` makes a weak reference per
+  lookup).
+
+  An entry is dropped by its key's weak-reference callback, which runs when
+  the key is deallocated, before its memory (and so its ``id``) can be
+  reused: an ``id`` in the map always belongs to its live key. A key's weak
+  reference outlives its entry (``pop``, ``clear``) until the key dies, so
+  that setting the key again (bookkeeping cleared every optimizer step)
+  makes no new one. Iteration works on a snapshot, so entries may come and
+  go meanwhile."""
+
+  def __init__(self):
+    # id(key) -> weak ref to key: every live key set since the map was made
+    self._refs: dict[int, WeakIdRef] = {}
+    self._values: dict[int, Any] = {}  # id(key) -> value: the entries
+    map_ref = weakref.ref(self)
+
+    def drop(ref: WeakIdRef) -> None:  # the key was deallocated
+      live = map_ref()
+      if live is not None and live._refs.get(ref._id) is ref:
+        del live._refs[ref._id]
+        live._values.pop(ref._id, None)
+
+    self._drop = drop
+
+  def __contains__(self, key) -> bool:
+    return id(key) in self._values
+
+  def get(self, key, default=None):
+    return self._values.get(id(key), default)
+
+  def __getitem__(self, key):
+    try:
+      return self._values[id(key)]
+    except KeyError:
+      raise KeyError(key) from None
+
+  def __setitem__(self, key, value) -> None:
+    i = id(key)
+    if i not in self._refs:
+      self._refs[i] = WeakIdRef(key, self._drop)
+    self._values[i] = value
+
+  def __delitem__(self, key) -> None:
+    self.pop(key)
+
+  def pop(self, key, *default):
+    i = id(key)
+    if i in self._values:
+      return self._values.pop(i)
+    if default:
+      return default[0]
+    raise KeyError(key)
+
+  def clear(self) -> None:
+    self._values.clear()
+
+  def __iter__(self) -> Iterator:
+    for i in list(self._values):
+      ref = self._refs.get(i)
+      key = ref() if ref is not None else None
+      if key is not None:
+        yield key
+
+  def __len__(self) -> int:
+    return len(self._values)
+
+
 # Parameters created (or adopted) by a forge_torch.Linear as its weight.
-_FORGE_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_FORGE_WEIGHTS = WeakIdMap()
 # FORGE weight -> weakref to the forge_torch optimizer that owns it.
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_OWNERS = WeakIdMap()
 # FORGE weight -> the module path of its layer (set by convert()).
-_PATHS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_PATHS = WeakIdMap()
 
 
 class ConvertSkipWarning(UserWarning):
@@ -80,45 +151,50 @@ def _set_owner(p: torch.Tensor, optimizer) -> None:
   refs.append(weakref.ref(optimizer))
 
 
-class _Use:
-  """One counted forward of a managed weight: ``done`` once its backward
-  consumed it (an update or an accumulated micro-batch) or it was released,
-  so that it stops counting at most once."""
+class _Handle:
+  """What a layer's backward needs besides tensors; one counted forward of
+  a managed weight.
 
-  __slots__ = ("done",)
+  Attributes:
+    optimizer: ``weakref.ref`` to the owning optimizer.
+    weight: the Parameter itself (saved tensors may be aliases).
+    config: the layer's ``block_config``.
+    layer: how messages name the layer.
+    generation: the optimizer step this forward was counted in (``None``:
+      not counted, e.g. a checkpointing recomputation inside backward).
+    done: ``True`` once its backward consumed it (an update or an
+      accumulated micro-batch) or it was released, so that it stops
+      counting at most once.
+  """
 
-  def __init__(self):
+  __slots__ = ("optimizer", "weight", "config", "layer", "generation",
+               "done")
+
+  def __init__(self, optimizer, weight: nn.Parameter,
+               config: pallas_kernels.BlockConfig | None, layer: str,
+               generation: int | None = None):
+    self.optimizer = optimizer
+    self.weight = weight
+    self.config = config
+    self.layer = layer
+    self.generation = generation
     self.done = False
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Handle:
-  """What a layer's backward needs besides tensors."""
-
-  optimizer: Any  # weakref.ref to the owning optimizer
-  weight: nn.Parameter  # the Parameter itself (saved tensors may be aliases)
-  config: pallas_kernels.BlockConfig | None
-  layer: str
-  # The optimizer step this forward was counted in (None: not counted, e.g.
-  # a checkpointing recomputation inside backward).
-  generation: int | None = None
-  use: _Use = dataclasses.field(default_factory=_Use)
-
   def release(self) -> None:
-    """This forward will not update the weight: it stops counting."""
-    _release_handle(self.optimizer, self.weight, self.generation, self.use)
+    """This forward will not update the weight: it stops counting (a no-op
+    if it was consumed or released already, or the step has moved on)."""
+    if self.done:
+      return
+    self.done = True
+    optimizer = self.optimizer()
+    if optimizer is not None:
+      optimizer._forge_release(self.weight, self.generation)
 
-
-def _release_handle(optimizer_ref, weight, generation, use: _Use) -> None:
-  # Also the weakref.finalize callback: the forward's graph was freed. A
-  # no-op if its backward consumed it, it was released already, or the step
-  # has moved on.
-  if use.done:
-    return
-  use.done = True
-  optimizer = optimizer_ref()
-  if optimizer is not None:
-    optimizer._forge_release(weight, generation)
+  def __del__(self):
+    # The forward's graph was freed: a graph dropped without a backward (a
+    # skipped batch, an exception later in the forward) stops counting.
+    if self.generation is not None:
+      self.release()
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -139,13 +215,15 @@ def _autocast_eligible(t: torch.Tensor | None) -> bool:
           and t.dtype != torch.float64)
 
 
+_PEEK_INTERPRETER = getattr(getattr(torch._C, "_functorch", None),
+                            "peek_interpreter_stack", None)
+
+
 def _in_functorch() -> bool:
   """Inside a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``...):
   it computes gradients functionally and trains nothing, so the layer is
   ``F.linear`` there."""
-  peek = getattr(getattr(torch._C, "_functorch", None),
-                 "peek_interpreter_stack", None)
-  return peek is not None and peek() is not None
+  return _PEEK_INTERPRETER is not None and _PEEK_INTERPRETER() is not None
 
 
 def _has_tangent(*tensors) -> bool:
@@ -153,15 +231,23 @@ def _has_tangent(*tensors) -> bool:
   the fused backward has no ``jvp``, so the layer is ``F.linear`` there (as
   under ``torch.func``); a backward of that graph then gives the weight an
   ordinary ``grad``, which ``optimizer.step()`` applies."""
-  return any(t is not None and _forward_ad.unpack_dual(t).tangent is not None
-             for t in tensors)
+  # Outside a dual level (the usual case) unpack_dual finds no tangent.
+  if getattr(_forward_ad, "_current_level", 0) < 0:
+    return False
+  for t in tensors:
+    if t is not None and _forward_ad.unpack_dual(t).tangent is not None:
+      return True
+  return False
 
 
 # What a backward wants of a managed weight (_weight_grad_mode).
 UPDATE, SKIP, RETURN = "update", "skip", "return"
 
 
-def _weight_grad_mode(weight: torch.Tensor) -> str:
+_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _weight_grad_mode(weight: torch.Tensor, node=None) -> str:
   """Inside a backward, what it wants of ``weight``'s gradient:
 
   * ``UPDATE`` -- it accumulates into the weight (``loss.backward()``, or
@@ -173,23 +259,27 @@ def _weight_grad_mode(weight: torch.Tensor) -> str:
 
   Uses the engine's ``_will_engine_execute_node`` (what
   ``torch.utils.checkpoint`` relies on), which refuses a leaf that
-  ``autograd.grad`` captures; without it, ``UPDATE``."""
+  ``autograd.grad`` captures; without it, ``UPDATE``. ``node``: the
+  weight's gradient accumulator as the graph holds it, if the caller has it
+  (else looked up, the same node while the graph is alive)."""
   if not weight.requires_grad:  # frozen after the forward: torch skips it
     return SKIP
-  will_execute = getattr(torch._C, "_will_engine_execute_node", None)
-  if will_execute is None:
+  if _WILL_EXECUTE is None:
     return UPDATE
-  node = torch.autograd.graph.get_gradient_edge(weight).node
+  if node is None:
+    node = torch.autograd.graph.get_gradient_edge(weight).node
   try:
-    return UPDATE if will_execute(node) else SKIP
+    return UPDATE if _WILL_EXECUTE(node) else SKIP
   except RuntimeError:  # "a leaf node ... running autograd.grad()": captured
     return RETURN
 
 
 def _first_order_only(backward):
-  """Refuses double backward clearly: the fused backward is
-  ``once_differentiable``, whose own error names neither forge_torch nor a
-  fix."""
+  """Refuses double backward clearly (``once_differentiable``'s own error
+  names neither forge_torch nor a fix): the fused backward is not itself
+  differentiable. Past this check grad mode is off (autograd runs a
+  backward with grad mode on only for ``create_graph=True``), so the
+  backward records no graph, as under ``once_differentiable``."""
   def wrapper(ctx, *grads):
     if torch.is_grad_enabled():  # create_graph=True
       raise RuntimeError(
@@ -205,16 +295,22 @@ def _first_order_only(backward):
 def check_no_grad_hooks(weight: torch.Tensor, layer: str) -> None:
   """A hook on a managed weight's gradient would never see it (FORGE forms
   none): refuse instead of calling it with ``None`` or silently skipping."""
-  hooks = [name for name in ("_backward_hooks", "_post_accumulate_grad_hooks")
-           if getattr(weight, name, None)]
-  if hooks:
-    raise RuntimeError(
-        f"forge_torch.Linear {layer}: its weight has a gradient hook "
-        f"(tensor.register_hook / register_post_accumulate_grad_hook: "
-        f"{', '.join(hooks)}), but FORGE never forms that gradient -- the "
-        "backward applies the update in place. Clip or transform gradients "
-        "some other way, or keep this layer as nn.Linear (layer.fused = "
-        "False).")
+  hook_names = ("_backward_hooks", "_post_accumulate_grad_hooks")
+  if not (getattr(weight, hook_names[0], None)
+          or getattr(weight, hook_names[1], None)):
+    return  # the usual case
+  hooks = [name for name in hook_names if getattr(weight, name, None)]
+  raise RuntimeError(
+      f"forge_torch.Linear {layer}: its weight has a gradient hook "
+      f"(tensor.register_hook / register_post_accumulate_grad_hook: "
+      f"{', '.join(hooks)}), but FORGE never forms that gradient -- the "
+      "backward applies the update in place. Clip or transform gradients "
+      "some other way, or keep this layer as nn.Linear (layer.fused = "
+      "False).")
+
+
+# The backward's context outside autocast (a nullcontext is reusable).
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 class _FusedLinearFn(torch.autograd.Function):
@@ -241,7 +337,6 @@ class _FusedLinearFn(torch.autograd.Function):
 
   @staticmethod
   @_first_order_only
-  @once_differentiable
   def backward(ctx, grad_output):
     handle = ctx.handle
     if handle is None:  # checked first: the saved weight's version moved on
@@ -250,13 +345,14 @@ class _FusedLinearFn(torch.autograd.Function):
           "forge_torch.Linear (retain_graph=True?). Its first backward already "
           "applied the optimizer to the weight; a second one cannot be fused.")
     input, weight = ctx.saved_tensors
-    mode = _weight_grad_mode(handle.weight)
+    # The graph's edge to the weight (input 1 of apply): its accumulator.
+    mode = _weight_grad_mode(handle.weight, ctx.next_functions[1][0])
     if mode == UPDATE:
       ctx.handle = None  # a later backward through this graph cannot update
     n_out, n_in = weight.shape
     amp = ctx.amp_dtype
     with (torch.autocast(grad_output.device.type, enabled=False)
-          if amp is not None else contextlib.nullcontext()):
+          if amp is not None else _NO_CONTEXT):
       # As the forward's GEMM read it (autocast: cast again, same values).
       w_op = weight if amp is None else weight.to(amp)
       # grad_input reads the PRE-update weight: computed (queued) before the
@@ -287,7 +383,7 @@ class _FusedLinearFn(torch.autograd.Function):
     # Updates the weight, or (gradient accumulation) adds G to its buffer.
     optimizer._forge_fused_update(handle.weight, g2, input.reshape(-1, n_in),
                                   config=handle.config, layer=handle.layer)
-    handle.use.done = True  # this forward's use is consumed
+    handle.done = True  # this forward's use is consumed
     # No gradient for the weight: it has been updated already (grad stays None).
     return grad_input, None, grad_bias, None, None
 
@@ -374,6 +470,12 @@ class Linear(nn.Linear):
 
   fused: bool = True
   block_config: pallas_kernels.BlockConfig | None = None
+  # Read by every forward; class defaults, so that reading them does not
+  # fall back to nn.Module.__getattr__. The module path (convert(),
+  # _set_path), and whether FSDP manages the layer (set on the instance by
+  # fully_shard / FullyShardedDataParallel).
+  _forge_path: str | None = None
+  _is_fsdp_managed_module: bool = False
 
   def __init__(self, in_features: int, out_features: int, bias: bool = True,
                device=None, dtype=None, *,
@@ -462,36 +564,36 @@ class Linear(nn.Linear):
   # A torch without it (a private name) gets the eager decorator.
   @getattr(torch, "_disable_dynamo", torch.compiler.disable)
   def forward(self, input: torch.Tensor) -> torch.Tensor:
-    w = self.weight
-    if (self.fused and torch.is_grad_enabled()
-        and getattr(self, "_is_fsdp_managed_module", False)):
+    w, bias = self.weight, self.bias
+    if not (self.fused and torch.is_grad_enabled()):
+      return F.linear(input, w, bias)
+    if self._is_fsdp_managed_module:
       # FSDP2 swapped in a gathered copy of the weight. Unprepared: refused
       # (it would silently train on the standard path). Prepared
       # (prepare_fsdp): torch's linear, whose weight gradient FSDP
       # reduce-scatters; the shard is updated from it as it arrives
       # (forge_torch/distributed.py).
       check_not_sharded(self, self._layer_name())
-      return F.linear(input, w, self.bias)
-    if not (self.fused and torch.is_grad_enabled() and w.requires_grad
-            and is_forge_weight(w)) or _in_functorch() or _has_tangent(
-                input, w, self.bias):
-      return F.linear(input, w, self.bias)
+      return F.linear(input, w, bias)
+    if not (w.requires_grad and is_forge_weight(w)) or _in_functorch() or (
+        _has_tangent(input, w, bias)):
+      return F.linear(input, w, bias)
+    layer = self._layer_name()
     optimizer = owner_of(w)
     if optimizer is None:
       raise RuntimeError(
-          f"forge_torch.Linear {self._layer_name()} ran with autograd on, but "
+          f"forge_torch.Linear {layer} ran with autograd on, but "
           "its weight is not registered in a forge_torch optimizer. FORGE "
           "updates the weight inside backward, so build the optimizer first "
           "(e.g. forge_torch.AdamW(model.parameters())) over parameters that "
           "include this weight (after forge_torch.convert(), not before); or "
           "run under torch.no_grad(), or set layer.fused = False.")
-    check_no_grad_hooks(w, self._layer_name())
-    bias = self.bias
+    check_no_grad_hooks(w, layer)
     amp = autocast_dtype(w.device.type)
     if amp is not None:
       if amp != torch.bfloat16:
         raise RuntimeError(
-            f"forge_torch.Linear {self._layer_name()}: torch.autocast with "
+            f"forge_torch.Linear {layer}: torch.autocast with "
             f"dtype={amp} is not supported for FORGE-managed layers, only "
             "dtype=torch.bfloat16 (float16 training needs a GradScaler, "
             "which cannot unscale an update FORGE already applied in "
@@ -505,15 +607,12 @@ class Linear(nn.Linear):
       if _autocast_eligible(bias):
         bias = bias.to(amp)
     generation = optimizer._forge_before_forward(
-        w, input, layer=self._layer_name(), autocast_dtype=amp)
-    opt_ref = weakref.ref(optimizer)
-    handle = _Handle(opt_ref, w, self.block_config, self._layer_name(),
+        w, input, layer=layer, autocast_dtype=amp)
+    # A graph dropped without a backward (a skipped batch, an exception
+    # later in the forward) frees the handle: the forward stops counting
+    # (_Handle.__del__).
+    handle = _Handle(weakref.ref(optimizer), w, self.block_config, layer,
                      generation)
-    if generation is not None:
-      # A graph dropped without a backward (a skipped batch, an exception
-      # later in the forward) frees the handle: the forward stops counting.
-      weakref.finalize(handle, _release_handle, opt_ref, w, generation,
-                       handle.use)
     return _FusedLinearFn.apply(input, w, bias, handle, amp)
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import warnings
 import zlib
 from typing import Any, Callable, ClassVar, Mapping
@@ -56,7 +57,6 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _get_value
-from torch.utils.weak import WeakIdKeyDictionary
 
 import pallas_kernels
 from forge_torch import _accumulate
@@ -204,6 +204,11 @@ class _ForgeOptimizer:
     doubles as torch computes them, plus any scalar state tensors to store
     after the update (e.g. NAdam's ``mu_product``). ``state["step"]``, if
     the family has one, is counted here in the base.
+
+  The rule and the scalars depend on the group's options, the step and the
+  weight's device only (unless ``_forge_hparams_per_weight``), so the
+  weights of a group share one computation per step while the group's
+  options stay the same (:meth:`_forge_shared_scalars`).
   """
 
   # The torch optimizer this class extends (set by __init_subclass__).
@@ -221,6 +226,11 @@ class _ForgeOptimizer:
   _forge_format: MomentFormat | None = None
   _forge_sr: bool = False
   _forge_seed: int = 0
+  # Whether _forge_hparams reads the weight's own state (NAdam's
+  # mu_product) beside the group's options, the step t, ``fresh`` and the
+  # weight's device; if not, one computation serves every weight of a group
+  # in a step (_forge_shared_scalars).
+  _forge_hparams_per_weight: ClassVar[bool] = False
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -457,20 +467,53 @@ class _ForgeOptimizer:
                      t: float | None, fresh: bool
                      ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """``(values, scalar_state_updates)`` for step ``t`` (``None`` without a
-    step count); ``fresh``: the state was created for this update."""
+    step count); ``fresh``: the state was created for this update. Reads
+    ``state`` only for its device, unless the class sets
+    ``_forge_hparams_per_weight``."""
     raise NotImplementedError
+
+  def _forge_shared_scalars(self, index: int, group: Mapping[str, Any],
+                            device: torch.device) -> _SharedScalars | None:
+    """Param group ``index``'s rule and scalars for its weights on
+    ``device``, computed once per step and reused by its other weights'
+    updates while the group's options are unchanged; ``None`` where they
+    cannot be shared (per-weight scalars, or an option that could change
+    without being replaced, e.g. a tensor ``lr``): each update then computes
+    its own, as the family's hooks say."""
+    if self._forge_hparams_per_weight:
+      return None
+    names, options = tuple(group), tuple(group.values())
+    shared = self._forge_scalars.get(index)
+    if (shared is not None and shared.device == device
+        and shared.names == names
+        and all(map(operator.is_, shared.options, options))):
+      return shared  # every option the very same (immutable) object
+    if not all(_immutable(v) for k, v in group.items() if k != "params"):
+      self._forge_scalars.pop(index, None)
+      return None
+    shared = _SharedScalars(names, options, device,
+                            self._forge_rule(group, device))
+    self._forge_scalars[index] = shared
+    return shared
 
   # -- registration -----------------------------------------------------------
 
   def _forge_reset_step(self) -> None:
-    self._forge_calls = WeakIdKeyDictionary()    # forwards since step()
-    self._forge_updated = WeakIdKeyDictionary()  # fused updates since step()
-    # Gradient accumulation: managed weight -> micro-batches accumulated
-    # since step() (not yet applied), and -> its fp32 accumulator.
-    self._forge_micro = WeakIdKeyDictionary()
-    self._forge_acc = WeakIdKeyDictionary()
+    # Per managed weight: forwards since step(), fused updates since step();
+    # gradient accumulation: micro-batches accumulated since step() (not yet
+    # applied), and its fp32 accumulator. Cleared, not replaced: the maps
+    # keep their weak references to the weights for the next step.
+    for name in ("_forge_calls", "_forge_updated", "_forge_micro",
+                 "_forge_acc"):
+      if name in self.__dict__:
+        getattr(self, name).clear()
+      else:
+        setattr(self, name, _linear.WeakIdMap())
     # group index -> its options as the fused updates since step() read them
     self._forge_used = {}
+    # group index -> its rule and scalars, shared by its weights' updates
+    # in this step (_forge_shared_scalars)
+    self._forge_scalars = {}
     # Which step the counts above belong to (a forward's release checks it).
     self._forge_generation = getattr(self, "_forge_generation", 0) + 1
 
@@ -524,9 +567,9 @@ class _ForgeOptimizer:
       self._forge_take(p, gi)
 
   def _forge_init_registry(self) -> None:
-    self._forge_managed = WeakIdKeyDictionary()  # managed weight -> group
+    self._forge_managed = _linear.WeakIdMap()  # managed weight -> group
     # managed weight -> _bridge.ViewCache (its state's JAX views, CUDA)
-    self._forge_views = WeakIdKeyDictionary()
+    self._forge_views = _linear.WeakIdMap()
     self._forge_reset_step()
 
   def _forge_take(self, p: torch.Tensor, index: int) -> None:
@@ -591,7 +634,7 @@ class _ForgeOptimizer:
           self._forge_convert_state(p, self.state[p],
                                     self._forge_rule(group, p.device))
     # The loaded state tensors are new memory; drop the views of the old.
-    self._forge_views = WeakIdKeyDictionary()
+    self._forge_views = _linear.WeakIdMap()
     self._forge_reset_step()
 
   def _forge_hold_raw(self, state_dict):
@@ -669,7 +712,8 @@ class _ForgeOptimizer:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
           "optimizer")
-    _bridge.check_dtype(w, f"the weight of forge_torch.Linear {layer}")
+    if w.dtype not in _bridge.SUPPORTED_DTYPES:
+      _bridge.check_dtype(w, f"the weight of forge_torch.Linear {layer}")
     if x.device != w.device:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: input is on {x.device} but the weight "
@@ -778,9 +822,12 @@ class _ForgeOptimizer:
     accumulated micro-batch gradients ``acc`` (gradient accumulation)."""
     index = self._forge_managed[p]
     group = self.param_groups[index]
-    self._forge_used.setdefault(index, _options_snapshot(group))
-    rule = self._forge_rule(group, p.device)
-    state = self.state[p] if p in self.state else {}
+    if index not in self._forge_used:
+      self._forge_used[index] = _options_snapshot(group)
+    shared = self._forge_shared_scalars(index, group, p.device)
+    rule = shared.rule if shared is not None else self._forge_rule(
+        group, p.device)
+    state = self.state.get(p, {})  # (self.state is a defaultdict)
     fresh = len(state) == 0
     if fresh:  # as torch's _init_group (which keeps no entry when it has none)
       init = self._forge_init_state(p, group)
@@ -819,19 +866,27 @@ class _ForgeOptimizer:
     if fmt is not None:
       slots = self._forge_low_precision_slots(p, state, rule, fmt, layer)
     weight, bumped = p.data, [p, *_state_tensors(slots)]
-    if (fmt is not None or self._forge_sr) and _distributed.is_sharded(p):
+    sharded = _distributed.is_sharded(p)
+    if (fmt is not None or self._forge_sr) and sharded:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: moments= and stochastic_rounding= "
           "are not supported for fully_shard (FSDP2) weights yet: their "
           "scales and random bits would have to follow the weight's shards; "
           "build the optimizer with moments=None, stochastic_rounding=False")
-    if _distributed.is_sharded(p):  # fully_shard: this rank's shards
+    if sharded:  # fully_shard: this rank's shards
       _check_sharded_state(p, rule.slots, slots, layer)
       weight = _distributed.local(p)
       slots = [_distributed.local(s) for s in slots]
       bumped += [weight, *slots]
     t = _get_value(state["step"]) + 1 if "step" in state else None
-    values, scalar_updates = self._forge_hparams(group, state, t, fresh)
+    scalars = shared.scalars.get((t, fresh)) if shared is not None else None
+    if scalars is None:
+      values, scalar_updates = self._forge_hparams(group, state, t, fresh)
+      if shared is not None:
+        scalars = shared.scalars[(t, fresh)] = _Scalars(values)
+    else:
+      values, scalar_updates = scalars.values, {}
+    base_rule, base_values = rule, values
     # max_grad_norm's update pass: G scaled by the clip coefficient.
     rule, values = _clip.scaled(self, rule, values)
     # Kernel layout: x := grad_output (BT, out), dy := input (BT, in),
@@ -849,9 +904,14 @@ class _ForgeOptimizer:
     if self._forge_sr:  # the step t this update is (1-based)
       sr = (self._forge_param_seed(p), int(t))
     if weight.numel() > 0:  # (a fully_shard rank may hold no rows)
-      _bridge.fused_update(grad_output, input, weight, kernel_slots,
-                           pack_host(kernel_rule, values), rule=kernel_rule,
-                           config=config, views=views, stochastic_rounding=sr)
+      if (scalars is not None and kernel_rule is base_rule
+          and values is base_values):  # the group's rule and scalars as such
+        hparams = scalars.packed(kernel_rule)
+      else:
+        hparams = pack_host(kernel_rule, values)
+      _bridge.fused_update(grad_output, input, weight, kernel_slots, hparams,
+                           rule=kernel_rule, config=config, views=views,
+                           stochastic_rounding=sr)
     if acc is not None:  # consumed: its memory is freed
       views.discard(acc)
       self._forge_acc.pop(p, None)
@@ -861,10 +921,13 @@ class _ForgeOptimizer:
     # torch's in-place optimizer ops do, so that a graph which saved the
     # pre-update weight elsewhere (e.g. a detached read) makes autograd raise
     # "modified by an inplace operation" instead of silently using the new one.
-    for t in bumped:
-      torch.autograd.graph.increment_version(t)
-    # Scalar state advances once the update is done (torch: `step_t += 1`).
-    if "step" in state:
+    torch.autograd.graph.increment_version(bumped)
+    # Scalar state advances once the update is done (torch: `step_t += 1`;
+    # a tensor step is set to t, the same value, by the cheaper fill_).
+    step = state.get("step")
+    if isinstance(step, torch.Tensor):
+      step.fill_(t)
+    elif "step" in state:
       state["step"] += 1
     for name, value in scalar_updates.items():
       state[name].copy_(value)
@@ -953,7 +1016,7 @@ class _ForgeOptimizer:
       views = self._forge_views.get(p)
       if acc is not None and views is not None:
         views.discard(acc)
-    self._forge_micro = WeakIdKeyDictionary()
+    self._forge_micro.clear()
 
   # -- the step ---------------------------------------------------------------
 
@@ -1027,6 +1090,54 @@ class _ForgeOptimizer:
     _unhooked(self._forge_torch.step)(self)
     self._forge_reset_step()
     return loss
+
+
+class _Scalars:
+  """A rule's scalars for one step: the family's ``values`` and their packed
+  vector (read-only: every weight of the group shares it)."""
+
+  __slots__ = ("values", "_packed")
+
+  def __init__(self, values: dict[str, float]):
+    self.values = values
+    self._packed = None
+
+  def packed(self, rule: UpdateRule) -> np.ndarray:
+    """``pack_host(rule, values)``, packed once (``rule``: the group's)."""
+    if self._packed is None:
+      vec = pack_host(rule, self.values)
+      vec.flags.writeable = False
+      self._packed = vec
+    return self._packed
+
+
+class _SharedScalars:
+  """What the fused updates of one param group's weights share in a step:
+  its rule for weights on ``device`` and its scalars by ``(t, fresh)``. Valid
+  while the group holds the very same option objects (``names``,
+  ``options``), all of which cannot change in place."""
+
+  __slots__ = ("names", "options", "device", "rule", "scalars")
+
+  def __init__(self, names: tuple, options: tuple, device: torch.device,
+               rule: UpdateRule):
+    self.names = names
+    self.options = options  # held: their ids cannot be reused meanwhile
+    self.device = device
+    self.rule = rule
+    self.scalars: dict[tuple[float | None, bool], _Scalars] = {}
+
+
+_IMMUTABLE = (float, int, bool, str, type(None))
+
+
+def _immutable(v) -> bool:
+  """A group option value that cannot change in place (plain numbers,
+  strings, ``None``, tuples of them), so that an option holding the same
+  object still holds the same value."""
+  if type(v) is tuple:
+    return all(type(a) in _IMMUTABLE for a in v)
+  return type(v) in _IMMUTABLE
 
 
 def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -1392,6 +1503,7 @@ class NAdam(_AdamMoments, torch.optim.NAdam):
   """
 
   _forge_extra_scalars = {"mu_product": 1.0}
+  _forge_hparams_per_weight = True  # reads the weight's mu_product
 
   def _forge_rule(self, group, device=None):
     return _torch_rule("nadam")

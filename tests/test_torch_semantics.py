@@ -467,6 +467,34 @@ def test_hyperparameters_changed_before_the_forward_match_torch():
   assert_models_close(fm, ref)
 
 
+def test_an_lr_set_between_two_layers_backwards_reaches_the_later_layer():
+  """A group's scalars are computed once per step and reused by its other
+  weights' updates only while its options are unchanged: an lr set during
+  the backward (by a hook between the two layers' backwards, undone before
+  step()) reaches the layer updated after it, as if each update read the
+  group itself."""
+  ref, fm = pair()
+  o_f = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  o_r = torch.optim.Adam([{"params": [ref[0].weight]},
+                          {"params": [ref[0].bias, ref[2].weight,
+                                      ref[2].bias]}], lr=1e-2)
+  g = o_f.param_groups[0]
+  for i in range(2):  # step 1 creates the state, step 2 reads it
+    lr0 = 1e-2 * (i + 2)  # what layer 0's weight steps with
+    x, y = data(seed=i + 1)
+    o_r.param_groups[0]["lr"] = lr0
+    F.mse_loss(ref(x), y).backward()
+    o_r.step()
+    o_r.zero_grad()
+    h = fm[1](fm[0](x))
+    h.register_hook(lambda grad, lr0=lr0: g.__setitem__("lr", lr0))
+    F.mse_loss(fm[2](h), y).backward()
+    g["lr"] = 1e-2  # as the first update read it: step() accepts it
+    o_f.step()
+    o_f.zero_grad()
+  assert_models_close(fm, ref)
+
+
 def test_meta_device_init_then_to_empty_keeps_the_layers_managed():
   """Build on the meta device, convert, materialise with to_empty(): the new
   weight Parameters are the layers' weights and stay FORGE-managed."""
