@@ -37,6 +37,11 @@ MOSAIC_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "ddd1e56",
 # replaces the entry.
 MOSAIC_PINGPONG_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "9228555",
                             "--mosaic-pick", "fastest"]
+# Then the run of commit c7c1567 (the rolled epilogue beside the ping-pong
+# defaults, BT 512, 2048 and 4096, fp32 moments at BT 512, SGD and SGD with
+# momentum): its fastest tiling per case it measured replaces the entry.
+MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
+                          "--mosaic-pick", "fastest"]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -100,7 +105,7 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 2))  # the runs of ddd1e56 and 9228555
+             + [BACKENDS_CSV] * 3))  # the runs of ddd1e56, 9228555, c7c1567
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -136,6 +141,7 @@ def test_from_csv_reproduces_the_shipped_winners(tmp_path, monkeypatch):
   assert autotune.main(["--merge", *H200_TUNED, "--out", str(out)]) == 0
   assert autotune.main([*MOSAIC_FROM_CSV, "--out", str(out)]) == 0
   assert autotune.main([*MOSAIC_PINGPONG_FROM_CSV, "--out", str(out)]) == 0
+  assert autotune.main([*MOSAIC_ROLLED_FROM_CSV, "--out", str(out)]) == 0
   got = json.loads(out.read_text())
   assert got == _shipped()
 
@@ -717,9 +723,10 @@ def _csv_rows(path):
 def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   dev = _shipped()["devices"][H200]
   entries = dev["mosaic_gpu"]
-  # 4 shapes x BT 512/2048/4096 (bf16 moments), 3 shapes at BT 512 and 2 at
-  # BT 2048 (fp32 moments).
-  assert len(entries) == 17
+  # AdamW: 4 shapes x BT 512/2048/4096 (bf16 moments), 3 shapes at BT 512
+  # and 2 at BT 2048 (fp32 moments); SGD and SGD with momentum at 4096^2,
+  # BT 512.
+  assert len(entries) == 19
   # The run of ddd1e56: the column-split defaults of that commit.
   want = {(512, "bfloat16"): "64x128x64/4,b2,pn",
           (2048, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
@@ -731,16 +738,17 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   for key, entry in entries.items():
     rule, bt, shape, w, slots = key.split("|")
     bt = int(bt[2:])
-    slot = slots.split("=")[1].split(",")[0]
+    # (SGD has no slot: its rows' dtypes name bf16.)
+    slot = slots.split("=")[1].split(",")[0] or "bfloat16"
     label = M(**entry["config"]).label
     source = dev["sources"][entry["source"]]
     assert source["csv"] == BACKENDS_CSV
     commit = source["commit"]
     by_commit.setdefault(commit, set()).add(key)
-    assert (rule, w) == ("adamw", "w=bfloat16")
+    assert rule in ("adamw", "sgd", "sgd_momentum") and w == "w=bfloat16"
     assert entry["timings_us"][label] == entry["time_us"]
     # Its time and the Triton kernel's are the rows of one run of the CSV.
-    case = [r for r in rows if r["commit"] == commit
+    case = [r for r in rows if r["commit"] == commit and r["case"] == rule
             and r["timestamp"] == entry["run"]
             and r["shape"] == f"BT={bt} {shape}"
             and r["dtypes"].endswith("bf16" if slot == "bfloat16" else "fp32")]
@@ -753,18 +761,30 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     if commit == "ddd1e56":
       assert label == want[(bt, slot)], key
       assert "default tiling" in source["pick"]
-    else:  # the ping-pong run: the fastest tiling it measured
-      assert commit == "9228555" and "fastest" in source["pick"]
+    else:  # the later runs: the fastest tiling each measured
+      assert commit in ("9228555", "c7c1567") and "fastest" in source["pick"]
       assert entry["time_us"] == min(mosaic.values()), key
-  # The later run replaced the cases it measured (BT 512 and 2048, bf16
-  # moments; BT 512, fp32 moments but the down projection's).
-  assert len(by_commit["9228555"]) == 11
+  # Each later run replaced the cases it measured: the last (c7c1567) every
+  # bf16-moment case and the fp32-moment ones at BT 512, so the ddd1e56 run
+  # keeps only the fp32-moment cases at BT 2048.
+  assert len(by_commit["c7c1567"]) == 17 and "9228555" not in by_commit
+  assert len(by_commit["ddd1e56"]) == 2
   assert {M(**entries[k]["config"]).pingpong
-          for k in by_commit["9228555"] if "bt512|" in k
-          and "float32" not in k} == {True}
+          for k in by_commit["c7c1567"]} == {True}
+  # The rolled epilogue won at BT 512 on three shapes (bf16 moments), the
+  # three fp32-moment cases' largest two, and SGD.
+  bf16, fp32 = "w=bfloat16|slots=bfloat16,bfloat16", (
+      "w=bfloat16|slots=float32,float32")
+  assert {k for k in by_commit["c7c1567"]
+          if M(**entries[k]["config"]).rolled} == {
+              f"adamw|bt512|14336x4096|{bf16}", f"adamw|bt512|4096x1024|{bf16}",
+              f"adamw|bt512|4096x14336|{bf16}",
+              f"adamw|bt2048|4096x1024|{bf16}",
+              f"adamw|bt512|4096x4096|{fp32}", f"adamw|bt512|4096x14336|{fp32}",
+              "sgd|bt512|4096x4096|w=bfloat16|slots="}
   slower = {k for k, e in entries.items()
             if e["time_us"] >= e["triton_time_us"]}
-  assert slower == {"adamw|bt4096|4096x1024|w=bfloat16|slots=bfloat16,bfloat16"}
+  assert slower == {"adamw|bt512|4096x1024|w=bfloat16|slots=float32,float32"}
 
 
 _BACKENDS_HEADER = ["benchmark", "case", "provider", "shape", "dtypes",
