@@ -381,6 +381,25 @@ def _peak_bytes():
   return None if not stats else stats.get("peak_bytes_in_use")
 
 
+def compile_abstract(step, tx, cfg: Config, batch, abs_vars=None):
+  """``step`` jitted (variables and optimizer state donated) and compiled
+  against abstract arguments, before any state exists: allocations made
+  while compiling (e.g. GEMM autotuning) then do not stack on the state.
+  Returns ``(abstract variables, jitted, compiled, memory analysis in bytes
+  ({"temp", "argument", "output", "alias"}), compile seconds)``."""
+  if abs_vars is None:
+    abs_vars = abstract_variables(cfg)
+  abs_state = jax.eval_shape(tx.init, abs_vars["params"])
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  t0 = time.perf_counter()
+  compiled = jitted.lower(abs_vars, abs_state, batch).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  mem = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
+         for k in ("temp", "argument", "output", "alias")}
+  return abs_vars, jitted, compiled, mem, compile_s
+
+
 def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
              out: str | None, seed: int = 0) -> dict:
   """Compiles, measures and runs one (arm, BT) cell in this process; writes
@@ -393,17 +412,8 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
   step, tx = build_arm(arm, cfg)
   batch = make_batch(cfg, batch_size, seed)
 
-  # Compile against abstract arguments, before any state exists: allocations
-  # made while compiling (e.g. GEMM autotuning) then do not stack on the state.
-  abs_vars = abstract_variables(cfg)
-  abs_state = jax.eval_shape(tx.init, abs_vars["params"])
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  t0 = time.perf_counter()
-  compiled = jitted.lower(abs_vars, abs_state, batch).compile()
-  compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  mem = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
-         for k in ("temp", "argument", "output", "alias")}
+  abs_vars, jitted, compiled, mem, compile_s = compile_abstract(step, tx, cfg,
+                                                               batch)
 
   t_compiled = time.perf_counter()
   variables = init_variables(cfg, seed, abstract=abs_vars)

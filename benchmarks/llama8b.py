@@ -239,15 +239,8 @@ def run_cell(arm: str, cfg: e2e.Config, tokens: int, steps: int, warmup: int,
   step, tx = build_arm(arm, cfg, wgrad)
   batch = e2e.make_batch(cfg, tokens // cfg.seq, seed)
   # Compiled against abstract arguments, before any state exists.
-  abs_vars = abstract_variables(cfg)
-  abs_state = jax.eval_shape(tx.init, abs_vars["params"])
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  t0 = time.perf_counter()
-  compiled = jitted.lower(abs_vars, abs_state, batch).compile()
-  compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  mem = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
-         for k in ("temp", "argument", "output", "alias")}
+  _, jitted, compiled, mem, compile_s = e2e.compile_abstract(
+      step, tx, cfg, batch, abs_vars=abstract_variables(cfg))
 
   t_compiled = time.perf_counter()
   variables = init_variables(cfg, seed)

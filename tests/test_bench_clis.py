@@ -350,3 +350,20 @@ def test_clipping_replot_draws_the_csv_and_refuses_one_without_its_rows(
     clipping.main(["--replot", "--out", str(good)])
   assert e.value.code == 2
   assert "--replot needs --plot" in capsys.readouterr().err
+
+
+def test_torch_overhead_writes_rows_and_restores_the_bridge(tmp_path):
+  pytest.importorskip("torch")
+  from benchmarks import torch_overhead
+  from forge_torch import optim as forge_optim
+  real = forge_optim._bridge.fused_update
+  out = tmp_path / "o.csv"
+  assert torch_overhead.main(["--out", str(out), "--layers", "2", "--steps",
+                              "3", "--warmup", "1"]) == 0
+  assert forge_optim._bridge.fused_update is real
+  with open(out) as f:
+    rows = list(csv.DictReader(f))
+  assert {(r["provider"], r["metric"]) for r in rows} == {
+      (arm, m) for arm in ("torch", "forge")
+      for m in (*torch_overhead.PHASES, "total")}
+  assert all(float(r["p50"]) > 0 and r["unit"] == "us" for r in rows)
