@@ -570,7 +570,25 @@ class _ForgeOptimizer:
     self._forge_managed = _linear.WeakIdMap()  # managed weight -> group
     # managed weight -> _bridge.ViewCache (its state's JAX views, CUDA)
     self._forge_views = _linear.WeakIdMap()
+    # device step tensor -> (its version counter, its value) as this
+    # optimizer last wrote it (_forge_step_count)
+    self._forge_steps = _linear.WeakIdMap()
     self._forge_reset_step()
+
+  def _forge_step_count(self, step) -> float:
+    """``state["step"]``'s value. A fused group keeps it on the device (as
+    torch's fused kernels do), where reading it waits for the GPU: in a
+    backward that would stall every managed layer until all the work queued
+    before it had run. So the value this optimizer last wrote is kept on
+    the host beside the tensor's version counter, and the tensor is read
+    only when something else has written it since (a loaded state dict, a
+    user's edit). (The same on the CPU, where the read is cheap.)"""
+    if not isinstance(step, torch.Tensor):
+      return _get_value(step)
+    known = self._forge_steps.get(step)
+    if known is not None and known[0] == step._version:
+      return known[1]
+    return _get_value(step)
 
   def _forge_take(self, p: torch.Tensor, index: int) -> None:
     """Registers managed weight ``p`` (of group ``index``) here, taking it
@@ -878,7 +896,7 @@ class _ForgeOptimizer:
       weight = _distributed.local(p)
       slots = [_distributed.local(s) for s in slots]
       bumped += [weight, *slots]
-    t = _get_value(state["step"]) + 1 if "step" in state else None
+    t = self._forge_step_count(state["step"]) + 1 if "step" in state else None
     scalars = shared.scalars.get((t, fresh)) if shared is not None else None
     if scalars is None:
       values, scalar_updates = self._forge_hparams(group, state, t, fresh)
@@ -927,6 +945,7 @@ class _ForgeOptimizer:
     step = state.get("step")
     if isinstance(step, torch.Tensor):
       step.fill_(t)
+      self._forge_steps[step] = (step._version, t)
     elif "step" in state:
       state["step"] += 1
     for name, value in scalar_updates.items():

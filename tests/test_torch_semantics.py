@@ -495,6 +495,54 @@ def test_an_lr_set_between_two_layers_backwards_reaches_the_later_layer():
   assert_models_close(fm, ref)
 
 
+def test_a_step_count_written_outside_the_optimizer_is_read_again():
+  """The step count a fused update uses is kept on the host as the
+  optimizer last wrote it; a state["step"] changed by anything else (here
+  set back in place, as a user or a loaded checkpoint might) is read again,
+  so the bias correction follows it as torch's does."""
+  ref, fm = pair()
+  o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+  o_f = forge_torch.AdamW(fm.parameters(), lr=1e-2, fused=True)
+  for i in range(3):
+    for m, o in ((ref, o_r), (fm, o_f)):
+      if i == 2:  # before the third step: both counts set back to 1
+        for st in o.state.values():
+          st["step"].fill_(1.0)
+      x, y = data(seed=i + 1)
+      F.mse_loss(m(x), y).backward()
+      o.step()
+      o.zero_grad()
+  assert_models_close(fm, ref)
+  assert all(st["step"].item() == 2.0 for st in o_f.state.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_fused_group_trains_without_host_synchronisation():
+  """With a fused group the step count lives on the device: after the first
+  step (which creates the state), a whole training step of managed layers
+  makes torch wait for the GPU nowhere (torch's sync debug mode raises on
+  any synchronising call)."""
+  torch.manual_seed(0)
+  model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.ReLU(),
+                        nn.Linear(512, 256, bias=False)).cuda().bfloat16()
+  assert forge_torch.convert(model) == ["0", "2"]
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-3, fused=True)
+  x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+  for i in range(3):
+    if i == 2:
+      torch.cuda.set_sync_debug_mode("error")
+    try:
+      model(x).float().square().mean().backward()
+      opt.step()
+      opt.zero_grad(set_to_none=True)
+    finally:
+      torch.cuda.set_sync_debug_mode("default")
+  torch.cuda.synchronize()
+  assert forge_torch.bridge_stats.direct > 0, (
+      forge_torch.bridge_stats.direct_unavailable)
+
+
 def test_meta_device_init_then_to_empty_keeps_the_layers_managed():
   """Build on the meta device, convert, materialise with to_empty(): the new
   weight Parameters are the layers' weights and stay FORGE-managed."""
