@@ -405,3 +405,23 @@ def test_init_quantizes_the_constant_without_a_parameter_sized_array():
             for v in e.outvars]
     for p in params.values():
       assert (p.shape, jnp.dtype(jnp.float32)) not in made
+
+
+def test_int8_state_is_two_and_an_eighth_bytes_per_weight_element():
+  """The issue's memory figure: int8 moments with one fp32 scale per 64
+  elements are 2 x (1 + 4/64) bytes per managed weight element (a stacked
+  kernel whose rows are whole blocks); a float leaf below the quantization
+  threshold keeps its dtype."""
+  params = {"stack": jnp.zeros((L, N, 3 * 64), jnp.bfloat16),
+            "bias": jnp.zeros((L, N), jnp.bfloat16)}
+  state = forge_jax.adamw(1e-3, moments="int8").init(params)
+  nbytes = lambda tree: sum(a.size * a.dtype.itemsize
+                            for a in jax.tree.leaves(tree))
+  n = params["stack"].size
+  for slot in ("mu", "nu"):
+    got = getattr(state, slot)
+    assert isinstance(got["stack"], Quantized)
+    assert got["stack"].q.dtype == jnp.int8
+    assert nbytes(got["stack"]) == n * (1 + 4 / 64)
+    assert got["bias"].dtype == jnp.bfloat16
+  assert nbytes((state.mu["stack"], state.nu["stack"])) == 2 * n * (1 + 4 / 64)
