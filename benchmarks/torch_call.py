@@ -10,7 +10,11 @@ default, ``--shapes``) and token count, side by side in one process, bf16
                      (cuBLAS) then ``torch.optim.AdamW(fused=True).step()``
   forge_torch        ``forge_torch``'s fused update as its optimizers call it
                      (the direct launch of the Mosaic GPU kernel where it
-                     applies: ``forge_torch.bridge_stats.direct``)
+                     applies: ``forge_torch.bridge_stats.direct``), the
+                     next step's hyperparameters each call (a new vector
+                     each time)
+  forge_torch_shared the same with one hyperparameter vector for every call:
+                     the other managed layers of a param group in one step
   forge_torch_dlpack the same through DLPack and JAX
                      (``forge_torch.set_direct_launch(False)``)
   jax                the same Mosaic GPU kernel and tiling called from JAX
@@ -42,7 +46,8 @@ import numpy as np
 
 from benchmarks import common
 
-ARMS = ("torch", "forge_torch", "forge_torch_dlpack", "jax")
+ARMS = ("torch", "forge_torch", "forge_torch_shared", "forge_torch_dlpack",
+        "jax")
 LR, B1, B2, EPS, WD, STEP = 1e-4, 0.9, 0.999, 1e-8, 1e-2, 10
 
 
@@ -86,16 +91,19 @@ def _time(step, n_inner, reps):
   return common.quantiles(gpu), common.quantiles(host)
 
 
-def _forge_arm(tensors, rule):
+def _forge_arm(tensors, rule, shared: bool = False):
   """One update per call, the next step's hyperparameters each time (a new
-  vector per call: the case that installs one in the direct launch's ring);
-  direct or through DLPack as ``forge_torch.set_direct_launch`` says."""
+  vector per call: the case that installs one in the direct launch's ring),
+  or with ``shared`` the first step's vector every time; direct or through
+  DLPack as ``forge_torch.set_direct_launch`` says."""
   from forge_torch import _bridge  # noqa: PLC0415
   go, inp, w, m, v = tensors
   t = [STEP]
+  first = _hparams(STEP)
 
   def step():
-    _bridge.fused_update(go, inp, w, (m, v), _hparams(t[0]), rule=rule)
+    h = first if shared else _hparams(t[0])
+    _bridge.fused_update(go, inp, w, (m, v), h, rule=rule)
     t[0] += 1
 
   return step
@@ -114,6 +122,13 @@ def _launch_path(arm: str):
     finally:
       forge_torch.set_direct_launch(was)
   return scope()
+
+
+def _arm(arm: str, tensors, rule):
+  """The step function of a timed torch-side ``arm``."""
+  if arm == "torch":
+    return _torch_arm(tensors)
+  return _forge_arm(tensors, rule, shared=arm == "forge_torch_shared")
 
 
 def _torch_arm(tensors):
@@ -163,11 +178,12 @@ def bench_case(res, bt, n_in, n_out, arms, n_inner, reps) -> bool:
   # the jax arm (the same kernel), the torch arm within bf16 rounding.
   base = _state(bt, n_in, n_out)
   results, cfg = {}, None
-  for arm in ("forge_torch", "forge_torch_dlpack", "torch"):
+  for arm in ("forge_torch", "forge_torch_shared", "forge_torch_dlpack",
+              "torch"):
     tensors = [t.clone() for t in base]
     _bridge.STATS.reset()
     with _launch_path(arm):
-      (_torch_arm(tensors) if arm == "torch" else _forge_arm(tensors, rule))()
+      _arm(arm, tensors, rule)()
     torch.cuda.synchronize()
     if arm == "forge_torch":
       if _bridge.STATS.direct != 1:
@@ -187,7 +203,7 @@ def bench_case(res, bt, n_in, n_out, arms, n_inner, reps) -> bool:
     err = _rel(got, ref)
     # forge_torch: the same kernel and tiling, bit for bit; the DLPack path
     # may take another tiling or backend, torch rounds G to bf16.
-    bar = 0.0 if arm == "forge_torch" else 2e-2
+    bar = 0.0 if arm in ("forge_torch", "forge_torch_shared") else 2e-2
     print(f"{shape}: {arm} vs jax (tiling {cfg.label}): rel err {err:.2e}")
     if err > bar and arm in arms:
       print(f"  {arm} is off by {err:.2e} (> {bar:g}): not timed",
@@ -200,7 +216,7 @@ def bench_case(res, bt, n_in, n_out, arms, n_inner, reps) -> bool:
       res.add(f"tiling {cfg.label}", arm, shape, dtypes, "step", q, "s")
       continue
     tensors = [t.clone() for t in base]
-    fn = _torch_arm(tensors) if arm == "torch" else _forge_arm(tensors, rule)
+    fn = _arm(arm, tensors, rule)
     _bridge.STATS.reset()
     with _launch_path(arm):
       gpu, host = _time(fn, n_inner, reps)
@@ -234,7 +250,7 @@ def plot(src: str, dst: str) -> int:
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
   fig, axes = plt.subplots(1, 2, figsize=(max(10, 2.4 * len(shapes)), 4.5))
   for ax, metric, arms in ((axes[0], "step", ARMS),
-                           (axes[1], "host", ARMS[:3])):
+                           (axes[1], "host", ARMS[:-1])):
     width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
       vals = []
