@@ -1435,18 +1435,39 @@ def _torch_cuda_fused(group: Mapping[str, Any],
           and torch.device(device).type == "cuda")
 
 
-@functools.lru_cache(maxsize=64)
+# (base, t, device) -> fp32 pow(base, t) computed on the device.
+_POWF: dict[tuple[float, float, str], np.float32] = {}
+# Steps computed per device round trip.
+_POWF_BLOCK = 1024
+
+
 def _device_powf(base: float, t: float, device: str) -> np.float32:
   """fp32 ``pow(base, t)`` by torch's own kernel on ``device``.
 
   On CUDA that is the libdevice ``powf`` the fused Adam kernel calls for its
   bias corrections; a host ``powf`` may differ by an ulp, which ``1 - b**t``
-  magnifies hundreds of times (``b = 0.999``, small ``t``). Cached: one
-  device round trip per (beta, step), shared by a step's weights.
+  magnifies hundreds of times (``b = 0.999``, small ``t``). Reading it back
+  waits for the GPU, so one round trip computes the next ``_POWF_BLOCK``
+  steps (the same kernel, elementwise): training then waits once per 1024
+  steps per beta, not in every step's backward.
   """
-  b = torch.tensor(base, dtype=torch.float32, device=device)
-  e = torch.tensor(t, dtype=torch.float32, device=device)
-  return np.float32(torch.pow(b, e).item())
+  key = (base, t, device)
+  value = _POWF.get(key)
+  if value is None:
+    b = torch.tensor(base, dtype=torch.float32, device=device)
+    e = torch.tensor(t, dtype=torch.float32, device=device) + torch.arange(
+        _POWF_BLOCK, dtype=torch.float32, device=device)
+    values = torch.pow(b, e).cpu().numpy()
+    if len(_POWF) > 16 * _POWF_BLOCK:
+      _POWF.clear()
+    for k, tk in enumerate(e.cpu().numpy()):
+      _POWF[(base, float(tk), device)] = np.float32(values[k])
+    value = _POWF.get(key)
+  if value is None:  # t not an fp32 number: this one alone
+    b = torch.tensor(base, dtype=torch.float32, device=device)
+    e = torch.tensor(t, dtype=torch.float32, device=device)
+    value = _POWF[key] = np.float32(torch.pow(b, e).item())
+  return value
 
 
 def _cuda_fused_adam_scalars(group, beta1: float, beta2: float, t: float,

@@ -738,3 +738,25 @@ def test_a_zero_size_linear_trains_as_nn_linear(n_in, n_out):
     opt.step()
     opt.zero_grad()
   assert_models_close(fm, ref)
+
+
+def test_device_powf_computes_a_block_of_steps_per_round_trip(monkeypatch):
+  """The fused-Adam bias corrections' pow(beta, t), by torch's own kernel:
+  equal to the one-step computation for every t, and computed once per
+  block of steps (a device round trip waits for the GPU)."""
+  import numpy as np
+  from forge_torch import optim as forge_optim
+  monkeypatch.setattr(forge_optim, "_POWF", {})
+  calls = []
+  real_pow = torch.pow
+  monkeypatch.setattr(torch, "pow", lambda *a: calls.append(1) or
+                      real_pow(*a))
+  block = forge_optim._POWF_BLOCK
+  for base in (0.9, 0.999):
+    for t in (1.0, 2.0, block - 1.0, float(block), block + 1.0, 3.5, 0.1):
+      want = np.float32(real_pow(torch.tensor(base, dtype=torch.float32),
+                                 torch.tensor(t, dtype=torch.float32)).item())
+      assert forge_optim._device_powf(base, t, "cpu") == want, (base, t)
+  # Per beta: the block from t=1 (up to t=block), the next from block + 1,
+  # one from 3.5; for 0.1 (no fp32 number) a block, then that t alone.
+  assert len(calls) == 2 * 5
