@@ -3,8 +3,8 @@
 #
 #   benchmarks/suite.sh [OUT_DIR [PART...]]
 #
-# OUT_DIR: default out/suite. PART: kernel, e2e, scan (default: all three, in
-# that order). PYTHON: the project's .venv/bin/python if there is one, else
+# OUT_DIR: default out/suite. PART: kernel, e2e, scan, backends, torch
+# (default: the first three, in that order; any subset runs in this order). PYTHON: the project's .venv/bin/python if there is one, else
 # python3. Every benchmark, in the suite or not, runs as a module from the
 # repository root: `python -m benchmarks.<name> --help` lists its flags.
 # One-off device scripts and raw logs belong in the ignored /scratch/
@@ -33,6 +33,16 @@
 #    optax.adamw, one process per cell, the fused arm and wgrad="xla" --
 #    XLA's GEMM, then the kernel's epilogue on the stacks in place -- at BT
 #    512 and 2048) -> OUT/e2e_scan.csv, .png
+# 4. backends: benchmarks.backends, the Mosaic GPU kernel's default tilings
+#    and the rolled epilogue beside the Triton kernel and XLA, BT 512, 2048
+#    and 4096 with bf16 moments, BT 512 with fp32 moments, and the 0.886 B
+#    decoder's shapes at BT 512 and 2048 -> OUT/backends.csv (the source of
+#    the autotune cache's Mosaic GPU entries: pallas_kernels.autotune
+#    --from-csv ... --commit ...)
+# 5. torch: benchmarks.torch_call (one forge_torch update per call, BT 512,
+#    with a plot) and benchmarks.torch_e2e (the decoder in torch, forge_torch
+#    vs AdamW(fused=True), BT 512 and 2048, --check first) -> OUT/torch_call.*,
+#    OUT/torch_e2e/
 # Every CSV row carries the device, the versions and p20/p50/p80. CSVs are
 # appended to: the e2e plot draws the newest row of each (arm, BT) in
 # OUT/e2e.csv, so give each suite run its own OUT.
@@ -44,8 +54,9 @@ PARTS=("${@:2}")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(kernel e2e scan)
 for part in "${PARTS[@]}"; do
   case "$part" in
-    kernel|e2e|scan) ;;
-    *) echo "suite.sh: unknown part '$part' (parts: kernel e2e scan)" >&2
+    kernel|e2e|scan|backends|torch) ;;
+    *) echo "suite.sh: unknown part '$part' (parts: kernel e2e scan" \
+            "backends torch)" >&2
        exit 2 ;;
   esac
 done
@@ -100,6 +111,26 @@ if has scan; then
   "$PY" -m benchmarks.e2e --out "$OUT/e2e_scan.csv" --replot \
     --plot "$OUT/e2e_scan.png" || rc=1
   echo "suite: scan part done at ${SECONDS}s"
+fi
+if has backends; then
+  B=("$PY" -m benchmarks.backends --out "$OUT/backends.csv")
+  "${B[@]}" --tokens 512 --moments bf16 --mosaic 128x128x64/4,e64x32,pp \
+    128x128x64/4,e64x32,pp,lp 128x128x64/4,pp,lp || rc=1
+  "${B[@]}" --tokens 2048 4096 --moments bf16 \
+    --mosaic 128x128x64/4,e64x32,s8,pp 128x128x64/4,s8,pp,lp || rc=1
+  "${B[@]}" --tokens 512 --moments fp32 --mosaic 128x128x64/4,pp,lp \
+    128x128x64/4,e64x32,pp 128x128x64/4,r1 || rc=1
+  "${B[@]}" --tokens 512 2048 --moments bf16 --shapes decoder \
+    --mosaic 64x128x64/4,e64x32,pp 128x128x64/4,e64x32,pp \
+    128x128x64/4,e64x32,pp,lp || rc=1
+  echo "suite: backends part done at ${SECONDS}s"
+fi
+if has torch; then
+  "$PY" -m benchmarks.torch_call --tokens 512 --reps 5 \
+    --out "$OUT/torch_call.csv" --plot "$OUT/torch_call.png" || rc=1
+  "$PY" -m benchmarks.torch_e2e --out-dir "$OUT/torch_e2e" --check \
+    --bt 512 2048 || rc=1
+  echo "suite: torch part done at ${SECONDS}s"
 fi
 echo "suite: results in $OUT (${SECONDS}s)"
 exit $rc

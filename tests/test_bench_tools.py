@@ -92,7 +92,8 @@ def test_suite_script_is_valid_bash_and_runs_existing_benchmarks():
   # Every benchmark runs as a module (no script paths, no PYTHONPATH).
   assert not re.search(r"benchmarks/\w+\.py|PYTHONPATH", text)
   used = set(re.findall(r'"\$PY" -m benchmarks\.(\w+)', text))
-  assert used == {"kernel", "plot", "e2e", "scan_memory", "e2e_paired"}, used
+  assert used == {"kernel", "plot", "e2e", "scan_memory", "e2e_paired",
+                  "backends", "torch_call", "torch_e2e"}, used
   for name in used:
     assert os.path.exists(os.path.join(root, "benchmarks", f"{name}.py")), name
 
@@ -134,13 +135,37 @@ def test_suite_runs_the_parts_asked_for_and_goes_on_after_a_failure(
   assert "suite: scan part done" in p.stdout
 
 
+def test_suite_backends_and_torch_parts(tmp_path):
+  """`suite.sh OUT torch backends` runs the backends part (four
+  benchmarks.backends calls, the decoder's shapes last), then the torch
+  part (torch_call with its plot, torch_e2e with --check at BT 512 and
+  2048)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  log = tmp_path / "calls.log"
+  fake = tmp_path / "fakepython"
+  fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {log}\nexit 0\n")
+  fake.chmod(0o755)
+  p = subprocess.run(["bash", os.path.join(root, "benchmarks", "suite.sh"),
+                      str(tmp_path / "out"), "torch", "backends"],
+                     env=dict(os.environ, PYTHON=str(fake)),
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 0, p.stdout + p.stderr
+  lines = [l for l in log.read_text().splitlines() if l.startswith("-m ")]
+  assert [l.split()[1] for l in lines] == (
+      ["benchmarks.backends"] * 4 + ["benchmarks.torch_call",
+                                     "benchmarks.torch_e2e"])
+  assert "--shapes decoder" in lines[3] and "--plot" in lines[4]
+  assert "--check" in lines[5] and "--bt 512 2048" in lines[5]
+
+
 def test_suite_script_refuses_an_unknown_part_before_anything_runs(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   p = subprocess.run(["bash", os.path.join(root, "benchmarks", "suite.sh"),
                       str(tmp_path / "out"), "kernel", "scna"],
                      capture_output=True, text=True, timeout=60)
   assert p.returncode == 2
-  assert "unknown part 'scna' (parts: kernel e2e scan)" in p.stderr
+  assert ("unknown part 'scna' (parts: kernel e2e scan backends torch)"
+          in p.stderr)
   assert not (tmp_path / "out").exists()
 
 
