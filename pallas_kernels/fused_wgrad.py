@@ -206,10 +206,11 @@ def fused_wgrad_update(
         mosaic_kernel.unsupported(bt, n_in, n_out, x2.dtype, w, slots, rule,
                                   choice.config, stacked=stacked,
                                   g_stored=False,
-                                  low_precision=plan is not None)))
+                                  low_precision=plan is not None,
+                                  plan=plan)))
     return mosaic_kernel.launch((x2, dy2), w, slots, hparams, rule=rule,
                                 cfg=choice.config, interpret=interpret,
-                                layer=layer)
+                                layer=layer, plan=plan)
   cfg = _check_low_precision_backend(choice, plan, n_out, config, where)
 
   return triton_kernel.launch(
@@ -232,11 +233,14 @@ def _check_low_precision_backend(choice, plan, n_out: int, config,
   fitted to the quantized slots' blocks (:func:`lowp.fit_tiling`) unless the
   caller gave it (then refused if it splits a block). With the Mosaic GPU
   backend (only asked for explicitly: ``backend=None`` takes Triton for
-  such a call), refuses in plain words."""
+  such a call), what it cannot take (fp8, stochastic rounding) is refused
+  in plain words, and its tiling is returned as is."""
   if plan is None:
     return choice.config
   if choice.backend == "mosaic_gpu":
-    _mosaic_refusal(choice, False, where, lambda: lowp.MOSAIC_REFUSAL)
+    _mosaic_refusal(choice, False, where, lambda: (
+        mosaic_kernel.low_precision_problem(plan, choice.config)))
+    return choice.config
   cfg = choice.config
   if not plan.quantized:
     return cfg
@@ -417,7 +421,8 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
         mosaic_kernel.unsupported(0, n_in, n_out, g.dtype, w, slots, rule,
                                   choice.config, stacked=layer is not None,
                                   g_stored=True,
-                                  low_precision=plan is not None)))
+                                  low_precision=plan is not None,
+                                  plan=plan)))
     return mosaic_kernel.launch((g,), w, slots, hparams, rule=rule,
                                 cfg=choice.config, interpret=interpret,
                                 layer=layer)

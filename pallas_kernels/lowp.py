@@ -38,8 +38,19 @@ correctly rounded ``div.rn.f32`` (Triton's ``/`` is approximate), int8
 codes are rounded to nearest even by ``cvt.rni.f32.f32`` and a dequantized
 value is the product ``mul.rn.f32``, which is never contracted into a
 following add. In interpret mode the same steps are XLA's (exact) ops: the
-quantized states equal the reference's bit for bit. The Mosaic GPU kernel
-does not take quantized slots or stochastic rounding.
+quantized states equal the reference's bit for bit.
+
+**Mosaic GPU.** Asked for by name (``backend="mosaic_gpu"``, or a
+``MosaicConfig``; ``backend=None`` takes Triton), the Mosaic GPU kernel
+takes int8 moments (64-element blocks) in its streamed epilogue, in
+sub-tiles one block wide (``epi_n=64``): the codes stream through the
+state ring, the scales, transposed around the launch so that a sub-tile's
+are contiguous, by plain loads and stores. In interpret mode its codes and
+scales equal the reference's bit for bit. Compiled, its per-block
+reciprocal is the compiler's division (the approximate ``div.full``), not
+``div.rn`` as in the Triton kernel: bit-exactness on the GPU is not
+established. fp8 codes, stochastic rounding and a stored gradient with
+quantized slots are refused there.
 """
 
 from __future__ import annotations
@@ -61,10 +72,12 @@ __all__ = ["MOSAIC_REFUSAL", "SlotPlan", "StatePlan", "apply",
            "quantize_tile", "scale_columns", "seed_step_vector",
            "tiling_problem"]
 
-# What the Mosaic GPU kernel says when asked for either feature.
+# Why backend=None takes the Triton kernel for low-precision state.
 MOSAIC_REFUSAL = ("int8/fp8 moments and stochastic rounding run on the "
-                  "Triton backend; the Mosaic GPU kernel does not support "
-                  "them yet")
+                  "Triton backend unless the Mosaic GPU kernel is asked "
+                  "for (backend='mosaic_gpu' takes int8 moments, not fp8 or "
+                  "stochastic rounding; it is not measured against Triton "
+                  "with them yet)")
 
 _KIND_OF_DTYPE = {jnp.dtype(jnp.int8): "int8",
                   jnp.dtype(jnp.float8_e4m3fn): "fp8_e4m3",

@@ -39,10 +39,15 @@ rule that does not update the weight (the state-only update of a regime-2
 family) leaves ``W`` unread; write-only outputs (Muon's ``mu_hat``) are
 stored, never loaded. Not yet covered (each refused with the reason by
 :func:`unsupported`): shapes the tiles do not divide, fp32 operands (wgmma
-takes 16-bit ones here), quantized slots and stochastic rounding. A
-gradient already in memory (``stored_g_update``) takes the column-split
-body without the K loop: ``G``'s sub-tiles stream through the ring with
-the state's.
+takes 16-bit ones here), fp8 moments and stochastic rounding. int8 moments
+(:class:`~pallas_kernels.quant.Quantized` slots, 64-element blocks) are
+dequantized and requantized in the streamed epilogue, in sub-tiles one
+block wide (:func:`low_precision_problem`): their codes stream through the
+state ring, their scales (transposed around the launch, so that a
+sub-tile's are one contiguous row) by plain loads and stores. A gradient
+already in memory (``stored_g_update``) takes the column-split body
+without the K loop: ``G``'s sub-tiles stream through the ring with the
+state's.
 :func:`launch` is its entry point; :mod:`pallas_kernels.fused_wgrad`
 holds the public wrappers (``backend="mosaic_gpu"``).
 """
@@ -58,7 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import lowp
+from pallas_kernels import lowp, quant
 from pallas_kernels.rules import UpdateRule
 
 __all__ = ["MosaicConfig", "default_config", "launch", "stored_config",
@@ -429,17 +434,56 @@ def smem_dtypes(rule: UpdateRule, w_dtype, slot_dtypes) -> list:
       out] * len(rule.outputs)
 
 
+def low_precision_problem(plan, cfg: MosaicConfig | None = None, *,
+                          g_stored: bool = False) -> str | None:
+  """Why the Mosaic GPU kernel cannot take this low-precision state
+  (:class:`pallas_kernels.lowp.StatePlan`), or ``None``: it takes int8
+  moments (any slots, 64-element blocks) in its streamed epilogue, in
+  sub-tiles one block wide; not fp8 codes, stochastic rounding or a stored
+  gradient. ``cfg=None``: the tiling is not known yet."""
+  if plan is None:
+    return None
+  if plan.stochastic_rounding:
+    return ("stochastic rounding runs on the Triton backend; the Mosaic GPU "
+            "kernel does not support it yet")
+  fmts = [sp.fmt for sp in plan.slots if sp.fmt is not None]
+  if any(f.kind != "int8" for f in fmts):
+    return ("fp8 moments run on the Triton backend; the Mosaic GPU kernel "
+            "takes int8 ones only")
+  if any(f.block != _QUANT_BLOCK for f in fmts):
+    return (f"the Mosaic GPU kernel takes int8 moments in blocks of "
+            f"{_QUANT_BLOCK}; these have blocks of "
+            f"{sorted({f.block for f in fmts})}")
+  if g_stored:
+    return ("a stored gradient with int8 moments runs on the Triton "
+            "backend")
+  if cfg is not None and fmts:
+    if not (cfg.pingpong or cfg.state_ring):
+      return ("int8 moments are requantized in the streamed epilogue: the "
+              "tiling needs pingpong or state_ring >= 1")
+    if cfg.epi_n != _QUANT_BLOCK or cfg.epi_m % 8:
+      return (f"int8 moments need epilogue sub-tiles one block wide: "
+              f"epi_n={_QUANT_BLOCK} (this tiling has "
+              f"{cfg.epi_m}x{cfg.epi_n})")
+  return None
+
+
 def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
                 rule: UpdateRule, cfg: MosaicConfig, *, stacked: bool,
-                g_stored: bool, low_precision: bool = False) -> str | None:
+                g_stored: bool, low_precision: bool = False,
+                plan=None) -> str | None:
   """Why the Mosaic GPU kernel cannot run this case, or ``None``.
 
   With ``g_stored``, ``x_dtype`` is the stored gradient's dtype and ``bt``
   is not used. ``low_precision``: a slot is quantized or the weight is
-  stored by stochastic rounding (:mod:`pallas_kernels.lowp`)."""
-  if low_precision:
+  stored by stochastic rounding (:mod:`pallas_kernels.lowp`); ``plan``: its
+  :class:`~pallas_kernels.lowp.StatePlan` (without it, refused)."""
+  if low_precision and plan is None:
     return lowp.MOSAIC_REFUSAL
-  held = smem_dtypes(rule, w.dtype, [s.dtype for s in slots])
+  why = low_precision_problem(plan, cfg, g_stored=g_stored)
+  if why is not None:
+    return why
+  held = smem_dtypes(rule, w.dtype, [_code_dtype(s) for s in slots])
   if g_stored:
     if cfg.pingpong:
       return ("a stored gradient has no K loop for the ping-pong schedule "
@@ -470,6 +514,39 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
   return None
 
 
+# Elements per int8 scale: one block per row of an epilogue sub-tile.
+_QUANT_BLOCK = 64
+
+
+def _code_dtype(slot):
+  """A slot's dtype in the kernel: a quantized slot's codes'."""
+  return slot.q.dtype if isinstance(slot, lowp.Quantized) else slot.dtype
+
+
+def _quantize_rows(x, fmt, second: bool):
+  """:func:`pallas_kernels.quant.quantize_blocks` on an fp32 ``(rows,
+  block)`` sub-tile, one block per row: the same steps and roundings, with
+  its masks as float 0/1 (Mosaic GPU lowers no boolean vectors here).
+  Returns int8 codes ``(rows, block)`` and scales ``(rows,)``."""
+  f0, f1 = jnp.float32(0), jnp.float32(1)
+  finite = jnp.abs(x) < jnp.float32(jnp.inf)  # False for NaN and +-Inf
+  bad = jnp.max(jnp.where(finite, f0, f1), axis=1)  # 1: a non-finite value
+  if second:
+    x = jnp.where(x > f0, x, f0)
+  a = jnp.max(jnp.where(finite, jnp.abs(x), f0), axis=1)
+  live = jnp.where(bad > f0, f0,
+                   jnp.where(a >= jnp.float32(quant.TINY_ABSMAX), f1, f0))
+  scale = jnp.where(live > f0, a * jnp.float32(fmt.inv_qmax), f0)
+  scale = jnp.where(bad > f0, jnp.float32(jnp.nan), scale)
+  qmax = jnp.float32(fmt.qmax)
+  r = qmax / jnp.where(live > f0, a, f1)
+  live2 = jnp.broadcast_to(live[:, None], x.shape) > f0
+  y = jnp.where(live2, jnp.clip(x * r[:, None], -qmax, qmax), f0)
+  if second and fmt.v_floor:
+    y = jnp.where(live2, jnp.maximum(y, jnp.float32(fmt.floor_value)), f0)
+  return jnp.round(y).astype(jnp.int8), scale
+
+
 def _transforms(minor: int, dtype):
   """Tiling and swizzle of a shared-memory block whose minor dimension has
   ``minor`` elements."""
@@ -480,13 +557,16 @@ def _transforms(minor: int, dtype):
 
 def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
                  bt: int, n_in: int, n_out: int, interpret: bool,
-                 stacked: bool, g_stored: bool):
+                 stacked: bool, g_stored: bool, quantized: tuple = ()):
   # The operands: x and dy (BT, in) and (BT, out); or, with a stored
   # gradient, G (in, out) alone. Then the hyperparameters. Stacked: the
   # layer index next. Then the state the rule reads and rewrites ((L,) in,
   # out when stacked): the weight if the rule updates it, the slots; last
   # the write-only outputs (in, out). `ring`: the state ring
   # (cfg.ring_for(...); 0: each warpgroup's share of the tile held whole).
+  # `quantized`: per int8 slot (slot index, format, second moment); its
+  # codes are the slot's state array, its scales, transposed ((L,) out/64,
+  # in), follow the state arrays (rewritten in place by plain stores).
   if g_stored:
     g_gmem, h_gmem, *refs = refs
   else:
@@ -495,9 +575,12 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
     layer_gmem, *refs = refs
     layer = layer_gmem[0]
   n_out_arrays = len(rule.outputs)
-  state_gmem = refs[:len(refs) - n_out_arrays]
+  n_state = len(refs) - n_out_arrays - len(quantized)
+  state_gmem = refs[:n_state]
+  scale_gmem = refs[n_state:n_state + len(quantized)]
   stored = [(ref, True) for ref in state_gmem] + [
       (ref, False) for ref in refs[len(refs) - n_out_arrays:]]
+  first_slot = 1 if rule.updates_weight else 0
 
   def at(ref, r, c, is_state=True):
     return ref.at[layer, r, c] if stacked and is_state else ref.at[r, c]
@@ -505,8 +588,9 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
   cw, nbuf = cfg.compute_wgs, cfg.state_buffers
   m_iters, n_iters, k_iters = n_in // tm, n_out // tn, bt // tk
   delay = cfg.delay_release
-  slot_dtypes = [r.dtype for r in
-                 state_gmem[1 if rule.updates_weight else 0:]]
+  slot_dtypes = [r.dtype for r in state_gmem[first_slot:]]
+  for k, _, _ in quantized:  # the rule sees an int8 slot as fp32
+    slot_dtypes[k] = jnp.dtype(jnp.float32)
 
   def hparams():
     return rule.unpack(h_gmem, slot_dtypes, round_by_convert=not interpret)
@@ -522,15 +606,30 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
   # updated); otherwise 0 (reloaded as soon as its stores have read it).
   lag = 1 if cfg.pingpong and ring >= 2 else 0
 
-  def update(g, sub, h, bufs):
+  def scale_row(q, rows, block):
+    """The scales of int8 slot ``q`` for ``rows`` of block column
+    ``block`` (a contiguous row of the transposed scales)."""
+    ref = scale_gmem[q]
+    return ref.at[layer, block, rows] if stacked else ref.at[block, rows]
+
+  def update(g, sub, h, bufs, pos=None):
     """The rule on one sub-tile: the accumulator slice ``g`` and the state
-    at ``buf[sub]`` (rewritten there)."""
+    at ``buf[sub]`` (rewritten there). ``pos``: the sub-tile's rows of
+    ``W`` and its block column (int8 slots: their scales)."""
     old = [buf[sub].astype(jnp.float32) for buf in bufs[:len(state_gmem)]]
+    for q, (k, _, _) in enumerate(quantized):  # dequantize: codes * scale
+      old[first_slot + k] = old[first_slot + k] * scale_row(q, *pos)[...][
+          :, None]
     if rule.updates_weight:
       w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
-      new = (w_new, *new)
+      new = [w_new, *new]
     else:
       _, new = rule.update(g, None, tuple(old), h)
+      new = list(new)
+    for q, (k, fmt, second) in enumerate(quantized):  # requantize
+      new[first_slot + k], scale = _quantize_rows(new[first_slot + k], fmt,
+                                                  second)
+      scale_row(q, *pos)[...] = scale
     for buf, val in zip(bufs, new):
       buf[sub] = val.astype(buf.dtype)
 
@@ -627,7 +726,11 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
         sub = (wg, r, pl.ds(0, em), pl.ds(0, en))
         if g is None:
           g = g_buf[sub].astype(jnp.float32)
-        update(g, sub, h, bufs)
+        pos = None
+        if quantized:  # the sub-tile's rows and block column
+          rows, cols = sub_at(t, s)
+          pos = (rows, cols.start // _QUANT_BLOCK)
+        update(g, sub, h, bufs, pos)
         plgpu.commit_smem()
         for (ref, is_state), buf in zip(stored, bufs):
           plgpu.copy_smem_to_gmem(buf.at[wg, r], at(ref, *sub_at(t, s),
@@ -838,7 +941,7 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
 
 def launch(operands, w, slots, hparams, *, rule: UpdateRule,
            cfg: MosaicConfig, interpret: bool | plgpu.InterpretGPUParams,
-           layer=None, num_sms: int | None = None):
+           layer=None, num_sms: int | None = None, plan=None):
   """The kernel on checked inputs that :func:`unsupported` accepts.
 
   Args:
@@ -858,12 +961,24 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
       ``detect_races=True``); ``False`` to compile.
     num_sms: programs in the persistent grid; default the GPU's SM count
       (4 in interpret mode).
+    plan: the :class:`~pallas_kernels.lowp.StatePlan` of int8 slots
+      (``Quantized`` pairs in ``slots``; :func:`low_precision_problem`), or
+      ``None``.
 
   Returns:
     ``(w_new, slots_new + outputs)``; ``w_new`` is ``w`` itself when the
     rule does not update the weight.
   """
   g_stored = len(operands) == 1
+  quantized, scales, arrays = [], [], []
+  for k, a in enumerate(slots):
+    if isinstance(a, lowp.Quantized):
+      sp = plan.slots[k]
+      quantized.append((k, sp.fmt, sp.second))
+      scales.append(jnp.swapaxes(a.scale, -1, -2))  # contiguous per block
+      a = a.q
+    arrays.append(a)
+  slots = tuple(arrays)
   n_in, n_out = w.shape[-2:]
   bt = 0 if g_stored else operands[0].shape[0]
   if num_sms is None:
@@ -874,7 +989,7 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
   body = functools.partial(_kernel_body, rule=rule, cfg=cfg, ring=ring,
                            bt=bt, n_in=n_in, n_out=n_out,
                            interpret=bool(interpret), stacked=stacked,
-                           g_stored=g_stored)
+                           g_stored=g_stored, quantized=tuple(quantized))
   out_dtype = rule.output_dtype(w.dtype, [a.dtype for a in slots])
   if isinstance(interpret, plgpu.InterpretGPUParams):
     params = interpret
@@ -890,9 +1005,13 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=params)
   state = (w, *slots) if rule.updates_weight else slots
-  refs = [jax.new_ref(a) for a in state]
+  refs = [jax.new_ref(a) for a in (*state, *scales)]
   extra = (jnp.reshape(layer, (1,)).astype(jnp.int32),) if stacked else ()
   outputs = kernel(*operands, hparams, *extra, *refs)
   new = [r[...] for r in refs]
+  new_scales = [jnp.swapaxes(a, -1, -2) for a in new[len(state):]]
+  new = new[:len(state)]
   w_new = new.pop(0) if rule.updates_weight else w
+  for (k, _, _), scale in zip(quantized, new_scales):
+    new[k] = lowp.Quantized(new[k], scale)
   return w_new, (*new, *outputs)

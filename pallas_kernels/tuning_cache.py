@@ -444,8 +444,9 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
      Mosaic GPU kernel covers the case with that tiling
      (:func:`~pallas_kernels.mosaic_kernel.unsupported`), and no slot is
      quantized nor the weight stored by stochastic rounding
-     (``low_precision``: the Mosaic GPU kernel supports neither). Else
-     Triton with :func:`select_config`'s tiling.
+     (``low_precision``: the Mosaic GPU kernel takes int8 moments when
+     asked for by name, but is not measured with them). Else Triton with
+     :func:`select_config`'s tiling.
 
   A backend chosen by 1 to 3 is not second-guessed: a case the Mosaic GPU
   kernel does not cover then fails when it is called (``ValueError`` with

@@ -1,6 +1,7 @@
 """Low-precision optimizer state: quantized (int8 / fp8) moments and
 stochastic-rounded bf16 weights, in the Triton kernel's epilogue
-(pallas_kernels.lowp) and in forge_jax (forge_jax.low_precision).
+(pallas_kernels.lowp), int8 moments in the Mosaic GPU kernel's, and in
+forge_jax (forge_jax.low_precision).
 
 The kernel runs in Pallas interpret mode and is compared with the pure-jnp
 reference (pallas_kernels.quant's quantizer) bit for bit: the inputs are
@@ -98,6 +99,15 @@ CASES = [
      pk.BlockConfig(16, 64, 16), (24,), 40, 100, 1, False),
     ("adagrad-e4m3-stored", pk.adagrad_rule(), ("fp8_e4m3",), jnp.float32,
      False, None, None, 50, 90, 2, True),
+    # The Mosaic GPU kernel (its tiling picks it): int8 moments requantized
+    # in its streamed epilogue, 64-column sub-tiles (one block per row), the
+    # ping-pong schedule; 2-D, and layer 1 of a stack with a ring of one.
+    ("adamw-int8-mosaic", pk.ADAMW, ("int8", "int8"), jnp.bfloat16, False,
+     pk.MosaicConfig.from_label("64x128x64/2,pp,lp"), (2, 64), 128, 256,
+     None, False),
+    ("lion-int8-stack-mosaic", pk.lion_rule(), ("int8",), jnp.float32,
+     False, pk.MosaicConfig.from_label("64x128x64/2,r1,pp"), (64,), 64, 256,
+     1, False),
 ]
 
 
@@ -113,6 +123,8 @@ def test_kernel_equals_reference_bit_for_bit(case):
   h = pack_host(rule, {**VALUES, "weight_decay": 0.0}
                 if rule.name.endswith("_torch") else VALUES)
   x, dy = exact_operands(n_out, tokens or (16,), n_in, n_out)
+  if isinstance(config, pk.MosaicConfig):  # 16-bit operands (exact here)
+    x, dy = x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)
   kw = dict(rule=rule, layer=layer, stochastic_rounding=(7, 11) if sr else None)
   if stored:
     g = jnp.dot(x.T, dy)  # exact
@@ -207,20 +219,29 @@ def test_mosaic_backend_refuses_and_none_takes_triton(monkeypatch):
                                  interpret=False, stochastic_rounding=sr)
     assert choice.backend == "triton"
     assert choice.reason == lowp.MOSAIC_REFUSAL
-  # Asked for by name or through $FORGE_BACKEND: refused in plain words.
-  xs, dys = exact_operands(0, (8,), 16, 64)
-  q = quant.quantize(np.zeros((16, 64), np.float32), MomentFormat())
-  args = (xs, dys, np.ones((16, 64), jnp.bfloat16), (q, q),
-          pack_host(pk.ADAMW, VALUES))
-  msg = ("int8/fp8 moments and stochastic rounding run on the Triton "
-         "backend; the Mosaic GPU kernel does not support them yet")
-  with pytest.raises(ValueError, match=msg + r".*backend='mosaic_gpu' was "
-                     "passed"):
-    pk.fused_wgrad_update(*args, rule=pk.ADAMW, backend="mosaic_gpu",
-                          interpret=True)
+  # Asked for by name or through $FORGE_BACKEND: what the Mosaic GPU
+  # kernel does not take is refused in plain words.
+  xs, dys = (a.astype(jnp.bfloat16) for a in exact_operands(0, (64,), 64,
+                                                            64))
+  q = quant.quantize(np.zeros((64, 64), np.float32), MomentFormat())
+  q8 = quant.quantize(np.zeros((64, 64), np.float32),
+                      MomentFormat("fp8_e4m3"))
+  w = np.ones((64, 64), jnp.bfloat16)
+  h = pack_host(pk.ADAMW, VALUES)
+  for slots, kw, msg in [
+      ((q, q), dict(stochastic_rounding=(1, 2)),
+       "stochastic rounding runs on the Triton backend"),
+      ((q8, q), {}, "fp8 moments run on the Triton backend"),
+      ((q, q), dict(config=pk.MosaicConfig.from_label("64x64x64/2,e64x32,pp")),
+       "int8 moments need epilogue sub-tiles one block wide")]:
+    with pytest.raises(ValueError, match=msg + r".*(backend='mosaic_gpu' was "
+                       "passed|config is a MosaicConfig)"):
+      pk.fused_wgrad_update(xs, dys, w, slots, h, rule=pk.ADAMW,
+                            backend="mosaic_gpu", interpret=True, **kw)
   monkeypatch.setenv("FORGE_BACKEND", "mosaic_gpu")
-  with pytest.raises(ValueError, match=msg + r".*unset \$FORGE_BACKEND"):
-    pk.stored_g_update(np.zeros((16, 64), np.float32), *args[2:4], args[4],
+  with pytest.raises(ValueError, match="a stored gradient with int8 moments "
+                     r"runs on the Triton backend.*unset \$FORGE_BACKEND"):
+    pk.stored_g_update(np.zeros((64, 64), np.float32), w, (q, q), h,
                        rule=pk.ADAMW, interpret=True)
 
 
@@ -629,16 +650,19 @@ def test_compiled_stochastic_rounding_equals_reference_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kinds,w_dtype,sr", [
-    (("int8", "int8"), jnp.float32, False),
-    (("fp8_e4m3", "fp8_e4m3"), jnp.bfloat16, True),
-])
-def test_compiled_fused_kernel_matches_reference_on_gpu(kinds, w_dtype, sr):
-  """The fused kernel compiled (BT 512, bf16 operands) against the
-  reference: weights fp32-tight, scales within fp32 rounding, codes equal
-  but where the compiled fp32 update (approximate division, fused
-  multiply-adds) moves a value across a rounding boundary (at most one
-  code step, in under 1% of elements)."""
+@pytest.mark.parametrize("kinds,w_dtype,sr,backend", [
+    (("int8", "int8"), jnp.float32, False, None),
+    (("fp8_e4m3", "fp8_e4m3"), jnp.bfloat16, True, None),
+    (("int8", "int8"), jnp.float32, False, "mosaic_gpu"),
+], ids=["int8", "fp8-sr", "int8-mosaic"])
+def test_compiled_fused_kernel_matches_reference_on_gpu(kinds, w_dtype, sr,
+                                                        backend):
+  """The fused kernel compiled (BT 512, bf16 operands; the Triton kernel,
+  or the Mosaic GPU kernel asked for by name) against the reference:
+  weights fp32-tight, scales within fp32 rounding, codes equal but where
+  the compiled fp32 update (approximate division, fused multiply-adds)
+  moves a value across a rounding boundary (at most one code step, in
+  under 1% of elements)."""
   rng = np.random.default_rng(2)
   n_in, n_out = 256, 384
   x = rng.standard_normal((512, n_in)).astype(jnp.bfloat16)
@@ -648,8 +672,8 @@ def test_compiled_fused_kernel_matches_reference_on_gpu(kinds, w_dtype, sr):
   slots = quantized_slots(moments(3, (n_in, n_out), rule), kinds, rule)
   h = pack_host(rule, VALUES)
   kw = dict(rule=rule, stochastic_rounding=(1, 2) if sr else None)
-  got = jax.jit(lambda *a: pk.fused_wgrad_update(*a, interpret=False, **kw))(
-      x, dy, w, slots, h)
+  got = jax.jit(lambda *a: pk.fused_wgrad_update(
+      *a, interpret=False, backend=backend, **kw))(x, dy, w, slots, h)
   ref = jax.jit(lambda *a: pk.fused_wgrad_update_reference(*a, **kw))(
       x, dy, w, slots, h)
   w_got = np.asarray(got[0], np.float32)

@@ -107,3 +107,30 @@ def test_schedules_lower_for_cuda(name, label, layers, x_dtype):
   lowered = _lower(RULES[name], jnp.bfloat16, cfg, n=128, layers=layers,
                    x_dtype=x_dtype)
   assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("layers", [None, 3], ids=["2d", "stacked"])
+def test_int8_moments_lower_for_cuda(layers):
+  """int8 moments in the ping-pong epilogue (64-column sub-tiles, the
+  scales by plain loads and stores of contiguous rows): lowered for CUDA
+  through Mosaic GPU's layout inference."""
+  from pallas_kernels import lowp
+  from pallas_kernels.quant import MomentFormat, Quantized
+  rule, n, bt = RULES["optax:adamw"], 128, 128
+  fmt = MomentFormat("int8")
+  plan = lowp.StatePlan((lowp.SlotPlan(fmt, False), lowp.SlotPlan(fmt, True)))
+  cfg = mosaic_kernel.MosaicConfig.from_label("64x128x64/2,pp,lp")
+  lead = () if layers is None else (layers,)
+
+  def f(x, dy, h, w, mq, ms, vq, vs):
+    layer = None if layers is None else jnp.int32(1)
+    return mosaic_kernel.launch(
+        (x, dy), w, (Quantized(mq, ms), Quantized(vq, vs)), h, rule=rule,
+        cfg=cfg, interpret=False, num_sms=8, layer=layer, plan=plan)
+
+  q, s = S((*lead, n, n), jnp.int8), S((*lead, n, n // 64), jnp.float32)
+  text = jax.jit(f).trace(
+      S((bt, n), jnp.bfloat16), S((bt, n), jnp.bfloat16),
+      S((len(rule.hparams),), jnp.float32), S((*lead, n, n), jnp.bfloat16),
+      q, s, q, s).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "llvm." in text
