@@ -98,26 +98,34 @@ def test_suite_script_is_valid_bash_and_runs_existing_benchmarks():
     assert os.path.exists(os.path.join(root, "benchmarks", f"{name}.py")), name
 
 
+def _run_suite(tmp_path, parts, fail=None):
+  """benchmarks/suite.sh OUT PARTS with a stand-in interpreter that logs
+  each command line (and exits 3 for the module ``fail``): the process and
+  the logged lines."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  log = tmp_path / "calls.log"
+  fake = tmp_path / "fakepython"
+  fake.write_text("#!/usr/bin/env bash\n"
+                  f"echo \"$*\" >> {log}\n"
+                  + (f"case \"$2\" in {fail}) exit 3;; esac\n" if fail else "")
+                  + "exit 0\n")
+  fake.chmod(0o755)
+  p = subprocess.run(["bash", os.path.join(root, "benchmarks", "suite.sh"),
+                      str(tmp_path / "out"), *parts],
+                     env=dict(os.environ, PYTHON=str(fake)),
+                     capture_output=True, text=True, timeout=60)
+  return p, log.read_text().splitlines()
+
+
 def test_suite_runs_the_parts_asked_for_and_goes_on_after_a_failure(
     tmp_path):
   """A stand-in interpreter logs each benchmark command (and fails the
   scanned stack's memory benchmark): `suite.sh OUT scan e2e` runs the e2e
   and scan parts' commands in the suite's order, not the kernel's, keeps
   going after the failure and exits 1."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  log = tmp_path / "calls.log"
-  fake = tmp_path / "fakepython"
-  fake.write_text("#!/usr/bin/env bash\n"
-                  f"echo \"$*\" >> {log}\n"
-                  "case \"$2\" in benchmarks.scan_memory) exit 3;; esac\n"
-                  "exit 0\n")
-  fake.chmod(0o755)
-  p = subprocess.run(["bash", os.path.join(root, "benchmarks", "suite.sh"),
-                      str(tmp_path / "out"), "scan", "e2e"],
-                     env=dict(os.environ, PYTHON=str(fake)),
-                     capture_output=True, text=True, timeout=60)
+  p, lines = _run_suite(tmp_path, ["scan", "e2e"],
+                        fail="benchmarks.scan_memory")
   assert p.returncode == 1, p.stdout + p.stderr
-  lines = log.read_text().splitlines()
   # The GPU check (-c), then each benchmark as a module (-m NAME).
   calls = [l.split()[1] if l.startswith("-m ") else l.split()[0]
            for l in lines]
@@ -140,17 +148,9 @@ def test_suite_backends_and_torch_parts(tmp_path):
   benchmarks.backends calls, the decoder's shapes last), then the torch
   part (torch_call with its plot, torch_e2e with --check at BT 512 and
   2048)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  log = tmp_path / "calls.log"
-  fake = tmp_path / "fakepython"
-  fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {log}\nexit 0\n")
-  fake.chmod(0o755)
-  p = subprocess.run(["bash", os.path.join(root, "benchmarks", "suite.sh"),
-                      str(tmp_path / "out"), "torch", "backends"],
-                     env=dict(os.environ, PYTHON=str(fake)),
-                     capture_output=True, text=True, timeout=60)
+  p, lines = _run_suite(tmp_path, ["torch", "backends"])
   assert p.returncode == 0, p.stdout + p.stderr
-  lines = [l for l in log.read_text().splitlines() if l.startswith("-m ")]
+  lines = [l for l in lines if l.startswith("-m ")]
   assert [l.split()[1] for l in lines] == (
       ["benchmarks.backends"] * 4 + ["benchmarks.torch_call",
                                      "benchmarks.torch_e2e"])
