@@ -618,8 +618,11 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
     ``W`` and its block column (int8 slots: their scales)."""
     old = [buf[sub].astype(jnp.float32) for buf in bufs[:len(state_gmem)]]
     for q, (k, _, _) in enumerate(quantized):  # dequantize: codes * scale
-      old[first_slot + k] = old[first_slot + k] * scale_row(q, *pos)[...][
-          :, None]
+      # optimized=False: jax 0.11's warpgroup lowering has only the
+      # bank-conflict-free ("optimized") transfer plans for shared memory
+      # and refuses a plain ref[...] load from global memory with them.
+      scale = plgpu.load(scale_row(q, *pos), optimized=False)
+      old[first_slot + k] = old[first_slot + k] * scale[:, None]
     if rule.updates_weight:
       w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
       new = [w_new, *new]
