@@ -7,12 +7,17 @@ XLA's ``dot(x.T, dy)``
 followed by the rule applied elementwise, the Triton kernel
 (``backend="triton"``, its tuned tiling) and the Mosaic GPU kernel
 (``backend="mosaic_gpu"``, each ``--mosaic`` tiling), side by side in one
-process, bf16 ``x``, ``dy``, ``W`` and bf16 or fp32 moments. ``--rules``
-adds SGD (``W`` alone) and SGD with momentum (``W`` and one slot) beside
-AdamW (``W`` and two): what each streamed state array costs. Each arm's
-result is compared with XLA's before it is timed: an arm off by more than
-bf16 rounding (2 %, relative to the largest element) makes the command exit
-1. Needs a Hopper GPU.
+process, bf16 ``x``, ``dy``, ``W`` and bf16, fp32 or int8 moments (int8:
+codes with one fp32 scale per 64-element block, ``forge_jax.adamw(...,
+moments="int8")``'s state; XLA's arm is then the GEMM followed by
+``pallas_kernels.lowp.apply``, the dequantize-update-requantize reference;
+the Mosaic GPU kernel takes them in its streamed epilogue with sub-tiles 64
+columns wide, ``eMx64``). ``--rules`` adds SGD (``W`` alone) and SGD with
+momentum (``W`` and one slot) beside AdamW (``W`` and two): what each
+streamed state array costs. Each arm's result is compared with XLA's before
+it is timed (``W`` and the slots, int8 ones dequantized): an arm off by more
+than bf16 rounding (2 %, relative to the largest element) makes the command
+exit 1. Needs a Hopper GPU.
 """
 
 import argparse
@@ -27,6 +32,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks import common
+from pallas_kernels import lowp, quant
 
 RULE = pk.ADAMW
 # Timing only: plausible AdamW hyperparameters.
@@ -68,21 +74,44 @@ def _rule(name: str):
   return rule, autotune._tuning_hparams(rule)  # noqa: SLF001
 
 
-def _state(bt, n_in, n_out, slot_dtype, n_slots=2):
+INT8 = quant.MomentFormat("int8")
+
+
+def _state(bt, n_in, n_out, moments, rule=RULE):
+  """x, dy, W and the rule's slots: ``moments`` "bf16", "fp32" or "int8"
+  (``quant.quantize``'d, the second-moment slots as such)."""
   k = jax.random.split(jax.random.key(0), 5)
   x = jax.random.normal(k[0], (bt, n_in), jnp.bfloat16)
   dy = jax.random.normal(k[1], (bt, n_out), jnp.bfloat16)
   w = jax.random.normal(k[2], (n_in, n_out), jnp.bfloat16)
-  mu = (0.1 * jax.random.normal(k[3], (n_in, n_out))).astype(slot_dtype)
-  nu = (0.1 * jax.random.uniform(k[4], (n_in, n_out))).astype(slot_dtype)
-  return x, dy, w, (mu, nu)[:n_slots]
+  mu = 0.1 * jax.random.normal(k[3], (n_in, n_out))
+  nu = 0.1 * jax.random.uniform(k[4], (n_in, n_out))
+  slots = []
+  for name, v in zip(rule.slots, (mu, nu)):
+    if moments == "int8":
+      slots.append(quant.quantize(
+          v, INT8, second_moment=name in rule.second_moments))
+    else:
+      slots.append(v.astype(jnp.bfloat16 if moments == "bf16"
+                            else jnp.float32))
+  return x, dy, w, tuple(slots)
+
+
+def _floats(slots):
+  """The slots as float arrays (int8 ones dequantized)."""
+  return [quant.dequantize(a, INT8) if isinstance(a, quant.Quantized) else a
+          for a in slots]
 
 
 def _arms(mosaic_cfgs, rule=RULE, hparams=HPARAMS):
   def xla(s):
     x, dy, w, slots = s
     g = jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
-    w, slots = rule.apply(g, w, slots, hparams)
+    if any(isinstance(a, quant.Quantized) for a in slots):
+      plan, _ = lowp.plan_state(slots, rule, w, where="benchmarks.backends")
+      w, slots = lowp.apply(rule, plan, g, w, slots, hparams)
+    else:
+      w, slots = rule.apply(g, w, slots, hparams)
     return x, dy, w, slots
 
   def fused(backend, cfg=None):
@@ -113,7 +142,7 @@ def main(argv=None):
                  help="Llama-3.1-8B shape names (the default), 'decoder' for "
                  "the 0.886 B decoder's four, or any 'NAME NxM'")
   p.add_argument("--moments", nargs="+", default=["bf16", "fp32"],
-                 choices=["bf16", "fp32"])
+                 choices=["bf16", "fp32", "int8"])
   p.add_argument("--rules", nargs="+", default=["adamw"], choices=RULES,
                  help="the update rules timed (default AdamW)")
   p.add_argument("--mosaic", nargs="+", default=list(MOSAIC_DEFAULT),
@@ -140,11 +169,10 @@ def main(argv=None):
     rule, hparams = _rule(rule_name)
     arms = _arms(mosaic_cfgs, rule, hparams)
     n_slots = len(rule.slots)
-    slot_dtype = jnp.bfloat16 if moments == "bf16" else jnp.float32
     dtypes = (f"x,dy,W bf16; m,v {moments}" if n_slots == 2 else
               f"x,dy,W bf16; {n_slots} slot(s) {moments}")
-    state = lambda bt, n_in, n_out: _state(bt, n_in, n_out, slot_dtype,
-                                           n_slots)
+    state = lambda bt, n_in, n_out, m=moments, r=rule: _state(
+        bt, n_in, n_out, m, r)
     for name, (n_in, n_out) in shapes.items():
       for bt in args.tokens:
         shape = f"BT={bt} {n_in}x{n_out}"
@@ -154,7 +182,8 @@ def main(argv=None):
           try:
             out = jax.jit(step)(state(bt, n_in, n_out))
             err = max(_max_rel_err(a, b) for a, b in
-                      zip((out[2], *out[3]), (ref[2], *ref[3])))
+                      zip((out[2], *_floats(out[3])),
+                          (ref[2], *_floats(ref[3]))))
             (q, _) = common.time_loop(step, state(bt, n_in, n_out))
           except ValueError as e:  # a tiling this case does not allow
             print(f"{shape} {rule_name} {moments} {arm}: skipped ({e})",
