@@ -623,6 +623,9 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
   ``metric`` over the runs; the entry records that time (``time_us``) and
   the Triton kernel's in the same run (``triton_time_us``), so it selects
   the Mosaic GPU kernel for ``backend=None`` only if that was the faster.
+  Rows of quantized (int8) moments are left out: ``backend=None`` runs
+  low-precision state on the Triton kernel, the Mosaic GPU one only when
+  asked for by name (its tiling named with it), so no entry would be read.
 
   Args:
     path: the CSV.
@@ -681,6 +684,8 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
       raise ValueError(f"{path}: unexpected shape {shape!r}")
     bt, n_in, n_out = (int(v) for v in sm.groups())
     act, w, slots = _backends_dtypes(dtypes)
+    if any(not jnp.issubdtype(jnp.dtype(d), jnp.floating) for d in slots):
+      continue  # quantized moments: measured, never looked up
     chosen = measured
     if pick == "default":
       if case_rule not in RULES:

@@ -42,6 +42,13 @@ MOSAIC_PINGPONG_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "9228555",
 # momentum): its fastest tiling per case it measured replaces the entry.
 MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
                           "--mosaic-pick", "fastest"]
+# Then the run of commit ee3c82c (the 0.886 B decoder's shapes, BT 512 and
+# 2048) and that of commit 0eff7ae (BT 512, the 64x64 epilogue sub-tile
+# beside the default, bf16 and int8 moments: the int8 rows are left out),
+# each the fastest tiling per case it measured.
+MOSAIC_LATER_FROM_CSV = [
+    ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
+    for c in ("ee3c82c", "0eff7ae")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -105,7 +112,8 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 3))  # the runs of ddd1e56, 9228555, c7c1567
+             + [BACKENDS_CSV] * 5))
+  # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c and 0eff7ae)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -142,6 +150,8 @@ def test_from_csv_reproduces_the_shipped_winners(tmp_path, monkeypatch):
   assert autotune.main([*MOSAIC_FROM_CSV, "--out", str(out)]) == 0
   assert autotune.main([*MOSAIC_PINGPONG_FROM_CSV, "--out", str(out)]) == 0
   assert autotune.main([*MOSAIC_ROLLED_FROM_CSV, "--out", str(out)]) == 0
+  for argv in MOSAIC_LATER_FROM_CSV:
+    assert autotune.main([*argv, "--out", str(out)]) == 0
   got = json.loads(out.read_text())
   assert got == _shipped()
 
@@ -725,8 +735,8 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   entries = dev["mosaic_gpu"]
   # AdamW: 4 shapes x BT 512/2048/4096 (bf16 moments), 3 shapes at BT 512
   # and 2 at BT 2048 (fp32 moments); SGD and SGD with momentum at 4096^2,
-  # BT 512.
-  assert len(entries) == 19
+  # BT 512; the decoder's 4 shapes x BT 512/2048 (bf16 moments).
+  assert len(entries) == 27
   # The run of ddd1e56: the column-split defaults of that commit.
   want = {(512, "bfloat16"): "64x128x64/4,b2,pn",
           (2048, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
@@ -762,29 +772,36 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       assert label == want[(bt, slot)], key
       assert "default tiling" in source["pick"]
     else:  # the later runs: the fastest tiling each measured
-      assert commit in ("9228555", "c7c1567") and "fastest" in source["pick"]
+      assert commit in ("9228555", "c7c1567", "ee3c82c", "0eff7ae")
+      assert "fastest" in source["pick"]
       assert entry["time_us"] == min(mosaic.values()), key
-  # Each later run replaced the cases it measured: the last (c7c1567) every
-  # bf16-moment case and the fp32-moment ones at BT 512, so the ddd1e56 run
-  # keeps only the fp32-moment cases at BT 2048.
-  assert len(by_commit["c7c1567"]) == 17 and "9228555" not in by_commit
+  # Each later run replaced the cases it measured: c7c1567 every
+  # bf16-moment case and the fp32-moment ones at BT 512, then 0eff7ae the
+  # four bf16-moment cases at BT 512, so the ddd1e56 run keeps only the
+  # fp32-moment cases at BT 2048; ee3c82c brought the decoder's shapes.
+  assert len(by_commit["c7c1567"]) == 13 and "9228555" not in by_commit
   assert len(by_commit["ddd1e56"]) == 2
-  assert {M(**entries[k]["config"]).pingpong
-          for k in by_commit["c7c1567"]} == {True}
-  # The rolled epilogue won at BT 512 on three shapes (bf16 moments), the
-  # three fp32-moment cases' largest two, and SGD.
+  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["0eff7ae"]) == 4
+  for commit in ("c7c1567", "ee3c82c", "0eff7ae"):
+    assert {M(**entries[k]["config"]).pingpong
+            for k in by_commit[commit]} == {True}
+  # At BT 512 with bf16 moments the 64x64 epilogue sub-tile won on the four
+  # Llama shapes (rolled at 4096^2 and 14336x4096).
+  assert {M(**entries[k]["config"]).epi_n
+          for k in by_commit["0eff7ae"]} == {64}
+  # c7c1567's rolled winners that stand: BT 2048 at 4096x1024, the
+  # fp32-moment cases' largest two, and SGD.
   bf16, fp32 = "w=bfloat16|slots=bfloat16,bfloat16", (
       "w=bfloat16|slots=float32,float32")
   assert {k for k in by_commit["c7c1567"]
           if M(**entries[k]["config"]).rolled} == {
-              f"adamw|bt512|14336x4096|{bf16}", f"adamw|bt512|4096x1024|{bf16}",
-              f"adamw|bt512|4096x14336|{bf16}",
               f"adamw|bt2048|4096x1024|{bf16}",
               f"adamw|bt512|4096x4096|{fp32}", f"adamw|bt512|4096x14336|{fp32}",
               "sgd|bt512|4096x4096|w=bfloat16|slots="}
   slower = {k for k, e in entries.items()
             if e["time_us"] >= e["triton_time_us"]}
-  assert slower == {"adamw|bt512|4096x1024|w=bfloat16|slots=float32,float32"}
+  assert slower == {"adamw|bt512|4096x1024|w=bfloat16|slots=float32,float32",
+                    f"adamw|bt2048|2048x1024|{bf16}"}
 
 
 _BACKENDS_HEADER = ["benchmark", "case", "provider", "shape", "dtypes",
