@@ -35,7 +35,8 @@
 #    512 and 2048) -> OUT/e2e_scan.csv, .png
 # 4. backends: benchmarks.backends, the Mosaic GPU kernel's default tilings
 #    and the rolled epilogue beside the Triton kernel and XLA, BT 512, 2048
-#    and 4096 with bf16 moments, BT 512 with fp32 moments, and the 0.886 B
+#    and 4096 with bf16 moments (and int8 ones at BT 512, in 64x64
+#    sub-tiles), BT 512 with fp32 moments, and the 0.886 B
 #    decoder's shapes at BT 512 and 2048 -> OUT/backends.csv (the source of
 #    the autotune cache's Mosaic GPU entries: pallas_kernels.autotune
 #    --from-csv ... --commit ...)
@@ -114,8 +115,9 @@ if has scan; then
 fi
 if has backends; then
   B=("$PY" -m benchmarks.backends --out "$OUT/backends.csv")
-  "${B[@]}" --tokens 512 --moments bf16 --mosaic 128x128x64/4,e64x32,pp \
-    128x128x64/4,e64x32,pp,lp 128x128x64/4,pp,lp || rc=1
+  "${B[@]}" --tokens 512 --moments bf16 int8 \
+    --mosaic 128x128x64/4,e64x32,pp 128x128x64/4,e64x64,pp \
+    128x128x64/4,e64x64,pp,lp || rc=1
   "${B[@]}" --tokens 2048 4096 --moments bf16 \
     --mosaic 128x128x64/4,e64x32,s8,pp 128x128x64/4,s8,pp,lp || rc=1
   "${B[@]}" --tokens 512 --moments fp32 --mosaic 128x128x64/4,pp,lp \

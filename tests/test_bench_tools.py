@@ -154,6 +154,7 @@ def test_suite_backends_and_torch_parts(tmp_path):
   assert [l.split()[1] for l in lines] == (
       ["benchmarks.backends"] * 4 + ["benchmarks.torch_call",
                                      "benchmarks.torch_e2e"])
+  assert "--moments bf16 int8" in lines[0] and "e64x64" in lines[0]
   assert "--shapes decoder" in lines[3] and "--plot" in lines[4]
   assert "--check" in lines[5] and "--bt 512 2048" in lines[5]
 
