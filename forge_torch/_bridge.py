@@ -454,19 +454,21 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     ``True`` if every state tensor the rule writes was written in place by
     the kernel, ``False`` if any had to be copied back.
   """
-  floats = [s for s in slots if not isinstance(s, Quantized)]
-  for name, t in (("x", x), ("dy", dy), ("w", w),
-                  *((f"slot {i}", s) for i, s in enumerate(floats))):
-    # JAX would import float64 as float32 (x64 off) and the result would be
-    # copied back: fp32 arithmetic on float64 tensors, silently.
-    check_dtype(t, f"fused_update's {name}")
-  for i, s in enumerate(slots):
-    if isinstance(s, Quantized):
-      _check_quantized(s, w, f"fused_update's slot {i}")
-  for t in (w, *_flat_slots(slots)):
-    if not t.is_contiguous():
-      raise ValueError("forge_torch: weight and optimizer state must be "
-                       "contiguous to be updated in place")
+  if not _plain_and_valid(x, dy, w, slots):
+    # Quantized slots, or a check below fails: each one, in order.
+    floats = [s for s in slots if not isinstance(s, Quantized)]
+    for name, t in (("x", x), ("dy", dy), ("w", w),
+                    *((f"slot {i}", s) for i, s in enumerate(floats))):
+      # JAX would import float64 as float32 (x64 off) and the result would
+      # be copied back: fp32 arithmetic on float64 tensors, silently.
+      check_dtype(t, f"fused_update's {name}")
+    for i, s in enumerate(slots):
+      if isinstance(s, Quantized):
+        _check_quantized(s, w, f"fused_update's slot {i}")
+    for t in (w, *_flat_slots(slots)):
+      if not t.is_contiguous():
+        raise ValueError("forge_torch: weight and optimizer state must be "
+                         "contiguous to be updated in place")
   if stochastic_rounding is not None:
     seed, step = stochastic_rounding
     stochastic_rounding = (int(seed) % 2**32, int(step) % 2**32)
@@ -478,6 +480,19 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
                            stochastic_rounding)
   return _fused_update(x, dy, w, slots, hparams, rule, config, views,
                        stochastic_rounding)
+
+
+def _plain_and_valid(x, dy, w, slots) -> bool:
+  """Whether every slot is a plain tensor and :func:`fused_update`'s checks
+  all pass (the usual case, told without forming their messages)."""
+  if x.dtype not in SUPPORTED_DTYPES or dy.dtype not in SUPPORTED_DTYPES or (
+      w.dtype not in SUPPORTED_DTYPES or not w.is_contiguous()):
+    return False
+  for s in slots:
+    if not isinstance(s, torch.Tensor) or (
+        s.dtype not in SUPPORTED_DTYPES or not s.is_contiguous()):
+      return False
+  return True
 
 
 def _check_quantized(s: Quantized, w: torch.Tensor, what: str) -> None:

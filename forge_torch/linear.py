@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, MutableMapping
@@ -26,60 +27,70 @@ import pallas_kernels
 from forge_torch import _bridge
 
 
+# A key for an object that no other live object shares, as ``id(obj)``:
+# CPython's default hash, the object's address with its bits rotated. Unlike
+# ``id()``, it raises no audit event; ``id()`` raises one, which costs a
+# call into every audit hook installed (jax's imports install one), several
+# times the dict access that follows.
+_map_key = object.__hash__
+
+
 class WeakIdMap(MutableMapping):
   """A mapping keyed by object identity that holds its keys weakly: what
   ``torch.utils.weak.WeakIdKeyDictionary`` is, with lookups cheap enough
   for every forward and backward of every layer (one dict access by
-  ``id(key)``, where ``WeakIdKeyDictionary`` makes a weak reference per
-  lookup).
+  ``_map_key(key)``, where ``WeakIdKeyDictionary`` makes a weak reference
+  per lookup).
 
   An entry is dropped by its key's weak-reference callback, which runs when
-  the key is deallocated, before its memory (and so its ``id``) can be
-  reused: an ``id`` in the map always belongs to its live key. A key's weak
-  reference outlives its entry (``pop``, ``clear``) until the key dies, so
-  that setting the key again (bookkeeping cleared every optimizer step)
-  makes no new one. Iteration works on a snapshot, so entries may come and
-  go meanwhile."""
+  the key is deallocated, before its memory (and so its identity key) can
+  be reused: a key in the map always belongs to its live object. A key's
+  weak reference outlives its entry (``pop``, ``clear``) until the key
+  dies, so that setting the key again (bookkeeping cleared every optimizer
+  step) makes no new one. Iteration works on a snapshot, so entries may
+  come and go meanwhile. (Code on the path of every forward and backward
+  reads ``_values`` by ``_map_key(key)`` directly, saving a method call.)"""
 
   def __init__(self):
-    # id(key) -> weak ref to key: every live key set since the map was made
+    # identity key -> weak ref to the object: every live key set since the
+    # map was made
     self._refs: dict[int, WeakIdRef] = {}
-    self._values: dict[int, Any] = {}  # id(key) -> value: the entries
+    self._values: dict[int, Any] = {}  # identity key -> value: the entries
     map_ref = weakref.ref(self)
 
-    def drop(ref: WeakIdRef) -> None:  # the key was deallocated
+    def drop(k: int, ref: WeakIdRef) -> None:  # the key was deallocated
       live = map_ref()
-      if live is not None and live._refs.get(ref._id) is ref:
-        del live._refs[ref._id]
-        live._values.pop(ref._id, None)
+      if live is not None and live._refs.get(k) is ref:
+        del live._refs[k]
+        live._values.pop(k, None)
 
     self._drop = drop
 
   def __contains__(self, key) -> bool:
-    return id(key) in self._values
+    return _map_key(key) in self._values
 
   def get(self, key, default=None):
-    return self._values.get(id(key), default)
+    return self._values.get(_map_key(key), default)
 
   def __getitem__(self, key):
     try:
-      return self._values[id(key)]
+      return self._values[_map_key(key)]
     except KeyError:
       raise KeyError(key) from None
 
   def __setitem__(self, key, value) -> None:
-    i = id(key)
-    if i not in self._refs:
-      self._refs[i] = WeakIdRef(key, self._drop)
-    self._values[i] = value
+    k = _map_key(key)
+    if k not in self._refs:
+      self._refs[k] = WeakIdRef(key, functools.partial(self._drop, k))
+    self._values[k] = value
 
   def __delitem__(self, key) -> None:
     self.pop(key)
 
   def pop(self, key, *default):
-    i = id(key)
-    if i in self._values:
-      return self._values.pop(i)
+    k = _map_key(key)
+    if k in self._values:
+      return self._values.pop(k)
     if default:
       return default[0]
     raise KeyError(key)
@@ -88,14 +99,24 @@ class WeakIdMap(MutableMapping):
     self._values.clear()
 
   def __iter__(self) -> Iterator:
-    for i in list(self._values):
-      ref = self._refs.get(i)
+    for k in list(self._values):
+      ref = self._refs.get(k)
       key = ref() if ref is not None else None
       if key is not None:
         yield key
 
   def __len__(self) -> int:
     return len(self._values)
+
+
+def set_fast(m: WeakIdMap, key, value) -> None:
+  """``m[key] = value``, by one dict access where ``m`` already holds a
+  weak reference to ``key`` (a per-step map after its first step)."""
+  k = _map_key(key)
+  if k in m._refs:
+    m._values[k] = value
+  else:
+    m[key] = value
 
 
 # Parameters created (or adopted) by a forge_torch.Linear as its weight.
@@ -120,7 +141,7 @@ def _mark(weight: torch.Tensor) -> None:
 
 def is_forge_weight(p: torch.Tensor) -> bool:
   """Whether ``p`` is the weight of a ``forge_torch.Linear``."""
-  return p in _FORGE_WEIGHTS
+  return _map_key(p) in _FORGE_WEIGHTS._values
 
 
 def weight_name(p: torch.Tensor) -> str:
@@ -136,7 +157,12 @@ def owner_of(p: torch.Tensor):
   The newest optimizer built over ``p`` owns it. If that one has been
   garbage-collected (a throwaway optimizer), ownership returns to the newest
   earlier one that is alive and still holds ``p`` in its param groups."""
-  refs = _OWNERS.get(p)
+  k = _map_key(p)
+  refs = _OWNERS._values.get(k)
+  if refs:  # the usual case: the newest one, alive, manages it
+    optimizer = refs[-1]()
+    if optimizer is not None and k in optimizer._forge_managed._values:
+      return optimizer
   while refs:
     optimizer = refs[-1]()
     if optimizer is not None and optimizer._forge_reclaim(p):
@@ -195,6 +221,11 @@ class _Handle:
     # skipped batch, an exception later in the forward) stops counting.
     if self.generation is not None:
       self.release()
+
+
+# Whether autocast is on for any device type (one call, no device string);
+# it covers CPU and CUDA, the devices a managed weight can be on.
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -350,6 +381,11 @@ class _FusedLinearFn(torch.autograd.Function):
     if mode == UPDATE:
       ctx.handle = None  # a later backward through this graph cannot update
     n_out, n_in = weight.shape
+    # (B, out) and (B, in) operands of G; already 2-d: as they are (a
+    # reshape to the same shape would make a view of the same memory).
+    g2 = (grad_output if grad_output.dim() == 2
+          else grad_output.reshape(-1, n_out))
+    x2 = input if input.dim() == 2 else input.reshape(-1, n_in)
     amp = ctx.amp_dtype
     with (torch.autocast(grad_output.device.type, enabled=False)
           if amp is not None else _NO_CONTEXT):
@@ -359,7 +395,6 @@ class _FusedLinearFn(torch.autograd.Function):
       # fused kernel, which waits for torch's stream, overwrites the weight.
       grad_input = (grad_output.matmul(w_op) if ctx.needs_input_grad[0]
                     else None)
-      g2 = grad_output.reshape(-1, n_out)
       grad_bias = (g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2]
                    else None)
       if mode != UPDATE:
@@ -369,7 +404,7 @@ class _FusedLinearFn(torch.autograd.Function):
         # asked for the gradient itself (autograd.grad), it gets it, formed
         # here (under autocast: in its dtype, then cast, as torch does).
         handle.release()
-        grad_weight = (g2.t().matmul(input.reshape(-1, n_in)).to(weight.dtype)
+        grad_weight = (g2.t().matmul(x2).to(weight.dtype)
                        if mode == RETURN else None)
         return grad_input, grad_weight, grad_bias, None, None
     optimizer = handle.optimizer()
@@ -381,7 +416,7 @@ class _FusedLinearFn(torch.autograd.Function):
     # `weight` (unpacked) may be an alias of the Parameter, e.g. under
     # activation checkpointing; the optimizer keys its state by the Parameter.
     # Updates the weight, or (gradient accumulation) adds G to its buffer.
-    optimizer._forge_fused_update(handle.weight, g2, input.reshape(-1, n_in),
+    optimizer._forge_fused_update(handle.weight, g2, x2,
                                   config=handle.config, layer=handle.layer)
     handle.done = True  # this forward's use is consumed
     # No gradient for the weight: it has been updated already (grad stays None).
@@ -564,7 +599,10 @@ class Linear(nn.Linear):
   # A torch without it (a private name) gets the eager decorator.
   @getattr(torch, "_disable_dynamo", torch.compiler.disable)
   def forward(self, input: torch.Tensor) -> torch.Tensor:
-    w, bias = self.weight, self.bias
+    try:  # what self.weight, self.bias find, without Module.__getattr__
+      w, bias = self._parameters["weight"], self._parameters["bias"]
+    except KeyError:  # not parameters (e.g. parametrized): as attributes
+      w, bias = self.weight, self.bias
     if not (self.fused and torch.is_grad_enabled()):
       return F.linear(input, w, bias)
     if self._is_fsdp_managed_module:
@@ -578,7 +616,7 @@ class Linear(nn.Linear):
     if not (w.requires_grad and is_forge_weight(w)) or _in_functorch() or (
         _has_tangent(input, w, bias)):
       return F.linear(input, w, bias)
-    layer = self._layer_name()
+    layer = self._forge_path or self._layer_name()
     optimizer = owner_of(w)
     if optimizer is None:
       raise RuntimeError(
@@ -589,7 +627,8 @@ class Linear(nn.Linear):
           "include this weight (after forge_torch.convert(), not before); or "
           "run under torch.no_grad(), or set layer.fused = False.")
     check_no_grad_hooks(w, layer)
-    amp = autocast_dtype(w.device.type)
+    amp = (None if _ANY_AUTOCAST is not None and (w.is_cuda or w.is_cpu)
+           and not _ANY_AUTOCAST() else autocast_dtype(w.device.type))
     if amp is not None:
       if amp != torch.bfloat16:
         raise RuntimeError(

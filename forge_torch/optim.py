@@ -92,6 +92,9 @@ _CODE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8,
 SCALE_SUFFIX = "_scale"
 # The warning lists at most this many parameters by position.
 _LIST_AT_MOST = 8
+# Identity keys and writes of _linear.WeakIdMap, on the per-call paths.
+_key = _linear._map_key
+_set = _linear.set_fast
 
 
 class _Raw:
@@ -231,6 +234,11 @@ class _ForgeOptimizer:
   # weight's device; if not, one computation serves every weight of a group
   # in a step (_forge_shared_scalars).
   _forge_hparams_per_weight: ClassVar[bool] = False
+  # Set per instance (accumulate_steps, max_grad_norm, forge_torch/_clip.py);
+  # class defaults, so that the backward reads them without getattr.
+  _forge_accumulate_steps: int = 1
+  _forge_max_grad_norm: float | None = None
+  _forge_clip_phase: str | None = None
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -445,7 +453,7 @@ class _ForgeOptimizer:
     not part of ``state_dict()``. The last clipped step's global norm
     (before clipping, a 0-d tensor; ``None`` before one) is
     ``last_grad_norm``."""
-    return getattr(self, "_forge_max_grad_norm", None)
+    return self._forge_max_grad_norm
 
   @max_grad_norm.setter
   def max_grad_norm(self, value: float | None) -> None:
@@ -482,15 +490,16 @@ class _ForgeOptimizer:
     its own, as the family's hooks say."""
     if self._forge_hparams_per_weight:
       return None
-    names, options = tuple(group), tuple(group.values())
     shared = self._forge_scalars.get(index)
-    if (shared is not None and shared.device == device
-        and shared.names == names
-        and all(map(operator.is_, shared.options, options))):
+    if (shared is not None and len(group) == len(shared.names)
+        and all(map(operator.is_, shared.options, group.values()))
+        and all(map(operator.is_, shared.names, group))
+        and shared.device == device):
       return shared  # every option the very same (immutable) object
     if not all(_immutable(v) for k, v in group.items() if k != "params"):
       self._forge_scalars.pop(index, None)
       return None
+    names, options = tuple(group), tuple(group.values())
     shared = _SharedScalars(names, options, device,
                             self._forge_rule(group, device))
     self._forge_scalars[index] = shared
@@ -585,7 +594,7 @@ class _ForgeOptimizer:
     user's edit). (The same on the CPU, where the read is cheap.)"""
     if not isinstance(step, torch.Tensor):
       return _get_value(step)
-    known = self._forge_steps.get(step)
+    known = self._forge_steps._values.get(_key(step))
     if known is not None and known[0] == step._version:
       return known[1]
     return _get_value(step)
@@ -700,8 +709,9 @@ class _ForgeOptimizer:
   @property
   def managed_params(self) -> list[torch.Tensor]:
     """The FORGE-managed weights this optimizer updates during backward."""
+    managed = self._forge_managed._values
     return [p for g in self.param_groups for p in g["params"]
-            if p in self._forge_managed or (
+            if _key(p) in managed or (
                 _linear.is_forge_weight(p) and _linear.owner_of(p) is self)]
 
   def _forge_reclaim(self, p: torch.Tensor) -> bool:
@@ -726,7 +736,7 @@ class _ForgeOptimizer:
     step it is counted in (``None``: a recomputation, not counted).
     ``autocast_dtype``: the dtype ``torch.autocast`` runs the layer in
     (``x`` is cast to it already), or ``None`` outside autocast."""
-    if w not in self._forge_managed:
+    if _key(w) not in self._forge_managed._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
           "optimizer")
@@ -750,8 +760,8 @@ class _ForgeOptimizer:
       # Activation checkpointing recomputes the forward inside backward; the
       # recomputation is the same use of the weight (paper Remark 3).
       return None
-    n = self._forge_calls.get(w, 0)
-    k = self.accumulate_steps
+    n = self._forge_calls._values.get(_key(w), 0)
+    k = self._forge_accumulate_steps
     if n >= k and k > 1:
       raise RuntimeError(
           f"forge_torch.Linear {layer} was called more than "
@@ -782,7 +792,7 @@ class _ForgeOptimizer:
           "FORGE's update; check the loss before backward(), and end every "
           "step with optimizer.step() (after optimizer.zero_grad() to drop "
           "the other parameters' gradients).")
-    self._forge_calls[w] = n + 1
+    _set(self._forge_calls, w, n + 1)
     return self._forge_generation
 
   def _forge_release(self, w: torch.Tensor, generation: int | None) -> None:
@@ -804,26 +814,28 @@ class _ForgeOptimizer:
     """This family's step on managed weight ``p``, ``G = grad_output^T input``
     (``accumulate_steps > 1``: ``G`` added to the weight's buffer, except on
     the step's last micro-batch, which steps from the sum)."""
-    if p not in self._forge_managed:
+    if _key(p) not in self._forge_managed._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
           "optimizer")
-    if p in self._forge_updated:
+    if _key(p) in self._forge_updated._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: a second backward reached this weight "
           "before optimizer.step(); FORGE applies one update per step")
-    if _clip.measuring(self, layer):  # max_grad_norm: the norm pass
+    if self._forge_max_grad_norm is not None and _clip.measuring(
+        self, layer):  # max_grad_norm: the norm pass
       _clip.record(self, p, grad_output, input, layer)
       return
-    if _distributed.is_data_parallel(p):  # DDP: reduced, then stepped
+    # DDP (_distributed.is_data_parallel): reduced, then stepped.
+    if _key(p) in _distributed._GROUPS._values:
       _distributed.reduce_and_step(self, p, grad_output, input, config=config,
                                    layer=layer)
       return
-    _check_single_process([p])
+    _distributed.check_single_process((p,))
     acc = None
-    if self.accumulate_steps > 1:
+    if self._forge_accumulate_steps > 1:
       n = self._forge_micro.get(p, 0) + 1
-      if n < self.accumulate_steps:  # not the step's last micro-batch
+      if n < self._forge_accumulate_steps:  # not the step's last micro-batch
         self._forge_accumulate(p, grad_output, input, config=config,
                                first=n == 1)
         self._forge_micro[p] = n
@@ -838,13 +850,16 @@ class _ForgeOptimizer:
                          layer: str, acc: torch.Tensor | None = None) -> None:
     """The family's step on ``p`` from ``G = grad_output^T input``, plus the
     accumulated micro-batch gradients ``acc`` (gradient accumulation)."""
-    index = self._forge_managed[p]
+    index = self._forge_managed._values.get(_key(p))
+    if index is None:
+      index = self._forge_managed[p]  # (raises KeyError)
     group = self.param_groups[index]
     if index not in self._forge_used:
       self._forge_used[index] = _options_snapshot(group)
-    shared = self._forge_shared_scalars(index, group, p.device)
+    device = p.device
+    shared = self._forge_shared_scalars(index, group, device)
     rule = shared.rule if shared is not None else self._forge_rule(
-        group, p.device)
+        group, device)
     state = self.state.get(p, {})  # (self.state is a defaultdict)
     fresh = len(state) == 0
     if fresh:  # as torch's _init_group (which keeps no entry when it has none)
@@ -852,7 +867,8 @@ class _ForgeOptimizer:
       if init:
         state = self.state[p]
         state.update(init)
-    fmt = self._forge_moment_format(p)
+    fmt = (None if self._forge_format is None
+           else self._forge_moment_format(p))
     if fmt is not None:  # initial moments (fresh, or Adagrad's), quantized
       for name in rule.slots:
         s = state.get(name)
@@ -866,6 +882,7 @@ class _ForgeOptimizer:
           f"bfloat16 weight; this one is {p.dtype} (was the model cast after "
           "the optimizer was built?)")
     slots = []
+    shape, dtype = p.shape, p.dtype
     for name in (() if fmt is not None else rule.slots):
       s = state.get(name)
       if not isinstance(s, torch.Tensor):
@@ -874,7 +891,7 @@ class _ForgeOptimizer:
             f"tensor (state keys {sorted(state)}); were the group's options "
             "(e.g. momentum, centered, amsgrad) changed after its state was "
             "created?")
-      if s.shape != p.shape or s.device != p.device or s.dtype != p.dtype:
+      if s.shape != shape or s.device != device or s.dtype != dtype:
         raise RuntimeError(
             f"forge_torch.Linear {layer}: optimizer state {name!r} is "
             f"{s.dtype}{list(s.shape)} on {s.device}, the weight "
@@ -883,8 +900,11 @@ class _ForgeOptimizer:
       slots.append(s)
     if fmt is not None:
       slots = self._forge_low_precision_slots(p, state, rule, fmt, layer)
-    weight, bumped = p.data, [p, *_state_tensors(slots)]
-    sharded = _distributed.is_sharded(p)
+      bumped = [p, *_state_tensors(slots)]
+    else:
+      bumped = [p, *slots]
+    weight = p.data
+    sharded = _key(p) in _distributed._SHARDED._values  # .is_sharded(p)
     if (fmt is not None or self._forge_sr) and sharded:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: moments= and stochastic_rounding= "
@@ -896,7 +916,9 @@ class _ForgeOptimizer:
       weight = _distributed.local(p)
       slots = [_distributed.local(s) for s in slots]
       bumped += [weight, *slots]
-    t = self._forge_step_count(state["step"]) + 1 if "step" in state else None
+    step = state.get("step")
+    t = (self._forge_step_count(step) + 1 if step is not None
+         or "step" in state else None)
     scalars = shared.scalars.get((t, fresh)) if shared is not None else None
     if scalars is None:
       values, scalar_updates = self._forge_hparams(group, state, t, fresh)
@@ -906,10 +928,11 @@ class _ForgeOptimizer:
       values, scalar_updates = scalars.values, {}
     base_rule, base_values = rule, values
     # max_grad_norm's update pass: G scaled by the clip coefficient.
-    rule, values = _clip.scaled(self, rule, values)
+    if self._forge_clip_phase is not None:
+      rule, values = _clip.scaled(self, rule, values)
     # Kernel layout: x := grad_output (BT, out), dy := input (BT, in),
     # w := weight (out, in), so G' = grad_output^T input is torch's own grad.
-    views = self._forge_views.get(p)
+    views = self._forge_views._values.get(_key(p))
     if views is None:
       views = self._forge_views[p] = _bridge.ViewCache()
     kernel_rule, kernel_slots = rule, slots
@@ -939,18 +962,17 @@ class _ForgeOptimizer:
     # torch's in-place optimizer ops do, so that a graph which saved the
     # pre-update weight elsewhere (e.g. a detached read) makes autograd raise
     # "modified by an inplace operation" instead of silently using the new one.
-    torch.autograd.graph.increment_version(bumped)
+    _increment_version(bumped)
     # Scalar state advances once the update is done (torch: `step_t += 1`;
     # a tensor step is set to t, the same value, by the cheaper fill_).
-    step = state.get("step")
     if isinstance(step, torch.Tensor):
       step.fill_(t)
-      self._forge_steps[step] = (step._version, t)
+      _set(self._forge_steps, step, (step._version, t))
     elif "step" in state:
       state["step"] += 1
     for name, value in scalar_updates.items():
       state[name].copy_(value)
-    self._forge_updated[p] = True
+    _set(self._forge_updated, p, True)
 
   # -- gradient accumulation --------------------------------------------------
 
@@ -972,7 +994,7 @@ class _ForgeOptimizer:
     Set it between steps (at construction, or right after ``step()``);
     it is not part of ``state_dict()``.
     """
-    return getattr(self, "_forge_accumulate_steps", 1)
+    return self._forge_accumulate_steps
 
   @accumulate_steps.setter
   def accumulate_steps(self, k: int) -> None:
@@ -1102,9 +1124,13 @@ class _ForgeOptimizer:
             "Keep the layer fused, or build the optimizer with "
             "moments=None.")
     # DDP: ordinary gradients of prepared weights (a layer run unfused).
-    _distributed.reduce_grads(self)
     # fully_shard with accumulate_steps > 1: the summed sharded gradients.
-    _distributed.step_sharded(self)
+    # (Each only where some weight is prepared for it: with none, both
+    # would find nothing to do, after a pass over the managed weights.)
+    if _distributed._GROUPS._values:
+      _distributed.reduce_grads(self)
+    if _distributed._SHARDED._values:
+      _distributed.step_sharded(self)
     self._forge_apply_accumulated()  # a step with fewer than K micro-batches
     _unhooked(self._forge_torch.step)(self)
     self._forge_reset_step()
@@ -1169,7 +1195,9 @@ def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(v, (tuple, list)):
       return tuple(snap(a) for a in v)
     return v
-  return {k: snap(v) for k, v in group.items() if k != "params"}
+  # (A plain number, string or None is its own snapshot: taken as is.)
+  return {k: v if type(v) in _IMMUTABLE else snap(v)
+          for k, v in group.items() if k != "params"}
 
 
 def _describe(t) -> str:
@@ -1209,9 +1237,15 @@ def _check_single_process(params=()) -> None:
   _distributed.check_single_process(params)
 
 
+# torch.autograd.graph.increment_version on a list of tensors, without its
+# Python wrapper where torch has the function it calls.
+_increment_version = getattr(torch._C, "_increment_version",
+                             torch.autograd.graph.increment_version)
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _in_backward() -> bool:
-  get = getattr(torch._C, "_current_graph_task_id", None)
-  return get is not None and get() != -1
+  return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
 _COMMON_DOC = """
