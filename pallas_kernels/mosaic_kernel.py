@@ -612,24 +612,16 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
     ref = scale_gmem[q]
     return ref.at[layer, block, rows] if stacked else ref.at[block, rows]
 
-  def load_scales(pos):
-    """The int8 slots' scales of the sub-tile at ``pos`` (its rows of ``W``
-    and its block column), one ``(em,)`` vector per slot. The loads are
-    issued a sub-tile ahead of their use (the caller carries them), so
-    their global-memory latency is not waited for in the epilogue.
-    optimized=False: jax 0.11's warpgroup lowering has only the
-    bank-conflict-free ("optimized") transfer plans for shared memory and
-    refuses a plain ref[...] load from global memory with them."""
-    return tuple(plgpu.load(scale_row(q, *pos), optimized=False)
-                 for q in range(len(quantized)))
-
-  def update(g, sub, h, bufs, pos=None, scales=()):
+  def update(g, sub, h, bufs, pos=None):
     """The rule on one sub-tile: the accumulator slice ``g`` and the state
     at ``buf[sub]`` (rewritten there). ``pos``: the sub-tile's rows of
-    ``W`` and its block column; ``scales``: :func:`load_scales` there (int8
-    slots)."""
+    ``W`` and its block column (int8 slots: their scales)."""
     old = [buf[sub].astype(jnp.float32) for buf in bufs[:len(state_gmem)]]
-    for (k, _, _), scale in zip(quantized, scales):  # codes * scale
+    for q, (k, _, _) in enumerate(quantized):  # dequantize: codes * scale
+      # optimized=False: jax 0.11's warpgroup lowering has only the
+      # bank-conflict-free ("optimized") transfer plans for shared memory
+      # and refuses a plain ref[...] load from global memory with them.
+      scale = plgpu.load(scale_row(q, *pos), optimized=False)
       old[first_slot + k] = old[first_slot + k] * scale[:, None]
     if rule.updates_weight:
       w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
@@ -731,26 +723,17 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
       # acc: the share's accumulator, or None to read G from its buffer.
       wg = t[3]
 
-      def scale_pos(s):
-        """Sub-tile ``s``'s rows and block column (int8 slots)."""
-        rows, cols = sub_at(t, s)
-        return rows, cols.start // _QUANT_BLOCK
-
-      def scales_ahead(s):
-        """The scales of sub-tile ``s + 1`` (of ``s``, unused, at the
-        last), loaded while sub-tile ``s`` is updated."""
-        if isinstance(s, int):
-          return load_scales(scale_pos(min(s + 1, len(subs) - 1)))
-        return load_scales(scale_pos(jnp.minimum(s + 1, len(subs) - 1)))
-
-      def sub_tile(s, g, scales=()):
+      def sub_tile(s, g):
         r = dyn(s)[0]
         plgpu.barrier_wait(bar.at[wg * ring + r])
         sub = (wg, r, pl.ds(0, em), pl.ds(0, en))
         if g is None:
           g = g_buf[sub].astype(jnp.float32)
-        pos = scale_pos(s) if quantized else None
-        update(g, sub, h, bufs, pos, scales)
+        pos = None
+        if quantized:  # the sub-tile's rows and block column
+          rows, cols = sub_at(t, s)
+          pos = (rows, cols.start // _QUANT_BLOCK)
+        update(g, sub, h, bufs, pos)
         plgpu.commit_smem()
         for (ref, is_state), buf in zip(stored, bufs):
           plgpu.copy_smem_to_gmem(buf.at[wg, r], at(ref, *sub_at(t, s),
@@ -771,31 +754,16 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
       def acc_slice(i, j):
         return acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
 
-      scales = load_scales(scale_pos(0)) if quantized else ()
       if not cfg.rolled:
         for s, (i, j) in enumerate(subs):
-          current = scales
-          if quantized:
-            scales = scales_ahead(s)
-          sub_tile(s, None if acc is None else acc_slice(i, j), current)
-        return
-
-      def acc_at(s):
-        return None if acc is None else lax.switch(
-            s, [functools.partial(acc_slice, i, j) for i, j in subs])
-
-      if quantized:  # the next sub-tile's scales carried through the loop
-        def rolled_sub(s, current):
-          ahead = scales_ahead(s)
-          sub_tile(s, acc_at(s), current)
-          return ahead
-
-        lax.fori_loop(0, len(subs), rolled_sub, scales)
+          sub_tile(s, None if acc is None else acc_slice(i, j))
         return
 
       @pl.loop(0, len(subs))
       def _sub(s):
-        sub_tile(s, acc_at(s))
+        g = None if acc is None else lax.switch(
+            s, [functools.partial(acc_slice, i, j) for i, j in subs])
+        sub_tile(s, g)
 
     if cfg.pingpong:
       _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
