@@ -37,7 +37,9 @@
 #    and the rolled epilogue beside the Triton kernel and XLA, BT 512, 2048
 #    and 4096 with bf16 moments (and int8 ones at BT 512, in 64x64
 #    sub-tiles), BT 512 with fp32 moments, and the 0.886 B
-#    decoder's shapes at BT 512 and 2048 -> OUT/backends.csv (the source of
+#    decoder's shapes at BT 512 and 2048 (its four projections, its LM head,
+#    and the transposed cases forge_torch runs for k/v and the head)
+#    -> OUT/backends.csv (the source of
 #    the autotune cache's Mosaic GPU entries: pallas_kernels.autotune
 #    --from-csv ... --commit ...)
 # 5. torch: benchmarks.torch_call (one forge_torch update per call, BT 512,
@@ -125,6 +127,11 @@ if has backends; then
   "${B[@]}" --tokens 512 2048 --moments bf16 --shapes decoder \
     --mosaic 64x128x64/4,e64x32,pp 128x128x64/4,e64x32,pp \
     128x128x64/4,e64x32,pp,lp || rc=1
+  # The decoder's LM head, and the kernel cases forge_torch runs for the
+  # k/v projections and the head (torch's weight is (out, in)).
+  "${B[@]}" --tokens 512 2048 --moments bf16 --shapes "head 2048x32000" \
+    "torch k/v 1024x2048" "torch head 32000x2048" \
+    --mosaic 128x128x64/4,e64x32,pp 128x128x64/4,pp 128x128x64/4,pp,lp || rc=1
   echo "suite: backends part done at ${SECONDS}s"
 fi
 if has torch; then
