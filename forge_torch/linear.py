@@ -10,7 +10,6 @@ and no transpose is ever materialised.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import warnings
 import weakref
@@ -109,22 +108,16 @@ class WeakIdMap(MutableMapping):
     return len(self._values)
 
 
-def set_fast(m: WeakIdMap, key, value) -> None:
-  """``m[key] = value``, by one dict access where ``m`` already holds a
-  weak reference to ``key`` (a per-step map after its first step)."""
-  k = _map_key(key)
-  if k in m._refs:
-    m._values[k] = value
-  else:
-    m[key] = value
-
-
 # Parameters created (or adopted) by a forge_torch.Linear as its weight.
 _FORGE_WEIGHTS = WeakIdMap()
 # FORGE weight -> weakref to the forge_torch optimizer that owns it.
 _OWNERS = WeakIdMap()
 # FORGE weight -> the module path of its layer (set by convert()).
 _PATHS = WeakIdMap()
+# Their entries by identity key, as the forward reads them (the dicts are
+# never replaced: cleared in place).
+_FORGE_WEIGHT_KEYS = _FORGE_WEIGHTS._values
+_OWNER_REFS = _OWNERS._values
 
 
 class ConvertSkipWarning(UserWarning):
@@ -141,7 +134,7 @@ def _mark(weight: torch.Tensor) -> None:
 
 def is_forge_weight(p: torch.Tensor) -> bool:
   """Whether ``p`` is the weight of a ``forge_torch.Linear``."""
-  return _map_key(p) in _FORGE_WEIGHTS._values
+  return _map_key(p) in _FORGE_WEIGHT_KEYS
 
 
 def weight_name(p: torch.Tensor) -> str:
@@ -188,22 +181,25 @@ class _Handle:
     layer: how messages name the layer.
     generation: the optimizer step this forward was counted in (``None``:
       not counted, e.g. a checkpointing recomputation inside backward).
+    amp: the dtype ``torch.autocast`` ran the forward in, or ``None``.
     done: ``True`` once its backward consumed it (an update or an
       accumulated micro-batch) or it was released, so that it stops
       counting at most once.
   """
 
   __slots__ = ("optimizer", "weight", "config", "layer", "generation",
-               "done")
+               "amp", "done")
 
   def __init__(self, optimizer, weight: nn.Parameter,
                config: pallas_kernels.BlockConfig | None, layer: str,
-               generation: int | None = None):
+               generation: int | None = None,
+               amp: torch.dtype | None = None):
     self.optimizer = optimizer
     self.weight = weight
     self.config = config
     self.layer = layer
     self.generation = generation
+    self.amp = amp
     self.done = False
 
   def release(self) -> None:
@@ -219,9 +215,11 @@ class _Handle:
   def __del__(self):
     # The forward's graph was freed: a graph dropped without a backward (a
     # skipped batch, an exception later in the forward) stops counting.
-    if self.generation is not None:
+    if self.generation is not None and not self.done:
       self.release()
 
+
+_grad_enabled = torch.is_grad_enabled
 
 # Whether autocast is on for any device type (one call, no device string);
 # it covers CPU and CUDA, the devices a managed weight can be on.
@@ -246,15 +244,11 @@ def _autocast_eligible(t: torch.Tensor | None) -> bool:
           and t.dtype != torch.float64)
 
 
+# Inside a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``...)
+# when it returns something: the transform computes gradients functionally
+# and trains nothing, so the layer is ``F.linear`` there.
 _PEEK_INTERPRETER = getattr(getattr(torch._C, "_functorch", None),
                             "peek_interpreter_stack", None)
-
-
-def _in_functorch() -> bool:
-  """Inside a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``...):
-  it computes gradients functionally and trains nothing, so the layer is
-  ``F.linear`` there."""
-  return _PEEK_INTERPRETER is not None and _PEEK_INTERPRETER() is not None
 
 
 def _has_tangent(*tensors) -> bool:
@@ -305,22 +299,19 @@ def _weight_grad_mode(weight: torch.Tensor, node=None) -> str:
     return RETURN
 
 
-def _first_order_only(backward):
+def _refuse_double_backward(ctx) -> None:
   """Refuses double backward clearly (``once_differentiable``'s own error
   names neither forge_torch nor a fix): the fused backward is not itself
-  differentiable. Past this check grad mode is off (autograd runs a
-  backward with grad mode on only for ``create_graph=True``), so the
+  differentiable. The backward calls it first when grad mode is on
+  (autograd runs a backward with grad mode on only for
+  ``create_graph=True``); past that check grad mode is off, so the
   backward records no graph, as under ``once_differentiable``."""
-  def wrapper(ctx, *grads):
-    if torch.is_grad_enabled():  # create_graph=True
-      raise RuntimeError(
-          f"forge_torch.Linear {getattr(ctx.handle, 'layer', '')}: a backward "
-          "with create_graph=True (a gradient penalty, double backward) "
-          "cannot run through a FORGE-managed layer, whose backward updates "
-          "the weight in place and is not itself differentiable. Keep this "
-          "layer as nn.Linear (layer.fused = False) for such a loss.")
-    return backward(ctx, *grads)
-  return wrapper
+  raise RuntimeError(
+      f"forge_torch.Linear {getattr(ctx.handle, 'layer', '')}: a backward "
+      "with create_graph=True (a gradient penalty, double backward) "
+      "cannot run through a FORGE-managed layer, whose backward updates "
+      "the weight in place and is not itself differentiable. Keep this "
+      "layer as nn.Linear (layer.fused = False) for such a loss.")
 
 
 def check_no_grad_hooks(weight: torch.Tensor, layer: str) -> None:
@@ -340,35 +331,30 @@ def check_no_grad_hooks(weight: torch.Tensor, layer: str) -> None:
       "False).")
 
 
-# The backward's context outside autocast (a nullcontext is reusable).
-_NO_CONTEXT = contextlib.nullcontext()
-
-
 class _FusedLinearFn(torch.autograd.Function):
   """``y = x W^T + b``; the backward updates ``W`` instead of returning its grad.
 
-  ``amp_dtype`` (``torch.autocast``): the GEMMs read ``W`` cast to it, as
+  ``handle.amp`` (``torch.autocast``): the GEMMs read ``W`` cast to it, as
   autocast's linear does (``input`` and ``bias`` arrive cast already); the
   fused update reads the cast ``input`` and ``grad_output`` and updates the
   full-precision ``W`` and its state.
   """
 
   @staticmethod
-  def forward(ctx, input, weight, bias, handle, amp_dtype=None):
+  def forward(ctx, input, weight, bias, handle):
     # The weight is saved as is; its cast is formed again in backward (the
     # same values: the version counter guarantees it is unchanged), so no
     # low-precision copy stays alive between forward and backward.
     ctx.save_for_backward(input, weight)
     ctx.handle = handle
-    ctx.has_bias = bias is not None
-    ctx.amp_dtype = amp_dtype
-    if amp_dtype is not None:
-      weight = weight.to(amp_dtype)
+    if handle.amp is not None:
+      weight = weight.to(handle.amp)
     return F.linear(input, weight, bias)
 
   @staticmethod
-  @_first_order_only
   def backward(ctx, grad_output):
+    if _grad_enabled():  # create_graph=True
+      _refuse_double_backward(ctx)
     handle = ctx.handle
     if handle is None:  # checked first: the saved weight's version moved on
       raise RuntimeError(
@@ -380,48 +366,52 @@ class _FusedLinearFn(torch.autograd.Function):
     mode = _weight_grad_mode(handle.weight, ctx.next_functions[1][0])
     if mode == UPDATE:
       ctx.handle = None  # a later backward through this graph cannot update
-    n_out, n_in = weight.shape
     # (B, out) and (B, in) operands of G; already 2-d: as they are (a
     # reshape to the same shape would make a view of the same memory).
     g2 = (grad_output if grad_output.dim() == 2
-          else grad_output.reshape(-1, n_out))
-    x2 = input if input.dim() == 2 else input.reshape(-1, n_in)
-    amp = ctx.amp_dtype
-    with (torch.autocast(grad_output.device.type, enabled=False)
-          if amp is not None else _NO_CONTEXT):
-      # As the forward's GEMM read it (autocast: cast again, same values).
-      w_op = weight if amp is None else weight.to(amp)
-      # grad_input reads the PRE-update weight: computed (queued) before the
-      # fused kernel, which waits for torch's stream, overwrites the weight.
-      grad_input = (grad_output.matmul(w_op) if ctx.needs_input_grad[0]
-                    else None)
-      grad_bias = (g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2]
-                   else None)
-      if mode != UPDATE:
-        # The caller did not ask to accumulate into the weight: torch would
-        # leave the weight (and its optimizer state) alone, and so do we;
-        # this forward no longer counts towards the one use per step. If it
-        # asked for the gradient itself (autograd.grad), it gets it, formed
-        # here (under autocast: in its dtype, then cast, as torch does).
-        handle.release()
-        grad_weight = (g2.t().matmul(x2).to(weight.dtype)
-                       if mode == RETURN else None)
-        return grad_input, grad_weight, grad_bias, None, None
+          else grad_output.reshape(-1, weight.shape[0]))
+    x2 = input if input.dim() == 2 else input.reshape(-1, weight.shape[1])
+    # (needs_input_grad is False for an absent bias.)
+    needs = ctx.needs_input_grad
+    amp = handle.amp
+    # grad_input reads the PRE-update weight: computed (queued) before the
+    # fused kernel, which waits for torch's stream, overwrites the weight.
+    # If the caller did not ask to accumulate into the weight, torch would
+    # leave the weight (and its optimizer state) alone, and so do we; if it
+    # asked for the gradient itself (autograd.grad), it gets it, formed
+    # here (under autocast: in its dtype, then cast, as torch does).
+    if amp is None:
+      grad_input = grad_output.matmul(weight) if needs[0] else None
+      grad_bias = g2.sum(0) if needs[2] else None
+      grad_weight = (g2.t().matmul(x2).to(weight.dtype) if mode == RETURN
+                     else None)
+    else:
+      with torch.autocast(grad_output.device.type, enabled=False):
+        # As the forward's GEMM read it (cast again, the same values).
+        grad_input = grad_output.matmul(weight.to(amp)) if needs[0] else None
+        grad_bias = g2.sum(0) if needs[2] else None
+        grad_weight = (g2.t().matmul(x2).to(weight.dtype) if mode == RETURN
+                       else None)
+    if mode != UPDATE:
+      # This forward no longer counts towards the one use per step.
+      handle.release()
+      return grad_input, grad_weight, grad_bias, None
     optimizer = handle.optimizer()
     if optimizer is None:
       raise RuntimeError(
           f"forge_torch.Linear {handle.layer}: the optimizer that owned this "
           "weight was garbage-collected between forward and backward")
-    check_no_grad_hooks(handle.weight, handle.layer)  # one added after forward
+    w = handle.weight
+    if w._backward_hooks or w._post_accumulate_grad_hooks:  # since forward
+      check_no_grad_hooks(w, handle.layer)
     # `weight` (unpacked) may be an alias of the Parameter, e.g. under
     # activation checkpointing; the optimizer keys its state by the Parameter.
     # Updates the weight, or (gradient accumulation) adds G to its buffer.
-    optimizer._forge_fused_update(handle.weight, g2, x2,
-                                  config=handle.config, layer=handle.layer)
+    optimizer._forge_fused_update(w, g2, x2, config=handle.config,
+                                  layer=handle.layer)
     handle.done = True  # this forward's use is consumed
     # No gradient for the weight: it has been updated already (grad stays None).
-    return grad_input, None, grad_bias, None, None
-
+    return grad_input, None, grad_bias, None
 
 
 def is_fsdp_managed(layer: nn.Module) -> bool:
@@ -511,6 +501,8 @@ class Linear(nn.Linear):
   # fully_shard / FullyShardedDataParallel).
   _forge_path: str | None = None
   _is_fsdp_managed_module: bool = False
+  # (in_features, out_features, "Linear(in, out)"): _layer_name's cache.
+  _forge_default_name: tuple = (None, None, None)
 
   def __init__(self, in_features: int, out_features: int, bias: bool = True,
                device=None, dtype=None, *,
@@ -584,10 +576,16 @@ class Linear(nn.Linear):
   def _layer_name(self) -> str:
     """Its module path (e.g. ``blocks.3.mlp.fc1``) once :func:`convert` has
     seen its model; else ``Linear(in, out)``."""
-    path = getattr(self, "_forge_path", None)
+    path = self._forge_path
     if path is not None:
       return path if path else "(the converted model itself)"
-    return f"Linear({self.in_features}, {self.out_features})"
+    # Formed once per shape (every forward names its layer).
+    n_in, n_out, name = self._forge_default_name
+    if n_in != self.in_features or n_out != self.out_features:
+      n_in, n_out = self.in_features, self.out_features
+      name = f"Linear({n_in}, {n_out})"
+      self._forge_default_name = (n_in, n_out, name)
+    return name
 
   # Run eagerly under torch.compile (a graph break around the layer): traced
   # by Dynamo, the fused autograd.Function would be replaced by an ordinary
@@ -599,11 +597,12 @@ class Linear(nn.Linear):
   # A torch without it (a private name) gets the eager decorator.
   @getattr(torch, "_disable_dynamo", torch.compiler.disable)
   def forward(self, input: torch.Tensor) -> torch.Tensor:
+    params = self._parameters
     try:  # what self.weight, self.bias find, without Module.__getattr__
-      w, bias = self._parameters["weight"], self._parameters["bias"]
+      w, bias = params["weight"], params["bias"]
     except KeyError:  # not parameters (e.g. parametrized): as attributes
       w, bias = self.weight, self.bias
-    if not (self.fused and torch.is_grad_enabled()):
+    if not (self.fused and _grad_enabled()):
       return F.linear(input, w, bias)
     if self._is_fsdp_managed_module:
       # FSDP2 swapped in a gathered copy of the weight. Unprepared: refused
@@ -613,11 +612,21 @@ class Linear(nn.Linear):
       # (forge_torch/distributed.py).
       check_not_sharded(self, self._layer_name())
       return F.linear(input, w, bias)
-    if not (w.requires_grad and is_forge_weight(w)) or _in_functorch() or (
-        _has_tangent(input, w, bias)):
+    k = _map_key(w)
+    # Not managed, inside a torch.func transform, or forward-mode AD (a dual
+    # level entered: _has_tangent).
+    if not (w.requires_grad and k in _FORGE_WEIGHT_KEYS) or (
+        _PEEK_INTERPRETER is not None and _PEEK_INTERPRETER() is not None
+        ) or (getattr(_forward_ad, "_current_level", 0) >= 0
+              and _has_tangent(input, w, bias)):
       return F.linear(input, w, bias)
     layer = self._forge_path or self._layer_name()
-    optimizer = owner_of(w)
+    # owner_of(w), its usual case first: the newest optimizer, alive, that
+    # manages the weight.
+    refs = _OWNER_REFS.get(k)
+    optimizer = refs[-1]() if refs else None
+    if optimizer is None or k not in optimizer._forge_managed._values:
+      optimizer = owner_of(w)
     if optimizer is None:
       raise RuntimeError(
           f"forge_torch.Linear {layer} ran with autograd on, but "
@@ -626,7 +635,8 @@ class Linear(nn.Linear):
           "(e.g. forge_torch.AdamW(model.parameters())) over parameters that "
           "include this weight (after forge_torch.convert(), not before); or "
           "run under torch.no_grad(), or set layer.fused = False.")
-    check_no_grad_hooks(w, layer)
+    if w._backward_hooks or w._post_accumulate_grad_hooks:
+      check_no_grad_hooks(w, layer)
     amp = (None if _ANY_AUTOCAST is not None and (w.is_cuda or w.is_cpu)
            and not _ANY_AUTOCAST() else autocast_dtype(w.device.type))
     if amp is not None:
@@ -651,8 +661,8 @@ class Linear(nn.Linear):
     # later in the forward) frees the handle: the forward stops counting
     # (_Handle.__del__).
     handle = _Handle(weakref.ref(optimizer), w, self.block_config, layer,
-                     generation)
-    return _FusedLinearFn.apply(input, w, bias, handle, amp)
+                     generation, amp)
+    return _FusedLinearFn.apply(input, w, bias, handle)
 
 
 class Converted(list):

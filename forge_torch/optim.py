@@ -94,7 +94,6 @@ SCALE_SUFFIX = "_scale"
 _LIST_AT_MOST = 8
 # Identity keys and writes of _linear.WeakIdMap, on the per-call paths.
 _key = _linear._map_key
-_set = _linear.set_fast
 
 
 class _Raw:
@@ -491,10 +490,7 @@ class _ForgeOptimizer:
     if self._forge_hparams_per_weight:
       return None
     shared = self._forge_scalars.get(index)
-    if (shared is not None and len(group) == len(shared.names)
-        and all(map(operator.is_, shared.options, group.values()))
-        and all(map(operator.is_, shared.names, group))
-        and shared.device == device):
+    if shared is not None and shared.valid_for(group, device):
       return shared  # every option the very same (immutable) object
     if not all(_immutable(v) for k, v in group.items() if k != "params"):
       self._forge_scalars.pop(index, None)
@@ -521,8 +517,20 @@ class _ForgeOptimizer:
     # group index -> its options as the fused updates since step() read them
     self._forge_used = {}
     # group index -> its rule and scalars, shared by its weights' updates
-    # in this step (_forge_shared_scalars)
-    self._forge_scalars = {}
+    # (_forge_shared_scalars). The rule is kept for the next step while the
+    # group holds the very same options (else dropped: nothing outlives the
+    # groups' own options); the scalars are the step's.
+    shared = self.__dict__.get("_forge_scalars")
+    if shared is None:
+      self._forge_scalars = {}
+    else:
+      groups = self.param_groups
+      for index, entry in list(shared.items()):
+        if index < len(groups) and entry.valid_for(groups[index],
+                                                   entry.device):
+          entry.scalars.clear()
+        else:
+          del shared[index]
     # Which step the counts above belong to (a forward's release checks it).
     self._forge_generation = getattr(self, "_forge_generation", 0) + 1
 
@@ -579,8 +587,8 @@ class _ForgeOptimizer:
     self._forge_managed = _linear.WeakIdMap()  # managed weight -> group
     # managed weight -> _bridge.ViewCache (its state's JAX views, CUDA)
     self._forge_views = _linear.WeakIdMap()
-    # device step tensor -> (its version counter, its value) as this
-    # optimizer last wrote it (_forge_step_count)
+    # step tensor -> its _StepRecord: its version counter and value as this
+    # optimizer last wrote it (_forge_step_count), and a CPU one's view
     self._forge_steps = _linear.WeakIdMap()
     self._forge_reset_step()
 
@@ -595,8 +603,8 @@ class _ForgeOptimizer:
     if not isinstance(step, torch.Tensor):
       return _get_value(step)
     known = self._forge_steps._values.get(_key(step))
-    if known is not None and known[0] == step._version:
-      return known[1]
+    if known is not None and known.version == step._version:
+      return known.value
     return _get_value(step)
 
   def _forge_take(self, p: torch.Tensor, index: int) -> None:
@@ -703,8 +711,10 @@ class _ForgeOptimizer:
     their ``.grad``; an update already applied in backward stays."""
     super().zero_grad(set_to_none=set_to_none)
     for p in self.managed_params:
-      p.grad = None
-    self._forge_discard_accumulated()
+      if p.grad is not None:
+        p.grad = None
+    if self._forge_micro._values:
+      self._forge_discard_accumulated()
 
   @property
   def managed_params(self) -> list[torch.Tensor]:
@@ -736,7 +746,8 @@ class _ForgeOptimizer:
     step it is counted in (``None``: a recomputation, not counted).
     ``autocast_dtype``: the dtype ``torch.autocast`` runs the layer in
     (``x`` is cast to it already), or ``None`` outside autocast."""
-    if _key(w) not in self._forge_managed._values:
+    wk = _key(w)
+    if wk not in self._forge_managed._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
           "optimizer")
@@ -756,11 +767,12 @@ class _ForgeOptimizer:
           f"forge_torch.Linear {layer}: input dtype {x.dtype} under "
           f"torch.autocast, which computes this layer in {autocast_dtype} and "
           "casts only float32, float16 and bfloat16 inputs; cast the input")
-    if _in_backward():
+    if _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1:  # in backward
       # Activation checkpointing recomputes the forward inside backward; the
       # recomputation is the same use of the weight (paper Remark 3).
       return None
-    n = self._forge_calls._values.get(_key(w), 0)
+    calls = self._forge_calls
+    n = calls._values.get(wk, 0)
     k = self._forge_accumulate_steps
     if n >= k and k > 1:
       raise RuntimeError(
@@ -792,7 +804,12 @@ class _ForgeOptimizer:
           "FORGE's update; check the loss before backward(), and end every "
           "step with optimizer.step() (after optimizer.zero_grad() to drop "
           "the other parameters' gradients).")
-    _set(self._forge_calls, w, n + 1)
+    # calls[w] = n + 1, by one dict access once the map holds w's weak
+    # reference (a per-step map after its first step).
+    if wk in calls._refs:
+      calls._values[wk] = n + 1
+    else:
+      calls[w] = n + 1
     return self._forge_generation
 
   def _forge_release(self, w: torch.Tensor, generation: int | None) -> None:
@@ -814,11 +831,12 @@ class _ForgeOptimizer:
     """This family's step on managed weight ``p``, ``G = grad_output^T input``
     (``accumulate_steps > 1``: ``G`` added to the weight's buffer, except on
     the step's last micro-batch, which steps from the sum)."""
-    if _key(p) not in self._forge_managed._values:
+    pk = _key(p)
+    if pk not in self._forge_managed._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
           "optimizer")
-    if _key(p) in self._forge_updated._values:
+    if pk in self._forge_updated._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: a second backward reached this weight "
           "before optimizer.step(); FORGE applies one update per step")
@@ -827,11 +845,13 @@ class _ForgeOptimizer:
       _clip.record(self, p, grad_output, input, layer)
       return
     # DDP (_distributed.is_data_parallel): reduced, then stepped.
-    if _key(p) in _distributed._GROUPS._values:
+    if pk in _distributed._GROUPS._values:
       _distributed.reduce_and_step(self, p, grad_output, input, config=config,
                                    layer=layer)
       return
-    _distributed.check_single_process((p,))
+    dist = torch.distributed  # (check_single_process's own first test)
+    if dist.is_available() and dist.is_initialized():
+      _distributed.check_single_process((p,))
     acc = None
     if self._forge_accumulate_steps > 1:
       n = self._forge_micro.get(p, 0) + 1
@@ -850,14 +870,20 @@ class _ForgeOptimizer:
                          layer: str, acc: torch.Tensor | None = None) -> None:
     """The family's step on ``p`` from ``G = grad_output^T input``, plus the
     accumulated micro-batch gradients ``acc`` (gradient accumulation)."""
-    index = self._forge_managed._values.get(_key(p))
+    pk = _key(p)
+    index = self._forge_managed._values.get(pk)
     if index is None:
       index = self._forge_managed[p]  # (raises KeyError)
     group = self.param_groups[index]
     if index not in self._forge_used:
       self._forge_used[index] = _options_snapshot(group)
     device = p.device
-    shared = self._forge_shared_scalars(index, group, device)
+    shared = self._forge_scalars.get(index)
+    # (_SharedScalars.valid_for, inline: every weight's update tests it.)
+    if not (shared is not None and len(group) == len(shared.names)
+            and all(map(operator.is_, shared.options, group.values()))
+            and shared.names == tuple(group) and shared.device == device):
+      shared = self._forge_shared_scalars(index, group, device)
     rule = shared.rule if shared is not None else self._forge_rule(
         group, device)
     state = self.state.get(p, {})  # (self.state is a defaultdict)
@@ -904,7 +930,7 @@ class _ForgeOptimizer:
     else:
       bumped = [p, *slots]
     weight = p.data
-    sharded = _key(p) in _distributed._SHARDED._values  # .is_sharded(p)
+    sharded = pk in _distributed._SHARDED._values  # .is_sharded(p)
     if (fmt is not None or self._forge_sr) and sharded:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: moments= and stochastic_rounding= "
@@ -917,8 +943,14 @@ class _ForgeOptimizer:
       slots = [_distributed.local(s) for s in slots]
       bumped += [weight, *slots]
     step = state.get("step")
-    t = (self._forge_step_count(step) + 1 if step is not None
-         or "step" in state else None)
+    if isinstance(step, torch.Tensor):  # _forge_step_count(step), inline
+      record = self._forge_steps._values.get(_key(step))
+      t = (record.value if record is not None
+           and record.version == step._version else _get_value(step)) + 1
+    else:
+      record = None
+      t = (self._forge_step_count(step) + 1 if step is not None
+           or "step" in state else None)
     scalars = shared.scalars.get((t, fresh)) if shared is not None else None
     if scalars is None:
       values, scalar_updates = self._forge_hparams(group, state, t, fresh)
@@ -932,7 +964,7 @@ class _ForgeOptimizer:
       rule, values = _clip.scaled(self, rule, values)
     # Kernel layout: x := grad_output (BT, out), dy := input (BT, in),
     # w := weight (out, in), so G' = grad_output^T input is torch's own grad.
-    views = self._forge_views._values.get(_key(p))
+    views = self._forge_views._values.get(pk)
     if views is None:
       views = self._forge_views[p] = _bridge.ViewCache()
     kernel_rule, kernel_slots = rule, slots
@@ -947,7 +979,9 @@ class _ForgeOptimizer:
     if weight.numel() > 0:  # (a fully_shard rank may hold no rows)
       if (scalars is not None and kernel_rule is base_rule
           and values is base_values):  # the group's rule and scalars as such
-        hparams = scalars.packed(kernel_rule)
+        hparams = scalars._packed
+        if hparams is None:
+          hparams = scalars.packed(kernel_rule)
       else:
         hparams = pack_host(kernel_rule, values)
       _bridge.fused_update(grad_output, input, weight, kernel_slots, hparams,
@@ -957,22 +991,36 @@ class _ForgeOptimizer:
       views.discard(acc)
       self._forge_acc.pop(p, None)
       self._forge_micro.pop(p, None)
+    # Scalar state advances once the update is done (torch: `step_t += 1`).
+    # A tensor step is set to t, the same value: by a store through its
+    # record's NumPy view if it is a CPU one this optimizer wrote before
+    # (its version counter bumped below, as fill_ would), else by fill_.
+    if (record is not None and record.array is not None
+        and step.data_ptr() == record.ptr
+        and step.dtype == record.dtype):  # still its memory (_StepRecord)
+      record.array[()] = t
+      bumped.append(step)
+    elif isinstance(step, torch.Tensor):
+      step.fill_(t)
+      if record is None or record.array is not None:  # none, or stale
+        record = self._forge_steps[step] = _StepRecord(step)
     # The weight and its state changed in place (through .data / a donated
     # buffer, which autograd does not see): bump their version counters, as
     # torch's in-place optimizer ops do, so that a graph which saved the
     # pre-update weight elsewhere (e.g. a detached read) makes autograd raise
     # "modified by an inplace operation" instead of silently using the new one.
     _increment_version(bumped)
-    # Scalar state advances once the update is done (torch: `step_t += 1`;
-    # a tensor step is set to t, the same value, by the cheaper fill_).
-    if isinstance(step, torch.Tensor):
-      step.fill_(t)
-      _set(self._forge_steps, step, (step._version, t))
+    if record is not None:
+      record.version, record.value = step._version, t
     elif "step" in state:
       state["step"] += 1
     for name, value in scalar_updates.items():
       state[name].copy_(value)
-    _set(self._forge_updated, p, True)
+    updated = self._forge_updated
+    if pk in updated._refs:  # updated[p] = True, as calls[w] in forward
+      updated._values[pk] = True
+    else:
+      updated[p] = True
 
   # -- gradient accumulation --------------------------------------------------
 
@@ -1033,6 +1081,8 @@ class _ForgeOptimizer:
     """The update of every managed weight whose step got fewer than
     ``accumulate_steps`` micro-batches, from its accumulator alone (the
     kernel with no token rows: ``G = 0``)."""
+    if not self._forge_micro._values:
+      return
     for p in list(self._forge_micro):
       if p not in self._forge_managed or p in self._forge_updated:
         continue
@@ -1092,6 +1142,8 @@ class _ForgeOptimizer:
         loss = closure()
     for index, used in self._forge_used.items():
       now = _options_snapshot(self.param_groups[index])
+      if now == used:  # the usual case: nothing changed
+        continue
       changed = sorted(k for k in set(used) | set(now)
                        if used.get(k) != now.get(k))
       if changed:
@@ -1103,8 +1155,9 @@ class _ForgeOptimizer:
             "ones. Set hyperparameters (and step lr schedulers) before the "
             "forward, or after step().")
     for p in self.managed_params:
-      if p.grad is not None and (p in self._forge_updated
-                                 or p in self._forge_micro):
+      if p.grad is None:  # the usual case: FORGE formed no gradient
+        continue
+      if p in self._forge_updated or p in self._forge_micro:
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} was updated by its "
             "forge_torch.Linear's backward AND received an ordinary gradient "
@@ -1113,9 +1166,8 @@ class _ForgeOptimizer:
             "formed, so it cannot add a second use's gradient: keep the "
             "layers that share this weight as nn.Linear "
             "(forge_torch.convert() does so).")
-      if p.grad is not None and any(
-          isinstance(k, str) and k.endswith(SCALE_SUFFIX)
-          for k in self.state.get(p, {})):
+      if any(isinstance(k, str) and k.endswith(SCALE_SUFFIX)
+             for k in self.state.get(p, {})):
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} received an "
             "ordinary gradient (its layer ran with fused = False), but its "
@@ -1135,6 +1187,29 @@ class _ForgeOptimizer:
     _unhooked(self._forge_torch.step)(self)
     self._forge_reset_step()
     return loss
+
+
+class _StepRecord:
+  """A ``state["step"]`` tensor as an optimizer last wrote it: its version
+  counter and value then (``_forge_step_count``), and for a plain CPU
+  tensor a NumPy view of its memory (``array``), through which the next
+  update stores the new value instead of a torch ``fill_`` dispatch. The
+  view holds that memory alive, so while the tensor's ``data_ptr`` and dtype
+  equal ``ptr`` and ``dtype``, the view is its memory (set_ or ``.data =``
+  moves it elsewhere: then ``fill_``, and a new record)."""
+
+  __slots__ = ("version", "value", "array", "ptr", "dtype")
+
+  def __init__(self, step: torch.Tensor):
+    self.version = self.value = None
+    self.array = self.ptr = self.dtype = None
+    if (type(step) is torch.Tensor and step.is_cpu
+        and not step.requires_grad and step.numel() == 1):
+      try:
+        self.array = step.detach().numpy()
+      except (RuntimeError, TypeError):  # a dtype NumPy lacks (bfloat16)
+        return
+      self.ptr, self.dtype = step.data_ptr(), step.dtype
 
 
 class _Scalars:
@@ -1164,6 +1239,14 @@ class _SharedScalars:
 
   __slots__ = ("names", "options", "device", "rule", "scalars")
 
+  def valid_for(self, group: Mapping[str, Any], device: torch.device) -> bool:
+    """Whether ``group`` holds the very same options, under the same names
+    and in the same order, and the weight is on ``device``."""
+    # (Names are strings: equal ones name the same option.)
+    return (len(group) == len(self.names)
+            and all(map(operator.is_, self.options, group.values()))
+            and self.names == tuple(group) and self.device == device)
+
   def __init__(self, names: tuple, options: tuple, device: torch.device,
                rule: UpdateRule):
     self.names = names
@@ -1173,7 +1256,7 @@ class _SharedScalars:
     self.scalars: dict[tuple[float | None, bool], _Scalars] = {}
 
 
-_IMMUTABLE = (float, int, bool, str, type(None))
+_IMMUTABLE = frozenset((float, int, bool, str, type(None)))
 
 
 def _immutable(v) -> bool:
@@ -1241,11 +1324,8 @@ def _check_single_process(params=()) -> None:
 # Python wrapper where torch has the function it calls.
 _increment_version = getattr(torch._C, "_increment_version",
                              torch.autograd.graph.increment_version)
+# The running backward's graph task (-1: none, i.e. not inside a backward).
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _in_backward() -> bool:
-  return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
 _COMMON_DOC = """

@@ -516,6 +516,27 @@ def test_a_step_count_written_outside_the_optimizer_is_read_again():
   assert all(st["step"].item() == 2.0 for st in o_f.state.values())
 
 
+def test_a_step_count_given_new_memory_in_place_is_written_there():
+  """A CPU step count is advanced through a view of its memory that the
+  optimizer keeps; a state["step"] moved to new memory in place (set_,
+  the same tensor object) gets its next count written to the new memory."""
+  ref, fm = pair()
+  o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+  o_f = forge_torch.AdamW(fm.parameters(), lr=1e-2)
+  for i in range(4):
+    for m, o in ((ref, o_r), (fm, o_f)):
+      if i == 3:  # before the fourth step: each count moved, value kept
+        with torch.no_grad():
+          for st in o.state.values():
+            st["step"].set_(st["step"].clone())
+      x, y = data(seed=i + 1)
+      F.mse_loss(m(x), y).backward()
+      o.step()
+      o.zero_grad()
+  assert_models_close(fm, ref)
+  assert all(st["step"].item() == 4.0 for st in o_f.state.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_a_fused_group_trains_without_host_synchronisation():
