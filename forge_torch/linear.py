@@ -114,10 +114,9 @@ _FORGE_WEIGHTS = WeakIdMap()
 _OWNERS = WeakIdMap()
 # FORGE weight -> the module path of its layer (set by convert()).
 _PATHS = WeakIdMap()
-# Their entries by identity key, as the forward reads them (the dicts are
-# never replaced: cleared in place).
+# Its entries by identity key, as the forward reads them (the dict is never
+# replaced: cleared in place).
 _FORGE_WEIGHT_KEYS = _FORGE_WEIGHTS._values
-_OWNER_REFS = _OWNERS._values
 
 
 class ConvertSkipWarning(UserWarning):
@@ -317,10 +316,9 @@ def _refuse_double_backward(ctx) -> None:
 def check_no_grad_hooks(weight: torch.Tensor, layer: str) -> None:
   """A hook on a managed weight's gradient would never see it (FORGE forms
   none): refuse instead of calling it with ``None`` or silently skipping."""
-  hook_names = ("_backward_hooks", "_post_accumulate_grad_hooks")
-  if not (getattr(weight, hook_names[0], None)
-          or getattr(weight, hook_names[1], None)):
+  if not (weight._backward_hooks or weight._post_accumulate_grad_hooks):
     return  # the usual case
+  hook_names = ("_backward_hooks", "_post_accumulate_grad_hooks")
   hooks = [name for name in hook_names if getattr(weight, name, None)]
   raise RuntimeError(
       f"forge_torch.Linear {layer}: its weight has a gradient hook "
@@ -329,6 +327,17 @@ def check_no_grad_hooks(weight: torch.Tensor, layer: str) -> None:
       "backward applies the update in place. Clip or transform gradients "
       "some other way, or keep this layer as nn.Linear (layer.fused = "
       "False).")
+
+
+def _other_grads(grad_output, g2, x2, w_op, w_dtype, needs, mode):
+  """The backward's gradients other than the update: the input's (from
+  ``w_op``, the weight as the forward's GEMM read it), the weight's when the
+  caller asked for it (``mode == RETURN``, in ``w_dtype``) and the bias's,
+  each ``None`` where not needed. ``g2``, ``x2``: the 2-d operands of G."""
+  grad_input = grad_output.matmul(w_op) if needs[0] else None
+  grad_weight = (g2.t().matmul(x2).to(w_dtype) if mode == RETURN else None)
+  grad_bias = g2.sum(0) if needs[2] else None
+  return grad_input, grad_weight, grad_bias
 
 
 class _FusedLinearFn(torch.autograd.Function):
@@ -381,17 +390,13 @@ class _FusedLinearFn(torch.autograd.Function):
     # asked for the gradient itself (autograd.grad), it gets it, formed
     # here (under autocast: in its dtype, then cast, as torch does).
     if amp is None:
-      grad_input = grad_output.matmul(weight) if needs[0] else None
-      grad_bias = g2.sum(0) if needs[2] else None
-      grad_weight = (g2.t().matmul(x2).to(weight.dtype) if mode == RETURN
-                     else None)
+      grad_input, grad_weight, grad_bias = _other_grads(
+          grad_output, g2, x2, weight, weight.dtype, needs, mode)
     else:
       with torch.autocast(grad_output.device.type, enabled=False):
         # As the forward's GEMM read it (cast again, the same values).
-        grad_input = grad_output.matmul(weight.to(amp)) if needs[0] else None
-        grad_bias = g2.sum(0) if needs[2] else None
-        grad_weight = (g2.t().matmul(x2).to(weight.dtype) if mode == RETURN
-                       else None)
+        grad_input, grad_weight, grad_bias = _other_grads(
+            grad_output, g2, x2, weight.to(amp), weight.dtype, needs, mode)
     if mode != UPDATE:
       # This forward no longer counts towards the one use per step.
       handle.release()
@@ -402,8 +407,7 @@ class _FusedLinearFn(torch.autograd.Function):
           f"forge_torch.Linear {handle.layer}: the optimizer that owned this "
           "weight was garbage-collected between forward and backward")
     w = handle.weight
-    if w._backward_hooks or w._post_accumulate_grad_hooks:  # since forward
-      check_no_grad_hooks(w, handle.layer)
+    check_no_grad_hooks(w, handle.layer)  # one added after forward
     # `weight` (unpacked) may be an alias of the Parameter, e.g. under
     # activation checkpointing; the optimizer keys its state by the Parameter.
     # Updates the weight, or (gradient accumulation) adds G to its buffer.
@@ -621,12 +625,7 @@ class Linear(nn.Linear):
               and _has_tangent(input, w, bias)):
       return F.linear(input, w, bias)
     layer = self._forge_path or self._layer_name()
-    # owner_of(w), its usual case first: the newest optimizer, alive, that
-    # manages the weight.
-    refs = _OWNER_REFS.get(k)
-    optimizer = refs[-1]() if refs else None
-    if optimizer is None or k not in optimizer._forge_managed._values:
-      optimizer = owner_of(w)
+    optimizer = owner_of(w)
     if optimizer is None:
       raise RuntimeError(
           f"forge_torch.Linear {layer} ran with autograd on, but "
@@ -635,8 +634,7 @@ class Linear(nn.Linear):
           "(e.g. forge_torch.AdamW(model.parameters())) over parameters that "
           "include this weight (after forge_torch.convert(), not before); or "
           "run under torch.no_grad(), or set layer.fused = False.")
-    if w._backward_hooks or w._post_accumulate_grad_hooks:
-      check_no_grad_hooks(w, layer)
+    check_no_grad_hooks(w, layer)
     amp = (None if _ANY_AUTOCAST is not None and (w.is_cuda or w.is_cpu)
            and not _ANY_AUTOCAST() else autocast_dtype(w.device.type))
     if amp is not None:

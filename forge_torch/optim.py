@@ -592,8 +592,10 @@ class _ForgeOptimizer:
     self._forge_steps = _linear.WeakIdMap()
     self._forge_reset_step()
 
-  def _forge_step_count(self, step) -> float:
-    """``state["step"]``'s value. A fused group keeps it on the device (as
+  def _forge_step_count(self, step) -> tuple[float, _StepRecord | None]:
+    """``state["step"]``'s value, and its :class:`_StepRecord` if this
+    optimizer wrote it (``None``: not a tensor, or never written here). A
+    fused group keeps it on the device (as
     torch's fused kernels do), where reading it waits for the GPU: in a
     backward that would stall every managed layer until all the work queued
     before it had run. So the value this optimizer last wrote is kept on
@@ -601,11 +603,11 @@ class _ForgeOptimizer:
     only when something else has written it since (a loaded state dict, a
     user's edit). (The same on the CPU, where the read is cheap.)"""
     if not isinstance(step, torch.Tensor):
-      return _get_value(step)
+      return _get_value(step), None
     known = self._forge_steps._values.get(_key(step))
     if known is not None and known.version == step._version:
-      return known.value
-    return _get_value(step)
+      return known.value, known
+    return _get_value(step), known
 
   def _forge_take(self, p: torch.Tensor, index: int) -> None:
     """Registers managed weight ``p`` (of group ``index``) here, taking it
@@ -804,12 +806,7 @@ class _ForgeOptimizer:
           "FORGE's update; check the loss before backward(), and end every "
           "step with optimizer.step() (after optimizer.zero_grad() to drop "
           "the other parameters' gradients).")
-    # calls[w] = n + 1, by one dict access once the map holds w's weak
-    # reference (a per-step map after its first step).
-    if wk in calls._refs:
-      calls._values[wk] = n + 1
-    else:
-      calls[w] = n + 1
+    calls[w] = n + 1
     return self._forge_generation
 
   def _forge_release(self, w: torch.Tensor, generation: int | None) -> None:
@@ -844,14 +841,11 @@ class _ForgeOptimizer:
         self, layer):  # max_grad_norm: the norm pass
       _clip.record(self, p, grad_output, input, layer)
       return
-    # DDP (_distributed.is_data_parallel): reduced, then stepped.
-    if pk in _distributed._GROUPS._values:
+    if _distributed.is_data_parallel(p):  # DDP: reduced, then stepped
       _distributed.reduce_and_step(self, p, grad_output, input, config=config,
                                    layer=layer)
       return
-    dist = torch.distributed  # (check_single_process's own first test)
-    if dist.is_available() and dist.is_initialized():
-      _distributed.check_single_process((p,))
+    _check_single_process([p])
     acc = None
     if self._forge_accumulate_steps > 1:
       n = self._forge_micro.get(p, 0) + 1
@@ -879,10 +873,7 @@ class _ForgeOptimizer:
       self._forge_used[index] = _options_snapshot(group)
     device = p.device
     shared = self._forge_scalars.get(index)
-    # (_SharedScalars.valid_for, inline: every weight's update tests it.)
-    if not (shared is not None and len(group) == len(shared.names)
-            and all(map(operator.is_, shared.options, group.values()))
-            and shared.names == tuple(group) and shared.device == device):
+    if not (shared is not None and shared.valid_for(group, device)):
       shared = self._forge_shared_scalars(index, group, device)
     rule = shared.rule if shared is not None else self._forge_rule(
         group, device)
@@ -930,7 +921,7 @@ class _ForgeOptimizer:
     else:
       bumped = [p, *slots]
     weight = p.data
-    sharded = pk in _distributed._SHARDED._values  # .is_sharded(p)
+    sharded = _distributed.is_sharded(p)
     if (fmt is not None or self._forge_sr) and sharded:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: moments= and stochastic_rounding= "
@@ -942,15 +933,10 @@ class _ForgeOptimizer:
       weight = _distributed.local(p)
       slots = [_distributed.local(s) for s in slots]
       bumped += [weight, *slots]
-    step = state.get("step")
-    if isinstance(step, torch.Tensor):  # _forge_step_count(step), inline
-      record = self._forge_steps._values.get(_key(step))
-      t = (record.value if record is not None
-           and record.version == step._version else _get_value(step)) + 1
-    else:
-      record = None
-      t = (self._forge_step_count(step) + 1 if step is not None
-           or "step" in state else None)
+    step, t, record = state.get("step"), None, None
+    if "step" in state:
+      t, record = self._forge_step_count(step)
+      t += 1
     scalars = shared.scalars.get((t, fresh)) if shared is not None else None
     if scalars is None:
       values, scalar_updates = self._forge_hparams(group, state, t, fresh)
@@ -979,9 +965,7 @@ class _ForgeOptimizer:
     if weight.numel() > 0:  # (a fully_shard rank may hold no rows)
       if (scalars is not None and kernel_rule is base_rule
           and values is base_values):  # the group's rule and scalars as such
-        hparams = scalars._packed
-        if hparams is None:
-          hparams = scalars.packed(kernel_rule)
+        hparams = scalars.packed(kernel_rule)
       else:
         hparams = pack_host(kernel_rule, values)
       _bridge.fused_update(grad_output, input, weight, kernel_slots, hparams,
@@ -1016,11 +1000,7 @@ class _ForgeOptimizer:
       state["step"] += 1
     for name, value in scalar_updates.items():
       state[name].copy_(value)
-    updated = self._forge_updated
-    if pk in updated._refs:  # updated[p] = True, as calls[w] in forward
-      updated._values[pk] = True
-    else:
-      updated[p] = True
+    self._forge_updated[p] = True
 
   # -- gradient accumulation --------------------------------------------------
 
@@ -1177,12 +1157,8 @@ class _ForgeOptimizer:
             "moments=None.")
     # DDP: ordinary gradients of prepared weights (a layer run unfused).
     # fully_shard with accumulate_steps > 1: the summed sharded gradients.
-    # (Each only where some weight is prepared for it: with none, both
-    # would find nothing to do, after a pass over the managed weights.)
-    if _distributed._GROUPS._values:
-      _distributed.reduce_grads(self)
-    if _distributed._SHARDED._values:
-      _distributed.step_sharded(self)
+    _distributed.reduce_grads(self)
+    _distributed.step_sharded(self)
     self._forge_apply_accumulated()  # a step with fewer than K micro-batches
     _unhooked(self._forge_torch.step)(self)
     self._forge_reset_step()
