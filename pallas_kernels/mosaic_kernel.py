@@ -971,7 +971,26 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
   Returns:
     ``(w_new, slots_new + outputs)``; ``w_new`` is ``w`` itself when the
     rule does not update the weight.
+
+  Compiled, the kernel runs inside one ``jax.jit`` per (shapes, dtypes,
+  rule, tiling): every call of the same case in a program (the layers of an
+  unrolled model) then lowers to one function holding one Mosaic GPU
+  module, lowered and compiled once, instead of one module per call site
+  (about half a second of lowering each, and as much compiling).
   """
+  if num_sms is None:
+    num_sms = 4 if interpret else jax.devices()[0].core_count
+  if interpret:  # the interpreter's params need not be hashable
+    return _launch(operands, w, slots, hparams, layer, rule=rule, cfg=cfg,
+                   interpret=interpret, num_sms=num_sms, plan=plan)
+  return _launch_compiled(operands, w, slots, hparams, layer, rule=rule,
+                          cfg=cfg, interpret=False, num_sms=num_sms,
+                          plan=plan)
+
+
+def _launch(operands, w, slots, hparams, layer, *, rule: UpdateRule,
+            cfg: MosaicConfig, interpret, num_sms: int, plan):
+  """:func:`launch` on its arguments, ``num_sms`` resolved."""
   g_stored = len(operands) == 1
   quantized, scales, arrays = [], [], []
   for k, a in enumerate(slots):
@@ -984,8 +1003,6 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
   slots = tuple(arrays)
   n_in, n_out = w.shape[-2:]
   bt = 0 if g_stored else operands[0].shape[0]
-  if num_sms is None:
-    num_sms = 4 if interpret else jax.devices()[0].core_count
   stacked = layer is not None
   ring = cfg.ring_for(None if g_stored else operands[0].dtype,
                       smem_dtypes(rule, w.dtype, [a.dtype for a in slots]))
@@ -1018,3 +1035,9 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
   for (k, _, _), scale in zip(quantized, new_scales):
     new[k] = lowp.Quantized(new[k], scale)
   return w_new, (*new, *outputs)
+
+
+# One traced and lowered kernel per case (launch's docstring); the static
+# arguments are frozen dataclasses (hashed by value).
+_launch_compiled = jax.jit(
+    _launch, static_argnames=("rule", "cfg", "interpret", "num_sms", "plan"))
