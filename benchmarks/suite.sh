@@ -36,11 +36,11 @@
 # 4. backends: benchmarks.backends, the Mosaic GPU kernel's default tilings
 #    and the rolled epilogue beside the Triton kernel and XLA, BT 512, 2048
 #    and 4096 with bf16 moments (and int8 ones at BT 512, in 64x64
-#    sub-tiles), BT 512 with fp32 moments, and the 0.886 B
-#    decoder's shapes at BT 512 and 2048 (its four projections, its LM head,
-#    and the transposed cases forge_torch runs for k/v and the head)
-#    -> OUT/backends.csv (the source of
-#    the autotune cache's Mosaic GPU entries: pallas_kernels.autotune
+#    sub-tiles, on 128x128 tiles and the smaller ones int8 defaults to),
+#    BT 512 with fp32 moments, and the 0.886 B decoder's shapes at BT 512
+#    and 2048 (its four projections, its LM head, and the transposed cases
+#    forge_torch runs for k/v and the head) -> OUT/backends.csv (the source
+#    of the autotune cache's Mosaic GPU entries: pallas_kernels.autotune
 #    --from-csv ... --commit ...)
 # 5. torch: benchmarks.torch_call (one forge_torch update per call, BT 512,
 #    with a plot) and benchmarks.torch_e2e (the decoder in torch, forge_torch
@@ -119,7 +119,8 @@ if has backends; then
   B=("$PY" -m benchmarks.backends --out "$OUT/backends.csv")
   "${B[@]}" --tokens 512 --moments bf16 int8 \
     --mosaic 128x128x64/4,e64x32,pp 128x128x64/4,e64x64,pp \
-    128x128x64/4,e64x64,pp,lp || rc=1
+    128x128x64/4,e64x64,pp,lp 64x128x64/4,e64x64,pp,lp \
+    128x64x64/4,e64x64,pp,lp || rc=1
   "${B[@]}" --tokens 2048 4096 --moments bf16 \
     --mosaic 128x128x64/4,e64x32,s8,pp 128x128x64/4,s8,pp,lp || rc=1
   "${B[@]}" --tokens 512 --moments fp32 --mosaic 128x128x64/4,pp,lp \

@@ -404,14 +404,15 @@ def _mosaic_shapes(n_in, n_out, w_dtype, slot_dtypes):
 
 
 def _mosaic_default(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
-                    g_stored) -> MosaicConfig:
+                    g_stored, low_precision=False) -> MosaicConfig:
   held = mosaic_kernel.smem_dtypes(rule, dtype_name(w_dtype),
                                    [dtype_name(d) for d in slot_dtypes])
   if g_stored:
     return mosaic_kernel.stored_config(n_in, n_out,
                                        held + [jnp.dtype(x_dtype)])
   return mosaic_kernel.default_config(dtype_name(x_dtype), held, bt=bt,
-                                     shape=(n_in, n_out))
+                                     shape=(n_in, n_out),
+                                     quantized=low_precision)
 
 
 def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
@@ -429,7 +430,9 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
      ``config`` if given (of that backend's type), else its tiling for the
      case (Triton: :func:`select_config`; Mosaic GPU: the cached entry's
      tiling on a GPU where it covers the case, else
-     :func:`~pallas_kernels.mosaic_kernel.default_config`).
+     :func:`~pallas_kernels.mosaic_kernel.default_config`; with
+     ``low_precision``, whose state the cache's float-moment entries do not
+     describe, that default's int8 tiling, ``quantized=True``).
   2. ``config`` given: the backend of its type (a ``BlockConfig`` is a
      Triton tiling, a ``MosaicConfig`` a Mosaic GPU one).
   3. ``$FORGE_BACKEND`` set to ``triton`` or ``mosaic_gpu``: as if that
@@ -523,7 +526,9 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
           "picks its own backend)")
     if config is not None:
       return BackendChoice(MOSAIC_GPU, config, how)
-    entry = None if interpret or g_stored else lookup_mosaic(
+    # (Low-precision state: the cache's entries were measured with float
+    # moments, so its int8 default.)
+    entry = None if interpret or g_stored or low_precision else lookup_mosaic(
         bt, n_in, n_out, w_dtype, slot_dtypes, rule)
     if entry is not None and _mosaic_refusal(
         entry.config, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
@@ -532,7 +537,7 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
                            f"{how}; the autotune cache's tiling")
     return BackendChoice(
         MOSAIC_GPU, _mosaic_default(bt, n_in, n_out, w_dtype, slot_dtypes,
-                                    rule, x_dtype, g_stored),
+                                    rule, x_dtype, g_stored, low_precision),
         f"{how}; the default tiling for the case")
   # No backend asked for: the faster for the case, as far as it is known.
   triton = lambda why: BackendChoice(TRITON, triton_default(), why)

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import autotune, fused_wgrad, mosaic_kernel, tuning_cache
+from pallas_kernels import (autotune, fused_wgrad, lowp, mosaic_kernel, quant,
+                            tuning_cache)
 from tests.test_kernel import adamw_hparams, check_against_reference, make_case
 
 M = pk.MosaicConfig
@@ -307,6 +308,35 @@ def test_explicit_mosaic_takes_the_cached_tiling_compiled_only(monkeypatch):
   assert interpreted.config == mosaic_kernel.default_config(
       jnp.bfloat16, [jnp.bfloat16, jnp.float32, jnp.float32], bt=2048)
   assert interpreted.config != LONG_F32
+
+
+def test_int8_state_on_mosaic_takes_the_int8_tiling(monkeypatch):
+  """Low-precision state asked onto the Mosaic GPU kernel by name takes its
+  int8 default tiling (64 x 128 tiles, 64 x 64 sub-tiles one scale block
+  wide, rolled), not the cache's fp32-moment entry for the same logical
+  dtypes; left to backend=None it stays on Triton."""
+  _gpu(monkeypatch)
+  slots = (F32, F32)  # int8 moments' logical dtype
+  assert _choose(bt=2048, slots=slots, backend="mosaic_gpu").config == (
+      LONG_F32)
+  fmt = quant.MomentFormat("int8")
+  plan, _ = lowp.plan_state(
+      tuple(quant.quantize(jnp.ones((64, 128)), fmt, second_moment=k == 1)
+            for k in range(2)), pk.ADAMW, jnp.ones((64, 128), BF16),
+      where="test")
+  for bt, n_in, n_out in [(2048, 4096, 4096), (512, 4096, 1024),
+                          (512, 14336, 4096)]:
+    choice = _choose(bt=bt, n_in=n_in, n_out=n_out, slots=slots,
+                     backend="mosaic_gpu", low_precision=True)
+    assert choice.config == M.from_label(
+        f"64x128x64/4,e64x64,{'s8,' if bt > 1024 else ''}pp,lp")
+    assert "default tiling" in choice.reason
+    assert mosaic_kernel.low_precision_problem(plan, choice.config) is None
+    assert _choose(bt=bt, n_in=n_in, n_out=n_out, slots=slots,
+                   low_precision=True).backend == "triton"
+  # Where 64 x 128 tiles do not divide the weight: the first that does.
+  assert _choose(n_in=192, n_out=64 * 5, slots=slots, backend="mosaic_gpu",
+                 low_precision=True).config.tile_n == 64
 
 
 def test_describe_backend_reads_shapes_and_dtypes(monkeypatch):
