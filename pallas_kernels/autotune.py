@@ -623,9 +623,10 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
   ``metric`` over the runs; the entry records that time (``time_us``) and
   the Triton kernel's in the same run (``triton_time_us``), so it selects
   the Mosaic GPU kernel for ``backend=None`` only if that was the faster.
-  Rows of quantized (int8) moments are left out: ``backend=None`` runs
-  low-precision state on the Triton kernel, the Mosaic GPU one only when
-  asked for by name (its tiling named with it), so no entry would be read.
+  Rows of int8 moments give entries keyed by the codes' dtype
+  (``slots=int8,int8``), which only calls with int8 moments look up
+  (:func:`~pallas_kernels.tuning_cache.select_backend`'s
+  ``mosaic_slot_dtypes``).
 
   Args:
     path: the CSV.
@@ -684,8 +685,8 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
       raise ValueError(f"{path}: unexpected shape {shape!r}")
     bt, n_in, n_out = (int(v) for v in sm.groups())
     act, w, slots = _backends_dtypes(dtypes)
-    if any(not jnp.issubdtype(jnp.dtype(d), jnp.floating) for d in slots):
-      continue  # quantized moments: measured, never looked up
+    quantized = any(not jnp.issubdtype(jnp.dtype(d), jnp.floating)
+                    for d in slots)
     chosen = measured
     if pick == "default":
       if case_rule not in RULES:
@@ -693,7 +694,7 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
                          "pick='default' needs the rule")
       default = mosaic_kernel.default_config(
           act, mosaic_kernel.smem_dtypes(RULES[case_rule], w, slots), bt=bt,
-          shape=(n_in, n_out))
+          shape=(n_in, n_out), quantized=quantized)
       chosen = [m for m in measured if m[0] == default] or measured
     cfg, t, run = min(chosen, key=lambda m: m[1])  # first of equals
     timings = {}

@@ -105,8 +105,8 @@ def fused_wgrad_update(
       :class:`pallas_kernels.quant.Quantized` pair ``(q, scale)`` -- codes of
       ``w``'s shape in int8, float8_e4m3fn or float8_e5m2 and float32 scales
       ``(..., in, ceil(out / 64))``, one per 64 consecutive elements of a
-      row (Triton backend only; :mod:`pallas_kernels.lowp`). Written in
-      place.
+      row (:mod:`pallas_kernels.lowp`; the Mosaic GPU backend takes int8
+      ones, not fp8). Written in place.
     hparams: ``rule.pack(...)``: this step's runtime hyperparameters.
     rule: the optimizer family's elementwise update.
     config: tiling: a :class:`BlockConfig` (a Triton tiling) or a
@@ -115,7 +115,8 @@ def fused_wgrad_update(
       ``None``, the chosen backend's tiling for the case: Triton's
       :func:`select_config` (the autotuned winner cached for this GPU, else
       a heuristic); Mosaic GPU's cached entry, else
-      :func:`~pallas_kernels.mosaic_kernel.default_config`.
+      :func:`~pallas_kernels.mosaic_kernel.default_config` (with int8
+      moments, its ``quantized`` tiling).
     interpret: run in Pallas interpret mode (CPU); default: unless on a GPU
       (without one, the first such call gives an ``InterpretModeWarning``).
     layer: for a stack of layers: ``w`` and the slots are ``(L, in, out)``
@@ -131,8 +132,9 @@ def fused_wgrad_update(
       GPU where it is known to be faster -- compiled on a GPU of compute
       capability 9.0 or newer, for a case the autotune cache measured it
       faster than the Triton kernel on this device kind and that it
-      covers -- and Triton everywhere else, and always with quantized
-      slots or stochastic rounding, which only the Triton kernel supports
+      covers (int8 moments: an entry measured with them) -- and Triton
+      everywhere else, and always with fp8 moments or stochastic rounding,
+      which only the Triton kernel supports
       (:func:`~pallas_kernels.tuning_cache.select_backend`;
       :func:`describe_backend` tells which a call takes, and why).
     formats: for quantized slots whose format is not the default of their
@@ -187,20 +189,23 @@ def fused_wgrad_update(
   interpret = _interpret(interpret)
   varying = _varying(x2, dy2, w, *jax.tree.leaves(slots))
   slot_dtypes = _slot_dtypes(slots, plan)
+  mosaic_slots = _mosaic_slot_dtypes(slots, plan)
   if bt == 0:
     # No tokens: G = 0, the optimizer still steps (moments decay, weight
     # decay), whichever backend was asked for (its arguments still checked).
     choice = select_backend(bt, n_in, n_out, w.dtype, slot_dtypes, rule,
                             x2.dtype, interpret=interpret, stacked=stacked,
                             config=config, backend=backend, varying=varying,
-                            low_precision=plan is not None)
+                            low_precision=plan is not None,
+                            mosaic_slot_dtypes=mosaic_slots)
     _check_low_precision_backend(choice, plan, n_out, config, where)
     return apply_rule(rule, jnp.zeros((n_in, n_out), jnp.float32), w, slots,
                       hparams, layer, plan=plan, sr=stochastic_rounding)
   choice = select_backend(bt, n_in, n_out, w.dtype, slot_dtypes,
                           rule, x2.dtype, interpret=interpret,
                           stacked=stacked, config=config, backend=backend,
-                          varying=varying, low_precision=plan is not None)
+                          varying=varying, low_precision=plan is not None,
+                          mosaic_slot_dtypes=mosaic_slots)
   if choice.backend == "mosaic_gpu":
     _mosaic_refusal(choice, varying, where, lambda: (
         mosaic_kernel.unsupported(bt, n_in, n_out, x2.dtype, w, slots, rule,
@@ -227,14 +232,24 @@ def _slot_dtypes(slots, plan) -> list:
   return plan.logical_dtypes(slots)
 
 
+def _mosaic_slot_dtypes(slots, plan) -> list | None:
+  """With low-precision state the Mosaic GPU kernel takes (int8 moments, no
+  stochastic rounding), the slots' dtypes as it holds them (int8 codes),
+  by which its autotune cache keys the case; else ``None``."""
+  if plan is None or mosaic_kernel.low_precision_problem(plan) is not None:
+    return None
+  return [jnp.dtype(a.q.dtype if isinstance(a, lowp.Quantized) else a.dtype)
+          for a in slots]
+
+
 def _check_low_precision_backend(choice, plan, n_out: int, config,
                                  where: str):
   """The Triton tiling a call with low-precision state runs: ``choice``'s,
   fitted to the quantized slots' blocks (:func:`lowp.fit_tiling`) unless the
   caller gave it (then refused if it splits a block). With the Mosaic GPU
-  backend (only asked for explicitly: ``backend=None`` takes Triton for
-  such a call), what it cannot take (fp8, stochastic rounding) is refused
-  in plain words, and its tiling is returned as is."""
+  backend (``backend=None`` takes it only for int8 moments, where measured
+  faster), what it cannot take (fp8, stochastic rounding) is refused in
+  plain words, and its tiling is returned as is."""
   if plan is None:
     return choice.config
   if choice.backend == "mosaic_gpu":
@@ -287,6 +302,10 @@ def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
   if interpret is None:
     interpret = default_interpret()
   quantized = [isinstance(a, lowp.Quantized) for a in slots]
+  mosaic_slots = None
+  if any(quantized) and stochastic_rounding is None:
+    plan, _ = lowp.plan_state(slots, rule, w, where="describe_backend")
+    mosaic_slots = _mosaic_slot_dtypes(slots, plan)
   return select_backend(bt, n_in, n_out, w.dtype,
                         [jnp.float32 if q else a.dtype
                          for q, a in zip(quantized, slots)],
@@ -295,7 +314,8 @@ def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
                         config=config, backend=backend,
                         varying=_varying(x, dy, w, *jax.tree.leaves(slots)),
                         low_precision=any(quantized)
-                        or stochastic_rounding is not None)
+                        or stochastic_rounding is not None,
+                        mosaic_slot_dtypes=mosaic_slots)
 
 
 def _mosaic_refusal(choice, varying: bool, where: str, why_not) -> None:

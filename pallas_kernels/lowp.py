@@ -73,11 +73,9 @@ __all__ = ["MOSAIC_REFUSAL", "SlotPlan", "StatePlan", "apply",
            "tiling_problem"]
 
 # Why backend=None takes the Triton kernel for low-precision state.
-MOSAIC_REFUSAL = ("int8/fp8 moments and stochastic rounding run on the "
-                  "Triton backend unless the Mosaic GPU kernel is asked "
-                  "for (backend='mosaic_gpu' takes int8 moments, not fp8 or "
-                  "stochastic rounding; it is not measured against Triton "
-                  "with them yet)")
+MOSAIC_REFUSAL = ("fp8 moments and stochastic rounding run on the Triton "
+                  "backend (the Mosaic GPU kernel takes int8 moments only, "
+                  "and without stochastic rounding)")
 
 _KIND_OF_DTYPE = {jnp.dtype(jnp.int8): "int8",
                   jnp.dtype(jnp.float8_e4m3fn): "fp8_e4m3",

@@ -470,13 +470,19 @@ def low_precision_problem(plan, cfg: MosaicConfig | None = None, *,
     return ("a stored gradient with int8 moments runs on the Triton "
             "backend")
   if cfg is not None and fmts:
-    if not (cfg.pingpong or cfg.state_ring):
-      return ("int8 moments are requantized in the streamed epilogue: the "
-              "tiling needs pingpong or state_ring >= 1")
-    if cfg.epi_n != _QUANT_BLOCK or cfg.epi_m % 8:
-      return (f"int8 moments need epilogue sub-tiles one block wide: "
-              f"epi_n={_QUANT_BLOCK} (this tiling has "
-              f"{cfg.epi_m}x{cfg.epi_n})")
+    return int8_tiling_problem(cfg)
+  return None
+
+
+def int8_tiling_problem(cfg: MosaicConfig) -> str | None:
+  """Why the tiling cannot hold int8 moments, or ``None``."""
+  if not (cfg.pingpong or cfg.state_ring):
+    return ("int8 moments are requantized in the streamed epilogue: the "
+            "tiling needs pingpong or state_ring >= 1")
+  if cfg.epi_n != _QUANT_BLOCK or cfg.epi_m % 8:
+    return (f"int8 moments need epilogue sub-tiles one block wide: "
+            f"epi_n={_QUANT_BLOCK} (this tiling has "
+            f"{cfg.epi_m}x{cfg.epi_n})")
   return None
 
 

@@ -421,7 +421,9 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
                    config=None, backend: str | None = None,
                    varying: bool = False,
                    where: str = "fused_wgrad_update",
-                   low_precision: bool = False) -> BackendChoice:
+                   low_precision: bool = False,
+                   mosaic_slot_dtypes: Sequence | None = None
+                   ) -> BackendChoice:
   """The backend and tiling a kernel call takes; runs at trace time.
 
   In order, the first that applies:
@@ -431,8 +433,8 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
      case (Triton: :func:`select_config`; Mosaic GPU: the cached entry's
      tiling on a GPU where it covers the case, else
      :func:`~pallas_kernels.mosaic_kernel.default_config`; with
-     ``low_precision``, whose state the cache's float-moment entries do not
-     describe, that default's int8 tiling, ``quantized=True``).
+     ``low_precision``, the entry measured with ``mosaic_slot_dtypes``, else
+     that default's int8 tiling, ``quantized=True``).
   2. ``config`` given: the backend of its type (a ``BlockConfig`` is a
      Triton tiling, a ``MosaicConfig`` a Mosaic GPU one).
   3. ``$FORGE_BACKEND`` set to ``triton`` or ``mosaic_gpu``: as if that
@@ -447,9 +449,9 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
      Mosaic GPU kernel covers the case with that tiling
      (:func:`~pallas_kernels.mosaic_kernel.unsupported`), and no slot is
      quantized nor the weight stored by stochastic rounding
-     (``low_precision``: the Mosaic GPU kernel takes int8 moments when
-     asked for by name, but is not measured with them). Else Triton with
-     :func:`select_config`'s tiling.
+     (``low_precision``), except int8 moments the kernel takes
+     (``mosaic_slot_dtypes``), which an entry measured with them selects
+     as any other. Else Triton with :func:`select_config`'s tiling.
 
   A backend chosen by 1 to 3 is not second-guessed: a case the Mosaic GPU
   kernel does not cover then fails when it is called (``ValueError`` with
@@ -466,6 +468,11 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
     varying: the operands vary over a ``shard_map`` mesh axis.
     low_precision: a slot is quantized, or the weight is stored by
       stochastic rounding (:mod:`pallas_kernels.lowp`).
+    mosaic_slot_dtypes: with ``low_precision``, the slots' dtypes as the
+      Mosaic GPU kernel holds them (int8 codes), given when it takes this
+      state (int8 moments, no stochastic rounding: ``mosaic_kernel.
+      low_precision_problem(plan)`` is ``None``); its autotune cache keys
+      such cases by them. ``None``: it does not take it.
     config: the caller's tiling, or ``None``.
     backend: the caller's backend, or ``None``.
     where: the call named in error messages.
@@ -492,6 +499,11 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
   if not isinstance(rule, UpdateRule):
     raise TypeError(f"{where}: rule must be an UpdateRule (e.g. "
                     f"pallas_kernels.ADAMW), got {type(rule).__name__}")
+
+  # The slots as the Mosaic GPU kernel holds them (int8 codes), by which
+  # its cache entries are keyed.
+  held_slots = (mosaic_slot_dtypes if low_precision
+                and mosaic_slot_dtypes is not None else slot_dtypes)
 
   def triton_default():
     # The Triton kernel's tiling for the case: a stored G's epilogue-only
@@ -526,22 +538,24 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
           "picks its own backend)")
     if config is not None:
       return BackendChoice(MOSAIC_GPU, config, how)
-    # (Low-precision state: the cache's entries were measured with float
-    # moments, so its int8 default.)
-    entry = None if interpret or g_stored or low_precision else lookup_mosaic(
-        bt, n_in, n_out, w_dtype, slot_dtypes, rule)
+    # (Low-precision state: an entry measured with it, else the int8
+    # default.)
+    entry = None if interpret or g_stored or (
+        low_precision and mosaic_slot_dtypes is None) else lookup_mosaic(
+            bt, n_in, n_out, w_dtype, held_slots, rule)
     if entry is not None and _mosaic_refusal(
-        entry.config, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
-        stacked, g_stored) is None:
+        entry.config, bt, n_in, n_out, w_dtype, held_slots, rule, x_dtype,
+        stacked, g_stored) is None and not (
+            low_precision and mosaic_kernel.int8_tiling_problem(entry.config)):
       return BackendChoice(MOSAIC_GPU, entry.config,
                            f"{how}; the autotune cache's tiling")
     return BackendChoice(
-        MOSAIC_GPU, _mosaic_default(bt, n_in, n_out, w_dtype, slot_dtypes,
+        MOSAIC_GPU, _mosaic_default(bt, n_in, n_out, w_dtype, held_slots,
                                     rule, x_dtype, g_stored, low_precision),
         f"{how}; the default tiling for the case")
   # No backend asked for: the faster for the case, as far as it is known.
   triton = lambda why: BackendChoice(TRITON, triton_default(), why)
-  if low_precision:
+  if low_precision and mosaic_slot_dtypes is None:
     return triton(lowp.MOSAIC_REFUSAL)
   if interpret:
     return triton("interpret mode: the Mosaic GPU kernel is chosen only when "
@@ -561,7 +575,7 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
                   "measurements for it")
   if bt < 1:
     return triton("no tokens")
-  entry = lookup_mosaic(bt, n_in, n_out, w_dtype, slot_dtypes, rule)
+  entry = lookup_mosaic(bt, n_in, n_out, w_dtype, held_slots, rule)
   kind = current_device_kind()
   if entry is None:
     return triton(f"the autotune cache has no Mosaic GPU entry for this "
@@ -571,8 +585,10 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
     return triton(f"the autotune cache's Mosaic GPU tiling {label} measured "
                   f"{_us(entry.time_us)} against the Triton kernel's "
                   f"{_us(entry.triton_time_us)} on {kind}")
-  why = _mosaic_refusal(entry.config, bt, n_in, n_out, w_dtype, slot_dtypes,
+  why = _mosaic_refusal(entry.config, bt, n_in, n_out, w_dtype, held_slots,
                         rule, x_dtype, stacked, g_stored)
+  if why is None and low_precision:
+    why = mosaic_kernel.int8_tiling_problem(entry.config)
   if why is not None:
     return triton(f"the autotune cache's Mosaic GPU tiling {label} does not "
                   f"cover this case: {why}")

@@ -43,12 +43,13 @@ MOSAIC_PINGPONG_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "9228555",
 MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
                           "--mosaic-pick", "fastest"]
 # Then the run of commit ee3c82c (the 0.886 B decoder's shapes, BT 512 and
-# 2048) and that of commit 0eff7ae (BT 512, the 64x64 epilogue sub-tile
-# beside the default, bf16 and int8 moments: the int8 rows are left out),
-# each the fastest tiling per case it measured.
+# 2048), that of commit 0eff7ae (BT 512, the 64x64 epilogue sub-tile beside
+# the default, bf16 and int8 moments) and that of commit fee8919 (BT 512,
+# int8 moments on smaller ping-pong tiles and the state ring, and bf16 ones
+# at 4096x4096), each the fastest tiling per case it measured.
 MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
-    for c in ("ee3c82c", "0eff7ae")]
+    for c in ("ee3c82c", "0eff7ae", "fee8919")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -112,8 +113,8 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 5))
-  # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c and 0eff7ae)
+             + [BACKENDS_CSV] * 6))
+  # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae and fee8919)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -128,11 +129,13 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
     assert entry["source"] in dev["sources"]
 
 
-def _default_at_ddd1e56(x_dtype, state_dtypes, bt=None, shape=None):
+def _default_at_ddd1e56(x_dtype, state_dtypes, bt=None, shape=None,
+                        quantized=False):
   """``mosaic_kernel.default_config`` at commit ddd1e56 (the column-split
-  schedule's tilings), for the cases its benchmarks.backends run measured:
-  the shipped Mosaic GPU entries are that run's default tilings."""
-  del x_dtype, shape
+  schedule's tilings), for the cases its benchmarks.backends run measured
+  (no int8 moments): the shipped Mosaic GPU entries are that run's default
+  tilings."""
+  del x_dtype, shape, quantized
   if bt is not None and bt <= 1024:
     narrow = all(jnp.dtype(d).itemsize <= 2 for d in state_dtypes)
     return pk.MosaicConfig.from_label("64x128x64/4,b2,pn" if narrow
@@ -735,8 +738,9 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   entries = dev["mosaic_gpu"]
   # AdamW: 4 shapes x BT 512/2048/4096 (bf16 moments), 3 shapes at BT 512
   # and 2 at BT 2048 (fp32 moments); SGD and SGD with momentum at 4096^2,
-  # BT 512; the decoder's 4 shapes x BT 512/2048 (bf16 moments).
-  assert len(entries) == 27
+  # BT 512; the decoder's 4 shapes x BT 512/2048 (bf16 moments); the 4
+  # Llama shapes at BT 512 with int8 moments.
+  assert len(entries) == 31
   # The run of ddd1e56: the column-split defaults of that commit.
   want = {(512, "bfloat16"): "64x128x64/4,b2,pn",
           (2048, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
@@ -750,6 +754,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     bt = int(bt[2:])
     # (SGD has no slot: its rows' dtypes name bf16.)
     slot = slots.split("=")[1].split(",")[0] or "bfloat16"
+    suffix = {"bfloat16": "bf16", "float32": "fp32", "int8": "int8"}[slot]
     label = M(**entry["config"]).label
     source = dev["sources"][entry["source"]]
     assert source["csv"] == BACKENDS_CSV
@@ -761,7 +766,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     case = [r for r in rows if r["commit"] == commit and r["case"] == rule
             and r["timestamp"] == entry["run"]
             and r["shape"] == f"BT={bt} {shape}"
-            and r["dtypes"].endswith("bf16" if slot == "bfloat16" else "fp32")]
+            and r["dtypes"].endswith(suffix)]
     mosaic = {M.from_label(r["provider"][13:]).label: float(r["p50"])
               for r in case if r["provider"].startswith("forge_mosaic_")}
     (triton,) = [float(r["p50"]) for r in case
@@ -772,16 +777,20 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       assert label == want[(bt, slot)], key
       assert "default tiling" in source["pick"]
     else:  # the later runs: the fastest tiling each measured
-      assert commit in ("9228555", "c7c1567", "ee3c82c", "0eff7ae")
+      assert commit in ("9228555", "c7c1567", "ee3c82c", "0eff7ae",
+                        "fee8919")
       assert "fastest" in source["pick"]
       assert entry["time_us"] == min(mosaic.values()), key
   # Each later run replaced the cases it measured: c7c1567 every
   # bf16-moment case and the fp32-moment ones at BT 512, then 0eff7ae the
   # four bf16-moment cases at BT 512, so the ddd1e56 run keeps only the
-  # fp32-moment cases at BT 2048; ee3c82c brought the decoder's shapes.
+  # fp32-moment cases at BT 2048; ee3c82c brought the decoder's shapes;
+  # fee8919 the int8-moment cases (replacing 0eff7ae's) and 4096^2 with
+  # bf16 moments.
   assert len(by_commit["c7c1567"]) == 13 and "9228555" not in by_commit
   assert len(by_commit["ddd1e56"]) == 2
-  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["0eff7ae"]) == 4
+  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["0eff7ae"]) == 3
+  assert len(by_commit["fee8919"]) == 5
   for commit in ("c7c1567", "ee3c82c", "0eff7ae"):
     assert {M(**entries[k]["config"]).pingpong
             for k in by_commit[commit]} == {True}
@@ -789,6 +798,10 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # Llama shapes (rolled at 4096^2 and 14336x4096).
   assert {M(**entries[k]["config"]).epi_n
           for k in by_commit["0eff7ae"]} == {64}
+  # int8 moments: the smaller tiles (64 x 128 ping-pong; at 4096 x 1024 the
+  # state ring on 64 x 256), where 128 x 128 spilled.
+  assert {M(**entries[k]["config"]).label for k in by_commit["fee8919"]
+          if "int8" in k} == {"64x128x64/4,pp,lp", "64x256x64/4,r2,lp"}
   # c7c1567's rolled winners that stand: BT 2048 at 4096x1024, the
   # fp32-moment cases' largest two, and SGD.
   bf16, fp32 = "w=bfloat16|slots=bfloat16,bfloat16", (
