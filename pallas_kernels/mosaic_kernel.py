@@ -998,17 +998,20 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
   """
   if num_sms is None:
     num_sms = 4 if interpret else jax.devices()[0].core_count
-  if interpret:  # the interpreter's params need not be hashable
-    return _launch(operands, w, slots, hparams, layer, rule=rule, cfg=cfg,
-                   interpret=interpret, num_sms=num_sms, plan=plan)
-  return _launch_compiled(operands, w, slots, hparams, layer, rule=rule,
-                          cfg=cfg, interpret=False, num_sms=num_sms,
-                          plan=plan)
+  # (The interpreter's params need not be hashable: no jit there.)
+  run = _launch if interpret else _launch_compiled
+  w_new, rest = run(operands, w, slots, hparams, layer, rule=rule, cfg=cfg,
+                    interpret=interpret if interpret else False,
+                    num_sms=num_sms, plan=plan)
+  # A rule that leaves the weight alone returns it as given (not passed
+  # through the jit, which would hand back another array, or a copy).
+  return (w_new if rule.updates_weight else w), rest
 
 
 def _launch(operands, w, slots, hparams, layer, *, rule: UpdateRule,
             cfg: MosaicConfig, interpret, num_sms: int, plan):
-  """:func:`launch` on its arguments, ``num_sms`` resolved."""
+  """:func:`launch` on its arguments, ``num_sms`` resolved; ``w_new`` is
+  ``None`` for a rule that does not update the weight."""
   g_stored = len(operands) == 1
   quantized, scales, arrays = [], [], []
   for k, a in enumerate(slots):
@@ -1049,7 +1052,7 @@ def _launch(operands, w, slots, hparams, layer, *, rule: UpdateRule,
   new = [r[...] for r in refs]
   new_scales = [jnp.swapaxes(a, -1, -2) for a in new[len(state):]]
   new = new[:len(state)]
-  w_new = new.pop(0) if rule.updates_weight else w
+  w_new = new.pop(0) if rule.updates_weight else None
   for (k, _, _), scale in zip(quantized, new_scales):
     new[k] = lowp.Quantized(new[k], scale)
   return w_new, (*new, *outputs)

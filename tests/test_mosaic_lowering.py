@@ -134,3 +134,26 @@ def test_int8_moments_lower_for_cuda(layers):
       S((len(rule.hparams),), jnp.float32), S((*lead, n, n), jnp.bfloat16),
       q, s, q, s).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "llvm." in text
+
+
+def test_compiled_launch_returns_an_untouched_weight_as_given():
+  """A compiled launch runs inside one jit per case (one lowered kernel for
+  every call site of it); a rule that does not update the weight (Muon's
+  momentum) still gets back the very ``w`` it passed, not a jit output."""
+  rule = RULES["optax:muon"]
+  assert not rule.updates_weight
+  cfg = mosaic_kernel.default_config(jnp.bfloat16, mosaic_kernel.smem_dtypes(
+      rule, jnp.bfloat16, [jnp.bfloat16]), 128, shape=(64, 64))
+  seen = []
+
+  def f(x, dy, h, w, mu):
+    w_new, rest = mosaic_kernel.launch((x, dy), w, (mu,), h, rule=rule,
+                                       cfg=cfg, interpret=False, num_sms=8)
+    seen.append(w_new is w)
+    return w_new, rest
+
+  bf = jnp.bfloat16
+  jax.jit(f).trace(S((128, 64), bf), S((128, 64), bf),
+                   S((len(rule.hparams),), jnp.float32), S((64, 64), bf),
+                   S((64, 64), bf))
+  assert seen == [True]
