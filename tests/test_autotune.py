@@ -44,12 +44,14 @@ MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
                           "--mosaic-pick", "fastest"]
 # Then the run of commit ee3c82c (the 0.886 B decoder's shapes, BT 512 and
 # 2048), that of commit 0eff7ae (BT 512, the 64x64 epilogue sub-tile beside
-# the default, bf16 and int8 moments) and that of commit fee8919 (BT 512,
-# int8 moments on smaller ping-pong tiles and the state ring, and bf16 ones
-# at 4096x4096), each the fastest tiling per case it measured.
+# the default, bf16 and int8 moments), that of commit fee8919 (BT 512, int8
+# moments on smaller ping-pong tiles and the state ring, and bf16 ones at
+# 4096x4096) and that of commit 1b02eba (BT 512, bf16 moments on the
+# smaller tiles at the other three shapes), each the fastest tiling per
+# case it measured.
 MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
-    for c in ("ee3c82c", "0eff7ae", "fee8919")]
+    for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -113,8 +115,9 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 6))
-  # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae and fee8919)
+             + [BACKENDS_CSV] * 7))
+  # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919 and
+  # 1b02eba)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -777,8 +780,8 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       assert label == want[(bt, slot)], key
       assert "default tiling" in source["pick"]
     else:  # the later runs: the fastest tiling each measured
-      assert commit in ("9228555", "c7c1567", "ee3c82c", "0eff7ae",
-                        "fee8919")
+      assert commit in ("9228555", "c7c1567", "ee3c82c", "fee8919",
+                        "1b02eba")
       assert "fastest" in source["pick"]
       assert entry["time_us"] == min(mosaic.values()), key
   # Each later run replaced the cases it measured: c7c1567 every
@@ -786,18 +789,19 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # four bf16-moment cases at BT 512, so the ddd1e56 run keeps only the
   # fp32-moment cases at BT 2048; ee3c82c brought the decoder's shapes;
   # fee8919 the int8-moment cases (replacing 0eff7ae's) and 4096^2 with
-  # bf16 moments.
+  # bf16 moments, 1b02eba the other three bf16-moment cases at BT 512: so
+  # nothing of 0eff7ae's stands.
   assert len(by_commit["c7c1567"]) == 13 and "9228555" not in by_commit
-  assert len(by_commit["ddd1e56"]) == 2
-  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["0eff7ae"]) == 3
-  assert len(by_commit["fee8919"]) == 5
-  for commit in ("c7c1567", "ee3c82c", "0eff7ae"):
+  assert len(by_commit["ddd1e56"]) == 2 and "0eff7ae" not in by_commit
+  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["fee8919"]) == 5
+  assert len(by_commit["1b02eba"]) == 3
+  for commit in ("c7c1567", "ee3c82c", "1b02eba"):
     assert {M(**entries[k]["config"]).pingpong
             for k in by_commit[commit]} == {True}
-  # At BT 512 with bf16 moments the 64x64 epilogue sub-tile won on the four
-  # Llama shapes (rolled at 4096^2 and 14336x4096).
-  assert {M(**entries[k]["config"]).epi_n
-          for k in by_commit["0eff7ae"]} == {64}
+  # At BT 512 with bf16 moments the rolled 64x64 epilogue on the smaller
+  # tiles won on the four Llama shapes (128 x 64 at 4096^2, else 64 x 128).
+  assert {M(**entries[k]["config"]).label for k in by_commit["1b02eba"]} == {
+      "64x128x64/4,pp,lp"}
   # int8 moments: the smaller tiles (64 x 128 ping-pong; at 4096 x 1024 the
   # state ring on 64 x 256), where 128 x 128 spilled.
   assert {M(**entries[k]["config"]).label for k in by_commit["fee8919"]
