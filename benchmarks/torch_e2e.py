@@ -41,6 +41,12 @@ on CUDA, CUDA events recorded on torch's current stream around each step
 (``loss``, ``backward()``, ``step()``, ``zero_grad(set_to_none=True)``), the
 host waiting for the end event after every step (each step starts on an idle
 GPU, as benchmarks/e2e.py blocks on every step); on the CPU, ``perf_counter``.
+Per phase (forward: the loss; backward; optimizer: ``step()`` and
+``zero_grad``), rows ``host_<phase>`` (the host's time from the phase's
+start to its last call's return) and on CUDA ``gpu_<phase>`` (the GPU's,
+between events recorded at the same points): where a phase's GPU time
+equals its host time the GPU waited on the host (the phase is host-bound);
+where it is longer the host ran ahead.
 
 Peak memory is ``torch.cuda.max_memory_allocated()`` over one *whole
 steady-state step*: the counter is reset right before each timed step -- at a
@@ -106,6 +112,9 @@ from benchmarks import common, e2e  # noqa: E402
 
 BENCHMARK = "torch_e2e"
 ARMS = ("torch", "forge")
+# A step's phases: the loss (forward), backward() (forge: the fused updates
+# inside it), step() + zero_grad().
+PHASES = ("forward", "backward", "optimizer")
 RESULT_TAG = "TORCH_E2E_CELL_RESULT "
 # --check: the project's fp32 parity bar (tests/tolerances.py, float32).
 CHECK_RTOL = 1e-5
@@ -338,9 +347,13 @@ def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
   tokens, targets = make_batch(cfg, bt // cfg.seq, device, seed)
   after_backward = [None]
 
-  def step():
+  def step(mark=lambda: None):
+    # mark(): the end of a phase (forward, backward; the optimizer's ends
+    # with the step).
     loss = loss_of(model, tokens, targets)
+    mark()
     loss.backward()
+    mark()
     if cuda:
       after_backward[0] = torch.cuda.memory_allocated()
     opt.step()
@@ -356,22 +369,37 @@ def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
     stats.reset()
   base = torch.cuda.memory_allocated() if cuda else None
   times, peaks, reserved = [], [], []
+  host_ms = {p: [] for p in PHASES}
+  gpu_ms = {p: [] for p in PHASES} if cuda else None
   for _ in range(steps):
+    # Per phase: the host's time from its start to its last call's return,
+    # and (CUDA) the GPU's between events recorded at the same points.
+    marks = []
+    events = []
+
+    def mark():
+      marks.append(time.perf_counter())
+      if cuda:
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
     if cuda:
       torch.cuda.reset_peak_memory_stats()
-      start = torch.cuda.Event(enable_timing=True)
-      end = torch.cuda.Event(enable_timing=True)
-      start.record()
-      loss = step()
-      end.record()
-      end.synchronize()
-      times.append(start.elapsed_time(end))  # ms
+      mark()
+      loss = step(mark)
+      mark()
+      events[-1].synchronize()
+      times.append(events[0].elapsed_time(events[-1]))  # ms
       peaks.append(torch.cuda.max_memory_allocated())
       reserved.append(torch.cuda.max_memory_reserved())
     else:
-      t0 = time.perf_counter()
-      loss = step()
-      times.append((time.perf_counter() - t0) * 1e3)
+      mark()
+      loss = step(mark)
+      mark()
+      times.append((marks[-1] - marks[0]) * 1e3)
+    for i, p in enumerate(PHASES):
+      host_ms[p].append((marks[i + 1] - marks[i]) * 1e3)
+      if cuda:
+        gpu_ms[p].append(events[i].elapsed_time(events[i + 1]))
     losses.append(loss.item())
   t_end = time.perf_counter()
   r = dict(arm=arm, bt=bt, batch=bt // cfg.seq, seq=cfg.seq, params=n_params,
@@ -379,6 +407,9 @@ def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
            dtypes=(f"params={cfg.dtype},{_moment_dtypes(opt)},"
                    "logits/loss=float32"),
            step_ms=common.quantiles(times), losses=losses,
+           host_ms={p: common.quantiles(v) for p, v in host_ms.items()},
+           gpu_ms=None if gpu_ms is None else {
+               p: common.quantiles(v) for p, v in gpu_ms.items()},
            grad_pool_bytes=pool, grad_total_bytes=total,
            peak_bytes=max(peaks) if peaks else None,
            peak_spread_bytes=(max(peaks) - min(peaks)) if peaks else None,
@@ -477,6 +508,10 @@ def write_cell_rows(path: str, cfg: e2e.Config, r: dict) -> str:
                                         shape_of(cfg, bt), r["dtypes"],
                                         metric, v, unit)
   add("step_time", tuple(r["step_ms"]), "ms")
+  for p in PHASES:
+    add(f"host_{p}", tuple(r["host_ms"][p]), "ms")
+    if r["gpu_ms"] is not None:
+      add(f"gpu_{p}", tuple(r["gpu_ms"][p]), "ms")
   for metric, key in (("peak_memory", "peak_bytes"),
                       ("peak_reserved", "peak_reserved_bytes"),
                       ("base_memory", "base_bytes"),
@@ -551,6 +586,12 @@ def summarize(results: dict, bts) -> bool:
       print(f"{bt:>6} {name:<22} {fmt(tv, spec):>12} {fmt(fv, spec):>12} "
             f"{ratio:>12}")
     row("step p50 (ms)", lambda r: r["step_ms"][1], ".2f")
+    gpu = any(r is not None and r["gpu_ms"] is not None for r in (t, f))
+    for p in PHASES:
+      row(f"  {p} host (ms)", lambda r, p=p: r["host_ms"][p][1], ".2f")
+      if gpu:
+        row(f"  {p} GPU (ms)", lambda r, p=p: (
+            None if r["gpu_ms"] is None else r["gpu_ms"][p][1]), ".2f")
     row("peak (MiB)", lambda r: _mib(r["peak_bytes"]))
     row("after backward (MiB)", lambda r: _mib(r["after_backward_bytes"]))
     row("base (MiB)", lambda r: _mib(r["base_bytes"]))

@@ -116,6 +116,11 @@ def test_cpu_smoke_run_writes_rows_and_plot(tmp_path, capsys):
     assert value(arm, "param_count") == e2e.param_count(SMOKE)
     assert value(arm, "step_time") > 0
     assert cell[(arm, "step_time")]["unit"] == "ms"
+    # The phases, host time only on the CPU, adding up to about the step.
+    phases = [value(arm, f"host_{p}") for p in torch_e2e.PHASES]
+    assert all(t > 0 for t in phases)
+    assert not any((arm, f"gpu_{p}") in cell for p in torch_e2e.PHASES)
+    assert sum(phases) <= 1.5 * float(cell[(arm, "step_time")]["p80"])
     assert value(arm, "loss_final") < value(arm, "loss_first")
     assert not any((arm, m) in cell for m in ("peak_memory", "base_memory",
                                               "after_backward"))
@@ -258,4 +263,6 @@ def test_gpu_small_run_saves_the_pool(tmp_path, capsys):
   gone = cell[("torch", "after_backward")] - cell[("forge", "after_backward")]
   assert gone >= 0.99 * pool, (gone, pool)
   assert cell[("forge", "peak_memory")] < cell[("torch", "peak_memory")]
+  for arm in torch_e2e.ARMS:  # GPU time per phase beside the host's
+    assert all(cell[(arm, f"gpu_{p}")] > 0 for p in torch_e2e.PHASES)
   assert (out / "torch_e2e.png").exists()
