@@ -75,9 +75,24 @@ def versions() -> str:
   return "; ".join(parts)
 
 
+# benchmarks/COMMIT holds "$Format:%h$", which `git archive` replaces by the
+# archived commit (.gitattributes: export-subst).
+_ARCHIVE_STAMP = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              "COMMIT")
+
+
 def commit() -> str:
   """The repository's commit (short hash, ``+changes`` when the work tree
-  differs from it), or ``unknown`` outside a git checkout."""
+  differs from it); in a tree exported by ``git archive``, the archived
+  commit (not that of a checkout the tree happens to sit in); ``unknown``
+  outside both."""
+  try:
+    with open(_ARCHIVE_STAMP) as f:
+      stamp = f.read().strip()
+  except OSError:
+    stamp = ""
+  if stamp and not stamp.startswith("$Format"):
+    return stamp
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,

@@ -176,3 +176,21 @@ def test_rows_record_a_backend_forced_by_the_environment(monkeypatch):
   assert "FORGE_BACKEND" not in common.versions()
   monkeypatch.setenv("FORGE_BACKEND", "mosaic_gpu")
   assert common.versions().endswith("; FORGE_BACKEND=mosaic_gpu")
+
+
+def test_commit_names_an_archived_tree_by_its_own_commit(tmp_path,
+                                                         monkeypatch):
+  """Rows name the commit whose code ran: in a checkout, its HEAD; in a
+  tree that `git archive` exported (benchmarks/COMMIT, export-subst), the
+  archived commit, even where that tree sits inside another checkout."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "benchmarks", "COMMIT")) as f:
+    assert f.read().strip() == "$Format:%h$"  # unexported: the placeholder
+  with open(os.path.join(root, ".gitattributes")) as f:
+    assert "benchmarks/COMMIT export-subst" in f.read().splitlines()
+  stamp = tmp_path / "COMMIT"
+  stamp.write_text("$Format:%h$\n")
+  monkeypatch.setattr(common, "_ARCHIVE_STAMP", str(stamp))
+  assert not common.commit().startswith("$")  # the checkout's, or unknown
+  stamp.write_text("abc1234\n")
+  assert common.commit() == "abc1234"
