@@ -1001,7 +1001,7 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
   # (The interpreter's params need not be hashable: no jit there.)
   run = _launch if interpret else _launch_compiled
   w_new, rest = run(operands, w, slots, hparams, layer, rule=rule, cfg=cfg,
-                    interpret=interpret if interpret else False,
+                    interpret=interpret or False,
                     num_sms=num_sms, plan=plan)
   # A rule that leaves the weight alone returns it as given (not passed
   # through the jit, which would hand back another array, or a copy).
