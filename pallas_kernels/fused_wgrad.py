@@ -435,7 +435,8 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
                           rule, g.dtype, interpret=interpret,
                           stacked=layer is not None, g_stored=True,
                           config=config, backend=backend, varying=varying,
-                          where=where, low_precision=plan is not None)
+                          where=where, low_precision=plan is not None,
+                          mosaic_slot_dtypes=_mosaic_slot_dtypes(slots, plan))
   if choice.backend == "mosaic_gpu":
     _mosaic_refusal(choice, varying, where, lambda: (
         mosaic_kernel.unsupported(0, n_in, n_out, g.dtype, w, slots, rule,
