@@ -500,40 +500,40 @@ def test_a_step_count_written_outside_the_optimizer_is_read_again():
   optimizer last wrote it; a state["step"] changed by anything else (here
   set back in place, as a user or a loaded checkpoint might) is read again,
   so the bias correction follows it as torch's does."""
+  def set_back(step):  # before the third step: both counts set back to 1
+    step.fill_(1.0)
+  o_f = _train_with_a_step_count_changed(3, set_back, fused=True)
+  assert all(st["step"].item() == 2.0 for st in o_f.state.values())
+
+
+def _train_with_a_step_count_changed(steps, change, **kw):
+  """AdamW(lr=1e-2, **kw) steps of torch's and forge_torch's on the same
+  data, ``change(state["step"])`` applied to every count of both before the
+  last step; asserts the models agree; returns forge_torch's optimizer."""
   ref, fm = pair()
-  o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-  o_f = forge_torch.AdamW(fm.parameters(), lr=1e-2, fused=True)
-  for i in range(3):
+  o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, **kw)
+  o_f = forge_torch.AdamW(fm.parameters(), lr=1e-2, **kw)
+  for i in range(steps):
     for m, o in ((ref, o_r), (fm, o_f)):
-      if i == 2:  # before the third step: both counts set back to 1
+      if i == steps - 1:
         for st in o.state.values():
-          st["step"].fill_(1.0)
+          change(st["step"])
       x, y = data(seed=i + 1)
       F.mse_loss(m(x), y).backward()
       o.step()
       o.zero_grad()
   assert_models_close(fm, ref)
-  assert all(st["step"].item() == 2.0 for st in o_f.state.values())
+  return o_f
 
 
 def test_a_step_count_given_new_memory_in_place_is_written_there():
   """A CPU step count is advanced through a view of its memory that the
   optimizer keeps; a state["step"] moved to new memory in place (set_,
   the same tensor object) gets its next count written to the new memory."""
-  ref, fm = pair()
-  o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-  o_f = forge_torch.AdamW(fm.parameters(), lr=1e-2)
-  for i in range(4):
-    for m, o in ((ref, o_r), (fm, o_f)):
-      if i == 3:  # before the fourth step: each count moved, value kept
-        with torch.no_grad():
-          for st in o.state.values():
-            st["step"].set_(st["step"].clone())
-      x, y = data(seed=i + 1)
-      F.mse_loss(m(x), y).backward()
-      o.step()
-      o.zero_grad()
-  assert_models_close(fm, ref)
+  def move(step):  # before the fourth step: each count moved, value kept
+    with torch.no_grad():
+      step.set_(step.clone())
+  o_f = _train_with_a_step_count_changed(4, move)
   assert all(st["step"].item() == 4.0 for st in o_f.state.values())
 
 
