@@ -393,9 +393,10 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
   64-element block wide: 64 x 64 sub-tiles, rolled, on 64 x 128 tiles first
   (then 128 x 64, 64 x 64, 128 x 128). A warpgroup's 128 x 128 accumulator
   takes 128 registers per thread and leaves the requantizing epilogue too
-  few: it spilled (264 bytes per thread, Nsight Compute: 8x the local
-  memory requests of bf16 moments), and 64 x 128 tiles measured 1.20-1.38x
-  faster on the H200 at BT 512 on the four Llama-3.1-8B shapes.
+  few: it spilled (ptxas: 280 bytes of spill stores per thread; Nsight
+  Compute: 8x the local-memory requests of bf16 moments), and 64 x 128
+  tiles measured 1.12-1.37x faster on the H200 at BT 512 on the four
+  Llama-3.1-8B shapes.
   """
   band = 1 if bt is not None and bt <= 1024 else 8
   # Wide (4-byte) state: 64 x 64 sub-tiles, looped over (rolled).
