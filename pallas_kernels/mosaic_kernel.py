@@ -340,23 +340,30 @@ class MosaicConfig:
       return self.state_ring
     if self.state_ring:
       return min(self.state_ring, self.sub_tiles)
-    sub = self.epi_m * self.epi_n * sum(jnp.dtype(d).itemsize
-                                        for d in state_dtypes)
+    sub = self._sub_tile_bytes(state_dtypes)
     free = _SMEM_BYTES - _PINGPONG_RESERVE - self._operand_bytes(x_dtype)
     return max(1, min(self.sub_tiles, free // (self.compute_wgs * sub)))
+
+  def _sub_tile_bytes(self, state_dtypes) -> int:
+    """Shared memory of one ring slot: the state's sub-tiles, plus the
+    scales of each int8 slot (int8 codes are int8 moments' only), one fp32
+    per row."""
+    dts = [jnp.dtype(d) for d in state_dtypes]
+    return (self.epi_m * self.epi_n * sum(d.itemsize for d in dts)
+            + 4 * self.epi_m * dts.count(jnp.dtype(jnp.int8)))
 
   def smem_bytes(self, x_dtype, state_dtypes) -> int:
     """Shared memory the kernel asks for (pipeline buffers + state tiles or
     ring; with ``pingpong`` also 1 KiB for its barriers); ``x_dtype=None``:
     no K loop (a stored ``G``, counted in the state)."""
-    state = sum(jnp.dtype(d).itemsize for d in state_dtypes)
     ring = self.ring_for(x_dtype, state_dtypes)
     if ring:
-      held = self.compute_wgs * ring * self.epi_m * self.epi_n
+      held = self.compute_wgs * ring * self._sub_tile_bytes(state_dtypes)
     else:
-      held = self.state_buffers * self.tile_m * self.tile_n
+      held = self.state_buffers * self.tile_m * self.tile_n * sum(
+          jnp.dtype(d).itemsize for d in state_dtypes)
     reserve = _PINGPONG_RESERVE if self.pingpong else 0
-    return self._operand_bytes(x_dtype) + state * held + reserve
+    return self._operand_bytes(x_dtype) + held + reserve
 
 
 def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
@@ -544,26 +551,32 @@ def _code_dtype(slot):
 
 def _quantize_rows(x, fmt, second: bool):
   """:func:`pallas_kernels.quant.quantize_blocks` on an fp32 ``(rows,
-  block)`` sub-tile, one block per row: the same steps and roundings, with
-  its masks as float 0/1 (Mosaic GPU lowers no boolean vectors here).
-  Returns int8 codes ``(rows, block)`` and scales ``(rows,)``."""
-  f0, f1 = jnp.float32(0), jnp.float32(1)
-  finite = jnp.abs(x) < jnp.float32(jnp.inf)  # False for NaN and +-Inf
-  bad = jnp.max(jnp.where(finite, f0, f1), axis=1)  # 1: a non-finite value
-  if second:
+  block)`` sub-tile, one block per row: the same results bit for bit, in
+  fewer operations. One reduction per row instead of two: a non-finite
+  value counts as ``+inf`` in the absmax, so ``m = inf`` marks a bad block
+  and a finite ``m`` is the block's absmax; the masks are float 0/1 per
+  row (Mosaic GPU lowers no boolean vectors here), and a second moment's
+  floor shares the one select. Returns int8 codes ``(rows, block)`` and
+  scales ``(rows,)``."""
+  f0, f1, inf = jnp.float32(0), jnp.float32(1), jnp.float32(jnp.inf)
+  ax = jnp.abs(x)
+  finite = ax < inf  # False for NaN and +-Inf
+  if second:  # negatives (and NaN) to 0; `finite` still sees the original
     x = jnp.where(x > f0, x, f0)
-  a = jnp.max(jnp.where(finite, jnp.abs(x), f0), axis=1)
-  live = jnp.where(bad > f0, f0,
-                   jnp.where(a >= jnp.float32(quant.TINY_ABSMAX), f1, f0))
-  scale = jnp.where(live > f0, a * jnp.float32(fmt.inv_qmax), f0)
-  scale = jnp.where(bad > f0, jnp.float32(jnp.nan), scale)
+    ax = x
+  m = jnp.max(jnp.where(finite, ax, inf), axis=1)
+  ok = m < inf  # no non-finite value in the block
+  live = jnp.where(ok, jnp.where(m >= jnp.float32(quant.TINY_ABSMAX), f1, f0),
+                   f0)
+  scale = jnp.where(ok, jnp.where(live > f0, m * jnp.float32(fmt.inv_qmax),
+                                  f0), jnp.float32(jnp.nan))
   qmax = jnp.float32(fmt.qmax)
-  r = qmax / jnp.where(live > f0, a, f1)
-  live2 = jnp.broadcast_to(live[:, None], x.shape) > f0
-  y = jnp.where(live2, jnp.clip(x * r[:, None], -qmax, qmax), f0)
+  r = qmax / jnp.where(live > f0, m, f1)
+  y = jnp.clip(x * r[:, None], -qmax, qmax)
   if second and fmt.v_floor:
-    y = jnp.where(live2, jnp.maximum(y, jnp.float32(fmt.floor_value)), f0)
-  return jnp.round(y).astype(jnp.int8), scale
+    y = jnp.maximum(y, jnp.float32(fmt.floor_value))
+  live2 = jnp.broadcast_to(live[:, None], x.shape) > f0
+  return jnp.round(jnp.where(live2, y, f0)).astype(jnp.int8), scale
 
 
 def _transforms(minor: int, dtype):
@@ -631,17 +644,14 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
     ref = scale_gmem[q]
     return ref.at[layer, block, rows] if stacked else ref.at[block, rows]
 
-  def update(g, sub, h, bufs, pos=None):
+  def update(g, sub, h, bufs, pos=None, scales=()):
     """The rule on one sub-tile: the accumulator slice ``g`` and the state
     at ``buf[sub]`` (rewritten there). ``pos``: the sub-tile's rows of
-    ``W`` and its block column (int8 slots: their scales)."""
+    ``W`` and its block column (int8 slots: where their new scales go);
+    ``scales``: per int8 slot, its old scales in shared memory."""
     old = [buf[sub].astype(jnp.float32) for buf in bufs[:len(state_gmem)]]
     for q, (k, _, _) in enumerate(quantized):  # dequantize: codes * scale
-      # optimized=False: jax 0.11's warpgroup lowering has only the
-      # bank-conflict-free ("optimized") transfer plans for shared memory
-      # and refuses a plain ref[...] load from global memory with them.
-      scale = plgpu.load(scale_row(q, *pos), optimized=False)
-      old[first_slot + k] = old[first_slot + k] * scale[:, None]
+      old[first_slot + k] = old[first_slot + k] * scales[q][...][:, None]
     if rule.updates_weight:
       w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
       new = [w_new, *new]
@@ -693,14 +703,22 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
     allocs["pipeline_allocs"] = pipeline(ignore, ignore).get_allocations(
         x_gmem, dy_gmem)
 
+  if quantized:
+    # The int8 slots' scales of each ring slot's sub-tile (one per row),
+    # loaded with its state so that the epilogue never waits on memory.
+    assert ring, "int8 moments need a state ring (int8_tiling_problem)"
+    allocs["scale_bufs"] = [plgpu.SMEM((cw, ring, em), jnp.float32)
+                            for _ in quantized]
+
   @functools.partial(
       pl.run_scoped,
       bufs=[plgpu.SMEM(held, r.dtype, transforms=_transforms(en, r.dtype))
             for r, _ in stored],
-      bar=plgpu.Barrier(num_barriers=n_bars, num_arrivals=len(loaded_refs)),
+      bar=plgpu.Barrier(num_barriers=n_bars,
+                        num_arrivals=len(loaded_refs) + len(quantized)),
       collective_axes="wg", **allocs)
   def _scope(bufs, bar, pipeline_allocs=None, g_buf=None, x_ring=None,
-             dy_ring=None, full=None, consumed=None):
+             dy_ring=None, full=None, consumed=None, scale_bufs=()):
     # The buffers loaded per sub-tile, in loaded_refs' order.
     in_bufs = [*bufs[:len(state_gmem)], *([g_buf] if g_stored else [])]
 
@@ -730,6 +748,12 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
       for (ref, is_state), buf in zip(loaded_refs, in_bufs):
         plgpu.copy_gmem_to_smem(at(ref, *sub_at(t, s), is_state),
                                 buf.at[wg, r], bar.at[wg * ring + r])
+      if quantized:
+        rows, cols = sub_at(t, s)
+        block = cols.start // _QUANT_BLOCK
+        for q, buf in enumerate(scale_bufs):
+          plgpu.copy_gmem_to_smem(scale_row(q, rows, block), buf.at[wg, r],
+                                  bar.at[wg * ring + r])
 
     def load_ring(t):
       # The share's first sub-tiles, once the warpgroup's previous stores
@@ -752,7 +776,7 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
         if quantized:  # the sub-tile's rows and block column
           rows, cols = sub_at(t, s)
           pos = (rows, cols.start // _QUANT_BLOCK)
-        update(g, sub, h, bufs, pos)
+        update(g, sub, h, bufs, pos, [b.at[wg, r] for b in scale_bufs])
         plgpu.commit_smem()
         for (ref, is_state), buf in zip(stored, bufs):
           plgpu.copy_smem_to_gmem(buf.at[wg, r], at(ref, *sub_at(t, s),

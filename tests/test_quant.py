@@ -127,6 +127,30 @@ def test_codes_follow_the_documented_arithmetic_bit_for_bit(kind):
   np.testing.assert_array_equal(q, np.float32(expected))
 
 
+def test_mosaic_epilogue_quantizer_gives_the_same_bits():
+  """The Mosaic GPU epilogue's int8 quantizer (one block per row of a
+  sub-tile, one reduction per row) against the documented arithmetic, on
+  the same special blocks: zero, tiny, subnormal, ties, NaN, -inf, negative
+  second moments; each v_floor."""
+  from pallas_kernels import mosaic_kernel
+  x = moments("int8", 3)[..., :192].reshape(-1, BLOCK)
+  v = np.where(x == x, np.abs(x) ** 2, x).astype(np.float32)
+  v[0, 0:6] = [-1.0, -0.0, 0.0, -1e-30, 2.0, -np.inf]  # a bad block
+  v[3, 0:3] = [-1.0, -0.0, 4.0]                        # negatives, live
+  assert v[3, 3:].min() >= 0 and np.isfinite(v[3]).all()
+  for data, second, v_floor in [(x, False, 1), (v, True, 1), (v, True, 0),
+                                (v, True, 3)]:
+    fmt = MomentFormat("int8", v_floor=v_floor)
+    q, s = jax.jit(mosaic_kernel._quantize_rows, static_argnums=(1, 2))(
+        jnp.asarray(data), fmt, second)
+    q_ref, s_ref = np_quantize(data, "int8", second, v_floor)
+    np.testing.assert_array_equal(bits(q), bits(q_ref),
+                                  err_msg=f"codes, second={second}")
+    np.testing.assert_array_equal(bits(s), bits(s_ref.reshape(-1)),
+                                  err_msg=f"scales, second={second}")
+  assert np.isnan(np.asarray(s)).any() and (np.asarray(s) == 0).any()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_error_bounds_and_special_blocks(kind):
   fmt = MomentFormat(kind)
