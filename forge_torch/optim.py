@@ -14,7 +14,10 @@ torch updates every parameter in ``opt.step()``, first incrementing
 ``state["step"]`` to ``t`` (families with a step count) and using the group's
 current ``lr``. Here a FORGE-managed weight is updated during
 ``loss.backward()`` instead, with exactly that ``t`` (``state["step"] + 1``;
-``state["step"]`` is incremented right after the update) and the group's
+``state["step"]`` is incremented right after the update; a tensor on a GPU
+(a ``fused`` group's), with every managed weight's in one launch, when
+``opt.step()``, ``zero_grad()`` or ``state_dict()`` runs next) and the
+group's
 hyperparameters *at backward time* -- the values ``opt.step()`` would read,
 since a scheduler only changes them after ``opt.step()``. ``opt.step()`` then
 updates every other parameter with torch's own ``step`` (managed weights have
@@ -503,7 +506,29 @@ class _ForgeOptimizer:
 
   # -- registration -----------------------------------------------------------
 
+  def _forge_flush_steps(self) -> None:
+    """Advances the GPU ``state["step"]`` tensors of the weights updated
+    since the last flush by 1 (each holds ``t - 1``; its record says
+    ``t``), in one ``foreach`` launch. Runs when ``step()`` starts and
+    ends, and in ``zero_grad()``, ``state_dict()`` and ``load_state_dict()``,
+    so that between two updates of a weight (a ``step()`` apart) its tensor
+    is flushed. A tensor written by anything else meanwhile (its version
+    counter moved) keeps what was written."""
+    pending = self.__dict__.get("_forge_pending_steps")
+    if not pending:
+      return
+    steps = [(st, rec) for st, rec in pending if st._version == rec.version]
+    pending.clear()
+    if steps:
+      with torch.no_grad():
+        torch._foreach_add_([st for st, _ in steps], 1)
+      for st, rec in steps:
+        rec.version = st._version
+
   def _forge_reset_step(self) -> None:
+    self._forge_flush_steps()
+    # (step tensor, its _StepRecord) updated since the last flush
+    self.__dict__.setdefault("_forge_pending_steps", [])
     # Per managed weight: forwards since step(), fused updates since step();
     # gradient accumulation: micro-batches accumulated since step() (not yet
     # applied), and its fp32 accumulator. Cleared, not replaced: the maps
@@ -643,6 +668,10 @@ class _ForgeOptimizer:
     if getattr(self, "_forge_constructed", False):
       self._forge_warn_unmanaged([group])
 
+  def state_dict(self) -> dict[str, Any]:
+    self._forge_flush_steps()  # the step counts of updates already applied
+    return super().state_dict()
+
   def load_state_dict(self, state_dict) -> None:
     # The loaded groups' options must pass the checks add_param_group made
     # (capturable / differentiable refused, a fusable rule for managed ones).
@@ -654,6 +683,7 @@ class _ForgeOptimizer:
       if index < len(self.param_groups) and any(
           p in self._forge_managed for p in self.param_groups[index]["params"]):
         self._forge_rule({**self.param_groups[index], **options})
+    self._forge_flush_steps()
     state_dict, raw = self._forge_hold_raw(state_dict)
     super().load_state_dict(state_dict)
     for index, group in enumerate(self.param_groups):
@@ -712,6 +742,7 @@ class _ForgeOptimizer:
     into managed weights' buffers and not yet applied, as torch's discards
     their ``.grad``; an update already applied in backward stays."""
     super().zero_grad(set_to_none=set_to_none)
+    self._forge_flush_steps()
     for p in self.managed_params:
       if p.grad is not None:
         p.grad = None
@@ -978,10 +1009,17 @@ class _ForgeOptimizer:
     # Scalar state advances once the update is done (torch: `step_t += 1`).
     # A tensor step is set to t, the same value: by a store through its
     # record's NumPy view if it is a CPU one this optimizer wrote before
-    # (its version counter bumped below, as fill_ would), else by fill_.
-    if (record is not None and record.array is not None
-        and step.data_ptr() == record.ptr
-        and step.dtype == record.dtype):  # still its memory (_StepRecord)
+    # (its version counter bumped below, as fill_ would); on a GPU, with
+    # every other managed weight's when the step ends, in one launch instead
+    # of one per layer, as torch's fused step does (_forge_flush_steps);
+    # else by fill_.
+    if isinstance(step, torch.Tensor) and _defers_step(step):
+      if record is None:  # holds t - 1 until the flush
+        record = self._forge_steps[step] = _StepRecord(step)
+      self._forge_pending_steps.append((step, record))
+    elif (record is not None and record.array is not None
+          and step.data_ptr() == record.ptr
+          and step.dtype == record.dtype):  # still its memory (_StepRecord)
       record.array[()] = t
       bumped.append(step)
     elif isinstance(step, torch.Tensor):
@@ -1102,6 +1140,7 @@ class _ForgeOptimizer:
     With ``max_grad_norm`` set, ``closure`` is required and runs twice
     (:func:`forge_torch._clip.two_pass_step`).
     """
+    self._forge_flush_steps()
     if self.max_grad_norm is not None and not _clip.in_update_pass(self):
       # The rest of this step (below) runs once, after the two passes,
       # without the step hooks running again.
@@ -1163,6 +1202,13 @@ class _ForgeOptimizer:
     _unhooked(self._forge_torch.step)(self)
     self._forge_reset_step()
     return loss
+
+
+def _defers_step(step: torch.Tensor) -> bool:
+  """Whether a managed weight's ``state["step"]`` tensor is advanced at the
+  step's end (:meth:`_ForgeOptimizer._forge_flush_steps`) rather than right
+  after its update: on a GPU, where each write is a kernel launch."""
+  return step.is_cuda
 
 
 class _StepRecord:

@@ -153,6 +153,71 @@ def test_managed_weight_grad_is_none_and_updated_in_backward():
   assert opt.state[model[0].bias]["step"].item() == 1
 
 
+def _deferred_step_counts(device, monkeypatch=None):
+  """A fused group's step tensors advanced at the step's end
+  (forge_torch.optim._defers_step: on a GPU; forced on the CPU through
+  ``monkeypatch``): what backward, state_dict, zero_grad and step see."""
+  from forge_torch import optim as forge_optim
+  if monkeypatch is not None:
+    monkeypatch.setattr(forge_optim, "_defers_step", lambda step: True)
+  ref = make_mlp(device)
+  model = forge_copy(ref)
+  kw = dict(lr=1e-2, fused=True)
+  o_ref = torch.optim.AdamW(ref.parameters(), **kw)
+  opt = forge_torch.AdamW(model.parameters(), **kw)
+  data = batches(3, device)
+  managed = [m.weight for m in model[::2]]
+
+  def backward(i):
+    x, y = data[i]
+    F.mse_loss(model(x), y).backward()
+
+  def torch_step(i):
+    x, y = data[i]
+    F.mse_loss(ref(x), y).backward()
+    o_ref.step()
+    o_ref.zero_grad()
+
+  backward(0)
+  steps = [opt.state[w]["step"] for w in managed]
+  assert steps[0].device.type == torch.device(device).type
+  assert all(s.item() == 0 for s in steps)  # updated, not yet counted
+  saved = opt.state_dict()  # counts the updates applied
+  assert [s["step"].item() for s in
+          (saved["state"][i] for i in (0, 2))] == [1, 1]
+  opt.step()
+  opt.zero_grad()
+  assert all(s.item() == 1 for s in steps)  # not counted twice
+  torch_step(0)
+  backward(1)
+  steps[1].fill_(5.0)  # written meanwhile: kept as written
+  opt.step()
+  opt.zero_grad()
+  torch_step(1)
+  counts = [s.item() for s in steps]
+  params = [p.detach().clone() for p in model.parameters()]
+  backward(2)
+  opt.zero_grad()  # counts the updates applied, as step() would
+  assert [s.item() for s in steps] == [c + 1 for c in counts]
+  return counts, params, list(ref.parameters())
+
+
+def test_deferred_step_counts_on_the_cpu(monkeypatch):
+  counts, params, ref = _deferred_step_counts("cpu", monkeypatch)
+  assert counts == [2, 5, 2]
+  for a, b in zip(params, ref):
+    assert rel(a, b) <= tol(jnp.float32)
+
+
+@gpu[0]
+@gpu[1]
+def test_gpu_step_counts_advance_at_the_step_end():
+  counts, params, ref = _deferred_step_counts("cuda")
+  assert counts == [2, 5, 2]
+  for a, b in zip(params, ref):
+    assert rel(a, b) <= tol(jnp.float32)
+
+
 def test_three_d_input_and_no_bias_match_torch():
   ref = make_mlp(bias=False)
   fm = forge_copy(ref)
