@@ -504,7 +504,10 @@ def test_adagrad_state_exists_from_construction_like_torch():
   late = forge_torch.Linear(6, 4)
   opt.add_param_group({"params": [late.weight],
                        "initial_accumulator_value": 9.0})
-  late(torch.randn(3, 6)).sum().backward()
+  # Inputs below 1: each g**2 < 9, so "< 9.0" separates the defaults'
+  # initial value (0.5) from the group's (9.0) whatever the draw.
+  x = torch.rand(3, 6, generator=torch.Generator().manual_seed(0)) * 0.9
+  late(x).sum().backward()
   opt.step()
   # torch's lazy init reads the *defaults'* initial value, not the group's.
   ref = torch.full_like(late.weight, 0.5)
