@@ -72,8 +72,15 @@ __all__ = ["MosaicConfig", "default_config", "launch", "stored_config",
 # Shared memory per block on Hopper (227 KiB).
 _SMEM_BYTES = 232448
 # Shared memory the ping-pong schedule keeps for its barriers (and the
-# alignment of its buffers) beside the operand and state rings.
+# alignment of its buffers) beside the operand and state rings; the other
+# schedule's pipeline barriers.
 _PINGPONG_RESERVE = 1024
+_PIPELINE_RESERVE = 256
+# Per int8 slot: the scratch of its per-row absmax reduction (1 KiB with
+# alignment). These reserves keep MosaicConfig.smem_bytes at or above what
+# the Mosaic GPU lowering allocates (tests/test_mosaic_lowering.py
+# compares them).
+_INT8_REDUCTION_BYTES = 1024
 # Registers per thread of the memory warpgroup; the compute warpgroups
 # share the rest (at most 232 each with two).
 _MEMORY_REGISTERS = 40
@@ -341,7 +348,8 @@ class MosaicConfig:
     if self.state_ring:
       return min(self.state_ring, self.sub_tiles)
     sub = self._sub_tile_bytes(state_dtypes)
-    free = _SMEM_BYTES - _PINGPONG_RESERVE - self._operand_bytes(x_dtype)
+    free = (_SMEM_BYTES - self._reserve(state_dtypes)
+            - self._operand_bytes(x_dtype))
     return max(1, min(self.sub_tiles, free // (self.compute_wgs * sub)))
 
   def _sub_tile_bytes(self, state_dtypes) -> int:
@@ -352,18 +360,24 @@ class MosaicConfig:
     return (self.epi_m * self.epi_n * sum(d.itemsize for d in dts)
             + 4 * self.epi_m * dts.count(jnp.dtype(jnp.int8)))
 
+  def _reserve(self, state_dtypes) -> int:
+    """Shared memory beside the operand and state buffers: barriers and
+    alignment, and the int8 slots' reduction scratch."""
+    n_int8 = [jnp.dtype(d) for d in state_dtypes].count(jnp.dtype(jnp.int8))
+    return ((_PINGPONG_RESERVE if self.pingpong else _PIPELINE_RESERVE)
+            + _INT8_REDUCTION_BYTES * n_int8)
+
   def smem_bytes(self, x_dtype, state_dtypes) -> int:
-    """Shared memory the kernel asks for (pipeline buffers + state tiles or
-    ring; with ``pingpong`` also 1 KiB for its barriers); ``x_dtype=None``:
-    no K loop (a stored ``G``, counted in the state)."""
+    """Shared memory the kernel asks for, at most this (pipeline buffers +
+    state tiles or ring + :meth:`_reserve`); ``x_dtype=None``: no K loop
+    (a stored ``G``, counted in the state)."""
     ring = self.ring_for(x_dtype, state_dtypes)
     if ring:
       held = self.compute_wgs * ring * self._sub_tile_bytes(state_dtypes)
     else:
       held = self.state_buffers * self.tile_m * self.tile_n * sum(
           jnp.dtype(d).itemsize for d in state_dtypes)
-    reserve = _PINGPONG_RESERVE if self.pingpong else 0
-    return self._operand_bytes(x_dtype) + held + reserve
+    return self._operand_bytes(x_dtype) + held + self._reserve(state_dtypes)
 
 
 def default_config(x_dtype, state_dtypes, bt: int | None = None, *,

@@ -157,3 +157,59 @@ def test_compiled_launch_returns_an_untouched_weight_as_given():
                    S((len(rule.hparams),), jnp.float32), S((64, 64), bf),
                    S((64, 64), bf))
   assert seen == [True]
+
+
+@pytest.mark.parametrize("label,int8,layers", [
+    ("64x256x64/4,r2,lp", True, None),    # the pipeline schedule's ring
+    ("64x256x64/4,r2,lp", False, 3),
+    ("128x64x64/6,pp,lp", True, 3),       # ping-pong, its ring fitted
+    ("128x128x64/4,pp,lp", False, None),
+    ("64x128x64/4,b2,pn", False, None),   # whole tiles, 2 buffers
+])
+def test_shared_memory_estimate_bounds_the_lowering(monkeypatch, label, int8,
+                                                     layers):
+  """``MosaicConfig.smem_bytes`` (what ``unsupported`` refuses a tiling by)
+  is at least what the Mosaic GPU lowering allocates, int8 moments' scales
+  and reductions included: a tiling it admits cannot fail to launch for
+  want of shared memory. (The lowering's own figure, read by bounding it
+  to 0 bytes, is in its error.)"""
+  import re
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  from pallas_kernels import lowp
+  from pallas_kernels.quant import MomentFormat, Quantized
+  monkeypatch.setattr(mgpu_core, "_SMEM_SIZE_BOUND", 0)
+  rule, bf = RULES["optax:adamw"], jnp.bfloat16
+  cfg = mosaic_kernel.MosaicConfig.from_label(label)
+  n_in, n_out, bt = cfg.tile_m, 2 * cfg.tile_n, cfg.steps * cfg.tile_k
+  lead = () if layers is None else (layers,)
+  w = S((*lead, n_in, n_out), bf)
+  if int8:
+    fmt = MomentFormat("int8")
+    plan = lowp.StatePlan((lowp.SlotPlan(fmt, False),
+                           lowp.SlotPlan(fmt, True)))
+    q = S((*lead, n_in, n_out), jnp.int8)
+    s = S((*lead, n_in, n_out // 64), jnp.float32)
+    state, held = [q, s, q, s], [bf, jnp.int8, jnp.int8]
+
+    def slots_of(a):
+      return (Quantized(a[0], a[1]), Quantized(a[2], a[3]))
+  else:
+    plan, state, held = None, [w, w], [bf] * 3
+
+    def slots_of(a):
+      return tuple(a)
+
+  def f(x, dy, h, w, *a):
+    layer = None if layers is None else jnp.int32(1)
+    return mosaic_kernel.launch((x, dy), w, slots_of(a), h, rule=rule,
+                                cfg=cfg, interpret=False, num_sms=8,
+                                layer=layer, plan=plan)
+
+  with pytest.raises(ValueError, match="exceeds available shared memory") as e:
+    jax.jit(f).trace(S((bt, n_in), bf), S((bt, n_out), bf),
+                     S((len(rule.hparams),), jnp.float32), w, *state).lower(
+                         lowering_platforms=("cuda",))
+  allocated = int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
+  estimate = cfg.smem_bytes(bf, held)
+  assert allocated <= estimate, (allocated, estimate)
+  assert estimate - allocated < 2048  # and not far above it
