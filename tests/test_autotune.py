@@ -47,11 +47,13 @@ MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
 # the default, bf16 and int8 moments), that of commit fee8919 (BT 512, int8
 # moments on smaller ping-pong tiles and the state ring, and bf16 ones at
 # 4096x4096) and that of commit 1b02eba (BT 512, bf16 moments on the
-# smaller tiles at the other three shapes), each the fastest tiling per
-# case it measured.
+# smaller tiles at the other three shapes), and that of commit 846ff5a
+# (BT 512, int8 and bf16 moments on 64x128 and 128x64 ping-pong tiles, the
+# int8 epilogue's scales loaded by TMA), each the fastest tiling per case it
+# measured.
 MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
-    for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba")]
+    for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba", "846ff5a")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -115,9 +117,9 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 7))
-  # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919 and
-  # 1b02eba)
+             + [BACKENDS_CSV] * 8))
+  # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
+  # 1b02eba and 846ff5a)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -780,8 +782,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       assert label == want[(bt, slot)], key
       assert "default tiling" in source["pick"]
     else:  # the later runs: the fastest tiling each measured
-      assert commit in ("9228555", "c7c1567", "ee3c82c", "fee8919",
-                        "1b02eba")
+      assert commit in ("9228555", "c7c1567", "ee3c82c", "846ff5a")
       assert "fastest" in source["pick"]
       assert entry["time_us"] == min(mosaic.values()), key
   # Each later run replaced the cases it measured: c7c1567 every
@@ -789,23 +790,29 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # four bf16-moment cases at BT 512, so the ddd1e56 run keeps only the
   # fp32-moment cases at BT 2048; ee3c82c brought the decoder's shapes;
   # fee8919 the int8-moment cases (replacing 0eff7ae's) and 4096^2 with
-  # bf16 moments, 1b02eba the other three bf16-moment cases at BT 512: so
-  # nothing of 0eff7ae's stands.
+  # bf16 moments, 1b02eba the other three bf16-moment cases at BT 512, and
+  # 846ff5a all eight of those again: so nothing of 0eff7ae's, fee8919's
+  # or 1b02eba's stands.
   assert len(by_commit["c7c1567"]) == 13 and "9228555" not in by_commit
   assert len(by_commit["ddd1e56"]) == 2 and "0eff7ae" not in by_commit
-  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["fee8919"]) == 5
-  assert len(by_commit["1b02eba"]) == 3
-  for commit in ("c7c1567", "ee3c82c", "1b02eba"):
+  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["846ff5a"]) == 8
+  assert "fee8919" not in by_commit and "1b02eba" not in by_commit
+  for commit in ("c7c1567", "ee3c82c", "846ff5a"):
     assert {M(**entries[k]["config"]).pingpong
             for k in by_commit[commit]} == {True}
-  # At BT 512 with bf16 moments the rolled 64x64 epilogue on the smaller
-  # tiles won on the four Llama shapes (128 x 64 at 4096^2, else 64 x 128).
-  assert {M(**entries[k]["config"]).label for k in by_commit["1b02eba"]} == {
-      "64x128x64/4,pp,lp"}
-  # int8 moments: the smaller tiles (64 x 128 ping-pong; at 4096 x 1024 the
-  # state ring on 64 x 256), where 128 x 128 spilled.
-  assert {M(**entries[k]["config"]).label for k in by_commit["fee8919"]
-          if "int8" in k} == {"64x128x64/4,pp,lp", "64x256x64/4,r2,lp"}
+  # At BT 512 the rolled 64x64 epilogue on the smaller ping-pong tiles won
+  # on the four Llama shapes, where 128 x 128 spilled: 64 x 128, except
+  # 128 x 64 at 4096^2 with bf16 moments and 4096 x 1024 with int8 ones.
+  won = {k.split("|")[2] + "|" + k.split("|")[4]:
+         M(**entries[k]["config"]).label for k in by_commit["846ff5a"]}
+  small, narrow = "64x128x64/4,pp,lp", "128x64x64/4,pp,lp"
+  assert won == {
+      "4096x4096|slots=bfloat16,bfloat16": narrow,
+      "4096x1024|slots=bfloat16,bfloat16": small,
+      "4096x14336|slots=bfloat16,bfloat16": small,
+      "14336x4096|slots=bfloat16,bfloat16": small,
+      "4096x4096|slots=int8,int8": small, "4096x1024|slots=int8,int8": narrow,
+      "4096x14336|slots=int8,int8": small, "14336x4096|slots=int8,int8": small}
   # c7c1567's rolled winners that stand: BT 2048 at 4096x1024, the
   # fp32-moment cases' largest two, and SGD.
   bf16, fp32 = "w=bfloat16|slots=bfloat16,bfloat16", (
@@ -819,6 +826,42 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
             if e["time_us"] >= e["triton_time_us"]}
   assert slower == {"adamw|bt512|4096x1024|w=bfloat16|slots=float32,float32",
                     f"adamw|bt2048|2048x1024|{bf16}"}
+
+
+def test_shipped_mosaic_entries_fit_their_cases():
+  """Every shipped Mosaic GPU tiling is one the kernel takes for its case
+  (``mosaic_kernel.unsupported``, whose shared-memory estimate bounds the
+  lowering's: tests/test_mosaic_lowering.py): a cached winner never fails
+  at launch."""
+  from pallas_kernels import families, lowp, mosaic_kernel
+  from pallas_kernels.quant import MomentFormat, Quantized
+  S = jax.ShapeDtypeStruct
+  rules = {"adamw": families.get("adamw").optax_rule(),
+           "sgd": families.get("sgd").optax_rule(),
+           "sgd_momentum": families.get("sgd").optax_rule(momentum=0.9)}
+  for key, entry in _shipped()["devices"][H200]["mosaic_gpu"].items():
+    name, bt, shape, w, slots = key.split("|")
+    rule, bt = rules[name], int(bt[2:])
+    n_in, n_out = map(int, shape.split("x"))
+    kinds = [k for k in slots.split("=")[1].split(",") if k]
+    assert len(kinds) == len(rule.slots), key
+    w = S((n_in, n_out), jnp.dtype(w.split("=")[1]))
+    plan, state = None, []
+    if "int8" in kinds:
+      fmt = MomentFormat("int8")
+      plan = lowp.StatePlan(tuple(
+          lowp.SlotPlan(fmt, n in rule.second_moments) for n in rule.slots))
+    for k in kinds:
+      if k == "int8":
+        state.append(Quantized(S((n_in, n_out), jnp.int8),
+                               S((n_in, n_out // 64), jnp.float32)))
+      else:
+        state.append(S((n_in, n_out), jnp.dtype(k)))
+    why = mosaic_kernel.unsupported(
+        bt, n_in, n_out, jnp.bfloat16, w, state, rule, M(**entry["config"]),
+        stacked=False, g_stored=False, low_precision=plan is not None,
+        plan=plan)
+    assert why is None, (key, why)
 
 
 _BACKENDS_HEADER = ["benchmark", "case", "provider", "shape", "dtypes",
