@@ -97,6 +97,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -623,6 +624,31 @@ def summarize(results: dict, bts) -> bool:
   return ok
 
 
+def median_cell(cells: list) -> dict:
+  """Of one arm's ``(round, result)`` cells, the result whose step time
+  (p50) is the median (the lower middle one of an even count)."""
+  ordered = sorted((r for _, r in cells), key=lambda r: r["step_ms"][1])
+  return ordered[(len(ordered) - 1) // 2]
+
+
+def print_rounds(runs: dict, bts) -> None:
+  """Per BT, each round's forge/torch step-time ratio (cells run side by
+  side) and their median."""
+  for bt in bts:
+    t = dict(runs.get(("torch", bt), []))
+    f = dict(runs.get(("forge", bt), []))
+    ratios = [f[i]["step_ms"][1] / t[i]["step_ms"][1]
+              for i in sorted(set(t) & set(f))]
+    if ratios:
+      print(f"{bt:>6} step forge/torch by round: "
+            + " ".join(f"{x:.3f}" for x in ratios)
+            + f"; median {statistics.median(ratios):.3f} (torch "
+            + " ".join(f"{t[i]['step_ms'][1]:.1f}" for i in sorted(t))
+            + " ms; forge "
+            + " ".join(f"{f[i]['step_ms'][1]:.1f}" for i in sorted(f))
+            + " ms)")
+
+
 def bar_rows(csv_path: str, pick: dict | None = None) -> dict:
   """``{(BT, arm, metric): row}`` of a torch_e2e CSV: the newest row of each
   key, or with ``pick`` (``{(BT, arm): timestamp}``) those cells' rows."""
@@ -744,6 +770,12 @@ def parse_args(argv):
                  help="only plot the CSV into the PNG; run nothing")
   p.add_argument("--cell-timeout", type=common.positive_int, default=300,
                  help="seconds per cell subprocess")
+  p.add_argument("--rounds", type=common.positive_int, default=1,
+                 help="run every cell this many times, the arms alternating "
+                 "(torch, forge, torch, ...): both host-bound, their step "
+                 "times drift with the host's load, so each round's ratio "
+                 "pairs cells run side by side; the summary takes each "
+                 "arm's median cell and prints every round's ratio")
   p.add_argument("--cell", choices=(*ARMS, "check"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.out_dir is not None:
@@ -829,34 +861,42 @@ def main(argv=None) -> int:
         f"{cfg.vocab}, seq {cfg.seq}; {cfg.dtype} params, m, v; fp32 loss; "
         f"AdamW {e2e.HPARAMS}, decay on matrices, fused=True; device "
         f"{args.device}")
-  print(f"cells: arms {args.arms} x BT {args.bt}; {args.warmup} warm-up + "
-        f"{args.steps} timed steps each; CSV {args.out}", flush=True)
+  print(f"cells: arms {args.arms} x BT {args.bt}"
+        + (f" x {args.rounds} rounds" if args.rounds > 1 else "")
+        + f"; {args.warmup} warm-up + {args.steps} timed steps each; CSV "
+        f"{args.out}", flush=True)
   if args.device == "cpu":
     print("CPU smoke run: the timings are not GPU figures (rows marked cpu)")
   start = time.perf_counter()
   checked = _run_check(args) if args.check else True
-  results, failed, device, picks = {}, [], None, {}
+  runs, failed, device, stamps = {}, [], None, {}
   for bt in args.bt:
-    for arm in args.arms:
-      argv = _cell_argv(args, arm, bt)
-      print(f"== cell {arm} BT={bt} (timeout {args.cell_timeout} s): "
-            f"{' '.join(argv[1:])}", flush=True)
-      r, reason = e2e.run_tagged(argv, e2e._subprocess_env(),
-                                 args.cell_timeout, f"{arm} BT={bt}",
-                                 RESULT_TAG)
-      if r is None:
-        failed.append((arm, bt, reason))
-        print(f"   FAILED {arm} BT={bt}: {reason}", flush=True)
-        write_failed_row(args.out, cfg, arm, bt,
-                         device or device_label(args.device), reason)
-        continue
-      device = r["device"]
-      results[(arm, bt)] = r
-      picks[(bt, arm)] = write_cell_rows(args.out, cfg, r)
-      if r["params"] != n:
-        print(f"   warning: cell counted {r['params']:,} params, expected "
-              f"{n:,}")
+    for rnd in range(args.rounds):
+      for arm in args.arms:
+        argv = _cell_argv(args, arm, bt)
+        where = f"{arm} BT={bt}" + (f" round {rnd + 1}" if args.rounds > 1
+                                     else "")
+        print(f"== cell {where} (timeout {args.cell_timeout} s): "
+              f"{' '.join(argv[1:])}", flush=True)
+        r, reason = e2e.run_tagged(argv, e2e._subprocess_env(),
+                                   args.cell_timeout, where, RESULT_TAG)
+        if r is None:
+          failed.append((arm, bt, reason))
+          print(f"   FAILED {where}: {reason}", flush=True)
+          write_failed_row(args.out, cfg, arm, bt,
+                           device or device_label(args.device), reason)
+          continue
+        device = r["device"]
+        runs.setdefault((arm, bt), []).append((rnd, r))
+        stamps[id(r)] = write_cell_rows(args.out, cfg, r)
+        if r["params"] != n:
+          print(f"   warning: cell counted {r['params']:,} params, expected "
+                f"{n:,}")
+  results = {key: median_cell(cells) for key, cells in runs.items()}
+  picks = {(bt, arm): stamps[id(r)] for (arm, bt), r in results.items()}
   same = summarize(results, args.bt)
+  if args.rounds > 1:
+    print_rounds(runs, args.bt)
   for arm, bt, reason in failed:
     print(f"failed cell {arm} BT={bt}: {reason}")
   print(f"wrote {args.out} ({len(results)} cells ok, {len(failed)} failed) "
