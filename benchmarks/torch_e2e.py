@@ -899,7 +899,8 @@ def main(argv=None) -> int:
     print_rounds(runs, args.bt)
   for arm, bt, reason in failed:
     print(f"failed cell {arm} BT={bt}: {reason}")
-  print(f"wrote {args.out} ({len(results)} cells ok, {len(failed)} failed) "
+  print(f"wrote {args.out} ({sum(map(len, runs.values()))} cells ok, "
+        f"{len(failed)} failed) "
         f"in {time.perf_counter() - start:.0f} s")
   if args.plot and results:
     plot(args.out, args.plot, pick=picks)
