@@ -134,7 +134,15 @@ def test_mosaic_epilogue_quantizer_gives_the_same_bits():
   second moments; each v_floor."""
   from pallas_kernels import mosaic_kernel
   x = moments("int8", 3)[..., :192].reshape(-1, BLOCK)
-  v = np.where(x == x, np.abs(x) ** 2, x).astype(np.float32)
+  # Blocks whose entries are +-absmax or a ulp below it, at random absmax
+  # (x * r lands at or a rounding above qmax: the codes must stay 127).
+  rng = np.random.default_rng(4)
+  m = np.exp2(rng.uniform(-80, 80, (40, 1))).astype(np.float32)
+  edge = m * rng.choice([-1.0, 1.0], (40, BLOCK)).astype(np.float32)
+  edge[:, 1::3] = np.nextafter(edge[:, 1::3], np.float32(0))
+  x = np.concatenate([x, edge]).astype(np.float32)
+  with np.errstate(over="ignore"):  # the largest square to inf: bad blocks
+    v = np.where(x == x, np.abs(x) ** 2, x).astype(np.float32)
   v[0, 0:6] = [-1.0, -0.0, 0.0, -1e-30, 2.0, -np.inf]  # a bad block
   v[3, 0:3] = [-1.0, -0.0, 4.0]                        # negatives, live
   assert v[3, 3:].min() >= 0 and np.isfinite(v[3]).all()
