@@ -624,13 +624,6 @@ def summarize(results: dict, bts) -> bool:
   return ok
 
 
-def median_cell(cells: list) -> dict:
-  """Of one arm's ``(round, result)`` cells, the result whose step time
-  (p50) is the median (the lower middle one of an even count)."""
-  ordered = sorted((r for _, r in cells), key=lambda r: r["step_ms"][1])
-  return ordered[(len(ordered) - 1) // 2]
-
-
 def print_rounds(runs: dict, bts) -> None:
   """Per BT, each round's forge/torch step-time ratio (cells run side by
   side) and their median."""
@@ -770,12 +763,14 @@ def parse_args(argv):
                  help="only plot the CSV into the PNG; run nothing")
   p.add_argument("--cell-timeout", type=common.positive_int, default=300,
                  help="seconds per cell subprocess")
-  p.add_argument("--rounds", type=common.positive_int, default=1,
-                 help="run every cell this many times, the arms alternating "
-                 "(torch, forge, torch, ...): both host-bound, their step "
-                 "times drift with the host's load, so each round's ratio "
-                 "pairs cells run side by side; the summary takes each "
-                 "arm's median cell and prints every round's ratio")
+  p.add_argument("--repeat", type=common.positive_int, default=1,
+                 help="run every cell this many times, in rounds of both "
+                 "arms (order reversed every other round), as "
+                 "benchmarks.e2e does: both arms are host-bound and their "
+                 "step times drift with the host's load, so each round's "
+                 "ratio pairs cells run side by side; the table and plot "
+                 "show each arm's median cell, and every round's ratio is "
+                 "printed")
   p.add_argument("--cell", choices=(*ARMS, "check"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.out_dir is not None:
@@ -862,7 +857,7 @@ def main(argv=None) -> int:
         f"AdamW {e2e.HPARAMS}, decay on matrices, fused=True; device "
         f"{args.device}")
   print(f"cells: arms {args.arms} x BT {args.bt}"
-        + (f" x {args.rounds} rounds" if args.rounds > 1 else "")
+        + (f" x {args.repeat} rounds" if args.repeat > 1 else "")
         + f"; {args.warmup} warm-up + {args.steps} timed steps each; CSV "
         f"{args.out}", flush=True)
   if args.device == "cpu":
@@ -871,10 +866,10 @@ def main(argv=None) -> int:
   checked = _run_check(args) if args.check else True
   runs, failed, device, stamps = {}, [], None, {}
   for bt in args.bt:
-    for rnd in range(args.rounds):
-      for arm in args.arms:
+    for rnd in range(args.repeat):
+      for arm in (args.arms if rnd % 2 == 0 else args.arms[::-1]):
         argv = _cell_argv(args, arm, bt)
-        where = f"{arm} BT={bt}" + (f" round {rnd + 1}" if args.rounds > 1
+        where = f"{arm} BT={bt}" + (f" round {rnd + 1}" if args.repeat > 1
                                      else "")
         print(f"== cell {where} (timeout {args.cell_timeout} s): "
               f"{' '.join(argv[1:])}", flush=True)
@@ -892,10 +887,11 @@ def main(argv=None) -> int:
         if r["params"] != n:
           print(f"   warning: cell counted {r['params']:,} params, expected "
                 f"{n:,}")
-  results = {key: median_cell(cells) for key, cells in runs.items()}
+  results = {key: e2e.median_cell([r for _, r in cells])
+             for key, cells in runs.items()}
   picks = {(bt, arm): stamps[id(r)] for (arm, bt), r in results.items()}
   same = summarize(results, args.bt)
-  if args.rounds > 1:
+  if args.repeat > 1:
     print_rounds(runs, args.bt)
   for arm, bt, reason in failed:
     print(f"failed cell {arm} BT={bt}: {reason}")
