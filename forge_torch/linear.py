@@ -591,16 +591,9 @@ class Linear(nn.Linear):
       self._forge_default_name = (n_in, n_out, name)
     return name
 
-  # Run eagerly under torch.compile (a graph break around the layer): traced
-  # by Dynamo, the fused autograd.Function would be replaced by an ordinary
-  # linear, and the weight would get a .grad instead of FORGE's update.
-  # torch._disable_dynamo is torch.compiler.disable applied at the first call
-  # (torch's own lazy form, in a module Dynamo never traces), so importing
-  # forge_torch does not import torch._dynamo (seconds); under
-  # torch.compile it breaks the graph at the layer just as the decorator does.
-  # A torch without it (a private name) gets the eager decorator.
-  @getattr(torch, "_disable_dynamo", torch.compiler.disable)
   def forward(self, input: torch.Tensor) -> torch.Tensor:
+    if _is_compiling():  # traced by Dynamo (torch.compile, torch.export)
+      return _forward_eagerly(self, input)
     params = self._parameters
     try:  # what self.weight, self.bias find, without Module.__getattr__
       w, bias = params["weight"], params["bias"]
@@ -661,6 +654,25 @@ class Linear(nn.Linear):
     handle = _Handle(weakref.ref(optimizer), w, self.block_config, layer,
                      generation, amp)
     return _FusedLinearFn.apply(input, w, bias, handle)
+
+
+# Run eagerly under torch.compile (a graph break around the layer): traced
+# by Dynamo, the fused autograd.Function would be replaced by an ordinary
+# linear, and the weight would get a .grad instead of FORGE's update.
+# Dynamo reads torch.compiler.is_compiling() as True while it traces, so
+# Linear.forward hands itself to this function, which Dynamo does not trace
+# (it runs the forward again eagerly, where is_compiling() is False); an
+# eager forward pays one flag read instead of a disable wrapper's frame
+# switching on every call. torch._disable_dynamo is torch.compiler.disable
+# applied at the first call (torch's own lazy form, in a module Dynamo
+# never traces), so importing forge_torch does not import torch._dynamo
+# (seconds). A torch without it (a private name) gets the eager decorator.
+_is_compiling = torch.compiler.is_compiling
+
+
+@getattr(torch, "_disable_dynamo", torch.compiler.disable)
+def _forward_eagerly(layer: "Linear", input: torch.Tensor) -> torch.Tensor:
+  return layer.forward(input)
 
 
 class Converted(list):
