@@ -13,6 +13,10 @@ if not glob.glob("/dev/nvidia[0-9]*"):
     if _flag.split("=")[0] not in _flags:
       _flags += " " + _flag
   os.environ["XLA_FLAGS"] = _flags.strip()
+# Each test process would otherwise reserve 75 % of the GPU's memory when
+# JAX starts: a second pytest-xdist worker on the same GPU would fail to
+# allocate anything. A value the user set wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402 -- after XLA_FLAGS
 import pytest  # noqa: E402

@@ -702,6 +702,60 @@ def test_compiled_fused_kernel_matches_reference_on_gpu(kinds, w_dtype, sr,
     assert steps.max() <= 1 and (steps > 0).mean() < 0.01, k
 
 
+@pytest.mark.gpu
+def test_compiled_mosaic_int8_special_blocks_on_gpu():
+  """The compiled Mosaic GPU int8 epilogue on the blocks that its quantizer
+  handles through the GPU's own arithmetic (a NaN-propagating max,
+  ``x * -0.0``, rounding by a float add; bit-exact on the CPU in
+  tests/test_quant.py): a NaN row of G (every block bad), a row whose G
+  squared overflows (v's blocks bad, m's live) and a zero row over zero
+  moments (dead blocks). Those blocks' scales and codes equal the
+  reference's exactly; the other blocks as in the test above."""
+  n_in, n_out = 256, 384
+  x, dy = exact_operands(5, (512,), n_in, n_out)  # G's row 0 is zero
+  x[:, 1:3] = 0.0
+  x[7, 1] = np.nan      # G's row 1: NaN
+  x[3, 2] = 2.0 ** 70   # G's row 2: finite, its square past fp32's range
+  x, dy = x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)
+  rule = pk.ADAMW
+  values = moments(6, (n_in, n_out), rule)
+  for v in values:
+    v[0] = 0.0
+  slots = quantized_slots(values, ("int8", "int8"), rule)
+  w = np.random.default_rng(6).standard_normal((n_in, n_out)).astype(
+      np.float32)
+  h = pack_host(rule, VALUES)
+  got = jax.jit(lambda *a: pk.fused_wgrad_update(
+      *a, rule=rule, interpret=False, backend="mosaic_gpu"))(
+          x, dy, w, slots, h)
+  ref = jax.jit(lambda *a: pk.fused_wgrad_update_reference(*a, rule=rule))(
+      x, dy, w, slots, h)
+  w_got, w_ref = np.asarray(got[0]), np.asarray(ref[0])
+  np.testing.assert_array_equal(np.isnan(w_got), np.isnan(w_ref))
+  assert np.isnan(w_ref[1]).all() and np.isfinite(w_ref[2]).all()
+  live = ~np.isnan(w_ref)
+  assert np.linalg.norm(w_got[live] - w_ref[live]) <= tol(
+      jnp.float32) * np.linalg.norm(w_ref[live])
+  (mq, ms), (vq, vs) = got[1]
+  (rmq, rms), (rvq, rvs) = ref[1]
+  special = {"m": [0, 1], "v": [0, 1, 2]}
+  for name, q, sc, rq, rsc in [("m", mq, ms, rmq, rms), ("v", vq, vs, rvq,
+                                                            rvs)]:
+    rows = special[name]
+    q, sc, rq, rsc = (np.asarray(a) for a in (q, sc, rq, rsc))
+    np.testing.assert_array_equal(bits(sc[rows]), bits(rsc[rows]),
+                                  err_msg=name)
+    np.testing.assert_array_equal(q[rows], rq[rows], err_msg=name)
+    assert (q[rows] == 0).all(), name
+    assert np.isnan(sc[1]).all() and (sc[0] == 0).all(), name
+    rest = np.setdiff1d(np.arange(n_in), rows)
+    np.testing.assert_allclose(sc[rest], rsc[rest], rtol=tol(jnp.float32))
+    steps = np.abs(q[rest].astype(np.int32) - rq[rest].astype(np.int32))
+    assert steps.max() <= 1 and (steps > 0).mean() < 0.01, name
+  assert np.isfinite(np.asarray(ms)[2]).all()  # m's row 2 stays live
+  assert np.isnan(np.asarray(vs)[2]).all()
+
+
 def test_nnx_optimizer_keeps_quantized_state():
   """forge_jax.nnx: the same transform drives an NNX model (its state as
   NNX holds it); the kernels' moments stay quantized and the loss falls."""
