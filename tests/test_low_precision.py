@@ -704,12 +704,11 @@ def test_compiled_fused_kernel_matches_reference_on_gpu(kinds, w_dtype, sr,
 
 @pytest.mark.gpu
 def test_compiled_mosaic_int8_special_blocks_on_gpu():
-  """The compiled Mosaic GPU int8 epilogue on the blocks that its quantizer
-  handles through the GPU's own arithmetic (a NaN-propagating max,
-  ``x * -0.0``, rounding by a float add; bit-exact on the CPU in
-  tests/test_quant.py): a NaN row of G (every block bad), a row whose G
-  squared overflows (v's blocks bad, m's live) and a zero row over zero
-  moments (dead blocks). Those blocks' scales and codes equal the
+  """The compiled Mosaic GPU int8 epilogue (codes rounded by a float add
+  and read from its bits; bit-exact on the CPU in tests/test_quant.py) on
+  the blocks its selects handle: a NaN row of G (every block bad), a row
+  whose G squared overflows (v's blocks bad, m's live) and a zero row over
+  zero moments (dead blocks). Those blocks' scales and codes equal the
   reference's exactly; the other blocks as in the test above."""
   n_in, n_out = 256, 384
   x, dy = exact_operands(5, (512,), n_in, n_out)  # G's row 0 is zero
