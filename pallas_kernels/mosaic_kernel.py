@@ -140,6 +140,18 @@ class MosaicConfig:
       128 x 128 tile's AdamW epilogue is about 5,000 instructions per
       thread, executed once per tile, which the instruction cache does not
       hold.
+    no_barriers: leave out the warpgroup barriers that Pallas inserts
+      around every shared-memory store and before every TMA copy a compute
+      warpgroup issues (``CompilerParams(unsafe_no_auto_barriers=True)``).
+      The kernel orders its own shared-memory traffic: each thread stores a
+      state sub-tile's new values to the addresses it read them from (one
+      register layout for the load and the store), ``commit_smem`` (a fence
+      and a barrier) precedes every TMA store, and a ring slot is reloaded
+      only after that barrier and the wait for its stores.
+    approx_math: approximate square roots and transcendentals in the
+      epilogue (``CompilerParams(approx_math=True)``: ``sqrt.approx``
+      instead of the IEEE sequence); the results may differ from the
+      reference in the last bits.
   """
 
   tile_m: int = 128
@@ -156,6 +168,8 @@ class MosaicConfig:
   band: int = 1
   pingpong: bool = False
   rolled: bool = False
+  no_barriers: bool = False
+  approx_math: bool = False
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "tile_k"):
@@ -165,7 +179,7 @@ class MosaicConfig:
                          "multiple of 64")
     if not isinstance(self.steps, int) or self.steps < 1:
       raise ValueError(f"MosaicConfig: steps={self.steps!r} must be >= 1")
-    for name in ("pingpong", "rolled"):
+    for name in ("pingpong", "rolled", "no_barriers", "approx_math"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig: {name}={getattr(self, name)!r} "
                          "must be True or False")
@@ -252,9 +266,10 @@ class MosaicConfig:
   _KNOBS = (("wg", ("compute_wgs",)), ("d", ("delay_release",)),
             ("e", ("epi_m", "epi_n")), ("b", ("state_buffers",)),
             ("r", ("state_ring",)), ("s", ("band",)))
-  _FLAGS = (("pn", "prefetch_next"), ("pp", "pingpong"), ("lp", "rolled"))
+  _FLAGS = (("pn", "prefetch_next"), ("pp", "pingpong"), ("lp", "rolled"),
+            ("nb", "no_barriers"), ("ax", "approx_math"))
   LABEL_FORM = ("MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn][,pp]"
-                "[,lp]")
+                "[,lp][,nb][,ax]")
 
   @property
   def label(self) -> str:
@@ -262,7 +277,8 @@ class MosaicConfig:
     then each knob that is off its default: ``,wgW`` (compute_wgs),
     ``,dD`` (delay_release), ``,eMxN`` (the epilogue sub-tile), ``,bB``
     (state_buffers), ``,rR`` (state_ring), ``,sS`` (band), ``,pn``
-    (prefetch_next), ``,pp`` (pingpong), ``,lp`` (rolled).
+    (prefetch_next), ``,pp`` (pingpong), ``,lp`` (rolled), ``,nb``
+    (no_barriers), ``,ax`` (approx_math).
     ``MosaicConfig.from_label(cfg.label) == cfg``."""
     fields = {f.name: f.default for f in dataclasses.fields(self)}
     # compute_wgs's default follows tile_n and pingpong (__post_init__).
@@ -281,8 +297,7 @@ class MosaicConfig:
     a knob left out takes its default).
 
     Raises:
-      ValueError: ``label`` is not of the form
-        ``MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn][,pp][,lp]``, or
+      ValueError: ``label`` is not of the form :attr:`LABEL_FORM`, or
         names an invalid tiling; the message says which part and why.
     """
     if not isinstance(label, str):
@@ -318,8 +333,8 @@ class MosaicConfig:
         if prefix not in prefixes:
           raise ValueError(
               f"Mosaic GPU tiling label {label!r}: unknown knob {knob!r}; "
-              f"the knobs are ,wgW ,dD ,eMxN ,bB ,rR ,sS ,pn ,pp and ,lp "
-              f"(the form is {cls.LABEL_FORM})")
+              "the knobs are ,wgW ,dD ,eMxN ,bB ,rR ,sS ,pn ,pp ,lp ,nb "
+              f"and ,ax (the form is {cls.LABEL_FORM})")
         names = prefixes[prefix]
         values = numbers(knob[len(prefix):], len(names),
                          f"the value after {prefix!r} in knob {knob!r}")
@@ -1111,7 +1126,9 @@ def _launch(operands, w, slots, hparams, layer, *, rule: UpdateRule,
       # A stored G needs no memory warpgroup: no K loop to stream.
       num_threads=cfg.compute_wgs + (0 if g_stored else 1), thread_name="wg",
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+          approx_math=cfg.approx_math,
+          unsafe_no_auto_barriers=cfg.no_barriers),
       interpret=params)
   state = (w, *slots) if rule.updates_weight else slots
   refs = [jax.new_ref(a) for a in (*state, *scales)]

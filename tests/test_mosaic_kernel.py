@@ -500,6 +500,12 @@ def test_pingpong_labels_and_limits():
                       pingpong=True))
   assert pk.MosaicConfig(tile_m=64, tile_n=64, pingpong=True).label == (
       "64x64x64/3,pp")  # two compute warpgroups is its default
+  bare = pk.MosaicConfig.from_label("64x128x64/4,pp,lp,ax,nb")
+  assert (bare.no_barriers, bare.approx_math, bare.label) == (
+      True, True, "64x128x64/4,pp,lp,nb,ax")
+  assert pk.MosaicConfig.from_label(bare.label) == bare
+  with pytest.raises(ValueError, match="no_barriers=1 must be True or False"):
+    pk.MosaicConfig(no_barriers=1)
   from benchmarks import backends
   assert backends.parse_mosaic(cfg.label) == cfg
   assert [backends.parse_mosaic(m) for m in backends.MOSAIC_DEFAULT] == [
@@ -511,7 +517,7 @@ def test_pingpong_labels_and_limits():
       ("64x128x64/4,b2,pn,pp", "leave state_buffers=1 and prefetch_next"),
       ("128x128x64/4,e32x64,pp", "multiple of 64 that divides tile_m"),
       ("128x128x64/4,pp,pp", "knob 'pp' is given twice"),
-      ("128x128x64/4,p", "unknown knob 'p'.*,pn ,pp and ,lp"),
+      ("128x128x64/4,p", "unknown knob 'p'.*,pn ,pp ,lp ,nb and ,ax"),
       ("128x128x64/4,lp", "rolled .* needs pingpong or state_ring")]:
     with pytest.raises(ValueError, match=match):
       pk.MosaicConfig.from_label(label)
