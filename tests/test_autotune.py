@@ -53,7 +53,8 @@ MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
 # measured.
 MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
-    for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba", "846ff5a")]
+    for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
+              "868c0e8")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -117,9 +118,9 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 8))
+             + [BACKENDS_CSV] * 9))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
-  # 1b02eba and 846ff5a)
+  # 1b02eba, 846ff5a and 868c0e8)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -128,8 +129,9 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
     assert source["device"] == "gpu:NVIDIA H200"
     assert "jax 0.11.2" in source["versions"]
     assert "triton 3.6.0" in source["versions"]
-    assert source["measured"].startswith(
-        "2026-12-02" if source.get("csv") == BACKENDS_CSV else "2026-11-29")
+    assert source["measured"][:10] in (
+        ("2026-12-02", "2026-12-03") if source.get("csv") == BACKENDS_CSV
+        else ("2026-11-29",))
   for entry in [*dev["entries"].values(), *dev["mosaic_gpu"].values()]:
     assert entry["source"] in dev["sources"]
 
@@ -703,7 +705,7 @@ M = pk.MosaicConfig
 
 def test_mosaic_config_space_is_valid_and_fits_a_typical_case():
   space = autotune.mosaic_config_space()
-  assert 6 <= len(space) <= 40 and len(space) == len(set(space))
+  assert 6 <= len(space) <= 45 and len(space) == len(set(space))
   assert [c.label for c in space] == list(autotune.MOSAIC_CONFIG_SPACE)
   bf, f32 = jnp.bfloat16, jnp.float32
   # The kernel's default tilings are candidates.
@@ -744,8 +746,9 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # AdamW: 4 shapes x BT 512/2048/4096 (bf16 moments), 3 shapes at BT 512
   # and 2 at BT 2048 (fp32 moments); SGD and SGD with momentum at 4096^2,
   # BT 512; the decoder's 4 shapes x BT 512/2048 (bf16 moments); the 4
-  # Llama shapes at BT 512 with int8 moments.
-  assert len(entries) == 31
+  # Llama shapes at BT 512 with int8 moments; the LM head of the decoder
+  # (2048 x 32000) at BT 512 and 2048.
+  assert len(entries) == 33
   # The run of ddd1e56: the column-split defaults of that commit.
   want = {(512, "bfloat16"): "64x128x64/4,b2,pn",
           (2048, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
@@ -782,44 +785,57 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       assert label == want[(bt, slot)], key
       assert "default tiling" in source["pick"]
     else:  # the later runs: the fastest tiling each measured
-      assert commit in ("9228555", "c7c1567", "ee3c82c", "846ff5a")
+      assert commit in ("9228555", "c7c1567", "ee3c82c", "868c0e8")
       assert "fastest" in source["pick"]
-      assert entry["time_us"] == min(mosaic.values()), key
+      assert entry["time_us"] == min(
+          t for lab, t in mosaic.items()
+          if not M.from_label(lab).approx_math), key
   # Each later run replaced the cases it measured: c7c1567 every
   # bf16-moment case and the fp32-moment ones at BT 512, then 0eff7ae the
   # four bf16-moment cases at BT 512, so the ddd1e56 run keeps only the
   # fp32-moment cases at BT 2048; ee3c82c brought the decoder's shapes;
   # fee8919 the int8-moment cases (replacing 0eff7ae's) and 4096^2 with
-  # bf16 moments, 1b02eba the other three bf16-moment cases at BT 512, and
-  # 846ff5a all eight of those again: so nothing of 0eff7ae's, fee8919's
-  # or 1b02eba's stands.
-  assert len(by_commit["c7c1567"]) == 13 and "9228555" not in by_commit
+  # bf16 moments, 1b02eba the other three bf16-moment cases at BT 512,
+  # 846ff5a all eight of those again, and 868c0e8 those eight, the four
+  # bf16-moment cases at BT 2048 and the LM head: so nothing of 0eff7ae's,
+  # fee8919's, 1b02eba's or 846ff5a's stands.
+  assert len(by_commit["c7c1567"]) == 9 and "9228555" not in by_commit
   assert len(by_commit["ddd1e56"]) == 2 and "0eff7ae" not in by_commit
-  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["846ff5a"]) == 8
-  assert "fee8919" not in by_commit and "1b02eba" not in by_commit
-  for commit in ("c7c1567", "ee3c82c", "846ff5a"):
+  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["868c0e8"]) == 14
+  assert not {"fee8919", "1b02eba", "846ff5a"} & set(by_commit)
+  for commit in ("c7c1567", "ee3c82c", "868c0e8"):
     assert {M(**entries[k]["config"]).pingpong
             for k in by_commit[commit]} == {True}
   # At BT 512 the rolled 64x64 epilogue on the smaller ping-pong tiles won
-  # on the four Llama shapes, where 128 x 128 spilled: 64 x 128, except
-  # 128 x 64 at 4096^2 with bf16 moments and 4096 x 1024 with int8 ones.
-  won = {k.split("|")[2] + "|" + k.split("|")[4]:
-         M(**entries[k]["config"]).label for k in by_commit["846ff5a"]}
+  # on the four Llama shapes, where 128 x 128 spilled, and without Pallas's
+  # automatic barriers (,nb) except at 4096 x 1024 with bf16 moments; at
+  # BT 2048 the bands of 8, without the barriers on three shapes.
+  won = {"|".join(k.split("|")[1:3] + k.split("|")[4:]):
+         M(**entries[k]["config"]).label for k in by_commit["868c0e8"]}
   small, narrow = "64x128x64/4,pp,lp", "128x64x64/4,pp,lp"
+  band = "128x128x64/4,e64x32,s8,pp"
   assert won == {
-      "4096x4096|slots=bfloat16,bfloat16": narrow,
-      "4096x1024|slots=bfloat16,bfloat16": small,
-      "4096x14336|slots=bfloat16,bfloat16": small,
-      "14336x4096|slots=bfloat16,bfloat16": small,
-      "4096x4096|slots=int8,int8": small, "4096x1024|slots=int8,int8": narrow,
-      "4096x14336|slots=int8,int8": small, "14336x4096|slots=int8,int8": small}
-  # c7c1567's rolled winners that stand: BT 2048 at 4096x1024, the
-  # fp32-moment cases' largest two, and SGD.
+      "bt512|4096x4096|slots=bfloat16,bfloat16": narrow + ",nb",
+      "bt512|4096x1024|slots=bfloat16,bfloat16": small,
+      "bt512|4096x14336|slots=bfloat16,bfloat16": narrow + ",nb",
+      "bt512|14336x4096|slots=bfloat16,bfloat16": small + ",nb",
+      "bt512|4096x4096|slots=int8,int8": small + ",nb",
+      "bt512|4096x1024|slots=int8,int8": narrow + ",nb",
+      "bt512|4096x14336|slots=int8,int8": small + ",nb",
+      "bt512|14336x4096|slots=int8,int8": small + ",nb",
+      "bt2048|4096x4096|slots=bfloat16,bfloat16": band + ",nb",
+      "bt2048|4096x1024|slots=bfloat16,bfloat16": band + ",nb",
+      "bt2048|4096x14336|slots=bfloat16,bfloat16": band,
+      "bt2048|14336x4096|slots=bfloat16,bfloat16": band + ",nb",
+      "bt512|2048x32000|slots=bfloat16,bfloat16": small,
+      "bt2048|2048x32000|slots=bfloat16,bfloat16": (
+          "128x128x64/4,e64x32,pp,lp")}
+  # c7c1567's rolled winners that stand: the fp32-moment cases' largest
+  # two, and SGD.
   bf16, fp32 = "w=bfloat16|slots=bfloat16,bfloat16", (
       "w=bfloat16|slots=float32,float32")
   assert {k for k in by_commit["c7c1567"]
           if M(**entries[k]["config"]).rolled} == {
-              f"adamw|bt2048|4096x1024|{bf16}",
               f"adamw|bt512|4096x4096|{fp32}", f"adamw|bt512|4096x14336|{fp32}",
               "sgd|bt512|4096x4096|w=bfloat16|slots="}
   slower = {k for k, e in entries.items()
@@ -940,6 +956,26 @@ def test_mosaic_entries_from_a_backends_csv(tmp_path):
   assert autotune.main(["--merge", str(out), "--out", str(merged)]) == 0
   assert (json.loads(merged.read_text())["devices"]["Fake GPU"]["mosaic_gpu"]
           .keys() == {key, slow})
+
+
+def test_approximate_tilings_are_timed_but_never_cached(tmp_path):
+  exact, approx = ("forge_mosaic_64x128x64/4,pp,lp,nb",
+                   "forge_mosaic_64x128x64/4,pp,lp,nb,ax")
+  path = tmp_path / "b.csv"
+  _backends_csv(path, [
+      (1, "c1", "BT=512 4096x4096", "bf16", "forge_triton", 120.0),
+      (1, "c1", "BT=512 4096x4096", "bf16", exact, 101.0),
+      (1, "c1", "BT=512 4096x4096", "bf16", approx, 99.0),
+      # Only an approximate tiling measured: no entry for the case.
+      (1, "c1", "BT=512 4096x1024", "bf16", "forge_triton", 40.0),
+      (1, "c1", "BT=512 4096x1024", "bf16", approx, 30.0),
+  ])
+  _, _, _, entries = autotune.mosaic_winners_from_csv(str(path))
+  key = tuning_cache.cache_key("adamw", 512, 4096, 4096, "bf16", BF16)
+  assert list(entries) == [key]
+  assert M(**entries[key]["config"]) == M.from_label(exact[13:])
+  assert entries[key]["time_us"] == 101.0
+  assert entries[key]["timings_us"] == {exact[13:]: 101.0, approx[13:]: 99.0}
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels as pk
-from pallas_kernels import autotune, lowp
+from pallas_kernels import autotune, lowp, quant
 from tests.test_kernel import (_check_stored, _stored_case, _stored_hparams,
                                check_against_reference)
 from tests.tolerances import assert_close, assert_update_close
@@ -270,6 +270,46 @@ def test_gpu_mosaic_kernel_compiled_matches_reference(rule, slot_dtype):
         "ring-e64x32", "ring-banded", "ring-rolled", "pingpong-rolled"])
 def test_gpu_mosaic_kernel_compiled_knobs(cfg):
   _check(pk.ADAMW, _case(9, 512, 1024, 768, pk.ADAMW), cfg, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label,slot_dtype", [
+    ("128x64x64/4,pp,lp", BF16), ("64x128x64/4,pp,lp", F32),
+    ("128x128x64/4,e64x32,s8,pp", BF16), ("128x128x64/4,e64x32,r2,s8", BF16),
+    ("64x128x64/4,b2,pn", BF16), ("64x128x64/4,pp,lp", "int8")],
+    ids=["pingpong-128x64", "pingpong-fp32", "pingpong-banded",
+         "ring-banded", "two-buffers", "pingpong-int8"])
+def test_gpu_mosaic_kernel_without_auto_barriers_is_bitwise_the_same(
+    label, slot_dtype):
+  # no_barriers (,nb) drops Pallas's barriers around the epilogue's
+  # shared-memory stores: a race would show as differing bits somewhere in
+  # W, m or v over several inputs.
+  cfg = pk.MosaicConfig.from_label(label)
+  bare = pk.MosaicConfig.from_label(label + ",nb")
+  h = _hparams(pk.ADAMW)
+  run = lambda c: jax.jit(lambda x, dy, w, s: pk.fused_wgrad_update(
+      x, dy, w, s, h, rule=pk.ADAMW, backend="mosaic_gpu", config=c))
+  int8 = slot_dtype == "int8"
+
+  def case(seed):
+    x, dy, w, slots = _case(seed, 512, 1024, 768, pk.ADAMW,
+                            w_dtype=BF16 if int8 else slot_dtype,
+                            slot_dtype=F32 if int8 else slot_dtype)
+    if int8:  # codes and per-block scales (forge_jax's int8 moments)
+      fmt = quant.MomentFormat("int8")
+      slots = tuple(quant.quantize(a, fmt, second_moment=k == 1)
+                    for k, a in enumerate(slots))
+    return x, dy, w, slots
+
+  for seed in range(3):
+    x, dy, w, slots = case(40 + seed)
+    want = jax.tree.leaves(run(cfg)(x, dy, w, slots))
+    got = jax.tree.leaves(run(bare)(x, dy, w, slots))
+    assert len(want) == len(got) == (5 if int8 else 3)
+    for a, b in zip(want, got):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if not int8:  # (int8 against its reference: tests/test_low_precision.py)
+    _check(pk.ADAMW, case(43), bare, interpret=False)
 
 
 @pytest.mark.gpu
