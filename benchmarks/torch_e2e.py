@@ -272,11 +272,13 @@ def loss_of(model: Decoder, tokens, targets) -> torch.Tensor:
                          targets.reshape(-1))
 
 
-def make_optimizer(arm: str, model: Decoder, hparams: dict | None = None):
+def make_optimizer(arm: str, model: Decoder, hparams: dict | None = None,
+                   capturable: bool = False):
   """The arm's AdamW over ``model`` (``forge``: after converting it, in
   place): weight decay on matrices, none on the norm scales; ``fused=True``
   in both arms (in the forge arm it picks torch's fused kernel for the
-  embedding and the norms, and its arithmetic for the managed weights)."""
+  embedding and the norms, and its arithmetic for the managed weights);
+  ``capturable``: for a step recorded in a CUDA graph."""
   if arm not in ARMS:
     raise ValueError(f"unknown arm {arm!r}; expected one of {ARMS}")
   h = dict(e2e.HPARAMS if hparams is None else hparams)
@@ -286,7 +288,7 @@ def make_optimizer(arm: str, model: Decoder, hparams: dict | None = None):
       {"params": [p for p in model.parameters() if p.dim() < 2],
        "weight_decay": 0.0}]
   kw = dict(lr=h["learning_rate"], betas=(h["b1"], h["b2"]), eps=h["eps"],
-            fused=True)
+            fused=True, capturable=capturable)
   if arm == "torch":
     return torch.optim.AdamW(groups, **kw)
   import forge_torch  # noqa: PLC0415 -- the torch arm never starts JAX
@@ -330,17 +332,21 @@ def _moment_dtypes(opt) -> str:
 
 
 def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
-             device: str, seed: int = 0) -> dict:
+             device: str, seed: int = 0, graph: bool = False) -> dict:
   """Builds, warms up and times one (arm, BT) cell in this process; returns
-  its figures (see the module docstring)."""
+  its figures (see the module docstring). ``graph``: the warm-up steps run
+  eagerly on a side stream, then one whole step is captured in a CUDA
+  graph, and the timed steps are its replays."""
   if bt % cfg.seq:
     raise ValueError(f"BT={bt} is not a multiple of seq={cfg.seq}")
   cuda = device == "cuda"
+  if graph and not cuda:
+    raise ValueError("--graph captures CUDA graphs: it needs --device cuda")
   t_start = time.perf_counter()
   model = build_model(cfg, device, seed)
   n_params = sum(p.numel() for p in model.parameters())
   pool, total = pool_bytes(model)
-  opt = make_optimizer(arm, model)
+  opt = make_optimizer(arm, model, capturable=graph)
   stats = None
   if arm == "forge":
     import forge_torch  # noqa: PLC0415
@@ -362,7 +368,26 @@ def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
     return loss
 
   t_built = time.perf_counter()
-  losses = [step().item() for _ in range(warmup)]  # .item() waits for it
+  phases = PHASES
+  if graph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch asks before capture
+      losses = [step().item() for _ in range(warmup)]
+    torch.cuda.current_stream().wait_stream(side)
+    opt.zero_grad(set_to_none=True)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+      static_loss = loss_of(model, tokens, targets)
+      static_loss.backward()  # (the gradients live in the graph's pool)
+      opt.step()
+    phases = ("replay",)
+
+    def step(mark=lambda: None):  # noqa: F811 -- the replayed step
+      cuda_graph.replay()
+      return static_loss
+  else:
+    losses = [step().item() for _ in range(warmup)]  # .item() waits for it
   if cuda:
     torch.cuda.synchronize()
   t_warm = time.perf_counter()
@@ -370,8 +395,8 @@ def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
     stats.reset()
   base = torch.cuda.memory_allocated() if cuda else None
   times, peaks, reserved = [], [], []
-  host_ms = {p: [] for p in PHASES}
-  gpu_ms = {p: [] for p in PHASES} if cuda else None
+  host_ms = {p: [] for p in phases}
+  gpu_ms = {p: [] for p in phases} if cuda else None
   for _ in range(steps):
     # Per phase: the host's time from its start to its last call's return,
     # and (CUDA) the GPU's between events recorded at the same points.
@@ -397,14 +422,16 @@ def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
       loss = step(mark)
       mark()
       times.append((marks[-1] - marks[0]) * 1e3)
-    for i, p in enumerate(PHASES):
+    for i, p in enumerate(phases):
       host_ms[p].append((marks[i + 1] - marks[i]) * 1e3)
       if cuda:
         gpu_ms[p].append(events[i].elapsed_time(events[i + 1]))
     losses.append(loss.item())
   t_end = time.perf_counter()
+  if graph:  # replays allocate nothing: the graph's pool is reserved
+    peaks, after_backward[0] = [], None
   r = dict(arm=arm, bt=bt, batch=bt // cfg.seq, seq=cfg.seq, params=n_params,
-           device=device_label(device), cuda=cuda,
+           device=device_label(device), cuda=cuda, graph=graph,
            dtypes=(f"params={cfg.dtype},{_moment_dtypes(opt)},"
                    "logits/loss=float32"),
            step_ms=common.quantiles(times), losses=losses,
@@ -491,8 +518,9 @@ def check_parity(device: str, seed: int = 0) -> dict:
 # The driver
 
 
-def case_of(cfg: e2e.Config, bt: int) -> str:
-  return f"llama-{e2e._size(e2e.param_count(cfg))} BT={bt}"
+def case_of(cfg: e2e.Config, bt: int, graph: bool = False) -> str:
+  return (f"llama-{e2e._size(e2e.param_count(cfg))} BT={bt}"
+          + (" CUDA graph" if graph else ""))
 
 
 def shape_of(cfg: e2e.Config, bt: int) -> str:
@@ -505,11 +533,12 @@ def write_cell_rows(path: str, cfg: e2e.Config, r: dict) -> str:
   timestamp."""
   res = common.Results(path, BENCHMARK, device=r["device"])
   bt = r["bt"]
-  add = lambda metric, v, unit: res.add(case_of(cfg, bt), r["arm"],
+  add = lambda metric, v, unit: res.add(case_of(cfg, bt, r.get("graph")),
+                                        r["arm"],
                                         shape_of(cfg, bt), r["dtypes"],
                                         metric, v, unit)
   add("step_time", tuple(r["step_ms"]), "ms")
-  for p in PHASES:
+  for p in r["host_ms"]:
     add(f"host_{p}", tuple(r["host_ms"][p]), "ms")
     if r["gpu_ms"] is not None:
       add(f"gpu_{p}", tuple(r["gpu_ms"][p]), "ms")
@@ -548,9 +577,9 @@ def write_check_rows(path: str, r: dict) -> None:
 
 
 def write_failed_row(path: str, cfg: e2e.Config, arm: str, bt: int,
-                     device: str, reason: str) -> None:
+                     device: str, reason: str, graph: bool = False) -> None:
   res = common.Results(path, BENCHMARK, device=device)
-  res.add(case_of(cfg, bt), arm, shape_of(cfg, bt), f"params={cfg.dtype}",
+  res.add(case_of(cfg, bt, graph), arm, shape_of(cfg, bt), f"params={cfg.dtype}",
           "failed", math.nan, reason)
 
 
@@ -561,6 +590,8 @@ def _cell_argv(args, cell: str, bt: int | None = None) -> list[str]:
     return argv
   argv += ["--bt", str(bt), "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--dtype", args.dtype]
+  if args.graph:
+    argv.append("--graph")
   for flag in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "seq"):
     argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
   return argv
@@ -588,12 +619,13 @@ def summarize(results: dict, bts) -> bool:
             f"{ratio:>12}")
     row("step p50 (ms)", lambda r: r["step_ms"][1], ".2f")
     gpu = any(r is not None and r["gpu_ms"] is not None for r in (t, f))
-    for p in PHASES:
+    for p in (t or f or {"host_ms": PHASES})["host_ms"]:
       row(f"  {p} host (ms)", lambda r, p=p: r["host_ms"][p][1], ".2f")
       if gpu:
         row(f"  {p} GPU (ms)", lambda r, p=p: (
             None if r["gpu_ms"] is None else r["gpu_ms"][p][1]), ".2f")
     row("peak (MiB)", lambda r: _mib(r["peak_bytes"]))
+    row("peak reserved (MiB)", lambda r: _mib(r["peak_reserved_bytes"]))
     row("after backward (MiB)", lambda r: _mib(r["after_backward_bytes"]))
     row("base (MiB)", lambda r: _mib(r["base_bytes"]))
     row("loss first", lambda r: r["losses"][0], ".5f")
@@ -613,7 +645,7 @@ def summarize(results: dict, bts) -> bool:
     print(f"{bt:>6} gradient pool (managed weights) {pool / MIB:.1f} MiB = "
           f"{pool / f['grad_total_bytes']:.1%} of torch's gradients "
           f"({f['grad_total_bytes'] / MIB:.1f} MiB)")
-    if t["peak_bytes"] is not None and f["peak_bytes"] is not None:
+    if t["peak_bytes"] and f["peak_bytes"]:
       saved = t["peak_bytes"] - f["peak_bytes"]
       gone = t["after_backward_bytes"] - f["after_backward_bytes"]
       print(f"{bt:>6} peak saved {saved / MIB:.1f} MiB = {saved / pool:.1%} "
@@ -667,9 +699,14 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
   width = 0.4
   val = lambda bt, arm, metric: (float(last[(bt, arm, metric)]["p50"])
                                  if (bt, arm, metric) in last else math.nan)
+  # A CUDA graph's replays allocate nothing: its cells have the reserved
+  # peak (the graph's pool) instead.
+  memory = (("peak_memory", "torch allocator peak over a step (MiB)")
+            if any(k[2] == "peak_memory" for k in last) else
+            ("peak_reserved", "torch allocator reserved (MiB), graph pool "
+             "included"))
   for ax, (metric, label) in zip(axes, (
-      ("step_time", "median step time (ms)"),
-      ("peak_memory", "torch allocator peak over a step (MiB)"))):
+      ("step_time", "median step time (ms)"), memory)):
     ax.set_ylabel(label)
     if all(math.isnan(val(bt, a, metric)) for bt in bts for a in ARMS):
       ax.text(0.5, 0.5, f"no {metric} rows\n(measured on CUDA only)",
@@ -692,7 +729,7 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
       bars = ax.bar([j + i * width for j in range(len(bts))], vals, width,
                     label=arm, color=colors[arm])
       ax.bar_label(bars, labels=labels, fontsize=7)
-    if metric == "peak_memory":
+    if metric == memory[0]:
       # Where forge's bar would end if its peak lost the whole pool.
       for j, bt in enumerate(bts):
         ideal = val(bt, "torch", metric) - val(bt, "torch", "grad_pool")
@@ -771,6 +808,13 @@ def parse_args(argv):
                  "ratio pairs cells run side by side; the table and plot "
                  "show each arm's median cell, and every round's ratio is "
                  "printed")
+  p.add_argument("--graph", action="store_true",
+                 help="capture one whole step (loss, backward, step()) in a "
+                 "CUDA graph after the warm-up and time its replays, in "
+                 "both arms (their AdamW with capturable=True): the host's "
+                 "Python leaves the step. CUDA only; the rows' case says "
+                 "CUDA graph, peak_memory is left out (replays allocate "
+                 "nothing) and peak_reserved holds the graph's pool")
   p.add_argument("--cell", choices=(*ARMS, "check"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.out_dir is not None:
@@ -790,6 +834,8 @@ def parse_args(argv):
               "a whole number of sequences")
   if args.cell in ARMS and len(args.bt) != 1:
     p.error("--cell runs one BT")
+  if args.graph and args.device != "cuda":
+    p.error("--graph records CUDA graphs: it needs --device cuda")
   if args.replot:
     if not args.plot:
       p.error("--replot needs --plot PNG (or --out-dir)")
@@ -839,7 +885,7 @@ def main(argv=None) -> int:
     return 0
   if args.cell:
     r = run_cell(args.cell, args.bt[0], cfg, args.steps, args.warmup,
-                 args.device, args.seed)
+                 args.device, args.seed, graph=args.graph)
     print(f"{r['arm']} BT={r['bt']} on {r['device']}: {r['params']:,} params "
           f"({r['dtypes']}); step p50 {r['step_ms'][1]:.2f} ms; peak "
           f"{_mib(r['peak_bytes'])} MiB; losses "
@@ -879,7 +925,8 @@ def main(argv=None) -> int:
           failed.append((arm, bt, reason))
           print(f"   FAILED {where}: {reason}", flush=True)
           write_failed_row(args.out, cfg, arm, bt,
-                           device or device_label(args.device), reason)
+                           device or device_label(args.device), reason,
+                           graph=args.graph)
           continue
         device = r["device"]
         runs.setdefault((arm, bt), []).append((rnd, r))

@@ -436,7 +436,9 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
       its ``in`` dimension). Quantized slots run on the Triton kernel,
       through DLPack (never a direct launch).
     hparams: the rule's packed fp32 vector (numpy, or a JAX array on the
-      tensors' device).
+      tensors' device); inside CUDA-graph capture, a float32 CUDA tensor on
+      ``w``'s device that the captured work fills (the kernel reads it at
+      each replay).
     rule, config: the kernel's update rule and tiling.
     views: this weight's :class:`ViewCache` (CUDA): the state's JAX views
       from the last in-place call are reused instead of imported again, and
@@ -649,12 +651,27 @@ class _HparamsRing:
 
 class _Launch:
   """A resolved direct launch: the compiled kernel, the number of state
-  tensors it writes and the hyperparameter ring it reads from."""
+  tensors it writes and the hyperparameter ring it reads host vectors from
+  (made at the first such vector: a launch recorded in a CUDA graph reads
+  a device tensor instead)."""
 
-  __slots__ = ("kernel", "n_state", "ring")
+  __slots__ = ("kernel", "n_state", "ring", "ring_key")
 
-  def __init__(self, kernel, n_state, ring):
-    self.kernel, self.n_state, self.ring = kernel, n_state, ring
+  def __init__(self, kernel, n_state, ring_key):
+    self.kernel, self.n_state = kernel, n_state
+    self.ring, self.ring_key = None, ring_key
+
+  def host_ring(self) -> "_HparamsRing":
+    if self.ring is None:
+      device_index, _, length = self.ring_key
+      with _LOCK:
+        ring = _RINGS.get(self.ring_key)
+        if ring is None:
+          device = torch.device("cuda", device_index)
+          ring = _RINGS[self.ring_key] = _HparamsRing(
+              device, length, torch.cuda.current_stream(device))
+      self.ring = ring
+    return self.ring
 
 
 # Fast path: (shapes, dtypes, device, stream, rule, config) -> _Launch, or
@@ -662,10 +679,10 @@ class _Launch:
 _LAUNCHES: dict = {}
 
 
-def _resolve(x2, dy2, w, slots, vec, rule, config, device_index: int,
-             stream: int):
-  """The launch for a case not seen before: the tiling, the compiled kernel
-  and the hparams ring; ``None`` where the case takes the DLPack path."""
+def _resolve(x2, dy2, w, slots, n_hparams: int, rule, config,
+             device_index: int, stream: int):
+  """The launch for a case not seen before: the tiling and the compiled
+  kernel; ``None`` where the case takes the DLPack path."""
   bt = x2.shape[0]
   n_in, n_out = w.shape
   if bt == 0 or x2.shape[1] != n_in or dy2.shape[1] != n_out:
@@ -678,20 +695,15 @@ def _resolve(x2, dy2, w, slots, vec, rule, config, device_index: int,
   if cfg is None:
     return None
   kernel = _direct.kernel_for(
-      (key, cfg, vec.shape), lambda: _direct.DirectKernel(
+      (key, cfg, (n_hparams,)), lambda: _direct.DirectKernel(
           device, x2.shape, dy2.shape, x2.dtype,
-          [(tuple(t.shape), t.dtype) for t in (w, *slots)], vec.shape[0],
+          [(tuple(t.shape), t.dtype) for t in (w, *slots)], n_hparams,
           rule, cfg))
   if kernel is None or kernel.writes_outputs:
     # (A rule's write-only outputs, Muon's, come back through DLPack.)
     return None
-  ring_key = (device_index, stream, vec.shape[0])
-  with _LOCK:
-    ring = _RINGS.get(ring_key)
-    if ring is None:
-      ring = _RINGS[ring_key] = _HparamsRing(
-          device, vec.shape[0], torch.cuda.current_stream(device))
-  return _Launch(kernel, len(slots) + (1 if rule.updates_weight else 0), ring)
+  return _Launch(kernel, len(slots) + (1 if rule.updates_weight else 0),
+                 (device_index, stream, n_hparams))
 
 
 _RINGS: dict = {}
@@ -702,7 +714,9 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
   """Launches the Mosaic GPU kernel directly on the torch tensors, in place,
   on torch's current stream; ``False`` (nothing done) where the case takes
   the DLPack path -- always for quantized slots and stochastic rounding,
-  which the Mosaic GPU kernel does not support."""
+  which the Mosaic GPU kernel does not support. ``hparams``: a host vector
+  (served from the pinned ring), or a float32 CUDA tensor on the weight's
+  device that the kernel reads in place (CUDA-graph capture)."""
   if _direct.unavailable() is not None or isinstance(hparams, jax.Array):
     return False
   if stochastic_rounding is not None or any(
@@ -716,22 +730,35 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
   if x.get_device() != device_index or dy.get_device() != device_index:
     return False  # (the DLPack path says which tensor is elsewhere)
   stream = _raw_stream(device_index)
-  vec = np.ascontiguousarray(hparams, dtype=np.float32)
+  on_device = isinstance(hparams, torch.Tensor)
+  if on_device:
+    if (hparams.dtype != torch.float32 or hparams.dim() != 1
+        or hparams.get_device() != device_index
+        or not hparams.is_contiguous()):
+      raise ValueError(
+          f"forge_torch: device hyperparameters must be a contiguous 1-d "
+          f"float32 tensor on the weight's device cuda:{device_index}; got "
+          f"{hparams.dtype}{list(hparams.shape)} on {hparams.device}")
+    vec, n_hparams = hparams, hparams.shape[0]
+  else:
+    vec = np.ascontiguousarray(hparams, dtype=np.float32)
+    n_hparams = vec.shape[0]
   key = (x2.shape, dy2.shape, x2.dtype, w.shape, w.dtype,
          *[s.dtype for s in slots], len(slots), device_index, stream,
-         vec.shape[0], rule, config)
+         n_hparams, rule, config)
   launch = _LAUNCHES.get(key, False)
   if launch is False:
-    launch = _resolve(x2, dy2, w, slots, vec, rule, config, device_index,
-                      stream)
+    launch = _resolve(x2, dy2, w, slots, n_hparams, rule, config,
+                      device_index, stream)
     with _LOCK:
       _LAUNCHES[key] = launch
   if launch is None:
     return False
   # Non-contiguous operands are copied (on this stream, before the launch).
   x2, dy2 = x2.contiguous(), dy2.contiguous()
+  ring = None if on_device else launch.host_ring()
   with _LOCK:
-    h = launch.ring.get(vec)
+    h = vec.data_ptr() if on_device else ring.get(vec)
     launch.kernel.launch_ptrs(stream, [
         x2.data_ptr(), dy2.data_ptr(), h, w.data_ptr(),
         *[s.data_ptr() for s in slots]])
@@ -742,8 +769,39 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
 
 
 def _capturing() -> bool:
-  """Whether torch's current CUDA stream is recording a CUDA graph."""
-  return torch.cuda.is_current_stream_capturing()
+  """Whether torch's current CUDA stream is recording a CUDA graph (never
+  before CUDA is initialised: asking would initialise it)."""
+  return (torch.cuda.is_initialized()
+          and torch.cuda.is_current_stream_capturing())
+
+
+def _captured_update(x, dy, w, slots, hparams, rule, config,
+                     stochastic_rounding) -> None:
+  """A fused update recorded in the CUDA graph being captured: only a
+  direct launch can be (the DLPack path runs JAX work and host
+  synchronisation), reading its hyperparameters from a device tensor that
+  the captured work fills, so that each replay reads the values of its own
+  step."""
+  if not (isinstance(hparams, torch.Tensor) and hparams.is_cuda):
+    raise RuntimeError(
+        "forge_torch: a fused update inside CUDA-graph capture needs its "
+        "hyperparameters as a CUDA tensor formed by the captured work (a "
+        "host vector would be read as it was at capture, at every replay). "
+        "forge_torch.Adam and AdamW with fused=True, capturable=True form "
+        "them so; other optimizers cannot be captured")
+  if _direct_update(x, dy, w, slots, hparams, rule, config,
+                    stochastic_rounding):
+    return
+  why = _direct.unavailable() or (
+      "the Mosaic GPU kernel does not cover this case (it needs a GPU of "
+      "compute capability 9.0 or newer, bfloat16 or float16 operands of one "
+      "dtype, plain (not quantized) state, no stochastic rounding, no "
+      "Triton config, $FORGE_BACKEND not triton, and a shape its tiling "
+      f"divides; here x {tuple(x.shape)} {x.dtype}, weight "
+      f"{tuple(w.shape)} {w.dtype})")
+  raise RuntimeError(
+      "forge_torch: this fused update cannot be recorded in a CUDA graph: "
+      "only a direct launch of the Mosaic GPU kernel can be, and " + why)
 
 
 def _fused_update(x, dy, w, slots, hparams, rule, config, views,
@@ -751,11 +809,9 @@ def _fused_update(x, dy, w, slots, hparams, rule, config, views,
   global _DONATION_BROKEN
   if w.is_cuda:
     if _capturing():
-      raise RuntimeError(
-          "forge_torch: a fused update cannot be recorded in a CUDA graph "
-          "(its hyperparameters are host memory rewritten at every step, and "
-          "the DLPack path runs JAX work the capture cannot record); run the "
-          "backward of forge_torch.Linear layers outside graph capture")
+      _captured_update(x, dy, w, slots, hparams, rule, config,
+                       stochastic_rounding)
+      return True
     if _direct_update(x, dy, w, slots, hparams, rule, config,
                       stochastic_rounding):
       return True

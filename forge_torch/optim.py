@@ -75,9 +75,11 @@ from pallas_kernels.rules import UpdateRule, pack_host
 # Options torch has that no family fuses: option -> (value that is supported,
 # why the other is not).
 _REFUSED: dict[str, tuple[Any, str]] = {
-    "capturable": (False, "the fused update runs inside backward through JAX "
-                   "(its own streams, DLPack imports and host work per "
-                   "call), which CUDA-graph capture cannot record"),
+    "capturable": (False, "a CUDA graph can record FORGE's fused updates "
+                   "only for Adam and AdamW with fused=True (their step's "
+                   "scalars then formed on the GPU from the step count, the "
+                   "Mosaic GPU kernel launched directly); other families and "
+                   "the for-loop / foreach Adam form them on the host"),
     "differentiable": (False, "the fused update happens inside backward and "
                        "is not itself differentiable"),
 }
@@ -170,8 +172,9 @@ def _zero_step(p: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
   """``state["step"]`` as torch's ``_init_group`` creates it.
 
   On the parameter's device in fp32 for ``fused`` groups (Adam, AdamW,
-  Adagrad), else a CPU scalar of torch's default scalar dtype. (``capturable``,
-  torch's other on-device case, is refused.)
+  Adagrad), else a CPU scalar of torch's default scalar dtype.
+  (``capturable``, torch's other on-device case, is taken only with
+  ``fused``.)
   """
   fused = group.get("fused")
   if fused:
@@ -236,6 +239,10 @@ class _ForgeOptimizer:
   # weight's device; if not, one computation serves every weight of a group
   # in a step (_forge_shared_scalars).
   _forge_hparams_per_weight: ClassVar[bool] = False
+  # Whether capturable=True is accepted (with fused=True): the family forms
+  # its step's scalars on the GPU (_forge_captured_hparams), so a CUDA
+  # graph can record its fused updates.
+  _forge_capturable: ClassVar[bool] = False
   # Set per instance (accumulate_steps, max_grad_norm, forge_torch/_clip.py);
   # class defaults, so that the backward reads them without getattr.
   _forge_accumulate_steps: int = 1
@@ -482,6 +489,15 @@ class _ForgeOptimizer:
     ``_forge_hparams_per_weight``."""
     raise NotImplementedError
 
+  def _forge_captured_hparams(self, group: Mapping[str, Any],
+                              rule: UpdateRule, step: torch.Tensor
+                              ) -> torch.Tensor:
+    """The rule's packed vector for the update after ``step`` (a CUDA
+    tensor holding ``t - 1``) as a float32 CUDA tensor, formed by GPU work
+    only (no host read or copy), so that a CUDA graph records it; families
+    with ``_forge_capturable``."""
+    raise NotImplementedError
+
   def _forge_shared_scalars(self, index: int, group: Mapping[str, Any],
                             device: torch.device) -> _SharedScalars | None:
     """Param group ``index``'s rule and scalars for its weights on
@@ -522,8 +538,11 @@ class _ForgeOptimizer:
     if steps:
       with torch.no_grad():
         torch._foreach_add_([st for st, _ in steps], 1)
+      # Recorded in a CUDA graph, the add has not run (each replay runs
+      # it): the tensors' values are unknown here until read again.
+      captured = _bridge._capturing()
       for st, rec in steps:
-        rec.version = st._version
+        rec.version = None if captured else st._version
 
   def _forge_reset_step(self) -> None:
     self._forge_flush_steps()
@@ -541,6 +560,9 @@ class _ForgeOptimizer:
         setattr(self, name, _linear.WeakIdMap())
     # group index -> its options as the fused updates since step() read them
     self._forge_used = {}
+    # (group index, step) -> the step's hyperparameters formed on the GPU
+    # by the work a CUDA graph records (_forge_captured_update)
+    self._forge_capture_vecs = {}
     # group index -> its rule and scalars, shared by its weights' updates
     # (_forge_shared_scalars). The rule is kept for the next step while the
     # group holds the very same options (else dropped: nothing outlives the
@@ -561,7 +583,9 @@ class _ForgeOptimizer:
 
   def _forge_check_options(self, group: Mapping[str, Any]) -> None:
     bad = [k for k, (ok, _) in _REFUSED.items()
-           if k in group and bool(group[k]) != ok]
+           if k in group and bool(group[k]) != ok
+           and not (k == "capturable" and self._forge_capturable
+                    and group.get("fused"))]
     if bad:
       name = type(self).__name__
       raise ValueError(
@@ -868,6 +892,11 @@ class _ForgeOptimizer:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: a second backward reached this weight "
           "before optimizer.step(); FORGE applies one update per step")
+    if p.is_cuda and _bridge._capturing():
+      self._forge_check_capture(p, layer)
+      self._forge_captured_update(p, grad_output, input, config=config,
+                                  layer=layer)
+      return
     if self._forge_max_grad_norm is not None and _clip.measuring(
         self, layer):  # max_grad_norm: the norm pass
       _clip.record(self, p, grad_output, input, layer)
@@ -888,6 +917,101 @@ class _ForgeOptimizer:
       acc = self._forge_acc[p]
     self._forge_step_weight(p, grad_output, input, config=config,
                             layer=layer, acc=acc)
+
+  def _forge_check_capture(self, p: torch.Tensor, layer: str) -> None:
+    """Raises unless managed weight ``p``'s update can be recorded in the
+    CUDA graph being captured."""
+    group = self.param_groups[self._forge_managed[p]]
+    name = type(self).__name__
+    problem = None
+    if not self._forge_capturable:
+      problem = (f"forge_torch.{name} forms its step's scalars on the host; "
+                 "only forge_torch.Adam and AdamW (fused=True, "
+                 "capturable=True) can be captured")
+    elif not (group.get("capturable") and group.get("fused")):
+      problem = ("its param group was not built with fused=True, "
+                 "capturable=True (torch's rule for optimizers in graphs)")
+    elif self._forge_max_grad_norm is not None:
+      problem = "max_grad_norm runs the backward twice with host work between"
+    elif self._forge_accumulate_steps > 1:
+      problem = "accumulate_steps > 1 counts micro-batches on the host"
+    elif self._forge_format is not None or self._forge_sr:
+      problem = ("moments= and stochastic_rounding= run on the Triton "
+                 "kernel through JAX")
+    elif _distributed.is_data_parallel(p) or _distributed.is_sharded(p):
+      problem = "DDP and fully_shard weights reduce their gradients first"
+    elif not self.state.get(p):
+      problem = ("the weight has no optimizer state yet: run a step "
+                 "eagerly before capturing (torch asks for warm-up steps "
+                 "too)")
+    elif not isinstance(self.state[p].get("step"), torch.Tensor) or (
+        self.state[p]["step"].device != p.device):
+      problem = "its state's step count is not a tensor on its device"
+    else:
+      for k in ("betas", "eps", "weight_decay"):
+        v = group.get(k)
+        if any(isinstance(b, torch.Tensor)
+               for b in (v if isinstance(v, (tuple, list)) else (v,))):
+          problem = (f"{k} is a tensor (read with .item(), a host "
+                     "synchronisation); give it as a number")
+      lr = group["lr"]
+      if isinstance(lr, torch.Tensor) and (lr.device != p.device
+                                           or lr.numel() != 1):
+        problem = (f"lr is a tensor {list(lr.shape)} on {lr.device}; in a "
+                   f"graph it must be one number on the weight's device "
+                   f"{p.device}, or a Python number")
+    if problem is not None:
+      raise RuntimeError(
+          f"forge_torch.Linear {layer}: its fused update cannot be recorded "
+          f"in this CUDA graph: {problem}")
+
+  def _forge_captured_update(self, p: torch.Tensor, grad_output: torch.Tensor,
+                             input: torch.Tensor, *,
+                             config: pallas_kernels.BlockConfig | None,
+                             layer: str) -> None:
+    """The fused update of ``p`` recorded in a CUDA graph: the step's
+    scalars formed on the GPU from ``state["step"]`` (once per group and
+    step value, shared by the group's weights), the kernel launched
+    directly on torch's capturing stream, the step count advanced by the
+    step's flush (also recorded). At each replay the GPU forms the scalars
+    of the step it runs; the host runs nothing."""
+    index = self._forge_managed[p]
+    group = self.param_groups[index]
+    if index not in self._forge_used:
+      self._forge_used[index] = _options_snapshot(group)
+    rule = self._forge_rule(group, p.device)
+    state = self.state[p]
+    step = state["step"]
+    slots = [state[name] for name in rule.slots]
+    for name, s in zip(rule.slots, slots):
+      if not (isinstance(s, torch.Tensor) and s.shape == p.shape
+              and s.device == p.device and s.dtype == p.dtype):
+        raise RuntimeError(
+            f"forge_torch.Linear {layer}: optimizer state {name!r} does not "
+            f"match the weight {p.dtype}{list(p.shape)} on {p.device}")
+    # One vector per group and step count: weights whose counts this
+    # optimizer knows to be equal share it (a count it does not know
+    # gets its own).
+    record = self._forge_steps._values.get(_key(step))
+    known = (record.value if record is not None
+             and record.version == step._version else None)
+    cache_key = (index, known) if known is not None else (index, id(step))
+    hparams = self._forge_capture_vecs.get(cache_key)
+    if hparams is None:
+      hparams = self._forge_capture_vecs[cache_key] = (
+          self._forge_captured_hparams(group, rule, step))
+    views = self._forge_views._values.get(_key(p))
+    if views is None:
+      views = self._forge_views[p] = _bridge.ViewCache()
+    _bridge.fused_update(grad_output, input, p.data, slots, hparams,
+                         rule=rule, config=config, views=views)
+    if record is None:
+      record = self._forge_steps[step] = _StepRecord(step)
+    # Advanced by the (recorded) flush when the step ends.
+    record.version, record.value = step._version, None
+    self._forge_pending_steps.append((step, record))
+    _increment_version([p, *slots])
+    self._forge_updated[p] = True
 
   def _forge_step_weight(self, p: torch.Tensor, grad_output: torch.Tensor,
                          input: torch.Tensor, *,
@@ -1547,6 +1671,44 @@ class Adam(_AdamMoments, torch.optim.Adam):
       state["max_exp_avg_sq"] = _zeros(p)
     return state
 
+  _forge_capturable: ClassVar[bool] = True
+
+  def _forge_captured_hparams(self, group, rule, step):
+    # _cuda_fused_adam_scalars's operations on the GPU, from the step
+    # tensor: torch.pow of fp32 tensors is the kernel _device_powf reads
+    # back, and 1 - x, sqrt, / and * are single IEEE fp32 operations on
+    # both sides, so a replay's vector equals the eager step's bit for bit.
+    beta1, beta2 = (_scalar(b) for b in group["betas"])
+    decoupled = self._forge_decoupled(group)
+    wd = _scalar(group["weight_decay"])
+    static = pack_host(rule, {
+        "grad_sign": -1.0 if group.get("maximize") else 1.0,
+        "weight_decay": 0.0 if decoupled else wd,
+        "eps": _scalar(group["eps"]),
+        **_cuda_fused_adam_betas(beta1, beta2),
+        "neg_lr_wd": 0.0, "bc2_sqrt": 0.0, "step_size": 0.0})
+    dev, f32 = step.device, torch.float32
+
+    def full(v):  # a fill kernel: the value travels as its argument
+      return torch.full((1,), float(np.float32(v)), dtype=f32, device=dev)
+    with torch.no_grad():
+      vec = torch.zeros(len(static), dtype=f32, device=dev)
+      for i, v in enumerate(static):
+        if v != 0:
+          vec[i:i + 1].fill_(float(v))
+      lr = group["lr"]
+      lr = (lr.detach().to(f32).reshape(1) if isinstance(lr, torch.Tensor)
+            else full(lr))
+      t = step.detach().to(f32).reshape(1) + 1
+      bc1 = 1 - torch.pow(full(beta1), t)
+      bc2 = 1 - torch.pow(full(beta2), t)
+      at = rule.hparams.index
+      vec[at("bc2_sqrt"):at("bc2_sqrt") + 1].copy_(torch.sqrt(bc2))
+      vec[at("step_size"):at("step_size") + 1].copy_(lr / bc1)
+      if decoupled:
+        vec[at("neg_lr_wd"):at("neg_lr_wd") + 1].copy_(-(lr * full(wd)))
+    return vec
+
   def _forge_hparams(self, group, state, t, fresh):
     beta1, beta2, values = self._forge_betas(group)
     device = state["exp_avg"].device  # the weight's (checked by the caller)
@@ -1606,6 +1768,15 @@ def _device_powf(base: float, t: float, device: str) -> np.float32:
   return value
 
 
+def _cuda_fused_adam_betas(beta1: float, beta2: float) -> dict[str, float]:
+  """The step-independent betas of ``adam_rule(cuda_fused=True)``, in fp32.
+  ``1 - fp32(beta)`` is exact in fp32 for beta in [0.5, 1] (and 0), so
+  ``g * (1 - b)`` is the kernel's ``fma(-b, g, g)`` bit for bit."""
+  b1, b2 = float(np.float32(beta1)), float(np.float32(beta2))
+  return {"b1": b1, "one_minus_b1_f32": 1.0 - b1,
+          "b2": b2, "one_minus_b2_f32": 1.0 - b2}
+
+
 def _cuda_fused_adam_scalars(group, beta1: float, beta2: float, t: float,
                              device: torch.device, decoupled: bool
                              ) -> dict[str, float]:
@@ -1613,7 +1784,8 @@ def _cuda_fused_adam_scalars(group, beta1: float, beta2: float, t: float,
   kernel forms them: every hyperparameter rounded to fp32 first, then
   ``bc1 = 1 - powf(b1, t)``, ``bc2_sqrt = sqrtf(1 - powf(b2, t))``,
   ``step_size = lr / bc1`` and AdamW's ``lr * wd``, each one fp32 operation
-  (numpy's fp32 arithmetic is IEEE, as the kernel's)."""
+  (numpy's fp32 arithmetic is IEEE, as the kernel's). In a CUDA graph the
+  same operations run on the GPU (:meth:`Adam._forge_captured_hparams`)."""
   f32 = np.float32
   b1, b2 = f32(beta1), f32(beta2)
   lr, wd = f32(_scalar(group["lr"])), f32(_scalar(group["weight_decay"]))
@@ -1622,10 +1794,7 @@ def _cuda_fused_adam_scalars(group, beta1: float, beta2: float, t: float,
   bc2 = f32(1) - _device_powf(float(b2), float(t), dev)
   return {
       "neg_lr_wd": -float(lr * wd) if decoupled else 0.0,
-      # 1 - fp32(beta): exact in fp32 for beta in [0.5, 1] (and 0), so
-      # ``g * (1 - b)`` is the kernel's fma(-b, g, g) bit for bit.
-      "b1": float(b1), "one_minus_b1_f32": 1.0 - float(b1),
-      "b2": float(b2), "one_minus_b2_f32": 1.0 - float(b2),
+      **_cuda_fused_adam_betas(beta1, beta2),
       "bc2_sqrt": float(np.sqrt(bc2)),
       "step_size": float(lr / bc1),
   }

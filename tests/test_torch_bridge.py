@@ -1443,7 +1443,9 @@ def test_gpu_fused_update_refuses_graph_capture():
   w0 = w.clone()
   s = torch.cuda.Stream()
   s.wait_stream(torch.cuda.current_stream())
-  with pytest.raises(RuntimeError, match="CUDA graph"):
+  # A host vector would be read as it was at capture, at every replay.
+  with pytest.raises(RuntimeError, match="CUDA-graph capture needs its "
+                     "hyperparameters as a CUDA tensor"):
     with torch.cuda.stream(s), torch.cuda.graph(torch.cuda.CUDAGraph()):
       _bridge.fused_update(x, dy, w, (m, v), h)
   torch.cuda.synchronize()

@@ -160,11 +160,11 @@ def test_check_compares_the_arms_at_fp32_parity(tmp_path, monkeypatch,
   if perturb:
     make = torch_e2e.make_optimizer
 
-    def off(arm, model, hparams=None):
+    def off(arm, model, hparams=None, **kw):
       if arm == "forge":
         hparams = dict(hparams or e2e.HPARAMS)
         hparams["learning_rate"] *= 1 + 1e-4
-      return make(arm, model, hparams)
+      return make(arm, model, hparams, **kw)
 
     monkeypatch.setattr(torch_e2e, "make_optimizer", off)
   out = tmp_path / "t.csv"
@@ -246,6 +246,7 @@ def test_repeat_runs_rounds_and_pairs_them(tmp_path, monkeypatch, capsys):
     (["--out-dir", "d", "--out", "x.csv"], "give --out-dir, or --out and "
      "--plot, not both"),
     (["--replot"], "--replot needs --plot PNG"),
+    (["--graph"], "--graph records CUDA graphs: it needs --device cuda"),
 ])
 def test_bad_flags_are_refused_in_plain_words(flags, words, capsys):
   with pytest.raises(SystemExit) as e:
@@ -293,4 +294,29 @@ def test_gpu_small_run_saves_the_pool(tmp_path, capsys):
   assert cell[("forge", "peak_memory")] < cell[("torch", "peak_memory")]
   for arm in torch_e2e.ARMS:  # GPU time per phase beside the host's
     assert all(cell[(arm, f"gpu_{p}")] > 0 for p in torch_e2e.PHASES)
+  assert (out / "torch_e2e.png").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device for torch")
+def test_gpu_graph_cells_replay_a_captured_step(tmp_path, capsys):
+  """--graph: each arm's step captured once (forge: its fused updates with
+  the step's scalars formed on the GPU) and replayed; the replays train
+  (the loss falls) and no fused update runs host work after the capture."""
+  out = tmp_path / "run"
+  rc = torch_e2e.main(["--layers", "2", "--d-model", "256", "--heads", "4",
+                       "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
+                       "--seq", "16", "--bt", "64", "--steps", "4",
+                       "--warmup", "2", "--graph", "--out-dir", str(out)])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  rows = [r for r in _rows(out / "torch_e2e.csv")
+          if r["case"].endswith("BT=64 CUDA graph")]
+  cell = {(r["provider"], r["metric"]): float(r["p50"]) for r in rows}
+  for arm in torch_e2e.ARMS:
+    assert cell[(arm, "step_time")] > 0 and cell[(arm, "gpu_replay")] > 0
+    assert cell[(arm, "loss_final")] < cell[(arm, "loss_first")]
+    assert (arm, "peak_memory") not in cell and cell[(arm, "peak_reserved")]
+  assert cell[("forge", "bridge_calls")] == 0  # replays: no bridge calls
   assert (out / "torch_e2e.png").exists()
