@@ -38,7 +38,9 @@ from benchmarks import common, e2e  # noqa: E402
 
 # First match wins: a kernel's category from its name.
 CATEGORIES = (
-    ("forge kernel", re.compile(r"fused_wgrad", re.I)),
+    # (The Triton kernel is named after its rule; every Mosaic GPU kernel
+    # of a FORGE step is one: Pallas names them anonymous_mosaic_gpu_kernel.)
+    ("forge kernel", re.compile(r"fused_wgrad|mosaic_gpu", re.I)),
     # The fused kernel's epilogue on an XLA-formed G (stacked wgrad="xla").
     ("forge stored-G update", re.compile(r"stored_g_update", re.I)),
     ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),

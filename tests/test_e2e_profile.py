@@ -10,6 +10,7 @@ from benchmarks import e2e_profile as ep
 def test_categories_from_kernel_names():
   cases = {
       "fused_wgrad_adamw": "forge kernel",
+      "anonymous_mosaic_gpu_kernel": "forge kernel",
       "stored_g_update_adamw": "forge stored-G update",
       "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopB_TNN": "gemm",
       "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
