@@ -685,7 +685,8 @@ def bar_rows(csv_path: str, pick: dict | None = None,
   for r in common.read_rows(csv_path):  # in file order: newest last
     if r["benchmark"] != benchmark or "BT=" not in r["case"]:
       continue
-    bt, arm = int(r["case"].split("BT=")[1]), r["provider"]
+    # (e.g. "llama-886M BT=512", or "... BT=512 CUDA graph")
+    bt, arm = int(r["case"].split("BT=")[1].split()[0]), r["provider"]
     if pick is not None and pick.get((bt, arm)) != r["timestamp"]:
       continue
     last[(bt, arm, r["metric"])] = r

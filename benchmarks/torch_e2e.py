@@ -745,8 +745,10 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
   pool = next((float(r["p50"]) for k, r in last.items()
                if k[2] == "grad_pool"), math.nan)
   shape = any_row["shape"].rsplit(" B", 1)[0]
+  graph = (", the step captured in a CUDA graph"
+           if any_row["case"].endswith("CUDA graph") else "")
   fig.suptitle(f"Llama-style decoder training step in torch ({shape}; "
-               f"gradient pool {pool:.4g} MiB): forge_torch vs "
+               f"gradient pool {pool:.4g} MiB{graph}): forge_torch vs "
                f"AdamW(fused=True) on {any_row['device']}; labels: forge / "
                "torch", fontsize=8)
   fig.tight_layout()

@@ -305,8 +305,10 @@ def test_gpu_graph_cells_replay_a_captured_step(tmp_path, capsys):
   the step's scalars formed on the GPU) and replayed; the replays train
   (the loss falls) and no fused update runs host work after the capture."""
   out = tmp_path / "run"
+  # (A vocabulary of 1024: the head's kernel case must be one the Mosaic GPU
+  # kernel tiles, the only one a graph can record.)
   rc = torch_e2e.main(["--layers", "2", "--d-model", "256", "--heads", "4",
-                       "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
+                       "--kv-heads", "2", "--ffn", "512", "--vocab", "1024",
                        "--seq", "16", "--bt", "64", "--steps", "4",
                        "--warmup", "2", "--graph", "--out-dir", str(out)])
   text = capsys.readouterr().out
