@@ -267,6 +267,11 @@ def test_no_cuda_device_is_refused_not_measured(tmp_path, monkeypatch,
   assert not out.exists()
 
 
+# A small bf16 decoder for the GPU tests (its sequence of 16 tokens).
+GPU_SMALL = ["--layers", "2", "--d-model", "256", "--heads", "4",
+             "--kv-heads", "2", "--ffn", "512", "--seq", "16"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA device for torch")
@@ -278,10 +283,9 @@ def test_gpu_small_run_saves_the_pool(tmp_path, capsys):
   weights' gradients are gone after the backward and the forge arm's peak
   is the lower."""
   out = tmp_path / "run"
-  rc = torch_e2e.main(["--layers", "2", "--d-model", "256", "--heads", "4",
-                       "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
-                       "--seq", "16", "--bt", "32", "--steps", "3",
-                       "--warmup", "2", "--check", "--out-dir", str(out)])
+  rc = torch_e2e.main([*GPU_SMALL, "--vocab", "1000", "--bt", "32",
+                       "--steps", "3", "--warmup", "2", "--check",
+                       "--out-dir", str(out)])
   text = capsys.readouterr().out
   assert rc == 0, text
   cell = {(r["provider"], r["metric"]): float(r["p50"])
@@ -307,10 +311,9 @@ def test_gpu_graph_cells_replay_a_captured_step(tmp_path, capsys):
   out = tmp_path / "run"
   # (A vocabulary of 1024: the head's kernel case must be one the Mosaic GPU
   # kernel tiles, the only one a graph can record.)
-  rc = torch_e2e.main(["--layers", "2", "--d-model", "256", "--heads", "4",
-                       "--kv-heads", "2", "--ffn", "512", "--vocab", "1024",
-                       "--seq", "16", "--bt", "64", "--steps", "4",
-                       "--warmup", "2", "--graph", "--out-dir", str(out)])
+  rc = torch_e2e.main([*GPU_SMALL, "--vocab", "1024", "--bt", "64",
+                       "--steps", "4", "--warmup", "2", "--graph",
+                       "--out-dir", str(out)])
   text = capsys.readouterr().out
   assert rc == 0, text
   rows = [r for r in _rows(out / "torch_e2e.csv")
