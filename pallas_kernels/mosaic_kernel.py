@@ -21,12 +21,14 @@ runs). ``G`` never leaves registers. Two schedules
   tensor cores run (``state_buffers``, ``prefetch_next``); or, with
   ``state_ring``, streams the state through a ring of sub-tile slots
   instead of holding the whole slice.
-* **Ping-pong** (``pingpong=True``): two compute warpgroups each own whole
-  tiles, taking the tiles of their program in turn, so while one runs a
-  tile's K loop on the tensor cores the other runs the epilogue of its
-  previous tile. The memory warpgroup streams the blocks of the program's
-  tiles, in tile order, through one ring of ``steps`` slots that both
-  compute warpgroups read; each slot has a "full" barrier per compute
+* **Ping-pong** (``pingpong=True``): ``compute_wgs`` (2 to 4) compute
+  warpgroups each own whole tiles, taking the tiles of their program in
+  turn, so while one runs a tile's K loop on the tensor cores the others
+  run the epilogues of their previous tiles (with more than two, an
+  epilogue may take as long as several K loops, and more warps share its
+  latency). The memory warpgroup streams the blocks of the program's
+  tiles, in tile order, through one ring of ``steps`` slots that every
+  compute warpgroup reads; each slot has a "full" barrier per compute
   warpgroup (a thread must wait on every phase of a barrier it waits on,
   so each waits only on its own) and one "consumed" barrier, waited on by
   the memory warpgroup alone. The state always streams through a ring of
@@ -66,7 +68,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import lowp, quant
 from pallas_kernels.rules import UpdateRule
 
-__all__ = ["MosaicConfig", "default_config", "launch", "stored_config",
+__all__ = ["MosaicConfig", "default_config", "launch", "pingpong_registers",
+           "stored_config",
            "unsupported"]
 
 # Shared memory per block on Hopper (227 KiB).
@@ -82,8 +85,20 @@ _PIPELINE_RESERVE = 256
 # compares them).
 _INT8_REDUCTION_BYTES = 1024
 # Registers per thread of the memory warpgroup; the compute warpgroups
-# share the rest (at most 232 each with two).
+# share the rest (pingpong_registers: 232 each with two, 152 with three,
+# 112 with four).
 _MEMORY_REGISTERS = 40
+# Registers per thread a ping-pong compute warpgroup keeps for its
+# epilogue beside the accumulator (MosaicConfig's check).
+_EPILOGUE_REGISTERS = 48
+
+
+def pingpong_registers(compute_wgs: int) -> int:
+  """Registers per thread of each of ``compute_wgs`` ping-pong compute
+  warpgroups: an SM's 65536 shared with the memory warpgroup's
+  ``_MEMORY_REGISTERS`` (128 threads a warpgroup), a multiple of 8, at most
+  232."""
+  return min(232, (65536 // 128 - _MEMORY_REGISTERS) // compute_wgs // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +110,7 @@ class MosaicConfig:
     tile_n: columns of ``W`` per output tile (a multiple of 64).
     tile_k: token rows per K step (a multiple of 64).
     steps: K blocks in flight in the pipeline (>= 1); with ``pingpong``,
-      the slots of the operand ring the two compute warpgroups share.
+      the slots of the operand ring the compute warpgroups share.
     epi_m, epi_n: the epilogue's sub-tile (divide each compute warpgroup's
       ``tile_m x tile_n / compute_wgs`` share; rows a multiple of 8,
       columns of 32; with ``pingpong`` they divide the whole tile, rows a
@@ -103,7 +118,8 @@ class MosaicConfig:
     compute_wgs: compute warpgroups (1 to 4) splitting the tile's columns
       (each takes a multiple of 64); default 2 where ``tile_n`` is a
       multiple of 128, else 1. More warpgroups hide more of the epilogue's
-      latency; each gets fewer registers. With ``pingpong`` always 2.
+      latency; each gets fewer registers. With ``pingpong`` 2 (the
+      default), 3 or 4, each owning whole tiles.
     delay_release: K steps a block stays in shared memory after its
       ``wgmma`` is issued (0 or 1): 1 keeps one ``wgmma`` in flight.
     state_buffers: shared-memory buffers for the state tiles (1 or 2). With
@@ -127,11 +143,14 @@ class MosaicConfig:
       one tile column at a time, so every column re-reads all of ``x``:
       from HBM once ``x`` no longer fits in L2. Wider bands keep the
       concurrent tiles' ``x`` and ``dy`` blocks in L2 together.
-    pingpong: the ping-pong schedule (module docstring): two compute
+    pingpong: the ping-pong schedule (module docstring): the compute
       warpgroups each own whole tiles, one running its K loop while the
-      other runs its epilogue. Each holds a whole tile's fp32 accumulator,
-      ``tile_m * tile_n / 128`` registers per thread, so ``tile_m *
-      tile_n <= 16384`` (128 x 128, 64 x 256 or smaller). Not for a stored
+      others run their epilogues. Each holds a whole tile's fp32
+      accumulator, ``tile_m * tile_n / 128`` registers per thread, out of
+      :func:`pingpong_registers` less 48 for the epilogue, at most 128: so
+      ``tile_m * tile_n <= 16384`` (128 x 128, 64 x 256 or smaller) with
+      two compute warpgroups, ``<= 8192`` (64 x 128, 128 x 64) with three
+      or four. Not for a stored
       gradient (:func:`stored_g_update`), which has no K loop to overlap.
     rolled: the streamed epilogue (``pingpong`` or ``state_ring``) as a
       loop over its sub-tiles instead of unrolled: each iteration takes its
@@ -227,18 +246,24 @@ class MosaicConfig:
 
   def _check_pingpong(self):
     """The ping-pong schedule's own limits (``pingpong=True``)."""
-    if self.compute_wgs != 2:
+    if self.compute_wgs not in (2, 3, 4):
       raise ValueError(
           f"MosaicConfig: compute_wgs={self.compute_wgs!r} with pingpong: "
-          "the ping-pong schedule runs exactly 2 compute warpgroups, each "
-          "owning whole tiles in turn; leave compute_wgs unset (or 2)")
-    if self.tile_m * self.tile_n > 16384:
+          "the ping-pong schedule runs 2 to 4 compute warpgroups, each "
+          "owning whole tiles in turn; leave compute_wgs unset (2) or give "
+          "3 or 4")
+    regs = pingpong_registers(self.compute_wgs)
+    most = min(128, regs - _EPILOGUE_REGISTERS)
+    if self.tile_m * self.tile_n > most * 128:
       raise ValueError(
           f"MosaicConfig: with pingpong each compute warpgroup holds a whole "
           f"{self.tile_m}x{self.tile_n} tile's fp32 accumulator, "
-          f"{self.tile_m * self.tile_n // 128} registers per thread, more "
-          "than the 128 that fit beside the epilogue: keep tile_m * tile_n "
-          "<= 16384 (e.g. 128x128 or 64x256)")
+          f"{self.tile_m * self.tile_n // 128} registers per thread; with "
+          f"{self.compute_wgs} compute warpgroups each has {regs}, of which "
+          f"at most {most} fit beside the epilogue: keep tile_m * tile_n "
+          f"<= {most * 128} (e.g. "
+          + ("128x128 or 64x256)" if most >= 128 else
+             "64x128 or 128x64)" if most >= 64 else "64x64)"))
     if self.state_buffers != 1 or self.prefetch_next:
       raise ValueError(
           "MosaicConfig: with pingpong the state streams through a ring of "
@@ -356,7 +381,7 @@ class MosaicConfig:
     """The state ring the kernel runs with these dtypes: ``state_ring``;
     with ``pingpong`` and ``state_ring=0``, the most epilogue sub-tiles
     (at least 1, at most a tile's) whose buffers fit beside the operand
-    ring, for both compute warpgroups; with ``pingpong``, at most a tile's
+    ring, for every compute warpgroup; with ``pingpong``, at most a tile's
     sub-tiles."""
     if not self.pingpong:
       return self.state_ring
@@ -956,14 +981,14 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
                     x_ring, dy_ring, full, consumed, *, cfg: MosaicConfig,
                     m_iters: int, n_iters: int, k_iters: int):
   """The ping-pong schedule's tile loops (module docstring), warpgroups 0
-  and 1 computing, 2 streaming the operands; the epilogue pieces are
+  to ``compute_wgs - 1`` computing, the last streaming the operands; the epilogue pieces are
   :func:`_kernel_body`'s."""
   tm, tn, tk, n_steps = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.steps
   cw, delay = cfg.compute_wgs, cfg.delay_release
   wg = lax.axis_index("wg")
   sm, n_sm = lax.axis_index("sm"), lax.axis_size("sm")
   # This program's tiles: sm + j * n_sm for j < my_tiles; tile j is compute
-  # warpgroup j % 2's, and its K steps are j * k_iters + k of the stream
+  # warpgroup j % compute_wgs's, and its K steps are j * k_iters + k of the stream
   # through the operand ring.
   my_tiles = lax.div(m_iters * n_iters - sm + n_sm - 1, n_sm)
 
@@ -1004,9 +1029,7 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
 
   @pl.when(wg < cw)
   def _compute():
-    plgpu.set_max_registers(
-        min(232, (512 - _MEMORY_REGISTERS) // cw // 8 * 8),
-        action="increase")
+    plgpu.set_max_registers(pingpong_registers(cw), action="increase")
     h = hparams()
 
     def release(step):

@@ -506,8 +506,17 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
     # (mu_hat, stored, never loaded); 4 tiles over 6 programs: two get none.
     (pk.muon_rule(), (128, 128, 256), (BF16,) * 3, "64x128x64/2,pp",
      6, None),
+    # Three compute warpgroups: 5 x 2 tiles over 2 programs, 5 each, so
+    # warpgroups 0 and 1 take two tiles and 2 one.
+    (pk.ADAMW, (128, 320, 256), (BF16,) * 3, "64x128x64/4,wg3,e64x32,pp", 2,
+     None),
+    # Four, rolled, on a stack: 2 x 3 tiles in one program (warpgroups 0
+    # and 1 take two, 2 and 3 one); 3 K steps through 2 slots, which change
+    # owner within a tile.
+    (pk.ADAMW, (192, 256, 192), (BF16,) * 3, "128x64x64/2,wg4,pp,lp", 1, 1),
 ], ids=["128x128-5-tiles", "fp32-state", "fp16-d0-ring1-band",
-        "stacked-layer-rolled", "muon-no-tile-programs"])
+        "stacked-layer-rolled", "muon-no-tile-programs", "three-warpgroups",
+        "four-warpgroups-stacked"])
 def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
                                     layer):
   x_dtype, w_dtype, slot_dtype = dtypes
@@ -540,6 +549,11 @@ def test_pingpong_labels_and_limits():
                       pingpong=True))
   assert pk.MosaicConfig(tile_m=64, tile_n=64, pingpong=True).label == (
       "64x64x64/3,pp")  # two compute warpgroups is its default
+  three = pk.MosaicConfig.from_label("64x128x64/4,wg3,pp")
+  assert (three.compute_wgs, three.wg_n, three.label) == (
+      3, 128, "64x128x64/4,wg3,pp")
+  assert [pk.mosaic_kernel.pingpong_registers(c) for c in (2, 3, 4)] == [
+      232, 152, 112]
   bare = pk.MosaicConfig.from_label("64x128x64/4,pp,lp,ax,nb")
   assert (bare.no_barriers, bare.approx_math, bare.label) == (
       True, True, "64x128x64/4,pp,lp,nb,ax")
@@ -553,7 +567,11 @@ def test_pingpong_labels_and_limits():
       for bt in (512, 2048)]
   for label, match in [
       ("128x256x64/2,pp", "256 registers per thread"),
-      ("128x128x64/4,wg1,pp", "exactly 2 compute warpgroups"),
+      ("128x128x64/4,wg1,pp", "2 to 4 compute warpgroups"),
+      ("128x128x64/4,wg3,pp", "128 registers per thread; with 3 compute "
+       "warpgroups each has 152, of which at most 104 fit"),
+      ("64x256x64/4,wg4,pp", "each has 112, of which at most 64 fit.*"
+       r"<= 8192 \(e.g. 64x128 or 128x64\)"),
       ("64x128x64/4,b2,pn,pp", "leave state_buffers=1 and prefetch_next"),
       ("128x128x64/4,e32x64,pp", "multiple of 64 that divides tile_m"),
       ("128x128x64/4,pp,pp", "knob 'pp' is given twice"),
@@ -611,6 +629,8 @@ def test_pingpong_refusals():
     ("64x128x64/2,d0,e64x32,r1,s2,pp", BF16),
     ("64x256x64/3,e64x32,r2,pp", BF16),
     ("128x128x64/3,e64x64,pp", F32),
+    ("64x128x64/4,wg3,e64x32,pp,nb", BF16),
+    ("128x64x64/3,wg4,e64x32,pp,lp", BF16),
 ])
 def test_gpu_mosaic_pingpong_compiled_matches_reference(label, slot_dtype):
   case = _case(25, 512, 1024, 768, pk.ADAMW, w_dtype=slot_dtype,
