@@ -21,7 +21,7 @@ runs). ``G`` never leaves registers. Two schedules
   tensor cores run (``state_buffers``, ``prefetch_next``); or, with
   ``state_ring``, streams the state through a ring of sub-tile slots
   instead of holding the whole slice.
-* **Ping-pong** (``pingpong=True``): ``compute_wgs`` (2 to 4) compute
+* **Ping-pong** (``pingpong=True``): ``compute_wgs`` (2 or 3) compute
   warpgroups each own whole tiles, taking the tiles of their program in
   turn, so while one runs a tile's K loop on the tensor cores the others
   run the epilogues of their previous tiles (with more than two, an
@@ -79,14 +79,13 @@ _SMEM_BYTES = 232448
 # schedule's pipeline barriers.
 _PINGPONG_RESERVE = 1024
 _PIPELINE_RESERVE = 256
-# Per int8 slot: the scratch of its per-row absmax reduction (1 KiB with
-# alignment). These reserves keep MosaicConfig.smem_bytes at or above what
+# Per int8 slot and compute warpgroup: the scratch of its per-row absmax
+# reduction (with alignment; at least 1 KiB a slot). These reserves keep MosaicConfig.smem_bytes at or above what
 # the Mosaic GPU lowering allocates (tests/test_mosaic_lowering.py
 # compares them).
-_INT8_REDUCTION_BYTES = 1024
+_INT8_REDUCTION_BYTES = 512
 # Registers per thread of the memory warpgroup; the compute warpgroups
-# share the rest (pingpong_registers: 232 each with two, 152 with three,
-# 112 with four).
+# share the rest (pingpong_registers: 232 each with two, 152 with three).
 _MEMORY_REGISTERS = 40
 # Registers per thread a ping-pong compute warpgroup keeps for its
 # epilogue beside the accumulator (MosaicConfig's check).
@@ -119,7 +118,7 @@ class MosaicConfig:
       (each takes a multiple of 64); default 2 where ``tile_n`` is a
       multiple of 128, else 1. More warpgroups hide more of the epilogue's
       latency; each gets fewer registers. With ``pingpong`` 2 (the
-      default), 3 or 4, each owning whole tiles.
+      default) or 3, each owning whole tiles.
     delay_release: K steps a block stays in shared memory after its
       ``wgmma`` is issued (0 or 1): 1 keeps one ``wgmma`` in flight.
     state_buffers: shared-memory buffers for the state tiles (1 or 2). With
@@ -128,6 +127,12 @@ class MosaicConfig:
     prefetch_next: with 2 state buffers, issue the next tile's state loads
       when this tile's K loop ends (before its epilogue) instead of at the
       next tile's start, so they also fly during this tile's epilogue.
+      With ``pingpong`` (one state buffer: the ring), the ring runs on
+      across a warpgroup's tiles: as the last sub-tiles of a tile's
+      epilogue free their slots, they load the first sub-tiles of the
+      warpgroup's next tile, whose loads then fly during the rest of this
+      epilogue and the next K loop instead of starting with it (the ring
+      is cut to a divisor of the tile's sub-tiles, :meth:`ring_for`).
     state_ring: 0 holds each warpgroup's whole share of the state tile in
       shared memory (``state_buffers`` copies). ``R >= 1`` streams it
       instead through a ring of ``R`` epilogue sub-tiles per warpgroup: the
@@ -149,9 +154,8 @@ class MosaicConfig:
       accumulator, ``tile_m * tile_n / 128`` registers per thread, out of
       :func:`pingpong_registers` less 48 for the epilogue, at most 128: so
       ``tile_m * tile_n <= 16384`` (128 x 128, 64 x 256 or smaller) with
-      two compute warpgroups, ``<= 8192`` (64 x 128, 128 x 64) with three
-      or four. Not for a stored
-      gradient (:func:`stored_g_update`), which has no K loop to overlap.
+      two compute warpgroups, ``<= 8192`` (64 x 128, 128 x 64) with
+      three. Not for a stored gradient (:func:`stored_g_update`), which has no K loop to overlap.
     rolled: the streamed epilogue (``pingpong`` or ``state_ring``) as a
       loop over its sub-tiles instead of unrolled: each iteration takes its
       slice of the accumulator through a ``lax.switch`` (register moves),
@@ -217,8 +221,9 @@ class MosaicConfig:
     if self.state_buffers not in (1, 2):
       raise ValueError(f"MosaicConfig: state_buffers={self.state_buffers!r} "
                        "must be 1 or 2")
-    if self.prefetch_next and self.state_buffers != 2:
-      raise ValueError("MosaicConfig: prefetch_next needs state_buffers=2")
+    if self.prefetch_next and self.state_buffers != 2 and not self.pingpong:
+      raise ValueError("MosaicConfig: prefetch_next needs state_buffers=2 "
+                       "(or pingpong, whose ring then runs across tiles)")
     if not isinstance(self.state_ring, int) or not 0 <= self.state_ring <= 8:
       raise ValueError(f"MosaicConfig: state_ring={self.state_ring!r} must "
                        "be 0 (the whole state tile held; with pingpong, a "
@@ -246,12 +251,13 @@ class MosaicConfig:
 
   def _check_pingpong(self):
     """The ping-pong schedule's own limits (``pingpong=True``)."""
-    if self.compute_wgs not in (2, 3, 4):
+    if self.compute_wgs not in (2, 3):
       raise ValueError(
           f"MosaicConfig: compute_wgs={self.compute_wgs!r} with pingpong: "
-          "the ping-pong schedule runs 2 to 4 compute warpgroups, each "
+          "the ping-pong schedule runs 2 or 3 compute warpgroups, each "
           "owning whole tiles in turn; leave compute_wgs unset (2) or give "
-          "3 or 4")
+          "3 (with 4, compiling the kernel did not finish within minutes "
+          "on the H200, jax 0.11.2)")
     regs = pingpong_registers(self.compute_wgs)
     most = min(128, regs - _EPILOGUE_REGISTERS)
     if self.tile_m * self.tile_n > most * 128:
@@ -264,11 +270,11 @@ class MosaicConfig:
           f"<= {most * 128} (e.g. "
           + ("128x128 or 64x256)" if most >= 128 else
              "64x128 or 128x64)" if most >= 64 else "64x64)"))
-    if self.state_buffers != 1 or self.prefetch_next:
+    if self.state_buffers != 1:
       raise ValueError(
           "MosaicConfig: with pingpong the state streams through a ring of "
           "epilogue sub-tiles (state_ring; 0 = as many as fit), so leave "
-          "state_buffers=1 and prefetch_next=False")
+          "state_buffers=1")
     if self.epi_m % 64 or self.tile_m % self.epi_m:
       raise ValueError(
           f"MosaicConfig: with pingpong the epilogue sub-tile's rows "
@@ -382,15 +388,20 @@ class MosaicConfig:
     with ``pingpong`` and ``state_ring=0``, the most epilogue sub-tiles
     (at least 1, at most a tile's) whose buffers fit beside the operand
     ring, for every compute warpgroup; with ``pingpong``, at most a tile's
-    sub-tiles."""
+    sub-tiles, and with ``prefetch_next`` as well, a divisor of them."""
     if not self.pingpong:
       return self.state_ring
     if self.state_ring:
-      return min(self.state_ring, self.sub_tiles)
-    sub = self._sub_tile_bytes(state_dtypes)
-    free = (_SMEM_BYTES - self._reserve(state_dtypes)
-            - self._operand_bytes(x_dtype))
-    return max(1, min(self.sub_tiles, free // (self.compute_wgs * sub)))
+      ring = min(self.state_ring, self.sub_tiles)
+    else:
+      sub = self._sub_tile_bytes(state_dtypes)
+      free = (_SMEM_BYTES - self._reserve(state_dtypes)
+              - self._operand_bytes(x_dtype))
+      ring = max(1, min(self.sub_tiles, free // (self.compute_wgs * sub)))
+    if self.prefetch_next:  # the ring runs across tiles: slot = sub-tile % R
+      while self.sub_tiles % ring:
+        ring -= 1
+    return ring
 
   def _sub_tile_bytes(self, state_dtypes) -> int:
     """Shared memory of one ring slot: the state's sub-tiles, plus the
@@ -405,7 +416,7 @@ class MosaicConfig:
     alignment, and the int8 slots' reduction scratch."""
     n_int8 = [jnp.dtype(d) for d in state_dtypes].count(jnp.dtype(jnp.int8))
     return ((_PINGPONG_RESERVE if self.pingpong else _PIPELINE_RESERVE)
-            + _INT8_REDUCTION_BYTES * n_int8)
+            + max(1024, _INT8_REDUCTION_BYTES * self.compute_wgs) * n_int8)
 
   def smem_bytes(self, x_dtype, state_dtypes) -> int:
     """Shared memory the kernel asks for, at most this (pipeline buffers +
@@ -838,15 +849,18 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
           plgpu.copy_gmem_to_smem(scale_row(q, rows, block), buf.at[wg, r],
                                   bar.at[wg * ring + r])
 
-    def load_ring(t):
-      # The share's first sub-tiles, once the warpgroup's previous stores
-      # have left shared memory.
+    def load_ring(t, first=0):
+      # The share's first sub-tiles from `first` on, once the warpgroup's
+      # previous stores have left shared memory.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      for s in range(min(ring, len(subs))):
+      for s in range(first, min(ring, len(subs))):
         load_sub(t, s)
 
-    def streamed_epilogue(t, acc, h):
+    def streamed_epilogue(t, acc, h, nxt=None):
       # acc: the share's accumulator, or None to read G from its buffer.
+      # nxt: (the warpgroup's next tile as `t`, whether there is one): the
+      # ring runs on into it (prefetch_next; len(subs) % ring == 0, so a
+      # sub-tile's slot is its number modulo the ring in every tile).
       wg = t[3]
 
       def sub_tile(s, g):
@@ -866,16 +880,24 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
                                                     is_state))
         done = s - lag   # the sub-tile whose slot is reloaded now
 
-        def reload():
+        def reload(into=t, at=done + ring):
           # One store group per stored array and sub-tile: those of the
           # `lag` sub-tiles since may still be reading.
           plgpu.wait_smem_to_gmem(lag * len(stored), wait_read_only=True)
-          load_sub(t, done + ring)
+          load_sub(into, at)
+
+        def reload_next():  # the next tile's sub-tile in this slot
+          reload(nxt[0], done + ring - len(subs))
         if isinstance(s, int):
           if done >= 0 and done + ring < len(subs):
             reload()
+          elif done >= 0 and nxt is not None:
+            pl.when(nxt[1])(reload_next)
         else:
           pl.when((done >= 0) & (done + ring < len(subs)))(reload)
+          if nxt is not None:
+            pl.when((done >= 0) & (done + ring >= len(subs)) & nxt[1])(
+                reload_next)
 
       def acc_slice(i, j):
         return acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
@@ -894,7 +916,8 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
     if cfg.pingpong:
       _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
                       x_ring, dy_ring, full, consumed, cfg=cfg,
-                      m_iters=m_iters, n_iters=n_iters, k_iters=k_iters)
+                      m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
+                      ring=ring, lag=lag)
       return
 
     wg = lax.axis_index("wg")
@@ -979,7 +1002,8 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
 
 def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
                     x_ring, dy_ring, full, consumed, *, cfg: MosaicConfig,
-                    m_iters: int, n_iters: int, k_iters: int):
+                    m_iters: int, n_iters: int, k_iters: int, ring: int,
+                    lag: int):
   """The ping-pong schedule's tile loops (module docstring), warpgroups 0
   to ``compute_wgs - 1`` computing, the last streaming the operands; the epilogue pieces are
   :func:`_kernel_body`'s."""
@@ -1040,8 +1064,18 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
       j = wg + u * cw
       mi, ni = coords(j)
       t = (mi, ni, 0, wg)
-      # This tile's first state sub-tiles fly during its K loop.
-      load_ring(t)
+      # This tile's first state sub-tiles fly during its K loop: all of
+      # them issued now, or (prefetch_next) for a tile after the first,
+      # the `lag` that the previous tile's epilogue left to load.
+      nxt = None
+      if cfg.prefetch_next:
+        pl.when(u == 0)(lambda: load_ring(t))
+        if lag:
+          pl.when(u > 0)(lambda: load_ring(t, ring - lag))
+        # (coords of a tile past the end are computed, never loaded.)
+        nxt = ((*coords(j + cw), 0, wg), j + cw < my_tiles)
+      else:
+        load_ring(t)
 
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn)))
       def _acc(acc_ref):
@@ -1063,7 +1097,7 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
         if delay:
           plgpu.wgmma_wait(0)
           release(first + k_iters - 1)
-        streamed_epilogue(t, acc_ref[...], h)
+        streamed_epilogue(t, acc_ref[...], h, nxt)
 
 
 def launch(operands, w, slots, hparams, *, rule: UpdateRule,

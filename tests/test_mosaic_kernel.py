@@ -273,19 +273,24 @@ def test_gpu_mosaic_kernel_compiled_knobs(cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("label,slot_dtype", [
-    ("128x64x64/4,pp,lp", BF16), ("64x128x64/4,pp,lp", F32),
-    ("128x128x64/4,e64x32,s8,pp", BF16), ("128x128x64/4,e64x32,r2,s8", BF16),
-    ("64x128x64/4,b2,pn", BF16), ("64x128x64/4,pp,lp", "int8")],
+@pytest.mark.parametrize("label,knob,slot_dtype", [
+    ("128x64x64/4,pp,lp", ",nb", BF16), ("64x128x64/4,pp,lp", ",nb", F32),
+    ("128x128x64/4,e64x32,s8,pp", ",nb", BF16),
+    ("128x128x64/4,e64x32,r2,s8", ",nb", BF16),
+    ("64x128x64/4,b2,pn", ",nb", BF16), ("64x128x64/4,pp,lp", ",nb", "int8"),
+    ("64x128x64/4,pp,lp,nb", ",pn", BF16),
+    ("128x128x64/4,e64x32,s8,pp", ",pn", BF16),
+    ("64x128x64/4,pp,lp,nb", ",pn", "int8")],
     ids=["pingpong-128x64", "pingpong-fp32", "pingpong-banded",
-         "ring-banded", "two-buffers", "pingpong-int8"])
-def test_gpu_mosaic_kernel_without_auto_barriers_is_bitwise_the_same(
-    label, slot_dtype):
+         "ring-banded", "two-buffers", "pingpong-int8", "next-tile-ring",
+         "next-tile-ring-banded", "next-tile-ring-int8"])
+def test_gpu_mosaic_kernel_knob_is_bitwise_the_same(label, knob, slot_dtype):
   # no_barriers (,nb) drops Pallas's barriers around the epilogue's
-  # shared-memory stores: a race would show as differing bits somewhere in
-  # W, m or v over several inputs.
+  # shared-memory stores; prefetch_next (,pn, ping-pong) loads the next
+  # tile's first state sub-tiles during this tile's epilogue: a race would
+  # show as differing bits somewhere in W, m or v over several inputs.
   cfg = pk.MosaicConfig.from_label(label)
-  bare = pk.MosaicConfig.from_label(label + ",nb")
+  bare = pk.MosaicConfig.from_label(label + knob)
   h = _hparams(pk.ADAMW)
   run = lambda c: jax.jit(lambda x, dy, w, s: pk.fused_wgrad_update(
       x, dy, w, s, h, rule=pk.ADAMW, backend="mosaic_gpu", config=c))
@@ -510,13 +515,29 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
     # warpgroups 0 and 1 take two tiles and 2 one.
     (pk.ADAMW, (128, 320, 256), (BF16,) * 3, "64x128x64/4,wg3,e64x32,pp", 2,
      None),
-    # Four, rolled, on a stack: 2 x 3 tiles in one program (warpgroups 0
-    # and 1 take two, 2 and 3 one); 3 K steps through 2 slots, which change
-    # owner within a tile.
-    (pk.ADAMW, (192, 256, 192), (BF16,) * 3, "128x64x64/2,wg4,pp,lp", 1, 1),
+    # Three, rolled, on a stack: 2 x 3 tiles in one program (each
+    # warpgroup takes two); 3 K steps through 2 slots, which change owner
+    # within a tile.
+    (pk.ADAMW, (192, 256, 192), (BF16,) * 3, "128x64x64/2,wg3,pp,lp", 1, 1),
+    # The ring running across a warpgroup's tiles (prefetch_next): the
+    # first case's tiles, a ring of 4 over 8 sub-tiles ...
+    (pk.ADAMW, (128, 128, 640), (BF16,) * 3, "128x128x64/4,e64x32,pn,pp", 2,
+     None),
+    # ... a ring of one (each slot reloaded at once, with the next tile's
+    # first sub-tile at the end of a tile), 3 tiles per program ...
+    (pk.lion_rule(), (192, 128, 384), (F16, BF16, F32),
+     "64x128x64/2,d0,e64x32,r1,s2,pn,pp", 2, None),
+    # ... a ring of 3 cut to 2 (a divisor of the 4 sub-tiles), rolled, on a
+    # stack, 5 tiles per warpgroup ...
+    (pk.ADAMW, (128, 320, 256), (BF16,) * 3, "64x128x64/2,e64x32,r3,pn,pp,lp",
+     1, 1),
+    # ... and three warpgroups.
+    (pk.ADAMW, (128, 320, 256), (BF16,) * 3, "64x128x64/4,wg3,e64x32,pn,pp",
+     2, None),
 ], ids=["128x128-5-tiles", "fp32-state", "fp16-d0-ring1-band",
         "stacked-layer-rolled", "muon-no-tile-programs", "three-warpgroups",
-        "four-warpgroups-stacked"])
+        "three-warpgroups-stacked", "next-tile-ring", "next-tile-ring1",
+        "next-tile-ring-cut-stacked", "next-tile-three-warpgroups"])
 def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
                                     layer):
   x_dtype, w_dtype, slot_dtype = dtypes
@@ -526,6 +547,38 @@ def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
     stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
     w, slots = stack(w), tuple(map(stack, slots))
   _check_pingpong(rule, (x, dy, w, slots), label, num_sms, layer)
+
+
+@pytest.mark.parametrize("label,slot_dtype", [
+    ("64x128x64/2,pp,lp", "int8"), ("128x128x64/4,e64x32,pp", BF16)],
+    ids=["int8", "bf16"])
+def test_pingpong_next_tile_ring_is_bitwise_the_same(label, slot_dtype):
+  # prefetch_next changes when the state's loads are issued, not what the
+  # epilogue computes: the same bits as without it (interpreted with race
+  # detection, 16 tiles over 4 programs: two per warpgroup).
+  int8 = slot_dtype == "int8"
+  x, dy, w, slots = _case(46, 128, 256, 512, pk.ADAMW,
+                          slot_dtype=F32 if int8 else slot_dtype)
+  if int8:
+    fmt = quant.MomentFormat("int8")
+    slots = tuple(quant.quantize(a, fmt, second_moment=k == 1)
+                  for k, a in enumerate(slots))
+  h = _hparams(pk.ADAMW)
+  plan = (lowp.plan_state(slots, pk.ADAMW, w, where="test")[0] if int8
+          else None)
+  out = []
+  for cfg in (pk.MosaicConfig.from_label(label),
+              pk.MosaicConfig.from_label(label + ",pn")):
+    if int8:
+      assert pk.mosaic_kernel.int8_tiling_problem(cfg) is None
+    out.append(jax.tree.leaves(pk.mosaic_kernel.launch(
+        (x, dy), w, slots, h, rule=pk.ADAMW, cfg=cfg, interpret=RACES,
+        num_sms=4, plan=plan)))
+  want, got = out
+  assert len(want) == len(got) == (5 if int8 else 3)
+  for a, b, old in zip(want, got, jax.tree.leaves((w, slots))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (np.asarray(a) != np.asarray(old)).mean() > 0.3
 
 
 def test_pingpong_through_fused_wgrad_update():
@@ -552,8 +605,13 @@ def test_pingpong_labels_and_limits():
   three = pk.MosaicConfig.from_label("64x128x64/4,wg3,pp")
   assert (three.compute_wgs, three.wg_n, three.label) == (
       3, 128, "64x128x64/4,wg3,pp")
-  assert [pk.mosaic_kernel.pingpong_registers(c) for c in (2, 3, 4)] == [
-      232, 152, 112]
+  assert [pk.mosaic_kernel.pingpong_registers(c) for c in (2, 3)] == [
+      232, 152]
+  # prefetch_next: the ring cut to a divisor of the tile's sub-tiles.
+  across = pk.MosaicConfig.from_label("64x128x64/2,e64x32,r3,pn,pp")
+  assert (across.sub_tiles, across.ring_for(BF16, [BF16] * 3)) == (4, 2)
+  assert pk.MosaicConfig.from_label("64x128x64/2,e64x32,r3,pp").ring_for(
+      BF16, [BF16] * 3) == 3
   bare = pk.MosaicConfig.from_label("64x128x64/4,pp,lp,ax,nb")
   assert (bare.no_barriers, bare.approx_math, bare.label) == (
       True, True, "64x128x64/4,pp,lp,nb,ax")
@@ -567,12 +625,13 @@ def test_pingpong_labels_and_limits():
       for bt in (512, 2048)]
   for label, match in [
       ("128x256x64/2,pp", "256 registers per thread"),
-      ("128x128x64/4,wg1,pp", "2 to 4 compute warpgroups"),
+      ("128x128x64/4,wg1,pp", "2 or 3 compute warpgroups"),
+      ("64x128x64/4,wg4,pp", "with 4, compiling the kernel did not finish"),
       ("128x128x64/4,wg3,pp", "128 registers per thread; with 3 compute "
-       "warpgroups each has 152, of which at most 104 fit"),
-      ("64x256x64/4,wg4,pp", "each has 112, of which at most 64 fit.*"
-       r"<= 8192 \(e.g. 64x128 or 128x64\)"),
-      ("64x128x64/4,b2,pn,pp", "leave state_buffers=1 and prefetch_next"),
+       "warpgroups each has 152, of which at most 104 fit.*"
+       r"<= 13312 \(e.g. 64x128 or 128x64\)"),
+      ("64x128x64/4,b2,pn,pp", "so leave state_buffers=1"),
+      ("64x128x64/4,pn", "prefetch_next needs state_buffers=2 .or pingpong"),
       ("128x128x64/4,e32x64,pp", "multiple of 64 that divides tile_m"),
       ("128x128x64/4,pp,pp", "knob 'pp' is given twice"),
       ("128x128x64/4,p", "unknown knob 'p'.*,pn ,pp ,lp ,nb and ,ax"),
@@ -630,7 +689,8 @@ def test_pingpong_refusals():
     ("64x256x64/3,e64x32,r2,pp", BF16),
     ("128x128x64/3,e64x64,pp", F32),
     ("64x128x64/4,wg3,e64x32,pp,nb", BF16),
-    ("128x64x64/3,wg4,e64x32,pp,lp", BF16),
+    ("128x128x64/4,e64x32,pn,pp", BF16),
+    ("64x128x64/4,pn,pp,lp,nb", F32),
 ])
 def test_gpu_mosaic_pingpong_compiled_matches_reference(label, slot_dtype):
   case = _case(25, 512, 1024, 768, pk.ADAMW, w_dtype=slot_dtype,

@@ -100,12 +100,14 @@ def test_fp32_state_lowers_for_cuda(name):
     ("optax:muon", "64x128x64/2,d0,e64x32,r1,pp", None, jnp.bfloat16),
     # The epilogue looped over its sub-tiles (rolled).
     ("optax:adamw", "128x128x64/4,e64x32,pp,lp", None, jnp.bfloat16),
-    # Three and four ping-pong compute warpgroups.
+    # Three ping-pong compute warpgroups; the ring running across tiles.
     ("optax:adamw", "64x128x64/4,wg3,e64x32,pp,lp", None, jnp.bfloat16),
-    ("optax:muon", "128x64x64/4,wg4,pp", 3, jnp.bfloat16),
+    ("optax:muon", "128x64x64/4,wg3,pn,pp", 3, jnp.bfloat16),
+    ("optax:adamw", "128x128x64/4,e64x32,pn,pp,lp", None, jnp.bfloat16),
 ], ids=["column-split-buffers", "column-split-ring", "pingpong-stacked-fp16",
         "pingpong-d0-ring1-state-only", "pingpong-rolled",
-        "pingpong-three-warpgroups", "pingpong-four-warpgroups-stacked"])
+        "pingpong-three-warpgroups", "pingpong-three-next-tile-stacked",
+        "pingpong-next-tile-rolled"])
 def test_schedules_lower_for_cuda(name, label, layers, x_dtype):
   cfg = mosaic_kernel.MosaicConfig.from_label(label)
   lowered = _lower(RULES[name], jnp.bfloat16, cfg, n=128, layers=layers,
@@ -168,7 +170,7 @@ def test_compiled_launch_returns_an_untouched_weight_as_given():
     ("64x256x64/4,r2,lp", False, 3),
     ("128x64x64/6,pp,lp", True, 3),       # ping-pong, its ring fitted
     ("128x128x64/4,pp,lp", False, None),
-    ("64x128x64/4,wg4,pp,lp", True, None),   # four compute warpgroups
+    ("64x128x64/4,wg3,pn,pp,lp", True, None),  # three compute warpgroups
     ("128x64x64/4,wg3,e64x32,pp", False, 3),
     ("64x128x64/4,b2,pn", False, None),   # whole tiles, 2 buffers
 ])
