@@ -46,7 +46,8 @@ RULES = ("adamw", "sgd_momentum", "sgd")
 # tile_m x tile_n x tile_k / pipeline steps, then knobs.
 # The default tilings (mosaic_kernel.default_config: the ping-pong
 # schedule) up to 1024 tokens and beyond.
-MOSAIC_DEFAULT = ("128x128x64/4,e64x32,pp", "128x128x64/4,e64x32,s8,pp")
+MOSAIC_DEFAULT = ("128x128x64/4,e64x32,pp",
+                  "128x128x64/4,e64x32,s8,pn,pp,nb")
 
 
 def parse_mosaic(label: str) -> pk.MosaicConfig:

@@ -134,7 +134,7 @@ MOSAIC_CONFIG_SPACE: tuple[str, ...] = (
     # tokens and beyond, and their fallbacks: 3 K steps (wide state), 64
     # rows (shapes 128 does not divide).
     "128x128x64/4,e64x32,pp",
-    "128x128x64/4,e64x32,s8,pp",
+    "128x128x64/4,e64x32,s8,pn,pp,nb",
     "128x128x64/3,e64x32,pp",
     "64x128x64/4,e64x32,pp",
     # Ping-pong: a fixed ring of 2; 64 x 256 tiles.
@@ -149,7 +149,9 @@ MOSAIC_CONFIG_SPACE: tuple[str, ...] = (
     # (the cache's picks at the Llama-3.1-8B shapes).
     "64x128x64/4,pp,lp", "128x64x64/4,pp,lp",
     "64x128x64/4,pp,lp,nb", "128x64x64/4,pp,lp,nb",
-    "128x128x64/4,e64x32,s8,pp,nb",
+    "128x128x64/4,e64x32,s8,pp",
+    # The ring running across tiles (prefetch_next) up to 1024 tokens.
+    "128x128x64/4,e64x32,pn,pp,nb",
     # The column-split schedule: its best measured tilings (64 x 128 with
     # two state buffers up to 1024 tokens; 128 x 128 streaming the state,
     # in bands of 8 beyond) and their fallbacks.

@@ -439,7 +439,11 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
   in flight, the state streamed in 64 x 32 epilogue sub-tiles through a
   ring of as many as fit (``state_ring=0``: 4 with bf16 ``W, m, v``),
   taken in snaking bands of 8 tile columns beyond 1024 tokens (``bt``
-  unknown counts as beyond) and one column at a time up to 1024. With a
+  unknown counts as beyond) and one column at a time up to 1024; beyond
+  1024 tokens with 16-bit state, also the ring running on across a
+  warpgroup's tiles (``prefetch_next``) and no automatic barriers
+  (``no_barriers``), which measured 1-9 % faster on the H200 at BT 2048 on
+  the four Llama-3.1-8B shapes and equal or faster at BT 4096. With a
   4-byte state array (fp32 moments or weight) the sub-tiles are 64 x 64
   where they fit (a ring of 1 with fp32 moments) and the epilogue loops
   over them (``rolled``).
@@ -470,9 +474,13 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
   tiles measured 1.12-1.37x faster on the H200 at BT 512 on the four
   Llama-3.1-8B shapes.
   """
-  band = 1 if bt is not None and bt <= 1024 else 8
+  long = bt is None or bt > 1024
+  band = 8 if long else 1
   # Wide (4-byte) state: 64 x 64 sub-tiles, looped over (rolled).
   wide = quantized or any(jnp.dtype(d).itemsize > 2 for d in state_dtypes)
+  # 16-bit state beyond 1024 tokens: the ring running across tiles, no
+  # automatic barriers.
+  across = long and not wide
   tiles = [(128, 128), (64, 128), (128, 64), (64, 64)]
   if quantized:
     tiles = [(64, 128), (128, 64), (64, 64), (128, 128)]
@@ -487,7 +495,8 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
   for epi_n, rolled in epilogues:
     for steps in (4, 3, 2):
       cfg = MosaicConfig(tile_m=tm, tile_n=tn, steps=steps, epi_n=epi_n,
-                         band=band, pingpong=True, rolled=rolled)
+                         band=band, pingpong=True, rolled=rolled,
+                         prefetch_next=across, no_barriers=across)
       if cfg.smem_bytes(x_dtype, state_dtypes) <= _SMEM_BYTES:
         return cfg
   return cfg

@@ -49,12 +49,14 @@ MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
 # 4096x4096) and that of commit 1b02eba (BT 512, bf16 moments on the
 # smaller tiles at the other three shapes), and that of commit 846ff5a
 # (BT 512, int8 and bf16 moments on 64x128 and 128x64 ping-pong tiles, the
-# int8 epilogue's scales loaded by TMA), each the fastest tiling per case it
-# measured.
+# int8 epilogue's scales loaded by TMA), that of commit 868c0e8 (without
+# automatic barriers, BT 512 and 2048; the LM head) and that of commit
+# 0764b56 (the ring across tiles, BT 512, 2048 and 4096), each the fastest
+# tiling per case it measured.
 MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
     for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
-              "868c0e8")]
+              "868c0e8", "0764b56")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -118,9 +120,9 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 9))
+             + [BACKENDS_CSV] * 10))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
-  # 1b02eba, 846ff5a and 868c0e8)
+  # 1b02eba, 846ff5a, 868c0e8 and 0764b56)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -785,7 +787,8 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       assert label == want[(bt, slot)], key
       assert "default tiling" in source["pick"]
     else:  # the later runs: the fastest tiling each measured
-      assert commit in ("9228555", "c7c1567", "ee3c82c", "868c0e8")
+      assert commit in ("9228555", "c7c1567", "ee3c82c", "868c0e8",
+                        "0764b56")
       assert "fastest" in source["pick"]
       assert entry["time_us"] == min(
           t for lab, t in mosaic.items()
@@ -796,37 +799,45 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # fp32-moment cases at BT 2048; ee3c82c brought the decoder's shapes;
   # fee8919 the int8-moment cases (replacing 0eff7ae's) and 4096^2 with
   # bf16 moments, 1b02eba the other three bf16-moment cases at BT 512,
-  # 846ff5a all eight of those again, and 868c0e8 those eight, the four
-  # bf16-moment cases at BT 2048 and the LM head: so nothing of 0eff7ae's,
-  # fee8919's, 1b02eba's or 846ff5a's stands.
-  assert len(by_commit["c7c1567"]) == 9 and "9228555" not in by_commit
+  # 846ff5a all eight of those again, 868c0e8 those eight, the four
+  # bf16-moment cases at BT 2048 and the LM head, and 0764b56 the
+  # bf16-moment cases at BT 512 and 2048 and two at BT 4096: so nothing of
+  # 0eff7ae's, fee8919's, 1b02eba's or 846ff5a's stands.
+  assert len(by_commit["c7c1567"]) == 7 and "9228555" not in by_commit
   assert len(by_commit["ddd1e56"]) == 2 and "0eff7ae" not in by_commit
-  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["868c0e8"]) == 14
+  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["868c0e8"]) == 6
+  assert len(by_commit["0764b56"]) == 10
   assert not {"fee8919", "1b02eba", "846ff5a"} & set(by_commit)
-  for commit in ("c7c1567", "ee3c82c", "868c0e8"):
+  for commit in ("c7c1567", "ee3c82c", "868c0e8", "0764b56"):
     assert {M(**entries[k]["config"]).pingpong
             for k in by_commit[commit]} == {True}
   # At BT 512 the rolled 64x64 epilogue on the smaller ping-pong tiles won
-  # on the four Llama shapes, where 128 x 128 spilled, and without Pallas's
-  # automatic barriers (,nb) except at 4096 x 1024 with bf16 moments; at
-  # BT 2048 the bands of 8, without the barriers on three shapes.
+  # on the Llama shapes, where 128 x 128 spilled, without Pallas's
+  # automatic barriers (,nb); with int8 moments everywhere, with bf16 ones
+  # beside the ring running across tiles (,pn) at 14336 x 4096 and on
+  # 128 x 128 tiles at 4096 x 1024. At BT 2048 and 4096 the bands of 8 with
+  # the ring across tiles and without the barriers.
   won = {"|".join(k.split("|")[1:3] + k.split("|")[4:]):
-         M(**entries[k]["config"]).label for k in by_commit["868c0e8"]}
+         M(**entries[k]["config"]).label
+         for k in by_commit["868c0e8"] | by_commit["0764b56"]}
   small, narrow = "64x128x64/4,pp,lp", "128x64x64/4,pp,lp"
-  band = "128x128x64/4,e64x32,s8,pp"
+  band = "128x128x64/4,e64x32,s8,pn,pp,nb"
   assert won == {
-      "bt512|4096x4096|slots=bfloat16,bfloat16": narrow + ",nb",
-      "bt512|4096x1024|slots=bfloat16,bfloat16": small,
-      "bt512|4096x14336|slots=bfloat16,bfloat16": narrow + ",nb",
-      "bt512|14336x4096|slots=bfloat16,bfloat16": small + ",nb",
+      "bt512|4096x4096|slots=bfloat16,bfloat16": small + ",nb",
+      "bt512|4096x1024|slots=bfloat16,bfloat16": (
+          "128x128x64/4,e64x32,pn,pp,nb"),
+      "bt512|4096x14336|slots=bfloat16,bfloat16": small + ",nb",
+      "bt512|14336x4096|slots=bfloat16,bfloat16": "64x128x64/4,pn,pp,lp,nb",
       "bt512|4096x4096|slots=int8,int8": small + ",nb",
       "bt512|4096x1024|slots=int8,int8": narrow + ",nb",
       "bt512|4096x14336|slots=int8,int8": small + ",nb",
       "bt512|14336x4096|slots=int8,int8": small + ",nb",
-      "bt2048|4096x4096|slots=bfloat16,bfloat16": band + ",nb",
-      "bt2048|4096x1024|slots=bfloat16,bfloat16": band + ",nb",
+      "bt2048|4096x4096|slots=bfloat16,bfloat16": band,
+      "bt2048|4096x1024|slots=bfloat16,bfloat16": band,
       "bt2048|4096x14336|slots=bfloat16,bfloat16": band,
-      "bt2048|14336x4096|slots=bfloat16,bfloat16": band + ",nb",
+      "bt2048|14336x4096|slots=bfloat16,bfloat16": band,
+      "bt4096|4096x4096|slots=bfloat16,bfloat16": band,
+      "bt4096|4096x1024|slots=bfloat16,bfloat16": band,
       "bt512|2048x32000|slots=bfloat16,bfloat16": small,
       "bt2048|2048x32000|slots=bfloat16,bfloat16": (
           "128x128x64/4,e64x32,pp,lp")}
@@ -900,7 +911,8 @@ def _backends_csv(path, rows):
 
 
 def test_mosaic_entries_from_a_backends_csv(tmp_path):
-  a, b = "forge_mosaic_128x128x64/4,e64x32,s8,pp", "forge_mosaic_64x128x64/2"
+  a = "forge_mosaic_128x128x64/4,e64x32,s8,pn,pp,nb"  # the BT 2048 default
+  b = "forge_mosaic_64x128x64/2"
   path = tmp_path / "b.csv"
   _backends_csv(path, [
       # BT 2048: the first measurement has b fastest; the second the

@@ -407,7 +407,9 @@ def test_default_mosaic_tiling_is_the_ping_pong_schedule():
     # The ring: as many sub-tiles as fit beside 4 K steps.
     assert short.ring_for(BF16, state) == ring
     long = default(BF16, state, bt=2048)
-    assert long.label == f"128x128x64/4{epi},s8,pp{rolled}"
+    # (16-bit state: the ring across tiles and no automatic barriers.)
+    assert long.label == (f"128x128x64/4{epi},s8,pn,pp,nb" if epi else
+                          f"128x128x64/4,s8,pp{rolled}")
     assert default(BF16, state) == long  # tokens unknown: the long case
   # Shapes 128 does not divide: the first of 64 x 128, 128 x 64, 64 x 64
   # that does, else 128 x 128 (refused).
