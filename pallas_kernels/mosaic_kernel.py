@@ -669,7 +669,12 @@ _MAGIC_BITS = 0x4B400000  # its bits
 
 
 def _round_to_codes(y):
-  """``round(y)`` (half to even) as int8 codes, for ``|round(y)| <= 127``."""
+  """``round(y)`` (half to even) as int8 codes, for ``|round(y)| <= 127``.
+
+  Where ``y`` is a product the compiler may contract ``y + 1.5 * 2**23``
+  into one fused multiply-add, which rounds the exact product: a code can
+  then differ by one from the reference's where the product lies within
+  half an fp32 ulp of a half-integer (docs/optimizers.md, Tests)."""
   t = lax.bitcast_convert_type(y + jnp.float32(_MAGIC), jnp.int32)
   return (t - jnp.int32(_MAGIC_BITS)).astype(jnp.int8)
 
