@@ -556,10 +556,10 @@ def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
     ids=["int8", "bf16"])
 def test_pingpong_next_tile_ring_is_bitwise_the_same(label, slot_dtype):
   # prefetch_next changes when the state's loads are issued, not what the
-  # epilogue computes: the same bits as without it (interpreted with race
-  # detection, 16 tiles over 4 programs: two per warpgroup).
+  # epilogue computes: the same bits as without it (one program: two or
+  # four tiles per warpgroup; the races: test_pingpong_matches_reference).
   int8 = slot_dtype == "int8"
-  x, dy, w, slots = _case(46, 128, 256, 512, pk.ADAMW,
+  x, dy, w, slots = _case(46, 64, 256, 256, pk.ADAMW,
                           slot_dtype=F32 if int8 else slot_dtype)
   if int8:
     fmt = quant.MomentFormat("int8")
@@ -574,8 +574,8 @@ def test_pingpong_next_tile_ring_is_bitwise_the_same(label, slot_dtype):
     if int8:
       assert pk.mosaic_kernel.int8_tiling_problem(cfg) is None
     out.append(jax.tree.leaves(pk.mosaic_kernel.launch(
-        (x, dy), w, slots, h, rule=pk.ADAMW, cfg=cfg, interpret=RACES,
-        num_sms=4, plan=plan)))
+        (x, dy), w, slots, h, rule=pk.ADAMW, cfg=cfg, interpret=True,
+        num_sms=1, plan=plan)))
   want, got = out
   assert len(want) == len(got) == (5 if int8 else 3)
   for a, b, old in zip(want, got, jax.tree.leaves((w, slots))):
