@@ -80,9 +80,9 @@ _SMEM_BYTES = 232448
 _PINGPONG_RESERVE = 1024
 _PIPELINE_RESERVE = 256
 # Per int8 slot and compute warpgroup: the scratch of its per-row absmax
-# reduction (with alignment; at least 1 KiB a slot). These reserves keep MosaicConfig.smem_bytes at or above what
-# the Mosaic GPU lowering allocates (tests/test_mosaic_lowering.py
-# compares them).
+# reduction (with alignment; at least 1 KiB a slot). These reserves keep
+# MosaicConfig.smem_bytes at or above what the Mosaic GPU lowering
+# allocates (tests/test_mosaic_lowering.py compares them).
 _INT8_REDUCTION_BYTES = 512
 # Registers per thread of the memory warpgroup; the compute warpgroups
 # share the rest (pingpong_registers: 232 each with two, 152 with three).
@@ -155,7 +155,8 @@ class MosaicConfig:
       :func:`pingpong_registers` less 48 for the epilogue, at most 128: so
       ``tile_m * tile_n <= 16384`` (128 x 128, 64 x 256 or smaller) with
       two compute warpgroups, ``<= 8192`` (64 x 128, 128 x 64) with
-      three. Not for a stored gradient (:func:`stored_g_update`), which has no K loop to overlap.
+      three. Not for a stored gradient (:func:`stored_g_update`), which
+      has no K loop to overlap.
     rolled: the streamed epilogue (``pingpong`` or ``state_ring``) as a
       loop over its sub-tiles instead of unrolled: each iteration takes its
       slice of the accumulator through a ``lax.switch`` (register moves),
@@ -1019,15 +1020,15 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
                     m_iters: int, n_iters: int, k_iters: int, ring: int,
                     lag: int):
   """The ping-pong schedule's tile loops (module docstring), warpgroups 0
-  to ``compute_wgs - 1`` computing, the last streaming the operands; the epilogue pieces are
-  :func:`_kernel_body`'s."""
+  to ``compute_wgs - 1`` computing, the last streaming the operands; the
+  epilogue pieces are :func:`_kernel_body`'s."""
   tm, tn, tk, n_steps = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.steps
   cw, delay = cfg.compute_wgs, cfg.delay_release
   wg = lax.axis_index("wg")
   sm, n_sm = lax.axis_index("sm"), lax.axis_size("sm")
   # This program's tiles: sm + j * n_sm for j < my_tiles; tile j is compute
-  # warpgroup j % compute_wgs's, and its K steps are j * k_iters + k of the stream
-  # through the operand ring.
+  # warpgroup j % compute_wgs's, and its K steps are j * k_iters + k of the
+  # stream through the operand ring.
   my_tiles = lax.div(m_iters * n_iters - sm + n_sm - 1, n_sm)
 
   def coords(j):
