@@ -33,6 +33,9 @@ runs). ``G`` never leaves registers. Two schedules
   so each waits only on its own) and one "consumed" barrier, waited on by
   the memory warpgroup alone. The state always streams through a ring of
   sub-tiles per warpgroup, the first loads in flight during the K loop.
+  With ``cluster=2`` the programs run in clusters of two that take
+  tile-row pairs in step and multicast the ``dy`` blocks they share (the
+  "consumed" barriers then span the cluster).
 
 Both share the epilogue: the rule on a sub-tile, the sub-tile loads and
 stores, the streamed ring. Stacked ``(L, in, out)`` state (``layer=i``)
@@ -176,6 +179,16 @@ class MosaicConfig:
       epilogue (``CompilerParams(approx_math=True)``: ``sqrt.approx``
       instead of the IEEE sequence); the results may differ from the
       reference in the last bits.
+    cluster: programs per thread-block cluster (1 or 2; 2 needs
+      ``pingpong``). With 2, the two programs of a cluster take the two
+      tiles of a tile-row pair in step (rows ``2p`` and ``2p + 1`` of the
+      same tile column), which share their ``dy`` blocks: each memory
+      warpgroup loads half of each ``dy`` block and multicasts it to both
+      (TMA multicast), so the operand traffic from L2 falls by a
+      ``tile_n / (2 (tile_m + tile_n))`` share (a third on 64 x 128 tiles,
+      a quarter on 128 x 128). A ring slot is then refilled only once both
+      programs' warpgroups have read it (a cluster barrier). The weight's
+      rows must split into an even number of tiles.
   """
 
   tile_m: int = 128
@@ -194,6 +207,7 @@ class MosaicConfig:
   rolled: bool = False
   no_barriers: bool = False
   approx_math: bool = False
+  cluster: int = 1
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "tile_k"):
@@ -209,6 +223,12 @@ class MosaicConfig:
                          "must be True or False")
     if self.compute_wgs is None:
       object.__setattr__(self, "compute_wgs", self._default_compute_wgs())
+    if self.cluster not in (1, 2) or (self.cluster > 1
+                                      and not self.pingpong):
+      raise ValueError(
+          f"MosaicConfig: cluster={self.cluster!r} must be 1, or 2 with "
+          "pingpong (the ping-pong schedule's memory warpgroups multicast "
+          "the shared dy blocks)")
     if self.pingpong:
       self._check_pingpong()
     elif (self.compute_wgs not in (1, 2, 3, 4)
@@ -297,19 +317,19 @@ class MosaicConfig:
   # the flags (a knob without a value that sets its field to True).
   _KNOBS = (("wg", ("compute_wgs",)), ("d", ("delay_release",)),
             ("e", ("epi_m", "epi_n")), ("b", ("state_buffers",)),
-            ("r", ("state_ring",)), ("s", ("band",)))
+            ("r", ("state_ring",)), ("s", ("band",)), ("c", ("cluster",)))
   _FLAGS = (("pn", "prefetch_next"), ("pp", "pingpong"), ("lp", "rolled"),
             ("nb", "no_barriers"), ("ax", "approx_math"))
-  LABEL_FORM = ("MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,pn][,pp]"
-                "[,lp][,nb][,ax]")
+  LABEL_FORM = ("MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,cC][,pn]"
+                "[,pp][,lp][,nb][,ax]")
 
   @property
   def label(self) -> str:
     """``128x128x64/4,e64x32,s8,pp``: ``tile_m x tile_n x tile_k / steps``,
     then each knob that is off its default: ``,wgW`` (compute_wgs),
     ``,dD`` (delay_release), ``,eMxN`` (the epilogue sub-tile), ``,bB``
-    (state_buffers), ``,rR`` (state_ring), ``,sS`` (band), ``,pn``
-    (prefetch_next), ``,pp`` (pingpong), ``,lp`` (rolled), ``,nb``
+    (state_buffers), ``,rR`` (state_ring), ``,sS`` (band), ``,cC``
+    (cluster), ``,pn`` (prefetch_next), ``,pp`` (pingpong), ``,lp`` (rolled), ``,nb``
     (no_barriers), ``,ax`` (approx_math).
     ``MosaicConfig.from_label(cfg.label) == cfg``."""
     fields = {f.name: f.default for f in dataclasses.fields(self)}
@@ -365,8 +385,8 @@ class MosaicConfig:
         if prefix not in prefixes:
           raise ValueError(
               f"Mosaic GPU tiling label {label!r}: unknown knob {knob!r}; "
-              "the knobs are ,wgW ,dD ,eMxN ,bB ,rR ,sS ,pn ,pp ,lp ,nb "
-              f"and ,ax (the form is {cls.LABEL_FORM})")
+              "the knobs are ,wgW ,dD ,eMxN ,bB ,rR ,sS ,cC ,pn ,pp ,lp "
+              f",nb and ,ax (the form is {cls.LABEL_FORM})")
         names = prefixes[prefix]
         values = numbers(knob[len(prefix):], len(names),
                          f"the value after {prefix!r} in knob {knob!r}")
@@ -605,6 +625,10 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
     if n_in % cfg.tile_m or n_out % cfg.tile_n or bt % cfg.tile_k:
       return (f"BT x in x out = {bt} x {n_in} x {n_out} is not a multiple "
               f"of the tiles {cfg.tile_k} x {cfg.tile_m} x {cfg.tile_n}")
+    if n_in % (cfg.tile_m * cfg.cluster):
+      return (f"with cluster={cfg.cluster} the programs of a cluster take "
+              f"tile rows in pairs: in = {n_in} must be a multiple of "
+              f"{cfg.cluster} x tile_m = {cfg.cluster * cfg.tile_m}")
     need = cfg.smem_bytes(x_dtype, held)
   if need > _SMEM_BYTES:
     ring = (f" with a state ring of {cfg.ring_for(x_dtype, held)} sub-tiles"
@@ -806,8 +830,14 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
         # full[c * steps + slot]: the slot's x and dy blocks for compute
         # warpgroup c have landed.
         full=plgpu.Barrier(num_arrivals=2, num_barriers=cw * cfg.steps),
-        # consumed[slot]: the warpgroup that read the slot is done with it.
-        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=cfg.steps))
+        # consumed[slot]: the warpgroup that read the slot is done with it
+        # (with a cluster: the warpgroup of every program of the cluster,
+        # whose slots the multicast loads also fill).
+        consumed=(plgpu.Barrier(num_arrivals=1, num_barriers=cfg.steps)
+                  if cfg.cluster == 1 else
+                  plgpu.ClusterBarrier(collective_axes=("cluster",),
+                                       num_arrivals=1,
+                                       num_barriers=cfg.steps)))
   else:
     allocs["pipeline_allocs"] = pipeline(ignore, ignore).get_allocations(
         x_gmem, dy_gmem)
@@ -1023,16 +1053,23 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
   to ``compute_wgs - 1`` computing, the last streaming the operands; the
   epilogue pieces are :func:`_kernel_body`'s."""
   tm, tn, tk, n_steps = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.steps
-  cw, delay = cfg.compute_wgs, cfg.delay_release
+  cw, delay, cl = cfg.compute_wgs, cfg.delay_release, cfg.cluster
   wg = lax.axis_index("wg")
   sm, n_sm = lax.axis_index("sm"), lax.axis_size("sm")
+  # With a cluster, "sm" numbers the clusters and the grid of tiles is one
+  # of tile-row groups of `cl`; program `cta` of a cluster takes row
+  # `cta` of each group.
+  cta = lax.axis_index("cluster") if cl > 1 else 0
+  m_groups = m_iters // cl
   # This program's tiles: sm + j * n_sm for j < my_tiles; tile j is compute
   # warpgroup j % compute_wgs's, and its K steps are j * k_iters + k of the
   # stream through the operand ring.
-  my_tiles = lax.div(m_iters * n_iters - sm + n_sm - 1, n_sm)
+  my_tiles = lax.div(m_groups * n_iters - sm + n_sm - 1, n_sm)
 
   def coords(j):
-    return plgpu.planar_snake(sm + j * n_sm, (m_iters, n_iters), 1, cfg.band)
+    mg, ni = plgpu.planar_snake(sm + j * n_sm, (m_groups, n_iters), 1,
+                                cfg.band)
+    return mg * cl + cta, ni
 
   @pl.when(wg == cw)
   def _memory():
@@ -1055,8 +1092,12 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
         landed = full.at[owner * n_steps + slot]
         plgpu.copy_gmem_to_smem(x_gmem.at[rows, pl.ds(mi * tm, tm)],
                                 x_ring.at[slot], landed)
+        # With a cluster, each program loads half of the dy block and
+        # multicasts it to both (the same block: one tile column).
         plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(ni * tn, tn)],
-                                dy_ring.at[slot], landed)
+                                dy_ring.at[slot], landed,
+                                **({"collective_axes": "cluster"}
+                                   if cl > 1 else {}))
 
     # Observe the last steps' releases too, so that no barrier is left with
     # a phase this warpgroup did not see.
@@ -1135,8 +1176,8 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
     interpret: run in Pallas GPU interpret mode (on the CPU): ``True``, or
       the interpreter's ``plgpu.InterpretGPUParams`` (e.g. with
       ``detect_races=True``); ``False`` to compile.
-    num_sms: programs in the persistent grid; default the GPU's SM count
-      (4 in interpret mode).
+    num_sms: programs in the persistent grid (``num_sms // cfg.cluster``
+      clusters of them); default the GPU's SM count (4 in interpret mode).
     plan: the :class:`~pallas_kernels.lowp.StatePlan` of int8 slots
       (``Quantized`` pairs in ``slots``; :func:`low_precision_problem`), or
       ``None``.
@@ -1191,8 +1232,10 @@ def _launch(operands, w, slots, hparams, layer, *, rule: UpdateRule,
     params = interpret
   else:
     params = plgpu.InterpretGPUParams() if interpret else None
+  clusters = ({} if cfg.cluster == 1 else
+              {"cluster": (cfg.cluster,), "cluster_names": ("cluster",)})
   kernel = plgpu.kernel(
-      body, grid=(num_sms,), grid_names=("sm",),
+      body, grid=(num_sms // cfg.cluster,), grid_names=("sm",), **clusters,
       out_type=tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
                      for _ in rule.outputs),
       # A stored G needs no memory warpgroup: no K loop to stream.

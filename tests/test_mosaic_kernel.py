@@ -280,14 +280,19 @@ def test_gpu_mosaic_kernel_compiled_knobs(cfg):
     ("64x128x64/4,b2,pn", ",nb", BF16), ("64x128x64/4,pp,lp", ",nb", "int8"),
     ("64x128x64/4,pp,lp,nb", ",pn", BF16),
     ("128x128x64/4,e64x32,s8,pp", ",pn", BF16),
-    ("64x128x64/4,pp,lp,nb", ",pn", "int8")],
+    ("64x128x64/4,pp,lp,nb", ",pn", "int8"),
+    ("64x128x64/4,pp,lp,nb", ",c2", BF16),
+    ("128x128x64/4,e64x32,s8,pn,pp,nb", ",c2", BF16),
+    ("64x128x64/4,pp,lp,nb", ",c2", "int8")],
     ids=["pingpong-128x64", "pingpong-fp32", "pingpong-banded",
          "ring-banded", "two-buffers", "pingpong-int8", "next-tile-ring",
-         "next-tile-ring-banded", "next-tile-ring-int8"])
+         "next-tile-ring-banded", "next-tile-ring-int8", "cluster",
+         "cluster-next-tile-banded", "cluster-int8"])
 def test_gpu_mosaic_kernel_knob_is_bitwise_the_same(label, knob, slot_dtype):
   # no_barriers (,nb) drops Pallas's barriers around the epilogue's
   # shared-memory stores; prefetch_next (,pn, ping-pong) loads the next
-  # tile's first state sub-tiles during this tile's epilogue: a race would
+  # tile's first state sub-tiles during this tile's epilogue; a cluster
+  # (,c2) multicasts the dy blocks between two programs: a race would
   # show as differing bits somewhere in W, m or v over several inputs.
   cfg = pk.MosaicConfig.from_label(label)
   bare = pk.MosaicConfig.from_label(label + knob)
@@ -536,10 +541,19 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
     # ... and three warpgroups.
     (pk.ADAMW, (128, 320, 256), (BF16,) * 3, "64x128x64/4,wg3,e64x32,pn,pp",
      2, None),
+    # Clusters of two programs taking tile-row pairs: 2 x 3 pairs over 3
+    # clusters (6 programs), the dy blocks shared ...
+    (pk.ADAMW, (128, 256, 384), (BF16,) * 3, "64x128x64/2,e64x32,c2,pp", 6,
+     None),
+    # ... 1 x 3 pairs of 128 x 128 tiles over 2 clusters (2 and 1 each),
+    # 3 K steps through 2 slots, the ring across tiles, on a stack.
+    (pk.ADAMW, (192, 256, 384), (BF16,) * 3,
+     "128x128x64/2,e64x32,s2,c2,pn,pp", 4, 1),
 ], ids=["128x128-5-tiles", "fp32-state", "fp16-d0-ring1-band",
         "stacked-layer-rolled", "muon-no-tile-programs", "three-warpgroups",
         "three-warpgroups-stacked", "next-tile-ring", "next-tile-ring1",
-        "next-tile-ring-cut-stacked", "next-tile-three-warpgroups"])
+        "next-tile-ring-cut-stacked", "next-tile-three-warpgroups",
+        "cluster", "cluster-next-tile-stacked"])
 def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
                                     layer):
   x_dtype, w_dtype, slot_dtype = dtypes
@@ -614,6 +628,11 @@ def test_pingpong_labels_and_limits():
   assert (across.sub_tiles, across.ring_for(BF16, [BF16] * 3)) == (4, 2)
   assert pk.MosaicConfig.from_label("64x128x64/2,e64x32,r3,pp").ring_for(
       BF16, [BF16] * 3) == 3
+  # Clusters of two programs (the dy blocks multicast).
+  pair = pk.MosaicConfig.from_label("64x128x64/4,pp,c2,lp")
+  assert (pair.cluster, pair.label) == (2, "64x128x64/4,c2,pp,lp")
+  assert pair.smem_bytes(BF16, [BF16] * 3) == pk.MosaicConfig.from_label(
+      "64x128x64/4,pp,lp").smem_bytes(BF16, [BF16] * 3)
   bare = pk.MosaicConfig.from_label("64x128x64/4,pp,lp,ax,nb")
   assert (bare.no_barriers, bare.approx_math, bare.label) == (
       True, True, "64x128x64/4,pp,lp,nb,ax")
@@ -637,7 +656,9 @@ def test_pingpong_labels_and_limits():
       ("128x128x64/4,e32x64,pp", "multiple of 64 that divides tile_m"),
       ("128x128x64/4,pp,pp", "knob 'pp' is given twice"),
       ("128x128x64/4,p", "unknown knob 'p'.*,pn ,pp ,lp ,nb and ,ax"),
-      ("128x128x64/4,lp", "rolled .* needs pingpong or state_ring")]:
+      ("128x128x64/4,lp", "rolled .* needs pingpong or state_ring"),
+      ("128x128x64/4,c2", "cluster=2 must be 1, or 2 with pingpong"),
+      ("128x128x64/4,c4,pp", "cluster=4 must be 1, or 2 with pingpong")]:
     with pytest.raises(ValueError, match=match):
       pk.MosaicConfig.from_label(label)
   # The state ring: as many sub-tiles as fit, or the one asked for, at most
@@ -665,6 +686,11 @@ def test_pingpong_refusals():
         g_stored=g_stored, low_precision=low_precision)
 
   assert unsupported(pp) is None
+  # A cluster takes tile rows in pairs: 128 rows are one 128-row tile.
+  assert "in = 128 must be a multiple of 2 x tile_m = 256" in unsupported(
+      pk.MosaicConfig(steps=4, epi_n=32, pingpong=True, cluster=2))
+  assert unsupported(pk.MosaicConfig(tile_m=64, steps=4, epi_n=32,
+                                     pingpong=True, cluster=2)) is None
   # A stored gradient stays on the column-split schedule.
   assert "stored gradient has no K loop" in unsupported(pp, g_stored=True)
   with pytest.raises(ValueError, match="use a tiling without ',pp'"):

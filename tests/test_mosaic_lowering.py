@@ -104,15 +104,21 @@ def test_fp32_state_lowers_for_cuda(name):
     ("optax:adamw", "64x128x64/4,wg3,e64x32,pp,lp", None, jnp.bfloat16),
     ("optax:muon", "128x64x64/4,wg3,pn,pp", 3, jnp.bfloat16),
     ("optax:adamw", "128x128x64/4,e64x32,pn,pp,lp", None, jnp.bfloat16),
+    # Clusters of two programs, the dy blocks multicast between them.
+    ("optax:adamw", "64x128x64/4,c2,pp,lp,nb", None, jnp.bfloat16),
+    ("optax:muon", "64x128x64/2,e64x32,c2,pn,pp", 3, jnp.bfloat16),
 ], ids=["column-split-buffers", "column-split-ring", "pingpong-stacked-fp16",
         "pingpong-d0-ring1-state-only", "pingpong-rolled",
         "pingpong-three-warpgroups", "pingpong-three-next-tile-stacked",
-        "pingpong-next-tile-rolled"])
+        "pingpong-next-tile-rolled", "pingpong-cluster",
+        "pingpong-cluster-next-tile-stacked"])
 def test_schedules_lower_for_cuda(name, label, layers, x_dtype):
   cfg = mosaic_kernel.MosaicConfig.from_label(label)
-  lowered = _lower(RULES[name], jnp.bfloat16, cfg, n=128, layers=layers,
-                   x_dtype=x_dtype)
-  assert "mosaic_gpu" in lowered.as_text()
+  text = _lower(RULES[name], jnp.bfloat16, cfg, n=128, layers=layers,
+                x_dtype=x_dtype).as_text()
+  assert "mosaic_gpu" in text
+  # A cluster's programs multicast the dy blocks (TMA multicast).
+  assert ("multicast" in text) == (cfg.cluster > 1)
 
 
 @pytest.mark.parametrize("layers", [None, 3], ids=["2d", "stacked"])
