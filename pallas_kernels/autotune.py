@@ -5,7 +5,7 @@ line.
   ``BT`` chunk, warps, stages, tile order), as data;
   :data:`MOSAIC_CONFIG_SPACE`: the Mosaic GPU kernel's (tile sizes, K steps
   in flight, epilogue sub-tile, compute warpgroups, state buffers or ring,
-  tile order, column-split or ping-pong schedule), as labels.
+  tile order, clusters, column-split or ping-pong schedule), as labels.
 * :func:`tune`: times each candidate with the real kernel on *scratch* arrays
   (fresh random arrays of the right shapes and dtypes; never the caller's
   weight or state), skips candidates that fail to compile, and returns the
@@ -126,9 +126,10 @@ def config_space() -> list[BlockConfig]:
 # The Mosaic GPU kernel's candidate tilings, as MosaicConfig labels
 # (tile_m x tile_n x tile_k / K steps in flight, then ,wgW compute
 # warpgroups, ,dD delay_release, ,eMxN epilogue sub-tile, ,bB state
-# buffers, ,rR state ring, ,sS snaking bands of S tile columns, ,pn
-# prefetch the next tile's state, ,pp the ping-pong schedule, ,lp the
-# epilogue looped over its sub-tiles). The kernel has no cluster knob.
+# buffers, ,rR state ring, ,sS snaking bands of S tile columns, ,cC
+# clusters of C programs, ,pn prefetch the next tile's state, ,pp the
+# ping-pong schedule, ,lp the epilogue looped over its sub-tiles, ,nb no
+# automatic barriers).
 MOSAIC_CONFIG_SPACE: tuple[str, ...] = (
     # The ping-pong defaults (mosaic_kernel.default_config) up to 1024
     # tokens and beyond, and their fallbacks: 3 K steps (wide state), 64
@@ -152,6 +153,8 @@ MOSAIC_CONFIG_SPACE: tuple[str, ...] = (
     "128x128x64/4,e64x32,s8,pp",
     # The ring running across tiles (prefetch_next) up to 1024 tokens.
     "128x128x64/4,e64x32,pn,pp,nb",
+    # Clusters of two programs sharing the dy blocks (multicast).
+    "64x128x64/4,c2,pp,lp,nb",
     # The column-split schedule: its best measured tilings (64 x 128 with
     # two state buffers up to 1024 tokens; 128 x 128 streaming the state,
     # in bands of 8 beyond) and their fallbacks.

@@ -50,13 +50,14 @@ MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
 # smaller tiles at the other three shapes), and that of commit 846ff5a
 # (BT 512, int8 and bf16 moments on 64x128 and 128x64 ping-pong tiles, the
 # int8 epilogue's scales loaded by TMA), that of commit 868c0e8 (without
-# automatic barriers, BT 512 and 2048; the LM head) and that of commit
-# 0764b56 (the ring across tiles, BT 512, 2048 and 4096), each the fastest
-# tiling per case it measured.
+# automatic barriers, BT 512 and 2048; the LM head), that of commit
+# 0764b56 (the ring across tiles, BT 512, 2048 and 4096) and that of commit
+# de106a3 (clusters of two programs, BT 512, 2048 and 4096), each the
+# fastest tiling per case it measured.
 MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
     for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
-              "868c0e8", "0764b56")]
+              "868c0e8", "0764b56", "de106a3")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -120,9 +121,9 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 10))
+             + [BACKENDS_CSV] * 11))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
-  # 1b02eba, 846ff5a, 868c0e8 and 0764b56)
+  # 1b02eba, 846ff5a, 868c0e8, 0764b56 and de106a3)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -707,7 +708,7 @@ M = pk.MosaicConfig
 
 def test_mosaic_config_space_is_valid_and_fits_a_typical_case():
   space = autotune.mosaic_config_space()
-  assert 6 <= len(space) <= 45 and len(space) == len(set(space))
+  assert 6 <= len(space) <= 46 and len(space) == len(set(space))
   assert [c.label for c in space] == list(autotune.MOSAIC_CONFIG_SPACE)
   bf, f32 = jnp.bfloat16, jnp.float32
   # The kernel's default tilings are candidates.
@@ -788,7 +789,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       assert "default tiling" in source["pick"]
     else:  # the later runs: the fastest tiling each measured
       assert commit in ("9228555", "c7c1567", "ee3c82c", "868c0e8",
-                        "0764b56")
+                        "de106a3")
       assert "fastest" in source["pick"]
       assert entry["time_us"] == min(
           t for lab, t in mosaic.items()
@@ -800,34 +801,36 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # fee8919 the int8-moment cases (replacing 0eff7ae's) and 4096^2 with
   # bf16 moments, 1b02eba the other three bf16-moment cases at BT 512,
   # 846ff5a all eight of those again, 868c0e8 those eight, the four
-  # bf16-moment cases at BT 2048 and the LM head, and 0764b56 the
-  # bf16-moment cases at BT 512 and 2048 and two at BT 4096: so nothing of
-  # 0eff7ae's, fee8919's, 1b02eba's or 846ff5a's stands.
-  assert len(by_commit["c7c1567"]) == 7 and "9228555" not in by_commit
+  # bf16-moment cases at BT 2048 and the LM head, 0764b56 the
+  # bf16-moment cases at BT 512 and 2048 and two at BT 4096, and de106a3
+  # the twelve bf16-moment cases at BT 512, 2048 and 4096: so nothing of
+  # 0eff7ae's, fee8919's, 1b02eba's, 846ff5a's or 0764b56's stands.
+  assert len(by_commit["c7c1567"]) == 5 and "9228555" not in by_commit
   assert len(by_commit["ddd1e56"]) == 2 and "0eff7ae" not in by_commit
   assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["868c0e8"]) == 6
-  assert len(by_commit["0764b56"]) == 10
-  assert not {"fee8919", "1b02eba", "846ff5a"} & set(by_commit)
-  for commit in ("c7c1567", "ee3c82c", "868c0e8", "0764b56"):
+  assert len(by_commit["de106a3"]) == 12
+  assert not {"fee8919", "1b02eba", "846ff5a", "0764b56"} & set(by_commit)
+  for commit in ("c7c1567", "ee3c82c", "868c0e8", "de106a3"):
     assert {M(**entries[k]["config"]).pingpong
             for k in by_commit[commit]} == {True}
   # At BT 512 the rolled 64x64 epilogue on the smaller ping-pong tiles won
   # on the Llama shapes, where 128 x 128 spilled, without Pallas's
   # automatic barriers (,nb); with int8 moments everywhere, with bf16 ones
-  # beside the ring running across tiles (,pn) at 14336 x 4096 and on
-  # 128 x 128 tiles at 4096 x 1024. At BT 2048 and 4096 the bands of 8 with
-  # the ring across tiles and without the barriers.
+  # in clusters of two (,c2) at 4096^2 and 4096 x 14336 and beside the
+  # ring running across tiles (,pn) on 128 x 128 tiles at 4096 x 1024. At
+  # BT 2048 and 4096 the bands of 8 with the ring across tiles and without
+  # the barriers, not in clusters.
   won = {"|".join(k.split("|")[1:3] + k.split("|")[4:]):
          M(**entries[k]["config"]).label
-         for k in by_commit["868c0e8"] | by_commit["0764b56"]}
+         for k in by_commit["868c0e8"] | by_commit["de106a3"]}
   small, narrow = "64x128x64/4,pp,lp", "128x64x64/4,pp,lp"
   band = "128x128x64/4,e64x32,s8,pn,pp,nb"
   assert won == {
-      "bt512|4096x4096|slots=bfloat16,bfloat16": small + ",nb",
+      "bt512|4096x4096|slots=bfloat16,bfloat16": "64x128x64/4,c2,pp,lp,nb",
       "bt512|4096x1024|slots=bfloat16,bfloat16": (
           "128x128x64/4,e64x32,pn,pp,nb"),
-      "bt512|4096x14336|slots=bfloat16,bfloat16": small + ",nb",
-      "bt512|14336x4096|slots=bfloat16,bfloat16": "64x128x64/4,pn,pp,lp,nb",
+      "bt512|4096x14336|slots=bfloat16,bfloat16": "64x128x64/4,c2,pp,lp,nb",
+      "bt512|14336x4096|slots=bfloat16,bfloat16": small + ",nb",
       "bt512|4096x4096|slots=int8,int8": small + ",nb",
       "bt512|4096x1024|slots=int8,int8": narrow + ",nb",
       "bt512|4096x14336|slots=int8,int8": small + ",nb",
@@ -838,6 +841,8 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       "bt2048|14336x4096|slots=bfloat16,bfloat16": band,
       "bt4096|4096x4096|slots=bfloat16,bfloat16": band,
       "bt4096|4096x1024|slots=bfloat16,bfloat16": band,
+      "bt4096|4096x14336|slots=bfloat16,bfloat16": band,
+      "bt4096|14336x4096|slots=bfloat16,bfloat16": band,
       "bt512|2048x32000|slots=bfloat16,bfloat16": small,
       "bt2048|2048x32000|slots=bfloat16,bfloat16": (
           "128x128x64/4,e64x32,pp,lp")}
