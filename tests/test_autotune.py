@@ -51,13 +51,14 @@ MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
 # (BT 512, int8 and bf16 moments on 64x128 and 128x64 ping-pong tiles, the
 # int8 epilogue's scales loaded by TMA), that of commit 868c0e8 (without
 # automatic barriers, BT 512 and 2048; the LM head), that of commit
-# 0764b56 (the ring across tiles, BT 512, 2048 and 4096) and that of commit
-# de106a3 (clusters of two programs, BT 512, 2048 and 4096), each the
-# fastest tiling per case it measured.
+# 0764b56 (the ring across tiles, BT 512, 2048 and 4096), that of commit
+# de106a3 (clusters of two programs, BT 512, 2048 and 4096) and those of
+# commit 57fa5c9 (fp32 moments on the ping-pong schedule, BT 512, 2048 and
+# 4096), each the fastest tiling per case it measured.
 MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
     for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
-              "868c0e8", "0764b56", "de106a3")]
+              "868c0e8", "0764b56", "de106a3", "57fa5c9")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -121,9 +122,9 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 11))
+             + [BACKENDS_CSV] * 12))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
-  # 1b02eba, 846ff5a, 868c0e8, 0764b56 and de106a3)
+  # 1b02eba, 846ff5a, 868c0e8, 0764b56, de106a3 and 57fa5c9)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -746,18 +747,11 @@ def _csv_rows(path):
 def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   dev = _shipped()["devices"][H200]
   entries = dev["mosaic_gpu"]
-  # AdamW: 4 shapes x BT 512/2048/4096 (bf16 moments), 3 shapes at BT 512
-  # and 2 at BT 2048 (fp32 moments); SGD and SGD with momentum at 4096^2,
-  # BT 512; the decoder's 4 shapes x BT 512/2048 (bf16 moments); the 4
-  # Llama shapes at BT 512 with int8 moments; the LM head of the decoder
-  # (2048 x 32000) at BT 512 and 2048.
-  assert len(entries) == 33
-  # The run of ddd1e56: the column-split defaults of that commit.
-  want = {(512, "bfloat16"): "64x128x64/4,b2,pn",
-          (2048, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
-          (4096, "bfloat16"): "128x128x64/4,e64x32,r2,s8",
-          (512, "float32"): "128x128x64/4,r1",
-          (2048, "float32"): "128x128x64/4,e64x32,r2"}
+  # AdamW: 4 shapes x BT 512/2048/4096 (bf16 moments and fp32 moments);
+  # SGD and SGD with momentum at 4096^2, BT 512; the decoder's 4 shapes x
+  # BT 512/2048 (bf16 moments); the 4 Llama shapes at BT 512 with int8
+  # moments; the LM head of the decoder (2048 x 32000) at BT 512 and 2048.
+  assert len(entries) == 40
   rows = _csv_rows(BACKENDS_CSV)
   by_commit = {}
   for key, entry in entries.items():
@@ -784,35 +778,40 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
                  if r["provider"] == "forge_triton"]
     assert entry["time_us"] == mosaic[label]
     assert entry["triton_time_us"] == triton
-    if commit == "ddd1e56":
-      assert label == want[(bt, slot)], key
-      assert "default tiling" in source["pick"]
-    else:  # the later runs: the fastest tiling each measured
-      assert commit in ("9228555", "c7c1567", "ee3c82c", "868c0e8",
-                        "de106a3")
-      assert "fastest" in source["pick"]
-      assert entry["time_us"] == min(
-          t for lab, t in mosaic.items()
-          if not M.from_label(lab).approx_math), key
+    # (the first run, ddd1e56's default tilings, has no entry left: each
+    # shipped one is the fastest tiling a later run measured)
+    assert commit in ("c7c1567", "ee3c82c", "868c0e8", "de106a3",
+                      "57fa5c9")
+    assert "fastest" in source["pick"]
+    assert entry["time_us"] == min(
+        t for lab, t in mosaic.items()
+        if not M.from_label(lab).approx_math), key
   # Each later run replaced the cases it measured: c7c1567 every
   # bf16-moment case and the fp32-moment ones at BT 512, then 0eff7ae the
-  # four bf16-moment cases at BT 512, so the ddd1e56 run keeps only the
-  # fp32-moment cases at BT 2048; ee3c82c brought the decoder's shapes;
+  # four bf16-moment cases at BT 512; ee3c82c brought the decoder's shapes;
   # fee8919 the int8-moment cases (replacing 0eff7ae's) and 4096^2 with
   # bf16 moments, 1b02eba the other three bf16-moment cases at BT 512,
   # 846ff5a all eight of those again, 868c0e8 those eight, the four
   # bf16-moment cases at BT 2048 and the LM head, 0764b56 the
-  # bf16-moment cases at BT 512 and 2048 and two at BT 4096, and de106a3
-  # the twelve bf16-moment cases at BT 512, 2048 and 4096: so nothing of
-  # 0eff7ae's, fee8919's, 1b02eba's, 846ff5a's or 0764b56's stands.
-  assert len(by_commit["c7c1567"]) == 5 and "9228555" not in by_commit
-  assert len(by_commit["ddd1e56"]) == 2 and "0eff7ae" not in by_commit
+  # bf16-moment cases at BT 512 and 2048 and two at BT 4096, de106a3 the
+  # twelve bf16-moment cases at BT 512, 2048 and 4096, and 57fa5c9 the
+  # twelve fp32-moment ones: so nothing of ddd1e56's, 0eff7ae's,
+  # fee8919's, 1b02eba's, 846ff5a's or 0764b56's stands, and of c7c1567's
+  # only SGD's two.
+  assert len(by_commit["c7c1567"]) == 2 and "9228555" not in by_commit
   assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["868c0e8"]) == 6
-  assert len(by_commit["de106a3"]) == 12
-  assert not {"fee8919", "1b02eba", "846ff5a", "0764b56"} & set(by_commit)
-  for commit in ("c7c1567", "ee3c82c", "868c0e8", "de106a3"):
+  assert len(by_commit["de106a3"]) == len(by_commit["57fa5c9"]) == 12
+  assert not {"ddd1e56", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
+              "0764b56"} & set(by_commit)
+  for commit in by_commit:
     assert {M(**entries[k]["config"]).pingpong
             for k in by_commit[commit]} == {True}
+  # fp32 moments: the ping-pong schedule's rolled 64 x 64 epilogue, in
+  # bands of 8 beyond BT 1024, mostly without the automatic barriers.
+  fp32_won = {M(**entries[k]["config"]).label for k in by_commit["57fa5c9"]}
+  assert fp32_won == {"128x128x64/4,pp,lp", "128x128x64/4,pp,lp,nb",
+                      "128x128x64/4,s8,pp,lp,nb",
+                      "128x128x64/4,s8,pn,pp,lp,nb"}
   # At BT 512 the rolled 64x64 epilogue on the smaller ping-pong tiles won
   # on the Llama shapes, where 128 x 128 spilled, without Pallas's
   # automatic barriers (,nb); with int8 moments everywhere, with bf16 ones
@@ -846,18 +845,14 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       "bt512|2048x32000|slots=bfloat16,bfloat16": small,
       "bt2048|2048x32000|slots=bfloat16,bfloat16": (
           "128x128x64/4,e64x32,pp,lp")}
-  # c7c1567's rolled winners that stand: the fp32-moment cases' largest
-  # two, and SGD.
-  bf16, fp32 = "w=bfloat16|slots=bfloat16,bfloat16", (
-      "w=bfloat16|slots=float32,float32")
+  # c7c1567's rolled winner that stands: SGD's.
+  bf16 = "w=bfloat16|slots=bfloat16,bfloat16"
   assert {k for k in by_commit["c7c1567"]
           if M(**entries[k]["config"]).rolled} == {
-              f"adamw|bt512|4096x4096|{fp32}", f"adamw|bt512|4096x14336|{fp32}",
               "sgd|bt512|4096x4096|w=bfloat16|slots="}
   slower = {k for k, e in entries.items()
             if e["time_us"] >= e["triton_time_us"]}
-  assert slower == {"adamw|bt512|4096x1024|w=bfloat16|slots=float32,float32",
-                    f"adamw|bt2048|2048x1024|{bf16}"}
+  assert slower == {f"adamw|bt2048|2048x1024|{bf16}"}
 
 
 def test_shipped_mosaic_entries_fit_their_cases():
