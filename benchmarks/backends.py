@@ -18,9 +18,17 @@ streamed state array costs. Each arm's result is compared with XLA's before
 it is timed (``W`` and the slots, int8 ones dequantized): an arm off by more
 than bf16 rounding (2 %, relative to the largest element) makes the command
 exit 1. Needs a Hopper GPU.
+
+``--plot PNG`` draws the CSV: per case (AdamW at the Llama-3.1-8B shapes,
+each BT, bf16 and fp32 moments), the latest run that measured it, XLA's
+time divided by the Triton kernel's and by the fastest Mosaic GPU tiling's
+(of those with the reference's arithmetic: no ``,ax``).
+``--replot --out CSV --plot PNG`` draws an existing CSV without measuring
+(no GPU needed).
 """
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -134,9 +142,84 @@ def _max_rel_err(got, ref):
   return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
+def latest_ratios(rows):
+  """Per AdamW case at a Llama-3.1-8B shape with bf16 or fp32 moments,
+  ``{(moments, bt, shape): (triton, mosaic, label)}`` from the latest run
+  (timestamp) that timed it: XLA's p50 over the Triton kernel's and over
+  the fastest Mosaic GPU tiling's (``label``; not counting ``approx_math``
+  ones) in that run (``None`` where the run lacks the arm). (int8 moments'
+  XLA arm is the quantized reference, not XLA's AdamW: left out.)"""
+  shapes = {f"{n_in}x{n_out}" for n_in, n_out in
+            common.LLAMA8B_SHAPES.values()}
+  runs = {}
+  for r in rows:
+    bt, _, shape = r["shape"].partition(" ")
+    if (r["benchmark"] != "backends" or r["case"] != "adamw"
+        or r["metric"] != "time" or shape not in shapes):
+      continue
+    moments = r["dtypes"].rsplit(" ", 1)[-1]
+    if moments not in ("bf16", "fp32"):
+      continue
+    key = (moments, int(bt[3:]), shape)
+    runs.setdefault(key, {}).setdefault(r["timestamp"], {})[
+        r["provider"]] = float(r["p50"])
+  out = {}
+  for key, by_run in runs.items():
+    arms = by_run[max(by_run)]
+    if "xla_unfused" not in arms:
+      continue
+    xla = arms["xla_unfused"]
+    mosaic = {a[len("forge_mosaic_"):]: t for a, t in arms.items()
+              if a.startswith("forge_mosaic_")
+              and not parse_mosaic(a[len("forge_mosaic_"):]).approx_math}
+    best = min(mosaic, key=mosaic.get) if mosaic else None
+    out[key] = (xla / arms["forge_triton"] if "forge_triton" in arms
+                else None, xla / mosaic[best] if best else None, best)
+  return out
+
+
+def plot(csv_path: str, png_path: str) -> bool:
+  """Draws :func:`latest_ratios` of ``csv_path`` to ``png_path``; False
+  (nothing drawn) if the CSV has no such case."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ratios = latest_ratios(common.read_rows(csv_path))
+  if not ratios:
+    return False
+  # The shapes by name (q/o, k/v, up/gate, down), in that order.
+  names = {f"{n_in}x{n_out}": (i, name.split()[0]) for i, (name, (
+      n_in, n_out)) in enumerate(common.LLAMA8B_SHAPES.items())}
+  keys = sorted(ratios, key=lambda k: (k[0], k[1], names[k[2]][0]))
+  fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(keys)), 4.5))
+  xs = range(len(keys))
+  for i, (arm, name) in enumerate([(0, "Triton kernel"),
+                                   (1, "Mosaic GPU kernel, fastest tiling")]):
+    ax.bar([x + (i - 0.5) * 0.4 for x in xs],
+           [ratios[k][arm] or 0.0 for k in keys], 0.4, label=name)
+  ax.axhline(1.0, color="black", linewidth=0.8)
+  ax.set_xticks(list(xs))
+  ax.set_xticklabels([f"{names[s][1]}\n{bt}\n{m}" for m, bt, s in keys],
+                     fontsize=7)
+  ax.set_xlabel("Llama-3.1-8B projection, BT, moments")
+  ax.set_ylabel("XLA GEMM + AdamW time / fused step time")
+  ax.set_title("One layer's fused AdamW step against XLA (higher is faster; "
+               "the latest run per case)", fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+  fig.savefig(png_path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {png_path}")
+  return True
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/bench/backends.csv")
+  p.add_argument("--plot", metavar="PNG", help="also draw the CSV here")
+  p.add_argument("--replot", action="store_true",
+                 help="draw --out to --plot without measuring")
   p.add_argument("--tokens", type=common.positive_int, nargs="+",
                  default=[512, 2048, 4096])
   p.add_argument("--shapes", nargs="+", default=list(common.LLAMA8B_SHAPES),
@@ -150,6 +233,16 @@ def main(argv=None):
                  help="Mosaic GPU tilings, "
                  f"{pk.MosaicConfig.LABEL_FORM}")
   args = p.parse_args(argv)
+  if args.replot:
+    if not args.plot:
+      p.error("--replot needs --plot PNG")
+    if not os.path.exists(args.out):
+      p.error(f"--replot: no CSV at {args.out}")
+    if not plot(args.out, args.plot):
+      print(f"--replot: {args.out} has no AdamW rows at the Llama-3.1-8B "
+            "shapes; nothing plotted", file=sys.stderr)
+      return 1
+    return 0
   try:
     mosaic_cfgs = [(m, parse_mosaic(m)) for m in args.mosaic]
   except argparse.ArgumentTypeError as e:
@@ -205,6 +298,8 @@ def main(argv=None):
           print(f"{shape:22s} {rule_name} {moments} {arm:28s} "
                 f"{q[1]*1e6:8.1f} us {ratio:5.2f}x vs xla  err {err:.1e}",
                 flush=True)
+  if args.plot:
+    plot(args.out, args.plot)
   if wrong:
     print("WRONG RESULTS:\n  " + "\n  ".join(wrong), flush=True)
     return 1

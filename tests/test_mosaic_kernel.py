@@ -391,6 +391,51 @@ def test_backends_benchmark_arguments(capsys):
     assert "needs a GPU" in capsys.readouterr().out
 
 
+def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
+  from benchmarks import backends, common
+  csv_path = str(tmp_path / "b.csv")
+  res = common.Results(csv_path, "backends")
+
+  def add(provider, shape, moments, us, when):
+    res.stamp = when  # the run's timestamp
+    res.add("adamw", provider, shape, f"x,dy,W bf16; m,v {moments}", "time",
+            (us, us, us), "us")
+
+  # 4096^2 at BT 512: an older run, then the latest (its fastest tiling
+  # without approx_math counts); int8 moments and other shapes left out.
+  for arm, us in [("xla_unfused", 100.0), ("forge_triton", 125.0),
+                  ("forge_mosaic_64x128x64/4,pp,lp", 50.0)]:
+    add(arm, "BT=512 4096x4096", "bf16", us, "2026-01-01T00:00:00")
+  for arm, us in [("xla_unfused", 110.0), ("forge_triton", 100.0),
+                  ("forge_mosaic_64x128x64/4,pp,lp", 88.0),
+                  ("forge_mosaic_64x128x64/4,c2,pp,lp", 80.0),
+                  ("forge_mosaic_64x128x64/4,pp,lp,ax", 70.0)]:
+    add(arm, "BT=512 4096x4096", "bf16", us, "2026-01-02T00:00:00")
+  add("xla_unfused", "BT=2048 4096x1024", "fp32", 60.0, "2026-01-01T00:00:00")
+  add("forge_mosaic_128x128x64/4,s8,pp,lp", "BT=2048 4096x1024", "fp32",
+      50.0, "2026-01-01T00:00:00")
+  add("xla_unfused", "BT=512 4096x4096", "int8", 300.0, "2026-01-01T00:00:00")
+  add("xla_unfused", "BT=512 40x24", "bf16", 1.0, "2026-01-01T00:00:00")
+  got = backends.latest_ratios(common.read_rows(csv_path))
+  assert got == {("bf16", 512, "4096x4096"): (1.1, 1.375,
+                                               "64x128x64/4,c2,pp,lp"),
+                 ("fp32", 2048, "4096x1024"): (None, 1.2,
+                                               "128x128x64/4,s8,pp,lp")}
+  png = tmp_path / "b.png"
+  assert backends.main(["--replot", "--out", csv_path, "--plot",
+                        str(png)]) == 0
+  assert png.stat().st_size > 10_000
+  empty = tmp_path / "e.csv"
+  empty.write_text(open(csv_path).readline())
+  assert backends.main(["--replot", "--out", str(empty), "--plot",
+                        str(tmp_path / "e.png")]) == 1
+  assert "nothing plotted" in capsys.readouterr().err
+  assert not (tmp_path / "e.png").exists()
+  with pytest.raises(SystemExit):
+    backends.main(["--replot", "--out", csv_path])
+  assert "--replot needs --plot PNG" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("state", [[BF16] * 3, [BF16, F32, F32], [F32] * 3,
                                    [F32] * 4], ids=["bf16", "fp32-moments",
                                                     "fp32", "fp32-4-arrays"])
