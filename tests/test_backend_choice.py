@@ -480,6 +480,33 @@ def test_gpu_backend_none_takes_mosaic_at_a_shipped_case():
   check_against_reference(x, dy, w, slots, h, pk.ADAMW, interpret=False)
 
 
+def _shipped_mosaic_tilings():
+  """Each distinct (tiling label, state dtype) of the shipped cache's
+  Mosaic GPU entries; an int8-moment entry's tiling as bf16 (its int8
+  epilogue compiled against the reference: tests/test_low_precision.py)."""
+  with open(tuning_cache.SHIPPED_CACHE) as f:
+    entries = json.load(f)["devices"]["NVIDIA H200"]["mosaic_gpu"]
+  out = set()
+  for key, e in entries.items():
+    slot = key.split("|")[4].split("=")[1].split(",")[0]
+    out.add((M(**e["config"]).label, F32 if slot == F32 else BF16))
+  return sorted(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label,state", _shipped_mosaic_tilings())
+def test_gpu_every_shipped_mosaic_tiling_matches_the_reference(label, state):
+  # Compiled, AdamW with a bf16 weight and moments of that dtype (the
+  # entries' cases) at a shape every shipped tiling divides (clusters take
+  # tile rows in pairs): the cache never hands out an untested kernel.
+  cfg = M.from_label(label)
+  dt = jnp.dtype(state)
+  x, dy, w, slots = make_case(13, (256,), 512, 384,
+                              (jnp.bfloat16, jnp.bfloat16, dt, dt))
+  check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
+                          config=cfg, interpret=False, backend="mosaic_gpu")
+
+
 def test_forge_jax_layers_train_the_same_on_the_mosaic_backend(monkeypatch):
   # A Dense layer and a scanned stack (stacked state, layer=i inside the
   # scan) through make_step, in interpret mode: the Mosaic GPU kernel
