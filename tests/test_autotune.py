@@ -52,13 +52,14 @@ MOSAIC_ROLLED_FROM_CSV = ["--from-csv", BACKENDS_CSV, "--commit", "c7c1567",
 # int8 epilogue's scales loaded by TMA), that of commit 868c0e8 (without
 # automatic barriers, BT 512 and 2048; the LM head), that of commit
 # 0764b56 (the ring across tiles, BT 512, 2048 and 4096), that of commit
-# de106a3 (clusters of two programs, BT 512, 2048 and 4096) and those of
+# de106a3 (clusters of two programs, BT 512, 2048 and 4096), those of
 # commit 57fa5c9 (fp32 moments on the ping-pong schedule, BT 512, 2048 and
-# 4096), each the fastest tiling per case it measured.
+# 4096) and that of commit 51674fc (the decoder's shapes at BT 512 on the
+# newer tilings), each the fastest tiling per case it measured.
 MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
     for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
-              "868c0e8", "0764b56", "de106a3", "57fa5c9")]
+              "868c0e8", "0764b56", "de106a3", "57fa5c9", "51674fc")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -122,9 +123,9 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 12))
+             + [BACKENDS_CSV] * 13))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
-  # 1b02eba, 846ff5a, 868c0e8, 0764b56, de106a3 and 57fa5c9)
+  # 1b02eba, 846ff5a, 868c0e8, 0764b56, de106a3, 57fa5c9 and 51674fc)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -781,7 +782,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     # (the first run, ddd1e56's default tilings, has no entry left: each
     # shipped one is the fastest tiling a later run measured)
     assert commit in ("c7c1567", "ee3c82c", "868c0e8", "de106a3",
-                      "57fa5c9")
+                      "57fa5c9", "51674fc")
     assert "fastest" in source["pick"]
     assert entry["time_us"] == min(
         t for lab, t in mosaic.items()
@@ -794,13 +795,15 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # 846ff5a all eight of those again, 868c0e8 those eight, the four
   # bf16-moment cases at BT 2048 and the LM head, 0764b56 the
   # bf16-moment cases at BT 512 and 2048 and two at BT 4096, de106a3 the
-  # twelve bf16-moment cases at BT 512, 2048 and 4096, and 57fa5c9 the
-  # twelve fp32-moment ones: so nothing of ddd1e56's, 0eff7ae's,
-  # fee8919's, 1b02eba's, 846ff5a's or 0764b56's stands, and of c7c1567's
-  # only SGD's two.
+  # twelve bf16-moment cases at BT 512, 2048 and 4096, 57fa5c9 the
+  # twelve fp32-moment ones and 51674fc the decoder's four at BT 512: so
+  # nothing of ddd1e56's, 0eff7ae's, fee8919's, 1b02eba's, 846ff5a's or
+  # 0764b56's stands, of c7c1567's only SGD's two and of ee3c82c's the
+  # decoder's shapes at BT 2048.
   assert len(by_commit["c7c1567"]) == 2 and "9228555" not in by_commit
-  assert len(by_commit["ee3c82c"]) == 8 and len(by_commit["868c0e8"]) == 6
+  assert len(by_commit["ee3c82c"]) == 4 and len(by_commit["868c0e8"]) == 6
   assert len(by_commit["de106a3"]) == len(by_commit["57fa5c9"]) == 12
+  assert len(by_commit["51674fc"]) == 4
   assert not {"ddd1e56", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
               "0764b56"} & set(by_commit)
   for commit in by_commit:
