@@ -117,8 +117,9 @@ def test_schedules_lower_for_cuda(name, label, layers, x_dtype):
   text = _lower(RULES[name], jnp.bfloat16, cfg, n=128, layers=layers,
                 x_dtype=x_dtype).as_text()
   assert "mosaic_gpu" in text
-  # A cluster's programs multicast the dy blocks (TMA multicast).
-  assert ("multicast" in text) == (cfg.cluster > 1)
+  # A cluster's programs read their place in it (to take their tile row
+  # of a pair and multicast their half of the dy blocks).
+  assert ("cluster_block_id" in text) == (cfg.cluster > 1)
 
 
 @pytest.mark.parametrize("layers", [None, 3], ids=["2d", "stacked"])
