@@ -69,19 +69,36 @@ def decay_kernels_only(params):
 reference_step = optax_step
 
 
-def train_side_by_side(forge_step, ref_step, variables, forge_tx, optax_tx,
-                       batches):
-  """Runs the FORGE step (jitted, donating: it gets a copy of ``variables``)
-  and the reference step over the same batches from the same start. Returns
-  ``((v_f, s_f), (v_ref, s_ref), [(forge loss, reference loss), ...])``."""
+def run_reference(ref_step, variables, optax_tx, batches):
+  """The reference step over ``batches`` from ``variables`` and a fresh
+  ``optax_tx`` state. Returns ``((v_ref, s_ref), [reference loss, ...])``,
+  which :func:`train_side_by_side` takes as its ``reference``."""
   v_ref, s_ref = variables, optax_tx.init(variables["params"])
-  v_f = jax.tree.map(jnp.copy, variables)
-  s_f = forge_tx.init(v_f["params"])
   losses = []
   for batch in batches:
     l_ref, v_ref, s_ref = ref_step(v_ref, s_ref, batch)
+    losses.append(float(l_ref))
+  return (v_ref, s_ref), losses
+
+
+def train_side_by_side(forge_step, ref_step, variables, forge_tx, optax_tx,
+                       batches, reference=None):
+  """Runs the FORGE step (jitted, donating: it gets a copy of ``variables``)
+  and the reference step over the same batches from the same start. Returns
+  ``((v_f, s_f), (v_ref, s_ref), [(forge loss, reference loss), ...])``.
+  ``reference``: the reference's run as :func:`run_reference` returned it
+  for these ``ref_step``, ``variables``, ``optax_tx`` and ``batches`` (tests
+  that share one reference run it once)."""
+  v_f = jax.tree.map(jnp.copy, variables)
+  s_f = forge_tx.init(v_f["params"])
+  if reference is None:
+    reference = run_reference(ref_step, variables, optax_tx, batches)
+  (v_ref, s_ref), ref_losses = reference
+  assert len(ref_losses) == len(batches)
+  losses = []
+  for batch, l_ref in zip(batches, ref_losses):
     l_f, v_f, s_f = forge_step(v_f, s_f, batch)
-    losses.append((float(l_f), float(l_ref)))
+    losses.append((float(l_f), l_ref))
   return (v_f, s_f), (v_ref, s_ref), losses
 
 

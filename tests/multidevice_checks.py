@@ -188,6 +188,32 @@ def batches(n_steps, out=OUT, seed=1):
   return got
 
 
+def host_init(module, x, seed=0):
+  """``module``'s variables for the input ``x``, drawn on the host with
+  numpy (XLA takes about a second to compile an initialiser; the draws are
+  instant): LeCun-normal kernels, unit-normal embeddings, norm scales of
+  one and N(0, 0.1^2) biases. Flax partitioning boxes are kept."""
+  rng = np.random.default_rng(seed)
+
+  def draw(path, a):
+    name = path[-1].key
+    if name == "scale":
+      return np.ones(a.shape, a.dtype)
+    normal = rng.standard_normal(a.shape).astype(a.dtype)
+    if name == "kernel":
+      return normal / np.sqrt(a.shape[0])
+    return normal if name == "embedding" else 0.1 * normal
+
+  def leaf(path, a):
+    if isinstance(a, meta.AxisMetadata):
+      return a.replace_boxed(draw(path, a.unbox()))
+    return draw(path, a)
+
+  return jax.tree_util.tree_map_with_path(
+      leaf, jax.eval_shape(module.init, jax.random.key(0), x),
+      is_leaf=lambda a: isinstance(a, meta.AxisMetadata))
+
+
 _REFERENCES = {}
 
 
@@ -300,11 +326,9 @@ def run(run: Run, n: int) -> dict:
   specs = param_specs(run.specs, run.depth)
   boxes = tuple((l, (s["kernel"], s["bias"])) for l, s in specs.items())
   model = Net(forge_jax.Dense, run.depth, boxes if run.boxed else None)
-  v_ref, s_ref = reference(
-      Net(nn.Dense, run.depth).init(jax.random.key(0), data[0][0]),
-      run.family, run.depth, data)
+  variables = host_init(model, data[0][0])
+  v_ref, s_ref = reference(meta.unbox(variables), run.family, run.depth, data)
 
-  variables = model.init(jax.random.key(0), data[0][0])
   if run.boxed:
     shardings = nn.get_sharding(variables, mesh)
   else:
@@ -503,12 +527,11 @@ _SINGLE = {}
 
 def inputs(name: str):
   """The model's initial variables and its batches, on the host (made
-  once: initialising op by op is slow to compile)."""
+  once)."""
   if name not in _INPUTS:
     m = MODELS[name]
     data = m.batches()
-    variables = jax.jit(m.module().init)(jax.random.key(0), data[0][0])
-    _INPUTS[name] = jax.tree.map(np.asarray, (variables, data))
+    _INPUTS[name] = host_init(m.module(), data[0][0]), data
   return _INPUTS[name]
 
 
@@ -679,7 +702,7 @@ def tied(n: int) -> dict:
   specs = {"tied": {"kernel": P(D, None), "bias": P(D)},
            "head": {"kernel": P(D, None), "bias": P()}}
   layout = forge_jax.MeshLayout(mesh, data_axes=D, param_specs=specs)
-  variables = jax.jit(model.init)(jax.random.key(0), data[0][0])
+  variables = host_init(model, data[0][0])
   params = variables["params"]
   shardings = _full_shardings(specs, params, mesh)
   state = tx.init(params)
@@ -810,10 +833,10 @@ def missing_reduction(n: int) -> dict:
   plan = _sharding.plan_layers(
       forge_jax.MeshLayout(mesh, data_axes=D, param_specs=P()),
       None, {("w",): info}, {("w",): ()})[("w",)]
-  k = jax.random.split(jax.random.key(2), 3)
-  x = jax.random.normal(k[0], (BATCH, IN))
-  dy = jax.random.normal(k[1], (BATCH, OUT))
-  w = jax.random.normal(k[2], (IN, OUT))
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((BATCH, IN), np.float32)
+  dy = rng.standard_normal((BATCH, OUT), np.float32)
+  w = rng.standard_normal((IN, OUT), np.float32)
   rule = pallas_kernels.rules.sgd_rule()
   h = rule.pack(lr=0.1)
 

@@ -14,7 +14,8 @@ import pytest
 
 import forge_jax
 from tests.harness import (assert_pool_saved_in_place, lower_for_cuda, mse,
-                           reference_step, train_side_by_side, triton_calls)
+                           reference_step, run_reference, train_side_by_side,
+                           triton_calls)
 from tests.test_forge_jax import SCHEDULE, optax_step
 from tests.tolerances import assert_trees_close, rel_err, tol
 
@@ -109,16 +110,25 @@ def _data(steps, lead=(48,), d_in=37, d_out=5, seed=1):
 
 
 def _train(make_tx, steps=5, lead=(48,), model_kw={}, wgrad="fused",
-           shared="error", fused_ops=None, **tx_kw):
+           shared="error", fused_ops=None, optax_runs=None, **tx_kw):
   """FORGE's model and flax's trained side by side; ``fused_ops``: how many
   fused Pallas kernels the FORGE step's program must call (one per fused
   layer, the stacked ones once, inside the backward loop), checked when
-  given."""
+  given. ``optax_runs``: ``(cache, key)``, flax's run kept in ``cache[key]``
+  for the other calls with that key (the same reference: flax's model does
+  not read ``stack_update``)."""
   batches = _data(steps, lead)
   ref_model, f_model = Model(False, **model_kw), Model(True, **model_kw)
   variables = ref_model.init(jax.random.key(0), batches[0][0])
   ref_tx = getattr(optax, make_tx)(**tx_kw)
   f_tx = getattr(forge_jax, make_tx)(**tx_kw)
+  ref_step = optax_step(mse(ref_model), ref_tx)
+  reference = None
+  if optax_runs is not None:
+    cache, key = optax_runs
+    if key not in cache:
+      cache[key] = run_reference(ref_step, variables, ref_tx, batches)
+    reference = cache[key]
   f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx, wgrad=wgrad,
                                        shared=shared),
                    donate_argnums=(0, 1))
@@ -128,8 +138,8 @@ def _train(make_tx, steps=5, lead=(48,), model_kw={}, wgrad="fused",
     assert str(traced.jaxpr).count("pallas_call") == fused_ops
     f_step = traced.lower().compile()
   (f_v, f_s), (ref_v, ref_s), losses = train_side_by_side(
-      f_step, optax_step(mse(ref_model), ref_tx), variables, f_tx, ref_tx,
-      batches)
+      f_step, ref_step, variables, f_tx, ref_tx, batches,
+      reference=reference)
   return variables, (ref_v, ref_s), (f_v, f_s), losses
 
 
@@ -163,10 +173,17 @@ def test_param_tree_output_and_gradients_are_flax_nn_scan():
                      jax.grad(loss(Model(False)))(ref), 0.0, "grads")
 
 
+@pytest.fixture(scope="module")
+def optax_runs():
+  """flax's runs of the reference models, each made once."""
+  return {}
+
+
 @pytest.mark.parametrize("stack_update,wgrad,general", [
     ("layer", "fused", True), ("layer", "xla", False),
     ("slice", "fused", False), ("slice", "xla", True)])
-def test_matches_flax_scan_optax_adamw_fp32(stack_update, wgrad, general):
+def test_matches_flax_scan_optax_adamw_fp32(stack_update, wgrad, general,
+                                            optax_runs):
   """``general``: the block's up and down projections are fused
   DenseGeneral layers with 3-axis kernels, stepped as (L, n_in, n_out)
   views of their stacks; both stack_update modes and both wgrad settings
@@ -177,6 +194,7 @@ def test_matches_flax_scan_optax_adamw_fp32(stack_update, wgrad, general):
                     block_kw=dict(general=general)),
       # embed and head, and up and down inside the backward loop
       fused_ops=4 if wgrad == "fused" else None,
+      optax_runs=(optax_runs, ("adamw", general)),
       learning_rate=1e-2, weight_decay=1e-2)
   blocks = init["params"]["layers"]["block"]
   assert blocks["up"]["kernel"].shape == ((3, D, 3, 17) if general

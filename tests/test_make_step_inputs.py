@@ -459,7 +459,7 @@ def test_forge_multisteps_has_optaxs_has_updated():
   v = MLP(forge_jax.Dense).init(jax.random.key(0), x)
   tx = forge_jax.MultiSteps(forge_jax.adam(1e-2), 2)
   ref = optax.MultiSteps(optax.adam(1e-2), 2)
-  step = forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)
+  step = jax.jit(forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx))
   state = tx.init(v["params"])
   seen = []
   for _ in range(4):

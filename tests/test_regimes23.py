@@ -26,7 +26,7 @@ import forge_jax
 import pallas_kernels as pk
 from tests import harness
 from tests.harness import (MLP, WIDTHS, lower_rule_for_cuda, reference_step,
-                           train_side_by_side,
+                           run_reference, train_side_by_side,
                            triton_calls)
 from tests.harness import decay_kernels_only as _decay_kernels_only
 from tests.harness import mse as _mse
@@ -84,7 +84,15 @@ def data():
 _worst_leaf = worst_leaf
 
 
-def _train_both(name, data, model_kw=None, steps=STEPS, wgrad="fused"):
+@pytest.fixture(scope="module")
+def optax_runs():
+  """optax's run of each variant, made once for both wgrad settings."""
+  return {}
+
+
+def _train_both(name, data, model_kw=None, steps=STEPS, wgrad="fused",
+                optax_runs=None):
+  """``optax_runs``: a cache of optax's runs (the ``optax_runs`` fixture)."""
   xs, ys, variables = data
   model_kw = model_kw or {}
   forge_tx, optax_tx = _transforms(name)
@@ -98,9 +106,16 @@ def _train_both(name, data, model_kw=None, steps=STEPS, wgrad="fused"):
       donate_argnums=(0, 1))
   if model_kw:
     variables = MLP(nn.Dense, **model_kw).init(jax.random.key(1), xs[0])
+  batches = [(xs[i], ys[i]) for i in range(steps)]
+  reference = None
+  if optax_runs is not None:
+    key = (name, tuple(sorted(model_kw.items())), steps)
+    if key not in optax_runs:
+      optax_runs[key] = run_reference(ref_step, variables, optax_tx, batches)
+    reference = optax_runs[key]
   forge_state, ref_state, losses = train_side_by_side(
-      forge, ref_step, variables, forge_tx, optax_tx,
-      [(xs[i], ys[i]) for i in range(steps)])
+      forge, ref_step, variables, forge_tx, optax_tx, batches,
+      reference=reference)
   np.testing.assert_allclose(*zip(*losses), rtol=F32_TOL)
   return forge_state, ref_state, variables
 
@@ -188,15 +203,15 @@ def test_state_only_rule_lowers_for_cuda_without_a_gpu(rule):
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_mlp_training_matches_optax(name, data):
-  _check_parity(name, data)
+def test_mlp_training_matches_optax(name, data, optax_runs):
+  _check_parity(name, data, optax_runs=optax_runs)
 
 
 # wgrad="xla": regime 2's state advance from XLA's G, then the same layer
 # pass. (Regime 3 forms G the same way under either setting.)
 @pytest.mark.parametrize("name", ["lamb", "muon", "muon_no_nesterov_adaptive_rms"])
-def test_mlp_training_matches_optax_with_xla_wgrad(name, data):
-  _check_parity(name, data, wgrad="xla")
+def test_mlp_training_matches_optax_with_xla_wgrad(name, data, optax_runs):
+  _check_parity(name, data, wgrad="xla", optax_runs=optax_runs)
 
 
 @pytest.mark.parametrize("name", ["lamb", "muon", "adafactor_factored_momentum_wd",
@@ -353,11 +368,16 @@ def test_deferred_path_keeps_wide_gradients(family, kw, dtype):
 
     variables = Net(nn.Dense).init(jax.random.key(0), x)
     tx_f, tx_o = getattr(forge_jax, family)(**kw), getattr(optax, family)(**kw)
-    _, g = jax.value_and_grad(loss(Net(nn.Dense)))(variables, (x, y))
-    u, _ = tx_o.update(g["params"], tx_o.init(variables["params"]),
-                       variables["params"])
-    want = optax.apply_updates(variables["params"], u)
-    _, got, _ = forge_jax.make_step(loss(Net(forge_jax.Dense)), tx_f)(
+
+    @jax.jit
+    def optax_step(variables):
+      _, g = jax.value_and_grad(loss(Net(nn.Dense)))(variables, (x, y))
+      u, _ = tx_o.update(g["params"], tx_o.init(variables["params"]),
+                         variables["params"])
+      return optax.apply_updates(variables["params"], u)
+
+    want = optax_step(variables)
+    _, got, _ = jax.jit(forge_jax.make_step(loss(Net(forge_jax.Dense)), tx_f))(
         variables, tx_f.init(variables["params"]), (x, y))
     bound = tol(jnp.float64 if dtype == "float64" else jnp.float32)
     for name in ("Dense_0", "Dense_1"):
