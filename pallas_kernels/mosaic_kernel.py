@@ -188,7 +188,12 @@ class MosaicConfig:
       ``tile_n / (2 (tile_m + tile_n))`` share (a third on 64 x 128 tiles,
       a quarter on 128 x 128). A ring slot is then refilled only once both
       programs' warpgroups have read it (a cluster barrier). The weight's
-      rows must split into an even number of tiles.
+      rows must split into an even number of tiles. With
+      ``prefetch_next`` as well, compiled only: in Pallas's GPU interpreter
+      on jax 0.11.2 the two together deadlocked in some runs (neither
+      alone did, nor the two on jax 0.12's interpreter or compiled on the
+      H200; the cause is not known), so :func:`launch` refuses the pair in
+      interpret mode.
   """
 
   tile_m: int = 128
@@ -1192,6 +1197,12 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
   module, lowered and compiled once, instead of one module per call site
   (about half a second of lowering each, and as much compiling).
   """
+  if interpret and cfg.cluster > 1 and cfg.prefetch_next:
+    raise ValueError(
+        f"the Mosaic GPU tiling {cfg.label} (a cluster with prefetch_next) "
+        "runs compiled only: in Pallas's GPU interpreter on jax 0.11.2 the "
+        "two together deadlocked in some runs (cause not known); drop ,c2 "
+        "or ,pn to run it in interpret mode")
   if num_sms is None:
     num_sms = 4 if interpret else jax.devices()[0].core_count
   # (The interpreter's params need not be hashable: no jit there.)

@@ -591,14 +591,14 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
     (pk.ADAMW, (128, 256, 384), (BF16,) * 3, "64x128x64/2,e64x32,c2,pp", 6,
      None),
     # ... 1 x 3 pairs of 128 x 128 tiles over 2 clusters (2 and 1 each),
-    # 3 K steps through 2 slots, the ring across tiles, on a stack.
+    # 3 K steps through 2 slots, bands of 2, on a stack.
     (pk.ADAMW, (192, 256, 384), (BF16,) * 3,
-     "128x128x64/2,e64x32,s2,c2,pn,pp", 4, 1),
+     "128x128x64/2,e64x32,s2,c2,pp", 4, 1),
 ], ids=["128x128-5-tiles", "fp32-state", "fp16-d0-ring1-band",
         "stacked-layer-rolled", "muon-no-tile-programs", "three-warpgroups",
         "three-warpgroups-stacked", "next-tile-ring", "next-tile-ring1",
         "next-tile-ring-cut-stacked", "next-tile-three-warpgroups",
-        "cluster", "cluster-next-tile-stacked"])
+        "cluster", "cluster-banded-stacked"])
 def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
                                     layer):
   x_dtype, w_dtype, slot_dtype = dtypes
@@ -731,6 +731,13 @@ def test_pingpong_refusals():
         g_stored=g_stored, low_precision=low_precision)
 
   assert unsupported(pp) is None
+  # A cluster with the ring across tiles runs compiled only.
+  with pytest.raises(ValueError, match=r"\(a cluster with prefetch_next\) "
+                     "runs compiled only"):
+    pk.mosaic_kernel.launch(
+        (x, dy), w, slots, h, rule=pk.ADAMW, interpret=True,
+        cfg=pk.MosaicConfig(tile_m=64, steps=4, epi_n=32, pingpong=True,
+                            cluster=2, prefetch_next=True))
   # A cluster takes tile rows in pairs: 128 rows are one 128-row tile.
   assert "in = 128 must be a multiple of 2 x tile_m = 256" in unsupported(
       pk.MosaicConfig(steps=4, epi_n=32, pingpong=True, cluster=2))

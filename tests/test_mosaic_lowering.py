@@ -106,12 +106,12 @@ def test_fp32_state_lowers_for_cuda(name):
     ("optax:adamw", "128x128x64/4,e64x32,pn,pp,lp", None, jnp.bfloat16),
     # Clusters of two programs, the dy blocks multicast between them.
     ("optax:adamw", "64x128x64/4,c2,pp,lp,nb", None, jnp.bfloat16),
-    ("optax:muon", "64x128x64/2,e64x32,c2,pn,pp", 3, jnp.bfloat16),
+    ("optax:muon", "64x128x64/2,e64x32,s2,c2,pp", 3, jnp.bfloat16),
 ], ids=["column-split-buffers", "column-split-ring", "pingpong-stacked-fp16",
         "pingpong-d0-ring1-state-only", "pingpong-rolled",
         "pingpong-three-warpgroups", "pingpong-three-next-tile-stacked",
         "pingpong-next-tile-rolled", "pingpong-cluster",
-        "pingpong-cluster-next-tile-stacked"])
+        "pingpong-cluster-banded-stacked"])
 def test_schedules_lower_for_cuda(name, label, layers, x_dtype):
   cfg = mosaic_kernel.MosaicConfig.from_label(label)
   text = _lower(RULES[name], jnp.bfloat16, cfg, n=128, layers=layers,
