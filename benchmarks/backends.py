@@ -206,11 +206,7 @@ def plot(csv_path: str, png_path: str) -> bool:
   ax.set_title("One layer's fused AdamW step against XLA (higher is faster; "
                "the latest run per case)", fontsize=9)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-  fig.savefig(png_path, dpi=120)
-  plt.close(fig)
-  print(f"wrote {png_path}")
+  common.save_figure(fig, png_path)
   return True
 
 

@@ -212,11 +212,7 @@ def plot(csv_path: str, png_path: str) -> int:
   fig.suptitle("Exact global-norm clipping: bf16 layers, AdamW, max_norm "
                f"{MAX_NORM:g} (every step clips); {device}, commit {commit}",
                fontsize=9)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-  fig.savefig(png_path, dpi=120)
-  plt.close(fig)
-  print(f"wrote {png_path}")
+  common.save_figure(fig, png_path)
   return 0
 
 

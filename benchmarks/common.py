@@ -226,6 +226,17 @@ class Results:
           versions=self.versions, timestamp=self.stamp, commit=self.commit))
 
 
+def save_figure(fig, path: str) -> None:
+  """Lays out ``fig``, writes it to ``path`` (its folder made if missing)
+  at 120 dpi, closes it and says where it went."""
+  import matplotlib.pyplot as plt
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {path}")
+
+
 def read_rows(path: str):
   with open(path, newline="") as f:
     return list(csv.DictReader(f))

@@ -398,11 +398,7 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> None:
   row = next(iter(rows.values()))
   fig.suptitle(f"{row['case']} ({row['shape']}) training step on "
                f"{row['device']}", fontsize=9)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-  fig.savefig(png_path, dpi=120)
-  plt.close(fig)
-  print(f"wrote {png_path}")
+  common.save_figure(fig, png_path)
 
 
 def _failed_row(path: str, cfg: e2e.Config, arm: str, tokens: int,

@@ -751,11 +751,7 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
                f"gradient pool {pool:.4g} MiB{graph}): forge_torch vs "
                f"AdamW(fused=True) on {any_row['device']}; labels: forge / "
                "torch", fontsize=8)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-  fig.savefig(png_path, dpi=120)
-  plt.close(fig)
-  print(f"wrote {png_path}")
+  common.save_figure(fig, png_path)
   return True
 
 

@@ -81,6 +81,15 @@ def run_reference(ref_step, variables, optax_tx, batches):
   return (v_ref, s_ref), losses
 
 
+def shared_reference(runs, key, ref_step, variables, optax_tx, batches):
+  """The reference's run under ``key`` in ``runs`` (a dict that tests
+  sharing one reference keep), made by :func:`run_reference` on first
+  use."""
+  if key not in runs:
+    runs[key] = run_reference(ref_step, variables, optax_tx, batches)
+  return runs[key]
+
+
 def train_side_by_side(forge_step, ref_step, variables, forge_tx, optax_tx,
                        batches, reference=None):
   """Runs the FORGE step (jitted, donating: it gets a copy of ``variables``)

@@ -14,8 +14,8 @@ import pytest
 
 import forge_jax
 from tests.harness import (assert_pool_saved_in_place, lower_for_cuda, mse,
-                           reference_step, run_reference, train_side_by_side,
-                           triton_calls)
+                           reference_step, shared_reference,
+                           train_side_by_side, triton_calls)
 from tests.test_forge_jax import SCHEDULE, optax_step
 from tests.tolerances import assert_trees_close, rel_err, tol
 
@@ -123,12 +123,8 @@ def _train(make_tx, steps=5, lead=(48,), model_kw={}, wgrad="fused",
   ref_tx = getattr(optax, make_tx)(**tx_kw)
   f_tx = getattr(forge_jax, make_tx)(**tx_kw)
   ref_step = optax_step(mse(ref_model), ref_tx)
-  reference = None
-  if optax_runs is not None:
-    cache, key = optax_runs
-    if key not in cache:
-      cache[key] = run_reference(ref_step, variables, ref_tx, batches)
-    reference = cache[key]
+  reference = None if optax_runs is None else shared_reference(
+      *optax_runs, ref_step, variables, ref_tx, batches)
   f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx, wgrad=wgrad,
                                        shared=shared),
                    donate_argnums=(0, 1))

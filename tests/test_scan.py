@@ -12,7 +12,7 @@ import pytest
 import forge_jax
 from benchmarks.common import compiled_adamw_step
 from tests.harness import (assert_pool_saved_in_place, lower_for_cuda, mse,
-                           run_reference, step_once, train_side_by_side,
+                           shared_reference, step_once, train_side_by_side,
                            triton_calls)
 from tests.tolerances import assert_trees_close, rel_err, tol
 from tests.test_forge_jax import SCHEDULE, data, optax_step, wd_mask
@@ -112,12 +112,8 @@ def _train(kwargs, steps=10, model_kwargs={}, tokens=None, wgrad="fused",
   variables = ref_model.init(jax.random.key(0), batches[0][0])
   ref_tx, f_tx = optax.adamw(**kwargs), forge_jax.adamw(**kwargs)
   ref_step = optax_step(mse(ref_model), ref_tx)
-  reference = None
-  if optax_runs is not None:
-    cache, key = optax_runs
-    if key not in cache:
-      cache[key] = run_reference(ref_step, variables, ref_tx, batches)
-    reference = cache[key]
+  reference = None if optax_runs is None else shared_reference(
+      *optax_runs, ref_step, variables, ref_tx, batches)
   f_step = jax.jit(forge_jax.make_step(mse(f_model), f_tx, wgrad=wgrad),
                    donate_argnums=(0, 1))
   (f_v, f_s), (ref_v, ref_s), losses = train_side_by_side(
