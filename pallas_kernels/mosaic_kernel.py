@@ -334,8 +334,8 @@ class MosaicConfig:
     then each knob that is off its default: ``,wgW`` (compute_wgs),
     ``,dD`` (delay_release), ``,eMxN`` (the epilogue sub-tile), ``,bB``
     (state_buffers), ``,rR`` (state_ring), ``,sS`` (band), ``,cC``
-    (cluster), ``,pn`` (prefetch_next), ``,pp`` (pingpong), ``,lp`` (rolled), ``,nb``
-    (no_barriers), ``,ax`` (approx_math).
+    (cluster), ``,pn`` (prefetch_next), ``,pp`` (pingpong), ``,lp``
+    (rolled), ``,nb`` (no_barriers), ``,ax`` (approx_math).
     ``MosaicConfig.from_label(cfg.label) == cfg``."""
     fields = {f.name: f.default for f in dataclasses.fields(self)}
     # compute_wgs's default follows tile_n and pingpong (__post_init__).
@@ -1182,7 +1182,8 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
       the interpreter's ``plgpu.InterpretGPUParams`` (e.g. with
       ``detect_races=True``); ``False`` to compile.
     num_sms: programs in the persistent grid (``num_sms // cfg.cluster``
-      clusters of them); default the GPU's SM count (4 in interpret mode).
+      clusters of them, at least one); default the GPU's SM count (4 in
+      interpret mode).
     plan: the :class:`~pallas_kernels.lowp.StatePlan` of int8 slots
       (``Quantized`` pairs in ``slots``; :func:`low_precision_problem`), or
       ``None``.
@@ -1246,7 +1247,8 @@ def _launch(operands, w, slots, hparams, layer, *, rule: UpdateRule,
   clusters = ({} if cfg.cluster == 1 else
               {"cluster": (cfg.cluster,), "cluster_names": ("cluster",)})
   kernel = plgpu.kernel(
-      body, grid=(num_sms // cfg.cluster,), grid_names=("sm",), **clusters,
+      body, grid=(max(1, num_sms // cfg.cluster),), grid_names=("sm",),
+      **clusters,
       out_type=tuple(jax.ShapeDtypeStruct((n_in, n_out), out_dtype)
                      for _ in rule.outputs),
       # A stored G needs no memory warpgroup: no K loop to stream.

@@ -741,8 +741,15 @@ def test_pingpong_refusals():
   # A cluster takes tile rows in pairs: 128 rows are one 128-row tile.
   assert "in = 128 must be a multiple of 2 x tile_m = 256" in unsupported(
       pk.MosaicConfig(steps=4, epi_n=32, pingpong=True, cluster=2))
-  assert unsupported(pk.MosaicConfig(tile_m=64, steps=4, epi_n=32,
-                                     pingpong=True, cluster=2)) is None
+  pair = pk.MosaicConfig(tile_m=64, steps=4, epi_n=32, pingpong=True,
+                         cluster=2)
+  assert unsupported(pair) is None
+  # One program asked for: still one cluster (of two), not an empty grid.
+  got_w, got = pk.mosaic_kernel.launch((x, dy), w, slots, h, rule=pk.ADAMW,
+                                       cfg=pair, interpret=True, num_sms=1)
+  ref_w, _ = pk.fused_wgrad_update_reference(x, dy, w, slots, h,
+                                             rule=pk.ADAMW)
+  assert_close(got_w, ref_w, what="w")
   # A stored gradient stays on the column-split schedule.
   assert "stored gradient has no K loop" in unsupported(pp, g_stored=True)
   with pytest.raises(ValueError, match="use a tiling without ',pp'"):
