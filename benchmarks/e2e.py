@@ -730,10 +730,7 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> None:
   shape = any_row["shape"].rsplit(" B", 1)[0] if any_row else ""
   fig.suptitle(f"Llama-style decoder training step ({shape}): FORGE vs "
                f"optax.adamw on {device}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(png_path, dpi=120)
-  plt.close(fig)
-  print(f"wrote {png_path}")
+  common.save_figure(fig, png_path)
 
 
 def _seconds(minimum_exclusive: bool):

@@ -423,10 +423,7 @@ def plot(results: list[dict], png_path: str) -> None:
            f"scanned stack {stack[0]} x {stack[1]}²")
   fig.suptitle(f"Paired step time, {model}, BT {results[0]['bt']}, on "
                f"{results[0]['device']}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(png_path, dpi=120)
-  plt.close(fig)
-  print(f"wrote {png_path}")
+  common.save_figure(fig, png_path)
 
 
 def parse_args(argv):

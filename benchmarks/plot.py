@@ -60,10 +60,7 @@ def plot(src: str, dst: str) -> int:
   device = rows[0]["device"] if rows else "?"
   ax.set_title(f"One layer's weight-gradient + AdamW step ({device})")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-  fig.savefig(dst, dpi=120)
-  print(f"wrote {dst}")
+  common.save_figure(fig, dst)
   return 0
 
 

@@ -269,9 +269,7 @@ def plot(src: str, dst: str) -> int:
   axes[0].legend(fontsize=7)
   fig.suptitle(f"forge_torch fused AdamW update, one layer "
                f"({rows[0]['device']})", fontsize=9)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-  fig.savefig(dst, dpi=120)
+  common.save_figure(fig, dst)
   return 0
 
 
