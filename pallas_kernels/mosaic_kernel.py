@@ -131,11 +131,12 @@ class MosaicConfig:
       when this tile's K loop ends (before its epilogue) instead of at the
       next tile's start, so they also fly during this tile's epilogue.
       With ``pingpong`` (one state buffer: the ring), the ring runs on
-      across a warpgroup's tiles: as the last sub-tiles of a tile's
-      epilogue free their slots, they load the first sub-tiles of the
-      warpgroup's next tile, whose loads then fly during the rest of this
-      epilogue and the next K loop instead of starting with it (the ring
-      is cut to a divisor of the tile's sub-tiles, :meth:`ring_for`).
+      across a warpgroup's tiles: its sub-tiles form one stream, and as
+      the last sub-tiles of a tile's epilogue free their slots, they load
+      the first sub-tiles of the warpgroup's next tile, whose loads then
+      fly during the rest of this epilogue and the next K loop instead of
+      starting with it. A ring longer than a tile's sub-tiles
+      (``state_ring``) then holds sub-tiles of the tiles after.
     state_ring: 0 holds each warpgroup's whole share of the state tile in
       shared memory (``state_buffers`` copies). ``R >= 1`` streams it
       instead through a ring of ``R`` epilogue sub-tiles per warpgroup: the
@@ -145,7 +146,8 @@ class MosaicConfig:
       tiles (fewer re-reads of ``x`` and ``dy``) fit. With ``pingpong`` the
       state always streams: 0 there means a ring of as many sub-tiles as
       fit beside the operand ring (at most a tile's; :meth:`ring_for`),
-      and a ring longer than a tile's sub-tiles is cut to them.
+      and without ``prefetch_next`` a ring longer than a tile's sub-tiles
+      is cut to them.
     band: the order the persistent programs take the tiles in: down bands
       of ``band`` tile columns, snaking (``plgpu.planar_snake``). 1 sweeps
       one tile column at a time, so every column re-reads all of ``x``:
@@ -413,21 +415,20 @@ class MosaicConfig:
     """The state ring the kernel runs with these dtypes: ``state_ring``;
     with ``pingpong`` and ``state_ring=0``, the most epilogue sub-tiles
     (at least 1, at most a tile's) whose buffers fit beside the operand
-    ring, for every compute warpgroup; with ``pingpong``, at most a tile's
-    sub-tiles, and with ``prefetch_next`` as well, a divisor of them."""
+    ring, for every compute warpgroup; with ``pingpong`` and without
+    ``prefetch_next``, at most a tile's sub-tiles."""
     if not self.pingpong:
       return self.state_ring
     if self.state_ring:
-      ring = min(self.state_ring, self.sub_tiles)
-    else:
-      sub = self._sub_tile_bytes(state_dtypes)
-      free = (_SMEM_BYTES - self._reserve(state_dtypes)
-              - self._operand_bytes(x_dtype))
-      ring = max(1, min(self.sub_tiles, free // (self.compute_wgs * sub)))
-    if self.prefetch_next:  # the ring runs across tiles: slot = sub-tile % R
-      while self.sub_tiles % ring:
-        ring -= 1
-    return ring
+      # Running across tiles (prefetch_next), a ring may hold sub-tiles of
+      # the warpgroup's next tiles as well; within a tile, no more than
+      # its sub-tiles are of use.
+      return (self.state_ring if self.prefetch_next
+              else min(self.state_ring, self.sub_tiles))
+    sub = self._sub_tile_bytes(state_dtypes)
+    free = (_SMEM_BYTES - self._reserve(state_dtypes)
+            - self._operand_bytes(x_dtype))
+    return max(1, min(self.sub_tiles, free // (self.compute_wgs * sub)))
 
   def _sub_tile_bytes(self, state_dtypes) -> int:
     """Shared memory of one ring slot: the state's sub-tiles, plus the
@@ -885,10 +886,12 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
       return (pl.ds(mi * tm + i * em, em),
               pl.ds(ni * tn + col0 + j * en, en))
 
-    def load_sub(t, s):
-      # Into ring slot s % ring; the stores that last read the slot have
-      # drained from shared memory (waited for by the caller).
-      wg, r = t[3], dyn(s)[0]
+    def load_sub(t, s, r=None):
+      # Into ring slot r (default s % ring); the stores that last read the
+      # slot have drained from shared memory (waited for by the caller).
+      wg = t[3]
+      if r is None:
+        r = dyn(s)[0]
       for (ref, is_state), buf in zip(loaded_refs, in_bufs):
         plgpu.copy_gmem_to_smem(at(ref, *sub_at(t, s), is_state),
                                 buf.at[wg, r], bar.at[wg * ring + r])
@@ -899,22 +902,40 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
           plgpu.copy_gmem_to_smem(scale_row(q, rows, block), buf.at[wg, r],
                                   bar.at[wg * ring + r])
 
-    def load_ring(t, first=0):
-      # The share's first sub-tiles from `first` on, once the warpgroup's
-      # previous stores have left shared memory.
+    def load_ring(t):
+      # The share's first sub-tiles, once the warpgroup's previous stores
+      # have left shared memory.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      for s in range(first, min(ring, len(subs))):
+      for s in range(min(ring, len(subs))):
         load_sub(t, s)
 
-    def streamed_epilogue(t, acc, h, nxt=None):
+    # The ring running on across a warpgroup's tiles (prefetch_next): its
+    # sub-tiles form one stream, `stream = (u, n, tile_of)`: this is the
+    # warpgroup's tile u of n, `tile_of(v)` its tile v as `t`; sub-tile s
+    # of tile v is number v * len(subs) + s of the stream, in slot
+    # number % ring.
+    def load_stream(n, tile_of):
+      # The stream's first `ring` sub-tiles (its start).
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for q in range(ring):
+        v, s = divmod(q, len(subs))
+        pl.when(v < n)(functools.partial(load_sub, tile_of(v), s, q))
+
+    def load_number(q, stream):
+      # Sub-tile number q of the stream (if there is one) into its slot.
+      _, n, tile_of = stream
+      v, s = lax.div(q, len(subs)), lax.rem(q, len(subs))
+      pl.when(v < n)(lambda: load_sub(tile_of(v), s, lax.rem(q, ring)))
+
+    def streamed_epilogue(t, acc, h, stream=None):
       # acc: the share's accumulator, or None to read G from its buffer.
-      # nxt: (the warpgroup's next tile as `t`, whether there is one): the
-      # ring runs on into it (prefetch_next; len(subs) % ring == 0, so a
-      # sub-tile's slot is its number modulo the ring in every tile).
+      # stream: the warpgroup's tiles as one stream (prefetch_next, above);
+      # None: the ring starts afresh with each tile (load_ring).
       wg = t[3]
+      base = None if stream is None else stream[0] * len(subs)
 
       def sub_tile(s, g):
-        r = dyn(s)[0]
+        r = dyn(s)[0] if stream is None else lax.rem(base + s, ring)
         plgpu.barrier_wait(bar.at[wg * ring + r])
         sub = (wg, r, pl.ds(0, em), pl.ds(0, en))
         if g is None:
@@ -928,26 +949,27 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
         for (ref, is_state), buf in zip(stored, bufs):
           plgpu.copy_smem_to_gmem(buf.at[wg, r], at(ref, *sub_at(t, s),
                                                     is_state))
-        done = s - lag   # the sub-tile whose slot is reloaded now
-
-        def reload(into=t, at=done + ring):
-          # One store group per stored array and sub-tile: those of the
-          # `lag` sub-tiles since may still be reading.
+        # The slot of the sub-tile `lag` places back is reloaded now: one
+        # store group per stored array and sub-tile, so those of the `lag`
+        # sub-tiles since may still be reading. (A tile's first `lag`
+        # sub-tiles reload none: the slots of the previous tile's last
+        # ones were reloaded as it ended.)
+        def reload():
           plgpu.wait_smem_to_gmem(lag * len(stored), wait_read_only=True)
-          load_sub(into, at)
-
-        def reload_next():  # the next tile's sub-tile in this slot
-          reload(nxt[0], done + ring - len(subs))
-        if isinstance(s, int):
-          if done >= 0 and done + ring < len(subs):
+          if stream is None:
+            load_sub(t, s - lag + ring)
+          else:
+            load_number(base + s - lag + ring, stream)
+        if stream is not None:
+          if not isinstance(s, int):
+            pl.when(s >= lag)(reload)
+          elif s >= lag:
             reload()
-          elif done >= 0 and nxt is not None:
-            pl.when(nxt[1])(reload_next)
+        elif isinstance(s, int):
+          if lag <= s < len(subs) + lag - ring:
+            reload()
         else:
-          pl.when((done >= 0) & (done + ring < len(subs)))(reload)
-          if nxt is not None:
-            pl.when((done >= 0) & (done + ring >= len(subs)) & nxt[1])(
-                reload_next)
+          pl.when((s >= lag) & (s - lag + ring < len(subs)))(reload)
 
       def acc_slice(i, j):
         return acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
@@ -955,19 +977,25 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
       if not cfg.rolled:
         for s, (i, j) in enumerate(subs):
           sub_tile(s, None if acc is None else acc_slice(i, j))
-        return
+      else:
+        @pl.loop(0, len(subs))
+        def _sub(s):
+          g = None if acc is None else lax.switch(
+              s, [functools.partial(acc_slice, i, j) for i, j in subs])
+          sub_tile(s, g)
 
-      @pl.loop(0, len(subs))
-      def _sub(s):
-        g = None if acc is None else lax.switch(
-            s, [functools.partial(acc_slice, i, j) for i, j in subs])
-        sub_tile(s, g)
+      if stream is not None and lag:
+        # The slots of this tile's last `lag` sub-tiles, once their stores
+        # have read them, take the stream's sub-tiles `ring` places on.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for d in range(lag):
+          load_number(base + len(subs) - lag + d + ring, stream)
 
     if cfg.pingpong:
-      _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
+      _pingpong_tiles(load_ring, load_stream, streamed_epilogue, hparams,
+                      x_gmem, dy_gmem,
                       x_ring, dy_ring, full, consumed, cfg=cfg,
-                      m_iters=m_iters, n_iters=n_iters, k_iters=k_iters,
-                      ring=ring, lag=lag)
+                      m_iters=m_iters, n_iters=n_iters, k_iters=k_iters)
       return
 
     wg = lax.axis_index("wg")
@@ -1050,10 +1078,10 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
   plgpu.wait_smem_to_gmem(0)
 
 
-def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
-                    x_ring, dy_ring, full, consumed, *, cfg: MosaicConfig,
-                    m_iters: int, n_iters: int, k_iters: int, ring: int,
-                    lag: int):
+def _pingpong_tiles(load_ring, load_stream, streamed_epilogue, hparams,
+                    x_gmem, dy_gmem, x_ring, dy_ring, full, consumed, *,
+                    cfg: MosaicConfig, m_iters: int, n_iters: int,
+                    k_iters: int):
   """The ping-pong schedule's tile loops (module docstring), warpgroups 0
   to ``compute_wgs - 1`` computing, the last streaming the operands; the
   epilogue pieces are :func:`_kernel_body`'s."""
@@ -1120,21 +1148,21 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
     def release(step):
       plgpu.barrier_arrive(consumed.at[lax.rem(step, n_steps)])
 
-    @pl.loop(0, lax.div(my_tiles - wg + cw - 1, cw))
+    n_own = lax.div(my_tiles - wg + cw - 1, cw)  # this warpgroup's tiles
+
+    @pl.loop(0, n_own)
     def _tile(u):
       j = wg + u * cw
       mi, ni = coords(j)
       t = (mi, ni, 0, wg)
-      # This tile's first state sub-tiles fly during its K loop: all of
-      # them issued now, or (prefetch_next) for a tile after the first,
-      # the `lag` that the previous tile's epilogue left to load.
-      nxt = None
+      # This tile's first state sub-tiles fly during its K loop: issued
+      # now; or (prefetch_next) the ring runs on across the warpgroup's
+      # tiles, started with its first tile, and the previous tiles'
+      # epilogues have issued them.
+      stream = None
       if cfg.prefetch_next:
-        pl.when(u == 0)(lambda: load_ring(t))
-        if lag:
-          pl.when(u > 0)(lambda: load_ring(t, ring - lag))
-        # (coords of a tile past the end are computed, never loaded.)
-        nxt = ((*coords(j + cw), 0, wg), j + cw < my_tiles)
+        stream = (u, n_own, lambda v: (*coords(wg + v * cw), 0, wg))
+        pl.when(u == 0)(lambda: load_stream(n_own, stream[2]))
       else:
         load_ring(t)
 
@@ -1158,7 +1186,7 @@ def _pingpong_tiles(load_ring, streamed_epilogue, hparams, x_gmem, dy_gmem,
         if delay:
           plgpu.wgmma_wait(0)
           release(first + k_iters - 1)
-        streamed_epilogue(t, acc_ref[...], h, nxt)
+        streamed_epilogue(t, acc_ref[...], h, stream)
 
 
 def launch(operands, w, slots, hparams, *, rule: UpdateRule,

@@ -281,12 +281,14 @@ def test_gpu_mosaic_kernel_compiled_knobs(cfg):
     ("64x128x64/4,pp,lp,nb", ",pn", BF16),
     ("128x128x64/4,e64x32,s8,pp", ",pn", BF16),
     ("64x128x64/4,pp,lp,nb", ",pn", "int8"),
+    ("64x128x64/3,r3,pp,lp,nb", ",pn", BF16),
     ("64x128x64/4,pp,lp,nb", ",c2", BF16),
     ("128x128x64/4,e64x32,s8,pn,pp,nb", ",c2", BF16),
     ("64x128x64/4,pp,lp,nb", ",c2", "int8")],
     ids=["pingpong-128x64", "pingpong-fp32", "pingpong-banded",
          "ring-banded", "two-buffers", "pingpong-int8", "next-tile-ring",
-         "next-tile-ring-banded", "next-tile-ring-int8", "cluster",
+         "next-tile-ring-banded", "next-tile-ring-int8",
+         "next-tile-ring-beyond-tile", "cluster",
          "cluster-next-tile-banded", "cluster-int8"])
 def test_gpu_mosaic_kernel_knob_is_bitwise_the_same(label, knob, slot_dtype):
   # no_barriers (,nb) drops Pallas's barriers around the epilogue's
@@ -579,10 +581,15 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
     # first sub-tile at the end of a tile), 3 tiles per program ...
     (pk.lion_rule(), (192, 128, 384), (F16, BF16, F32),
      "64x128x64/2,d0,e64x32,r1,s2,pn,pp", 2, None),
-    # ... a ring of 3 cut to 2 (a divisor of the 4 sub-tiles), rolled, on a
+    # ... a ring of 3 over 4 sub-tiles (a slot holds sub-tiles of
+    # different rows and columns from one tile to the next), rolled, on a
     # stack, 5 tiles per warpgroup ...
     (pk.ADAMW, (128, 320, 256), (BF16,) * 3, "64x128x64/2,e64x32,r3,pn,pp,lp",
      1, 1),
+    # ... a ring of 3 over tiles of 2 sub-tiles (the loads run into the
+    # tile after next), unrolled, 3 tiles per warpgroup ...
+    (pk.ADAMW, (128, 192, 256), (BF16,) * 3, "64x128x64/2,r3,pn,pp", 1,
+     None),
     # ... and three warpgroups.
     (pk.ADAMW, (128, 320, 256), (BF16,) * 3, "64x128x64/4,wg3,e64x32,pn,pp",
      2, None),
@@ -597,7 +604,8 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
 ], ids=["128x128-5-tiles", "fp32-state", "fp16-d0-ring1-band",
         "stacked-layer-rolled", "muon-no-tile-programs", "three-warpgroups",
         "three-warpgroups-stacked", "next-tile-ring", "next-tile-ring1",
-        "next-tile-ring-cut-stacked", "next-tile-three-warpgroups",
+        "next-tile-ring3-stacked", "next-tile-ring-beyond-tile",
+        "next-tile-three-warpgroups",
         "cluster", "cluster-banded-stacked"])
 def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
                                     layer):
@@ -668,11 +676,14 @@ def test_pingpong_labels_and_limits():
       3, 128, "64x128x64/4,wg3,pp")
   assert [pk.mosaic_kernel.pingpong_registers(c) for c in (2, 3)] == [
       232, 152]
-  # prefetch_next: the ring cut to a divisor of the tile's sub-tiles.
-  across = pk.MosaicConfig.from_label("64x128x64/2,e64x32,r3,pn,pp")
-  assert (across.sub_tiles, across.ring_for(BF16, [BF16] * 3)) == (4, 2)
-  assert pk.MosaicConfig.from_label("64x128x64/2,e64x32,r3,pp").ring_for(
-      BF16, [BF16] * 3) == 3
+  # A ring longer than a tile's sub-tiles is cut to them, except running
+  # across tiles (prefetch_next); the automatic ring holds a tile at most.
+  ring = lambda label: pk.MosaicConfig.from_label(label).ring_for(
+      BF16, [BF16] * 3)
+  assert pk.MosaicConfig.from_label("64x128x64/2,r3,pp").sub_tiles == 2
+  assert [ring("64x128x64/2,r3,pp"), ring("64x128x64/2,r3,pn,pp"),
+          ring("64x128x64/2,e64x32,r3,pn,pp"), ring("64x128x64/2,pn,pp")] == [
+              2, 3, 3, 2]
   # Clusters of two programs (the dy blocks multicast).
   pair = pk.MosaicConfig.from_label("64x128x64/4,pp,c2,lp")
   assert (pair.cluster, pair.label) == (2, "64x128x64/4,c2,pp,lp")
