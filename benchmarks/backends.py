@@ -25,6 +25,17 @@ time divided by the Triton kernel's and by the fastest Mosaic GPU tiling's
 (of those with the reference's arithmetic: no ``,ax``).
 ``--replot --out CSV --plot PNG`` draws an existing CSV without measuring
 (no GPU needed).
+
+``--once`` runs each arm of each case exactly once, untimed and unchecked,
+writing nothing: for a profiler. Nsight Compute on one tiling's kernel
+(the Mosaic GPU kernels are named ``anonymous_mosaic_gpu_kernel``)::
+
+    ncu -k regex:mosaic_gpu --set full --import-source no \
+        ./dev.sh python -m benchmarks.backends --once --tokens 512 \
+        --moments bf16 --shapes "q/o 4096x4096" --mosaic LABEL
+
+(add ``--page source --print-source sass --csv`` for the stall samples of
+each instruction).
 """
 
 import argparse
@@ -216,6 +227,9 @@ def main(argv=None):
   p.add_argument("--plot", metavar="PNG", help="also draw the CSV here")
   p.add_argument("--replot", action="store_true",
                  help="draw --out to --plot without measuring")
+  p.add_argument("--once", action="store_true",
+                 help="run each arm once, untimed, writing nothing (for a "
+                 "profiler)")
   p.add_argument("--tokens", type=common.positive_int, nargs="+",
                  default=[512, 2048, 4096])
   p.add_argument("--shapes", nargs="+", default=list(common.LLAMA8B_SHAPES),
@@ -252,6 +266,8 @@ def main(argv=None):
   if jax.default_backend() != "gpu":
     print("benchmarks.backends needs a GPU; nothing measured.")
     return 0
+  if args.once:
+    return _run_once(args, mosaic_cfgs, shapes)
   res = common.Results(args.out, "backends")
   wrong = []
   for rule_name, moments in [(r, m) for r in args.rules
@@ -299,6 +315,30 @@ def main(argv=None):
   if wrong:
     print("WRONG RESULTS:\n  " + "\n  ".join(wrong), flush=True)
     return 1
+  return 0
+
+
+def _run_once(args, mosaic_cfgs, shapes) -> int:
+  """``--once``: each arm of each case run once (compiled first; the
+  compilation launches nothing)."""
+  for rule_name, moments in [(r, m) for r in args.rules
+                             for m in args.moments]:
+    rule, hparams = _rule(rule_name)
+    for arm, step in _arms(mosaic_cfgs, rule, hparams).items():
+      for name, (n_in, n_out) in shapes.items():
+        for bt in args.tokens:
+          state = _state(bt, n_in, n_out, moments, rule)
+          jax.block_until_ready(state)
+          f = jax.jit(step)
+          try:
+            f = f.lower(state).compile()
+          except ValueError as e:  # a tiling this case does not allow
+            print(f"BT={bt} {n_in}x{n_out} {rule_name} {moments} {arm}: "
+                  f"skipped ({e})", flush=True)
+            continue
+          jax.block_until_ready(f(state))
+          print(f"BT={bt} {n_in}x{n_out} {rule_name} {moments} {arm}: ran "
+                "once", flush=True)
   return 0
 
 

@@ -391,6 +391,23 @@ def test_backends_benchmark_arguments(capsys):
   if jax.default_backend() != "gpu":
     assert backends.main(["--tokens", "512"]) == 0
     assert "needs a GPU" in capsys.readouterr().out
+    assert backends.main(["--once", "--tokens", "512"]) == 0
+    assert "needs a GPU" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_gpu_backends_benchmark_once_runs_each_arm_once(tmp_path, capsys):
+  from benchmarks import backends
+  out = tmp_path / "b.csv"
+  assert backends.main(["--once", "--tokens", "128", "--moments", "bf16",
+                        "--shapes", "t 256x384", "--out", str(out),
+                        "--mosaic", "64x128x64/2,pp", "128x128x64/2,pp"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  # 256 x 384: 128 x 128 tiles do not divide it (skipped, with the reason).
+  assert [ln.split(": ", 1)[1][:4] for ln in lines] == [
+      "ran ", "ran ", "ran ", "skip"], lines
+  assert "forge_mosaic_64x128x64/2,pp" in lines[2]
+  assert not out.exists()
 
 
 def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
