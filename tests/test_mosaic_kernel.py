@@ -610,6 +610,10 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
     # ... and three warpgroups.
     (pk.ADAMW, (128, 320, 256), (BF16,) * 3, "64x128x64/4,wg3,e64x32,pn,pp",
      2, None),
+    # Five K steps (the shipped tiling at 4096^2, BT 512) over 3 K steps a
+    # tile: the ring wraps within and across tiles, 3 tiles per program.
+    (pk.ADAMW, (192, 256, 192), (BF16,) * 3, "128x64x64/5,pn,pp,lp,nb", 2,
+     None),
     # Clusters of two programs taking tile-row pairs: 2 x 3 pairs over 3
     # clusters (6 programs), the dy blocks shared ...
     (pk.ADAMW, (128, 256, 384), (BF16,) * 3, "64x128x64/2,e64x32,c2,pp", 6,
@@ -622,7 +626,7 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
         "stacked-layer-rolled", "muon-no-tile-programs", "three-warpgroups",
         "three-warpgroups-stacked", "next-tile-ring", "next-tile-ring1",
         "next-tile-ring3-stacked", "next-tile-ring-beyond-tile",
-        "next-tile-three-warpgroups",
+        "next-tile-three-warpgroups", "five-steps",
         "cluster", "cluster-banded-stacked"])
 def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
                                     layer):
