@@ -325,20 +325,18 @@ def _run_once(args, mosaic_cfgs, shapes) -> int:
                              for m in args.moments]:
     rule, hparams = _rule(rule_name)
     for arm, step in _arms(mosaic_cfgs, rule, hparams).items():
-      for name, (n_in, n_out) in shapes.items():
+      for n_in, n_out in shapes.values():
         for bt in args.tokens:
-          state = _state(bt, n_in, n_out, moments, rule)
-          jax.block_until_ready(state)
-          f = jax.jit(step)
+          what = f"BT={bt} {n_in}x{n_out} {rule_name} {moments} {arm}"
+          state = jax.block_until_ready(_state(bt, n_in, n_out, moments,
+                                               rule))
           try:
-            f = f.lower(state).compile()
+            f = jax.jit(step).lower(state).compile()
           except ValueError as e:  # a tiling this case does not allow
-            print(f"BT={bt} {n_in}x{n_out} {rule_name} {moments} {arm}: "
-                  f"skipped ({e})", flush=True)
+            print(f"{what}: skipped ({e})", flush=True)
             continue
           jax.block_until_ready(f(state))
-          print(f"BT={bt} {n_in}x{n_out} {rule_name} {moments} {arm}: ran "
-                "once", flush=True)
+          print(f"{what}: ran once", flush=True)
   return 0
 
 

@@ -594,6 +594,11 @@ MOSAIC_PICKS = {
     "default": ("the kernel's default tiling for the case "
                 "(mosaic_kernel.default_config) where measured, else the "
                 "fastest"),
+}
+# The CLI's picks (--mosaic-pick): those, and "faster", which compares
+# with the cache it merges into (_import_csv).
+CLI_MOSAIC_PICKS = {
+    **MOSAIC_PICKS,
     "faster": ("the fastest Mosaic GPU tiling measured for the case, only "
                "where it is faster than the entry already held (or there "
                "is none)"),
@@ -653,15 +658,13 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
       ``case`` (``"adamw"``).
     metric: the column compared (the benchmark's p50).
     commit: only the rows of this commit (the ``commit`` column).
-    pick: ``"fastest"`` or ``"default"`` (the CLI's ``"faster"`` is
-      ``"fastest"`` less the entries it would not improve).
+    pick: ``"fastest"`` or ``"default"``.
 
   Returns:
     ``(device_kind, source_id, source, entries)``.
   """
-  if pick not in MOSAIC_PICKS or pick == "faster":
-    raise ValueError(f"pick={pick!r}: use 'fastest' or 'default' (the CLI's "
-                     "'faster' compares with the cache it merges into)")
+  if pick not in MOSAIC_PICKS:
+    raise ValueError(f"pick={pick!r}: use one of {sorted(MOSAIC_PICKS)}")
   rows = _read_csv(path, "benchmarks.backends",
                    {"benchmark", "case", "provider", "shape", "dtypes",
                     "metric", metric, "unit", "device", "versions",
@@ -844,7 +847,7 @@ def _import_csv(data: dict, path: str, args) -> str:
       held = data["devices"].get(kind, {}).get(MOSAIC_GPU, {})
       entries = {k: e for k, e in entries.items()
                  if k not in held or e["time_us"] < held[k]["time_us"]}
-      source = dict(source, pick=MOSAIC_PICKS[pick])
+      source = dict(source, pick=CLI_MOSAIC_PICKS[pick])
     merge(data, kind, sid, source, entries, MOSAIC_GPU)
     faster = sum(e["time_us"] < e["triton_time_us"] for e in entries.values())
     return (f"{len(entries)} Mosaic GPU entries for {kind!r} ({faster} "
@@ -873,7 +876,8 @@ def main(argv=None) -> int:
   p.add_argument("--commit", default=None,
                  help="with --from-csv: only the rows of this commit (the "
                  "CSV's commit column)")
-  p.add_argument("--mosaic-pick", choices=sorted(MOSAIC_PICKS), default=None,
+  p.add_argument("--mosaic-pick", choices=sorted(CLI_MOSAIC_PICKS),
+                 default=None,
                  help="with --from-csv of a benchmarks.backends CSV: the "
                  "tiling an entry takes: the fastest measured (default); "
                  "the kernel's default tiling where measured; or "

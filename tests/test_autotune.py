@@ -986,6 +986,28 @@ def test_mosaic_entries_from_a_backends_csv(tmp_path):
   assert found == tuning_cache.MosaicEntry(M.from_label(b[13:]), 150.0, 200.0)
   assert found.faster_than_triton
   assert not json.loads(out.read_text())["devices"]["Fake GPU"]["entries"]
+  # --mosaic-pick faster: a later run's entry replaces the one held only
+  # where it measured faster.
+  later = tmp_path / "later.csv"
+  _backends_csv(later, [
+      (5, "c2", "BT=2048 4096x4096", "bf16", "forge_triton", 200.0),
+      (5, "c2", "BT=2048 4096x4096", "bf16", a, 160.0),  # slower than 150
+      (5, "c2", "BT=512 4096x1024", "fp32", "forge_triton", 30.0),
+      (5, "c2", "BT=512 4096x1024", "fp32", a, 25.0),  # faster than 31
+  ])
+  kept = tmp_path / "kept.json"
+  kept.write_text(out.read_text())
+  assert autotune.main(["--from-csv", str(later), "--mosaic-pick", "faster",
+                        "--out", str(kept)]) == 0
+  held = json.loads(kept.read_text())["devices"]["Fake GPU"]["mosaic_gpu"]
+  assert held[key]["time_us"] == 150.0 and M(**held[key]["config"]) == (
+      M.from_label(b[13:]))
+  assert held[slow]["time_us"] == 25.0 and M(**held[slow]["config"]) == (
+      M.from_label(a[13:]))
+  sources = json.loads(kept.read_text())["devices"]["Fake GPU"]["sources"]
+  assert "only where it is faster" in sources[held[slow]["source"]]["pick"]
+  with pytest.raises(ValueError, match="use one of"):
+    autotune.mosaic_winners_from_csv(str(later), pick="faster")
   # --merge carries Mosaic GPU entries over.
   merged = tmp_path / "m.json"
   assert autotune.main(["--merge", str(out), "--out", str(merged)]) == 0
