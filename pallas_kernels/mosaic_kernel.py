@@ -71,7 +71,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import lowp, quant
 from pallas_kernels.rules import UpdateRule
 
-__all__ = ["MosaicConfig", "default_config", "launch", "pingpong_registers",
+__all__ = ["INTERPRETS_CLUSTERED_PREFETCH", "MosaicConfig", "default_config",
+           "launch", "pingpong_registers",
            "stored_config",
            "unsupported"]
 
@@ -93,6 +94,9 @@ _MEMORY_REGISTERS = 40
 # Registers per thread a ping-pong compute warpgroup keeps for its
 # epilogue beside the accumulator (MosaicConfig's check).
 _EPILOGUE_REGISTERS = 48
+# Whether Pallas's GPU interpreter runs a cluster with prefetch_next
+# (MosaicConfig.cluster): jax 0.12's does; jax 0.11's deadlocks on it.
+INTERPRETS_CLUSTERED_PREFETCH = jax.__version_info__ >= (0, 12)
 
 
 def pingpong_registers(compute_wgs: int) -> int:
@@ -191,11 +195,14 @@ class MosaicConfig:
       a quarter on 128 x 128). A ring slot is then refilled only once both
       programs' warpgroups have read it (a cluster barrier). The weight's
       rows must split into an even number of tiles. With
-      ``prefetch_next`` as well, compiled only: in Pallas's GPU interpreter
-      on jax 0.11.2 the two together deadlocked in some runs (neither
-      alone did, nor the two on jax 0.12's interpreter or compiled on the
-      H200; the cause is not known), so :func:`launch` refuses the pair in
-      interpret mode.
+      ``prefetch_next`` as well, interpreted only from jax 0.12 on: in
+      Pallas's GPU interpreter before it the two together deadlock in some
+      runs (one cluster of 64 x 128 tiles, with or without race detection:
+      the memory warpgroups waiting on the cluster's "consumed" barriers,
+      the compute warpgroups on their own barriers), which neither alone
+      does, nor the two in jax 0.12's interpreter (with race detection) or
+      compiled on the H200 (the same bits as without ``prefetch_next``);
+      :func:`launch` refuses the pair in interpret mode there.
   """
 
   tile_m: int = 128
@@ -1226,12 +1233,13 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule,
   module, lowered and compiled once, instead of one module per call site
   (about half a second of lowering each, and as much compiling).
   """
-  if interpret and cfg.cluster > 1 and cfg.prefetch_next:
+  if (interpret and cfg.cluster > 1 and cfg.prefetch_next
+      and not INTERPRETS_CLUSTERED_PREFETCH):
     raise ValueError(
         f"the Mosaic GPU tiling {cfg.label} (a cluster with prefetch_next) "
-        "runs compiled only: in Pallas's GPU interpreter on jax 0.11.2 the "
-        "two together deadlocked in some runs (cause not known); drop ,c2 "
-        "or ,pn to run it in interpret mode")
+        f"runs compiled only with jax {jax.__version__}: Pallas's GPU "
+        "interpreter before jax 0.12 deadlocks on the two together; use "
+        "jax >= 0.12, or drop ,c2 or ,pn to run it in interpret mode")
   if num_sms is None:
     num_sms = 4 if interpret else jax.devices()[0].core_count
   # (The interpreter's params need not be hashable: no jit there.)

@@ -619,15 +619,25 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
     (pk.ADAMW, (128, 256, 384), (BF16,) * 3, "64x128x64/2,e64x32,c2,pp", 6,
      None),
     # ... 1 x 3 pairs of 128 x 128 tiles over 2 clusters (2 and 1 each),
-    # 3 K steps through 2 slots, bands of 2, on a stack.
+    # 3 K steps through 2 slots, bands of 2, on a stack ...
     (pk.ADAMW, (192, 256, 384), (BF16,) * 3,
      "128x128x64/2,e64x32,s2,c2,pp", 4, 1),
+    # ... and with the ring across tiles (a shipped tiling): one cluster,
+    # 2 x 3 pairs, 6 tiles per program, 3 per warpgroup; 3 K steps a tile
+    # through 5 slots; on a stack.
+    pytest.param(
+        pk.ADAMW, (192, 256, 384), (BF16,) * 3, "64x128x64/5,c2,pn,pp,lp,nb",
+        2, 1, marks=pytest.mark.skipif(
+            not pk.mosaic_kernel.INTERPRETS_CLUSTERED_PREFETCH,
+            reason="Pallas's GPU interpreter before jax 0.12 deadlocks on a "
+            "cluster with prefetch_next (test_pingpong_refusals checks the "
+            "refusal)")),
 ], ids=["128x128-5-tiles", "fp32-state", "fp16-d0-ring1-band",
         "stacked-layer-rolled", "muon-no-tile-programs", "three-warpgroups",
         "three-warpgroups-stacked", "next-tile-ring", "next-tile-ring1",
         "next-tile-ring3-stacked", "next-tile-ring-beyond-tile",
         "next-tile-three-warpgroups", "five-steps",
-        "cluster", "cluster-banded-stacked"])
+        "cluster", "cluster-banded-stacked", "cluster-next-tile-ring"])
 def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
                                     layer):
   x_dtype, w_dtype, slot_dtype = dtypes
@@ -763,13 +773,16 @@ def test_pingpong_refusals():
         g_stored=g_stored, low_precision=low_precision)
 
   assert unsupported(pp) is None
-  # A cluster with the ring across tiles runs compiled only.
-  with pytest.raises(ValueError, match=r"\(a cluster with prefetch_next\) "
-                     "runs compiled only"):
-    pk.mosaic_kernel.launch(
-        (x, dy), w, slots, h, rule=pk.ADAMW, interpret=True,
-        cfg=pk.MosaicConfig(tile_m=64, steps=4, epi_n=32, pingpong=True,
-                            cluster=2, prefetch_next=True))
+  # A cluster with the ring across tiles is interpreted from jax 0.12 on
+  # (test_pingpong_matches_reference[cluster-next-tile-ring]); before,
+  # it runs compiled only.
+  if not pk.mosaic_kernel.INTERPRETS_CLUSTERED_PREFETCH:
+    with pytest.raises(ValueError, match=r"\(a cluster with prefetch_next\) "
+                       "runs compiled only with jax"):
+      pk.mosaic_kernel.launch(
+          (x, dy), w, slots, h, rule=pk.ADAMW, interpret=True,
+          cfg=pk.MosaicConfig(tile_m=64, steps=4, epi_n=32, pingpong=True,
+                              cluster=2, prefetch_next=True))
   # A cluster takes tile rows in pairs: 128 rows are one 128-row tile.
   assert "in = 128 must be a multiple of 2 x tile_m = 256" in unsupported(
       pk.MosaicConfig(steps=4, epi_n=32, pingpong=True, cluster=2))
