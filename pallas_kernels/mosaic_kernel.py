@@ -72,9 +72,7 @@ from pallas_kernels import lowp, quant
 from pallas_kernels.rules import UpdateRule
 
 __all__ = ["INTERPRETS_CLUSTERED_PREFETCH", "MosaicConfig", "default_config",
-           "launch", "pingpong_registers",
-           "stored_config",
-           "unsupported"]
+           "launch", "pingpong_registers", "stored_config", "unsupported"]
 
 # Shared memory per block on Hopper (227 KiB).
 _SMEM_BYTES = 232448
