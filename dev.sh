@@ -6,9 +6,11 @@
 #   ./dev.sh train [flags]   the main job: a Flax MLP on scikit-learn's digits,
 #                            FORGE beside optax (python -m
 #                            examples.train_digits; --help lists the flags)
-#   ./dev.sh test [args]     the test suite, on FORGE_TEST_WORKERS processes
-#                            (pytest-xdist; default: the CPU count, at most 4);
-#                            pytest args pass through (-n 0: one process)
+#   ./dev.sh test [args]     the test suite's quick tier (what tests/tiers.py
+#                            leaves out is deselected; --full runs it all), on
+#                            FORGE_TEST_WORKERS processes (pytest-xdist;
+#                            default: the CPU count, at most 4); pytest args
+#                            pass through (-n 0: one process)
 #   ./dev.sh python [args]   the project's Python, e.g. for the benchmarks:
 #                            ./dev.sh python -m benchmarks.kernel --help
 #

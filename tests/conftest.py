@@ -36,13 +36,86 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+      "--full", action="store_true", default=False,
+      help="run the whole suite; without it the quick tier (tests/tiers.py) "
+           "leaves out the cases listed there")
+
+
+def _names(nodeid: str, entry: str) -> bool:
+  """Whether ``entry`` (a file, a test or one case) names ``nodeid``."""
+  return nodeid == entry or nodeid.startswith((entry + "[", entry + "::"))
+
+
+def _quick_tier(config, items):
+  """Deselects the cases ``tests/tiers.py`` leaves to ``--full``."""
+  from tests import tiers  # noqa: PLC0415 -- only when the tier applies
+  files = {item.nodeid.split("::")[0] for item in items}
+  for group in tiers.GROUPS:
+    for entry in group.full + group.keep:
+      if (entry.split("::")[0] in files
+          and not any(_names(item.nodeid, entry) for item in items)):
+        raise pytest.UsageError(
+            f"tests/tiers.py names {entry!r}, which is not a collected test; "
+            "update the entry to the test's current name")
+  def full_only(item):
+    if "gpu" in item.keywords:
+      return False
+    return any(any(_names(item.nodeid, e) for e in g.full)
+               and not any(_names(item.nodeid, e) for e in g.keep)
+               for g in tiers.GROUPS)
+  left = [item for item in items if full_only(item)]
+  if left:
+    config.hook.pytest_deselected(items=left)
+    items[:] = [item for item in items if not full_only(item)]
+  config.stash[_LEFT_TO_FULL] = len(left)
+  if hasattr(config, "workeroutput"):  # a pytest-xdist worker: tell the
+    config.workeroutput["left_to_full"] = len(left)  # controller (below)
+
+
+_LEFT_TO_FULL = pytest.StashKey[int]()
+
+
+class _WorkersLeftToFull:
+  """With pytest-xdist the workers collect; the controller, which prints
+  the summary, takes the count from them (every worker collects alike)."""
+
+  def __init__(self, config):
+    self.config = config
+
+  def pytest_testnodedown(self, node, error):  # pylint: disable=unused-argument
+    left = getattr(node, "workeroutput", {}).get("left_to_full", 0)
+    self.config.stash[_LEFT_TO_FULL] = max(
+        left, self.config.stash.get(_LEFT_TO_FULL, 0))
+
+
+def pytest_configure(config):
+  if (config.pluginmanager.hasplugin("xdist")
+      and not hasattr(config, "workeroutput")):
+    config.pluginmanager.register(_WorkersLeftToFull(config))
+
+
 def pytest_collection_modifyitems(config, items):
+  # The quick tier applies when whole files or folders run; tests named on
+  # the command line (file::test) run whatever their tier.
+  if not config.getoption("full") and not any(
+      "::" in str(arg) for arg in config.args):
+    _quick_tier(config, items)
   if HAS_GPU:
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200)")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  left = config.stash.get(_LEFT_TO_FULL, 0)
+  if left:
+    terminalreporter.write_line(
+        f"quick tier: {left} cases left to the full suite (tests/tiers.py); "
+        "./dev.sh test --full runs them")
 
 
 @pytest.fixture(autouse=True)
