@@ -96,6 +96,7 @@ def pytest_configure(config):
     config.pluginmanager.register(_WorkersLeftToFull(config))
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m / -k: tiers.py names all tests
 def pytest_collection_modifyitems(config, items):
   # The quick tier applies when whole files or folders run; tests named on
   # the command line (file::test) run whatever their tier.
