@@ -115,8 +115,8 @@ def pytest_terminal_summary(terminalreporter, config):
   left = config.stash.get(_LEFT_TO_FULL, 0)
   if left:
     terminalreporter.write_line(
-        f"quick tier: {left} cases left to the full suite (tests/tiers.py); "
-        "./dev.sh test --full runs them")
+        f"quick tier: {left} cases (none GPU-marked) left to the full suite "
+        "(tests/tiers.py); ./dev.sh test --full runs them")
 
 
 @pytest.fixture(autouse=True)
