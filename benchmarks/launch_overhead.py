@@ -1,0 +1,167 @@
+"""Host time per fused-kernel launch: a jitted chain of N fused updates
+against the same chain as XLA's GEMM + AdamW.
+
+    ./dev.sh python -m benchmarks.launch_overhead --out L.csv
+
+Why. Timed paired (``e2e_paired``), the unrolled decoder's fused step is as
+fast as optax's when steps are dispatched back to back, and slower when each
+step is blocked on: the difference is time the GPU waits for the host. This
+script isolates the launches. One jitted function updates N independent
+layers (``x`` and ``dy`` shared; each layer's bf16 ``W``, ``m`` and ``v``
+donated and fed back every call, as a training step does) either with N
+calls of ``fused_wgrad_update`` (N kernel launches) or with N
+``dot(x.T, dy)`` + the rule's AdamW (XLA's GEMM and its fusions per layer).
+
+Per arm and N, per layer (the chain's time divided by N), µs:
+
+  dispatch   host time until the jitted call returns, the GPU idle before it
+  synced     the call and a block on its result: the dispatch, the GPU's
+             work and any wait of the GPU on the host
+  pipelined  ``--reps`` calls back to back, one block after the last: the
+             GPU's pace when the host runs ahead
+
+p20/p50/p80 over ``--reps`` calls (pipelined: one value). The summary
+prints the fused arm's excess over XLA's per layer in each. Backend:
+``--backend`` (default ``mosaic_gpu`` on a GPU, ``triton`` in interpret
+mode elsewhere, where the times mean nothing but the script runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.kernel import hparams  # noqa: E402
+
+METRICS = ("dispatch", "synced", "pipelined")
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+  try:
+    bt, n_in, n_out = (int(v) for v in text.lower().split("x"))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not BTxINxOUT (three positive integers, e.g. "
+        "512x1024x1024)") from None
+  if min(bt, n_in, n_out) < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: sizes must be positive")
+  return bt, n_in, n_out
+
+
+def chains(backend: str):
+  """The two arms: functions of ``(x, dy, ws, ms, vs, h)`` returning the
+  updated ``(ws, ms, vs)`` lists."""
+
+  def fused(x, dy, ws, ms, vs, h):
+    out = [pk.fused_wgrad_update(x, dy, w, (m, v), h, rule=pk.ADAMW,
+                                 backend=backend)
+           for w, m, v in zip(ws, ms, vs)]
+    return ([w for w, _ in out], [m for _, (m, _) in out],
+            [v for _, (_, v) in out])
+
+  def xla(x, dy, ws, ms, vs, h):
+    out = [pk.ADAMW.apply(jnp.dot(x.T, dy), w, (m, v), h)
+           for w, m, v in zip(ws, ms, vs)]
+    return ([w for w, _ in out], [m for _, (m, _) in out],
+            [v for _, (_, v) in out])
+
+  return {"fused": fused, "xla": xla}
+
+
+def time_chain(fn, n: int, shape, reps: int, seed: int = 0) -> dict:
+  """Per-layer dispatch, synced (p20/p50/p80 over ``reps`` calls) and
+  pipelined times of ``fn`` over ``n`` layers, in µs."""
+  bt, n_in, n_out = shape
+  k = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(k[0], (bt, n_in), jnp.bfloat16)
+  dy = jax.random.normal(k[1], (bt, n_out), jnp.bfloat16)
+  ws = [jax.random.normal(jax.random.fold_in(k[2], i), (n_in, n_out),
+                          jnp.bfloat16) for i in range(n)]
+  ms = [jnp.zeros((n_in, n_out), jnp.bfloat16) for _ in range(n)]
+  vs = [jnp.zeros((n_in, n_out), jnp.bfloat16) for _ in range(n)]
+  h = hparams()
+  step = jax.jit(fn, donate_argnums=(2, 3, 4))
+  for _ in range(3):  # compile and warm up
+    ws, ms, vs = step(x, dy, ws, ms, vs, h)
+  jax.block_until_ready(ws)
+  dispatch, synced = [], []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    ws, ms, vs = step(x, dy, ws, ms, vs, h)
+    t1 = time.perf_counter()
+    jax.block_until_ready(ws)
+    t2 = time.perf_counter()
+    dispatch.append(t1 - t0)
+    synced.append(t2 - t0)
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    ws, ms, vs = step(x, dy, ws, ms, vs, h)
+  jax.block_until_ready(ws)
+  pipelined = (time.perf_counter() - t0) / reps
+
+  def q(values):
+    p = np.percentile(np.asarray(values) * 1e6 / n, [20, 50, 80])
+    return tuple(float(v) for v in p)
+
+  return {"dispatch": q(dispatch), "synced": q(synced),
+          "pipelined": (pipelined * 1e6 / n,) * 3}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--n", type=common.positive_int, nargs="+",
+                 default=[8, 32, 113],
+                 help="layers per chain (113: the 0.886 B decoder's calls)")
+  p.add_argument("--shape", type=_shape, default=(512, 1024, 1024),
+                 metavar="BTxINxOUT", help="each layer's case (default "
+                 "512x1024x1024: a short kernel, so launches dominate)")
+  p.add_argument("--reps", type=common.positive_int, default=40)
+  p.add_argument("--backend", choices=("mosaic_gpu", "triton"), default=None,
+                 help="the fused arm's backend (default: mosaic_gpu on a "
+                 "GPU, else triton)")
+  p.add_argument("--out", default="out/bench/launch_overhead.csv")
+  args = p.parse_args(argv)
+
+  on_gpu = jax.devices()[0].platform == "gpu"
+  backend = args.backend or ("mosaic_gpu" if on_gpu else "triton")
+  if not on_gpu:
+    print("no GPU: the kernels run in Pallas interpret mode; the times "
+          "below measure the interpreter, not launches", file=sys.stderr)
+  bt, n_in, n_out = args.shape
+  res = common.Results(args.out, "launch_overhead")
+  shape = f"BT={bt} {n_in}x{n_out}"
+  arms = chains(backend)
+  print(f"per layer, µs (p50); fused arm: backend={backend}; {shape}")
+  print(f"{'N':>5} {'arm':>6} " + " ".join(f"{m:>10}" for m in METRICS))
+  for n in args.n:
+    got = {}
+    for arm, fn in arms.items():
+      got[arm] = time_chain(fn, n, args.shape, args.reps)
+      provider = f"fused ({backend})" if arm == "fused" else "xla"
+      for metric in METRICS:
+        res.add(f"N={n}", provider, shape, "w=bf16,m/v=bf16", metric,
+                got[arm][metric], "us")
+      print(f"{n:>5} {arm:>6} "
+            + " ".join(f"{got[arm][m][1]:>10.2f}" for m in METRICS))
+    print(f"{n:>5} {'excess':>6} " + " ".join(
+        f"{got['fused'][m][1] - got['xla'][m][1]:>+10.2f}" for m in METRICS))
+  print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

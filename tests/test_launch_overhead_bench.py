@@ -1,0 +1,58 @@
+"""benchmarks/launch_overhead.py on the CPU (interpret mode): its two chains
+do the same update, it writes a row per N, arm and metric, and a malformed
+shape is a usage error."""
+
+import csv
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import launch_overhead
+from benchmarks.kernel import hparams
+from tests.tolerances import assert_close, assert_update_close
+
+
+def test_the_fused_and_xla_chains_do_the_same_update():
+  k = jax.random.split(jax.random.key(5), 5)
+  x = jax.random.normal(k[0], (24, 40), jnp.bfloat16)
+  dy = jax.random.normal(k[1], (24, 72), jnp.bfloat16)
+  ws = [jax.random.normal(jax.random.fold_in(k[2], i), (40, 72), jnp.bfloat16)
+        for i in range(2)]
+  ms = [(0.1 * jax.random.normal(jax.random.fold_in(k[3], i), (40, 72))
+         ).astype(jnp.bfloat16) for i in range(2)]
+  vs = [(0.01 * jax.random.uniform(jax.random.fold_in(k[4], i), (40, 72))
+         ).astype(jnp.bfloat16) for i in range(2)]
+  arms = launch_overhead.chains("triton")
+  fused = arms["fused"](x, dy, ws, ms, vs, hparams())
+  xla = arms["xla"](x, dy, ws, ms, vs, hparams())
+  for i in range(2):
+    assert_update_close(fused[0][i], xla[0][i], ws[i], what=f"W[{i}]")
+    assert_close(fused[1][i], xla[1][i], what=f"m[{i}]")
+    assert_close(fused[2][i], xla[2][i], what=f"v[{i}]")
+
+
+def test_writes_a_row_per_chain_length_arm_and_metric(tmp_path, capsys):
+  out = tmp_path / "l.csv"
+  assert launch_overhead.main(["--n", "1", "2", "--shape", "16x32x24",
+                               "--reps", "2", "--out", str(out)]) == 0
+  with open(out, newline="") as f:
+    rows = list(csv.DictReader(f))
+  got = {(r["case"], r["provider"], r["metric"]) for r in rows}
+  assert got == {(f"N={n}", arm, m) for n in (1, 2)
+                 for arm in ("fused (triton)", "xla")
+                 for m in launch_overhead.METRICS}
+  assert len(rows) == len(got)
+  for r in rows:
+    p20, p50, p80 = (float(r[q]) for q in ("p20", "p50", "p80"))
+    assert 0 < p20 <= p50 <= p80, r
+    assert r["unit"] == "us" and r["shape"] == "BT=16 32x24"
+  assert "excess" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["512x1024", "0x8x8", "axbxc"])
+def test_a_malformed_shape_is_a_usage_error(tmp_path, bad):
+  with pytest.raises(SystemExit) as e:
+    launch_overhead.main(["--shape", bad, "--out", str(tmp_path / "l.csv")])
+  assert e.value.code == 2
+  assert not (tmp_path / "l.csv").exists()
