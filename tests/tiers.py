@@ -2,11 +2,11 @@
 
 The whole suite takes about 15 minutes on two CPU cores, most of it XLA
 compiling small programs (every kernel runs in Pallas interpret mode); the
-quick tier about 9 (1143 tests of 1390 run without a GPU). It keeps every
-kernel against its reference, every family's rule against optax and torch,
-and at least one training-parity case of every feature, and leaves to
-``./dev.sh test --full`` (``pytest --full``) the cases below: each group
-says what stays and why the rest can wait. pytest reports the cases left
+quick tier about 9 (four in five of the tests). It keeps every kernel
+against its reference, every family's rule against optax and torch, and at
+least one training-parity case of every feature, and leaves to ``./dev.sh
+test --full`` (``pytest --full``) the cases below: each group says what
+stays and why the rest can wait. pytest reports the cases left
 out as "deselected" (under pytest-xdist, in the closing "quick tier" line),
 never as passed.
 
