@@ -65,10 +65,12 @@ def _quick_tier(config, items):
     return any(any(_names(item.nodeid, e) for e in g.full)
                and not any(_names(item.nodeid, e) for e in g.keep)
                for g in tiers.GROUPS)
-  left = [item for item in items if full_only(item)]
+  left, kept = [], []
+  for item in items:
+    (left if full_only(item) else kept).append(item)
   if left:
     config.hook.pytest_deselected(items=left)
-    items[:] = [item for item in items if not full_only(item)]
+    items[:] = kept
   config.stash[_LEFT_TO_FULL] = len(left)
   if hasattr(config, "workeroutput"):  # a pytest-xdist worker: tell the
     config.workeroutput["left_to_full"] = len(left)  # controller (below)
@@ -115,7 +117,8 @@ def pytest_terminal_summary(terminalreporter, config):
   left = config.stash.get(_LEFT_TO_FULL, 0)
   if left:
     terminalreporter.write_line(
-        f"quick tier: {left} cases (none GPU-marked) left to the full suite "
+        f"quick tier: {left} case{'s' if left != 1 else ''} (none "
+        "GPU-marked) left to the full suite "
         "(tests/tiers.py); ./dev.sh test --full runs them")
 
 
