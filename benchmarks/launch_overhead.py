@@ -39,7 +39,6 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from benchmarks import common  # noqa: E402
@@ -48,16 +47,18 @@ from benchmarks.kernel import hparams  # noqa: E402
 METRICS = ("dispatch", "synced", "pipelined")
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def _shape(text: str) -> tuple[int, int]:
+  """argparse ``type=`` for ``--shapes``: :func:`common.parse_shape`."""
   try:
-    bt, n_in, n_out = (int(v) for v in text.lower().split("x"))
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not BTxINxOUT (three positive integers, e.g. "
-        "512x1024x1024)") from None
-  if min(bt, n_in, n_out) < 1:
-    raise argparse.ArgumentTypeError(f"{text!r}: sizes must be positive")
-  return bt, n_in, n_out
+    return common.parse_shape(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e).removeprefix("--shapes: "))
+
+
+def _lists(out):
+  """``[(w, (m, v)), ...]`` as the lists ``(ws, ms, vs)``."""
+  return ([w for w, _ in out], [m for _, (m, _) in out],
+          [v for _, (_, v) in out])
 
 
 def chains(backend: str):
@@ -65,17 +66,13 @@ def chains(backend: str):
   updated ``(ws, ms, vs)`` lists."""
 
   def fused(x, dy, ws, ms, vs, h):
-    out = [pk.fused_wgrad_update(x, dy, w, (m, v), h, rule=pk.ADAMW,
-                                 backend=backend)
-           for w, m, v in zip(ws, ms, vs)]
-    return ([w for w, _ in out], [m for _, (m, _) in out],
-            [v for _, (_, v) in out])
+    return _lists([pk.fused_wgrad_update(x, dy, w, (m, v), h, rule=pk.ADAMW,
+                                         backend=backend)
+                   for w, m, v in zip(ws, ms, vs)])
 
-  def xla(x, dy, ws, ms, vs, h):
-    out = [pk.ADAMW.apply(jnp.dot(x.T, dy), w, (m, v), h)
-           for w, m, v in zip(ws, ms, vs)]
-    return ([w for w, _ in out], [m for _, (m, _) in out],
-            [v for _, (_, v) in out])
+  def xla(x, dy, ws, ms, vs, h):  # a bf16 G, as the standard path stores it
+    return _lists([pk.ADAMW.apply(jnp.dot(x.T, dy), w, (m, v), h)
+                   for w, m, v in zip(ws, ms, vs)])
 
   return {"fused": fused, "xla": xla}
 
@@ -111,12 +108,11 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0) -> dict:
   jax.block_until_ready(ws)
   pipelined = (time.perf_counter() - t0) / reps
 
-  def q(values):
-    p = np.percentile(np.asarray(values) * 1e6 / n, [20, 50, 80])
-    return tuple(float(v) for v in p)
+  def per_layer_us(values):
+    return common.quantiles([v * 1e6 / n for v in values])
 
-  return {"dispatch": q(dispatch), "synced": q(synced),
-          "pipelined": (pipelined * 1e6 / n,) * 3}
+  return {"dispatch": per_layer_us(dispatch), "synced": per_layer_us(synced),
+          "pipelined": per_layer_us([pipelined])}
 
 
 def main(argv=None) -> int:
@@ -126,9 +122,12 @@ def main(argv=None) -> int:
   p.add_argument("--n", type=common.positive_int, nargs="+",
                  default=[8, 32, 113],
                  help="layers per chain (113: the 0.886 B decoder's calls)")
-  p.add_argument("--shape", type=_shape, default=(512, 1024, 1024),
-                 metavar="BTxINxOUT", help="each layer's case (default "
-                 "512x1024x1024: a short kernel, so launches dominate)")
+  p.add_argument("--tokens", type=common.positive_int, default=512,
+                 help="BT, the tokens of x and dy")
+  p.add_argument("--shapes", type=_shape, nargs="+", default=[(1024, 1024)],
+                 metavar="SHAPE", help="each layer's in x out: NxM or a "
+                 "Llama-3.1-8B shape's name (default 1024x1024: a short "
+                 "kernel, so the launches show)")
   p.add_argument("--reps", type=common.positive_int, default=40)
   p.add_argument("--backend", choices=("mosaic_gpu", "triton"), default=None,
                  help="the fused arm's backend (default: mosaic_gpu on a "
@@ -141,24 +140,25 @@ def main(argv=None) -> int:
   if not on_gpu:
     print("no GPU: the kernels run in Pallas interpret mode; the times "
           "below measure the interpreter, not launches", file=sys.stderr)
-  bt, n_in, n_out = args.shape
   res = common.Results(args.out, "launch_overhead")
-  shape = f"BT={bt} {n_in}x{n_out}"
   arms = chains(backend)
-  print(f"per layer, µs (p50); fused arm: backend={backend}; {shape}")
-  print(f"{'N':>5} {'arm':>6} " + " ".join(f"{m:>10}" for m in METRICS))
-  for n in args.n:
-    got = {}
-    for arm, fn in arms.items():
-      got[arm] = time_chain(fn, n, args.shape, args.reps)
-      provider = f"fused ({backend})" if arm == "fused" else "xla"
-      for metric in METRICS:
-        res.add(f"N={n}", provider, shape, "w=bf16,m/v=bf16", metric,
-                got[arm][metric], "us")
-      print(f"{n:>5} {arm:>6} "
-            + " ".join(f"{got[arm][m][1]:>10.2f}" for m in METRICS))
-    print(f"{n:>5} {'excess':>6} " + " ".join(
-        f"{got['fused'][m][1] - got['xla'][m][1]:>+10.2f}" for m in METRICS))
+  for n_in, n_out in args.shapes:
+    case = (args.tokens, n_in, n_out)
+    shape = f"BT={args.tokens} {n_in}x{n_out}"
+    print(f"per layer, µs (p50); fused arm: backend={backend}; {shape}")
+    print(f"{'N':>5} {'arm':>6} " + " ".join(f"{m:>10}" for m in METRICS))
+    for n in args.n:
+      got = {}
+      for arm, fn in arms.items():
+        got[arm] = time_chain(fn, n, case, args.reps)
+        provider = f"fused ({backend})" if arm == "fused" else "xla"
+        for metric in METRICS:
+          res.add(f"N={n}", provider, shape, "w=bf16,m/v=bf16", metric,
+                  got[arm][metric], "us")
+        print(f"{n:>5} {arm:>6} "
+              + " ".join(f"{got[arm][m][1]:>10.2f}" for m in METRICS))
+      print(f"{n:>5} {'excess':>6} " + " ".join(
+          f"{got['fused'][m][1] - got['xla'][m][1]:>+10.2f}" for m in METRICS))
   print(f"wrote {args.out}")
   return 0
 

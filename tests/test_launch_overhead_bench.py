@@ -34,8 +34,8 @@ def test_the_fused_and_xla_chains_do_the_same_update():
 
 def test_writes_a_row_per_chain_length_arm_and_metric(tmp_path, capsys):
   out = tmp_path / "l.csv"
-  assert launch_overhead.main(["--n", "1", "2", "--shape", "16x32x24",
-                               "--reps", "2", "--out", str(out)]) == 0
+  assert launch_overhead.main(["--n", "1", "2", "--tokens", "16", "--shapes",
+                               "32x24", "--reps", "2", "--out", str(out)]) == 0
   with open(out, newline="") as f:
     rows = list(csv.DictReader(f))
   got = {(r["case"], r["provider"], r["metric"]) for r in rows}
@@ -50,9 +50,10 @@ def test_writes_a_row_per_chain_length_arm_and_metric(tmp_path, capsys):
   assert "excess" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bad", ["512x1024", "0x8x8", "axbxc"])
+@pytest.mark.parametrize("bad", [["--shapes", "1024"], ["--shapes", "0x8"],
+                                 ["--shapes", "axb"], ["--tokens", "0"]])
 def test_a_malformed_shape_is_a_usage_error(tmp_path, bad):
   with pytest.raises(SystemExit) as e:
-    launch_overhead.main(["--shape", bad, "--out", str(tmp_path / "l.csv")])
+    launch_overhead.main(bad + ["--out", str(tmp_path / "l.csv")])
   assert e.value.code == 2
   assert not (tmp_path / "l.csv").exists()
