@@ -19,6 +19,10 @@ Per arm and N, per layer (the chain's time divided by N), µs:
              work and any wait of the GPU on the host
   pipelined  ``--reps`` calls back to back, one block after the last: the
              GPU's pace when the host runs ahead
+  kernels    on a GPU only: the GPU time of the call's kernels (CUPTI,
+             ``jax.experimental.mosaic.gpu.profiler.measure``), summed;
+             ``synced`` minus ``kernels`` is what the GPU did not spend
+             running the chain's kernels (launch gaps, waits on the host)
 
 p20/p50/p80 over ``--reps`` calls (pipelined: one value). The summary
 prints the fused arm's excess over XLA's per layer in each. Backend:
@@ -45,6 +49,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.kernel import hparams  # noqa: E402
 
 METRICS = ("dispatch", "synced", "pipelined")
+GPU_METRICS = ("kernels",)  # needs CUPTI: measured on a GPU only
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -77,9 +82,12 @@ def chains(backend: str):
   return {"fused": fused, "xla": xla}
 
 
-def time_chain(fn, n: int, shape, reps: int, seed: int = 0) -> dict:
+def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
+               kernels: bool = False) -> dict:
   """Per-layer dispatch, synced (p20/p50/p80 over ``reps`` calls) and
-  pipelined times of ``fn`` over ``n`` layers, in µs."""
+  pipelined times of ``fn`` over ``n`` layers, in µs; with ``kernels``
+  (a GPU), also the GPU time of each call's kernels and their count per
+  layer (``launches``)."""
   bt, n_in, n_out = shape
   k = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(k[0], (bt, n_in), jnp.bfloat16)
@@ -111,8 +119,20 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0) -> dict:
   def per_layer_us(values):
     return common.quantiles([v * 1e6 / n for v in values])
 
-  return {"dispatch": per_layer_us(dispatch), "synced": per_layer_us(synced),
-          "pipelined": per_layer_us([pipelined])}
+  got = {"dispatch": per_layer_us(dispatch), "synced": per_layer_us(synced),
+         "pipelined": per_layer_us([pipelined])}
+  if kernels:
+    from jax.experimental.mosaic.gpu import profiler
+    measured = profiler.measure(step, aggregate=False)
+    gpu, launches = [], set()
+    for _ in range(reps):
+      (ws, ms, vs), timings = measured(x, dy, ws, ms, vs, h)
+      timings = timings or []  # None: no kernel ran
+      gpu.append(sum(t_ms for _, t_ms in timings) * 1e-3)
+      launches.add(len(timings))
+    got["kernels"] = per_layer_us(gpu)
+    got["launches"] = sorted(launches)[-1] / n
+  return got
 
 
 def main(argv=None) -> int:
@@ -142,23 +162,29 @@ def main(argv=None) -> int:
           "below measure the interpreter, not launches", file=sys.stderr)
   res = common.Results(args.out, "launch_overhead")
   arms = chains(backend)
+  metrics = METRICS + (GPU_METRICS if on_gpu else ())
+  if not on_gpu:
+    print(f"no GPU: {', '.join(GPU_METRICS)} not measured (CUPTI)",
+          file=sys.stderr)
   for n_in, n_out in args.shapes:
     case = (args.tokens, n_in, n_out)
     shape = f"BT={args.tokens} {n_in}x{n_out}"
     print(f"per layer, µs (p50); fused arm: backend={backend}; {shape}")
-    print(f"{'N':>5} {'arm':>6} " + " ".join(f"{m:>10}" for m in METRICS))
+    print(f"{'N':>5} {'arm':>6} " + " ".join(f"{m:>10}" for m in metrics)
+          + ("  launches/layer" if on_gpu else ""))
     for n in args.n:
       got = {}
       for arm, fn in arms.items():
-        got[arm] = time_chain(fn, n, case, args.reps)
+        got[arm] = time_chain(fn, n, case, args.reps, kernels=on_gpu)
         provider = f"fused ({backend})" if arm == "fused" else "xla"
-        for metric in METRICS:
+        for metric in metrics:
           res.add(f"N={n}", provider, shape, "w=bf16,m/v=bf16", metric,
                   got[arm][metric], "us")
         print(f"{n:>5} {arm:>6} "
-              + " ".join(f"{got[arm][m][1]:>10.2f}" for m in METRICS))
+              + " ".join(f"{got[arm][m][1]:>10.2f}" for m in metrics)
+              + (f"  {got[arm]['launches']:>14.2f}" if on_gpu else ""))
       print(f"{n:>5} {'excess':>6} " + " ".join(
-          f"{got['fused'][m][1] - got['xla'][m][1]:>+10.2f}" for m in METRICS))
+          f"{got['fused'][m][1] - got['xla'][m][1]:>+10.2f}" for m in metrics))
   print(f"wrote {args.out}")
   return 0
 
