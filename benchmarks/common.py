@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import glob
+import gzip
+import json
 import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 from typing import Callable
 
@@ -115,6 +119,33 @@ def quantiles(xs):
     return xs[0], xs[0], xs[0]
   q = statistics.quantiles(xs, n=10, method="inclusive")
   return q[1], statistics.median(xs), q[7]
+
+
+def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
+  """``(name, duration_us)`` of every event on a GPU device in the newest
+  ``jax.profiler`` trace (Perfetto JSON) under ``trace_dir``."""
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
+                    recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+  with gzip.open(max(paths, key=os.path.getmtime)) as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  gpu_pids = {e["pid"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "GPU" in str(e.get("args", {}).get("name", ""))}
+  return [(e["name"], float(e.get("dur", 0.0))) for e in events
+          if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+
+
+def traced(run: Callable):
+  """``run()`` under ``jax.profiler.trace``: ``(its result, the GPU
+  kernels it ran as gpu_kernels gives them)``. Block on the work inside
+  ``run`` so that every kernel lands in the trace."""
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      result = run()
+    return result, gpu_kernels(d)
 
 
 def time_loop(step: Callable, state, n_inner: int = 50, n_outer: int = 7):

@@ -20,13 +20,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
-import os
 import re
 import sys
-import tempfile
 import time
 import warnings
 
@@ -58,22 +53,6 @@ def category(name: str) -> str:
   return OTHER
 
 
-def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
-  """``(name, duration_us)`` of every event on a GPU device in the trace."""
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
-                    recursive=True)
-  if not paths:
-    raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
-  with gzip.open(max(paths, key=os.path.getmtime)) as f:
-    data = json.load(f)
-  events = data["traceEvents"] if isinstance(data, dict) else data
-  gpu_pids = {e["pid"] for e in events
-              if e.get("ph") == "M" and e.get("name") == "process_name"
-              and "GPU" in str(e.get("args", {}).get("name", ""))}
-  return [(e["name"], float(e.get("dur", 0.0))) for e in events
-          if e.get("ph") == "X" and e.get("pid") in gpu_pids]
-
-
 def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
                 warmup: int) -> dict:
   step, tx = e2e.build_arm(arm, cfg)
@@ -84,14 +63,15 @@ def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
   for _ in range(warmup):
     loss, variables, opt_state = jitted(variables, opt_state, batch)
   jax.block_until_ready((loss, variables, opt_state))
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      t0 = time.perf_counter()
-      for _ in range(steps):
-        loss, variables, opt_state = jitted(variables, opt_state, batch)
-      jax.block_until_ready((loss, variables, opt_state))
-      wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    kernels = gpu_kernels(d)
+  def run():
+    nonlocal loss, variables, opt_state
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      loss, variables, opt_state = jitted(variables, opt_state, batch)
+    jax.block_until_ready((loss, variables, opt_state))
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+  wall_ms, kernels = common.traced(run)
   del variables, opt_state
   by_name = collections.defaultdict(float)
   count = collections.Counter()

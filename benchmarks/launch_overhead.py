@@ -7,10 +7,12 @@ Why. Timed paired (``e2e_paired``), the unrolled decoder's fused step is as
 fast as optax's when steps are dispatched back to back, and slower when each
 step is blocked on: the difference is time the GPU waits for the host. This
 script isolates the launches. One jitted function updates N independent
-layers (``x`` and ``dy`` shared; each layer's bf16 ``W``, ``m`` and ``v``
-donated and fed back every call, as a training step does) either with N
-calls of ``fused_wgrad_update`` (N kernel launches) or with N
-``dot(x.T, dy)`` + the rule's AdamW (XLA's GEMM and its fusions per layer).
+layers (``x`` shared, a ``dy`` per layer, so that XLA cannot merge the
+layers' GEMMs into one; each layer's bf16 ``W``, ``m`` and ``v`` donated
+and fed back every call, as a training step does) either with N calls of
+``fused_wgrad_update`` (N kernel launches) or with N ``dot(x.T, dy)`` + the
+rule's AdamW (XLA's GEMM and its fusions per layer; XLA may still fuse
+several layers' AdamW into one kernel, as it does in a training step).
 
 Per arm and N, per layer (the chain's time divided by N), µs:
 
@@ -19,10 +21,11 @@ Per arm and N, per layer (the chain's time divided by N), µs:
              work and any wait of the GPU on the host
   pipelined  ``--reps`` calls back to back, one block after the last: the
              GPU's pace when the host runs ahead
-  kernels    on a GPU only: the GPU time of the call's kernels (CUPTI,
-             ``jax.experimental.mosaic.gpu.profiler.measure``), summed;
+  kernels    on a GPU only: the GPU time of the chain's kernels, summed
+             over ``--reps`` calls in a ``jax.profiler`` trace (one value);
              ``synced`` minus ``kernels`` is what the GPU did not spend
-             running the chain's kernels (launch gaps, waits on the host)
+             running the chain's kernels (launch gaps, waits on the host).
+             The table also prints the kernels launched per layer.
 
 p20/p50/p80 over ``--reps`` calls (pipelined: one value). The summary
 prints the fused arm's excess over XLA's per layer in each. Backend:
@@ -49,7 +52,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.kernel import hparams  # noqa: E402
 
 METRICS = ("dispatch", "synced", "pipelined")
-GPU_METRICS = ("kernels",)  # needs CUPTI: measured on a GPU only
+GPU_METRICS = ("kernels",)  # from a profiler trace: on a GPU only
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -67,17 +70,17 @@ def _lists(out):
 
 
 def chains(backend: str):
-  """The two arms: functions of ``(x, dy, ws, ms, vs, h)`` returning the
-  updated ``(ws, ms, vs)`` lists."""
+  """The two arms: functions of ``(x, dys, ws, ms, vs, h)`` (a ``dy`` per
+  layer) returning the updated ``(ws, ms, vs)`` lists."""
 
-  def fused(x, dy, ws, ms, vs, h):
+  def fused(x, dys, ws, ms, vs, h):
     return _lists([pk.fused_wgrad_update(x, dy, w, (m, v), h, rule=pk.ADAMW,
                                          backend=backend)
-                   for w, m, v in zip(ws, ms, vs)])
+                   for dy, w, m, v in zip(dys, ws, ms, vs)])
 
-  def xla(x, dy, ws, ms, vs, h):  # a bf16 G, as the standard path stores it
+  def xla(x, dys, ws, ms, vs, h):  # a bf16 G, as the standard path stores it
     return _lists([pk.ADAMW.apply(jnp.dot(x.T, dy), w, (m, v), h)
-                   for w, m, v in zip(ws, ms, vs)])
+                   for dy, w, m, v in zip(dys, ws, ms, vs)])
 
   return {"fused": fused, "xla": xla}
 
@@ -91,7 +94,8 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
   bt, n_in, n_out = shape
   k = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(k[0], (bt, n_in), jnp.bfloat16)
-  dy = jax.random.normal(k[1], (bt, n_out), jnp.bfloat16)
+  dy = [jax.random.normal(jax.random.fold_in(k[1], i), (bt, n_out),
+                          jnp.bfloat16) for i in range(n)]
   ws = [jax.random.normal(jax.random.fold_in(k[2], i), (n_in, n_out),
                           jnp.bfloat16) for i in range(n)]
   ms = [jnp.zeros((n_in, n_out), jnp.bfloat16) for _ in range(n)]
@@ -121,22 +125,16 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
 
   got = {"dispatch": per_layer_us(dispatch), "synced": per_layer_us(synced),
          "pipelined": per_layer_us([pipelined])}
-  if kernels:
-    # profiler.measure calls the function twice on the same arguments (a
-    # warm-up, then the measured call), so it gets a jit that donates
-    # nothing: XLA then copies W, m, v before each in-place kernel, with
-    # device-to-device memcpys that CUPTI's kernel records do not count
-    # (``launches`` shows what was counted).
-    from jax.experimental.mosaic.gpu import profiler
-    measured = profiler.measure(jax.jit(fn), aggregate=False)
-    gpu, launches = [], []
-    for _ in range(reps):
-      _, timings = measured(x, dy, ws, ms, vs, h)
-      timings = timings or []  # None: no kernel ran
-      gpu.append(sum(t_ms for _, t_ms in timings) * 1e-3)
-      launches.append(len(timings))
-    got["kernels"] = per_layer_us(gpu)
-    got["launches"] = max(launches) / n
+  if kernels:  # the donated step itself, traced
+    def run():
+      nonlocal ws, ms, vs
+      for _ in range(reps):
+        ws, ms, vs = step(x, dy, ws, ms, vs, h)
+      jax.block_until_ready(ws)
+
+    _, timed = common.traced(run)
+    got["kernels"] = per_layer_us([sum(us for _, us in timed) * 1e-6 / reps])
+    got["launches"] = len(timed) / (reps * n)
   return got
 
 

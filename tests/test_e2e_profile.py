@@ -1,9 +1,13 @@
-"""benchmarks/e2e_profile.py: the trace parsing and the kernel categories
-(CPU). The profile itself runs on a GPU (`python -m benchmarks.e2e_profile`)."""
+"""benchmarks/e2e_profile.py: the trace parsing, the traced run and the
+kernel categories (CPU). The profile itself runs on a GPU (`python -m benchmarks.e2e_profile`)."""
 
 import gzip
 import json
 
+import jax
+import jax.numpy as jnp
+
+from benchmarks import common
 from benchmarks import e2e_profile as ep
 
 
@@ -38,5 +42,15 @@ def test_gpu_kernels_reads_only_gpu_events(tmp_path):
   d.mkdir(parents=True)
   with gzip.open(d / "host.trace.json.gz", "wt") as f:
     json.dump({"traceEvents": events}, f)
-  assert ep.gpu_kernels(str(tmp_path)) == [("fused_wgrad_adamw", 12.5),
+  assert common.gpu_kernels(str(tmp_path)) == [("fused_wgrad_adamw", 12.5),
                                            ("loop_add_fusion", 3.0)]
+
+
+def test_traced_returns_the_result_and_the_gpu_kernels():
+  x = jnp.arange(3.0)
+  result, kernels = common.traced(lambda: jax.block_until_ready(x * 2))
+  assert result.tolist() == [0.0, 2.0, 4.0]
+  if jax.default_backend() == "gpu":
+    assert kernels and all(us >= 0 for _, us in kernels), kernels
+  else:  # read from the trace all the same: no GPU events on the CPU
+    assert kernels == []

@@ -17,7 +17,8 @@ from tests.tolerances import assert_close, assert_update_close
 def test_the_fused_and_xla_chains_do_the_same_update():
   k = jax.random.split(jax.random.key(5), 5)
   x = jax.random.normal(k[0], (24, 40), jnp.bfloat16)
-  dy = jax.random.normal(k[1], (24, 72), jnp.bfloat16)
+  dys = [jax.random.normal(jax.random.fold_in(k[1], i), (24, 72),
+                           jnp.bfloat16) for i in range(2)]  # one per layer
   ws = [jax.random.normal(jax.random.fold_in(k[2], i), (40, 72), jnp.bfloat16)
         for i in range(2)]
   ms = [(0.1 * jax.random.normal(jax.random.fold_in(k[3], i), (40, 72))
@@ -25,8 +26,8 @@ def test_the_fused_and_xla_chains_do_the_same_update():
   vs = [(0.01 * jax.random.uniform(jax.random.fold_in(k[4], i), (40, 72))
          ).astype(jnp.bfloat16) for i in range(2)]
   arms = launch_overhead.chains("triton")
-  fused = arms["fused"](x, dy, ws, ms, vs, hparams())
-  xla = arms["xla"](x, dy, ws, ms, vs, hparams())
+  fused = arms["fused"](x, dys, ws, ms, vs, hparams())
+  xla = arms["xla"](x, dys, ws, ms, vs, hparams())
   for i in range(2):
     assert_update_close(fused[0][i], xla[0][i], ws[i], what=f"W[{i}]")
     assert_close(fused[1][i], xla[1][i], what=f"m[{i}]")
