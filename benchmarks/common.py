@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -121,9 +122,10 @@ def quantiles(xs):
   return q[1], statistics.median(xs), q[7]
 
 
-def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
-  """``(name, duration_us)`` of every event on a GPU device in the newest
-  ``jax.profiler`` trace (Perfetto JSON) under ``trace_dir``."""
+def gpu_events(trace_dir: str) -> list[tuple[str, float, float]]:
+  """``(name, start_us, duration_us)`` of every event on a GPU device in the
+  newest ``jax.profiler`` trace (Perfetto JSON) under ``trace_dir``, in
+  order of start."""
   paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
                     recursive=True)
   if not paths:
@@ -134,18 +136,57 @@ def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
   gpu_pids = {e["pid"] for e in events
               if e.get("ph") == "M" and e.get("name") == "process_name"
               and "GPU" in str(e.get("args", {}).get("name", ""))}
-  return [(e["name"], float(e.get("dur", 0.0))) for e in events
-          if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+  return sorted(((e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
+                 for e in events
+                 if e.get("ph") == "X" and e.get("pid") in gpu_pids),
+                key=lambda e: e[1])
 
 
-def traced(run: Callable):
-  """``run()`` under ``jax.profiler.trace``: ``(its result, the GPU
-  kernels it ran as gpu_kernels gives them)``. Block on the work inside
-  ``run`` so that every kernel lands in the trace."""
+def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
+  """``(name, duration_us)`` of :func:`gpu_events`."""
+  return [(name, dur) for name, _, dur in gpu_events(trace_dir)]
+
+
+def idle_gaps(events) -> tuple[float, float, list]:
+  """From :func:`gpu_events`' ``(name, start, duration)`` (µs): the span
+  from the first start to the last end, the GPU's busy time within it
+  (events on several streams merged), and the idle gaps as ``(gap_us,
+  name of the event before, name of the event after)``, largest first."""
+  if not events:
+    return 0.0, 0.0, []
+  events = sorted(events, key=lambda e: e[1])
+  busy, gaps = 0.0, []
+  cur_start, cur_end, cur_last = events[0][1], events[0][1] + events[0][2], \
+      events[0][0]
+  for name, start, dur in events[1:]:
+    if start > cur_end:
+      busy += cur_end - cur_start
+      gaps.append((start - cur_end, cur_last, name))
+      cur_start, cur_end = start, start + dur
+    elif start + dur > cur_end:
+      cur_end = start + dur
+    if start + dur >= cur_end:
+      cur_last = name
+  busy += cur_end - cur_start
+  span = cur_end - events[0][1]
+  return span, busy, sorted(gaps, key=lambda g: -g[0])
+
+
+def traced(run: Callable, keep: str | None = None):
+  """``run()`` under ``jax.profiler.trace``: ``(its result, the GPU events
+  it ran as gpu_events gives them)``. Block on the work inside ``run`` so
+  that every kernel lands in the trace. ``keep``: a directory to copy the
+  trace file into (for Perfetto or a later look)."""
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       result = run()
-    return result, gpu_kernels(d)
+    events = gpu_events(d)
+    if keep:
+      os.makedirs(keep, exist_ok=True)
+      for path in glob.glob(os.path.join(d, "**", "*.trace.json.gz"),
+                            recursive=True):
+        shutil.copy(path, keep)
+    return result, events
 
 
 def time_loop(step: Callable, state, n_inner: int = 50, n_outer: int = 7):

@@ -5,13 +5,18 @@
 Builds the arms of ``benchmarks/e2e.py`` (the same Llama-style decoder,
 batch and AdamW; ``--scan``: its blocks scanned, as ``e2e.py --scan``),
 runs a few warm-up steps, then traces ``--steps`` steps of
-each with ``jax.profiler.trace`` and reads the GPU kernels from the trace
-(Perfetto JSON). Per arm and per step it reports the GPU time of each kernel
-category -- the fused FORGE kernel, GEMMs, attention, XLA's other fusions,
-copies -- the GPU's busy time against the step's wall time (the difference
-is time the GPU waits on the host), and the kernels whose time differs most
-between the arms. Rows go to ``--out`` (benchmark ``e2e_profile``; metric
-``gpu_time`` per category, ``kernel_time`` per kernel name, ms per step).
+each with ``jax.profiler.trace`` (dispatched back to back, or each blocked
+on with ``--synced``) and reads the GPU kernels from the trace (Perfetto
+JSON; ``--keep-trace DIR`` keeps it). Per arm and per step it reports the
+GPU time of each kernel category -- the fused FORGE kernel, GEMMs,
+attention, XLA's other fusions, copies -- the GPU's busy time, its idle
+time between the traced steps' first and last kernel, and the step's wall
+time (wall minus busy is time the GPU waits on the host); per arm the
+largest idle gaps with the kernels around them; and the kernels whose time
+differs most between the arms. Rows go to ``--out`` (benchmark
+``e2e_profile``; metric ``gpu_time`` per category, ``gpu_busy``,
+``gpu_idle``, ``step_wall``, ``kernel_time`` per kernel name, ms per step;
+``--synced`` marks the shape "synced").
 The arms run one after the other in this process (each state is freed
 first). GPU only: on another backend it says so and exits 1.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import sys
 import time
@@ -54,7 +60,8 @@ def category(name: str) -> str:
 
 
 def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
-                warmup: int) -> dict:
+                warmup: int, synced: bool = False,
+                keep: str | None = None) -> dict:
   step, tx = e2e.build_arm(arm, cfg)
   batch = e2e.make_batch(cfg, bt // cfg.seq)
   variables = e2e.init_variables(cfg)
@@ -68,38 +75,54 @@ def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
     t0 = time.perf_counter()
     for _ in range(steps):
       loss, variables, opt_state = jitted(variables, opt_state, batch)
+      if synced:
+        jax.block_until_ready((loss, variables, opt_state))
     jax.block_until_ready((loss, variables, opt_state))
     return (time.perf_counter() - t0) * 1e3 / steps
 
-  wall_ms, kernels = common.traced(run)
+  wall_ms, kernels = common.traced(
+      run, keep=os.path.join(keep, arm) if keep else None)
   del variables, opt_state
+  span_us, union_us, gaps = common.idle_gaps(kernels)
   by_name = collections.defaultdict(float)
   count = collections.Counter()
-  for name, us in kernels:
+  for name, _, us in kernels:
     by_name[name] += us / 1e3 / steps
     count[name] += 1
   by_cat = collections.defaultdict(float)
   for name, ms in by_name.items():
     by_cat[category(name)] += ms
   return dict(wall_ms=wall_ms, busy_ms=sum(by_name.values()),
+              idle_ms=(span_us - union_us) / 1e3 / steps,
+              gaps=[(us / 1e3, a, b) for us, a, b in gaps],
               by_cat=dict(by_cat), by_name=dict(by_name),
               per_step=({n: c / steps for n, c in count.items()}),
               n_kernels=len(kernels) / steps)
 
 
-def report(results: dict, top: int) -> None:
+def report(results: dict, top: int, gap_top: int = 10) -> None:
   arms = list(results)
   cats = [c for c, _ in CATEGORIES] + [OTHER]
   print(f"\nGPU time per step (ms){'':14}" + "".join(f"{a:>10}" for a in arms)
         + f"{'diff':>10}")
   rows = [(c, [results[a]["by_cat"].get(c, 0.0) for a in arms]) for c in cats]
   rows += [("GPU busy", [results[a]["busy_ms"] for a in arms]),
+           ("GPU idle within the traced steps",
+            [results[a]["idle_ms"] for a in arms]),
            ("step wall time", [results[a]["wall_ms"] for a in arms]),
            ("kernels per step", [results[a]["n_kernels"] for a in arms])]
   for label, vals in rows:
     diff = vals[0] - vals[-1] if len(vals) > 1 else float("nan")
     print(f"  {label:<34}" + "".join(f"{v:10.3f}" for v in vals)
           + f"{diff:10.3f}")
+  for arm in arms:
+    gaps = results[arm]["gaps"][:gap_top]
+    if not gaps:
+      continue
+    print(f"\n{arm}: the largest GPU idle gaps (ms, summed over the traced "
+          f"steps; the kernels before and after):")
+    for ms, before, after in gaps:
+      print(f"  {ms:8.3f}  {before[:50]}  ->  {after[:50]}")
   if len(arms) < 2:
     return
   a, b = arms[0], arms[-1]
@@ -126,7 +149,15 @@ def main(argv=None) -> int:
                  "nn.scan(nn.remat) + optax), as e2e.py --scan")
   p.add_argument("--steps", type=common.positive_int, default=5)
   p.add_argument("--warmup", type=common.positive_int, default=3)
-  p.add_argument("--top", type=int, default=25)
+  p.add_argument("--top", type=int, default=25,
+                 help="kernels listed (those differing most between arms); "
+                 "also the idle gaps listed per arm, at most 10")
+  p.add_argument("--synced", action="store_true",
+                 help="block on every step's result (as e2e_paired's "
+                 "synced steps) instead of dispatching the steps back to "
+                 "back")
+  p.add_argument("--keep-trace", metavar="DIR", default=None,
+                 help="copy each arm's trace (Perfetto JSON) to DIR/ARM/")
   p.add_argument("--out", default="out/bench/e2e_profile.csv")
   args = p.parse_args(argv)
   if args.top < 0:
@@ -140,24 +171,28 @@ def main(argv=None) -> int:
     return 1
   results = {}
   for arm in args.arms:
-    results[arm] = profile_arm(arm, cfg, args.bt, args.steps, args.warmup)
+    results[arm] = profile_arm(arm, cfg, args.bt, args.steps, args.warmup,
+                               synced=args.synced, keep=args.keep_trace)
     if not results[arm]["by_name"]:
       print(f"{arm}: the trace holds no GPU kernels (backend "
             f"{jax.default_backend()}); nothing to report", file=sys.stderr)
       return 1
   print(f"device {common.device_name()}; {common.versions()}; BT={args.bt}, "
         f"{cfg.layers} layers{' (scanned)' if cfg.scan else ''}; "
-        f"{args.steps} traced steps per arm")
-  report(results, args.top)
+        f"{args.steps} traced steps per arm"
+        f"{', each blocked on' if args.synced else ', back to back'}")
+  report(results, args.top, gap_top=min(args.top, 10))
   res = common.Results(args.out, "e2e_profile")
   shape = (f"L{cfg.layers} d{cfg.d_model} BT={args.bt}"
-           f"{' scanned' if cfg.scan else ''}")
+           f"{' scanned' if cfg.scan else ''}"
+           f"{' synced' if args.synced else ''}")
   for arm, r in results.items():
     add = lambda case, metric, ms: res.add(case, arm, shape, cfg.dtype,
                                            metric, ms, "ms")
     for cat, ms in r["by_cat"].items():
       add(cat, "gpu_time", ms)
     add("all kernels", "gpu_busy", r["busy_ms"])
+    add("between kernels", "gpu_idle", r["idle_ms"])
     add("step", "step_wall", r["wall_ms"])
     for name, ms in r["by_name"].items():
       add(name[:200], "kernel_time", ms)

@@ -133,7 +133,8 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
       jax.block_until_ready(ws)
 
     _, timed = common.traced(run)
-    got["kernels"] = per_layer_us([sum(us for _, us in timed) * 1e-6 / reps])
+    got["kernels"] = per_layer_us([sum(us for _, _, us in timed) * 1e-6
+                                   / reps])
     got["launches"] = len(timed) / (reps * n)
   return got
 

@@ -34,8 +34,10 @@ def test_gpu_kernels_reads_only_gpu_events(tmp_path):
       {"ph": "M", "name": "process_name", "pid": 2,
        "args": {"name": "/device:GPU:0"}},
       {"ph": "X", "pid": 1, "name": "host_op", "dur": 99.0},
-      {"ph": "X", "pid": 2, "name": "fused_wgrad_adamw", "dur": 12.5},
-      {"ph": "X", "pid": 2, "name": "loop_add_fusion", "dur": 3.0},
+      {"ph": "X", "pid": 2, "name": "loop_add_fusion", "ts": 20.0,
+       "dur": 3.0},
+      {"ph": "X", "pid": 2, "name": "fused_wgrad_adamw", "ts": 5.0,
+       "dur": 12.5},
       {"ph": "i", "pid": 2, "name": "marker"},
   ]
   d = tmp_path / "plugins" / "profile" / "run"
@@ -44,13 +46,30 @@ def test_gpu_kernels_reads_only_gpu_events(tmp_path):
     json.dump({"traceEvents": events}, f)
   assert common.gpu_kernels(str(tmp_path)) == [("fused_wgrad_adamw", 12.5),
                                            ("loop_add_fusion", 3.0)]
+  # In order of start, with the start.
+  assert common.gpu_events(str(tmp_path)) == [
+      ("fused_wgrad_adamw", 5.0, 12.5), ("loop_add_fusion", 20.0, 3.0)]
 
 
-def test_traced_returns_the_result_and_the_gpu_kernels():
+def test_idle_gaps_merge_overlapping_streams_and_name_the_neighbours():
+  events = [("a", 0.0, 10.0),
+            ("b", 4.0, 8.0),     # overlaps a, ends later (12)
+            ("c", 5.0, 2.0),     # inside: changes nothing
+            ("d", 20.0, 5.0),    # gap of 8 after b
+            ("e", 26.0, 1.0)]    # gap of 1 after d
+  span, busy, gaps = common.idle_gaps(events[::-1])  # any order
+  assert span == 27.0 and busy == 12.0 + 5.0 + 1.0
+  assert gaps == [(8.0, "b", "d"), (1.0, "d", "e")]
+  assert common.idle_gaps([]) == (0.0, 0.0, [])
+
+
+def test_traced_returns_the_result_and_the_gpu_kernels(tmp_path):
   x = jnp.arange(3.0)
-  result, kernels = common.traced(lambda: jax.block_until_ready(x * 2))
+  result, kernels = common.traced(lambda: jax.block_until_ready(x * 2),
+                                  keep=str(tmp_path / "kept"))
   assert result.tolist() == [0.0, 2.0, 4.0]
+  assert list((tmp_path / "kept").glob("*.trace.json.gz"))  # the trace kept
   if jax.default_backend() == "gpu":
-    assert kernels and all(us >= 0 for _, us in kernels), kernels
+    assert kernels and all(us >= 0 for _, _, us in kernels), kernels
   else:  # read from the trace all the same: no GPU events on the CPU
     assert kernels == []
