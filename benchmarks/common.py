@@ -122,10 +122,10 @@ def quantiles(xs):
   return q[1], statistics.median(xs), q[7]
 
 
-def gpu_events(trace_dir: str) -> list[tuple[str, float, float]]:
-  """``(name, start_us, duration_us)`` of every event on a GPU device in the
-  newest ``jax.profiler`` trace (Perfetto JSON) under ``trace_dir``, in
-  order of start."""
+def trace_events(trace_dir: str):
+  """The complete events of the newest ``jax.profiler`` trace (Perfetto
+  JSON) under ``trace_dir`` as ``(name, start_us, duration_us)``, in order
+  of start: ``(those on a GPU device, those on the host)``."""
   paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
                     recursive=True)
   if not paths:
@@ -136,10 +136,18 @@ def gpu_events(trace_dir: str) -> list[tuple[str, float, float]]:
   gpu_pids = {e["pid"] for e in events
               if e.get("ph") == "M" and e.get("name") == "process_name"
               and "GPU" in str(e.get("args", {}).get("name", ""))}
-  return sorted(((e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
-                 for e in events
-                 if e.get("ph") == "X" and e.get("pid") in gpu_pids),
-                key=lambda e: e[1])
+  gpu, host = [], []
+  for e in events:
+    if e.get("ph") == "X":
+      (gpu if e.get("pid") in gpu_pids else host).append(
+          (e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
+  return sorted(gpu, key=lambda e: e[1]), sorted(host, key=lambda e: e[1])
+
+
+def gpu_events(trace_dir: str) -> list[tuple[str, float, float]]:
+  """``(name, start_us, duration_us)`` of every event on a GPU device in the
+  newest trace under ``trace_dir``, in order of start."""
+  return trace_events(trace_dir)[0]
 
 
 def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
@@ -147,11 +155,26 @@ def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
   return [(name, dur) for name, _, dur in gpu_events(trace_dir)]
 
 
+def overlap_by_name(events, start: float, end: float):
+  """Of ``(name, start, duration)`` events, the time each name spends
+  inside ``[start, end)``: ``[(name, count, overlap), ...]``, largest
+  first."""
+  total, count = {}, {}
+  for name, t0, dur in events:
+    ov = min(end, t0 + dur) - max(start, t0)
+    if ov > 0:
+      total[name] = total.get(name, 0.0) + ov
+      count[name] = count.get(name, 0) + 1
+  return sorted(((n, count[n], total[n]) for n in total),
+                key=lambda r: -r[2])
+
+
 def idle_gaps(events) -> tuple[float, float, list]:
   """From :func:`gpu_events`' ``(name, start, duration)`` (µs): the span
   from the first start to the last end, the GPU's busy time within it
   (events on several streams merged), and the idle gaps as ``(gap_us,
-  name of the event before, name of the event after)``, largest first."""
+  name of the event before, name of the event after, gap start)``, largest
+  first."""
   if not events:
     return 0.0, 0.0, []
   events = sorted(events, key=lambda e: e[1])
@@ -161,7 +184,7 @@ def idle_gaps(events) -> tuple[float, float, list]:
   for name, start, dur in events[1:]:
     if start > cur_end:
       busy += cur_end - cur_start
-      gaps.append((start - cur_end, cur_last, name))
+      gaps.append((start - cur_end, cur_last, name, cur_end))
       cur_start, cur_end = start, start + dur
     elif start + dur > cur_end:
       cur_end = start + dur
@@ -173,20 +196,20 @@ def idle_gaps(events) -> tuple[float, float, list]:
 
 
 def traced(run: Callable, keep: str | None = None):
-  """``run()`` under ``jax.profiler.trace``: ``(its result, the GPU events
-  it ran as gpu_events gives them)``. Block on the work inside ``run`` so
-  that every kernel lands in the trace. ``keep``: a directory to copy the
-  trace file into (for Perfetto or a later look)."""
+  """``run()`` under ``jax.profiler.trace``: ``(its result, the GPU events,
+  the host events)`` as :func:`trace_events` gives them. Block on the work
+  inside ``run`` so that every kernel lands in the trace. ``keep``: a
+  directory to copy the trace file into (for Perfetto or a later look)."""
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       result = run()
-    events = gpu_events(d)
+    gpu, host = trace_events(d)
     if keep:
       os.makedirs(keep, exist_ok=True)
       for path in glob.glob(os.path.join(d, "**", "*.trace.json.gz"),
                             recursive=True):
         shutil.copy(path, keep)
-    return result, events
+    return result, gpu, host
 
 
 def time_loop(step: Callable, state, n_inner: int = 50, n_outer: int = 7):

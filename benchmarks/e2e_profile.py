@@ -80,10 +80,17 @@ def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
     jax.block_until_ready((loss, variables, opt_state))
     return (time.perf_counter() - t0) * 1e3 / steps
 
-  wall_ms, kernels = common.traced(
+  wall_ms, kernels, host = common.traced(
       run, keep=os.path.join(keep, arm) if keep else None)
   del variables, opt_state
   span_us, union_us, gaps = common.idle_gaps(kernels)
+  # The host's work while the GPU sat idle longest (in a --synced run: the
+  # time from one step's last kernel to the next step's first).
+  during = []
+  if gaps:
+    gap_us, _, _, start = gaps[0]
+    during = [(name, n, us / 1e3) for name, n, us in
+              common.overlap_by_name(host, start, start + gap_us)]
   by_name = collections.defaultdict(float)
   count = collections.Counter()
   for name, _, us in kernels:
@@ -94,7 +101,8 @@ def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
     by_cat[category(name)] += ms
   return dict(wall_ms=wall_ms, busy_ms=sum(by_name.values()),
               idle_ms=(span_us - union_us) / 1e3 / steps,
-              gaps=[(us / 1e3, a, b) for us, a, b in gaps],
+              gaps=[(us / 1e3, a, b) for us, a, b, _ in gaps],
+              host_in_gap=during,
               by_cat=dict(by_cat), by_name=dict(by_name),
               per_step=({n: c / steps for n, c in count.items()}),
               n_kernels=len(kernels) / steps)
@@ -123,6 +131,10 @@ def report(results: dict, top: int, gap_top: int = 10) -> None:
           f"steps; the kernels before and after):")
     for ms, before, after in gaps:
       print(f"  {ms:8.3f}  {before[:50]}  ->  {after[:50]}")
+    print(f"  the host's work during the largest gap ({gaps[0][0]:.3f} ms; "
+          f"ms inside it, calls; nested events each count):")
+    for name, n, ms in results[arm]["host_in_gap"][:gap_top + 10]:
+      print(f"    {ms:8.3f}  x{n:<4d} {name[:70]}")
   if len(arms) < 2:
     return
   a, b = arms[0], arms[-1]

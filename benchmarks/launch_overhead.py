@@ -132,7 +132,7 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
         ws, ms, vs = step(x, dy, ws, ms, vs, h)
       jax.block_until_ready(ws)
 
-    _, timed = common.traced(run)
+    _, timed, _ = common.traced(run)
     got["kernels"] = per_layer_us([sum(us for _, _, us in timed) * 1e-6
                                    / reps])
     got["launches"] = len(timed) / (reps * n)

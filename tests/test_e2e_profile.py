@@ -59,17 +59,41 @@ def test_idle_gaps_merge_overlapping_streams_and_name_the_neighbours():
             ("e", 26.0, 1.0)]    # gap of 1 after d
   span, busy, gaps = common.idle_gaps(events[::-1])  # any order
   assert span == 27.0 and busy == 12.0 + 5.0 + 1.0
-  assert gaps == [(8.0, "b", "d"), (1.0, "d", "e")]
+  assert gaps == [(8.0, "b", "d", 12.0), (1.0, "d", "e", 25.0)]
   assert common.idle_gaps([]) == (0.0, 0.0, [])
 
 
 def test_traced_returns_the_result_and_the_gpu_kernels(tmp_path):
   x = jnp.arange(3.0)
-  result, kernels = common.traced(lambda: jax.block_until_ready(x * 2),
-                                  keep=str(tmp_path / "kept"))
+  result, kernels, host = common.traced(
+      lambda: jax.block_until_ready(x * 2), keep=str(tmp_path / "kept"))
   assert result.tolist() == [0.0, 2.0, 4.0]
+  assert host  # the host's events: the traced Python and jax's dispatch
   assert list((tmp_path / "kept").glob("*.trace.json.gz"))  # the trace kept
   if jax.default_backend() == "gpu":
     assert kernels and all(us >= 0 for _, _, us in kernels), kernels
   else:  # read from the trace all the same: no GPU events on the CPU
     assert kernels == []
+
+
+def test_overlap_by_name_sums_the_time_inside_the_window():
+  events = [("x", 0.0, 10.0), ("y", 8.0, 4.0), ("x", 11.0, 1.0),
+            ("z", 30.0, 1.0)]
+  # window [9, 12): x overlaps 1 + 1, y 3; z is outside
+  assert common.overlap_by_name(events, 9.0, 12.0) == [("y", 1, 3.0),
+                                                        ("x", 2, 2.0)]
+
+
+def test_report_prints_the_idle_gaps_and_the_host_work_inside(capsys):
+  def arm(kernel_ms, gap_ms):
+    return dict(by_cat={"gemm": kernel_ms}, busy_ms=kernel_ms, idle_ms=gap_ms,
+                wall_ms=kernel_ms + gap_ms, n_kernels=1.0,
+                gaps=[(gap_ms, "gemm_a", "loop_add_fusion")],
+                host_in_gap=[("Thunks::Prepare", 1, gap_ms / 2)],
+                by_name={"gemm_a": kernel_ms}, per_step={"gemm_a": 1.0})
+  ep.report({"optax": arm(2.0, 0.5), "forge": arm(1.5, 0.9)}, top=5)
+  out = capsys.readouterr().out
+  assert "GPU idle within the traced steps" in out
+  assert "forge: the largest GPU idle gaps" in out
+  assert "0.450  x1    Thunks::Prepare" in out
+  assert "gemm_a  ->  loop_add_fusion" in out
