@@ -60,10 +60,11 @@ MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
     for c in ("ee3c82c", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
               "868c0e8", "0764b56", "de106a3", "57fa5c9", "51674fc")] + [
-    # Five K steps and the ring across tiles at BT 512 (commit b0561ee):
-    # only where faster than the entry held.
-    ["--from-csv", BACKENDS_CSV, "--commit", "b0561ee", "--mosaic-pick",
-     "faster"]]
+    # Five K steps and the ring across tiles at BT 512 (commit b0561ee),
+    # then the 64 x 64 epilogue sub-tile at BT 2048 (commit 47b2950): only
+    # where faster than the entry held.
+    ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "faster"]
+    for c in ("b0561ee", "47b2950")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -127,10 +128,10 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 14))
+             + [BACKENDS_CSV] * 15))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
-  # 1b02eba, 846ff5a, 868c0e8, 0764b56, de106a3, 57fa5c9, 51674fc and
-  # b0561ee)
+  # 1b02eba, 846ff5a, 868c0e8, 0764b56, de106a3, 57fa5c9, 51674fc,
+  # b0561ee and 47b2950)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -140,7 +141,8 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
     assert "jax 0.11.2" in source["versions"]
     assert "triton 3.6.0" in source["versions"]
     assert source["measured"][:10] in (
-        ("2026-12-02", "2026-12-03") if source.get("csv") == BACKENDS_CSV
+        ("2026-12-02", "2026-12-03", "2026-12-04")
+        if source.get("csv") == BACKENDS_CSV
         else ("2026-11-29",))
   for entry in [*dev["entries"].values(), *dev["mosaic_gpu"].values()]:
     assert entry["source"] in dev["sources"]
@@ -787,7 +789,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     # (the first run, ddd1e56's default tilings, has no entry left: each
     # shipped one is the fastest tiling a later run measured)
     assert commit in ("c7c1567", "ee3c82c", "868c0e8", "de106a3",
-                      "57fa5c9", "51674fc", "b0561ee")
+                      "57fa5c9", "51674fc", "b0561ee", "47b2950")
     assert "fastest" in source["pick"]
     assert entry["time_us"] == min(
         t for lab, t in mosaic.items()
@@ -803,14 +805,18 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # twelve bf16-moment cases at BT 512, 2048 and 4096, 57fa5c9 the
   # twelve fp32-moment ones and 51674fc the decoder's four at BT 512; then
   # b0561ee (five K steps) where it was faster: three bf16-moment and the
-  # four fp32-moment cases at BT 512, three of the decoder's. So nothing
+  # four fp32-moment cases at BT 512, three of the decoder's; then 47b2950
+  # (the 64 x 64 epilogue sub-tile and the rolled epilogue at BT 2048)
+  # where it was faster: three bf16-moment cases, de106a3's (not 4096 x 1024, whose held entry's time
+  # from an earlier run is lower; no fp32-moment case). So nothing
   # of ddd1e56's, 0eff7ae's, fee8919's, 1b02eba's, 846ff5a's or 0764b56's
   # stands, of c7c1567's only SGD's two and of ee3c82c's the decoder's
   # shapes at BT 2048.
   assert len(by_commit["c7c1567"]) == 2 and "9228555" not in by_commit
   assert len(by_commit["ee3c82c"]) == 4 and len(by_commit["868c0e8"]) == 6
-  assert len(by_commit["de106a3"]) == 9 and len(by_commit["57fa5c9"]) == 8
+  assert len(by_commit["de106a3"]) == 6 and len(by_commit["57fa5c9"]) == 8
   assert len(by_commit["51674fc"]) == 1 and len(by_commit["b0561ee"]) == 10
+  assert len(by_commit["47b2950"]) == 3
   assert not {"ddd1e56", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
               "0764b56"} & set(by_commit)
   for commit in by_commit:
@@ -840,10 +846,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       "bt512|4096x1024|slots=int8,int8": narrow + ",nb",
       "bt512|4096x14336|slots=int8,int8": small + ",nb",
       "bt512|14336x4096|slots=int8,int8": small + ",nb",
-      "bt2048|4096x4096|slots=bfloat16,bfloat16": band,
       "bt2048|4096x1024|slots=bfloat16,bfloat16": band,
-      "bt2048|4096x14336|slots=bfloat16,bfloat16": band,
-      "bt2048|14336x4096|slots=bfloat16,bfloat16": band,
       "bt4096|4096x4096|slots=bfloat16,bfloat16": band,
       "bt4096|4096x1024|slots=bfloat16,bfloat16": band,
       "bt4096|4096x14336|slots=bfloat16,bfloat16": band,
@@ -868,6 +871,14 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       "bt512|2048x1024|slots=bfloat16,bfloat16": "64x128x64/4,e64x32,pp",
       "bt512|2048x5632|slots=bfloat16,bfloat16": "64x128x64/5,pp,lp,nb",
       "bt512|5632x2048|slots=bfloat16,bfloat16": "64x128x64/5,pp,lp,nb"}
+  # At BT 2048 the 64 x 64 epilogue sub-tile (a ring of two) won on two
+  # bf16-moment cases, the rolled 64 x 32 one at 4096^2 (0.2 us ahead).
+  assert {"|".join(k.split("|")[1:3] + k.split("|")[4:]):
+          M(**entries[k]["config"]).label for k in by_commit["47b2950"]} == {
+      "bt2048|4096x4096|slots=bfloat16,bfloat16":
+          "128x128x64/4,e64x32,s8,pn,pp,lp,nb",
+      "bt2048|4096x14336|slots=bfloat16,bfloat16": "128x128x64/4,s8,pn,pp,nb",
+      "bt2048|14336x4096|slots=bfloat16,bfloat16": "128x128x64/4,s8,pn,pp,nb"}
   # c7c1567's rolled winner that stands: SGD's.
   bf16 = "w=bfloat16|slots=bfloat16,bfloat16"
   assert {k for k in by_commit["c7c1567"]

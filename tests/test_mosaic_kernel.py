@@ -594,6 +594,11 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
     # first case's tiles, a ring of 4 over 8 sub-tiles ...
     (pk.ADAMW, (128, 128, 640), (BF16,) * 3, "128x128x64/4,e64x32,pn,pp", 2,
      None),
+    # ... a shipped tiling beyond 1024 tokens: 64 x 64 sub-tiles through a
+    # ring of two, bands of 2, no automatic barriers, 2 x 3 tiles on 2
+    # programs ...
+    (pk.ADAMW, (128, 256, 384), (BF16,) * 3, "128x128x64/2,s2,pn,pp,nb", 2,
+     None),
     # ... a ring of one (each slot reloaded at once, with the next tile's
     # first sub-tile at the end of a tile), 3 tiles per program ...
     (pk.lion_rule(), (192, 128, 384), (F16, BF16, F32),
@@ -634,7 +639,8 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
             "refusal)")),
 ], ids=["128x128-5-tiles", "fp32-state", "fp16-d0-ring1-band",
         "stacked-layer-rolled", "muon-no-tile-programs", "three-warpgroups",
-        "three-warpgroups-stacked", "next-tile-ring", "next-tile-ring1",
+        "three-warpgroups-stacked", "next-tile-ring",
+        "next-tile-ring-64x64-banded", "next-tile-ring1",
         "next-tile-ring3-stacked", "next-tile-ring-beyond-tile",
         "next-tile-three-warpgroups", "five-steps",
         "cluster", "cluster-banded-stacked", "cluster-next-tile-ring"])
