@@ -50,6 +50,7 @@ CATEGORIES = (
     ("copy/memset", re.compile(r"memcpy|memset|copy", re.I)),
 )
 OTHER = "xla fusions, other"
+HOST_TOP = 20  # host events listed for the longest idle gap
 
 
 def category(name: str) -> str:
@@ -127,13 +128,13 @@ def report(results: dict, top: int, gap_top: int = 10) -> None:
     gaps = results[arm]["gaps"][:gap_top]
     if not gaps:
       continue
-    print(f"\n{arm}: the largest GPU idle gaps (ms, summed over the traced "
-          f"steps; the kernels before and after):")
+    print(f"\n{arm}: the largest GPU idle gaps in the traced steps (ms "
+          f"each; the kernels before and after):")
     for ms, before, after in gaps:
       print(f"  {ms:8.3f}  {before[:50]}  ->  {after[:50]}")
     print(f"  the host's work during the largest gap ({gaps[0][0]:.3f} ms; "
           f"ms inside it, calls; nested events each count):")
-    for name, n, ms in results[arm]["host_in_gap"][:gap_top + 10]:
+    for name, n, ms in results[arm]["host_in_gap"][:HOST_TOP]:
       print(f"    {ms:8.3f}  x{n:<4d} {name[:70]}")
   if len(arms) < 2:
     return

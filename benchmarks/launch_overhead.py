@@ -6,7 +6,9 @@ against the same chain as XLA's GEMM + AdamW.
 Why. Timed paired (``e2e_paired``), the unrolled decoder's fused step is as
 fast as optax's when steps are dispatched back to back, and slower when each
 step is blocked on: the difference is time the GPU waits for the host. This
-script isolates the launches. One jitted function updates N independent
+script isolates the launches (on the H200 a fused kernel's launch costs
+what XLA's launches of a layer cost: docs/benchmarks.md, "Where the time
+goes in a step"). One jitted function updates N independent
 layers (``x`` shared, a ``dy`` per layer, so that XLA cannot merge the
 layers' GEMMs into one; each layer's bf16 ``W``, ``m`` and ``v`` donated
 and fed back every call, as a training step does) either with N calls of
@@ -24,8 +26,9 @@ Per arm and N, per layer (the chain's time divided by N), µs:
   kernels    on a GPU only: the GPU time of the chain's kernels, summed
              over ``--reps`` calls in a ``jax.profiler`` trace (one value);
              ``synced`` minus ``kernels`` is what the GPU did not spend
-             running the chain's kernels (launch gaps, waits on the host).
-             The table also prints the kernels launched per layer.
+             running the chain's kernels (launch gaps, waits on the host)
+  launches   on a GPU only: the kernels of that trace per layer (XLA may
+             fuse several layers' AdamW into one kernel: below one)
 
 p20/p50/p80 over ``--reps`` calls (pipelined: one value). The summary
 prints the fused arm's excess over XLA's per layer in each. Backend:
@@ -52,7 +55,8 @@ from benchmarks import common  # noqa: E402
 from benchmarks.kernel import hparams  # noqa: E402
 
 METRICS = ("dispatch", "synced", "pipelined")
-GPU_METRICS = ("kernels",)  # from a profiler trace: on a GPU only
+GPU_METRICS = ("kernels", "launches")  # from a profiler trace: GPU only
+UNITS = {"launches": "kernels per layer"}  # the others: "us"
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -89,13 +93,13 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
                kernels: bool = False) -> dict:
   """Per-layer dispatch, synced (p20/p50/p80 over ``reps`` calls) and
   pipelined times of ``fn`` over ``n`` layers, in µs; with ``kernels``
-  (a GPU), also the GPU time of each call's kernels and their count per
-  layer (``launches``)."""
+  (a GPU), also the GPU time of the calls' kernels and their count per
+  layer (``launches``), from a profiler trace."""
   bt, n_in, n_out = shape
   k = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(k[0], (bt, n_in), jnp.bfloat16)
-  dy = [jax.random.normal(jax.random.fold_in(k[1], i), (bt, n_out),
-                          jnp.bfloat16) for i in range(n)]
+  dys = [jax.random.normal(jax.random.fold_in(k[1], i), (bt, n_out),
+                           jnp.bfloat16) for i in range(n)]
   ws = [jax.random.normal(jax.random.fold_in(k[2], i), (n_in, n_out),
                           jnp.bfloat16) for i in range(n)]
   ms = [jnp.zeros((n_in, n_out), jnp.bfloat16) for _ in range(n)]
@@ -103,12 +107,12 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
   h = hparams()
   step = jax.jit(fn, donate_argnums=(2, 3, 4))
   for _ in range(3):  # compile and warm up
-    ws, ms, vs = step(x, dy, ws, ms, vs, h)
+    ws, ms, vs = step(x, dys, ws, ms, vs, h)
   jax.block_until_ready(ws)
   dispatch, synced = [], []
   for _ in range(reps):
     t0 = time.perf_counter()
-    ws, ms, vs = step(x, dy, ws, ms, vs, h)
+    ws, ms, vs = step(x, dys, ws, ms, vs, h)
     t1 = time.perf_counter()
     jax.block_until_ready(ws)
     t2 = time.perf_counter()
@@ -116,7 +120,7 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
     synced.append(t2 - t0)
   t0 = time.perf_counter()
   for _ in range(reps):
-    ws, ms, vs = step(x, dy, ws, ms, vs, h)
+    ws, ms, vs = step(x, dys, ws, ms, vs, h)
   jax.block_until_ready(ws)
   pipelined = (time.perf_counter() - t0) / reps
 
@@ -129,13 +133,13 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
     def run():
       nonlocal ws, ms, vs
       for _ in range(reps):
-        ws, ms, vs = step(x, dy, ws, ms, vs, h)
+        ws, ms, vs = step(x, dys, ws, ms, vs, h)
       jax.block_until_ready(ws)
 
     _, timed, _ = common.traced(run)
     got["kernels"] = per_layer_us([sum(us for _, _, us in timed) * 1e-6
                                    / reps])
-    got["launches"] = len(timed) / (reps * n)
+    got["launches"] = common.quantiles([len(timed) / (reps * n)])
   return got
 
 
@@ -168,14 +172,13 @@ def main(argv=None) -> int:
   arms = chains(backend)
   metrics = METRICS + (GPU_METRICS if on_gpu else ())
   if not on_gpu:
-    print(f"no GPU: {', '.join(GPU_METRICS)} not measured (CUPTI)",
-          file=sys.stderr)
+    print(f"no GPU: {', '.join(GPU_METRICS)} not measured (they are read "
+          "from a GPU profiler trace)", file=sys.stderr)
   for n_in, n_out in args.shapes:
     case = (args.tokens, n_in, n_out)
     shape = f"BT={args.tokens} {n_in}x{n_out}"
     print(f"per layer, µs (p50); fused arm: backend={backend}; {shape}")
-    print(f"{'N':>5} {'arm':>6} " + " ".join(f"{m:>10}" for m in metrics)
-          + ("  launches/layer" if on_gpu else ""))
+    print(f"{'N':>5} {'arm':>6} " + " ".join(f"{m:>10}" for m in metrics))
     for n in args.n:
       got = {}
       for arm, fn in arms.items():
@@ -183,10 +186,9 @@ def main(argv=None) -> int:
         provider = f"fused ({backend})" if arm == "fused" else "xla"
         for metric in metrics:
           res.add(f"N={n}", provider, shape, "w=bf16,m/v=bf16", metric,
-                  got[arm][metric], "us")
+                  got[arm][metric], UNITS.get(metric, "us"))
         print(f"{n:>5} {arm:>6} "
-              + " ".join(f"{got[arm][m][1]:>10.2f}" for m in metrics)
-              + (f"  {got[arm]['launches']:>14.2f}" if on_gpu else ""))
+              + " ".join(f"{got[arm][m][1]:>10.2f}" for m in metrics))
       print(f"{n:>5} {'excess':>6} " + " ".join(
           f"{got['fused'][m][1] - got['xla'][m][1]:>+10.2f}" for m in metrics))
   print(f"wrote {args.out}")
