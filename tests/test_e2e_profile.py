@@ -1,5 +1,7 @@
-"""benchmarks/e2e_profile.py: the trace parsing, the traced run and the
-kernel categories (CPU). The profile itself runs on a GPU (`python -m benchmarks.e2e_profile`)."""
+"""benchmarks/e2e_profile.py and the trace tools of benchmarks/common.py:
+the trace parsing, the traced run, the idle gaps, the report and the kernel
+categories (CPU). The profile itself runs on a GPU (`python -m
+benchmarks.e2e_profile`)."""
 
 import gzip
 import json
