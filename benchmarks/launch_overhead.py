@@ -1,7 +1,7 @@
 """Host time per fused-kernel launch: a jitted chain of N fused updates
 against the same chain as XLA's GEMM + AdamW.
 
-    ./dev.sh python -m benchmarks.launch_overhead --out L.csv
+    ./dev.sh python -m benchmarks.launch_overhead --out L.csv [--plot L.png]
 
 Why. Timed paired (``e2e_paired``), the unrolled decoder's fused step is as
 fast as optax's when steps are dispatched back to back, and slower when each
@@ -143,6 +143,51 @@ def time_chain(fn, n: int, shape, reps: int, seed: int = 0,
   return got
 
 
+def plot(src: str, dst: str) -> int:
+  """Per shape, each arm's blocked-on time per layer against N, split into
+  the kernels' GPU time and the rest (the GPU outside the chain's kernels);
+  without kernel rows (a run off the GPU) the blocked-on time alone. The
+  newest row of each (shape, N, arm, metric) counts."""
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  rows = [r for r in common.read_rows(src)
+          if r.get("benchmark") == "launch_overhead"]
+  if not rows:
+    print(f"{src} has no launch_overhead rows; nothing plotted",
+          file=sys.stderr)
+    return 1
+  p50 = {(r["shape"], int(r["case"].removeprefix("N=")), r["provider"],
+          r["metric"]): float(r["p50"]) for r in rows}  # newest last
+  shapes = list(dict.fromkeys(r["shape"] for r in rows))
+  arms = list(dict.fromkeys(r["provider"] for r in rows))
+  fig, axes = plt.subplots(1, len(shapes), squeeze=False,
+                           figsize=(5 * len(shapes), 4.2))
+  for ax, shape in zip(axes[0], shapes):
+    ns = sorted({n for s, n, _, _ in p50 if s == shape})
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+      xs = [j + i * width for j in range(len(ns))]
+      synced = [p50.get((shape, n, arm, "synced"), 0.0) for n in ns]
+      kernels = [p50.get((shape, n, arm, "kernels")) for n in ns]
+      if all(k is not None for k in kernels):
+        ax.bar(xs, kernels, width, color=f"C{i}", label=f"{arm}: kernels")
+        ax.bar(xs, [t - k for t, k in zip(synced, kernels)], width,
+               bottom=kernels, color=f"C{i}", alpha=0.4,
+               label=f"{arm}: outside the kernels")
+      else:
+        ax.bar(xs, synced, width, color=f"C{i}", label=f"{arm}: synced")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ns))])
+    ax.set_xticklabels([f"N={n}" for n in ns])
+    ax.set_ylabel("blocked-on call per layer (µs, p50)")
+    ax.set_title(shape, fontsize=9)
+    ax.legend(fontsize=7)
+  fig.suptitle(f"A chain of N layers' updates, fused against XLA's GEMM + "
+               f"AdamW ({rows[-1]['device']})", fontsize=9)
+  common.save_figure(fig, dst)
+  return 0
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
@@ -161,7 +206,15 @@ def main(argv=None) -> int:
                  help="the fused arm's backend (default: mosaic_gpu on a "
                  "GPU, else triton)")
   p.add_argument("--out", default="out/bench/launch_overhead.csv")
+  p.add_argument("--plot", metavar="PNG", default=None,
+                 help="also plot the CSV (its launch_overhead rows)")
+  p.add_argument("--replot", action="store_true",
+                 help="only plot --out to --plot; measure nothing")
   args = p.parse_args(argv)
+  if args.replot:
+    if not args.plot:
+      p.error("--replot needs --plot PNG")
+    return plot(args.out, args.plot)
 
   on_gpu = jax.devices()[0].platform == "gpu"
   backend = args.backend or ("mosaic_gpu" if on_gpu else "triton")
@@ -192,6 +245,8 @@ def main(argv=None) -> int:
       print(f"{n:>5} {'excess':>6} " + " ".join(
           f"{got['fused'][m][1] - got['xla'][m][1]:>+10.2f}" for m in metrics))
   print(f"wrote {args.out}")
+  if args.plot:
+    return plot(args.out, args.plot)
   return 0
 
 

@@ -1,7 +1,7 @@
 """benchmarks/launch_overhead.py on the CPU (interpret mode): its two chains
 do the same update, it writes a row per N, arm and metric (saying that the
-GPU-only kernel time and count are not measured), and a malformed shape is a usage
-error."""
+GPU-only kernel time and count are not measured) and plots them, and a
+malformed shape or a replot without a plot is a usage error."""
 
 import csv
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import launch_overhead
+from benchmarks import common, launch_overhead
 from benchmarks.kernel import hparams
 from tests.tolerances import assert_close, assert_update_close
 
@@ -36,8 +36,11 @@ def test_the_fused_and_xla_chains_do_the_same_update():
 
 def test_writes_a_row_per_chain_length_arm_and_metric(tmp_path, capsys):
   out = tmp_path / "l.csv"
+  png = tmp_path / "l.png"
   assert launch_overhead.main(["--n", "1", "2", "--tokens", "16", "--shapes",
-                               "32x24", "--reps", "2", "--out", str(out)]) == 0
+                               "32x24", "--reps", "2", "--out", str(out),
+                               "--plot", str(png)]) == 0
+  assert png.stat().st_size > 0  # (off the GPU: the blocked-on time alone)
   with open(out, newline="") as f:
     rows = list(csv.DictReader(f))
   got = {(r["case"], r["provider"], r["metric"]) for r in rows}
@@ -62,3 +65,33 @@ def test_a_malformed_shape_is_a_usage_error(tmp_path, bad):
     launch_overhead.main(bad + ["--out", str(tmp_path / "l.csv")])
   assert e.value.code == 2
   assert not (tmp_path / "l.csv").exists()
+
+
+def test_replot_splits_the_blocked_on_time_where_kernel_rows_exist(tmp_path):
+  # A GPU run's rows (kernels measured) and a CPU run's (none): both plot.
+  out, png = tmp_path / "l.csv", tmp_path / "l.png"
+  res = common.Results(str(out), "launch_overhead")
+  for shape, metrics in (("BT=512 1024x1024", ("synced", "kernels")),
+                         ("BT=16 32x24", ("synced",))):
+    for arm in ("fused (mosaic_gpu)", "xla"):
+      for n in (8, 113):
+        for metric in metrics:
+          v = 20.0 if metric == "synced" else 12.0
+          res.add(f"N={n}", arm, shape, "w=bf16,m/v=bf16", metric,
+                  (v, v, v), "us")
+  assert launch_overhead.main(["--replot", "--out", str(out), "--plot",
+                               str(png)]) == 0
+  assert png.stat().st_size > 0
+
+
+def test_replot_needs_a_plot_and_rows(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    launch_overhead.main(["--replot", "--out", str(tmp_path / "l.csv")])
+  assert e.value.code == 2
+  assert "--replot needs --plot" in capsys.readouterr().err
+  empty = tmp_path / "e.csv"
+  empty.write_text("benchmark,case\nother,x\n")
+  assert launch_overhead.main(["--replot", "--out", str(empty), "--plot",
+                               str(tmp_path / "e.png")]) == 1
+  assert "no launch_overhead rows" in capsys.readouterr().err
+  assert not (tmp_path / "e.png").exists()
