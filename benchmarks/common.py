@@ -144,17 +144,6 @@ def trace_events(trace_dir: str):
   return sorted(gpu, key=lambda e: e[1]), sorted(host, key=lambda e: e[1])
 
 
-def gpu_events(trace_dir: str) -> list[tuple[str, float, float]]:
-  """``(name, start_us, duration_us)`` of every event on a GPU device in the
-  newest trace under ``trace_dir``, in order of start."""
-  return trace_events(trace_dir)[0]
-
-
-def gpu_kernels(trace_dir: str) -> list[tuple[str, float]]:
-  """``(name, duration_us)`` of :func:`gpu_events`."""
-  return [(name, dur) for name, _, dur in gpu_events(trace_dir)]
-
-
 def overlap_by_name(events, start: float, end: float):
   """Of ``(name, start, duration)`` events, the time each name spends
   inside ``[start, end)``: ``[(name, count, overlap), ...]``, largest
@@ -170,7 +159,8 @@ def overlap_by_name(events, start: float, end: float):
 
 
 def idle_gaps(events) -> tuple[float, float, list]:
-  """From :func:`gpu_events`' ``(name, start, duration)`` (µs): the span
+  """From GPU events ``(name, start, duration)`` (µs; :func:`trace_events`'
+  first list): the span
   from the first start to the last end, the GPU's busy time within it
   (events on several streams merged), and the idle gaps as ``(gap_us,
   name of the event before, name of the event after, gap start)``, largest

@@ -29,7 +29,7 @@ def test_categories_from_kernel_names():
     assert ep.category(name) == cat, name
 
 
-def test_gpu_kernels_reads_only_gpu_events(tmp_path):
+def test_trace_events_splits_the_gpu_events_from_the_host_events(tmp_path):
   events = [
       {"ph": "M", "name": "process_name", "pid": 1,
        "args": {"name": "/host:CPU"}},
@@ -46,11 +46,11 @@ def test_gpu_kernels_reads_only_gpu_events(tmp_path):
   d.mkdir(parents=True)
   with gzip.open(d / "host.trace.json.gz", "wt") as f:
     json.dump({"traceEvents": events}, f)
-  assert common.gpu_kernels(str(tmp_path)) == [("fused_wgrad_adamw", 12.5),
-                                           ("loop_add_fusion", 3.0)]
-  # In order of start, with the start.
-  assert common.gpu_events(str(tmp_path)) == [
-      ("fused_wgrad_adamw", 5.0, 12.5), ("loop_add_fusion", 20.0, 3.0)]
+  gpu, host = common.trace_events(str(tmp_path))
+  # Only the GPU's events, in order of start, with the start.
+  assert gpu == [("fused_wgrad_adamw", 5.0, 12.5),
+                 ("loop_add_fusion", 20.0, 3.0)]
+  assert host == [("host_op", 0.0, 99.0)]
 
 
 def test_idle_gaps_merge_overlapping_streams_and_name_the_neighbours():
