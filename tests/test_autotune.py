@@ -807,8 +807,9 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # b0561ee (five K steps) where it was faster: three bf16-moment and the
   # four fp32-moment cases at BT 512, three of the decoder's; then 47b2950
   # (the 64 x 64 epilogue sub-tile and the rolled epilogue at BT 2048)
-  # where it was faster: three bf16-moment cases, de106a3's (not 4096 x 1024, whose held entry's time
-  # from an earlier run is lower; no fp32-moment case). So nothing
+  # where it was faster: three of de106a3's bf16-moment cases (not
+  # 4096 x 1024, whose held entry's time from an earlier run is lower;
+  # no fp32-moment case). So nothing
   # of ddd1e56's, 0eff7ae's, fee8919's, 1b02eba's, 846ff5a's or 0764b56's
   # stands, of c7c1567's only SGD's two and of ee3c82c's the decoder's
   # shapes at BT 2048.
