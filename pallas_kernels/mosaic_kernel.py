@@ -1150,8 +1150,8 @@ def _pingpong_tiles(load_ring, load_stream, streamed_epilogue, hparams,
     plgpu.set_max_registers(pingpong_registers(cw), action="increase")
     h = hparams()
 
-    def release(slot):
-      plgpu.barrier_arrive(consumed.at[slot])
+    def release(step):
+      plgpu.barrier_arrive(consumed.at[lax.rem(step, n_steps)])
 
     n_own = lax.div(my_tiles - wg + cw - 1, cw)  # this warpgroup's tiles
 
@@ -1173,31 +1173,24 @@ def _pingpong_tiles(load_ring, load_stream, streamed_epilogue, hparams,
 
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn)))
       def _acc(acc_ref):
-        # The K loop carries its ring slot and the slot's "full" barrier
-        # from step to step: formed from the step number, each step paid a
-        # division and the warpgroup's index (a shuffle, rematerialised
-        # in the loop by the compiler) on the way to its barrier wait,
-        # longer than the step's wgmma issue (the perf notes, row 61).
-        slot0 = lax.rem(j * k_iters, n_steps)
+        first = j * k_iters
 
-        @pl.loop(0, k_iters, init_carry=(slot0, wg * n_steps + slot0, slot0))
-        def _k(k, carry):
-          slot, bar, prev = carry
-          plgpu.barrier_wait(full.at[bar])
+        @pl.loop(0, k_iters)
+        def _k(k):
+          step = first + k
+          slot = lax.rem(step, n_steps)
+          plgpu.barrier_wait(full.at[wg * n_steps + slot])
           plgpu.wgmma(acc_ref, x_ring.at[slot].transpose((1, 0)),
                       dy_ring.at[slot])
           plgpu.wgmma_wait(delay)
           if delay:  # the previous step's wgmma has read its slot
-            pl.when(k > 0)(lambda: release(prev))
+            pl.when(k > 0)(lambda: release(step - 1))
           else:
-            release(slot)
-          wrap = slot == n_steps - 1
-          return (jnp.where(wrap, 0, slot + 1),
-                  jnp.where(wrap, bar - (n_steps - 1), bar + 1), slot)
+            release(step)
 
         if delay:
           plgpu.wgmma_wait(0)
-          release(_k[2])
+          release(first + k_iters - 1)
         streamed_epilogue(t, acc_ref[...], h, stream)
 
 
