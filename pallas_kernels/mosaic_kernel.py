@@ -220,7 +220,6 @@ class MosaicConfig:
   no_barriers: bool = False
   approx_math: bool = False
   cluster: int = 1
-  direct_stores: bool = False
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "tile_k"):
@@ -230,8 +229,7 @@ class MosaicConfig:
                          "multiple of 64")
     if not isinstance(self.steps, int) or self.steps < 1:
       raise ValueError(f"MosaicConfig: steps={self.steps!r} must be >= 1")
-    for name in ("pingpong", "rolled", "no_barriers", "approx_math",
-                 "direct_stores"):
+    for name in ("pingpong", "rolled", "no_barriers", "approx_math"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig: {name}={getattr(self, name)!r} "
                          "must be True or False")
@@ -250,10 +248,6 @@ class MosaicConfig:
       raise ValueError(
           f"MosaicConfig: compute_wgs={self.compute_wgs!r} must be 1 to 4 "
           f"and split tile_n={self.tile_n} into multiples of 64")
-    if self.direct_stores and not self.pingpong:
-      raise ValueError(
-          "MosaicConfig: direct_stores stores the new state from registers "
-          "in the ping-pong schedule's streamed epilogue: it needs pingpong")
     if self.delay_release not in (0, 1) or self.delay_release >= self.steps:
       raise ValueError(f"MosaicConfig: delay_release={self.delay_release!r} "
                        "must be 0 or 1, and less than steps")
@@ -337,10 +331,9 @@ class MosaicConfig:
             ("e", ("epi_m", "epi_n")), ("b", ("state_buffers",)),
             ("r", ("state_ring",)), ("s", ("band",)), ("c", ("cluster",)))
   _FLAGS = (("pn", "prefetch_next"), ("pp", "pingpong"), ("lp", "rolled"),
-            ("nb", "no_barriers"), ("ax", "approx_math"),
-            ("ds", "direct_stores"))
+            ("nb", "no_barriers"), ("ax", "approx_math"))
   LABEL_FORM = ("MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,cC][,pn]"
-                "[,pp][,lp][,nb][,ax][,ds]")
+                "[,pp][,lp][,nb][,ax]")
 
   @property
   def label(self) -> str:
@@ -405,7 +398,7 @@ class MosaicConfig:
           raise ValueError(
               f"Mosaic GPU tiling label {label!r}: unknown knob {knob!r}; "
               "the knobs are ,wgW ,dD ,eMxN ,bB ,rR ,sS ,cC ,pn ,pp ,lp "
-              f",nb, ,ax and ,ds (the form is {cls.LABEL_FORM})")
+              f",nb and ,ax (the form is {cls.LABEL_FORM})")
         names = prefixes[prefix]
         values = numbers(knob[len(prefix):], len(names),
                          f"the value after {prefix!r} in knob {knob!r}")
@@ -736,24 +729,6 @@ def _transforms(minor: int, dtype):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _store_to_gmem(dst, val, interpret: bool):
-  """``dst[...] = val``: a register array in the accumulator's layout stored
-  straight to memory. Where the lowering can (jax 0.12), 16-bit values
-  move first to four neighbouring values per thread (one shuffle), so a
-  quad of threads stores whole 32-byte sectors of a row; its lowering then
-  takes the store only as an unoptimized one (``plgpu.store(...,
-  optimized=False)``: the quad's row is 32 bytes, not a whole 128-byte
-  line). jax 0.11's layout inference refuses that move: there each thread
-  stores its two neighbouring values (half sectors, which L2 merges)."""
-  store = getattr(plgpu, "store", None)
-  if store is None:
-    dst[...] = val
-    return
-  if jnp.dtype(val.dtype).itemsize == 2 and not interpret:
-    val = plgpu.layout_cast(val, plgpu.Layout.WGMMA_UPCAST_2X)
-  store(dst, val, optimized=False)
-
-
 def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
                  bt: int, n_in: int, n_out: int, interpret: bool,
                  stacked: bool, g_stored: bool, quantized: tuple = ()):
@@ -803,7 +778,7 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
   # Sub-tiles between a ring slot's stores and its reload: with ping-pong
   # and a ring of 2 or more, 1 (the stores drain while the next sub-tile is
   # updated); otherwise 0 (reloaded as soon as its stores have read it).
-  lag = 1 if cfg.pingpong and ring >= 2 and not cfg.direct_stores else 0
+  lag = 1 if cfg.pingpong and ring >= 2 else 0
 
   def scale_row(q, rows, block):
     """The scales of int8 slot ``q`` for ``rows`` of block column
@@ -811,29 +786,16 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
     ref = scale_gmem[q]
     return ref.at[layer, block, rows] if stacked else ref.at[block, rows]
 
-  def read_state(sub, bufs, scales=()):
-    """The state of one sub-tile at ``buf[sub]``, in fp32 (int8 slots
-    dequantized with ``scales``, per int8 slot its old scales in shared
-    memory)."""
-    old = [buf[sub] for buf in bufs[:len(state_gmem)]]
-    for q, (k, _, _) in enumerate(quantized):  # dequantize: codes * scale
-      old[first_slot + k] = (_codes_to_f32(old[first_slot + k])
-                             * scales[q][...][:, None])
-    return [a.astype(jnp.float32) for a in old]
-
   def update(g, sub, h, bufs, pos=None, scales=()):
     """The rule on one sub-tile: the accumulator slice ``g`` and the state
     at ``buf[sub]`` (rewritten there). ``pos``: the sub-tile's rows of
     ``W`` and its block column (int8 slots: where their new scales go);
     ``scales``: per int8 slot, its old scales in shared memory."""
-    new = new_state(g, read_state(sub, bufs, scales), h, pos)
-    for buf, val in zip(bufs, new):
-      buf[sub] = val.astype(buf.dtype)
-
-  def new_state(g, old, h, pos=None):
-    """The rule's new state (and write-only outputs) from the
-    accumulator slice ``g`` and the sub-tile's fp32 state ``old``
-    (requantized for int8 slots, their new scales stored at ``pos``)."""
+    old = [buf[sub] for buf in bufs[:len(state_gmem)]]
+    for q, (k, _, _) in enumerate(quantized):  # dequantize: codes * scale
+      old[first_slot + k] = (_codes_to_f32(old[first_slot + k])
+                             * scales[q][...][:, None])
+    old = [a.astype(jnp.float32) for a in old]
     if rule.updates_weight:
       w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
       new = [w_new, *new]
@@ -844,7 +806,8 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
       new[first_slot + k], scale = _quantize_rows(new[first_slot + k], fmt,
                                                   second)
       scale_row(q, *pos)[...] = scale
-    return new
+    for buf, val in zip(bufs, new):
+      buf[sub] = val.astype(buf.dtype)
 
   def pipeline(body, context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -980,25 +943,6 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
         r = dyn(s)[0] if stream is None else lax.rem(base + s, ring)
         plgpu.barrier_wait(bar.at[wg * ring + r])
         sub = (wg, r, pl.ds(0, em), pl.ds(0, en))
-        if cfg.direct_stores:
-          # The state read into registers, the slot takes the sub-tile
-          # `ring` places on at once (commit_smem: every thread's reads
-          # done, a fence and a warpgroup barrier); the new state is stored
-          # from registers straight to memory, no TMA store to wait for.
-          old = read_state(sub, bufs)
-          plgpu.commit_smem()
-          if stream is not None:
-            load_number(base + s + ring, stream)
-          elif isinstance(s, int):
-            if s + ring < len(subs):
-              load_sub(t, s + ring)
-          else:
-            pl.when(s + ring < len(subs))(lambda: load_sub(t, s + ring))
-          new = new_state(g, old, h)
-          for (ref, is_state), val in zip(stored, new):
-            _store_to_gmem(at(ref, *sub_at(t, s), is_state),
-                           val.astype(ref.dtype), interpret)
-          return
         if g is None:
           g = g_buf[sub].astype(jnp.float32)
         pos = None
