@@ -220,7 +220,6 @@ class MosaicConfig:
   no_barriers: bool = False
   approx_math: bool = False
   cluster: int = 1
-  l2_prefetch: bool = False
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "tile_k"):
@@ -230,8 +229,7 @@ class MosaicConfig:
                          "multiple of 64")
     if not isinstance(self.steps, int) or self.steps < 1:
       raise ValueError(f"MosaicConfig: steps={self.steps!r} must be >= 1")
-    for name in ("pingpong", "rolled", "no_barriers", "approx_math",
-                 "l2_prefetch"):
+    for name in ("pingpong", "rolled", "no_barriers", "approx_math"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"MosaicConfig: {name}={getattr(self, name)!r} "
                          "must be True or False")
@@ -333,10 +331,9 @@ class MosaicConfig:
             ("e", ("epi_m", "epi_n")), ("b", ("state_buffers",)),
             ("r", ("state_ring",)), ("s", ("band",)), ("c", ("cluster",)))
   _FLAGS = (("pn", "prefetch_next"), ("pp", "pingpong"), ("lp", "rolled"),
-            ("nb", "no_barriers"), ("ax", "approx_math"),
-            ("pf", "l2_prefetch"))
+            ("nb", "no_barriers"), ("ax", "approx_math"))
   LABEL_FORM = ("MxNxK/STEPS[,wgW][,dD][,eMxN][,bB][,rR][,sS][,cC][,pn]"
-                "[,pp][,lp][,nb][,ax][,pf]")
+                "[,pp][,lp][,nb][,ax]")
 
   @property
   def label(self) -> str:
@@ -401,7 +398,7 @@ class MosaicConfig:
           raise ValueError(
               f"Mosaic GPU tiling label {label!r}: unknown knob {knob!r}; "
               "the knobs are ,wgW ,dD ,eMxN ,bB ,rR ,sS ,cC ,pn ,pp ,lp "
-              f",nb, ,ax and ,pf (the form is {cls.LABEL_FORM})")
+              f",nb and ,ax (the form is {cls.LABEL_FORM})")
         names = prefixes[prefix]
         values = numbers(knob[len(prefix):], len(names),
                          f"the value after {prefix!r} in knob {knob!r}")
@@ -910,15 +907,6 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
           plgpu.copy_gmem_to_smem(scale_row(q, rows, block), buf.at[wg, r],
                                   bar.at[wg * ring + r])
 
-    def prefetch_to_l2(t):
-      # The state of t's whole share into L2 (TMA prefetches: no shared
-      # memory, no barrier), so that its ring loads later find it there.
-      if interpret:
-        return
-      for s in range(len(subs)):
-        for ref, is_state in loaded_refs:
-          plgpu.async_prefetch(at(ref, *sub_at(t, s), is_state))
-
     def load_ring(t):
       # The share's first sub-tiles, once the warpgroup's previous stores
       # have left shared memory.
@@ -1010,7 +998,6 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
 
     if cfg.pingpong:
       _pingpong_tiles(load_ring, load_stream, streamed_epilogue, hparams,
-                      prefetch_to_l2,
                       x_gmem, dy_gmem,
                       x_ring, dy_ring, full, consumed, cfg=cfg,
                       m_iters=m_iters, n_iters=n_iters, k_iters=k_iters)
@@ -1097,7 +1084,7 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
 
 
 def _pingpong_tiles(load_ring, load_stream, streamed_epilogue, hparams,
-                    prefetch_to_l2, x_gmem, dy_gmem, x_ring, dy_ring, full, consumed, *,
+                    x_gmem, dy_gmem, x_ring, dy_ring, full, consumed, *,
                     cfg: MosaicConfig, m_iters: int, n_iters: int,
                     k_iters: int):
   """The ping-pong schedule's tile loops (module docstring), warpgroups 0
@@ -1173,9 +1160,6 @@ def _pingpong_tiles(load_ring, load_stream, streamed_epilogue, hparams,
       j = wg + u * cw
       mi, ni = coords(j)
       t = (mi, ni, 0, wg)
-      if cfg.l2_prefetch:  # the warpgroup's next tile's state, into L2
-        pl.when(u + 1 < n_own)(lambda: prefetch_to_l2(
-            (*coords(j + cw), 0, wg)))
       # This tile's first state sub-tiles fly during its K loop: issued
       # now; or (prefetch_next) the ring runs on across the warpgroup's
       # tiles, started with its first tile, and the previous tiles'
