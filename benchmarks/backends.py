@@ -26,6 +26,12 @@ time divided by the Triton kernel's and by the fastest Mosaic GPU tiling's
 ``--replot --out CSV --plot PNG`` draws an existing CSV without measuring
 (no GPU needed).
 
+``--kernels`` also traces each arm (``jax.profiler``: 20 steps of the same
+donated loop) and writes its GPU kernels' time per step (``kernel_time``,
+µs: the step without the loop's launch gaps) and their number
+(``kernels``), printing the three largest by name: the fused step's own
+kernel beside XLA's GEMM and AdamW fusion.
+
 ``--once`` runs each arm of each case exactly once, untimed and unchecked,
 writing nothing: for a profiler. Nsight Compute on one tiling's kernel
 (the Mosaic GPU kernels are named ``anonymous_mosaic_gpu_kernel``)::
@@ -148,6 +154,29 @@ def _arms(mosaic_cfgs, rule=RULE, hparams=HPARAMS):
   return arms
 
 
+def per_step_kernels(gpu_events, n_steps: int):
+  """From a trace's GPU events ``(name, start, duration)`` over ``n_steps``
+  steps: ``[(name, launches per step, µs per step)]``, largest first."""
+  agg = {}
+  for name, _, dur in gpu_events:
+    count, total = agg.get(name, (0, 0.0))
+    agg[name] = (count + 1, total + dur)
+  return sorted(((name, c / n_steps, t / n_steps)
+                 for name, (c, t) in agg.items()), key=lambda r: -r[2])
+
+
+def _traced_kernels(step, state, n_steps: int = 20):
+  """:func:`per_step_kernels` of ``n_steps`` steps of ``step`` in the timed
+  loop's form (one jitted, donated ``fori_loop``, compiled and run once
+  before the traced call)."""
+  loop = jax.jit(lambda s: jax.lax.fori_loop(0, n_steps,
+                                             lambda i, s: step(s), s),
+                 donate_argnums=0)
+  state = jax.block_until_ready(loop(state))
+  _, gpu, _ = common.traced(lambda: jax.block_until_ready(loop(state)))
+  return per_step_kernels(gpu, n_steps)
+
+
 def _max_rel_err(got, ref):
   got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
   return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
@@ -227,6 +256,8 @@ def main(argv=None):
   p.add_argument("--plot", metavar="PNG", help="also draw the CSV here")
   p.add_argument("--replot", action="store_true",
                  help="draw --out to --plot without measuring")
+  p.add_argument("--kernels", action="store_true",
+                 help="also trace each arm: its GPU kernels' time per step")
   p.add_argument("--once", action="store_true",
                  help="run each arm once, untimed, writing nothing (for a "
                  "profiler)")
@@ -309,6 +340,15 @@ def main(argv=None):
                     "x")
           print(f"{shape:22s} {rule_name} {moments} {arm:28s} "
                 f"{q[1]*1e6:8.1f} us {ratio:5.2f}x vs xla  err {err:.1e}",
+                flush=True)
+          if args.kernels:
+            ks = _traced_kernels(step, state(bt, n_in, n_out))
+            total = sum(k[2] for k in ks)
+            res.add(rule_name, arm, shape, dtypes, "kernel_time", total, "us")
+            res.add(rule_name, arm, shape, dtypes, "kernels",
+                    sum(k[1] for k in ks), "")
+            print(f"{'':22s} kernels {total:8.1f} us per step: " + ", ".join(
+                f"{name[:40]} {c:.2g}x {t:.1f} us" for name, c, t in ks[:3]),
                 flush=True)
   if args.plot:
     plot(args.out, args.plot)

@@ -851,3 +851,32 @@ def test_gpu_mosaic_pingpong_stacked_state_only_and_in_place():
   ptrs = [a.unsafe_buffer_pointer() for a in (w, *slots)]
   new_w, new_slots = step(x, dy, w, slots)
   assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs
+
+
+def test_backends_per_step_kernels_sums_by_name():
+  from benchmarks import backends
+  events = [("gemm", 0.0, 30.0), ("adamw", 31.0, 60.0), ("add", 92.0, 1.0),
+            ("gemm", 100.0, 32.0), ("adamw", 133.0, 62.0),
+            ("add", 196.0, 1.0)]
+  got = backends.per_step_kernels(events, 2)
+  assert got == [("adamw", 1.0, 61.0), ("gemm", 1.0, 31.0),
+                 ("add", 1.0, 1.0)]
+  assert backends.per_step_kernels([], 5) == []
+
+
+@pytest.mark.gpu
+def test_gpu_backends_benchmark_traces_each_arms_kernels(tmp_path, capsys):
+  # --kernels: each arm's kernels per step from a trace of its loop; the
+  # fused step is one Mosaic GPU kernel (and the loop's counter), XLA's at
+  # least a GEMM and the AdamW fusion, each under its loop time.
+  from benchmarks import backends, common
+  out = tmp_path / "b.csv"
+  assert backends.main(["--kernels", "--tokens", "128", "--moments", "bf16",
+                        "--shapes", "t 256x384", "--out", str(out),
+                        "--mosaic", "64x128x64/2,pp"]) == 0
+  rows = common.read_rows(str(out))
+  got = {(r["provider"], r["metric"]): float(r["p50"]) for r in rows}
+  for arm in ("xla_unfused", "forge_triton", "forge_mosaic_64x128x64/2,pp"):
+    assert 0 < got[(arm, "kernel_time")] <= got[(arm, "time")]
+  assert got[("xla_unfused", "kernels")] >= 2
+  assert "anonymous_mosaic_gpu_kernel 1x" in capsys.readouterr().out
