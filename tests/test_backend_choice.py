@@ -27,6 +27,9 @@ LONG = M.from_label("128x128x64/4,e64x32,r2,s8")  # column split, streamed
 LONG_PP = M.from_label("128x128x64/4,s8,pn,pp,nb")
 # BT 2048, fp32 moments: ping-pong, rolled 64 x 64 sub-tiles, bands of 8.
 LONG_F32 = M.from_label("128x128x64/4,s8,pp,lp,nb")
+# BT 2048 at 4096^2 (and BT 1024 at 4096^2 and 4096 x 1024), bf16: rolled
+# 64 x 32 sub-tiles, the ring across tiles.
+LONG_ROLLED = M.from_label("128x128x64/4,e64x32,s8,pn,pp,lp,nb")
 
 
 @pytest.fixture(autouse=True)
@@ -180,6 +183,8 @@ def test_no_gpu_at_all_takes_triton():
 
 @pytest.mark.parametrize("case,backend,config,reason", [
     (dict(bt=2048, n_in=14336), "mosaic_gpu", LONG_PP, "500.4 us against"),
+    # BT 1024 (the bucket of 513 to 1024 tokens) takes its own entries.
+    (dict(bt=768, n_out=1024), "mosaic_gpu", LONG_ROLLED, "29.5 us against"),
     # BT 1536 is in the 2048 bucket and a multiple of the 64-row K step.
     (dict(bt=1536, n_out=14336), "mosaic_gpu", LONG_PP, "513.1 us against"),
     (dict(bt=2048, slots=(F32, F32)), "mosaic_gpu", LONG_F32, "171.1 us"),
@@ -199,7 +204,7 @@ def test_no_gpu_at_all_takes_triton():
      "no Mosaic GPU entry"),
     (dict(g_stored=True), "triton", None, "a stored gradient"),
     (dict(bt=0), "triton", None, "no tokens"),
-], ids=["down-2048", "up-1536", "fp32-moments", "stacked", "adam-tuned-as",
+], ids=["down-2048", "bt-768-k/v", "up-1536", "fp32-moments", "stacked", "adam-tuned-as",
         "measured-slower", "ragged-bt", "fp32-x", "bt-not-cached",
         "in-100", "lion", "stored-g", "no-tokens"])
 def test_the_cache_decides_per_case(monkeypatch, case, backend, config,
@@ -459,7 +464,7 @@ def test_shipped_mosaic_entries_select_mosaic_only_where_faster():
     entries = json.load(f)["devices"]["NVIDIA H200"]["mosaic_gpu"]
   mosaic = tuning_cache.load(tuning_cache.SHIPPED_CACHE)["mosaic"]
   faster = {key for (kind, key), e in mosaic.items() if e.faster_than_triton}
-  assert len(entries) == 40 and len(faster) == 39
+  assert len(entries) == 44 and len(faster) == 43
   assert set(entries) - faster == {
       "adamw|bt2048|2048x1024|w=bfloat16|slots=bfloat16,bfloat16"}
 
