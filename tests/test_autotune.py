@@ -65,10 +65,11 @@ MOSAIC_LATER_FROM_CSV = [
     # where faster than the entry held.
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "faster"]
     for c in ("b0561ee", "47b2950")] + [
-    # The shipped BT 512 and 2048 tilings at BT 1024 (commit 01d5aaf), a
-    # bucket no entry held: each case's fastest.
-    ["--from-csv", BACKENDS_CSV, "--commit", "01d5aaf", "--mosaic-pick",
-     "fastest"]]
+    # The shipped BT 512 and 2048 tilings at BT 1024 (commit 01d5aaf) and
+    # the BT 512 ones at BT 256 (commit 3cc5976), buckets no entry held:
+    # each case's fastest.
+    ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
+    for c in ("01d5aaf", "3cc5976")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -132,10 +133,10 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 16))
+             + [BACKENDS_CSV] * 17))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
   # 1b02eba, 846ff5a, 868c0e8, 0764b56, de106a3, 57fa5c9, 51674fc,
-  # b0561ee, 47b2950 and 01d5aaf)
+  # b0561ee, 47b2950, 01d5aaf and 3cc5976)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -763,8 +764,8 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # SGD and SGD with momentum at 4096^2, BT 512; the decoder's 4 shapes x
   # BT 512/2048 (bf16 moments); the 4 Llama shapes at BT 512 with int8
   # moments; the LM head of the decoder (2048 x 32000) at BT 512 and 2048;
-  # the 4 Llama shapes at BT 1024 (bf16 moments).
-  assert len(entries) == 44
+  # the 4 Llama shapes at BT 256 and 1024 (bf16 moments).
+  assert len(entries) == 48
   rows = _csv_rows(BACKENDS_CSV)
   by_commit = {}
   for key, entry in entries.items():
@@ -794,7 +795,8 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     # (the first run, ddd1e56's default tilings, has no entry left: each
     # shipped one is the fastest tiling a later run measured)
     assert commit in ("c7c1567", "ee3c82c", "868c0e8", "de106a3",
-                      "57fa5c9", "51674fc", "b0561ee", "47b2950", "01d5aaf")
+                      "57fa5c9", "51674fc", "b0561ee", "47b2950", "01d5aaf",
+                      "3cc5976")
     assert "fastest" in source["pick"]
     assert entry["time_us"] == min(
         t for lab, t in mosaic.items()

@@ -21,6 +21,9 @@ BF16, F32 = "bfloat16", "float32"
 # The shipped cache's Mosaic GPU tilings (benchmarks/results/h200/backends.csv).
 # 4096^2, BT 512, bf16 moments: five K steps, the ring across tiles.
 SHORT = M.from_label("128x64x64/5,pn,pp,lp,nb")
+# The MLP shapes at BT 512 (and every Llama shape at BT 256): 64 x 128
+# tiles in clusters of two, five K steps.
+SHORT_MLP = M.from_label("64x128x64/5,c2,pp,lp,nb")
 LONG = M.from_label("128x128x64/4,e64x32,r2,s8")  # column split, streamed
 # BT 2048, bf16 (4096 x 14336, 14336 x 4096): 64 x 64 epilogue sub-tiles,
 # the ring across tiles, no automatic barriers.
@@ -183,8 +186,10 @@ def test_no_gpu_at_all_takes_triton():
 
 @pytest.mark.parametrize("case,backend,config,reason", [
     (dict(bt=2048, n_in=14336), "mosaic_gpu", LONG_PP, "500.4 us against"),
-    # BT 1024 (the bucket of 513 to 1024 tokens) takes its own entries.
+    # BT 1024 (the bucket of 513 to 1024 tokens) takes its own entries,
+    # and so does BT 256 (129 to 256).
     (dict(bt=768, n_out=1024), "mosaic_gpu", LONG_ROLLED, "29.5 us against"),
+    (dict(bt=192, n_in=14336), "mosaic_gpu", SHORT_MLP, "235.2 us against"),
     # BT 1536 is in the 2048 bucket and a multiple of the 64-row K step.
     (dict(bt=1536, n_out=14336), "mosaic_gpu", LONG_PP, "513.1 us against"),
     (dict(bt=2048, slots=(F32, F32)), "mosaic_gpu", LONG_F32, "171.1 us"),
@@ -204,7 +209,7 @@ def test_no_gpu_at_all_takes_triton():
      "no Mosaic GPU entry"),
     (dict(g_stored=True), "triton", None, "a stored gradient"),
     (dict(bt=0), "triton", None, "no tokens"),
-], ids=["down-2048", "bt-768-k/v", "up-1536", "fp32-moments", "stacked", "adam-tuned-as",
+], ids=["down-2048", "bt-768-k/v", "bt-192-down", "up-1536", "fp32-moments", "stacked", "adam-tuned-as",
         "measured-slower", "ragged-bt", "fp32-x", "bt-not-cached",
         "in-100", "lion", "stored-g", "no-tokens"])
 def test_the_cache_decides_per_case(monkeypatch, case, backend, config,
@@ -272,10 +277,10 @@ def test_environment_override(monkeypatch):
       "128x128x64/4,e64x32,pp,lp")
   assert choice.reason.startswith("$FORGE_BACKEND=mosaic_gpu")
   _gpu(monkeypatch, "8.0")
-  choice = _choose(bt=256, n_out=1024)
+  choice = _choose(bt=128, n_out=1024)  # (no entry for BT 128)
   assert choice.backend == "mosaic_gpu"
   assert choice.config == mosaic_kernel.default_config(
-      jnp.bfloat16, [jnp.bfloat16] * 3, bt=256)
+      jnp.bfloat16, [jnp.bfloat16] * 3, bt=128)
   # An explicit config or backend comes first.
   assert _choose(config=pk.BlockConfig()).backend == "triton"
   assert _choose(backend="triton").backend == "triton"
@@ -464,7 +469,7 @@ def test_shipped_mosaic_entries_select_mosaic_only_where_faster():
     entries = json.load(f)["devices"]["NVIDIA H200"]["mosaic_gpu"]
   mosaic = tuning_cache.load(tuning_cache.SHIPPED_CACHE)["mosaic"]
   faster = {key for (kind, key), e in mosaic.items() if e.faster_than_triton}
-  assert len(entries) == 44 and len(faster) == 43
+  assert len(entries) == 48 and len(faster) == 47
   assert set(entries) - faster == {
       "adamw|bt2048|2048x1024|w=bfloat16|slots=bfloat16,bfloat16"}
 
