@@ -154,19 +154,8 @@ def _arms(mosaic_cfgs, rule=RULE, hparams=HPARAMS):
   return arms
 
 
-def per_step_kernels(gpu_events, n_steps: int):
-  """From a trace's GPU events ``(name, start, duration)`` over ``n_steps``
-  steps: ``[(name, launches per step, µs per step)]``, largest first."""
-  agg = {}
-  for name, _, dur in gpu_events:
-    count, total = agg.get(name, (0, 0.0))
-    agg[name] = (count + 1, total + dur)
-  return sorted(((name, c / n_steps, t / n_steps)
-                 for name, (c, t) in agg.items()), key=lambda r: -r[2])
-
-
 def _traced_kernels(step, state, n_steps: int = 20):
-  """:func:`per_step_kernels` of ``n_steps`` steps of ``step`` in the timed
+  """:func:`common.per_step_kernels` of ``n_steps`` steps of ``step`` in the timed
   loop's form (one jitted, donated ``fori_loop``, compiled and run once
   before the traced call)."""
   loop = jax.jit(lambda s: jax.lax.fori_loop(0, n_steps,
@@ -174,7 +163,7 @@ def _traced_kernels(step, state, n_steps: int = 20):
                  donate_argnums=0)
   state = jax.block_until_ready(loop(state))
   _, gpu, _ = common.traced(lambda: jax.block_until_ready(loop(state)))
-  return per_step_kernels(gpu, n_steps)
+  return common.per_step_kernels(gpu, n_steps)
 
 
 def _max_rel_err(got, ref):

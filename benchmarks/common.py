@@ -7,6 +7,7 @@ import datetime as _dt
 import glob
 import gzip
 import json
+import math
 import os
 import platform
 import shutil
@@ -156,6 +157,14 @@ def overlap_by_name(events, start: float, end: float):
       count[name] = count.get(name, 0) + 1
   return sorted(((n, count[n], total[n]) for n in total),
                 key=lambda r: -r[2])
+
+
+def per_step_kernels(gpu_events, n_steps: int):
+  """From a trace's GPU events ``(name, start, duration)`` over ``n_steps``
+  steps: ``[(name, launches per step, µs per step)]``, largest first
+  (:func:`overlap_by_name` over the whole trace)."""
+  return [(name, count / n_steps, us / n_steps) for name, count, us in
+          overlap_by_name(gpu_events, -math.inf, math.inf)]
 
 
 def idle_gaps(events) -> tuple[float, float, list]:

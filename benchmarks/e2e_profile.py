@@ -92,11 +92,8 @@ def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
     gap_us, _, _, start = gaps[0]
     during = [(name, n, us / 1e3) for name, n, us in
               common.overlap_by_name(host, start, start + gap_us)]
-  by_name = collections.defaultdict(float)
-  count = collections.Counter()
-  for name, _, us in kernels:
-    by_name[name] += us / 1e3 / steps
-    count[name] += 1
+  per_step = common.per_step_kernels(kernels, steps)
+  by_name = {name: us / 1e3 for name, _, us in per_step}
   by_cat = collections.defaultdict(float)
   for name, ms in by_name.items():
     by_cat[category(name)] += ms
@@ -105,7 +102,7 @@ def profile_arm(arm: str, cfg: e2e.Config, bt: int, steps: int,
               gaps=[(us / 1e3, a, b) for us, a, b, _ in gaps],
               host_in_gap=during,
               by_cat=dict(by_cat), by_name=dict(by_name),
-              per_step=({n: c / steps for n, c in count.items()}),
+              per_step={name: n for name, n, _ in per_step},
               n_kernels=len(kernels) / steps)
 
 

@@ -853,15 +853,15 @@ def test_gpu_mosaic_pingpong_stacked_state_only_and_in_place():
   assert [a.unsafe_buffer_pointer() for a in (new_w, *new_slots)] == ptrs
 
 
-def test_backends_per_step_kernels_sums_by_name():
-  from benchmarks import backends
+def test_per_step_kernels_sums_by_name():
+  from benchmarks import common
   events = [("gemm", 0.0, 30.0), ("adamw", 31.0, 60.0), ("add", 92.0, 1.0),
             ("gemm", 100.0, 32.0), ("adamw", 133.0, 62.0),
             ("add", 196.0, 1.0)]
-  got = backends.per_step_kernels(events, 2)
+  got = common.per_step_kernels(events, 2)
   assert got == [("adamw", 1.0, 61.0), ("gemm", 1.0, 31.0),
                  ("add", 1.0, 1.0)]
-  assert backends.per_step_kernels([], 5) == []
+  assert common.per_step_kernels([], 5) == []
 
 
 @pytest.mark.gpu
