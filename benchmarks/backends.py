@@ -26,6 +26,13 @@ time divided by the Triton kernel's and by the fastest Mosaic GPU tiling's
 ``--replot --out CSV --plot PNG`` draws an existing CSV without measuring
 (no GPU needed).
 
+``--auto`` adds the arm a call without ``backend`` or ``config`` takes
+(``backend=None``: the autotune cache's entry for the case, else its
+nearest entry's tiling, else the Triton kernel), named by that choice:
+``forge_auto_mosaic_<label>`` or ``forge_auto_triton``. With ``--mosaic``
+and no tilings, the Mosaic GPU kernel runs in that arm alone: what a user
+gets at shapes the cache was not measured at.
+
 ``--kernels`` also traces each arm (``jax.profiler``: 20 steps of the same
 donated loop) and writes its GPU kernels' time per step (``kernel_time``,
 µs: the step without the loop's launch gaps) and their number
@@ -45,6 +52,7 @@ each instruction).
 """
 
 import argparse
+import math
 import os
 import sys
 import warnings
@@ -129,7 +137,7 @@ def _floats(slots):
           for a in slots]
 
 
-def _arms(mosaic_cfgs, rule=RULE, hparams=HPARAMS):
+def _arms(mosaic_cfgs, rule=RULE, hparams=HPARAMS, auto=None):
   def xla(s):
     x, dy, w, slots = s
     g = jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
@@ -151,7 +159,20 @@ def _arms(mosaic_cfgs, rule=RULE, hparams=HPARAMS):
   arms = {"xla_unfused": xla, "forge_triton": fused("triton")}
   for label, cfg in mosaic_cfgs:
     arms[f"forge_mosaic_{label}"] = fused("mosaic_gpu", cfg)
+  if auto is not None:
+    arms[auto] = fused(None)
   return arms
+
+
+def auto_arm(state, rule=RULE) -> str:
+  """``--auto``'s arm for a case: ``fused_wgrad_update`` with
+  ``backend=None``, named by what it takes there (``forge_auto_triton``,
+  ``forge_auto_mosaic_<label>``)."""
+  x, dy, w, slots = state
+  choice = pk.describe_backend(x, dy, w, slots, rule=rule)
+  if choice.backend == "triton":
+    return "forge_auto_triton"
+  return f"forge_auto_mosaic_{choice.config.label}"
 
 
 def _traced_kernels(step, state, n_steps: int = 20):
@@ -171,20 +192,25 @@ def _max_rel_err(got, ref):
   return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
-def latest_ratios(rows):
-  """Per AdamW case at a Llama-3.1-8B shape with bf16 or fp32 moments,
-  ``{(moments, bt, shape): (triton, mosaic, label)}`` from the latest run
-  (timestamp) that timed it: XLA's p50 over the Triton kernel's and over
-  the fastest Mosaic GPU tiling's (``label``; not counting ``approx_math``
-  ones) in that run (``None`` where the run lacks the arm). (int8 moments'
-  XLA arm is the quantized reference, not XLA's AdamW: left out.)"""
+MOSAIC_ARMS = ("forge_mosaic_", "forge_auto_mosaic_")
+
+
+def latest_ratios(rows, beyond: bool = False):
+  """Per AdamW case at a Llama-3.1-8B shape with bf16 or fp32 moments
+  (``beyond``: at any other shape), ``{(moments, bt, shape): (triton,
+  mosaic, label)}`` from the latest run (timestamp) that timed it: XLA's
+  p50 over the Triton kernel's and over the fastest Mosaic GPU tiling's
+  (``label``; ``--auto``'s arm counts as its tiling; not counting
+  ``approx_math`` ones) in that run (``None`` where the run lacks the arm).
+  (int8 moments' XLA arm is the quantized reference, not XLA's AdamW: left
+  out.)"""
   shapes = {f"{n_in}x{n_out}" for n_in, n_out in
             common.LLAMA8B_SHAPES.values()}
   runs = {}
   for r in rows:
     bt, _, shape = r["shape"].partition(" ")
     if (r["benchmark"] != "backends" or r["case"] != "adamw"
-        or r["metric"] != "time" or shape not in shapes):
+        or r["metric"] != "time" or (shape in shapes) == beyond):
       continue
     moments = r["dtypes"].rsplit(" ", 1)[-1]
     if moments not in ("bf16", "fp32"):
@@ -198,9 +224,12 @@ def latest_ratios(rows):
     if "xla_unfused" not in arms:
       continue
     xla = arms["xla_unfused"]
-    mosaic = {a[len("forge_mosaic_"):]: t for a, t in arms.items()
-              if a.startswith("forge_mosaic_")
-              and not parse_mosaic(a[len("forge_mosaic_"):]).approx_math}
+    mosaic = {}
+    for a, t in arms.items():
+      label = next((a[len(p):] for p in MOSAIC_ARMS if a.startswith(p)),
+                   None)
+      if label is not None and not parse_mosaic(label).approx_math:
+        mosaic[label] = min(t, mosaic.get(label, t))
     best = min(mosaic, key=mosaic.get) if mosaic else None
     out[key] = (xla / arms["forge_triton"] if "forge_triton" in arms
                 else None, xla / mosaic[best] if best else None, best)
@@ -208,33 +237,51 @@ def latest_ratios(rows):
 
 
 def plot(csv_path: str, png_path: str) -> bool:
-  """Draws :func:`latest_ratios` of ``csv_path`` to ``png_path``; False
-  (nothing drawn) if the CSV has no such case."""
+  """Draws :func:`latest_ratios` of ``csv_path`` to ``png_path``: the
+  Llama-3.1-8B shapes, and below them (where the CSV has any) the other
+  shapes; False (nothing drawn) if the CSV has no such case."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  ratios = latest_ratios(common.read_rows(csv_path))
-  if not ratios:
+  rows = common.read_rows(csv_path)
+  panels = [(r, b) for b in (False, True)
+            if (r := latest_ratios(rows, beyond=b))]
+  if not panels:
     return False
   # The shapes by name (q/o, k/v, up/gate, down), in that order.
   names = {f"{n_in}x{n_out}": (i, name.split()[0]) for i, (name, (
       n_in, n_out)) in enumerate(common.LLAMA8B_SHAPES.items())}
-  keys = sorted(ratios, key=lambda k: (k[0], k[1], names[k[2]][0]))
-  fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(keys)), 4.5))
-  xs = range(len(keys))
-  for i, (arm, name) in enumerate([(0, "Triton kernel"),
-                                   (1, "Mosaic GPU kernel, fastest tiling")]):
-    ax.bar([x + (i - 0.5) * 0.4 for x in xs],
-           [ratios[k][arm] or 0.0 for k in keys], 0.4, label=name)
-  ax.axhline(1.0, color="black", linewidth=0.8)
-  ax.set_xticks(list(xs))
-  ax.set_xticklabels([f"{names[s][1]}\n{bt}\n{m}" for m, bt, s in keys],
-                     fontsize=7)
-  ax.set_xlabel("Llama-3.1-8B projection, BT, moments")
-  ax.set_ylabel("XLA GEMM + AdamW time / fused step time")
-  ax.set_title("One layer's fused AdamW step against XLA (higher is faster; "
-               "the latest run per case)", fontsize=9)
-  ax.legend(fontsize=8)
+  width = max(8, 0.55 * max(len(r) for r, _ in panels))
+  fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                           figsize=(width, 4.5 * len(panels)))
+  for ax, (ratios, beyond) in zip(axes[:, 0], panels):
+    if beyond:
+      area = lambda s: math.prod(map(int, s.split("x")))
+      keys = sorted(ratios, key=lambda k: (k[0], k[1], area(k[2]), k[2]))
+      ticks = [f"{s}\n{bt}\n{m}" for m, bt, s in keys]
+    else:
+      keys = sorted(ratios, key=lambda k: (k[0], k[1], names[k[2]][0]))
+      ticks = [f"{names[s][1]}\n{bt}\n{m}" for m, bt, s in keys]
+    xs = range(len(keys))
+    mosaic_name = ("Mosaic GPU kernel, the tiling backend=None takes"
+                   if beyond else "Mosaic GPU kernel, fastest tiling")
+    for i, (arm, name) in enumerate([(0, "Triton kernel"),
+                                     (1, mosaic_name)]):
+      ax.bar([x + (i - 0.5) * 0.4 for x in xs],
+             [ratios[k][arm] or 0.0 for k in keys], 0.4, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(ticks, fontsize=7)
+    ax.set_xlabel("weight in x out (beyond the autotune cache's shapes), "
+                  "BT, moments" if beyond else
+                  "Llama-3.1-8B projection, BT, moments")
+    ax.set_ylabel("XLA GEMM + AdamW time / fused step time")
+    ax.set_title(
+        "Shapes the autotune cache has no entry for: backend=None takes "
+        "its nearest entry's tiling" if beyond else
+        "One layer's fused AdamW step against XLA (higher is faster; the "
+        "latest run per case)", fontsize=9)
+    ax.legend(fontsize=8)
   common.save_figure(fig, png_path)
   return True
 
@@ -259,8 +306,11 @@ def main(argv=None):
                  choices=["bf16", "fp32", "int8"])
   p.add_argument("--rules", nargs="+", default=["adamw"], choices=RULES,
                  help="the update rules timed (default AdamW)")
-  p.add_argument("--mosaic", nargs="+", default=list(MOSAIC_DEFAULT),
-                 help="Mosaic GPU tilings, "
+  p.add_argument("--auto", action="store_true",
+                 help="also time backend=None (the backend and tiling a "
+                 "call without them takes), named by its choice")
+  p.add_argument("--mosaic", nargs="*", default=list(MOSAIC_DEFAULT),
+                 help="Mosaic GPU tilings (none: no tiling of its own), "
                  f"{pk.MosaicConfig.LABEL_FORM}")
   args = p.parse_args(argv)
   if args.replot:
@@ -293,7 +343,6 @@ def main(argv=None):
   for rule_name, moments in [(r, m) for r in args.rules
                              for m in args.moments]:
     rule, hparams = _rule(rule_name)
-    arms = _arms(mosaic_cfgs, rule, hparams)
     n_slots = len(rule.slots)
     dtypes = (f"x,dy,W bf16; m,v {moments}" if n_slots == 2 else
               f"x,dy,W bf16; {n_slots} slot(s) {moments}")
@@ -302,6 +351,8 @@ def main(argv=None):
     for name, (n_in, n_out) in shapes.items():
       for bt in args.tokens:
         shape = f"BT={bt} {n_in}x{n_out}"
+        arms = _arms(mosaic_cfgs, rule, hparams, auto_arm(
+            state(bt, n_in, n_out), rule) if args.auto else None)
         ref = jax.jit(arms["xla_unfused"])(state(bt, n_in, n_out))
         times = {}
         for arm, step in arms.items():

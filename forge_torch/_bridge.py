@@ -538,7 +538,9 @@ def _direct_config(bt, n_in, n_out, x_dtype, w, slots, rule, config, device):
 
   Without a tiling from the caller, Mosaic GPU where it covers the case on
   a GPU of compute capability 9.0 or newer: its cached tiling for the case,
-  else its default one. Unlike in JAX (where the backend follows the
+  else the nearest cached entry's that covers it
+  (:func:`pallas_kernels.tuning_cache.nearest_covering`), else its default
+  one. Unlike in JAX (where the backend follows the
   autotune cache's kernel times), a torch call prefers it whenever it
   applies, because launching it directly saves more host time per call than
   the two kernels' times differ by. A Triton tiling (``config``) or
@@ -555,12 +557,17 @@ def _direct_config(bt, n_in, n_out, x_dtype, w, slots, rule, config, device):
       and xd is not None and None not in [s.dtype for s in state]):
     cfg = config
     if cfg is None:
-      entry = tuning_cache.lookup_mosaic(
-          bt, n_in, n_out, state[0].dtype, [s.dtype for s in state[1:]],
-          rule, device_kind=torch.cuda.get_device_name(device))
+      w_dtype, slot_dtypes = state[0].dtype, [s.dtype for s in state[1:]]
+      kind = torch.cuda.get_device_name(device)
+      entry = tuning_cache.lookup_mosaic(bt, n_in, n_out, w_dtype,
+                                         slot_dtypes, rule, device_kind=kind)
+      if entry is None:
+        near = tuning_cache.nearest_covering(bt, n_in, n_out, w_dtype,
+                                             slot_dtypes, rule, xd,
+                                             device_kind=kind)
+        entry = near[1] if near is not None else None
       cfg = entry.config if entry is not None else mosaic_kernel.default_config(
-          xd, mosaic_kernel.smem_dtypes(rule, state[0].dtype,
-                                        [s.dtype for s in state[1:]]), bt,
+          xd, mosaic_kernel.smem_dtypes(rule, w_dtype, slot_dtypes), bt,
           shape=(n_in, n_out))
     if mosaic_kernel.unsupported(bt, n_in, n_out, xd, state[0], state[1:],
                                  rule, cfg, stacked=False, g_stored=False):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from typing import NamedTuple, Sequence
@@ -52,8 +53,8 @@ __all__ = ["ANY_RULE", "BACKENDS", "BACKEND_ENV_VAR", "BackendChoice",
            "SHIPPED_CACHE", "TRITON", "bt_bucket", "cache_key", "cache_paths",
            "clear_cache", "compute_capability", "config_label",
            "current_device_kind", "describe", "dtype_name", "env_backend",
-           "load", "lookup", "lookup_mosaic", "parse_label", "read_json",
-           "select_backend", "select_config", "validated"]
+           "load", "lookup", "lookup_mosaic", "nearest_covering",
+           "nearest_mosaic", "parse_label", "read_json", "select_backend", "select_config", "validated"]
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32",
                   "f16": "float16", "fp16": "float16"}
@@ -298,6 +299,53 @@ def _lookup(table, bt, n_in, n_out, w_dtype, slot_dtypes, rule, device_kind,
   return None
 
 
+_KEY = re.compile(r"(?P<rule>[^|]+)\|bt(?P<bt>\d+)\|(?P<n_in>\d+)x"
+                  r"(?P<n_out>\d+)\|(?P<dtypes>w=.*)")
+
+
+def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
+                   slot_dtypes: Sequence, rule=None, *,
+                   device_kind: str | None = None,
+                   paths: Sequence[str] | None = None
+                   ) -> list[tuple[str, MosaicEntry]]:
+  """The cached Mosaic GPU entries of the same rule (its own, its
+  ``tuned_as``'s or ``"any"``), weight dtype and slot dtypes on
+  ``device_kind``, at every BT bucket and shape, nearest first: by the
+  distance of the BT buckets, then of the weights' sizes ``in * out``, then
+  of their aspect ratios ``in / out`` (each on a log scale); on a tie the
+  larger BT bucket first (at BT 1024 the BT 2048 tilings measured faster
+  than the BT 512 ones at the four Llama-3.1-8B shapes), then earlier files
+  of ``paths``. ``(key, entry)`` pairs; ``[]`` off a GPU.
+
+  :func:`select_backend` takes the first whose tiling covers a case the
+  cache has no entry for."""
+  if device_kind is None:
+    device_kind = current_device_kind()
+    if device_kind is None:
+      return []
+  rules = {_rule_name(rule), ANY_RULE}
+  tuned_as = getattr(rule, "tuned_as", None)
+  if tuned_as is not None:
+    rules.add(_rule_name(tuned_as))
+  dtypes = cache_key(None, bt, 1, 1, w_dtype, slot_dtypes).split("|", 3)[3]
+  log = math.log2
+  found = {}
+  for rank, path in enumerate(cache_paths() if paths is None else paths):
+    for (kind, key), entry in load(path)["mosaic"].items():
+      m = _KEY.fullmatch(key)
+      if (kind != device_kind or m is None or key in found
+          or m["rule"] not in rules or m["dtypes"] != dtypes):
+        continue
+      e_bt, e_in, e_out = int(m["bt"]), int(m["n_in"]), int(m["n_out"])
+      found[key] = ((abs(log(bt_bucket(bt)) - log(e_bt)),
+                     abs(log(n_in * n_out) - log(e_in * e_out)),
+                     abs(log(n_in / n_out) - log(e_in / e_out)), -e_bt,
+                     rank, key),
+                    entry)
+  return [(key, entry) for key, (_, entry) in
+          sorted(found.items(), key=lambda kv: kv[1][0])]
+
+
 def _gpu_device():
   """``jax.devices()[0]`` when the default backend is a GPU, else ``None``."""
   if jax.default_backend() != "gpu":
@@ -431,7 +479,8 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
   1. ``backend="triton"`` or ``"mosaic_gpu"``: that backend, with
      ``config`` if given (of that backend's type), else its tiling for the
      case (Triton: :func:`select_config`; Mosaic GPU: the cached entry's
-     tiling on a GPU where it covers the case, else
+     tiling on a GPU where it covers the case, else the nearest entry's
+     (:func:`nearest_covering`), else
      :func:`~pallas_kernels.mosaic_kernel.default_config`; with
      ``low_precision``, the entry measured with ``mosaic_slot_dtypes``, else
      that default's int8 tiling, ``quantized=True``).
@@ -447,7 +496,12 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
      GPU entry for the case on this device kind (:func:`lookup_mosaic`)
      that measured faster than the Triton kernel in the same run, and the
      Mosaic GPU kernel covers the case with that tiling
-     (:func:`~pallas_kernels.mosaic_kernel.unsupported`), and no slot is
+     (:func:`~pallas_kernels.mosaic_kernel.unsupported`) -- or, where the
+     cache has no entry for the case (another BT bucket or shape), the
+     nearest entry of the same rule and dtypes that measured faster than
+     the Triton kernel and whose tiling covers the case
+     (:func:`nearest_covering`; docs/benchmarks.md has the cases measured
+     beyond the cache's own) -- and no slot is
      quantized nor the weight stored by stochastic rounding
      (``low_precision``), except int8 moments the kernel takes
      (``mosaic_slot_dtypes``), which an entry measured with them selects
@@ -549,6 +603,14 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
             low_precision and mosaic_kernel.int8_tiling_problem(entry.config)):
       return BackendChoice(MOSAIC_GPU, entry.config,
                            f"{how}; the autotune cache's tiling")
+    near = None if interpret or g_stored or (
+        low_precision and mosaic_slot_dtypes is None) else nearest_covering(
+            bt, n_in, n_out, w_dtype, held_slots, rule, x_dtype,
+            stacked=stacked, low_precision=low_precision)
+    if near is not None:
+      return BackendChoice(MOSAIC_GPU, near[1].config,
+                           f"{how}; the tiling of the autotune cache's "
+                           f"nearest entry, {near[0]}")
     return BackendChoice(
         MOSAIC_GPU, _mosaic_default(bt, n_in, n_out, w_dtype, held_slots,
                                     rule, x_dtype, g_stored, low_precision),
@@ -578,8 +640,20 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
   entry = lookup_mosaic(bt, n_in, n_out, w_dtype, held_slots, rule)
   kind = current_device_kind()
   if entry is None:
-    return triton(f"the autotune cache has no Mosaic GPU entry for this "
-                  f"case on {kind}")
+    near = nearest_covering(bt, n_in, n_out, w_dtype, held_slots, rule,
+                            x_dtype, stacked=stacked,
+                            low_precision=low_precision)
+    if near is None:
+      return triton(f"the autotune cache has no Mosaic GPU entry for this "
+                    f"case on {kind}, nor one for another BT or shape whose "
+                    "tiling covers it")
+    key, entry = near
+    return BackendChoice(
+        MOSAIC_GPU, entry.config,
+        f"the autotune cache has no Mosaic GPU entry for this case on "
+        f"{kind}; its nearest entry that covers it, {key}, has the tiling "
+        f"{entry.config.label}, which measured {_us(entry.time_us)} against "
+        f"the Triton kernel's {_us(entry.triton_time_us)} there")
   label = entry.config.label
   if not entry.faster_than_triton:
     return triton(f"the autotune cache's Mosaic GPU tiling {label} measured "
@@ -609,3 +683,22 @@ def _mosaic_refusal(cfg, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
   return mosaic_kernel.unsupported(bt, n_in, n_out, dtype_name(x_dtype), w,
                                    slots, rule, cfg, stacked=stacked,
                                    g_stored=g_stored)
+
+
+def nearest_covering(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype, *,
+                     stacked: bool = False, low_precision: bool = False,
+                     device_kind: str | None = None
+                     ) -> tuple[str, MosaicEntry] | None:
+  """The first of :func:`nearest_mosaic`'s entries that measured faster
+  than the Triton kernel and whose tiling covers this case (with
+  ``low_precision``, int8 moments' too), as ``(key, entry)``; ``None`` if
+  none does."""
+  for key, entry in nearest_mosaic(bt, n_in, n_out, w_dtype, slot_dtypes,
+                                   rule, device_kind=device_kind):
+    if not entry.faster_than_triton or _mosaic_refusal(
+        entry.config, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
+        stacked, False) is not None or (
+            low_precision and mosaic_kernel.int8_tiling_problem(entry.config)):
+      continue
+    return key, entry
+  return None

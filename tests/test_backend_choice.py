@@ -203,14 +203,29 @@ def test_no_gpu_at_all_takes_triton():
     (dict(bt=1500, n_out=14336), "triton", None,
      "does not cover this case: BT x in x out = 1500 x 4096 x 14336"),
     (dict(x_dtype=F32), "triton", None, "bfloat16 or float16 operands"),
-    (dict(bt=8192), "triton", None, "no Mosaic GPU entry for this case"),
-    (dict(n_in=100), "triton", None, "no Mosaic GPU entry for this case"),
+    # No entry for the case: the nearest entry's tiling (another BT bucket
+    # first, then another shape).
+    (dict(bt=8192), "mosaic_gpu", M.from_label(
+        "128x128x64/4,e64x32,s8,pn,pp,nb"), "its nearest entry that covers "
+     "it, adamw|bt4096|4096x4096|w=bfloat16|slots=bfloat16,bfloat16, has "
+     "the tiling 128x128x64/4,e64x32,s8,pn,pp,nb, which measured 248.7 us "
+     "against the Triton kernel's 299.3 us there"),
+    (dict(bt=64, n_in=14336), "mosaic_gpu", SHORT_MLP,
+     "adamw|bt256|14336x4096"),
+    (dict(n_in=768, n_out=3072), "mosaic_gpu", M.from_label(
+        "64x128x64/4,e64x32,pp"), "adamw|bt512|2048x1024"),
+    (dict(bt=1024, slots=(F32, F32)), "mosaic_gpu", LONG_F32,
+     "adamw|bt2048|4096x4096|w=bfloat16|slots=float32,float32"),
+    # No entry's tiling divides in = 100, and none is Lion's.
+    (dict(n_in=100), "triton", None, "no Mosaic GPU entry for this case on "
+     "NVIDIA H200, nor one for another BT or shape whose tiling covers it"),
     (dict(rule=pk.lion_rule(), slots=(BF16,)), "triton", None,
      "no Mosaic GPU entry"),
     (dict(g_stored=True), "triton", None, "a stored gradient"),
     (dict(bt=0), "triton", None, "no tokens"),
 ], ids=["down-2048", "bt-768-k/v", "bt-192-down", "up-1536", "fp32-moments", "stacked", "adam-tuned-as",
-        "measured-slower", "ragged-bt", "fp32-x", "bt-not-cached",
+        "measured-slower", "ragged-bt", "fp32-x", "bt-8192-nearest",
+        "bt-64-nearest", "gpt2-fc-nearest", "fp32-bt-1024-nearest",
         "in-100", "lion", "stored-g", "no-tokens"])
 def test_the_cache_decides_per_case(monkeypatch, case, backend, config,
                                     reason):
@@ -264,6 +279,89 @@ def test_an_entry_the_kernel_cannot_run_is_not_taken(tmp_path, monkeypatch):
   assert choice.backend == "triton" and "unrecorded" in choice.reason
 
 
+def _cache_of(tmp_path, monkeypatch, entries):
+  """A ``$FORGE_AUTOTUNE_CACHE`` holding ``entries``, ``{key: (label,
+  time_us, triton_time_us)}``, for the H200, and nothing of the shipped
+  cache (:func:`tuning_cache.cache_paths` reads that file alone)."""
+  data = autotune._empty_cache()
+  autotune.merge(data, "NVIDIA H200", "test", {"kind": "test"}, {
+      key: {"config": dataclasses.asdict(M.from_label(label)),
+            "time_us": t, "triton_time_us": tt}
+      for key, (label, t, tt) in entries.items()}, "mosaic_gpu")
+  path = tmp_path / "near.json"
+  autotune.write(str(path), data)
+  monkeypatch.setattr(tuning_cache, "cache_paths", lambda: [str(path)])
+  tuning_cache.clear_cache()
+
+
+def test_nearest_entries_by_bt_then_size_then_aspect(tmp_path, monkeypatch):
+  key = lambda bt, n_in, n_out, slots="bfloat16,bfloat16", rule="adamw": (
+      f"{rule}|bt{bt}|{n_in}x{n_out}|w=bfloat16|slots={slots}")
+  _cache_of(tmp_path, monkeypatch, {
+      key(512, 4096, 4096): ("128x64x64/5,pn,pp,lp,nb", 80.0, 100.0),
+      key(512, 1024, 4096): ("64x128x64/4,e64x32,pp", 30.0, 40.0),
+      key(512, 4096, 1024): ("128x128x64/4,e64x32,pp", 30.0, 40.0),
+      key(2048, 4096, 4096): ("128x128x64/4,s8,pn,pp,nb", 150.0, 200.0),
+      key(512, 4096, 4096, "float32,float32"): ("128x128x64/4,pp,lp",
+                                                 120.0, 150.0),
+      key(512, 4096, 4096, "", "sgd"): ("64x64x64/3", 1.0, 2.0),
+      # int8 moments: the nearer tiling's sub-tiles are not a scale block
+      # (64 columns) wide.
+      key(512, 4096, 4096, "int8,int8"): ("128x128x64/4,e64x32,pp", 1.0,
+                                          2.0),
+      key(512, 4096, 1024, "int8,int8"): ("64x128x64/4,pp,lp", 1.0, 2.0),
+      key(1024, 4096, 1024): ("64x64x64/4,e64x32,pp", 50.0, 45.0),
+  })
+  near = lambda bt, n_in, n_out, slots=(BF16, BF16), rule=pk.ADAMW: [
+      k for k, _ in tuning_cache.nearest_mosaic(
+          bt, n_in, n_out, BF16, slots, rule, device_kind="NVIDIA H200")]
+  # The BT bucket first (1024 is as far from 512 as from 2048: then the
+  # size decides, then the larger bucket), then the size, then the aspect
+  # ratio; only the same rule and dtypes.
+  assert near(512, 4096, 4096) == [
+      key(512, 4096, 4096), key(512, 1024, 4096), key(512, 4096, 1024),
+      key(1024, 4096, 1024), key(2048, 4096, 4096)]
+  assert near(768, 4096, 4096)[:3] == [key(1024, 4096, 1024),
+                                       key(2048, 4096, 4096),
+                                       key(512, 4096, 4096)]
+  assert near(512, 2048, 1024)[:3] == [
+      key(512, 4096, 1024), key(512, 1024, 4096), key(512, 4096, 4096)]
+  assert near(512, 1024, 2048)[:2] == [key(512, 1024, 4096),
+                                       key(512, 4096, 1024)]
+  assert near(4096, 2048, 2048)[0] == key(2048, 4096, 4096)
+  assert near(512, 64, 64, (F32, F32)) == [
+      key(512, 4096, 4096, "float32,float32")]
+  assert near(512, 4096, 4096, (), pk.sgd_rule()) == [
+      key(512, 4096, 4096, "", "sgd")]
+  assert near(512, 4096, 4096, (BF16,), pk.lion_rule()) == []
+  assert tuning_cache.nearest_mosaic(512, 4096, 4096, BF16, (BF16, BF16),
+                                     pk.ADAMW, device_kind="NVIDIA H100"
+                                     ) == []
+  # nearest_covering: only entries faster than the Triton kernel (not
+  # BT 1024's), and only tilings that divide the case.
+  covering = lambda *a, **k: tuning_cache.nearest_covering(
+      *a, device_kind="NVIDIA H200", **k)[0]
+  assert covering(1024, 4096, 1024, BF16, (BF16, BF16), pk.ADAMW,
+                  BF16) == key(512, 4096, 1024)
+  # 192 x 4096: 128-row tiles do not divide it; 64 x 128 ones do.
+  assert covering(512, 192, 4096, BF16, (BF16, BF16), pk.ADAMW,
+                  BF16) == key(512, 1024, 4096)
+  i8 = (jnp.int8, jnp.int8)
+  assert covering(2048, 4096, 4096, BF16, i8, pk.ADAMW, BF16) == key(
+      512, 4096, 4096, "int8,int8")
+  assert covering(2048, 4096, 4096, BF16, i8, pk.ADAMW, BF16,
+                  low_precision=True) == key(512, 4096, 1024, "int8,int8")
+  assert tuning_cache.nearest_covering(512, 96, 4096, BF16, (BF16, BF16),
+                                       pk.ADAMW, BF16,
+                                       device_kind="NVIDIA H200") is None
+  # select_backend on the stand-in H200 takes that tiling.
+  _gpu(monkeypatch)
+  choice = _choose(512, 192, 4096)
+  assert choice.backend == "mosaic_gpu"
+  assert choice.config == M.from_label("64x128x64/4,e64x32,pp")
+  assert _choose(512, 96, 4096).backend == "triton"
+
+
 def test_environment_override(monkeypatch):
   _gpu(monkeypatch)
   monkeypatch.setenv("FORGE_BACKEND", "triton")
@@ -277,10 +375,17 @@ def test_environment_override(monkeypatch):
       "128x128x64/4,e64x32,pp,lp")
   assert choice.reason.startswith("$FORGE_BACKEND=mosaic_gpu")
   _gpu(monkeypatch, "8.0")
-  choice = _choose(bt=128, n_out=1024)  # (no entry for BT 128)
+  # No entry for BT 128: the nearest entry's tiling (BT 256's) ...
+  choice = _choose(bt=128, n_out=1024)
+  assert choice.backend == "mosaic_gpu" and choice.config == SHORT_MLP
+  assert choice.reason.endswith("the tiling of the autotune cache's nearest "
+                                "entry, adamw|bt256|4096x1024|w=bfloat16|"
+                                "slots=bfloat16,bfloat16")
+  # ... and without one (no Lion entries): the kernel's default tiling.
+  choice = _choose(bt=128, rule=pk.lion_rule(), slots=(BF16,))
   assert choice.backend == "mosaic_gpu"
   assert choice.config == mosaic_kernel.default_config(
-      jnp.bfloat16, [jnp.bfloat16] * 3, bt=128)
+      jnp.bfloat16, [jnp.bfloat16] * 2, bt=128, shape=(4096, 4096))
   # An explicit config or backend comes first.
   assert _choose(config=pk.BlockConfig()).backend == "triton"
   assert _choose(backend="triton").backend == "triton"
@@ -361,10 +466,13 @@ def test_int8_state_on_mosaic_takes_the_int8_tiling(monkeypatch):
   assert mosaic_kernel.low_precision_problem(plan, choice.config) is None
   assert _choose(n_in=14336, slots=slots, low_precision=True).reason == (
       lowp.MOSAIC_REFUSAL)
+  # No int8 entry at BT 2048: the nearest one's (BT 512's) tiling.
   unmeasured = _choose(bt=2048, slots=slots, low_precision=True,
                        mosaic_slot_dtypes=i8)
-  assert unmeasured.backend == "triton"
-  assert "no Mosaic GPU entry" in unmeasured.reason
+  assert unmeasured.backend == "mosaic_gpu"
+  assert unmeasured.config == M.from_label("64x128x64/4,pp,lp,nb")
+  assert "nearest entry that covers it, adamw|bt512|4096x4096|w=bfloat16|" \
+      "slots=int8,int8" in unmeasured.reason
   # Where 64 x 128 tiles do not divide the weight: the first that does.
   assert _choose(n_in=192, n_out=64 * 5, slots=slots, backend="mosaic_gpu",
                  low_precision=True).config.tile_n == 64

@@ -434,12 +434,28 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
   add("forge_mosaic_128x128x64/4,s8,pp,lp", "BT=2048 4096x1024", "fp32",
       50.0, "2026-01-01T00:00:00")
   add("xla_unfused", "BT=512 4096x4096", "int8", 300.0, "2026-01-01T00:00:00")
+  # --auto's arm counts as its tiling, at the Llama shapes and (beyond=True)
+  # at the others.
+  for arm, us in [("xla_unfused", 30.0), ("forge_triton", 30.0),
+                  ("forge_auto_mosaic_64x128x64/5,c2,pp,lp,nb", 24.0)]:
+    add(arm, "BT=64 4096x1024", "bf16", us, "2026-01-03T00:00:00")
+  for arm, us in [("xla_unfused", 2.0), ("forge_triton", 4.0),
+                  ("forge_auto_mosaic_64x64x64/4,pp", 1.6)]:
+    add(arm, "BT=512 64x192", "bf16", us, "2026-01-03T00:00:00")
   add("xla_unfused", "BT=512 40x24", "bf16", 1.0, "2026-01-01T00:00:00")
-  got = backends.latest_ratios(common.read_rows(csv_path))
+  add("forge_auto_triton", "BT=512 40x24", "bf16", 2.0,
+      "2026-01-01T00:00:00")
+  rows = common.read_rows(csv_path)
+  got = backends.latest_ratios(rows)
   assert got == {("bf16", 512, "4096x4096"): (1.1, 1.375,
                                                "64x128x64/4,c2,pp,lp"),
                  ("fp32", 2048, "4096x1024"): (None, 1.2,
-                                               "128x128x64/4,s8,pp,lp")}
+                                               "128x128x64/4,s8,pp,lp"),
+                 ("bf16", 64, "4096x1024"): (1.0, 1.25,
+                                             "64x128x64/5,c2,pp,lp,nb")}
+  assert backends.latest_ratios(rows, beyond=True) == {
+      ("bf16", 512, "64x192"): (0.5, 1.25, "64x64x64/4,pp"),
+      ("bf16", 512, "40x24"): (None, None, None)}
   png = tmp_path / "b.png"
   assert backends.main(["--replot", "--out", csv_path, "--plot",
                         str(png)]) == 0

@@ -1284,6 +1284,44 @@ def test_direct_launch_switch_and_cpu_path():
   assert stats.calls == 3 * 2 and stats.direct == 0
 
 
+def test_direct_launch_tiling_follows_the_backend_choice(monkeypatch):
+  """A direct launch's tiling (on a stand-in H200): the autotune cache's
+  entry for the case, else its nearest entry that covers it -- the tilings
+  fused_wgrad_update(backend=None) takes in JAX -- else the kernel's
+  default one; None (DLPack) where the Mosaic GPU kernel cannot run it."""
+  from forge_torch import _bridge  # noqa: PLC0415
+  from pallas_kernels import mosaic_kernel, tuning_cache  # noqa: PLC0415
+  import pallas_kernels as pk  # noqa: PLC0415
+  monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
+  monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H200")
+  monkeypatch.delenv(tuning_cache.BACKEND_ENV_VAR, raising=False)
+  device = torch.device("meta")
+  bf = torch.bfloat16
+
+  def tiling(bt, n_in, n_out, rule=pk.ADAMW, slots=2):
+    w = torch.empty(n_in, n_out, dtype=bf, device=device)
+    return _bridge._direct_config(bt, n_in, n_out, bf, w, [w] * slots, rule,
+                                  None, device)
+
+  def jax_choice(bt, n_in, n_out):
+    return tuning_cache.lookup_mosaic(
+        bt, n_in, n_out, "bfloat16", ["bfloat16"] * 2, pk.ADAMW,
+        device_kind="NVIDIA H200"), tuning_cache.nearest_covering(
+            bt, n_in, n_out, "bfloat16", ["bfloat16"] * 2, pk.ADAMW,
+            "bfloat16", device_kind="NVIDIA H200")
+
+  exact, _ = jax_choice(512, 4096, 4096)
+  assert tiling(512, 4096, 4096) == exact.config
+  for case in [(64, 4096, 4096), (512, 768, 3072), (8192, 4096, 14336)]:
+    exact, (_, near) = jax_choice(*case)
+    assert exact is None and tiling(*case) == near.config
+  # No Lion entries: the default tiling; 100 rows: no tiling divides them.
+  assert tiling(512, 4096, 4096, pk.lion_rule(), 1) == (
+      mosaic_kernel.default_config(jnp.bfloat16, [jnp.bfloat16] * 2, 512,
+                                   shape=(4096, 4096)))
+  assert tiling(512, 100, 4096) is None
+
+
 def _direct_case(seed, bt=512, n_in=384, n_out=256, state=torch.bfloat16):
   """x, dy (bf16, (BT, in), (BT, out)) and w, m, v (in, out) on CUDA."""
   g = torch.Generator(device="cuda").manual_seed(seed)
