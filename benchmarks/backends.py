@@ -197,7 +197,8 @@ MOSAIC_ARMS = ("forge_mosaic_", "forge_auto_mosaic_")
 
 def latest_ratios(rows, beyond: bool = False):
   """Per AdamW case at a Llama-3.1-8B shape with bf16 or fp32 moments
-  (``beyond``: at any other shape), ``{(moments, bt, shape): (triton,
+  (``beyond``: at any other shape, in runs with ``--auto``'s arm),
+  ``{(moments, bt, shape): (triton,
   mosaic, label)}`` from the latest run (timestamp) that timed it: XLA's
   p50 over the Triton kernel's and over the fastest Mosaic GPU tiling's
   (``label``; ``--auto``'s arm counts as its tiling; not counting
@@ -221,7 +222,8 @@ def latest_ratios(rows, beyond: bool = False):
   out = {}
   for key, by_run in runs.items():
     arms = by_run[max(by_run)]
-    if "xla_unfused" not in arms:
+    if "xla_unfused" not in arms or beyond and not any(
+        a.startswith("forge_auto_") for a in arms):
       continue
     xla = arms["xla_unfused"]
     mosaic = {}
@@ -272,13 +274,12 @@ def plot(csv_path: str, png_path: str) -> bool:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(ticks, fontsize=7)
-    ax.set_xlabel("weight in x out (beyond the autotune cache's shapes), "
-                  "BT, moments" if beyond else
+    ax.set_xlabel("weight in x out, BT, moments" if beyond else
                   "Llama-3.1-8B projection, BT, moments")
     ax.set_ylabel("XLA GEMM + AdamW time / fused step time")
     ax.set_title(
-        "Shapes the autotune cache has no entry for: backend=None takes "
-        "its nearest entry's tiling" if beyond else
+        "Other shapes, as backend=None takes them (--auto): the cache's "
+        "entry for the case, else its nearest entry's tiling" if beyond else
         "One layer's fused AdamW step against XLA (higher is faster; the "
         "latest run per case)", fontsize=9)
     ax.legend(fontsize=8)

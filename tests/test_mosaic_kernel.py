@@ -445,6 +445,10 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
   add("xla_unfused", "BT=512 40x24", "bf16", 1.0, "2026-01-01T00:00:00")
   add("forge_auto_triton", "BT=512 40x24", "bf16", 2.0,
       "2026-01-01T00:00:00")
+  # (Beyond the Llama shapes, only runs with --auto's arm.)
+  add("xla_unfused", "BT=512 64x64", "bf16", 1.0, "2026-01-01T00:00:00")
+  add("forge_mosaic_64x64x64/4,pp", "BT=512 64x64", "bf16", 1.0,
+      "2026-01-01T00:00:00")
   rows = common.read_rows(csv_path)
   got = backends.latest_ratios(rows)
   assert got == {("bf16", 512, "4096x4096"): (1.1, 1.375,
