@@ -7,7 +7,8 @@ XLA's ``dot(x.T, dy)``
 followed by the rule applied elementwise, the Triton kernel
 (``backend="triton"``, its tuned tiling) and the Mosaic GPU kernel
 (``backend="mosaic_gpu"``, each ``--mosaic`` tiling), side by side in one
-process, bf16 ``x``, ``dy``, ``W`` and bf16, fp32 or int8 moments (int8:
+process, bf16 ``x``, ``dy``, ``W`` (``--weights fp32``: an fp32 ``W``, as
+in mixed precision with fp32 parameters) and bf16, fp32 or int8 moments (int8:
 codes with one fp32 scale per 64-element block, ``forge_jax.adamw(...,
 moments="int8")``'s state; XLA's arm is then the GEMM followed by
 ``pallas_kernels.lowp.apply``, the dequantize-update-requantize reference;
@@ -111,13 +112,17 @@ def _rule(name: str):
 INT8 = quant.MomentFormat("int8")
 
 
-def _state(bt, n_in, n_out, moments, rule=RULE):
-  """x, dy, W and the rule's slots: ``moments`` "bf16", "fp32" or "int8"
-  (``quant.quantize``'d, the second-moment slots as such)."""
+WEIGHTS = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+
+
+def _state(bt, n_in, n_out, moments, rule=RULE, weights="bf16"):
+  """x, dy (bf16), W (``weights``: "bf16" or "fp32") and the rule's slots:
+  ``moments`` "bf16", "fp32" or "int8" (``quant.quantize``'d, the
+  second-moment slots as such)."""
   k = jax.random.split(jax.random.key(0), 5)
   x = jax.random.normal(k[0], (bt, n_in), jnp.bfloat16)
   dy = jax.random.normal(k[1], (bt, n_out), jnp.bfloat16)
-  w = jax.random.normal(k[2], (n_in, n_out), jnp.bfloat16)
+  w = jax.random.normal(k[2], (n_in, n_out), WEIGHTS[weights])
   mu = 0.1 * jax.random.normal(k[3], (n_in, n_out))
   nu = 0.1 * jax.random.uniform(k[4], (n_in, n_out))
   slots = []
@@ -216,6 +221,8 @@ def latest_ratios(rows, beyond: bool = False):
     moments = r["dtypes"].rsplit(" ", 1)[-1]
     if moments not in ("bf16", "fp32"):
       continue
+    if "W fp32" in r["dtypes"]:  # (--weights fp32)
+      moments += ", W fp32"
     key = (moments, int(bt[3:]), shape)
     runs.setdefault(key, {}).setdefault(r["timestamp"], {})[
         r["provider"]] = float(r["p50"])
@@ -305,6 +312,8 @@ def main(argv=None):
                  "the 0.886 B decoder's four, or any 'NAME NxM'")
   p.add_argument("--moments", nargs="+", default=["bf16", "fp32"],
                  choices=["bf16", "fp32", "int8"])
+  p.add_argument("--weights", default="bf16", choices=sorted(WEIGHTS),
+                 help="W's dtype (x and dy are bf16)")
   p.add_argument("--rules", nargs="+", default=["adamw"], choices=RULES,
                  help="the update rules timed (default AdamW)")
   p.add_argument("--auto", action="store_true",
@@ -345,10 +354,12 @@ def main(argv=None):
                              for m in args.moments]:
     rule, hparams = _rule(rule_name)
     n_slots = len(rule.slots)
-    dtypes = (f"x,dy,W bf16; m,v {moments}" if n_slots == 2 else
-              f"x,dy,W bf16; {n_slots} slot(s) {moments}")
+    operands = ("x,dy,W bf16" if args.weights == "bf16" else
+                f"x,dy bf16; W {args.weights}")
+    dtypes = (f"{operands}; m,v {moments}" if n_slots == 2 else
+              f"{operands}; {n_slots} slot(s) {moments}")
     state = lambda bt, n_in, n_out, m=moments, r=rule: _state(
-        bt, n_in, n_out, m, r)
+        bt, n_in, n_out, m, r, args.weights)
     for name, (n_in, n_out) in shapes.items():
       for bt in args.tokens:
         shape = f"BT={bt} {n_in}x{n_out}"
@@ -410,7 +421,7 @@ def _run_once(args, mosaic_cfgs, shapes) -> int:
         for bt in args.tokens:
           what = f"BT={bt} {n_in}x{n_out} {rule_name} {moments} {arm}"
           state = jax.block_until_ready(_state(bt, n_in, n_out, moments,
-                                               rule))
+                                               rule, args.weights))
           try:
             f = jax.jit(step).lower(state).compile()
           except ValueError as e:  # a tiling this case does not allow

@@ -415,9 +415,9 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
   csv_path = str(tmp_path / "b.csv")
   res = common.Results(csv_path, "backends")
 
-  def add(provider, shape, moments, us, when):
+  def add(provider, shape, moments, us, when, operands="x,dy,W bf16"):
     res.stamp = when  # the run's timestamp
-    res.add("adamw", provider, shape, f"x,dy,W bf16; m,v {moments}", "time",
+    res.add("adamw", provider, shape, f"{operands}; m,v {moments}", "time",
             (us, us, us), "us")
 
   # 4096^2 at BT 512: an older run, then the latest (its fastest tiling
@@ -434,6 +434,11 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
   add("forge_mosaic_128x128x64/4,s8,pp,lp", "BT=2048 4096x1024", "fp32",
       50.0, "2026-01-01T00:00:00")
   add("xla_unfused", "BT=512 4096x4096", "int8", 300.0, "2026-01-01T00:00:00")
+  # An fp32 W (--weights fp32) is a case of its own.
+  for arm, us in [("xla_unfused", 90.0), ("forge_triton", 100.0),
+                  ("forge_mosaic_128x128x64/4,pp,lp", 75.0)]:
+    add(arm, "BT=512 4096x4096", "fp32", us, "2026-01-03T00:00:00",
+        "x,dy bf16; W fp32")
   # --auto's arm counts as its tiling, at the Llama shapes and (beyond=True)
   # at the others.
   for arm, us in [("xla_unfused", 30.0), ("forge_triton", 30.0),
@@ -456,7 +461,9 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
                  ("fp32", 2048, "4096x1024"): (None, 1.2,
                                                "128x128x64/4,s8,pp,lp"),
                  ("bf16", 64, "4096x1024"): (1.0, 1.25,
-                                             "64x128x64/5,c2,pp,lp,nb")}
+                                             "64x128x64/5,c2,pp,lp,nb"),
+                 ("fp32, W fp32", 512, "4096x4096"): (0.9, 1.2,
+                                                      "128x128x64/4,pp,lp")}
   assert backends.latest_ratios(rows, beyond=True) == {
       ("bf16", 512, "64x192"): (0.5, 1.25, "64x64x64/4,pp"),
       ("bf16", 512, "40x24"): (None, None, None)}
