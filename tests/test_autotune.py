@@ -66,10 +66,11 @@ MOSAIC_LATER_FROM_CSV = [
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "faster"]
     for c in ("b0561ee", "47b2950")] + [
     # The shipped BT 512 and 2048 tilings at BT 1024 (commit 01d5aaf) and
-    # the BT 512 ones at BT 256 (commit 3cc5976), buckets no entry held:
-    # each case's fastest.
+    # the BT 512 ones at BT 256 (commit 3cc5976), buckets no entry held,
+    # then an fp32 weight with fp32 moments at BT 512 and 2048 (commit
+    # cad4866), dtypes no entry held: each case's fastest.
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
-    for c in ("01d5aaf", "3cc5976")]
+    for c in ("01d5aaf", "3cc5976", "cad4866")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -133,10 +134,10 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 17))
+             + [BACKENDS_CSV] * 18))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
   # 1b02eba, 846ff5a, 868c0e8, 0764b56, de106a3, 57fa5c9, 51674fc,
-  # b0561ee, 47b2950, 01d5aaf and 3cc5976)
+  # b0561ee, 47b2950, 01d5aaf, 3cc5976 and cad4866)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -764,8 +765,9 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # SGD and SGD with momentum at 4096^2, BT 512; the decoder's 4 shapes x
   # BT 512/2048 (bf16 moments); the 4 Llama shapes at BT 512 with int8
   # moments; the LM head of the decoder (2048 x 32000) at BT 512 and 2048;
-  # the 4 Llama shapes at BT 256 and 1024 (bf16 moments).
-  assert len(entries) == 48
+  # the 4 Llama shapes at BT 256 and 1024 (bf16 moments); the 4 Llama
+  # shapes at BT 512 and 2048 with an fp32 weight and fp32 moments.
+  assert len(entries) == 56
   rows = _csv_rows(BACKENDS_CSV)
   by_commit = {}
   for key, entry in entries.items():
@@ -774,17 +776,20 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     # (SGD has no slot: its rows' dtypes name bf16.)
     slot = slots.split("=")[1].split(",")[0] or "bfloat16"
     suffix = {"bfloat16": "bf16", "float32": "fp32", "int8": "int8"}[slot]
+    operands = {"w=bfloat16": "x,dy,W bf16;",
+                "w=float32": "x,dy bf16; W fp32;"}[w]
     label = M(**entry["config"]).label
     source = dev["sources"][entry["source"]]
     assert source["csv"] == BACKENDS_CSV
     commit = source["commit"]
     by_commit.setdefault(commit, set()).add(key)
-    assert rule in ("adamw", "sgd", "sgd_momentum") and w == "w=bfloat16"
+    assert rule in ("adamw", "sgd", "sgd_momentum")
     assert entry["timings_us"][label] == entry["time_us"]
     # Its time and the Triton kernel's are the rows of one run of the CSV.
     case = [r for r in rows if r["commit"] == commit and r["case"] == rule
             and r["timestamp"] == entry["run"]
             and r["shape"] == f"BT={bt} {shape}"
+            and r["dtypes"].startswith(operands)
             and r["dtypes"].endswith(suffix)]
     mosaic = {M.from_label(r["provider"][13:]).label: float(r["p50"])
               for r in case if r["provider"].startswith("forge_mosaic_")}
@@ -796,7 +801,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     # shipped one is the fastest tiling a later run measured)
     assert commit in ("c7c1567", "ee3c82c", "868c0e8", "de106a3",
                       "57fa5c9", "51674fc", "b0561ee", "47b2950", "01d5aaf",
-                      "3cc5976")
+                      "3cc5976", "cad4866")
     assert "fastest" in source["pick"]
     assert entry["time_us"] == min(
         t for lab, t in mosaic.items()
@@ -825,6 +830,8 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   assert len(by_commit["de106a3"]) == 6 and len(by_commit["57fa5c9"]) == 8
   assert len(by_commit["51674fc"]) == 1 and len(by_commit["b0561ee"]) == 10
   assert len(by_commit["47b2950"]) == 3
+  assert len(by_commit["cad4866"]) == 8 and all(
+      "|w=float32|" in k for k in by_commit["cad4866"])
   assert not {"ddd1e56", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
               "0764b56"} & set(by_commit)
   for commit in by_commit:

@@ -54,8 +54,8 @@ def _gpu(monkeypatch, capability="9.0", kind="NVIDIA H200"):
 
 
 def _choose(bt=512, n_in=4096, n_out=4096, slots=(BF16, BF16), *,
-            rule=pk.ADAMW, x_dtype=BF16, interpret=False, **kw):
-  return tuning_cache.select_backend(bt, n_in, n_out, BF16, slots, rule,
+            rule=pk.ADAMW, x_dtype=BF16, interpret=False, w=BF16, **kw):
+  return tuning_cache.select_backend(bt, n_in, n_out, w, slots, rule,
                                      x_dtype, interpret=interpret, **kw)
 
 
@@ -193,6 +193,11 @@ def test_no_gpu_at_all_takes_triton():
     # BT 1536 is in the 2048 bucket and a multiple of the 64-row K step.
     (dict(bt=1536, n_out=14336), "mosaic_gpu", LONG_PP, "513.1 us against"),
     (dict(bt=2048, slots=(F32, F32)), "mosaic_gpu", LONG_F32, "171.1 us"),
+    # An fp32 weight (bf16 x and dy: mixed precision) with fp32 moments.
+    (dict(w=F32, slots=(F32, F32)), "mosaic_gpu",
+     M.from_label("64x128x64/4,pp,lp"), "136.2 us against"),
+    (dict(bt=1024, w=F32, slots=(F32, F32)), "mosaic_gpu", LONG_F32,
+     "adamw|bt2048|4096x4096|w=float32|slots=float32,float32"),
     (dict(stacked=True), "mosaic_gpu", SHORT, "82.9 us"),
     (dict(rule=pk.adam_rule()), "mosaic_gpu", SHORT, "82.9 us"),
     # Measured slower than the Triton kernel in the same run.
@@ -223,7 +228,9 @@ def test_no_gpu_at_all_takes_triton():
      "no Mosaic GPU entry"),
     (dict(g_stored=True), "triton", None, "a stored gradient"),
     (dict(bt=0), "triton", None, "no tokens"),
-], ids=["down-2048", "bt-768-k/v", "bt-192-down", "up-1536", "fp32-moments", "stacked", "adam-tuned-as",
+], ids=["down-2048", "bt-768-k/v", "bt-192-down", "up-1536", "fp32-moments",
+        "fp32-weight", "fp32-weight-bt-1024-nearest", "stacked",
+        "adam-tuned-as",
         "measured-slower", "ragged-bt", "fp32-x", "bt-8192-nearest",
         "bt-64-nearest", "gpt2-fc-nearest", "fp32-bt-1024-nearest",
         "in-100", "lion", "stored-g", "no-tokens"])
@@ -577,7 +584,7 @@ def test_shipped_mosaic_entries_select_mosaic_only_where_faster():
     entries = json.load(f)["devices"]["NVIDIA H200"]["mosaic_gpu"]
   mosaic = tuning_cache.load(tuning_cache.SHIPPED_CACHE)["mosaic"]
   faster = {key for (kind, key), e in mosaic.items() if e.faster_than_triton}
-  assert len(entries) == 48 and len(faster) == 47
+  assert len(entries) == 56 and len(faster) == 55
   assert set(entries) - faster == {
       "adamw|bt2048|2048x1024|w=bfloat16|slots=bfloat16,bfloat16"}
 
@@ -600,28 +607,31 @@ def test_gpu_backend_none_takes_mosaic_at_a_shipped_case():
 
 
 def _shipped_mosaic_tilings():
-  """Each distinct (tiling label, state dtype) of the shipped cache's
-  Mosaic GPU entries; an int8-moment entry's tiling as bf16 (its int8
-  epilogue compiled against the reference: tests/test_low_precision.py)."""
+  """Each distinct (tiling label, weight dtype, moments' dtype) of the
+  shipped cache's Mosaic GPU entries; an int8-moment entry's tiling with
+  bf16 moments (its int8 epilogue compiled against the reference:
+  tests/test_low_precision.py)."""
   with open(tuning_cache.SHIPPED_CACHE) as f:
     entries = json.load(f)["devices"]["NVIDIA H200"]["mosaic_gpu"]
   out = set()
   for key, e in entries.items():
+    w = key.split("|")[3].split("=")[1]
     slot = key.split("|")[4].split("=")[1].split(",")[0]
-    out.add((M(**e["config"]).label, F32 if slot == F32 else BF16))
+    out.add((M(**e["config"]).label, w, F32 if slot == F32 else BF16))
   return sorted(out)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("label,state", _shipped_mosaic_tilings())
-def test_gpu_every_shipped_mosaic_tiling_matches_the_reference(label, state):
-  # Compiled, AdamW with a bf16 weight and moments of that dtype (the
-  # entries' cases) at a shape every shipped tiling divides (clusters take
-  # tile rows in pairs): the cache never hands out an untested kernel.
+@pytest.mark.parametrize("label,w_dtype,state", _shipped_mosaic_tilings())
+def test_gpu_every_shipped_mosaic_tiling_matches_the_reference(
+    label, w_dtype, state):
+  # Compiled, AdamW with the entries' weight and moments dtypes at a shape
+  # every shipped tiling divides (clusters take tile rows in pairs): the
+  # cache never hands out an untested kernel.
   cfg = M.from_label(label)
   dt = jnp.dtype(state)
   x, dy, w, slots = make_case(13, (256,), 512, 384,
-                              (jnp.bfloat16, jnp.bfloat16, dt, dt))
+                              (jnp.bfloat16, jnp.dtype(w_dtype), dt, dt))
   check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
                           config=cfg, interpret=False, backend="mosaic_gpu")
 
