@@ -267,10 +267,12 @@ def plot(csv_path: str, png_path: str) -> bool:
     if beyond:
       area = lambda s: math.prod(map(int, s.split("x")))
       keys = sorted(ratios, key=lambda k: (k[0], k[1], area(k[2]), k[2]))
-      ticks = [f"{s}\n{bt}\n{m}" for m, bt, s in keys]
+      ticks = [f"{s}\n{bt}\n{m.replace(', ', chr(10))}"
+               for m, bt, s in keys]
     else:
       keys = sorted(ratios, key=lambda k: (k[0], k[1], names[k[2]][0]))
-      ticks = [f"{names[s][1]}\n{bt}\n{m}" for m, bt, s in keys]
+      ticks = [f"{names[s][1]}\n{bt}\n{m.replace(', ', chr(10))}"
+               for m, bt, s in keys]
     xs = range(len(keys))
     mosaic_name = ("Mosaic GPU kernel, the tiling backend=None takes"
                    if beyond else "Mosaic GPU kernel, fastest tiling")
