@@ -907,3 +907,30 @@ def test_gpu_backends_benchmark_traces_each_arms_kernels(tmp_path, capsys):
     assert 0 < got[(arm, "kernel_time")] <= got[(arm, "time")]
   assert got[("xla_unfused", "kernels")] >= 2
   assert "anonymous_mosaic_gpu_kernel 1x" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_gpu_backends_benchmark_auto_arm_is_the_backend_choice(tmp_path):
+  # --auto: the arm backend=None runs, named by describe_backend's choice:
+  # on the H200 an fp32 weight at a shape and BT the cache has no entry
+  # for takes the nearest fp32-weight entry's tiling.
+  from benchmarks import backends, common
+  from pallas_kernels import tuning_cache
+  if tuning_cache.current_device_kind() != "NVIDIA H200":
+    pytest.skip("the shipped Mosaic GPU entries are the H200's")
+  out = tmp_path / "b.csv"
+  assert backends.main(["--auto", "--mosaic", "--tokens", "128",
+                        "--moments", "fp32", "--weights", "fp32",
+                        "--shapes", "t 256x384", "--out", str(out)]) == 0
+  rows = common.read_rows(str(out))
+  arms = {r["provider"] for r in rows if r["metric"] == "time"}
+  state = backends._state(128, 256, 384, "fp32", weights="fp32")
+  choice = pk.describe_backend(*state[:3], state[3], rule=pk.ADAMW)
+  assert choice.backend == "mosaic_gpu", choice.reason
+  assert "nearest entry" in choice.reason and "w=float32" in choice.reason
+  assert arms == {"xla_unfused", "forge_triton",
+                  f"forge_auto_mosaic_{choice.config.label}"}
+  assert all(r["dtypes"] == "x,dy bf16; W fp32; m,v fp32" for r in rows)
+  errs = [float(r["p50"]) for r in rows
+          if r["metric"] == "max_rel_err_vs_xla"]
+  assert len(errs) == 3 and max(errs) < 1e-5
