@@ -5,8 +5,9 @@
 A Llama-style decoder (token embedding; per block RMSNorm -> GQA attention
 with rotary embeddings through ``jax.nn.dot_product_attention(is_causal=True)``
 -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; untied LM
-head), bf16 parameters and activations, fp32 loss (softmax cross-entropy on
-fp32 logits). The arms run the same model, initialisation, batch and AdamW
+head), bf16 parameters and activations (``--param-dtype float32``: fp32
+parameters and moments, bf16 activations: mixed precision), fp32 loss
+(softmax cross-entropy on fp32 logits). The arms run the same model, initialisation, batch and AdamW
 hyperparameters (m and v both stored in the parameters' dtype):
 
   forge      every projection (q, k, v, o, gate, up, down, LM head) is a
@@ -107,7 +108,8 @@ class Config:
   ffn: int = 5632
   vocab: int = 32000
   seq: int = 512
-  dtype: str = "bfloat16"          # params, activations and m / v
+  dtype: str = "bfloat16"          # activations, and params, m / v unless:
+  param_dtype: str | None = None   # params and m / v (mixed precision)
   attn_impl: str | None = None     # jax.nn.dot_product_attention's (None: XLA)
   rope_theta: float = 10000.0
   # The blocks scanned (one (L, ...) stack per parameter, each block
@@ -128,6 +130,11 @@ class Config:
   def jdtype(self):
     return jnp.dtype(self.dtype)
 
+  @property
+  def pdtype(self):
+    """The parameters' (and the moments') dtype."""
+    return jnp.dtype(self.param_dtype or self.dtype)
+
 
 def layout(cfg: Config) -> str:
   """How the blocks are laid out, as the CSV's shape column says it."""
@@ -145,11 +152,12 @@ def param_count(cfg: Config) -> int:
 class RMSNorm(nn.Module):
   dtype: Any
   eps: float = 1e-6
+  param_dtype: Any = None  # (None: dtype)
 
   @nn.compact
   def __call__(self, x):
     scale = self.param("scale", nn.initializers.ones, (x.shape[-1],),
-                       self.dtype)
+                       self.param_dtype or self.dtype)
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return (y * scale.astype(jnp.float32)).astype(self.dtype)
@@ -170,7 +178,7 @@ def rotary(x, theta: float):
 
 def _proj(dense, cfg: Config, features: int, name: str):
   return dense(features, use_bias=False, dtype=cfg.jdtype,
-               param_dtype=cfg.jdtype, name=name)
+               param_dtype=cfg.pdtype, name=name)
 
 
 class Attention(nn.Module):
@@ -210,9 +218,11 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = x + Attention(self.cfg, self.dense, name="attn")(
-        RMSNorm(self.cfg.jdtype, name="attn_norm")(x))
+        RMSNorm(self.cfg.jdtype, param_dtype=self.cfg.pdtype,
+                name="attn_norm")(x))
     return x + MLP(self.cfg, self.dense, name="mlp")(
-        RMSNorm(self.cfg.jdtype, name="mlp_norm")(x))
+        RMSNorm(self.cfg.jdtype, param_dtype=self.cfg.pdtype,
+                name="mlp_norm")(x))
 
 
 class _ScanBody(nn.Module):
@@ -243,7 +253,7 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     c = self.cfg
-    x = nn.Embed(c.vocab, c.d_model, dtype=c.jdtype, param_dtype=c.jdtype,
+    x = nn.Embed(c.vocab, c.d_model, dtype=c.jdtype, param_dtype=c.pdtype,
                  name="embed")(tokens)
     if c.scan and self.dense is nn.Dense:
       x, _ = nn.scan(nn.remat(_ScanBody), variable_axes={"params": 0},
@@ -255,7 +265,7 @@ class Decoder(nn.Module):
           name="blocks")(x)
     for i in range(0 if c.scan else c.layers):
       x = Block(c, self.dense, name=f"block_{i}")(x)
-    x = RMSNorm(c.jdtype, name="final_norm")(x)
+    x = RMSNorm(c.jdtype, param_dtype=c.pdtype, name="final_norm")(x)
     return _proj(self.dense, c, c.vocab, "lm_head")(x)
 
 
@@ -286,7 +296,7 @@ def make_tx(arm: str, cfg: Config, hparams: dict | None = None):
   h = dict(HPARAMS if hparams is None else hparams)
   lr = h.pop("learning_rate")
   make = forge_jax.adamw if arm in WGRAD else optax.adamw
-  return make(lr, mu_dtype=cfg.jdtype, mask=decay_mask, **h)
+  return make(lr, mu_dtype=cfg.pdtype, mask=decay_mask, **h)
 
 
 def build_arm(arm: str, cfg: Config, hparams: dict | None = None):
@@ -323,7 +333,7 @@ def init_variables(cfg: Config, seed: int = 0, abstract=None):
   k_embed, k_blocks, k_head = jax.random.split(jax.random.key(seed), 3)
   tokens = jnp.zeros((1, c.seq), jnp.int32)
   x = jnp.zeros((1, c.seq, c.d_model), c.jdtype)
-  embed = nn.Embed(c.vocab, c.d_model, dtype=c.jdtype, param_dtype=c.jdtype)
+  embed = nn.Embed(c.vocab, c.d_model, dtype=c.jdtype, param_dtype=c.pdtype)
   block_init = jax.jit(Block(c, nn.Dense).init)
   params = {"embed": jax.jit(embed.init)(k_embed, tokens)["params"]}
   blocks = [block_init(jax.random.fold_in(k_blocks, i), x)["params"]
@@ -335,7 +345,8 @@ def init_variables(cfg: Config, seed: int = 0, abstract=None):
     params.update({f"block_{i}": b for i, b in enumerate(blocks)})
   del blocks
   # RMSNorm's scale starts at ones and draws nothing from its key.
-  params["final_norm"] = jax.jit(RMSNorm(c.jdtype).init)(k_head, x)["params"]
+  params["final_norm"] = jax.jit(RMSNorm(c.jdtype, param_dtype=c.pdtype).init)(
+      k_head, x)["params"]
   params["lm_head"] = jax.jit(_proj(nn.Dense, c, c.vocab, "lm_head").init)(
       k_head, x)["params"]
   variables = {"params": params}
@@ -421,8 +432,9 @@ def run_cell(arm: str, bt: int, cfg: Config, steps: int, warmup: int,
   jax.block_until_ready((variables, opt_state))
   t_init = time.perf_counter()
   n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(variables))
-  dtypes = (f"params={cfg.dtype},{_moment_dtypes(opt_state)},"
-            f"logits/loss=float32")
+  dtypes = (f"params={cfg.pdtype.name},{_moment_dtypes(opt_state)},"
+            + (f"activations={cfg.dtype}," if cfg.param_dtype else "")
+            + "logits/loss=float32")
 
   times, losses, variables, opt_state = common.timed_steps(
       compiled, variables, opt_state, batch, warmup, steps)
@@ -477,7 +489,7 @@ def _failed_row(path: str, arm: str, bt: int, cfg: Config, device: str,
         provider=arm,
         shape=(f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
                f"ffn{cfg.ffn} V{cfg.vocab} B{bt // cfg.seq}x{cfg.seq} {layout(cfg)}"),
-        dtypes=f"params={cfg.dtype}", metric="failed", p20="nan", p50="nan",
+        dtypes=f"params={cfg.pdtype.name}", metric="failed", p20="nan", p50="nan",
         p80="nan", unit=reason, device=device, versions=common.versions(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(
             timespec="seconds")))
@@ -491,6 +503,8 @@ def _cell_argv(args, arm: str, bt: int) -> list[str]:
     argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
   if args.attn_impl:
     argv += ["--attn-impl", args.attn_impl]
+  if args.param_dtype:
+    argv += ["--param-dtype", args.param_dtype]
   if args.scan:
     argv += ["--scan"]
   if args.out:  # cells run in the repository: a path relative to the caller
@@ -754,7 +768,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--ffn", type=common.positive_int, default=d.ffn)
   p.add_argument("--vocab", type=common.positive_int, default=d.vocab)
   p.add_argument("--seq", type=common.positive_int, default=d.seq)
-  p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"))
+  p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float32"),
+                 help="activations, and parameters and moments unless "
+                 "--param-dtype")
+  p.add_argument("--param-dtype", default=None,
+                 choices=("bfloat16", "float32"),
+                 help="parameters and AdamW moments (mixed precision: "
+                 "--dtype bfloat16 --param-dtype float32)")
   p.add_argument("--attn-impl", default=None, choices=("xla", "cudnn"),
                  help="jax.nn.dot_product_attention implementation "
                  "(default: JAX's choice, XLA)")
@@ -820,7 +840,8 @@ def parse_args(argv):
 def config_of(args) -> Config:
   return Config(layers=args.layers, d_model=args.d_model, heads=args.heads,
                 kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
-                seq=args.seq, dtype=args.dtype, attn_impl=args.attn_impl,
+                seq=args.seq, dtype=args.dtype,
+                param_dtype=args.param_dtype, attn_impl=args.attn_impl,
                 scan=args.scan)
 
 
@@ -854,7 +875,8 @@ def main(argv=None) -> int:
   print(f"model: Llama-style decoder, {n:,} parameters ({n / 1e9:.3f} B): "
         f"{cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads / "
         f"{cfg.kv_heads} kv heads (head_dim {cfg.head_dim}), ffn {cfg.ffn}, "
-        f"vocab {cfg.vocab}, seq {cfg.seq}; {cfg.dtype} params, m, v; fp32 "
+        f"vocab {cfg.vocab}, seq {cfg.seq}; {cfg.pdtype.name} params, m, v, "
+        f"{cfg.dtype} activations; fp32 "
         f"loss; {layout(cfg)}. AdamW {HPARAMS}, decay on matrices only.")
   print(f"cells: arms {args.arms} x BT {args.bt}; {args.warmup} warm-up + "
         f"{args.steps} timed steps each; CSV {args.out}", flush=True)

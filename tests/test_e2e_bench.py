@@ -168,6 +168,26 @@ def test_both_arms_store_moments_in_the_param_dtype():
         assert leaf.dtype == jnp.dtype(dtype), (arm, dtype)
 
 
+def test_mixed_precision_keeps_fp32_params_and_moments_and_trains():
+  """--param-dtype float32 --dtype bfloat16: fp32 parameters and moments in
+  every arm, bf16 activations; FORGE's update forms G from the bf16
+  operands in fp32 where optax's gradient is the bf16 GEMM's rounded
+  output, so the arms agree to bf16's tolerance, not fp32's."""
+  cfg = dataclasses.replace(TINY, dtype="bfloat16", param_dtype="float32")
+  params = e2e.abstract_variables(cfg)["params"]
+  assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+  logits = jax.eval_shape(e2e.Decoder(cfg).apply, {"params": params},
+                          jnp.zeros((1, cfg.seq), jnp.int32))
+  assert logits.dtype == jnp.bfloat16
+  init, runs = _trained(cfg)
+  (fl, fv, fs), (ol, ov, os_) = runs["forge"], runs["optax"]
+  assert fl[0] == ol[0] and fl[-1] < fl[0] and ol[-1] < ol[0]
+  for leaf in jax.tree.leaves((fv, fs[0].mu, fs[0].nu)):
+    assert leaf.dtype == jnp.float32
+  assert_trees_close(fv["params"], ov["params"], rtol=tol(jnp.bfloat16),
+                     what="params")
+
+
 def _rows(path):
   with open(path, newline="") as f:
     return list(csv.DictReader(f))
