@@ -742,6 +742,10 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> None:
   any_row = next(iter(last.values()), None)
   device = any_row["device"] if any_row else "?"
   shape = any_row["shape"].rsplit(" B", 1)[0] if any_row else ""
+  dtypes = dict(kv.split("=", 1) for kv in (
+      any_row["dtypes"].split(",") if any_row else []) if "=" in kv)
+  if "activations" in dtypes:  # (--param-dtype)
+    shape += f"; {dtypes['params']} params, {dtypes['activations']} activations"
   fig.suptitle(f"Llama-style decoder training step ({shape}): FORGE vs "
                f"optax.adamw on {device}", fontsize=9)
   common.save_figure(fig, png_path)
