@@ -170,9 +170,9 @@ def _arms(mosaic_cfgs, rule=RULE, hparams=HPARAMS, auto=None):
 
 
 def auto_arm(state, rule=RULE) -> str:
-  """``--auto``'s arm for a case: ``fused_wgrad_update`` with
-  ``backend=None``, named by what it takes there (``forge_auto_triton``,
-  ``forge_auto_mosaic_<label>``)."""
+  """``--auto``'s arm for a case (``state``: its arrays, or their shapes
+  and dtypes): ``fused_wgrad_update`` with ``backend=None``, named by what
+  it takes there (``forge_auto_triton``, ``forge_auto_mosaic_<label>``)."""
   x, dy, w, slots = state
   choice = pk.describe_backend(x, dy, w, slots, rule=rule)
   if choice.backend == "triton":
@@ -203,12 +203,13 @@ MOSAIC_ARMS = ("forge_mosaic_", "forge_auto_mosaic_")
 def latest_ratios(rows, beyond: bool = False):
   """Per AdamW case at a Llama-3.1-8B shape with bf16 or fp32 moments
   (``beyond``: at any other shape, in runs with ``--auto``'s arm),
-  ``{(moments, bt, shape): (triton,
-  mosaic, label)}`` from the latest run (timestamp) that timed it: XLA's
-  p50 over the Triton kernel's and over the fastest Mosaic GPU tiling's
-  (``label``; ``--auto``'s arm counts as its tiling; not counting
-  ``approx_math`` ones) in that run (``None`` where the run lacks the arm).
-  (int8 moments' XLA arm is the quantized reference, not XLA's AdamW: left
+  ``{(moments, bt, shape): (triton, mosaic, label)}`` from the latest run
+  (timestamp) that timed it: XLA's p50 over the Triton kernel's and over
+  the fastest Mosaic GPU tiling's (``label``; ``--auto``'s arm counts as
+  its tiling; not counting ``approx_math`` ones) in that run (``None``
+  where the run lacks the arm). ``moments`` is ``"bf16"`` or ``"fp32"``,
+  with ``", W fp32"`` for an fp32 weight (``--weights fp32``). (int8
+  moments' XLA arm is the quantized reference, not XLA's AdamW: left
   out.)"""
   shapes = {f"{n_in}x{n_out}" for n_in, n_out in
             common.LLAMA8B_SHAPES.values()}
@@ -365,8 +366,8 @@ def main(argv=None):
     for name, (n_in, n_out) in shapes.items():
       for bt in args.tokens:
         shape = f"BT={bt} {n_in}x{n_out}"
-        arms = _arms(mosaic_cfgs, rule, hparams, auto_arm(
-            state(bt, n_in, n_out), rule) if args.auto else None)
+        arms = _arms(mosaic_cfgs, rule, hparams, auto_arm(jax.eval_shape(
+            lambda: state(bt, n_in, n_out)), rule) if args.auto else None)
         ref = jax.jit(arms["xla_unfused"])(state(bt, n_in, n_out))
         times = {}
         for arm, step in arms.items():

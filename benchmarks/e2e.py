@@ -7,8 +7,9 @@ with rotary embeddings through ``jax.nn.dot_product_attention(is_causal=True)``
 -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; untied LM
 head), bf16 parameters and activations (``--param-dtype float32``: fp32
 parameters and moments, bf16 activations: mixed precision), fp32 loss
-(softmax cross-entropy on fp32 logits). The arms run the same model, initialisation, batch and AdamW
-hyperparameters (m and v both stored in the parameters' dtype):
+(softmax cross-entropy on fp32 logits). The arms run the same model,
+initialisation, batch and AdamW hyperparameters (m and v both stored in
+the parameters' dtype):
 
   forge      every projection (q, k, v, o, gate, up, down, LM head) is a
              ``forge_jax.Dense(use_bias=False)``; ``forge_jax.make_step``

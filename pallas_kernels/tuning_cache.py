@@ -11,7 +11,8 @@ each with its measured time and the Triton kernel's time in the same run.
 ``$FORGE_AUTOTUNE_CACHE`` names another file of the same form (e.g. a
 re-tuned one) that is consulted first. :func:`lookup` returns the cached
 Triton tiling or ``None``, :func:`lookup_mosaic` the cached Mosaic GPU
-entry or ``None``; :func:`select_config` is the Triton tiling
+entry or ``None``, :func:`nearest_mosaic` the entries of other cases
+nearest to one the cache has no entry for; :func:`select_config` is the Triton tiling
 ``fused_wgrad_update`` takes without a ``config``, :func:`select_backend`
 the backend (and its tiling) it takes without a ``backend``. The tuner that
 writes the cache is :mod:`pallas_kernels.autotune`.
@@ -54,7 +55,8 @@ __all__ = ["ANY_RULE", "BACKENDS", "BACKEND_ENV_VAR", "BackendChoice",
            "clear_cache", "compute_capability", "config_label",
            "current_device_kind", "describe", "dtype_name", "env_backend",
            "load", "lookup", "lookup_mosaic", "nearest_covering",
-           "nearest_mosaic", "parse_label", "read_json", "select_backend", "select_config", "validated"]
+           "nearest_mosaic", "parse_label", "read_json", "select_backend",
+           "select_config", "validated"]
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32",
                   "f16": "float16", "fp16": "float16"}
@@ -321,8 +323,8 @@ def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
   cache has no entry for."""
   if device_kind is None:
     device_kind = current_device_kind()
-    if device_kind is None:
-      return []
+  if device_kind is None or n_in < 1 or n_out < 1:  # (no weight: no size)
+    return []
   rules = {_rule_name(rule), ANY_RULE}
   tuned_as = getattr(rule, "tuned_as", None)
   if tuned_as is not None:

@@ -341,6 +341,7 @@ def test_nearest_entries_by_bt_then_size_then_aspect(tmp_path, monkeypatch):
   assert near(512, 4096, 4096, (), pk.sgd_rule()) == [
       key(512, 4096, 4096, "", "sgd")]
   assert near(512, 4096, 4096, (BF16,), pk.lion_rule()) == []
+  assert near(512, 0, 4096) == []  # (a weight with no elements)
   assert tuning_cache.nearest_mosaic(512, 4096, 4096, BF16, (BF16, BF16),
                                      pk.ADAMW, device_kind="NVIDIA H100"
                                      ) == []
