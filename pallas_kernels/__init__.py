@@ -15,7 +15,8 @@ thin framework layers over these kernels. The public names:
   tiling it picks (the autotune cache, else a heuristic);
   :func:`select_backend` -- the backend (and tiling) it takes without one
   (Mosaic GPU where the autotune cache measured it faster on this Hopper GPU,
-  else Triton; ``$FORGE_BACKEND`` overrides), :func:`describe_backend` --
+  or, for a case it has no entry for, its nearest entry did; else Triton;
+  ``$FORGE_BACKEND`` overrides), :func:`describe_backend` --
   which it takes for given arguments, and why; :func:`default_interpret` --
   whether it runs in Pallas interpret mode (no GPU; the first kernel run so
   gives an :class:`InterpretModeWarning`).

@@ -12,8 +12,9 @@ each with its measured time and the Triton kernel's time in the same run.
 re-tuned one) that is consulted first. :func:`lookup` returns the cached
 Triton tiling or ``None``, :func:`lookup_mosaic` the cached Mosaic GPU
 entry or ``None``, :func:`nearest_mosaic` the entries of other cases
-nearest to one the cache has no entry for; :func:`select_config` is the Triton tiling
-``fused_wgrad_update`` takes without a ``config``, :func:`select_backend`
+nearest to one the cache has no entry for; :func:`select_config` is the
+Triton tiling ``fused_wgrad_update`` takes without a ``config``,
+:func:`select_backend`
 the backend (and its tiling) it takes without a ``backend``. The tuner that
 writes the cache is :mod:`pallas_kernels.autotune`.
 """
@@ -439,8 +440,8 @@ def env_backend() -> str | None:
     raise ValueError(
         f"${BACKEND_ENV_VAR}={value!r} is not a kernel backend: set it to "
         f"'triton' or 'mosaic_gpu', or unset it to let each call choose "
-        "(the Mosaic GPU kernel where the autotune cache measured it faster "
-        "on this GPU, else Triton)")
+        "(the Mosaic GPU kernel where the autotune cache measured it, or "
+        "the nearest case it holds, faster on this GPU, else Triton)")
   return value
 
 
