@@ -39,7 +39,9 @@
 #    sub-tiles, on 128x128 tiles and the smaller ones int8 defaults to),
 #    BT 512 with fp32 moments, and the 0.886 B decoder's shapes at BT 512
 #    and 2048 (its four projections, its LM head, and the transposed cases
-#    forge_torch runs for k/v and the head) -> OUT/backends.csv (the source
+#    forge_torch runs for k/v and the head), an fp32 weight with fp32
+#    moments at BT 512 and 2048, and backend=None's choice (--auto) at six
+#    shapes the cache holds no entry for -> OUT/backends.csv (the source
 #    of the autotune cache's Mosaic GPU entries: pallas_kernels.autotune
 #    --from-csv ... --commit ...)
 # 5. torch: benchmarks.torch_call (one forge_torch update per call, BT 512,
@@ -133,6 +135,15 @@ if has backends; then
   "${B[@]}" --tokens 512 2048 --moments bf16 --shapes "head 2048x32000" \
     "torch k/v 1024x2048" "torch head 32000x2048" \
     --mosaic 128x128x64/4,e64x32,pp 128x128x64/4,pp 128x128x64/4,pp,lp || rc=1
+  # An fp32 weight with fp32 moments (mixed precision), and what
+  # backend=None takes at shapes the cache holds no entry for (--auto: the
+  # nearest entry's tiling).
+  "${B[@]}" --tokens 512 2048 --weights fp32 --moments fp32 --auto \
+    --mosaic 128x128x64/4,pp,lp 64x128x64/5,c2,pp,lp,nb \
+    128x128x64/4,s8,pp,lp,nb || rc=1
+  "${B[@]}" --tokens 512 2048 --moments bf16 --auto --mosaic --shapes \
+    "gpt2-fc 768x3072" "gpt2-proj 3072x768" "gpt2-attn 768x768" \
+    "1b-up 2048x8192" "1b-down 8192x2048" "13b-up 5120x13824" || rc=1
   echo "suite: backends part done at ${SECONDS}s"
 fi
 if has torch; then

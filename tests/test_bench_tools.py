@@ -144,20 +144,22 @@ def test_suite_runs_the_parts_asked_for_and_goes_on_after_a_failure(
 
 
 def test_suite_backends_and_torch_parts(tmp_path):
-  """`suite.sh OUT torch backends` runs the backends part (five
-  benchmarks.backends calls, the decoder's shapes last), then the torch
-  part (torch_call with its plot, torch_e2e with --check at BT 512 and
-  2048)."""
+  """`suite.sh OUT torch backends` runs the backends part (seven
+  benchmarks.backends calls: the decoder's shapes, then an fp32 weight,
+  then backend=None's choice beyond the cache), then the torch part
+  (torch_call with its plot, torch_e2e with --check at BT 512 and 2048)."""
   p, lines = _run_suite(tmp_path, ["torch", "backends"])
   assert p.returncode == 0, p.stdout + p.stderr
   lines = [l for l in lines if l.startswith("-m ")]
   assert [l.split()[1] for l in lines] == (
-      ["benchmarks.backends"] * 5 + ["benchmarks.torch_call",
+      ["benchmarks.backends"] * 7 + ["benchmarks.torch_call",
                                      "benchmarks.torch_e2e"])
   assert "--moments bf16 int8" in lines[0] and "e64x64" in lines[0]
   assert "--shapes decoder" in lines[3] and "32000x2048" in lines[4]
-  assert "--plot" in lines[5]
-  assert "--check" in lines[6] and "--bt 512 2048" in lines[6]
+  assert "--weights fp32 --moments fp32 --auto" in lines[5]
+  assert "--auto --mosaic --shapes" in lines[6] and "768x3072" in lines[6]
+  assert "--plot" in lines[7]
+  assert "--check" in lines[8] and "--bt 512 2048" in lines[8]
 
 
 def test_suite_script_refuses_an_unknown_part_before_anything_runs(tmp_path):
