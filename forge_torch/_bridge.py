@@ -537,10 +537,11 @@ def _direct_config(bt, n_in, n_out, x_dtype, w, slots, rule, config, device):
   """The Mosaic GPU tiling a direct launch takes for this case, or ``None``.
 
   Without a tiling from the caller, Mosaic GPU where it covers the case on
-  a GPU of compute capability 9.0 or newer: its cached tiling for the case,
-  else the nearest cached entry's that covers it
-  (:func:`pallas_kernels.tuning_cache.nearest_covering`), else its default
-  one. Unlike in JAX (where the backend follows the
+  a GPU of compute capability 9.0 or newer, with the tiling
+  ``backend="mosaic_gpu"`` takes in JAX
+  (:func:`pallas_kernels.tuning_cache.mosaic_tiling`: the cached tiling for
+  the case, else the nearest cached entry's that covers it, else the
+  default one). Unlike in JAX (where the backend follows the
   autotune cache's kernel times), a torch call prefers it whenever it
   applies, because launching it directly saves more host time per call than
   the two kernels' times differ by. A Triton tiling (``config``) or
@@ -556,19 +557,10 @@ def _direct_config(bt, n_in, n_out, x_dtype, w, slots, rule, config, device):
       and torch.cuda.get_device_capability(device) >= (9, 0)
       and xd is not None and None not in [s.dtype for s in state]):
     cfg = config
-    if cfg is None:
-      w_dtype, slot_dtypes = state[0].dtype, [s.dtype for s in state[1:]]
-      kind = torch.cuda.get_device_name(device)
-      entry = tuning_cache.lookup_mosaic(bt, n_in, n_out, w_dtype,
-                                         slot_dtypes, rule, device_kind=kind)
-      if entry is None:
-        near = tuning_cache.nearest_covering(bt, n_in, n_out, w_dtype,
-                                             slot_dtypes, rule, xd,
-                                             device_kind=kind)
-        entry = near[1] if near is not None else None
-      cfg = entry.config if entry is not None else mosaic_kernel.default_config(
-          xd, mosaic_kernel.smem_dtypes(rule, w_dtype, slot_dtypes), bt,
-          shape=(n_in, n_out))
+    if cfg is None:  # as JAX's backend="mosaic_gpu" takes it
+      cfg, _ = tuning_cache.mosaic_tiling(
+          bt, n_in, n_out, state[0].dtype, [s.dtype for s in state[1:]],
+          rule, xd, device_kind=torch.cuda.get_device_name(device))
     if mosaic_kernel.unsupported(bt, n_in, n_out, xd, state[0], state[1:],
                                  rule, cfg, stacked=False, g_stored=False):
       cfg = None

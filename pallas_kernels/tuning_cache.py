@@ -55,9 +55,9 @@ __all__ = ["ANY_RULE", "BACKENDS", "BACKEND_ENV_VAR", "BackendChoice",
            "SHIPPED_CACHE", "TRITON", "bt_bucket", "cache_key", "cache_paths",
            "clear_cache", "compute_capability", "config_label",
            "current_device_kind", "describe", "dtype_name", "env_backend",
-           "load", "lookup", "lookup_mosaic", "nearest_covering",
-           "nearest_mosaic", "parse_label", "read_json", "select_backend",
-           "select_config", "validated"]
+           "load", "lookup", "lookup_mosaic", "mosaic_tiling",
+           "nearest_covering", "nearest_mosaic", "parse_label", "read_json",
+           "select_backend", "select_config", "validated"]
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32",
                   "f16": "float16", "fp16": "float16"}
@@ -123,9 +123,14 @@ def cache_key(rule, bt: int, n_in: int, n_out: int, w_dtype,
   kernels they distinguish share the family's tiling (whether a rounding
   kernel would tune differently has not been measured).
   """
-  slots = ",".join(dtype_name(d) for d in slot_dtypes)
   return (f"{_rule_name(rule)}|bt{bt_bucket(bt)}|{int(n_in)}x{int(n_out)}|"
-          f"w={dtype_name(w_dtype)}|slots={slots}")
+          + _dtypes_key(w_dtype, slot_dtypes))
+
+
+def _dtypes_key(w_dtype, slot_dtypes: Sequence) -> str:
+  """The dtypes' part of a :func:`cache_key`: ``"w=...|slots=..."``."""
+  slots = ",".join(dtype_name(d) for d in slot_dtypes)
+  return f"w={dtype_name(w_dtype)}|slots={slots}"
 
 
 _parsed: dict[str, dict] = {}
@@ -330,7 +335,7 @@ def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
   tuned_as = getattr(rule, "tuned_as", None)
   if tuned_as is not None:
     rules.add(_rule_name(tuned_as))
-  dtypes = cache_key(None, bt, 1, 1, w_dtype, slot_dtypes).split("|", 3)[3]
+  dtypes = _dtypes_key(w_dtype, slot_dtypes)
   log = math.log2
   found = {}
   for rank, path in enumerate(cache_paths() if paths is None else paths):
@@ -596,28 +601,13 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
     if config is not None:
       return BackendChoice(MOSAIC_GPU, config, how)
     # (Low-precision state: an entry measured with it, else the int8
-    # default.)
-    entry = None if interpret or g_stored or (
-        low_precision and mosaic_slot_dtypes is None) else lookup_mosaic(
-            bt, n_in, n_out, w_dtype, held_slots, rule)
-    if entry is not None and _mosaic_refusal(
-        entry.config, bt, n_in, n_out, w_dtype, held_slots, rule, x_dtype,
-        stacked, g_stored) is None and not (
-            low_precision and mosaic_kernel.int8_tiling_problem(entry.config)):
-      return BackendChoice(MOSAIC_GPU, entry.config,
-                           f"{how}; the autotune cache's tiling")
-    near = None if interpret or g_stored or (
-        low_precision and mosaic_slot_dtypes is None) else nearest_covering(
-            bt, n_in, n_out, w_dtype, held_slots, rule, x_dtype,
-            stacked=stacked, low_precision=low_precision)
-    if near is not None:
-      return BackendChoice(MOSAIC_GPU, near[1].config,
-                           f"{how}; the tiling of the autotune cache's "
-                           f"nearest entry, {near[0]}")
-    return BackendChoice(
-        MOSAIC_GPU, _mosaic_default(bt, n_in, n_out, w_dtype, held_slots,
-                                    rule, x_dtype, g_stored, low_precision),
-        f"{how}; the default tiling for the case")
+    # default; in interpret mode, the default.)
+    cfg, source = mosaic_tiling(
+        bt, n_in, n_out, w_dtype, held_slots, rule, x_dtype,
+        stacked=stacked, g_stored=g_stored, low_precision=low_precision,
+        cached=not (interpret or (low_precision
+                                  and mosaic_slot_dtypes is None)))
+    return BackendChoice(MOSAIC_GPU, cfg, f"{how}; {source}")
   # No backend asked for: the faster for the case, as far as it is known.
   triton = lambda why: BackendChoice(TRITON, triton_default(), why)
   if low_precision and mosaic_slot_dtypes is None:
@@ -686,6 +676,37 @@ def _mosaic_refusal(cfg, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
   return mosaic_kernel.unsupported(bt, n_in, n_out, dtype_name(x_dtype), w,
                                    slots, rule, cfg, stacked=stacked,
                                    g_stored=g_stored)
+
+
+def mosaic_tiling(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype, *,
+                  stacked: bool = False, g_stored: bool = False,
+                  low_precision: bool = False, cached: bool = True,
+                  device_kind: str | None = None
+                  ) -> tuple[MosaicConfig, str]:
+  """The Mosaic GPU tiling a case takes when the kernel is asked for by
+  name without a tiling (``backend="mosaic_gpu"``; ``forge_torch``'s direct
+  launch), and where it comes from, in words: the autotune cache's entry
+  for the case where its tiling covers it, else the nearest entry's
+  (:func:`nearest_covering`), else the kernel's default tiling for the
+  case (``cached=False`` or a stored gradient: the default)."""
+  if cached and not g_stored:
+    entry = lookup_mosaic(bt, n_in, n_out, w_dtype, slot_dtypes, rule,
+                          device_kind=device_kind)
+    if entry is not None and _mosaic_refusal(
+        entry.config, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
+        stacked, False) is None and not (
+            low_precision and mosaic_kernel.int8_tiling_problem(entry.config)):
+      return entry.config, "the autotune cache's tiling"
+    near = nearest_covering(bt, n_in, n_out, w_dtype, slot_dtypes, rule,
+                            x_dtype, stacked=stacked,
+                            low_precision=low_precision,
+                            device_kind=device_kind)
+    if near is not None:
+      return (near[1].config,
+              f"the tiling of the autotune cache's nearest entry, {near[0]}")
+  return (_mosaic_default(bt, n_in, n_out, w_dtype, slot_dtypes, rule,
+                          x_dtype, g_stored, low_precision),
+          "the default tiling for the case")
 
 
 def nearest_covering(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype, *,
