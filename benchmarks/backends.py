@@ -8,7 +8,9 @@ followed by the rule applied elementwise, the Triton kernel
 (``backend="triton"``, its tuned tiling) and the Mosaic GPU kernel
 (``backend="mosaic_gpu"``, each ``--mosaic`` tiling), side by side in one
 process, bf16 ``x``, ``dy``, ``W`` (``--weights fp32``: an fp32 ``W``, as
-in mixed precision with fp32 parameters) and bf16, fp32 or int8 moments (int8:
+in mixed precision with fp32 parameters) and bf16, fp32 or int8 moments, or
+``mu-bf16`` (``m`` bf16 and ``v`` in ``W``'s dtype: ``optax.adamw(...,
+mu_dtype=jnp.bfloat16)``'s state over fp32 parameters) (int8:
 codes with one fp32 scale per 64-element block, ``forge_jax.adamw(...,
 moments="int8")``'s state; XLA's arm is then the GEMM followed by
 ``pallas_kernels.lowp.apply``, the dequantize-update-requantize reference;
@@ -117,8 +119,9 @@ WEIGHTS = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 
 def _state(bt, n_in, n_out, moments, rule=RULE, weights="bf16"):
   """x, dy (bf16), W (``weights``: "bf16" or "fp32") and the rule's slots:
-  ``moments`` "bf16", "fp32" or "int8" (``quant.quantize``'d, the
-  second-moment slots as such)."""
+  ``moments`` "bf16", "fp32", "int8" (``quant.quantize``'d, the
+  second-moment slots as such) or "mu-bf16" (the slot ``mu`` bf16, the
+  others in W's dtype, as optax's ``mu_dtype``)."""
   k = jax.random.split(jax.random.key(0), 5)
   x = jax.random.normal(k[0], (bt, n_in), jnp.bfloat16)
   dy = jax.random.normal(k[1], (bt, n_out), jnp.bfloat16)
@@ -130,10 +133,44 @@ def _state(bt, n_in, n_out, moments, rule=RULE, weights="bf16"):
     if moments == "int8":
       slots.append(quant.quantize(
           v, INT8, second_moment=name in rule.second_moments))
+    elif moments == "mu-bf16":
+      slots.append(v.astype(jnp.bfloat16 if name == "mu"
+                            else WEIGHTS[weights]))
     else:
       slots.append(v.astype(jnp.bfloat16 if moments == "bf16"
                             else jnp.float32))
   return x, dy, w, tuple(slots)
+
+
+def _moments_label(dtypes: str) -> str | None:
+  """The moments of a ``backends`` row's ``dtypes`` as :func:`latest_ratios`
+  keys them: ``"bf16"``, ``"fp32"``, ``"m bf16 v fp32"`` (``mu-bf16`` over
+  an fp32 W), each with ``", W fp32"`` for an fp32 weight; ``None`` for
+  others (int8 moments, other rules' slot counts)."""
+  parts = [p.strip() for p in dtypes.split(";")]
+  slots = [p for p in parts if p.split()[0] in ("m,v", "m", "v")]
+  if [p.split()[0] for p in slots] == ["m,v"]:
+    moments = slots[0].split()[1]
+  elif [p.split()[0] for p in slots] == ["m", "v"]:
+    moments = " ".join(slots)
+  else:
+    return None
+  if moments not in ("bf16", "fp32", "m bf16 v fp32"):
+    return None
+  return moments + (", W fp32" if "W fp32" in dtypes else "")
+
+
+def _dtypes_field(moments: str, weights: str, n_slots: int) -> str:
+  """A row's ``dtypes``: ``"x,dy,W bf16; m,v fp32"``, ``"x,dy bf16; W fp32;
+  m bf16; v fp32"`` (``mu-bf16``), ``"...; 1 slot(s) fp32"`` (a rule's
+  slots by number)."""
+  operands = ("x,dy,W bf16" if weights == "bf16" else
+              f"x,dy bf16; W {weights}")
+  if moments == "mu-bf16":
+    return f"{operands}; m bf16; v {weights}"
+  if n_slots == 2:
+    return f"{operands}; m,v {moments}"
+  return f"{operands}; {n_slots} slot(s) {moments}"
 
 
 def _floats(slots):
@@ -207,8 +244,9 @@ def latest_ratios(rows, beyond: bool = False):
   (timestamp) that timed it: XLA's p50 over the Triton kernel's and over
   the fastest Mosaic GPU tiling's (``label``; ``--auto``'s arm counts as
   its tiling; not counting ``approx_math`` ones) in that run (``None``
-  where the run lacks the arm). ``moments`` is ``"bf16"`` or ``"fp32"``,
-  with ``", W fp32"`` for an fp32 weight (``--weights fp32``). (int8
+  where the run lacks the arm). ``moments`` is ``"bf16"``, ``"fp32"`` or
+  ``"m bf16 v fp32"`` (``--moments mu-bf16``), with ``", W fp32"`` for an
+  fp32 weight (``--weights fp32``). (int8
   moments' XLA arm is the quantized reference, not XLA's AdamW: left
   out.)"""
   shapes = {f"{n_in}x{n_out}" for n_in, n_out in
@@ -219,11 +257,9 @@ def latest_ratios(rows, beyond: bool = False):
     if (r["benchmark"] != "backends" or r["case"] != "adamw"
         or r["metric"] != "time" or (shape in shapes) == beyond):
       continue
-    moments = r["dtypes"].rsplit(" ", 1)[-1]
-    if moments not in ("bf16", "fp32"):
+    moments = _moments_label(r["dtypes"])
+    if moments is None:
       continue
-    if "W fp32" in r["dtypes"]:  # (--weights fp32)
-      moments += ", W fp32"
     key = (moments, int(bt[3:]), shape)
     runs.setdefault(key, {}).setdefault(r["timestamp"], {})[
         r["provider"]] = float(r["p50"])
@@ -314,7 +350,9 @@ def main(argv=None):
                  help="Llama-3.1-8B shape names (the default), 'decoder' for "
                  "the 0.886 B decoder's four, or any 'NAME NxM'")
   p.add_argument("--moments", nargs="+", default=["bf16", "fp32"],
-                 choices=["bf16", "fp32", "int8"])
+                 choices=["bf16", "fp32", "int8", "mu-bf16"],
+                 help="the slots' dtypes; mu-bf16: AdamW's m in bf16 and v "
+                 "in W's dtype (optax's mu_dtype=bfloat16)")
   p.add_argument("--weights", default="bf16", choices=sorted(WEIGHTS),
                  help="W's dtype (x and dy are bf16)")
   p.add_argument("--rules", nargs="+", default=["adamw"], choices=RULES,
@@ -346,6 +384,14 @@ def main(argv=None):
     shapes = {n: common.parse_shape(n) for n in names}
   except ValueError as e:
     p.error(str(e))
+  if "mu-bf16" in args.moments:
+    if args.weights == "bf16":
+      p.error("--moments mu-bf16 with a bf16 W is --moments bf16; give "
+              "--weights fp32")
+    no_mu = [r for r in args.rules if "mu" not in _rule(r)[0].slots]
+    if no_mu:
+      p.error(f"--moments mu-bf16: rule(s) {', '.join(no_mu)} have no "
+              "slot mu; it is AdamW's")
   if jax.default_backend() != "gpu":
     print("benchmarks.backends needs a GPU; nothing measured.")
     return 0
@@ -356,11 +402,7 @@ def main(argv=None):
   for rule_name, moments in [(r, m) for r in args.rules
                              for m in args.moments]:
     rule, hparams = _rule(rule_name)
-    n_slots = len(rule.slots)
-    operands = ("x,dy,W bf16" if args.weights == "bf16" else
-                f"x,dy bf16; W {args.weights}")
-    dtypes = (f"{operands}; m,v {moments}" if n_slots == 2 else
-              f"{operands}; {n_slots} slot(s) {moments}")
+    dtypes = _dtypes_field(moments, args.weights, len(rule.slots))
     state = lambda bt, n_in, n_out, m=moments, r=rule: _state(
         bt, n_in, n_out, m, r, args.weights)
     for name, (n_in, n_out) in shapes.items():

@@ -2,6 +2,8 @@
 against the reference: in Pallas GPU interpret mode on the CPU, compiled on
 a Hopper GPU (``gpu``-marked)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -395,6 +397,35 @@ def test_backends_benchmark_arguments(capsys):
     assert "needs a GPU" in capsys.readouterr().out
 
 
+def test_backends_benchmark_mu_bf16_moments(capsys):
+  """``--moments mu-bf16``: optax's ``mu_dtype=bfloat16`` over an fp32 W
+  (m bf16, v fp32), written so that the autotune cache keys it by those
+  slot dtypes; refused where it means nothing else."""
+  from benchmarks import backends
+  x, dy, w, (m, v) = jax.eval_shape(
+      lambda: backends._state(64, 128, 192, "mu-bf16", weights="fp32"))
+  assert (x.dtype, dy.dtype, w.dtype, m.dtype, v.dtype) == (
+      BF16, BF16, F32, BF16, F32)
+  field = backends._dtypes_field("mu-bf16", "fp32", 2)
+  assert field == "x,dy bf16; W fp32; m bf16; v fp32"
+  assert autotune._backends_dtypes(field) == (  # noqa: SLF001
+      "bfloat16", "float32", ("bfloat16", "float32"))
+  assert backends._moments_label(field) == "m bf16 v fp32, W fp32"
+  assert backends._moments_label(
+      backends._dtypes_field("fp32", "bf16", 2)) == "fp32"
+  assert backends._moments_label(
+      backends._dtypes_field("int8", "bf16", 2)) is None
+  assert backends._moments_label(
+      backends._dtypes_field("bf16", "bf16", 1)) is None
+  for argv, match in [
+      (["--moments", "mu-bf16"], "with a bf16 W is --moments bf16"),
+      (["--moments", "mu-bf16", "--weights", "fp32", "--rules", "adamw",
+        "sgd"], "rule\\(s\\) sgd have no slot mu")]:
+    with pytest.raises(SystemExit):
+      backends.main(argv)
+    assert re.search(match, capsys.readouterr().err)
+
+
 @pytest.mark.gpu
 def test_gpu_backends_benchmark_once_runs_each_arm_once(tmp_path, capsys):
   from benchmarks import backends
@@ -417,7 +448,8 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
 
   def add(provider, shape, moments, us, when, operands="x,dy,W bf16"):
     res.stamp = when  # the run's timestamp
-    res.add("adamw", provider, shape, f"{operands}; m,v {moments}", "time",
+    slots = (moments if moments.startswith("m ") else f"m,v {moments}")
+    res.add("adamw", provider, shape, f"{operands}; {slots}", "time",
             (us, us, us), "us")
 
   # 4096^2 at BT 512: an older run, then the latest (its fastest tiling
@@ -439,6 +471,11 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
                   ("forge_mosaic_128x128x64/4,pp,lp", 75.0)]:
     add(arm, "BT=512 4096x4096", "fp32", us, "2026-01-03T00:00:00",
         "x,dy bf16; W fp32")
+  # So is --moments mu-bf16 (m bf16, v fp32) over it.
+  for arm, us in [("xla_unfused", 80.0), ("forge_triton", 100.0),
+                  ("forge_mosaic_64x128x64/4,pp,lp", 64.0)]:
+    add(arm, "BT=512 4096x4096", "m bf16; v fp32", us,
+        "2026-01-03T00:00:00", "x,dy bf16; W fp32")
   # --auto's arm counts as its tiling, at the Llama shapes and (beyond=True)
   # at the others.
   for arm, us in [("xla_unfused", 30.0), ("forge_triton", 30.0),
@@ -463,7 +500,9 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
                  ("bf16", 64, "4096x1024"): (1.0, 1.25,
                                              "64x128x64/5,c2,pp,lp,nb"),
                  ("fp32, W fp32", 512, "4096x4096"): (0.9, 1.2,
-                                                      "128x128x64/4,pp,lp")}
+                                                      "128x128x64/4,pp,lp"),
+                 ("m bf16 v fp32, W fp32", 512, "4096x4096"): (
+                     0.8, 1.25, "64x128x64/4,pp,lp")}
   assert backends.latest_ratios(rows, beyond=True) == {
       ("bf16", 512, "64x192"): (0.5, 1.25, "64x64x64/4,pp"),
       ("bf16", 512, "40x24"): (None, None, None)}
