@@ -111,6 +111,7 @@ class Config:
   seq: int = 512
   dtype: str = "bfloat16"          # activations, and params, m / v unless:
   param_dtype: str | None = None   # params and m / v (mixed precision)
+  mu_dtype: str | None = None      # AdamW's m alone (None: the params')
   attn_impl: str | None = None     # jax.nn.dot_product_attention's (None: XLA)
   rope_theta: float = 10000.0
   # The blocks scanned (one (L, ...) stack per parameter, each block
@@ -135,6 +136,12 @@ class Config:
   def pdtype(self):
     """The parameters' (and the moments') dtype."""
     return jnp.dtype(self.param_dtype or self.dtype)
+
+  @property
+  def mdtype(self):
+    """AdamW's ``mu_dtype`` (``v`` stays in the parameters' dtype, as optax
+    keeps it)."""
+    return jnp.dtype(self.mu_dtype) if self.mu_dtype else self.pdtype
 
 
 def layout(cfg: Config) -> str:
@@ -292,12 +299,13 @@ def decay_mask(params):
 
 
 def make_tx(arm: str, cfg: Config, hparams: dict | None = None):
-  """The arm's AdamW: ``mu_dtype`` = the parameters' dtype, so m and v (which
-  optax keeps in the parameters' dtype) are stored alike in every arm."""
+  """The arm's AdamW: ``mu_dtype`` = the parameters' dtype (or
+  ``cfg.mu_dtype``), so m and v (which optax keeps in the parameters'
+  dtype) are stored alike in every arm."""
   h = dict(HPARAMS if hparams is None else hparams)
   lr = h.pop("learning_rate")
   make = forge_jax.adamw if arm in WGRAD else optax.adamw
-  return make(lr, mu_dtype=cfg.pdtype, mask=decay_mask, **h)
+  return make(lr, mu_dtype=cfg.mdtype, mask=decay_mask, **h)
 
 
 def build_arm(arm: str, cfg: Config, hparams: dict | None = None):
@@ -506,6 +514,8 @@ def _cell_argv(args, arm: str, bt: int) -> list[str]:
     argv += ["--attn-impl", args.attn_impl]
   if args.param_dtype:
     argv += ["--param-dtype", args.param_dtype]
+  if args.mu_dtype:
+    argv += ["--mu-dtype", args.mu_dtype]
   if args.scan:
     argv += ["--scan"]
   if args.out:  # cells run in the repository: a path relative to the caller
@@ -780,6 +790,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                  choices=("bfloat16", "float32"),
                  help="parameters and AdamW moments (mixed precision: "
                  "--dtype bfloat16 --param-dtype float32)")
+  p.add_argument("--mu-dtype", default=None, choices=("bfloat16", "float32"),
+                 help="AdamW's first moment alone (optax's mu_dtype; v stays "
+                 "in the parameters' dtype), default the parameters' dtype")
   p.add_argument("--attn-impl", default=None, choices=("xla", "cudnn"),
                  help="jax.nn.dot_product_attention implementation "
                  "(default: JAX's choice, XLA)")
@@ -846,7 +859,8 @@ def config_of(args) -> Config:
   return Config(layers=args.layers, d_model=args.d_model, heads=args.heads,
                 kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
                 seq=args.seq, dtype=args.dtype,
-                param_dtype=args.param_dtype, attn_impl=args.attn_impl,
+                param_dtype=args.param_dtype, mu_dtype=args.mu_dtype,
+                attn_impl=args.attn_impl,
                 scan=args.scan)
 
 
@@ -880,7 +894,8 @@ def main(argv=None) -> int:
   print(f"model: Llama-style decoder, {n:,} parameters ({n / 1e9:.3f} B): "
         f"{cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads / "
         f"{cfg.kv_heads} kv heads (head_dim {cfg.head_dim}), ffn {cfg.ffn}, "
-        f"vocab {cfg.vocab}, seq {cfg.seq}; {cfg.pdtype.name} params, m, v, "
+        f"vocab {cfg.vocab}, seq {cfg.seq}; {cfg.pdtype.name} params and v, "
+        f"{cfg.mdtype.name} m, "
         f"{cfg.dtype} activations; fp32 "
         f"loss; {layout(cfg)}. AdamW {HPARAMS}, decay on matrices only.")
   print(f"cells: arms {args.arms} x BT {args.bt}; {args.warmup} warm-up + "

@@ -188,6 +188,30 @@ def test_mixed_precision_keeps_fp32_params_and_moments_and_trains():
                      what="params")
 
 
+def test_mu_dtype_keeps_m_alone_in_it():
+  """--mu-dtype bfloat16 over fp32 parameters: m bf16, v fp32 in every arm
+  (optax's mu_dtype), and the arms train alike to bf16's tolerance."""
+  cfg = dataclasses.replace(TINY, dtype="bfloat16", param_dtype="float32",
+                            mu_dtype="bfloat16")
+  params = e2e.abstract_variables(cfg)["params"]
+  for arm in e2e.ARMS:
+    state = jax.eval_shape(e2e.make_tx(arm, cfg).init, params)
+    assert {a.dtype for a in jax.tree.leaves(state[0].mu)} == {
+        jnp.dtype(jnp.bfloat16)}, arm
+    assert {a.dtype for a in jax.tree.leaves(state[0].nu)} == {
+        jnp.dtype(jnp.float32)}, arm
+  init, runs = _trained(cfg)
+  (fl, fv, fs), (ol, ov, _) = runs["forge"], runs["optax"]
+  assert fl[0] == ol[0] and fl[-1] < fl[0] and ol[-1] < ol[0]
+  assert_trees_close(fv["params"], ov["params"], rtol=tol(jnp.bfloat16),
+                     what="params")
+  args = e2e.parse_args(["--mu-dtype", "bfloat16", "--param-dtype",
+                         "float32"])
+  assert e2e.config_of(args).mdtype == jnp.bfloat16
+  argv = e2e._cell_argv(args, "forge", 512)  # noqa: SLF001
+  assert argv[argv.index("--mu-dtype") + 1] == "bfloat16"
+
+
 def _rows(path):
   with open(path, newline="") as f:
     return list(csv.DictReader(f))
