@@ -68,9 +68,10 @@ MOSAIC_LATER_FROM_CSV = [
     # The shipped BT 512 and 2048 tilings at BT 1024 (commit 01d5aaf) and
     # the BT 512 ones at BT 256 (commit 3cc5976), buckets no entry held,
     # then an fp32 weight with fp32 moments at BT 512 and 2048 (commit
-    # cad4866), dtypes no entry held: each case's fastest.
+    # cad4866), then with bf16 m and fp32 v (commit be43b4d), dtypes no
+    # entry held: each case's fastest.
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
-    for c in ("01d5aaf", "3cc5976", "cad4866")]
+    for c in ("01d5aaf", "3cc5976", "cad4866", "be43b4d")]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -134,10 +135,10 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 18))
+             + [BACKENDS_CSV] * 19))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
   # 1b02eba, 846ff5a, 868c0e8, 0764b56, de106a3, 57fa5c9, 51674fc,
-  # b0561ee, 47b2950, 01d5aaf, 3cc5976 and cad4866)
+  # b0561ee, 47b2950, 01d5aaf, 3cc5976, cad4866 and be43b4d)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -766,16 +767,19 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # BT 512/2048 (bf16 moments); the 4 Llama shapes at BT 512 with int8
   # moments; the LM head of the decoder (2048 x 32000) at BT 512 and 2048;
   # the 4 Llama shapes at BT 256 and 1024 (bf16 moments); the 4 Llama
-  # shapes at BT 512 and 2048 with an fp32 weight and fp32 moments.
-  assert len(entries) == 56
+  # shapes at BT 512 and 2048 with an fp32 weight and fp32 moments, and
+  # with an fp32 weight, bf16 m and fp32 v (optax's mu_dtype=bfloat16).
+  assert len(entries) == 64
   rows = _csv_rows(BACKENDS_CSV)
   by_commit = {}
   for key, entry in entries.items():
     rule, bt, shape, w, slots = key.split("|")
     bt = int(bt[2:])
     # (SGD has no slot: its rows' dtypes name bf16.)
-    slot = slots.split("=")[1].split(",")[0] or "bfloat16"
-    suffix = {"bfloat16": "bf16", "float32": "fp32", "int8": "int8"}[slot]
+    short = {"bfloat16": "bf16", "float32": "fp32", "int8": "int8"}
+    names = [short[d] for d in slots.split("=")[1].split(",") if d]
+    suffix = (f"m {names[0]}; v {names[1]}" if len(set(names)) == 2
+              else (names or ["bf16"])[0])
     operands = {"w=bfloat16": "x,dy,W bf16;",
                 "w=float32": "x,dy bf16; W fp32;"}[w]
     label = M(**entry["config"]).label
@@ -801,7 +805,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     # shipped one is the fastest tiling a later run measured)
     assert commit in ("c7c1567", "ee3c82c", "868c0e8", "de106a3",
                       "57fa5c9", "51674fc", "b0561ee", "47b2950", "01d5aaf",
-                      "3cc5976", "cad4866")
+                      "3cc5976", "cad4866", "be43b4d")
     assert "fastest" in source["pick"]
     assert entry["time_us"] == min(
         t for lab, t in mosaic.items()
@@ -831,7 +835,9 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   assert len(by_commit["51674fc"]) == 1 and len(by_commit["b0561ee"]) == 10
   assert len(by_commit["47b2950"]) == 3
   assert len(by_commit["cad4866"]) == 8 and all(
-      "|w=float32|" in k for k in by_commit["cad4866"])
+      "|w=float32|slots=float32,float32" in k for k in by_commit["cad4866"])
+  assert len(by_commit["be43b4d"]) == 8 and all(
+      "|w=float32|slots=bfloat16,float32" in k for k in by_commit["be43b4d"])
   assert not {"ddd1e56", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
               "0764b56"} & set(by_commit)
   for commit in by_commit:

@@ -198,6 +198,12 @@ def test_no_gpu_at_all_takes_triton():
      M.from_label("64x128x64/4,pp,lp"), "136.2 us against"),
     (dict(bt=1024, w=F32, slots=(F32, F32)), "mosaic_gpu", LONG_F32,
      "adamw|bt2048|4096x4096|w=float32|slots=float32,float32"),
+    # An fp32 weight with bf16 m and fp32 v (optax's mu_dtype=bfloat16).
+    (dict(w=F32, slots=(BF16, F32)), "mosaic_gpu",
+     M.from_label("64x128x64/5,c2,pp,lp,nb"), "120.2 us against"),
+    (dict(bt=64, w=F32, slots=(BF16, F32), n_out=1024), "mosaic_gpu",
+     M.from_label("128x128x64/4,pp,lp"),
+     "adamw|bt512|4096x1024|w=float32|slots=bfloat16,float32"),
     (dict(stacked=True), "mosaic_gpu", SHORT, "82.9 us"),
     (dict(rule=pk.adam_rule()), "mosaic_gpu", SHORT, "82.9 us"),
     # Measured slower than the Triton kernel in the same run.
@@ -229,7 +235,8 @@ def test_no_gpu_at_all_takes_triton():
     (dict(g_stored=True), "triton", None, "a stored gradient"),
     (dict(bt=0), "triton", None, "no tokens"),
 ], ids=["down-2048", "bt-768-k/v", "bt-192-down", "up-1536", "fp32-moments",
-        "fp32-weight", "fp32-weight-bt-1024-nearest", "stacked",
+        "fp32-weight", "fp32-weight-bt-1024-nearest", "mu-bf16",
+        "mu-bf16-bt-64-nearest", "stacked",
         "adam-tuned-as",
         "measured-slower", "ragged-bt", "fp32-x", "bt-8192-nearest",
         "bt-64-nearest", "gpt2-fc-nearest", "fp32-bt-1024-nearest",
@@ -585,7 +592,7 @@ def test_shipped_mosaic_entries_select_mosaic_only_where_faster():
     entries = json.load(f)["devices"]["NVIDIA H200"]["mosaic_gpu"]
   mosaic = tuning_cache.load(tuning_cache.SHIPPED_CACHE)["mosaic"]
   faster = {key for (kind, key), e in mosaic.items() if e.faster_than_triton}
-  assert len(entries) == 56 and len(faster) == 55
+  assert len(entries) == 64 and len(faster) == 63
   assert set(entries) - faster == {
       "adamw|bt2048|2048x1024|w=bfloat16|slots=bfloat16,bfloat16"}
 
@@ -608,7 +615,7 @@ def test_gpu_backend_none_takes_mosaic_at_a_shipped_case():
 
 
 def _shipped_mosaic_tilings():
-  """Each distinct (tiling label, weight dtype, moments' dtype) of the
+  """Each distinct (tiling label, weight dtype, (m, v) dtypes) of the
   shipped cache's Mosaic GPU entries; an int8-moment entry's tiling with
   bf16 moments (its int8 epilogue compiled against the reference:
   tests/test_low_precision.py)."""
@@ -617,8 +624,11 @@ def _shipped_mosaic_tilings():
   out = set()
   for key, e in entries.items():
     w = key.split("|")[3].split("=")[1]
-    slot = key.split("|")[4].split("=")[1].split(",")[0]
-    out.add((M(**e["config"]).label, w, F32 if slot == F32 else BF16))
+    slots = tuple(F32 if d == F32 else BF16
+                  for d in key.split("|")[4].split("=")[1].split(",") if d)
+    if len(slots) != 2:  # SGD (none), SGD with momentum (one)
+      slots = (slots[0] if slots else BF16,) * 2
+    out.add((M(**e["config"]).label, w, slots))
   return sorted(out)
 
 
@@ -630,9 +640,9 @@ def test_gpu_every_shipped_mosaic_tiling_matches_the_reference(
   # every shipped tiling divides (clusters take tile rows in pairs): the
   # cache never hands out an untested kernel.
   cfg = M.from_label(label)
-  dt = jnp.dtype(state)
   x, dy, w, slots = make_case(13, (256,), 512, 384,
-                              (jnp.bfloat16, jnp.dtype(w_dtype), dt, dt))
+                              (jnp.bfloat16, jnp.dtype(w_dtype),
+                               *map(jnp.dtype, state)))
   check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW,
                           config=cfg, interpret=False, backend="mosaic_gpu")
 
