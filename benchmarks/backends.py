@@ -282,6 +282,11 @@ def latest_ratios(rows, beyond: bool = False):
   return out
 
 
+def _tick(moments: str) -> str:
+  """A :func:`latest_ratios` moments key as a tick label, one dtype a line."""
+  return moments.replace(", ", "\n").replace(" v ", "\nv ")
+
+
 def plot(csv_path: str, png_path: str) -> bool:
   """Draws :func:`latest_ratios` of ``csv_path`` to ``png_path``: the
   Llama-3.1-8B shapes, and below them (where the CSV has any) the other
@@ -304,12 +309,10 @@ def plot(csv_path: str, png_path: str) -> bool:
     if beyond:
       area = lambda s: math.prod(map(int, s.split("x")))
       keys = sorted(ratios, key=lambda k: (k[0], k[1], area(k[2]), k[2]))
-      ticks = [f"{s}\n{bt}\n{m.replace(', ', chr(10))}"
-               for m, bt, s in keys]
+      ticks = [f"{s}\n{bt}\n{_tick(m)}" for m, bt, s in keys]
     else:
       keys = sorted(ratios, key=lambda k: (k[0], k[1], names[k[2]][0]))
-      ticks = [f"{names[s][1]}\n{bt}\n{m.replace(', ', chr(10))}"
-               for m, bt, s in keys]
+      ticks = [f"{names[s][1]}\n{bt}\n{_tick(m)}" for m, bt, s in keys]
     xs = range(len(keys))
     mosaic_name = ("Mosaic GPU kernel, the tiling backend=None takes"
                    if beyond else "Mosaic GPU kernel, fastest tiling")

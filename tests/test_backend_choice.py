@@ -633,7 +633,9 @@ def _shipped_mosaic_tilings():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("label,w_dtype,state", _shipped_mosaic_tilings())
+@pytest.mark.parametrize("label,w_dtype,state", _shipped_mosaic_tilings(),
+                         ids=lambda v: ",".join(v) if isinstance(v, tuple)
+                         else None)
 def test_gpu_every_shipped_mosaic_tiling_matches_the_reference(
     label, w_dtype, state):
   # Compiled, AdamW with the entries' weight and moments dtypes at a shape

@@ -411,6 +411,7 @@ def test_backends_benchmark_mu_bf16_moments(capsys):
   assert autotune._backends_dtypes(field) == (  # noqa: SLF001
       "bfloat16", "float32", ("bfloat16", "float32"))
   assert backends._moments_label(field) == "m bf16 v fp32, W fp32"
+  assert backends._tick("m bf16 v fp32, W fp32") == "m bf16\nv fp32\nW fp32"
   assert backends._moments_label(
       backends._dtypes_field("fp32", "bf16", 2)) == "fp32"
   assert backends._moments_label(
