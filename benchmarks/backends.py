@@ -23,7 +23,8 @@ than bf16 rounding (2 %, relative to the largest element) makes the command
 exit 1. Needs a Hopper GPU.
 
 ``--plot PNG`` draws the CSV: per case (AdamW at the Llama-3.1-8B shapes,
-each BT, bf16 and fp32 moments), the latest run that measured it, XLA's
+each BT, bf16 and fp32 moments, and with an fp32 W fp32 or ``mu-bf16``
+ones), the latest run that measured it, XLA's
 time divided by the Triton kernel's and by the fastest Mosaic GPU tiling's
 (of those with the reference's arithmetic: no ``,ax``).
 ``--replot --out CSV --plot PNG`` draws an existing CSV without measuring

@@ -135,10 +135,10 @@ if has backends; then
   "${B[@]}" --tokens 512 2048 --moments bf16 --shapes "head 2048x32000" \
     "torch k/v 1024x2048" "torch head 32000x2048" \
     --mosaic 128x128x64/4,e64x32,pp 128x128x64/4,pp 128x128x64/4,pp,lp || rc=1
-  # An fp32 weight with fp32 moments (mixed precision), and what
-  # backend=None takes at shapes the cache holds no entry for (--auto: the
-  # nearest entry's tiling).
-  "${B[@]}" --tokens 512 2048 --weights fp32 --moments fp32 --auto \
+  # An fp32 weight with fp32 moments (mixed precision) and with bf16 m
+  # (optax's mu_dtype), and what backend=None takes at shapes the cache
+  # holds no entry for (--auto: the nearest entry's tiling).
+  "${B[@]}" --tokens 512 2048 --weights fp32 --moments fp32 mu-bf16 --auto \
     --mosaic 128x128x64/4,pp,lp 64x128x64/5,c2,pp,lp,nb \
     128x128x64/4,s8,pp,lp,nb || rc=1
   "${B[@]}" --tokens 512 2048 --moments bf16 --auto --mosaic --shapes \

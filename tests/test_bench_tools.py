@@ -156,7 +156,7 @@ def test_suite_backends_and_torch_parts(tmp_path):
                                      "benchmarks.torch_e2e"])
   assert "--moments bf16 int8" in lines[0] and "e64x64" in lines[0]
   assert "--shapes decoder" in lines[3] and "32000x2048" in lines[4]
-  assert "--weights fp32 --moments fp32 --auto" in lines[5]
+  assert "--weights fp32 --moments fp32 mu-bf16 --auto" in lines[5]
   assert "--auto --mosaic --shapes" in lines[6] and "768x3072" in lines[6]
   assert "--plot" in lines[7]
   assert "--check" in lines[8] and "--bt 512 2048" in lines[8]
