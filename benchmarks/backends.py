@@ -8,14 +8,14 @@ followed by the rule applied elementwise, the Triton kernel
 (``backend="triton"``, its tuned tiling) and the Mosaic GPU kernel
 (``backend="mosaic_gpu"``, each ``--mosaic`` tiling), side by side in one
 process, bf16 ``x``, ``dy``, ``W`` (``--weights fp32``: an fp32 ``W``, as
-in mixed precision with fp32 parameters) and bf16, fp32 or int8 moments, or
-``mu-bf16`` (``m`` bf16 and ``v`` in ``W``'s dtype: ``optax.adamw(...,
-mu_dtype=jnp.bfloat16)``'s state over fp32 parameters) (int8:
+in mixed precision with fp32 parameters) and bf16, fp32 or int8 moments (int8:
 codes with one fp32 scale per 64-element block, ``forge_jax.adamw(...,
 moments="int8")``'s state; XLA's arm is then the GEMM followed by
 ``pallas_kernels.lowp.apply``, the dequantize-update-requantize reference;
 the Mosaic GPU kernel takes them in its streamed epilogue with sub-tiles 64
-columns wide, ``eMx64``). ``--rules`` adds SGD (``W`` alone) and SGD with
+columns wide, ``eMx64``), or ``mu-bf16`` moments (``m`` bf16 and ``v`` in
+``W``'s dtype: ``optax.adamw(..., mu_dtype=jnp.bfloat16)``'s state over
+fp32 parameters). ``--rules`` adds SGD (``W`` alone) and SGD with
 momentum (``W`` and one slot) beside AdamW (``W`` and two): what each
 streamed state array costs. Each arm's result is compared with XLA's before
 it is timed (``W`` and the slots, int8 ones dequantized): an arm off by more
@@ -23,8 +23,8 @@ than bf16 rounding (2 %, relative to the largest element) makes the command
 exit 1. Needs a Hopper GPU.
 
 ``--plot PNG`` draws the CSV: per case (AdamW at the Llama-3.1-8B shapes,
-each BT, bf16 and fp32 moments, and with an fp32 W fp32 or ``mu-bf16``
-ones), the latest run that measured it, XLA's
+each BT, bf16 and fp32 moments; with an fp32 W, fp32 and ``mu-bf16``
+moments), the latest run that measured it, XLA's
 time divided by the Triton kernel's and by the fastest Mosaic GPU tiling's
 (of those with the reference's arithmetic: no ``,ax``).
 ``--replot --out CSV --plot PNG`` draws an existing CSV without measuring
@@ -148,8 +148,8 @@ def _moments_label(dtypes: str) -> str | None:
   keys them: ``"bf16"``, ``"fp32"``, ``"m bf16 v fp32"`` (``mu-bf16`` over
   an fp32 W), each with ``", W fp32"`` for an fp32 weight; ``None`` for
   others (int8 moments, other rules' slot counts)."""
-  parts = [p.strip() for p in dtypes.split(";")]
-  slots = [p for p in parts if p.split()[0] in ("m,v", "m", "v")]
+  parts = [p.split() for p in dtypes.split(";") if p.strip()]
+  slots = [" ".join(p) for p in parts if p[0] in ("m,v", "m", "v")]
   if [p.split()[0] for p in slots] == ["m,v"]:
     moments = slots[0].split()[1]
   elif [p.split()[0] for p in slots] == ["m", "v"]:
