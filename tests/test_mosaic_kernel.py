@@ -34,11 +34,13 @@ def _case(seed, bt, n_in, n_out, rule, x_dtype=BF16, w_dtype=BF16,
   x = jax.random.normal(k[0], (bt, n_in)).astype(x_dtype)
   dy = jax.random.normal(k[1], (bt, n_out)).astype(x_dtype)
   w = jax.random.normal(k[2], (n_in, n_out)).astype(w_dtype)
+  slot_dtypes = (slot_dtype if isinstance(slot_dtype, tuple)
+                 else (slot_dtype,) * len(rule.slots))
   slots = []
-  for i, name in enumerate(rule.slots):
+  for i, (name, dtype) in enumerate(zip(rule.slots, slot_dtypes)):
     a = 0.1 * jax.random.normal(k[3 + i], (n_in, n_out))
     positive = name in ("nu", "sum_of_squares") or name.endswith("nu")
-    slots.append((jnp.abs(a) if positive else a).astype(slot_dtype))
+    slots.append((jnp.abs(a) if positive else a).astype(dtype))
   return x, dy, w, tuple(slots)
 
 
@@ -54,8 +56,10 @@ def test_mosaic_kernel_matches_reference(rule):
   _check(rule, _case(1, 128, 192, 192, rule), SMALL, interpret=True)
 
 
-@pytest.mark.parametrize("w_dtype,slot_dtype", [(F32, F32), (BF16, F32)],
-                         ids=["fp32-state", "bf16-w-fp32-slots"])
+@pytest.mark.parametrize("w_dtype,slot_dtype", [(F32, F32), (BF16, F32),
+                                                (F32, (BF16, F32))],
+                         ids=["fp32-state", "bf16-w-fp32-slots",
+                              "fp32-w-bf16-mu"])
 def test_mosaic_kernel_fp32_state(w_dtype, slot_dtype):
   _check(pk.ADAMW, _case(2, 192, 128, 192, pk.ADAMW, w_dtype=w_dtype,
                          slot_dtype=slot_dtype), SMALL, interpret=True)
