@@ -143,22 +143,25 @@ def _state(bt, n_in, n_out, moments, rule=RULE, weights="bf16"):
   return x, dy, w, tuple(slots)
 
 
+_MOMENTS = {("bfloat16", "bfloat16"): "bf16", ("float32", "float32"): "fp32",
+            ("bfloat16", "float32"): "m bf16 v fp32"}
+
+
 def _moments_label(dtypes: str) -> str | None:
-  """The moments of a ``backends`` row's ``dtypes`` as :func:`latest_ratios`
-  keys them: ``"bf16"``, ``"fp32"``, ``"m bf16 v fp32"`` (``mu-bf16`` over
-  an fp32 W), each with ``", W fp32"`` for an fp32 weight; ``None`` for
-  others (int8 moments, other rules' slot counts)."""
-  parts = [p.split() for p in dtypes.split(";") if p.strip()]
-  slots = [" ".join(p) for p in parts if p[0] in ("m,v", "m", "v")]
-  if [p.split()[0] for p in slots] == ["m,v"]:
-    moments = slots[0].split()[1]
-  elif [p.split()[0] for p in slots] == ["m", "v"]:
-    moments = " ".join(slots)
-  else:
+  """The moments of a ``backends`` row's ``dtypes`` (as
+  ``pallas_kernels.autotune`` reads them) as :func:`latest_ratios` keys
+  them: ``"bf16"``, ``"fp32"``, ``"m bf16 v fp32"`` (``mu-bf16``), each with
+  ``", W fp32"`` for an fp32 weight; ``None`` for others (int8 moments,
+  other rules' slot counts)."""
+  from pallas_kernels import autotune  # noqa: PLC0415
+  try:
+    _, w, slots = autotune._backends_dtypes(dtypes)  # noqa: SLF001
+  except ValueError:
     return None
-  if moments not in ("bf16", "fp32", "m bf16 v fp32"):
+  moments = _MOMENTS.get(slots)
+  if moments is None:
     return None
-  return moments + (", W fp32" if "W fp32" in dtypes else "")
+  return moments + (", W fp32" if w == "float32" else "")
 
 
 def _dtypes_field(moments: str, weights: str, n_slots: int) -> str:

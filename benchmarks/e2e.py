@@ -9,7 +9,8 @@ head), bf16 parameters and activations (``--param-dtype float32``: fp32
 parameters and moments, bf16 activations: mixed precision), fp32 loss
 (softmax cross-entropy on fp32 logits). The arms run the same model,
 initialisation, batch and AdamW hyperparameters (m and v both stored in
-the parameters' dtype):
+the parameters' dtype; ``--mu-dtype``: m in its own, as optax's
+``mu_dtype``):
 
   forge      every projection (q, k, v, o, gate, up, down, LM head) is a
              ``forge_jax.Dense(use_bias=False)``; ``forge_jax.make_step``

@@ -653,9 +653,7 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
                   f"{_us(entry.time_us)} against the Triton kernel's "
                   f"{_us(entry.triton_time_us)} on {kind}")
   why = _mosaic_refusal(entry.config, bt, n_in, n_out, w_dtype, held_slots,
-                        rule, x_dtype, stacked, g_stored)
-  if why is None and low_precision:
-    why = mosaic_kernel.int8_tiling_problem(entry.config)
+                        rule, x_dtype, stacked, g_stored, low_precision)
   if why is not None:
     return triton(f"the autotune cache's Mosaic GPU tiling {label} does not "
                   f"cover this case: {why}")
@@ -671,11 +669,17 @@ def _us(t: float | None) -> str:
 
 
 def _mosaic_refusal(cfg, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
-                    x_dtype, stacked, g_stored) -> str | None:
+                    x_dtype, stacked, g_stored, low_precision=False
+                    ) -> str | None:
+  """Why the Mosaic GPU kernel with tiling ``cfg`` does not cover the case
+  (with ``low_precision``, int8 moments' needs too), or ``None``."""
   w, slots = _mosaic_shapes(n_in, n_out, w_dtype, slot_dtypes)
-  return mosaic_kernel.unsupported(bt, n_in, n_out, dtype_name(x_dtype), w,
-                                   slots, rule, cfg, stacked=stacked,
-                                   g_stored=g_stored)
+  why = mosaic_kernel.unsupported(bt, n_in, n_out, dtype_name(x_dtype), w,
+                                  slots, rule, cfg, stacked=stacked,
+                                  g_stored=g_stored)
+  if why is None and low_precision:
+    why = mosaic_kernel.int8_tiling_problem(cfg)
+  return why
 
 
 def mosaic_tiling(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype, *,
@@ -694,8 +698,7 @@ def mosaic_tiling(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype, *,
                           device_kind=device_kind)
     if entry is not None and _mosaic_refusal(
         entry.config, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
-        stacked, False) is None and not (
-            low_precision and mosaic_kernel.int8_tiling_problem(entry.config)):
+        stacked, False, low_precision) is None:
       return entry.config, "the autotune cache's tiling"
     near = nearest_covering(bt, n_in, n_out, w_dtype, slot_dtypes, rule,
                             x_dtype, stacked=stacked,
@@ -719,10 +722,8 @@ def nearest_covering(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype, *,
   none does."""
   for key, entry in nearest_mosaic(bt, n_in, n_out, w_dtype, slot_dtypes,
                                    rule, device_kind=device_kind):
-    if not entry.faster_than_triton or _mosaic_refusal(
+    if entry.faster_than_triton and _mosaic_refusal(
         entry.config, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
-        stacked, False) is not None or (
-            low_precision and mosaic_kernel.int8_tiling_problem(entry.config)):
-      continue
-    return key, entry
+        stacked, False, low_precision) is None:
+      return key, entry
   return None
