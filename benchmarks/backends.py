@@ -28,7 +28,9 @@ moments), the latest run that measured it, XLA's
 time divided by the Triton kernel's and by the fastest Mosaic GPU tiling's
 (of those with the reference's arithmetic: no ``,ax``).
 ``--replot --out CSV --plot PNG`` draws an existing CSV without measuring
-(no GPU needed).
+(no GPU needed); ``--table --out CSV`` prints the same ratios as Markdown
+tables, with the commit of each case's run (the tables of
+docs/benchmarks.md's kernel section).
 
 ``--auto`` adds the arm a call without ``backend`` or ``config`` takes
 (``backend=None``: the autotune cache's entry for the case, else its
@@ -241,7 +243,37 @@ def _max_rel_err(got, ref):
 MOSAIC_ARMS = ("forge_mosaic_", "forge_auto_mosaic_")
 
 
-def latest_ratios(rows, beyond: bool = False):
+def _cases(shapes: dict) -> set[str]:
+  """The ``INxOUT`` case names of a ``{name: (in, out)}`` shape table."""
+  return {f"{n_in}x{n_out}" for n_in, n_out in shapes.values()}
+
+
+def latest_runs(rows, beyond: bool = False, shapes: set | None = None):
+  """Per AdamW case (as :func:`latest_ratios` keys them), the commit of the
+  latest run (timestamp) that timed it and that run's p50 per arm:
+  ``{(moments, bt, shape): (commit, {provider: p50 in µs})}``. The cases
+  at the Llama-3.1-8B shapes, or (``beyond``) at the others, or at
+  ``shapes`` (``INxOUT`` names) if given."""
+  llama = _cases(common.LLAMA8B_SHAPES)
+  runs = {}
+  for r in rows:
+    bt, _, shape = r["shape"].partition(" ")
+    if (r["benchmark"] != "backends" or r["case"] != "adamw"
+        or r["metric"] != "time" or (
+            shape not in shapes if shapes is not None
+            else (shape in llama) == beyond)):
+      continue
+    moments = _moments_label(r["dtypes"])
+    if moments is None:
+      continue
+    key = (moments, int(bt[3:]), shape)
+    run = runs.setdefault(key, {}).setdefault(r["timestamp"],
+                                              (r["commit"], {}))
+    run[1][r["provider"]] = float(r["p50"])
+  return {key: by_run[max(by_run)] for key, by_run in runs.items()}
+
+
+def latest_ratios(rows, beyond: bool = False, shapes: set | None = None):
   """Per AdamW case at a Llama-3.1-8B shape with bf16 or fp32 moments
   (``beyond``: at any other shape, in runs with ``--auto``'s arm),
   ``{(moments, bt, shape): (triton, mosaic, label)}`` from the latest run
@@ -252,25 +284,11 @@ def latest_ratios(rows, beyond: bool = False):
   ``"m bf16 v fp32"`` (``--moments mu-bf16``), with ``", W fp32"`` for an
   fp32 weight (``--weights fp32``). (int8
   moments' XLA arm is the quantized reference, not XLA's AdamW: left
-  out.)"""
-  shapes = {f"{n_in}x{n_out}" for n_in, n_out in
-            common.LLAMA8B_SHAPES.values()}
-  runs = {}
-  for r in rows:
-    bt, _, shape = r["shape"].partition(" ")
-    if (r["benchmark"] != "backends" or r["case"] != "adamw"
-        or r["metric"] != "time" or (shape in shapes) == beyond):
-      continue
-    moments = _moments_label(r["dtypes"])
-    if moments is None:
-      continue
-    key = (moments, int(bt[3:]), shape)
-    runs.setdefault(key, {}).setdefault(r["timestamp"], {})[
-        r["provider"]] = float(r["p50"])
+  out.) ``shapes``: the cases at these ``INxOUT`` shapes instead, in any
+  run."""
   out = {}
-  for key, by_run in runs.items():
-    arms = by_run[max(by_run)]
-    if "xla_unfused" not in arms or beyond and not any(
+  for key, (_, arms) in latest_runs(rows, beyond, shapes).items():
+    if "xla_unfused" not in arms or shapes is None and beyond and not any(
         a.startswith("forge_auto_") for a in arms):
       continue
     xla = arms["xla_unfused"]
@@ -284,6 +302,65 @@ def latest_ratios(rows, beyond: bool = False):
     out[key] = (xla / arms["forge_triton"] if "forge_triton" in arms
                 else None, xla / mosaic[best] if best else None, best)
   return out
+
+
+def _ratio(r: float | None) -> str:
+  return "—" if r is None else f"{r:.2f}×"
+
+
+def _grid(rows, shapes: dict) -> list[str]:
+  """:func:`latest_ratios` at ``shapes`` (``{name: (in, out)}``) as Markdown
+  lines: one per moments and BT, a column per shape."""
+  ratios = latest_ratios(rows, shapes=_cases(shapes))
+  if not ratios:
+    return []
+  commits = {k: c for k, (c, _) in
+             latest_runs(rows, shapes=_cases(shapes)).items()}
+  names = {f"{n_in}x{n_out}": name.split()[-2] for name, (n_in, n_out) in
+           shapes.items()}
+  out = ["| moments | BT | " + " | ".join(
+      f"{s.replace('x', ' × ')} ({n})" for s, n in names.items())
+         + " | commit |",
+         "|---|---|" + "---|" * len(names) + "---|"]
+  for moments, bt in sorted({k[:2] for k in ratios}):
+    cells = []
+    for s in names:
+      r = ratios.get((moments, bt, s))
+      cells.append("" if r is None else
+                   f"{f'**{_ratio(r[1])}**' if r[2] else '—'} "
+                   f"({_ratio(r[0])})")
+    runs = sorted({commits[k] for k in ratios if k[:2] == (moments, bt)})
+    out.append(f"| {moments} | {bt} | " + " | ".join(cells) + " | "
+               + ", ".join(f"`{c}`" for c in runs) + " |")
+  return out
+
+
+def table(rows) -> str:
+  """:func:`latest_ratios` of ``rows`` as Markdown tables, each line naming
+  the commits of its runs: at the Llama-3.1-8B shapes and at the 0.886 B
+  decoder's (one line per moments and BT: the fastest Mosaic GPU tiling's
+  speed against XLA's GEMM + AdamW, XLA's time over its time, with the
+  Triton kernel's in parentheses), then at the other shapes that runs
+  with ``--auto`` timed (one line per case, the tiling ``backend=None``
+  took). Empty if ``rows`` have no such case."""
+  tables = [_grid(rows, common.LLAMA8B_SHAPES),
+            _grid(rows, common.DECODER_SHAPES)]
+  other = latest_ratios(rows, beyond=True)
+  if other:
+    commits = {k: c for k, (c, _) in latest_runs(rows, True).items()}
+    lines = ["| in × out | BT | moments | Mosaic GPU, speed vs XLA "
+             "| its tiling | Triton, speed vs XLA | commit |",
+             "|---|---|---|---|---|---|---|"]
+    area = lambda s: math.prod(map(int, s.split("x")))
+    for key in sorted(other, key=lambda k: (k[0], k[1], area(k[2]), k[2])):
+      triton, mosaic, label = other[key]
+      moments, bt, s = key
+      lines.append(f"| {s.replace('x', ' × ')} | {bt} | {moments} | "
+                   + (f"**{_ratio(mosaic)}** | `{label}`" if label
+                      else "— | —")
+                   + f" | {_ratio(triton)} | `{commits[key]}` |")
+    tables.append(lines)
+  return "\n\n".join("\n".join(t) for t in tables if t)
 
 
 def _tick(moments: str) -> str:
@@ -346,6 +423,9 @@ def main(argv=None):
   p.add_argument("--plot", metavar="PNG", help="also draw the CSV here")
   p.add_argument("--replot", action="store_true",
                  help="draw --out to --plot without measuring")
+  p.add_argument("--table", action="store_true",
+                 help="print --out's latest ratios per case as Markdown, "
+                 "without measuring")
   p.add_argument("--kernels", action="store_true",
                  help="also trace each arm: its GPU kernels' time per step")
   p.add_argument("--once", action="store_true",
@@ -371,6 +451,17 @@ def main(argv=None):
                  help="Mosaic GPU tilings (none: no tiling of its own), "
                  f"{pk.MosaicConfig.LABEL_FORM}")
   args = p.parse_args(argv)
+  if args.table:
+    if not os.path.exists(args.out):
+      p.error(f"--table: no CSV at {args.out}")
+    text = table(common.read_rows(args.out))
+    if not text:
+      print(f"--table: {args.out} has no AdamW rows at the Llama-3.1-8B "
+            "shapes or from --auto runs", file=sys.stderr)
+      return 1
+    print(text)
+    if not args.replot:
+      return 0
   if args.replot:
     if not args.plot:
       p.error("--replot needs --plot PNG")

@@ -453,6 +453,7 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
 
   def add(provider, shape, moments, us, when, operands="x,dy,W bf16"):
     res.stamp = when  # the run's timestamp
+    res.commit = "c" + when[8:10]  # and its commit
     slots = (moments if moments.startswith("m ") else f"m,v {moments}")
     res.add("adamw", provider, shape, f"{operands}; {slots}", "time",
             (us, us, us), "us")
@@ -496,6 +497,10 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
   add("xla_unfused", "BT=512 64x64", "bf16", 1.0, "2026-01-01T00:00:00")
   add("forge_mosaic_64x64x64/4,pp", "BT=512 64x64", "bf16", 1.0,
       "2026-01-01T00:00:00")
+  # The decoder's shapes (--shapes decoder) have a table of their own.
+  add("xla_unfused", "BT=512 2048x1024", "bf16", 20.0, "2026-01-01T00:00:00")
+  add("forge_mosaic_64x64x64/4,pp", "BT=512 2048x1024", "bf16", 16.0,
+      "2026-01-01T00:00:00")
   rows = common.read_rows(csv_path)
   got = backends.latest_ratios(rows)
   assert got == {("bf16", 512, "4096x4096"): (1.1, 1.375,
@@ -511,6 +516,31 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
   assert backends.latest_ratios(rows, beyond=True) == {
       ("bf16", 512, "64x192"): (0.5, 1.25, "64x64x64/4,pp"),
       ("bf16", 512, "40x24"): (None, None, None)}
+  # The same as Markdown (--table): a line per moments and BT at the Llama
+  # shapes and at the decoder's, one per case beyond them (--auto runs),
+  # each naming its runs' commits.
+  assert backends.table(rows).splitlines() == [
+      "| moments | BT | 4096 × 4096 (q/o) | 4096 × 1024 (k/v) | "
+      "4096 × 14336 (up/gate) | 14336 × 4096 (down) | commit |",
+      "|---|---|---|---|---|---|---|",
+      "| bf16 | 64 |  | **1.25×** (1.00×) |  |  | `c03` |",
+      "| bf16 | 512 | **1.38×** (1.10×) |  |  |  | `c02` |",
+      "| fp32 | 2048 |  | **1.20×** (—) |  |  | `c01` |",
+      "| fp32, W fp32 | 512 | **1.20×** (0.90×) |  |  |  | `c03` |",
+      "| m bf16 v fp32, W fp32 | 512 | **1.25×** (0.80×) |  |  |  | `c03` |",
+      "",
+      "| moments | BT | 2048 × 2048 (q/o) | 2048 × 1024 (k/v) | "
+      "2048 × 5632 (up/gate) | 5632 × 2048 (down) | commit |",
+      "|---|---|---|---|---|---|---|",
+      "| bf16 | 512 |  | **1.25×** (—) |  |  | `c01` |",
+      "",
+      "| in × out | BT | moments | Mosaic GPU, speed vs XLA | its tiling | "
+      "Triton, speed vs XLA | commit |",
+      "|---|---|---|---|---|---|---|",
+      "| 40 × 24 | 512 | bf16 | — | — | — | `c01` |",
+      "| 64 × 192 | 512 | bf16 | **1.25×** | `64x64x64/4,pp` | 0.50× | `c03` |"]
+  assert backends.main(["--table", "--out", csv_path]) == 0
+  assert capsys.readouterr().out == backends.table(rows) + "\n"
   png = tmp_path / "b.png"
   assert backends.main(["--replot", "--out", csv_path, "--plot",
                         str(png)]) == 0
@@ -521,6 +551,8 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
                         str(tmp_path / "e.png")]) == 1
   assert "nothing plotted" in capsys.readouterr().err
   assert not (tmp_path / "e.png").exists()
+  assert backends.main(["--table", "--out", str(empty)]) == 1
+  assert "no AdamW rows" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     backends.main(["--replot", "--out", csv_path])
   assert "--replot needs --plot PNG" in capsys.readouterr().err
