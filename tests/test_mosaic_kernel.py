@@ -2,6 +2,7 @@
 against the reference: in Pallas GPU interpret mode on the CPU, compiled on
 a Hopper GPU (``gpu``-marked)."""
 
+import os
 import re
 
 import jax
@@ -556,6 +557,23 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
   with pytest.raises(SystemExit):
     backends.main(["--replot", "--out", csv_path])
   assert "--replot needs --plot PNG" in capsys.readouterr().err
+
+
+def test_benchmarks_doc_shows_the_committed_csvs_latest_ratios():
+  """docs/benchmarks.md's kernel tables are `benchmarks.backends --table`
+  of the committed CSV, verbatim: a run appended to the CSV must be
+  carried into the doc."""
+  from benchmarks import backends, common
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  rows = common.read_rows(os.path.join(
+      root, "benchmarks", "results", "h200", "backends.csv"))
+  tables = backends.table(rows).split("\n\n")
+  assert len(tables) == 3  # Llama shapes, the decoder's, the others
+  with open(os.path.join(root, "docs", "benchmarks.md"),
+            encoding="utf-8") as f:
+    doc = f.read()
+  for t in tables:
+    assert t in doc, t.splitlines()[0]
 
 
 @pytest.mark.parametrize("state", [[BF16] * 3, [BF16, F32, F32], [F32] * 3,
