@@ -199,8 +199,10 @@ def make(family: str, rule: pallas_kernels.UpdateRule, moments,
   the transform is then optax's own.
 
   Raises:
+    TypeError: ``stochastic_rounding`` is not a bool, or ``seed`` not an
+      integer.
     ValueError: ``moments`` is not a known kind, a float dtype or a
-      ``MomentFormat``; a bad ``seed`` or ``stochastic_rounding``.
+      ``MomentFormat``, or does not fit the optimizer's moments.
   """
   where = f"forge_jax.{family}"
   if not isinstance(stochastic_rounding, (bool, np.bool_)):

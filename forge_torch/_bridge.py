@@ -433,8 +433,8 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
       codes ``q`` of ``w``'s shape (int8, float8_e4m3fn or float8_e5m2)
       and float32 ``scale`` ``(n_in, ceil(n_out / 64))``, one per 64
       consecutive elements of a row of ``w`` (for a torch ``Linear``: along
-      its ``in`` dimension). Quantized slots run on the Triton kernel,
-      through DLPack (never a direct launch).
+      its ``in`` dimension). Quantized slots run through DLPack on the
+      kernel the backend choice takes (never a direct launch).
     hparams: the rule's packed fp32 vector (numpy, or a JAX array on the
       tensors' device); inside CUDA-graph capture, a float32 CUDA tensor on
       ``w``'s device that the captured work fills (the kernel reads it at

@@ -936,8 +936,8 @@ class _ForgeOptimizer:
     elif self._forge_accumulate_steps > 1:
       problem = "accumulate_steps > 1 counts micro-batches on the host"
     elif self._forge_format is not None or self._forge_sr:
-      problem = ("moments= and stochastic_rounding= run on the Triton "
-                 "kernel through JAX")
+      problem = ("moments= and stochastic_rounding= run through JAX, "
+                 "never the direct launch")
     elif _distributed.is_data_parallel(p) or _distributed.is_sharded(p):
       problem = "DDP and fully_shard weights reduce their gradients first"
     elif not self.state.get(p):
@@ -1489,7 +1489,8 @@ _COMMON_DOC = """
   Adam).
 
   Not supported (``ValueError`` at construction, in ``add_param_group`` or in
-  ``load_state_dict``): ``capturable=True``, ``differentiable=True``.
+  ``load_state_dict``): ``capturable=True`` (except Adam and AdamW with
+  ``fused=True``: CUDA graphs), ``differentiable=True``.
 
   Gradient accumulation over K micro-batches is opt-in:
   ``opt.accumulate_steps = K`` (see ``accumulate_steps``). Under

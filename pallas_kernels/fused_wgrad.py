@@ -407,9 +407,9 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   default, also for ``None``) or ``"mosaic_gpu"`` (``G`` streamed through
   the state ring with the state; ``config`` a ``MosaicConfig`` with
   ``state_ring``, default :func:`mosaic_kernel.stored_config`; a case it
-  does not cover raises ``ValueError`` with the reason; quantized slots
-  and ``stochastic_rounding`` take the Triton kernel, as in
-  :func:`fused_wgrad_update`). Otherwise the arguments and returns of
+  does not cover raises ``ValueError`` with the reason, quantized slots
+  and ``stochastic_rounding`` among them; with the default backend they
+  take the Triton kernel). Otherwise the arguments and returns of
   :func:`fused_wgrad_update`.
   """
   where = "stored_g_update"
