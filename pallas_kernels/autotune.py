@@ -945,6 +945,11 @@ def main(argv=None) -> int:
       p.error(f"--config {label_of(given[0])} is a {backend} tiling, but "
               f"--backend {args.backend} does not tune {backend}: add "
               f"--backend {backend} or both")
+  approx = [c.label for c in mosaic_configs if c.approx_math]
+  if approx:
+    p.error(f"--config {approx[0]}: approx_math (,ax) changes the rule's "
+            "arithmetic, and the cache keeps the reference's; time such a "
+            "tiling with benchmarks.backends --mosaic instead")
   if args.out is None:
     args.out = default_out()
     if args.out is None:

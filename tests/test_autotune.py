@@ -1077,6 +1077,8 @@ def test_approximate_tilings_are_timed_but_never_cached(tmp_path):
     (["--backend", "mosaic_gpu", "--config", "64x64x64,g1,w4,s3"],
      "is a triton tiling, but --backend mosaic_gpu"),
     (["--config", "128x128x64/4,q1"], "unknown knob 'q1'"),
+    (["--backend", "mosaic_gpu", "--config", "128x128x64/4,pp,ax"],
+     "--config 128x128x64/4,pp,ax: approx_math (,ax) changes the rule's"),
 ])
 def test_autotune_cli_mosaic_usage_errors(argv, match, tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
