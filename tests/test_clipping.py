@@ -34,7 +34,7 @@ def _operands(lead, n_in, n_out, dtype, seed=0):
 
 
 def test_sqnorm_kernel_matches_its_reference_per_tile():
-  """bf16 operands over three token axes, tiles no dimension divides, in
+  """bf16 operands over two token axes, tiles no dimension divides, in
   groups along ``in``. (fp32 operands and the default tiling: the MLP
   parity test below, whose trajectory depends on every norm.)"""
   lead, n_in, n_out, dtype = (3, 17), 96, 40, jnp.bfloat16
