@@ -1,4 +1,4 @@
-"""The fused AdamW step on each kernel backend against XLA's GEMM + AdamW.
+r"""The fused AdamW step on each kernel backend against XLA's GEMM + AdamW.
 
     ./dev.sh python -m benchmarks.backends --out out/bench/backends.csv
 

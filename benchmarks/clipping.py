@@ -1,4 +1,4 @@
-"""Global-norm clipping: the two-pass FORGE step against optax's clipped step.
+r"""Global-norm clipping: the two-pass FORGE step against optax's clipped step.
 
     ./dev.sh python -m benchmarks.clipping --out out/bench/clipping.csv \
         --plot out/bench/clipping.png

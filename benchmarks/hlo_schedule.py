@@ -292,7 +292,7 @@ def _bytes_arg(s: str) -> int:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("hlo", nargs="+", help="compiled.as_text() dumps (.gz ok)")
   p.add_argument("--min-copy-bytes", type=_bytes_arg, default=2**20,
                  help="list the copies of arrays this large or larger "

@@ -428,7 +428,7 @@ def config_of(args) -> e2e.Config:
 
 def parse_args(argv):
   p = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
+      description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
   p.add_argument("--tokens", type=common.positive_int, default=None,

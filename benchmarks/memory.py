@@ -1,8 +1,11 @@
-"""Compiled-step memory of a FORGE step vs optax.adamw, and in-place checks.
+"""Compiled-step memory of a FORGE step vs optax's, and in-place checks.
 
     ./dev.sh python -m benchmarks.memory --out out/bench/memory.csv [--hlo-dir D]
 
-For an MLP of `--layers` bf16 4096x4096 kernels (BT tokens, unrolled) it
+For an MLP of `--layers` bf16 `--width` x `--width` kernels (default
+4096; BT tokens, unrolled), trained by `--optimizer` (adamw, lamb, muon or
+sgd: the forge_jax transform against optax's, optax.contrib.muon for
+Muon), it
 compiles one jitted, donated training step per arm and records XLA's
 `memory_analysis()` (temporaries, arguments, outputs, aliased bytes), the
 number of kernel-shaped `copy` ops and of weight-gradient GEMMs (a

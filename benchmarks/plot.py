@@ -65,7 +65,7 @@ def plot(src: str, dst: str) -> int:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("csv", help="a benchmarks/kernel.py CSV")
   p.add_argument("png", help="where to write the plot")
   args = p.parse_args(argv)
