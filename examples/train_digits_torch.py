@@ -1,0 +1,218 @@
+"""forge_torch vs torch.optim, side by side, on scikit-learn's digits.
+
+The PyTorch twin of ``examples.train_digits``: one small torch MLP
+classifier trained twice, from the same initialisation and on the same
+batches:
+
+* arm ``forge``: ``forge_torch.convert(model)`` (its ``nn.Linear`` layers
+  become ``forge_torch.Linear``) and ``forge_torch.AdamW``: each weight is
+  updated inside ``loss.backward()`` by the fused kernel, and its ``.grad``
+  never exists; ``opt.step()`` updates the biases;
+* arm ``torch``: the same model with ``torch.optim.AdamW``.
+
+Same hyperparameters in both: AdamW, the JAX demo's warmup-cosine learning
+rate (through ``torch.optim.lr_scheduler.LambdaLR``; forge_torch reads the
+group's ``lr`` when the layer's backward runs, so a scheduler stepped after
+``opt.step()`` drives both arms alike), weight decay on the weights only.
+On the CPU the kernel runs in Pallas interpret mode through DLPack; on a
+Hopper GPU it is launched directly on the torch tensors.
+
+Run from the repository root::
+
+  python -m examples.train_digits_torch                 # fp32: arms agree
+  python -m examples.train_digits_torch --device cuda --dtype bfloat16
+
+Writes ``<out>/losses.csv`` (step, arm, loss). The exit status is 1 if fp32
+arms differ by more than 1e-4 (relative, per parameter: ``max|forge -
+torch| / max|torch|``) or a loss is not finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import math
+import os
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from examples.train_digits import (FP32_TOLERANCE, batch_indices,
+                                   load_digits_split, make_schedule)
+
+ARMS = ("forge", "torch")
+
+
+def make_model(n_in: int, hidden: int, classes: int):
+  """``in -> hidden -> hidden -> classes`` with ReLU, torch's own layers."""
+  import torch  # noqa: PLC0415
+  return torch.nn.Sequential(
+      torch.nn.Linear(n_in, hidden), torch.nn.ReLU(),
+      torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+      torch.nn.Linear(hidden, classes))
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+  """Weight decay on the weights (2-D), none on the biases."""
+  params = list(model.parameters())
+  return [{"params": [p for p in params if p.dim() > 1],
+           "weight_decay": weight_decay},
+          {"params": [p for p in params if p.dim() <= 1],
+           "weight_decay": 0.0}]
+
+
+def param_diff(forge_model, torch_model) -> dict:
+  """The largest per-parameter ``max|a - b| / max|b|`` (NaN if any is) and
+  the name of the parameter where it is, plus the largest ``max|a - b|``."""
+  max_abs, max_rel, worst = 0.0, 0.0, ""
+  b_params = dict(torch_model.named_parameters())
+  for name, a in forge_model.named_parameters():
+    a = a.detach().float().cpu().numpy()
+    b = b_params[name].detach().float().cpu().numpy()
+    d = float(np.max(np.abs(a - b)))
+    r = d / max(float(np.max(np.abs(b))), 1e-30)
+    if not math.isnan(max_abs) and (math.isnan(d) or d > max_abs):
+      max_abs = d
+    if not math.isnan(max_rel) and (math.isnan(r) or r >= max_rel):
+      max_rel, worst = r, name
+  return {"max_abs": max_abs, "max_rel": max_rel, "worst": worst}
+
+
+def accuracy(model, x, y) -> float:
+  import torch  # noqa: PLC0415
+  with torch.no_grad():
+    return float((model(x).argmax(-1) == y).float().mean())
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      prog="python -m examples.train_digits_torch",
+      description=("Train one MLP on sklearn digits with forge_torch "
+                   "(convert + AdamW) and with torch.optim.AdamW, from the "
+                   "same init on the same batches, and compare."),
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--steps", type=int, default=200, help="training steps")
+  p.add_argument("--batch-size", type=int, default=128)
+  p.add_argument("--hidden", type=int, default=128, help="MLP hidden width")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                 default="float32", help="parameter and activation dtype")
+  p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                 help="auto: cuda when torch has it, else cpu")
+  p.add_argument("--lr", type=float, default=3e-3,
+                 help="peak learning rate of the warmup-cosine schedule")
+  p.add_argument("--weight-decay", type=float, default=1e-2)
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the initialisation, the split and the batches")
+  p.add_argument("--out", default=os.path.join("out", "demo_torch"),
+                 help="folder for losses.csv")
+  p.add_argument("--log-every", type=int, default=25,
+                 help="print the losses every N steps (0: never)")
+  args = p.parse_args(argv)
+  for name in ("steps", "batch_size", "hidden"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be at least 1")
+  if args.lr <= 0:
+    p.error("--lr must be positive")
+  if args.log_every < 0:
+    p.error("--log-every must be 0 or more")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  """Runs the comparison; returns what it measured (``ok``: the check
+  passed)."""
+  args = parse_args(argv)
+  try:
+    import torch  # noqa: PLC0415
+  except ImportError:
+    sys.exit("examples.train_digits_torch needs torch: pip install "
+             "'.[torch]' (./dev.sh test installs it)")
+  import forge_torch  # noqa: PLC0415
+
+  if args.device == "cuda" and not torch.cuda.is_available():
+    sys.exit("--device cuda: this torch has no CUDA device")
+  device = torch.device(args.device if args.device != "auto" else
+                        "cuda" if torch.cuda.is_available() else "cpu")
+  dtype = getattr(torch, args.dtype)
+  (x_tr, y_tr), (x_te, y_te) = load_digits_split(args.seed)
+  batches = batch_indices(len(x_tr), args.batch_size, args.steps, args.seed)
+  as_t = lambda a, t: torch.as_tensor(a).to(device=device, dtype=t)
+  x_tr, x_te = as_t(x_tr, dtype), as_t(x_te, dtype)
+  y_tr, y_te = as_t(y_tr, torch.long), as_t(y_te, torch.long)
+
+  torch.manual_seed(args.seed)
+  torch_model = make_model(x_tr.shape[1], args.hidden, 10).to(device, dtype)
+  forge_model = copy.deepcopy(torch_model)
+  forge_torch.convert(forge_model)  # in place: the same initial weights
+  schedule = make_schedule(args.lr, args.steps)
+  lr_factor = lambda step: float(schedule(step)) / args.lr
+  opts = {
+      "forge": forge_torch.AdamW(param_groups(forge_model, args.weight_decay),
+                                 lr=args.lr),
+      "torch": torch.optim.AdamW(param_groups(torch_model, args.weight_decay),
+                                 lr=args.lr)}
+  scheds = {arm: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+            for arm, opt in opts.items()}
+  models = {"forge": forge_model, "torch": torch_model}
+
+  losses = {arm: [] for arm in ARMS}
+  stats = forge_torch.bridge_stats
+  calls0, direct0 = stats.calls, stats.direct
+  for step, idx in enumerate(batches):
+    idx = torch.as_tensor(idx, device=device)
+    for arm in ARMS:
+      logits = models[arm](x_tr[idx]).float()
+      loss = torch.nn.functional.cross_entropy(logits, y_tr[idx])
+      loss.backward()  # forge: the weights are updated here
+      opts[arm].step()
+      opts[arm].zero_grad()
+      scheds[arm].step()
+      losses[arm].append(loss.item())
+    if args.log_every and (step % args.log_every == 0
+                           or step == args.steps - 1):
+      print(f"step {step:5d}  " + "  ".join(
+          f"{arm} {losses[arm][-1]:.7f}" for arm in ARMS), flush=True)
+
+  fused, direct = stats.calls - calls0, stats.direct - direct0
+  diff = param_diff(forge_model, torch_model)
+  acc = {arm: accuracy(models[arm], x_te, y_te) for arm in ARMS}
+  os.makedirs(args.out, exist_ok=True)
+  csv_path = os.path.join(args.out, "losses.csv")
+  with open(csv_path, "w", newline="") as f:
+    w = csv.writer(f, lineterminator="\n")
+    w.writerow(["step", "arm", "loss"])
+    for arm in ARMS:
+      w.writerows([i, arm, repr(l)] for i, l in enumerate(losses[arm]))
+
+  finite = all(math.isfinite(l) for arm in ARMS for l in losses[arm])
+  fp32 = args.dtype == "float32"
+  ok = finite and (not fp32 or diff["max_rel"] <= FP32_TOLERANCE)
+  print(f"trained {args.steps} steps x 2 arms on {device}; {fused} fused "
+        f"updates ({direct} launched directly)")
+  print("final train loss  " + "  ".join(
+      f"{arm} {losses[arm][-1]:.7f}" for arm in ARMS))
+  print("test accuracy     " + "  ".join(
+      f"{arm} {acc[arm]:.4f}" for arm in ARMS))
+  print(f"param difference  max abs {diff['max_abs']:.3e}  max rel "
+        f"{diff['max_rel']:.3e} (per parameter max|forge-torch|/max|torch|, "
+        f"worst at {diff['worst']})")
+  print(f"wrote {csv_path}")
+  if not finite:
+    print("FAIL: a loss is not finite")
+  elif fp32:
+    print(f"{'PASS' if ok else 'FAIL'}: fp32 arms differ by "
+          f"{diff['max_rel']:.1e} relative (tolerance {FP32_TOLERANCE:.0e})")
+  else:
+    print(f"({args.dtype}: the arms part by rounding; no tolerance is "
+          "checked)")
+  return {"ok": ok, "losses": losses, "test_accuracy": acc,
+          "max_rel_param_diff": diff["max_rel"],
+          "max_abs_param_diff": diff["max_abs"], "dtype": args.dtype,
+          "device": str(device), "csv": csv_path,
+          "fused_updates": fused}
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main()["ok"] else 1)
