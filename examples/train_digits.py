@@ -331,13 +331,9 @@ def write_plot(path: str, losses: dict[str, list[float]], title: str,
 # Main
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-      prog="python -m examples.train_digits",
-      description=("Train one MLP on sklearn digits with forge_jax "
-                   "(Dense + adamw + make_step) and with flax/optax, from the "
-                   "same init on the same batches, and compare."),
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
+  """The flags this example and its torch twin share (``out``: the default
+  output folder)."""
   p.add_argument("--steps", type=int, default=200, help="training steps")
   p.add_argument("--batch-size", type=int, default=128)
   p.add_argument("--hidden", type=int, default=128, help="MLP hidden width")
@@ -350,21 +346,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                  help="AdamW decoupled weight decay (not on biases)")
   p.add_argument("--seed", type=int, default=0,
                  help="init, train/test split and batch order")
-  p.add_argument("--out", default=os.path.join("out", "demo"),
-                 help="output folder for losses.csv and losses.png")
+  p.add_argument("--out", default=out, help="output folder")
   p.add_argument("--log-every", type=int, default=25,
                  help="print both losses every N steps (0: never)")
-  p.add_argument("--bench", choices=("auto", "on", "off"), default="auto",
-                 help="time steps and report compiled memory (auto: on GPU)")
-  p.add_argument("--bench-steps", type=int, default=100,
-                 help="timed steps per arm (after 10 warm-up steps)")
-  p.add_argument("--no-progress", action="store_true",
-                 help="no tqdm progress bar")
-  args = p.parse_args(argv)
+
+
+def check_training_args(p: argparse.ArgumentParser,
+                        args: argparse.Namespace) -> None:
+  """Refuses bad values of :func:`add_training_args`' flags (usage errors)."""
   if args.steps < 1 or args.batch_size < 1 or args.hidden < 1:
     p.error("--steps, --batch-size and --hidden must be positive")
-  if args.bench_steps < 1:
-    p.error("--bench-steps must be positive")
   if args.log_every < 0:
     p.error("--log-every must be >= 0 (0: never)")
   if not (math.isfinite(args.lr) and args.lr > 0):
@@ -378,6 +369,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
     p.error(f"--out {args.out}: {existing} is a file, not a folder")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      prog="python -m examples.train_digits",
+      description=("Train one MLP on sklearn digits with forge_jax "
+                   "(Dense + adamw + make_step) and with flax/optax, from the "
+                   "same init on the same batches, and compare."),
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  add_training_args(p, os.path.join("out", "demo"))
+  p.add_argument("--bench", choices=("auto", "on", "off"), default="auto",
+                 help="time steps and report compiled memory (auto: on GPU)")
+  p.add_argument("--bench-steps", type=int, default=100,
+                 help="timed steps per arm (after 10 warm-up steps)")
+  p.add_argument("--no-progress", action="store_true",
+                 help="no tqdm progress bar")
+  args = p.parse_args(argv)
+  check_training_args(p, args)
+  if args.bench_steps < 1:
+    p.error("--bench-steps must be positive")
   return args
 
 

@@ -39,7 +39,8 @@ from typing import Sequence
 
 import numpy as np
 
-from examples.train_digits import (FP32_TOLERANCE, batch_indices,
+from examples.train_digits import (FP32_TOLERANCE, add_training_args,
+                                   batch_indices, check_training_args,
                                    load_digits_split, make_schedule)
 
 ARMS = ("forge", "torch")
@@ -93,30 +94,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "(convert + AdamW) and with torch.optim.AdamW, from the "
                    "same init on the same batches, and compare."),
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--steps", type=int, default=200, help="training steps")
-  p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument("--hidden", type=int, default=128, help="MLP hidden width")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"),
-                 default="float32", help="parameter and activation dtype")
+  add_training_args(p, os.path.join("out", "demo_torch"))
   p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                  help="auto: cuda when torch has it, else cpu")
-  p.add_argument("--lr", type=float, default=3e-3,
-                 help="peak learning rate of the warmup-cosine schedule")
-  p.add_argument("--weight-decay", type=float, default=1e-2)
-  p.add_argument("--seed", type=int, default=0,
-                 help="seed of the initialisation, the split and the batches")
-  p.add_argument("--out", default=os.path.join("out", "demo_torch"),
-                 help="folder for losses.csv")
-  p.add_argument("--log-every", type=int, default=25,
-                 help="print the losses every N steps (0: never)")
   args = p.parse_args(argv)
-  for name in ("steps", "batch_size", "hidden"):
-    if getattr(args, name) < 1:
-      p.error(f"--{name.replace('_', '-')} must be at least 1")
-  if args.lr <= 0:
-    p.error("--lr must be positive")
-  if args.log_every < 0:
-    p.error("--log-every must be 0 or more")
+  check_training_args(p, args)
   return args
 
 

@@ -49,9 +49,9 @@ def test_fp32_arms_agree_and_every_weight_took_the_fused_update(run):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--lr", "0"], "--lr must be positive"),
-    (["--log-every", "-1"], "--log-every must be 0 or more"),
+    (["--steps", "0"], "--steps, --batch-size and --hidden must be positive"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--log-every", "-1"], "--log-every must be >= 0"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
 ])
 def test_bad_arguments_are_usage_errors(argv, match, capsys):
