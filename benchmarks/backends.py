@@ -457,7 +457,7 @@ def main(argv=None):
     text = table(common.read_rows(args.out))
     if not text:
       print(f"--table: {args.out} has no AdamW rows at the Llama-3.1-8B "
-            "shapes or from --auto runs", file=sys.stderr)
+            "or the decoder's shapes, nor from --auto runs", file=sys.stderr)
       return 1
     print(text)
     if not args.replot:

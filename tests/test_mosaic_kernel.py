@@ -555,6 +555,9 @@ def test_backends_plot_takes_each_cases_latest_run(tmp_path, capsys):
   assert backends.main(["--table", "--out", str(empty)]) == 1
   assert "no AdamW rows" in capsys.readouterr().err
   with pytest.raises(SystemExit):
+    backends.main(["--table", "--out", str(tmp_path / "none.csv")])
+  assert "--table: no CSV at" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
     backends.main(["--replot", "--out", csv_path])
   assert "--replot needs --plot PNG" in capsys.readouterr().err
 
