@@ -81,7 +81,9 @@ def set_sync_mode(mode: str) -> str:
     mode: ``"stream"`` (the default): GPU-side ordering through DLPack's
       stream handshake, no host synchronisation; ``"host"``: synchronise
       torch's current stream before and JAX's results after each fused update
-      (the original, simplest behaviour). See :mod:`forge_torch._bridge`.
+      that goes through DLPack (the original, simplest behaviour). A direct
+      launch (:func:`forge_torch.set_direct_launch`) is ordered on torch's
+      current stream in either mode. See :mod:`forge_torch._bridge`.
       The process default comes from ``$FORGE_TORCH_SYNC`` (read at import).
 
   Returns:
@@ -98,8 +100,9 @@ def set_sync_mode(mode: str) -> str:
 
 
 def get_sync_mode(effective: bool = False) -> str:
-  """The sync mode set (``effective=True``: the one CUDA calls use, i.e.
-  ``"host"`` if stream mode was requested but is unavailable here)."""
+  """The sync mode set (``effective=True``: the one CUDA calls through
+  DLPack use, i.e. ``"host"`` if stream mode was requested but is
+  unavailable here)."""
   if effective and _SYNC_MODE == "stream" and _STREAM_FALLBACK is not None:
     return "host"
   return _SYNC_MODE

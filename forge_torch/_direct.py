@@ -23,7 +23,7 @@ convention (``jax.experimental.mosaic.gpu.core``'s, whose ABI changed in
 jaxlib 0.12: kernel and device arguments added).
 
 A kernel is launched directly only where the backend choice takes Mosaic
-GPU (:func:`eligible`); everything else (the Triton backend, the CPU,
+GPU (``forge_torch._bridge``'s ``_resolve``); everything else (the Triton backend, the CPU,
 operands the Mosaic kernel does not take) goes through DLPack.
 """
 
@@ -60,9 +60,9 @@ def unavailable() -> str | None:
 
 def set_enabled(enabled: bool) -> bool:
   """Turns direct launches on or off (off: every fused update goes through
-  DLPack and JAX); returns whether they were on. Turning them on does not
-  undo a failure to prepare a launch (:func:`unavailable` keeps saying
-  why)."""
+  DLPack and JAX); returns the switch's previous setting. Turning them on
+  does not undo a failure to prepare a launch (:func:`unavailable` keeps
+  saying why, and launches stay off)."""
   global _OFF
   if not isinstance(enabled, bool):
     raise TypeError(f"set_direct_launch takes True or False, got "

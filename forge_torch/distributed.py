@@ -67,6 +67,7 @@ details.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
@@ -192,11 +193,22 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
   return names
 
 
+def _ddp_process_group(module: nn.Module, args: tuple, kwargs: dict):
+  """The ``process_group`` that ``DistributedDataParallel(module, *args,
+  **kwargs)`` would take, by keyword or by position (``None``: the default
+  group). Raises ``TypeError`` as DDP would for arguments it does not
+  take."""
+  signature = inspect.signature(nn.parallel.DistributedDataParallel.__init__)
+  bound = signature.bind_partial(None, module, *args, **kwargs)
+  return bound.arguments.get("process_group")
+
+
 def wrap_ddp(module: nn.Module, *args: Any,
              **kwargs: Any) -> nn.parallel.DistributedDataParallel:
   """``torch.nn.parallel.DistributedDataParallel(module, *args, **kwargs)``
-  after :func:`prepare_ddp` (over DDP's ``process_group``, if given)."""
-  prepare_ddp(module, kwargs.get("process_group"))
+  after :func:`prepare_ddp` over the ``process_group`` DDP takes (by
+  keyword or by position; none: the default group)."""
+  prepare_ddp(module, _ddp_process_group(module, args, kwargs))
   return nn.parallel.DistributedDataParallel(module, *args, **kwargs)
 
 
@@ -453,8 +465,9 @@ def _no_rows(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_single_process(params=()) -> None:
   """Refuses managed weights in a process group of more than one rank unless
-  :func:`prepare_ddp` registered them (``params``: the weights to check;
-  none given: any)."""
+  :func:`prepare_ddp` or :func:`prepare_fsdp` registered them (``params``:
+  the weights to check; none given: refuses whenever there is more than one
+  rank)."""
   dist = torch.distributed
   if not (dist.is_available() and dist.is_initialized()):
     return

@@ -132,7 +132,10 @@ def _mark(weight: torch.Tensor) -> None:
 
 
 def is_forge_weight(p: torch.Tensor) -> bool:
-  """Whether ``p`` is the weight of a ``forge_torch.Linear``."""
+  """Whether ``p`` is a FORGE-managed weight: the (non-empty) weight a
+  ``forge_torch.Linear`` created or adopted (``from_linear``, ``convert``,
+  ``prepare_fsdp``); not a Parameter assigned later by ``layer.weight =
+  p``."""
   return _map_key(p) in _FORGE_WEIGHT_KEYS
 
 
@@ -467,8 +470,10 @@ class Linear(nn.Linear):
   owned by a forge_torch optimizer (e.g. :class:`forge_torch.AdamW`), the
   backward computes ``grad_input`` from the pre-update weight, then updates the
   weight and its optimizer state in place with the fused weight-gradient
-  kernel; ``weight.grad`` stays ``None`` and the weight's gradient never exists
-  in memory. The bias takes the ordinary path (its ``.grad`` is set and
+  kernel; ``weight.grad`` stays ``None`` and, in single-process training
+  without accumulation, the weight's gradient never exists in memory (see
+  ``accumulate_steps`` and :mod:`forge_torch.distributed` for the buffers
+  those keep). The bias takes the ordinary path (its ``.grad`` is set and
   ``optimizer.step()`` updates it).
 
   Outside autograd (``torch.no_grad()``, a weight with ``requires_grad=False``)
@@ -476,12 +481,16 @@ class Linear(nn.Linear):
 
   Attributes (beside ``nn.Linear``'s):
     fused: ``False`` keeps this layer on the standard path.
-    block_config: tiling of the fused kernel (``pallas_kernels.BlockConfig``);
-      when ``None``, ``pallas_kernels.select_config``'s: a cached winner for
-      this rule, GPU and shape if a cache file has one (the shipped cache
-      holds forge_jax AdamW's only, which torch's AdamW and Adam rules take,
-      ``UpdateRule.tuned_as``; the other torch rules take the heuristic
-      ``BlockConfig.compiled_default``).
+    block_config: a Triton tiling of the fused kernel
+      (``pallas_kernels.BlockConfig``), which makes the update take the
+      Triton kernel through DLPack. When ``None``, the backend choice's:
+      on a Hopper GPU the Mosaic GPU kernel with its cached (or nearest
+      cached, or default) tiling, launched directly where it covers the
+      case; else ``pallas_kernels.select_config``'s Triton tiling, a cached
+      winner for this rule, GPU and shape if a cache file has one (the
+      shipped cache holds forge_jax AdamW's, which torch's AdamW and Adam
+      rules take, ``UpdateRule.tuned_as``; the other torch rules take the
+      heuristic ``BlockConfig.compiled_default``).
 
   Each managed layer may run once per optimizer step (one forward, one
   backward): FORGE updates the weight during that backward, so a second
@@ -745,6 +754,8 @@ def convert(model: nn.Module, *,
     exclude: qualified module names (or one name) to leave as ``nn.Linear``;
       a name also excludes the modules under it (``"head"`` excludes
       ``head.fc``). Use it for layers whose gradient you need, e.g. to clip.
+      It stops conversion only: a layer that already is a
+      ``forge_torch.Linear`` stays one (set its ``fused = False``).
 
   Returns:
     A :class:`Converted`: the list of the converted modules' qualified names,

@@ -2,9 +2,11 @@
 
 ``forge_torch.SGD``, ``Adagrad``, ``RMSprop``, ``Adam``, ``AdamW``,
 ``Adamax``, ``NAdam`` and ``RAdam`` each subclass their ``torch.optim``
-counterpart: same constructor (inherited: same signature and defaults),
-``param_groups``, ``state`` (torch's names, dtypes and devices) and
-``state_dict()``, so checkpoints interchange with the torch optimizer.
+counterpart: same constructor (torch's signature and defaults, plus the
+keyword-only ``max_grad_norm``, ``moments``, ``stochastic_rounding`` and
+``seed``), ``param_groups``, ``state`` (torch's names, dtypes and devices)
+and ``state_dict()``, so checkpoints interchange with the torch optimizer
+(with ``moments=None``: quantized state loads into forge_torch only).
 
 Semantics of a step. torch's loop is::
 
@@ -1259,7 +1261,9 @@ class _ForgeOptimizer:
     Managed weights were already updated during backward (their ``grad`` is
     ``None``, so torch's step skips them). A managed weight that did *not* get
     a fused update in this step but has an ordinary ``grad`` (its layer ran
-    with ``fused = False``, say) is updated by torch's step like any other.
+    with ``fused = False``, say) is updated by torch's step like any other
+    (with quantized moments, ``moments=``, this raises ``RuntimeError``:
+    torch's step has no quantized form).
 
     With ``max_grad_norm`` set, ``closure`` is required and runs twice
     (:func:`forge_torch._clip.two_pass_step`).
@@ -1475,9 +1479,12 @@ _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 
 _COMMON_DOC = """
-  Same constructor (signature and defaults: inherited), ``param_groups``,
-  ``state`` and ``state_dict()`` as ``torch.optim.{name}``, whose checkpoints
-  it loads and which loads its checkpoints. Parameters that are weights of
+  Same constructor (torch's signature and defaults, plus the keyword-only
+  ``max_grad_norm``, ``moments``, ``stochastic_rounding`` and ``seed``),
+  ``param_groups``, ``state`` and ``state_dict()`` as ``torch.optim.{name}``,
+  whose checkpoints it loads and which loads its checkpoints when
+  ``moments=None`` (quantized state, codes and ``*_scale`` tensors, loads
+  into a forge_torch optimizer only). Parameters that are weights of
   :class:`forge_torch.Linear` layers (*managed* weights) are registered with
   this optimizer at construction (or ``add_param_group``); their layers'
   backward applies the update with the fused kernel, in torch's operation
@@ -1498,9 +1505,9 @@ _COMMON_DOC = """
   autocast's linear does, and its update reads ``G`` formed in fp32 from the
   bf16 operands.
 
-  Raises at run time (clear errors): a managed layer run twice before
-  ``step()`` while its first graph is alive (more than ``accumulate_steps``
-  times with accumulation); ``torch.amp.GradScaler`` (from
+  Raises at run time (clear errors): a managed layer run again before
+  ``step()`` once its forward has run a backward or while that forward's
+  graph is alive (more than ``accumulate_steps`` times with accumulation); ``torch.amp.GradScaler`` (from
   ``scaler.step``); input and weight on different devices or of different
   dtypes (outside autocast); a weight that is not float32 or bfloat16;
   float16 autocast; a managed weight that also received an ordinary gradient

@@ -505,3 +505,23 @@ def test_prepare_ddp_needs_a_process_group():
   assert not torch.distributed.is_initialized()
   with pytest.raises(RuntimeError, match="init_process_group"):
     forge_dist.prepare_ddp(converted(make_net()))
+
+
+def test_wrap_ddp_takes_ddps_process_group_by_keyword_or_position():
+  """wrap_ddp prepares the managed weights over the group DDP will use,
+  however the caller passes it (by name, or at its position in this torch's
+  DistributedDataParallel signature)."""
+  import inspect  # noqa: PLC0415
+  model, group = converted(make_net()), object()
+  take = forge_dist._ddp_process_group  # noqa: SLF001
+  assert take(model, (), {}) is None
+  assert take(model, (), {"process_group": group}) is group
+  params = inspect.signature(
+      nn.parallel.DistributedDataParallel.__init__).parameters
+  before = [p.default for p in list(params.values())[2:]
+            if p.name != "process_group"][
+                :list(params).index("process_group") - 2]
+  assert take(model, (*before, group), {}) is group
+  assert take(model, (None,), {"process_group": group}) is group
+  with pytest.raises(TypeError, match="process_group"):
+    take(model, (*before, group), {"process_group": group})
