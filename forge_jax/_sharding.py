@@ -106,8 +106,10 @@ class MeshLayout:
     bucket_bytes: where a layer's gradient must be reduced (data parallel,
       fully sharded), at most this many bytes of its local gradient are
       formed, reduced and consumed at once: the layer's rows are split into
-      equal chunks, each updated in place before the next is formed. ``None``
-      (default): the whole layer is one bucket.
+      the fewest equal chunks of at most this size (never less than one
+      row), each updated in place before the next is formed; a rule with
+      write-only outputs (Muon) keeps the whole layer as one bucket.
+      ``None`` (default): the whole layer is one bucket.
   """
 
   mesh: Mesh | AbstractMesh

@@ -121,7 +121,8 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
 
   Modes:
 
-  * ``"exact"`` -- every family (regimes 1-3). The state is
+  * ``"exact"`` -- every family (regimes 1-3), without low-precision
+    state. The state is
     ``optax.MultiSteps``' own: ``acc_grads`` holds an fp32 running mean of
     the cycle's gradients for every parameter. A FORGE kernel's entry is
     updated in the fused kernel's epilogue (``G`` stays in registers); on
@@ -155,8 +156,11 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
     ``update`` on plain gradients is the same accumulation).
 
   Raises:
-    TypeError: ``tx`` is not a forge_jax transform, or K is not an int.
-    ValueError: K < 1, an unknown ``mode``, ``tx`` already accumulates, or
+    TypeError: ``tx`` is not a forge_jax transform (or is an
+      ``optax.inject_hyperparams`` one), or K is not an int.
+    ValueError: K < 1, an unknown ``mode``, ``tx`` already accumulates,
+      ``tx`` has low-precision state (``moments=``,
+      ``stochastic_rounding=``), or
       ``mode="momentum"`` with a family that is not affine in ``G`` through
       its momentum (Adam & co., Nesterov, Muon, plain SGD).
 

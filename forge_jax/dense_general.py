@@ -60,8 +60,9 @@ class DenseGeneral(nn.DenseGeneral):
 
   Raises (at call time, inside a FORGE step, for a fused layer):
     ValueError: ``batch_dims`` set, ``axis`` not the trailing axes in order,
-      a custom ``dot_general`` or ``promote_dtype``, or a Muon step of a
-      kernel with more than two axes.
+      or a custom ``dot_general`` or ``promote_dtype``. (A kernel with more
+      than two axes under Muon is refused by ``make_step``, also with
+      ``ValueError``: optax keeps it in Muon's Adam partition.)
 
   Example:
     >>> import forge_jax, jax, jax.numpy as jnp

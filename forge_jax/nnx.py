@@ -123,8 +123,8 @@ class Linear(nnx.Linear):
       ``make_step(..., shared="standard")`` does this automatically for
       shared layers.
     block_config: tiling of the fused kernel
-      (``pallas_kernels.BlockConfig``); ``None``: the autotuned winner for
-      this GPU and shape, else a heuristic.
+      (``pallas_kernels.BlockConfig``); ``None``: the backend and tiling the
+      kernel chooses for the case (``pallas_kernels.select_backend``).
 
   Raises (inside a step, for a fused layer):
     ValueError: a custom ``dot_general``, ``promote_dtype``,
@@ -455,8 +455,9 @@ def make_step(
   Returns:
     ``step(model, optimizer, *args, **kwargs)``, returning the loss (or
     ``(loss, aux)``) and updating ``model`` and ``optimizer`` in place.
-    ``step.standard_layers`` lists the :class:`Linear` layers (by path, e.g.
-    ``"layers/0/attn/q"``) that took the standard path in the last trace.
+    ``step.standard_layers`` lists the fused :class:`Linear` layers (by path,
+    e.g. ``"layers/0/attn/q"``) that the last trace moved to the standard
+    path (layers built with ``fused=False`` are not listed).
 
   Raises:
     ValueError: ``shared`` or ``wgrad`` is not one of the choices above.

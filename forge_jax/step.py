@@ -652,8 +652,10 @@ def make_step(
     opt_state)``. Its attribute ``step.standard_layers`` -- a list, updated
     in place at each trace (so that it is also readable through
     ``jax.jit(step)``, which copies the attribute when made) -- holds the
-    names of the FORGE layers that took the standard path (``[]``: none;
-    before the first trace, ``[]``). With ``convert=True``, also updated in
+    names of the fused FORGE layers this step moved to the standard path
+    (shared ones under ``shared="standard"``, frozen ones; ``[]``: none;
+    before the first trace, ``[]``); layers built with ``fused=False`` are
+    not listed. With ``convert=True``, also updated in
     place at each trace: ``step.converted``, the list of the names of the
     ``nn.Dense`` / ``nn.DenseGeneral`` layers that ran as FORGE layers, and
     ``step.skipped``, a dict from the name of each one left on the standard
@@ -664,9 +666,10 @@ def make_step(
       one, except global-norm clipping before one: any other form of that
       chain is refused with the reason), nor ``optax.inject_hyperparams``
       of a factory that makes one, or ``has_aux`` or ``convert`` is not a
-      bool.
+      bool, or ``mesh_layout`` is not a ``MeshLayout``.
     ValueError: ``shared`` is not ``"error"`` or ``"standard"``, or
-      ``wgrad`` not ``"fused"`` or ``"xla"``.
+      ``wgrad`` not ``"fused"`` or ``"xla"``, or a clipped chain is given
+      with ``mesh_layout``.
 
     At trace time: ``ValueError``, with ``shared="error"``, if a FORGE layer
     is called twice in a step, or its kernel is also read by anything other
@@ -677,7 +680,10 @@ def make_step(
     over the model, params cast before ``apply``), if a FORGE layer has no
     kernel at its path in ``variables["params"]`` (a second model built from
     ``forge_jax.Dense``), if ``loss_fn`` calls no FORGE layer, or if the step
-    is traced inside a named-axis map (``jax.pmap``, ``shard_map``);
+    is traced inside a named-axis map (``jax.pmap``, ``shard_map``), if
+    arrays are placed on a mesh of several devices without ``mesh_layout``
+    (or on another mesh than its), or if low-precision state
+    (``moments=``, ``stochastic_rounding=``) meets ``mesh_layout``;
     ``TypeError`` if an injected transform's ``opt_state`` is not the state
     its ``init`` made.
   """

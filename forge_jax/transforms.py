@@ -956,7 +956,9 @@ def muon(
     A :class:`ForgeTransformation`.
 
   Raises:
-    ValueError: ``muon_weight_dimension_numbers`` is given.
+    ValueError: ``muon_weight_dimension_numbers`` is given, or ``moments``
+      or ``stochastic_rounding`` is set (low-precision state is for the
+      regime-1 families).
 
   Example:
     >>> tx = forge_jax.muon(optax.cosine_decay_schedule(2e-2, 1000))
@@ -1159,8 +1161,10 @@ def scion(
     A :class:`ForgeTransformation`.
 
   Raises:
-    ValueError: at ``init``, a parameter with more than two axes (its
-      operator norm is not defined here).
+    ValueError: ``moments`` or ``stochastic_rounding`` is set
+      (low-precision state is for the regime-1 families); at ``init``, a
+      parameter with more than two axes (its operator norm is not defined
+      here).
 
   Example:
     >>> tx = forge_jax.scion(optax.cosine_decay_schedule(2**-10, 1000),
@@ -1426,8 +1430,10 @@ def adam_mini(
     A :class:`ForgeTransformation`.
 
   Raises:
-    ValueError: at ``init``, a parameter with more than two axes and no
-      ``block_axes`` for it, or ``block_axes`` naming axes it does not have.
+    ValueError: ``moments`` or ``stochastic_rounding`` is set
+      (low-precision state is for the regime-1 families); at ``init``, a
+      parameter with more than two axes and no ``block_axes`` for it, or
+      ``block_axes`` naming axes it does not have.
 
   Example:
     >>> heads = lambda path, p: (0, 2) if p.ndim == 3 else None

@@ -114,9 +114,12 @@ def fused_wgrad_update(
       one); with ``backend=None`` its type picks the backend. When
       ``None``, the chosen backend's tiling for the case: Triton's
       :func:`select_config` (the autotuned winner cached for this GPU, else
-      a heuristic); Mosaic GPU's cached entry, else
+      a heuristic); Mosaic GPU's cached entry where it covers the case,
+      else the nearest cached entry's tiling that does
+      (:func:`~pallas_kernels.tuning_cache.nearest_covering`), else
       :func:`~pallas_kernels.mosaic_kernel.default_config` (with int8
-      moments, its ``quantized`` tiling).
+      moments, its ``quantized`` tiling; always the default in interpret
+      mode).
     interpret: run in Pallas interpret mode (CPU); default: unless on a GPU
       (without one, the first such call gives an ``InterpretModeWarning``).
     layer: for a stack of layers: ``w`` and the slots are ``(L, in, out)``
@@ -132,7 +135,9 @@ def fused_wgrad_update(
       GPU where it is known to be faster -- compiled on a GPU of compute
       capability 9.0 or newer, for a case the autotune cache measured it
       faster than the Triton kernel on this device kind and that it
-      covers (int8 moments: an entry measured with them) -- and Triton
+      covers (int8 moments: an entry measured with them), or, for a case
+      without an entry, where its nearest entry of the same rule and
+      dtypes did and its tiling covers the case -- and Triton
       everywhere else, and always with fp8 moments or stochastic rounding,
       which only the Triton kernel supports
       (:func:`~pallas_kernels.tuning_cache.select_backend`;
@@ -287,8 +292,9 @@ def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
   ``x``, ``dy``, ``w`` and ``slots`` may be arrays or
   ``jax.ShapeDtypeStruct`` s (only shapes and dtypes are read), a
   quantized slot a ``Quantized`` pair of them; ``layer`` only says whether
-  the state is stacked, ``stochastic_rounding`` only whether it is asked
-  for (a call with either takes the Triton kernel).
+  the state is stacked (either backend takes a stack),
+  ``stochastic_rounding`` only whether it is asked for (with
+  ``backend=None`` such a call takes the Triton kernel).
 
   Returns:
     A :class:`~pallas_kernels.tuning_cache.BackendChoice`
@@ -362,9 +368,9 @@ def unfused_wgrad_update(x, dy, w, slots, hparams, *, rule: UpdateRule,
   the fused kernel is slower than XLA's GEMM plus an elementwise update
   (``forge_jax.make_step(..., wgrad="xla")``); called inside a layer's
   backward, ``G`` lives for that one call. Otherwise the same arguments and
-  returns as :func:`fused_wgrad_update`, without ``config`` and
-  ``interpret`` (the stacked kernel takes :meth:`BlockConfig.stored_default`
-  and runs compiled).
+  returns as :func:`fused_wgrad_update`, without ``config``, ``interpret``
+  and ``backend`` (on a GPU a stack goes through :func:`stored_g_update`
+  with its default tiling and backend, compiled).
   """
   x, dy, w, slots, plan = checked_state_inputs(
       x, dy, w, slots, hparams, rule, layer, formats, stochastic_rounding,
@@ -403,8 +409,10 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   into its stack. ``g`` is ``(in, out)`` (one layer), of any float dtype;
   it is read once, in fp32. ``config``: the tiling (``block_bt``,
   ``num_stages`` and ``group_in`` do not matter here); default
-  :meth:`BlockConfig.stored_default`. ``backend``: ``"triton"`` (the
-  default, also for ``None``) or ``"mosaic_gpu"`` (``G`` streamed through
+  :meth:`BlockConfig.stored_default`. ``backend``: ``None`` (the backend
+  of ``config``'s type, else ``$FORGE_BACKEND``'s, else Triton: the cache
+  holds no measurement of a stored ``G``), ``"triton"`` or
+  ``"mosaic_gpu"`` (``G`` streamed through
   the state ring with the state; ``config`` a ``MosaicConfig`` with
   ``state_ring``, default :func:`mosaic_kernel.stored_config`; a case it
   does not cover raises ``ValueError`` with the reason, quantized slots

@@ -41,7 +41,9 @@ following add. In interpret mode the same steps are XLA's (exact) ops: the
 quantized states equal the reference's bit for bit.
 
 **Mosaic GPU.** Asked for by name (``backend="mosaic_gpu"``, or a
-``MosaicConfig``; ``backend=None`` takes Triton), the Mosaic GPU kernel
+``MosaicConfig``), or by ``backend=None`` where the autotune cache measured
+it faster with int8 moments (fp8 moments and stochastic rounding: always
+Triton), the Mosaic GPU kernel
 takes int8 moments (64-element blocks) in its streamed epilogue, in
 sub-tiles one block wide (``epi_n=64``): the codes stream through the
 state ring, the scales, transposed around the launch so that a sub-tile's

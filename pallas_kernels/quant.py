@@ -1,9 +1,11 @@
 """Low-precision optimizer-state formats: the pure-``jnp`` reference.
 
 The arithmetic that a kernel epilogue storing quantized moments, or rounding
-a bf16 weight stochastically, must reproduce bit for bit. Nothing here is
-wired into a kernel or into ``forge_jax``/``forge_torch`` yet: this module is
-the specification those will be tested against.
+a bf16 weight stochastically, must reproduce bit for bit: the specification
+that the kernels' epilogues (:mod:`pallas_kernels.lowp`, the Mosaic GPU
+kernel's int8 epilogue) and ``forge_jax.low_precision`` implement and are
+tested against; its types (``Quantized``, ``MomentFormat``) are the ones
+they take.
 
 **Blocked formats.** A moment of a weight of shape ``(..., in, out)`` is
 stored as codes ``q`` of the same shape (int8, float8_e4m3fn or float8_e5m2)
