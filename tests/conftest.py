@@ -98,6 +98,28 @@ def pytest_configure(config):
     config.pluginmanager.register(_WorkersLeftToFull(config))
 
 
+def pytest_collection_finish(session):
+  """On a GPU machine, the GPU-marked torch tests selected (after -m / -k)
+  would each skip (their ``skipif(not torch.cuda.is_available())``) under
+  a torch without CUDA: a whole GPU check reported as skipped. Refuse the
+  run instead."""
+  if not HAS_GPU:
+    return
+  torch_gpu = [i for i in session.items
+               if "gpu" in i.keywords and "torch" in i.nodeid]
+  if not torch_gpu:
+    return
+  try:
+    import torch  # noqa: PLC0415
+  except ImportError:
+    return  # the torch test files skip at import, saying so
+  if not torch.cuda.is_available():
+    raise pytest.UsageError(
+        f"JAX sees a GPU but torch has no CUDA device: the "
+        f"{len(torch_gpu)} GPU-marked torch tests would be skipped. Install "
+        "a CUDA build of torch, or deselect them (-k 'not torch').")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m / -k: tiers.py names all tests
 def pytest_collection_modifyitems(config, items):
   # The quick tier applies when whole files or folders run; tests named on

@@ -345,6 +345,33 @@ def test_fused_wgrad_update_without_config_uses_select_config(monkeypatch):
   check_against_reference(x, dy, w, slots, adamw_hparams(), pk.ADAMW)
   assert not seen  # interpret mode never consults the cache
 
+  # Compiled (lowered for an H200 without one), config=None takes the
+  # cache's winner for the case: the Triton kernel is launched with it.
+  from pallas_kernels import fused_wgrad, triton_kernel  # noqa: PLC0415
+  from tests.harness import lower_for_cuda  # noqa: PLC0415
+  monkeypatch.setattr(tuning_cache, "current_device_kind",
+                      lambda: "NVIDIA H200")
+  launched = []
+  real_launch = triton_kernel.launch
+
+  def launch(*a, cfg, **k):
+    launched.append(cfg)
+    return real_launch(*a, cfg=cfg, **k)
+
+  monkeypatch.setattr(fused_wgrad.triton_kernel, "launch", launch)
+  bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  lower_for_cuda(
+      lambda x, dy, w, h, m, v: pk.fused_wgrad_update(
+          x, dy, w, (m, v), h, rule=pk.ADAMW, backend="triton",
+          interpret=False),
+      bf16(512, 4096), bf16(512, 1024), bf16(4096, 1024),
+      jax.ShapeDtypeStruct((pk.HPARAM_VECTOR_LEN,), jnp.float32),
+      bf16(4096, 1024), bf16(4096, 1024))
+  entry = _shipped()["devices"]["NVIDIA H200"]["entries"][
+      "adamw|bt512|4096x1024|w=bfloat16|slots=bfloat16,bfloat16"]
+  assert seen, "the compiled call did not consult the cache"
+  assert launched == [pk.BlockConfig(**entry["config"])]
+
 
 def _write_cache(path, kind, key, cfg):
   data = autotune._empty_cache()

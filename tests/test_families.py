@@ -429,6 +429,11 @@ print("PAIR_DROPPED", int(bool((np.asarray(pair) != np.asarray(
     "", "--xla_cpu_experimental_onednn_custom_call=true"],
     ids=["cpu_default", "excess_precision_pass_on"])
 def test_jitted_rule_keeps_the_rounded_product(flags):
+  """The jitted rule equals the op-by-op one. ``cpu_default`` is the
+  baseline (the pass off); ``excess_precision_pass_on`` is the case that
+  fails if the rounding is left to a convert pair XLA may drop: it needs a
+  CPU whose oneDNN build runs the pass (bf16 support), and skips, saying
+  so, elsewhere."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
              PYTHONPATH=root)

@@ -26,6 +26,16 @@ def _refuses_cleanly(fn, *args):
   assert rc not in (0, None), f"accepted (rc={rc!r})"
 
 
+def _usage_error(capsys, flag, fn, *args):
+  """``fn(*args)`` refuses ``flag`` as argparse does: exit code 2 and a
+  message naming the flag (a refusal for another reason, such as no GPU,
+  does not count)."""
+  with pytest.raises(SystemExit) as e:
+    fn(*args)
+  assert e.value.code == 2
+  assert flag in capsys.readouterr().err
+
+
 # --- pallas_kernels ----------------------------------------------------------
 
 
@@ -111,9 +121,10 @@ def test_kernel_bench_bad_flags_refuse(bad, tmp_path, monkeypatch):
     ["--bt", "16", "--seq", "0"],
     ["--d-model", "64", "--heads", "3"],
 ])
-def test_e2e_bad_flags_refuse(bad, tmp_path):
+def test_e2e_bad_flags_refuse(bad, tmp_path, capsys):
   from benchmarks import e2e
-  _refuses_cleanly(e2e.main, bad + ["--out", str(tmp_path / "e.csv")])
+  _usage_error(capsys, bad[-2], e2e.main,
+               bad + ["--out", str(tmp_path / "e.csv")])
 
 
 def test_e2e_replot_missing_csv_refuses(tmp_path):
@@ -137,10 +148,11 @@ def test_e2e_profile_refuses_on_cpu_before_running_the_model(monkeypatch):
   _refuses_cleanly(ep.main, ["--layers", "1", "--out", "/dev/null"])
 
 
-def test_e2e_profile_warmup_zero_is_a_usage_error():
+def test_e2e_profile_warmup_zero_is_a_usage_error(capsys):
   from benchmarks import e2e_profile as ep
-  _refuses_cleanly(ep.main, ["--layers", "1", "--warmup", "0", "--steps", "1",
-                             "--arms", "forge", "--out", "/dev/null"])
+  _usage_error(capsys, "--warmup", ep.main,
+               ["--layers", "1", "--warmup", "0", "--steps", "1",
+                "--arms", "forge", "--out", "/dev/null"])
 
 
 # --- python -m pallas_kernels.autotune -----------------------------------------

@@ -568,8 +568,13 @@ def test_families_with_moments_take_low_precision_state():
     for i in range(2):
       v, s = standard_step(v, s, (xs[i], ys[i]))
     family = tx.spec.family
-    assert rms_rel(got, v) <= 1e-4, family
-    assert rms_rel(got, v0) > 1e-5, family
+    # The two paths agree to fp32's bar on the weights and on their
+    # updates (which are small: SGD moves the head by about 1e-3), and
+    # the weights did move, well beyond that bar.
+    assert rms_rel(got, v) <= tol(jnp.float32), family
+    delta = lambda p: jax.tree.map(lambda a, b: a - b, p, v0)
+    assert rms_rel(delta(got), delta(v)) <= tol(jnp.float32), family
+    assert rms_rel(got, v0) > 10 * tol(jnp.float32), family
     leaf = getattr(state, tx.spec.rule.slots[0])["Dense_1"]["kernel"]
     assert isinstance(leaf, Quantized), family
 

@@ -101,8 +101,6 @@ GROUPS = (
                 "_fallback",
                 T + "test_shared_weights.py::test_standard_fallback_in_other"
                 "_regimes",
-                T + "test_families.py::test_jitted_rule_keeps_the_rounded"
-                "_product",
                 T + "test_nnx.py::test_mlp_trains_like_nnx_and_optax"),
           keep=(_cases(T + "test_families.py::test_mlp_training_matches_optax",
                        "adamw-fused", "adamw-xla", "lion-fused",
@@ -139,8 +137,6 @@ GROUPS = (
                          "_standard_fallback", "exact")
                 + _cases(T + "test_shared_weights.py::test_standard_fallback"
                          "_in_other_regimes", "lamb-kwargs0")
-                + _cases(T + "test_families.py::test_jitted_rule_keeps_the"
-                         "_rounded_product", "cpu_default")
                 + _cases(T + "test_nnx.py::test_mlp_trains_like_nnx_and"
                          "_optax", "adamw-schedule-mask"))),
     Group("Kernel variants. Every kernel keeps its reference test over odd "
