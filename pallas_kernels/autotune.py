@@ -68,16 +68,18 @@ from pallas_kernels.tuning_cache import (
     MOSAIC_MIN_CAPABILITY,
     SHIPPED_CACHE,
     TRITON,
+    bt_bucket,
     cache_key,
+    cache_paths,
     clear_cache,
     compute_capability,
     config_label,
     current_device_kind,
     describe,
     dtype_name,
+    lookup,
     parse_label,
     read_json,
-    select_config,
     validated,
 )
 
@@ -492,6 +494,23 @@ def _entry(cfg: BlockConfig | MosaicConfig, time_us: float,
           "timings_us": {k: round(v, 4) for k, v in timings_us.items()}}
 
 
+def _put(entries: dict, key: str, entry: dict, where: str) -> None:
+  """``entries[key] = entry``, where another case already took ``key`` (BTs
+  of one power-of-two bucket share it): the one measured at the larger BT
+  stays (the bucket's own BT, where measured); two at one BT are
+  refused."""
+  held = entries.get(key)
+  if held is not None:
+    if held["bt_measured"] == entry["bt_measured"]:
+      raise ValueError(
+          f"{where}: two cases measured at BT {entry['bt_measured']} map to "
+          f"cache key {key!r}; import them from separate runs or without "
+          "--any-rule")
+    if held["bt_measured"] > entry["bt_measured"]:
+      return
+  entries[key] = entry
+
+
 _SHAPE = re.compile(r"^BT=(\d+) (\d+)x(\d+)$")
 
 
@@ -572,8 +591,9 @@ def winners_from_csv(path: str, rule: str = "adamw", metric: str = "p50",
       if best_t is None or t < best_t:
         best_cfg, best_t = cfg, t
     key = cache_key(rule, bt, n_in, n_out, w, slots)
-    entries[key] = _entry(best_cfg, best_t,
-                          {config_label(c): t for c, t in rows}, bt)
+    _put(entries, key, _entry(best_cfg, best_t,
+                              {config_label(c): t for c, t in rows}, bt),
+         path)
   source = {
       "kind": "benchmarks/kernel.py CSV",
       "csv": _display_path(path),
@@ -727,9 +747,9 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
     for c, tc, _ in measured:
       timings[c.label] = min(tc, timings.get(c.label, tc))
     key = cache_key(rule or case_rule, bt, n_in, n_out, w, slots)
-    entries[key] = _entry(cfg, t, timings, bt,
-                          triton_time_us=round(triton[(case, run)], 4),
-                          run=run[0])
+    _put(entries, key, _entry(cfg, t, timings, bt,
+                              triton_time_us=round(triton[(case, run)], 4),
+                              run=run[0]), path)
   if not entries:
     raise ValueError(f"{path}: no forge_mosaic_<tiling> row has a "
                      "forge_triton row of the same case and run")
@@ -846,7 +866,8 @@ def _import_csv(data: dict, path: str, args) -> str:
     if pick == "faster":  # keep the entries already held that are faster
       held = data["devices"].get(kind, {}).get(MOSAIC_GPU, {})
       entries = {k: e for k, e in entries.items()
-                 if k not in held or e["time_us"] < held[k]["time_us"]}
+                 if k not in held or held[k].get("time_us") is None
+                 or e["time_us"] < held[k]["time_us"]}
       source = dict(source, pick=CLI_MOSAIC_PICKS[pick])
     merge(data, kind, sid, source, entries, MOSAIC_GPU)
     faster = sum(e["time_us"] < e["triton_time_us"] for e in entries.values())
@@ -900,6 +921,11 @@ def main(argv=None) -> int:
                  help="default: bfloat16")
   p.add_argument("--slot-dtype", choices=STATE_DTYPES,
                  help="dtype of every slot of the rule (default bfloat16)")
+  p.add_argument("--act-dtype", choices=STATE_DTYPES,
+                 help="dtype of x and dy (default: --w-dtype's; an fp32 "
+                 "weight in mixed precision: bfloat16, which the Mosaic GPU "
+                 "kernel needs). The cache key does not record it: entries "
+                 "serve every activation dtype")
   p.add_argument("--any-rule", action="store_true",
                  help="store the winners under rule \"any\" (used for every "
                  "rule without its own entry)")
@@ -929,12 +955,22 @@ def main(argv=None) -> int:
              if getattr(args, dest) is not None]
     if args.merge and args.any_rule:
       given.append("--any-rule")
+    if args.act_dtype is not None:
+      given.append("--act-dtype")
     if given:
       p.error(f"{', '.join(given)} choose(s) what to measure; --from-csv "
               "and --merge measure nothing")
   for dest, value in _CLI_DEFAULTS.items():
     if getattr(args, dest) is None:
       setattr(args, dest, value)
+  if not (args.from_csv or args.merge):
+    buckets = {}
+    for bt in args.tokens:
+      other = buckets.setdefault(bt_bucket(bt), bt)
+      if other != bt:
+        p.error(f"--tokens {other} and {bt} share one cache entry (BT "
+                f"{bt_bucket(bt)}: the cache keys BT by the next power of "
+                "two); give one of them")
   tuned = [TRITON, MOSAIC_GPU] if args.backend == "both" else [args.backend]
   triton_configs = [c for c in args.config or () if isinstance(c, BlockConfig)]
   mosaic_configs = [c for c in args.config or ()
@@ -1014,7 +1050,8 @@ def main(argv=None) -> int:
       res = None
       if TRITON in tuned:
         res = tune(bt, n_in, n_out, args.w_dtype, slots, rule,
-                   configs=triton_configs or None, verbose=True)
+                   configs=triton_configs or None, verbose=True,
+                   act_dtype=args.act_dtype)
         entries[key] = _entry(
             res.best, res.best_s * 1e6,
             {config_label(c): t * 1e6 for c, t in res.timings.items()}, bt,
@@ -1023,16 +1060,18 @@ def main(argv=None) -> int:
               flush=True)
       if MOSAIC_GPU in tuned:
         if res is None:  # the Triton kernel as it would run: its tiling
-          base = select_config(bt, n_in, n_out, args.w_dtype, slots, rule,
-                               interpret=False)
+          # (the cache files that exist: --out may not yet)
+          base = lookup(bt, n_in, n_out, args.w_dtype, slots, rule,
+                        paths=cache_paths(missing_ok=True)) or BlockConfig.compiled_default(
+                            bt, n_in, n_out, dtype_name(args.w_dtype))
           print(f"  triton {config_label(base)} (its tiling for the case):",
                 flush=True)
           res = tune(bt, n_in, n_out, args.w_dtype, slots, rule,
-                     configs=[base], verbose=True)
+                     configs=[base], verbose=True, act_dtype=args.act_dtype)
         try:
           mres = tune(bt, n_in, n_out, args.w_dtype, slots, rule,
                       configs=mosaic_configs or None, verbose=True,
-                      backend=MOSAIC_GPU)
+                      backend=MOSAIC_GPU, act_dtype=args.act_dtype)
         except RuntimeError as e:
           print(f"  mosaic_gpu: no entry ({e})", flush=True)
         else:

@@ -242,15 +242,25 @@ def validated(data: dict, where: str) -> dict:
       except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{where}: bad {MOSAIC_GPU} entry {kind!r} / "
                          f"{key!r}: {e}") from e
+      if mosaic[(kind, key)].config.approx_math:
+        raise ValueError(
+            f"{where}: {MOSAIC_GPU} entry {kind!r} / {key!r} uses "
+            "approx_math (,ax), which changes the rule's arithmetic; a "
+            "cache holds tilings with the reference's only")
   return {"data": data, "configs": configs, "mosaic": mosaic}
 
 
-def cache_paths() -> list[str]:
+def cache_paths(missing_ok: bool = False) -> list[str]:
   """The files :func:`lookup` consults, first match wins: the one named by
-  ``$FORGE_AUTOTUNE_CACHE`` (if set), then the shipped one."""
+  ``$FORGE_AUTOTUNE_CACHE`` (if set), then the shipped one.
+
+  Raises:
+    FileNotFoundError: the variable names no file (``missing_ok``: that
+      file is left out instead, as the tuner does before writing it).
+  """
   paths = []
   env = os.environ.get(ENV_VAR)
-  if env:
+  if env and not (missing_ok and not os.path.isfile(env)):
     if not os.path.isfile(env):
       raise FileNotFoundError(
           f"${ENV_VAR}={env!r} does not name a file (unset it to use only "
@@ -331,10 +341,13 @@ def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
     device_kind = current_device_kind()
   if device_kind is None or n_in < 1 or n_out < 1:  # (no weight: no size)
     return []
-  rules = {_rule_name(rule), ANY_RULE}
+  # The rule's own entries first, then its tuned_as rule's, then "any"
+  # (lookup's order) where the distances tie.
+  rules = {ANY_RULE: 2}
   tuned_as = getattr(rule, "tuned_as", None)
   if tuned_as is not None:
-    rules.add(_rule_name(tuned_as))
+    rules[_rule_name(tuned_as)] = 1
+  rules[_rule_name(rule)] = 0
   dtypes = _dtypes_key(w_dtype, slot_dtypes)
   log = math.log2
   found = {}
@@ -348,7 +361,7 @@ def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
       found[key] = ((abs(log(bt_bucket(bt)) - log(e_bt)),
                      abs(log(n_in * n_out) - log(e_in * e_out)),
                      abs(log(n_in / n_out) - log(e_in / e_out)), -e_bt,
-                     rank, key),
+                     rank, rules[m["rule"]], key),
                     entry)
   return [(key, entry) for key, (_, entry) in
           sorted(found.items(), key=lambda kv: kv[1][0])]
@@ -408,7 +421,8 @@ def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
     cfg = lookup(bt, n_in, n_out, w_dtype, slot_dtypes, rule)
     if cfg is not None:
       return cfg
-    return BlockConfig.compiled_default(bt, n_in, n_out, w_dtype)
+    return BlockConfig.compiled_default(bt, n_in, n_out,
+                                        dtype_name(w_dtype))
   return BlockConfig.default(bt, n_in, n_out)
 
 

@@ -1104,6 +1104,10 @@ def test_approximate_tilings_are_timed_but_never_cached(tmp_path):
     (["--backend", "mosaic_gpu", "--config", "64x64x64,g1,w4,s3"],
      "is a triton tiling, but --backend mosaic_gpu"),
     (["--config", "128x128x64/4,q1"], "unknown knob 'q1'"),
+    (["--tokens", "384", "512"], "--tokens 384 and 512 share one cache "
+     "entry (BT 512"),
+    (["--from-csv", "x.csv", "--act-dtype", "bfloat16"],
+     "--act-dtype choose(s) what to measure"),
     (["--backend", "mosaic_gpu", "--config", "128x128x64/4,pp,ax"],
      "--config 128x128x64/4,pp,ax: approx_math (,ax) changes the rule's"),
 ])
@@ -1113,6 +1117,36 @@ def test_autotune_cli_mosaic_usage_errors(argv, match, tmp_path, capsys):
   assert e.value.code == 2
   assert match in capsys.readouterr().err
   assert not (tmp_path / "t.json").exists()
+
+
+def test_one_bucket_keeps_the_case_measured_at_its_own_bt(tmp_path):
+  """BT 384 and 512 share the cache's BT-512 entry: the case measured at
+  BT 512 is kept, whichever the CSV lists first; a held entry without a
+  time of its own is beaten by any measured one (--mosaic-pick faster)."""
+  b = "forge_mosaic_64x128x64/2"
+  for order in (1, -1):
+    path = tmp_path / f"b{order}.csv"
+    _backends_csv(path, [
+        (1, "c1", "BT=384 4096x4096", "bf16", "forge_triton", 70.0),
+        (1, "c1", "BT=384 4096x4096", "bf16", b, 90.0),
+        (1, "c1", "BT=512 4096x4096", "bf16", "forge_triton", 100.0),
+        (1, "c1", "BT=512 4096x4096", "bf16", b, 80.0),
+    ][::order])
+    _, _, _, entries = autotune.mosaic_winners_from_csv(str(path))
+    (entry,) = entries.values()
+    assert entry["bt_measured"] == 512
+    assert (entry["time_us"], entry["triton_time_us"]) == (80.0, 100.0)
+  out = tmp_path / "held.json"
+  data = autotune._empty_cache()
+  key = tuning_cache.cache_key("adamw", 512, 4096, 4096, "bf16", BF16)
+  autotune.merge(data, "Fake GPU", "hand", {"kind": "hand"}, {key: {
+      "config": dataclasses.asdict(M.from_label("64x64x64/3")),
+      "triton_time_us": 100.0}}, "mosaic_gpu")
+  autotune.write(str(out), data)
+  assert autotune.main(["--from-csv", str(tmp_path / "b1.csv"),
+                        "--mosaic-pick", "faster", "--out", str(out)]) == 0
+  held = json.loads(out.read_text())["devices"]["Fake GPU"]["mosaic_gpu"]
+  assert held[key]["time_us"] == 80.0
 
 
 def test_bad_backends_csvs_fail_clearly(tmp_path):
@@ -1231,6 +1265,34 @@ def test_autotune_cli_tunes_the_mosaic_backend(tmp_path, monkeypatch):
   assert list(mosaic["timings_us"]) == [labels[0]]
   assert mosaic["triton_time_us"] == triton["time_us"] == pytest.approx(5.0)
   assert mosaic["triton_config"] == "16x16x16,g1,w4,s2"  # first of equals
+  # $FORGE_AUTOTUNE_CACHE naming a file not written yet (the default
+  # --out): the Triton baseline reads the shipped cache alone, and the
+  # run writes that file.
+  fresh = tmp_path / "fresh.json"
+  monkeypatch.setenv(tuning_cache.ENV_VAR, str(fresh))
+  # (the cache lookup asks for the device kind too)
+  monkeypatch.setattr(tuning_cache, "current_device_kind", lambda: "Fake GPU")
+  tuning_cache.clear_cache()
+  assert autotune.main(["--backend", "mosaic_gpu", "--shapes", "256x256",
+                        "--tokens", "128", "--config", labels[0]]) == 0
+  (entry,) = json.loads(fresh.read_text())["devices"]["Fake GPU"][
+      "mosaic_gpu"].values()
+  assert list(entry["timings_us"]) == [labels[0]]
+  # An fp32 weight: the Mosaic GPU kernel takes bf16 x and dy only, so its
+  # entry needs --act-dtype bfloat16 (mixed precision); with fp32 ones
+  # (the default: the weight's dtype) there is none.
+  f32 = ["--backend", "mosaic_gpu", "--shapes", "256x256", "--tokens", "128",
+         "--w-dtype", "float32", "--slot-dtype", "float32", "--config",
+         labels[0]]
+  key = tuning_cache.cache_key("adamw", 128, 256, 256, "float32",
+                               ("float32", "float32"))
+  assert autotune.main(f32 + ["--out", str(tmp_path / "f1.json")]) == 0
+  assert key not in json.loads((tmp_path / "f1.json").read_text())[
+      "devices"]["Fake GPU"].get("mosaic_gpu", {})
+  assert autotune.main(f32 + ["--act-dtype", "bfloat16",
+                              "--out", str(tmp_path / "f2.json")]) == 0
+  assert key in json.loads((tmp_path / "f2.json").read_text())[
+      "devices"]["Fake GPU"]["mosaic_gpu"]
 
 
 def test_autotune_cli_refuses_mosaic_below_hopper(tmp_path, monkeypatch,

@@ -683,3 +683,45 @@ def test_forge_jax_layers_train_the_same_on_the_mosaic_backend(monkeypatch):
   for a, b in zip(results["triton"], results["mosaic_gpu"]):
     np.testing.assert_array_equal(np.asarray(a, np.float32),
                                   np.asarray(b, np.float32))
+
+
+def test_nearest_entries_tie_as_the_exact_lookup_orders_rules(tmp_path,
+                                                              monkeypatch):
+  """Entries as near as each other: the rule's own first, then its
+  ``tuned_as`` rule's, then ``"any"``'s -- the exact lookup's order, not
+  the keys' spelling ("adamw|" sorts before "adam|", "any|" before
+  "sgd|")."""
+  key = lambda rule, slots="bfloat16,bfloat16": (
+      f"{rule}|bt512|4096x4096|w=bfloat16|slots={slots}")
+  entry = ("128x64x64/5,pn,pp,lp,nb", 80.0, 100.0)
+  _cache_of(tmp_path, monkeypatch, {
+      key("adam"): entry, key("adamw"): entry, key("any"): entry,
+      key("sgd", ""): entry, key("any", ""): entry})
+  near = lambda rule, slots: [k for k, _ in tuning_cache.nearest_mosaic(
+      256, 4096, 4096, BF16, slots, rule, device_kind="NVIDIA H200")]
+  adam = pk.adam_rule()
+  assert adam.tuned_as is not None
+  assert near(adam, (BF16, BF16)) == [key("adam"), key("adamw"), key("any")]
+  assert near(pk.sgd_rule(), ()) == [key("sgd", ""), key("any", "")]
+
+
+def test_a_cache_file_with_an_approx_math_tiling_is_refused(tmp_path):
+  """The cache keeps the reference's arithmetic: a Mosaic GPU entry with
+  approx_math (,ax), hand-written or merged, makes the file invalid."""
+  data = autotune._empty_cache()
+  key = tuning_cache.cache_key(pk.ADAMW, 512, 4096, 4096, BF16, (BF16, BF16))
+  autotune.merge(data, "NVIDIA H200", "test", {"kind": "test"}, {key: {
+      "config": dataclasses.asdict(M.from_label("128x128x64/4,pp,ax")),
+      "time_us": 1.0, "triton_time_us": 2.0}}, "mosaic_gpu")
+  with pytest.raises(ValueError, match="approx_math"):
+    tuning_cache.validated(data, "mine.json")
+
+
+def test_a_dtype_alias_takes_the_heuristic_on_a_cache_miss(monkeypatch):
+  """``select_config`` accepts dtype names ("bf16") as the cache lookup
+  does, also where the cache has no entry and the heuristic decides."""
+  _gpu(monkeypatch)
+  got = pk.select_config(512, 4000, 4000, "bf16", ("bf16", "bf16"),
+                         pk.ADAMW, interpret=False)
+  assert got == pk.BlockConfig.compiled_default(512, 4000, 4000,
+                                                jnp.bfloat16)
