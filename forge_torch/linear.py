@@ -724,6 +724,12 @@ def _skip_reason(module: nn.Module, names_of_weight: list[str]) -> str | None:
             "convert())")
   if w.numel() == 0:
     return "its weight is empty: there is nothing to update"
+  if not w.is_contiguous():
+    return ("its weight is not contiguous in memory (e.g. a transposed view "
+            "assigned as the Parameter); the fused kernel updates a weight in "
+            "place, row-major: make it contiguous (layer.weight = "
+            "nn.Parameter(layer.weight.detach().contiguous())) before "
+            "convert()")
   return None
 
 

@@ -605,6 +605,7 @@ class _ForgeOptimizer:
     state["_forge_max_grad_norm"] = self.max_grad_norm
     state["_forge_low_precision"] = (self._forge_moments, self._forge_sr,
                                      self._forge_seed)
+    state["_forge_last_grad_norm"] = getattr(self, "last_grad_norm", None)
     state["_forge_managed_at"] = [
         (gi, pi) for gi, g in enumerate(self.param_groups)
         for pi, p in enumerate(g["params"]) if p in self._forge_managed]
@@ -619,7 +620,10 @@ class _ForgeOptimizer:
     k = state.pop("_forge_accumulate_steps", None)
     clip = state.pop("_forge_max_grad_norm", None)
     low = state.pop("_forge_low_precision", None)
+    norm = state.pop("_forge_last_grad_norm", None)
     super().__setstate__(state)
+    if "last_grad_norm" not in self.__dict__:
+      self.last_grad_norm = norm
     if low is not None:
       self._forge_set_low_precision(*low)
     if clip is not None:
@@ -628,6 +632,7 @@ class _ForgeOptimizer:
       self._forge_accumulate_steps = k
     if at is None:  # torch's load_state_dict ends here: keep the registry
       return
+    self._forge_constructed = True
     self._forge_init_registry()
     for gi, pi in at:
       p = self.param_groups[gi]["params"][pi]
@@ -635,6 +640,9 @@ class _ForgeOptimizer:
       self._forge_take(p, gi)
 
   def _forge_init_registry(self) -> None:
+    # The param_groups list's groups when _forge_managed's indices were last
+    # read from it (_forge_check_groups).
+    self._forge_group_ids = None
     self._forge_managed = _linear.WeakIdMap()  # managed weight -> group
     # managed weight -> _bridge.ViewCache (its state's JAX views, CUDA)
     self._forge_views = _linear.WeakIdMap()
@@ -642,6 +650,32 @@ class _ForgeOptimizer:
     # optimizer last wrote it (_forge_step_count), and a CPU one's view
     self._forge_steps = _linear.WeakIdMap()
     self._forge_reset_step()
+
+  def _forge_check_groups(self) -> None:
+    """Reads again which param group holds each managed weight when
+    ``param_groups`` itself changed (a group removed, inserted or
+    reordered; ``load_state_dict``'s new group dicts), so that no update
+    takes another group's options by a stale index. A weight that is in no
+    group any more is no longer managed here (its layer's forward then says
+    so)."""
+    ids = tuple(map(id, self.param_groups))
+    if ids == self._forge_group_ids:
+      return
+    where = {}
+    for index, group in enumerate(self.param_groups):
+      for q in group["params"]:
+        where.setdefault(_key(q), index)
+    for p in list(self._forge_managed):
+      index = where.get(_key(p))
+      if index is None:
+        self._forge_managed.pop(p, None)
+      else:
+        self._forge_managed[p] = index
+    # (Per group index: this step's options, rules and scalars.)
+    self._forge_used.clear()
+    self._forge_scalars.clear()
+    self._forge_capture_vecs.clear()
+    self._forge_group_ids = ids
 
   def _forge_step_count(self, step) -> tuple[float, _StepRecord | None]:
     """``state["step"]``'s value, and its :class:`_StepRecord` if this
@@ -806,10 +840,12 @@ class _ForgeOptimizer:
     ``autocast_dtype``: the dtype ``torch.autocast`` runs the layer in
     (``x`` is cast to it already), or ``None`` outside autocast."""
     wk = _key(w)
+    if tuple(map(id, self.param_groups)) != self._forge_group_ids:
+      self._forge_check_groups()
     if wk not in self._forge_managed._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
-          "optimizer")
+          "optimizer (it is in none of its param_groups)")
     if w.dtype not in _bridge.SUPPORTED_DTYPES:
       _bridge.check_dtype(w, f"the weight of forge_torch.Linear {layer}")
     if x.device != w.device:
@@ -886,10 +922,12 @@ class _ForgeOptimizer:
     (``accumulate_steps > 1``: ``G`` added to the weight's buffer, except on
     the step's last micro-batch, which steps from the sum)."""
     pk = _key(p)
+    if tuple(map(id, self.param_groups)) != self._forge_group_ids:
+      self._forge_check_groups()
     if pk not in self._forge_managed._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
-          "optimizer")
+          "optimizer (it is in none of its param_groups)")
     if pk in self._forge_updated._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: a second backward reached this weight "
@@ -1036,11 +1074,11 @@ class _ForgeOptimizer:
         group, device)
     state = self.state.get(p, {})  # (self.state is a defaultdict)
     fresh = len(state) == 0
+    new_state = None  # a fresh state, stored once the update has run
     if fresh:  # as torch's _init_group (which keeps no entry when it has none)
       init = self._forge_init_state(p, group)
       if init:
-        state = self.state[p]
-        state.update(init)
+        state = new_state = dict(init)
     fmt = (None if self._forge_format is None
            else self._forge_moment_format(p))
     if fmt is not None:  # initial moments (fresh, or Adagrad's), quantized
@@ -1128,6 +1166,9 @@ class _ForgeOptimizer:
       _bridge.fused_update(grad_output, input, weight, kernel_slots, hparams,
                            rule=kernel_rule, config=config, views=views,
                            stochastic_rounding=sr)
+    if new_state is not None:  # (an update that raised leaves none behind)
+      self.state[p].update(new_state)
+      state = self.state[p]
     if acc is not None:  # consumed: its memory is freed
       views.discard(acc)
       self._forge_acc.pop(p, None)

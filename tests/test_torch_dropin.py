@@ -140,6 +140,18 @@ def test_convert_reports_skipped_layers_with_reasons():
   assert "0.fc2:" in message and "2: its weight is torch.float64" in message
 
 
+def test_convert_skips_a_non_contiguous_weight_with_the_fix():
+  """A transposed view assigned as the weight: torch.optim trains it, the
+  in-place kernel cannot, so convert() leaves the layer nn.Linear and says
+  how to make it convertible."""
+  model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+  model[0].weight = nn.Parameter(torch.randn(4, 8).t())
+  with pytest.warns(forge_torch.ConvertSkipWarning, match="not contiguous"):
+    names = forge_torch.convert(model)
+  assert names == ["1"] and "contiguous()" in names.skipped["0"]
+  assert type(model[0]) is nn.Linear
+
+
 def test_convert_exclude():
   model = _model()
   with warnings.catch_warnings():

@@ -781,3 +781,83 @@ def test_device_powf_computes_a_block_of_steps_per_round_trip(monkeypatch):
   # Per beta: the block from t=1 (up to t=block), the next from block + 1,
   # one from 3.5; for 0.1 (no fp32 number) a block, then that t alone.
   assert len(calls) == 2 * 5
+
+
+def test_editing_param_groups_keeps_each_weight_with_its_own_options():
+  """A param group removed from ``param_groups`` (the list edited, as
+  torch allows): every other managed weight still takes its own group's
+  options, as torch's step does; a weight left in no group is refused
+  at its layer's forward."""
+  torch.manual_seed(0)
+  ref = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 11),
+                      nn.Tanh(), nn.Linear(11, 3))
+  fm = copy.deepcopy(ref)
+  forge_torch.convert(fm)
+  groups = lambda m: [{"params": list(m[i].parameters()), "lr": lr}
+                      for i, lr in ((0, 0.5), (2, 0.1), (4, 0.01))]
+  o_r = torch.optim.SGD(groups(ref), lr=0.1, momentum=0.9)
+  o_f = forge_torch.SGD(groups(fm), lr=0.1, momentum=0.9)
+  x, y = data()
+  for step in range(4):
+    if step == 1:
+      del o_r.param_groups[0], o_f.param_groups[0]
+      with pytest.raises(RuntimeError, match="none of its param_groups"):
+        fm(x)
+      fm[0].fused = False  # (torch: its parameters are no longer stepped)
+    for m, o in ((ref, o_r), (fm, o_f)):
+      o.zero_grad()
+      F.mse_loss(m(x), y).backward()
+      o.step()
+  assert_models_close(fm, ref)
+
+
+def test_an_update_that_raised_leaves_no_fresh_state_behind(monkeypatch):
+  """The first update of a weight creates its state (SGD's momentum buffer,
+  whose first step is torch's ``clone(grad)``); if that update raises (an
+  out-of-memory, say), no state is left, and the retried step is still
+  torch's first one."""
+  from forge_torch import optim as forge_optim  # noqa: PLC0415
+  ref, fm = pair()
+  kw = dict(lr=0.1, momentum=0.9, dampening=0.5)
+  o_r, o_f = torch.optim.SGD(ref.parameters(), **kw), forge_torch.SGD(
+      fm.parameters(), **kw)
+  x, y = data()
+  real = forge_optim._bridge.fused_update  # noqa: SLF001
+  calls = []
+
+  def fail_once(*a, **k):
+    calls.append(1)
+    if len(calls) == 1:
+      raise RuntimeError("out of memory (simulated)")
+    return real(*a, **k)
+
+  monkeypatch.setattr(forge_optim._bridge, "fused_update", fail_once)  # noqa: SLF001
+  try:  # (the graph is freed with the exception: the batch is skipped)
+    F.mse_loss(fm(x), y).backward()
+  except RuntimeError as e:
+    assert "simulated" in str(e)
+  else:
+    pytest.fail("the simulated failure did not surface")
+  assert all(len(o_f.state[p]) == 0 for p in o_f.managed_params)
+  o_f.zero_grad()
+  for _ in range(3):
+    for m, o in ((ref, o_r), (fm, o_f)):
+      F.mse_loss(m(x), y).backward()
+      o.step()
+      o.zero_grad()
+  assert_models_close(fm, ref)
+
+
+def test_a_copied_optimizer_keeps_the_last_clipped_norm():
+  """``last_grad_norm`` (max_grad_norm's last measured norm) survives
+  ``copy.deepcopy`` of the optimizer, as its other settings do."""
+  _, fm = pair()
+  opt = forge_torch.AdamW(fm.parameters(), lr=1e-2, max_grad_norm=1.0)
+  x, y = data()
+  opt.step(lambda: F.mse_loss(fm(x), y).backward())
+  assert opt.last_grad_norm is not None
+  twin = copy.deepcopy(opt)
+  assert torch.equal(twin.last_grad_norm, opt.last_grad_norm)
+  assert twin.max_grad_norm == 1.0
+  assert copy.deepcopy(forge_torch.SGD(fm.parameters(), lr=0.1)
+                       ).last_grad_norm is None
