@@ -19,6 +19,8 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
+import jax
+import jax.numpy as jnp
 import optax
 from optax.schedules import _inject as optax_inject
 
@@ -99,6 +101,41 @@ def this_step_hyperparams(inj: Injected, opt_state, params) -> dict:
       f(opt_state.hyperparams_states[k]), dtype)
              for k, f in inj.sched_hps.items()})
   return hp
+
+
+def check_dtype_of_the_rest(inj: Injected, opt_state, params,
+                            params_rest) -> None:
+  """Refuses a step whose injected hyperparameters optax would cast to
+  another dtype than in the reference step.
+
+  Without ``hyperparam_dtype`` optax casts the hyperparameters that are not
+  strongly typed arrays (a Python float set into ``opt_state.hyperparams``,
+  a schedule's value) to the widest float dtype of the parameters it is
+  given. The step gives it every parameter but the FORGE kernels
+  (``params_rest``); where those are narrower than the whole tree (an fp32
+  kernel beside bf16 norms, say), the other parameters would step with
+  narrower hyperparameters than optax's own step uses (``b2 = 0.999`` is
+  1.0 in bf16)."""
+  if inj.hyperparam_dtype is not None:
+    return
+  loose = bool(inj.sched_hps) or any(
+      not (isinstance(v, jax.Array) and not getattr(v, "weak_type", False))
+      and jnp.issubdtype(jnp.result_type(v), jnp.floating)
+      for v in opt_state.hyperparams.values())
+  if not loose or not jax.tree.leaves(params_rest):
+    return
+  whole = optax.tree.dtype(params, "highest")
+  rest = optax.tree.dtype(params_rest, "highest")
+  if whole != rest:
+    raise ValueError(
+        f"make_step: optax.inject_hyperparams without hyperparam_dtype casts "
+        f"scheduled or Python-float hyperparameters to the parameters' "
+        f"widest dtype, {jnp.dtype(whole).name} for this model; the "
+        f"parameters optax updates beside the FORGE kernels are at most "
+        f"{jnp.dtype(rest).name}, so they would step with "
+        f"{jnp.dtype(rest).name} hyperparameters. Pass "
+        f"optax.inject_hyperparams(..., hyperparam_dtype=jnp."
+        f"{jnp.dtype(whole).name}).")
 
 
 def _not_forge(inj: Injected, made) -> TypeError:

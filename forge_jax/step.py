@@ -498,6 +498,9 @@ def _optax_update(tx, grads, params, opt_state, params_def, cut):
   """
   grads_rest = _replace_leaves(grads, cut)
   params_rest = _replace_leaves(params, cut)
+  injected = _inject.recognise(tx)
+  if injected is not None:
+    _inject.check_dtype_of_the_rest(injected, opt_state, params, params_rest)
   state_rest = _state.map_per_param(
       opt_state, params_def, lambda i, t: _state.replace_subtrees(t, cut))
   with _context.full_params(params):
@@ -685,7 +688,10 @@ def make_step(
     (or on another mesh than its), or if low-precision state
     (``moments=``, ``stochastic_rounding=``) meets ``mesh_layout``;
     ``TypeError`` if an injected transform's ``opt_state`` is not the state
-    its ``init`` made.
+    its ``init`` made; ``ValueError`` if its scheduled or Python-float
+    hyperparameters would be cast, without ``hyperparam_dtype``, to a
+    narrower dtype than in optax's own step (the parameters beside the
+    FORGE kernels narrower than the whole tree).
   """
   _check_step_arguments(tx, shared, has_aux, wgrad)
   # Global-norm clipping: tx is optax.chain(clip_by_global_norm, optimizer);

@@ -12,6 +12,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -293,3 +294,45 @@ def test_converted_lm_with_scanned_blocks_keeps_its_boxes_and_trains():
     get = lambda t: functools.reduce(lambda n, k: n[k], layer,
                                      blocks(t))["kernel"]
     assert rel_err(get(vr), get(plain)) > 1e-3, layer  # it trained
+
+
+class _ScaledDense(nn.Module):
+  """A bf16 scale (optax's to update) before an fp32 kernel (FORGE's)."""
+  dense: Any = forge_jax.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    s = self.param("scale", nn.initializers.ones, (12,), jnp.bfloat16)
+    return self.dense(8, use_bias=False)(x * s.astype(jnp.float32))
+
+
+def test_injected_float_hyperparameters_with_narrower_other_params():
+  """optax casts a Python-float (or scheduled) injected hyperparameter to
+  the widest dtype of the parameters it updates; beside an fp32 FORGE
+  kernel the others are bf16 here, so the step refuses, naming the fix
+  (hyperparam_dtype), and with it matches optax."""
+  x, y = jnp.linspace(-1, 1, 48).reshape(4, 12), jnp.zeros((4, 8))
+  loss = lambda m: (lambda v, b: jnp.mean((m.apply(v, b[0]) - b[1]) ** 2))
+  v = _ScaledDense().init(jax.random.key(0), x)
+
+  def run(forge, **inject):
+    tx = optax.inject_hyperparams(
+        forge_jax.adamw if forge else optax.adamw, **inject)(
+            learning_rate=1e-2)
+    model = _ScaledDense() if forge else _ScaledDense(dense=nn.Dense)
+    s = tx.init(v["params"])
+    s.hyperparams["b2"] = 0.999  # a Python float: optax casts it
+    if forge:
+      step = forge_jax.make_step(loss(model), tx)
+      return jax.jit(step)(v, s, (x, y))[1]["params"]
+    g = jax.grad(loss(model))(v, (x, y))["params"]
+    u, _ = tx.update(g, s, v["params"])
+    return optax.apply_updates(v["params"], u)
+
+  with pytest.raises(ValueError, match="hyperparam_dtype=jnp.float32"):
+    run(True)
+  got, want = (run(f, hyperparam_dtype=jnp.float32) for f in (True, False))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.isfinite(np.asarray(a, np.float32)).all()
+    err = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()
+    assert err <= tol(jnp.float32) * np.abs(np.asarray(b, np.float64)).max()
