@@ -642,7 +642,7 @@ class _ForgeOptimizer:
   def _forge_init_registry(self) -> None:
     # The param_groups list's groups when _forge_managed's indices were last
     # read from it (_forge_check_groups).
-    self._forge_group_ids = None
+    self._forge_groups_seen = None
     self._forge_managed = _linear.WeakIdMap()  # managed weight -> group
     # managed weight -> _bridge.ViewCache (its state's JAX views, CUDA)
     self._forge_views = _linear.WeakIdMap()
@@ -658,9 +658,6 @@ class _ForgeOptimizer:
     takes another group's options by a stale index. A weight that is in no
     group any more is no longer managed here (its layer's forward then says
     so)."""
-    ids = tuple(map(id, self.param_groups))
-    if ids == self._forge_group_ids:
-      return
     where = {}
     for index, group in enumerate(self.param_groups):
       for q in group["params"]:
@@ -675,7 +672,7 @@ class _ForgeOptimizer:
     self._forge_used.clear()
     self._forge_scalars.clear()
     self._forge_capture_vecs.clear()
-    self._forge_group_ids = ids
+    self._forge_groups_seen = list(self.param_groups)
 
   def _forge_step_count(self, step) -> tuple[float, _StepRecord | None]:
     """``state["step"]``'s value, and its :class:`_StepRecord` if this
@@ -840,8 +837,9 @@ class _ForgeOptimizer:
     ``autocast_dtype``: the dtype ``torch.autocast`` runs the layer in
     (``x`` is cast to it already), or ``None`` outside autocast."""
     wk = _key(w)
-    if tuple(map(id, self.param_groups)) != self._forge_group_ids:
-      self._forge_check_groups()
+    seen = self._forge_groups_seen
+    if seen is None or len(seen) != len(self.param_groups):
+      self._forge_check_groups()  # (a group added or removed)
     if wk not in self._forge_managed._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
@@ -922,7 +920,12 @@ class _ForgeOptimizer:
     (``accumulate_steps > 1``: ``G`` added to the weight's buffer, except on
     the step's last micro-batch, which steps from the sum)."""
     pk = _key(p)
-    if tuple(map(id, self.param_groups)) != self._forge_group_ids:
+    # The group index the weight was registered with must still name its
+    # group (param_groups edited since: read again).
+    index, groups = self._forge_managed._values.get(pk), self.param_groups
+    seen = self._forge_groups_seen
+    if (seen is None or len(seen) != len(groups) or index is not None
+        and groups[index] is not seen[index]):
       self._forge_check_groups()
     if pk not in self._forge_managed._values:
       raise RuntimeError(
