@@ -23,8 +23,9 @@ convention (``jax.experimental.mosaic.gpu.core``'s, whose ABI changed in
 jaxlib 0.12: kernel and device arguments added).
 
 A kernel is launched directly only where the backend choice takes Mosaic
-GPU (``forge_torch._bridge``'s ``_resolve``); everything else (the Triton backend, the CPU,
-operands the Mosaic kernel does not take) goes through DLPack.
+GPU (``forge_torch._bridge``'s ``_resolve``); everything else (the Triton
+backend, the CPU, operands the Mosaic kernel does not take) goes through
+DLPack.
 """
 
 from __future__ import annotations

@@ -1550,14 +1550,15 @@ _COMMON_DOC = """
   bf16 operands.
 
   Raises at run time (clear errors): a managed layer run again before
-  ``step()`` once its forward has run a backward or while that forward's
-  graph is alive (more than ``accumulate_steps`` times with accumulation); ``torch.amp.GradScaler`` (from
-  ``scaler.step``); input and weight on different devices or of different
-  dtypes (outside autocast); a weight that is not float32 or bfloat16;
-  float16 autocast; a managed weight that also received an ordinary gradient
-  in the step (a tied/shared weight: keep that layer an ``nn.Linear``); group
-  options changed after a weight's state was created so that the state lacks a
-  tensor the update needs (e.g. RMSprop ``momentum`` turned on later).
+  ``step()`` once its forward has run a backward or while that forward's graph
+  is alive (more than ``accumulate_steps`` times with accumulation);
+  ``torch.amp.GradScaler`` (from ``scaler.step``); input and weight on
+  different devices or of different dtypes (outside autocast); a weight that
+  is not float32 or bfloat16; float16 autocast; a managed weight that also
+  received an ordinary gradient in the step (a tied/shared weight: keep that
+  layer an ``nn.Linear``); group options changed after a weight's state was
+  created so that the state lacks a tensor the update needs (e.g. RMSprop
+  ``momentum`` turned on later).
 
   If a managed weight is given to a second forge_torch optimizer, the newest
   one owns it.

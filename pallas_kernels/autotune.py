@@ -1062,8 +1062,10 @@ def main(argv=None) -> int:
         if res is None:  # the Triton kernel as it would run: its tiling
           # (the cache files that exist: --out may not yet)
           base = lookup(bt, n_in, n_out, args.w_dtype, slots, rule,
-                        paths=cache_paths(missing_ok=True)) or BlockConfig.compiled_default(
-                            bt, n_in, n_out, dtype_name(args.w_dtype))
+                        paths=cache_paths(missing_ok=True))
+          if base is None:
+            base = BlockConfig.compiled_default(bt, n_in, n_out,
+                                                dtype_name(args.w_dtype))
           print(f"  triton {config_label(base)} (its tiling for the case):",
                 flush=True)
           res = tune(bt, n_in, n_out, args.w_dtype, slots, rule,

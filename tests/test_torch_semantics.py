@@ -831,7 +831,8 @@ def test_an_update_that_raised_leaves_no_fresh_state_behind(monkeypatch):
       raise RuntimeError("out of memory (simulated)")
     return real(*a, **k)
 
-  monkeypatch.setattr(forge_optim._bridge, "fused_update", fail_once)  # noqa: SLF001
+  monkeypatch.setattr(forge_optim._bridge,  # noqa: SLF001
+                      "fused_update", fail_once)
   try:  # (the graph is freed with the exception: the batch is skipped)
     F.mse_loss(fm(x), y).backward()
   except RuntimeError as e:
