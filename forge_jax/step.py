@@ -299,6 +299,11 @@ class _FusedLayers:
         d.pop(p, None)
 
 
+# Why a layer whose kernel has no elements takes the standard path (there is
+# nothing to update; optax's update of an empty array is itself empty).
+_EMPTY = "its kernel has a zero-size dimension"
+
+
 def _split_by_policy(found: _context.StepContext):
   """Splits the discovered layers into fused ones and standard-path ones.
 
@@ -312,9 +317,10 @@ def _split_by_policy(found: _context.StepContext):
     inputs yet, and ``{path: why}`` for the standard-path layers.
   """
   fallback = {p: (f"called {info.calls} times" if info.calls > 1
-                  else info.unfusable)
+                  else info.unfusable or _EMPTY)
               for p, info in found.layers.items()
-              if info.calls > 1 or info.unfusable}
+              if info.calls > 1 or info.unfusable
+              or 0 in tuple(info.kernel_shape)}
   layers = {p: info for p, info in found.layers.items()
             if p not in fallback}
   return _FusedLayers(layers, {p: _kernel_keypath(p) for p in layers}), fallback
@@ -527,10 +533,11 @@ def _report_standard_layers(fallback, standard_layers: list[str]) -> None:
 
   Sets ``standard_layers`` (the step's list, in place) to their names, and
   warns a :class:`SharedWeightsWarning` for those moved as shared (not the
-  frozen ones), at the caller of the step.
+  frozen ones, nor those with an empty kernel), at the caller of the step.
   """
   standard_layers[:] = sorted(_context.layer_name(p) for p in fallback)
-  moved = {p: why for p, why in fallback.items() if why != _usage.FROZEN}
+  moved = {p: why for p, why in fallback.items()
+           if why not in (_usage.FROZEN, _EMPTY)}
   if moved:
     warnings.warn(SharedWeightsWarning(
         f"forge_jax.make_step(shared='standard'): {len(moved)} shared "
@@ -656,7 +663,8 @@ def make_step(
     in place at each trace (so that it is also readable through
     ``jax.jit(step)``, which copies the attribute when made) -- holds the
     names of the fused FORGE layers this step moved to the standard path
-    (shared ones under ``shared="standard"``, frozen ones; ``[]``: none;
+    (shared ones under ``shared="standard"``, frozen ones, ones whose
+    kernel has no elements; ``[]``: none;
     before the first trace, ``[]``); layers built with ``fused=False`` are
     not listed. With ``convert=True``, also updated in
     place at each trace: ``step.converted``, the list of the names of the

@@ -5,6 +5,7 @@ built from forge_jax.Dense, vmap / casts inside loss_fn, and the transform
 as an optax GradientTransformation."""
 
 import warnings
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -499,3 +500,33 @@ def test_a_frozen_layer_with_a_regulariser_on_its_kernel_is_optaxs_step():
   assert_trees_close(f_v, ref_v, RTOL, "variables")
   assert_trees_close(f_s, ref_s, RTOL, "opt_state")
   assert step.standard_layers == ["Dense_0"]
+
+
+class _WithEmptyLayer(nn.Module):
+  """A Dense of no output features beside the input (its kernel has no
+  elements), then a Dense over both."""
+  dense: Any
+
+  @nn.compact
+  def __call__(self, x):
+    h = self.dense(0)(x)
+    return self.dense(3)(jnp.concatenate([x, h], -1))
+
+
+def test_a_layer_with_an_empty_kernel_takes_the_standard_path():
+  """A kernel with no elements has nothing for the fused kernel to update:
+  the layer takes the standard path (listed in standard_layers, without a
+  shared-weights warning) and the step matches optax."""
+  x, y = jnp.linspace(-1, 1, 20).reshape(4, 5), jnp.zeros((4, 3))
+  mf, mr = _WithEmptyLayer(forge_jax.Dense), _WithEmptyLayer(nn.Dense)
+  v = mr.init(jax.random.key(0), x)
+  tx_f, tx_o = forge_jax.adamw(1e-2), optax.adamw(1e-2)
+  step = forge_jax.make_step(mse(mf), tx_f)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", forge_jax.SharedWeightsWarning)
+    _, vf, sf = jax.jit(step)(v, tx_f.init(v["params"]), (x, y))
+  assert step.standard_layers == ["Dense_0"]
+  _, vr, sr = jax.jit(reference_step(mse(mr), tx_o))(
+      v, tx_o.init(v["params"]), (x, y))
+  assert_trees_close(vf, vr, RTOL, what="variables")
+  assert_trees_close(sf, sr, RTOL, what="opt_state")
