@@ -502,7 +502,7 @@ def _failed_row(path: str, arm: str, bt: int, cfg: Config, device: str,
         dtypes=f"params={cfg.pdtype.name}", metric="failed", p20="nan", p50="nan",
         p80="nan", unit=reason, device=device, versions=common.versions(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(
-            timespec="seconds")))
+            timespec="seconds"), commit=common.commit()))
 
 
 def _cell_argv(args, arm: str, bt: int) -> list[str]:

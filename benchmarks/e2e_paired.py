@@ -254,8 +254,10 @@ def _write_rows(out: str, r: dict, cfg: e2e.Config) -> None:
     shape = (f"L{cfg.layers} d{cfg.d_model} h{cfg.heads}/kv{cfg.kv_heads} "
              f"ffn{cfg.ffn} V{cfg.vocab} B{r['bt'] // cfg.seq}x{cfg.seq} "
              f"{e2e.layout(cfg)}; {runs}")
-    dtypes = (f"params={cfg.dtype},m={cfg.dtype},v={cfg.dtype},"
-              "logits/loss=float32")
+    dtypes = (f"params={cfg.pdtype.name},m={cfg.mdtype.name},"
+              f"v={cfg.pdtype.name},"
+              + (f"activations={cfg.dtype}," if cfg.param_dtype else "")
+              + "logits/loss=float32")
   else:
     layers, width, update = r["stack"]
     case = f"stack-{layers}x{width}^2 BT={r['bt']}"
@@ -308,6 +310,10 @@ def _process_argv(args, index: int) -> list[str]:
           str(args.stack_width), "--stack-update", args.stack_update]
   if args.attn_impl:
     argv += ["--attn-impl", args.attn_impl]
+  if args.param_dtype:
+    argv += ["--param-dtype", args.param_dtype]
+  if args.mu_dtype:
+    argv += ["--mu-dtype", args.mu_dtype]
   if args.scan:
     argv += ["--scan"]
   if args.hlo_dir:

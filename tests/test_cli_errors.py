@@ -172,9 +172,9 @@ TINY = ["--layers", "1", "--d-model", "64", "--heads", "2", "--kv-heads", "1",
 
 
 def test_e2e_failed_rows_carry_the_device(tmp_path, monkeypatch):
-  """docs/benchmarks.md promises device and versions in every row: a failed
-  cell before any successful one asks a subprocess for the device (it was
-  written as 'unknown')."""
+  """docs/benchmarks.md promises device, versions and commit in every row:
+  a failed cell before any successful one asks a subprocess for the device
+  (it was written as 'unknown'), and carries the commit."""
   from benchmarks import e2e
   monkeypatch.setattr(e2e, "run_driver_cell",
                       lambda args, arm, bt, timeout: (None, "exit 1: boom"))
@@ -184,6 +184,8 @@ def test_e2e_failed_rows_carry_the_device(tmp_path, monkeypatch):
     rows = list(csv.DictReader(f))
   assert rows and all(r["device"] not in ("", "unknown") for r in rows), \
       [r["device"] for r in rows]
+  # ... and the commit, as every row does.
+  assert all(r["commit"] for r in rows), [r["commit"] for r in rows]
 
 
 def test_e2e_replot_of_a_non_e2e_csv_refuses(tmp_path, kernel_csv):

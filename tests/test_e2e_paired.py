@@ -133,6 +133,18 @@ def test_relative_paths_are_the_callers(tmp_path, monkeypatch):
   assert cell[cell.index("--out") + 1] == str(tmp_path / "e.csv")
 
 
+def test_every_model_flag_reaches_the_processes():
+  """The driver's processes measure the model asked for: the dtype flags
+  (mixed precision, optax's mu_dtype) reach them too."""
+  args = e2e_paired.parse_args(["--param-dtype", "float32",
+                                "--mu-dtype", "bfloat16"])
+  argv = e2e_paired._process_argv(args, 0)
+  assert argv[argv.index("--param-dtype") + 1] == "float32"
+  assert argv[argv.index("--mu-dtype") + 1] == "bfloat16"
+  plain = e2e_paired._process_argv(e2e_paired.parse_args([]), 0)
+  assert "--param-dtype" not in plain and "--mu-dtype" not in plain
+
+
 def test_driver_reports_a_failed_process(tmp_path, capsys):
   rc = e2e_paired.main(["--arms", "optax", "forge", "--bt", "16",
                         *SMOKE_FLAGS, "--rounds", "1", "--block", "1",

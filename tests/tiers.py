@@ -51,6 +51,8 @@ GROUPS = (
                 T + "test_cli_errors.py::test_plot_non_kernel_csv_is_clean_error"),
           keep=(T + "test_e2e_bench.py::test_forge_arm_runs_fused_kernels",
                 T + "test_e2e_paired.py::test_scanned_stack_model",
+                T + "test_e2e_paired.py::test_every_model_flag_reaches_the"
+                "_processes",
                 T + "test_torch_e2e_bench.py::test_the_torch_decoder_is_the_jax"
                 "_benchmarks_model",
                 T + "test_kernel_bench_torch.py::test_torch_and_forge_torch"
