@@ -50,15 +50,20 @@ WRAPPED = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
 
 
 def fused_weights_among(params) -> list[str]:
-  """The names of the weights in ``params`` that FORGE updated in backward
-  since their optimizer's last ``step()`` (so they have no gradient)."""
+  """The names of the weights in ``params`` whose gradient FORGE took in
+  backward since their optimizer's last ``step()`` (so they have no
+  ``grad``): updated, added to their accumulation buffer (a step of
+  ``accumulate_steps`` micro-batches not yet complete), or measured by the
+  norm pass of ``max_grad_norm``."""
   names = []
   for p in params:
     if not (isinstance(p, torch.Tensor) and _linear.is_forge_weight(p)
             and p.grad is None):
       continue
     optimizer = _linear.owner_of(p)
-    if optimizer is not None and p in optimizer._forge_updated:
+    if optimizer is not None and (
+        p in optimizer._forge_updated or p in optimizer._forge_micro
+        or p in getattr(optimizer, "_forge_clip_sq", ())):
       names.append(_linear.weight_name(p))
   return names
 
@@ -80,8 +85,9 @@ def check_clippable(params, what: str) -> None:
                                   if len(names) > 5 else "")
   raise RuntimeError(
       f"torch.nn.utils.{what}: the parameters include FORGE-managed weights "
-      f"({shown}). FORGE updates those weights inside the backward, so their "
-      "gradient never exists: the clipping would cover only the other "
+      f"({shown}). FORGE takes those weights' gradient inside the backward "
+      "(to update them, or into their accumulation buffer), so it never "
+      "exists as a .grad: the clipping would cover only the other "
       "parameters and leave these weights unclipped. To clip by the global "
       "norm of every gradient, managed weights included, build the forge_torch"
       " optimizer with max_grad_norm=... and run the forward and backward in "
@@ -383,28 +389,35 @@ def two_pass_step(opt, closure, finish):
   clear()
   opt._forge_clip_sq = WeakIdKeyDictionary()
   rng = _rng_state()
-  _run(opt, closure, NORM_PASS)
-  with torch.no_grad():
-    norm = total_norm(opt, params)
-    coef = torch.clamp(opt._forge_max_grad_norm / (norm + TORCH_EPS),
-                       max=1.0)
-  opt.last_grad_norm = norm
-  opt._forge_clip_sq = WeakIdKeyDictionary()
-  # The first pass's forwards no longer count: the second runs them again.
-  opt._forge_reset_step()
-  clear()
-  opt._forge_clip_coef = float(coef)
-  _set_rng_state(rng)  # the second call draws what the first drew (dropout)
-  loss = _run(opt, closure, UPDATE_PASS)
-  with torch.no_grad():
-    for p in params:
-      if p.grad is not None:
-        p.grad.mul_(coef.to(p.grad.device))
-  opt._forge_clip_phase = UPDATE_PASS  # the rest of step()
   try:
-    finish()
-  finally:
-    opt._forge_clip_phase = None
+    _run(opt, closure, NORM_PASS)
+    with torch.no_grad():
+      norm = total_norm(opt, params)
+      coef = torch.clamp(opt._forge_max_grad_norm / (norm + TORCH_EPS),
+                         max=1.0)
+    opt.last_grad_norm = norm
+    opt._forge_clip_sq = WeakIdKeyDictionary()
+    # The first pass's forwards no longer count: the second runs them again.
+    opt._forge_reset_step()
+    clear()
+    opt._forge_clip_coef = float(coef)
+    _set_rng_state(rng)  # the second call draws what the first drew
+    loss = _run(opt, closure, UPDATE_PASS)
+    with torch.no_grad():
+      for p in params:
+        if p.grad is not None:
+          p.grad.mul_(coef.to(p.grad.device))
+    opt._forge_clip_phase = UPDATE_PASS  # the rest of step()
+    try:
+      finish()
+    finally:
+      opt._forge_clip_phase = None
+  except BaseException:
+    # The step can be called again: its measurements and forward counts go
+    # (a weight updated by an update pass that then raised stays updated).
+    opt._forge_clip_sq = WeakIdKeyDictionary()
+    opt._forge_reset_step()
+    raise
   return loss
 
 

@@ -512,3 +512,43 @@ def test_clipped_step_on_gpu_matches_optax_and_adds_no_gradient_buffer():
   ptrs = [a.unsafe_buffer_pointer() for a in leaves(variables, opt_state)]
   _, new_v, new_s = jitted(variables, opt_state, x)
   assert [a.unsafe_buffer_pointer() for a in leaves(new_v, new_s)] == ptrs
+
+
+def test_torch_a_closure_that_raised_leaves_the_step_callable():
+  """An exception inside ``opt.step(closure)`` (the norm pass here) leaves
+  no forward counted nor norm kept: the next ``step(closure)`` runs as
+  torch's retry would, and the weights match torch's clipped step."""
+  torch.manual_seed(0)
+  ref = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(),
+                            torch.nn.Linear(6, 3))
+  model = copy.deepcopy(ref)
+  forge_torch.convert(model)
+  x, y = torch.randn(5, 8), torch.randn(5, 3)
+  opt = forge_torch.Adam(model.parameters(), lr=1e-2, max_grad_norm=0.1)
+  o_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+
+  def failing():
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    raise ValueError("a bad batch (simulated)")
+
+  with pytest.raises(ValueError, match="simulated"):
+    opt.step(failing)
+  opt.step(lambda: torch.nn.functional.mse_loss(model(x), y).backward())
+  torch.nn.functional.mse_loss(ref(x), y).backward()
+  torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+  o_r.step()
+  for a, b in zip(model.parameters(), ref.parameters()):
+    assert (a - b).norm() <= tol(jnp.float32) * b.norm()
+
+
+def test_torch_clip_guard_sees_accumulated_managed_weights():
+  """A step of accumulate_steps micro-batches cut short: the managed
+  weights' gradients sit in their buffers, not in .grad, so torch's
+  clip_grad_norm_ over them is refused (it would clip the others alone)."""
+  model = torch.nn.Sequential(forge_torch.Linear(8, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 3))
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  opt.accumulate_steps = 2
+  model(torch.randn(5, 8)).square().mean().backward()
+  with pytest.raises(RuntimeError, match="accumulation buffer"):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
