@@ -768,3 +768,50 @@ def test_two_stacks_one_of_a_single_block_match():
   for name in ("first", "second"):
     k0 = variables["params"][name]["block"]["down"]["kernel"]
     assert rel_err(f_v["params"][name]["block"]["down"]["kernel"], k0) > 1e-3
+
+
+class _GatedDropoutBlock(nn.Module):
+  """Dropout only where apply gave a 'dropout' stream (has_rng)."""
+  dropout: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    h = forge_jax.Dense(x.shape[-1], name="up")(x)
+    if self.dropout:
+      h = nn.Dropout(0.5, deterministic=not self.has_rng("dropout"))(h)
+    return x + h
+
+
+@pytest.mark.parametrize("dropout", [True, False])
+def test_a_block_drawing_from_the_given_streams_is_refused(dropout):
+  """In a FORGE step the blocks run with their parameters alone: a block
+  whose dropout is keyed on has_rng would silently run without it, so it
+  is refused with the fix; a block that draws nothing trains although
+  apply was given the stream (for dropout elsewhere in the model)."""
+  m = forge_jax.ScannedBlocks(functools.partial(_GatedDropoutBlock,
+                                                dropout=dropout), 2)
+  x = jnp.linspace(-1, 1, 64).reshape(4, 16)
+  v = m.init(jax.random.key(0), x)
+  loss = lambda v, b: jnp.mean(
+      m.apply(v, b, rngs={"dropout": jax.random.key(3)}) ** 2)
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(loss, tx)
+  if dropout:
+    with pytest.raises(ValueError, match=r"random streams \['dropout'\].*"
+                       "fused=False"):
+      step(v, tx.init(v["params"]), x)
+  else:
+    value, _, _ = step(v, tx.init(v["params"]), x)
+    assert jnp.isfinite(value)
+
+
+def test_muon_on_a_scanned_stack_is_refused_with_the_fix():
+  """optax's Muon keeps a stacked (L, in, out) kernel in its AdamW branch,
+  which the stacked path does not step: refused, naming fused=False."""
+  m = forge_jax.ScannedDenseStack(16, 2)
+  x = jnp.linspace(-1, 1, 64).reshape(4, 16)
+  v = m.init(jax.random.key(0), x)
+  tx = forge_jax.muon(1e-2)
+  step = forge_jax.make_step(lambda v, b: jnp.mean(m.apply(v, b) ** 2), tx)
+  with pytest.raises(ValueError, match="fused=False"):
+    step(v, tx.init(v["params"]), x)
