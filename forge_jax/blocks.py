@@ -377,37 +377,6 @@ class ScannedBlocks(nn.Module):
                    metadata_params=dict(self.metadata_params))(self, x, None)
     return y
 
-  def _refuse_random_streams(self, block, layer, x) -> None:
-    """Refuses a block that draws from the random streams ``apply`` was
-    given (dropout keyed on ``has_rng``, say): in a FORGE step the blocks
-    run with their parameters alone, so such a block would silently run
-    without its randomness."""
-    names = sorted(n for n in (self.scope.rngs or {}) if n != "params")
-    if not names:
-      return
-
-    def with_rngs(p, h, keys):
-      with _context.block_tap(_context.BlockTap("plain")):  # (no records)
-        return block.apply({"params": p}, h, rngs=dict(zip(names, keys)))
-
-    keys = [jax.ShapeDtypeStruct((), jax.random.key(0).dtype)] * len(names)
-    try:
-      jaxpr = jax.make_jaxpr(with_rngs)(
-          layer, jax.ShapeDtypeStruct(x.shape, x.dtype), keys).jaxpr
-    except flax.errors.FlaxError:
-      return  # (refused below, naming the error)
-    key_vars = {id(v) for v in jaxpr.invars[-len(names):]}
-    used = any(id(v) in key_vars for eqn in jaxpr.eqns for v in eqn.invars)
-    if used:
-      raise ValueError(
-          f"{self._where()}: the block draws from the random streams "
-          f"{names} given to apply (dropout, say). In a FORGE step "
-          "ScannedBlocks runs each block with its parameters only: no "
-          "randomness, so it would silently run without it. Give this "
-          "module fused=False "
-          "(flax's nn.scan, standard optax path), or apply it without those "
-          "streams.")
-
   def _record(self, block, params, x) -> dict:
     """Each FORGE layer of one block, as it reports itself
     (``DenseRecord``), with ``unfusable`` set for a fused one whose kernel
@@ -416,17 +385,21 @@ class ScannedBlocks(nn.Module):
     / ``nn.cond`` inside the block): its update could not be formed from
     the layer's own ``x`` and ``dy``."""
     tap = _context.BlockTap("record", prefix=(*self.path, _BLOCK))
+    # The random streams apply was given (other than 'params'), passed to
+    # the block as keys of its own: a block that draws from them is refused.
+    names = sorted(n for n in (self.scope.rngs or {}) if n != "params")
 
-    def one(p, h):
+    def one(p, h, keys):
       with _context.block_tap(tap):
-        return block.apply({"params": p}, h)
+        return block.apply({"params": p}, h,
+                           rngs=dict(zip(names, keys)) or None)
 
     layer = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
-    self._refuse_random_streams(block, layer, x)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     try:
       closed, out = jax.make_jaxpr(one, return_shape=True)(
-          layer, jax.ShapeDtypeStruct(x.shape, x.dtype))
+          layer, jax.ShapeDtypeStruct(x.shape, x.dtype), [key] * len(names))
     except flax.errors.FlaxError as e:
       raise ValueError(
           f"{self._where()}: one block, run with its 'params' alone, failed "
@@ -434,6 +407,17 @@ class ScannedBlocks(nn.Module):
           "each block with its parameters only: no randomness (dropout), no "
           "other collections (batch_stats). Give this module fused=False "
           "(flax's nn.scan, standard optax path).") from e
+    keys = {id(v) for v in closed.jaxpr.invars[len(closed.jaxpr.invars)
+                                               - len(names):]}
+    if names and any(id(v) in keys for eqn in closed.jaxpr.eqns
+                     for v in eqn.invars):
+      raise ValueError(
+          f"{self._where()}: the block draws from the random streams "
+          f"{names} given to apply (dropout, say). In a FORGE step "
+          "ScannedBlocks runs each block with its parameters only: no "
+          "randomness, so it would silently run without it. Give this "
+          "module fused=False (flax's nn.scan, standard optax path), or "
+          "apply it without those streams.")
     if not hasattr(out, "shape") or (out.shape, out.dtype) != (x.shape,
                                                               x.dtype):
       got = (f"{out.dtype}{list(out.shape)}" if hasattr(out, "shape")

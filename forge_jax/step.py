@@ -489,7 +489,7 @@ def _forge_updates(spec, params, grads, new_inputs, fused: _FusedLayers,
   return new_kernels, new_subtrees
 
 
-def _optax_update(tx, grads, params, opt_state, params_def, cut):
+def _optax_update(tx, grads, params, opt_state, params_def, cut, injected):
   """Every parameter but the FORGE kernels: the optax transform itself.
 
   Args:
@@ -501,6 +501,8 @@ def _optax_update(tx, grads, params, opt_state, params_def, cut):
     params_def: the params' tree structure.
     cut: ``{kernel key path: None}`` for the FORGE kernels, cut out of the
       gradient, parameter and state trees.
+    injected: ``tx`` as ``optax.inject_hyperparams`` made it
+      (:func:`_inject.recognise`), or ``None``.
 
   Returns:
     ``(new_params, new_state)``, both with the FORGE kernels' leaves
@@ -508,7 +510,6 @@ def _optax_update(tx, grads, params, opt_state, params_def, cut):
   """
   grads_rest = _replace_leaves(grads, cut)
   params_rest = _replace_leaves(params, cut)
-  injected = _inject.recognise(tx)
   if injected is not None:
     _inject.check_dtype_of_the_rest(injected, opt_state, params, params_rest)
   state_rest = _state.map_per_param(
@@ -802,7 +803,7 @@ def make_step(
     # the FORGE kernels and their new state put back.
     cut = {kp: None for kp in fused.kpaths.values()}
     new_params, new_state = _optax_update(tx, grads, params, opt_state,
-                                          params_def, cut)
+                                          params_def, cut, injected)
     new_params = _replace_leaves(new_params, new_kernels)
     new_state = _put_back_state(new_state, params_def, fields, new_subtrees,
                                 cut)
