@@ -18,10 +18,12 @@ columns wide, ``eMx64``), or ``mu-bf16`` moments (``m`` bf16 and ``v`` in
 fp32 parameters). ``--rules`` adds SGD (``W`` alone) and SGD with
 momentum (``W`` and one slot) beside AdamW (``W`` and two): what each
 streamed state array costs. Each arm's result is compared with XLA's before
-it is timed (``W`` and the slots, int8 ones dequantized): an arm off by more
-than bf16 rounding (2 %, relative to the largest element) is not timed (its
-error row alone is written) and makes the command exit 1. Needs a Hopper
-GPU.
+it is timed (``W`` and the slots, int8 ones dequantized, within bf16
+rounding: 2 % relative to the largest element; and ``W``'s update, ``W``
+after the step minus before, within 2 % of the reference's in norm with
+an fp32 ``W``, 10 % with a bf16 one: ``check_result``): an arm off by more
+is not timed (its error rows alone are written) and makes the command
+exit 1. Needs a Hopper GPU.
 
 ``--plot PNG`` draws the CSV: per case (AdamW at the Llama-3.1-8B shapes,
 each BT, bf16 and fp32 moments; with an fp32 W, fp32 and ``mu-bf16``
@@ -241,6 +243,48 @@ def _max_rel_err(got, ref):
   return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
+# An arm's result against XLA's: W and the slots (int8 ones dequantized)
+# within bf16 rounding of the reference's, relative to their largest
+# element. This alone cannot see W's update, which at the timing
+# hyperparameters (lr 1e-4) is about 1e-4 of W's largest element with AdamW
+# and 1e-3 with SGD: an arm that left W as it was would pass.
+MAX_REL_ERR = 2e-2
+# So W's update too: ``W after - W before`` against the reference's, in
+# norm, relative to the norm of the reference's update. An fp32 W's update
+# differs from the reference's by fp32 rounding alone; a bf16 W rounds its
+# update to whole units in the last place, and where W + update lands near
+# a rounding tie the two sides' fp32 rounding (a few units of fp32's last
+# place) can round it either way: a whole bf16 unit, which puts about 1 % on
+# the ratio. A skipped update makes it 1, a halved or doubled one 0.5 and 1
+# (with a bf16 W more: its rounding moves with the update).
+UPDATE_RTOL = {"float32": 2e-2, "bfloat16": 0.1}
+
+
+def update_rel_err(before, got, ref) -> float:
+  """``||got - ref|| / ||ref - before||``: how far an arm's step of an array
+  from ``before`` (``got``) lands from the reference's (``ref``), relative
+  to the reference's update (0 where both left it as it was, inf where the
+  reference left it and the arm did not)."""
+  before, got, ref = (np.asarray(a, np.float64) for a in (before, got, ref))
+  off, step = np.linalg.norm(got - ref), np.linalg.norm(ref - before)
+  if step == 0:
+    return 0.0 if off == 0 else math.inf
+  return float(off / step)
+
+
+def check_result(before, out, ref):
+  """An arm's state ``out`` (``(x, dy, W, slots)``, one step from
+  ``before``) against the reference's ``ref``: ``(err, update_err, ok)``
+  with ``err`` the largest :func:`_max_rel_err` of W and the slots,
+  ``update_err`` W's :func:`update_rel_err`, ``ok`` whether they are within
+  :data:`MAX_REL_ERR` and W's dtype's :data:`UPDATE_RTOL`."""
+  err = max(_max_rel_err(a, b) for a, b in
+            zip((out[2], *_floats(out[3])), (ref[2], *_floats(ref[3]))))
+  update_err = update_rel_err(before[2], out[2], ref[2])
+  tol = UPDATE_RTOL[jnp.dtype(before[2].dtype).name]
+  return err, update_err, err <= MAX_REL_ERR and update_err <= tol
+
+
 MOSAIC_ARMS = ("forge_mosaic_", "forge_auto_mosaic_")
 
 
@@ -249,20 +293,14 @@ def _cases(shapes: dict) -> set[str]:
   return {f"{n_in}x{n_out}" for n_in, n_out in shapes.values()}
 
 
-def latest_runs(rows, beyond: bool = False, shapes: set | None = None):
-  """Per AdamW case (as :func:`latest_ratios` keys them), the commit of the
-  latest run (timestamp) that timed it and that run's p50 per arm:
-  ``{(moments, bt, shape): (commit, {provider: p50 in µs})}``. The cases
-  at the Llama-3.1-8B shapes, or (``beyond``) at the others, or at
-  ``shapes`` (``INxOUT`` names) if given."""
-  llama = _cases(common.LLAMA8B_SHAPES)
+def _all_latest_runs(rows):
+  """:func:`latest_runs` of every AdamW case, whatever its shape: one pass
+  over ``rows`` (which may be a one-shot iterator)."""
   runs = {}
   for r in rows:
     bt, _, shape = r["shape"].partition(" ")
     if (r["benchmark"] != "backends" or r["case"] != "adamw"
-        or r["metric"] != "time" or (
-            shape not in shapes if shapes is not None
-            else (shape in llama) == beyond)):
+        or r["metric"] != "time"):
       continue
     moments = _moments_label(r["dtypes"])
     if moments is None:
@@ -274,21 +312,31 @@ def latest_runs(rows, beyond: bool = False, shapes: set | None = None):
   return {key: by_run[max(by_run)] for key, by_run in runs.items()}
 
 
-def latest_ratios(rows, beyond: bool = False, shapes: set | None = None):
-  """Per AdamW case at a Llama-3.1-8B shape with bf16 or fp32 moments
-  (``beyond``: at any other shape, in runs with ``--auto``'s arm),
-  ``{(moments, bt, shape): (triton, mosaic, label)}`` from the latest run
-  (timestamp) that timed it: XLA's p50 over the Triton kernel's and over
-  the fastest Mosaic GPU tiling's (``label``; ``--auto``'s arm counts as
-  its tiling; not counting ``approx_math`` ones) in that run (``None``
-  where the run lacks the arm). ``moments`` is ``"bf16"``, ``"fp32"`` or
-  ``"m bf16 v fp32"`` (``--moments mu-bf16``), with ``", W fp32"`` for an
-  fp32 weight (``--weights fp32``). (int8
-  moments' XLA arm is the quantized reference, not XLA's AdamW: left
-  out.) ``shapes``: the cases at these ``INxOUT`` shapes instead, in any
-  run."""
+def _select(runs: dict, beyond: bool = False, shapes: set | None = None):
+  """The cases of :func:`_all_latest_runs`' ``runs`` that
+  :func:`latest_runs` keeps for ``beyond`` and ``shapes``."""
+  if shapes is None:
+    llama = _cases(common.LLAMA8B_SHAPES)
+    keep = lambda shape: (shape in llama) != beyond
+  else:
+    keep = lambda shape: shape in shapes
+  return {key: run for key, run in runs.items() if keep(key[2])}
+
+
+def latest_runs(rows, beyond: bool = False, shapes: set | None = None):
+  """Per AdamW case (as :func:`latest_ratios` keys them), the commit of the
+  latest run (timestamp) that timed it and that run's p50 per arm:
+  ``{(moments, bt, shape): (commit, {provider: p50 in µs})}``. The cases
+  at the Llama-3.1-8B shapes, or (``beyond``) at the others, or at
+  ``shapes`` (``INxOUT`` names) if given."""
+  return _select(_all_latest_runs(rows), beyond, shapes)
+
+
+def _ratios(runs: dict, beyond: bool = False, shapes: set | None = None):
+  """:func:`latest_ratios` of :func:`latest_runs`' ``runs`` (selected for
+  the same ``beyond`` and ``shapes``)."""
   out = {}
-  for key, (_, arms) in latest_runs(rows, beyond, shapes).items():
+  for key, (_, arms) in runs.items():
     if "xla_unfused" not in arms or shapes is None and beyond and not any(
         a.startswith("forge_auto_") for a in arms):
       continue
@@ -305,18 +353,35 @@ def latest_ratios(rows, beyond: bool = False, shapes: set | None = None):
   return out
 
 
+def latest_ratios(rows, beyond: bool = False, shapes: set | None = None):
+  """Per AdamW case at a Llama-3.1-8B shape with bf16 or fp32 moments
+  (``beyond``: at any other shape, in runs with ``--auto``'s arm),
+  ``{(moments, bt, shape): (triton, mosaic, label)}`` from the latest run
+  (timestamp) that timed it: XLA's p50 over the Triton kernel's and over
+  the fastest Mosaic GPU tiling's (``label``; ``--auto``'s arm counts as
+  its tiling; not counting ``approx_math`` ones) in that run (``None``
+  where the run lacks the arm). ``moments`` is ``"bf16"``, ``"fp32"`` or
+  ``"m bf16 v fp32"`` (``--moments mu-bf16``), with ``", W fp32"`` for an
+  fp32 weight (``--weights fp32``). (int8
+  moments' XLA arm is the quantized reference, not XLA's AdamW: left
+  out.) ``shapes``: the cases at these ``INxOUT`` shapes instead, in any
+  run."""
+  return _ratios(latest_runs(rows, beyond, shapes), beyond, shapes)
+
+
 def _ratio(r: float | None) -> str:
   return "—" if r is None else f"{r:.2f}×"
 
 
-def _grid(rows, shapes: dict) -> list[str]:
-  """:func:`latest_ratios` at ``shapes`` (``{name: (in, out)}``) as Markdown
-  lines: one per moments and BT, a column per shape."""
-  ratios = latest_ratios(rows, shapes=_cases(shapes))
+def _grid(runs: dict, shapes: dict) -> list[str]:
+  """:func:`latest_ratios` at ``shapes`` (``{name: (in, out)}``) of
+  :func:`_all_latest_runs`' ``runs`` as Markdown lines: one per moments
+  and BT, a column per shape."""
+  runs = _select(runs, shapes=_cases(shapes))
+  ratios = _ratios(runs, shapes=_cases(shapes))
   if not ratios:
     return []
-  commits = {k: c for k, (c, _) in
-             latest_runs(rows, shapes=_cases(shapes)).items()}
+  commits = {k: c for k, (c, _) in runs.items()}
   names = {f"{n_in}x{n_out}": name.split()[-2] for name, (n_in, n_out) in
            shapes.items()}
   out = ["| moments | BT | " + " | ".join(
@@ -343,12 +408,15 @@ def table(rows) -> str:
   speed against XLA's GEMM + AdamW, XLA's time over its time, with the
   Triton kernel's in parentheses), then at the other shapes that runs
   with ``--auto`` timed (one line per case, the tiling ``backend=None``
-  took). Empty if ``rows`` have no such case."""
-  tables = [_grid(rows, common.LLAMA8B_SHAPES),
-            _grid(rows, common.DECODER_SHAPES)]
-  other = latest_ratios(rows, beyond=True)
+  took). Empty if ``rows`` have no such case. Reads ``rows`` once (they
+  may be a one-shot iterator)."""
+  runs = _all_latest_runs(rows)
+  tables = [_grid(runs, common.LLAMA8B_SHAPES),
+            _grid(runs, common.DECODER_SHAPES)]
+  beyond = _select(runs, beyond=True)
+  other = _ratios(beyond, beyond=True)
   if other:
-    commits = {k: c for k, (c, _) in latest_runs(rows, True).items()}
+    commits = {k: c for k, (c, _) in beyond.items()}
     lines = ["| in × out | BT | moments | Mosaic GPU, speed vs XLA "
              "| its tiling | Triton, speed vs XLA | commit |",
              "|---|---|---|---|---|---|---|"]
@@ -376,9 +444,9 @@ def plot(csv_path: str, png_path: str) -> bool:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  rows = common.read_rows(csv_path)
+  runs = _all_latest_runs(common.read_rows(csv_path))
   panels = [(r, b) for b in (False, True)
-            if (r := latest_ratios(rows, beyond=b))]
+            if (r := _ratios(_select(runs, beyond=b), beyond=b))]
   if not panels:
     return False
   # The shapes by name (q/o, k/v, up/gate, down), in that order.
@@ -509,21 +577,23 @@ def main(argv=None):
         shape = f"BT={bt} {n_in}x{n_out}"
         arms = _arms(mosaic_cfgs, rule, hparams, auto_arm(jax.eval_shape(
             lambda: state(bt, n_in, n_out)), rule) if args.auto else None)
+        before = state(bt, n_in, n_out)
         ref = jax.jit(arms["xla_unfused"])(state(bt, n_in, n_out))
         times = {}
         for arm, step in arms.items():
           try:
             out = jax.jit(step)(state(bt, n_in, n_out))
-            err = max(_max_rel_err(a, b) for a, b in
-                      zip((out[2], *_floats(out[3])),
-                          (ref[2], *_floats(ref[3]))))
-            if err > 2e-2:  # a wrong result is not timed (nor tabulated)
+            err, update_err, ok = check_result(before, out, ref)
+            if not ok:  # a wrong result is not timed (nor tabulated)
               wrong.append(f"{shape} {rule_name} {moments} {arm}: error "
-                           f"{err:.2g}")
+                           f"{err:.2g}, W's update off by {update_err:.2g}")
               res.add(rule_name, arm, shape, dtypes, "max_rel_err_vs_xla",
                       err, "")
+              res.add(rule_name, arm, shape, dtypes,
+                      "update_rel_err_vs_xla", update_err, "")
               print(f"{shape} {rule_name} {moments} {arm}: WRONG, error "
-                    f"{err:.2g}; not timed", flush=True)
+                    f"{err:.2g}, W's update off by {update_err:.2g}; not "
+                    "timed", flush=True)
               continue
             (q, _) = common.time_loop(step, state(bt, n_in, n_out))
           except ValueError as e:  # a tiling this case does not allow
@@ -535,12 +605,15 @@ def main(argv=None):
                   tuple(t * 1e6 for t in q), "us")
           res.add(rule_name, arm, shape, dtypes, "max_rel_err_vs_xla", err,
                   "")
+          res.add(rule_name, arm, shape, dtypes, "update_rel_err_vs_xla",
+                  update_err, "")
           ratio = times["xla_unfused"] / q[1]
           if arm != "xla_unfused":
             res.add(rule_name, arm, shape, dtypes, "speedup_vs_xla", ratio,
                     "x")
           print(f"{shape:22s} {rule_name} {moments} {arm:28s} "
-                f"{q[1]*1e6:8.1f} us {ratio:5.2f}x vs xla  err {err:.1e}",
+                f"{q[1]*1e6:8.1f} us {ratio:5.2f}x vs xla  err {err:.1e}, "
+                f"update {update_err:.1e}",
                 flush=True)
           if args.kernels:
             ks = _traced_kernels(step, state(bt, n_in, n_out))

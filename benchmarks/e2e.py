@@ -52,6 +52,11 @@ cell's p50 listed under ``--repeat``), plots the same cells, and checks that
 the arms start from the same loss. ``--autotune-cache DIR`` makes every
 cell share XLA's GEMM autotuning choices (see its help). Exit status: 0 if every cell ran and the
 first-step losses agree, else 1.
+
+``--replot --out CSV --plot PNG`` draws a CSV without running anything,
+each BT's bars from one run (consecutive rows of one commit, device and
+versions): of the runs with the most of ``--arms`` at that BT, the newest,
+its commit written under the BT.
 """
 
 from __future__ import annotations
@@ -701,35 +706,74 @@ def first_losses_agree(bt: int, name: str, loss: float, ref_name: str,
   return same
 
 
+def _bt_arm(row) -> tuple[int, str]:
+  """A per-BT row's ``(BT, arm)`` (its case e.g. ``"llama-886M BT=512"``,
+  or ``"... BT=512 CUDA graph"``)."""
+  return int(row["case"].split("BT=")[1].split()[0]), row["provider"]
+
+
 def bar_rows(csv_path: str, pick: dict | None = None,
-             benchmark: str = "e2e") -> dict:
-  """``{(BT, arm, metric): row}`` that :func:`plot` draws: the newest row of
-  each key among ``benchmark``'s per-BT rows; with ``pick`` (``{(BT, arm):
-  timestamp}``, the cells a driver run reports), the rows of those cells
-  only."""
-  last = {}
+             benchmark: str = "e2e", arms=None) -> dict:
+  """``{(BT, arm, metric): row}`` that :func:`plot` draws from
+  ``benchmark``'s per-BT rows, each BT's from one run, so that a BT's bars
+  are of one commit, device and versions. A run is a stretch of
+  consecutive rows of one commit, device and versions (a driver run
+  appends its cells one after another; failed cells' rows, which hold no
+  figures and may lack the commit, are left out). Per BT: of the runs
+  with the most of ``arms`` (default: every arm the CSV has) at that BT,
+  the newest; in it the newest row of each key. With ``pick`` (``{(BT,
+  arm): timestamp}``, the cells a driver run reports), the rows of those
+  cells only."""
+  last, runs, run, key = {}, [], None, None
   for r in common.read_rows(csv_path):  # in file order: newest last
     if r["benchmark"] != benchmark or "BT=" not in r["case"]:
       continue
-    # (e.g. "llama-886M BT=512", or "... BT=512 CUDA graph")
-    bt, arm = int(r["case"].split("BT=")[1].split()[0]), r["provider"]
-    if pick is not None and pick.get((bt, arm)) != r["timestamp"]:
+    bt, arm = _bt_arm(r)
+    if arms is not None and arm not in arms:
       continue
-    last[(bt, arm, r["metric"])] = r
+    if pick is not None:
+      if pick.get((bt, arm)) == r["timestamp"]:
+        last[(bt, arm, r["metric"])] = r
+      continue
+    if r["metric"] == "failed":
+      continue
+    if (r["commit"], r["device"], r["versions"]) != key:
+      key, run = (r["commit"], r["device"], r["versions"]), {}
+      runs.append(run)
+    run[(bt, arm, r["metric"])] = r
+  if pick is not None:
+    return last
+  for bt in sorted({k[0] for run in runs for k in run}):
+    has = [{k[1] for k in run if k[0] == bt} for run in runs]
+    i = max(range(len(runs)), key=lambda i: (len(has[i]), i))
+    last.update({k: r for k, r in runs[i].items() if k[0] == bt})
   return last
 
 
-def plot(csv_path: str, png_path: str, pick: dict | None = None) -> None:
+def bt_commits(rows: dict) -> dict:
+  """``{BT: "commit, ..."}``: the commits of :func:`bar_rows`' ``rows`` at
+  each BT, in the order the rows name them."""
+  out = {}
+  for (bt, _, _), r in rows.items():
+    if r["commit"]:
+      out.setdefault(bt, {})[r["commit"]] = None
+  return {bt: ", ".join(c) for bt, c in out.items()}
+
+
+def plot(csv_path: str, png_path: str, pick: dict | None = None,
+         arms=None) -> dict:
   """Bar chart of an e2e CSV: p50 step time and peak memory (temporaries
-  where the backend has no allocator peak) per BT and arm: the newest row of
-  each, or the cells ``pick`` names (:func:`bar_rows`; the driver passes the
-  median cell of each (arm, BT))."""
+  where the backend has no allocator peak) per BT and arm, each BT's bars
+  from one run, the commit under the BT (:func:`bar_rows`: the newest run
+  with the most of ``arms``, or the cells ``pick`` names; the driver
+  passes the median cell of each (arm, BT)). Returns the rows drawn."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  last = bar_rows(csv_path, pick)
+  last = bar_rows(csv_path, pick, arms=arms)
   bts = sorted({k[0] for k in last})
+  commits = bt_commits(last)
   has_peak = any(k[2] == "peak_memory" for k in last)
   mem_metric = "peak_memory" if has_peak else "temp_memory"
   panels = (("step_time", "median step time (ms)"),
@@ -748,7 +792,8 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> None:
       ax.bar_label(bars, labels=["" if v != v else f"{v:.1f}" for v in vals],
                    fontsize=7)
     ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(bts))])
-    ax.set_xticklabels([f"BT={bt}" for bt in bts])
+    ax.set_xticklabels([f"BT={bt}" + (f"\n{commits[bt]}" if bt in commits
+                                       else "") for bt in bts])
     ax.set_ylabel(label)
     ax.legend(fontsize=8)
   any_row = next(iter(last.values()), None)
@@ -759,8 +804,10 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> None:
   if "activations" in dtypes:  # (--param-dtype)
     shape += f"; {dtypes['params']} params, {dtypes['activations']} activations"
   fig.suptitle(f"Llama-style decoder training step ({shape}): FORGE vs "
-               f"optax.adamw on {device}", fontsize=9)
+               f"optax.adamw on {device}\neach BT's bars from one run, its "
+               "commit under the BT", fontsize=9)
   common.save_figure(fig, png_path)
+  return last
 
 
 def _seconds(minimum_exclusive: bool):
@@ -823,7 +870,9 @@ def parse_args(argv):
   p.add_argument("--out", default="out/bench/e2e.csv")
   p.add_argument("--plot", default=None, metavar="PNG")
   p.add_argument("--replot", action="store_true",
-                 help="only plot --out into --plot; run nothing")
+                 help="only plot --out into --plot; run nothing. Each BT's "
+                 "bars come from one run: of the runs with the most of "
+                 "--arms at that BT, the newest")
   p.add_argument("--cell-timeout", type=_seconds(True), default=150.0,
                  help="seconds per cell subprocess")
   p.add_argument("--budget", type=_seconds(False), default=0.0,
@@ -888,7 +937,10 @@ def main(argv=None) -> int:
       print(f"--replot: {args.out} has no e2e rows; nothing plotted",
             file=sys.stderr)
       return 1
-    plot(args.out, args.plot)
+    drawn = plot(args.out, args.plot, arms=args.arms)
+    for bt, commit in sorted(bt_commits(drawn).items()):
+      arms = [a for a in ARMS if (bt, a, "step_time") in drawn]
+      print(f"BT={bt}: {', '.join(arms)} from the run at {commit}")
     return 0
 
   n = param_count(cfg)

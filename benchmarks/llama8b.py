@@ -357,7 +357,7 @@ def summarize(results: dict, tokens: int) -> bool:
 def plot(csv_path: str, png_path: str, pick: dict | None = None) -> None:
   """Two panels, peak memory (GiB; the compiled temporaries where the
   backend has no allocator peak) and p50 step time (ms): each arm's bar
-  (the newest row of each, or the cells ``pick`` names, as
+  (from one run, or the cells ``pick`` names, as
   ``benchmarks.e2e.bar_rows`` reads them) beside the paper's, hatched."""
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")

@@ -49,8 +49,10 @@
 #    vs AdamW(fused=True), BT 512 and 2048, --check first) -> OUT/torch_call.*,
 #    OUT/torch_e2e/
 # Every CSV row carries the device, the versions and p20/p50/p80. CSVs are
-# appended to: the e2e plot draws the newest row of each (arm, BT) in
-# OUT/e2e.csv, so give each suite run its own OUT.
+# appended to: the e2e plot draws each BT's bars from one run of
+# OUT/e2e.csv (of the runs with the most arms at that BT, the newest; its
+# commit under the BT), which may be an earlier suite run's where this one
+# lost a cell, so give each suite run its own OUT.
 # The e2e part stops starting cells after --budget seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -675,15 +675,18 @@ def print_rounds(runs: dict, bts) -> None:
 
 
 def bar_rows(csv_path: str, pick: dict | None = None) -> dict:
-  """``{(BT, arm, metric): row}`` of a torch_e2e CSV: the newest row of each
-  key, or with ``pick`` (``{(BT, arm): timestamp}``) those cells' rows."""
+  """``{(BT, arm, metric): row}`` of a torch_e2e CSV, each BT's from one
+  run (``benchmarks.e2e.bar_rows``: of the runs with the most arms at that
+  BT, the newest), or with ``pick`` (``{(BT, arm): timestamp}``) those
+  cells' rows."""
   return e2e.bar_rows(csv_path, pick, benchmark=BENCHMARK)
 
 
 def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
   """Bar chart of a torch_e2e CSV: p50 step time and peak memory per BT and
-  arm (the newest cells, or those ``pick`` names), each forge bar labelled
-  with its ratio to torch's. False (nothing written) without step rows."""
+  arm (each BT's from one run, its commit under the BT, or the cells
+  ``pick`` names), each forge bar labelled with its ratio to torch's. False
+  (nothing written) without step rows."""
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -694,6 +697,7 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
     print(f"plot: {csv_path} has no torch_e2e step_time rows; nothing "
           "plotted", file=sys.stderr)
     return False
+  commits = e2e.bt_commits(last)
   fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
   colors = {"torch": "gray", "forge": "tab:orange"}
   width = 0.4
@@ -738,7 +742,8 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
                     linestyles="--", label="torch - gradient pool"
                     if j == 0 else None)
     ax.set_xticks([j + width / 2 for j in range(len(bts))])
-    ax.set_xticklabels([f"BT={bt}" for bt in bts])
+    ax.set_xticklabels([f"BT={bt}" + (f"\n{commits[bt]}" if bt in commits
+                                       else "") for bt in bts])
     ax.margins(y=0.15)
     ax.legend(fontsize=8, loc="lower right")
   any_row = next(iter(last.values()))

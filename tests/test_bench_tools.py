@@ -1,6 +1,7 @@
 """Benchmark tools on the CPU: benchmarks/epilogue_probe.py's GEMM-free Pallas
 AdamW against the rule's reference (interpret mode), benchmarks/ncu_summary.py's
-reading of an Nsight Compute CSV log, and benchmarks/suite.sh's shape."""
+reading of an Nsight Compute CSV log, benchmarks/suite.sh's shape, and
+benchmarks/backends.py's check of each arm's result and its --table."""
 
 import io
 import os
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from benchmarks import common, epilogue_probe, ncu_summary
+from benchmarks import backends, common, epilogue_probe, ncu_summary
 from benchmarks.kernel import hparams
 from tests.tolerances import assert_close
 
@@ -196,3 +197,116 @@ def test_commit_names_an_archived_tree_by_its_own_commit(tmp_path,
   assert not common.commit().startswith("$")  # the checkout's, or unknown
   stamp.write_text("abc1234\n")
   assert common.commit() == "abc1234"
+
+
+def test_backends_table_reads_the_csvs_rows_once():
+  """--table reads the CSV's rows in one pass: the committed CSV's tables
+  (those docs/benchmarks.md shows) from an iterable that can be walked once
+  are the same as from its list of rows."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  rows = common.read_rows(os.path.join(root, "benchmarks", "results", "h200",
+                                       "backends.csv"))
+  passes = []
+
+  class Rows:
+    def __iter__(self):
+      passes.append(1)
+      return iter(rows)
+
+  assert backends.table(Rows()) == backends.table(rows)
+  assert len(passes) == 1
+  assert backends.table(iter(rows)) == backends.table(rows)
+
+
+def _backends_state(rule, weights):
+  return backends._state(64, 128, 256, "bf16", rule, weights)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp32"])
+@pytest.mark.parametrize("rule_name", ["adamw", "sgd"])
+def test_backends_check_sees_a_skipped_or_misscaled_update_of_w(
+    rule_name, weights):
+  """At the timing hyperparameters (lr 1e-4) W's update is far below bf16
+  rounding of W's largest element, so W against the reference alone cannot
+  see it skipped; W's update against the reference's does, for a bf16 W
+  (whose update rounds to whole units in the last place) as for an fp32
+  one. The Triton kernel (interpret mode) passes."""
+  rule, h = backends._rule(rule_name)
+  xla = jax.jit(backends._arms([], rule, h)["xla_unfused"])
+  before = _backends_state(rule, weights)
+  ref = xla(_backends_state(rule, weights))
+  assert not jnp.array_equal(ref[2], before[2])
+  x, dy, w, slots = _backends_state(rule, weights)
+  w, slots = pk.fused_wgrad_update(x, dy, w, slots, h, rule=rule,
+                                   backend="triton", interpret=True)
+  err, update_err, ok = backends.check_result(before, (x, dy, w, slots), ref)
+  assert ok and err <= backends.MAX_REL_ERR, (err, update_err)
+  assert update_err <= backends.UPDATE_RTOL[jnp.dtype(w.dtype).name]
+  # The slots stepped, W left as it was: within bf16 rounding of W's
+  # largest element, but none of the update.
+  skipped = (*ref[:2], before[2], ref[3])
+  err, update_err, ok = backends.check_result(before, skipped, ref)
+  assert err <= backends.MAX_REL_ERR and update_err == 1.0 and not ok
+  # Half the learning rate.
+  half = h.at[rule.hparams.index("lr")].multiply(0.5)
+  halved = jax.jit(backends._arms([], rule, half)["xla_unfused"])(
+      _backends_state(rule, weights))
+  err, update_err, ok = backends.check_result(before, halved, ref)
+  assert err <= backends.MAX_REL_ERR and update_err > 0.3 and not ok
+  # Nothing to compare with: both left W as it was; only the arm moved it.
+  assert backends.update_rel_err(before[2], before[2], before[2]) == 0.0
+  assert backends.update_rel_err(before[2], ref[2], before[2]) == float("inf")
+
+
+def test_backends_run_refuses_to_time_an_arm_that_skips_the_update_of_w(
+    tmp_path, monkeypatch, capsys):
+  """A run (on the CPU, standing in for the GPU, timing stubbed) writes only
+  the error rows of an arm that steps the slots but leaves W as it was,
+  says so and exits 1; the reference and the Triton kernel (interpret
+  mode) are timed."""
+
+  class GpuJax:  # the module as backends uses it, reporting a GPU
+    def __getattr__(self, name):
+      return getattr(jax, name)
+
+    @staticmethod
+    def default_backend():
+      return "gpu"
+
+  real_arms = backends._arms
+
+  def arms(mosaic_cfgs, rule, hparams, auto=None):
+    xla = real_arms([], rule, hparams)["xla_unfused"]
+
+    def triton(s):
+      x, dy, w, slots = s
+      w, slots = pk.fused_wgrad_update(x, dy, w, slots, hparams, rule=rule,
+                                       backend="triton", interpret=True)
+      return x, dy, w, slots
+
+    def skips_w(s):
+      x, dy, _, slots = xla(s)
+      return x, dy, s[2], slots
+
+    return {"xla_unfused": xla, "forge_triton": triton,
+            "forge_skips_w": skips_w}
+
+  monkeypatch.setattr(backends, "jax", GpuJax())
+  monkeypatch.setattr(backends, "_arms", arms)
+  monkeypatch.setattr(common, "time_loop",
+                      lambda step, state: ((1e-6, 2e-6, 3e-6), state))
+  out = tmp_path / "b.csv"
+  assert backends.main(["--tokens", "64", "--shapes", "t 128x256",
+                        "--moments", "bf16", "--mosaic", "--out",
+                        str(out)]) == 1
+  text = capsys.readouterr().out
+  assert "forge_skips_w: WRONG" in text and "WRONG RESULTS" in text
+  rows = common.read_rows(str(out))
+  metrics = lambda arm: {r["metric"]: float(r["p50"]) for r in rows
+                         if r["provider"] == arm}
+  assert set(metrics("forge_skips_w")) == {"max_rel_err_vs_xla",
+                                           "update_rel_err_vs_xla"}
+  assert metrics("forge_skips_w")["update_rel_err_vs_xla"] == 1.0
+  for arm in ("xla_unfused", "forge_triton"):
+    assert "time" in metrics(arm), arm
+    assert metrics(arm)["update_rel_err_vs_xla"] <= 0.1, arm

@@ -330,8 +330,69 @@ def test_repeat_alternates_rounds_and_reports_the_median_cell(
   assert float(bars[(16, "forge-xla", "step_time")]["p50"]) == 12.0
   assert float(bars[(16, "forge-xla", "temp_memory")]["p50"]) == 1.2
   assert float(bars[(16, "optax", "step_time")]["p50"]) == 25.0
-  newest = e2e.bar_rows(str(out))  # --replot: the newest row of each key
+  # --replot: every cell is of this checkout's commit (one run), so the
+  # newest row of each key.
+  newest = e2e.bar_rows(str(out))
   assert float(newest[(16, "forge-xla", "step_time")]["p50"]) == 14.0
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replot_draws_each_bts_bars_from_one_run(tmp_path, capsys):
+  """--replot draws each BT's bars from one run (consecutive rows of one
+  commit, device and versions; a failed cell's row, without a commit, does
+  not end one): of the runs with the most of --arms at that BT, the newest,
+  named under the BT. Newer runs with fewer arms do not lend their bars to
+  an older run's group."""
+  from benchmarks import common
+  out, png = tmp_path / "e.csv", tmp_path / "e.png"
+  res = common.Results(str(out), "e2e")
+  n = [0]
+
+  def cell(commit, bt, arm, t, metric="step_time"):
+    n[0] += 1
+    res.commit, res.stamp = commit, f"2030-01-01T00:{n[0]:02d}:00+00:00"
+    shape = f"L2 d32 B{bt // 8}x8 unrolled"
+    if metric == "failed":
+      res.add(f"llama-tiny BT={bt}", arm, shape, "params=float32", "failed",
+              math.nan, "timeout after 150 s")
+      return
+    res.add(f"llama-tiny BT={bt}", arm, shape, "float32", metric,
+            (t, t, t), "ms")
+    res.add(f"llama-tiny BT={bt}", arm, shape, "float32", "temp_memory",
+            t / 10, "MiB")
+
+  for arm, t in (("optax", 10.0), ("forge", 11.0), ("forge-xla", 12.0)):
+    cell("aaa", 512, arm, t)
+  for arm, t in (("optax", 20.0), ("forge", 21.0)):
+    cell("aaa", 2048, arm, t)
+  cell("bbb", 512, "optax", 13.0)
+  cell("", 512, "forge-xla", 0.0, "failed")
+  cell("bbb", 512, "forge", 14.0)
+  cell("ccc", 512, "forge-xla", 15.0)  # a run of one arm
+  cell("ddd", 2048, "forge", 25.0)
+
+  def p50s(rows, bt):
+    return {k[1]: float(r["p50"]) for k, r in rows.items()
+            if k[0] == bt and k[2] == "step_time"}
+
+  # Every arm: BT 512's three arms from the one run that has all three.
+  rows = e2e.bar_rows(str(out))
+  assert p50s(rows, 512) == {"optax": 10.0, "forge": 11.0, "forge-xla": 12.0}
+  assert p50s(rows, 2048) == {"optax": 20.0, "forge": 21.0}
+  assert float(rows[(512, "forge-xla", "temp_memory")]["p50"]) == 1.2
+  assert e2e.bt_commits(rows) == {512: "aaa", 2048: "aaa"}
+  # Two arms: the newest run that has both.
+  rows = e2e.bar_rows(str(out), arms=("optax", "forge"))
+  assert p50s(rows, 512) == {"optax": 13.0, "forge": 14.0}
+  assert e2e.bt_commits(rows) == {512: "bbb", 2048: "aaa"}
+  # One arm: its newest run.
+  rows = e2e.bar_rows(str(out), arms=("forge-xla",))
+  assert p50s(rows, 512) == {"forge-xla": 15.0}
+  assert e2e.main(["--replot", "--out", str(out), "--plot", str(png),
+                   "--arms", "optax", "forge"]) == 0
+  text = capsys.readouterr().out
+  assert "BT=512: forge, optax from the run at bbb" in text, text
+  assert "BT=2048: forge, optax from the run at aaa" in text, text
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -50,6 +50,8 @@ GROUPS = (
                 T + "test_cli_errors.py::test_plot_into_missing_directory",
                 T + "test_cli_errors.py::test_plot_non_kernel_csv_is_clean_error"),
           keep=(T + "test_e2e_bench.py::test_forge_arm_runs_fused_kernels",
+                T + "test_e2e_bench.py::test_replot_draws_each_bts_bars_from_one"
+                "_run",
                 T + "test_e2e_paired.py::test_scanned_stack_model",
                 T + "test_e2e_paired.py::test_every_model_flag_reaches_the"
                 "_processes",
