@@ -29,9 +29,10 @@ layers). Here the whole stack is one ``jax.custom_vjp``:
   kernels) get ordinary gradients, stacked, for optax.
 
 Outside a FORGE step (and with ``fused=False``) the module *is*
-``nn.scan(nn.remat(block))`` over ``num_layers`` copies, parameters stacked
-on axis 0 (``variable_axes={'params': 0}``, ``split_rngs={'params': True}``),
-under the name ``block``.
+``nn.scan(nn.remat(block))`` over ``num_layers`` copies, parameters (and a
+BatchNorm's ``batch_stats``) stacked on axis 0 (``variable_axes={'params':
+0, 'batch_stats': 0}``, ``split_rngs={'params': True}``), under the name
+``block``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,38 @@ class _Static:
   layouts: tuple
   in_place_layer: bool
   wgrad: str
+  # A block that reads traced values it is not given (its closure): its two
+  # functions, traced with those values as arguments (``_Traced``), as
+  # ``{"plain": ..., "tap": ...}``; None: the block is run as it is.
+  traced: Any = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Traced:
+  """One of a block's functions (:func:`_plain_block`, :func:`_tapped_block`)
+  traced once, with every traced value the block reads but is not given made
+  an argument: called as ``traced(closure, *args)``, ``closure`` the values
+  in the order ``ScannedBlocks`` passes them to the stack's ``custom_vjp``.
+
+  A block may close over an array of the step's trace: a conditioning vector
+  computed from parameters outside the stack (adaLN), an activation scaled by
+  a parameter, given to the block as an attribute or through a Python
+  closure. Inside the ``custom_vjp`` such a value would be a constant whose
+  gradient nobody forms, and the backward, traced after the forward's trace
+  has ended, could not read it at all. As inputs of the ``custom_vjp`` they
+  are differentiated with the block's other inputs."""
+
+  jaxpr: Any
+  consts: tuple  # the trace's constants, None where an argument replaces one
+  closure: tuple[tuple[int, int], ...]  # (constant's index, argument's index)
+  out_tree: Any
+
+  def __call__(self, closure, *args):
+    consts = list(self.consts)
+    for i, j in self.closure:
+      consts[i] = closure[j]
+    out = jax.core.eval_jaxpr(self.jaxpr, consts, *jax.tree.leaves(args))
+    return jax.tree.unflatten(self.out_tree, out)
 
 
 def _get(tree, keys):
@@ -110,11 +143,36 @@ def _apply(static, params, h, tap):
     return static.block.apply({"params": params}, h)
 
 
-def _forward(static, x, kernels, others, save):
+def _plain_block(static, h, others_i, w_i):
+  """One block as flax runs it: its FORGE kernels ``w_i`` put back into its
+  other parameters ``others_i``."""
+  return _apply(static, _with(others_i, static.forge, w_i), h,
+                _context.BlockTap("plain"))
+
+
+def _tapped_block(static, h, others_i, taps, w_i):
+  """One block with a tap added to each FORGE layer's output: ``(output,
+  {path: the layer's input as its GEMM's (*lead, n_in)})``."""
+  tap = _context.BlockTap("tap", forge=frozenset(static.forge), taps=taps)
+  y = _apply(static, _with(others_i, static.forge, w_i), h, tap)
+  return y, {p: tap.inputs[p] for p in static.forge}
+
+
+_BLOCK_FNS = {"plain": _plain_block, "tap": _tapped_block}
+
+
+def _run(static, which, closure, *args):
+  """The block's ``which`` function (``"plain"``, ``"tap"``): as it is, or
+  (a block with a closure) its trace, ``closure`` its traced values."""
+  if static.traced is None:
+    return _BLOCK_FNS[which](static, *args)
+  return static.traced[which](closure, *args)
+
+
+def _forward(static, x, kernels, others, closure, save):
   def body(h, per_layer):
     kernels_i, others_i = per_layer
-    y = _apply(static, _with(others_i, static.forge, kernels_i), h,
-               _context.BlockTap("plain"))
+    y = _run(static, "plain", closure, h, others_i, kernels_i)
     return y, (h if save else None)
   if save:  # the saved inputs' stack made when the forward runs
     return _scan.scan_saving(body, x, (kernels, others), kernels)
@@ -172,14 +230,39 @@ def _as_param(stacks, like):
   return tuple(a.reshape(b.shape) for a, b in zip(stacks, like))
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Differentiated:
+  """Which of the closure's values are differentiated: a float value the
+  step's gradient depends on. Static (carried by the residuals' tree
+  structure), so that the backward forms those values' gradients alone: a
+  value that is not differentiated (a mask computed from the batch) costs
+  the backward nothing beyond reading it."""
+
+  flags: tuple[bool, ...]
+
+
+def _primal_values(tree):
+  """The values of ``symbolic_zeros``' ``CustomVJPPrimal`` leaves."""
+  return jax.tree.map(lambda p: p.value, tree, is_leaf=lambda p: isinstance(
+      p, jax.custom_derivatives.CustomVJPPrimal))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused_blocks(static: _Static, x, kernels, others, inputs):
-  return _forward(static, x, kernels, others, save=False)[0]
+def _fused_blocks(static: _Static, x, kernels, others, inputs, closure):
+  return _forward(static, x, kernels, others, closure, save=False)[0]
 
 
-def _fused_blocks_fwd(static, x, kernels, others, inputs):
-  y, hs = _forward(static, x, kernels, others, save=True)
-  return y, (hs, kernels, others, inputs)
+def _fused_blocks_fwd(static, x, kernels, others, inputs, closure):
+  # (symbolic_zeros: every leaf comes with whether it is differentiated,
+  # which only the closure's values use.)
+  diff = _Differentiated(tuple(
+      c.perturbed and jnp.issubdtype(c.value.dtype, jnp.inexact)
+      for c in closure))
+  x, kernels, others, inputs, closure = _primal_values(
+      (x, kernels, others, inputs, closure))
+  y, hs = _forward(static, x, kernels, others, closure, save=True)
+  return y, (hs, kernels, others, inputs, closure, diff)
 
 
 def _fused_blocks_bwd(static, res, dy):
@@ -190,10 +273,15 @@ def _fused_blocks_bwd(static, res, dy):
 
   The carry holds every kernel and slot stack as ``(L, n_in, n_out)``
   (``_as_gemm``): layer ``i`` is read back in the kernel's own shape for the
-  recomputation and stepped as the GEMM's matrix."""
-  hs, kernels, others, inputs = res
+  recomputation and stepped as the GEMM's matrix. The gradients of the
+  block's closure values (``_Traced``), which every block reads, are summed
+  over the blocks in the carry (in fp32 at least), for the values that are
+  differentiated."""
+  hs, kernels, others, inputs, closure, diff = res
+  diff = diff.flags
+  if isinstance(dy, jax.custom_derivatives.SymbolicZero):  # output unused
+    dy = jnp.zeros(dy.shape, dy.dtype)
   num_layers = hs.shape[0]
-  forge = frozenset(static.forge)
   records = tuple(static.records[p] for p in static.forge)
   # The norm pass of a clipped step (forge_jax/clip.py): each FORGE layer's
   # squared gradient norm, summed over the blocks in the carry; nothing is
@@ -201,7 +289,7 @@ def _fused_blocks_bwd(static, res, dy):
   norm_pass = _clip.is_norm_pass(static.wgrad)
 
   def body(carry, per_layer):
-    dh, k_stacks, slot_stacks, sqnorms = carry
+    dh, k_stacks, slot_stacks, sqnorms, d_closure = carry
     i, h_i, others_i = per_layer
     w_i = tuple(
         lax.dynamic_index_in_dim(k, i, keepdims=False).reshape(
@@ -210,25 +298,29 @@ def _fused_blocks_bwd(static, res, dy):
     taps = {p: jnp.zeros(static.records[p].out.shape,
                          static.records[p].out.dtype) for p in static.forge}
 
-    def block(h, others_i, taps):
-      tap = _context.BlockTap("tap", forge=forge, taps=taps)
-      y = _apply(static, _with(others_i, static.forge, w_i), h, tap)
-      return y, {p: tap.inputs[p] for p in static.forge}
+    def block(h, others_i, taps, closure_d):
+      values = iter(closure_d)
+      c = tuple(next(values) if d else v for v, d in zip(closure, diff))
+      return _run(static, "tap", c, h, others_i, taps, w_i)
 
-    y, block_vjp, layer_inputs = jax.vjp(block, h_i, others_i, taps,
-                                         has_aux=True)
-    dh_in, d_others, dys = block_vjp(dh.astype(y.dtype))
+    y, block_vjp, layer_inputs = jax.vjp(
+        block, h_i, others_i, taps,
+        tuple(c for c, d in zip(closure, diff) if d), has_aux=True)
+    dh_in, d_others, dys, dc = block_vjp(dh.astype(y.dtype))
+    d_closure = tuple(s + g.astype(s.dtype) for s, g in zip(d_closure, dc))
     if norm_pass:
       sqnorms = tuple(
           s + _clip.layer_sqnorm(layer_inputs[p], dys[p], static.wgrad,
                                  static.records[p].precision)
           for s, p in zip(sqnorms, static.forge))
-      return (dh_in.astype(dh.dtype), k_stacks, slot_stacks, sqnorms), d_others
+      return (dh_in.astype(dh.dtype), k_stacks, slot_stacks, sqnorms,
+              d_closure), d_others
     # Every read of the pre-update kernels (the recomputation, the input
     # gradients) feeds these outputs; the barrier orders them before the
     # fused kernels overwrite layer i of the stacks (as in forge_jax.Dense).
-    dh_in, d_others, dys, layer_inputs, k_stacks = lax.optimization_barrier(
-        (dh_in, d_others, dys, layer_inputs, k_stacks))
+    (dh_in, d_others, d_closure, dys, layer_inputs,
+     k_stacks) = lax.optimization_barrier(
+         (dh_in, d_others, d_closure, dys, layer_inputs, k_stacks))
     new_k, new_s = [], []
     for j, p in enumerate(static.forge):
       rec = static.records[p]
@@ -239,26 +331,32 @@ def _fused_blocks_bwd(static, res, dy):
       new_k.append(w)
       new_s.append(s)
     return (dh_in.astype(dh.dtype), tuple(new_k), tuple(new_s),
-            sqnorms), d_others
+            sqnorms, d_closure), d_others
 
   views = tuple(gemm_views(k.shape, rec, static.spec.low_precision)
                 for k, rec in zip(kernels, records))
   with _paths.refusing_derivatives(
       f"forge_jax.ScannedBlocks at {_context.layer_name(static.path)!r}"):
-    (dx, new_kernels, new_slots, sqnorms), d_others = lax.scan(
+    (dx, new_kernels, new_slots, sqnorms, d_closure), d_others = lax.scan(
         body, (dy,
                () if norm_pass else tuple(
                    _as_gemm(k, v) for k, v in zip(kernels, views)),
                () if norm_pass else tuple(
                    tuple(_as_gemm(s, v) for s in t.slots)
                    for t, v in zip(inputs, views)),
-               tuple(jnp.zeros((), jnp.float32) for _ in static.forge)),
+               tuple(jnp.zeros((), jnp.float32) for _ in static.forge),
+               tuple(jnp.zeros(c.shape, jnp.promote_types(c.dtype,
+                                                          jnp.float32))
+                     for c, d in zip(closure, diff) if d)),
         (jnp.arange(num_layers), hs, others), reverse=True)
   d_others = jax.tree.map(lambda g, o: g.astype(o.dtype), d_others, others)
+  sums = iter(d_closure)  # None: a zero cotangent (not differentiated)
+  d_closure = tuple(next(sums).astype(c.dtype) if d else None
+                    for c, d in zip(closure, diff))
   if norm_pass:
     return (dx.astype(hs.dtype), tuple(jnp.zeros_like(k) for k in kernels),
             d_others, tuple(_clip.norm_pass_inputs(t, s)
-                            for t, s in zip(inputs, sqnorms)))
+                            for t, s in zip(inputs, sqnorms)), d_closure)
   new_kernels = _as_param(new_kernels, kernels)
   new_slots = tuple(_as_param(s, t.slots) for s, t in zip(new_slots, inputs))
   ctx = _context.current()
@@ -270,10 +368,11 @@ def _fused_blocks_bwd(static, res, dy):
           hparams=jax.tree.map(jnp.zeros_like, t.hparams),
           touched=jnp.ones_like(t.touched),
           shared=jax.tree.map(_paths.zero_cotangent, t.shared))
-      for s, t in zip(new_slots, inputs))
+      for s, t in zip(new_slots, inputs)), d_closure
 
 
-_fused_blocks.defvjp(_fused_blocks_fwd, _fused_blocks_bwd)
+_fused_blocks.defvjp(_fused_blocks_fwd, _fused_blocks_bwd,
+                     symbolic_zeros=True)
 _usage.register_fused_backward(_fused_blocks_bwd)
 
 
@@ -314,16 +413,22 @@ class ScannedBlocks(nn.Module):
   of ``forge_jax.Dense`` / ``forge_jax.DenseGeneral`` (fused), the same with
   ``fused=False``, and other layers. In a FORGE step each block runs with
   its ``params`` alone: a block that draws randomness (dropout) or uses
-  other collections (``batch_stats``) is refused there (``fused=False`` runs
-  it as flax's scan).
+  other collections (``batch_stats``) is refused there; ``fused=False`` runs
+  it as flax's scan, every layer of the stack on the standard optax path.
+  The block may read arrays it is not given (an adaLN-style conditioning
+  computed from parameters outside the stack, passed as an attribute or
+  through a Python closure): the stack takes them as inputs of its
+  backward, which sums the gradients of those differentiated over the
+  blocks.
 
   The parameters are ``{'block': <the block's tree, every leaf stacked
   (L, ...)>}`` in this module's scope: the tree (and the initial values) of
-  ``nn.scan(nn.remat(body), variable_axes={'params': 0},
+  ``nn.scan(nn.remat(body), variable_axes={'params': 0, 'batch_stats': 0},
   split_rngs={'params': True}, length=L)`` of a body that calls
-  ``block(name='block')``. Outside a FORGE step (or with ``fused=False``) the
-  module *is* that scan (with every rng split per layer, so that dropout
-  differs from block to block).
+  ``block(name='block')``; a block's ``batch_stats`` (a BatchNorm's running
+  statistics) are stacked the same way. Outside a FORGE step (or with
+  ``fused=False``) the module *is* that scan (with every rng split per
+  layer, so that dropout differs from block to block).
 
   Inside a step built by :func:`forge_jax.make_step` its backward is one
   reverse loop over the blocks. Block ``i`` is recomputed from its saved input
@@ -372,18 +477,20 @@ class ScannedBlocks(nn.Module):
     # Every rng split per layer: the parameters as split_rngs={'params':
     # True} draws them, and a block's dropout (outside a FORGE step) differs
     # from block to block.
-    y, _ = nn.scan(nn.remat(_scan_body), variable_axes={"params": 0},
+    y, _ = nn.scan(nn.remat(_scan_body),
+                   variable_axes={"params": 0, "batch_stats": 0},
                    split_rngs={True: True}, length=self.num_layers,
                    metadata_params=dict(self.metadata_params))(self, x, None)
     return y
 
-  def _record(self, block, params, x) -> dict:
+  def _record(self, block, params, x) -> tuple[dict, bool]:
     """Each FORGE layer of one block, as it reports itself
     (``DenseRecord``), with ``unfusable`` set for a fused one whose kernel
     the block reads other than through that layer, once (a tied kernel, a
     read through ``.variables``, the layer under ``nn.remat`` / ``nn.jit``
     / ``nn.cond`` inside the block): its update could not be formed from
-    the layer's own ``x`` and ``dy``."""
+    the layer's own ``x`` and ``dy``; and whether the block reads traced
+    values it is not given (its closure, see ``_Traced``)."""
     tap = _context.BlockTap("record", prefix=(*self.path, _BLOCK))
     # The random streams apply was given (other than 'params'), passed to
     # the block as keys of its own: a block that draws from them is refused.
@@ -405,8 +512,12 @@ class ScannedBlocks(nn.Module):
           f"{self._where()}: one block, run with its 'params' alone, failed "
           f"({type(e).__name__}: {e}). In a FORGE step ScannedBlocks runs "
           "each block with its parameters only: no randomness (dropout), no "
-          "other collections (batch_stats). Give this module fused=False "
-          "(flax's nn.scan, standard optax path).") from e
+          "other collections (batch_stats). Give this module fused=False: "
+          "it then runs as flax's nn.scan, every layer of the stack on the "
+          "standard optax path, with the random streams given to apply and "
+          "the batch_stats stacked per layer as the parameters are (apply "
+          "the model with mutable=['batch_stats'] and build the step with "
+          "make_step(..., has_aux=True) to keep their new values).") from e
     keys = {id(v) for v in closed.jaxpr.invars[len(closed.jaxpr.invars)
                                                - len(names):]}
     if names and any(id(v) in keys for eqn in closed.jaxpr.eqns
@@ -443,7 +554,37 @@ class ScannedBlocks(nn.Module):
       elif others:
         rec.unfusable = (f"is also read inside the block (by: "
                          f"{', '.join(dict.fromkeys(others))})")
-    return tap.records
+    return tap.records, any(isinstance(c, jax.core.Tracer)
+                            for c in closed.consts)
+
+  def _traced(self, static, params, x) -> tuple[dict, tuple]:
+    """The block's two functions (``_plain_block``, ``_tapped_block``)
+    traced with every traced value the block reads but is not given made an
+    argument (``_Traced``), and those values: ``({"plain": ..., "tap":
+    ...}, closure)``."""
+    layer = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+    h = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    others = _without(layer, static.forge)
+    w = tuple(_get(layer, (*p, "kernel")) for p in static.forge)
+    taps = {p: static.records[p].out for p in static.forge}
+    closure, index, traced = [], {}, {}
+    for which, args in (("plain", (h, others, w)),
+                        ("tap", (h, others, taps, w))):
+      closed, out = jax.make_jaxpr(
+          functools.partial(_BLOCK_FNS[which], static),
+          return_shape=True)(*args)
+      consts, where = list(closed.consts), []
+      for i, c in enumerate(consts):
+        if isinstance(c, jax.core.Tracer):
+          if id(c) not in index:
+            index[id(c)] = len(closure)
+            closure.append(c)
+          where.append((i, index[id(c)]))
+          consts[i] = None
+      traced[which] = _Traced(closed.jaxpr, tuple(consts), tuple(where),
+                              jax.tree.structure(out))
+    return traced, tuple(closure)
 
   def _where(self):
     return f"forge_jax.ScannedBlocks at {_context.layer_name(tuple(self.path))!r}"
@@ -465,9 +606,18 @@ class ScannedBlocks(nn.Module):
       raise TypeError(
           f"{where}: the carry must be one array (got {type(x).__name__}); "
           "ScannedBlocks scans a block h -> h of one shape and dtype")
-    if _context.current_tap() is not None:
-      raise ValueError(f"{where}: ScannedBlocks cannot be nested inside "
-                       "another ScannedBlocks' block")
+    outer = _context.current_tap()
+    if outer is not None:
+      raise ValueError(
+          "forge_jax.ScannedBlocks at "
+          f"{_context.layer_name((*outer.prefix, *self.path))!r}: a "
+          "ScannedBlocks cannot be nested inside another ScannedBlocks' block "
+          "(one scan over the blocks steps their FORGE layers). Call the "
+          "inner block several times in the outer block instead (a Python "
+          "loop, each call a module of its own name): the outer stack then "
+          "fuses every copy's FORGE layers. Or scan the inner blocks with "
+          "flax's nn.scan over blocks of flax's own layers (nn.Dense), whose "
+          "kernels take the standard optax path.")
     ctx = _context.current()
     if ctx is None or self.is_initializing():
       return self._scanned(x)
@@ -483,7 +633,7 @@ class ScannedBlocks(nn.Module):
       raise ValueError(f"{where}: no '{_BLOCK}' parameters in this scope "
                        "(were the variables made by this module's init?)")
     block = self.block(parent=None)
-    records = self._record(block, params, x)
+    records, closes_over = self._record(block, params, x)
     if ctx.mode == "discover":
       for rel, rec in records.items():
         full = _full(path, rel)
@@ -533,6 +683,11 @@ class ScannedBlocks(nn.Module):
         layouts=tuple(ctx.layouts.get(_full(path, p)) for p in forge),
         in_place_layer=_scan.updates_in_place(self.stack_update),
         wgrad=ctx.wgrad)
+    closure = ()
+    if closes_over:
+      traced, closure = self._traced(static, params, x)
+      static = dataclasses.replace(static, traced=traced)
     kernels = tuple(_get(params, (*p, "kernel")) for p in forge)
     return _fused_blocks(static, x, kernels, _without(params, forge),
-                         tuple(ctx.inputs[_full(path, p)] for p in forge))
+                         tuple(ctx.inputs[_full(path, p)] for p in forge),
+                         closure)

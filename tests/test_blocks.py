@@ -3,6 +3,7 @@ backward updates every FORGE Dense's stacked kernel and slots in place,
 against the same blocks under flax's own nn.scan(nn.remat(...)) + optax."""
 
 import functools
+from typing import Any
 import warnings
 
 import flax.linen as nn
@@ -325,7 +326,7 @@ class StackInside(nn.Module):
 
 @pytest.mark.parametrize("block,match", [
     (Widen, r"maps its input float32\[4, 24\] to float32\[4, 25\]"),
-    (Nested, "cannot be nested"),
+    (Nested, "'layers/block/inner': .*cannot be nested.*Python loop"),
     (StackInside, "cannot sit inside a forge_jax.ScannedBlocks"),
 ])
 def test_unsupported_blocks_are_refused_in_a_step(block, match):
@@ -815,3 +816,304 @@ def test_muon_on_a_scanned_stack_is_refused_with_the_fix():
   step = forge_jax.make_step(lambda v, b: jnp.mean(m.apply(v, b) ** 2), tx)
   with pytest.raises(ValueError, match="fused=False"):
     step(v, tx.init(v["params"]), x)
+
+
+# --- A block reading traced values it is not given (its closure) -----------
+
+
+def _closing_block(dense, gain, offset, pos):
+  """A block class that reads, through its Python closure, ``gain`` (a
+  parameter of the model outside the stack), ``offset`` (from the batch
+  only) and ``pos`` (integers), and through its ``cond`` attribute an
+  adaLN-style shift and scale computed from parameters outside the stack."""
+
+  class ClosingBlock(nn.Module):
+    cond: jax.Array
+
+    @nn.compact
+    def __call__(self, x):
+      shift, scale = jnp.split(self.cond, 2, axis=-1)
+      h = x * (1 + scale) + shift + offset + 1e-2 * pos
+      a = dense(2 * D + 3, name="up")(h)
+      return x + gain * dense(D, use_bias=False, name="down")(nn.silu(a))
+
+  return ClosingBlock
+
+
+class ClosingModel(nn.Module):
+  """Dense(in -> D) -> L closing blocks -> Dense(D -> out); ``forge``:
+  ``ScannedBlocks``, else flax's ``nn.scan(nn.remat(...))``."""
+  forge: bool = False
+  num_layers: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    dense = forge_jax.Dense if self.forge else nn.Dense
+    h = nn.relu(dense(D, name="embed")(x))
+    cond = nn.Dense(2 * D, name="cond")(jnp.tanh(x[..., :8]))
+    gain = self.param("gain", nn.initializers.constant(0.5), (D,))
+    offset = jnp.tanh(jnp.mean(x, axis=-1, keepdims=True))
+    pos = jnp.arange(D)
+    block = functools.partial(_closing_block(dense, gain, offset, pos),
+                              cond=cond)
+    if self.forge:
+      h = forge_jax.ScannedBlocks(block, self.num_layers, name="layers")(h)
+    else:
+      h = flax_scan(block, self.num_layers, "layers")(h)
+    return dense(5, name="head")(h)
+
+
+@pytest.mark.parametrize("wgrad,clip", [("fused", False), ("xla", True)],
+                         ids=["fused", "xla-clipped"])
+def test_a_block_closing_over_traced_values_matches_flax_scan(wgrad, clip):
+  """A block reading values of the step it is not given (a conditioning
+  vector and a gain computed from parameters outside the stack, a batch
+  statistic, integer positions) gets them as inputs of the stack's
+  custom_vjp: the FORGE kernels stay fused and every parameter, the
+  closure's sources included, matches flax's nn.scan + optax (also in a
+  clipped step, whose norm pass sums the closure's gradient too)."""
+  batches = _data(3, (4, 12))
+  variables = ClosingModel(False).init(jax.random.key(0), batches[0][0])
+  tx_kw = dict(learning_rate=1e-2, weight_decay=1e-2)
+  ref_tx, f_tx = optax.adamw(**tx_kw), forge_jax.adamw(**tx_kw)
+  if clip:
+    ref_tx = optax.chain(optax.clip_by_global_norm(0.05), ref_tx)
+    f_tx = optax.chain(forge_jax.clip_by_global_norm(0.05), f_tx)
+  step = forge_jax.make_step(mse(ClosingModel(True)), f_tx, wgrad=wgrad)
+  (f_v, f_s), (ref_v, ref_s), losses = train_side_by_side(
+      jax.jit(step, donate_argnums=(0, 1)),
+      optax_step(mse(ClosingModel(False)), ref_tx), variables, f_tx, ref_tx,
+      batches)
+  assert step.standard_layers == []
+  assert rel_err(losses[-1][0], losses[-1][1]) <= tol(jnp.float32)
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+  # Not vacuous: the closure's sources and every FORGE layer moved.
+  params, init = f_v["params"], variables["params"]
+  assert rel_err(params["gain"], init["gain"]) > 1e-3
+  assert rel_err(params["cond"]["kernel"], init["cond"]["kernel"]) > 1e-3
+  for name in ("up", "down"):
+    k0 = init["layers"]["block"][name]["kernel"]
+    for i in range(k0.shape[0]):
+      assert rel_err(params["layers"]["block"][name]["kernel"][i],
+                     k0[i]) > 1e-3, (name, i)
+
+
+def test_only_a_block_with_a_closure_is_traced_again(monkeypatch):
+  """The trace that finds a block's FORGE layers also finds what it reads
+  from its closure: a block reading only its carry and parameters is not
+  traced again; one with a closure has its functions traced with those
+  values as arguments."""
+  calls = []
+  traced = forge_jax.ScannedBlocks._traced
+  monkeypatch.setattr(forge_jax.ScannedBlocks, "_traced",
+                      lambda self, *a: calls.append(self.path) or traced(
+                          self, *a))
+  batch = _data(1, (4, 12))[0]
+  for model, again in ((Model, False), (ClosingModel, True)):
+    variables = model(False).init(jax.random.key(0), batch[0])
+    tx = forge_jax.adamw(1e-2)
+    jax.jit(forge_jax.make_step(mse(model(True)), tx)).trace(
+        variables, tx.init(variables["params"]), batch)
+    assert bool(calls) == again, model.__name__
+    calls.clear()
+
+
+class _MaskBlock(nn.Module):
+  """Reads a mask of the batch it is not given (never differentiated)."""
+  mask: jax.Array
+
+  @nn.compact
+  def __call__(self, x):
+    return x + forge_jax.Dense(D, name="p")(nn.silu(x)) * self.mask.astype(
+        x.dtype)
+
+
+class _MaskModel(nn.Module):
+  mask_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    mask = (jnp.abs(x) > 0.1).astype(self.mask_dtype)
+    h = forge_jax.ScannedBlocks(functools.partial(_MaskBlock, mask), 4,
+                                name="layers")(x)
+    return forge_jax.Dense(3, name="head")(h)
+
+
+def test_a_closure_value_not_differentiated_gets_no_gradient_formed():
+  """A float value the block reads but the loss is not differentiated by (a
+  mask of the batch) costs the backward no gradient: the compiled step does
+  no more work than with the same mask as integers (whose gradient is never
+  formed). Forming it anyway cost about 9 % more here."""
+  x = jax.random.normal(jax.random.key(0), (8, D))
+  y = jnp.zeros((8, 3))
+  flops = {}
+  for dtype in (jnp.int32, jnp.float32):
+    model = _MaskModel(dtype)
+    v = model.init(jax.random.key(1), x)
+    tx = forge_jax.adamw(1e-3)
+    step = forge_jax.make_step(
+        lambda params, b, m=model: jnp.mean((m.apply(params, b[0]) - b[1])
+                                            ** 2), tx)
+    compiled = jax.jit(step).lower(v, tx.init(v["params"]), (x, y)).compile()
+    flops[dtype] = compiled.cost_analysis()["flops"]
+  assert 0 < flops[jnp.float32] <= flops[jnp.int32], flops
+
+
+# --- A block with batch_stats ------------------------------------------------
+
+
+class BNBlock(nn.Module):
+  """A residual block with a BatchNorm (training mode: it updates its
+  running statistics, the ``batch_stats`` collection)."""
+  dense: type = nn.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    # No bias before BatchNorm: its gradient is zero up to rounding, which
+    # Adam would scale to +-lr in either arm alike.
+    y = self.dense(D, use_bias=False, name="p")(x)
+    return x + nn.BatchNorm(use_running_average=False, momentum=0.9,
+                            name="bn")(nn.silu(y))
+
+
+class BNModel(nn.Module):
+  """Dense(in -> D) -> 2 BatchNorm blocks -> Dense(D -> out); ``forge``:
+  ``ScannedBlocks(..., fused=fused)``, else flax's ``nn.scan(nn.remat(...))``
+  with the parameters and the statistics stacked per layer."""
+  forge: bool = False
+  fused: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    dense = forge_jax.Dense if self.forge else nn.Dense
+    h = nn.relu(dense(D, name="embed")(x))
+    if self.forge:
+      h = forge_jax.ScannedBlocks(functools.partial(BNBlock, forge_jax.Dense),
+                                  2, fused=self.fused, name="layers")(h)
+    else:
+      h = nn.scan(nn.remat(_FlaxBody),
+                  variable_axes={"params": 0, "batch_stats": 0},
+                  split_rngs={"params": True}, length=2)(
+                      BNBlock, name="layers")(h, None)[0]
+    return dense(5, name="head")(h)
+
+
+def _bn_loss(model):
+  def loss_fn(variables, batch):
+    x, y = batch
+    out, updates = model.apply(variables, x, mutable=["batch_stats"])
+    return jnp.mean((out - y) ** 2), updates["batch_stats"]
+  return loss_fn
+
+
+def test_a_block_with_batch_stats_is_refused_and_runs_with_fused_false():
+  """A FORGE step runs each fused block with its parameters alone, so a
+  block with batch_stats is refused, naming fused=False; with fused=False
+  the stack is flax's nn.scan with the statistics stacked per layer as the
+  parameters (the tree of nn.scan(..., variable_axes={'params': 0,
+  'batch_stats': 0})), and a has_aux step (the model's other FORGE layers
+  fused) matches that scan + optax, statistics included."""
+  batches = _data(3, (4, 12))
+  x = batches[0][0]
+  variables = BNModel(False).init(jax.random.key(0), x)
+  got = BNModel(True, fused=False).init(jax.random.key(0), x)
+  assert jax.tree.structure(got) == jax.tree.structure(variables)
+  assert got["batch_stats"]["layers"]["block"]["bn"]["mean"].shape == (2, D)
+  tx_kw = dict(learning_rate=1e-2, weight_decay=1e-2)
+  ref_tx, f_tx = optax.adamw(**tx_kw), forge_jax.adamw(**tx_kw)
+  with pytest.raises(ValueError, match=r"layers'.*batch_stats.*fused=False: "
+                     r".*batch_stats stacked per layer"):
+    forge_jax.make_step(_bn_loss(BNModel(True)), f_tx, has_aux=True)(
+        variables, f_tx.init(variables["params"]), batches[0])
+  step = forge_jax.make_step(_bn_loss(BNModel(True, fused=False)), f_tx,
+                             has_aux=True)
+  f_step = jax.jit(step)
+  ref_step = jax.jit(reference_step(_bn_loss(BNModel(False)), ref_tx,
+                                    has_aux=True))
+  v_f, s_f = variables, f_tx.init(variables["params"])
+  v_r, s_r = variables, ref_tx.init(variables["params"])
+  for batch in batches:
+    (l_f, stats_f), v_f, s_f = f_step(v_f, s_f, batch)
+    (l_r, stats_r), v_r, s_r = ref_step(v_r, s_r, batch)
+    v_f, v_r = {**v_f, "batch_stats": stats_f}, {**v_r, "batch_stats": stats_r}
+    assert rel_err(l_f, l_r) <= tol(jnp.float32)
+  assert step.standard_layers == []
+  assert_trees_close(v_f, v_r, tol(jnp.float32), "variables")
+  assert_trees_close(s_f, s_r, tol(jnp.float32), "opt_state")
+  # Not vacuous: the statistics and the stacked kernels moved.
+  mean = lambda v: v["batch_stats"]["layers"]["block"]["bn"]["mean"]
+  assert rel_err(mean(v_f), mean(variables)) > 1e-3
+  kernel = lambda v: v["params"]["layers"]["block"]["p"]["kernel"]
+  assert rel_err(kernel(v_f), kernel(variables)) > 1e-3
+
+
+# --- A stack inside the block ------------------------------------------------
+
+
+class OuterBlock(nn.Module):
+  """A block holding a ``dense`` layer and an inner stack of two
+  ``Block``s, ``how``: ``"scanned"`` a ScannedBlocks (refused in a step),
+  ``"unrolled"`` a Python loop of blocks of ``dense`` layers, ``"flax"``
+  flax's nn.scan of blocks of flax's own layers."""
+  dense: type = nn.Dense
+  how: str = "unrolled"
+
+  @nn.compact
+  def __call__(self, x):
+    x = x + jnp.tanh(self.dense(D, name="mix")(x))
+    if self.how == "scanned":
+      return forge_jax.ScannedBlocks(functools.partial(Block, self.dense), 2,
+                                     name="inner")(x)
+    if self.how == "unrolled":
+      for j in range(2):
+        x = Block(self.dense, name=f"inner_{j}")(x)
+      return x
+    return flax_scan(Block, 2, "inner")(x)
+
+
+def _outer_model(forge, how):
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(D, name="embed")(x)
+      if forge:
+        x = forge_jax.ScannedBlocks(
+            functools.partial(OuterBlock, forge_jax.Dense, how), 2,
+            name="layers")(x)
+      else:
+        x = flax_scan(functools.partial(OuterBlock, nn.Dense, how), 2,
+                      "layers")(x)
+      return nn.Dense(5, name="head")(x)
+
+  return M()
+
+
+@pytest.mark.parametrize("how", ["unrolled", "flax"])
+def test_a_nested_stack_is_refused_naming_the_fixes_which_train(how):
+  """A ScannedBlocks inside a ScannedBlocks block is refused with its full
+  path and two fixes, each of which trains and matches flax's nested
+  nn.scan + optax: the inner blocks unrolled in the outer block (their
+  FORGE layers fused by the outer stack), or the inner stack as flax's
+  nn.scan of flax's own layers (the standard path)."""
+  batches = _data(2, (4, 12))
+  x = batches[0][0]
+  nested = _outer_model(True, "scanned")
+  v = nested.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-2)
+  with pytest.raises(ValueError, match=r"ScannedBlocks at 'layers/block/inner'"
+                     r": .*cannot be nested.*Python loop.*flax's nn.scan"):
+    forge_jax.make_step(mse(nested), tx)(v, tx.init(v["params"]), batches[0])
+  variables = _outer_model(False, how).init(jax.random.key(0), x)
+  tx_kw = dict(learning_rate=1e-2, weight_decay=1e-2)
+  ref_tx, f_tx = optax.adamw(**tx_kw), forge_jax.adamw(**tx_kw)
+  step = jax.jit(forge_jax.make_step(mse(_outer_model(True, how)), f_tx))
+  traced = step.trace(variables, f_tx.init(variables["params"]), batches[0])
+  # Inside the backward loop: mix, and unrolled up and down of both copies.
+  assert str(traced.jaxpr).count("pallas_call") == (5 if how == "unrolled"
+                                                    else 1)
+  (f_v, f_s), (ref_v, ref_s), _ = train_side_by_side(
+      step, optax_step(mse(_outer_model(False, how)), ref_tx), variables,
+      f_tx, ref_tx, batches)
+  assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+  assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
