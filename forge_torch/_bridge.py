@@ -676,19 +676,52 @@ class _Launch:
     return self.ring
 
 
-# Fast path: (shapes, dtypes, device, stream, rule, config) -> _Launch, or
-# None for the DLPack path.
+# Fast path: _launch_key(...) -> _Launch, or None for the DLPack path.
 _LAUNCHES: dict = {}
+
+
+def _launch_key(x2, dy2, w, slots, device_index: int, stream: int,
+                n_hparams: int, rule, config) -> tuple:
+  """What a cached direct launch was resolved for (:data:`_LAUNCHES`): the
+  operands' shapes and dtypes, the weight's and each slot's strides, each
+  slot's device, the stream, the length of the hyperparameter vector, the
+  rule and the tiling. The compiled kernel reads the weight and the slots
+  at their pointers as dense row-major arrays of the weight's shape on its
+  device, which :func:`_resolve` checks once per key: a weight or slot laid
+  out otherwise has a key of its own, never another layout's launch.
+  (``x2`` and ``dy2`` are made contiguous before every launch, so their
+  strides do not matter.)"""
+  return (x2.shape, dy2.shape, x2.dtype, dy2.dtype, w.shape, w.stride(),
+          w.dtype, *[(s.shape, s.stride(), s.dtype, s.get_device())
+                     for s in slots],
+          device_index, stream, n_hparams, rule, config)
+
+
+def _direct_layout_ok(x2, dy2, w, slots, device_index: int) -> bool:
+  """Whether the compiled kernel can take these operands by pointer: a 2-d
+  weight and slots of its shape, contiguous, on its device; ``x2`` and
+  ``dy2`` of one dtype, with ``w``'s rows and columns as their columns
+  (any strides: they are made contiguous before the launch)."""
+  if w.dim() != 2 or x2.dim() != 2 or dy2.dim() != 2:
+    return False
+  n_in, n_out = w.shape
+  if (x2.shape[0] == 0 or x2.shape[1] != n_in or dy2.shape[1] != n_out
+      or dy2.shape[0] != x2.shape[0] or x2.dtype != dy2.dtype
+      or not w.is_contiguous() or w.get_device() != device_index):
+    return False
+  return all(s.shape == w.shape and s.is_contiguous()
+             and s.get_device() == device_index for s in slots)
 
 
 def _resolve(x2, dy2, w, slots, n_hparams: int, rule, config,
              device_index: int, stream: int):
   """The launch for a case not seen before: the tiling and the compiled
-  kernel; ``None`` where the case takes the DLPack path."""
+  kernel; ``None`` where the case takes the DLPack path (among them any
+  layout the kernel cannot take by pointer: :func:`_direct_layout_ok`)."""
+  if not _direct_layout_ok(x2, dy2, w, slots, device_index):
+    return None
   bt = x2.shape[0]
   n_in, n_out = w.shape
-  if bt == 0 or x2.shape[1] != n_in or dy2.shape[1] != n_out:
-    return None
   device = torch.device("cuda", device_index)
   key = (device, bt, n_in, n_out, x2.dtype, w.dtype,
          tuple(s.dtype for s in slots), rule, config)
@@ -745,9 +778,8 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
   else:
     vec = np.ascontiguousarray(hparams, dtype=np.float32)
     n_hparams = vec.shape[0]
-  key = (x2.shape, dy2.shape, x2.dtype, w.shape, w.dtype,
-         *[s.dtype for s in slots], len(slots), device_index, stream,
-         n_hparams, rule, config)
+  key = _launch_key(x2, dy2, w, slots, device_index, stream, n_hparams,
+                    rule, config)
   launch = _LAUNCHES.get(key, False)
   if launch is False:
     launch = _resolve(x2, dy2, w, slots, n_hparams, rule, config,

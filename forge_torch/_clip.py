@@ -51,14 +51,14 @@ WRAPPED = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
 
 def fused_weights_among(params) -> list[str]:
   """The names of the weights in ``params`` whose gradient FORGE took in
-  backward since their optimizer's last ``step()`` (so they have no
-  ``grad``): updated, added to their accumulation buffer (a step of
-  ``accumulate_steps`` micro-batches not yet complete), or measured by the
-  norm pass of ``max_grad_norm``."""
+  backward since their optimizer's last ``step()`` (so their ``grad``, if
+  any, is not it: ``None``, or a zero tensor left by a module's
+  ``zero_grad(set_to_none=False)``): updated, added to their accumulation
+  buffer (a step of ``accumulate_steps`` micro-batches not yet complete),
+  or measured by the norm pass of ``max_grad_norm``."""
   names = []
   for p in params:
-    if not (isinstance(p, torch.Tensor) and _linear.is_forge_weight(p)
-            and p.grad is None):
+    if not (isinstance(p, torch.Tensor) and _linear.is_forge_weight(p)):
       continue
     optimizer = _linear.owner_of(p)
     if optimizer is not None and (

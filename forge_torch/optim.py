@@ -245,6 +245,11 @@ class _ForgeOptimizer:
   # its step's scalars on the GPU (_forge_captured_hparams), so a CUDA
   # graph can record its fused updates.
   _forge_capturable: ClassVar[bool] = False
+  # Slots (torch's state names) that torch's step -- its for-loop and
+  # foreach forms; fused=True refuses -- also updates in float32 beside a
+  # bfloat16 weight (the model cast after the state was created): in float32
+  # arithmetic, rounding only the weight, as the fused update computes.
+  _forge_fp32_slots: ClassVar[frozenset[str]] = frozenset()
   # Set per instance (accumulate_steps, max_grad_norm, forge_torch/_clip.py);
   # class defaults, so that the backward reads them without getattr.
   _forge_accumulate_steps: int = 1
@@ -793,8 +798,9 @@ class _ForgeOptimizer:
   def zero_grad(self, set_to_none: bool = True) -> None:
     """torch's ``zero_grad``; a managed weight's ``grad`` becomes ``None``
     even with ``set_to_none=False``: FORGE never forms it, and a zero tensor
-    left there (from a step its layer ran with ``fused = False``) would read
-    as a second consumer of the weight in the next step. With
+    left there (from a step its layer ran with ``fused = False``) would have
+    torch's step update the weight in a step its layer does not run (one in
+    which it runs drops such a zero tensor: :meth:`step`). With
     ``accumulate_steps > 1`` it also discards the micro-batches accumulated
     into managed weights' buffers and not yet applied, as torch's discards
     their ``.grad``; an update already applied in backward stays."""
@@ -868,14 +874,18 @@ class _ForgeOptimizer:
     n = calls._values.get(wk, 0)
     k = self._forge_accumulate_steps
     if n >= k and k > 1:
+      applied = (
+          f" This step's update of the weight has been applied already (by "
+          f"the backward of its use number {k}), with the gradients of the "
+          "uses so far." if w in self._forge_updated else "")
       raise RuntimeError(
           f"forge_torch.Linear {layer} was called more than "
-          f"accumulate_steps={k} times before optimizer.step(). With "
-          "gradient accumulation each managed layer runs one forward and one "
-          f"backward per micro-batch, {k} micro-batches per step, and the "
-          "backward of the last one applies the update: a further forward "
-          "would read the updated weight. Call optimizer.step() after every "
-          f"{k} micro-batches (it also completes a step cut short, with "
+          f"accumulate_steps={k} times before optimizer.step().{applied} "
+          "With gradient accumulation each managed layer runs one forward "
+          f"and one backward per micro-batch, {k} micro-batches per step, and "
+          "the backward of the last one applies the update: a further "
+          "forward would read the updated weight. Call optimizer.step() after "
+          f"every {k} micro-batches (it also completes a step cut short, with "
           "fewer). "
           "A layer run twice per micro-batch counts twice: keep such a layer "
           "as nn.Linear (or set layer.fused = False). Evaluation forwards "
@@ -1056,6 +1066,43 @@ class _ForgeOptimizer:
     _increment_version([p, *slots])
     self._forge_updated[p] = True
 
+  def _forge_check_slot(self, name: str, s: torch.Tensor, p: torch.Tensor,
+                        group: Mapping[str, Any], layer: str) -> None:
+    """Raises unless state tensor ``s`` (slot ``name``), whose shape, device
+    or dtype differs from managed weight ``p``'s, can be updated as torch's
+    step would update it: a float32 slot of :attr:`_forge_fp32_slots` beside
+    a bfloat16 weight, outside ``fused=True`` (the model cast to bfloat16
+    after the state was created, e.g. Adagrad's ``sum``, made at
+    construction)."""
+    if s.shape != p.shape or s.device != p.device:
+      raise RuntimeError(
+          f"forge_torch.Linear {layer}: optimizer state {name!r} is "
+          f"{s.dtype}{list(s.shape)} on {s.device}, the weight "
+          f"{p.dtype}{list(p.shape)} on {p.device} (was the model moved or "
+          "cast after the optimizer state was created?)")
+    fused = bool(group.get("fused"))
+    if (s.dtype == torch.float32 and p.dtype == torch.bfloat16
+        and name in self._forge_fp32_slots and not fused):
+      return
+    family = type(self).__name__
+    if s.dtype not in _bridge.SUPPORTED_DTYPES:
+      why = "the fused update keeps state in float32 or bfloat16"
+    elif s.dtype.itemsize < p.dtype.itemsize:
+      why = (f"torch.optim.{family}'s step would keep that state in "
+             f"{s.dtype}, rounding each of its operations to it, which the "
+             "fused update (float32 arithmetic) does not reproduce")
+    else:
+      why = (f"torch.optim.{family}"
+             f"{' with fused=True' if fused else ''} refuses this mix too")
+    raise RuntimeError(
+        f"forge_torch.Linear {layer}: optimizer state {name!r} is "
+        f"{s.dtype}, the weight {p.dtype} (was the model cast after the "
+        f"optimizer state was created?), and {why}. Cast the state to the "
+        "weights' dtypes with optimizer.load_state_dict("
+        "optimizer.state_dict()) (torch's loader casts each parameter's "
+        "state to its dtype), or build the optimizer after casting the "
+        "model")
+
   def _forge_step_weight(self, p: torch.Tensor, grad_output: torch.Tensor,
                          input: torch.Tensor, *,
                          config: pallas_kernels.BlockConfig | None,
@@ -1088,7 +1135,7 @@ class _ForgeOptimizer:
       for name in rule.slots:
         s = state.get(name)
         if (name + SCALE_SUFFIX not in state and isinstance(s, torch.Tensor)
-            and s.dtype == p.dtype and s.shape == p.shape):
+            and s.dtype in _bridge.SUPPORTED_DTYPES and s.shape == p.shape):
           state[name], state[name + SCALE_SUFFIX] = _quantize_tensor(
               s, fmt, name in rule.second_moments)
     if self._forge_sr and p.dtype != torch.bfloat16:
@@ -1107,11 +1154,7 @@ class _ForgeOptimizer:
             "(e.g. momentum, centered, amsgrad) changed after its state was "
             "created?")
       if s.shape != shape or s.device != device or s.dtype != dtype:
-        raise RuntimeError(
-            f"forge_torch.Linear {layer}: optimizer state {name!r} is "
-            f"{s.dtype}{list(s.shape)} on {s.device}, the weight "
-            f"{p.dtype}{list(p.shape)} on {p.device} (was the model moved or "
-            "cast after the optimizer state was created?)")
+        self._forge_check_slot(name, s, p, group, layer)
       slots.append(s)
     if fmt is not None:
       slots = self._forge_low_precision_slots(p, state, rule, fmt, layer)
@@ -1307,7 +1350,12 @@ class _ForgeOptimizer:
     a fused update in this step but has an ordinary ``grad`` (its layer ran
     with ``fused = False``, say) is updated by torch's step like any other
     (with quantized moments, ``moments=``, this raises ``RuntimeError``:
-    torch's step has no quantized form).
+    torch's step has no quantized form). One that did get a fused update
+    and has a ``grad`` of zeros (left by ``nn.Module.zero_grad(set_to_none=
+    False)`` after a step its layer ran unfused) has it set to ``None``:
+    torch would step from ``0 + G``, the update already applied. A nonzero
+    ``grad`` there (a tied weight's second use, or a leftover gradient)
+    raises ``RuntimeError``.
 
     With ``max_grad_norm`` set, ``closure`` is required and runs twice
     (:func:`forge_torch._clip.two_pass_step`).
@@ -1349,14 +1397,23 @@ class _ForgeOptimizer:
       if p.grad is None:  # the usual case: FORGE formed no gradient
         continue
       if p in self._forge_updated or p in self._forge_micro:
+        if not bool(torch.any(p.grad)):
+          # A zero tensor: left by nn.Module.zero_grad(set_to_none=False)
+          # after a step the layer ran unfused. torch's step would read
+          # 0 + G, the G the fused update applied; dropped, so that torch's
+          # step below does not update the weight a second time.
+          p.grad = None
+          continue
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} was updated by its "
-            "forge_torch.Linear's backward AND received an ordinary gradient "
-            "from another use in the same step (a tied or shared weight). "
-            "FORGE applies the update as soon as its layer's gradient is "
-            "formed, so it cannot add a second use's gradient: keep the "
-            "layers that share this weight as nn.Linear "
-            "(forge_torch.convert() does so).")
+            "forge_torch.Linear's backward AND has a nonzero ordinary "
+            "gradient: another use in the same step (a tied or shared "
+            "weight), or a gradient left from an earlier step that the layer "
+            "ran with fused = False and that no zero_grad() cleared. FORGE "
+            "applies the update as soon as its layer's gradient is formed, "
+            "so it cannot add that gradient: keep the layers that share this "
+            "weight as nn.Linear (forge_torch.convert() does so), and clear "
+            "gradients with optimizer.zero_grad() after each step.")
       if any(isinstance(k, str) and k.endswith(SCALE_SUFFIX)
              for k in self.state.get(p, {})):
         raise RuntimeError(
@@ -1601,6 +1658,7 @@ class SGD(_ForgeOptimizer, torch.optim.SGD):
   """
 
   _forge_counts_steps = False
+  _forge_fp32_slots = frozenset({"momentum_buffer"})
 
   def _forge_rule(self, group, device=None):
     family = "sgd_momentum" if group["momentum"] != 0 else "sgd"
@@ -1627,8 +1685,11 @@ class Adagrad(_ForgeOptimizer, torch.optim.Adagrad):
 
   All options: ``lr_decay``, ``weight_decay``, ``initial_accumulator_value``,
   ``eps``, ``maximize``. State: ``step``, ``sum`` (created at construction,
-  as torch does).
+  as torch does; a model cast to bfloat16 afterwards keeps a float32
+  ``sum``, updated in float32 as torch's step updates it).
   """
+
+  _forge_fp32_slots = frozenset({"sum"})
 
   def _forge_rule(self, group, device=None):
     return _torch_rule("adagrad")
@@ -1653,6 +1714,8 @@ class RMSprop(_ForgeOptimizer, torch.optim.RMSprop):
   ``centered``, ``maximize``. State: ``step``, ``square_avg``, and
   ``momentum_buffer`` (momentum > 0), ``grad_avg`` (centered).
   """
+
+  _forge_fp32_slots = frozenset({"square_avg", "momentum_buffer"})
 
   def _forge_rule(self, group, device=None):
     return _torch_rule("rmsprop", centered=bool(group["centered"]),

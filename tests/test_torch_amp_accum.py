@@ -390,10 +390,19 @@ def test_accumulation_opt_in_limits_and_errors():
   for _ in range(2):
     layer(x).sum().backward()
   with pytest.raises(RuntimeError, match=r"called more than "
-                     r"accumulate_steps=2 times before optimizer.step"):
+                     r"accumulate_steps=2 times before optimizer.step\(\)\. "
+                     r"This step's update of the weight has been applied "
+                     r"already \(by the backward of its use number 2\)"):
     layer(x)
   opt.step()
   assert opt.state[layer.weight]["step"].item() == 2
+  # Before the K-th backward nothing is applied yet, and the message does
+  # not say it is.
+  alive = [layer(x) for _ in range(2)]  # two graphs kept, no backward
+  with pytest.raises(RuntimeError, match=r"accumulate_steps=2 times before "
+                     r"optimizer.step\(\)\. With gradient") as e:
+    layer(x)
+  assert "applied already" not in str(e.value) and len(alive) == 2
 
 
 def test_zero_grad_discards_the_accumulated_micro_batches_as_torch_does():

@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import io
 import types
@@ -1320,6 +1321,89 @@ def test_direct_launch_tiling_follows_the_backend_choice(monkeypatch):
       mosaic_kernel.default_config(jnp.bfloat16, [jnp.bfloat16] * 2, 512,
                                    shape=(4096, 4096)))
   assert tiling(512, 100, 4096) is None
+
+
+class _RecordingKernel:
+  """Stands in for a compiled direct kernel: records its launches."""
+
+  writes_outputs = False
+
+  def __init__(self):
+    self.launches = []
+
+  def launch_ptrs(self, stream, ptrs):
+    self.launches.append((stream, list(ptrs)))
+
+
+def test_direct_launch_cache_keys_each_operands_layout(monkeypatch):
+  """A cached direct launch serves only operands laid out as the ones it
+  was resolved for: a weight or slot of the same shape and dtype but other
+  strides (a transposed view) is resolved anew, never launched by another
+  layout's kernel. (The launch machinery stood in for on the CPU: the
+  kernel by pointer needs a Hopper GPU.)"""
+  from forge_torch import _bridge, _direct  # noqa: PLC0415
+  import pallas_kernels as pk  # noqa: PLC0415
+  monkeypatch.setattr(_direct, "unavailable", lambda: None)
+  monkeypatch.setattr(_bridge, "_raw_stream", lambda device_index: 7)
+  monkeypatch.setattr(_bridge, "_LAUNCHES", {})
+  resolved, kernel = [], _RecordingKernel()
+
+  def resolve(x2, dy2, w, slots, n_hparams, rule, config, device_index,
+              stream):
+    resolved.append([t.stride() for t in (w, *slots)])
+    return _bridge._Launch(kernel, 1 + len(slots),
+                           (device_index, stream, n_hparams))
+
+  monkeypatch.setattr(_bridge, "_resolve", resolve)
+  x, dy = torch.randn(8, 6), torch.randn(8, 4)
+  hparams = torch.zeros(16)  # on the weight's device: no pinned ring
+  w, m, v = (torch.randn(6, 4) for _ in range(3))
+  wt = torch.randn(4, 6).t()  # (6, 4), strides (1, 6)
+  mt = torch.randn(4, 6).t()
+
+  def launch(w, m, v):
+    return _bridge._direct_update(x, dy, w, [m, v], hparams, pk.ADAMW, None)
+
+  assert launch(w, m, v) and launch(w, m, v)
+  assert resolved == [[(4, 1)] * 3] and len(kernel.launches) == 2
+  assert launch(wt, m, v)
+  assert launch(w, mt, v)
+  assert resolved == [[(4, 1)] * 3, [(1, 6), (4, 1), (4, 1)],
+                      [(4, 1), (1, 6), (4, 1)]]
+  key = functools.partial(_bridge._launch_key, x, dy, device_index=0,
+                          stream=7, n_hparams=16, rule=pk.ADAMW, config=None)
+  assert key(w, [m, v]) == key(torch.empty_like(w), [m, v])
+  assert key(w, [m, v]) != key(w, [m, v.bfloat16()])
+  assert key(w, [m, v]) != key(wt, [m, v]) != key(w, [mt, v])
+  assert key(w, [m, v]) != _bridge._launch_key(
+      x, dy.bfloat16(), w, [m, v], 0, 7, 16, pk.ADAMW, None)
+
+
+def test_direct_launch_is_resolved_only_for_dense_weight_and_slots():
+  """The compiled kernel reads the weight and the slots by pointer as dense
+  arrays of the weight's shape on its device: any other layout resolves to
+  the DLPack path (None) before a kernel is looked for. x and dy may have
+  any strides (they are made contiguous before a launch)."""
+  from forge_torch import _bridge  # noqa: PLC0415
+  import pallas_kernels as pk  # noqa: PLC0415
+  x, dy = torch.randn(8, 6), torch.randn(8, 4)
+  w, m = torch.randn(6, 4), torch.randn(6, 4)
+  wt = torch.randn(4, 6).t()
+  cpu = w.get_device()
+  ok = functools.partial(_bridge._direct_layout_ok, device_index=cpu)
+  assert ok(x, dy, w, [m, m])
+  assert ok(torch.randn(6, 8).t(), dy, w, [m])  # any strides of x
+  assert not ok(x, dy, wt, [m])
+  assert not ok(x, dy, w, [wt])
+  assert not ok(x, dy, w, [torch.randn(4, 6)])
+  assert not ok(x, dy, w, [torch.randn(24)])
+  assert not ok(x, dy[:4], w, [m])
+  assert not ok(x, dy.bfloat16(), w, [m])
+  assert not ok(x[:0], dy[:0], w, [m])
+  assert not _bridge._direct_layout_ok(x, dy, w, [m], device_index=0)
+  for slots, weight in (([m], wt), ([wt], w)):
+    assert _bridge._resolve(x, dy, weight, slots, 16, pk.ADAMW, None, cpu,
+                            7) is None
 
 
 def _direct_case(seed, bt=512, n_in=384, n_out=256, state=torch.bfloat16):

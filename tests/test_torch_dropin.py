@@ -58,6 +58,29 @@ def test_clipping_a_fused_weight_is_refused_by_name(clip):
   assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
 
 
+def test_clipping_refuses_a_fused_weight_holding_a_stale_zero_grad():
+  """A module's zero_grad(set_to_none=False) after a step its layers ran
+  unfused leaves zero tensors as their grads; once the layers run fused
+  again, those zeros are not the weights' gradients, and clipping them
+  would leave the weights' real gradients out of the norm: refused."""
+  model = _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  layers = (model[0].fc1, model[0].fc2, model[1])
+  for layer in layers:
+    layer.fused = False
+  _backward(model)
+  opt.step()
+  model.zero_grad(set_to_none=False)
+  assert all(torch.count_nonzero(layer.weight.grad) == 0 for layer in layers)
+  for layer in layers:
+    layer.fused = True
+  _backward(model)
+  with pytest.raises(RuntimeError, match=r"0\.fc1\.weight, 0\.fc2\.weight, "
+                     r"1\.weight\).*never exists as a \.grad"):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
 def test_clipping_matches_torch_without_fused_weights():
   ref, model = _model(), _model()
   forge_torch.convert(model, exclude=["0", "1"])  # nothing managed

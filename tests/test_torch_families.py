@@ -516,6 +516,148 @@ def test_adagrad_state_exists_from_construction_like_torch():
   assert torch.all(opt.state[late.weight]["sum"] < 9.0)
 
 
+def _exact_batches(steps, n_in=8, n_out=6, batch=4, seed=3):
+  """``(x, c)`` pairs for the loss ``(model(x) * c).sum()`` of a one-layer
+  model: ``x`` on a grid of 1/4 in [-2, 2], ``c`` in {+-1, +-1/2}, so the
+  weight gradient ``c^T x`` (multiples of 1/8 below 8 in magnitude) is exact
+  in bfloat16 and does not depend on the weight: torch's bf16 ``grad`` is
+  the fused update's fp32 ``G``."""
+  g = torch.Generator().manual_seed(seed)
+  signs = torch.tensor([-1.0, -0.5, 0.5, 1.0])
+  return [(torch.randint(-8, 9, (batch, n_in), generator=g) / 4,
+           signs[torch.randint(0, 4, (batch, n_out), generator=g)])
+          for _ in range(steps)]
+
+
+def _train_linear(model, opt, data, dtype):
+  for x, c in data:
+    (model(x.to(dtype)) * c.to(dtype)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _one_layer_pair():
+  torch.manual_seed(0)
+  ref = torch.nn.Sequential(torch.nn.Linear(8, 6))
+  fm = copy.deepcopy(ref)
+  assert forge_torch.convert(fm) == ["0"]
+  return ref, fm
+
+
+CAST_TO_BF16 = [
+    # Adagrad's sum exists from construction: cast before any step.
+    pytest.param("Adagrad", dict(lr=0.05, lr_decay=1e-2,
+                                 initial_accumulator_value=0.1,
+                                 maximize=True), 0, FP32_TOL, id="adagrad"),
+    # torch's foreach form (its CUDA default) rounds grad * -clr to bfloat16
+    # before dividing by std, one rounding the fused update does not make:
+    # the weights agree to the bf16 bar, the fp32 sum to the fp32 one.
+    pytest.param("Adagrad", dict(lr=0.05, foreach=True), 2,
+                 tol(jnp.bfloat16), id="adagrad-foreach-after-steps"),
+    pytest.param("SGD", dict(lr=0.05, momentum=0.9, nesterov=True), 2,
+                 FP32_TOL, id="sgd-nesterov"),
+    pytest.param("RMSprop", dict(lr=1e-2, momentum=0.5), 2, FP32_TOL,
+                 id="rmsprop-momentum"),
+]
+
+
+@pytest.mark.parametrize("family,kwargs,before,weight_tol", CAST_TO_BF16)
+def test_fp32_state_after_casting_the_model_to_bfloat16_trains_like_torch(
+    family, kwargs, before, weight_tol):
+  """The model cast to bfloat16 after its optimizer state was created
+  (``before`` fp32 steps; Adagrad's ``sum`` exists from construction):
+  torch's step keeps that state in float32 and computes in float32,
+  rounding only the weight, and so does the fused update. With a weight
+  gradient exact in bfloat16 (:func:`_exact_batches`) the state agrees to
+  the fp32 bar and the bf16 weights are torch's (``weight_tol``)."""
+  ref, fm = _one_layer_pair()
+  o_ref = getattr(torch.optim, family)(ref.parameters(), **kwargs)
+  o_f = getattr(forge_torch, family)(fm.parameters(), **kwargs)
+  data = _exact_batches(before + 5)
+  for m, o in ((ref, o_ref), (fm, o_f)):
+    _train_linear(m, o, data[:before], torch.float32)
+    m.to(torch.bfloat16)
+  calls = forge_torch.bridge_stats.calls
+  _train_linear(ref, o_ref, data[before:], torch.bfloat16)
+  _train_linear(fm, o_f, data[before:], torch.bfloat16)
+  assert forge_torch.bridge_stats.calls - calls == 5  # fused, every step
+  w0 = ref[0].weight
+  for (name, pf), pr in zip(fm.named_parameters(), ref.parameters()):
+    assert pf.dtype == pr.dtype == torch.bfloat16
+    assert_close(np32(pf), np32(pr), weight_tol, what=f"{family} {name}")
+    for k, vr in o_ref.state[pr].items():
+      vf = o_f.state[pf][k]
+      assert (vf.dtype, vf.shape) == (vr.dtype, vr.shape), k
+      if vr.dim():
+        assert pr is not w0 or vr.dtype == torch.float32, k
+        assert_close(np32(vf), np32(vr), FP32_TOL, what=f"{family} {name}.{k}")
+      else:
+        assert torch.equal(vf, vr), (name, k)
+
+
+def test_bfloat16_state_beside_a_float32_weight_is_refused_with_the_fix():
+  """A model built in bfloat16, its Adagrad made (``sum`` in bfloat16),
+  then cast to float32: torch's step would keep rounding the sum and its
+  square root to bfloat16, which the fused update does not reproduce, so
+  it refuses before touching the weight, naming the fix; after that fix
+  (the loader casts the state to the weights' dtype) it trains as torch
+  does after the same fix."""
+  ref, fm = _one_layer_pair()
+  ref.to(torch.bfloat16)
+  fm.to(torch.bfloat16)
+  o_ref = torch.optim.Adagrad(ref.parameters(), lr=0.05)
+  o_f = forge_torch.Adagrad(fm.parameters(), lr=0.05)
+  for m in (ref, fm):
+    m.to(torch.float32)
+  (x, c), *rest = _exact_batches(4)
+  w, s = fm[0].weight.detach().clone(), o_f.state[fm[0].weight]["sum"].clone()
+  with pytest.raises(RuntimeError, match=(
+      r"'sum' is torch.bfloat16, the weight torch.float32.*rounding each of "
+      r"its operations.*optimizer.load_state_dict\("
+      r"optimizer.state_dict\(\)\)")):
+    (fm(x) * c).sum().backward()
+  assert torch.equal(fm[0].weight, w)
+  assert torch.equal(o_f.state[fm[0].weight]["sum"], s)
+  o_f.zero_grad()
+  o_f.step()  # the failed backward's step: the bias got no gradient
+  for m, o in ((ref, o_ref), (fm, o_f)):
+    o.load_state_dict(o.state_dict())
+    _train_linear(m, o, rest, torch.float32)
+  for pf, pr in zip(fm.parameters(), ref.parameters()):
+    assert_close(np32(pf), np32(pr), FP32_TOL)
+    assert o_f.state[pf]["sum"].dtype == torch.float32
+    assert_close(np32(o_f.state[pf]["sum"]), np32(o_ref.state[pr]["sum"]),
+                 FP32_TOL)
+
+
+@pytest.mark.parametrize("family,kwargs,match", [
+    ("Adam", dict(lr=1e-2), r"torch.optim.Adam refuses this mix too"),
+    ("RMSprop", dict(lr=1e-2, centered=True),
+     r"'grad_avg' .*torch.optim.RMSprop refuses this mix too"),
+    ("Adagrad", dict(lr=1e-2, fused=True),
+     r"torch.optim.Adagrad with fused=True refuses this mix too")])
+def test_fp32_state_beside_bfloat16_weight_refused_where_torch_refuses(
+    family, kwargs, match):
+  """Where torch's own step refuses float32 state beside a bfloat16 weight
+  (its lerp_ and fused kernels take one dtype), so does forge_torch's,
+  before touching the weight."""
+  ref, fm = _one_layer_pair()
+  o_ref = getattr(torch.optim, family)(ref.parameters(), **kwargs)
+  o_f = getattr(forge_torch, family)(fm.parameters(), **kwargs)
+  data = _exact_batches(2)
+  for m, o in ((ref, o_ref), (fm, o_f)):
+    _train_linear(m, o, data[:1], torch.float32)
+    m.to(torch.bfloat16)
+  x, c = (t.to(torch.bfloat16) for t in data[1])
+  with pytest.raises(RuntimeError):
+    (ref(x) * c).sum().backward()
+    o_ref.step()
+  w = fm[0].weight.detach().clone()
+  with pytest.raises(RuntimeError, match=match + r".*load_state_dict"):
+    (fm(x) * c).sum().backward()
+  assert torch.equal(fm[0].weight, w)
+
+
 def test_option_turned_on_after_state_exists_raises_clearly():
   layer = forge_torch.Linear(6, 4)
   opt = forge_torch.RMSprop(layer.parameters())

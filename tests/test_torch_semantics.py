@@ -188,6 +188,79 @@ def test_stale_zero_grad_after_a_standard_step_is_not_a_second_consumer():
   assert fm[0].weight.grad is None and fm[0].bias.grad is not None
 
 
+@pytest.mark.parametrize("family,kwargs", [
+    ("SGD", dict(lr=0.1)),
+    ("SGD", dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
+    ("Adam", dict(lr=1e-2, weight_decay=1e-2))])
+def test_a_modules_zero_grad_leaves_no_second_consumer(family, kwargs):
+  """nn.Module.zero_grad(set_to_none=False) (the module's, which forge_torch
+  does not see) leaves a zero .grad on a weight whose layer ran unfused.
+  In the next step torch steps from 0 + G, which the fused update applied;
+  step() drops the zero .grad instead of calling it a tied weight's second
+  gradient, and torch's own step does not update the weight again (Adam
+  would move it with a zero gradient)."""
+  ref, fm = pair()
+  o_r = getattr(torch.optim, family)(ref.parameters(), **kwargs)
+  o_f = getattr(forge_torch, family)(fm.parameters(), **kwargs)
+  x, y = data()
+  for i in range(4):
+    fm[0].fused = i != 0
+    calls = forge_torch.bridge_stats.calls
+    for m, o in ((ref, o_r), (fm, o_f)):
+      F.mse_loss(m(x), y).backward()
+      o.step()
+      m.zero_grad(set_to_none=False)
+    assert forge_torch.bridge_stats.calls - calls == (1 if i == 0 else 2)
+  assert_models_close(fm, ref)
+  for pf, pr in zip(fm.parameters(), ref.parameters()):
+    for k, v in o_r.state[pr].items():
+      assert rel(o_f.state[pf][k], v) <= TOL, k
+  assert fm[0].weight.grad is None and fm[0].bias.grad is not None
+
+
+def test_a_nonzero_leftover_grad_of_an_unfused_step_is_refused():
+  """Without a zero_grad() after a step its layer ran unfused, the weight's
+  .grad keeps that step's gradient, which torch would add to the next
+  one's; the fused update cannot, so step() refuses, naming the cause."""
+  _, fm = pair()
+  opt = forge_torch.SGD(fm.parameters(), lr=0.1)
+  x, y = data()
+  fm[0].fused = False
+  F.mse_loss(fm(x), y).backward()
+  opt.step()
+  fm[0].fused = True
+  F.mse_loss(fm(x), y).backward()
+  with pytest.raises(RuntimeError, match=(
+      r"managed 0\.weight .*nonzero ordinary gradient.*gradient left from an "
+      r"earlier step.*fused = False.*optimizer.zero_grad\(\)")):
+    opt.step()
+
+
+def test_a_modules_zero_grad_then_a_step_without_the_layer_is_torchs():
+  """A zero .grad left by the module's zero_grad(set_to_none=False) on a
+  managed weight whose layer then runs no backward: torch steps the weight
+  from the zero gradient (Adam's moments decay and move it), and so does
+  forge_torch's step."""
+  ref, fm = pair()
+  o_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+  o_f = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  x, y = data()
+  fm[2].fused = False
+  for m, o in ((ref, o_r), (fm, o_f)):
+    F.mse_loss(m(x), y).backward()
+    o.step()
+    m.zero_grad(set_to_none=False)
+  fm[2].fused = True
+  w2 = fm[2].weight.detach().clone()
+  for m, o in ((ref, o_r), (fm, o_f)):
+    h = m[1](m[0](x))  # layer 2 not run in this step
+    F.mse_loss(h, torch.zeros_like(h)).backward()
+    o.step()
+  assert not torch.equal(fm[2].weight, w2)
+  assert_models_close(fm, ref)
+  assert o_f.state[fm[2].weight]["step"] == 2
+
+
 def test_a_layer_without_backward_stays_untouched_even_without_set_to_none():
   # Documented difference (docs/torch.md): with set_to_none=False torch
   # keeps stepping a parameter whose .grad is a zero tensor (its moments
