@@ -35,7 +35,11 @@ steps layer ``i`` on its own draws the bits of the whole leaf's update.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import itertools
+import math
 import zlib
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -85,7 +89,10 @@ def state_class(slots: tuple[str, ...]) -> type:
   """The NamedTuple state of a low-precision transform with these slots:
   ``(count, *slots)``, e.g. ``LowPrecisionState(count, mu, nu)``. One class
   per slot tuple, also reachable as ``forge_jax.low_precision.
-  LowPrecisionState_mu_nu`` (so that it pickles)."""
+  LowPrecisionState_mu_nu`` (so that it pickles). The classes of the
+  :data:`FAMILIES`' rules are made when this module is imported, so a
+  process that imports ``forge_jax`` unpickles their states before it has
+  built a transform; another slot tuple's class is made on first use."""
   slots = tuple(slots)
   cls = _STATE_CLASSES.get(slots)
   if cls is None:
@@ -102,6 +109,31 @@ def state_class(slots: tuple[str, ...]) -> type:
     globals()[name] = cls
     _STATE_CLASSES[slots] = cls
   return cls
+
+
+def _family_slot_tuples() -> list[tuple[str, ...]]:
+  """The slot tuples of the :data:`FAMILIES`' rules, in every variant their
+  factories make (each of their bool options on and off: SGD with and
+  without momentum, RMSprop centered or with momentum, ...)."""
+  found = []
+  for name in FAMILIES:
+    factory = pallas_kernels.families.get(name).optax_factory
+    options = [p.name for p in inspect.signature(factory).parameters.values()
+               if isinstance(p.default, bool)]
+    for values in itertools.product((False, True), repeat=len(options)):
+      try:
+        slots = tuple(factory(**dict(zip(options, values))).slots)
+      except (TypeError, ValueError):  # an option set the factory refuses
+        continue
+      if slots not in found:
+        found.append(slots)
+  return found
+
+
+# The families' state classes, made now: their states unpickle in a process
+# that has built no transform yet.
+for _slots in _family_slot_tuples():
+  state_class(_slots)
 
 
 def _is_float_dtype(moments) -> bool:
@@ -151,9 +183,29 @@ class LowPrecision:
         self.default_dtypes[i](param))
 
   def sr_for(self, param) -> bool:
-    """Stochastic rounding applies to ``param`` (a bfloat16 parameter)."""
-    return self.stochastic_rounding and jnp.dtype(
-        jnp.result_type(param)) == jnp.bfloat16
+    """Stochastic rounding applies to ``param`` (a bfloat16 parameter with
+    at least one element: an empty one has nothing to round)."""
+    return (self.stochastic_rounding
+            and jnp.dtype(jnp.result_type(param)) == jnp.bfloat16
+            and math.prod(jnp.shape(param)) > 0)
+
+  def quantizes(self, i: int, shape) -> bool:
+    """Whether slot ``i`` of a parameter of ``shape`` is quantized (a
+    ``Quantized`` pair) rather than a float array."""
+    fmt = self.formats[i]
+    return fmt is not None and bool(shape) and fmt.quantizes(shape)
+
+  def describe(self) -> str:
+    """What this transform's state holds, in words: each slot's format."""
+    kept = []
+    for s, f, d in zip(self.slots, self.formats, self.float_dtypes):
+      if f is not None:
+        kept.append(f"{s} as {f.kind} codes")
+      elif d is not None:
+        kept.append(f"{s} as {jnp.dtype(d).name} arrays")
+      else:
+        kept.append(f"{s} as float arrays")
+    return ", ".join(kept) if kept else "no moments"
 
   def init_slot(self, i: int, param, value: float = 0.0):
     """Slot ``i``'s initial state for ``param``: quantized (``value``
@@ -165,13 +217,15 @@ class LowPrecision:
     broadcast: ``quant.quantize`` of the whole constant, bit for bit,
     without a parameter-sized float32 array (which XLA would also try to
     constant-fold under ``jax.jit``, for minutes at billions of elements).
+    A parameter with no elements (``min_size=0``) gets empty codes and
+    scales, as ``quant.quantize`` gives it.
     """
     fmt = self.formats[i]
     shape = tuple(jnp.shape(param))
-    if fmt is not None and shape and fmt.quantizes(shape):
+    if self.quantizes(i, shape):
       one = quant.quantize(
-          jnp.full((1, min(shape[-1], fmt.block)), value, jnp.float32), fmt,
-          second_moment=self.second[i])
+          jnp.full((1, max(1, min(shape[-1], fmt.block))), value,
+                   jnp.float32), fmt, second_moment=self.second[i])
       return Quantized(jnp.broadcast_to(one.q[0, 0], shape),
                        jnp.broadcast_to(one.scale[0, 0],
                                         fmt.scale_shape(shape)))
@@ -307,6 +361,87 @@ def count_view(count):
       WeightDecaySchedule(count=count))
 
 
+def state_type(state) -> Optional[type]:
+  """The :func:`state_class` class of ``state`` (a low-precision
+  transform's state), or of the first one an ``optax.chain``'s state
+  holds; ``None`` where there is none."""
+  if type(state) in _STATE_CLASSES.values():
+    return type(state)
+  if type(state) is tuple:
+    return next((t for t in map(state_type, state) if t is not None), None)
+  return None
+
+
+def _fields(cls) -> str:
+  return "(" + ", ".join(cls._fields) + ")"
+
+
+# How to mend a state that the transform does not take.
+REMEDY = ("Re-initialise it with this transform's init(params), or build the "
+          "transform with the moments= and stochastic_rounding= the state "
+          "was made with")
+
+
+def check_state(lp: LowPrecision, state) -> None:
+  """Refuses, in plain words, a ``state`` that is not the
+  :func:`state_class` state this transform's ``init`` makes (optax's state
+  of a transform without low-precision settings, or another optimizer's
+  low-precision state), before anything reads its step count.
+
+  Raises:
+    ValueError: ``state`` is not of this transform's state class.
+  """
+  cls = state_class(lp.slots)
+  if isinstance(state, cls):
+    return
+  kind = type(state)
+  if kind in _STATE_CLASSES.values():
+    what = (f"a {kind.__qualname__}{_fields(kind)}, another optimizer's "
+            "low-precision state")
+  elif isinstance(state, tuple):
+    what = (f"a {kind.__name__} of optax states, as a transform with "
+            "moments=None and stochastic_rounding=False keeps them")
+  else:
+    what = f"a {kind.__name__}"
+  raise ValueError(
+      f"forge_jax.{lp.family}: opt_state is {what}; this transform keeps "
+      f"low-precision state, a {cls.__qualname__}{_fields(cls)} with "
+      f"{lp.describe()}: was it made by this transform's init()? {REMEDY}.")
+
+
+def _as_quantized(slot):
+  """A slot leaf as this module steps it: a quantized moment held as a
+  mapping ``{"q", "scale"}`` (``flax.nnx``'s state holds a ``Quantized``
+  pair so) as its ``Quantized`` pair."""
+  if isinstance(slot, Mapping) and set(slot) == {"q", "scale"}:
+    return Quantized(slot["q"], slot["scale"])
+  return slot
+
+
+def _check_slot(lp: LowPrecision, i: int, slot, param, keypath) -> None:
+  """Refuses a slot stored in another format than this transform's
+  ``init`` gives ``param`` (quantized or float, the codes' dtype)."""
+  fmt = lp.formats[i]
+  want = lp.quantizes(i, tuple(jnp.shape(param)))
+  got = isinstance(slot, Quantized)
+  if want == got and (not got or jnp.dtype(slot.q.dtype) == fmt.dtype):
+    return
+  if got:
+    has = f"{jnp.dtype(slot.q.dtype).name} codes"
+  elif hasattr(slot, "dtype"):
+    has = f"a {jnp.dtype(slot.dtype).name} array"
+  else:
+    has = f"a {type(slot).__name__}"
+  keeps = (f"{fmt.kind} codes" if want else
+           "a float array" + (" (below the format's min_size)"
+                              if fmt is not None else ""))
+  raise ValueError(
+      f"forge_jax.{lp.family}: opt_state's {lp.slots[i]} of the parameter "
+      f"at {jax.tree_util.keystr(tuple(keypath))} holds {has}, where this "
+      f"transform keeps {keeps} ({lp.describe()}): was it made by this "
+      f"transform's init()? {REMEDY}.")
+
+
 def _mask_leaves(mask, params):
   """``mask`` (``None``, a tree, a prefix of ``params`` or a callable) as one
   bool per leaf of ``params`` (``None`` leaves stay ``None``)."""
@@ -360,6 +495,7 @@ def transform(lp: LowPrecision, rule: pallas_kernels.UpdateRule,
           f"forge_jax.{lp.family} with low-precision state needs the "
           "parameters in update(grads, state, params): it returns the "
           "difference between the new and the old parameters")
+    check_state(lp, state)
     count_inc = numerics.safe_increment(state.count)
     h = dict(hparams(count_view(state.count)))
     packed = {
@@ -380,8 +516,11 @@ def transform(lp: LowPrecision, rule: pallas_kernels.UpdateRule,
         for j, s in enumerate(slots):
           out_s[j].append(s)
         continue
+      stored = tuple(_as_quantized(s) for s in slots)
+      for j, s in enumerate(stored):
+        _check_slot(lp, j, s, p, kp)
       sr = ((param_seed(lp.seed, kp), count_inc) if lp.sr_for(p) else None)
-      w_new, new = step_leaf(lp, rule, g, p, slots, packed[bool(on)], sr)
+      w_new, new = step_leaf(lp, rule, g, p, stored, packed[bool(on)], sr)
       out_u.append(w_new.astype(jnp.float32) - jnp.asarray(p, jnp.float32))
       for j, s in enumerate(new):
         out_s[j].append(s)

@@ -223,13 +223,28 @@ def _field(state, cls, name):
   return None
 
 
-def _schedule_value(value, count):
-  return value(count) if callable(value) else value
+def _count_of(state, cls):
+  """The ``count`` of the first state of type ``cls`` in a chain's state.
+
+  Raises:
+    ValueError: the state holds none (it was made by another transform).
+  """
+  count = _field(state, cls, "count")
+  if count is None:
+    raise ValueError(
+        f"opt_state has no {cls.__name__} (the step count this transform "
+        "reads): was it made by this transform's init()?")
+  return count
+
+
+def _schedule_value(value, state, cls):
+  """``value``, or where it is a schedule its value at ``cls``'s count."""
+  return value(_count_of(state, cls)) if callable(value) else value
 
 
 def _count_after(state, cls):
   """The step count ``cls``'s update will use: its ``count`` plus one."""
-  return numerics.safe_increment(_field(state, cls, "count"))
+  return numerics.safe_increment(_count_of(state, cls))
 
 
 def _forge(inner: optax.GradientTransformation,
@@ -266,26 +281,45 @@ def _forge(inner: optax.GradientTransformation,
   def all_hparams(state):
     h = dict(hparams(state))
     sub = scope(state)
-    h["lr"] = _schedule_value(
-        learning_rate, _field(sub, optax.ScaleByScheduleState, "count"))
+    h["lr"] = _schedule_value(learning_rate, sub, optax.ScaleByScheduleState)
     if weight_decay is not None:
-      h["weight_decay"] = _schedule_value(
-          weight_decay, _field(sub, _WeightDecaySchedule, "count"))
+      h["weight_decay"] = _schedule_value(weight_decay, sub,
+                                          _WeightDecaySchedule)
     return h
 
   if low_precision is not None:
     inner = _lowp.transform(low_precision, rule, all_hparams,
                             mask=_holes_aware(mask), init_values=init_values)
+
+    def count(state):
+      # The state's one step count, once it is known to be this
+      # transform's state (optax's state has no such field).
+      _lowp.check_state(low_precision, state)
+      return state.count
+
     spec = ForgeSpec(
         rule=rule, slot_fields=tuple(slot_fields),
-        hparams=lambda state: all_hparams(_lowp.count_view(state.count)),
+        hparams=lambda state: all_hparams(_lowp.count_view(count(state))),
         weight_decay_mask=mask, family=family, layer_pass=layer_pass,
         shared=shared, momentum_decay=momentum_decay,
         low_precision=low_precision,
-        sr_step=lambda state: numerics.safe_increment(state.count))
+        sr_step=lambda state: numerics.safe_increment(count(state)))
     return ForgeTransformation(inner.init, inner.update, spec)
+
+  def optax_hparams(state):
+    kind = _lowp.state_type(state)
+    if kind is not None:
+      raise ValueError(
+          f"forge_jax.{family}: opt_state holds a low-precision state ("
+          f"{kind.__qualname__}, made by a transform with moments= or "
+          "stochastic_rounding=True); this transform keeps optax's state "
+          "(moments=None, stochastic_rounding=False): was it made by this "
+          f"transform's init()? {_lowp.REMEDY}.")
+    return all_hparams(state)
+
   spec = ForgeSpec(rule=rule, slot_fields=tuple(slot_fields),
-                   hparams=all_hparams, weight_decay_mask=mask, family=family,
+                   hparams=optax_hparams, weight_decay_mask=mask,
+                   family=family,
                    layer_pass=layer_pass, shared=shared,
                    momentum_decay=momentum_decay)
   return ForgeTransformation(inner.init, inner.update, spec)

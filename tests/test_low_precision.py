@@ -9,6 +9,10 @@ small integers and multiples of 1/16, so that G = x^T dy is exact in fp32
 whatever the summation order, and both sides are jitted, so that XLA
 compiles their fp32 update alike."""
 import dataclasses
+import os
+import pickle
+import subprocess
+import sys
 import zlib
 
 import flax.linen as nn
@@ -603,6 +607,184 @@ def test_unsupported_uses_are_refused_in_plain_words():
                      "100 elements, not a multiple of 64"):
     forge_jax.make_step(lambda v, b: jnp.sum(layer.apply(v, b)), tx)(
         variables, tx.init(variables["params"]), x)
+
+
+# Parameters with no elements: the bias of a Dense(0), its (n, 0) kernel, ...
+EMPTY_SHAPES = {"cols": (4, 0), "bias": (0,), "rows": (0, 4), "mid": (2, 0, 3)}
+
+
+@pytest.mark.parametrize("moments, sr", [
+    (None, True),
+    (MomentFormat("int8", min_size=0), False),
+    (MomentFormat("fp8_e4m3", min_size=0), True),
+], ids=["stochastic_rounding", "int8_min_size_0", "fp8_min_size_0_and_sr"])
+def test_zero_size_parameters_are_stepped_as_no_ops(moments, sr):
+  """A bf16 parameter with no elements is stepped as optax steps it, a
+  no-op: empty updates, its state as init made it (with min_size=0, the
+  empty codes and scales quant.quantize gives it) and the other
+  parameters' steps as without it."""
+  w = jnp.linspace(-1, 1, 12, dtype=jnp.bfloat16).reshape(4, 3)
+  params = {"w": w, **{k: jnp.ones(s, jnp.bfloat16)
+                       for k, s in EMPTY_SHAPES.items()}}
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.25), params)
+  tx = forge_jax.adamw(1e-2, moments=moments, stochastic_rounding=sr)
+  step = jax.jit(tx.update)
+  s0 = tx.init(params)
+  u1, s1 = step(grads, s0, params)
+  u2, s2 = step(grads, s1, optax.apply_updates(params, u1))
+  kinds = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)
+  assert kinds(s0) == kinds(s1) == kinds(s2)
+  for k, shape in EMPTY_SHAPES.items():
+    assert u1[k].shape == u2[k].shape == shape, k
+    if moments is not None:
+      for name, second in (("mu", False), ("nu", True)):
+        assert_same_bits(getattr(s0, name)[k], quant.quantize(
+            jnp.zeros(shape), moments, second_moment=second), k)
+  alone = {"w": w}
+  u_w, s_w = jax.jit(tx.update)({"w": grads["w"]}, tx.init(alone), alone)
+  assert_same_bits((u1["w"], s1.mu["w"], s1.nu["w"]),
+                   (u_w["w"], s_w.mu["w"], s_w.nu["w"]), "w")
+
+
+class _EmptyBranch(nn.Module):
+  """A bf16 Dense of no output features beside the input, then a Dense
+  over both."""
+  dense: type
+  empty: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda n, name: self.dense(n, param_dtype=jnp.bfloat16,
+                                       dtype=jnp.float32, name=name)
+    if self.empty:
+      x = jnp.concatenate([x, dense(0, "empty")(x)], -1)
+    return dense(64, "out")(x)
+
+
+@pytest.mark.parametrize("moments", [None, MomentFormat("int8", min_size=0)],
+                         ids=["fp32_moments", "int8_min_size_0"])
+def test_a_layer_with_an_empty_kernel_steps_with_stochastic_rounding(
+    moments):
+  """make_step moves a FORGE layer whose kernel has no elements to the
+  standard path, the transform's own update: with stochastic rounding it
+  is a no-op there, and the other layer steps as in the model without it."""
+  kx, ky = jax.random.split(jax.random.key(3))
+  x, y = jax.random.normal(kx, (16, 64)), jax.random.normal(ky, (16, 64))
+  loss = lambda m: lambda v, b: jnp.mean((m.apply(v, b[0]) - b[1]) ** 2)
+  tx = forge_jax.adamw(1e-2, moments=moments, stochastic_rounding=True)
+  runs = {}
+  for empty in (True, False):
+    model = _EmptyBranch(forge_jax.Dense, empty)
+    v = _EmptyBranch(nn.Dense, empty).init(jax.random.key(0), x)
+    step = forge_jax.make_step(loss(model), tx)
+    s = tx.init(v["params"])
+    for _ in range(2):
+      _, v, s = jax.jit(step)(v, s, (x, y))
+    runs[empty] = (step, v, s)
+  step, v, s = runs[True]
+  assert step.standard_layers == ["empty"]
+  assert v["params"]["empty"]["kernel"].shape == (64, 0)
+  assert v["params"]["empty"]["bias"].shape == (0,)
+  assert int(s.count) == 2
+  _, v0, s0 = runs[False]
+  assert_same_bits((v["params"]["out"], s.mu["out"], s.nu["out"]),
+                   (v0["params"]["out"], s0.mu["out"], s0.nu["out"]), "out")
+
+
+def test_low_precision_states_unpickle_in_a_fresh_process():
+  """The state classes of the families that take moments= or
+  stochastic_rounding= exist once forge_jax is imported: a pickled state
+  loads in a process that has built no transform."""
+  params = {"w": jnp.ones((64, 128)), "b": jnp.zeros((128,))}
+  txs = [forge_jax.adamw(1e-3, moments="int8"),
+         forge_jax.sgd(1e-3, stochastic_rounding=True),
+         forge_jax.sgd(1e-3, momentum=0.9, moments="fp8"),
+         forge_jax.rmsprop(1e-3, centered=True, momentum=0.9, moments="int8"),
+         forge_jax.adagrad(1e-2, moments="int8"),
+         forge_jax.lion(1e-4, moments="int8")]
+  states = [jax.device_get(tx.init(params)) for tx in txs]
+  blob = pickle.dumps(states)
+  code = ("import pickle, sys\n"
+          "import forge_jax\n"
+          "data = sys.stdin.buffer.read()\n"
+          "states = pickle.loads(data)\n"
+          "print([type(s).__qualname__ for s in states])\n"
+          "print(pickle.dumps(states) == data)\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(forge_jax.__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (root, os.environ.get("PYTHONPATH")) if p))
+  r = subprocess.run([sys.executable, "-c", code], input=blob,
+                     capture_output=True, env=env, check=False)
+  assert r.returncode == 0, r.stderr.decode()[-2000:]
+  names, same = r.stdout.decode().strip().splitlines()[-2:]
+  assert names == repr([type(s).__qualname__ for s in states])
+  assert same == "True"
+  assert "LowPrecisionState_mu_nu_trace" in names
+  # Another slot tuple's class is made on first use.
+  cls = low_precision.state_class(("a", "b"))
+  assert cls is low_precision.state_class(("a", "b"))
+  assert cls is low_precision.LowPrecisionState_a_b
+  assert cls._fields == ("count", "a", "b")
+
+
+def test_a_state_in_another_format_is_refused_in_plain_words():
+  """tx.update with a state that another transform's init made (optax's
+  state, another optimizer's, or moments in another format) names the
+  mismatch and the fix, as make_step does for other mismatches."""
+  params = {"w": jnp.ones((64, 128)), "b": jnp.zeros((128,))}
+  grads = jax.tree.map(jnp.ones_like, params)
+  int8 = forge_jax.adamw(1e-3, moments="int8")
+  sr = forge_jax.adamw(1e-3, stochastic_rounding=True)
+  fp8 = forge_jax.adamw(1e-3, moments="fp8")
+  again = r": was it made by this transform's init\(\)\? Re-initialise it"
+  for tx, made_by, match in [
+      (int8, forge_jax.adamw(1e-3), r"opt_state is a tuple of optax states"
+       r".*LowPrecisionState_mu_nu\(count, mu, nu\) with mu as int8 codes"),
+      (int8, forge_jax.sgd(1e-3, momentum=0.9, moments="int8"),
+       r"opt_state is a LowPrecisionState_trace\(count, trace\), another "
+       "optimizer's low-precision state"),
+      (int8, sr, r"mu of the parameter at \['w'\] holds a float32 array, "
+       "where this transform keeps int8 codes"),
+      (sr, int8, r"holds int8 codes, where this transform keeps a float "
+       "array"),
+      (fp8, int8, "holds int8 codes, where this transform keeps fp8_e4m3 "
+       "codes")]:
+    with pytest.raises(ValueError, match="forge_jax.adamw: .*" + match
+                       + ".*" + again):
+      tx.update(grads, made_by.init(params), params)
+
+
+def test_nnx_optimizer_steps_quantized_state_outside_forge_layers():
+  """flax.nnx holds a Quantized pair as a State {"q", "scale"}: a large
+  parameter that no FORGE layer steps (an nnx.Embed table, an nnx.Linear)
+  keeps quantized moments through nnx.Optimizer's update, which equals the
+  transform's update of the plain trees."""
+  from flax import nnx  # noqa: PLC0415
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(100, 64, rngs=rngs)
+      self.out = nnx.Linear(64, 128, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(self.embed(x))
+
+  model = Model(nnx.Rngs(0))
+  tx = forge_jax.adamw(1e-2, moments="int8")
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  pure = lambda t: nnx.to_pure_dict(nnx.state(t, nnx.Param))
+  state = tx.init(pure(model))
+  x = jnp.arange(32) % 100
+  for _ in range(2):
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    p = pure(model)
+    updates, state = tx.update(pure(grads), state, p)
+    want = optax.apply_updates(p, updates)
+    opt.update(model, grads)
+  assert_same_bits(pure(model), want, "params")
+  assert_same_bits(nnx.to_pure_dict(nnx.state(opt.opt_state)), state,
+                   "opt_state")
+  assert isinstance(state.mu["embed"]["embedding"], Quantized)
 
 
 # --- GPU: the compiled Triton kernel -----------------------------------------

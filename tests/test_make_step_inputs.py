@@ -530,3 +530,33 @@ def test_a_layer_with_an_empty_kernel_takes_the_standard_path():
       v, tx_o.init(v["params"]), (x, y))
   assert_trees_close(vf, vr, RTOL, what="variables")
   assert_trees_close(sf, sr, RTOL, what="opt_state")
+
+
+_SCHEDULE = optax.linear_schedule(1e-2, 0.0, 10)
+
+
+@pytest.mark.parametrize("made_by, stepped_by, match", [
+    (lambda: forge_jax.adamw(1e-2), lambda: forge_jax.adamw(
+        1e-2, moments="int8"),
+     r"forge_jax.adamw: opt_state is a tuple of optax states.* this "
+     r"transform keeps low-precision state, a LowPrecisionState_mu_nu"),
+    (lambda: forge_jax.adamw(1e-2, moments="int8"),
+     lambda: forge_jax.adamw(1e-2),
+     r"forge_jax.adamw: opt_state holds a low-precision state "
+     r"\(LowPrecisionState_mu_nu.*this transform keeps optax's state"),
+    (lambda: forge_jax.adamw(1e-2), lambda: forge_jax.adamw(_SCHEDULE),
+     r"opt_state has no ScaleByScheduleState"),
+], ids=["optax_state_to_int8", "int8_state_to_optax", "no_schedule_count"])
+def test_an_opt_state_of_another_format_is_refused_naming_the_fix(
+    made_by, stepped_by, match):
+  """An opt_state whose format is not the transform's (made with other
+  moments=, or without the step count a schedule reads) is refused as make_step
+  refuses other mismatches: was it made by this transform's init()?"""
+  model = forge_jax.Dense(3)
+  x = jnp.linspace(-1, 1, 20).reshape(4, 5)
+  v = model.init(jax.random.key(0), x)
+  step = forge_jax.make_step(lambda v, b: jnp.mean(model.apply(v, b) ** 2),
+                             stepped_by())
+  with pytest.raises(ValueError, match=match + r".*was it made by this "
+                     r"transform's init\(\)\?"):
+    jax.jit(step)(v, made_by().init(v["params"]), x)
