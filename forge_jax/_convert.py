@@ -76,21 +76,33 @@ class Report:
   converted: dict[str, str] = dataclasses.field(default_factory=dict)
   skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
-  def publish(self, converted: list[str], skipped: dict[str, str]) -> None:
+  def publish(self, converted: list[str], skipped: dict[str, str],
+              standard: list[str] = ()) -> None:
     """Sets the step's ``converted`` list and ``skipped`` dict (in place, so
     that ``jax.jit(step)``'s copies of the attributes see them) and warns a
     :class:`ConvertSkipWarning` naming the skipped layers, at the caller of
-    the step."""
-    converted[:] = sorted(self.converted)
+    the step.
+
+    ``standard`` names the converted layers the step then moved to the
+    standard path (``step.standard_layers``: shared or frozen ones): they did
+    not run fused, so they are not listed as converted. A layer of a second
+    model skipped at the name of one of the step's layers that was converted
+    (an EMA teacher of the same architecture) is not reported: that name's
+    kernel, the step's, was converted.
+    """
+    ran = sorted(set(self.converted) - set(standard))
+    left = {name: why for name, why in sorted(self.skipped.items())
+            if name not in self.converted}
+    converted[:] = ran
     skipped.clear()
-    skipped.update(sorted(self.skipped.items()))
-    if self.skipped:
+    skipped.update(left)
+    if left:
       warnings.warn(ConvertSkipWarning(
           f"forge_jax.make_step(..., convert=True) left "
-          f"{len(self.skipped)} layer(s) on the standard path (an ordinary "
+          f"{len(left)} layer(s) on the standard path (an ordinary "
           "gradient and optax update, exactly as without FORGE); the "
-          f"{len(self.converted)} other(s) run as FORGE layers:\n" + "\n".join(
-              f"  {name}: {why}" for name, why in sorted(self.skipped.items()))
+          f"{len(ran)} other(s) run as FORGE layers:\n" + "\n".join(
+              f"  {name}: {why}" for name, why in left.items())
           + "\n(The step's .skipped dict holds these reasons.)"), stacklevel=3)
 
 
@@ -177,13 +189,49 @@ def _kernel_shape(module, kind: str, inputs) -> tuple[tuple, str | None]:
   return shape[ndim - len(axis):] + _as_tuple(module.features), None
 
 
-def _has_kernel(params, path) -> bool:
+def _kernel_at(params, path):
+  """The ``kernel`` leaf of ``params`` at the layer's ``path``, or None."""
   node = params
   for key in (*path, "kernel"):
     if not isinstance(node, Mapping) or key not in node:
-      return False
+      return None
     node = node[key]
-  return True
+  return node
+
+
+def _has_kernel(params, path) -> bool:
+  return _kernel_at(params, path) is not None
+
+
+def _params_of(variables):
+  """``variables["params"]``, or None where ``variables`` has none."""
+  if isinstance(variables, Mapping) and "params" in variables:
+    return variables["params"]
+  return None
+
+
+_NOT_IN_PARAMS = (
+    "its kernel is not in the step's variables['params'] at this path: a "
+    "second model applied inside loss_fn (e.g. a frozen teacher), or the "
+    "model applied to part of the variables")
+
+_ANOTHER_ARRAY = (
+    "its kernel is another array than the one the step's "
+    "variables['params'] holds at this path: a second model of the same "
+    "architecture applied inside loss_fn to its own variables (e.g. an EMA "
+    "or mean teacher), or the model applied to parameters changed inside "
+    "loss_fn (e.g. cast, or frozen with stop_gradient)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Apply:
+  """The outermost module call in progress (a ``model.apply`` in
+  ``loss_fn``): the root scope of its variables, and the step's parameters
+  as this trace of ``loss_fn`` received them (None: not inside a call of
+  ``loss_fn``, e.g. a ``ScannedBlocks`` backward)."""
+
+  root: object
+  params: object
 
 
 class _Converter:
@@ -192,7 +240,9 @@ class _Converter:
 
   Args:
     params: the step's (unboxed) parameter tree: a layer whose kernel is not
-      in it at the layer's path belongs to another model.
+      in it at the layer's path belongs to another model. (Within a call of
+      ``loss_fn``, the parameters that call received decide, by identity:
+      :meth:`reading`.)
     spec: the step's ``ForgeSpec`` (Muon cannot fuse a kernel of more than
       two axes).
     report: where the decisions are recorded.
@@ -202,18 +252,60 @@ class _Converter:
     self.params = params
     self.spec = spec
     self.report = report
+    # The step's parameters as the call of loss_fn being traced received
+    # them (reading_params), and the outermost module call in progress.
+    self.trace_params = None
+    self.apply: _Apply | None = None
 
-  def _reason(self, module, kind: str, inputs, path, next_fun,
+  @contextlib.contextmanager
+  def reading(self, variables):
+    """While ``loss_fn`` runs on ``variables``: their ``params`` are the
+    step's, in this trace."""
+    prev = self.trace_params
+    self.trace_params = _params_of(variables)
+    try:
+      yield
+    finally:
+      self.trace_params = prev
+
+  def _not_the_steps(self, module, path, tap) -> str | None:
+    """Why the layer is not one of the step's model's (None: it is).
+
+    A layer is the step's when its kernel is the very array (the same traced
+    value) that the step's ``variables["params"]`` holds at its path, as
+    ``loss_fn`` received them: a second model of the same architecture
+    applied to its own variables (an EMA teacher) has kernels at the same
+    paths, but other arrays. Beneath a lifted transform (``nn.remat``,
+    ``nn.scan``) a layer reads the transform's copy of its kernel, so the
+    array the outermost ``apply`` was given at the layer's path is compared
+    instead. Inside a ``ScannedBlocks`` block, or outside a call of
+    ``loss_fn``, only the path is checked.
+    """
+    apply = self.apply
+    if tap is not None or apply is None or apply.params is None:
+      return None if _has_kernel(self.params, path) else _NOT_IN_PARAMS
+    steps = _kernel_at(apply.params, path)
+    if steps is None:
+      return _NOT_IN_PARAMS
+    scope = module.scope
+    if scope.root is apply.root:  # the apply's own variables
+      if not module.has_variable("params", "kernel"):
+        return _NOT_IN_PARAMS
+      kernel = module.get_variable("params", "kernel")
+    else:  # a lifted transform's copies: the apply's variables at the path
+      kernel = _kernel_at(_params_of(apply.root.variables()), path)
+    return None if kernel is steps else _ANOTHER_ARRAY
+
+  def _reason(self, module, kind: str, inputs, path, tap, next_fun,
               orig) -> str | None:
     """Why this call stays on the standard path, or None to convert it."""
     if next_fun is not orig:
       return ("another method interceptor (flax.linen.intercept_methods, "
               "entered inside the step) wraps this call, and the FORGE layer "
               "cannot run beneath it")
-    if not _has_kernel(self.params, path):
-      return ("its kernel is not in the step's variables['params'] at this "
-              "path: a second model applied inside loss_fn (e.g. a frozen "
-              "teacher), or the model applied to part of the variables")
+    why = self._not_the_steps(module, path, tap)
+    if why is not None:
+      return why
     if _custom_dot(module):
       return ("a custom dot_general, dot_general_cls or promote_dtype (e.g. "
               "quantisation) cannot be fused")
@@ -233,6 +325,19 @@ class _Converter:
     return None
 
   def __call__(self, next_fun, args, kwargs, context):
+    if self.apply is not None:
+      return self._call(next_fun, args, kwargs, context)
+    # The outermost module call: the layers beneath it read the variables
+    # of its root scope.
+    scope = getattr(context.module, "scope", None)
+    self.apply = _Apply(root=None if scope is None else scope.root,
+                        params=None if scope is None else self.trace_params)
+    try:
+      return self._call(next_fun, args, kwargs, context)
+    finally:
+      self.apply = None
+
+  def _call(self, next_fun, args, kwargs, context):
     target = _targets().get(getattr(context.orig_method, "func", None))
     module = context.module
     if (target is None or context.method_name != "__call__"
@@ -244,7 +349,7 @@ class _Converter:
     path = (*tap.prefix, *module.path) if tap is not None else tuple(
         module.path)
     name = _context.layer_name(path)
-    why = self._reason(module, kind, inputs, path, next_fun,
+    why = self._reason(module, kind, inputs, path, tap, next_fun,
                        context.orig_method)
     if why is not None:
       self.report.skipped[name] = f"{kind}: {why}"
@@ -277,10 +382,24 @@ def converting(enabled: bool, params, spec):
     return
   _targets()  # refuses a Flax it cannot convert for, before any trace
   report = Report()
-  prev = active_report()
-  _ACTIVE.report = report
+  converter = _Converter(params, spec, report)
+  prev = active_report(), getattr(_ACTIVE, "converter", None)
+  _ACTIVE.report, _ACTIVE.converter = report, converter
   try:
-    with nn.intercept_methods(_Converter(params, spec, report)):
+    with nn.intercept_methods(converter):
       yield report
   finally:
-    _ACTIVE.report = prev
+    _ACTIVE.report, _ACTIVE.converter = prev
+
+
+def reading_params(loss_fn):
+  """``loss_fn``, telling the conversion active when it is called (if any)
+  which parameters that call received: the step's, as this trace holds them
+  (a layer is the step's when its kernel is one of them)."""
+  def wrapped(variables, batch):
+    converter = getattr(_ACTIVE, "converter", None)
+    if converter is None:
+      return loss_fn(variables, batch)
+    with converter.reading(variables):
+      return loss_fn(variables, batch)
+  return wrapped

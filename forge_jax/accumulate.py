@@ -43,6 +43,7 @@ from optax._src import numerics
 
 from forge_jax import _inject
 from forge_jax import _state
+from forge_jax import clip as _clip
 from forge_jax.transforms import ForgeSpec, ForgeTransformation
 from pallas_kernels import rules as _rules
 
@@ -157,7 +158,9 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
 
   Raises:
     TypeError: ``tx`` is not a forge_jax transform (or is an
-      ``optax.inject_hyperparams`` one), or K is not an int.
+      ``optax.inject_hyperparams`` one, or a chain with global-norm
+      clipping: clipping with accumulation is not supported), or K is not
+      an int.
     ValueError: K < 1, an unknown ``mode``, ``tx`` already accumulates,
       ``tx`` has low-precision state (``moments=``,
       ``stochastic_rounding=``), or
@@ -171,6 +174,8 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
     >>> for micro_batch in micro_batches:   # weights move every 4th call
     ...   loss, variables, opt_state = step(variables, opt_state, micro_batch)
   """
+  if not isinstance(tx, ForgeTransformation) and _clip.holds_clipping(tx):
+    raise _clip.accumulation_refused("forge_jax.MultiSteps")
   if not isinstance(tx, ForgeTransformation) and _inject.recognise(tx):
     raise TypeError(
         "forge_jax.MultiSteps cannot wrap an optax.inject_hyperparams "

@@ -204,14 +204,20 @@ def _unwrapped(update):
   return None, update
 
 
+def _is_optax_clip(fn) -> bool:
+  """Whether ``fn`` is the update function of ``optax.clip_by_global_norm``."""
+  return (getattr(fn, "__qualname__", "")
+          == "clip_by_global_norm.<locals>.update_fn"
+          and getattr(fn, "__module__", "").startswith("optax"))
+
+
 def _global_clip(update) -> tuple[bool, Any]:
   """``(True, max_norm)`` if a chain member is global-norm clipping
   (:func:`clip_by_global_norm`, or optax's), else ``(False, None)``."""
   inner, fn = _unwrapped(update)
   if isinstance(inner, ClipByGlobalNorm):
     return True, inner.max_norm
-  if (getattr(fn, "__qualname__", "") == "clip_by_global_norm.<locals>.update_fn"
-      and getattr(fn, "__module__", "").startswith("optax")):
+  if _is_optax_clip(fn):
     found = _nonlocals(fn)
     if "max_norm" not in found:
       raise TypeError(
@@ -234,6 +240,46 @@ def _optimizer(init, update):
   if _inject.recognise(member) is not None:
     return member
   return None
+
+
+def holds_clipping(tx) -> bool:
+  """Whether ``tx`` is global-norm clipping (:func:`clip_by_global_norm`, or
+  optax's) or an ``optax.chain`` holding it anywhere, nested chains
+  included, in any order (:func:`recognise` judges the form); also behind
+  ``with_extra_args_support``'s wrapper (``optax.MultiSteps.inner_opt``)."""
+  inner, fn = _unwrapped(getattr(tx, "update", None))
+  if isinstance(tx, ClipByGlobalNorm) or isinstance(
+      inner, ClipByGlobalNorm) or _is_optax_clip(fn):
+    return True
+  if inner is not None:
+    tx = inner
+  for init, update in _chain_members(tx) or ():
+    inner, fn = _unwrapped(update)
+    if isinstance(inner, ClipByGlobalNorm) or _is_optax_clip(fn):
+      return True
+    if holds_clipping(inner if inner is not None else
+                      optax.GradientTransformationExtraArgs(init, fn)):
+      return True
+  return False
+
+
+def accumulation_refused(who: str) -> TypeError:
+  """The refusal of global-norm clipping combined with gradient
+  accumulation, in either nesting, for ``who`` (the refusing function)."""
+  return TypeError(
+      f"{who}: global-norm clipping together with gradient accumulation "
+      "(forge_jax.MultiSteps) is not supported, in either nesting. optax's "
+      "optax.MultiSteps(optax.chain(optax.clip_by_global_norm(max_norm), "
+      "optax.adamw(...)), k) clips the mean of the k micro-batch gradients "
+      "once per k steps; a FORGE step cannot: its norm pass measures one "
+      "batch's gradient, not the running mean the fused kernels accumulate "
+      "(and clipping each micro-batch, optax.chain(clip, MultiSteps(...)), "
+      "is not built either). What runs: clipping without accumulation, "
+      f"{_FORM}, on the whole batch; accumulation without clipping, "
+      "forge_jax.MultiSteps(forge_jax.adamw(...), k); or both with optax "
+      "and no FORGE step: the same model (a forge_jax layer outside "
+      "make_step is the standard layer) with jax.value_and_grad and that "
+      "optax.MultiSteps chain (docs/clipping.md).")
 
 
 def recognise(tx) -> Optional[ClipChain]:
@@ -289,10 +335,7 @@ def recognise(tx) -> Optional[ClipChain]:
         "this chain, so it would clip the optimizer's updates, not the "
         f"gradients. Put it first: {_FORM}.")
   if getattr(members[index][1], "_forge_multi_steps", False):
-    raise TypeError(
-        "make_step: global-norm clipping of a forge_jax.MultiSteps optimizer"
-        " (gradient accumulation) is not supported; clip without "
-        f"accumulation ({_FORM}), or train with optax.")
+    raise accumulation_refused("make_step")
   spec = getattr(member, "spec", None)
   if spec is not None:
     check_family(spec)

@@ -134,7 +134,8 @@ def _update(static, x, dy, kernel, inputs):
   if static.spec is not None and static.spec.low_precision is not None:
     # A quantized moment's scales (one per 64 elements of the kernel's last
     # axis) viewed as the GEMM's (one per 64 of its rows' elements).
-    views.update(_scale_views(static, shape))
+    views.update(_scale_views(static, shape, _quantized_formats(static,
+                                                                shape)))
   slots = tuple(s.reshape(views[s.shape]) if s.shape in views else s
                 for s in inputs.slots)
   new_kernel, new_slots = _update_matrix(
@@ -144,14 +145,26 @@ def _update(static, x, dy, kernel, inputs):
       for n, s in zip(new_slots, inputs.slots))
 
 
-def _scale_views(static, shape) -> dict:
-  """``{scale shape of the kernel: scale shape of its GEMM matrix}`` for
-  quantized moments of a ``forge_jax.DenseGeneral`` kernel; refuses a
-  kernel whose blocks along its last axis are not blocks of the matrix's
-  rows (several feature axes, the last not a multiple of the block)."""
+def _quantized_formats(static, shape) -> set:
+  """The formats of the kernel's slots that are quantized (a ``Quantized``
+  pair of codes and scales, two leaves), as the state stores them: a kernel
+  of fewer elements than a format's ``min_size`` keeps float moments."""
   lp = static.spec.low_precision
+  layout = static.layout
+  if layout is None:  # the formats' own rule, as the transform's init
+    return {f for f in lp.formats if f is not None and f.quantizes(shape)}
+  return {f for f, d in zip(lp.formats, layout.slot_defs)
+          if f is not None and d.num_leaves == 2}
+
+
+def _scale_views(static, shape, formats) -> dict:
+  """``{scale shape of the kernel: scale shape of its GEMM matrix}`` for
+  the quantized moments (of ``formats``) of a ``forge_jax.DenseGeneral``
+  kernel; refuses a kernel whose blocks along its last axis are not blocks
+  of the matrix's rows (several feature axes, the last not a multiple of
+  the block). Float moments have no blocks: nothing to view or refuse."""
   views = {}
-  for fmt in {f for f in lp.formats if f is not None}:
+  for fmt in formats:
     param = fmt.scale_shape(shape)
     matrix = fmt.scale_shape(static.gemm)
     n_out = static.gemm[1]

@@ -34,6 +34,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 import pallas_kernels
 from forge_jax import _context
 from forge_jax import _inject
+from forge_jax import clip as _clip
 from forge_jax import step as _step
 from forge_jax import transforms
 from forge_jax.dense import _Static, _fused_linear
@@ -255,11 +256,15 @@ def convert(model, *, block_config: pallas_kernels.BlockConfig | None = None):
 def _check_transform(tx, who: str) -> None:
   """Refuses a transform FORGE cannot drive, or a tree-shaped weight-decay
   mask (the step's parameters are nested dicts with string keys, which a
-  mask tree written for ``nnx.State`` does not match)."""
+  mask tree written for ``nnx.State`` does not match), also in the
+  optimizer of a clipping chain."""
   try:
     _step._check_step_arguments(tx, "error", False, "fused")
   except TypeError as e:
     raise TypeError(f"{who}: {e}") from None
+  clipping = _clip.recognise(tx)  # optax.chain(clip_by_global_norm, tx)
+  if clipping is not None:
+    tx = clipping.member
   spec = getattr(tx, "spec", None)
   injected = _inject.recognise(tx)
   masks = ([getattr(spec, "weight_decay_mask", None)] if injected is None

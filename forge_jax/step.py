@@ -171,6 +171,8 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
       ``_paths.WGRAD_MODES``.
   """
   if isinstance(tx, optax.MultiSteps):
+    if _clip.holds_clipping(tx.inner_opt):
+      raise _clip.accumulation_refused("make_step")
     raise TypeError(
         "make_step: optax.MultiSteps cannot drive FORGE layers (they update "
         "in their own backward, so the accumulation must happen in the fused "
@@ -714,6 +716,8 @@ def make_step(
     tx = clipping.member
     _clip.check_mesh_layout(mesh_layout)
   _convert.check_flag(convert)
+  if convert:  # each trace tells the conversion which parameters are the step's
+    loss_fn = _convert.reading_params(loss_fn)
   _sharding.check_layout_argument(mesh_layout)
   injected = _inject.recognise(tx)
   standard_layers: list[str] = []
@@ -747,7 +751,7 @@ def make_step(
           _with_params(variables, params), state_in, batch, params, spec,
           boxed_params)
     if report is not None:
-      report.publish(converted, skipped)
+      report.publish(converted, skipped, standard_layers)
     new_params, new_state = _sharding.keep_shardings(
         mesh_layout, boxed_params, params, new_params, new_state)
     if clipping is not None:

@@ -464,6 +464,79 @@ def test_refusals(make, exc, match):
     make()
 
 
+_CLIP_CHAINS = {
+    "forge_clip": lambda: optax.chain(forge_jax.clip_by_global_norm(1.0),
+                                      forge_jax.adamw(1e-3)),
+    "optax_clip": lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                      forge_jax.adamw(1e-3)),
+    "clip_alone": lambda: forge_jax.clip_by_global_norm(1.0),
+    "nested_chain": lambda: optax.chain(optax.chain(
+        forge_jax.clip_by_global_norm(1.0), forge_jax.adamw(1e-3))),
+}
+
+
+@pytest.mark.parametrize("make", _CLIP_CHAINS.values(), ids=_CLIP_CHAINS)
+def test_clipping_with_accumulation_is_refused_naming_what_runs(make):
+  """Global-norm clipping with accumulation is refused in both nestings
+  with the same plain message, which names the forms that run (not the
+  other nesting)."""
+  with pytest.raises(TypeError) as inner:
+    forge_jax.MultiSteps(make(), K)
+  model = MLP(forge_jax.Dense)
+  with pytest.raises(TypeError) as outer:
+    forge_jax.make_step(_mse(model), optax.chain(
+        forge_jax.clip_by_global_norm(1.0),
+        forge_jax.MultiSteps(forge_jax.adamw(1e-3), K)))
+  # optax.MultiSteps around the chain: the same refusal, not the advice to
+  # use forge_jax.MultiSteps that a plain transform gets.
+  with pytest.raises(TypeError) as optax_outer:
+    forge_jax.make_step(_mse(model), optax.MultiSteps(make(), K))
+  for e, who in ((inner, "forge_jax.MultiSteps"), (outer, "make_step"),
+                 (optax_outer, "make_step")):
+    msg = str(e.value)
+    assert msg.startswith(who + ": global-norm clipping together with "
+                          "gradient accumulation (forge_jax.MultiSteps) is "
+                          "not supported"), msg
+    assert "use optax.MultiSteps" not in msg
+    for form in ("optax.chain(forge_jax.clip_by_global_norm(max_norm), "
+                 "forge_jax.adamw(...))",
+                 "forge_jax.MultiSteps(forge_jax.adamw(...), k)",
+                 "jax.value_and_grad"):
+      assert form in msg, (form, msg)
+
+
+def test_clipping_with_accumulation_runs_with_optax_on_the_same_model(data):
+  """The form the refusal above names for both together: the model of
+  forge_jax.Dense layers, outside make_step, with jax.value_and_grad and
+  optax.MultiSteps(optax.chain(clip, optax.adamw)), trains exactly as the
+  same model of nn.Dense layers."""
+  xs, ys, variables = data
+  # The mean gradient's norm is above 0.1 in both cycles: both clip.
+  tx = optax.MultiSteps(optax.chain(forge_jax.clip_by_global_norm(0.1),
+                                    optax.adamw(1e-2)), K)
+
+  def train(dense):
+    loss_fn = _mse(MLP(dense))
+    step = jax.jit(lambda p, s, b: _optax_step(loss_fn, tx, p, s, b))
+    params, state = variables["params"], tx.init(variables["params"])
+    for x, y in zip(xs, ys):
+      params, state = step(params, state, (x, y))
+    return params, state
+
+  got, state = train(forge_jax.Dense)
+  want, _ = train(nn.Dense)
+  assert int(state.gradient_step) == CYCLES
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  assert worst_leaf(got, variables["params"])[0] > 1e-3  # they moved
+
+
+def _optax_step(loss_fn, tx, params, state, batch):
+  grads = jax.grad(lambda p: loss_fn({"params": p}, batch))(params)
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
 def test_update_accepts_optax_extra_args_in_every_mode():
   # A forge_jax transform is an optax GradientTransformationExtraArgs, so
   # optax.chain hands its update extra keyword arguments (value=..., as

@@ -322,6 +322,111 @@ def test_a_second_model_in_the_loss_is_not_converted():
   assert calls == 3
 
 
+def ema_distillation(model):
+  """``loss_fn(variables, (x, teacher))``: the student, ``model`` on the
+  step's variables, regressed on a teacher of the same architecture (the
+  student's exponential moving average: the same parameter paths, other
+  arrays) applied to its own variables inside the loss."""
+  def loss_fn(variables, batch):
+    x, teacher = batch
+    target = lax.stop_gradient(model.apply(teacher, x))
+    return jnp.mean((model.apply(variables, x) - 2.0 * target) ** 2)
+  return loss_fn
+
+
+@pytest.mark.parametrize("dense", [nn.Dense, nn.remat(nn.Dense)],
+                         ids=["dense", "remat"])
+def test_a_same_architecture_teacher_in_the_loss_stays_nn_dense(dense):
+  """An EMA (mean-teacher) model of the student's architecture, applied to
+  its own variables in the loss: its layers sit at the student's paths but
+  read other arrays, so they run as plain nn.Dense, and only the student's
+  are fused (also beneath nn.remat, where each layer reads the transform's
+  copy of its kernel). Three steps, the teacher moved between them, equal
+  optax + the unconverted model; nothing shared, skipped or moved."""
+  model = MLP(dense)
+  keys = jax.random.split(jax.random.key(2), 3)
+  xs = [jax.random.normal(k, (6, 37)) for k in keys]
+  v = model.init(jax.random.key(0), xs[0])
+  loss_fn = ema_distillation(model)
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  forge_tx, optax_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+  step = forge_jax.make_step(loss_fn, forge_tx, convert=True)
+  forge_step = jax.jit(step)
+  ref_step = jax.jit(reference_step(loss_fn, optax_tx))
+  vf, sf = v, forge_tx.init(v["params"])
+  vr, sr = v, optax_tx.init(v["params"])
+  ema = jax.tree.map(lambda a: 0.5 * a, v)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", forge_jax.ConvertSkipWarning)
+    warnings.simplefilter("error", forge_jax.SharedWeightsWarning)
+    _, calls = trace(step, vf, sf, (xs[0], ema))
+    for x in xs:
+      lf, vf, sf = forge_step(vf, sf, (x, ema))
+      lr, vr, sr = ref_step(vr, sr, (x, ema))
+      ema = jax.tree.map(lambda t, s: 0.9 * t + 0.1 * s, ema, vf)
+  layers = kernel_layers(v["params"])
+  assert len(layers) == 3 and step.converted == layers
+  assert step.skipped == {} and step.standard_layers == []
+  assert calls == 3  # the student's layers
+  assert_close(lf, lr, RTOL, "last loss")
+  assert_trees_close(vf, vr, RTOL, "variables")
+  assert_trees_close(sf, sr, RTOL, "opt_state")
+  assert rel_err(vf["params"][layers[0]]["kernel"],
+                 v["params"][layers[0]]["kernel"]) > 1e-3
+
+
+def test_a_layer_given_changed_parameters_stays_nn_dense():
+  """A layer whose kernel loss_fn changes before apply (here frozen with
+  stop_gradient) reads another array than the step's: it runs as nn.Dense,
+  reported, and the step equals optax's; the other layers are fused."""
+  model = MLP(nn.Dense)
+  x, y = jax.random.normal(jax.random.key(1), (6, 37)), jnp.ones((6, 5))
+  v = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables, batch):
+    params = dict(variables["params"])
+    params["Dense_0"] = lax.stop_gradient(params["Dense_0"])
+    return mse(model)({"params": params}, batch)
+
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  forge_tx, optax_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+  step = forge_jax.make_step(loss_fn, forge_tx, convert=True)
+  with pytest.warns(forge_jax.ConvertSkipWarning, match="Dense_0"):
+    _, calls = trace(step, v, forge_tx.init(v["params"]), (x, y))
+  assert step.converted == ["Dense_1", "Dense_2"] and calls == 2
+  assert list(step.skipped) == ["Dense_0"]
+  assert "another array" in step.skipped["Dense_0"]
+  lf, vf, sf = jax.jit(step)(v, forge_tx.init(v["params"]), (x, y))
+  lr, vr, sr = jax.jit(reference_step(loss_fn, optax_tx))(
+      v, optax_tx.init(v["params"]), (x, y))
+  assert_close(lf, lr, RTOL, "loss")
+  assert_trees_close(vf, vr, RTOL, "variables")
+  assert_trees_close(sf, sr, RTOL, "opt_state")
+
+
+class Twice(nn.Module):
+  """A converted layer called twice (shared), beside one called once."""
+
+  @nn.compact
+  def __call__(self, x):
+    shared = nn.Dense(37, name="shared")
+    return nn.Dense(5, name="head")(shared(nn.relu(shared(x))))
+
+
+def test_converted_lists_only_the_layers_that_ran_fused():
+  """shared="standard" moves a converted layer called twice to the standard
+  path: it is in step.standard_layers, and not in step.converted."""
+  x, y = jax.random.normal(jax.random.key(1), (6, 37)), jnp.zeros((6, 5))
+  model = Twice()
+  v = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(mse(model), tx, convert=True, shared="standard")
+  with pytest.warns(forge_jax.SharedWeightsWarning, match="shared"):
+    _, calls = trace(step, v, tx.init(v["params"]), (x, y))
+  assert step.converted == ["head"] and calls == 1
+  assert step.standard_layers == ["shared"] and step.skipped == {}
+
+
 def test_an_interceptor_entered_inside_the_loss_keeps_its_layers_standard():
   """FORGE cannot run beneath another method interceptor: those layers stay
   nn.Dense; here that is every layer, so the step says so."""

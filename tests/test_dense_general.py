@@ -184,3 +184,63 @@ def test_boxed_kernel_init_keeps_its_box_and_trains():
   assert f_v["params"]["DenseGeneral_0"]["kernel"].names == names
   assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
   assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+
+
+def _train(step, variables, state, batches):
+  step = jax.jit(step)
+  for batch in batches:
+    loss, variables, state = step(variables, state, batch)
+  return loss, variables, state
+
+
+def test_small_kernel_of_several_feature_axes_takes_int8_moments():
+  """A kernel (16, 4, 8) has several feature axes, the last of 8 elements
+  (not a multiple of the 64-element quantization block), but 512 elements:
+  too few for quantized moments (4096), so its moments are float arrays,
+  with no blocks to misalign. It is fused under moments="int8" and trains as
+  on the standard path (fused=False) and as optax.adamw."""
+  kwargs = dict(features=(4, 8))
+  x0 = _x((6, 16))
+  variables = Net(nn.DenseGeneral, kwargs).init(jax.random.key(0), x0)
+  keys = jax.random.split(jax.random.key(3), 3)
+  batches = [(_x((6, 16), i + 1), jax.random.normal(keys[i], (6, 4, 8)))
+             for i in range(3)]
+  tx_kwargs = dict(learning_rate=1e-2, weight_decay=1e-2)
+  tx = forge_jax.adamw(**tx_kwargs, moments="int8")
+  state = tx.init(variables["params"])
+  mu = state.mu["DenseGeneral_0"]["kernel"]
+  assert not isinstance(mu, pk.quant.Quantized) and mu.shape == (16, 4, 8)
+  fused = _train(forge_jax.make_step(mse(Net(forge_jax.DenseGeneral, kwargs)),
+                                     tx), variables, state, batches)
+  standard = _train(forge_jax.make_step(
+      mse(Net(forge_jax.DenseGeneral, dict(kwargs, fused=False))), tx),
+      variables, state, batches)
+  optax_tx = optax.adamw(**tx_kwargs)
+  ref = _train(reference_step(mse(Net(nn.DenseGeneral, kwargs)), optax_tx),
+               variables, optax_tx.init(variables["params"]), batches)
+  assert_close(fused[0], ref[0], tol(jnp.float32), "last loss")
+  assert_trees_close(fused[1], ref[1], tol(jnp.float32), "params vs optax")
+  assert_trees_close(fused[1], standard[1], tol(jnp.float32), "params")
+  assert_trees_close(fused[2], standard[2], tol(jnp.float32), "opt_state")
+  kernel = fused[1]["params"]["DenseGeneral_0"]["kernel"]
+  assert rel_err(kernel, variables["params"]["DenseGeneral_0"]["kernel"]) > 1e-3
+
+
+def test_large_misaligned_kernel_is_refused_under_int8_moments():
+  """A kernel (16, 4, 96): 6144 elements get quantized moments, whose
+  64-element blocks along its last axis (96 elements) are not blocks of the
+  fused kernel's (16, 384) rows: refused, in plain words; fused=False steps
+  it."""
+  x = _x((6, 16))
+  y = jnp.zeros((6, 4, 96))
+  tx = forge_jax.adamw(1e-2, moments="int8")
+  layer = forge_jax.DenseGeneral(features=(4, 96))
+  variables = layer.init(jax.random.key(0), x)
+  state = tx.init(variables["params"])
+  assert isinstance(state.mu["kernel"], pk.quant.Quantized)
+  with pytest.raises(ValueError, match=r"forge_jax.DenseGeneral at .*several "
+                     r"feature axes, the last of 96 elements, not a multiple "
+                     r"of 64.*fused=False"):
+    forge_jax.make_step(mse(layer), tx)(variables, state, (x, y))
+  standard = forge_jax.DenseGeneral(features=(4, 96), fused=False)
+  forge_jax.make_step(mse(standard), tx)(variables, state, (x, y))

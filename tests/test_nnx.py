@@ -176,10 +176,16 @@ def assert_same_training(ref_model, forge_model, ref_opt, forge_opt,
     lambda m: m.adamw(optax.warmup_cosine_decay_schedule(0.0, 2e-2, 2, 8),
                       weight_decay=1e-2, mask=matrices_only),
     lambda m: m.sgd(5e-2, momentum=0.9, nesterov=True),
-], ids=["adamw-schedule-mask", "sgd-nesterov"])
+    # Gradient norms 3.2, 2.8, 3.1, 2.3, 1.7, 2.4: the first three steps
+    # clip, the others do not.
+    lambda m: optax.chain(m.clip_by_global_norm(2.5),
+                          m.adamw(2e-2, weight_decay=1e-2,
+                                  mask=matrices_only)),
+], ids=["adamw-schedule-mask", "sgd-nesterov", "clipped-adamw-mask"])
 def test_mlp_trains_like_nnx_and_optax(make_tx):
   """Two families of the registry: AdamW with a schedule and a callable
-  mask, and SGD with Nesterov momentum."""
+  mask, and SGD with Nesterov momentum; and AdamW with a callable mask
+  behind global-norm clipping."""
   ref_model = MLP(nnx.Linear, nnx.Rngs(0))
   forge_model = MLP(fnx.Linear, nnx.Rngs(0))
   start = jax.tree.leaves(nnx.as_pure(nnx.state(ref_model, nnx.Param)))
@@ -190,7 +196,8 @@ def test_mlp_trains_like_nnx_and_optax(make_tx):
   assert_same_training(ref_model, forge_model, ref_opt, forge_opt, start)
   # The unused head got the gradient-free part of the step, weight decay
   # (Remark 1), equal to optax's above.
-  if make_tx(forge_jax).spec.family == "adamw":
+  spec = getattr(make_tx(forge_jax), "spec", None)  # None: the AdamW chain
+  if spec is None or spec.family == "adamw":
     assert rel_err(forge_model.dead.kernel[...], dead) > 1e-6
 
 
@@ -385,11 +392,26 @@ def test_a_kernel_read_outside_its_layer_is_refused_in_nnx_terms():
 # --- Plain-words refusals -----------------------------------------------------
 
 
+def _mask_tree(model):
+  return matrices_only(nnx.as_pure(nnx.state(model, nnx.Param)))
+
+
 @pytest.mark.parametrize("make_tx, match", [
     (lambda model: optax.adamw(1e-3), "needs a forge_jax transform"),
-    (lambda model: forge_jax.adamw(1e-3, mask=matrices_only(
-        nnx.as_pure(nnx.state(model, nnx.Param)))), "callable mask"),
-], ids=["optax-transform", "mask-tree"])
+    (lambda model: forge_jax.adamw(1e-3, mask=_mask_tree(model)),
+     "callable mask"),
+    # The optimizer of a clipping chain is checked as the optimizer alone.
+    (lambda model: optax.chain(
+        forge_jax.clip_by_global_norm(1.0),
+        forge_jax.adamw(1e-3, weight_decay=0.5, mask=_mask_tree(model))),
+     "callable mask"),
+    (lambda model: optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(forge_jax.adamw)(
+            1e-3, weight_decay=0.5, mask=_mask_tree(model))),
+     "callable mask"),
+], ids=["optax-transform", "mask-tree", "clip-chain-mask-tree",
+        "clip-chain-injected-mask-tree"])
 def test_optimizer_refuses_a_transform_forge_cannot_drive(make_tx, match):
   model = MLP(fnx.Linear, nnx.Rngs(0))
   tx = make_tx(model)

@@ -142,7 +142,8 @@ GROUPS = (
                 + _cases(T + "test_shared_weights.py::test_standard_fallback"
                          "_in_other_regimes", "lamb-kwargs0")
                 + _cases(T + "test_nnx.py::test_mlp_trains_like_nnx_and"
-                         "_optax", "adamw-schedule-mask"))),
+                         "_optax", "adamw-schedule-mask",
+                         "clipped-adamw-mask"))),
     Group("Kernel variants. Every kernel keeps its reference test over odd "
           "shapes and each dtype combination; the quick tier runs one case "
           "per schedule feature of the Mosaic GPU kernel (each runs in "
