@@ -653,13 +653,17 @@ def _backends_dtypes(field: str) -> tuple[str, str, tuple[str, ...]]:
   return act, w, tuple(slots)
 
 
+_MOSAIC_ARMS = ("forge_mosaic_", "forge_auto_mosaic_")
+
+
 def mosaic_winners_from_csv(path: str, rule: str | None = None,
                             metric: str = "p50", commit: str | None = None,
                             pick: str = "fastest"):
   """Mosaic GPU entries from a benchmarks.backends CSV.
 
   Per case (rule, shape, BT, dtypes), among its ``forge_mosaic_<label>``
-  time rows (those of ``commit`` only, when given) that have a
+  time rows and those of the ``--auto`` arm, ``forge_auto_mosaic_<label>``
+  (those of ``commit`` only, when given), that have a
   ``forge_triton`` row of the same case in the same run (same timestamp),
   the tiling ``pick`` names (:data:`MOSAIC_PICKS`), at its lowest
   ``metric`` over the runs; the entry records that time (``time_us``) and
@@ -699,8 +703,10 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
     t = float(r[metric]) * _to_us(r["unit"])
     if r["provider"] == "forge_triton":
       triton[(case, run)] = t
-    elif r["provider"].startswith("forge_mosaic_"):
-      label = r["provider"][len("forge_mosaic_"):]
+    elif r["provider"].startswith(_MOSAIC_ARMS):
+      # The --auto arm (forge_auto_mosaic_<label>) timed the tiling
+      # backend=None took: a measurement of that tiling like the others.
+      label = r["provider"].split("mosaic_", 1)[1]
       try:
         cfg = MosaicConfig.from_label(label)
       except ValueError as e:

@@ -71,7 +71,12 @@ MOSAIC_LATER_FROM_CSV = [
     # cad4866), then with bf16 m and fp32 v (commit be43b4d), dtypes no
     # entry held: each case's fastest.
     ["--from-csv", BACKENDS_CSV, "--commit", c, "--mosaic-pick", "fastest"]
-    for c in ("01d5aaf", "3cc5976", "cad4866", "be43b4d")]
+    for c in ("01d5aaf", "3cc5976", "cad4866", "be43b4d")] + [
+    # bf16 m and fp32 v over an fp32 weight at the decoder's shapes, with
+    # the --auto arm's tilings among the candidates (commit 2d3c6f2): only
+    # where faster than the entry held.
+    ["--from-csv", BACKENDS_CSV, "--commit", "2d3c6f2", "--mosaic-pick",
+     "faster"]]
 BF16 = ("bfloat16", "bfloat16")
 
 
@@ -135,10 +140,10 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
   assert len(dev["entries"]) == 24
   assert sorted(s["csv"] for s in dev["sources"].values() if "csv" in s) == (
       sorted([os.path.relpath(p, ROOT) for p in H200_CSVS]
-             + [BACKENDS_CSV] * 19))
+             + [BACKENDS_CSV] * 20))
   # (the runs of ddd1e56, 9228555, c7c1567, ee3c82c, 0eff7ae, fee8919,
   # 1b02eba, 846ff5a, 868c0e8, 0764b56, de106a3, 57fa5c9, 51674fc,
-  # b0561ee, 47b2950, 01d5aaf, 3cc5976, cad4866 and be43b4d)
+  # b0561ee, 47b2950, 01d5aaf, 3cc5976, cad4866, be43b4d and 2d3c6f2)
   assert sorted(s["file"] for s in dev["sources"].values()
                 if "file" in s) == sorted(H200_TUNED)
   assert sum(e["source"].startswith("autotune@")
@@ -148,7 +153,7 @@ def test_shipped_json_holds_the_h200_sweep_with_provenance():
     assert "jax 0.11.2" in source["versions"]
     assert "triton 3.6.0" in source["versions"]
     assert source["measured"][:10] in (
-        ("2026-12-02", "2026-12-03", "2026-12-04")
+        ("2026-12-02", "2026-12-03", "2026-12-04", "2026-12-05")
         if source.get("csv") == BACKENDS_CSV
         else ("2026-11-29",))
   for entry in [*dev["entries"].values(), *dev["mosaic_gpu"].values()]:
@@ -795,8 +800,10 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
   # moments; the LM head of the decoder (2048 x 32000) at BT 512 and 2048;
   # the 4 Llama shapes at BT 256 and 1024 (bf16 moments); the 4 Llama
   # shapes at BT 512 and 2048 with an fp32 weight and fp32 moments, and
-  # with an fp32 weight, bf16 m and fp32 v (optax's mu_dtype=bfloat16).
-  assert len(entries) == 64
+  # with an fp32 weight, bf16 m and fp32 v (optax's mu_dtype=bfloat16);
+  # the decoder's 4 shapes x BT 512/2048 with the latter, and SGD at
+  # 14336 x 4096, BT 512.
+  assert len(entries) == 73
   rows = _csv_rows(BACKENDS_CSV)
   by_commit = {}
   for key, entry in entries.items():
@@ -822,8 +829,11 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
             and r["shape"] == f"BT={bt} {shape}"
             and r["dtypes"].startswith(operands)
             and r["dtypes"].endswith(suffix)]
-    mosaic = {M.from_label(r["provider"][13:]).label: float(r["p50"])
-              for r in case if r["provider"].startswith("forge_mosaic_")}
+    # (the --auto arm's rows, forge_auto_mosaic_<label>, time its tiling)
+    mosaic = {M.from_label(r["provider"].split("mosaic_", 1)[1]).label:
+              float(r["p50"]) for r in case
+              if r["provider"].startswith(("forge_mosaic_",
+                                           "forge_auto_mosaic_"))}
     (triton,) = [float(r["p50"]) for r in case
                  if r["provider"] == "forge_triton"]
     assert entry["time_us"] == mosaic[label]
@@ -832,7 +842,7 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
     # shipped one is the fastest tiling a later run measured)
     assert commit in ("c7c1567", "ee3c82c", "868c0e8", "de106a3",
                       "57fa5c9", "51674fc", "b0561ee", "47b2950", "01d5aaf",
-                      "3cc5976", "cad4866", "be43b4d")
+                      "3cc5976", "cad4866", "be43b4d", "2d3c6f2")
     assert "fastest" in source["pick"]
     assert entry["time_us"] == min(
         t for lab, t in mosaic.items()
@@ -865,6 +875,9 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
       "|w=float32|slots=float32,float32" in k for k in by_commit["cad4866"])
   assert len(by_commit["be43b4d"]) == 8 and all(
       "|w=float32|slots=bfloat16,float32" in k for k in by_commit["be43b4d"])
+  # 2d3c6f2: the decoder's shapes with an fp32 weight, bf16 m and fp32 v
+  # (no entry held them) and SGD at 14336 x 4096, BT 512.
+  assert len(by_commit["2d3c6f2"]) == 9
   assert not {"ddd1e56", "0eff7ae", "fee8919", "1b02eba", "846ff5a",
               "0764b56"} & set(by_commit)
   for commit in by_commit:
@@ -934,7 +947,8 @@ def test_shipped_mosaic_entries_are_the_measured_default_tilings():
               "sgd|bt512|4096x4096|w=bfloat16|slots="}
   slower = {k for k, e in entries.items()
             if e["time_us"] >= e["triton_time_us"]}
-  assert slower == {f"adamw|bt2048|2048x1024|{bf16}"}
+  assert slower == {f"adamw|bt2048|2048x1024|{bf16}",
+                    "adamw|bt512|2048x1024|w=float32|slots=bfloat16,float32"}
 
 
 def test_shipped_mosaic_entries_fit_their_cases():
@@ -990,6 +1004,24 @@ def _backends_csv(path, rows):
                       f"x,dy,W bf16; m,v {moments}", metric, v, v, v,
                       "us" if metric == "time" else "", "gpu:Fake GPU",
                       "jax 0.12", f"2026-12-0{run}T00:00:00+00:00", commit])
+
+
+def test_the_auto_arms_tiling_is_a_candidate_like_the_others(tmp_path):
+  """benchmarks.backends --auto times the tiling backend=None took (the
+  nearest entry's, beyond the cache) as forge_auto_mosaic_<label>: a
+  measurement of that tiling, which an entry made from the run may pick."""
+  a, b = "128x128x64/4,pp,lp", "64x128x64/2"
+  path = tmp_path / "b.csv"
+  _backends_csv(path, [
+      (1, "c1", "BT=512 2048x2048", "bf16", "forge_triton", 100.0),
+      (1, "c1", "BT=512 2048x2048", "bf16", "forge_mosaic_" + b, 90.0),
+      (1, "c1", "BT=512 2048x2048", "bf16", "forge_auto_mosaic_" + a, 80.0),
+  ])
+  key = tuning_cache.cache_key("adamw", 512, 2048, 2048, "bf16", BF16)
+  _, _, _, entries = autotune.mosaic_winners_from_csv(str(path))
+  assert M(**entries[key]["config"]) == M.from_label(a)
+  assert entries[key]["time_us"] == 80.0
+  assert entries[key]["timings_us"] == {a: 80.0, b: 90.0}
 
 
 def test_mosaic_entries_from_a_backends_csv(tmp_path):

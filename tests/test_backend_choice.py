@@ -592,9 +592,10 @@ def test_shipped_mosaic_entries_select_mosaic_only_where_faster():
     entries = json.load(f)["devices"]["NVIDIA H200"]["mosaic_gpu"]
   mosaic = tuning_cache.load(tuning_cache.SHIPPED_CACHE)["mosaic"]
   faster = {key for (kind, key), e in mosaic.items() if e.faster_than_triton}
-  assert len(entries) == 64 and len(faster) == 63
+  assert len(entries) == 73 and len(faster) == 71
   assert set(entries) - faster == {
-      "adamw|bt2048|2048x1024|w=bfloat16|slots=bfloat16,bfloat16"}
+      "adamw|bt2048|2048x1024|w=bfloat16|slots=bfloat16,bfloat16",
+      "adamw|bt512|2048x1024|w=float32|slots=bfloat16,float32"}
 
 
 # --- GPU ---------------------------------------------------------------------
