@@ -12,6 +12,7 @@ Each FORGE layer module registers its fused backward at import
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import jax
@@ -69,6 +70,27 @@ def _open(jaxpr):
   return getattr(jaxpr, "jaxpr", jaxpr)
 
 
+# While check_single_use traces the step: {layer path: how the fused op
+# that steps that layer reads another layer's kernel among its operands}.
+_READERS = threading.local()
+
+
+def describe_reader(paths, text: str) -> None:
+  """Names a fused op as the reader of another FORGE layer's kernel.
+
+  Called by a FORGE op while the step is traced (a no-op outside
+  :func:`check_single_use`'s trace): when the op that steps the layers at
+  ``paths`` reads a kernel that is not one of theirs, the check names that
+  reader ``text`` (e.g. ``"forge_jax.ScannedBlocks at 'layers', whose
+  blocks read it as a value they close over"``) where it would otherwise
+  name the op by one of its layers.
+  """
+  readers = getattr(_READERS, "names", None)
+  if readers is not None:
+    for p in paths:
+      readers[tuple(p)] = text
+
+
 # The reason check_single_use gives for a kernel read only through
 # stop_gradient: a frozen layer, which make_step moves to the standard path
 # without a warning (nothing is shared).
@@ -98,7 +120,19 @@ def _loss_eqns(jaxpr) -> set[int] | None:
   return eqns
 
 
-def _consumers(jaxpr, var, out: list[str], only=None) -> None:
+def _consumers(jaxpr, var, out: list[str], only=None, path=None,
+               owners=None, readers=None) -> None:
+  """Appends to ``out`` every op of ``jaxpr`` that reads ``var``, the
+  kernel of the layer at ``path``, following it into calls: ``"fused"``
+  for that layer's own fused op, else the reader's name.
+
+  A fused op's own layers are those whose state it takes: ``owners`` maps
+  the variables of ``jaxpr`` that are a layer's ``touched`` input to that
+  layer's path. A fused op that takes other layers' state only reads the
+  kernel as one more operand (a ``ScannedBlocks`` block closing over it);
+  it is named as ``readers`` (:func:`describe_reader`) names it, or by one
+  of its layers."""
+  owners = owners or {}
   for eqn in jaxpr.eqns:
     if only is not None and id(eqn) not in only:
       continue
@@ -107,13 +141,24 @@ def _consumers(jaxpr, var, out: list[str], only=None) -> None:
     if not positions:
       continue
     if is_fused_op(eqn):
-      out.extend(["fused"] * len(positions))
+      held = sorted({owners[v] for v in eqn.invars
+                     if not isinstance(v, jex_core.Literal) and v in owners})
+      if held and path not in held:
+        reader = (readers or {}).get(held[0]) or (
+            f"the fused op of the FORGE layer at "
+            f"{_context.layer_name(held[0])!r}")
+        out.extend([reader] * len(positions))
+      else:
+        out.extend(["fused"] * len(positions))
       continue
     sub_name = _CALL_PARAMS.get(eqn.primitive.name)
     sub = _open(eqn.params.get(sub_name)) if sub_name else None
     if sub is not None and len(sub.invars) == len(eqn.invars):
+      inner = {s: owners[v] for s, v in zip(sub.invars, eqn.invars)
+               if not isinstance(v, jex_core.Literal) and v in owners}
       for i in positions:
-        _consumers(sub, sub.invars[i], out)
+        _consumers(sub, sub.invars[i], out, path=path, owners=inner,
+                   readers=readers)
     else:
       out.extend([eqn.primitive.name] * len(positions))
 
@@ -122,7 +167,8 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
                      collect: bool = False) -> dict[_context.Path, str]:
   """Checks that each FORGE kernel is read by its own layer only.
 
-  A kernel with another consumer (a tied head, a second fused call) raises a
+  A kernel with another consumer (a tied head, a second fused call, a
+  ``ScannedBlocks`` whose blocks close over it) raises a
   ``ValueError`` naming the layer and both fixes; with ``collect=True`` it is
   returned instead, as ``{path: "read by <ops>"}`` (``{}``: all single-use)
   -- ``make_step(..., shared="standard")`` moves those layers to the
@@ -132,22 +178,31 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
   layer whose fused op is missing from the trace (a cached trace, see below)
   raises either way: that is not a shared weight.
   """
-  closed = jax.make_jaxpr(fn)(params, inputs)
+  _READERS.names = readers = {}
+  try:
+    closed = jax.make_jaxpr(fn)(params, inputs)
+  finally:
+    _READERS.names = None
   loss_eqns = _loss_eqns(closed.jaxpr)
   flat, _ = jax.tree_util.tree_flatten_with_path((params, inputs))
   index = {tuple(kp[1:]): i for i, (kp, _) in enumerate(flat)
            if kp and kp[0] == jax.tree_util.SequenceKey(0)}
+  # Each layer's `touched` input: the fused op that takes it steps the layer.
+  owners = {closed.jaxpr.invars[i]: kp[1].key for i, (kp, _) in enumerate(flat)
+            if len(kp) == 3 and kp[0] == jax.tree_util.SequenceKey(1)
+            and kp[2] == jax.tree_util.GetAttrKey("touched")}
   shared: dict[_context.Path, str] = {}
   for path, kp in kpaths.items():
+    follow = dict(path=path, owners=owners, readers=readers)
     uses: list[str] = []
-    _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], uses)
+    _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], uses, **follow)
     # Second consumers that matter: reads the loss depends on (not only an
     # aux output) that pass a cotangent back (not stop_gradient).
     loss_uses = uses
     if loss_eqns is not None:
       loss_uses = []
       _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], loss_uses,
-                 only=loss_eqns)
+                 only=loss_eqns, **follow)
     foreign = [u for u in loss_uses if u != "fused" and u not in NO_COTANGENT]
     flow = [u for u in uses if u in _CONTROL_FLOW]
     if not uses:

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+import types
 from typing import Any, Callable
 
 import jax
@@ -55,6 +57,7 @@ from pallas_kernels import fused_wgrad
 from forge_jax import _context
 from forge_jax import _paths
 from forge_jax import clip as _clip
+from forge_jax import dense as _dense
 from forge_jax import _usage
 from forge_jax import scan as _scan
 
@@ -73,6 +76,9 @@ class _Static:
   layouts: tuple
   in_place_layer: bool
   wgrad: str
+  # Per FORGE layer, the formats of its quantized moments
+  # (:func:`quantized_formats`); empty: float moments.
+  quantized: tuple[frozenset, ...]
   # A block that reads traced values it is not given (its closure): its two
   # functions, traced with those values as arguments (``_Traced``), as
   # ``{"plain": ..., "tap": ...}``; None: the block is run as it is.
@@ -179,32 +185,48 @@ def _forward(static, x, kernels, others, closure, save):
   return lax.scan(body, x, (kernels, others))
 
 
-def gemm_views(kernel_shape, rec, lp) -> dict:
+def quantized_formats(spec, layout, kernel_shape) -> frozenset:
+  """The low-precision formats of a FORGE layer's quantized moments (a
+  ``Quantized`` pair of codes and scales), by ``forge_jax.DenseGeneral``'s
+  rule (``dense._quantized_formats``): ``layout`` (the kernel's
+  ``_state.KernelLayout``) as the state stores them, else the formats' own
+  rule on the stacked kernel ``(L, *kernel_shape)``. A kernel of fewer
+  elements than a format's ``min_size`` keeps float moments, which have no
+  blocks to view or refuse."""
+  if spec is None or spec.low_precision is None:
+    return frozenset()
+  return frozenset(_dense._quantized_formats(
+      types.SimpleNamespace(spec=spec, layout=layout), tuple(kernel_shape)))
+
+
+def gemm_views(kernel_shape, rec, formats) -> dict:
   """``{shape of a stacked leaf: its view}``: the stacked kernel
   ``(L, *kernel_shape)`` (and each slot of its shape) as the
   ``(L, n_in, n_out)`` stack of the layer's GEMM matrices (``rec.gemm``);
-  with low-precision state ``lp``, a quantized moment's scales (one per
-  ``block`` consecutive elements of the kernel's last axis) as the
-  matrices' (one per ``block`` elements of a row).
-  :func:`check_scale_view` has checked that those blocks are the rows'."""
+  the scales of the quantized moments (of ``formats``,
+  :func:`quantized_formats`; one per ``block`` consecutive elements of the
+  kernel's last axis) as the matrices' (one per ``block`` elements of a
+  row). :func:`check_scale_view` has checked that those blocks are the
+  rows'."""
   num = kernel_shape[0]
   matrix = (num, *rec.gemm)
   views = {tuple(kernel_shape): matrix}
-  for fmt in ({f for f in lp.formats if f is not None}
-              if lp is not None else ()):
+  for fmt in formats:
     views.setdefault(tuple(fmt.scale_shape(tuple(kernel_shape))),
                      tuple(fmt.scale_shape(matrix)))
   return views
 
 
-def check_scale_view(rec, lp, name: str) -> None:
-  """Refuses quantized moments of a ``forge_jax.DenseGeneral`` kernel with
-  several feature axes, the last not a multiple of the block: its blocks
-  along that axis are not blocks of the GEMM matrix's rows."""
-  if lp is None or rec.gemm is None:
+def check_scale_view(rec, formats, name: str) -> None:
+  """Refuses quantized moments (of ``formats``, :func:`quantized_formats`)
+  of a ``forge_jax.DenseGeneral`` kernel with several feature axes, the
+  last not a multiple of the block: its blocks along that axis are not
+  blocks of the GEMM matrix's rows. Float moments (a kernel too small to be
+  quantized) have no blocks: nothing to refuse."""
+  if rec.gemm is None:
     return
   last, n_out = rec.kernel_shape[-1], rec.gemm[1]
-  for fmt in {f for f in lp.formats if f is not None}:
+  for fmt in formats:
     if last != n_out and last % fmt.block:
       raise ValueError(
           f"{rec.kind} at {name!r} (in a forge_jax.ScannedBlocks block): its "
@@ -333,8 +355,8 @@ def _fused_blocks_bwd(static, res, dy):
     return (dh_in.astype(dh.dtype), tuple(new_k), tuple(new_s),
             sqnorms, d_closure), d_others
 
-  views = tuple(gemm_views(k.shape, rec, static.spec.low_precision)
-                for k, rec in zip(kernels, records))
+  views = tuple(gemm_views(k.shape, rec, q)
+                for k, rec, q in zip(kernels, records, static.quantized))
   with _paths.refusing_derivatives(
       f"forge_jax.ScannedBlocks at {_context.layer_name(static.path)!r}"):
     (dx, new_kernels, new_slots, sqnorms, d_closure), d_others = lax.scan(
@@ -392,6 +414,35 @@ def _readers(jaxpr, var) -> list[str]:
   return out
 
 
+def _foreign_module(block, params, error) -> str | None:
+  """The module a block calls that is not its own (defined outside it: a
+  module of the model passed to the block as an attribute), in words, when
+  that is why running the block with its own ``params`` alone raised the
+  flax ``error`` (a parameter not found); else None.
+
+  A module bound to another module (made in the parent's ``setup`` or
+  ``@nn.compact`` method) and passed as an attribute is looked up by flax
+  among the block's own parameters, where it is not."""
+  if not isinstance(error, flax.errors.ScopeParamNotFoundError):
+    return None
+  scope = re.search(r'in scope "([^"]*)"', str(error))
+  parts = [p for p in scope.group(1).split("/") if p] if scope else []
+  if parts and parts[0] in params:  # a module of the block's own tree
+    return None
+  held = [
+      f"its attribute {f.name!r} (the {type(m).__name__} at "
+      f"{_context.layer_name(tuple(m.path))!r})"
+      for f in dataclasses.fields(block) if f.name not in ("parent", "name")
+      for m in jax.tree.leaves(getattr(block, f.name, None),
+                               is_leaf=lambda v: isinstance(v, nn.Module))
+      if isinstance(m, nn.Module) and m.scope is not None]
+  if held:
+    return ", ".join(held)
+  if parts:  # a module held some other way: the scope flax searched
+    return f"the module flax looked for at {scope.group(1)!r}"
+  return None
+
+
 def _full(path, rel):
   return (*path, _BLOCK, *rel)
 
@@ -412,9 +463,11 @@ class ScannedBlocks(nn.Module):
   one, of the same shape and dtype; it may hold any parameters and any mix
   of ``forge_jax.Dense`` / ``forge_jax.DenseGeneral`` (fused), the same with
   ``fused=False``, and other layers. In a FORGE step each block runs with
-  its ``params`` alone: a block that draws randomness (dropout) or uses
-  other collections (``batch_stats``) is refused there; ``fused=False`` runs
-  it as flax's scan, every layer of the stack on the standard optax path.
+  its ``params`` alone: a block that draws randomness (dropout), uses
+  other collections (``batch_stats``) or calls a module that is not its own
+  (a module of the model passed as an attribute) is refused there;
+  ``fused=False`` runs it as flax's scan, every layer of the stack on the
+  standard optax path.
   The block may read arrays it is not given (an adaLN-style conditioning
   computed from parameters outside the stack, passed as an attribute or
   through a Python closure): the stack takes them as inputs of its
@@ -444,7 +497,8 @@ class ScannedBlocks(nn.Module):
   and slots are viewed as ``(L, n_in, n_out)`` (reshapes, no copy) and come
   back in their own shape (a quantized moment's scales, one per 64
   elements of the kernel's last axis, viewed as the matrix's: a kernel
-  with several feature axes needs the last to be a multiple of 64).
+  with quantized moments and several feature axes needs the last to be a
+  multiple of 64; one too small to be quantized keeps float moments).
   Regime-1 families only (SGD ... Lion), low-precision state included, as
   for ``forge_jax.ScannedDenseStack``, whose docstring says why.
   Each FORGE kernel's hyperparameters and weight-decay mask entry are those of
@@ -508,6 +562,21 @@ class ScannedBlocks(nn.Module):
       closed, out = jax.make_jaxpr(one, return_shape=True)(
           layer, jax.ShapeDtypeStruct(x.shape, x.dtype), [key] * len(names))
     except flax.errors.FlaxError as e:
+      foreign = _foreign_module(block, layer, e)
+      if foreign is not None:
+        raise ValueError(
+            f"{self._where()}: the block calls a module that is not its own, "
+            f"{foreign}, defined outside the block ({type(e).__name__}: {e})."
+            " In a FORGE step ScannedBlocks runs each block, layer by layer, "
+            "with its own parameters only, so it cannot run a module defined "
+            "outside it. Pass the block arrays instead (arrays the block "
+            "reads are supported, and their gradients reach the parameters "
+            "they came from): compute that module's output outside the stack "
+            "and pass the array into the block, or pass the module's "
+            "parameters (its variables['params']) and apply them inside the "
+            "block as arrays. Or give this module fused=False: it then runs "
+            "as flax's nn.scan, every layer of the stack on the standard "
+            "optax path.") from e
       raise ValueError(
           f"{self._where()}: one block, run with its 'params' alone, failed "
           f"({type(e).__name__}: {e}). In a FORGE step ScannedBlocks runs "
@@ -672,21 +741,30 @@ class ScannedBlocks(nn.Module):
           f"{where}: the layers {[_context.layer_name(m) for m in missing]} "
           "were not seen when the step discovered its FORGE layers: the loss "
           "function must call the same layers on every trace")
-    for p in forge:
+    layouts = tuple(ctx.layouts.get(_full(path, p)) for p in forge)
+    quantized = tuple(
+        quantized_formats(spec, layout,
+                          (self.num_layers, *records[p].kernel_shape))
+        for p, layout in zip(forge, layouts))
+    for p, q in zip(forge, quantized):
       fused_wgrad.check_block_config(
           records[p].config, f"{records[p].kind} at "
           f"{_context.layer_name(_full(path, p))!r}")
-      check_scale_view(records[p], spec.low_precision,
-                       _context.layer_name(_full(path, p)))
+      check_scale_view(records[p], q, _context.layer_name(_full(path, p)))
     static = _Static(
         path=path, block=block, forge=forge, records=records, spec=spec,
-        layouts=tuple(ctx.layouts.get(_full(path, p)) for p in forge),
+        layouts=layouts,
         in_place_layer=_scan.updates_in_place(self.stack_update),
-        wgrad=ctx.wgrad)
+        wgrad=ctx.wgrad, quantized=quantized)
     closure = ()
     if closes_over:
       traced, closure = self._traced(static, params, x)
       static = dataclasses.replace(static, traced=traced)
+    # A kernel of another layer among the stack's operands is a value its
+    # blocks close over: the single-use check names this stack as its reader.
+    _usage.describe_reader(
+        [_full(path, p) for p in forge],
+        f"{where}, whose blocks read it as a value they close over")
     kernels = tuple(_get(params, (*p, "kernel")) for p in forge)
     return _fused_blocks(static, x, kernels, _without(params, forge),
                          tuple(ctx.inputs[_full(path, p)] for p in forge),

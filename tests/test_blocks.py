@@ -3,6 +3,7 @@ backward updates every FORGE Dense's stacked kernel and slots in place,
 against the same blocks under flax's own nn.scan(nn.remat(...)) + optax."""
 
 import functools
+import re
 from typing import Any
 import warnings
 
@@ -14,8 +15,9 @@ import optax
 import pytest
 
 import forge_jax
+from pallas_kernels.quant import Quantized
 from tests.harness import (assert_pool_saved_in_place, lower_for_cuda, mse,
-                           reference_step, shared_reference,
+                           reference_step, run_reference, shared_reference,
                            train_side_by_side, triton_calls)
 from tests.test_forge_jax import SCHEDULE, optax_step
 from tests.tolerances import assert_trees_close, rel_err, tol
@@ -960,6 +962,80 @@ def test_a_closure_value_not_differentiated_gets_no_gradient_formed():
   assert 0 < flops[jnp.float32] <= flops[jnp.int32], flops
 
 
+class _CallsParentBlock(nn.Module):
+  """Calls ``shared``, a Dense of the model outside the block (passed as an
+  attribute); or, given that Dense's parameters (a dict of arrays), applies
+  them as arrays."""
+  shared: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    if isinstance(self.shared, nn.Module):
+      s = self.shared(x)
+    else:
+      s = x @ self.shared["kernel"] + self.shared["bias"]
+    h = x + 0.1 * s
+    return x + forge_jax.Dense(D, name="down")(nn.silu(forge_jax.Dense(
+        D, name="up")(h)))
+
+
+class _ParentModuleModel(nn.Module):
+  """A Dense of the model read by every block: ``how`` ``"flax"``: flax's
+  nn.scan of blocks calling the module; ``"module"``: ScannedBlocks of the
+  same; ``"arrays"``: ScannedBlocks of blocks given its parameters."""
+  how: str = "flax"
+  fused: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    shared = nn.Dense(D, name="shared")
+    h = jnp.tanh(shared(x))
+    block = functools.partial(_CallsParentBlock, (
+        shared.variables["params"] if self.how == "arrays" else shared))
+    if self.how == "flax":
+      return flax_scan(block, 2, "layers")(h)
+    return forge_jax.ScannedBlocks(block, 2, fused=self.fused,
+                                   name="layers")(h)
+
+
+def test_a_block_calling_a_module_of_the_model_is_refused_naming_the_fixes():
+  """A block calling a module defined outside it (the model's Dense, passed
+  as an attribute) cannot run layer by layer with its own parameters: the
+  step refuses it naming that module and the fixes, not dropout or
+  batch_stats; both fixes, the module's parameters passed as arrays (fused)
+  and fused=False, train as flax's nn.scan + optax."""
+  batches = _data(3, (4, 12), d_in=D, d_out=D)
+  variables = _ParentModuleModel().init(jax.random.key(0), batches[0][0])
+  tx_kw = dict(learning_rate=1e-2, weight_decay=1e-2)
+  ref_tx, f_tx = optax.adamw(**tx_kw), forge_jax.adamw(**tx_kw)
+  with pytest.raises(ValueError) as refused:
+    forge_jax.make_step(mse(_ParentModuleModel("module")), f_tx)(
+        variables, f_tx.init(variables["params"]), batches[0])
+  message = str(refused.value)
+  assert re.search(r"ScannedBlocks at 'layers': the block calls a module "
+                   r"that is not its own, its attribute 'shared' \(the Dense "
+                   r"at 'shared'\), defined outside the block.*output outside "
+                   r"the stack.*variables\['params'\].*fused=False", message)
+  assert "dropout" not in message and "batch_stats" not in message
+  ref_step = optax_step(mse(_ParentModuleModel()), ref_tx)
+  reference = run_reference(ref_step, variables, ref_tx, batches)
+  for model in (_ParentModuleModel("arrays"),
+                _ParentModuleModel("module", fused=False)):
+    step = forge_jax.make_step(mse(model), f_tx)
+    (f_v, f_s), (ref_v, ref_s), losses = train_side_by_side(
+        jax.jit(step), ref_step, variables, f_tx, ref_tx, batches,
+        reference=reference)
+    assert step.standard_layers == []
+    assert rel_err(losses[-1][0], losses[-1][1]) <= tol(jnp.float32)
+    assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
+    assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+    # Not vacuous: the shared module and the stacked kernels moved.
+    params, init = f_v["params"], variables["params"]
+    assert rel_err(params["shared"]["kernel"], init["shared"]["kernel"]) > 1e-3
+    assert rel_err(params["layers"]["block"]["up"]["kernel"],
+                   init["layers"]["block"]["up"]["kernel"]) > 1e-3
+
+
 # --- A block with batch_stats ------------------------------------------------
 
 
@@ -1117,3 +1193,84 @@ def test_a_nested_stack_is_refused_naming_the_fixes_which_train(how):
       f_tx, ref_tx, batches)
   assert_trees_close(f_v, ref_v, tol(jnp.float32), "params")
   assert_trees_close(f_s, ref_s, tol(jnp.float32), "opt_state")
+
+
+# --- Low-precision moments of a DenseGeneral in the block ---------------------
+
+
+class _GeneralBlock(nn.Module):
+  """A DenseGeneral ``D -> features`` (several feature axes), then flax's
+  own DenseGeneral back to the carry's width."""
+  features: tuple = (2, 8)
+
+  @nn.compact
+  def __call__(self, h):
+    a = forge_jax.DenseGeneral(self.features, name="up")(h)
+    return h + nn.DenseGeneral(h.shape[-1], axis=(-2, -1),
+                               name="down")(nn.silu(a))
+
+
+def _general_model(features, fused=True):
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return forge_jax.ScannedBlocks(
+          functools.partial(_GeneralBlock, features), 2, fused=fused,
+          name="layers")(x)
+
+  return M()
+
+
+def test_a_small_dense_general_of_several_feature_axes_takes_int8_moments():
+  """A stacked kernel (2, 16, 2, 8): several feature axes, the last of 8
+  elements (not a multiple of the 64-element quantization block), but 512
+  elements, too few for quantized moments (4096): its moments are float
+  arrays, with no blocks to misalign. It is fused under moments="int8" and
+  trains as the same stack with fused=False (the same transform on the
+  standard path)."""
+  x = jax.random.normal(jax.random.key(0), (6, 16))
+  variables = _general_model((2, 8)).init(jax.random.key(1), x)
+  tx = forge_jax.adamw(1e-2, weight_decay=1e-2, moments="int8")
+  state = tx.init(variables["params"])
+  mu = state.mu["layers"]["block"]["up"]["kernel"]
+  assert not isinstance(mu, Quantized) and mu.shape == (2, 16, 2, 8)
+  keys = jax.random.split(jax.random.key(2), 3)
+  batches = [(jax.random.normal(k, (6, 16)), jnp.zeros((6, 16)))
+             for k in keys]
+  got = {}
+  for fused in (True, False):
+    step = jax.jit(forge_jax.make_step(mse(_general_model((2, 8), fused)),
+                                       tx))
+    v, s = variables, state
+    for batch in batches:
+      loss, v, s = step(v, s, batch)
+    got[fused] = loss, v, s
+  assert rel_err(got[True][0], got[False][0]) <= tol(jnp.float32)
+  assert_trees_close(got[True][1], got[False][1], tol(jnp.float32), "params")
+  assert_trees_close(got[True][2], got[False][2], tol(jnp.float32),
+                     "opt_state")
+  kernel = lambda v: v["params"]["layers"]["block"]["up"]["kernel"]
+  for i in range(2):  # not vacuous: both layers moved
+    assert rel_err(kernel(got[True][1])[i], kernel(variables)[i]) > 1e-3
+
+
+def test_a_large_misaligned_dense_general_is_refused_under_int8_moments():
+  """A stacked kernel (2, 16, 4, 96): 12288 elements get quantized moments,
+  whose 64-element blocks along its last axis (96 elements) are not blocks
+  of the fused kernel's (16, 384) rows: refused, naming the layer and the
+  fix; fused=False steps it."""
+  x = jax.random.normal(jax.random.key(0), (6, 16))
+  variables = _general_model((4, 96)).init(jax.random.key(1), x)
+  tx = forge_jax.adamw(1e-2, moments="int8")
+  state = tx.init(variables["params"])
+  mu = state.mu["layers"]["block"]["up"]["kernel"]
+  assert isinstance(mu, Quantized) and mu.q.shape == (2, 16, 4, 96)
+  batch = (x, jnp.zeros((6, 16)))
+  with pytest.raises(ValueError, match=r"DenseGeneral at 'layers/block/up' "
+                     r".*several feature axes, the last of 96 elements, not "
+                     r"a multiple of 64.*fused=False"):
+    forge_jax.make_step(mse(_general_model((4, 96))), tx)(variables, state,
+                                                          batch)
+  loss, _, _ = forge_jax.make_step(mse(_general_model((4, 96), False)), tx)(
+      variables, state, batch)
+  assert np.isfinite(float(loss))

@@ -11,6 +11,7 @@ the optax transform (``tests.harness.reference_step``), every param and
 state leaf.
 """
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -188,6 +189,58 @@ def test_stack_kernel_read_elsewhere_falls_back():
                          optax.adamw(**KW), batches, shared="standard")
   assert step.standard_layers == ["stack"]
   assert "'stack' (kernel also read by" in str(caught[0].message)
+
+
+class _ClosingBlock(nn.Module):
+  """Reads ``k``, a kernel of the model outside the stack (a tied
+  projection), as a value it closes over."""
+  k: jax.Array
+
+  @nn.compact
+  def __call__(self, x):
+    h = x + 0.1 * jnp.tanh(x @ self.k.T) @ self.k
+    return x + forge_jax.Dense(24, name="down")(nn.silu(forge_jax.Dense(
+        24, name="up")(h)))
+
+
+class KernelInClosure(nn.Module):
+  """19 -> 24 (embed) -> 2 blocks reading embed's kernel -> 7 (head)."""
+
+  @nn.compact
+  def __call__(self, x):
+    embed = forge_jax.Dense(24, name="embed")
+    h = nn.relu(embed(x))
+    h = forge_jax.ScannedBlocks(
+        functools.partial(_ClosingBlock, embed.variables["params"]["kernel"]),
+        2, name="layers")(h)
+    return forge_jax.Dense(7, name="head")(h)
+
+
+def test_a_kernel_a_scanned_blocks_closes_over_is_named_and_falls_back():
+  """A FORGE kernel that a ScannedBlocks' blocks read as a value they close
+  over (an operand of the stack's fused op, not one of its kernels): the
+  refusal names that stack as the reader, not a second fused call;
+  shared="standard" moves the layer to the standard path (the stack stays
+  fused) and matches nn.scan + optax."""
+  model = KernelInClosure()
+  batches = _batches(19, 7, steps=3)
+  variables = model.init(jax.random.key(0), batches[0][0])
+  tx = forge_jax.adamw(**KW)
+  with pytest.raises(ValueError) as err:
+    forge_jax.make_step(mse(model), tx)(
+        variables, tx.init(variables["params"]), batches[0])
+  assert ("kernel of forge_jax.Dense at 'embed' is also read outside its own "
+          "layer (by: forge_jax.ScannedBlocks at 'layers', whose blocks read "
+          "it as a value they close over)") in str(err.value)
+  assert "second fused call" not in str(err.value)
+  # Outside a FORGE step the forge_jax modules are nn.Dense / nn.scan.
+  step, caught, _ = _run(model, forge_jax.adamw(**KW), model,
+                         optax.adamw(**KW), batches, shared="standard")
+  assert step.standard_layers == ["embed"]
+  assert ("'embed' (kernel also read by: forge_jax.ScannedBlocks at "
+          "'layers', whose blocks read it") in str(caught[0].message)
+  assert _pallas_calls(step, variables, tx.init(variables["params"]),
+                       batches[0]) > 0  # the stack and the head stay fused
 
 
 def test_warning_can_be_escalated_to_an_error():
