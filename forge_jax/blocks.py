@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import types
 from typing import Any, Callable
 
 import jax
@@ -188,15 +187,15 @@ def _forward(static, x, kernels, others, closure, save):
 def quantized_formats(spec, layout, kernel_shape) -> frozenset:
   """The low-precision formats of a FORGE layer's quantized moments (a
   ``Quantized`` pair of codes and scales), by ``forge_jax.DenseGeneral``'s
-  rule (``dense._quantized_formats``): ``layout`` (the kernel's
-  ``_state.KernelLayout``) as the state stores them, else the formats' own
-  rule on the stacked kernel ``(L, *kernel_shape)``. A kernel of fewer
-  elements than a format's ``min_size`` keeps float moments, which have no
-  blocks to view or refuse."""
+  rule (:func:`forge_jax.dense.quantized_formats`): ``layout`` (the
+  kernel's ``_state.KernelLayout``) as the state stores them, else the
+  formats' own rule on the stacked kernel ``(L, *kernel_shape)``. A kernel
+  of fewer elements than a format's ``min_size`` keeps float moments, which
+  have no blocks to view or refuse."""
   if spec is None or spec.low_precision is None:
     return frozenset()
-  return frozenset(_dense._quantized_formats(
-      types.SimpleNamespace(spec=spec, layout=layout), tuple(kernel_shape)))
+  return frozenset(_dense.quantized_formats(spec.low_precision, layout,
+                                            tuple(kernel_shape)))
 
 
 def gemm_views(kernel_shape, rec, formats) -> dict:

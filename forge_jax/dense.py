@@ -134,8 +134,8 @@ def _update(static, x, dy, kernel, inputs):
   if static.spec is not None and static.spec.low_precision is not None:
     # A quantized moment's scales (one per 64 elements of the kernel's last
     # axis) viewed as the GEMM's (one per 64 of its rows' elements).
-    views.update(_scale_views(static, shape, _quantized_formats(static,
-                                                                shape)))
+    views.update(_scale_views(static, shape, quantized_formats(
+        static.spec.low_precision, static.layout, shape)))
   slots = tuple(s.reshape(views[s.shape]) if s.shape in views else s
                 for s in inputs.slots)
   new_kernel, new_slots = _update_matrix(
@@ -145,12 +145,14 @@ def _update(static, x, dy, kernel, inputs):
       for n, s in zip(new_slots, inputs.slots))
 
 
-def _quantized_formats(static, shape) -> set:
-  """The formats of the kernel's slots that are quantized (a ``Quantized``
-  pair of codes and scales, two leaves), as the state stores them: a kernel
-  of fewer elements than a format's ``min_size`` keeps float moments."""
-  lp = static.spec.low_precision
-  layout = static.layout
+def quantized_formats(lp, layout, shape) -> set:
+  """The formats of low-precision state ``lp`` whose slots of a kernel of
+  ``shape`` are quantized (a ``Quantized`` pair of codes and scales, two
+  leaves), as the state stores them (``layout``, the kernel's
+  ``_state.KernelLayout``; None: the formats' own rule, as the
+  transform's init): a kernel of fewer elements than a format's
+  ``min_size`` keeps float moments. Also ``forge_jax.ScannedBlocks``'
+  rule, for its stacked kernels."""
   if layout is None:  # the formats' own rule, as the transform's init
     return {f for f in lp.formats if f is not None and f.quantizes(shape)}
   return {f for f, d in zip(lp.formats, layout.slot_defs)
