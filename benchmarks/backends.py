@@ -317,7 +317,10 @@ def _select(runs: dict, beyond: bool = False, shapes: set | None = None):
   :func:`latest_runs` keeps for ``beyond`` and ``shapes``."""
   if shapes is None:
     llama = _cases(common.LLAMA8B_SHAPES)
-    keep = lambda shape: (shape in llama) != beyond
+    # (beyond: the decoder's shapes have their own table, _grid's)
+    others = llama | _cases(common.DECODER_SHAPES)
+    keep = (lambda shape: shape not in others) if beyond else (
+        lambda shape: shape in llama)
   else:
     keep = lambda shape: shape in shapes
   return {key: run for key, run in runs.items() if keep(key[2])}
@@ -327,8 +330,9 @@ def latest_runs(rows, beyond: bool = False, shapes: set | None = None):
   """Per AdamW case (as :func:`latest_ratios` keys them), the commit of the
   latest run (timestamp) that timed it and that run's p50 per arm:
   ``{(moments, bt, shape): (commit, {provider: p50 in µs})}``. The cases
-  at the Llama-3.1-8B shapes, or (``beyond``) at the others, or at
-  ``shapes`` (``INxOUT`` names) if given."""
+  at the Llama-3.1-8B shapes, or (``beyond``) at the others but the
+  decoder's (its own table), or at ``shapes`` (``INxOUT`` names) if
+  given."""
   return _select(_all_latest_runs(rows), beyond, shapes)
 
 
@@ -355,8 +359,9 @@ def _ratios(runs: dict, beyond: bool = False, shapes: set | None = None):
 
 def latest_ratios(rows, beyond: bool = False, shapes: set | None = None):
   """Per AdamW case at a Llama-3.1-8B shape with bf16 or fp32 moments
-  (``beyond``: at any other shape, in runs with ``--auto``'s arm),
-  ``{(moments, bt, shape): (triton, mosaic, label)}`` from the latest run
+  (``beyond``: at any other shape but the decoder's, in runs with
+  ``--auto``'s arm), ``{(moments, bt, shape): (triton, mosaic, label)}``
+  from the latest run
   (timestamp) that timed it: XLA's p50 over the Triton kernel's and over
   the fastest Mosaic GPU tiling's (``label``; ``--auto``'s arm counts as
   its tiling; not counting ``approx_math`` ones) in that run (``None``

@@ -223,6 +223,30 @@ _ANOTHER_ARRAY = (
     "loss_fn (e.g. cast, or frozen with stop_gradient)")
 
 
+def _traced_beneath(kernel, steps) -> bool:
+  """Whether ``kernel`` is a tracer of a trace opened beneath the one the
+  step's parameter ``steps`` belongs to: the parameters handed on as
+  operands inside ``loss_fn`` (``jax.checkpoint(model.apply)``, a
+  ``custom_vjp``, a control-flow primitive), the same values under another
+  name, where the layer's path decides. A teacher's kernel (an array, or a
+  tracer of the step's own or an enclosing trace: passed in the batch,
+  frozen with ``stop_gradient``, cast) is not. Reads the tracers'
+  ``_trace`` and the traces' ``parent_trace`` (JAX's tracer internals);
+  where they are missing it cannot tell, and the path decides."""
+  if not isinstance(kernel, jax.core.Tracer):
+    return False
+  outer = getattr(steps, "_trace", None)
+  trace = getattr(kernel, "_trace", None)
+  if outer is None or trace is None or not hasattr(trace, "parent_trace"):
+    return True
+  trace = trace.parent_trace
+  while trace is not None:
+    if trace is outer:
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
 @dataclasses.dataclass(frozen=True)
 class _Apply:
   """The outermost module call in progress (a ``model.apply`` in
@@ -294,7 +318,9 @@ class _Converter:
       kernel = module.get_variable("params", "kernel")
     else:  # a lifted transform's copies: the apply's variables at the path
       kernel = _kernel_at(_params_of(apply.root.variables()), path)
-    return None if kernel is steps else _ANOTHER_ARRAY
+    if kernel is steps or _traced_beneath(kernel, steps):
+      return None
+    return _ANOTHER_ARRAY
 
   def _reason(self, module, kind: str, inputs, path, tap, next_fun,
               orig) -> str | None:

@@ -154,7 +154,7 @@ def quantized_formats(lp, layout, shape) -> set:
   ``min_size`` keeps float moments. Also ``forge_jax.ScannedBlocks``'
   rule, for its stacked kernels."""
   if layout is None:  # the formats' own rule, as the transform's init
-    return {f for f in lp.formats if f is not None and f.quantizes(shape)}
+    return {f for i, f in enumerate(lp.formats) if lp.quantizes(i, shape)}
   return {f for f, d in zip(lp.formats, layout.slot_defs)
           if f is not None and d.num_leaves == 2}
 

@@ -1239,12 +1239,14 @@ def test_a_small_dense_general_of_several_feature_axes_takes_int8_moments():
              for k in keys]
   got = {}
   for fused in (True, False):
-    step = jax.jit(forge_jax.make_step(mse(_general_model((2, 8), fused)),
-                                       tx))
+    raw = forge_jax.make_step(mse(_general_model((2, 8), fused)), tx)
+    step = jax.jit(raw)
     v, s = variables, state
     for batch in batches:
       loss, v, s = step(v, s, batch)
     got[fused] = loss, v, s
+    if fused:  # fused, not moved to optax's path
+      assert raw.standard_layers == []
   assert rel_err(got[True][0], got[False][0]) <= tol(jnp.float32)
   assert_trees_close(got[True][1], got[False][1], tol(jnp.float32), "params")
   assert_trees_close(got[True][2], got[False][2], tol(jnp.float32),

@@ -375,6 +375,35 @@ def test_a_same_architecture_teacher_in_the_loss_stays_nn_dense(dense):
                  v["params"][layers[0]]["kernel"]) > 1e-3
 
 
+def test_the_model_applied_under_jax_checkpoint_is_converted():
+  """loss_fn handing the step's variables to jax.checkpoint(model.apply):
+  the layers read the checkpoint's tracers of the same values (a trace
+  opened beneath the step's), so the path decides and every layer is
+  fused; the step equals optax's on the unconverted model."""
+  model = MLP(nn.Dense)
+  x, y = jax.random.normal(jax.random.key(1), (6, 37)), jnp.ones((6, 5))
+  v = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables, batch):
+    out = jax.checkpoint(model.apply)(variables, batch[0])
+    return jnp.mean((out - batch[1]) ** 2)
+
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  forge_tx, optax_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+  step = forge_jax.make_step(loss_fn, forge_tx, convert=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", forge_jax.ConvertSkipWarning)
+    _, calls = trace(step, v, forge_tx.init(v["params"]), (x, y))
+    lf, vf, sf = jax.jit(step)(v, forge_tx.init(v["params"]), (x, y))
+  lr, vr, sr = jax.jit(reference_step(loss_fn, optax_tx))(
+      v, optax_tx.init(v["params"]), (x, y))
+  layers = kernel_layers(v["params"])
+  assert step.converted == layers and step.skipped == {} and calls == 3
+  assert_close(lf, lr, RTOL, "loss")
+  assert_trees_close(vf, vr, RTOL, "variables")
+  assert_trees_close(sf, sr, RTOL, "opt_state")
+
+
 def test_a_layer_given_changed_parameters_stays_nn_dense():
   """A layer whose kernel loss_fn changes before apply (here frozen with
   stop_gradient) reads another array than the step's: it runs as nn.Dense,

@@ -210,8 +210,10 @@ def test_small_kernel_of_several_feature_axes_takes_int8_moments():
   state = tx.init(variables["params"])
   mu = state.mu["DenseGeneral_0"]["kernel"]
   assert not isinstance(mu, pk.quant.Quantized) and mu.shape == (16, 4, 8)
-  fused = _train(forge_jax.make_step(mse(Net(forge_jax.DenseGeneral, kwargs)),
-                                     tx), variables, state, batches)
+  fused_step = forge_jax.make_step(mse(Net(forge_jax.DenseGeneral, kwargs)),
+                                  tx)
+  fused = _train(fused_step, variables, state, batches)
+  assert fused_step.standard_layers == []  # fused, not moved to optax's
   standard = _train(forge_jax.make_step(
       mse(Net(forge_jax.DenseGeneral, dict(kwargs, fused=False))), tx),
       variables, state, batches)
