@@ -263,12 +263,14 @@ def holds_clipping(tx) -> bool:
   return False
 
 
-def accumulation_refused(who: str) -> TypeError:
+def accumulation_refused(who: str,
+                         given: str = "forge_jax.MultiSteps") -> TypeError:
   """The refusal of global-norm clipping combined with gradient
-  accumulation, in either nesting, for ``who`` (the refusing function)."""
+  accumulation, in either nesting, for ``who`` (the refusing function);
+  ``given``: the accumulation wrapper the caller passed."""
   return TypeError(
       f"{who}: global-norm clipping together with gradient accumulation "
-      "(forge_jax.MultiSteps) is not supported, in either nesting. optax's "
+      f"({given}) is not supported, in either nesting. optax's "
       "optax.MultiSteps(optax.chain(optax.clip_by_global_norm(max_norm), "
       "optax.adamw(...)), k) clips the mean of the k micro-batch gradients "
       "once per k steps; a FORGE step cannot: its norm pass measures one "

@@ -172,7 +172,7 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
   """
   if isinstance(tx, optax.MultiSteps):
     if _clip.holds_clipping(tx.inner_opt):
-      raise _clip.accumulation_refused("make_step")
+      raise _clip.accumulation_refused("make_step", "optax.MultiSteps")
     raise TypeError(
         "make_step: optax.MultiSteps cannot drive FORGE layers (they update "
         "in their own backward, so the accumulation must happen in the fused "

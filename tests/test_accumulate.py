@@ -491,11 +491,12 @@ def test_clipping_with_accumulation_is_refused_naming_what_runs(make):
   # use forge_jax.MultiSteps that a plain transform gets.
   with pytest.raises(TypeError) as optax_outer:
     forge_jax.make_step(_mse(model), optax.MultiSteps(make(), K))
-  for e, who in ((inner, "forge_jax.MultiSteps"), (outer, "make_step"),
-                 (optax_outer, "make_step")):
+  for e, who, given in ((inner, "forge_jax.MultiSteps", "forge_jax"),
+                        (outer, "make_step", "forge_jax"),
+                        (optax_outer, "make_step", "optax")):
     msg = str(e.value)
     assert msg.startswith(who + ": global-norm clipping together with "
-                          "gradient accumulation (forge_jax.MultiSteps) is "
+                          f"gradient accumulation ({given}.MultiSteps) is "
                           "not supported"), msg
     assert "use optax.MultiSteps" not in msg
     for form in ("optax.chain(forge_jax.clip_by_global_norm(max_norm), "
