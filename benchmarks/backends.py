@@ -285,6 +285,8 @@ def check_result(before, out, ref):
   return err, update_err, err <= MAX_REL_ERR and update_err <= tol
 
 
+# The arms that time a Mosaic GPU tiling (named by its label); the autotuner
+# reads them from the CSV (pallas_kernels.autotune.mosaic_winners_from_csv).
 MOSAIC_ARMS = ("forge_mosaic_", "forge_auto_mosaic_")
 
 

@@ -653,6 +653,9 @@ def _backends_dtypes(field: str) -> tuple[str, str, tuple[str, ...]]:
   return act, w, tuple(slots)
 
 
+# The providers of a benchmarks.backends CSV that time a Mosaic GPU tiling
+# (its MOSAIC_ARMS: the CSV's format, which this package reads without
+# importing the benchmarks).
 _MOSAIC_ARMS = ("forge_mosaic_", "forge_auto_mosaic_")
 
 

@@ -1149,20 +1149,7 @@ class OuterBlock(nn.Module):
 
 
 def _outer_model(forge, how):
-  class M(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      x = nn.Dense(D, name="embed")(x)
-      if forge:
-        x = forge_jax.ScannedBlocks(
-            functools.partial(OuterBlock, forge_jax.Dense, how), 2,
-            name="layers")(x)
-      else:
-        x = flax_scan(functools.partial(OuterBlock, nn.Dense, how), 2,
-                      "layers")(x)
-      return nn.Dense(5, name="head")(x)
-
-  return M()
+  return _scanned_model(functools.partial(OuterBlock, how=how), forge)
 
 
 @pytest.mark.parametrize("how", ["unrolled", "flax"])
