@@ -42,9 +42,15 @@ stores, the streamed ring. Stacked ``(L, in, out)`` state (``layer=i``)
 updates layer ``i`` in place, the index read from memory at run time. A
 rule that does not update the weight (the state-only update of a regime-2
 family) leaves ``W`` unread; write-only outputs (Muon's ``mu_hat``) are
-stored, never loaded. Not yet covered (each refused with the reason by
-:func:`unsupported`): shapes the tiles do not divide, fp32 operands (wgmma
-takes 16-bit ones here), fp8 moments and stochastic rounding. int8 moments
+stored, never loaded. Shapes the tiles do not divide run with the last
+tiles and K step reaching past the arrays: TMA zero-fills those loads
+(rows of ``x`` and ``dy`` past BT add zero to ``G``) and drops those
+stores; TMA moves a block in the pieces of its shared-memory tiling, so
+each dimension must be a multiple of them (BT of 8, ``in`` and ``out`` of
+64 with 16-bit operands). Not covered (each refused with the
+reason by :func:`unsupported`): other shapes, fp32 operands (wgmma takes
+16-bit ones here), fp8 moments, stochastic rounding, and int8 moments on
+a shape the tiles do not divide. int8 moments
 (:class:`~pallas_kernels.quant.Quantized` slots, 64-element blocks) are
 dequantized and requantized in the streamed epilogue, in sub-tiles one
 block wide (:func:`low_precision_problem`): their codes stream through the
@@ -493,8 +499,8 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
   ``state_dtypes``: the arrays whose tiles the kernel holds in shared
   memory (:func:`smem_dtypes`). ``shape``: the weight's ``(in, out)``;
   where 128 x 128 tiles do not divide it, the first of 64 x 128, 128 x 64
-  and 64 x 64 that does (else 128 x 128, which :func:`unsupported` then
-  refuses). Where 4 K steps do not fit shared memory (many or wide state
+  and 64 x 64 that does (else 128 x 128, the last tiles reaching past its
+  edges). Where 4 K steps do not fit shared memory (many or wide state
   arrays), 3, then 2; where none does with 64 x 64 sub-tiles, 64 x 32.
 
   ``quantized``: int8 moments, requantized in the epilogue in sub-tiles one
@@ -538,8 +544,8 @@ def stored_config(n_in: int, n_out: int, state_dtypes) -> MosaicConfig:
   """The tiling for a stored ``G`` (``state_dtypes`` counting ``G``'s):
   the largest of 128 x 256, 128 x 128, 64 x 128 and 64 x 64 tiles that
   divides the weight, its state streamed in 64 x 64 sub-tiles through the
-  deepest ring (3 to 1) that fits; 128 x 256 if none divides (which
-  :func:`unsupported` then refuses)."""
+  deepest ring (3 to 1) that fits; 128 x 256 if none divides (the last
+  tiles reaching past the weight's edges)."""
   tiles = [(tm, tn) for tm, tn in ((128, 256), (128, 128), (64, 128),
                                    (64, 64))
            if n_in % tm == 0 and n_out % tn == 0] or [(128, 256)]
@@ -616,6 +622,13 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
   if why is not None:
     return why
   held = smem_dtypes(rule, w.dtype, [_code_dtype(s) for s in slots])
+  if plan is not None and any(
+      sp.fmt is not None for sp in plan.slots) and (
+          n_in % cfg.tile_m or n_out % cfg.tile_n):
+    return (f"int8 moments need in x out = {n_in} x {n_out} to be a "
+            f"multiple of the tile {cfg.tile_m} x {cfg.tile_n} (the "
+            "scales of a ragged edge tile are stored by plain stores, "
+            "which TMA's bounds do not guard)")
   if g_stored:
     if cfg.pingpong:
       return ("a stored gradient has no K loop for the ping-pong schedule "
@@ -624,19 +637,24 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
     if not cfg.state_ring:
       return ("a stored gradient is streamed with the state: the tiling "
               "needs state_ring >= 1")
-    if n_in % cfg.tile_m or n_out % cfg.tile_n:
-      return (f"in x out = {n_in} x {n_out} is not a multiple of the tile "
-              f"{cfg.tile_m} x {cfg.tile_n}")
+    why = _tiling_problem(
+        [("G", (n_in, n_out), x_dtype, cfg.epi_n)]
+        + [("the state", (n_in, n_out), d, cfg.epi_n) for d in held])
+    if why is not None:
+      return why
     need = cfg.smem_bytes(None, held + [jnp.dtype(x_dtype)])
   else:
     if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16),
                                   jnp.dtype(jnp.float16)):
       return (f"x and dy are {jnp.dtype(x_dtype).name}; the Mosaic GPU "
               "kernel takes bfloat16 or float16 operands")
-    if n_in % cfg.tile_m or n_out % cfg.tile_n or bt % cfg.tile_k:
-      return (f"BT x in x out = {bt} x {n_in} x {n_out} is not a multiple "
-              f"of the tiles {cfg.tile_k} x {cfg.tile_m} x {cfg.tile_n}")
-    if n_in % (cfg.tile_m * cfg.cluster):
+    why = _tiling_problem(
+        [("x", (bt, n_in), x_dtype, cfg.tile_m),
+         ("dy", (bt, n_out), x_dtype, cfg.tile_n)]
+        + [("the state", (n_in, n_out), d, cfg.epi_n) for d in held])
+    if why is not None:
+      return why
+    if cfg.cluster > 1 and n_in % (cfg.tile_m * cfg.cluster):
       return (f"with cluster={cfg.cluster} the programs of a cluster take "
               f"tile rows in pairs: in = {n_in} must be a multiple of "
               f"{cfg.cluster} x tile_m = {cfg.cluster * cfg.tile_m}")
@@ -647,6 +665,24 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
     return (f"the tiling needs {need} bytes of shared memory{ring}, more "
             f"than the {_SMEM_BYTES} a block has: use smaller tiles, fewer "
             "steps or a smaller epilogue sub-tile")
+  return None
+
+
+def _tiling_problem(arrays) -> str | None:
+  """Why TMA cannot move the tiles of these arrays, or ``None``: ``arrays``
+  holds ``(name, (rows, columns), dtype, block columns)``. Shapes the tiles
+  do not divide are covered (TMA zero-fills the loads past an array's edge
+  and drops the stores there), but TMA moves a block in the pieces of its
+  shared-memory tiling (:func:`_transforms`: 8 rows by the swizzle's
+  width), and Mosaic GPU views the whole array in those pieces: each
+  dimension must be a multiple of them."""
+  for name, (rows, cols), dtype, minor in arrays:
+    tr, tc = _transforms(minor, dtype)[0].tiling
+    if rows % tr or cols % tc:
+      return (f"{name} is {rows} x {cols} {jnp.dtype(dtype).name}: the "
+              "Mosaic GPU kernel moves its blocks by TMA in pieces of "
+              f"{tr} x {tc} (its shared-memory tiling), so it needs a "
+              f"multiple of {tr} rows and of {tc} columns")
   return None
 
 
@@ -760,7 +796,12 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
     return ref.at[layer, r, c] if stacked and is_state else ref.at[r, c]
   tm, tn, tk, wn = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.wg_n
   cw, nbuf = cfg.compute_wgs, cfg.state_buffers
-  m_iters, n_iters, k_iters = n_in // tm, n_out // tn, bt // tk
+  # Ragged edges: the last tiles (and K step) reach past the arrays; TMA
+  # zero-fills their loads and drops their stores (in whole pieces of the
+  # blocks' tiling: _tiling_problem), so the rows past BT add zero to G and
+  # nothing past in x out is written.
+  m_iters, n_iters = pl.cdiv(n_in, tm), pl.cdiv(n_out, tn)
+  k_iters = pl.cdiv(bt, tk)
   delay = cfg.delay_release
   slot_dtypes = [r.dtype for r in state_gmem[first_slot:]]
   for k, _, _ in quantized:  # the rule sees an int8 slot as fp32

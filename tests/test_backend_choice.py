@@ -210,9 +210,12 @@ def test_no_gpu_at_all_takes_triton():
     (dict(bt=2048, n_in=2048, n_out=1024), "triton", None,
      "128x128x64/4,e64x32,pp,lp measured 30.5 us against the Triton "
      "kernel's 29.9 us"),
-    # In a cached BT bucket, but not a multiple of the K step.
+    # In a cached BT bucket, not a multiple of the K step: the bucket's
+    # entry (the last K step's rows past BT are zero-filled) ...
+    (dict(bt=1400, n_out=14336), "mosaic_gpu", LONG_PP, "513.1 us against"),
+    # ... but BT must be a multiple of 8 (TMA moves x in 8-row pieces).
     (dict(bt=1500, n_out=14336), "triton", None,
-     "does not cover this case: BT x in x out = 1500 x 4096 x 14336"),
+     "does not cover this case: x is 1500 x 4096 bfloat16"),
     (dict(x_dtype=F32), "triton", None, "bfloat16 or float16 operands"),
     # No entry for the case: the nearest entry's tiling (another BT bucket
     # first, then another shape).
@@ -227,7 +230,8 @@ def test_no_gpu_at_all_takes_triton():
         "64x128x64/4,e64x32,pp"), "adamw|bt512|2048x1024"),
     (dict(bt=1024, slots=(F32, F32)), "mosaic_gpu", LONG_F32,
      "adamw|bt2048|4096x4096|w=bfloat16|slots=float32,float32"),
-    # No entry's tiling divides in = 100, and none is Lion's.
+    # TMA cannot move x in whole 8 x 64 pieces at in = 100; no entry is
+    # Lion's.
     (dict(n_in=100), "triton", None, "no Mosaic GPU entry for this case on "
      "NVIDIA H200, nor one for another BT or shape whose tiling covers it"),
     (dict(rule=pk.lion_rule(), slots=(BF16,)), "triton", None,
@@ -238,7 +242,7 @@ def test_no_gpu_at_all_takes_triton():
         "fp32-weight", "fp32-weight-bt-1024-nearest", "mu-bf16",
         "mu-bf16-bt-64-nearest", "stacked",
         "adam-tuned-as",
-        "measured-slower", "ragged-bt", "fp32-x", "bt-8192-nearest",
+        "measured-slower", "ragged-bt", "bt-not-8", "fp32-x", "bt-8192-nearest",
         "bt-64-nearest", "gpt2-fc-nearest", "fp32-bt-1024-nearest",
         "in-100", "lion", "stored-g", "no-tokens"])
 def test_the_cache_decides_per_case(monkeypatch, case, backend, config,
@@ -275,14 +279,14 @@ def _cache_with(tmp_path, monkeypatch, n_in, n_out, cfg, time_us,
 
 
 def test_an_entry_the_kernel_cannot_run_is_not_taken(tmp_path, monkeypatch):
-  # A (hand-written) entry, faster, for in=100: the 64-row tiles do not
-  # divide 100, so the kernel call would refuse it.
+  # A (hand-written) entry, faster, for in=100: TMA cannot move x in whole
+  # 8 x 64 pieces, so the kernel call would refuse it.
   _gpu(monkeypatch)
   _cache_with(tmp_path, monkeypatch, 100, 4096, SHORT, 1.0, 2.0)
   choice = _choose(n_in=100)
   assert choice.backend == "triton"
   assert "does not cover this case" in choice.reason
-  assert "not a multiple of the tiles" in choice.reason
+  assert "x is 512 x 100 bfloat16" in choice.reason
   # The same entry where the tiles divide: taken; the user's cache file
   # comes before the shipped one.
   _cache_with(tmp_path, monkeypatch, 4096, 4096, LONG, 1.0, 2.0)
@@ -547,10 +551,11 @@ def test_fused_wgrad_update_runs_the_chosen_backend(monkeypatch):
                         interpret=True)
   assert triton_calls == [blocks]
   # A case the kernel does not cover fails, naming the variable.
-  x96, dy96, w96, slots96 = make_case(32, (64,), 96, 128, (jnp.bfloat16,) * 4)
-  with pytest.raises(ValueError, match=r"not a multiple of the tiles.*"
+  xo, dyo, wo, slotso = make_case(32, (64,), 100, 128,
+                                  (jnp.bfloat16,) * 4)
+  with pytest.raises(ValueError, match=r"x is 64 x 100 bfloat16.*"
                      r"\$FORGE_BACKEND=mosaic_gpu.*unset \$FORGE_BACKEND"):
-    pk.fused_wgrad_update(x96, dy96, w96, slots96, h, rule=pk.ADAMW,
+    pk.fused_wgrad_update(xo, dyo, wo, slotso, h, rule=pk.ADAMW,
                           interpret=True)
   monkeypatch.setenv("FORGE_BACKEND", "bogus")
   with pytest.raises(ValueError, match="FORGE_BACKEND='bogus'"):

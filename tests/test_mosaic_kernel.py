@@ -203,7 +203,7 @@ def test_mosaic_stored_g_update_tilings_and_refusals(monkeypatch):
   with pytest.raises(ValueError, match="needs state_ring >= 1"):
     pk.stored_g_update(g, w, slots, h, rule=pk.ADAMW, interpret=True,
                        backend="mosaic_gpu", config=SMALL)
-  with pytest.raises(ValueError, match="not a multiple of the tile"):
+  with pytest.raises(ValueError, match="G is 128 x 100 bfloat16"):
     pk.stored_g_update(g[:, :100], w[:, :100], tuple(a[:, :100] for a in slots),
                        h, rule=pk.ADAMW, interpret=True, backend="mosaic_gpu")
   with pytest.raises(TypeError, match="must be a MosaicConfig"):
@@ -215,8 +215,11 @@ def test_mosaic_stored_g_update_tilings_and_refusals(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(n_in=100), "not a multiple of the tiles"),
-    (dict(bt=96), "not a multiple of the tiles"),
+    # Dimensions TMA cannot move in whole pieces of the blocks' tiling.
+    (dict(n_in=100), r"x is 128 x 100 bfloat16: .* pieces of 8 x 64 .* "
+     "multiple of 8 rows and of 64 columns"),
+    (dict(n_out=100), r"dy is 128 x 100 bfloat16"),
+    (dict(bt=100), r"x is 100 x 128 bfloat16"),
     (dict(x_dtype=F32), "bfloat16 or float16 operands"),
 ])
 def test_mosaic_kernel_refuses_what_it_does_not_cover(kwargs, match):
@@ -640,9 +643,10 @@ def test_mosaic_kernel_three_warpgroups_two_state_buffers_no_delay(
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 
 
-def _check_pingpong(rule, case, label, num_sms, layer=None):
+def _check_pingpong(rule, case, label, num_sms, layer=None, interpret=RACES):
   """The ping-pong tiling ``label`` over ``num_sms`` programs, interpreted
-  with race detection, against the reference: the weight (or, for a rule
+  with race detection (``interpret=False``: compiled, on the GPU's SMs
+  with ``num_sms=None``), against the reference: the weight (or, for a rule
   that does not update it, ``w`` as is), each slot and output; every
   element of each state array stepped; with ``layer``, the stack's other
   layers bit for bit as they were."""
@@ -654,7 +658,7 @@ def _check_pingpong(rule, case, label, num_sms, layer=None):
       x.shape[0], *w.shape[-2:], x.dtype, w, slots, rule, cfg,
       stacked=layer is not None, g_stored=False) is None
   got_w, got = pk.mosaic_kernel.launch(
-      (x, dy), w, slots, h, rule=rule, cfg=cfg, interpret=RACES,
+      (x, dy), w, slots, h, rule=rule, cfg=cfg, interpret=interpret,
       num_sms=num_sms, layer=None if layer is None else jnp.int32(layer))
   one = (lambda a: a) if layer is None else (lambda a: a[layer])
   ref_w, ref = pk.fused_wgrad_update_reference(
@@ -822,6 +826,90 @@ def test_pingpong_through_fused_wgrad_update():
   _check(pk.ADAMW, (x, dy, w, slots), None, interpret=True)
 
 
+# Shapes the tiles do not divide: the last tiles and K step reach past the
+# arrays, TMA zero-fills those loads and drops those stores. Every element
+# must be stepped (the edges too) and, on a stack, the other layers left
+# alone bit for bit (a row past the layer's edge is not the next layer's).
+@pytest.mark.parametrize("rule,shape,dtypes,label,num_sms,layer", [
+    # BT, in and out all ragged: 2 x 3 tiles, the last row and column of
+    # tiles half past the edge, the fourth K step 24 rows short.
+    (pk.ADAMW, (232, 192, 320), (BF16,) * 3, "128x128x64/4,e64x32,pp", 2,
+     None),
+    # in and out smaller than one tile, BT smaller than one K step; fp32
+    # slots beside a bf16 weight, rolled 64 x 64 sub-tiles.
+    (pk.lion_rule(), (8, 64, 64), (BF16, BF16, F32), "64x128x64/2,pp,lp", 2,
+     None),
+    # The ring across tiles, on a stack: layer 1's last tile row is half
+    # past its edge.
+    (pk.ADAMW, (136, 192, 192), (BF16,) * 3,
+     "128x64x64/2,e64x32,r3,pn,pp,lp", 2, 1),
+    # A state-only rule (the weight unread) with a write-only output.
+    (pk.muon_rule(), (104, 64, 320), (BF16,) * 3, "64x128x64/2,pp", 3,
+     None),
+    # Clusters (tile-row pairs, so in a multiple of 2 x 64): BT and out
+    # ragged, the dy blocks' multicast past the edges.
+    (pk.ADAMW, (232, 256, 320), (BF16,) * 3, "64x128x64/2,e64x32,c2,pp", 4,
+     None),
+], ids=["all-ragged", "smaller-than-a-tile", "ring-across-stacked",
+        "muon-write-only", "cluster"])
+def test_pingpong_ragged_shapes_match_reference(rule, shape, dtypes, label,
+                                                num_sms, layer):
+  x_dtype, w_dtype, slot_dtype = dtypes
+  x, dy, w, slots = _case(sum(shape) + 1, *shape, rule, x_dtype=x_dtype,
+                          w_dtype=w_dtype, slot_dtype=slot_dtype)
+  if layer is not None:
+    stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
+    w, slots = stack(w), tuple(map(stack, slots))
+  _check_pingpong(rule, (x, dy, w, slots), label, num_sms, layer)
+
+
+@pytest.mark.parametrize("rule,shape,dtypes,label", [
+    (pk.ADAMW, (104, 192, 320), (BF16,) * 3, "64x128x64/2"),
+    (pk.sgd_rule(momentum=True, nesterov=True), (72, 192, 64),
+     (BF16, F32, F32), "64x128x64/3,r2"),
+], ids=["held", "ring-fp32"])
+def test_column_split_ragged_shapes_match_reference(rule, shape, dtypes,
+                                                    label):
+  x_dtype, w_dtype, slot_dtype = dtypes
+  _check(rule, _case(sum(shape), *shape, rule, x_dtype=x_dtype,
+                     w_dtype=w_dtype, slot_dtype=slot_dtype),
+         pk.MosaicConfig.from_label(label), interpret=True)
+
+
+@pytest.mark.parametrize("layers,layer", [(None, None), (3, 2)])
+def test_mosaic_stored_g_ragged_shapes(layers, layer):
+  # 136 x 256: the default stored tiling (128 x 256, none divides) over
+  # 2 x 1 tiles, the second 8 rows of 128; on a stack, the last layer.
+  g, w, slots = _stored_case(47, layers, 136, 256, (BF16,) * 4, pk.ADAMW)
+  assert pk.mosaic_kernel.stored_config(136, 256, [BF16] * 4).label == (
+      pk.MosaicConfig(tile_m=128, tile_n=256, state_ring=3).label)
+  _check_stored(pk.ADAMW, g, w, slots, _stored_hparams(pk.ADAMW),
+                None if layer is None else jnp.int32(layer),
+                backend="mosaic_gpu")
+
+
+def test_ragged_int8_moments_are_refused():
+  # An int8 slot's new scales are stored by plain stores, which TMA's
+  # bounds do not guard: ragged shapes take the Triton kernel.
+  x, dy, w, slots = _case(48, 64, 136, 256, pk.ADAMW, slot_dtype=F32)
+  fmt = quant.MomentFormat("int8")
+  slots = tuple(quant.quantize(a, fmt, second_moment=k == 1)
+                for k, a in enumerate(slots))
+  plan = lowp.plan_state(slots, pk.ADAMW, w, where="test")[0]
+  cfg = pk.MosaicConfig.from_label("64x128x64/2,pp,lp")
+  why = pk.mosaic_kernel.unsupported(
+      64, 136, 256, BF16, w, slots, pk.ADAMW, cfg, stacked=False,
+      g_stored=False, low_precision=True, plan=plan)
+  assert "int8 moments need in x out = 136 x 256 to be a multiple of the " \
+      "tile 64 x 128" in why
+  assert pk.mosaic_kernel.unsupported(
+      64, 128, 256, BF16, w[:128], tuple(
+          quant.quantize(a[:128].astype(F32), fmt, second_moment=k == 1)
+          for k, a in enumerate(_case(48, 64, 128, 256, pk.ADAMW)[3])),
+      pk.ADAMW, cfg, stacked=False, g_stored=False, low_precision=True,
+      plan=plan) is None
+
+
 def test_pingpong_labels_and_limits():
   cfg = pk.MosaicConfig.from_label("128x128x64/4,e64x32,s8,pp")
   assert cfg == pk.MosaicConfig(tile_m=128, tile_n=128, tile_k=64, steps=4,
@@ -937,8 +1025,8 @@ def test_pingpong_refusals():
   deep = pk.MosaicConfig(steps=6, state_ring=4, pingpong=True)
   assert "with a state ring of 4 sub-tiles" in unsupported(deep)
   assert "shared memory" in unsupported(deep)
-  with pytest.raises(ValueError, match="is not a multiple of the tiles"):
-    pk.fused_wgrad_update(x[:, :64], dy, w[:64], tuple(a[:64] for a in slots),
+  with pytest.raises(ValueError, match="x is 128 x 60 bfloat16"):
+    pk.fused_wgrad_update(x[:, :60], dy, w[:60], tuple(a[:60] for a in slots),
                           h, rule=pk.ADAMW, config=pp, interpret=True)
 
 
@@ -958,6 +1046,38 @@ def test_gpu_mosaic_pingpong_compiled_matches_reference(label, slot_dtype):
   case = _case(25, 512, 1024, 768, pk.ADAMW, w_dtype=slot_dtype,
                slot_dtype=slot_dtype)
   _check(pk.ADAMW, case, pk.MosaicConfig.from_label(label), interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule,shape,label,layer", [
+    # BT 1000 (the last K step 40 rows), in and out 64 past a tile edge.
+    (pk.ADAMW, (1000, 4032, 4160), "128x128x64/4,e64x32,pp", None),
+    # The ring across tiles on a stack: layer 1 of 3, its last tile row
+    # half past its edge (the next layer untouched).
+    (pk.ADAMW, (520, 1088, 1216), "128x128x64/4,e64x32,s8,pn,pp,nb", 1),
+    # Clusters, the dy blocks multicast past the edges.
+    (pk.ADAMW, (1000, 1024, 1088), "64x128x64/5,c2,pp,lp,nb", None),
+    # A write-only output; a weight smaller than one tile, 8 tokens.
+    (pk.muon_rule(), (200, 320, 704), "64x128x64/2,pp", None),
+    (pk.lion_rule(), (8, 64, 64), "64x128x64/2,pp,lp", None),
+], ids=["bt-1000", "stacked-next-tile", "cluster", "muon", "tiny"])
+def test_gpu_mosaic_ragged_shapes_compiled(rule, shape, label, layer):
+  x, dy, w, slots = _case(sum(shape), *shape, rule)
+  if layer is not None:
+    stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
+    w, slots = stack(w), tuple(map(stack, slots))
+  _check_pingpong(rule, (x, dy, w, slots), label, None, layer,
+                  interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_ragged_column_split_and_stored_g():
+  _check(pk.ADAMW, _case(29, 1000, 1088, 1216, pk.ADAMW),
+         pk.MosaicConfig.from_label("128x128x64/4,e64x32,r2,s8"),
+         interpret=False)
+  g, w, slots = _stored_case(30, 3, 1096, 2048, (BF16,) * 4, pk.ADAMW)
+  _check_stored(pk.ADAMW, g, w, slots, _stored_hparams(pk.ADAMW),
+                jnp.int32(2), interpret=False, backend="mosaic_gpu")
 
 
 @pytest.mark.gpu

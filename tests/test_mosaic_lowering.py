@@ -51,19 +51,20 @@ RULES["optax:adamw accumulating"] = accumulating(families.get("adamw")
 
 
 def _lower(rule, state_dtype, cfg=None, n=64, layers=None,
-           x_dtype=jnp.bfloat16):
-  """Lowers the kernel for ``rule`` on ``n x n`` state (``layers`` of it,
-  stacked, with a layer index), 128 tokens; ``cfg`` default: the default
-  tiling for the case (ping-pong, 64 x 64 tiles at ``n=64``)."""
-  bt = 128
+           x_dtype=jnp.bfloat16, bt=128, n_out=None):
+  """Lowers the kernel for ``rule`` on ``n x n_out`` state (default
+  ``n x n``; ``layers`` of it, stacked, with a layer index), ``bt``
+  tokens; ``cfg`` default: the default tiling for the case (ping-pong,
+  64 x 64 tiles at ``n=64``)."""
+  m = n if n_out is None else n_out
   slot_dtypes = [state_dtype] * len(rule.slots)
   held = mosaic_kernel.smem_dtypes(rule, state_dtype, slot_dtypes)
   if cfg is None:
-    cfg = mosaic_kernel.default_config(x_dtype, held, bt, shape=(n, n))
+    cfg = mosaic_kernel.default_config(x_dtype, held, bt, shape=(n, m))
   lead = () if layers is None else (layers,)
-  w = S((*lead, n, n), state_dtype)
-  slots = [S((*lead, n, n), d) for d in slot_dtypes]
-  assert mosaic_kernel.unsupported(bt, n, n, x_dtype, w, slots, rule, cfg,
+  w = S((*lead, n, m), state_dtype)
+  slots = [S((*lead, n, m), d) for d in slot_dtypes]
+  assert mosaic_kernel.unsupported(bt, n, m, x_dtype, w, slots, rule, cfg,
                                    stacked=layers is not None,
                                    g_stored=False) is None
 
@@ -73,7 +74,7 @@ def _lower(rule, state_dtype, cfg=None, n=64, layers=None,
                                 cfg=cfg, interpret=False, num_sms=8,
                                 layer=layer)
 
-  args = [S((bt, n), x_dtype), S((bt, n), x_dtype),
+  args = [S((bt, n), x_dtype), S((bt, m), x_dtype),
           S((len(rule.hparams),), jnp.float32), w, *slots]
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
@@ -120,6 +121,22 @@ def test_schedules_lower_for_cuda(name, label, layers, x_dtype):
   # A cluster's programs read their place in it (to take their tile row
   # of a pair and multicast their half of the dy blocks).
   assert ("cluster_block_id" in text) == (cfg.cluster > 1)
+
+
+@pytest.mark.parametrize("label,n_in,layers", [
+    ("128x128x64/4,e64x32,pp", 192, None),
+    ("64x128x64/5,c2,pn,pp,lp,nb", 256, 3),
+    ("128x128x64/4,e64x32,r2,s8", 192, None)],
+    ids=["pingpong", "cluster-next-tile-stacked", "column-split-ring"])
+def test_ragged_shapes_lower_for_cuda(label, n_in, layers):
+  # BT (104), out (320) and, but for the cluster's tile-row pairs, in (192)
+  # that the tiles do not divide, in whole pieces of TMA's 8 x 64 (x, dy)
+  # and 8 x 32 (the state's 64 x 32 sub-tiles) tiling: the last tiles and
+  # K step reach past the arrays.
+  cfg = mosaic_kernel.MosaicConfig.from_label(label)
+  text = _lower(RULES["optax:adamw"], jnp.bfloat16, cfg, n=n_in, bt=104,
+                n_out=320, layers=layers).as_text()
+  assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("layers", [None, 3], ids=["2d", "stacked"])
