@@ -47,7 +47,8 @@ tiles and K step reaching past the arrays: TMA zero-fills those loads
 (rows of ``x`` and ``dy`` past BT add zero to ``G``) and drops those
 stores; TMA moves a block in the pieces of its shared-memory tiling, so
 each dimension must be a multiple of them (BT of 8, ``in`` and ``out`` of
-64 with 16-bit operands). Not covered (each refused with the
+64 with 16-bit operands), and a weight one piece wide needs tiles no wider
+than it or narrower sub-tiles (:func:`_tiling_problem`). Not covered (each refused with the
 reason by :func:`unsupported`): other shapes, fp32 operands (wgmma takes
 16-bit ones here), fp8 moments, stochastic rounding, and int8 moments on
 a shape the tiles do not divide. int8 moments
@@ -637,9 +638,11 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
     if not cfg.state_ring:
       return ("a stored gradient is streamed with the state: the tiling "
               "needs state_ring >= 1")
+    sub, tile = (cfg.epi_m, cfg.epi_n), (cfg.tile_m, cfg.tile_n)
     why = _tiling_problem(
-        [("G", (n_in, n_out), x_dtype, cfg.epi_n)]
-        + [("the state", (n_in, n_out), d, cfg.epi_n) for d in held])
+        [("G", (n_in, n_out), x_dtype, cfg.epi_n, sub, tile)]
+        + [("the state", (n_in, n_out), d, cfg.epi_n, sub, tile)
+           for d in held])
     if why is not None:
       return why
     need = cfg.smem_bytes(None, held + [jnp.dtype(x_dtype)])
@@ -648,10 +651,17 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
                                   jnp.dtype(jnp.float16)):
       return (f"x and dy are {jnp.dtype(x_dtype).name}; the Mosaic GPU "
               "kernel takes bfloat16 or float16 operands")
+    # The state moves in epilogue sub-tiles, or (column split without a
+    # ring) in each warpgroup's share of the tile.
+    streamed = cfg.pingpong or cfg.state_ring
+    sub = (cfg.epi_m, cfg.epi_n) if streamed else (cfg.tile_m, cfg.wg_n)
+    tile = (cfg.tile_m, cfg.tile_n)
+    xb, dyb = (cfg.tile_k, cfg.tile_m), (cfg.tile_k, cfg.tile_n)
     why = _tiling_problem(
-        [("x", (bt, n_in), x_dtype, cfg.tile_m),
-         ("dy", (bt, n_out), x_dtype, cfg.tile_n)]
-        + [("the state", (n_in, n_out), d, cfg.epi_n) for d in held])
+        [("x", (bt, n_in), x_dtype, cfg.tile_m, xb, xb),
+         ("dy", (bt, n_out), x_dtype, cfg.tile_n, dyb, dyb)]
+        + [("the state", (n_in, n_out), d, cfg.epi_n, sub, tile)
+           for d in held])
     if why is not None:
       return why
     if cfg.cluster > 1 and n_in % (cfg.tile_m * cfg.cluster):
@@ -669,20 +679,39 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
 
 
 def _tiling_problem(arrays) -> str | None:
-  """Why TMA cannot move the tiles of these arrays, or ``None``: ``arrays``
-  holds ``(name, (rows, columns), dtype, block columns)``. Shapes the tiles
-  do not divide are covered (TMA zero-fills the loads past an array's edge
-  and drops the stores there), but TMA moves a block in the pieces of its
-  shared-memory tiling (:func:`_transforms`: 8 rows by the swizzle's
-  width), and Mosaic GPU views the whole array in those pieces: each
-  dimension must be a multiple of them."""
-  for name, (rows, cols), dtype, minor in arrays:
+  """Why TMA cannot move the blocks of these arrays, or ``None``.
+
+  ``arrays`` holds ``(name, (rows, columns), dtype, minor, block, tile)``:
+  an array, the columns its shared-memory tiling is formed for
+  (:func:`_transforms`), the ``(rows, columns)`` of the blocks moved (a K
+  step's operand block, an epilogue sub-tile) and of the output tile they
+  are taken from.
+  Shapes the tiles do not divide are covered (TMA zero-fills the loads past
+  an array's edge and drops the stores there), but TMA moves a block in the
+  pieces of its shared-memory tiling (:func:`_transforms`: 8 rows by the
+  swizzle's width), and Mosaic GPU views the whole array in those pieces:
+  each dimension must be a multiple of them. And a copy drops every
+  dimension in which both the array and the block are one piece, its index
+  with it: a block of a tile wider than such an array, wholly past its
+  edge, would be moved at the edge's piece instead (measured on the H200:
+  a wrong update), so that case is refused too."""
+  for name, (rows, cols), dtype, minor, block, tile in arrays:
     tr, tc = _transforms(minor, dtype)[0].tiling
     if rows % tr or cols % tc:
       return (f"{name} is {rows} x {cols} {jnp.dtype(dtype).name}: the "
               "Mosaic GPU kernel moves its blocks by TMA in pieces of "
               f"{tr} x {tc} (its shared-memory tiling), so it needs a "
               f"multiple of {tr} rows and of {tc} columns")
+    for what, n, b, t, piece in (("rows", rows, block[0], tile[0], tr),
+                                 ("columns", cols, block[1], tile[1], tc)):
+      if n == piece and b == piece and t > n:
+        return (f"{name} is {rows} x {cols}: its {n} {what} are one TMA "
+                f"piece, as are the {b} {what} of the blocks it is moved "
+                f"in, and the tile ({tile[0]} x {tile[1]}) reaches past "
+                "them; Mosaic GPU drops such a dimension from the copy, so "
+                "a block past the edge would land on the edge: use tiles "
+                f"of at most {n} {what} or smaller epilogue sub-tiles "
+                "(e.g. the default tiling for the shape)")
   return None
 
 

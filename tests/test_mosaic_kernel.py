@@ -441,9 +441,11 @@ def test_gpu_backends_benchmark_once_runs_each_arm_once(tmp_path, capsys):
   out = tmp_path / "b.csv"
   assert backends.main(["--once", "--tokens", "128", "--moments", "bf16",
                         "--shapes", "t 192x384", "--out", str(out),
-                        "--mosaic", "64x128x64/2,pp", "128x128x64/2,pp"]) == 0
+                        "--mosaic", "64x128x64/2,pp", "128x128x64/2,c2,pp"]
+                       ) == 0
   lines = capsys.readouterr().out.splitlines()
-  # 192 x 384: 128 x 128 tiles do not divide it (skipped, with the reason).
+  # 192 x 384: clusters of two take 128-row tiles in pairs, and 192 is not
+  # a multiple of 256 (skipped, with the reason).
   assert [ln.split(": ", 1)[1][:4] for ln in lines] == [
       "ran ", "ran ", "ran ", "skip"], lines
   assert "forge_mosaic_64x128x64/2,pp" in lines[2]
@@ -835,10 +837,11 @@ def test_pingpong_through_fused_wgrad_update():
     # tiles half past the edge, the fourth K step 24 rows short.
     (pk.ADAMW, (232, 192, 320), (BF16,) * 3, "128x128x64/4,e64x32,pp", 2,
      None),
-    # in and out smaller than one tile, BT smaller than one K step; fp32
-    # slots beside a bf16 weight, rolled 64 x 64 sub-tiles.
-    (pk.lion_rule(), (8, 64, 64), (BF16, BF16, F32), "64x128x64/2,pp,lp", 2,
-     None),
+    # out smaller than one tile, BT than one K step; fp32 slots beside a
+    # bf16 weight, rolled 64 x 32 sub-tiles (the second column of them
+    # wholly past the edge).
+    (pk.lion_rule(), (8, 64, 64), (BF16, BF16, F32), "64x128x64/2,e64x32,pp,lp",
+     2, None),
     # The ring across tiles, on a stack: layer 1's last tile row is half
     # past its edge.
     (pk.ADAMW, (136, 192, 192), (BF16,) * 3,
@@ -886,6 +889,30 @@ def test_mosaic_stored_g_ragged_shapes(layers, layer):
   _check_stored(pk.ADAMW, g, w, slots, _stored_hparams(pk.ADAMW),
                 None if layer is None else jnp.int32(layer),
                 backend="mosaic_gpu")
+
+
+def test_a_block_past_a_one_piece_edge_is_refused():
+  # out = 64 is one 64-column TMA piece of a bf16 array, as is a 64 x 64
+  # sub-tile: Mosaic GPU drops that dimension from the copy, so the
+  # sub-tile past the edge of a 128-wide tile would land on the first
+  # (compiled only: the interpreter bounds the copy as written). Sub-tiles
+  # of 32 columns, or a 64-wide tile, are fine; so are x and dy, whose
+  # blocks are whole tiles.
+  x, dy, w, slots = _case(49, 8, 64, 64, pk.lion_rule())
+  why = lambda label: pk.mosaic_kernel.unsupported(
+      8, 64, 64, BF16, w, slots, pk.lion_rule(),
+      pk.MosaicConfig.from_label(label), stacked=False, g_stored=False)
+  assert re.search(r"the state is 64 x 64: its 64 columns are one TMA piece"
+                   r", as are the 64 columns of the blocks .* the tile "
+                   r"\(64 x 128\) reaches past them", why("64x128x64/2,pp,lp"))
+  assert why("64x128x64/2,e64x32,pp,lp") is None
+  assert why("64x64x64/2,pp,lp") is None
+  # The column split's held state moves in each warpgroup's share.
+  assert "one TMA piece" in why("64x128x64/2,wg2,e64x64")
+  with pytest.raises(ValueError, match="one TMA piece"):
+    pk.fused_wgrad_update(x, dy, w, slots, _hparams(pk.lion_rule()),
+                          rule=pk.lion_rule(), interpret=True,
+                          config=pk.MosaicConfig.from_label("64x128x64/2,pp"))
 
 
 def test_ragged_int8_moments_are_refused():
@@ -1059,7 +1086,7 @@ def test_gpu_mosaic_pingpong_compiled_matches_reference(label, slot_dtype):
     (pk.ADAMW, (1000, 1024, 1088), "64x128x64/5,c2,pp,lp,nb", None),
     # A write-only output; a weight smaller than one tile, 8 tokens.
     (pk.muon_rule(), (200, 320, 704), "64x128x64/2,pp", None),
-    (pk.lion_rule(), (8, 64, 64), "64x128x64/2,pp,lp", None),
+    (pk.lion_rule(), (8, 64, 64), "64x128x64/2,e64x32,pp,lp", None),
 ], ids=["bt-1000", "stacked-next-tile", "cluster", "muon", "tiny"])
 def test_gpu_mosaic_ragged_shapes_compiled(rule, shape, label, layer):
   x, dy, w, slots = _case(sum(shape), *shape, rule)
