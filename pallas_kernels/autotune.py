@@ -135,7 +135,7 @@ def config_space() -> list[BlockConfig]:
 MOSAIC_CONFIG_SPACE: tuple[str, ...] = (
     # The ping-pong defaults (mosaic_kernel.default_config) up to 1024
     # tokens and beyond, and their fallbacks: 3 K steps (wide state), 64
-    # rows (shapes 128 does not divide).
+    # rows (shapes 128-row tiles would overreach by more than 1/16).
     "128x128x64/4,e64x32,pp",
     "128x128x64/4,e64x32,s8,pn,pp,nb",
     "128x128x64/3,e64x32,pp",

@@ -773,7 +773,8 @@ def test_mosaic_config_space_is_valid_and_fits_a_typical_case():
                                         g_stored=False) is None, cfg.label
   assert autotune.mosaic_candidates(2048, 4096, 4096, "bf16", "bf16", BF16,
                                     pk.ADAMW) == space
-  # fp32 moments: fewer fit; 192 inputs: only the 64-row tiles divide them.
+  # fp32 moments: fewer fit. 192 inputs: the 128-row tiles reach past them
+  # (candidates too), but no cluster's tile-row pairs divide them.
   wide = autotune.mosaic_candidates(2048, 4096, 4096, "bf16", "bf16",
                                     ("float32",) * 2, pk.ADAMW)
   assert 6 <= len(wide) < len(space)
@@ -781,7 +782,10 @@ def test_mosaic_config_space_is_valid_and_fits_a_typical_case():
              for c in wide)
   narrow = autotune.mosaic_candidates(512, 192, 4096, "bf16", "bf16", BF16,
                                       pk.ADAMW)
-  assert narrow and all(c.tile_m == 64 for c in narrow)
+  assert any(c.tile_m == 128 for c in narrow)
+  assert any(c.tile_m == 64 for c in narrow)
+  assert not any(c.cluster > 1 for c in narrow)
+  assert any(c.cluster > 1 for c in space)
   assert autotune.mosaic_candidates(512, 4096, 4096, "float32", "bf16",
                                     BF16, pk.ADAMW) == []
 
@@ -1216,9 +1220,11 @@ def test_bad_mosaic_cache_entries_fail_clearly(tmp_path):
 def test_tune_mosaic_runs_the_mosaic_kernel_and_picks_the_fastest():
   # 64 x 64 x 128 in interpret mode: one candidate runs for real through
   # fused_wgrad_update(backend="mosaic_gpu"), the others are timed by
-  # the stand-in timer only; the 128-row tile does not divide 64 inputs.
+  # the stand-in timer only; a cluster's tile-row pair (128 rows) does not
+  # divide 64 inputs.
   configs = [M.from_label(l) for l in ("64x128x64/2,r1", "64x64x64/2",
-                                       "128x128x64/4,r1", "64x128x64/2")]
+                                       "64x128x64/2,e64x32,c2,pp",
+                                       "64x128x64/2")]
   times = {configs[0]: 3e-6, configs[1]: 2e-6,
            configs[3]: RuntimeError("does not compile")}
   calls = []
