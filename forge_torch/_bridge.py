@@ -830,8 +830,8 @@ def _captured_update(x, dy, w, slots, hparams, rule, config,
       "the Mosaic GPU kernel does not cover this case (it needs a GPU of "
       "compute capability 9.0 or newer, bfloat16 or float16 operands of one "
       "dtype, plain (not quantized) state, no stochastic rounding, no "
-      "Triton config, $FORGE_BACKEND not triton, and a shape its tiling "
-      f"divides; here x {tuple(x.shape)} {x.dtype}, weight "
+      "Triton config, $FORGE_BACKEND not triton, BT a multiple of 8 and "
+      f"in, out of 64; here x {tuple(x.shape)} {x.dtype}, weight "
       f"{tuple(w.shape)} {w.dtype})")
   raise RuntimeError(
       "forge_torch: this fused update cannot be recorded in a CUDA graph: "

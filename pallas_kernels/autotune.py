@@ -304,8 +304,8 @@ def mosaic_candidates(bt: int, n_in: int, n_out: int, x_dtype, w_dtype,
                       configs: Iterable[MosaicConfig] | None = None
                       ) -> list[MosaicConfig]:
   """``configs`` (default :func:`mosaic_config_space`) that the Mosaic GPU
-  kernel accepts for the problem (tiles that divide it, shared memory that
-  fits: :func:`~pallas_kernels.mosaic_kernel.unsupported`), duplicates
+  kernel accepts for the problem (dimensions TMA can move, shared memory
+  that fits: :func:`~pallas_kernels.mosaic_kernel.unsupported`), duplicates
   dropped."""
   w = jax.ShapeDtypeStruct((n_in, n_out), dtype_name(w_dtype))
   slots = [jax.ShapeDtypeStruct((n_in, n_out), dtype_name(d))
@@ -380,8 +380,8 @@ def tune(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
     if not cands:
       raise RuntimeError(
           f"no Mosaic GPU tiling covers BT={bt} {n_in}x{n_out} with {act} "
-          "x and dy (the kernel takes 16-bit x and dy, and tiles that "
-          "divide BT, in and out; see mosaic_kernel.unsupported)")
+          "x and dy (the kernel takes 16-bit x and dy, BT a multiple of 8 "
+          "and in, out of 64; see mosaic_kernel.unsupported)")
   else:
     cands = candidates(bt, n_in, n_out, configs)
   timings, failures = {}, {}

@@ -47,11 +47,12 @@ tiles and K step reaching past the arrays: TMA zero-fills those loads
 (rows of ``x`` and ``dy`` past BT add zero to ``G``) and drops those
 stores; TMA moves a block in the pieces of its shared-memory tiling, so
 each dimension must be a multiple of them (BT of 8, ``in`` and ``out`` of
-64 with 16-bit operands), and a weight one piece wide needs tiles no wider
-than it or narrower sub-tiles (:func:`_tiling_problem`). Not covered (each refused with the
-reason by :func:`unsupported`): other shapes, fp32 operands (wgmma takes
-16-bit ones here), fp8 moments, stochastic rounding, and int8 moments on
-a shape the tiles do not divide. int8 moments
+64 with 16-bit operands; a stored ``G``'s ``in`` of 8), and a weight one
+piece wide needs tiles no wider than it or narrower sub-tiles
+(:func:`_tiling_problem`). Not covered (each refused with the reason by
+:func:`unsupported`): other shapes, fp32 operands (wgmma takes 16-bit ones
+here), fp8 moments, stochastic rounding, and int8 moments on a shape the
+tiles do not divide. int8 moments
 (:class:`~pallas_kernels.quant.Quantized` slots, 64-element blocks) are
 dequantized and requantized in the streamed epilogue, in sub-tiles one
 block wide (:func:`low_precision_problem`): their codes stream through the
@@ -501,10 +502,12 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
   memory (:func:`smem_dtypes`). ``shape``: the weight's ``(in, out)``;
   the first of 128 x 128, 64 x 128, 128 x 64 and 64 x 64 tiles that
   divides it or reaches past its edges by at most 1/16 of it (else the
-  first). At 4544 x 4672 on the H200 the 128 x 128 tiles over the edges
-  (2.8 % more) measured 1.2-1.6x faster than the 64 x 64 tiles that
-  divide it; tiles dividing the weight with int8 moments. Where 4 K steps do not fit shared memory (many or wide state
-  arrays), 3, then 2; where none does with 64 x 64 sub-tiles, 64 x 32.
+  first; with int8 moments only tiles that divide it count). At 4544 x
+  4672 on the H200 the 128 x 128 tiles over the edges (2.8 % more)
+  measured 1.2-1.6x faster than the 64 x 64 tiles that divide it
+  (:data:`MAX_OVERREACH`). Where 4 K steps do not fit shared memory (many
+  or wide state arrays), 3, then 2; where none does with 64 x 64
+  sub-tiles, 64 x 32.
 
   ``quantized``: int8 moments, requantized in the epilogue in sub-tiles one
   64-element block wide: 64 x 64 sub-tiles, rolled, on 64 x 128 tiles first
@@ -533,8 +536,7 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
       # edges by at most 1/16 of it.
       if n_in % tm == 0 and n_out % tn == 0:
         return True
-      padded = pl.cdiv(n_in, tm) * tm * pl.cdiv(n_out, tn) * tn
-      return not quantized and 16 * padded <= 17 * n_in * n_out
+      return not quantized and overreach(n_in, n_out, tm, tn) <= MAX_OVERREACH
     tiles = [t for t in tiles if fits(*t)] or tiles
   tm, tn = tiles[0]
   # (epilogue sub-tile columns, rolled), the first whose tiling fits.
@@ -550,16 +552,35 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
   return cfg
 
 
+# How far past a weight's edges a tiling chosen for another case may reach
+# (the default tiling's, and backend=None's nearest cache entry's), as a
+# fraction of the weight: 1/16. At 4544 x 4672 on the H200, 128 x 128 tiles
+# 2.8 % past the edges measured 1.2-1.6x faster than 64 x 64 tiles that
+# divide it (docs/benchmarks.md, Shapes the tiles do not divide).
+MAX_OVERREACH = 1 / 16
+
+
+def overreach(n_in: int, n_out: int, tile_m: int, tile_n: int) -> float:
+  """The fraction of a weight ``n_in x n_out`` by which ``tile_m x
+  tile_n`` tiles reach past its edges (0 where they divide it)."""
+  padded = pl.cdiv(n_in, tile_m) * tile_m * pl.cdiv(n_out, tile_n) * tile_n
+  return padded / (n_in * n_out) - 1
+
+
 def stored_config(n_in: int, n_out: int, state_dtypes) -> MosaicConfig:
   """The tiling for a stored ``G`` (``state_dtypes`` counting ``G``'s):
   the largest of 128 x 256, 128 x 128, 64 x 128 and 64 x 64 tiles that
   divides the weight, its state streamed in 64 x 64 sub-tiles through the
-  deepest ring (3 to 1) that fits; 128 x 256 if none divides (the last
-  tiles reaching past the weight's edges)."""
-  tiles = [(tm, tn) for tm, tn in ((128, 256), (128, 128), (64, 128),
-                                   (64, 64))
-           if n_in % tm == 0 and n_out % tn == 0] or [(128, 256)]
-  tm, tn = tiles[0]
+  deepest ring (3 to 1) that fits; if none divides, the largest whose
+  blocks TMA can move past the weight's edges (:func:`_tiling_problem`),
+  else 128 x 256."""
+  tiles = ((128, 256), (128, 128), (64, 128), (64, 64))
+  sub = (64, 64)
+  movable = [(tm, tn) for tm, tn in tiles if _tiling_problem(
+      [("G", (n_in, n_out), d, 64, sub, (tm, tn))
+       for d in state_dtypes]) is None]
+  tm, tn = ([t for t in tiles if n_in % t[0] == 0 and n_out % t[1] == 0]
+            or movable or tiles)[0]
   for ring in (3, 2, 1):
     cfg = MosaicConfig(tile_m=tm, tile_n=tn, state_ring=ring)
     if cfg.smem_bytes(None, state_dtypes) <= _SMEM_BYTES:
@@ -632,9 +653,8 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
   if why is not None:
     return why
   held = smem_dtypes(rule, w.dtype, [_code_dtype(s) for s in slots])
-  if plan is not None and any(
-      sp.fmt is not None for sp in plan.slots) and (
-          n_in % cfg.tile_m or n_out % cfg.tile_n):
+  if any(jnp.dtype(_code_dtype(s)) == jnp.dtype(jnp.int8)
+         for s in slots) and (n_in % cfg.tile_m or n_out % cfg.tile_n):
     return (f"int8 moments need in x out = {n_in} x {n_out} to be a "
             f"multiple of the tile {cfg.tile_m} x {cfg.tile_n} (the "
             "scales of a ragged edge tile are stored by plain stores, "

@@ -732,10 +732,15 @@ def nearest_covering(bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype, *,
                      ) -> tuple[str, MosaicEntry] | None:
   """The first of :func:`nearest_mosaic`'s entries that measured faster
   than the Triton kernel and whose tiling covers this case (with
-  ``low_precision``, int8 moments' too), as ``(key, entry)``; ``None`` if
-  none does."""
+  ``low_precision``, int8 moments' too), reaching past the weight's edges
+  by at most ``mosaic_kernel.MAX_OVERREACH`` of it (a tiling measured on
+  another shape), as ``(key, entry)``; ``None`` if none does."""
   for key, entry in nearest_mosaic(bt, n_in, n_out, w_dtype, slot_dtypes,
                                    rule, device_kind=device_kind):
+    cfg = entry.config
+    if mosaic_kernel.overreach(n_in, n_out, cfg.tile_m, cfg.tile_n) > (
+        mosaic_kernel.MAX_OVERREACH):
+      continue
     if entry.faster_than_triton and _mosaic_refusal(
         entry.config, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype,
         stacked, False, low_precision) is None:

@@ -297,6 +297,26 @@ def test_an_entry_the_kernel_cannot_run_is_not_taken(tmp_path, monkeypatch):
   assert choice.backend == "triton" and "unrecorded" in choice.reason
 
 
+def test_a_nearest_tiling_reaching_far_past_the_weight_is_not_taken(
+    tmp_path, monkeypatch):
+  # The one entry (4096 x 4096) has 128-row tiles: 1.6 % past a 4032-row
+  # weight (taken), a third past a 192-row one (not taken: its measurement
+  # says little of a case padded that much).
+  _gpu(monkeypatch)
+  cfg = M.from_label("128x128x64/4,e64x32,pp")
+  _cache_of(tmp_path, monkeypatch, {
+      "adamw|bt512|4096x4096|w=bfloat16|slots=bfloat16,bfloat16": (
+          cfg.label, 1.0, 2.0)})
+  near = _choose(n_in=4032)
+  assert near.backend == "mosaic_gpu" and near.config == cfg
+  assert mosaic_kernel.overreach(4032, 4096, 128, 128) < 1 / 16
+  assert mosaic_kernel.overreach(192, 4096, 128, 128) == pytest.approx(1 / 3)
+  far = _choose(n_in=192)
+  assert far.backend == "triton"
+  assert "nor one for another BT or shape whose tiling covers it" in (
+      far.reason)
+
+
 def _cache_of(tmp_path, monkeypatch, entries):
   """A ``$FORGE_AUTOTUNE_CACHE`` holding ``entries``, ``{key: (label,
   time_us, triton_time_us)}``, for the H200, and nothing of the shipped
@@ -495,6 +515,18 @@ def test_int8_state_on_mosaic_takes_the_int8_tiling(monkeypatch):
   # Where 64 x 128 tiles do not divide the weight: the first that does.
   assert _choose(n_in=192, n_out=64 * 5, slots=slots, backend="mosaic_gpu",
                  low_precision=True).config.tile_n == 64
+  # 4096 x 4160, which the cached int8 tilings' 64 x 128 tiles reach past:
+  # int8 moments need tiles that divide the weight (their scales are
+  # written by plain stores), so neither choice takes such a tiling (which
+  # the call would refuse), and the default's 128 x 64 tiles divide it.
+  for choice in (_choose(n_out=4160, slots=slots, low_precision=True,
+                         mosaic_slot_dtypes=i8),
+                 _choose(n_out=4160, slots=slots, backend="mosaic_gpu",
+                         low_precision=True)):
+    assert choice.backend == "mosaic_gpu", choice.reason
+    cfg = choice.config
+    assert 4096 % cfg.tile_m == 0 and 4160 % cfg.tile_n == 0, cfg.label
+  assert (cfg.tile_m, cfg.tile_n) == (128, 64)
 
 
 def test_describe_backend_reads_shapes_and_dtypes(monkeypatch):

@@ -649,8 +649,9 @@ def _check_pingpong(rule, case, label, num_sms, layer=None, interpret=RACES):
   """The ping-pong tiling ``label`` over ``num_sms`` programs, interpreted
   with race detection (``interpret=False``: compiled, on the GPU's SMs
   with ``num_sms=None``), against the reference: the weight (or, for a rule
-  that does not update it, ``w`` as is), each slot and output; every
-  element of each state array stepped; with ``layer``, the stack's other
+  that does not update it, ``w`` as is), each slot and output, their
+  updates too (so an element left unstepped fails), and over 90 % of the
+  elements of each state array changed; with ``layer``, the stack's other
   layers bit for bit as they were."""
   x, dy, w, slots = case
   cfg = pk.MosaicConfig.from_label(label)
@@ -870,7 +871,9 @@ def test_pingpong_ragged_shapes_match_reference(rule, shape, dtypes, label,
     (pk.ADAMW, (104, 192, 320), (BF16,) * 3, "64x128x64/2"),
     (pk.sgd_rule(momentum=True, nesterov=True), (72, 192, 64),
      (BF16, F32, F32), "64x128x64/3,r2"),
-], ids=["held", "ring-fp32"])
+    # 128-row tiles over 192 inputs: the K loop's x blocks reach past in.
+    (pk.ADAMW, (104, 192, 320), (BF16,) * 3, "128x128x64/2,e64x32,r2"),
+], ids=["held", "ring-fp32", "x-past-in"])
 def test_column_split_ragged_shapes_match_reference(rule, shape, dtypes,
                                                     label):
   x_dtype, w_dtype, slot_dtype = dtypes
@@ -879,16 +882,51 @@ def test_column_split_ragged_shapes_match_reference(rule, shape, dtypes,
          pk.MosaicConfig.from_label(label), interpret=True)
 
 
-@pytest.mark.parametrize("layers,layer", [(None, None), (3, 2)])
+def test_column_split_ragged_stack_leaves_the_other_layers():
+  # Layer 1 of 3: its last tile row half past its 192 rows, whose stores
+  # must not reach layer 2.
+  _check_stacked(_case(51, 104, 192, 320, pk.ADAMW), 1,
+                 pk.MosaicConfig.from_label("128x128x64/2,e64x32,r2"),
+                 interpret=True)
+
+
+@pytest.mark.parametrize("layers,layer", [(None, None), (3, 1)])
 def test_mosaic_stored_g_ragged_shapes(layers, layer):
-  # 136 x 256: the default stored tiling (128 x 256, none divides) over
-  # 2 x 1 tiles, the second 8 rows of 128; on a stack, the last layer.
-  g, w, slots = _stored_case(47, layers, 136, 256, (BF16,) * 4, pk.ADAMW)
-  assert pk.mosaic_kernel.stored_config(136, 256, [BF16] * 4).label == (
+  # 136 x 320: the default stored tiling (128 x 256, none divides) over
+  # 2 x 2 tiles, the second row of them 8 rows of 128, the second column
+  # 64 columns of 256; on a stack, a middle layer (the next one must not
+  # be written).
+  g, w, slots = _stored_case(47, layers, 136, 320, (BF16,) * 4, pk.ADAMW)
+  assert pk.mosaic_kernel.stored_config(136, 320, [BF16] * 4).label == (
       pk.MosaicConfig(tile_m=128, tile_n=256, state_ring=3).label)
   _check_stored(pk.ADAMW, g, w, slots, _stored_hparams(pk.ADAMW),
                 None if layer is None else jnp.int32(layer),
                 backend="mosaic_gpu")
+
+
+def test_stored_tiling_for_a_weight_one_piece_wide():
+  # 136 x 64: no tile divides it, and every tile wider than 64 columns
+  # would move a sub-tile wholly past its one-piece edge (refused): the
+  # stored tiling is the largest that TMA can move there, 64 x 64.
+  cfg = pk.mosaic_kernel.stored_config(136, 64, [BF16] * 4)
+  assert (cfg.tile_m, cfg.tile_n) == (64, 64)
+  g, w, slots = _stored_case(52, None, 136, 64, (BF16,) * 4, pk.ADAMW)
+  assert pk.mosaic_kernel.unsupported(
+      0, 136, 64, BF16, w, slots, pk.ADAMW, cfg, stacked=False,
+      g_stored=True) is None
+  assert "one TMA piece" in pk.mosaic_kernel.unsupported(
+      0, 136, 64, BF16, w, slots, pk.ADAMW,
+      pk.MosaicConfig(tile_m=128, tile_n=256, state_ring=3), stacked=False,
+      g_stored=True)
+  _check_stored(pk.ADAMW, g, w, slots, _stored_hparams(pk.ADAMW), None,
+                backend="mosaic_gpu")
+  # Rows: 8 of them are one piece, as are 8-row sub-tiles.
+  g8, w8, slots8 = _stored_case(53, None, 8, 256, (BF16,) * 4, pk.ADAMW)
+  assert re.search(r"its 8 rows are one TMA piece", pk.mosaic_kernel
+                   .unsupported(0, 8, 256, BF16, w8, slots8, pk.ADAMW,
+                                pk.MosaicConfig(tile_m=64, tile_n=256,
+                                                epi_m=8, state_ring=1),
+                                stacked=False, g_stored=True))
 
 
 def test_a_block_past_a_one_piece_edge_is_refused():

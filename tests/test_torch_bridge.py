@@ -1316,7 +1316,8 @@ def test_direct_launch_tiling_follows_the_backend_choice(monkeypatch):
   for case in [(64, 4096, 4096), (512, 768, 3072), (8192, 4096, 14336)]:
     exact, (_, near) = jax_choice(*case)
     assert exact is None and tiling(*case) == near.config
-  # No Lion entries: the default tiling; 100 rows: no tiling divides them.
+  # No Lion entries: the default tiling; 100 rows: TMA cannot move x's
+  # 100-column rows in whole 64-column pieces.
   assert tiling(512, 4096, 4096, pk.lion_rule(), 1) == (
       mosaic_kernel.default_config(jnp.bfloat16, [jnp.bfloat16] * 2, 512,
                                    shape=(4096, 4096)))
@@ -1419,8 +1420,12 @@ def _direct_case(seed, bt=512, n_in=384, n_out=256, state=torch.bfloat16):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
-@pytest.mark.parametrize("state", [torch.bfloat16, torch.float32])
-def test_gpu_direct_launch_matches_the_jax_call(state):
+@pytest.mark.parametrize("state,shape", [
+    (torch.bfloat16, (512, 384, 256)), (torch.float32, (512, 384, 256)),
+    # BT not a multiple of the 64-row K step, out not of the tile: the
+    # tiles reach past the tensors' edges.
+    (torch.bfloat16, (1000, 1088, 1216))], ids=["bf16", "fp32", "ragged"])
+def test_gpu_direct_launch_matches_the_jax_call(state, shape):
   """The direct launch writes the torch tensors in place (same pointers) with
   the bits of the same Mosaic GPU kernel called through JAX (DLPack path,
   the same tiling), and matches torch.optim.AdamW."""
@@ -1428,7 +1433,8 @@ def test_gpu_direct_launch_matches_the_jax_call(state):
   from pallas_kernels import torch_rules as _rules
   h = _rules.adamw_hparams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
                            weight_decay=1e-2, step=3)
-  x, dy, w0, m0, v0 = _direct_case(0, state=state)
+  bt, n_in, n_out = shape
+  x, dy, w0, m0, v0 = _direct_case(0, bt, n_in, n_out, state=state)
   stats = forge_torch.bridge_stats
   w, m, v = w0.clone(), m0.clone(), v0.clone()
   ptrs = [t.data_ptr() for t in (w, m, v)]
@@ -1440,7 +1446,7 @@ def test_gpu_direct_launch_matches_the_jax_call(state):
   assert not torch.equal(w, w0)
   # The tiling it launched (the cache key: the case, then the tiling).
   cfg = next(k[1] for k in _direct._KERNELS
-             if k[0][1:6] == (512, 384, 256, torch.bfloat16, state))
+             if k[0][1:6] == (bt, n_in, n_out, torch.bfloat16, state))
   with direct_launch(False):
     w2, m2, v2 = w0.clone(), m0.clone(), v0.clone()
     _bridge.fused_update(x, dy, w2, (m2, v2), h, config=cfg)
