@@ -1162,9 +1162,15 @@ def test_gpu_mosaic_ragged_column_split_and_stored_g():
   _check(pk.ADAMW, _case(29, 1000, 1088, 1216, pk.ADAMW),
          pk.MosaicConfig.from_label("128x128x64/4,e64x32,r2,s8"),
          interpret=False)
-  g, w, slots = _stored_case(30, 3, 1096, 2048, (BF16,) * 4, pk.ADAMW)
+  # A stored G whose tiles (the default 128 x 256) reach past both edges,
+  # on the middle layer of a stack (the next layer must stay as it was);
+  # then a weight one TMA piece wide, on the 64 x 64 tiles it takes.
+  g, w, slots = _stored_case(30, 3, 1096, 2112, (BF16,) * 4, pk.ADAMW)
   _check_stored(pk.ADAMW, g, w, slots, _stored_hparams(pk.ADAMW),
-                jnp.int32(2), interpret=False, backend="mosaic_gpu")
+                jnp.int32(1), interpret=False, backend="mosaic_gpu")
+  g, w, slots = _stored_case(31, None, 136, 64, (BF16,) * 4, pk.ADAMW)
+  _check_stored(pk.ADAMW, g, w, slots, _stored_hparams(pk.ADAMW), None,
+                interpret=False, backend="mosaic_gpu")
 
 
 @pytest.mark.gpu
