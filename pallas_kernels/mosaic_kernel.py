@@ -471,6 +471,21 @@ class MosaicConfig:
     return self._operand_bytes(x_dtype) + held + self._reserve(state_dtypes)
 
 
+# How far past a weight's edges a tiling chosen for another case may reach
+# (the default tiling's, and backend=None's nearest cache entry's), as a
+# fraction of the weight: 1/16. At 4544 x 4672 on the H200, 128 x 128 tiles
+# 2.8 % past the edges measured 1.2-1.6x faster than 64 x 64 tiles that
+# divide it (docs/benchmarks.md, Shapes the tiles do not divide).
+MAX_OVERREACH = 1 / 16
+
+
+def overreach(n_in: int, n_out: int, tile_m: int, tile_n: int) -> float:
+  """The fraction of a weight ``n_in x n_out`` by which ``tile_m x
+  tile_n`` tiles reach past its edges (0 where they divide it)."""
+  padded = pl.cdiv(n_in, tile_m) * tile_m * pl.cdiv(n_out, tile_n) * tile_n
+  return padded / (n_in * n_out) - 1
+
+
 def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
                    shape: tuple[int, int] | None = None,
                    quantized: bool = False) -> MosaicConfig:
@@ -550,21 +565,6 @@ def default_config(x_dtype, state_dtypes, bt: int | None = None, *,
       if cfg.smem_bytes(x_dtype, state_dtypes) <= _SMEM_BYTES:
         return cfg
   return cfg
-
-
-# How far past a weight's edges a tiling chosen for another case may reach
-# (the default tiling's, and backend=None's nearest cache entry's), as a
-# fraction of the weight: 1/16. At 4544 x 4672 on the H200, 128 x 128 tiles
-# 2.8 % past the edges measured 1.2-1.6x faster than 64 x 64 tiles that
-# divide it (docs/benchmarks.md, Shapes the tiles do not divide).
-MAX_OVERREACH = 1 / 16
-
-
-def overreach(n_in: int, n_out: int, tile_m: int, tile_n: int) -> float:
-  """The fraction of a weight ``n_in x n_out`` by which ``tile_m x
-  tile_n`` tiles reach past its edges (0 where they divide it)."""
-  padded = pl.cdiv(n_in, tile_m) * tile_m * pl.cdiv(n_out, tile_n) * tile_n
-  return padded / (n_in * n_out) - 1
 
 
 def stored_config(n_in: int, n_out: int, state_dtypes) -> MosaicConfig:
