@@ -693,6 +693,15 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
            for d in held])
     if why is not None:
       return why
+    k_steps = pl.cdiv(bt, cfg.tile_k)
+    if not cfg.pingpong and k_steps <= cfg.delay_release:
+      # (Pallas's GPU interpreter: a barrier phase missed, or a block
+      # overwritten before its wgmma read it, with tiles to follow.)
+      return (f"the column-split schedule releases each K step's operand "
+              f"blocks delay_release={cfg.delay_release} step(s) late, so "
+              f"it needs more than {cfg.delay_release} K step(s); BT = {bt} "
+              f"makes {k_steps} of {cfg.tile_k} rows: use the ping-pong "
+              "schedule (',pp', the default) or delay_release=0 (',d0')")
     if cfg.cluster > 1 and n_in % (cfg.tile_m * cfg.cluster):
       return (f"with cluster={cfg.cluster} the programs of a cluster take "
               f"tile rows in pairs: in = {n_in} must be a multiple of "

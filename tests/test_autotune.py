@@ -1218,7 +1218,8 @@ def test_bad_mosaic_cache_entries_fail_clearly(tmp_path):
 
 
 def test_tune_mosaic_runs_the_mosaic_kernel_and_picks_the_fastest():
-  # 64 x 64 x 128 in interpret mode: one candidate runs for real through
+  # BT 128 (two K steps: the column split releases each a step late) x 64 x
+  # 128 in interpret mode: one candidate runs for real through
   # fused_wgrad_update(backend="mosaic_gpu"), the others are timed by
   # the stand-in timer only; a cluster's tile-row pair (128 rows) does not
   # divide 64 inputs.
@@ -1228,7 +1229,7 @@ def test_tune_mosaic_runs_the_mosaic_kernel_and_picks_the_fastest():
   times = {configs[0]: 3e-6, configs[1]: 2e-6,
            configs[3]: RuntimeError("does not compile")}
   calls = []
-  res = autotune.tune(64, 64, 128, "bf16", BF16, pk.ADAMW, configs=configs,
+  res = autotune.tune(128, 64, 128, "bf16", BF16, pk.ADAMW, configs=configs,
                       backend="mosaic_gpu", timer=_fake_timer(times, calls,
                                                               run=False))
   assert res.backend == "mosaic_gpu"
@@ -1244,10 +1245,10 @@ def test_tune_mosaic_runs_the_mosaic_kernel_and_picks_the_fastest():
     ran.append((cfg, new))
     return 1e-6
 
-  autotune.tune(64, 64, 128, "bf16", BF16, pk.ADAMW, configs=configs[:1],
+  autotune.tune(128, 64, 128, "bf16", BF16, pk.ADAMW, configs=configs[:1],
                 backend="mosaic_gpu", timer=timer, interpret=True)
   ((cfg, (x, dy, w, mu, nu)),) = ran
-  x0, dy0, w0, mu0, nu0 = autotune.scratch_state(64, 64, 128, "bf16", BF16)
+  x0, dy0, w0, mu0, nu0 = autotune.scratch_state(128, 64, 128, "bf16", BF16)
   ref_w, (ref_mu, ref_nu) = pk.fused_wgrad_update_reference(
       x0, dy0, w0, (mu0, nu0), autotune._tuning_hparams(pk.ADAMW),
       rule=pk.ADAMW)
@@ -1255,9 +1256,9 @@ def test_tune_mosaic_runs_the_mosaic_kernel_and_picks_the_fastest():
   for got, ref, what in ((w, ref_w, "w"), (mu, ref_mu, "mu"),
                          (nu, ref_nu, "nu")):
     assert_close(got, ref, what=what)
-  with pytest.raises(RuntimeError, match="no Mosaic GPU tiling covers BT=64 "
+  with pytest.raises(RuntimeError, match="no Mosaic GPU tiling covers BT=128 "
                      "64x128 with float32 x and dy"):
-    autotune.tune(64, 64, 128, "float32", ("float32",) * 2, pk.ADAMW,
+    autotune.tune(128, 64, 128, "float32", ("float32",) * 2, pk.ADAMW,
                   backend="mosaic_gpu", timer=timer)
 
 

@@ -975,6 +975,34 @@ def test_default_tiling_reaches_past_the_edges_by_a_little():
       stacked=False, g_stored=False) is None
 
 
+def test_column_split_needs_more_k_steps_than_its_release_delay():
+  # The column split's K loop releases each operand block delay_release
+  # steps late: with a single K step (BT up to tile_k) and tiles to follow,
+  # Pallas's GPU interpreter caught a missed barrier phase or a block
+  # overwritten before its wgmma read it (a wrong update), so it is
+  # refused; ping-pong (its own release) and ',d0' run such a case.
+  x, dy, w, slots = _case(54, 64, 256, 256, pk.ADAMW)
+  why = lambda label, bt=64: pk.mosaic_kernel.unsupported(
+      bt, 256, 256, BF16, w, slots, pk.ADAMW,
+      pk.MosaicConfig.from_label(label), stacked=False, g_stored=False)
+  for label in ("128x128x64/4", "128x128x64/4,e64x32,r2", "64x128x64/2"):
+    assert re.search(r"delay_release=1 step\(s\) late, so it needs more "
+                     r"than 1 K step\(s\); BT = 64 makes 1 of 64 rows",
+                     why(label)), label
+    assert why(label, bt=72) is None  # two K steps, the second 8 rows
+    assert "needs more than 0 K step(s); BT = 0" in why(label + ",d0", bt=0)
+  assert why("128x128x64/4,pp") is None
+  for label in ("128x128x64/4,d0", "64x128x64/2,d0,e64x32,r2"):
+    assert why(label) is None
+    got_w, got = pk.mosaic_kernel.launch(
+        (x, dy), w, slots, _hparams(pk.ADAMW), rule=pk.ADAMW, interpret=True,
+        cfg=pk.MosaicConfig.from_label(label), num_sms=1)
+    ref_w, ref = pk.fused_wgrad_update_reference(
+        x, dy, w, slots, _hparams(pk.ADAMW), rule=pk.ADAMW)
+    assert_close(got_w, ref_w, what="w")
+    assert_update_close(got_w, ref_w, w, what="w")
+
+
 def test_ragged_int8_moments_are_refused():
   # An int8 slot's new scales are stored by plain stores, which TMA's
   # bounds do not guard: ragged shapes take the Triton kernel.
