@@ -1003,6 +1003,70 @@ def test_column_split_needs_more_k_steps_than_its_release_delay():
     assert_update_close(got_w, ref_w, w, what="w")
 
 
+_RANDOM_LABELS = (
+    "128x128x64/4,e64x32,pp", "128x128x64/4,e64x32,s8,pn,pp,nb",
+    "64x128x64/5,c2,pp,lp,nb", "128x64x64/5,pn,pp,lp,nb",
+    "64x128x64/2,e64x32,r3,pn,pp,lp", "128x64x64/2,wg3,pp,lp",
+    "64x128x64/2", "128x128x64/2,e64x32,r2", "64x64x64/2,pp")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_ragged_cases_match_reference(seed):
+  # Random BT (multiples of 8), in and out (of 64), rules, dtypes, stacks
+  # and tilings of both schedules: each case the kernel accepts matches the
+  # reference (the stack's other layers bit for bit); refused ones are
+  # counted, and most cases must run.
+  rng = np.random.default_rng(seed)
+  rules = RULES + [pk.muon_rule()]
+  ran = 0
+  for i in range(8):
+    cfg = pk.MosaicConfig.from_label(_RANDOM_LABELS[rng.integers(
+        len(_RANDOM_LABELS))])
+    if (cfg.cluster > 1 and cfg.prefetch_next
+        and not pk.mosaic_kernel.INTERPRETS_CLUSTERED_PREFETCH):
+      continue
+    rule = rules[rng.integers(len(rules))]
+    shape = (8 * int(rng.integers(1, 30)), 64 * int(rng.integers(1, 5)),
+             64 * int(rng.integers(1, 5)))
+    w_dtype, slot_dtype = (BF16, F32)[rng.integers(2)], (BF16, F32)[
+        rng.integers(2)]
+    layer = (None, 1)[rng.integers(2)]
+    x, dy, w, slots = _case(100 * seed + i, *shape, rule, w_dtype=w_dtype,
+                            slot_dtype=slot_dtype)
+    if layer is not None:
+      stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
+      w, slots = stack(w), tuple(map(stack, slots))
+    if pk.mosaic_kernel.unsupported(
+        shape[0], *shape[1:], BF16, w, slots, rule, cfg,
+        stacked=layer is not None, g_stored=False) is not None:
+      continue
+    h = _hparams(rule)
+    got_w, got = pk.mosaic_kernel.launch(
+        (x, dy), w, slots, h, rule=rule, cfg=cfg, interpret=True,
+        num_sms=int(rng.integers(1, 5)),
+        layer=None if layer is None else jnp.int32(layer))
+    one = (lambda a: a) if layer is None else (lambda a: a[layer])
+    ref_w, ref = pk.fused_wgrad_update_reference(
+        x, dy, one(w), tuple(map(one, slots)), h, rule=rule)
+    what = f"case {i}: {cfg.label} {rule.name} {shape} layer {layer}"
+    pairs = [("w", got_w, ref_w, w)] if rule.updates_weight else []
+    for name, g, r, old in pairs + list(zip(rule.slots, got, ref, slots)):
+      if layer is not None:
+        for other in {0, 1, 2} - {layer}:
+          np.testing.assert_array_equal(np.asarray(g[other], np.float32),
+                                        np.asarray(old[other], np.float32))
+      g, old = one(g), one(old)
+      if rule.name == "lion" and name == "w" and g.dtype == BF16:
+        # (Lion's sign(c) where c rounds to ~0: a step of 2 lr either way.)
+        off = np.asarray(g, np.float32) != np.asarray(r, np.float32)
+        assert off.mean() <= 2e-3, f"{what}: {name}"
+        continue
+      assert_close(g, r, what=f"{what}: {name}")
+      assert_update_close(g, r, old, what=f"{what}: {name}")
+    ran += 1
+  assert ran >= 5, ran
+
+
 def test_ragged_int8_moments_are_refused():
   # An int8 slot's new scales are stored by plain stores, which TMA's
   # bounds do not guard: ragged shapes take the Triton kernel.
