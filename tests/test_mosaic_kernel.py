@@ -71,12 +71,17 @@ def test_mosaic_kernel_default_tiling_with_sub_tiled_epilogue():
   _check(pk.ADAMW, _case(3, 192, 256, 128, pk.ADAMW), None, interpret=True)
 
 
+def _stack3(w, slots):
+  """``w`` and ``slots`` as 3-layer stacks (the layers x, x/2, 2x)."""
+  stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
+  return stack(w), tuple(map(stack, slots))
+
+
 def _check_stacked(case, layer, config, interpret):
   """Layer ``layer`` of a 3-layer stack matches the reference on that
   layer; the other layers come back bit for bit."""
   x, dy, w, slots = case
-  stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
-  ws, ss = stack(w), tuple(map(stack, slots))
+  ws, ss = _stack3(w, slots)
   h = _hparams(pk.ADAMW)
   got_w, got_s = pk.fused_wgrad_update(
       x, dy, ws, ss, h, rule=pk.ADAMW, layer=layer, config=config,
@@ -781,8 +786,7 @@ def test_pingpong_matches_reference(rule, shape, dtypes, label, num_sms,
   x, dy, w, slots = _case(sum(shape), *shape, rule, x_dtype=x_dtype,
                           w_dtype=w_dtype, slot_dtype=slot_dtype)
   if layer is not None:
-    stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
-    w, slots = stack(w), tuple(map(stack, slots))
+    w, slots = _stack3(w, slots)
   _check_pingpong(rule, (x, dy, w, slots), label, num_sms, layer)
 
 
@@ -862,8 +866,7 @@ def test_pingpong_ragged_shapes_match_reference(rule, shape, dtypes, label,
   x, dy, w, slots = _case(sum(shape) + 1, *shape, rule, x_dtype=x_dtype,
                           w_dtype=w_dtype, slot_dtype=slot_dtype)
   if layer is not None:
-    stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
-    w, slots = stack(w), tuple(map(stack, slots))
+    w, slots = _stack3(w, slots)
   _check_pingpong(rule, (x, dy, w, slots), label, num_sms, layer)
 
 
@@ -1034,8 +1037,7 @@ def test_random_ragged_cases_match_reference(seed):
     x, dy, w, slots = _case(100 * seed + i, *shape, rule, w_dtype=w_dtype,
                             slot_dtype=slot_dtype)
     if layer is not None:
-      stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
-      w, slots = stack(w), tuple(map(stack, slots))
+      w, slots = _stack3(w, slots)
     if pk.mosaic_kernel.unsupported(
         shape[0], *shape[1:], BF16, w, slots, rule, cfg,
         stacked=layer is not None, g_stored=False) is not None:
@@ -1243,8 +1245,7 @@ def test_gpu_mosaic_pingpong_compiled_matches_reference(label, slot_dtype):
 def test_gpu_mosaic_ragged_shapes_compiled(rule, shape, label, layer):
   x, dy, w, slots = _case(sum(shape), *shape, rule)
   if layer is not None:
-    stack = lambda a: jnp.stack([a, 0.5 * a, 2 * a]).astype(a.dtype)
-    w, slots = stack(w), tuple(map(stack, slots))
+    w, slots = _stack3(w, slots)
   _check_pingpong(rule, (x, dy, w, slots), label, None, layer,
                   interpret=False)
 
