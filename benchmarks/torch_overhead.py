@@ -1,21 +1,36 @@
-"""forge_torch's own Python per managed layer, with the fused update stubbed.
+"""forge_torch's own host time per managed layer, against nn.Linear's.
 
     ./dev.sh python -m benchmarks.torch_overhead --out O.csv
+    ./dev.sh python -m benchmarks.torch_overhead --device cuda --out O.csv
 
 A stack of ``--layers`` small ``--width x --width`` linear layers (no bias)
-on the CPU, trained ``--steps`` steps after ``--warmup`` steps, in two arms:
+trained ``--steps`` steps after ``--warmup`` steps, in two arms:
 
-  torch   ``nn.Linear`` + ``torch.optim.AdamW``;
-  forge   ``forge_torch.Linear`` + ``forge_torch.AdamW``, with
-          ``forge_torch._bridge.fused_update`` replaced by a function that
-          does nothing: what remains is the layer's and the optimizer's own
-          Python (bookkeeping, checks, hyperparameter packing) around the
-          kernel launch.
+  torch   ``nn.Linear`` + ``torch.optim.AdamW`` (``fused=True`` on CUDA);
+  forge   ``forge_torch.Linear`` + ``forge_torch.AdamW`` (the same).
 
-The layers are small so the arithmetic is negligible: the figures are host
-time per layer per step, split into the forward, the backward, ``step()``
-and ``zero_grad()`` (``perf_counter`` around each, medians over the steps).
-On a GPU the launch itself comes on top (``benchmarks.torch_call``).
+On the CPU, ``--launch`` says what stands in for the fused update:
+
+  stub    (float32) ``forge_torch._bridge.fused_update`` is replaced by a
+          function that does nothing: what remains is the layer's and the
+          optimizer's own Python (bookkeeping, checks, hyperparameter
+          packing) around the update;
+  direct  (bfloat16) the update takes the path of a direct launch on a
+          Hopper GPU (``forge_torch._bridge``'s launch cache, operand
+          checks, hyperparameter ring, update plans), with only the compiled
+          kernel's launch and the pinned ring's memory stood in for.
+
+On CUDA (``--device cuda``, bfloat16 parameters
+and AdamW state, ``--bt`` rows) nothing is stubbed: the forge arm launches
+the fused kernel (directly, on a Hopper GPU), and the layers are small
+enough that the GPU waits on the host, so the figures are the host's work
+per layer, launches included.
+
+The figures are host time per layer per step, split into the forward, the
+backward, ``step()`` and ``zero_grad()`` (``perf_counter`` around each,
+medians over the steps). ``--profile N`` prints the forge arm's N
+functions of most own time (cProfile, over the timed steps of one more
+run).
 """
 
 from __future__ import annotations
@@ -31,28 +46,108 @@ from benchmarks import common
 PHASES = ("forward", "backward", "step", "zero_grad")
 
 
-def run_arm(arm: str, layers: int, width: int, steps: int,
-            warmup: int) -> dict[str, float]:
+class _StandInKernel:
+  """A compiled direct kernel's launch, done nothing."""
+
+  writes_outputs = False
+
+  def launch_ptrs(self, stream, ptrs):
+    del stream, ptrs
+
+
+class _StandInRing:
+  """The pinned hyperparameter ring: its lookup by the vector's bytes."""
+
+  def get(self, vec):
+    vec.tobytes()
+    return 4096
+
+
+def _direct_stand_in(bridge, direct):
+  """Patches ``forge_torch._bridge`` so that CPU tensors take the direct
+  launch's path, the launch and the ring stood in for; returns a function
+  that undoes it. (Names an older commit lacks are set, then removed: the
+  same command measures it too.)"""
+  missing = object()
+  saved = {name: getattr(bridge, name, missing) for name in (
+      "_raw_stream", "_resolve", "_fused_update", "resolved_launch",
+      "_current_device", "_stream_capturing", "_LAUNCHES")}
+  unavailable = direct.unavailable
+
+  def resolve(x2, dy2, w, slots, n_hparams, rule, config, device_index,
+              stream):
+    launch = bridge._Launch(_StandInKernel(), 1 + len(slots),
+                            (device_index, stream, n_hparams))
+    launch.ring = _StandInRing()
+    return launch
+
+  def fused_update(x, dy, w, slots, hparams, rule, config, views,
+                   stochastic_rounding=None):
+    del views
+    if not bridge._direct_update(x, dy, w, slots, hparams, rule, config,
+                                 stochastic_rounding):
+      raise RuntimeError("the direct path did not take this update")
+    return True
+
+  def resolved_launch(x2, dy2, w, slots, n_hparams, rule, config):
+    return bridge._LAUNCHES.get(bridge._launch_key(
+        x2, dy2, w, slots, -1, 0, n_hparams, rule, config)) or None
+
+  direct.unavailable = lambda: None
+  bridge._raw_stream = lambda device_index: 0
+  bridge._resolve = resolve
+  bridge._fused_update = fused_update
+  bridge.resolved_launch = resolved_launch
+  bridge._current_device = lambda: -1
+  bridge._stream_capturing = lambda: False
+  bridge._LAUNCHES = {}
+
+  def undo():
+    direct.unavailable = unavailable
+    for name, value in saved.items():
+      if value is missing:
+        delattr(bridge, name)
+      else:
+        setattr(bridge, name, value)
+  return undo
+
+
+def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
+            device: str = "cpu", bt: int = 4, profile: int = 0,
+            launch: str = "stub") -> dict[str, float]:
   """Seconds per layer per step for each phase (median over ``steps``)."""
   import torch  # noqa: PLC0415
   import forge_torch  # noqa: PLC0415
+  from forge_torch import _direct  # noqa: PLC0415
   from forge_torch import optim as forge_optim  # noqa: PLC0415
 
   torch.manual_seed(0)
   forge = arm == "forge"
+  cuda = device == "cuda"
+  dtype = (torch.bfloat16 if cuda or launch == "direct"
+           else torch.float32)
   linear = forge_torch.Linear if forge else torch.nn.Linear
   model = torch.nn.Sequential(*[linear(width, width, bias=False)
-                                for _ in range(layers)])
+                                for _ in range(layers)]).to(device, dtype)
   opt = (forge_torch.AdamW if forge else torch.optim.AdamW)(
-      model.parameters(), lr=1e-3)
-  x = torch.randn(4, width)
+      model.parameters(), lr=1e-3, **({"fused": True} if cuda else {}))
+  x = torch.randn(bt, width, device=device, dtype=dtype)
   real = forge_optim._bridge.fused_update  # noqa: SLF001
-  forge_optim._bridge.fused_update = lambda *a, **k: True  # noqa: SLF001
+  undo = None
+  if not cuda and launch == "stub":
+    forge_optim._bridge.fused_update = lambda *a, **k: True  # noqa: SLF001
+  elif not cuda and forge:
+    undo = _direct_stand_in(forge_optim._bridge, _direct)  # noqa: SLF001
+  profiler = None
   try:
     times = {p: [] for p in PHASES}
     for i in range(warmup + steps):
+      if i == warmup and profile and forge:
+        import cProfile  # noqa: PLC0415
+        profiler = cProfile.Profile()
+        profiler.enable()
       t0 = time.perf_counter()
-      loss = model(x).square().mean()
+      loss = model(x).float().square().mean()
       t1 = time.perf_counter()
       loss.backward()
       t2 = time.perf_counter()
@@ -63,31 +158,70 @@ def run_arm(arm: str, layers: int, width: int, steps: int,
       if i >= warmup:
         for p, a, b in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
           times[p].append((b - a) / layers)
+      if cuda and i % 10 == 9:
+        torch.cuda.synchronize()  # (the queue never grows long)
+    if cuda:
+      torch.cuda.synchronize()
   finally:
     forge_optim._bridge.fused_update = real  # noqa: SLF001
+    if undo is not None:
+      undo()
+    if profiler is not None:
+      import pstats  # noqa: PLC0415
+      profiler.disable()
+      pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
+  if forge and cuda:
+    print(f"forge: {forge_torch.bridge_stats}", flush=True)
   return {p: statistics.median(v) for p, v in times.items()}
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/bench/torch_overhead.csv")
+  p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+  p.add_argument("--launch", default="stub", choices=("stub", "direct"),
+                 help="on the CPU: what stands in for the fused update")
   p.add_argument("--layers", type=common.positive_int, default=20)
-  p.add_argument("--width", type=common.positive_int, default=16)
+  p.add_argument("--width", type=common.positive_int, default=None,
+                 help="16 on the CPU, 256 on CUDA")
+  p.add_argument("--bt", type=common.positive_int, default=None,
+                 help="rows of the batch: 4 on the CPU, 64 on CUDA")
   p.add_argument("--steps", type=common.positive_int, default=200)
   p.add_argument("--warmup", type=common.positive_int, default=5)
+  p.add_argument("--repeat", type=common.positive_int, default=1,
+                 help="runs of each arm, alternating; the figures are each "
+                 "phase's least median over them")
+  p.add_argument("--profile", type=int, default=0, metavar="N")
   args = p.parse_args(argv)
-  res = common.Results(args.out, "torch_overhead",
-                       device=f"cpu:{platform.machine()}")
-  shape = f"{args.layers} x Linear({args.width}, {args.width})"
+  cuda = args.device == "cuda"
+  width = args.width or (256 if cuda else 16)
+  bt = args.bt or (64 if cuda else 4)
+  if cuda:
+    import torch  # noqa: PLC0415
+    device_label = f"cuda:{torch.cuda.get_device_name()}"
+  else:
+    device_label = f"cpu:{platform.machine()}"
+  res = common.Results(args.out, "torch_overhead", device=device_label)
+  case = ("per layer per step, host time, fused update launched" if cuda
+          else "per layer per step, fused update stubbed"
+          if args.launch == "stub" else
+          "per layer per step, direct launch path, kernel launch stood in")
+  shape = f"{args.layers} x Linear({width}, {width}), BT {bt}"
+  dtypes = "bfloat16" if cuda or args.launch == "direct" else "float32"
+  runs = {"torch": [], "forge": []}
+  for r in range(args.repeat):
+    for arm in ("torch", "forge"):
+      runs[arm].append(run_arm(arm, args.layers, width, args.steps,
+                               args.warmup, args.device, bt,
+                               args.profile if r == args.repeat - 1 else 0,
+                               args.launch))
   totals = {}
-  for arm in ("torch", "forge"):
-    t = run_arm(arm, args.layers, args.width, args.steps, args.warmup)
+  for arm, rs in runs.items():
+    t = {k: min(r[k] for r in rs) for k in rs[0]}
     totals[arm] = sum(t.values())
     for phase, v in t.items():
-      res.add("per layer per step, fused update stubbed", arm, shape,
-              "float32", phase, v * 1e6, "us")
-    res.add("per layer per step, fused update stubbed", arm, shape,
-            "float32", "total", totals[arm] * 1e6, "us")
+      res.add(case, arm, shape, dtypes, phase, v * 1e6, "us")
+    res.add(case, arm, shape, dtypes, "total", totals[arm] * 1e6, "us")
     print(f"{arm:>5}: " + "  ".join(f"{k} {v * 1e6:6.1f}" for k, v in
                                      t.items())
           + f"  total {totals[arm] * 1e6:6.1f} us per layer per step",

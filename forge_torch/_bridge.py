@@ -788,6 +788,14 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
       _LAUNCHES[key] = launch
   if launch is None:
     return False
+  _launch_on(launch, stream, x2, dy2, w, slots, vec, on_device)
+  return True
+
+
+def _launch_on(launch: _Launch, stream: int, x2, dy2, w, slots, vec,
+               on_device: bool) -> None:
+  """Enqueues ``launch`` on ``stream``; ``vec``: a host vector (served from
+  the pinned ring) or, ``on_device``, a CUDA tensor the kernel reads."""
   # Non-contiguous operands are copied (on this stream, before the launch).
   x2, dy2 = x2.contiguous(), dy2.contiguous()
   ring = None if on_device else launch.host_ring()
@@ -799,6 +807,47 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
     STATS.calls += 1
     STATS.direct += 1
     STATS.in_place += launch.n_state
+
+
+def resolved_launch(x2, dy2, w, slots, n_hparams: int, rule, config):
+  """The direct launch a call with these (2-d) operands took on torch's
+  current stream, or ``None`` (none was resolved for them, or they take the
+  DLPack path): what :func:`relaunch` repeats."""
+  if not w.is_cuda:
+    return None
+  device_index = w.get_device()
+  launch = _LAUNCHES.get(_launch_key(
+      x2, dy2, w, slots, device_index, _raw_stream(device_index), n_hparams,
+      rule, config))
+  return launch or None
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice",
+                          torch.cuda.current_device)
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                            torch.cuda.is_current_stream_capturing)
+
+
+def relaunch(launch: _Launch, x2, dy2, w, slots, vec: np.ndarray, rule,
+             config) -> bool:
+  """The fused update of :func:`fused_update` by ``launch`` (from
+  :func:`resolved_launch`) with the float32 host vector ``vec``, where the
+  call resolves to that very launch now: the same shapes, dtypes, layouts,
+  devices and stream, direct launches on, not capturing, the weight's
+  device current. ``False`` (nothing done) otherwise: the caller then takes
+  :func:`fused_update`'s path."""
+  device_index = launch.ring_key[0]
+  if (_direct.unavailable() is not None
+      or _current_device() != device_index
+      or x2.get_device() != device_index
+      or dy2.get_device() != device_index
+      or _stream_capturing()):
+    return False
+  stream = _raw_stream(device_index)
+  if _LAUNCHES.get(_launch_key(x2, dy2, w, slots, device_index, stream,
+                               vec.shape[0], rule, config)) is not launch:
+    return False
+  _launch_on(launch, stream, x2, dy2, w, slots, vec, False)
   return True
 
 

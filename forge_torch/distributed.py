@@ -363,6 +363,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return to_local()
 
 
+def any_registered() -> bool:
+  """Whether :func:`prepare_ddp` or :func:`prepare_fsdp` registered any
+  weight (alive) in this process."""
+  return bool(_GROUPS._values or _SHARDED._values)
+
+
 def is_data_parallel(p: torch.Tensor) -> bool:
   """Whether managed weight ``p`` was registered by :func:`prepare_ddp`."""
   return p in _GROUPS
@@ -490,7 +496,8 @@ def check_single_process(params=()) -> None:
       "model) after fully_shard(...) and before building the optimizer.")
 
 
-__all__ = ["check_not_sharded", "check_single_process", "is_data_parallel",
-           "is_fsdp_managed", "is_sharded", "local", "prepare_ddp",
-           "prepare_fsdp", "reduce_accumulated", "reduce_and_step",
-           "reduce_grads", "step_shard", "step_sharded", "wrap_ddp"]
+__all__ = ["any_registered", "check_not_sharded", "check_single_process",
+           "is_data_parallel", "is_fsdp_managed", "is_sharded", "local",
+           "prepare_ddp", "prepare_fsdp", "reduce_accumulated",
+           "reduce_and_step", "reduce_grads", "step_shard", "step_sharded",
+           "wrap_ddp"]

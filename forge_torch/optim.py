@@ -654,6 +654,9 @@ class _ForgeOptimizer:
     # step tensor -> its _StepRecord: its version counter and value as this
     # optimizer last wrote it (_forge_step_count), and a CPU one's view
     self._forge_steps = _linear.WeakIdMap()
+    # managed weight -> _UpdatePlan: its last plain update, which the next
+    # one repeats after a few checks (_forge_run_plan)
+    self._forge_plans = _linear.WeakIdMap()
     self._forge_reset_step()
 
   def _forge_check_groups(self) -> None:
@@ -673,8 +676,10 @@ class _ForgeOptimizer:
         self._forge_managed.pop(p, None)
       else:
         self._forge_managed[p] = index
-    # (Per group index: this step's options, rules and scalars.)
+    # (Per group index: this step's options, rules and scalars; the plans
+    # that hold them.)
     self._forge_used.clear()
+    self._forge_plans.clear()
     self._forge_scalars.clear()
     self._forge_capture_vecs.clear()
     self._forge_groups_seen = list(self.param_groups)
@@ -703,6 +708,7 @@ class _ForgeOptimizer:
     if previous is not None and previous is not self:
       previous._forge_managed.pop(p, None)
       previous._forge_views.pop(p, None)
+      previous._forge_plans.pop(p, None)
     _linear._set_owner(p, self)
     self._forge_managed[p] = index
 
@@ -762,8 +768,10 @@ class _ForgeOptimizer:
         if p in self._forge_managed and p in self.state:
           self._forge_convert_state(p, self.state[p],
                                     self._forge_rule(group, p.device))
-    # The loaded state tensors are new memory; drop the views of the old.
+    # The loaded state tensors are new memory; drop the views of the old,
+    # and the plans that hold them.
     self._forge_views = _linear.WeakIdMap()
+    self._forge_plans = _linear.WeakIdMap()
     self._forge_reset_step()
 
   def _forge_hold_raw(self, state_dict):
@@ -928,8 +936,13 @@ class _ForgeOptimizer:
                           layer: str) -> None:
     """This family's step on managed weight ``p``, ``G = grad_output^T input``
     (``accumulate_steps > 1``: ``G`` added to the weight's buffer, except on
-    the step's last micro-batch, which steps from the sum)."""
+    the step's last micro-batch, which steps from the sum). A plain update
+    repeats the weight's plan where it holds (:meth:`_forge_run_plan`)."""
     pk = _key(p)
+    plan = self._forge_plans._values.get(pk)
+    if plan is not None and self._forge_run_plan(plan, p, pk, grad_output,
+                                                 input, config):
+      return
     # The group index the weight was registered with must still name its
     # group (param_groups edited since: read again).
     index, groups = self._forge_managed._values.get(pk), self.param_groups
@@ -969,7 +982,90 @@ class _ForgeOptimizer:
         return
       acc = self._forge_acc[p]
     self._forge_step_weight(p, grad_output, input, config=config,
-                            layer=layer, acc=acc)
+                            layer=layer, acc=acc, plan=acc is None)
+
+  def _forge_run_plan(self, plan: "_UpdatePlan", p: torch.Tensor, pk: int,
+                      grad_output: torch.Tensor, input: torch.Tensor,
+                      config) -> bool:
+    """Managed weight ``p``'s update as its last one ran (``plan``), where
+    nothing it depends on has changed since; ``False`` (nothing done)
+    otherwise, and :meth:`_forge_fused_update` then takes its full path.
+
+    What the full path would check or read again, checked here: the param
+    groups and the weight's place in them, the group's options (the very
+    same objects as its shared scalars were formed from), the optimizer's
+    modes (clipping, accumulation, quantized moments, stochastic rounding,
+    CUDA-graph capture, data parallelism), the weight's state (the same
+    tensors, and a step count this optimizer wrote), the step's scalars,
+    and the operands' shapes, dtypes, layouts and devices (the direct
+    launch's key, or the plan's signature on the DLPack path)."""
+    index, shared, groups = plan.index, plan.shared, self.param_groups
+    seen = plan.seen
+    if not (config is plan.config
+            and self._forge_groups_seen is seen and len(groups) == len(seen)
+            and groups[index] is seen[index]
+            and self._forge_managed._values.get(pk) == index
+            and pk not in self._forge_updated._values
+            and self._forge_scalars.get(index) is shared
+            and shared.holds(seen[index])
+            and self._forge_max_grad_norm is None
+            and self._forge_accumulate_steps == 1
+            and self._forge_clip_phase is None
+            and self._forge_format is None and not self._forge_sr
+            and not _distributed.any_registered()
+            and not _dist_initialized()):
+      return False
+    state, step, record = plan.state, plan.step, plan.record
+    if (self.state.get(p) is not state or state.get("step") is not step
+        or self._forge_steps._values.get(_key(step)) is not record
+        or record.version != step._version or record.value is None):
+      return False
+    slots = plan.slots
+    for name, s in zip(plan.rule.slots, slots):
+      if state.get(name) is not s:
+        return False
+    deferred = plan.deferred
+    if not deferred and not (record.array is not None
+                             and step.data_ptr() == record.ptr
+                             and step.dtype == record.dtype):
+      return False
+    t = record.value + 1
+    group = seen[index]
+    if index not in self._forge_used:  # (as the full path: step() checks)
+      self._forge_used[index] = _options_snapshot(group)
+    scalars = shared.scalars.get((t, False))
+    if scalars is None:  # the step's first update in the group
+      values, scalar_updates = self._forge_hparams(group, state, t, False)
+      if scalar_updates:
+        return False
+      scalars = shared.scalars[(t, False)] = _Scalars(values)
+    rule = plan.rule
+    vec = scalars._packed
+    if vec is None:
+      vec = scalars.packed(rule)
+    if plan.launch is not None:
+      if not _bridge.relaunch(plan.launch, grad_output, input, p, slots, vec,
+                              rule, config):
+        return False
+    else:
+      if _plan_signature(p, slots) != plan.signature or (
+          p.is_cuda and _bridge._capturing()):
+        return False
+      views = self._forge_views._values.get(pk)
+      if views is None:
+        views = self._forge_views[p] = _bridge.ViewCache()
+      _bridge.fused_update(grad_output, input, p.data, slots, vec, rule=rule,
+                           config=config, views=views)
+    # As _forge_step_weight ends.
+    if deferred:
+      self._forge_pending_steps.append((step, record))
+      _increment_version([p, *slots])
+    else:
+      record.array[()] = t
+      _increment_version([p, *slots, step])
+    record.version, record.value = step._version, t
+    self._forge_updated[p] = True
+    return True
 
   def _forge_check_capture(self, p: torch.Tensor, layer: str) -> None:
     """Raises unless managed weight ``p``'s update can be recorded in the
@@ -1106,9 +1202,13 @@ class _ForgeOptimizer:
   def _forge_step_weight(self, p: torch.Tensor, grad_output: torch.Tensor,
                          input: torch.Tensor, *,
                          config: pallas_kernels.BlockConfig | None,
-                         layer: str, acc: torch.Tensor | None = None) -> None:
+                         layer: str, acc: torch.Tensor | None = None,
+                         plan: bool = False) -> None:
     """The family's step on ``p`` from ``G = grad_output^T input``, plus the
-    accumulated micro-batch gradients ``acc`` (gradient accumulation)."""
+    accumulated micro-batch gradients ``acc`` (gradient accumulation).
+    ``plan``: the call is the full path of a plain update
+    (:meth:`_forge_fused_update`); where the update turns out plain (below),
+    it is kept as ``p``'s plan for the next one."""
     pk = _key(p)
     index = self._forge_managed._values.get(pk)
     if index is None:
@@ -1203,6 +1303,13 @@ class _ForgeOptimizer:
     sr = None
     if self._forge_sr:  # the step t this update is (1-based)
       sr = (self._forge_param_seed(p), int(t))
+    plain = (plan and scalars is not None and kernel_rule is base_rule
+             and values is base_values and fmt is None and sr is None
+             and not sharded and not fresh and not scalar_updates
+             and self._forge_clip_phase is None
+             and self._forge_managed._values.get(pk) == index
+             and self._forge_groups_seen is not None
+             and weight.numel() > 0)
     if weight.numel() > 0:  # (a fully_shard rank may hold no rows)
       if (scalars is not None and kernel_rule is base_rule
           and values is base_values):  # the group's rule and scalars as such
@@ -1252,6 +1359,15 @@ class _ForgeOptimizer:
     for name, value in scalar_updates.items():
       state[name].copy_(value)
     self._forge_updated[p] = True
+    if plain and record is not None and isinstance(step, torch.Tensor) and (
+        _defers_step(step) or record.array is not None):
+      self._forge_plans[p] = _UpdatePlan(
+          self, index, shared, config, state, slots, step, record,
+          _bridge.resolved_launch(grad_output, input, weight, slots,
+                                  len(hparams), rule, config),
+          _plan_signature(p, slots))
+    else:
+      self._forge_plans.pop(p, None)
 
   # -- gradient accumulation --------------------------------------------------
 
@@ -1463,6 +1579,40 @@ class _StepRecord:
       self.ptr, self.dtype = step.data_ptr(), step.dtype
 
 
+class _UpdatePlan:
+  """A managed weight's last plain update (no accumulation, clipping,
+  quantized moments, stochastic rounding, sharding or capture; state
+  present; the group's shared scalars), kept so that the next one can skip
+  the full path's reads and checks (:meth:`_ForgeOptimizer._forge_run_plan`
+  says which it checks instead): the weight's group and the param-groups
+  list it was read from, the group's shared scalars, the layer's tiling,
+  the weight's state dict, slots and step tensor with its record, the
+  direct launch it took (``None``: the DLPack path) and the signature of its
+  operands (shapes, dtypes, devices)."""
+
+  __slots__ = ("index", "seen", "shared", "config", "state", "slots",
+               "step", "record", "deferred", "rule", "launch", "signature")
+
+  def __init__(self, optimizer, index: int, shared: "_SharedScalars",
+               config, state: dict, slots: list, step: torch.Tensor,
+               record: "_StepRecord", launch, signature: tuple):
+    self.index, self.seen = index, optimizer._forge_groups_seen
+    self.shared, self.rule, self.config = shared, shared.rule, config
+    self.state, self.slots = state, tuple(slots)
+    self.step, self.record = step, record
+    self.deferred = _defers_step(step)
+    self.launch, self.signature = launch, signature
+
+
+def _plan_signature(p: torch.Tensor, slots) -> tuple:
+  return (p.shape, p.dtype, p.device,
+          tuple((s.shape, s.dtype, s.device) for s in slots))
+
+
+_dist_initialized = (torch.distributed.is_initialized
+                     if torch.distributed.is_available() else lambda: False)
+
+
 class _Scalars:
   """A rule's scalars for one step: the family's ``values`` and their packed
   vector (read-only: every weight of the group shares it)."""
@@ -1493,10 +1643,15 @@ class _SharedScalars:
   def valid_for(self, group: Mapping[str, Any], device: torch.device) -> bool:
     """Whether ``group`` holds the very same options, under the same names
     and in the same order, and the weight is on ``device``."""
+    return self.device == device and self.holds(group)
+
+  def holds(self, group: Mapping[str, Any]) -> bool:
+    """Whether ``group`` holds the very same options, under the same names
+    and in the same order."""
     # (Names are strings: equal ones name the same option.)
     return (len(group) == len(self.names)
             and all(map(operator.is_, self.options, group.values()))
-            and self.names == tuple(group) and self.device == device)
+            and self.names == tuple(group))
 
   def __init__(self, names: tuple, options: tuple, device: torch.device,
                rule: UpdateRule):

@@ -352,18 +352,30 @@ def test_clipping_replot_draws_the_csv_and_refuses_one_without_its_rows(
   assert "--replot needs --plot" in capsys.readouterr().err
 
 
-def test_torch_overhead_writes_rows_and_restores_the_bridge(tmp_path):
+@pytest.mark.parametrize("launch", ["stub", "direct"])
+def test_torch_overhead_writes_rows_and_restores_the_bridge(tmp_path,
+                                                            launch):
+  """Both stand-ins run both arms and leave forge_torch's bridge as it was;
+  the direct one takes the direct launch's path for every update (its
+  plans from the third step on)."""
   pytest.importorskip("torch")
   from benchmarks import torch_overhead
-  from forge_torch import optim as forge_optim
-  real = forge_optim._bridge.fused_update
+  from forge_torch import _bridge, _direct
+  before = dict(vars(_bridge)), _direct.unavailable
+  direct = _bridge.STATS.direct
   out = tmp_path / "o.csv"
   assert torch_overhead.main(["--out", str(out), "--layers", "2", "--steps",
-                              "3", "--warmup", "1"]) == 0
-  assert forge_optim._bridge.fused_update is real
+                              "3", "--warmup", "1", "--launch",
+                              launch]) == 0
+  assert dict(vars(_bridge)) == before[0]
+  assert _direct.unavailable is before[1]
+  # 2 layers x 4 steps, every update launched (stood in for) directly
+  assert _bridge.STATS.direct - direct == (8 if launch == "direct" else 0)
   with open(out) as f:
     rows = list(csv.DictReader(f))
   assert {(r["provider"], r["metric"]) for r in rows} == {
       (arm, m) for arm in ("torch", "forge")
       for m in (*torch_overhead.PHASES, "total")}
   assert all(float(r["p50"]) > 0 and r["unit"] == "us" for r in rows)
+  assert {r["dtypes"] for r in rows} == {
+      "float32" if launch == "stub" else "bfloat16"}

@@ -1380,6 +1380,74 @@ def test_direct_launch_cache_keys_each_operands_layout(monkeypatch):
       x, dy.bfloat16(), w, [m, v], 0, 7, 16, pk.ADAMW, None)
 
 
+class _FakeRing:
+  """Stands in for the pinned hyperparameter ring: one address."""
+
+  def get(self, vec):
+    return 4096
+
+
+def test_a_plan_repeats_a_direct_launch_only_for_the_same_call(monkeypatch):
+  """``relaunch`` (an update plan's launch) launches the resolved kernel
+  again only where the call would resolve to it now: the same operand
+  shapes, dtypes and layouts, rule and tiling, on the same stream and
+  current device, outside capture, with direct launches on; else it does
+  nothing and says so. (The launch machinery stood in for on the CPU.)"""
+  from forge_torch import _bridge, _direct  # noqa: PLC0415
+  import pallas_kernels as pk  # noqa: PLC0415
+  now = dict(off=None, stream=7, device=-1, capturing=False)
+  monkeypatch.setattr(_direct, "unavailable", lambda: now["off"])
+  monkeypatch.setattr(_bridge, "_raw_stream", lambda index: now["stream"])
+  monkeypatch.setattr(_bridge, "_current_device", lambda: now["device"])
+  monkeypatch.setattr(_bridge, "_stream_capturing",
+                      lambda: now["capturing"])
+  monkeypatch.setattr(_bridge, "_LAUNCHES", {})
+  kernel = _RecordingKernel()
+
+  def resolve(x2, dy2, w, slots, n_hparams, rule, config, device_index,
+              stream):
+    launch = _bridge._Launch(kernel, 1 + len(slots),
+                             (device_index, stream, n_hparams))
+    launch.ring = _FakeRing()
+    return launch
+
+  monkeypatch.setattr(_bridge, "_resolve", resolve)
+  x, dy = torch.randn(8, 6), torch.randn(8, 4)
+  w, m, v = (torch.randn(6, 4) for _ in range(3))
+  vec = np.zeros(16, np.float32)
+  assert _bridge._direct_update(x, dy, w, [m, v], vec, pk.ADAMW, None)
+  [launch] = _bridge._LAUNCHES.values()
+  calls = _bridge.STATS.calls
+
+  def again(x=x, dy=dy, w=w, slots=(m, v), rule=pk.ADAMW, config=None):
+    n = len(kernel.launches)
+    done = _bridge.relaunch(launch, x, dy, w, list(slots), vec, rule, config)
+    assert len(kernel.launches) == n + done
+    return done
+
+  assert again()
+  assert kernel.launches[-1] == (7, [x.data_ptr(), dy.data_ptr(), 4096,
+                                     w.data_ptr(), m.data_ptr(),
+                                     v.data_ptr()])
+  assert _bridge.STATS.calls == calls + 1
+  xt = torch.randn(6, 8).t()  # any strides of x: made contiguous
+  assert again(x=xt)
+  assert kernel.launches[-1][1][0] != xt.data_ptr()
+  assert not again(x=x[:4], dy=dy[:4])
+  assert not again(w=torch.randn(4, 6).t())
+  assert not again(slots=(m, v.bfloat16()))
+  assert not again(slots=(m,))
+  assert not again(rule=pk.lion_rule())
+  assert not again(config=pk.BlockConfig(32, 32, 32))
+  usual = dict(now)
+  for name, value in (("stream", 8), ("device", 0), ("capturing", True),
+                      ("off", "turned off")):
+    now[name] = value
+    assert not again(), name
+    now.update(usual)
+  assert again()
+
+
 def test_direct_launch_is_resolved_only_for_dense_weight_and_slots():
   """The compiled kernel reads the weight and the slots by pointer as dense
   arrays of the weight's shape on its device: any other layout resolves to
@@ -1609,3 +1677,60 @@ def test_gpu_autocast_training_launches_directly():
                                                   stats.direct_unavailable)
   for (name, a), b in zip(fm.named_parameters(), ref.parameters()):
     assert rel(a, b) <= tol(jnp.bfloat16), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default",
+                                                            "side-stream"])
+def test_gpu_update_plans_relaunch_bit_for_bit(monkeypatch, side_stream):
+  """From each weight's third update on, its plan launches the compiled
+  kernel again (``_bridge.relaunch``) on torch's current stream: the same
+  bits as the full path (plans turned off), weights and AdamW state
+  (fused=True: the step counts on the GPU, advanced at each step's end),
+  on the default stream and on a side stream."""
+  from forge_torch import _bridge
+  cls = forge_torch.optim._ForgeOptimizer
+  run_plan, real_relaunch = cls._forge_run_plan, _bridge.relaunch
+
+  def train(plans):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.GELU(),
+                          nn.Linear(512, 128, bias=False)).cuda().bfloat16()
+    forge_torch.convert(model)
+    opt = forge_torch.AdamW(model.parameters(), lr=1e-3, fused=True)
+    relaunched = []
+
+    def relaunch(*args):
+      relaunched.append(real_relaunch(*args))
+      return relaunched[-1]
+
+    monkeypatch.setattr(cls, "_forge_run_plan", run_plan if plans else (
+        lambda *a: False))
+    stats = forge_torch.bridge_stats
+    stats.reset()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    stream = torch.cuda.Stream() if side_stream else (
+        torch.cuda.current_stream())
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), monkeypatch.context() as m:
+      m.setattr(_bridge, "relaunch", relaunch)
+      for _ in range(6):
+        x = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    assert stats.calls == 12 and stats.direct == 12, (
+        stats, stats.direct_unavailable)
+    return model, opt, relaunched
+
+  planned, full = train(True), train(False)
+  monkeypatch.setattr(cls, "_forge_run_plan", run_plan)
+  assert planned[2] == [True] * 8 and full[2] == []
+  for (name, a), b in zip(planned[0].named_parameters(),
+                          full[0].parameters()):
+    assert torch.equal(a, b), name
+    sa, sb = planned[1].state[a], full[1].state[b]
+    for k in ("step", "exp_avg", "exp_avg_sq"):
+      assert torch.equal(sa[k], sb[k]), (name, k)

@@ -935,3 +935,229 @@ def test_a_copied_optimizer_keeps_the_last_clipped_norm():
   assert twin.max_grad_norm == 1.0
   assert copy.deepcopy(forge_torch.SGD(fm.parameters(), lr=0.1)
                        ).last_grad_norm is None
+
+
+# --- update plans: a weight's next plain update repeats its last one --------
+
+
+def _train_planned(monkeypatch, family, kw, steps, between=None, plans=True):
+  """``steps`` steps of a three-layer converted MLP (odd widths, random
+  data) with ``forge_torch.<family>(**kw)``; ``between(i, model, opt)``
+  runs before step ``i``. ``plans=False``: every update takes the full
+  path. Returns the model, the optimizer and how many updates their plan
+  ran."""
+  torch.manual_seed(3)
+  model = nn.Sequential(nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 6),
+                        nn.Tanh(), nn.Linear(6, 5))
+  assert forge_torch.convert(model) == ["0", "2", "4"]
+  opt = getattr(forge_torch, family)(model.parameters(), **kw)
+  cls = forge_torch.optim._ForgeOptimizer
+  run_plan = cls._forge_run_plan
+  ran = []
+
+  def counted(self, *args):
+    done = plans and run_plan(self, *args)
+    ran.append(done)
+    return done
+
+  monkeypatch.setattr(cls, "_forge_run_plan", counted)
+  g = torch.Generator().manual_seed(4)
+  for i in range(steps):
+    if between is not None:
+      between(i, model, opt)
+    x, y = torch.randn(7, 9, generator=g), torch.randn(7, 5, generator=g)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+  monkeypatch.setattr(cls, "_forge_run_plan", run_plan)
+  return model, opt, sum(ran)
+
+
+def _assert_same_training(a, b):
+  """Two (model, optimizer) pairs hold bit-identical weights and state."""
+  (ma, oa), (mb, ob) = a, b
+  for (name, pa), pb in zip(ma.named_parameters(), mb.parameters()):
+    assert torch.equal(pa, pb), name
+    sa, sb = oa.state[pa], ob.state[pb]
+    assert sorted(sa) == sorted(sb), name
+    for k in sa:
+      va, vb = sa[k], sb[k]
+      assert (torch.equal(va, vb) if isinstance(va, torch.Tensor)
+              else va == vb), (name, k)
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    ("Adam", dict(lr=1e-2, amsgrad=True)),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True)),
+    ("Adagrad", dict(lr=0.1, lr_decay=0.01)),
+    ("RMSprop", dict(lr=1e-2, centered=True, momentum=0.5)),
+    ("RAdam", dict(lr=1e-2)),
+])
+def test_repeated_updates_take_their_plan_bit_for_bit(monkeypatch, family,
+                                                     kw):
+  """From a weight's third update on (the first creates its state, the
+  second finds it and keeps the plan; Adagrad's state is made at
+  construction: from the second), each update repeats the last one's plan:
+  the same bits as the full path, step after step. (SGD keeps no step
+  count, which a plan needs: its updates take the full path.)"""
+  steps = 5
+  planned = _train_planned(monkeypatch, family, kw, steps)
+  full = _train_planned(monkeypatch, family, kw, steps, plans=False)
+  _assert_same_training(planned[:2], full[:2])
+  expected = {"SGD": 0, "Adagrad": (steps - 1) * 3}.get(family,
+                                                       (steps - 2) * 3)
+  assert planned[2] == expected
+
+
+def test_plans_advance_deferred_step_counts_as_the_full_path(monkeypatch):
+  """On a GPU a weight's step count is advanced with the others' at the
+  step's end (one launch), not after its update; a plan defers it the
+  same way (here CPU counts deferred as GPU ones are): the same bits and
+  counts as the full path."""
+  monkeypatch.setattr(forge_torch.optim, "_defers_step", lambda step: True)
+  kw = dict(lr=1e-2, weight_decay=0.1)
+  planned = _train_planned(monkeypatch, "AdamW", kw, 5)
+  full = _train_planned(monkeypatch, "AdamW", kw, 5, plans=False)
+  _assert_same_training(planned[:2], full[:2])
+  assert planned[2] == 3 * 3
+  assert all(st["step"].item() == 5.0 for st in planned[1].state.values())
+
+
+def _scale_lr(opt):
+  for g in opt.param_groups:
+    g["lr"] *= 0.5
+
+
+def _new_slots(opt):
+  for st in opt.state.values():
+    for k in ("exp_avg", "exp_avg_sq"):
+      st[k] = st[k].clone()
+
+
+def _count_back(opt):
+  for st in opt.state.values():
+    st["step"].fill_(1.0)
+
+
+def _reload(opt):
+  opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def _new_group(opt):  # added first: the managed weights' group moves
+  extra = nn.Parameter(torch.zeros(3))
+  opt.add_param_group({"params": [extra], "lr": 1e-3})
+  opt.param_groups.insert(0, opt.param_groups.pop())
+
+
+def _clip_on(opt):
+  opt.max_grad_norm = 0.05
+
+
+@pytest.mark.parametrize("change", [
+    _scale_lr, _new_slots, _count_back, _reload, _new_group, _clip_on,
+], ids=["lr", "slots-replaced", "step-count-written", "load_state_dict",
+        "group-added", "max_grad_norm"])
+def test_a_change_between_steps_is_seen_by_the_plan(monkeypatch, change):
+  """What a plan repeats is checked before it runs: an lr set (a
+  scheduler), state tensors replaced, a step count written, a loaded state
+  dict, a new param group, clipping turned on -- each between two steps
+  with plans in use -- trains bit for bit as the full path does, and the
+  plans run again once the change has been taken in (clipping: never,
+  while it is on)."""
+  def between(i, model, opt):
+    if i == 3:
+      change(opt)
+
+  clip = change is _clip_on
+  kw = dict(lr=1e-2, weight_decay=0.1)
+  steps = 6
+
+  def train(plans):
+    torch.manual_seed(5)
+    if not clip:
+      return _train_planned(monkeypatch, "AdamW", kw, steps, between, plans)
+    # (clipping needs step(closure): the closure runs the forward and
+    # backward twice)
+    return _train_clipped(monkeypatch, kw, steps, between, plans)
+
+  planned, full = train(True), train(False)
+  _assert_same_training(planned[:2], full[:2])
+  # Of the six steps, the first creates the state, the second makes the
+  # plans and the third runs them; after the change the full path runs
+  # once (making the plans again), then the plans (clipping: never).
+  assert planned[2] == (3 if clip else 3 * 3)
+
+
+def _train_clipped(monkeypatch, kw, steps, between, plans):
+  torch.manual_seed(3)
+  model = nn.Sequential(nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 6),
+                        nn.Tanh(), nn.Linear(6, 5))
+  forge_torch.convert(model)
+  opt = forge_torch.AdamW(model.parameters(), **kw)
+  cls = forge_torch.optim._ForgeOptimizer
+  run_plan = cls._forge_run_plan
+  ran = []
+
+  def counted(self, *args):
+    done = plans and run_plan(self, *args)
+    ran.append(done)
+    return done
+
+  monkeypatch.setattr(cls, "_forge_run_plan", counted)
+  g = torch.Generator().manual_seed(4)
+  for i in range(steps):
+    between(i, model, opt)
+    x, y = torch.randn(7, 9, generator=g), torch.randn(7, 5, generator=g)
+
+    def closure():
+      loss = F.mse_loss(model(x), y)
+      loss.backward()
+      return loss
+
+    if opt.max_grad_norm is None:
+      closure()
+      opt.step()
+    else:
+      opt.step(closure)
+    opt.zero_grad()
+  monkeypatch.setattr(cls, "_forge_run_plan", run_plan)
+  return model, opt, sum(ran)
+
+
+def test_an_lr_set_during_a_backward_reaches_the_later_plans(monkeypatch):
+  """A plan repeats its group's shared scalars only while the group holds
+  the very same options: an lr set between two layers' backwards (undone
+  before step()) reaches the layers updated after it, plans or not."""
+  def train(plans):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 6),
+                          nn.Tanh(), nn.Linear(6, 5))
+    forge_torch.convert(model)
+    opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+    cls = forge_torch.optim._ForgeOptimizer
+    run_plan = cls._forge_run_plan
+    ran = []
+    monkeypatch.setattr(cls, "_forge_run_plan", lambda self, *a: ran.append(
+        plans and run_plan(self, *a)) or ran[-1])
+    g = torch.Generator().manual_seed(4)
+    group = opt.param_groups[0]
+    for i in range(5):
+      x, y = torch.randn(7, 9, generator=g), torch.randn(7, 5, generator=g)
+      h = model[1](model[0](x))
+      if i >= 3:  # layer 0's update steps with a larger lr
+        h.register_hook(lambda grad: group.__setitem__("lr", 5e-2))
+      F.mse_loss(model[2:](h), y).backward()
+      group["lr"] = 1e-2
+      opt.step()
+      opt.zero_grad()
+    monkeypatch.setattr(cls, "_forge_run_plan", run_plan)
+    return model, opt, sum(ran)
+
+  planned, full = train(True), train(False)
+  _assert_same_training(planned[:2], full[:2])
+  # Step 2: three plans. Step 3: the two layers updated before the hook
+  # run theirs; layer 0 (lr changed) takes the full path, which forms the
+  # group's shared scalars anew. Step 4: so every layer takes the full
+  # path (their plans hold the replaced scalars; layer 0's again differ).
+  assert planned[2] == 3 + 2
