@@ -53,6 +53,8 @@ class LayerInfo:
   kernel_shape: tuple[int, ...]
   kernel_dtype: Any
   calls: int = 0
+  # How messages name the layer's kind (e.g. "forge_jax.ScannedDenseStack").
+  kind: str = "forge_jax.Dense"
   # Why this layer cannot be fused although it is called once (a kernel
   # read again inside a ScannedBlocks block, or a layer under a transform
   # there); None: nothing known against it.
@@ -150,8 +152,8 @@ def register_layer(ctx: StepContext, path: Path,
   """Discover mode: records one call of the FORGE layer at ``path`` (``kind``
   names it in errors) and refuses a second call in one step unless the step
   allows shared kernels; ``hint`` is appended to that error."""
-  info = ctx.layers.setdefault(path,
-                               LayerInfo(path, kernel_shape, param_dtype))
+  info = ctx.layers.setdefault(
+      path, LayerInfo(path, kernel_shape, param_dtype, kind=kind))
   info.calls += 1
   if info.calls > 1 and ctx.shared == "error":
     raise ValueError(

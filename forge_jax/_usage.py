@@ -164,7 +164,9 @@ def _consumers(jaxpr, var, out: list[str], only=None, path=None,
 
 
 def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
-                     collect: bool = False) -> dict[_context.Path, str]:
+                     collect: bool = False,
+                     kinds: dict[_context.Path, str] | None = None
+                     ) -> dict[_context.Path, str]:
   """Checks that each FORGE kernel is read by its own layer only.
 
   A kernel with another consumer (a tied head, a second fused call, a
@@ -176,7 +178,8 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
   frozen layer) is returned either way: the standard path is its optax
   update. A
   layer whose fused op is missing from the trace (a cached trace, see below)
-  raises either way: that is not a shared weight.
+  raises either way: that is not a shared weight. ``kinds``: how the
+  messages name each layer's kind (default ``forge_jax.Dense``).
   """
   _READERS.names = readers = {}
   try:
@@ -193,6 +196,7 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
             and kp[2] == jax.tree_util.GetAttrKey("touched")}
   shared: dict[_context.Path, str] = {}
   for path, kp in kpaths.items():
+    kind = (kinds or {}).get(path, "forge_jax.Dense")
     follow = dict(path=path, owners=owners, readers=readers)
     uses: list[str] = []
     _consumers(closed.jaxpr, closed.jaxpr.invars[index[kp]], uses, **follow)
@@ -210,7 +214,7 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
       # the layer read its kernel from somewhere else. Its "new kernel"
       # would be the zero gradient of an unused input.
       raise ValueError(
-          f"forge_jax.Dense at {_context.layer_name(path)!r} ran in loss_fn, "
+          f"{kind} at {_context.layer_name(path)!r} ran in loss_fn, "
           "but its kernel in the variables the step received is never read: "
           "loss_fn must apply the model to its `variables` argument (does it "
           "close over other variables, e.g. a captured TrainState or params?)."
@@ -232,7 +236,7 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
         shared[path] = why
         continue
       raise ValueError(
-          f"forge_jax.Dense at {_context.layer_name(path)!r} runs inside "
+          f"{kind} at {_context.layer_name(path)!r} runs inside "
           f"control flow (its kernel is read by: {', '.join(dict.fromkeys(flow))}"
           ": lax.cond / nn.cond, a while or scan loop). A FORGE layer updates "
           "its kernel in its own backward, so it must run exactly once per "
@@ -245,7 +249,7 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
       # The layer was seen at discovery but its fused op does not read the
       # kernel: something between the two changed what the layer receives.
       raise ValueError(
-          f"forge_jax.Dense at {_context.layer_name(path)!r} did not read its "
+          f"{kind} at {_context.layer_name(path)!r} did not read its "
           f"kernel through its fused op inside the FORGE step (the kernel is "
           f"read by: {', '.join(dict.fromkeys(all_foreign))}). Causes: a JAX "
           "transform inside loss_fn that caches traces (jax.checkpoint or "
@@ -263,7 +267,7 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
         shared[path] = f"kernel also read by: {readers}"
         continue
       raise ValueError(
-          f"the kernel of forge_jax.Dense at {_context.layer_name(path)!r} is "
+          f"the kernel of {kind} at {_context.layer_name(path)!r} is "
           f"also read outside its own layer (by: {readers})."
           " FORGE updates a kernel in place during its backward, so it may "
           "have one consumer per step (paper Remark 2: tied or shared "

@@ -448,9 +448,10 @@ def _settle_shared_layers(loss_of, params, fused: _FusedLayers, fallback,
       (``_usage.check_single_use``).
   """
   while fused.kpaths:
-    extra = _usage.check_single_use(loss_of, params, fused.inputs,
-                                    fused.kpaths,
-                                    collect=shared == "standard")
+    extra = _usage.check_single_use(
+        loss_of, params, fused.inputs, fused.kpaths,
+        collect=shared == "standard",
+        kinds={p: info.kind for p, info in fused.layers.items()})
     if not extra:
       break
     fallback.update(extra)

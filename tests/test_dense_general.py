@@ -246,3 +246,24 @@ def test_large_misaligned_kernel_is_refused_under_int8_moments():
     forge_jax.make_step(mse(layer), tx)(variables, state, (x, y))
   standard = forge_jax.DenseGeneral(features=(4, 96), fused=False)
   forge_jax.make_step(mse(standard), tx)(variables, state, (x, y))
+
+
+class _TiedGeneral(nn.Module):
+  """A DenseGeneral whose kernel is read again outside the layer."""
+
+  @nn.compact
+  def __call__(self, x):
+    layer = forge_jax.DenseGeneral(features=(2, 3), name="proj")
+    h = layer(x)
+    kernel = layer.variables["params"]["kernel"]
+    return h.reshape(*h.shape[:-2], 6) + x @ kernel.reshape(x.shape[-1], 6)
+
+
+def test_a_shared_kernel_is_refused_naming_the_layers_kind():
+  """The single-use check names the layer as what it is: here a
+  DenseGeneral, not a Dense."""
+  x = _x((4, 5))
+  with pytest.raises(ValueError, match="the kernel of forge_jax.DenseGeneral "
+                     "at 'proj' is also read outside its own layer"):
+    step_once(_TiedGeneral(), forge_jax.adamw(1e-2),
+              (x, jnp.zeros((4, 6), jnp.float32)))

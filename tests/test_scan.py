@@ -185,7 +185,8 @@ class TiedStack(nn.Module):
 
 def test_stack_kernel_read_elsewhere_is_refused():
   model = TiedStack()
-  with pytest.raises(ValueError, match="'stack' is also read"):
+  with pytest.raises(ValueError, match="kernel of "
+                     "forge_jax.ScannedDenseStack at 'stack' is also read"):
     step_once(model, forge_jax.adamw(1e-2), data(steps=1)[0])
 
 
