@@ -940,36 +940,51 @@ def test_a_copied_optimizer_keeps_the_last_clipped_norm():
 # --- update plans: a weight's next plain update repeats its last one --------
 
 
-def _train_planned(monkeypatch, family, kw, steps, between=None, plans=True):
-  """``steps`` steps of a three-layer converted MLP (odd widths, random
-  data) with ``forge_torch.<family>(**kw)``; ``between(i, model, opt)``
-  runs before step ``i``. ``plans=False``: every update takes the full
-  path. Returns the model, the optimizer and how many updates their plan
-  ran."""
-  torch.manual_seed(3)
-  model = nn.Sequential(nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 6),
-                        nn.Tanh(), nn.Linear(6, 5))
-  assert forge_torch.convert(model) == ["0", "2", "4"]
-  opt = getattr(forge_torch, family)(model.parameters(), **kw)
+def _count_plans(monkeypatch, plans=True) -> list:
+  """Records, per plain update, whether its plan ran (``plans=False``: none
+  may run; every update then takes the full path)."""
   cls = forge_torch.optim._ForgeOptimizer
   run_plan = cls._forge_run_plan
   ran = []
 
   def counted(self, *args):
-    done = plans and run_plan(self, *args)
-    ran.append(done)
-    return done
+    ran.append(plans and run_plan(self, *args))
+    return ran[-1]
 
   monkeypatch.setattr(cls, "_forge_run_plan", counted)
-  g = torch.Generator().manual_seed(4)
-  for i in range(steps):
-    if between is not None:
-      between(i, model, opt)
-    x, y = torch.randn(7, 9, generator=g), torch.randn(7, 5, generator=g)
-    F.mse_loss(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-  monkeypatch.setattr(cls, "_forge_run_plan", run_plan)
+  return ran
+
+
+def _train_planned(monkeypatch, family, kw, steps, between=None, plans=True):
+  """``steps`` steps of a three-layer converted MLP (odd widths, random
+  data) with ``forge_torch.<family>(**kw)``; ``between(i, model, opt)``
+  runs before step ``i`` (with ``max_grad_norm`` set, the step takes a
+  closure). ``plans=False``: every update takes the full path. Returns
+  the model, the optimizer and how many updates their plan ran."""
+  torch.manual_seed(3)
+  model = nn.Sequential(nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 6),
+                        nn.Tanh(), nn.Linear(6, 5))
+  assert forge_torch.convert(model) == ["0", "2", "4"]
+  opt = getattr(forge_torch, family)(model.parameters(), **kw)
+  with monkeypatch.context() as m:
+    ran = _count_plans(m, plans)
+    g = torch.Generator().manual_seed(4)
+    for i in range(steps):
+      if between is not None:
+        between(i, model, opt)
+      x, y = torch.randn(7, 9, generator=g), torch.randn(7, 5, generator=g)
+
+      def closure():
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+      if opt.max_grad_norm is None:
+        closure()
+        opt.step()
+      else:  # the forward and backward run twice
+        opt.step(closure)
+      opt.zero_grad()
   return model, opt, sum(ran)
 
 
@@ -1069,60 +1084,17 @@ def test_a_change_between_steps_is_seen_by_the_plan(monkeypatch, change):
     if i == 3:
       change(opt)
 
-  clip = change is _clip_on
   kw = dict(lr=1e-2, weight_decay=0.1)
-  steps = 6
 
   def train(plans):
-    torch.manual_seed(5)
-    if not clip:
-      return _train_planned(monkeypatch, "AdamW", kw, steps, between, plans)
-    # (clipping needs step(closure): the closure runs the forward and
-    # backward twice)
-    return _train_clipped(monkeypatch, kw, steps, between, plans)
+    return _train_planned(monkeypatch, "AdamW", kw, 6, between, plans)
 
   planned, full = train(True), train(False)
   _assert_same_training(planned[:2], full[:2])
   # Of the six steps, the first creates the state, the second makes the
   # plans and the third runs them; after the change the full path runs
   # once (making the plans again), then the plans (clipping: never).
-  assert planned[2] == (3 if clip else 3 * 3)
-
-
-def _train_clipped(monkeypatch, kw, steps, between, plans):
-  torch.manual_seed(3)
-  model = nn.Sequential(nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 6),
-                        nn.Tanh(), nn.Linear(6, 5))
-  forge_torch.convert(model)
-  opt = forge_torch.AdamW(model.parameters(), **kw)
-  cls = forge_torch.optim._ForgeOptimizer
-  run_plan = cls._forge_run_plan
-  ran = []
-
-  def counted(self, *args):
-    done = plans and run_plan(self, *args)
-    ran.append(done)
-    return done
-
-  monkeypatch.setattr(cls, "_forge_run_plan", counted)
-  g = torch.Generator().manual_seed(4)
-  for i in range(steps):
-    between(i, model, opt)
-    x, y = torch.randn(7, 9, generator=g), torch.randn(7, 5, generator=g)
-
-    def closure():
-      loss = F.mse_loss(model(x), y)
-      loss.backward()
-      return loss
-
-    if opt.max_grad_norm is None:
-      closure()
-      opt.step()
-    else:
-      opt.step(closure)
-    opt.zero_grad()
-  monkeypatch.setattr(cls, "_forge_run_plan", run_plan)
-  return model, opt, sum(ran)
+  assert planned[2] == (3 if change is _clip_on else 3 * 3)
 
 
 def test_an_lr_set_during_a_backward_reaches_the_later_plans(monkeypatch):
@@ -1135,23 +1107,19 @@ def test_an_lr_set_during_a_backward_reaches_the_later_plans(monkeypatch):
                           nn.Tanh(), nn.Linear(6, 5))
     forge_torch.convert(model)
     opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
-    cls = forge_torch.optim._ForgeOptimizer
-    run_plan = cls._forge_run_plan
-    ran = []
-    monkeypatch.setattr(cls, "_forge_run_plan", lambda self, *a: ran.append(
-        plans and run_plan(self, *a)) or ran[-1])
     g = torch.Generator().manual_seed(4)
     group = opt.param_groups[0]
-    for i in range(5):
-      x, y = torch.randn(7, 9, generator=g), torch.randn(7, 5, generator=g)
-      h = model[1](model[0](x))
-      if i >= 3:  # layer 0's update steps with a larger lr
-        h.register_hook(lambda grad: group.__setitem__("lr", 5e-2))
-      F.mse_loss(model[2:](h), y).backward()
-      group["lr"] = 1e-2
-      opt.step()
-      opt.zero_grad()
-    monkeypatch.setattr(cls, "_forge_run_plan", run_plan)
+    with monkeypatch.context() as m:
+      ran = _count_plans(m, plans)
+      for i in range(5):
+        x, y = torch.randn(7, 9, generator=g), torch.randn(7, 5, generator=g)
+        h = model[1](model[0](x))
+        if i >= 3:  # layer 0's update steps with a larger lr
+          h.register_hook(lambda grad: group.__setitem__("lr", 5e-2))
+        F.mse_loss(model[2:](h), y).backward()
+        group["lr"] = 1e-2
+        opt.step()
+        opt.zero_grad()
     return model, opt, sum(ran)
 
   planned, full = train(True), train(False)
