@@ -20,11 +20,10 @@ On the CPU, ``--launch`` says what stands in for the fused update:
           checks, hyperparameter ring, update plans), with only the compiled
           kernel's launch and the pinned ring's memory stood in for.
 
-On CUDA (``--device cuda``, bfloat16 parameters
-and AdamW state, ``--bt`` rows) nothing is stubbed: the forge arm launches
-the fused kernel (directly, on a Hopper GPU), and the layers are small
-enough that the GPU waits on the host, so the figures are the host's work
-per layer, launches included.
+On CUDA (``--device cuda``: bfloat16 parameters and AdamW state, ``--bt``
+rows) nothing stands in: the forge arm launches the fused kernel (directly,
+on a Hopper GPU), and the layers are small enough that the GPU waits on the
+host, so the figures are the host's work per layer, launches included.
 
 The figures are host time per layer per step, split into the forward, the
 backward, ``step()`` and ``zero_grad()`` (``perf_counter`` around each,
@@ -179,8 +178,9 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="out/bench/torch_overhead.csv")
   p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-  p.add_argument("--launch", default="stub", choices=("stub", "direct"),
-                 help="on the CPU: what stands in for the fused update")
+  p.add_argument("--launch", default=None, choices=("stub", "direct"),
+                 help="on the CPU: what stands in for the fused update "
+                 "(default: stub)")
   p.add_argument("--layers", type=common.positive_int, default=20)
   p.add_argument("--width", type=common.positive_int, default=None,
                  help="16 on the CPU, 256 on CUDA")
@@ -194,6 +194,9 @@ def main(argv=None) -> int:
   p.add_argument("--profile", type=int, default=0, metavar="N")
   args = p.parse_args(argv)
   cuda = args.device == "cuda"
+  if cuda and args.launch is not None:
+    p.error("--launch is for the CPU: on CUDA the fused kernel is launched")
+  args.launch = args.launch or "stub"
   width = args.width or (256 if cuda else 16)
   bt = args.bt or (64 if cuda else 4)
   if cuda:

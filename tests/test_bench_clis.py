@@ -379,3 +379,12 @@ def test_torch_overhead_writes_rows_and_restores_the_bridge(tmp_path,
   assert all(float(r["p50"]) > 0 and r["unit"] == "us" for r in rows)
   assert {r["dtypes"] for r in rows} == {
       "float32" if launch == "stub" else "bfloat16"}
+
+
+def test_torch_overhead_refuses_a_stand_in_on_cuda(capsys):
+  pytest.importorskip("torch")
+  from benchmarks import torch_overhead
+  with pytest.raises(SystemExit) as e:
+    torch_overhead.main(["--device", "cuda", "--launch", "direct"])
+  assert e.value.code == 2
+  assert "--launch is for the CPU" in capsys.readouterr().err
