@@ -1016,20 +1016,22 @@ class _ForgeOptimizer:
             and not _dist_initialized()):
       return False
     state, step, record = plan.state, plan.step, plan.record
-    if (self.state.get(p) is not state or state.get("step") is not step
-        or self._forge_steps._values.get(_key(step)) is not record
-        or record.version != step._version or record.value is None):
+    if self.state.get(p) is not state or state.get("step") is not step:
       return False
     slots = plan.slots
     for name, s in zip(plan.rule.slots, slots):
       if state.get(name) is not s:
         return False
-    deferred = plan.deferred
-    if not deferred and not (record.array is not None
-                             and step.data_ptr() == record.ptr
-                             and step.dtype == record.dtype):
-      return False
-    t = record.value + 1
+    deferred, t = plan.deferred, None
+    if step is not None:  # (None: a family without a step count, SGD)
+      if (self._forge_steps._values.get(_key(step)) is not record
+          or record.version != step._version or record.value is None):
+        return False
+      if not deferred and not (record.array is not None
+                               and step.data_ptr() == record.ptr
+                               and step.dtype == record.dtype):
+        return False
+      t = record.value + 1
     group = seen[index]
     if index not in self._forge_used:  # (as the full path: step() checks)
       self._forge_used[index] = _options_snapshot(group)
@@ -1057,13 +1059,16 @@ class _ForgeOptimizer:
       _bridge.fused_update(grad_output, input, p.data, slots, vec, rule=rule,
                            config=config, views=views)
     # As _forge_step_weight ends.
-    if deferred:
+    if step is None:
+      _increment_version([p, *slots])
+    elif deferred:
       self._forge_pending_steps.append((step, record))
       _increment_version([p, *slots])
     else:
       record.array[()] = t
       _increment_version([p, *slots, step])
-    record.version, record.value = step._version, t
+    if record is not None:
+      record.version, record.value = step._version, t
     self._forge_updated[p] = True
     return True
 
@@ -1359,8 +1364,9 @@ class _ForgeOptimizer:
     for name, value in scalar_updates.items():
       state[name].copy_(value)
     self._forge_updated[p] = True
-    if plain and record is not None and isinstance(step, torch.Tensor) and (
-        _defers_step(step) or record.array is not None):
+    if plain and (step is None and "step" not in state or (
+        record is not None and isinstance(step, torch.Tensor)
+        and (_defers_step(step) or record.array is not None))):
       self._forge_plans[p] = _UpdatePlan(
           self, index, shared, config, state, slots, step, record,
           _bridge.resolved_launch(grad_output, input, weight, slots,
@@ -1586,7 +1592,8 @@ class _UpdatePlan:
   the full path's reads and checks (:meth:`_ForgeOptimizer._forge_run_plan`
   says which it checks instead): the weight's group and the param-groups
   list it was read from, the group's shared scalars, the layer's tiling,
-  the weight's state dict, slots and step tensor with its record, the
+  the weight's state dict, slots and step tensor with its record (none
+  for a family without a step count), the
   direct launch it took (``None``: the DLPack path) and the signature of its
   operands (shapes, dtypes, devices)."""
 
@@ -1599,8 +1606,8 @@ class _UpdatePlan:
     self.index, self.seen = index, optimizer._forge_groups_seen
     self.shared, self.rule, self.config = shared, shared.rule, config
     self.state, self.slots = state, tuple(slots)
-    self.step, self.record = step, record
-    self.deferred = _defers_step(step)
+    self.step, self.record = step, record  # (None, None: no step count)
+    self.deferred = step is not None and _defers_step(step)
     self.launch, self.signature = launch, signature
 
 

@@ -1005,6 +1005,7 @@ def _assert_same_training(a, b):
     ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
     ("Adam", dict(lr=1e-2, amsgrad=True)),
     ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True)),
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01)),
     ("Adagrad", dict(lr=0.1, lr_decay=0.01)),
     ("RMSprop", dict(lr=1e-2, centered=True, momentum=0.5)),
     ("RAdam", dict(lr=1e-2)),
@@ -1014,14 +1015,13 @@ def test_repeated_updates_take_their_plan_bit_for_bit(monkeypatch, family,
   """From a weight's third update on (the first creates its state, the
   second finds it and keeps the plan; Adagrad's state is made at
   construction: from the second), each update repeats the last one's plan:
-  the same bits as the full path, step after step. (SGD keeps no step
-  count, which a plan needs: its updates take the full path.)"""
+  the same bits as the full path, step after step (SGD's, which keeps no
+  step count, too)."""
   steps = 5
   planned = _train_planned(monkeypatch, family, kw, steps)
   full = _train_planned(monkeypatch, family, kw, steps, plans=False)
   _assert_same_training(planned[:2], full[:2])
-  expected = {"SGD": 0, "Adagrad": (steps - 1) * 3}.get(family,
-                                                       (steps - 2) * 3)
+  expected = (steps - 1 if family == "Adagrad" else steps - 2) * 3
   assert planned[2] == expected
 
 
