@@ -1027,9 +1027,9 @@ class _ForgeOptimizer:
       if (self._forge_steps._values.get(_key(step)) is not record
           or record.version != step._version or record.value is None):
         return False
-      if not deferred and not (record.array is not None
-                               and step.data_ptr() == record.ptr
-                               and step.dtype == record.dtype):
+      if deferred != _defers_step(step) or not deferred and not (
+          record.array is not None and step.data_ptr() == record.ptr
+          and step.dtype == record.dtype):
         return False
       t = record.value + 1
     group = seen[index]
