@@ -992,22 +992,19 @@ class _ForgeOptimizer:
     otherwise, and :meth:`_forge_fused_update` then takes its full path.
 
     What the full path would check or read again, checked here: the param
-    groups and the weight's place in them, the group's options (the very
-    same objects as its shared scalars were formed from), the optimizer's
-    modes (clipping, accumulation, quantized moments, stochastic rounding,
+    groups and the weight's place in them, the group's shared scalars
+    (formed anew where its options were replaced) and its rule (the
+    plan's), the optimizer's modes (clipping, accumulation, quantized moments, stochastic rounding,
     CUDA-graph capture, data parallelism), the weight's state (the same
     tensors, and a step count this optimizer wrote), the step's scalars,
     and the operands' shapes, dtypes, layouts and devices (the direct
     launch's key, or the plan's signature on the DLPack path)."""
-    index, shared, groups = plan.index, plan.shared, self.param_groups
-    seen = plan.seen
+    index, groups, seen = plan.index, self.param_groups, plan.seen
     if not (config is plan.config
             and self._forge_groups_seen is seen and len(groups) == len(seen)
             and groups[index] is seen[index]
             and self._forge_managed._values.get(pk) == index
             and pk not in self._forge_updated._values
-            and self._forge_scalars.get(index) is shared
-            and shared.holds(seen[index])
             and self._forge_max_grad_norm is None
             and self._forge_accumulate_steps == 1
             and self._forge_clip_phase is None
@@ -1022,17 +1019,23 @@ class _ForgeOptimizer:
     for name, s in zip(plan.rule.slots, slots):
       if state.get(name) is not s:
         return False
-    deferred, t = plan.deferred, None
+    t = None
     if step is not None:  # (None: a family without a step count, SGD)
       if (self._forge_steps._values.get(_key(step)) is not record
           or record.version != step._version or record.value is None):
         return False
-      if deferred != _defers_step(step) or not deferred and not (
-          record.array is not None and step.data_ptr() == record.ptr
-          and step.dtype == record.dtype):
-        return False
       t = record.value + 1
     group = seen[index]
+    # The group's scalars, shared by its weights: formed anew where its
+    # options were replaced (an lr scheduler's step, an lr set during the
+    # backward), as the full path does; its rule must still be the plan's.
+    shared = self._forge_scalars.get(index)
+    if shared is None or not shared.holds(group):
+      shared = self._forge_shared_scalars(index, group, plan.device)
+      if shared is None:
+        return False
+    if shared.rule is not plan.rule and shared.rule != plan.rule:
+      return False
     if index not in self._forge_used:  # (as the full path: step() checks)
       self._forge_used[index] = _options_snapshot(group)
     scalars = shared.scalars.get((t, False))
@@ -1042,9 +1045,7 @@ class _ForgeOptimizer:
         return False
       scalars = shared.scalars[(t, False)] = _Scalars(values)
     rule = plan.rule
-    vec = scalars._packed
-    if vec is None:
-      vec = scalars.packed(rule)
+    vec = scalars.packed(rule)
     if plan.launch is not None:
       if not _bridge.relaunch(plan.launch, grad_output, input, p, slots, vec,
                               rule, config):
@@ -1058,17 +1059,7 @@ class _ForgeOptimizer:
         views = self._forge_views[p] = _bridge.ViewCache()
       _bridge.fused_update(grad_output, input, p.data, slots, vec, rule=rule,
                            config=config, views=views)
-    # As _forge_step_weight ends.
-    if step is None:
-      _increment_version([p, *slots])
-    elif deferred:
-      self._forge_pending_steps.append((step, record))
-      _increment_version([p, *slots])
-    else:
-      record.array[()] = t
-      _increment_version([p, *slots, step])
-    if record is not None:
-      record.version, record.value = step._version, t
+    self._forge_advance_step(state, step, record, t, [p, *slots])
     self._forge_updated[p] = True
     return True
 
@@ -1331,6 +1322,25 @@ class _ForgeOptimizer:
       views.discard(acc)
       self._forge_acc.pop(p, None)
       self._forge_micro.pop(p, None)
+    record = self._forge_advance_step(state, step, record, t, bumped)
+    for name, value in scalar_updates.items():
+      state[name].copy_(value)
+    self._forge_updated[p] = True
+    if plain and (step is None and "step" not in state
+                  or isinstance(step, torch.Tensor)):
+      self._forge_plans[p] = _UpdatePlan(
+          self, index, rule, device, config, state, slots, step, record,
+          _bridge.resolved_launch(grad_output, input, weight, slots,
+                                  len(hparams), rule, config),
+          _plan_signature(p, slots))
+    else:
+      self._forge_plans.pop(p, None)
+
+  def _forge_advance_step(self, state, step, record: "_StepRecord | None",
+                          t, bumped: list) -> "_StepRecord | None":
+    """After an update: advances the weight's step count to ``t``, bumps
+    the version counters of ``bumped`` (the weight and the state it wrote)
+    and returns the count's record (``None``: no tensor count)."""
     # Scalar state advances once the update is done (torch: `step_t += 1`).
     # A tensor step is set to t, the same value: by a store through its
     # record's NumPy view if it is a CPU one this optimizer wrote before
@@ -1361,19 +1371,7 @@ class _ForgeOptimizer:
       record.version, record.value = step._version, t
     elif "step" in state:
       state["step"] += 1
-    for name, value in scalar_updates.items():
-      state[name].copy_(value)
-    self._forge_updated[p] = True
-    if plain and (step is None and "step" not in state or (
-        record is not None and isinstance(step, torch.Tensor)
-        and (_defers_step(step) or record.array is not None))):
-      self._forge_plans[p] = _UpdatePlan(
-          self, index, shared, config, state, slots, step, record,
-          _bridge.resolved_launch(grad_output, input, weight, slots,
-                                  len(hparams), rule, config),
-          _plan_signature(p, slots))
-    else:
-      self._forge_plans.pop(p, None)
+    return record
 
   # -- gradient accumulation --------------------------------------------------
 
@@ -1588,26 +1586,26 @@ class _StepRecord:
 class _UpdatePlan:
   """A managed weight's last plain update (no accumulation, clipping,
   quantized moments, stochastic rounding, sharding or capture; state
-  present; the group's shared scalars), kept so that the next one can skip
+  present; the group's scalars shared), kept so that the next one can skip
   the full path's reads and checks (:meth:`_ForgeOptimizer._forge_run_plan`
-  says which it checks instead): the weight's group and the param-groups
-  list it was read from, the group's shared scalars, the layer's tiling,
-  the weight's state dict, slots and step tensor with its record (none
-  for a family without a step count), the
+  says which it checks instead): the weight's group index and the
+  param-groups list it was read from, the group's rule, the weight's
+  device, the layer's tiling, the weight's state dict, slots and step
+  tensor with its record (none for a family without a step count), the
   direct launch it took (``None``: the DLPack path) and the signature of its
   operands (shapes, dtypes, devices)."""
 
-  __slots__ = ("index", "seen", "shared", "config", "state", "slots",
-               "step", "record", "deferred", "rule", "launch", "signature")
+  __slots__ = ("index", "seen", "rule", "device", "config", "state",
+               "slots", "step", "record", "launch", "signature")
 
-  def __init__(self, optimizer, index: int, shared: "_SharedScalars",
-               config, state: dict, slots: list, step: torch.Tensor,
-               record: "_StepRecord", launch, signature: tuple):
+  def __init__(self, optimizer, index: int, rule: UpdateRule,
+               device: torch.device, config, state: dict, slots: list,
+               step: torch.Tensor | None, record: "_StepRecord | None",
+               launch, signature: tuple):
     self.index, self.seen = index, optimizer._forge_groups_seen
-    self.shared, self.rule, self.config = shared, shared.rule, config
+    self.rule, self.device, self.config = rule, device, config
     self.state, self.slots = state, tuple(slots)
-    self.step, self.record = step, record  # (None, None: no step count)
-    self.deferred = step is not None and _defers_step(step)
+    self.step, self.record = step, record
     self.launch, self.signature = launch, signature
 
 

@@ -1093,14 +1093,35 @@ def test_a_change_between_steps_is_seen_by_the_plan(monkeypatch, change):
   _assert_same_training(planned[:2], full[:2])
   # Of the six steps, the first creates the state, the second makes the
   # plans and the third runs them; after the change the full path runs
-  # once (making the plans again), then the plans (clipping: never).
-  assert planned[2] == (3 if change is _clip_on else 3 * 3)
+  # once (making the plans again), then the plans (clipping: never; a new
+  # lr: the plans run on, forming the group's scalars anew).
+  assert planned[2] == {_clip_on: 3, _scale_lr: 3 * 4}.get(change, 3 * 3)
+
+
+def test_plans_run_under_an_lr_scheduler(monkeypatch):
+  """An lr scheduler replaces the group's lr every step: the plans run on
+  (the group's scalars formed anew by the step's first update), with the
+  full path's bits."""
+  def schedule(i, model, opt):
+    if i == 0:
+      opt.scheduler = torch.optim.lr_scheduler.LambdaLR(
+          opt, lambda n: 1.0 / (1 + n))
+    else:
+      opt.scheduler.step()
+
+  kw = dict(lr=1e-2, weight_decay=0.1)
+  planned = _train_planned(monkeypatch, "AdamW", kw, 6, schedule)
+  full = _train_planned(monkeypatch, "AdamW", kw, 6, schedule, plans=False)
+  _assert_same_training(planned[:2], full[:2])
+  assert planned[1].param_groups[0]["lr"] == pytest.approx(1e-2 / 6)
+  assert planned[2] == 4 * 3
 
 
 def test_an_lr_set_during_a_backward_reaches_the_later_plans(monkeypatch):
-  """A plan repeats its group's shared scalars only while the group holds
-  the very same options: an lr set between two layers' backwards (undone
-  before step()) reaches the layers updated after it, plans or not."""
+  """A plan uses its group's shared scalars only while the group holds the
+  very same options, else forms them anew: an lr set between two layers'
+  backwards (undone before step()) reaches the layers updated after it,
+  plans or not."""
   def train(plans):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 6),
@@ -1124,8 +1145,7 @@ def test_an_lr_set_during_a_backward_reaches_the_later_plans(monkeypatch):
 
   planned, full = train(True), train(False)
   _assert_same_training(planned[:2], full[:2])
-  # Step 2: three plans. Step 3: the two layers updated before the hook
-  # run theirs; layer 0 (lr changed) takes the full path, which forms the
-  # group's shared scalars anew. Step 4: so every layer takes the full
-  # path (their plans hold the replaced scalars; layer 0's again differ).
-  assert planned[2] == 3 + 2
+  # Steps 2 to 4: every layer's plan; in steps 3 and 4 layer 0's (after
+  # the lr set) and then the next step's first forms the group's scalars
+  # anew.
+  assert planned[2] == 3 * 3
