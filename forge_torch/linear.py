@@ -601,14 +601,20 @@ class Linear(nn.Linear):
     return name
 
   def forward(self, input: torch.Tensor) -> torch.Tensor:
-    if _is_compiling():  # traced by Dynamo (torch.compile, torch.export)
+    if _is_compiling():  # traced: torch.compile, torch.export
+      if _is_exporting():
+        # An exported program is the standard layer (FORGE's update happens
+        # in an eager backward, which no exported graph holds).
+        return F.linear(input, self.weight, self.bias)
       return _forward_eagerly(self, input)
     params = self._parameters
     try:  # what self.weight, self.bias find, without Module.__getattr__
       w, bias = params["weight"], params["bias"]
     except KeyError:  # not parameters (e.g. parametrized): as attributes
       w, bias = self.weight, self.bias
-    if not (self.fused and _grad_enabled()):
+    # (Under torch.jit.trace, the standard layer: its graph records torch's
+    # ops, and its check reruns the forward without autograd, here too.)
+    if not (self.fused and _grad_enabled()) or _jit_tracing() is not None:
       return F.linear(input, w, bias)
     if self._is_fsdp_managed_module:
       # FSDP2 swapped in a gathered copy of the weight. Unprepared: refused
@@ -677,10 +683,18 @@ class Linear(nn.Linear):
 # never traces), so importing forge_torch does not import torch._dynamo
 # (seconds). A torch without it (a private name) gets the eager decorator.
 _is_compiling = torch.compiler.is_compiling
+# torch.export (strict: Dynamo traces with both flags set; non-strict: the
+# forward runs in Python with both set, where a hand-over to the eager
+# forward would find them set again).
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_jit_tracing = torch._C._get_tracing_state  # noqa: SLF001  (None: not tracing)
 
 
 @getattr(torch, "_disable_dynamo", torch.compiler.disable)
 def _forward_eagerly(layer: "Linear", input: torch.Tensor) -> torch.Tensor:
+  if _is_compiling():  # a tracer other than Dynamo sets the flag: the
+    # eager forward would hand itself back here; the standard layer instead
+    return F.linear(input, layer.weight, layer.bias)
   return layer.forward(input)
 
 

@@ -132,6 +132,46 @@ def test_torch_compile_keeps_the_fused_update(backend):
     torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_traces_the_standard_layer(strict):
+  """torch.export (both modes) traces a managed layer as nn.Linear, with a
+  live optimizer and autograd on, and counts no use of its weight: the
+  training step after it is FORGE's, equal to torch's."""
+  ref, model = _model(), _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+  x = torch.randn(5, 8)
+  exported = torch.export.export(model, (x,), strict=strict).module()
+  torch.testing.assert_close(exported(x), ref(x))
+  with torch.no_grad():
+    torch.testing.assert_close(model(x), ref(x))
+  for m in (model, ref):
+    m(x).square().mean().backward()
+  assert model[0].fc1.weight.grad is None  # FORGE's update, not .grad
+  opt.step()
+  ref_opt.step()
+  for p, q in zip(model.parameters(), ref.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_jit_trace_records_the_standard_layer():
+  """torch.jit.trace with autograd on records torch's linear, counts no use
+  (a training step runs after it), and its trace gives the layer's output."""
+  model = _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  x = torch.randn(5, 8)
+  traced = torch.jit.trace(model, (x,))
+  with torch.no_grad():
+    torch.testing.assert_close(traced(x), model(x))
+  before = model[1].weight.detach().clone()
+  model(x).square().mean().backward()
+  assert model[1].weight.grad is None
+  assert not torch.equal(model[1].weight, before)  # updated by its backward
+  opt.step()
+
+
 def test_import_does_not_load_dynamo():
   """Importing forge_torch leaves torch._dynamo (seconds to import) unloaded:
   the layer's compile guard above is applied at its first call, not at import.
