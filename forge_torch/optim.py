@@ -724,7 +724,8 @@ class _ForgeOptimizer:
         _check_single_process(managed)
       self._forge_check_options(group)
       for p in managed:
-        _bridge.check_dtype(p, "a forge_torch.Linear weight")
+        _bridge.check_dtype(p, f"forge_torch.Linear's {_linear.weight_name(p)}")
+        _check_contiguous(p, _linear.weight_name(p))
       if managed:
         self._forge_rule(group)  # refuses unfusable combinations now
       self._forge_check_low_precision(group, managed)
@@ -860,6 +861,8 @@ class _ForgeOptimizer:
           "optimizer (it is in none of its param_groups)")
     if w.dtype not in _bridge.SUPPORTED_DTYPES:
       _bridge.check_dtype(w, f"the weight of forge_torch.Linear {layer}")
+    if not w.is_contiguous():
+      _check_contiguous(w, f"the weight of forge_torch.Linear {layer}")
     if x.device != w.device:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: input is on {x.device} but the weight "
@@ -1677,6 +1680,20 @@ def _immutable(v) -> bool:
   if type(v) is tuple:
     return all(type(a) in _IMMUTABLE for a in v)
   return type(v) in _IMMUTABLE
+
+
+def _check_contiguous(w: torch.Tensor, what: str) -> None:
+  """Refuses a managed weight that is not contiguous (e.g. a transposed
+  tensor loaded with ``load_state_dict(..., assign=True)``) before any
+  update of the step, rather than in one layer's backward after others."""
+  if not w.is_contiguous():
+    raise ValueError(
+        f"forge_torch: {what} is not contiguous in memory (e.g. a transposed "
+        "tensor assigned or loaded with load_state_dict(..., assign=True)); "
+        "the fused kernel updates a weight in place, row-major. Load a "
+        "contiguous tensor (t.contiguous()), or assign layer.weight = "
+        "nn.Parameter(layer.weight.detach().contiguous()) before building "
+        "the optimizer.")
 
 
 def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:

@@ -203,6 +203,32 @@ def test_convert_reports_skipped_layers_with_reasons():
   assert "0.fc2:" in message and "2: its weight is torch.float64" in message
 
 
+def test_a_weight_made_non_contiguous_after_convert_is_refused_by_name():
+  """A transposed tensor loaded with assign=True after convert(): the
+  optimizer refuses it at construction, naming the weight; one swapped in
+  later (.data) is refused at the forward, before any update of the step."""
+  model = _model()
+  forge_torch.convert(model)
+  sd = model.state_dict()
+  sd["0.fc1.weight"] = torch.randn(8, 16).t()
+  model.load_state_dict(sd, assign=True)
+  assert forge_torch.is_forge_weight(model[0].fc1.weight)
+  with pytest.raises(ValueError, match=r"0\.fc1\.weight is not contiguous.*"
+                     r"contiguous\(\)"):
+    forge_torch.SGD(model.parameters(), lr=0.1)
+  model = _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  before = [p.detach().clone() for p in model.parameters()]
+  model[1].weight.data = torch.randn(4, 3).t()
+  with pytest.raises(ValueError, match=r"forge_torch.Linear 1 is not "
+                     "contiguous"):
+    _backward(model)
+  # Refused in the forward: no layer of the step was updated.
+  assert all(torch.equal(p, q) for p, q in zip(model[0].parameters(), before))
+  del opt
+
+
 def test_convert_skips_a_non_contiguous_weight_with_the_fix():
   """A transposed view assigned as the weight: torch.optim trains it, the
   in-place kernel cannot, so convert() leaves the layer nn.Linear and says
