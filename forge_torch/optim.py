@@ -884,6 +884,11 @@ class _ForgeOptimizer:
     calls = self._forge_calls
     n = calls._values.get(wk, 0)
     k = self._forge_accumulate_steps
+    if n < k and wk in self._forge_updated._values:
+      # Updated in this step by a forward that had stopped counting (its
+      # backward first asked for other gradients only: autograd.grad, then
+      # backward through the same graph): the step's uses are spent.
+      n = k
     if n >= k and k > 1:
       applied = (
           f" This step's update of the weight has been applied already (by "

@@ -322,9 +322,13 @@ def test_input_gradient_with_retain_graph_then_training_backward():
     (gx,) = torch.autograd.grad(loss, x, retain_graph=True)
     gxs.append(gx)
     loss.backward()  # the same graph, now training
+    if m is fm:  # its update applied: a second forward is refused
+      with pytest.raises(RuntimeError, match="called a second time"):
+        fm(data()[0])
     o.step()
   assert rel(gxs[1], gxs[0]) <= TOL
   assert_models_close(fm, ref)
+  F.mse_loss(fm(x), y).backward()  # a new step: allowed again
 
 
 def test_jacobian_and_repeated_weight_gradients_through_one_graph():
