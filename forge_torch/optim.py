@@ -513,11 +513,14 @@ class _ForgeOptimizer:
     cannot be shared (per-weight scalars, or an option that could change
     without being replaced, e.g. a tensor ``lr``): each update then computes
     its own, as the family's hooks say."""
-    if self._forge_hparams_per_weight:
-      return None
     shared = self._forge_scalars.get(index)
     if shared is not None and shared.valid_for(group, device):
       return shared  # every option the very same (immutable) object
+    # Options set after construction (e.g. differentiable=True), refused as
+    # add_param_group and load_state_dict refuse them.
+    self._forge_check_options(group)
+    if self._forge_hparams_per_weight:
+      return None
     if not all(_immutable(v) for k, v in group.items() if k != "params"):
       self._forge_scalars.pop(index, None)
       return None

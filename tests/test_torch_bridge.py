@@ -546,6 +546,18 @@ def test_unsupported_options_raise(kwargs):
   opt = forge_torch.AdamW([layer.bias])
   with pytest.raises(ValueError, match="does not support"):
     opt.add_param_group({"params": [layer.weight], **kwargs})
+  # Set on the group after construction: refused at the update, whose
+  # weight is left alone (with and without a plan from an earlier update).
+  for family in (forge_torch.AdamW, forge_torch.NAdam):
+    opt = family(layer.parameters())
+    for _ in range(2):
+      layer(torch.randn(2, 4)).sum().backward()
+      opt.step()
+    opt.param_groups[0].update(kwargs)
+    before = layer.weight.detach().clone()
+    with pytest.raises(ValueError, match="does not support"):
+      layer(torch.randn(2, 4)).sum().backward()
+    assert torch.equal(layer.weight, before)
 
 
 def _layer_and_opt(**kw):
