@@ -7,7 +7,11 @@ A stack of ``--layers`` small ``--width x --width`` linear layers (no bias)
 trained ``--steps`` steps after ``--warmup`` steps, in two arms:
 
   torch   ``nn.Linear`` + ``torch.optim.AdamW`` (``fused=True`` on CUDA);
-  forge   ``forge_torch.Linear`` + ``forge_torch.AdamW`` (the same).
+  forge   ``forge_torch.Linear`` + ``forge_torch.AdamW`` (the same);
+  floor   (``--arms ... floor``) the least a Python layer of FORGE's form
+          costs: a minimal ``torch.autograd.Function`` whose forward is
+          ``F.linear`` and whose backward forms the input's gradient and no
+          update (``torch.optim.AdamW``, with no gradient to step).
 
 On the CPU, ``--launch`` says what stands in for the fused update:
 
@@ -43,6 +47,7 @@ import time
 from benchmarks import common
 
 PHASES = ("forward", "backward", "step", "zero_grad")
+ARMS = ("torch", "forge", "floor")
 
 
 class _StandInKernel:
@@ -111,6 +116,32 @@ def _direct_stand_in(bridge, direct):
   return undo
 
 
+def _floor_linear():
+  """An ``nn.Linear`` whose forward is a minimal autograd Function that
+  saves what FORGE's backward reads (input and weight) and returns only the
+  input's gradient: forge_torch's layer without its checks, bookkeeping and
+  update."""
+  import torch  # noqa: PLC0415
+  import torch.nn.functional as F  # noqa: PLC0415,N812
+
+  class Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight):
+      ctx.save_for_backward(input, weight)
+      return F.linear(input, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+      _, weight = ctx.saved_tensors
+      return grad_output.matmul(weight), None
+
+  class FloorLinear(torch.nn.Linear):
+    def forward(self, input):
+      return Fn.apply(input, self.weight)
+
+  return FloorLinear
+
+
 def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
             device: str = "cpu", bt: int = 4, profile: int = 0,
             launch: str = "stub") -> dict[str, float]:
@@ -125,7 +156,8 @@ def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
   cuda = device == "cuda"
   dtype = (torch.bfloat16 if cuda or launch == "direct"
            else torch.float32)
-  linear = forge_torch.Linear if forge else torch.nn.Linear
+  linear = (forge_torch.Linear if forge else _floor_linear()
+            if arm == "floor" else torch.nn.Linear)
   model = torch.nn.Sequential(*[linear(width, width, bias=False)
                                 for _ in range(layers)]).to(device, dtype)
   opt = (forge_torch.AdamW if forge else torch.optim.AdamW)(
@@ -192,6 +224,9 @@ def main(argv=None) -> int:
                  help="runs of each arm, alternating; the figures are each "
                  "phase's least median over them")
   p.add_argument("--profile", type=int, default=0, metavar="N")
+  p.add_argument("--arms", nargs="+", choices=ARMS,
+                 default=["torch", "forge"],
+                 help="floor: a minimal autograd Function with no update")
   args = p.parse_args(argv)
   cuda = args.device == "cuda"
   if cuda and args.launch is not None:
@@ -211,9 +246,10 @@ def main(argv=None) -> int:
           "per layer per step, direct launch path, kernel launch stood in")
   shape = f"{args.layers} x Linear({width}, {width}), BT {bt}"
   dtypes = "bfloat16" if cuda or args.launch == "direct" else "float32"
-  runs = {"torch": [], "forge": []}
+  arms = [a for a in ARMS if a in args.arms]
+  runs = {arm: [] for arm in arms}
   for r in range(args.repeat):
-    for arm in ("torch", "forge"):
+    for arm in arms:
       runs[arm].append(run_arm(arm, args.layers, width, args.steps,
                                args.warmup, args.device, bt,
                                args.profile if r == args.repeat - 1 else 0,
@@ -229,8 +265,9 @@ def main(argv=None) -> int:
                                      t.items())
           + f"  total {totals[arm] * 1e6:6.1f} us per layer per step",
           flush=True)
-  print(f"forge - torch: {(totals['forge'] - totals['torch']) * 1e6:.1f} us "
-        "per layer per step", flush=True)
+  for arm in arms[1:]:
+    print(f"{arm} - {arms[0]}: {(totals[arm] - totals[arms[0]]) * 1e6:.1f} "
+          "us per layer per step", flush=True)
   return 0
 
 

@@ -381,6 +381,26 @@ def test_torch_overhead_writes_rows_and_restores_the_bridge(tmp_path,
       "float32" if launch == "stub" else "bfloat16"}
 
 
+def test_torch_overhead_floor_arm_updates_nothing(tmp_path):
+  """The floor arm trains nothing (its Function returns no weight
+  gradient) and writes its rows beside the arms asked for."""
+  torch = pytest.importorskip("torch")
+  from benchmarks import torch_overhead
+  layer = torch_overhead._floor_linear()(4, 3, bias=False)
+  before = layer.weight.detach().clone()
+  x = torch.randn(2, 4, requires_grad=True)
+  layer(x).square().sum().backward()
+  assert layer.weight.grad is None and torch.equal(layer.weight, before)
+  torch.testing.assert_close(x.grad, 2 * (x @ before.t()) @ before)
+  out = tmp_path / "o.csv"
+  assert torch_overhead.main(["--out", str(out), "--layers", "2", "--steps",
+                              "2", "--warmup", "1", "--arms", "floor",
+                              "torch"]) == 0
+  with open(out) as f:
+    rows = list(csv.DictReader(f))
+  assert {r["provider"] for r in rows} == {"torch", "floor"}
+
+
 def test_torch_overhead_refuses_a_stand_in_on_cuda(capsys):
   pytest.importorskip("torch")
   from benchmarks import torch_overhead
