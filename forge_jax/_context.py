@@ -59,6 +59,9 @@ class LayerInfo:
   # read again inside a ScannedBlocks block, or a layer under a transform
   # there); None: nothing known against it.
   unfusable: str | None = None
+  # The kernel array its first call read (None: not given), to tell a
+  # second model's call of the same path from a second call of this one.
+  kernel: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -146,21 +149,44 @@ SHARED_FIX = (
     "automatically for every shared FORGE layer (and warns which).")
 
 
+# What a second call of a layer that reads another kernel array than the
+# first most likely is, and the fixes that keep the step's own layers fused.
+SECOND_MODEL_NOTE = (
+    " Its calls read different kernel arrays, though: a second model "
+    "applied in loss_fn to its own variables (a teacher: an EMA, mean or "
+    "frozen copy of the model, even under stop_gradient) calls its layers "
+    "at the same paths, and each call counts. To keep this model's layers "
+    "fused (the fixes above move them to the standard path too), apply the "
+    "teacher without FORGE layers: the same model built with "
+    "flax.linen.Dense layers (or forge_jax.Dense(..., fused=False)), whose "
+    "parameter tree is the same; or compute its output outside loss_fn "
+    "(outside a step forge_jax.Dense is flax.linen.Dense) and pass it in "
+    "the batch; or write the model with flax.linen.Dense and build the step "
+    "with make_step(..., convert=True), which leaves a teacher's layers "
+    "unfused by itself (docs/shared_weights.md).")
+
+
 def register_layer(ctx: StepContext, path: Path,
                    kernel_shape: tuple[int, ...], param_dtype, kind: str,
-                   hint: str = "") -> LayerInfo:
+                   hint: str = "", kernel=None) -> LayerInfo:
   """Discover mode: records one call of the FORGE layer at ``path`` (``kind``
   names it in errors) and refuses a second call in one step unless the step
-  allows shared kernels; ``hint`` is appended to that error."""
+  allows shared kernels; ``hint`` is appended to that error. ``kernel``, the
+  array the call reads (if given): a second call that reads another array
+  than the first is most likely a second model's (a teacher), and the error
+  says so."""
   info = ctx.layers.setdefault(
-      path, LayerInfo(path, kernel_shape, param_dtype, kind=kind))
+      path, LayerInfo(path, kernel_shape, param_dtype, kind=kind,
+                      kernel=kernel))
   info.calls += 1
   if info.calls > 1 and ctx.shared == "error":
+    other = (kernel is not None and info.kernel is not None
+             and kernel is not info.kernel)
     raise ValueError(
         f"{kind} at {layer_name(path)!r} is called more than once in one "
         "step. FORGE updates a kernel in place during its backward, so each "
         "kernel may have one consumer per step (paper Remark 2). "
-        + SHARED_FIX + hint)
+        + SHARED_FIX + (SECOND_MODEL_NOTE if other else "") + hint)
   return info
 
 

@@ -29,7 +29,7 @@ import flax.linen as nn
 from flax.linen import dtypes as flax_dtypes
 
 from forge_jax import _context
-from forge_jax.dense import Dense
+from forge_jax.dense import Dense, dtype_reason, linen_kernel_dtype
 from forge_jax.dense_general import DenseGeneral
 
 
@@ -139,28 +139,11 @@ def _as_tuple(v) -> tuple:
 
 
 def _dtype_reason(module, inputs) -> str | None:
-  """Why the layer's dtypes keep it off the fused kernel (a non-float or
-  float64 kernel or computation dtype), or None. The computation dtype is
-  the one the layer computes in: its ``dtype``, else the promotion of its
-  input and kernel (as ``flax.linen.dtypes.canonicalize_dtype``)."""
-  kernel_dtype = jnp.dtype(
-      module.get_variable("params", "kernel").dtype
-      if module.has_variable("params", "kernel")
-      else jax.dtypes.canonicalize_dtype(module.param_dtype))
-  dtype = module.dtype
-  if dtype is None:
-    dtype = jnp.result_type(jnp.asarray(inputs).dtype, kernel_dtype)
-    if not jnp.issubdtype(dtype, jnp.inexact):
-      dtype = jnp.promote_types(jnp.float32, dtype)
-  for what, d in (("kernel", kernel_dtype), ("computation", jnp.dtype(dtype))):
-    if not jnp.issubdtype(d, jnp.floating):
-      return (f"its {what} dtype is {d}: the fused kernel updates "
-              "floating-point weights from floating-point activations only")
-    if jax.dtypes.canonicalize_dtype(d) == jnp.float64:
-      return (f"its {what} dtype is float64: the fused kernel computes in "
-              "fp32 and stores fp32, bf16 or fp16 (give the model "
-              "param_dtype/dtype float32 to fuse it)")
-  return None
+  """Why the layer's dtypes keep it off the fused kernel, or None (as for a
+  FORGE layer: ``forge_jax.dense.dtype_reason``), with the fix for a model
+  that is not edited."""
+  return dtype_reason(linen_kernel_dtype(module), module.dtype, inputs,
+                      "give the model param_dtype/dtype float32 to fuse it")
 
 
 def _custom_dot(module) -> bool:

@@ -181,11 +181,93 @@ class KernelLayout:
     return replace_subtrees(self.params_skeleton, {self.keypath: subtree})
 
 
-def select_slots(fields: list[Field], spec) -> tuple[int, ...]:
+def _children(node) -> dict:
+  """``node``'s children by key entry (``DictKey``, ``SequenceKey``, ...):
+  empty for a leaf or a node without children."""
+  found = jax.tree_util.tree_flatten_with_path(
+      node, is_leaf=lambda x: x is not node)[0]
+  return {kp[0]: child for kp, child in found if kp}
+
+
+def tree_mismatch(tree, params_def) -> str:
+  """Where ``tree`` (a state field) departs from the params tree's
+  structure, in plain words: the first parameter it has no entry for, the
+  first entry it has that the parameters lack, or the first node of another
+  type, by key path (``jax.tree_util.keystr``)."""
+  params = jax.tree.unflatten(params_def, [0] * params_def.num_leaves)
+  missing, extra, other = [], [], []
+
+  def rec(t, p, prefix):
+    kids = _children(p)
+    if not kids:  # a parameter: the field may hold anything for it
+      return
+    if type(t) is not type(p) and not other:
+      other.append((prefix, type(t).__name__, type(p).__name__))
+    t_kids = _children(t)
+    for k, child in kids.items():
+      if k in t_kids:
+        rec(t_kids[k], child, prefix + (k,))
+      elif not missing:
+        missing.append(prefix + (k,))
+    extra.extend(prefix + (k,) for k in t_kids if k not in kids)
+
+  rec(tree, params, ())
+  where = jax.tree_util.keystr
+  said = []
+  if missing:
+    said.append(f"it has no entry for the parameters at {where(missing[0])}")
+  if extra:
+    said.append(f"it has an entry at {where(extra[0])}, which the "
+                "parameters lack")
+  if not said and other:
+    at, has, want = other[0]
+    said.append(f"at {where(at) or 'its root'} it holds a {has} where the "
+                f"parameters hold a {want}")
+  return "; ".join(said) or "its tree is not the parameters' tree"
+
+
+def _no_fields_message(missing, state, params_def) -> str:
+  """Why ``state`` has no per-parameter field for the ``missing`` entries of
+  a spec's ``slot_fields``: fields of those names whose tree is not the
+  parameters' (named, with where they depart and the likely cause), or no
+  such field at all."""
+  found = []
+
+  def record(i, owner, name, tree):
+    found.append((name, tree))
+    return tree
+
+  if state is not None and params_def is not None:
+    walk(state, lambda v, owner, name: any(
+        field_matches(m, owner, name) for m in missing), record)
+  if not found:
+    return (f"opt_state has no {missing} field(s): was it made by this "
+            "transform's init()?")
+  name, tree = found[0]
+  message = (f"the tree of opt_state's {name!r} field does not match the "
+             f"parameters' tree: {tree_mismatch(tree, params_def)}. ")
+  params = jax.tree.unflatten(params_def, [0] * params_def.num_leaves)
+  if (isinstance(tree, Mapping) and "params" in tree
+      and not (isinstance(params, Mapping) and "params" in params)):
+    return message + (
+        "Its tree has a top-level 'params' key, as if the state was built "
+        "over the whole variables dict: build it with "
+        "tx.init(variables[\"params\"]), not tx.init(variables).")
+  return message + (
+      "Was it made by this transform's init() on these parameters "
+      "(tx.init(variables[\"params\"]), made again when the model's "
+      "parameters change)?")
+
+
+def select_slots(fields: list[Field], spec, state=None,
+                 params_def=None) -> tuple[int, ...]:
   """The per-parameter fields that travel as a FORGE layer's slots.
 
   Regimes 1-2: the fields the spec names, in ``rule.slots`` order; regime 3:
-  all of them, in traversal order.
+  all of them, in traversal order. ``state`` and ``params_def`` (the
+  optimizer state the ``fields`` came from and the params' structure), when
+  given, let the error for a missing field say where a field of that name
+  departs from the parameters' tree.
   """
   if spec.slot_fields is None:
     return tuple(f.index for f in fields)
@@ -197,7 +279,5 @@ def select_slots(fields: list[Field], spec) -> tuple[int, ...]:
     chosen.append(hits[0].index if hits else None)
   missing = [n for n, i in zip(spec.slot_fields, chosen) if i is None]
   if missing:
-    raise ValueError(
-        f"opt_state has no {missing} field(s): was it made by this "
-        "transform's init()?")
+    raise ValueError(_no_fields_message(missing, state, params_def))
   return tuple(chosen)

@@ -318,7 +318,8 @@ def _momentum(tx, spec: ForgeSpec, every_k):
     p_leaves = ([jnp.zeros_like(g) for g in g_leaves] if params is None
                 else treedef.flatten_up_to(params))
     fields = _state.per_param_fields(inner, treedef)
-    slot_ids = _state.select_slots(fields, spec)  # as make_step does
+    # The momentum field, as make_step selects it.
+    slot_ids = _state.select_slots(fields, spec, inner, treedef)
     for f in fields:
       if f.index not in slot_ids and jax.tree.leaves(f.tree):
         raise ValueError(

@@ -201,6 +201,63 @@ def refuse_custom_dot(layer, kind: str, name: str) -> None:
         "be fused; set fused=False for this layer")
 
 
+def linen_kernel_dtype(layer):
+  """The dtype of a Flax linen layer's kernel (``nn.Dense``,
+  ``nn.DenseGeneral``, their FORGE layers, a ``ScannedDenseStack``): its
+  parameter's, else its ``param_dtype``'s."""
+  if layer.has_variable("params", "kernel"):
+    return jnp.dtype(layer.get_variable("params", "kernel").dtype)
+  return jnp.dtype(jax.dtypes.canonicalize_dtype(layer.param_dtype))
+
+
+def dtype_reason(kernel_dtype, dtype, inputs, fix: str) -> str | None:
+  """Why a layer's dtypes keep it off the fused kernel (a non-float or
+  float64 kernel or computation dtype), or None; ``fix``, in parentheses at
+  its end, says how to fuse it. The computation dtype is the one the layer
+  computes in: its ``dtype``, else (``dtype`` None) the promotion of its
+  input and kernel (as ``flax.linen.dtypes.canonicalize_dtype``)."""
+  kernel_dtype = jnp.dtype(kernel_dtype)
+  if dtype is None:
+    dtype = jnp.result_type(jnp.asarray(inputs).dtype, kernel_dtype)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      dtype = jnp.promote_types(jnp.float32, dtype)
+  for what, d in (("kernel", kernel_dtype), ("computation", jnp.dtype(dtype))):
+    if not jnp.issubdtype(d, jnp.floating):
+      return (f"its {what} dtype is {d}: the fused kernel updates "
+              "floating-point weights from floating-point activations only "
+              f"({fix})")
+    if jax.dtypes.canonicalize_dtype(d) == jnp.float64:
+      return (f"its {what} dtype is float64: the fused kernel computes in "
+              f"fp32 and stores fp32, bf16 or fp16 ({fix})")
+  return None
+
+
+# How to fuse a FORGE layer whose dtypes the fused kernel does not take.
+_DTYPE_FIX = (
+    "give this layer param_dtype float32 or bfloat16, and a dtype of "
+    "float32 or bfloat16 if it sets one, to fuse it; or fused=False to keep "
+    "it on the standard path, an ordinary gradient and optax update in its "
+    "own dtype")
+
+
+def refuse_dtype(kind: str, name: str, kernel_dtype, dtype, inputs) -> None:
+  """Refuses a fused layer (``kind`` at ``name``) whose kernel or
+  computation dtype (its ``kernel_dtype``, and its ``dtype`` or the
+  promotion with ``inputs``) the fused kernel does not take (float64,
+  non-float), naming the layer, the dtype and the fix."""
+  why = dtype_reason(kernel_dtype, dtype, inputs, _DTYPE_FIX)
+  if why is not None:
+    raise TypeError(f"{kind} at {name!r}: {why}")
+
+
+def kernel_read(layer):
+  """The kernel array ``layer`` reads in this call (None where it has none
+  yet): told apart from another call's by identity, at discovery."""
+  if layer.has_variable("params", "kernel"):
+    return layer.get_variable("params", "kernel")
+  return None
+
+
 def _lead(inputs, in_dims) -> tuple[int, ...]:
   """The input's leading (token) axes: all but the contracted ones."""
   return tuple(jnp.shape(inputs)[:jnp.ndim(inputs) - len(in_dims)])
@@ -220,10 +277,10 @@ def in_block(layer, kind: str, tap: _context.BlockTap, inputs):
 
   The layer provides ``_standard(inputs)`` (the flax layer's own body),
   ``_gemm_dims(inputs, name) -> (in_dims, features)`` (raising for a
-  configuration that is not one GEMM), ``_refuse(name, kernel_ndim, spec)``
-  and ``_fused(inputs, in_dims, features, static_of, layer_inputs)`` (its
-  computation through the fused op; ``static_of(dtype, gemm)`` gives the
-  op's ``_Static``).
+  configuration that is not one GEMM), ``_refuse(name, kernel_ndim, spec,
+  inputs)`` and ``_fused(inputs, in_dims, features, static_of,
+  layer_inputs)`` (its computation through the fused op;
+  ``static_of(dtype, gemm)`` gives the op's ``_Static``).
   """
   path = tuple(layer.path)
   name = _context.layer_name((*tap.prefix, *path))
@@ -258,7 +315,7 @@ def _record_in_block(layer, kind, tap, path, name, inputs):
     in_dims, features = layer._gemm_dims(inputs, name)
     ctx = _context.current()
     layer._refuse(name, len(in_dims) + len(features),
-                  None if ctx is None else ctx.spec)
+                  None if ctx is None else ctx.spec, inputs)
     y = layer._fused(
         inputs, in_dims, features,
         lambda dtype, g: _Static(path=(*tap.prefix, *path), rule=None,
@@ -297,7 +354,9 @@ class Dense(nn.Dense):
   the kernel's gradient never exists in memory (with ``make_step(...,
   wgrad="xla")``: from XLA's GEMM, this layer's gradient alone in memory for
   the update). The bias takes the ordinary path and is updated exactly as
-  optax would.
+  optax would. The fused kernel computes in fp32 and stores fp32, bf16 or
+  fp16: inside a step a fused layer with a float64 (or non-float) kernel or
+  computation dtype raises a ``TypeError`` naming the layer and the fix.
 
   Extra attributes (after ``nn.Dense``'s, all optional):
     fused: ``False`` keeps this layer on the standard path (its kernel gets an
@@ -331,11 +390,13 @@ class Dense(nn.Dense):
     del name
     return (jnp.shape(inputs)[-1],), (self.features,)
 
-  def _refuse(self, name: str, kernel_ndim: int, spec) -> None:
-    """Refuses what cannot be fused (a custom dot); ``kernel_ndim`` and
+  def _refuse(self, name: str, kernel_ndim: int, spec, inputs) -> None:
+    """Refuses what cannot be fused (a custom dot, a float64 or non-float
+    kernel or computation dtype for ``inputs``); ``kernel_ndim`` and
     ``spec`` matter to ``forge_jax.DenseGeneral`` only."""
     del kernel_ndim, spec
     refuse_custom_dot(self, _KIND, name)
+    refuse_dtype(_KIND, name, linen_kernel_dtype(self), self.dtype, inputs)
 
   def _fused(self, inputs, in_dims, features, static_of, layer_inputs):
     """``nn.Dense``'s computation with the matmul as the fused op: the raw
@@ -371,13 +432,14 @@ class Dense(nn.Dense):
       # make_step(..., shared="standard") moved here for this step.
       return self._standard(inputs)
     path = tuple(self.path)
-    self._refuse(_context.layer_name(path), 2, ctx.spec)
+    self._refuse(_context.layer_name(path), 2, ctx.spec, inputs)
     if ctx.mode == "discover":
       _context.register_layer(
           ctx, path, (jnp.shape(inputs)[-1], self.features), self.param_dtype,
           "forge_jax.Dense", hint=" (Inside nn.scan a layer is traced more "
           "than once: for scanned blocks use forge_jax.ScannedBlocks (any "
-          "block) or forge_jax.ScannedDenseStack (Dense layers only).)")
+          "block) or forge_jax.ScannedDenseStack (Dense layers only).)",
+          kernel=kernel_read(self))
       return self._standard(inputs)
 
     if path not in ctx.inputs:

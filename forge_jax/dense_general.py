@@ -12,7 +12,9 @@ from flax.linen import dtypes as flax_dtypes
 
 import pallas_kernels
 from forge_jax import _context
-from forge_jax.dense import _Static, _fused_linear, in_block, refuse_custom_dot
+from forge_jax.dense import (_Static, _fused_linear, in_block, kernel_read,
+                             linen_kernel_dtype, refuse_custom_dot,
+                             refuse_dtype)
 
 # nn.DenseGeneral.__call__ without Flax's method wrapper (as Dense._standard).
 _BODY = getattr(nn.DenseGeneral.__call__, "__wrapped__", None)
@@ -63,6 +65,8 @@ class DenseGeneral(nn.DenseGeneral):
       or a custom ``dot_general`` or ``promote_dtype``. (A kernel with more
       than two axes under Muon is refused by ``make_step``, also with
       ``ValueError``: optax keeps it in Muon's Adam partition.)
+    TypeError: a float64 or non-float kernel or computation dtype (the
+      fused kernel computes in fp32 and stores fp32, bf16 or fp16).
 
   Example:
     >>> import forge_jax, jax, jax.numpy as jnp
@@ -96,10 +100,12 @@ class DenseGeneral(nn.DenseGeneral):
     return (tuple(jnp.shape(inputs)[ndim - len(axis):]),
             _as_tuple(self.features))
 
-  def _refuse(self, name: str, kernel_ndim: int, spec) -> None:
-    """Refuses what cannot be fused: a custom dot, or Muon (``spec``) on a
+  def _refuse(self, name: str, kernel_ndim: int, spec, inputs) -> None:
+    """Refuses what cannot be fused: a custom dot, a float64 or non-float
+    kernel or computation dtype for ``inputs``, or Muon (``spec``) on a
     kernel of ``kernel_ndim`` > 2 axes."""
     refuse_custom_dot(self, _KIND, name)
+    refuse_dtype(_KIND, name, linen_kernel_dtype(self), self.dtype, inputs)
     if spec is not None and spec.family == "muon" and kernel_ndim > 2:
       raise ValueError(
           f"{_KIND} at {name!r}: Muon orthogonalizes a matrix, and this "
@@ -153,13 +159,14 @@ class DenseGeneral(nn.DenseGeneral):
     if ctx is None or not self.fused or ctx.is_standard(self.path):
       return self._standard(inputs)
     in_dims, features = self._gemm_dims(inputs, name)
-    self._refuse(name, len(in_dims) + len(features), ctx.spec)
+    self._refuse(name, len(in_dims) + len(features), ctx.spec, inputs)
     path = tuple(self.path)
     if ctx.mode == "discover":
       _context.register_layer(
           ctx, path, in_dims + features, self.param_dtype, _KIND,
           hint=" (Inside nn.scan a layer is traced more than once: for "
-          "scanned blocks use forge_jax.ScannedBlocks.)")
+          "scanned blocks use forge_jax.ScannedBlocks.)",
+          kernel=kernel_read(self))
       return self._standard(inputs)
     if path not in ctx.inputs:
       raise RuntimeError(

@@ -37,7 +37,7 @@ from forge_jax import _inject
 from forge_jax import clip as _clip
 from forge_jax import step as _step
 from forge_jax import transforms
-from forge_jax.dense import _Static, _fused_linear
+from forge_jax.dense import _Static, _fused_linear, refuse_dtype
 
 __all__ = ["Linear", "Optimizer", "convert", "make_step"]
 
@@ -194,6 +194,7 @@ class Linear(nnx.Linear):
       return super().__call__(inputs, out_sharding)
     name = _context.layer_name(path)
     self._refuse_custom(name, out_sharding)
+    refuse_dtype(_KIND, name, self.kernel[...].dtype, self.dtype, inputs)
     if ctx.mode == "discover":
       _context.register_layer(
           ctx, path, (self.in_features, self.out_features),

@@ -46,6 +46,7 @@ from forge_jax import _context
 from forge_jax import _paths
 from forge_jax import clip as _clip
 from forge_jax import _usage
+from forge_jax.dense import linen_kernel_dtype, refuse_dtype
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -417,6 +418,8 @@ class ScannedDenseStack(nn.Module):
       return self._scanned(x)
     path = tuple(self.path)
     name = _context.layer_name(path)
+    refuse_dtype("forge_jax.ScannedDenseStack", name,
+                 linen_kernel_dtype(self), self.dtype, x)
     if ctx.mode == "discover":
       _context.register_layer(
           ctx, path, (self.num_layers, jnp.shape(x)[-1], self.features),

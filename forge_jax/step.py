@@ -265,6 +265,8 @@ def _discover_layers(loss_fn, variables, batch,
   with _context.step_context(
       _context.StepContext("discover", shared=shared)) as found:
     jax.eval_shape(lambda v: loss_fn(v, batch), variables)
+  for info in found.layers.values():
+    info.kernel = None  # a tracer of the finished trace: not kept
   if not found.layers and not found.unfused:
     raise ValueError(
         "no forge_jax.Dense layer (or ScannedDenseStack) was called by "
@@ -381,7 +383,7 @@ def _gather_layer_inputs(fused: _FusedLayers, spec, opt_state, params,
     TypeError: a kernel's slots are not floating point.
   """
   fields = _state.per_param_fields(opt_state, params_def)
-  slot_ids = _state.select_slots(fields, spec)
+  slot_ids = _state.select_slots(fields, spec, opt_state, params_def)
   shared_state, shared_def, skeleton, packed = _state_shared_by_layers(
       spec, opt_state, params, params_def)
   for p, kp in fused.kpaths.items():

@@ -1,8 +1,9 @@
 """make_step with the inputs Flax / optax users hand it (CPU, fp32): callable
 weight-decay masks that read leaves, FrozenDict params, truthy-int masks,
 boxed parameters, optax.inject_hyperparams, a loss_fn that does not read its variables, a second model
-built from forge_jax.Dense, vmap / casts inside loss_fn, and the transform
-as an optax GradientTransformation."""
+built from forge_jax.Dense, vmap / casts inside loss_fn, the transform
+as an optax GradientTransformation, float64 FORGE layers, an opt_state whose
+tree is not the parameters', and a teacher applied in loss_fn."""
 
 import warnings
 from typing import Any
@@ -560,3 +561,181 @@ def test_an_opt_state_of_another_format_is_refused_naming_the_fix(
   with pytest.raises(ValueError, match=match + r".*was it made by this "
                      r"transform's init\(\)\?"):
     jax.jit(step)(v, made_by().init(v["params"]), x)
+
+
+# --- float64 layers, mismatched opt_state trees, teachers ---------------------
+
+
+class _Stacked(nn.Module):
+  """A ScannedDenseStack in the dtype under test (its input in it too: the
+  scan's carry keeps one dtype)."""
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.astype(self.param_dtype)
+    return forge_jax.ScannedDenseStack(
+        37, 2, param_dtype=self.param_dtype)(x)[..., :5]
+
+
+@pytest.mark.parametrize("layer", ["Dense", "DenseGeneral",
+                                   "ScannedDenseStack"])
+def test_a_float64_forge_layer_is_refused_naming_it_its_dtype_and_the_fix(
+    layer):
+  """With x64 on, a FORGE layer of float64 parameters (float32 inputs) is
+  refused naming the layer, its kernel dtype, the dtypes the fused kernel
+  takes and the fix (it said 'x is float64: ... cast it first'); with
+  fused=False it trains as optax does, in float64."""
+  (x, y), = batches(1)
+  with jax.enable_x64(True):
+    f64 = {"param_dtype": jnp.float64}
+    model, name, kind = {
+        "Dense": (MLP(forge_jax.Dense, f64), "Dense_0", "forge_jax.Dense"),
+        "DenseGeneral": (MLP(forge_jax.DenseGeneral, f64), "DenseGeneral_0",
+                         "forge_jax.DenseGeneral"),
+        "ScannedDenseStack": (_Stacked(jnp.float64), "ScannedDenseStack_0",
+                              "forge_jax.ScannedDenseStack"),
+    }[layer]
+    v = model.init(jax.random.key(0), x)
+    tx = forge_jax.adamw(1e-2)
+    with pytest.raises(TypeError, match=(
+        f"{kind} at '{name}': its kernel dtype is float64: the fused kernel "
+        r"computes in fp32 and stores fp32, bf16 or fp16 \(give this layer "
+        r"param_dtype float32 or bfloat16.*or fused=False")):
+      forge_jax.make_step(mse(model), tx)(v, tx.init(v["params"]), (x, y))
+    if layer != "Dense":
+      return
+    kw = dict(learning_rate=1e-2, weight_decay=0.1)
+    tx, ref_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+    _, f_v, f_s = forge_jax.make_step(
+        mse(MLP(forge_jax.Dense, {**f64, "fused": False})), tx)(
+            v, tx.init(v["params"]), (x, y))
+    _, ref_v, ref_s = reference_step(mse(MLP(nn.Dense, f64)), ref_tx)(
+        v, ref_tx.init(v["params"]), (x, y))
+    assert f_v["params"]["Dense_0"]["kernel"].dtype == jnp.float64
+    assert_trees_close(f_v, ref_v, tol(jnp.float64), "variables")
+    assert_trees_close(f_s, ref_s, tol(jnp.float64), "opt_state")
+
+
+def _without_layer(state, name):
+  """``state`` (adamw's) with the ``mu`` and ``nu`` entries of layer
+  ``name`` left out."""
+  adam = state[0]
+  mu, nu = dict(adam.mu), dict(adam.nu)
+  del mu[name], nu[name]
+  return (adam._replace(mu=mu, nu=nu),) + tuple(state[1:])
+
+
+_WHOLE_VARIABLES = (
+    r"it has no entry for the parameters at \['Dense_0'\]; it has an entry "
+    r"at \['params'\], which the parameters lack\. Its tree has a top-level "
+    r"'params' key.*tx\.init\(variables\[\"params\"\]\), not "
+    r"tx\.init\(variables\)")
+
+
+@pytest.mark.parametrize("tx_of, made, field, match", [
+    (lambda: forge_jax.adamw(1e-2), "whole_variables", "mu",
+     _WHOLE_VARIABLES),
+    (lambda: forge_jax.MultiSteps(forge_jax.sgd(1e-2, momentum=0.9), 2,
+                                  mode="momentum"),
+     "whole_variables", "trace", _WHOLE_VARIABLES),
+    (lambda: forge_jax.adamw(1e-2), "entry_missing", "mu",
+     r"it has no entry for the parameters at \['Dense_1'\]\. Was it made by "
+     r"this transform's init\(\) on these parameters "
+     r"\(tx\.init\(variables\[\"params\"\]\)"),
+], ids=["adamw_whole_variables", "multisteps_momentum_whole_variables",
+        "adamw_entry_missing"])
+def test_an_opt_state_whose_tree_is_not_the_params_names_where(
+    tx_of, made, field, match):
+  """An opt_state whose moments' tree is not the parameters' -- built with
+  tx.init(variables), or missing a layer's entry -- is refused naming the
+  field, the first path where it departs and (for the first) the
+  tx.init(variables["params"]) fix; it said "opt_state has no ['mu', 'nu']
+  field(s)", though the fields exist."""
+  (x, y), = batches(1)
+  model = MLP(forge_jax.Dense)
+  v = model.init(jax.random.key(0), x)
+  tx = tx_of()
+  state = (tx.init(v) if made == "whole_variables"
+           else _without_layer(tx.init(v["params"]), "Dense_1"))
+  with pytest.raises(ValueError, match=(
+      rf"the tree of opt_state's '{field}' field does not match the "
+      r"parameters' tree: " + match)):
+    jax.jit(forge_jax.make_step(mse(model), tx))(v, state, (x, y))
+
+
+def _distillation(student, teacher, teacher_variables):
+  """MSE to the targets plus MSE to ``teacher`` applied to its own
+  variables under stop_gradient."""
+  def loss_fn(variables, batch):
+    x, y = batch
+    s = student.apply(variables, x)
+    t = jax.lax.stop_gradient(teacher.apply(teacher_variables, x))
+    return jnp.mean((s - y) ** 2) + jnp.mean((s - t) ** 2)
+  return loss_fn
+
+
+def test_a_teacher_of_forge_layers_is_named_in_the_second_call_error():
+  """The model applied twice, the second time to a teacher's variables: the
+  error says a second model's application counts and names the fixes that
+  keep the student fused; a layer called twice on its own kernel does not
+  get that note."""
+  bs = batches(1)
+  model = MLP(forge_jax.Dense)
+  v = model.init(jax.random.key(0), bs[0][0])
+  tv = model.init(jax.random.key(5), bs[0][0])
+  tx = forge_jax.adamw(1e-2)
+  with pytest.raises(ValueError, match=(
+      r"forge_jax.Dense at 'Dense_0' is called more than once.*"
+      r"shared=\"standard\".*Its calls read different kernel arrays.*"
+      r"teacher.*flax\.linen\.Dense layers \(or forge_jax\.Dense\(\.\.\., "
+      r"fused=False\)\).*outside loss_fn.*convert=True")):
+    forge_jax.make_step(_distillation(model, model, tv), tx)(
+        v, tx.init(v["params"]), bs[0])
+
+  def twice(variables, batch):
+    x, y = batch
+    return jnp.mean((model.apply(variables, x) + model.apply(variables, -x)
+                     - y) ** 2)
+
+  with pytest.raises(ValueError, match="is called more than once") as info:
+    forge_jax.make_step(twice, tx)(v, tx.init(v["params"]), bs[0])
+  assert "teacher" not in str(info.value)
+
+
+@pytest.mark.parametrize("teacher", ["nn.Dense", "fused=False", "outside"])
+def test_a_teacher_without_forge_layers_keeps_the_student_fused(teacher):
+  """The fixes the error names: the teacher built from nn.Dense or
+  fused=False layers, or its output computed outside loss_fn, trains as
+  optax does, and both student layers stay fused."""
+  bs = batches(2)
+  mf, mr = MLP(forge_jax.Dense), MLP(nn.Dense)
+  v = mr.init(jax.random.key(0), bs[0][0])
+  tv = mr.init(jax.random.key(5), bs[0][0])
+  kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  tx, ref_tx = forge_jax.adamw(**kw), optax.adamw(**kw)
+  if teacher == "outside":
+    def loss_fn(variables, batch):
+      x, y, t = batch
+      s = mf.apply(variables, x)
+      return jnp.mean((s - y) ** 2) + jnp.mean((s - t) ** 2)
+    step = forge_jax.make_step(loss_fn, tx)
+    # Outside a step forge_jax.Dense is nn.Dense: the teacher is mf itself.
+    run = jax.jit(lambda v, s, b: step(v, s, (*b, jax.lax.stop_gradient(
+        mf.apply(tv, b[0])))))
+  else:
+    tm = (mr if teacher == "nn.Dense"
+          else MLP(forge_jax.Dense, {"fused": False}))
+    step = forge_jax.make_step(_distillation(mf, tm, tv), tx)
+    run = jax.jit(step)
+  ref = jax.jit(reference_step(_distillation(mr, mr, tv), ref_tx))
+  vf, sf = v, tx.init(v["params"])
+  vr, sr = v, ref_tx.init(v["params"])
+  for b in bs:
+    _, vf, sf = run(vf, sf, b)
+    _, vr, sr = ref(vr, sr, b)
+  assert_trees_close(vf, vr, RTOL, what="variables")
+  assert_trees_close(sf, sr, RTOL, what="opt_state")
+  assert step.standard_layers == []
+  traced = run.trace(v, tx.init(v["params"]), bs[0])
+  assert str(traced.jaxpr).count("pallas_call") == 2

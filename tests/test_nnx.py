@@ -455,6 +455,29 @@ def test_a_layer_not_called_through_the_stepped_model_is_refused(call, match):
     fnx.make_step(loss_fn)(model, optimizer, *mlp_data(1)[0])
 
 
+def test_a_float64_linear_is_refused_naming_it_its_dtype_and_the_fix():
+  """With x64 on, a forge_jax.nnx.Linear of float64 parameters is refused
+  naming the layer, its kernel dtype and the fix (it said 'x is float64:
+  ... cast it first')."""
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.a = fnx.Linear(37, 8, rngs=rngs)
+      self.b = fnx.Linear(8, 5, param_dtype=jnp.float64, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(self.a(x))
+
+  x, y = mlp_data(1)[0]
+  with jax.enable_x64(True):
+    model = Model(nnx.Rngs(0))
+    optimizer = fnx.Optimizer(model, forge_jax.sgd(1e-2), wrt=nnx.Param)
+    with pytest.raises(TypeError, match=(
+        r"forge_jax.nnx.Linear at 'b': its kernel dtype is float64: the "
+        r"fused kernel computes in fp32 and stores fp32, bf16 or fp16 "
+        r"\(give this layer param_dtype float32 or bfloat16.*fused=False")):
+      fnx.make_step(mse)(model, optimizer, x, y)
+
+
 def test_custom_dot_general_is_refused_unless_unfused():
   def dot(*args, **kwargs):
     return jax.lax.dot_general(*args, **kwargs)
