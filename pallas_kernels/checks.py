@@ -2,18 +2,59 @@
 
 from __future__ import annotations
 
+from typing import Iterable, Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
 
-__all__ = ["check_float_dtype", "check_inputs", "checked_inputs",
-           "checked_state_inputs", "flatten_tokens", "state_arrays"]
+__all__ = ["STORAGE_DTYPES", "check_float_dtype", "check_inputs",
+           "check_rule", "check_storage_dtype", "checked_inputs",
+           "checked_state_inputs", "common_dtype", "flatten_tokens",
+           "slot_tuple", "state_arrays"]
+
+# The dtypes a weight and a plain (not quantized) slot are stored in: the
+# rules compute in fp32 and promote the weight's and slots' dtypes together
+# (UpdateRule.output_dtype), which JAX does not do for 8- and 4-bit floats.
+STORAGE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16,
+                                              jnp.float16))
+
+
+def check_rule(rule, where: str) -> None:
+  """Refuses a ``rule`` that is not an
+  :class:`~pallas_kernels.rules.UpdateRule` (a family's name, ``None``)."""
+  if not isinstance(rule, UpdateRule):
+    raise TypeError(f"{where}: rule must be an UpdateRule (e.g. "
+                    f"pallas_kernels.ADAMW), got {type(rule).__name__}")
+
+
+def slot_tuple(slots, rule: UpdateRule, where: str) -> tuple:
+  """``slots`` as a tuple, refused in plain words when it is not a sequence
+  of the rule's slots (``None``, one quantized pair, a mapping, ...)."""
+  from pallas_kernels.quant import Quantized  # noqa: PLC0415
+
+  if isinstance(slots, Quantized):
+    got = "one pallas_kernels.quant.Quantized pair"
+  elif slots is None or isinstance(slots, (str, bytes, Mapping)) or (
+      not isinstance(slots, Iterable)):
+    got = repr(None) if slots is None else type(slots).__name__
+  else:
+    return tuple(slots)
+  want = (f"a sequence with one entry per slot of rule {rule.name!r}, "
+          f"{rule.slots} (each an array, or a quantized slot's "
+          "pallas_kernels.quant.Quantized pair), e.g. a tuple"
+          if rule.slots else
+          f"an empty sequence, (), for rule {rule.name!r}, which keeps no "
+          "state")
+  raise TypeError(f"{where}: slots must be {want}; got {got}")
 
 
 def check_float_dtype(name: str, a) -> None:
-  """Refuses a non-float or float64 array ``a`` (named ``name``)."""
+  """Refuses a non-array, non-float or float64 ``a`` (named ``name``)."""
+  if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+    raise TypeError(f"{name} must be an array, got {type(a).__name__}")
   if not jnp.issubdtype(a.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
   if jax.dtypes.canonicalize_dtype(a.dtype) == jnp.float64:
@@ -22,18 +63,53 @@ def check_float_dtype(name: str, a) -> None:
         "fp32, bf16 or fp16; cast it (e.g. to float32) first")
 
 
+def check_storage_dtype(name: str, a, *, slot: bool = False) -> None:
+  """:func:`check_float_dtype`, and refuses a weight or plain slot ``a``
+  (named ``name``; ``slot``: a slot) that is not float32, bfloat16 or
+  float16: 8- and 4-bit floats have no arithmetic with float32 in JAX."""
+  check_float_dtype(name, a)
+  dtype = jnp.dtype(jax.dtypes.canonicalize_dtype(a.dtype))
+  if dtype in STORAGE_DTYPES:
+    return
+  hint = (". For 8-bit moments pass a pallas_kernels.quant.Quantized pair "
+          "instead: int8, float8_e4m3fn or float8_e5m2 codes with their "
+          "per-block scales (quant.quantize(values, fmt) makes it)"
+          if slot else "")
+  raise TypeError(
+      f"{name} is {dtype.name}; a weight and a plain slot must be float32, "
+      f"bfloat16 or float16 (the update computes in float32 and stores in "
+      f"their dtypes, and JAX has no promotion between {dtype.name} and "
+      f"float32){hint}")
+
+
+def common_dtype(x, dy):
+  """The dtype ``x`` and ``dy`` are promoted to (as ``jnp.dot`` does),
+  refused in plain words where JAX has none (an 8-bit float beside
+  another dtype)."""
+  try:
+    return jnp.result_type(x, dy)
+  except jax.dtypes.TypePromotionError:
+    raise TypeError(
+        f"x is {jnp.dtype(x.dtype).name} and dy {jnp.dtype(dy.dtype).name}, "
+        "which JAX does not promote to a common dtype: cast one to the "
+        "other's dtype (or both to bfloat16)") from None
+
+
 def check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
   """Checks the arguments of a kernel call (``fused_wgrad_update``'s)
   before anything is traced.
 
   Raises:
-    TypeError: a non-float or float64 array, a non-integer ``layer``.
+    TypeError: a non-float or float64 array, a weight or plain slot that
+      is not float32, bfloat16 or float16 (:func:`check_storage_dtype`), a
+      non-integer ``layer``.
     ValueError: shapes that do not fit together, slots that do not match
       ``rule.slots``, ``hparams`` that is not ``rule.pack(...)``'s vector.
     IndexError: a concrete ``layer`` out of range.
   """
-  for name, a in (("x", x), ("dy", dy), ("w", w)):
+  for name, a in (("x", x), ("dy", dy)):
     check_float_dtype(name, a)
+  check_storage_dtype("w", w)
   if layer is None and w.ndim != 2:
     raise ValueError(f"w must be 2-D (in, out), got shape {w.shape}")
   if layer is not None:
@@ -73,7 +149,7 @@ def check_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
     raise ValueError(
         f"rule {rule.name!r} needs slots {rule.slots}, got {len(slots)} arrays")
   for name, s in zip(rule.slots, slots):
-    check_float_dtype(f"slot {name!r}", s)
+    check_storage_dtype(f"slot {name!r}", s, slot=True)
     if s.shape != w.shape:
       raise ValueError(
           f"slot {name!r} has shape {s.shape}, expected w's shape {w.shape}")
@@ -95,7 +171,7 @@ def checked_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
   check_inputs(x, dy, w, slots, hparams, rule, layer)
   x, dy, w = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(w)
   slots = tuple(jnp.asarray(a) for a in slots)
-  common = jnp.result_type(x, dy)
+  common = common_dtype(x, dy)
   return x.astype(common), dy.astype(common), w, slots
 
 
@@ -118,7 +194,8 @@ def checked_state_inputs(x, dy, w, slots, hparams, rule: UpdateRule,
   """
   from pallas_kernels import lowp  # noqa: PLC0415 -- lowp imports rules
 
-  slots = tuple(slots)
+  check_rule(rule, where)
+  slots = slot_tuple(slots, rule, where)
   plan, stand_ins = lowp.plan_state(slots, rule, w, formats,
                                     stochastic_rounding, where=where)
   if plan is None and not isinstance(x, jax.ShapeDtypeStruct):
@@ -128,7 +205,7 @@ def checked_state_inputs(x, dy, w, slots, hparams, rule: UpdateRule,
   if isinstance(x, jax.ShapeDtypeStruct):  # stand-ins (stored_g_update)
     return x, dy, jnp.asarray(w), state_arrays(slots), plan
   x, dy, w = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(w)
-  common = jnp.result_type(x, dy)
+  common = common_dtype(x, dy)
   return (x.astype(common), dy.astype(common), w, state_arrays(slots),
           plan)
 

@@ -81,7 +81,8 @@ class Family:
 
   def torch_rule(self, **options) -> UpdateRule:
     """Its rule in ``torch.optim``'s operation order,
-    ``torch_factory(**options)``.
+    ``torch_factory(**options)``; an option left out takes torch's default
+    (e.g. ``amsgrad=False``), as an optax-order rule's takes optax's.
 
     Raises:
       ValueError: the family has no torch-order rule.

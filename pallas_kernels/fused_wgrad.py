@@ -35,13 +35,16 @@ from pallas_kernels import lowp, mosaic_kernel, triton_kernel
 from pallas_kernels.checks import (
     check_float_dtype,
     check_inputs,
+    check_rule,
     checked_inputs,
     checked_state_inputs,
+    common_dtype,
     flatten_tokens,
+    slot_tuple,
 )
 from pallas_kernels.interpret import default_interpret, warn_interpret_once
 from pallas_kernels.reference import apply_rule, fused_wgrad_update_reference
-from pallas_kernels.rules import UpdateRule
+from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
 from pallas_kernels.tiling import BlockConfig, check_block_config
 from pallas_kernels.tuning_cache import (
     BACKEND_ENV_VAR,
@@ -98,15 +101,17 @@ def fused_wgrad_update(
     dy: gradient of the layer output, ``(..., out)``, same leading dims.
       ``x`` and ``dy`` of different float dtypes are promoted to their common
       dtype first, as ``jnp.dot`` does.
-    w: the weight, ``(in, out)``, fp32 or bf16 (fp16 works too; float64 is
-      refused). Written in place.
-    slots: the rule's state arrays (``rule.slots``), each of ``w``'s shape, in
-      any float dtype (e.g. ``mu`` in ``mu_dtype``), or quantized: a
-      :class:`pallas_kernels.quant.Quantized` pair ``(q, scale)`` -- codes of
-      ``w``'s shape in int8, float8_e4m3fn or float8_e5m2 and float32 scales
-      ``(..., in, ceil(out / 64))``, one per 64 consecutive elements of a
-      row (:mod:`pallas_kernels.lowp`; the Mosaic GPU backend takes int8
-      ones, not fp8). Written in place.
+    w: the weight, ``(in, out)``, fp32 or bf16 (fp16 works too; float64
+      and 8- or 4-bit floats are refused). Written in place.
+    slots: the rule's state arrays (``rule.slots``), a sequence, each of
+      ``w``'s shape, in float32, bfloat16 or float16 (e.g. ``mu`` in
+      ``mu_dtype``; float64 and 8- or 4-bit floats are refused), or
+      quantized: a :class:`pallas_kernels.quant.Quantized` pair ``(q,
+      scale)`` (not a plain tuple) -- codes of ``w``'s shape in int8,
+      float8_e4m3fn or float8_e5m2 and float32 scales ``(..., in,
+      ceil(out / 64))``, one per 64 consecutive elements of a row
+      (:mod:`pallas_kernels.lowp`; the Mosaic GPU backend takes int8 ones,
+      not fp8). Written in place.
     hparams: ``rule.pack(...)``: this step's runtime hyperparameters.
     rule: the optimizer family's elementwise update.
     config: tiling: a :class:`BlockConfig` (a Triton tiling) or a
@@ -144,8 +149,9 @@ def fused_wgrad_update(
       :func:`describe_backend` tells which a call takes, and why).
     formats: for quantized slots whose format is not the default of their
       codes' dtype (block 64, second-moment floor ``v_floor=1``): one
-      :class:`~pallas_kernels.quant.MomentFormat` or ``None`` per slot, or
-      a mapping from slot name to format. Which slots are second moments
+      :class:`~pallas_kernels.quant.MomentFormat` or ``None`` per slot (a
+      single ``MomentFormat`` is refused), or a mapping from slot name to
+      format. Which slots are second moments
       (clamped at zero and floored) is the rule's
       :attr:`~pallas_kernels.rules.UpdateRule.second_moments`. A quantized
       slot's blocks must not straddle a column sub-tile of the tiling: a
@@ -192,41 +198,24 @@ def fused_wgrad_update(
   if stacked:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   interpret = _interpret(interpret)
-  varying = _varying(x2, dy2, w, *jax.tree.leaves(slots))
-  slot_dtypes = _slot_dtypes(slots, plan)
-  mosaic_slots = _mosaic_slot_dtypes(slots, plan)
+  choice = _decide(bt, x2.dtype, w, slots, plan, rule, interpret=interpret,
+                   stacked=stacked, config=config, backend=backend,
+                   varying=_varying(x2, dy2, w, *jax.tree.leaves(slots)),
+                   where=where)
   if bt == 0:
     # No tokens: G = 0, the optimizer still steps (moments decay, weight
-    # decay), whichever backend was asked for (its arguments still checked).
-    choice = select_backend(bt, n_in, n_out, w.dtype, slot_dtypes, rule,
-                            x2.dtype, interpret=interpret, stacked=stacked,
-                            config=config, backend=backend, varying=varying,
-                            low_precision=plan is not None,
-                            mosaic_slot_dtypes=mosaic_slots)
-    _check_low_precision_backend(choice, plan, n_out, config, where)
+    # decay), whichever backend was asked for (its arguments still checked:
+    # _decide refused what that backend does not take).
     return apply_rule(rule, jnp.zeros((n_in, n_out), jnp.float32), w, slots,
                       hparams, layer, plan=plan, sr=stochastic_rounding)
-  choice = select_backend(bt, n_in, n_out, w.dtype, slot_dtypes,
-                          rule, x2.dtype, interpret=interpret,
-                          stacked=stacked, config=config, backend=backend,
-                          varying=varying, low_precision=plan is not None,
-                          mosaic_slot_dtypes=mosaic_slots)
   if choice.backend == "mosaic_gpu":
-    _mosaic_refusal(choice, varying, where, lambda: (
-        mosaic_kernel.unsupported(bt, n_in, n_out, x2.dtype, w, slots, rule,
-                                  choice.config, stacked=stacked,
-                                  g_stored=False,
-                                  low_precision=plan is not None,
-                                  plan=plan)))
     return mosaic_kernel.launch((x2, dy2), w, slots, hparams, rule=rule,
                                 cfg=choice.config, interpret=interpret,
                                 layer=layer, plan=plan)
-  cfg = _check_low_precision_backend(choice, plan, n_out, config, where)
-
   return triton_kernel.launch(
-      (x2, dy2), w, slots, hparams, rule=rule, cfg=cfg, layer=layer,
-      interpret=interpret, bt=bt, precision=_dot_precision(x, dy, w),
-      plan=plan, sr=stochastic_rounding)
+      (x2, dy2), w, slots, hparams, rule=rule, cfg=choice.config,
+      layer=layer, interpret=interpret, bt=bt,
+      precision=_dot_precision(x, dy, w), plan=plan, sr=stochastic_rounding)
 
 
 def _slot_dtypes(slots, plan) -> list:
@@ -247,19 +236,46 @@ def _mosaic_slot_dtypes(slots, plan) -> list | None:
           for a in slots]
 
 
-def _check_low_precision_backend(choice, plan, n_out: int, config,
-                                 where: str):
-  """The Triton tiling a call with low-precision state runs: ``choice``'s,
-  fitted to the quantized slots' blocks (:func:`lowp.fit_tiling`) unless the
-  caller gave it (then refused if it splits a block). With the Mosaic GPU
-  backend (``backend=None`` takes it only for int8 moments, where measured
-  faster), what it cannot take (fp8, stochastic rounding) is refused in
-  plain words, and its tiling is returned as is."""
-  if plan is None:
-    return choice.config
+def _decide(bt: int, x_dtype, w, slots, plan, rule: UpdateRule, *,
+            interpret: bool, stacked: bool, config, backend, varying: bool,
+            where: str, g_stored: bool = False) -> BackendChoice:
+  """The backend and tiling a kernel call with these checked arguments
+  runs: :func:`select_backend`'s choice, a Triton tiling fitted to the
+  quantized slots' blocks (:func:`_triton_tiling`); a case the chosen
+  backend does not take is refused in plain words (Mosaic GPU:
+  :func:`~pallas_kernels.mosaic_kernel.unsupported`, without tokens all
+  but its K loop's needs). The kernel calls and :func:`describe_backend`
+  share it, so that what the latter tells is what runs.
+
+  ``x_dtype``: ``x``'s and ``dy``'s common dtype (with ``g_stored``, the
+  stored gradient's); ``slots`` as :func:`checked_state_inputs` returns
+  them (arrays or ``jax.ShapeDtypeStruct`` s), ``plan`` its plan."""
+  n_in, n_out = w.shape[-2:]
+  choice = select_backend(bt, n_in, n_out, w.dtype, _slot_dtypes(slots, plan),
+                          rule, x_dtype, interpret=interpret, stacked=stacked,
+                          g_stored=g_stored, config=config, backend=backend,
+                          varying=varying, where=where,
+                          low_precision=plan is not None,
+                          mosaic_slot_dtypes=_mosaic_slot_dtypes(slots, plan))
   if choice.backend == "mosaic_gpu":
-    _mosaic_refusal(choice, False, where, lambda: (
-        mosaic_kernel.low_precision_problem(plan, choice.config)))
+    _mosaic_refusal(choice, varying, where, lambda: (
+        mosaic_kernel.unsupported(bt, n_in, n_out, x_dtype, w, slots, rule,
+                                  choice.config, stacked=stacked,
+                                  g_stored=g_stored,
+                                  low_precision=plan is not None,
+                                  plan=plan, k_loop=bt > 0)))
+    return choice
+  if g_stored:
+    check_block_config(choice.config, f"{where}(config=...)")
+  return choice._replace(
+      config=_triton_tiling(choice, plan, n_out, config, where))
+
+
+def _triton_tiling(choice, plan, n_out: int, config, where: str):
+  """The Triton tiling a call runs: ``choice``'s; with quantized slots,
+  fitted to their blocks (:func:`lowp.fit_tiling`) unless the caller gave
+  it (then refused if it splits a block)."""
+  if plan is None:
     return choice.config
   cfg = choice.config
   if not plan.quantized:
@@ -284,15 +300,19 @@ def _varying(*arrays) -> bool:
 def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
                      backend: str | None = None,
                      interpret: bool | None = None,
-                     layer=None, stochastic_rounding=None) -> BackendChoice:
-  """The backend and tiling :func:`fused_wgrad_update` takes with these
-  arguments, and why (:func:`~pallas_kernels.tuning_cache.select_backend`,
-  the function the kernel call itself asks).
+                     layer=None, formats=None,
+                     stochastic_rounding=None) -> BackendChoice:
+  """The backend and tiling :func:`fused_wgrad_update` runs with these
+  arguments, and why: the kernel call's own decision
+  (:func:`~pallas_kernels.tuning_cache.select_backend`, with a Triton
+  tiling fitted to quantized slots' blocks), and its refusals -- a case the
+  chosen backend does not take raises the ``ValueError`` the call raises.
 
   ``x``, ``dy``, ``w`` and ``slots`` may be arrays or
   ``jax.ShapeDtypeStruct`` s (only shapes and dtypes are read), a
-  quantized slot a ``Quantized`` pair of them; ``layer`` only says whether
-  the state is stacked (either backend takes a stack),
+  quantized slot a ``Quantized`` pair of them, checked as the call checks
+  them; ``formats`` as :func:`fused_wgrad_update` takes it; ``layer`` only
+  says whether the state is stacked (either backend takes a stack),
   ``stochastic_rounding`` only whether it is asked for (with
   ``backend=None`` such a call takes the Triton kernel).
 
@@ -303,25 +323,24 @@ def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
     64x128x64/4,b2,pn measured 101.1 us against the Triton kernel's
     105.0 us on NVIDIA H200")``.
   """
-  bt = math.prod(x.shape[:-1])
-  n_in, n_out = w.shape[-2:]
+  where = "describe_backend"
+  check_rule(rule, where)
+  slots = slot_tuple(slots, rule, where)
+  # Only whether stochastic rounding is asked for is read: a stand-in
+  # (seed, step) for the checks.
+  sr = None if stochastic_rounding is None else (0, 0)
+  plan, stand_ins = lowp.plan_state(slots, rule, w, formats, sr, where=where)
+  # (Stand-ins: no hyperparameters here; any layer of a stack.)
+  check_inputs(x, dy, w, stand_ins,
+               jax.ShapeDtypeStruct((HPARAM_VECTOR_LEN,), jnp.float32), rule,
+               None if layer is None else 0)
   if interpret is None:
     interpret = default_interpret()
-  quantized = [isinstance(a, lowp.Quantized) for a in slots]
-  mosaic_slots = None
-  if any(quantized) and stochastic_rounding is None:
-    plan, _ = lowp.plan_state(slots, rule, w, where="describe_backend")
-    mosaic_slots = _mosaic_slot_dtypes(slots, plan)
-  return select_backend(bt, n_in, n_out, w.dtype,
-                        [jnp.float32 if q else a.dtype
-                         for q, a in zip(quantized, slots)],
-                        rule, jnp.promote_types(x.dtype, dy.dtype),
-                        interpret=interpret, stacked=layer is not None,
-                        config=config, backend=backend,
-                        varying=_varying(x, dy, w, *jax.tree.leaves(slots)),
-                        low_precision=any(quantized)
-                        or stochastic_rounding is not None,
-                        mosaic_slot_dtypes=mosaic_slots)
+  return _decide(math.prod(x.shape[:-1]), common_dtype(x, dy), w, slots,
+                 plan, rule, interpret=interpret, stacked=layer is not None,
+                 config=config, backend=backend,
+                 varying=_varying(x, dy, w, *jax.tree.leaves(slots)),
+                 where=where)
 
 
 def _mosaic_refusal(choice, varying: bool, where: str, why_not) -> None:
@@ -438,26 +457,15 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   if layer is not None:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   interpret = _interpret(interpret)
-  varying = _varying(g, w, *jax.tree.leaves(slots))
-  choice = select_backend(0, n_in, n_out, w.dtype, _slot_dtypes(slots, plan),
-                          rule, g.dtype, interpret=interpret,
-                          stacked=layer is not None, g_stored=True,
-                          config=config, backend=backend, varying=varying,
-                          where=where, low_precision=plan is not None,
-                          mosaic_slot_dtypes=_mosaic_slot_dtypes(slots, plan))
+  choice = _decide(0, g.dtype, w, slots, plan, rule, interpret=interpret,
+                   stacked=layer is not None, config=config, backend=backend,
+                   varying=_varying(g, w, *jax.tree.leaves(slots)),
+                   where=where, g_stored=True)
   if choice.backend == "mosaic_gpu":
-    _mosaic_refusal(choice, varying, where, lambda: (
-        mosaic_kernel.unsupported(0, n_in, n_out, g.dtype, w, slots, rule,
-                                  choice.config, stacked=layer is not None,
-                                  g_stored=True,
-                                  low_precision=plan is not None,
-                                  plan=plan)))
     return mosaic_kernel.launch((g,), w, slots, hparams, rule=rule,
                                 cfg=choice.config, interpret=interpret,
                                 layer=layer)
-  check_block_config(choice.config, "stored_g_update(config=...)")
-  cfg = _check_low_precision_backend(choice, plan, n_out, config, where)
   return triton_kernel.launch((g,), w, slots, hparams, rule=rule,
-                              cfg=cfg, layer=layer, interpret=interpret,
-                              bt=0, precision=None, plan=plan,
-                              sr=stochastic_rounding)
+                              cfg=choice.config, layer=layer,
+                              interpret=interpret, bt=0, precision=None,
+                              plan=plan, sr=stochastic_rounding)

@@ -58,7 +58,7 @@ quantized slots are refused there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,9 +75,10 @@ __all__ = ["MOSAIC_REFUSAL", "SlotPlan", "StatePlan", "apply",
            "tiling_problem"]
 
 # Why backend=None takes the Triton kernel for low-precision state.
-MOSAIC_REFUSAL = ("fp8 moments and stochastic rounding run on the Triton "
-                  "backend (the Mosaic GPU kernel takes int8 moments only, "
-                  "and without stochastic rounding)")
+MOSAIC_REFUSAL = ("fp8 moments, int8 moments in blocks other than 64 "
+                  "elements and stochastic rounding run on the Triton "
+                  "backend (the Mosaic GPU kernel takes int8 moments in "
+                  "64-element blocks only, and without stochastic rounding)")
 
 _KIND_OF_DTYPE = {jnp.dtype(jnp.int8): "int8",
                   jnp.dtype(jnp.float8_e4m3fn): "fp8_e4m3",
@@ -194,7 +195,9 @@ def plan_state(slots, rule: UpdateRule, w, formats=None,
     ValueError: codes or scales of the wrong shape or dtype, ``formats``
       that do not fit the slots, stochastic rounding of a weight that is
       not bfloat16 or by a rule that does not write the weight.
-    TypeError: a seed or step that is not an integer scalar.
+    TypeError: a seed or step that is not an integer scalar, a slot that is
+      neither an array nor a ``Quantized`` pair, ``formats`` that is one
+      format (not one per slot).
   """
   slots = tuple(slots)
   names = rule.slots
@@ -206,8 +209,19 @@ def plan_state(slots, rule: UpdateRule, w, formats=None,
   w_shape = tuple(w.shape)
   for name, a, fmt in zip(names, slots, fmts):
     second = name in rule.second_moments
+    if not _is_quantized(a) and not hasattr(a, "dtype"):
+      if isinstance(a, (tuple, list)) and len(a) == 2:
+        raise TypeError(
+            f"{where}: slot {name!r} is a plain {type(a).__name__} of two "
+            "entries; a quantized slot must be a "
+            "pallas_kernels.quant.Quantized(q, scale) (codes and per-block "
+            "scales: quant.quantize(values, fmt) makes one, "
+            "Quantized(*pair) converts a pair), a plain slot an array")
+      raise TypeError(
+          f"{where}: slot {name!r} must be an array (or a quantized slot's "
+          f"pallas_kernels.quant.Quantized pair), got {type(a).__name__}")
     if not _is_quantized(a):
-      if jnp.dtype(getattr(a, "dtype", jnp.float32)) in _KIND_OF_DTYPE:
+      if jnp.dtype(a.dtype) in _KIND_OF_DTYPE:
         raise ValueError(
             f"{where}: slot {name!r} is a plain "
             f"{jnp.dtype(a.dtype).name} array; quantized codes travel with "
@@ -273,6 +287,15 @@ def _formats_by_slot(formats, rule: UpdateRule, where: str):
   names = rule.slots
   if formats is None:
     return [None] * len(names)
+  per_slot = (f"give one MomentFormat or None per slot of rule {rule.name!r} "
+              f"{names}, e.g. formats=(fmt,) * {len(names)}, or a mapping "
+              "from slot name to format")
+  if isinstance(formats, MomentFormat):
+    raise TypeError(f"{where}: formats is one MomentFormat ({formats.kind}, "
+                    f"block {formats.block}), not one per slot: {per_slot}")
+  if isinstance(formats, (str, bytes)) or not isinstance(formats, Iterable):
+    raise TypeError(f"{where}: formats must be None or per slot, got "
+                    f"{type(formats).__name__}: {per_slot}")
   if isinstance(formats, Mapping):
     unknown = [n for n in formats if n not in names]
     if unknown:

@@ -640,13 +640,16 @@ def int8_tiling_problem(cfg: MosaicConfig) -> str | None:
 def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
                 rule: UpdateRule, cfg: MosaicConfig, *, stacked: bool,
                 g_stored: bool, low_precision: bool = False,
-                plan=None) -> str | None:
+                plan=None, k_loop: bool = True) -> str | None:
   """Why the Mosaic GPU kernel cannot run this case, or ``None``.
 
   With ``g_stored``, ``x_dtype`` is the stored gradient's dtype and ``bt``
   is not used. ``low_precision``: a slot is quantized or the weight is
   stored by stochastic rounding (:mod:`pallas_kernels.lowp`); ``plan``: its
-  :class:`~pallas_kernels.lowp.StatePlan` (without it, refused)."""
+  :class:`~pallas_kernels.lowp.StatePlan` (without it, refused).
+  ``k_loop=False``: the number of K steps is not checked (a call without
+  tokens, which returns without launching the kernel; everything else
+  about its arguments is)."""
   if low_precision and plan is None:
     return lowp.MOSAIC_REFUSAL
   why = low_precision_problem(plan, cfg, g_stored=g_stored)
@@ -694,14 +697,16 @@ def unsupported(bt: int, n_in: int, n_out: int, x_dtype, w, slots,
     if why is not None:
       return why
     k_steps = pl.cdiv(bt, cfg.tile_k)
-    if not cfg.pingpong and k_steps <= cfg.delay_release:
+    if k_loop and not cfg.pingpong and k_steps <= cfg.delay_release:
       # (Pallas's GPU interpreter: a barrier phase missed, or a block
       # overwritten before its wgmma read it, with tiles to follow.)
       return (f"the column-split schedule releases each K step's operand "
               f"blocks delay_release={cfg.delay_release} step(s) late, so "
               f"it needs more than {cfg.delay_release} K step(s); BT = {bt} "
               f"makes {k_steps} of {cfg.tile_k} rows: use the ping-pong "
-              "schedule (',pp', the default) or delay_release=0 (',d0')")
+              "schedule (',pp': pingpong=True, as mosaic_kernel."
+              "default_config's tilings have; MosaicConfig() defaults to "
+              "the column split) or delay_release=0 (',d0')")
     if cfg.cluster > 1 and n_in % (cfg.tile_m * cfg.cluster):
       return (f"with cluster={cfg.cluster} the programs of a cluster take "
               f"tile rows in pairs: in = {n_in} must be a multiple of "

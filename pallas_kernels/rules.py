@@ -163,7 +163,9 @@ class UpdateRule:
   def pack(self, **values) -> jax.Array:
     """Packs named hyperparameters into the kernel's fp32 vector (a name in
     ``defaults`` may be left out: it takes its source's value; a
-    :attr:`static` setting may be passed only with the rule's own value)."""
+    :attr:`static` setting may be passed only with the rule's own value).
+    Each value is a scalar (Python number or array of one element, may be
+    traced); an array of several values is refused."""
     # A static setting is not packed; passed here (e.g. from unpack()'s
     # mapping) it must agree with the rule's.
     fixed = {n: v for n, v in self.static if n in values}
@@ -182,8 +184,16 @@ class UpdateRule:
       raise ValueError(
           f"rule {self.name!r} takes hyperparameters {self.hparams}; "
           f"missing {missing}, unexpected {extra}")
-    vec = jnp.stack(
-        [jnp.asarray(values[n], jnp.float32).reshape(()) for n in self.hparams])
+    scalars = []
+    for n in self.hparams:
+      a = jnp.asarray(values[n], jnp.float32)
+      if a.size != 1:
+        raise ValueError(
+            f"rule {self.name!r}: hyperparameter {n!r} must be a scalar "
+            f"(shape (); one value for the whole weight), got shape "
+            f"{tuple(a.shape)}")
+      scalars.append(a.reshape(()))
+    vec = jnp.stack(scalars)
     return jnp.pad(vec, (0, HPARAM_VECTOR_LEN - len(self.hparams)))
 
   def unpack(self, vec, slot_dtypes: Sequence | None = None, *,

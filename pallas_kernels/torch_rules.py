@@ -78,8 +78,7 @@ def _name(base: str, **flags: bool) -> str:
   return rule_name(base, **flags, torch=True)
 
 
-@functools.lru_cache(maxsize=None)
-def sgd_rule(momentum: bool, nesterov: bool) -> UpdateRule:
+def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
   """``torch.optim.SGD`` (``_single_tensor_sgd``).
 
     grad = maximize-sign * grad + weight_decay * param
@@ -89,8 +88,15 @@ def sgd_rule(momentum: bool, nesterov: bool) -> UpdateRule:
 
   torch's first step sets ``buf = grad.clone()``; the caller reproduces it
   exactly with ``buf = 0``, ``buf_decay = 0``, ``one_minus_dampening = 1``.
+  ``momentum``: torch's ``momentum != 0``. The defaults are torch's
+  (``momentum=0``, ``nesterov=False``).
   """
-  nesterov = nesterov and momentum
+  return _sgd_rule(bool(momentum), bool(nesterov and momentum))
+
+
+@functools.lru_cache(maxsize=None)
+def _sgd_rule(momentum: bool, nesterov: bool) -> UpdateRule:
+  """:func:`sgd_rule`, one object per variant however it is called."""
 
   def update(g, w, slots, h):
     g = _grad(g, w, h)
@@ -134,8 +140,8 @@ def adagrad_rule() -> UpdateRule:
                     second_moments=("sum",))
 
 
-@functools.lru_cache(maxsize=None)
-def rmsprop_rule(centered: bool, momentum: bool) -> UpdateRule:
+def rmsprop_rule(centered: bool = False, momentum: bool = False
+                 ) -> UpdateRule:
   """``torch.optim.RMSprop`` (``_single_tensor_rmsprop``).
 
     grad = maximize-sign * grad + weight_decay * param
@@ -147,8 +153,16 @@ def rmsprop_rule(centered: bool, momentum: bool) -> UpdateRule:
     else:     param = param + (-lr) * (grad / avg)
 
   Slots ``square_avg``, then ``momentum_buffer`` (momentum > 0), then
-  ``grad_avg`` (centered): torch's state names.
+  ``grad_avg`` (centered): torch's state names. ``momentum``: torch's
+  ``momentum > 0``. The defaults are torch's (``centered=False``,
+  ``momentum=0``).
   """
+  return _rmsprop_rule(bool(centered), bool(momentum))
+
+
+@functools.lru_cache(maxsize=None)
+def _rmsprop_rule(centered: bool, momentum: bool) -> UpdateRule:
+  """:func:`rmsprop_rule`, one object per variant however it is called."""
 
   def update(g, w, slots, h):
     square_avg, *rest = slots
@@ -181,7 +195,8 @@ def rmsprop_rule(centered: bool, momentum: bool) -> UpdateRule:
       update=update, second_moments=("square_avg",))
 
 
-def adam_rule(amsgrad: bool, cuda_fused: bool = False) -> UpdateRule:
+def adam_rule(amsgrad: bool = False, cuda_fused: bool = False
+              ) -> UpdateRule:
   """``torch.optim.Adam`` / ``AdamW`` (``_single_tensor_adam``, non-capturable).
 
     grad = maximize-sign * grad + weight_decay * param   (coupled: Adam)
@@ -210,6 +225,8 @@ def adam_rule(amsgrad: bool, cuda_fused: bool = False) -> UpdateRule:
   much, more than the fp32 bar. The caller supplies ``b1``, ``b2``, the two
   complements, ``bc2_sqrt`` and ``step_size`` computed in fp32 as the kernel
   does (``powf`` from the device itself).
+
+  The defaults are torch's (``amsgrad=False``, ``fused=None``).
   """
   return _adam_rule(bool(amsgrad), bool(cuda_fused))
 

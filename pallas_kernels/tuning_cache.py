@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import lowp, mosaic_kernel
+from pallas_kernels.checks import check_rule
 from pallas_kernels.interpret import default_interpret
 from pallas_kernels.mosaic_kernel import MosaicConfig
-from pallas_kernels.rules import UpdateRule
 from pallas_kernels.tiling import BlockConfig, next_pow2
 
 SHIPPED_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -572,9 +572,7 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
         "pallas_kernels.BlockConfig (a Triton tiling), a "
         "pallas_kernels.MosaicConfig (a Mosaic GPU tiling) or None, got "
         f"{type(config).__name__} {config!r:.80}")
-  if not isinstance(rule, UpdateRule):
-    raise TypeError(f"{where}: rule must be an UpdateRule (e.g. "
-                    f"pallas_kernels.ADAMW), got {type(rule).__name__}")
+  check_rule(rule, where)
 
   # The slots as the Mosaic GPU kernel holds them (int8 codes), by which
   # its cache entries are keyed.
