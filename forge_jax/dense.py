@@ -240,11 +240,21 @@ _DTYPE_FIX = (
     "own dtype")
 
 
-def refuse_dtype(kind: str, name: str, kernel_dtype, dtype, inputs) -> None:
+def refuse_dtype(kind: str, name: str, kernel_dtype, dtype, inputs,
+                 spec) -> None:
   """Refuses a fused layer (``kind`` at ``name``) whose kernel or
   computation dtype (its ``kernel_dtype``, and its ``dtype`` or the
   promotion with ``inputs``) the fused kernel does not take (float64,
-  non-float), naming the layer, the dtype and the fix."""
+  non-float), naming the layer, the dtype and the fix. ``spec``: the
+  step's ``ForgeSpec`` (``None``: a rule, regime 1); a deferred family
+  (regime 3) forms ``G`` itself, in the kernel's own dtype (float64,
+  complex), and runs no fused kernel: nothing is refused. Nothing is
+  refused while the step discovers its layers either (its family is not
+  known there): the step's fused trace refuses."""
+  ctx = _context.current()
+  if (ctx is not None and ctx.mode == "discover") or (
+      spec is not None and spec.regime == 3):
+    return
   why = dtype_reason(kernel_dtype, dtype, inputs, _DTYPE_FIX)
   if why is not None:
     raise TypeError(f"{kind} at {name!r}: {why}")
@@ -356,7 +366,9 @@ class Dense(nn.Dense):
   the update). The bias takes the ordinary path and is updated exactly as
   optax would. The fused kernel computes in fp32 and stores fp32, bf16 or
   fp16: inside a step a fused layer with a float64 (or non-float) kernel or
-  computation dtype raises a ``TypeError`` naming the layer and the fix.
+  computation dtype raises a ``TypeError`` naming the layer and the fix
+  (a deferred family, regime 3, forms ``G`` in the kernel's own dtype and
+  takes float64 and complex kernels).
 
   Extra attributes (after ``nn.Dense``'s, all optional):
     fused: ``False`` keeps this layer on the standard path (its kernel gets an
@@ -392,11 +404,13 @@ class Dense(nn.Dense):
 
   def _refuse(self, name: str, kernel_ndim: int, spec, inputs) -> None:
     """Refuses what cannot be fused (a custom dot, a float64 or non-float
-    kernel or computation dtype for ``inputs``); ``kernel_ndim`` and
-    ``spec`` matter to ``forge_jax.DenseGeneral`` only."""
-    del kernel_ndim, spec
+    kernel or computation dtype for ``inputs`` where the step's ``spec``
+    runs the fused kernel); ``kernel_ndim`` matters to
+    ``forge_jax.DenseGeneral`` only."""
+    del kernel_ndim
     refuse_custom_dot(self, _KIND, name)
-    refuse_dtype(_KIND, name, linen_kernel_dtype(self), self.dtype, inputs)
+    refuse_dtype(_KIND, name, linen_kernel_dtype(self), self.dtype, inputs,
+                 spec)
 
   def _fused(self, inputs, in_dims, features, static_of, layer_inputs):
     """``nn.Dense``'s computation with the matmul as the fused op: the raw

@@ -105,7 +105,8 @@ class DenseGeneral(nn.DenseGeneral):
     kernel or computation dtype for ``inputs``, or Muon (``spec``) on a
     kernel of ``kernel_ndim`` > 2 axes."""
     refuse_custom_dot(self, _KIND, name)
-    refuse_dtype(_KIND, name, linen_kernel_dtype(self), self.dtype, inputs)
+    refuse_dtype(_KIND, name, linen_kernel_dtype(self), self.dtype, inputs,
+                 spec)
     if spec is not None and spec.family == "muon" and kernel_ndim > 2:
       raise ValueError(
           f"{_KIND} at {name!r}: Muon orthogonalizes a matrix, and this "

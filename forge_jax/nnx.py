@@ -194,7 +194,8 @@ class Linear(nnx.Linear):
       return super().__call__(inputs, out_sharding)
     name = _context.layer_name(path)
     self._refuse_custom(name, out_sharding)
-    refuse_dtype(_KIND, name, self.kernel[...].dtype, self.dtype, inputs)
+    refuse_dtype(_KIND, name, self.kernel[...].dtype, self.dtype, inputs,
+                 ctx.spec)
     if ctx.mode == "discover":
       _context.register_layer(
           ctx, path, (self.in_features, self.out_features),

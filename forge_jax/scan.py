@@ -419,7 +419,7 @@ class ScannedDenseStack(nn.Module):
     path = tuple(self.path)
     name = _context.layer_name(path)
     refuse_dtype("forge_jax.ScannedDenseStack", name,
-                 linen_kernel_dtype(self), self.dtype, x)
+                 linen_kernel_dtype(self), self.dtype, x, ctx.spec)
     if ctx.mode == "discover":
       _context.register_layer(
           ctx, path, (self.num_layers, jnp.shape(x)[-1], self.features),
