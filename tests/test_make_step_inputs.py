@@ -52,8 +52,14 @@ def train_both(forge_tx, optax_tx, kw=None, freeze=False, unbox=False):
     v = flax.core.freeze(v)
   fs = jax.jit(forge_jax.make_step(mse(mf), forge_tx))
   rs = jax.jit(reference_step(mse(mr), optax_tx))
+  run_both(fs, forge_tx, rs, optax_tx, v, bs)
+
+
+def run_both(fs, forge_tx, rs, ref_tx, v, bs):
+  """Runs the FORGE step ``fs`` and the reference step ``rs`` from ``v``
+  over batches ``bs`` and asserts variables and optimizer states close."""
   vf, sf = v, forge_tx.init(v["params"])
-  vr, sr = v, optax_tx.init(v["params"])
+  vr, sr = v, ref_tx.init(v["params"])
   for b in bs:
     _, vf, sf = fs(vf, sf, b)
     _, vr, sr = rs(vr, sr, b)
@@ -729,13 +735,7 @@ def test_a_teacher_without_forge_layers_keeps_the_student_fused(teacher):
     step = forge_jax.make_step(_distillation(mf, tm, tv), tx)
     run = jax.jit(step)
   ref = jax.jit(reference_step(_distillation(mr, mr, tv), ref_tx))
-  vf, sf = v, tx.init(v["params"])
-  vr, sr = v, ref_tx.init(v["params"])
-  for b in bs:
-    _, vf, sf = run(vf, sf, b)
-    _, vr, sr = ref(vr, sr, b)
-  assert_trees_close(vf, vr, RTOL, what="variables")
-  assert_trees_close(sf, sr, RTOL, what="opt_state")
+  run_both(run, tx, ref, ref_tx, v, bs)
   assert step.standard_layers == []
   traced = run.trace(v, tx.init(v["params"]), bs[0])
   assert str(traced.jaxpr).count("pallas_call") == 2
