@@ -1133,6 +1133,7 @@ class _ForgeOptimizer:
     of the step it runs; the host runs nothing."""
     index = self._forge_managed[p]
     group = self.param_groups[index]
+    self._forge_check_options(group)  # (as _forge_shared_scalars)
     if index not in self._forge_used:
       self._forge_used[index] = _options_snapshot(group)
     rule = self._forge_rule(group, p.device)

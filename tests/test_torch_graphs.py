@@ -100,6 +100,17 @@ def test_check_capture_says_what_cannot_be_recorded():
     rms._forge_check_capture(third.weight, "l")
 
 
+def test_a_captured_update_refuses_differentiable_set_later():
+  """As an eager update does (test_unsupported_options_raise), before it
+  reads the weight's state."""
+  layer = forge_torch.Linear(4, 3)
+  opt = forge_torch.AdamW(layer.parameters(), fused=True, capturable=True)
+  opt.param_groups[0]["differentiable"] = True
+  with pytest.raises(ValueError, match="does not support differentiable"):
+    opt._forge_captured_update(layer.weight, torch.randn(2, 3),
+                               torch.randn(2, 4), config=None, layer="l")
+
+
 # --- GPU --------------------------------------------------------------------
 
 
