@@ -191,12 +191,16 @@ def check_placement(mesh_layout: MeshLayout | None, params, batch) -> None:
           "operand and run the whole update on each device. Build the step "
           "with forge_jax.make_step(..., mesh_layout=forge_jax.MeshLayout("
           "mesh, data_axes=...)) (docs/distributed.md).")
-    want = dict(zip(mesh_layout.mesh.axis_names, mesh_layout.mesh.axis_sizes))
-    if axes != want:
+    layout_mesh = mesh_layout.mesh
+    want = dict(zip(layout_mesh.axis_names, layout_mesh.axis_sizes))
+    if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != (
+        tuple(layout_mesh.axis_names), tuple(layout_mesh.axis_sizes)):
+      order = (" (the same axes in another order: another arrangement of "
+               "the devices)" if axes == want else "")
       raise ValueError(
           f"forge_jax.make_step: an array of the step is on a mesh with axes "
-          f"{axes}, but its MeshLayout's mesh has axes {want}: place the "
-          "parameters, optimizer state and batch on the layout's mesh")
+          f"{axes}, but its MeshLayout's mesh has axes {want}{order}: place "
+          "the parameters, optimizer state and batch on the layout's mesh")
     return
 
 

@@ -783,6 +783,11 @@ def refusals(n: int) -> dict:
   # A MeshLayout on another mesh than the arrays'.
   out["other_mesh"] = attempt(forge_jax.MeshLayout(
       mesh2, data_axes=D, param_specs=P()))
+  # The arrays' mesh with its axes in another order (same names and sizes).
+  swapped = Mesh(mesh2.devices.T, (M, D), axis_types=mesh2.axis_types)
+  out["axes_in_another_order"] = attempt(
+      forge_jax.MeshLayout(swapped, data_axes=D, param_specs=P()),
+      args=_abstract((v, s, (x, y)), NamedSharding(mesh2, P())))
   # A kernel dimension sharded over a data axis and a model axis at once.
   out["data_and_model_on_one_dim"] = attempt(
       forge_jax.MeshLayout(mesh2, data_axes=D, param_specs={

@@ -192,6 +192,7 @@ def test_each_reduction_holds_one_layers_gradient(report):
 REFUSED = {
     "no_layout": "built without a mesh layout",
     "other_mesh": "MeshLayout's mesh has axes",
+    "axes_in_another_order": "the same axes in another order",
     "data_and_model_on_one_dim": "both data axes",
     "unknown_sharding": "sharding is unknown",
     "indivisible_kernel": "is not divisible by the 8 devices",
