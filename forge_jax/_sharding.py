@@ -667,9 +667,15 @@ def keep_shardings(mesh_layout: MeshLayout | None, boxed_params, params,
   mesh = mesh_layout.mesh
   specs = {}
   for kp, _ in jax.tree_util.tree_leaves_with_path(params):
-    spec = _known_spec(mesh_layout, boxed_params, kp,
-                       f"parameter {jax.tree_util.keystr(kp)}")
+    where = f"parameter {jax.tree_util.keystr(kp)}"
+    spec = _known_spec(mesh_layout, boxed_params, kp, where)
     if spec is not None:
+      unknown = [a for e in spec if isinstance(e, (str, tuple))
+                 for a in _axes(e) if a not in mesh.axis_names]
+      if unknown:
+        raise ValueError(f"forge_jax.make_step: the PartitionSpec {spec} of "
+                         f"{where} names axes {unknown} that the mesh does "
+                         f"not have (its axes: {tuple(mesh.axis_names)})")
       specs[tuple(kp)] = NamedSharding(mesh, spec)
   shapes = {tuple(kp): jnp.shape(a)
             for kp, a in jax.tree_util.tree_leaves_with_path(params)}

@@ -809,6 +809,10 @@ def refusals(n: int) -> dict:
   # A batch whose leading dimension the data axes do not divide.
   short = (jax.ShapeDtypeStruct((n - 1, SEQ, IN), jnp.float32),
            jax.ShapeDtypeStruct((n - 1, SEQ, OUT), jnp.float32))
+  # A bias's spec naming an axis the mesh lacks.
+  out["unknown_bias_axis"] = attempt(forge_jax.MeshLayout(
+      mesh, data_axes=D, param_specs={"up": {"kernel": P(), "bias": P("tp")},
+                                      "down": P()}))
   out["indivisible_batch"] = attempt(
       forge_jax.MeshLayout(mesh, data_axes=D, param_specs=P()),
       args=(*args[:2], _abstract(short, rep)))

@@ -193,6 +193,7 @@ REFUSED = {
     "no_layout": "built without a mesh layout",
     "other_mesh": "MeshLayout's mesh has axes",
     "axes_in_another_order": "the same axes in another order",
+    "unknown_bias_axis": "names axes ['tp'] that the mesh does not have",
     "data_and_model_on_one_dim": "both data axes",
     "unknown_sharding": "sharding is unknown",
     "indivisible_kernel": "is not divisible by the 8 devices",
