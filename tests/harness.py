@@ -214,3 +214,17 @@ def kernel_gradient_dots(jaxpr, kernel_shapes, bt):
       elif out[::-1] in kernel_shapes:  # AD forms dy^T x, then transposes
         found.append(out[::-1])
   return found
+
+
+def spy_launches(monkeypatch, module):
+  """Records the tiling (``cfg``) of each ``module.launch`` call (a kernel
+  module of pallas_kernels), still launching; returns the list."""
+  seen = []
+  real = module.launch
+
+  def launch(*args, **kwargs):
+    seen.append(kwargs["cfg"])
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(module, "launch", launch)
+  return seen

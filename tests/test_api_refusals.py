@@ -12,6 +12,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import (ADAMW, MosaicConfig, families, mosaic_kernel,
                             quant, torch_rules, triton_kernel, tuning_cache)
+from tests.harness import spy_launches
 
 BF16 = jnp.bfloat16
 
@@ -124,18 +125,6 @@ def test_x_and_dy_without_a_common_dtype_are_refused():
 # --- describe_backend --------------------------------------------------------
 
 
-def _spy(monkeypatch, module):
-  seen = []
-  real = module.launch
-
-  def launch(*args, **kwargs):
-    seen.append(kwargs["cfg"])
-    return real(*args, **kwargs)
-
-  monkeypatch.setattr(module, "launch", launch)
-  return seen
-
-
 @pytest.mark.parametrize("block", [64, 256])
 def test_describe_backend_takes_formats_and_tells_the_tiling_that_runs(
     monkeypatch, block):
@@ -147,7 +136,7 @@ def test_describe_backend_takes_formats_and_tells_the_tiling_that_runs(
                                                    second_moment=True))
   choice = pk.describe_backend(x, dy, w, slots, rule=ADAMW, interpret=True,
                                formats=(fmt, fmt))
-  seen = _spy(monkeypatch, triton_kernel)
+  seen = spy_launches(monkeypatch, triton_kernel)
   pk.fused_wgrad_update(x, dy, w, slots, _hparams(), rule=ADAMW,
                         interpret=True, formats=(fmt, fmt))
   assert choice.backend == "triton"
@@ -163,7 +152,7 @@ def test_describe_backend_tells_the_mosaic_tiling_that_runs(monkeypatch):
   x, dy, w, slots = _case(5, 16, 64, 128, BF16)
   choice = pk.describe_backend(x, dy, w, slots, rule=ADAMW, interpret=True,
                                backend="mosaic_gpu")
-  seen = _spy(monkeypatch, mosaic_kernel)
+  seen = spy_launches(monkeypatch, mosaic_kernel)
   pk.fused_wgrad_update(x, dy, w, slots, _hparams(), rule=ADAMW,
                         interpret=True, backend="mosaic_gpu")
   assert choice.backend == "mosaic_gpu" and seen == [choice.config]

@@ -14,6 +14,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import (autotune, fused_wgrad, lowp, mosaic_kernel, quant,
                             tuning_cache)
+from tests.harness import spy_launches
 from tests.test_kernel import adamw_hparams, check_against_reference, make_case
 
 M = pk.MosaicConfig
@@ -553,21 +554,9 @@ def test_describe_backend_reads_shapes_and_dtypes(monkeypatch):
 # --- the kernel call takes what was chosen -----------------------------------
 
 
-def _spy(monkeypatch, module):
-  calls = []
-  real = module.launch
-
-  def launch(*args, **kwargs):
-    calls.append(kwargs["cfg"])
-    return real(*args, **kwargs)
-
-  monkeypatch.setattr(module, "launch", launch)
-  return calls
-
-
 def test_fused_wgrad_update_runs_the_chosen_backend(monkeypatch):
-  mosaic_calls = _spy(monkeypatch, fused_wgrad.mosaic_kernel)
-  triton_calls = _spy(monkeypatch, fused_wgrad.triton_kernel)
+  mosaic_calls = spy_launches(monkeypatch, fused_wgrad.mosaic_kernel)
+  triton_calls = spy_launches(monkeypatch, fused_wgrad.triton_kernel)
   x, dy, w, slots = make_case(31, (64,), 64, 128, (jnp.bfloat16,) * 4)
   h = adamw_hparams()
   # $FORGE_BACKEND=mosaic_gpu in interpret mode: the Mosaic GPU kernel, its
@@ -709,7 +698,7 @@ def test_forge_jax_layers_train_the_same_on_the_mosaic_backend(monkeypatch):
   results = {}
   for backend in ("triton", "mosaic_gpu"):
     monkeypatch.setenv("FORGE_BACKEND", backend)
-    calls = _spy(monkeypatch, getattr(fused_wgrad, {
+    calls = spy_launches(monkeypatch, getattr(fused_wgrad, {
         "triton": "triton_kernel", "mosaic_gpu": "mosaic_kernel"}[backend]))
     variables = net.init(jax.random.key(1), x)
     state = tx.init(variables["params"])
