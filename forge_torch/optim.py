@@ -727,8 +727,9 @@ class _ForgeOptimizer:
         _check_single_process(managed)
       self._forge_check_options(group)
       for p in managed:
-        _bridge.check_dtype(p, f"forge_torch.Linear's {_linear.weight_name(p)}")
-        _check_contiguous(p, _linear.weight_name(p))
+        name = _linear.weight_name(p)
+        _bridge.check_dtype(p, f"forge_torch.Linear's {name}")
+        _check_contiguous(p, name)
       if managed:
         self._forge_rule(group)  # refuses unfusable combinations now
       self._forge_check_low_precision(group, managed)
@@ -864,7 +865,7 @@ class _ForgeOptimizer:
           "optimizer (it is in none of its param_groups)")
     if w.dtype not in _bridge.SUPPORTED_DTYPES:
       _bridge.check_dtype(w, f"the weight of forge_torch.Linear {layer}")
-    if not w.is_contiguous():
+    if not w.is_contiguous():  # (refused: the check names it)
       _check_contiguous(w, f"the weight of forge_torch.Linear {layer}")
     if x.device != w.device:
       raise RuntimeError(
