@@ -602,7 +602,7 @@ class Linear(nn.Linear):
 
   def forward(self, input: torch.Tensor) -> torch.Tensor:
     if _is_compiling():  # traced: torch.compile, torch.export
-      if _is_exporting():
+      if _exporting():
         # An exported program is the standard layer (FORGE's update happens
         # in an eager backward, which no exported graph holds).
         return F.linear(input, self.weight, self.bias)
@@ -687,6 +687,16 @@ _is_compiling = torch.compiler.is_compiling
 # forward runs in Python with both set, where a hand-over to the eager
 # forward would find them set again).
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def _exporting() -> bool:
+  """Whether torch.export is tracing the forward (strict or not). Read from
+  torch.compiler's flag itself where it has one: Dynamo in some torch
+  versions (2.11 among them) folds ``torch.compiler.is_exporting()`` to
+  True in every trace, torch.compile's included, where the flag (a module
+  attribute, which Dynamo reads as its value) is set only by torch.export."""
+  flag = getattr(torch.compiler, "_is_exporting_flag", None)
+  return _is_exporting() if flag is None else bool(flag)
 _jit_tracing = torch._C._get_tracing_state  # noqa: SLF001  (None: not tracing)
 
 
