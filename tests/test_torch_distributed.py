@@ -167,9 +167,16 @@ def _misuses(rank: int) -> dict:
   opt = forge_torch.AdamW(ddp.parameters())
   found["ddp_tied"] = _error(lambda: ddp(x))
   # The tied weight under fully_shard with its two layers in different FSDP
-  # groups: fully_shard refuses it (the groups would shard two copies);
-  # both layers in one group train as the single process does
-  # (_train_fsdp(..., tied=True)).
+  # groups: fully_shard refuses it where this torch's does (the groups
+  # would shard two copies; torch 2.11 shards them silently, as it does for
+  # the same nn.Linear model: "fsdp_tied_split_plain"); both layers in one
+  # group train as the single process does (_train_fsdp(..., tied=True)).
+  plain = copy.deepcopy(net)
+  plain.fc2.weight = plain.fc1.weight
+  fully_shard(plain.fc1)
+  fully_shard(plain)
+  found["fsdp_tied_split_plain"] = _error(lambda: plain(x),
+                                          (RuntimeError, ValueError))
   model = tied_after_convert()
   fully_shard(model.fc1)
   fully_shard(model)
@@ -503,8 +510,14 @@ def test_misuse_is_refused(reports):
     # refuses it and says how to group it.
     assert "called a second time" in found["ddp_tied"], found["ddp_tied"]
     assert "fc2" in found["ddp_tied"], found["ddp_tied"]
-    assert "shared" in found["fsdp_tied_split"], found["fsdp_tied_split"]
-    assert "same FSDP group" in found["fsdp_tied_split"]
+    # As torch's fully_shard does for the same nn.Linear model: refused
+    # (saying how to group the layers), or, in a torch whose fully_shard
+    # does not refuse it, not refused either.
+    if found["fsdp_tied_split_plain"]:
+      assert "shared" in found["fsdp_tied_split"], found["fsdp_tied_split"]
+      assert "same FSDP group" in found["fsdp_tied_split"]
+    else:
+      assert found["fsdp_tied_split"] == "", found["fsdp_tied_split"]
 
 
 def test_prepare_ddp_needs_a_process_group():
