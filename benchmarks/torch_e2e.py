@@ -82,6 +82,17 @@ the same device) and compares every parameter and its update (``parity_*``
 rows; fail above 1e-5 relative). ``--plot PNG`` draws the step time and peak
 memory per BT with forge / torch ratios.
 
+``--paired`` times the step another way: both arms in one process per BT
+(and per ``--repeat`` round), two models from the same initialisation, their
+steps timed one by one in alternation (torch then forge, forge then torch,
+...), so that the host's drift between processes, which moves single cells
+by several percent where both arms are host-bound, reaches both alike.
+Rows (benchmark ``torch_e2e_paired``, case ``... paired``, which the plot
+does not read): each arm's ``step_time`` and ``loss_first``, and
+``step_ratio`` (provider ``forge/torch``: the quantiles of each forge step
+over the torch step beside it). No memory rows (both models are resident);
+the torch arm then runs with JAX started in its process.
+
 Without CUDA the benchmark refuses to run, exit status 1 (no figure would be
 a GPU figure); ``--device cpu`` runs it on the CPU as a smoke test (the fused
 kernel in Pallas interpret mode: slow, for tiny ``--layers`` / ``--d-model``
@@ -112,6 +123,7 @@ from torch.nn import functional as F  # noqa: E402
 from benchmarks import common, e2e  # noqa: E402
 
 BENCHMARK = "torch_e2e"
+PAIRED_BENCHMARK = "torch_e2e_paired"
 ARMS = ("torch", "forge")
 # A step's phases: the loss (forward), backward() (forge: the fused updates
 # inside it), step() + zero_grad().
@@ -458,6 +470,59 @@ def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
   return r
 
 
+def run_paired(bt: int, cfg: e2e.Config, steps: int, warmup: int,
+               device: str, seed: int = 0) -> dict:
+  """Both arms in this process (``--paired``): two models from the same
+  initialisation and one batch, warmed up, then timed step by step in
+  alternation (torch then forge, then forge then torch, ...), so that the
+  host's drift reaches both arms alike; returns each arm's step times and
+  the quantiles of the per-pair ratios (forge's step over the torch step
+  beside it). Memory is not measured: both models are resident. The torch
+  arm runs with JAX started in the process (by forge_torch), which a torch
+  cell never does."""
+  if bt % cfg.seq:
+    raise ValueError(f"BT={bt} is not a multiple of seq={cfg.seq}")
+  cuda = device == "cuda"
+  models = {arm: build_model(cfg, device, seed) for arm in ARMS}
+  opts = {arm: make_optimizer(arm, models[arm]) for arm in ARMS}
+  tokens, targets = make_batch(cfg, bt // cfg.seq, device, seed)
+
+  def step(arm):
+    loss = loss_of(models[arm], tokens, targets)
+    loss.backward()
+    opts[arm].step()
+    opts[arm].zero_grad(set_to_none=True)
+    return loss
+
+  losses = {arm: [] for arm in ARMS}
+  for _ in range(warmup):
+    for arm in ARMS:
+      losses[arm].append(step(arm).item())  # .item() waits for it
+  times = {arm: [] for arm in ARMS}
+  for i in range(steps):
+    for arm in (ARMS if i % 2 == 0 else ARMS[::-1]):
+      if cuda:
+        start, end = (torch.cuda.Event(enable_timing=True),
+                      torch.cuda.Event(enable_timing=True))
+        start.record()
+        loss = step(arm)
+        end.record()
+        end.synchronize()
+        times[arm].append(start.elapsed_time(end))  # ms
+      else:
+        t0 = time.perf_counter()
+        loss = step(arm)
+        times[arm].append((time.perf_counter() - t0) * 1e3)
+      losses[arm].append(loss.item())
+  ratios = [f / t for f, t in zip(times["forge"], times["torch"])]
+  return dict(bt=bt, device=device_label(device), cuda=cuda,
+              params=sum(p.numel() for p in models["torch"].parameters()),
+              dtypes=(f"params={cfg.dtype},{_moment_dtypes(opts['torch'])},"
+                      "logits/loss=float32"),
+              step_ms={arm: common.quantiles(times[arm]) for arm in ARMS},
+              ratio=common.quantiles(ratios), losses=losses)
+
+
 def check_parity(device: str, seed: int = 0) -> dict:
   """Both arms for :data:`CHECK_STEPS` steps from one initialisation, on
   :data:`CHECK_CONFIG` (fp32) on ``device``: the worst relative error (norm)
@@ -560,6 +625,23 @@ def write_cell_rows(path: str, cfg: e2e.Config, r: dict) -> str:
   add("loss_final", r["losses"][-1], "nats")
   add("param_count", float(r["params"]), "params")
   return res.stamp
+
+
+def write_paired_rows(path: str, cfg: e2e.Config, r: dict) -> None:
+  """One ``--paired`` process's rows: each arm's ``step_time`` and the
+  per-pair ratio ``step_ratio`` (provider ``forge/torch``), case ``...
+  paired``; benchmark ``torch_e2e_paired``, which the plot does not
+  read)."""
+  res = common.Results(path, PAIRED_BENCHMARK, device=r["device"])
+  case = case_of(cfg, r["bt"]) + " paired"
+  shape = shape_of(cfg, r["bt"])
+  for arm in ARMS:
+    res.add(case, arm, shape, r["dtypes"], "step_time",
+            tuple(r["step_ms"][arm]), "ms")
+    res.add(case, arm, shape, r["dtypes"], "loss_first", r["losses"][arm][0],
+            "nats")
+  res.add(case, "forge/torch", shape, r["dtypes"], "step_ratio",
+          tuple(r["ratio"]), "forge step / the torch step beside it")
 
 
 def write_check_rows(path: str, r: dict) -> None:
@@ -818,7 +900,15 @@ def parse_args(argv):
                  "Python leaves the step. CUDA only; the rows' case says "
                  "CUDA graph, peak_memory is left out (replays allocate "
                  "nothing) and peak_reserved holds the graph's pool")
-  p.add_argument("--cell", choices=(*ARMS, "check"), help=argparse.SUPPRESS)
+  p.add_argument("--paired", action="store_true",
+                 help="time both arms in one process per BT (and per "
+                 "--repeat round), step by step in alternation, instead of "
+                 "one process per cell: each pair of steps runs side by "
+                 "side, so the host's drift reaches both arms alike; writes "
+                 "each arm's step_time and the per-pair step_ratio (case "
+                 "'... paired'); no memory rows, no plot")
+  p.add_argument("--cell", choices=(*ARMS, "check", "paired"),
+                 help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.out_dir is not None:
     if args.out is not None or args.plot is not None:
@@ -835,8 +925,13 @@ def parse_args(argv):
     if bt % args.seq:
       p.error(f"--bt {bt} is not a multiple of --seq {args.seq}: a step is "
               "a whole number of sequences")
-  if args.cell in ARMS and len(args.bt) != 1:
+  if args.cell in (*ARMS, "paired") and len(args.bt) != 1:
     p.error("--cell runs one BT")
+  if args.paired and sorted(args.arms) != sorted(ARMS):
+    p.error("--paired times both arms side by side: leave --arms out")
+  if args.paired and (args.graph or args.check or args.replot):
+    p.error("--paired times eager steps only: not with --graph, --check or "
+            "--replot")
   if args.graph and args.device != "cuda":
     p.error("--graph records CUDA graphs: it needs --device cuda")
   if args.replot:
@@ -871,6 +966,43 @@ def _run_check(args) -> bool:
   return r["ok"]
 
 
+def _main_paired(args, cfg: e2e.Config) -> int:
+  """``--paired``: one process per BT and round, both arms in it."""
+  ok = True
+  for bt in args.bt:
+    ratios = []
+    for rnd in range(args.repeat):
+      argv = _cell_argv(args, "paired", bt)
+      where = f"paired BT={bt}" + (f" round {rnd + 1}" if args.repeat > 1
+                                    else "")
+      print(f"== {where} (timeout {args.cell_timeout} s): "
+            f"{' '.join(argv[1:])}", flush=True)
+      r, reason = e2e.run_tagged(argv, e2e._subprocess_env(),
+                                 args.cell_timeout, where, RESULT_TAG)
+      if r is None:
+        ok = False
+        print(f"   FAILED {where}: {reason}", flush=True)
+        common.Results(args.out, PAIRED_BENCHMARK,
+                       device=device_label(args.device)).add(
+            case_of(cfg, bt) + " paired", "forge/torch", shape_of(cfg, bt),
+            f"params={cfg.dtype}", "failed", math.nan, reason)
+        continue
+      write_paired_rows(args.out, cfg, r)
+      t, f = r["step_ms"]["torch"], r["step_ms"]["forge"]
+      ratios.append(r["ratio"][1])
+      print(f"   step p50 torch {t[1]:.2f} ms, forge {f[1]:.2f} ms; per "
+            f"pair forge/torch p20/p50/p80 {r['ratio'][0]:.3f} / "
+            f"{r['ratio'][1]:.3f} / {r['ratio'][2]:.3f}", flush=True)
+      ok &= e2e.first_losses_agree(bt, "forge", r["losses"]["forge"][0],
+                                   "torch", r["losses"]["torch"][0])
+    if len(ratios) > 1:
+      print(f"{bt:>6} per-pair median ratio by round: "
+            + " ".join(f"{x:.3f}" for x in ratios)
+            + f"; median {statistics.median(ratios):.3f}")
+  print(f"wrote {args.out}")
+  return 0 if ok else 1
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.replot:
@@ -885,6 +1017,11 @@ def main(argv=None) -> int:
   if args.cell == "check":
     print(RESULT_TAG + json.dumps(check_parity(args.device, args.seed)),
           flush=True)
+    return 0
+  if args.cell == "paired":
+    r = run_paired(args.bt[0], cfg, args.steps, args.warmup, args.device,
+                   args.seed)
+    print(RESULT_TAG + json.dumps(r), flush=True)
     return 0
   if args.cell:
     r = run_cell(args.cell, args.bt[0], cfg, args.steps, args.warmup,
@@ -911,6 +1048,8 @@ def main(argv=None) -> int:
         f"{args.out}", flush=True)
   if args.device == "cpu":
     print("CPU smoke run: the timings are not GPU figures (rows marked cpu)")
+  if args.paired:
+    return _main_paired(args, cfg)
   start = time.perf_counter()
   checked = _run_check(args) if args.check else True
   runs, failed, device, stamps = {}, [], None, {}

@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import forge_torch  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -239,7 +240,52 @@ def test_repeat_runs_rounds_and_pairs_them(tmp_path, monkeypatch, capsys):
           in capsys.readouterr().out)
 
 
+def test_paired_times_both_arms_in_one_process(tmp_path, monkeypatch,
+                                               capsys):
+  """--paired: both arms in one process per round, step by step in
+  alternation; each arm's step times and the per-pair ratio written under
+  their own benchmark name (the plot of the same CSV takes only the
+  cells); the first losses equal."""
+  monkeypatch.setattr(torch_e2e.e2e, "run_tagged", _in_process)
+  seen = []
+  step_of = torch_e2e.loss_of
+
+  def loss_of(model, tokens, targets):  # which arm steps, in order
+    seen.append(isinstance(model.lm_head, forge_torch.Linear))
+    return step_of(model, tokens, targets)
+
+  monkeypatch.setattr(torch_e2e, "loss_of", loss_of)
+  out = tmp_path / "t.csv"
+  rc = torch_e2e.main(["--device", "cpu", *SMOKE_FLAGS, "--bt", "8",
+                       "--steps", "4", "--warmup", "1", "--paired",
+                       "--repeat", "2", "--out", str(out)])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  # Per round: one warm-up step per arm, then pairs in alternating order.
+  per_round = [False, True, False, True, True, False, False, True, True,
+               False]
+  assert seen == per_round * 2
+  rows = _rows(out)
+  assert {r["benchmark"] for r in rows} == {"torch_e2e_paired"}
+  assert all(r["case"].endswith("BT=8 paired") for r in rows)
+  got = [(r["provider"], r["metric"]) for r in rows]
+  assert got == [("torch", "step_time"), ("torch", "loss_first"),
+                 ("forge", "step_time"), ("forge", "loss_first"),
+                 ("forge/torch", "step_ratio")] * 2
+  for i in (0, 5):
+    t, f, ratio = rows[i], rows[i + 2], rows[i + 4]
+    assert float(t["p50"]) > 0 and float(f["p50"]) > 0
+    assert float(ratio["p20"]) <= float(ratio["p50"]) <= float(ratio["p80"])
+    assert abs(float(rows[i + 3]["p50"]) - float(rows[i + 1]["p50"])) <= (
+        FP32_TOL * abs(float(rows[i + 1]["p50"])))
+  assert "per-pair median ratio by round:" in text
+  assert torch_e2e.bar_rows(str(out)) == {}
+
+
 @pytest.mark.parametrize("flags, words", [
+    (["--paired", "--arms", "forge"], "--paired times both arms side by "
+     "side: leave --arms out"),
+    (["--paired", "--check"], "--paired times eager steps only"),
     (["--bt", "12"], "--bt 12 is not a multiple of --seq 8"),
     (["--d-model", "30"], "d_model must be a multiple of heads"),
     (["--bt", "0"], "0 must be >= 1"),
