@@ -630,7 +630,7 @@ def write_cell_rows(path: str, cfg: e2e.Config, r: dict) -> str:
 def write_paired_rows(path: str, cfg: e2e.Config, r: dict) -> None:
   """One ``--paired`` process's rows: each arm's ``step_time`` and the
   per-pair ratio ``step_ratio`` (provider ``forge/torch``), case ``...
-  paired``; benchmark ``torch_e2e_paired``, which the plot does not
+  paired``, benchmark ``torch_e2e_paired`` (which the plot does not
   read)."""
   res = common.Results(path, PAIRED_BENCHMARK, device=r["device"])
   case = case_of(cfg, r["bt"]) + " paired"

@@ -697,6 +697,8 @@ def _exporting() -> bool:
   attribute, which Dynamo reads as its value) is set only by torch.export."""
   flag = getattr(torch.compiler, "_is_exporting_flag", None)
   return _is_exporting() if flag is None else bool(flag)
+
+
 _jit_tracing = torch._C._get_tracing_state  # noqa: SLF001  (None: not tracing)
 
 
