@@ -966,19 +966,27 @@ def _run_check(args) -> bool:
   return r["ok"]
 
 
+def _run_cell_process(args, cell: str, bt: int, rnd: int):
+  """Runs ``--cell cell`` at ``bt`` (round ``rnd``) in its subprocess;
+  returns its result (``None`` if it failed), the reason it failed and its
+  label."""
+  argv = _cell_argv(args, cell, bt)
+  where = f"{cell} BT={bt}" + (f" round {rnd + 1}" if args.repeat > 1
+                               else "")
+  print(f"== cell {where} (timeout {args.cell_timeout} s): "
+        f"{' '.join(argv[1:])}", flush=True)
+  r, reason = e2e.run_tagged(argv, e2e._subprocess_env(), args.cell_timeout,
+                             where, RESULT_TAG)
+  return r, reason, where
+
+
 def _main_paired(args, cfg: e2e.Config) -> int:
   """``--paired``: one process per BT and round, both arms in it."""
   ok = True
   for bt in args.bt:
     ratios = []
     for rnd in range(args.repeat):
-      argv = _cell_argv(args, "paired", bt)
-      where = f"paired BT={bt}" + (f" round {rnd + 1}" if args.repeat > 1
-                                    else "")
-      print(f"== {where} (timeout {args.cell_timeout} s): "
-            f"{' '.join(argv[1:])}", flush=True)
-      r, reason = e2e.run_tagged(argv, e2e._subprocess_env(),
-                                 args.cell_timeout, where, RESULT_TAG)
+      r, reason, where = _run_cell_process(args, "paired", bt, rnd)
       if r is None:
         ok = False
         print(f"   FAILED {where}: {reason}", flush=True)
@@ -1056,13 +1064,7 @@ def main(argv=None) -> int:
   for bt in args.bt:
     for rnd in range(args.repeat):
       for arm in (args.arms if rnd % 2 == 0 else args.arms[::-1]):
-        argv = _cell_argv(args, arm, bt)
-        where = f"{arm} BT={bt}" + (f" round {rnd + 1}" if args.repeat > 1
-                                     else "")
-        print(f"== cell {where} (timeout {args.cell_timeout} s): "
-              f"{' '.join(argv[1:])}", flush=True)
-        r, reason = e2e.run_tagged(argv, e2e._subprocess_env(),
-                                   args.cell_timeout, where, RESULT_TAG)
+        r, reason, where = _run_cell_process(args, arm, bt, rnd)
         if r is None:
           failed.append((arm, bt, reason))
           print(f"   FAILED {where}: {reason}", flush=True)
