@@ -401,6 +401,42 @@ def test_torch_overhead_floor_arm_updates_nothing(tmp_path):
   assert {r["provider"] for r in rows} == {"torch", "floor"}
 
 
+def test_torch_overhead_lean_arm_keeps_its_checks(tmp_path, capsys):
+  """The lean arm updates nothing, returns the input's gradient, refuses a
+  second use in one step and (by its version bumps) a second backward
+  through one graph, steps its counts once per step(), writes its rows and
+  runs on the CPU only."""
+  torch = pytest.importorskip("torch")
+  from benchmarks import torch_overhead
+  linear, optimizer = torch_overhead._lean_linear()
+  layer = linear(4, 3, bias=False)
+  opt = optimizer(layer.parameters(), lr=1e-3)
+  before = layer.weight.detach().clone()
+  x = torch.randn(2, 4, requires_grad=True)
+  y = layer(x)
+  with pytest.raises(RuntimeError, match="called a second time"):
+    layer(x)
+  y.square().sum().backward(retain_graph=True)
+  assert layer.weight.grad is None and torch.equal(layer.weight, before)
+  torch.testing.assert_close(x.grad, 2 * (x @ before.t()) @ before)
+  # A second backward through the graph: the version bump refuses it.
+  with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    y.square().sum().backward()
+  opt.step()
+  assert opt.counts.tolist() == [1.0]
+  layer(x).sum().backward()  # a new step: used and updated once again
+  out = tmp_path / "o.csv"
+  assert torch_overhead.main(["--out", str(out), "--layers", "2", "--steps",
+                              "2", "--warmup", "1", "--arms", "lean",
+                              "floor"]) == 0
+  with open(out) as f:
+    assert {r["provider"] for r in csv.DictReader(f)} == {"floor", "lean"}
+  with pytest.raises(SystemExit) as e:
+    torch_overhead.main(["--device", "cuda", "--arms", "lean"])
+  assert e.value.code == 2
+  assert "--arms lean runs on the CPU only" in capsys.readouterr().err
+
+
 def test_torch_overhead_refuses_a_stand_in_on_cuda(capsys):
   pytest.importorskip("torch")
   from benchmarks import torch_overhead
