@@ -32,11 +32,15 @@ def check_rule(rule, where: str) -> None:
 
 def slot_tuple(slots, rule: UpdateRule, where: str) -> tuple:
   """``slots`` as a tuple, refused in plain words when it is not a sequence
-  of the rule's slots (``None``, one quantized pair, a mapping, ...)."""
+  of the rule's slots (``None``, one array, one quantized pair, a mapping,
+  ...)."""
   from pallas_kernels.quant import Quantized  # noqa: PLC0415
 
   if isinstance(slots, Quantized):
     got = "one pallas_kernels.quant.Quantized pair"
+  elif hasattr(slots, "shape"):  # (an array iterates over its rows)
+    got = (f"one array of shape {tuple(slots.shape)}; wrap it as (slot,) "
+           "for a one-slot rule")
   elif slots is None or isinstance(slots, (str, bytes, Mapping)) or (
       not isinstance(slots, Iterable)):
     got = repr(None) if slots is None else type(slots).__name__

@@ -291,6 +291,14 @@ def test_slots_that_are_not_a_sequence_are_refused():
     pk.fused_wgrad_update_reference(
         x, dy, w, quant.quantize(mu, quant.MomentFormat()), _hparams(),
         rule=ADAMW)
+  # One bare array (an array iterates over its rows): refused as one array.
+  with pytest.raises(TypeError, match=re.escape(
+      "slots must be a sequence with one entry per slot of rule 'adamw', "
+      "('mu', 'nu')")) as e:
+    pk.fused_wgrad_update(x, dy, w, mu, _hparams(), rule=ADAMW,
+                          interpret=True)
+  assert "got one array of shape (16, 32); wrap it as (slot,)" in str(
+      e.value)
 
 
 def test_a_hyperparameter_of_several_values_is_refused():
