@@ -193,15 +193,24 @@ def check_placement(mesh_layout: MeshLayout | None, params, batch) -> None:
           "mesh, data_axes=...)) (docs/distributed.md).")
     layout_mesh = mesh_layout.mesh
     want = dict(zip(layout_mesh.axis_names, layout_mesh.axis_sizes))
-    if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) != (
-        tuple(layout_mesh.axis_names), tuple(layout_mesh.axis_sizes)):
-      order = (" (the same axes in another order: another arrangement of "
-               "the devices)" if axes == want else "")
+    if not _same_axes(mesh, layout_mesh):
+      order = _ANOTHER_ORDER if axes == want else ""
       raise ValueError(
           f"forge_jax.make_step: an array of the step is on a mesh with axes "
           f"{axes}, but its MeshLayout's mesh has axes {want}{order}: place "
           "the parameters, optimizer state and batch on the layout's mesh")
     return
+
+
+def _same_axes(a, b) -> bool:
+  """Whether meshes ``a`` and ``b`` have the same axes, sizes and order (the
+  same names and sizes in another order arrange the devices otherwise)."""
+  return ((tuple(a.axis_names), tuple(a.axis_sizes))
+          == (tuple(b.axis_names), tuple(b.axis_sizes)))
+
+
+_ANOTHER_ORDER = (" (the same axes in another order: another arrangement of "
+                  "the devices)")
 
 
 # --------------------------------------------------------------------------
@@ -280,12 +289,14 @@ def _kernel_spec(mesh_layout: MeshLayout, boxed_params, keypath,
   if mesh_layout.param_specs is not None:
     spec = _spec_at(mesh_layout.param_specs, keypath, where)
     if isinstance(spec, NamedSharding):
-      m = spec.mesh
-      if dict(zip(m.axis_names, m.axis_sizes)) != dict(
-          zip(mesh_layout.mesh.axis_names, mesh_layout.mesh.axis_sizes)):
+      m, layout_mesh = spec.mesh, mesh_layout.mesh
+      if not _same_axes(m, layout_mesh):
+        order = (_ANOTHER_ORDER if dict(zip(m.axis_names, m.axis_sizes))
+                 == dict(zip(layout_mesh.axis_names, layout_mesh.axis_sizes))
+                 else "")
         raise ValueError(
             f"MeshLayout.param_specs at {where} is a NamedSharding on "
-            "another mesh than the layout's")
+            f"another mesh than the layout's{order}")
       spec = spec.spec
     return spec
   box = _box_at(boxed_params, keypath)

@@ -788,6 +788,12 @@ def refusals(n: int) -> dict:
   out["axes_in_another_order"] = attempt(
       forge_jax.MeshLayout(swapped, data_axes=D, param_specs=P()),
       args=_abstract((v, s, (x, y)), NamedSharding(mesh2, P())))
+  # param_specs as NamedShardings on that swapped mesh, the layout's the
+  # arrays' own.
+  out["spec_axes_in_another_order"] = attempt(
+      forge_jax.MeshLayout(mesh2, data_axes=D, param_specs=NamedSharding(
+          swapped, P())),
+      args=_abstract((v, s, (x, y)), NamedSharding(mesh2, P())))
   # A kernel dimension sharded over a data axis and a model axis at once.
   out["data_and_model_on_one_dim"] = attempt(
       forge_jax.MeshLayout(mesh2, data_axes=D, param_specs={

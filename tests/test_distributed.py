@@ -193,6 +193,8 @@ REFUSED = {
     "no_layout": "built without a mesh layout",
     "other_mesh": "MeshLayout's mesh has axes",
     "axes_in_another_order": "the same axes in another order",
+    "spec_axes_in_another_order": "NamedSharding on another mesh than the "
+                                  "layout's (the same axes in another order",
     "unknown_bias_axis": "names axes ['tp'] that the mesh does not have",
     "data_and_model_on_one_dim": "both data axes",
     "unknown_sharding": "sharding is unknown",
