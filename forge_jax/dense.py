@@ -217,18 +217,26 @@ def dtype_reason(kernel_dtype, dtype, inputs, fix: str) -> str | None:
   computes in: its ``dtype``, else (``dtype`` None) the promotion of its
   input and kernel (as ``flax.linen.dtypes.canonicalize_dtype``)."""
   kernel_dtype = jnp.dtype(kernel_dtype)
-  if dtype is None:
+  promoted = dtype is None
+  if promoted:
     dtype = jnp.result_type(jnp.asarray(inputs).dtype, kernel_dtype)
     if not jnp.issubdtype(dtype, jnp.inexact):
       dtype = jnp.promote_types(jnp.float32, dtype)
   for what, d in (("kernel", kernel_dtype), ("computation", jnp.dtype(dtype))):
+    source = ""
+    if what == "computation" and promoted:
+      # The layer sets no dtype: its input's dtype decides it.
+      source = (f" (from its {jnp.asarray(inputs).dtype} input and "
+                f"{kernel_dtype} kernel: the layer sets no dtype)")
+      fix = ("cast the input to float32 or bfloat16, or give the layer "
+             f"dtype=jnp.float32; {fix}")
     if not jnp.issubdtype(d, jnp.floating):
-      return (f"its {what} dtype is {d}: the fused kernel updates "
+      return (f"its {what} dtype is {d}{source}: the fused kernel updates "
               "floating-point weights from floating-point activations only "
               f"({fix})")
     if jax.dtypes.canonicalize_dtype(d) == jnp.float64:
-      return (f"its {what} dtype is float64: the fused kernel computes in "
-              f"fp32 and stores fp32, bf16 or fp16 ({fix})")
+      return (f"its {what} dtype is float64{source}: the fused kernel "
+              f"computes in fp32 and stores fp32, bf16 or fp16 ({fix})")
   return None
 
 

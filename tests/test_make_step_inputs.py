@@ -623,6 +623,26 @@ def test_a_float64_forge_layer_is_refused_naming_it_its_dtype_and_the_fix(
     assert_trees_close(f_s, ref_s, tol(jnp.float64), "opt_state")
 
 
+def test_a_float64_input_names_the_input_and_its_fix():
+  """With x64 on, float32 parameters and a float64 input (the layer sets no
+  dtype): the computation dtype comes from the input, and the refusal says
+  so and how to fix it (cast the input or set dtype), not only the
+  param_dtype advice, which this layer already follows."""
+  (x, y), = batches(1)
+  with jax.enable_x64(True):
+    model = MLP(forge_jax.Dense, {})
+    v = model.init(jax.random.key(0), x)
+    x64 = jnp.asarray(x, jnp.float64)
+    tx = forge_jax.adamw(1e-2)
+    with pytest.raises(TypeError, match=(
+        r"forge_jax.Dense at 'Dense_0': its computation dtype is float64 "
+        r"\(from its float64 input and float32 kernel: the layer sets no "
+        r"dtype\): the fused kernel computes in fp32 and stores fp32, bf16 or "
+        r"fp16 \(cast the input to float32 or bfloat16, or give the layer "
+        r"dtype=jnp.float32; give this layer param_dtype")):
+      forge_jax.make_step(mse(model), tx)(v, tx.init(v["params"]), (x64, y))
+
+
 def _without_layer(state, name):
   """``state`` (adamw's) with the ``mu`` and ``nu`` entries of layer
   ``name`` left out."""
