@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -59,9 +60,9 @@ class LayerInfo:
   # read again inside a ScannedBlocks block, or a layer under a transform
   # there); None: nothing known against it.
   unfusable: str | None = None
-  # The kernel array its first call read (None: not given), to tell a
-  # second model's call of the same path from a second call of this one.
-  kernel: Any = dataclasses.field(default=None, repr=False, compare=False)
+  # Whether its first call read the step's own kernel at its path (None: not
+  # known), to tell a second model's call of the path from this model's.
+  own: bool | None = None
 
 
 @dataclasses.dataclass
@@ -84,6 +85,9 @@ class StepContext:
   # FORGE layers with fused=False that discovery saw (they need no FORGE
   # path, but a step with only such layers is still a FORGE model's step).
   unfused: set[Path] = dataclasses.field(default_factory=set)
+  # Discover mode, while loss_fn is traced: the step's own
+  # variables["params"] as loss_fn received them (traced values).
+  params: Any = None
   # make_step(..., mesh_layout=...): path -> how that fused layer's kernel is
   # stepped on the mesh (a forge_jax._sharding.Plans of KernelPlan, which
   # also orders the layers' gradient reductions); {}: no mesh.
@@ -166,22 +170,36 @@ SECOND_MODEL_NOTE = (
     "unfused by itself (docs/shared_weights.md).")
 
 
+def _reads_own_kernel(ctx: StepContext, path: Path, kernel) -> bool | None:
+  """Whether ``kernel`` is the step's own kernel at ``path`` (the very traced
+  value ``loss_fn`` received); None where either is not known."""
+  node = ctx.params
+  if kernel is None or node is None:
+    return None
+  for name in (*path, "kernel"):
+    if not isinstance(node, Mapping) or name not in node:
+      return None
+    node = node[name]
+  return node is kernel
+
+
 def register_layer(ctx: StepContext, path: Path,
                    kernel_shape: tuple[int, ...], param_dtype, kind: str,
                    hint: str = "", kernel=None) -> LayerInfo:
   """Discover mode: records one call of the FORGE layer at ``path`` (``kind``
   names it in errors) and refuses a second call in one step unless the step
   allows shared kernels; ``hint`` is appended to that error. ``kernel``, the
-  array the call reads (if given): a second call that reads another array
-  than the first is most likely a second model's (a teacher), and the error
-  says so."""
+  array the call reads (if given): where one of two calls reads the step's
+  own kernel at the path and the other another array, the other is most
+  likely a second model's (a teacher), and the error says so. (Beneath a
+  lifted transform, nn.remat or nn.scan, a call reads the transform's copy,
+  neither: no note.)"""
+  own = _reads_own_kernel(ctx, path, kernel)
   info = ctx.layers.setdefault(
-      path, LayerInfo(path, kernel_shape, param_dtype, kind=kind,
-                      kernel=kernel))
+      path, LayerInfo(path, kernel_shape, param_dtype, kind=kind, own=own))
   info.calls += 1
   if info.calls > 1 and ctx.shared == "error":
-    other = (kernel is not None and info.kernel is not None
-             and kernel is not info.kernel)
+    other = own is not None and info.own is not None and own != info.own
     raise ValueError(
         f"{kind} at {layer_name(path)!r} is called more than once in one "
         "step. FORGE updates a kernel in place during its backward, so each "

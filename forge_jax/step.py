@@ -262,11 +262,15 @@ def _discover_layers(loss_fn, variables, batch,
   # A fresh closure: eval_shape caches traces by function and shapes, and a
   # cache hit would skip the layers' discovery side effects (a retrace of
   # the step, e.g. under a second jax.jit, found no layers).
-  with _context.step_context(
-      _context.StepContext("discover", shared=shared)) as found:
-    jax.eval_shape(lambda v: loss_fn(v, batch), variables)
-  for info in found.layers.values():
-    info.kernel = None  # a tracer of the finished trace: not kept
+  found = _context.StepContext("discover", shared=shared)
+
+  def traced(v):
+    found.params = v.get("params") if isinstance(v, Mapping) else None
+    return loss_fn(v, batch)
+
+  with _context.step_context(found):
+    jax.eval_shape(traced, variables)
+  found.params = None  # traced values of the finished trace: not kept
   if not found.layers and not found.unfused:
     raise ValueError(
         "no forge_jax.Dense layer (or ScannedDenseStack) was called by "

@@ -728,6 +728,18 @@ def test_a_teacher_of_forge_layers_is_named_in_the_second_call_error():
     forge_jax.make_step(twice, tx)(v, tx.init(v["params"]), bs[0])
   assert "teacher" not in str(info.value)
 
+  class Remat(nn.Module):  # one layer called twice beneath nn.remat: each
+    @nn.compact            # call reads the transform's copy of its kernel
+    def __call__(self, x):
+      d = nn.remat(forge_jax.Dense)(5, name="d")
+      return d(x) + d(-x)
+
+  remat = Remat()
+  rv = remat.init(jax.random.key(0), bs[0][0])
+  with pytest.raises(ValueError, match="is called more than once") as info:
+    forge_jax.make_step(mse(remat), tx)(rv, tx.init(rv["params"]), bs[0])
+  assert "teacher" not in str(info.value)
+
 
 @pytest.mark.parametrize("teacher", ["nn.Dense", "fused=False", "outside"])
 def test_a_teacher_without_forge_layers_keeps_the_student_fused(teacher):
