@@ -179,6 +179,22 @@ def checked_inputs(x, dy, w, slots, hparams, rule: UpdateRule, layer=None):
   return x.astype(common), dy.astype(common), w, slots
 
 
+def planned_slots(slots, rule: UpdateRule, w, formats, stochastic_rounding,
+                  *, where: str):
+  """The rule and ``slots`` checked, and the state's plan
+  (:func:`pallas_kernels.lowp.plan_state`): ``(slots, plan, stand_ins)``,
+  ``slots`` as a tuple and ``stand_ins`` the arrays :func:`check_inputs`
+  checks in their place. What every call that takes possibly quantized
+  slots checks first, and what ``describe_backend`` checks as it does."""
+  from pallas_kernels import lowp  # noqa: PLC0415 -- lowp imports rules
+
+  check_rule(rule, where)
+  slots = slot_tuple(slots, rule, where)
+  plan, stand_ins = lowp.plan_state(slots, rule, w, formats,
+                                    stochastic_rounding, where=where)
+  return slots, plan, stand_ins
+
+
 def checked_state_inputs(x, dy, w, slots, hparams, rule: UpdateRule,
                          layer=None, formats=None, stochastic_rounding=None,
                          *, where: str):
@@ -196,12 +212,8 @@ def checked_state_inputs(x, dy, w, slots, hparams, rule: UpdateRule,
     :class:`~pallas_kernels.lowp.StatePlan`, with each quantized slot a
     ``Quantized`` pair of JAX arrays.
   """
-  from pallas_kernels import lowp  # noqa: PLC0415 -- lowp imports rules
-
-  check_rule(rule, where)
-  slots = slot_tuple(slots, rule, where)
-  plan, stand_ins = lowp.plan_state(slots, rule, w, formats,
-                                    stochastic_rounding, where=where)
+  slots, plan, stand_ins = planned_slots(slots, rule, w, formats,
+                                         stochastic_rounding, where=where)
   if plan is None and not isinstance(x, jax.ShapeDtypeStruct):
     x, dy, w, slots = checked_inputs(x, dy, w, slots, hparams, rule, layer)
     return x, dy, w, slots, None

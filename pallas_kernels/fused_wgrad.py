@@ -35,12 +35,11 @@ from pallas_kernels import lowp, mosaic_kernel, triton_kernel
 from pallas_kernels.checks import (
     check_float_dtype,
     check_inputs,
-    check_rule,
     checked_inputs,
     checked_state_inputs,
     common_dtype,
     flatten_tokens,
-    slot_tuple,
+    planned_slots,
 )
 from pallas_kernels.interpret import default_interpret, warn_interpret_once
 from pallas_kernels.reference import apply_rule, fused_wgrad_update_reference
@@ -324,12 +323,11 @@ def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
     105.0 us on NVIDIA H200")``.
   """
   where = "describe_backend"
-  check_rule(rule, where)
-  slots = slot_tuple(slots, rule, where)
   # Only whether stochastic rounding is asked for is read: a stand-in
   # (seed, step) for the checks.
   sr = None if stochastic_rounding is None else (0, 0)
-  plan, stand_ins = lowp.plan_state(slots, rule, w, formats, sr, where=where)
+  slots, plan, stand_ins = planned_slots(slots, rule, w, formats, sr,
+                                         where=where)
   # (Stand-ins: no hyperparameters here; any layer of a stack.)
   check_inputs(x, dy, w, stand_ins,
                jax.ShapeDtypeStruct((HPARAM_VECTOR_LEN,), jnp.float32), rule,
