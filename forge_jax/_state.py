@@ -237,9 +237,8 @@ def _no_fields_message(missing, state, params_def) -> str:
     found.append((name, tree))
     return tree
 
-  if state is not None and params_def is not None:
-    walk(state, lambda v, owner, name: any(
-        field_matches(m, owner, name) for m in missing), record)
+  walk(state, lambda v, owner, name: any(
+      field_matches(m, owner, name) for m in missing), record)
   if not found:
     return (f"opt_state has no {missing} field(s): was it made by this "
             "transform's init()?")
@@ -259,15 +258,15 @@ def _no_fields_message(missing, state, params_def) -> str:
       "parameters change)?")
 
 
-def select_slots(fields: list[Field], spec, state=None,
-                 params_def=None) -> tuple[int, ...]:
+def select_slots(fields: list[Field], spec, state,
+                 params_def) -> tuple[int, ...]:
   """The per-parameter fields that travel as a FORGE layer's slots.
 
   Regimes 1-2: the fields the spec names, in ``rule.slots`` order; regime 3:
   all of them, in traversal order. ``state`` and ``params_def`` (the
-  optimizer state the ``fields`` came from and the params' structure), when
-  given, let the error for a missing field say where a field of that name
-  departs from the parameters' tree.
+  optimizer state the ``fields`` came from and the params' structure) let
+  the error for a missing field say where a field of that name departs from
+  the parameters' tree.
   """
   if spec.slot_fields is None:
     return tuple(f.index for f in fields)
