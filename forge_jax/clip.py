@@ -408,7 +408,7 @@ def layer_sqnorm(x, dy, wgrad: str, precision=None) -> jax.Array:
   ``pallas_kernels.unfused_wgrad_update`` forms it (``"xla"``)."""
   if _MEASURED_AS[wgrad] == "fused":
     return pallas_kernels.wgrad_sqnorm(x, dy)
-  common = jnp.result_type(x, dy)
+  common = pallas_kernels.checks.common_dtype(x, dy)
   x, dy = x.astype(common), dy.astype(common)
   tokens = tuple(range(x.ndim - 1))
   if precision is None and common == jnp.float32:

@@ -26,7 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.checks import check_float_dtype, flatten_tokens
+from pallas_kernels.checks import (check_float_dtype, common_dtype,
+                                   flatten_tokens)
 from pallas_kernels.interpret import default_interpret, warn_interpret_once
 from pallas_kernels.tiling import BlockConfig, check_block_config
 
@@ -127,7 +128,7 @@ def _checked(x, dy):
   if x.shape[-1] == 0 or dy.shape[-1] == 0:
     raise ValueError(f"x {x.shape} and dy {dy.shape} give a weight gradient "
                      "with a zero-size dimension")
-  common = jnp.result_type(x, dy)
+  common = common_dtype(x, dy)
   return flatten_tokens(x.astype(common), dy.astype(common))
 
 

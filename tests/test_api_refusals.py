@@ -120,6 +120,10 @@ def test_x_and_dy_without_a_common_dtype_are_refused():
                      "which JAX does not promote to a common dtype"):
     pk.fused_wgrad_update(x.astype(jnp.float8_e4m3fn), dy, w, slots,
                           _hparams(), rule=ADAMW, interpret=True)
+  # The clipping norm's kernel, which runs first in a clipped step.
+  with pytest.raises(TypeError, match="x is float8_e4m3fn and dy float32, "
+                     "which JAX does not promote to a common dtype"):
+    pk.wgrad_sqnorm(x.astype(jnp.float8_e4m3fn), dy, interpret=True)
 
 
 # --- describe_backend --------------------------------------------------------
