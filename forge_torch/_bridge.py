@@ -614,14 +614,24 @@ class _HparamsRing:
     self.launches = 0
     self.last_use = [0] * self.SIZE
     self.marks: collections.deque = collections.deque()
+    # The last fixed vector served, its row and that row's key then.
+    self.last_vec, self.last_row, self.last_key = None, 0, None
 
-  def get(self, vec: np.ndarray) -> int:
+  def get(self, vec: np.ndarray, fixed: bool = False) -> int:
     """The device address of the row holding ``vec``, for the launch the
-    caller enqueues next on the ring's stream."""
-    key = vec.tobytes()
-    i = self.index.get(key)
-    if i is None:
-      i = self._install(key, vec)
+    caller enqueues next on the ring's stream. ``fixed``: ``vec`` is never
+    written (an update plan's packed scalars), so the same object as the
+    last fixed one -- the next layer of its param group in a step -- is
+    served from the row it went to, while that row still holds it."""
+    i = self.last_row
+    if not fixed or vec is not self.last_vec or (
+        self.keys[i] is not self.last_key):
+      key = vec.tobytes()
+      i = self.index.get(key)
+      if i is None:
+        i = self._install(key, vec)
+      if fixed:
+        self.last_vec, self.last_row, self.last_key = vec, i, key
     self.launches += 1
     self.last_use[i] = self.launches
     return self.ptrs[i]
@@ -657,11 +667,12 @@ class _Launch:
   (made at the first such vector: a launch recorded in a CUDA graph reads
   a device tensor instead)."""
 
-  __slots__ = ("kernel", "n_state", "ring", "ring_key")
+  __slots__ = ("kernel", "n_state", "ring", "ring_key", "key")
 
   def __init__(self, kernel, n_state, ring_key):
     self.kernel, self.n_state = kernel, n_state
     self.ring, self.ring_key = None, ring_key
+    self.key = None  # its _launch_key, once cached in _LAUNCHES
 
   def host_ring(self) -> "_HparamsRing":
     if self.ring is None:
@@ -786,6 +797,8 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
                       device_index, stream)
     with _LOCK:
       _LAUNCHES[key] = launch
+    if launch is not None:
+      launch.key = key
   if launch is None:
     return False
   _launch_on(launch, stream, x2, dy2, w, slots, vec, on_device)
@@ -835,7 +848,8 @@ def relaunch(launch: _Launch, x2, dy2, w, slots, vec: np.ndarray, rule,
   call resolves to that very launch now: the same shapes, dtypes, layouts,
   devices and stream, direct launches on, not capturing, the weight's
   device current. ``False`` (nothing done) otherwise: the caller then takes
-  :func:`fused_update`'s path."""
+  :func:`fused_update`'s path. (:func:`_launch_on`'s work, written out: an
+  update plan takes this path for every managed layer.)"""
   device_index = launch.ring_key[0]
   if (_direct.unavailable() is not None
       or _current_device() != device_index
@@ -844,10 +858,22 @@ def relaunch(launch: _Launch, x2, dy2, w, slots, vec: np.ndarray, rule,
       or _stream_capturing()):
     return False
   stream = _raw_stream(device_index)
-  if _LAUNCHES.get(_launch_key(x2, dy2, w, slots, device_index, stream,
-                               vec.shape[0], rule, config)) is not launch:
+  # (Compared with the key it was cached under, which _LAUNCHES maps to it.)
+  if launch.key != _launch_key(x2, dy2, w, slots, device_index, stream,
+                               vec.shape[0], rule, config):
     return False
-  _launch_on(launch, stream, x2, dy2, w, slots, vec, False)
+  x2, dy2 = x2.contiguous(), dy2.contiguous()
+  ring = launch.ring
+  if ring is None:
+    ring = launch.host_ring()
+  ptrs = [x2.data_ptr(), dy2.data_ptr(), 0, w.data_ptr()]
+  ptrs += [s.data_ptr() for s in slots]
+  with _LOCK:
+    ptrs[2] = ring.get(vec, fixed=True)
+    launch.kernel.launch_ptrs(stream, ptrs)
+    STATS.calls += 1
+    STATS.direct += 1
+    STATS.in_place += launch.n_state
   return True
 
 

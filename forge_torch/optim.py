@@ -255,6 +255,8 @@ class _ForgeOptimizer:
   _forge_accumulate_steps: int = 1
   _forge_max_grad_norm: float | None = None
   _forge_clip_phase: str | None = None
+  # The step whose plans found the param groups unchanged (_forge_plans_hold).
+  _forge_plans_checked: int | None = None
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -310,6 +312,7 @@ class _ForgeOptimizer:
                           else MomentFormat(MOMENT_KINDS[moments]))
     self._forge_sr = bool(stochastic_rounding)
     self._forge_seed = int(seed)
+    self._forge_plans_checked = None  # (modes the plans check)
 
   @property
   def moments(self) -> str | None:
@@ -474,6 +477,7 @@ class _ForgeOptimizer:
   @max_grad_norm.setter
   def max_grad_norm(self, value: float | None) -> None:
     _clip.set_max_grad_norm(self, value)
+    self._forge_plans_checked = None  # (a mode the plans check)
 
   # -- family hooks -----------------------------------------------------------
 
@@ -586,6 +590,7 @@ class _ForgeOptimizer:
         if index < len(groups) and entry.valid_for(groups[index],
                                                    entry.device):
           entry.scalars.clear()
+          entry.vec_t = entry.vec = None
         else:
           del shared[index]
     # Which step the counts above belong to (a forward's release checks it).
@@ -738,6 +743,7 @@ class _ForgeOptimizer:
       raise
     for p in managed:
       self._forge_take(p, index)
+    self._forge_plans_checked = None  # (the groups changed)
     if getattr(self, "_forge_constructed", False):
       self._forge_warn_unmanaged([group])
 
@@ -996,6 +1002,25 @@ class _ForgeOptimizer:
     self._forge_step_weight(p, grad_output, input, config=config,
                             layer=layer, acc=acc, plan=acc is None)
 
+  def _forge_plans_hold(self) -> bool:
+    """Whether this step's updates may repeat their plans as far as the
+    whole optimizer goes: no clipping, accumulation, quantized moments or
+    stochastic rounding; the param groups the ones the plans were made
+    from; no process group or data-parallel weight. Checked once per step
+    (kept as ``_forge_plans_checked``, which the setters of those modes and
+    ``add_param_group`` forget)."""
+    groups, seen = self.param_groups, self._forge_groups_seen
+    if (self._forge_max_grad_norm is not None
+        or self._forge_accumulate_steps != 1
+        or self._forge_clip_phase is not None
+        or self._forge_format is not None or self._forge_sr
+        or seen is None or len(groups) != len(seen)
+        or not all(map(operator.is_, groups, seen))
+        or _distributed.any_registered() or _dist_initialized()):
+      return False
+    self._forge_plans_checked = self._forge_generation
+    return True
+
   def _forge_run_plan(self, plan: "_UpdatePlan", p: torch.Tensor, pk: int,
                       grad_output: torch.Tensor, input: torch.Tensor,
                       config) -> bool:
@@ -1003,26 +1028,20 @@ class _ForgeOptimizer:
     nothing it depends on has changed since; ``False`` (nothing done)
     otherwise, and :meth:`_forge_fused_update` then takes its full path.
 
-    What the full path would check or read again, checked here: the param
-    groups and the weight's place in them, the group's shared scalars
-    (formed anew where its options were replaced) and its rule (the
-    plan's), the optimizer's modes (clipping, accumulation, quantized moments, stochastic rounding,
-    CUDA-graph capture, data parallelism), the weight's state (the same
-    tensors, and a step count this optimizer wrote), the step's scalars,
-    and the operands' shapes, dtypes, layouts and devices (the direct
-    launch's key, or the plan's signature on the DLPack path)."""
-    index, groups, seen = plan.index, self.param_groups, plan.seen
-    if not (config is plan.config
-            and self._forge_groups_seen is seen and len(groups) == len(seen)
-            and groups[index] is seen[index]
-            and self._forge_managed._values.get(pk) == index
-            and pk not in self._forge_updated._values
-            and self._forge_max_grad_norm is None
-            and self._forge_accumulate_steps == 1
-            and self._forge_clip_phase is None
-            and self._forge_format is None and not self._forge_sr
-            and not _distributed.any_registered()
-            and not _dist_initialized()):
+    What the full path would check or read again, checked here: once per
+    step, the optimizer's modes and param groups (:meth:`_forge_plans_hold`);
+    per update, the group's options (the same objects as its rule and
+    scalars were formed from, else formed anew), the weight's state (the
+    same tensors, and a step count this optimizer wrote) and the operands'
+    shapes, dtypes, layouts and devices (the direct launch's key and
+    stream, or the plan's signature on the DLPack path). (The weight's
+    place in the groups is the plan's: whatever changes it drops the
+    plans.)"""
+    generation = self._forge_generation
+    updated = self._forge_updated
+    if not (config is plan.config and pk not in updated._values
+            and (self._forge_plans_checked == generation
+                 or self._forge_plans_hold())):
       return False
     state, step, record = plan.state, plan.step, plan.record
     if self.state.get(p) is not state or state.get("step") is not step:
@@ -1033,34 +1052,34 @@ class _ForgeOptimizer:
         return False
     t = None
     if step is not None:  # (None: a family without a step count, SGD)
-      if (self._forge_steps._values.get(_key(step)) is not record
-          or record.version != step._version or record.value is None):
+      if (record.version != step._version or record.value is None
+          or self._forge_steps._values.get(_key(step)) is not record):
         return False
       t = record.value + 1
-    group = seen[index]
-    # The group's scalars, shared by its weights: formed anew where its
-    # options were replaced (an lr scheduler's step, an lr set during the
-    # backward), as the full path does; its rule must still be the plan's.
-    shared = self._forge_scalars.get(index)
-    if shared is None or not shared.holds(group):
-      shared = self._forge_shared_scalars(index, group, plan.device)
+    # The group's rule and scalars, shared by its weights: formed anew
+    # where its options were replaced (an lr scheduler's step, an lr set
+    # during the backward), as the full path does.
+    group = plan.seen[plan.index]
+    shared = self._forge_scalars.get(plan.index)
+    if (shared is None or shared.checked != generation
+        or not shared.holds(group)):
+      shared = self._forge_plan_scalars(plan, generation)
       if shared is None:
         return False
-    if shared.rule is not plan.rule and shared.rule != plan.rule:
-      return False
-    if index not in self._forge_used:  # (as the full path: step() checks)
-      self._forge_used[index] = _options_snapshot(group)
-    scalars = shared.scalars.get((t, False))
-    if scalars is None:  # the step's first update in the group
-      values, scalar_updates = self._forge_hparams(group, state, t, False)
-      if scalar_updates:
-        return False
-      scalars = shared.scalars[(t, False)] = _Scalars(values)
-    rule = plan.rule
-    vec = scalars.packed(rule)
+    if shared.vec_t == t and shared.vec is not None:
+      vec = shared.vec
+    else:
+      scalars = shared.scalars.get((t, False))
+      if scalars is None:  # the step's first update in the group
+        values, scalar_updates = self._forge_hparams(group, state, t, False)
+        if scalar_updates:
+          return False
+        scalars = shared.scalars[(t, False)] = _Scalars(values)
+      vec = scalars.packed(plan.rule)
+      shared.vec_t, shared.vec = t, vec
     if plan.launch is not None:
       if not _bridge.relaunch(plan.launch, grad_output, input, p, slots, vec,
-                              rule, config):
+                              plan.rule, config):
         return False
     else:
       if _plan_signature(p, slots) != plan.signature or (
@@ -1069,11 +1088,40 @@ class _ForgeOptimizer:
       views = self._forge_views._values.get(pk)
       if views is None:
         views = self._forge_views[p] = _bridge.ViewCache()
-      _bridge.fused_update(grad_output, input, p.data, slots, vec, rule=rule,
-                           config=config, views=views)
-    self._forge_advance_step(state, step, record, t, [p, *slots])
-    self._forge_updated[p] = True
+      _bridge.fused_update(grad_output, input, p.data, slots, vec,
+                           rule=plan.rule, config=config, views=views)
+    if plan.deferred:  # (_forge_advance_step's GPU case, written out)
+      self._forge_pending_steps.append((step, record))
+      _increment_version([p, *slots])
+      record.version, record.value = step._version, t
+    else:
+      self._forge_advance_step(state, step, record, t, [p, *slots])
+    if pk in updated._refs:  # (set before: no new weak reference)
+      updated._values[pk] = True
+    else:
+      updated[p] = True
     return True
+
+  def _forge_plan_scalars(self, plan: "_UpdatePlan", generation: int
+                          ) -> "_SharedScalars | None":
+    """The plan's group's shared scalars, at the group's first plan of the
+    step or where its options were replaced: the options still the very
+    objects they were formed from (else formed anew), the rule still the
+    plan's, the options as read recorded for step()'s check; ``None``
+    where the plan cannot run."""
+    index = plan.index
+    group = plan.seen[index]
+    shared = self._forge_scalars.get(index)
+    if shared is None or not shared.holds(group):
+      shared = self._forge_shared_scalars(index, group, plan.device)
+      if shared is None:
+        return None
+    if shared.rule is not plan.rule and shared.rule != plan.rule:
+      return None
+    if index not in self._forge_used:  # (as the full path: step() checks)
+      self._forge_used[index] = _options_snapshot(group)
+    shared.checked = generation
+    return shared
 
   def _forge_check_capture(self, p: torch.Tensor, layer: str) -> None:
     """Raises unless managed weight ``p``'s update can be recorded in the
@@ -1421,6 +1469,7 @@ class _ForgeOptimizer:
           "the last optimizer.step(). Set it before the step's first forward "
           "(at construction, or right after optimizer.step()).")
     self._forge_accumulate_steps = k
+    self._forge_plans_checked = None  # (a mode the plans check)
 
   def _forge_accumulate(self, p: torch.Tensor, grad_output: torch.Tensor,
                         input: torch.Tensor, *,
@@ -1609,7 +1658,7 @@ class _UpdatePlan:
   operands (shapes, dtypes, devices)."""
 
   __slots__ = ("index", "seen", "rule", "device", "config", "state",
-               "slots", "step", "record", "launch", "signature")
+               "slots", "step", "record", "launch", "signature", "deferred")
 
   def __init__(self, optimizer, index: int, rule: UpdateRule,
                device: torch.device, config, state: dict, slots: list,
@@ -1620,6 +1669,10 @@ class _UpdatePlan:
     self.state, self.slots = state, tuple(slots)
     self.step, self.record = step, record
     self.launch, self.signature = launch, signature
+    # A step count advanced when the step ends (_defers_step). (The plan
+    # does not hold the weight: it is the value of a map keyed weakly by it.)
+    self.deferred = (step is not None and record is not None
+                     and _defers_step(step))
 
 
 def _plan_signature(p: torch.Tensor, slots) -> tuple:
@@ -1656,7 +1709,8 @@ class _SharedScalars:
   while the group holds the very same option objects (``names``,
   ``options``), all of which cannot change in place."""
 
-  __slots__ = ("names", "options", "device", "rule", "scalars")
+  __slots__ = ("names", "options", "device", "rule", "scalars", "checked",
+               "vec_t", "vec")
 
   def valid_for(self, group: Mapping[str, Any], device: torch.device) -> bool:
     """Whether ``group`` holds the very same options, under the same names
@@ -1678,6 +1732,10 @@ class _SharedScalars:
     self.device = device
     self.rule = rule
     self.scalars: dict[tuple[float | None, bool], _Scalars] = {}
+    # The step whose plans found the group's options unchanged
+    # (_forge_plan_scalars), and the packed vector of its last step t.
+    self.checked = None
+    self.vec_t = self.vec = None
 
 
 _IMMUTABLE = frozenset((float, int, bool, str, type(None)))

@@ -1395,8 +1395,51 @@ def test_direct_launch_cache_keys_each_operands_layout(monkeypatch):
 class _FakeRing:
   """Stands in for the pinned hyperparameter ring: one address."""
 
-  def get(self, vec):
+  def get(self, vec, fixed=False):
     return 4096
+
+
+def test_the_hyperparameter_ring_serves_fixed_vectors_from_live_rows(
+    monkeypatch):
+  """An update plan's packed vector (``fixed``: never written) is served
+  again from the row it went to without a lookup -- but only while that
+  row still holds it: once the ring has wrapped past the row, the vector
+  is installed again, never read from a row rewritten with another one.
+  Every address served holds the vector asked for. (Pinned memory and
+  CUDA events stood in for on the CPU.)"""
+  from forge_torch import _bridge  # noqa: PLC0415
+  empty = torch.empty
+
+  class Event:
+    def record(self, stream):
+      del stream
+
+    def synchronize(self):
+      pass
+
+  monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k:
+                      empty(*a, **k))
+  monkeypatch.setattr(torch.cuda, "Event", Event)
+  ring = _bridge._HparamsRing(torch.device("cpu"), 3, stream=None)
+  row = {ptr: i for i, ptr in enumerate(ring.ptrs)}
+
+  def held(ptr):
+    return ring.host_np[row[ptr]]
+
+  def vector(i):
+    vec = np.full(3, i, np.float32)
+    vec.flags.writeable = False
+    return vec
+
+  fixed = vector(-1)
+  first = ring.get(fixed, fixed=True)
+  assert ring.get(fixed, fixed=True) == first
+  np.testing.assert_array_equal(held(first), fixed)
+  for i in range(ring.SIZE):  # every row rewritten, the fixed one's too
+    np.testing.assert_array_equal(held(ring.get(vector(i))), vector(i))
+  again = ring.get(fixed, fixed=True)
+  np.testing.assert_array_equal(held(again), fixed)
+  assert np.array_equal(held(ring.get(fixed, fixed=True)), fixed)
 
 
 def test_a_plan_repeats_a_direct_launch_only_for_the_same_call(monkeypatch):

@@ -1073,17 +1073,22 @@ def _clip_on(opt):
   opt.max_grad_norm = 0.05
 
 
+def _accumulate_on(opt):  # each step then applies its one micro-batch
+  opt.accumulate_steps = 2
+
+
 @pytest.mark.parametrize("change", [
     _scale_lr, _new_slots, _count_back, _reload, _new_group, _clip_on,
+    _accumulate_on,
 ], ids=["lr", "slots-replaced", "step-count-written", "load_state_dict",
-        "group-added", "max_grad_norm"])
+        "group-added", "max_grad_norm", "accumulate_steps"])
 def test_a_change_between_steps_is_seen_by_the_plan(monkeypatch, change):
   """What a plan repeats is checked before it runs: an lr set (a
   scheduler), state tensors replaced, a step count written, a loaded state
-  dict, a new param group, clipping turned on -- each between two steps
-  with plans in use -- trains bit for bit as the full path does, and the
-  plans run again once the change has been taken in (clipping: never,
-  while it is on)."""
+  dict, a new param group, clipping or accumulation turned on -- each
+  between two steps with plans in use -- trains bit for bit as the full
+  path does, and the plans run again once the change has been taken in
+  (clipping, accumulation: never, while it is on)."""
   def between(i, model, opt):
     if i == 3:
       change(opt)
@@ -1097,9 +1102,10 @@ def test_a_change_between_steps_is_seen_by_the_plan(monkeypatch, change):
   _assert_same_training(planned[:2], full[:2])
   # Of the six steps, the first creates the state, the second makes the
   # plans and the third runs them; after the change the full path runs
-  # once (making the plans again), then the plans (clipping: never; a new
-  # lr: the plans run on, forming the group's scalars anew).
-  assert planned[2] == {_clip_on: 3, _scale_lr: 3 * 4}.get(change, 3 * 3)
+  # once (making the plans again), then the plans (clipping, accumulation:
+  # never; a new lr: the plans run on, forming the group's scalars anew).
+  assert planned[2] == {_clip_on: 3, _accumulate_on: 3,
+                        _scale_lr: 3 * 4}.get(change, 3 * 3)
 
 
 def test_plans_run_under_an_lr_scheduler(monkeypatch):
