@@ -345,6 +345,8 @@ def step_sharded(optimizer) -> None:
   that has a reduce-scattered gradient not yet applied (gradient
   accumulation: the step's micro-batches summed by FSDP in ``.grad``).
   A no-op for others and for layers with ``fused = False``."""
+  if not _SHARDED._values:  # (no sharded weight: the usual case)
+    return
   for p in optimizer.managed_params:
     ref = _SHARDED.get(p)
     layer = ref() if ref is not None else None
@@ -441,6 +443,8 @@ def reduce_grads(optimizer) -> None:
   layer forms when it runs as ``nn.Linear`` (``layer.fused = False``, a
   ``torch.func`` transform). Called by the forge_torch optimizer's
   ``step()``, in its ``param_groups`` order on every rank."""
+  if not _GROUPS._values:  # (no prepared weight: the usual case)
+    return
   params = [p for p in optimizer.managed_params
             if p in _GROUPS and p.grad is not None]
   if not params:
