@@ -221,6 +221,10 @@ def _is_spec_leaf(x) -> bool:
   return isinstance(x, (P, NamedSharding)) or x is None
 
 
+class _Undeclared(ValueError):
+  """``param_specs`` declares nothing for a path (no entry, or ``None``)."""
+
+
 def _spec_at(tree, keypath, where: str):
   """The spec of ``param_specs`` at ``keypath`` (a prefix leaf covers its
   subtree); raises if the path is missing."""
@@ -229,12 +233,12 @@ def _spec_at(tree, keypath, where: str):
     if _is_spec_leaf(node):
       break
     if not isinstance(node, Mapping) or k.key not in node:
-      raise ValueError(
+      raise _Undeclared(
           f"MeshLayout.param_specs has no entry for {where}: give a "
           "PartitionSpec for it (or for a prefix of its path)")
     node = node[k.key]
   if node is None:
-    raise ValueError(
+    raise _Undeclared(
         f"MeshLayout.param_specs gives None for {where}: give its "
         "PartitionSpec (PartitionSpec() for a replicated kernel)")
   if not _is_spec_leaf(node):
@@ -278,9 +282,13 @@ def _known_spec(mesh_layout: MeshLayout, boxed_params, keypath,
     box = _box_at(boxed_params, keypath)
     if not isinstance(box, flax_meta.AxisMetadata):
       return None
+    try:
+      return _box_spec(box, where)
+    except ValueError:  # a box that gives no mesh spec: XLA places it
+      return None
   try:
     return _kernel_spec(mesh_layout, boxed_params, keypath, where)
-  except ValueError:  # not declared: XLA places it
+  except _Undeclared:  # no entry, or None: XLA places it
     return None
 
 

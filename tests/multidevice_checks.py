@@ -819,6 +819,15 @@ def refusals(n: int) -> dict:
   out["unknown_bias_axis"] = attempt(forge_jax.MeshLayout(
       mesh, data_axes=D, param_specs={"up": {"kernel": P(), "bias": P("tp")},
                                       "down": P()}))
+  # A bias's spec a NamedSharding on the swapped mesh; one not a spec.
+  out["bias_spec_on_another_mesh"] = attempt(
+      forge_jax.MeshLayout(mesh2, data_axes=D, param_specs={
+          "up": {"kernel": P(), "bias": NamedSharding(swapped, P())},
+          "down": P()}),
+      args=_abstract((v, s, (x, y)), NamedSharding(mesh2, P())))
+  out["bias_spec_not_a_spec"] = attempt(forge_jax.MeshLayout(
+      mesh, data_axes=D, param_specs={"up": {"kernel": P(), "bias": "tp"},
+                                      "down": P()}))
   out["indivisible_batch"] = attempt(
       forge_jax.MeshLayout(mesh, data_axes=D, param_specs=P()),
       args=(*args[:2], _abstract(short, rep)))

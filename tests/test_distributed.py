@@ -196,6 +196,9 @@ REFUSED = {
     "spec_axes_in_another_order": "NamedSharding on another mesh than the "
                                   "layout's (the same axes in another order",
     "unknown_bias_axis": "names axes ['tp'] that the mesh does not have",
+    "bias_spec_on_another_mesh": "NamedSharding on another mesh than the "
+                                 "layout's (the same axes in another order",
+    "bias_spec_not_a_spec": "is a str, not a PartitionSpec",
     "data_and_model_on_one_dim": "both data axes",
     "unknown_sharding": "sharding is unknown",
     "indivisible_kernel": "is not divisible by the 8 devices",
