@@ -211,8 +211,8 @@ def linen_kernel_dtype(layer):
 
 
 def dtype_reason(kernel_dtype, dtype, inputs, fix: str) -> str | None:
-  """Why a layer's dtypes keep it off the fused kernel (a non-float or
-  float64 kernel or computation dtype), or None; ``fix``, in parentheses at
+  """Why a layer's dtypes keep it off the fused kernel (a non-float,
+  float64 or 8- or 4-bit float kernel or computation dtype), or None; ``fix``, in parentheses at
   its end, says how to fuse it. The computation dtype is the one the layer
   computes in: its ``dtype``, else (``dtype`` None) the promotion of its
   input and kernel (as ``flax.linen.dtypes.canonicalize_dtype``)."""
@@ -237,6 +237,10 @@ def dtype_reason(kernel_dtype, dtype, inputs, fix: str) -> str | None:
     if jax.dtypes.canonicalize_dtype(d) == jnp.float64:
       return (f"its {what} dtype is float64{source}: the fused kernel "
               f"computes in fp32 and stores fp32, bf16 or fp16 ({fix})")
+    if d.itemsize < 2:  # 8- and 4-bit floats
+      return (f"its {what} dtype is {d}{source}: the fused kernel reads "
+              "and stores fp32, bf16 or fp16 weights and activations "
+              f"({fix})")
   return None
 
 

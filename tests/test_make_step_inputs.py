@@ -623,6 +623,25 @@ def test_a_float64_forge_layer_is_refused_naming_it_its_dtype_and_the_fix(
     assert_trees_close(f_s, ref_s, tol(jnp.float64), "opt_state")
 
 
+@pytest.mark.parametrize("param_dtype", [jnp.float8_e4m3fn,
+                                         jnp.float8_e5m2])
+def test_an_8_bit_float_forge_layer_is_refused_naming_it(param_dtype):
+  """A FORGE layer of 8-bit float parameters (bf16 computation) is refused
+  naming the layer, its kernel dtype and the fix (it failed inside the
+  kernel's call, on the optimizer's moments, naming neither)."""
+  (x, y), = batches(1)
+  model = MLP(forge_jax.Dense, {"param_dtype": param_dtype,
+                                "dtype": jnp.bfloat16})
+  v = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-2)
+  name = jnp.dtype(param_dtype).name
+  with pytest.raises(TypeError, match=(
+      f"forge_jax.Dense at 'Dense_0': its kernel dtype is {name}: the fused "
+      r"kernel reads and stores fp32, bf16 or fp16 weights and activations "
+      r"\(give this layer param_dtype float32 or bfloat16")):
+    forge_jax.make_step(mse(model), tx)(v, tx.init(v["params"]), (x, y))
+
+
 def test_a_float64_input_names_the_input_and_its_fix():
   """With x64 on, float32 parameters and a float64 input (the layer sets no
   dtype): the computation dtype comes from the input, and the refusal says
