@@ -1090,7 +1090,8 @@ class _ForgeOptimizer:
         views = self._forge_views[p] = _bridge.ViewCache()
       _bridge.fused_update(grad_output, input, p.data, slots, vec,
                            rule=plan.rule, config=config, views=views)
-    if plan.deferred:  # (_forge_advance_step's GPU case, written out)
+    if record is not None and _defers_step(step):
+      # (_forge_advance_step's GPU case, written out)
       self._forge_pending_steps.append((step, record))
       _increment_version([p, *slots])
       record.version, record.value = step._version, t
@@ -1658,7 +1659,7 @@ class _UpdatePlan:
   operands (shapes, dtypes, devices)."""
 
   __slots__ = ("index", "seen", "rule", "device", "config", "state",
-               "slots", "step", "record", "launch", "signature", "deferred")
+               "slots", "step", "record", "launch", "signature")
 
   def __init__(self, optimizer, index: int, rule: UpdateRule,
                device: torch.device, config, state: dict, slots: list,
@@ -1669,10 +1670,6 @@ class _UpdatePlan:
     self.state, self.slots = state, tuple(slots)
     self.step, self.record = step, record
     self.launch, self.signature = launch, signature
-    # A step count advanced when the step ends (_defers_step). (The plan
-    # does not hold the weight: it is the value of a map keyed weakly by it.)
-    self.deferred = (step is not None and record is not None
-                     and _defers_step(step))
 
 
 def _plan_signature(p: torch.Tensor, slots) -> tuple:
