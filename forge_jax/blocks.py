@@ -530,10 +530,19 @@ class ScannedBlocks(nn.Module):
     # Every rng split per layer: the parameters as split_rngs={'params':
     # True} draws them, and a block's dropout (outside a FORGE step) differs
     # from block to block.
-    y, _ = nn.scan(nn.remat(_scan_body),
-                   variable_axes={"params": 0, "batch_stats": 0},
-                   split_rngs={True: True}, length=self.num_layers,
-                   metadata_params=dict(self.metadata_params))(self, x, None)
+    try:
+      y, _ = nn.scan(nn.remat(_scan_body),
+                     variable_axes={"params": 0, "batch_stats": 0},
+                     split_rngs={True: True}, length=self.num_layers,
+                     metadata_params=dict(self.metadata_params))(self, x, None)
+    except TypeError as e:  # the scan's own words, without the module's name
+      if "carry input and carry output must have equal types" not in str(e):
+        raise
+      raise ValueError(
+          f"{self._where()}: the block does not return a carry of its "
+          f"input's shape and dtype ({x.dtype}{list(x.shape)}); a scanned "
+          "block maps h to an array like h. "
+          + str(e).split("\n\n")[1 if "\n\n" in str(e) else 0]) from e
     return y
 
   def _record(self, block, params, x) -> tuple[dict, bool]:

@@ -341,8 +341,10 @@ def test_unsupported_blocks_are_refused_in_a_step(block, match):
   model = M()
   tx = forge_jax.adamw(1e-2)
   loss = lambda v, b: jnp.mean(model.apply(v, b) ** 2)
-  if block is Widen:  # flax's scan refuses it at init already
-    with pytest.raises(Exception):
+  if block is Widen:  # refused at init already (the scan's carry)
+    with pytest.raises(ValueError, match=(
+        r"ScannedBlocks at 'layers': the block does not return a carry of its "
+        r"input's shape and dtype \(float32\[4, 24\]\).*float32\[4,25\]")):
       model.init(jax.random.key(0), x)
     variables = {"params": {"layers": {"block": {"w": {
         "kernel": jnp.ones((2, D, D + 1)), "bias": jnp.ones((2, D + 1))}}}}}
@@ -689,6 +691,22 @@ def test_a_carry_that_is_not_one_array_is_refused_at_init():
   x = jnp.ones((3, D))
   with pytest.raises(TypeError, match="the carry must be one array"):
     blocks.init(jax.random.key(0), (x, x))
+
+
+def test_a_block_changing_the_carry_dtype_is_refused_at_init():
+  """A block whose output dtype is not its input's (a bf16 layer on an fp32
+  carry) is refused at init naming the module and both dtypes (it was
+  jax's scan error, naming neither the module nor the fix)."""
+  class Cast(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+      return forge_jax.Dense(D, dtype=jnp.bfloat16, name="p")(h)
+
+  blocks = forge_jax.ScannedBlocks(Cast, 2, name="layers")
+  with pytest.raises(ValueError, match=(
+      r"the block does not return a carry of its input's shape and dtype "
+      r"\(float32\[3, 24\]\).*bfloat16")):
+    blocks.init(jax.random.key(0), jnp.ones((3, D)))
 
 
 def test_a_module_instance_as_block_is_refused():
