@@ -630,8 +630,8 @@ class _HparamsRing:
       i = self.index.get(key)
       if i is None:
         i = self._install(key, vec)
-      if fixed:
-        self.last_vec, self.last_row, self.last_key = vec, i, key
+      if fixed:  # (the row's own key object: the one _install stored)
+        self.last_vec, self.last_row, self.last_key = vec, i, self.keys[i]
     self.launches += 1
     self.last_use[i] = self.launches
     return self.ptrs[i]
@@ -796,9 +796,9 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
     launch = _resolve(x2, dy2, w, slots, n_hparams, rule, config,
                       device_index, stream)
     with _LOCK:
+      if launch is not None:
+        launch.key = key
       _LAUNCHES[key] = launch
-    if launch is not None:
-      launch.key = key
   if launch is None:
     return False
   _launch_on(launch, stream, x2, dy2, w, slots, vec, on_device)

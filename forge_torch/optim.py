@@ -1029,19 +1029,24 @@ class _ForgeOptimizer:
     otherwise, and :meth:`_forge_fused_update` then takes its full path.
 
     What the full path would check or read again, checked here: once per
-    step, the optimizer's modes and param groups (:meth:`_forge_plans_hold`);
-    per update, the group's options (the same objects as its rule and
-    scalars were formed from, else formed anew), the weight's state (the
-    same tensors, and a step count this optimizer wrote) and the operands'
-    shapes, dtypes, layouts and devices (the direct launch's key and
-    stream, or the plan's signature on the DLPack path). (The weight's
-    place in the groups is the plan's: whatever changes it drops the
-    plans.)"""
-    generation = self._forge_generation
-    updated = self._forge_updated
+    step, the optimizer's modes and the param groups list
+    (:meth:`_forge_plans_hold`); per update, the weight's group dict (still
+    the one at its index), the group's options (the same objects as its
+    rule and scalars were formed from, else formed anew) and rule (the
+    plan's), the weight's state (the same tensors, and a step count this
+    optimizer wrote) and the operands' shapes, dtypes, layouts and devices
+    (the direct launch's key and stream, or the plan's signature on the
+    DLPack path). (The weight's index in the groups is the plan's: what
+    changes it drops the plans.)"""
+    generation, index = self._forge_generation, plan.index
+    updated, groups = self._forge_updated, self.param_groups
+    group = plan.seen[index]
+    # (The group list checked once per step; a group dict replaced since,
+    # within the step, is read again by the full path.)
     if not (config is plan.config and pk not in updated._values
             and (self._forge_plans_checked == generation
-                 or self._forge_plans_hold())):
+                 or self._forge_plans_hold())
+            and index < len(groups) and groups[index] is group):
       return False
     state, step, record = plan.state, plan.step, plan.record
     if self.state.get(p) is not state or state.get("step") is not step:
@@ -1058,14 +1063,17 @@ class _ForgeOptimizer:
       t = record.value + 1
     # The group's rule and scalars, shared by its weights: formed anew
     # where its options were replaced (an lr scheduler's step, an lr set
-    # during the backward), as the full path does.
-    group = plan.seen[plan.index]
-    shared = self._forge_scalars.get(plan.index)
+    # during the backward), as the full path does; the rule must still be
+    # the plan's (a plan made before the options changed, its layer
+    # skipped since, must not step with another rule's scalars).
+    shared = self._forge_scalars.get(index)
     if (shared is None or shared.checked != generation
         or not shared.holds(group)):
       shared = self._forge_plan_scalars(plan, generation)
       if shared is None:
         return False
+    if shared.rule is not plan.rule and shared.rule != plan.rule:
+      return False
     if shared.vec_t == t and shared.vec is not None:
       vec = shared.vec
     else:

@@ -1127,6 +1127,76 @@ def test_plans_run_under_an_lr_scheduler(monkeypatch):
   assert planned[2] == 4 * 3
 
 
+@pytest.mark.parametrize("option,value", [("momentum", 0.0),
+                                          ("nesterov", True)],
+                         ids=["momentum-off", "nesterov-on"])
+def test_a_plan_made_under_other_options_is_not_run_with_the_new_rule(
+    monkeypatch, option, value):
+  """A group option that changes the rule (SGD's momentum, nesterov) set
+  between steps, in a step where one layer does not run: the other
+  layer's update forms the group's new rule; the skipped layer's plan,
+  made under the old rule, is not run with the new rule's scalars when
+  the layer runs again (its update takes the full path): the bits of
+  training with no plans."""
+  def train(plans):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(4, 3))
+    forge_torch.convert(model)
+    opt = forge_torch.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    with monkeypatch.context() as m:
+      ran = _count_plans(m, plans)
+      for i in range(6):
+        x = torch.randn(5, 4, generator=g)
+        if i == 3:
+          opt.param_groups[0][option] = value
+        # The first layer skips step 3. (Its forward first, its backward
+        # last: in step 4 the second layer's plan runs first, under the
+        # new rule.)
+        first = model[0](x).square().sum() if i != 3 else 0.0
+        loss = first + model[1](x).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt, ran
+
+  planned, full = train(True), train(False)
+  _assert_same_training(planned[:2], full[:2])
+  assert any(planned[2]) and not any(full[2])
+
+
+def test_a_group_dict_replaced_within_a_step_is_read_again(monkeypatch):
+  """param_groups rebuilt between two backwards of one step (the two
+  weights trading groups of other lrs): the later update reads its new
+  group, as the full path does, not the group its plan was made in."""
+  def train(plans):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3, bias=False),
+                          nn.Linear(4, 3, bias=False))
+    forge_torch.convert(model)
+    a, b = model[0].weight, model[1].weight
+    opt = forge_torch.SGD([{"params": [a], "lr": 0.1},
+                           {"params": [b], "lr": 0.01}], momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    with monkeypatch.context() as m:
+      ran = _count_plans(m, plans)
+      for i in range(4):
+        x = torch.randn(5, 4, generator=g)
+        la, lb = model[0](x).square().sum(), model[1](x).square().sum()
+        la.backward()
+        if i == 3:
+          g0, g1 = opt.param_groups
+          opt.param_groups[:] = [{**g0, "params": [b]}, {**g1, "params": [a]}]
+        lb.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt, ran
+
+  planned, full = train(True), train(False)
+  _assert_same_training(planned[:2], full[:2])
+  assert planned[2][-1] is False and sum(planned[2]) == 3
+
+
 def test_an_lr_set_during_a_backward_reaches_the_later_plans(monkeypatch):
   """A plan uses its group's shared scalars only while the group holds the
   very same options, else forms them anew: an lr set between two layers'
