@@ -67,6 +67,16 @@ def _axes(entry) -> Axes:
   return tuple(entry)
 
 
+def _check_known_axes(spec: P, mesh, what: str) -> None:
+  """Refuses a PartitionSpec (``what``'s) naming an axis ``mesh`` lacks."""
+  unknown = [a for e in spec if isinstance(e, (str, tuple))
+             for a in _axes(e) if a not in mesh.axis_names]
+  if unknown:
+    raise ValueError(f"{what}: the PartitionSpec {spec} names axes "
+                     f"{unknown} that the mesh does not have (its axes: "
+                     f"{tuple(mesh.axis_names)})")
+
+
 def _entry(axes: Axes):
   """The PartitionSpec entry for ``axes``."""
   if not axes:
@@ -605,12 +615,9 @@ def plan_layers(mesh_layout: MeshLayout | None, boxed_params, layers,
           f"{twice} more than once. A mesh axis shards one dimension of a "
           "kernel (its in or its out dimension), once; give each axis to "
           "one dimension.")
+    _check_known_axes(spec, mesh, f"{where}, its kernel")
     for dim, axes, size in (("in", w_in, info.kernel_shape[0]),
                             ("out", w_out, info.kernel_shape[1])):
-      unknown = [a for a in axes if a not in mesh.axis_names]
-      if unknown:
-        raise ValueError(f"{where}: its kernel's PartitionSpec {spec} names "
-                         f"axes {unknown} that the mesh does not have")
       n = mesh_layout._size(axes)
       if size % n:
         raise ValueError(
@@ -689,12 +696,7 @@ def keep_shardings(mesh_layout: MeshLayout | None, boxed_params, params,
     where = f"parameter {jax.tree_util.keystr(kp)}"
     spec = _known_spec(mesh_layout, boxed_params, kp, where)
     if spec is not None:
-      unknown = [a for e in spec if isinstance(e, (str, tuple))
-                 for a in _axes(e) if a not in mesh.axis_names]
-      if unknown:
-        raise ValueError(f"forge_jax.make_step: the PartitionSpec {spec} of "
-                         f"{where} names axes {unknown} that the mesh does "
-                         f"not have (its axes: {tuple(mesh.axis_names)})")
+      _check_known_axes(spec, mesh, f"forge_jax.make_step: {where}")
       specs[tuple(kp)] = NamedSharding(mesh, spec)
   shapes = {tuple(kp): jnp.shape(a)
             for kp, a in jax.tree_util.tree_leaves_with_path(params)}

@@ -282,6 +282,18 @@ def test_each_axis_takes_its_role():
   assert not tp_only.reduces and tp_only.tp_out == ("model",)
 
 
+def test_a_kernel_spec_naming_an_unknown_axis_is_refused():
+  """A kernel's PartitionSpec naming an axis the mesh lacks is refused
+  naming the layer, the axis and the mesh's axes."""
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  layout = forge_jax.MeshLayout(mesh, data_axes="data",
+                                param_specs={"w": {"kernel": P("tp", None)}})
+  with pytest.raises(ValueError, match=(
+      r"layer 'w', its kernel: the PartitionSpec .* names axes \['tp'\] that "
+      r"the mesh does not have \(its axes: \('data',\)\)")):
+    _plans(layout, None, {"w": (8, 8)})
+
+
 def test_kernel_specs_are_read_from_param_specs_or_flax_boxes():
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
   layout = forge_jax.MeshLayout(mesh, data_axes="data")
