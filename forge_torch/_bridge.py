@@ -806,14 +806,16 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
 
 
 def _launch_on(launch: _Launch, stream: int, x2, dy2, w, slots, vec,
-               on_device: bool) -> None:
+               on_device: bool, fixed: bool = False) -> None:
   """Enqueues ``launch`` on ``stream``; ``vec``: a host vector (served from
-  the pinned ring) or, ``on_device``, a CUDA tensor the kernel reads."""
+  the pinned ring; ``fixed``: one never written, see
+  :meth:`_HparamsRing.get`) or, ``on_device``, a CUDA tensor the kernel
+  reads."""
   # Non-contiguous operands are copied (on this stream, before the launch).
   x2, dy2 = x2.contiguous(), dy2.contiguous()
   ring = None if on_device else launch.host_ring()
   with _LOCK:
-    h = vec.data_ptr() if on_device else ring.get(vec)
+    h = vec.data_ptr() if on_device else ring.get(vec, fixed)
     launch.kernel.launch_ptrs(stream, [
         x2.data_ptr(), dy2.data_ptr(), h, w.data_ptr(),
         *[s.data_ptr() for s in slots]])
@@ -848,8 +850,8 @@ def relaunch(launch: _Launch, x2, dy2, w, slots, vec: np.ndarray, rule,
   call resolves to that very launch now: the same shapes, dtypes, layouts,
   devices and stream, direct launches on, not capturing, the weight's
   device current. ``False`` (nothing done) otherwise: the caller then takes
-  :func:`fused_update`'s path. (:func:`_launch_on`'s work, written out: an
-  update plan takes this path for every managed layer.)"""
+  :func:`fused_update`'s path. ``vec``: the plan's packed scalars, which
+  are never written (the ring serves them from their row: ``fixed``)."""
   device_index = launch.ring_key[0]
   if (_direct.unavailable() is not None
       or _current_device() != device_index
@@ -862,18 +864,7 @@ def relaunch(launch: _Launch, x2, dy2, w, slots, vec: np.ndarray, rule,
   if launch.key != _launch_key(x2, dy2, w, slots, device_index, stream,
                                vec.shape[0], rule, config):
     return False
-  x2, dy2 = x2.contiguous(), dy2.contiguous()
-  ring = launch.ring
-  if ring is None:
-    ring = launch.host_ring()
-  ptrs = [x2.data_ptr(), dy2.data_ptr(), 0, w.data_ptr()]
-  ptrs += [s.data_ptr() for s in slots]
-  with _LOCK:
-    ptrs[2] = ring.get(vec, fixed=True)
-    launch.kernel.launch_ptrs(stream, ptrs)
-    STATS.calls += 1
-    STATS.direct += 1
-    STATS.in_place += launch.n_state
+  _launch_on(launch, stream, x2, dy2, w, slots, vec, False, fixed=True)
   return True
 
 

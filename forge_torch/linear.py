@@ -375,14 +375,7 @@ class _FusedLinearFn(torch.autograd.Function):
           "applied the optimizer to the weight; a second one cannot be fused.")
     input, weight = ctx.saved_tensors
     # The graph's edge to the weight (input 1 of apply): its accumulator.
-    # (_weight_grad_mode's usual case first: the backward reaches it.)
-    node = ctx.next_functions[1][0]
-    try:
-      mode = (UPDATE if _WILL_EXECUTE is not None and _WILL_EXECUTE(node)
-              and handle.weight.requires_grad
-              else _weight_grad_mode(handle.weight, node))
-    except RuntimeError:  # a captured leaf: _weight_grad_mode says so
-      mode = _weight_grad_mode(handle.weight, node)
+    mode = _weight_grad_mode(handle.weight, ctx.next_functions[1][0])
     if mode == UPDATE:
       ctx.handle = None  # a later backward through this graph cannot update
     # (B, out) and (B, in) operands of G; already 2-d: as they are (a
@@ -399,10 +392,7 @@ class _FusedLinearFn(torch.autograd.Function):
     # leave the weight (and its optimizer state) alone, and so do we; if it
     # asked for the gradient itself (autograd.grad), it gets it, formed
     # here (under autocast: in its dtype, then cast, as torch does).
-    if amp is None and mode == UPDATE:  # (_other_grads, written out)
-      grad_input = grad_output.matmul(weight) if needs[0] else None
-      grad_weight, grad_bias = None, g2.sum(0) if needs[2] else None
-    elif amp is None:
+    if amp is None:
       grad_input, grad_weight, grad_bias = _other_grads(
           grad_output, g2, x2, weight, weight.dtype, needs, mode)
     else:

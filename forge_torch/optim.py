@@ -590,7 +590,6 @@ class _ForgeOptimizer:
         if index < len(groups) and entry.valid_for(groups[index],
                                                    entry.device):
           entry.scalars.clear()
-          entry.vec_t = entry.vec = None
         else:
           del shared[index]
     # Which step the counts above belong to (a forward's release checks it).
@@ -1038,13 +1037,13 @@ class _ForgeOptimizer:
     (the direct launch's key and stream, or the plan's signature on the
     DLPack path). (The weight's index in the groups is the plan's: what
     changes it drops the plans.)"""
-    generation, index = self._forge_generation, plan.index
-    updated, groups = self._forge_updated, self.param_groups
+    index, groups = plan.index, self.param_groups
     group = plan.seen[index]
     # (The group list checked once per step; a group dict replaced since,
     # within the step, is read again by the full path.)
-    if not (config is plan.config and pk not in updated._values
-            and (self._forge_plans_checked == generation
+    if not (config is plan.config
+            and pk not in self._forge_updated._values
+            and (self._forge_plans_checked == self._forge_generation
                  or self._forge_plans_hold())
             and index < len(groups) and groups[index] is group):
       return False
@@ -1057,8 +1056,8 @@ class _ForgeOptimizer:
         return False
     t = None
     if step is not None:  # (None: a family without a step count, SGD)
-      if (record.version != step._version or record.value is None
-          or self._forge_steps._values.get(_key(step)) is not record):
+      if (self._forge_steps._values.get(_key(step)) is not record
+          or record.version != step._version or record.value is None):
         return False
       t = record.value + 1
     # The group's rule and scalars, shared by its weights: formed anew
@@ -1067,27 +1066,25 @@ class _ForgeOptimizer:
     # the plan's (a plan made before the options changed, its layer
     # skipped since, must not step with another rule's scalars).
     shared = self._forge_scalars.get(index)
-    if (shared is None or shared.checked != generation
-        or not shared.holds(group)):
-      shared = self._forge_plan_scalars(plan, generation)
+    if shared is None or not shared.holds(group):
+      shared = self._forge_shared_scalars(index, group, plan.device)
       if shared is None:
         return False
     if shared.rule is not plan.rule and shared.rule != plan.rule:
       return False
-    if shared.vec_t == t and shared.vec is not None:
-      vec = shared.vec
-    else:
-      scalars = shared.scalars.get((t, False))
-      if scalars is None:  # the step's first update in the group
-        values, scalar_updates = self._forge_hparams(group, state, t, False)
-        if scalar_updates:
-          return False
-        scalars = shared.scalars[(t, False)] = _Scalars(values)
-      vec = scalars.packed(plan.rule)
-      shared.vec_t, shared.vec = t, vec
+    if index not in self._forge_used:  # (as the full path: step() checks)
+      self._forge_used[index] = _options_snapshot(group)
+    scalars = shared.scalars.get((t, False))
+    if scalars is None:  # the step's first update in the group
+      values, scalar_updates = self._forge_hparams(group, state, t, False)
+      if scalar_updates:
+        return False
+      scalars = shared.scalars[(t, False)] = _Scalars(values)
+    rule = plan.rule
+    vec = scalars.packed(rule)
     if plan.launch is not None:
       if not _bridge.relaunch(plan.launch, grad_output, input, p, slots, vec,
-                              plan.rule, config):
+                              rule, config):
         return False
     else:
       if _plan_signature(p, slots) != plan.signature or (
@@ -1096,41 +1093,11 @@ class _ForgeOptimizer:
       views = self._forge_views._values.get(pk)
       if views is None:
         views = self._forge_views[p] = _bridge.ViewCache()
-      _bridge.fused_update(grad_output, input, p.data, slots, vec,
-                           rule=plan.rule, config=config, views=views)
-    if record is not None and _defers_step(step):
-      # (_forge_advance_step's GPU case, written out)
-      self._forge_pending_steps.append((step, record))
-      _increment_version([p, *slots])
-      record.version, record.value = step._version, t
-    else:
-      self._forge_advance_step(state, step, record, t, [p, *slots])
-    if pk in updated._refs:  # (set before: no new weak reference)
-      updated._values[pk] = True
-    else:
-      updated[p] = True
+      _bridge.fused_update(grad_output, input, p.data, slots, vec, rule=rule,
+                           config=config, views=views)
+    self._forge_advance_step(state, step, record, t, [p, *slots])
+    self._forge_updated[p] = True
     return True
-
-  def _forge_plan_scalars(self, plan: "_UpdatePlan", generation: int
-                          ) -> "_SharedScalars | None":
-    """The plan's group's shared scalars, at the group's first plan of the
-    step or where its options were replaced: the options still the very
-    objects they were formed from (else formed anew), the rule still the
-    plan's, the options as read recorded for step()'s check; ``None``
-    where the plan cannot run."""
-    index = plan.index
-    group = plan.seen[index]
-    shared = self._forge_scalars.get(index)
-    if shared is None or not shared.holds(group):
-      shared = self._forge_shared_scalars(index, group, plan.device)
-      if shared is None:
-        return None
-    if shared.rule is not plan.rule and shared.rule != plan.rule:
-      return None
-    if index not in self._forge_used:  # (as the full path: step() checks)
-      self._forge_used[index] = _options_snapshot(group)
-    shared.checked = generation
-    return shared
 
   def _forge_check_capture(self, p: torch.Tensor, layer: str) -> None:
     """Raises unless managed weight ``p``'s update can be recorded in the
@@ -1714,8 +1681,7 @@ class _SharedScalars:
   while the group holds the very same option objects (``names``,
   ``options``), all of which cannot change in place."""
 
-  __slots__ = ("names", "options", "device", "rule", "scalars", "checked",
-               "vec_t", "vec")
+  __slots__ = ("names", "options", "device", "rule", "scalars")
 
   def valid_for(self, group: Mapping[str, Any], device: torch.device) -> bool:
     """Whether ``group`` holds the very same options, under the same names
@@ -1737,10 +1703,6 @@ class _SharedScalars:
     self.device = device
     self.rule = rule
     self.scalars: dict[tuple[float | None, bool], _Scalars] = {}
-    # The step whose plans found the group's options unchanged
-    # (_forge_plan_scalars), and the packed vector of its last step t.
-    self.checked = None
-    self.vec_t = self.vec = None
 
 
 _IMMUTABLE = frozenset((float, int, bool, str, type(None)))
