@@ -204,10 +204,10 @@ def check_placement(mesh_layout: MeshLayout | None, params, batch) -> None:
     layout_mesh = mesh_layout.mesh
     want = dict(zip(layout_mesh.axis_names, layout_mesh.axis_sizes))
     if not _same_axes(mesh, layout_mesh):
-      order = _ANOTHER_ORDER if axes == want else ""
       raise ValueError(
           f"forge_jax.make_step: an array of the step is on a mesh with axes "
-          f"{axes}, but its MeshLayout's mesh has axes {want}{order}: place "
+          f"{axes}, but its MeshLayout's mesh has axes {want}"
+          f"{_order_note(mesh, layout_mesh)}: place "
           "the parameters, optimizer state and batch on the layout's mesh")
     return
 
@@ -219,8 +219,14 @@ def _same_axes(a, b) -> bool:
           == (tuple(b.axis_names), tuple(b.axis_sizes)))
 
 
-_ANOTHER_ORDER = (" (the same axes in another order: another arrangement of "
-                  "the devices)")
+def _order_note(a, b) -> str:
+  """For meshes ``a`` and ``b`` that differ: a note where only their axes'
+  order does (the same names and sizes)."""
+  if (dict(zip(a.axis_names, a.axis_sizes))
+      == dict(zip(b.axis_names, b.axis_sizes))):
+    return (" (the same axes in another order: another arrangement of the "
+            "devices)")
+  return ""
 
 
 # --------------------------------------------------------------------------
@@ -307,14 +313,11 @@ def _kernel_spec(mesh_layout: MeshLayout, boxed_params, keypath,
   if mesh_layout.param_specs is not None:
     spec = _spec_at(mesh_layout.param_specs, keypath, where)
     if isinstance(spec, NamedSharding):
-      m, layout_mesh = spec.mesh, mesh_layout.mesh
-      if not _same_axes(m, layout_mesh):
-        order = (_ANOTHER_ORDER if dict(zip(m.axis_names, m.axis_sizes))
-                 == dict(zip(layout_mesh.axis_names, layout_mesh.axis_sizes))
-                 else "")
+      if not _same_axes(spec.mesh, mesh_layout.mesh):
         raise ValueError(
             f"MeshLayout.param_specs at {where} is a NamedSharding on "
-            f"another mesh than the layout's{order}")
+            "another mesh than the layout's"
+            f"{_order_note(spec.mesh, mesh_layout.mesh)}")
       spec = spec.spec
     return spec
   box = _box_at(boxed_params, keypath)

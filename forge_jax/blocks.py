@@ -541,8 +541,8 @@ class ScannedBlocks(nn.Module):
       raise ValueError(
           f"{self._where()}: the block does not return a carry of its "
           f"input's shape and dtype ({x.dtype}{list(x.shape)}); a scanned "
-          "block maps h to an array like h. "
-          + str(e).split("\n\n")[1 if "\n\n" in str(e) else 0]) from e
+          f"block maps h to an array like h. (jax: {' '.join(str(e).split())})"
+      ) from e
     return y
 
   def _record(self, block, params, x) -> tuple[dict, bool]:

@@ -212,10 +212,11 @@ def linen_kernel_dtype(layer):
 
 def dtype_reason(kernel_dtype, dtype, inputs, fix: str) -> str | None:
   """Why a layer's dtypes keep it off the fused kernel (a non-float,
-  float64 or 8- or 4-bit float kernel or computation dtype), or None; ``fix``, in parentheses at
-  its end, says how to fuse it. The computation dtype is the one the layer
-  computes in: its ``dtype``, else (``dtype`` None) the promotion of its
-  input and kernel (as ``flax.linen.dtypes.canonicalize_dtype``)."""
+  float64 or 8- or 4-bit float kernel or computation dtype), or None;
+  ``fix``, in parentheses at its end, says how to fuse it. The computation
+  dtype is the one the layer computes in: its ``dtype``, else (``dtype``
+  None) the promotion of its input and kernel (as
+  ``flax.linen.dtypes.canonicalize_dtype``)."""
   kernel_dtype = jnp.dtype(kernel_dtype)
   promoted = dtype is None
   if promoted:
