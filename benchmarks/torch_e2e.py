@@ -284,6 +284,16 @@ def loss_of(model: Decoder, tokens, targets) -> torch.Tensor:
                          targets.reshape(-1))
 
 
+def train_step(model: Decoder, opt, tokens, targets) -> torch.Tensor:
+  """One eager training step (the loss, ``backward()``, ``step()``,
+  ``zero_grad(set_to_none=True)``); returns the loss."""
+  loss = loss_of(model, tokens, targets)
+  loss.backward()
+  opt.step()
+  opt.zero_grad(set_to_none=True)
+  return loss
+
+
 def make_optimizer(arm: str, model: Decoder, hparams: dict | None = None,
                    capturable: bool = False):
   """The arm's AdamW over ``model`` (``forge``: after converting it, in
@@ -488,11 +498,7 @@ def run_paired(bt: int, cfg: e2e.Config, steps: int, warmup: int,
   tokens, targets = make_batch(cfg, bt // cfg.seq, device, seed)
 
   def step(arm):
-    loss = loss_of(models[arm], tokens, targets)
-    loss.backward()
-    opts[arm].step()
-    opts[arm].zero_grad(set_to_none=True)
-    return loss
+    return train_step(models[arm], opts[arm], tokens, targets)
 
   losses = {arm: [] for arm in ARMS}
   for _ in range(warmup):
@@ -547,11 +553,7 @@ def check_parity(device: str, seed: int = 0) -> dict:
       forge_torch.bridge_stats.reset()
     losses[arm] = []
     for _ in range(CHECK_STEPS):
-      loss = loss_of(model, tokens, targets)
-      loss.backward()
-      opt.step()
-      opt.zero_grad(set_to_none=True)
-      losses[arm].append(loss.item())
+      losses[arm].append(train_step(model, opt, tokens, targets).item())
     if arm == "forge":
       calls = forge_torch.bridge_stats.calls
     trained[arm] = {n: p.detach().double().cpu()
