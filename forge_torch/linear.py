@@ -421,6 +421,48 @@ class _FusedLinearFn(torch.autograd.Function):
     return grad_input, None, grad_bias, None
 
 
+def _direct_apply(fn_cls):
+  """The C++ apply of ``torch._C._FunctionBase`` bound to ``fn_cls``, where
+  torch wraps it in Python as ``Function.apply``; ``None`` where it does not
+  (``fn_cls.apply`` is the C++ apply itself) or the pieces are missing.
+
+  In torch up to 2.11 ``Function.apply`` is a Python classmethod that,
+  outside a ``torch.func`` transform, unwraps dead functorch wrappers from
+  its arguments and calls the C++ apply (newer torch binds the C++ apply as
+  ``Function.apply``). The layer's forward calls it outside a transform only
+  (checked again there, with ``_are_functorch_transforms_active``) and
+  unwraps its tensors itself: the same work, without a few microseconds of
+  Python frames per layer call."""
+  raw = vars(torch._C._FunctionBase).get("apply")
+  if (raw is None or vars(torch.autograd.Function).get("apply") is raw
+      or _UNWRAP_IF_DEAD is None or _TRANSFORMS_ACTIVE is None):
+    return None
+  return raw.__get__(None, fn_cls)
+
+
+_UNWRAP_IF_DEAD = getattr(getattr(torch._C, "_functorch", None),
+                          "unwrap_if_dead", None)
+_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active",
+                             None)
+_FUSED_APPLY = _direct_apply(_FusedLinearFn)
+
+
+def _bind_backward(fn_cls) -> None:
+  """Makes the autograd engine call ``fn_cls.backward`` as its graph node's
+  ``apply``. torch's (``BackwardCFunction.apply``) looks the user's
+  function up at every call: ``backward`` or ``vjp``, and in newer torch
+  whether the gradients come boxed (``boxed_grads_call``); ``fn_cls``
+  defines ``backward`` alone, unboxed, so the lookup always finds it."""
+  node_cls = getattr(fn_cls, "_backward_cls", None)
+  if (node_cls is not None and "apply" not in vars(node_cls)
+      and "vjp" not in vars(fn_cls)
+      and not getattr(fn_cls, "boxed_grads_call", False)):
+    node_cls.apply = fn_cls.backward
+
+
+_bind_backward(_FusedLinearFn)
+
+
 def is_fsdp_managed(layer: nn.Module) -> bool:
   """Whether FSDP manages ``layer``'s parameters: ``fully_shard`` (FSDP2) and
   ``FullyShardedDataParallel`` (FSDP1) mark every module they shard, or
@@ -668,7 +710,11 @@ class Linear(nn.Linear):
     # (_Handle.__del__).
     handle = _Handle(weakref.ref(optimizer), w, self.block_config, layer,
                      generation, amp)
-    return _FusedLinearFn.apply(input, w, bias, handle)
+    if _FUSED_APPLY is None or _TRANSFORMS_ACTIVE():
+      return _FusedLinearFn.apply(input, w, bias, handle)
+    return _FUSED_APPLY(_UNWRAP_IF_DEAD(input), _UNWRAP_IF_DEAD(w),
+                        None if bias is None else _UNWRAP_IF_DEAD(bias),
+                        handle)
 
 
 # Run eagerly under torch.compile (a graph break around the layer): traced

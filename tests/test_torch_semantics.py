@@ -378,6 +378,31 @@ def test_torch_func_transforms_run_the_plain_layer(transform):
   assert torch.equal(fm[0].weight, w0)  # nothing trained
 
 
+def test_an_input_leaked_out_of_a_torch_func_transform_trains_like_torch():
+  """A tensor that escaped a finished ``torch.func`` transform (a dead
+  functorch wrapper, which torch's ``Function.apply`` unwraps) trains a
+  managed layer as it trains ``nn.Linear``, whichever apply the forward
+  calls."""
+  ref, fm, o_r, o_f = _pair_with_opts()
+  x, y = data()
+  leaked = []
+
+  def f(t):
+    leaked.append(t)
+    return t.sum()
+
+  torch.func.grad(f)(x)
+  [dead] = leaked
+  assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+  for m, o in ((ref, o_r), (fm, o_f)):
+    out = m(dead)
+    F.mse_loss(out, y).backward()
+    o.step()
+    o.zero_grad()
+  assert type(fm[0].weight.grad) is type(None)  # updated by FORGE
+  assert_models_close(fm, ref)
+
+
 # --- copies, hooks, double backward, distributed, late hyperparameters -------
 
 
