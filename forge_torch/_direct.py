@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import os
 import threading
 from typing import Sequence
@@ -126,9 +127,11 @@ def _runtime():
   return compile_fn, unload_fn, bool(getattr(mgpu_core, "_ABI_V2", False))
 
 
-def _bind(module_asm: bytes):
-  """Compiles a serialized Mosaic GPU module; returns ``launch(ptrs,
-  stream, device_index)`` and the handle to unload."""
+def _bind(module_asm: bytes, device_index: int):
+  """Compiles a serialized Mosaic GPU module for the device
+  ``device_index``; returns ``launch(stream, ptrs)`` (a ``ctypes`` call
+  with its leading arguments bound: no Python frame of its own) and the
+  handle to unload."""
   compile_fn, unload_fn, abi_v2 = _runtime()
   compiled = compile_fn(ctypes.c_char_p(module_asm),
                         ctypes.c_int(len(module_asm)))
@@ -137,21 +140,18 @@ def _bind(module_asm: bytes):
                        "compile the fused kernel")
   function, launch_ptr = compiled[0], compiled[1]
   ptrs_t = ctypes.POINTER(ctypes.c_void_p)
-  if abi_v2:
+  if abi_v2:  # launch(kernel, function, stream, ptrs, device)
     kernel = compiled[2]
     launch_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ptrs_t, ctypes.c_int)(
                                     launch_ptr)
 
-    def launch(ptrs, stream: int, device_index: int) -> None:
+    def launch(stream: int, ptrs) -> None:
       launch_c(kernel, function, stream, ptrs, device_index)
-  else:
-    launch_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
-                                ptrs_t)(launch_ptr)
-
-    def launch(ptrs, stream: int, device_index: int) -> None:
-      del device_index  # the current context's device
-      launch_c(function, stream, ptrs)
+  else:  # launch(function, stream, ptrs), on the current context's device
+    launch = functools.partial(
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ptrs_t)(
+            launch_ptr), function)
   return launch, functools.partial(unload_fn, compiled)
 
 
@@ -291,7 +291,7 @@ class DirectKernel:
     # The results fn returns that are not in-place state: the outputs.
     self._fresh = [i for i in outputs if aliases[i] is None]
     with torch.cuda.device(self.device_index):
-      self._launch, unload = _bind(module_asm)
+      self._launch, unload = _bind(module_asm, self.device_index)
     self._unload = unload
     self._n_buffers = len(operand_args) + len(aliases)
     self._buffers_t = ctypes.c_void_p * self._n_buffers
@@ -300,6 +300,7 @@ class DirectKernel:
     self.writes_outputs = any(a is None for a in aliases)
     self._order = list(operand_args) + [
         operand_args[a] for a in aliases if a is not None]
+    self._gather = operator.itemgetter(*self._order)
 
   def launch_ptrs(self, stream: int, ptrs: Sequence[int]) -> None:
     """Launches on the CUDA stream whose raw handle is ``stream`` with the
@@ -309,8 +310,7 @@ class DirectKernel:
     if self.writes_outputs:
       raise ValueError("launch_ptrs: this kernel writes fresh outputs; "
                        "call it with tensors instead")
-    self._launch(self._buffers_t(*[ptrs[a] for a in self._order]), stream,
-                 self.device_index)
+    self._launch(stream, self._buffers_t(*self._gather(ptrs)))
 
   def __call__(self, stream: int, *args: torch.Tensor) -> list[torch.Tensor]:
     """Launches on the CUDA stream whose raw handle is ``stream`` (the
@@ -327,7 +327,7 @@ class DirectKernel:
         buffers[n_ops + j] = t.data_ptr()
       else:
         buffers[n_ops + j] = args[self._operand_args[alias]].data_ptr()
-    self._launch(buffers, stream, self.device_index)
+    self._launch(stream, buffers)
     return [fresh[j] for j in self._fresh]
 
   def __del__(self):
