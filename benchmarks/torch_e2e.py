@@ -87,11 +87,13 @@ memory per BT with forge / torch ratios.
 steps timed one by one in alternation (torch then forge, forge then torch,
 ...), so that the host's drift between processes, which moves single cells
 by several percent where both arms are host-bound, reaches both alike.
-Rows (benchmark ``torch_e2e_paired``, case ``... paired``, which the plot
-does not read): each arm's ``step_time`` and ``loss_first``, and
+Rows (benchmark ``torch_e2e_paired``, case ``... paired``, which the bar
+plot does not read): each arm's ``step_time`` and ``loss_first``, and
 ``step_ratio`` (provider ``forge/torch``: the quantiles of each forge step
 over the torch step beside it). No memory rows (both models are resident);
-the torch arm then runs with JAX started in its process.
+the torch arm then runs with JAX started in its process. With ``--plot
+PNG`` (or ``--replot --plot PNG``) it draws every paired process's ratio in
+the CSV instead, in the order they ran, by commit.
 
 Without CUDA the benchmark refuses to run, exit status 1 (no figure would be
 a GPU figure); ``--device cpu`` runs it on the CPU as a smoke test (the fused
@@ -844,6 +846,55 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
   return True
 
 
+def plot_paired(csv_path: str, png_path: str) -> bool:
+  """Every ``--paired`` process's forge/torch ratio in a torch_e2e CSV, in
+  the order they ran: the median of its pairs, with their p20-p80 range,
+  coloured by commit, one panel per BT. False (nothing written) without
+  paired rows."""
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  rows = [r for r in common.read_rows(csv_path)
+          if r["benchmark"] == PAIRED_BENCHMARK
+          and r["metric"] == "step_ratio"]
+  if not rows:
+    print(f"plot: {csv_path} has no {PAIRED_BENCHMARK} step_ratio rows; "
+          "nothing plotted", file=sys.stderr)
+    return False
+  rows.sort(key=lambda r: r["timestamp"])
+  bts = sorted({int(r["case"].split("BT=")[1].split()[0]) for r in rows})
+  commits = list(dict.fromkeys(r["commit"] for r in rows))
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  fig, axes = plt.subplots(1, len(bts), figsize=(4.5 * len(bts) + 1, 3.6),
+                           squeeze=False)
+  for ax, bt in zip(axes[0], bts):
+    mine = [r for r in rows if f"BT={bt} " in r["case"] + " "]
+    for commit in commits:
+      xs = [i for i, r in enumerate(mine) if r["commit"] == commit]
+      if not xs:
+        continue
+      p20, p50, p80 = ([float(mine[i][q]) for i in xs]
+                       for q in ("p20", "p50", "p80"))
+      ax.errorbar(xs, p50, yerr=[[m - lo for m, lo in zip(p50, p20)],
+                                 [hi - m for m, hi in zip(p50, p80)]],
+                  fmt="o", capsize=3, label=commit,
+                  color=colors[commits.index(commit) % len(colors)])
+    ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("process, in the order run")
+    ax.set_ylabel("forge step / torch step beside it")
+    ax.set_title(f"BT={bt}", fontsize=9)
+    ax.legend(fontsize=8, title="commit", title_fontsize=8)
+  first = rows[0]
+  shape = first["shape"].rsplit(" B", 1)[0]
+  fig.suptitle(f"Llama-style decoder's eager step in torch ({shape}),\n"
+               f"both arms in one process, on {first['device']}: "
+               "forge_torch / AdamW(fused=True),\nper process the median "
+               "pair ratio (p20-p80)", fontsize=8)
+  common.save_figure(fig, png_path)
+  return True
+
+
 def parse_args(argv):
   d = e2e.Config()
   p = argparse.ArgumentParser(
@@ -908,7 +959,8 @@ def parse_args(argv):
                  "one process per cell: each pair of steps runs side by "
                  "side, so the host's drift reaches both arms alike; writes "
                  "each arm's step_time and the per-pair step_ratio (case "
-                 "'... paired'); no memory rows, no plot")
+                 "'... paired'); no memory rows; --plot draws every paired "
+                 "process's ratio in the CSV")
   p.add_argument("--cell", choices=(*ARMS, "check", "paired"),
                  help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -931,9 +983,8 @@ def parse_args(argv):
     p.error("--cell runs one BT")
   if args.paired and sorted(args.arms) != sorted(ARMS):
     p.error("--paired times both arms side by side: leave --arms out")
-  if args.paired and (args.graph or args.check or args.replot):
-    p.error("--paired times eager steps only: not with --graph, --check or "
-            "--replot")
+  if args.paired and (args.graph or args.check):
+    p.error("--paired times eager steps only: not with --graph or --check")
   if args.graph and args.device != "cuda":
     p.error("--graph records CUDA graphs: it needs --device cuda")
   if args.replot:
@@ -1010,13 +1061,16 @@ def _main_paired(args, cfg: e2e.Config) -> int:
             + " ".join(f"{x:.3f}" for x in ratios)
             + f"; median {statistics.median(ratios):.3f}")
   print(f"wrote {args.out}")
+  if args.plot:
+    ok &= plot_paired(args.out, args.plot)
   return 0 if ok else 1
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.replot:
-    return 0 if plot(args.out, args.plot) else 1
+    draw = plot_paired if args.paired else plot
+    return 0 if draw(args.out, args.plot) else 1
   if args.device == "cuda" and not torch.cuda.is_available():
     print("torch_e2e: no CUDA device (torch.cuda.is_available() is False), "
           "so nothing can be measured as a GPU figure. Run it on a GPU, or "

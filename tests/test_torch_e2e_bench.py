@@ -256,9 +256,11 @@ def test_paired_times_both_arms_in_one_process(tmp_path, monkeypatch,
 
   monkeypatch.setattr(torch_e2e, "loss_of", loss_of)
   out = tmp_path / "t.csv"
+  png = tmp_path / "paired.png"
   rc = torch_e2e.main(["--device", "cpu", *SMOKE_FLAGS, "--bt", "8",
                        "--steps", "4", "--warmup", "1", "--paired",
-                       "--repeat", "2", "--out", str(out)])
+                       "--repeat", "2", "--out", str(out), "--plot",
+                       str(png)])
   text = capsys.readouterr().out
   assert rc == 0, text
   # Per round: one warm-up step per arm, then pairs in alternating order.
@@ -280,6 +282,23 @@ def test_paired_times_both_arms_in_one_process(tmp_path, monkeypatch,
         FP32_TOL * abs(float(rows[i + 1]["p50"])))
   assert "per-pair median ratio by round:" in text
   assert torch_e2e.bar_rows(str(out)) == {}
+  # The plot draws the paired processes' ratios; redrawn from the CSV.
+  assert png.stat().st_size > 0 and f"wrote {png}" in text
+  png.unlink()
+  assert torch_e2e.main(["--replot", "--paired", "--out", str(out),
+                         "--plot", str(png)]) == 0
+  assert png.stat().st_size > 0
+
+
+def test_a_paired_plot_of_a_csv_without_paired_rows_draws_nothing(
+    tmp_path, capsys):
+  out, png = tmp_path / "t.csv", tmp_path / "t.png"
+  common.Results(str(out), torch_e2e.BENCHMARK, device="cpu:x").add(
+      "llama BT=8", "torch", "s", "d", "step_time", 1.0, "ms")
+  assert torch_e2e.main(["--replot", "--paired", "--out", str(out),
+                         "--plot", str(png)]) == 1
+  assert "has no torch_e2e_paired step_ratio rows" in capsys.readouterr().err
+  assert not png.exists()
 
 
 @pytest.mark.parametrize("flags, words", [
