@@ -379,27 +379,30 @@ def test_torch_func_transforms_run_the_plain_layer(transform):
 
 
 def test_an_input_leaked_out_of_a_torch_func_transform_trains_like_torch():
-  """A tensor that escaped a finished ``torch.func`` transform (a dead
-  functorch wrapper, which torch's ``Function.apply`` unwraps) trains a
-  managed layer as it trains ``nn.Linear``, whichever apply the forward
-  calls."""
+  """A tensor that escaped a finished ``torch.func`` transform is a dead
+  functorch wrapper, which torch's ``Function.apply`` unwraps before it
+  records the graph: a managed layer does too (else the leaked input of a
+  ``requires_grad`` tensor got no gradient), and trains as ``nn.Linear``."""
   ref, fm, o_r, o_f = _pair_with_opts()
-  x, y = data()
-  leaked = []
-
-  def f(t):
-    leaked.append(t)
-    return t.sum()
-
-  torch.func.grad(f)(x)
-  [dead] = leaked
-  assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+  x0, y = data()
+  grads = []
   for m, o in ((ref, o_r), (fm, o_f)):
-    out = m(dead)
-    F.mse_loss(out, y).backward()
+    x = x0.clone().requires_grad_(True)
+    leaked = []
+
+    def f(t, leaked=leaked):
+      leaked.append(t)
+      return t.sum()
+
+    torch.func.grad(f)(x)
+    [dead] = leaked
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    F.mse_loss(m(dead), y).backward()
     o.step()
     o.zero_grad()
-  assert type(fm[0].weight.grad) is type(None)  # updated by FORGE
+    grads.append(x.grad)
+  assert fm[0].weight.grad is None  # updated by FORGE, no gradient formed
+  assert grads[1] is not None and rel(grads[1], grads[0]) <= TOL
   assert_models_close(fm, ref)
 
 
