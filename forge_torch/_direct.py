@@ -128,10 +128,12 @@ def _runtime():
 
 
 def _bind(module_asm: bytes, device_index: int):
-  """Compiles a serialized Mosaic GPU module for the device
-  ``device_index``; returns ``launch(stream, ptrs)`` (a ``ctypes`` call
-  with its leading arguments bound: no Python frame of its own) and the
-  handle to unload."""
+  """Compiles a serialized Mosaic GPU module (on the current CUDA context's
+  device, which the caller sets to ``device_index``); returns ``(launch,
+  tail, unload)``: ``launch(stream, ptrs, *tail)`` enqueues the kernel (the
+  ``ctypes`` function with its leading arguments bound, no Python frame of
+  its own; ``tail`` is ``(device_index,)`` where the runtime's launch takes
+  the device, else empty) and ``unload()`` frees the module."""
   compile_fn, unload_fn, abi_v2 = _runtime()
   compiled = compile_fn(ctypes.c_char_p(module_asm),
                         ctypes.c_int(len(module_asm)))
@@ -141,18 +143,16 @@ def _bind(module_asm: bytes, device_index: int):
   function, launch_ptr = compiled[0], compiled[1]
   ptrs_t = ctypes.POINTER(ctypes.c_void_p)
   if abi_v2:  # launch(kernel, function, stream, ptrs, device)
-    kernel = compiled[2]
     launch_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ptrs_t, ctypes.c_int)(
                                     launch_ptr)
-
-    def launch(stream: int, ptrs) -> None:
-      launch_c(kernel, function, stream, ptrs, device_index)
+    launch, tail = functools.partial(launch_c, compiled[2], function), (
+        device_index,)
   else:  # launch(function, stream, ptrs), on the current context's device
-    launch = functools.partial(
-        ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ptrs_t)(
-            launch_ptr), function)
-  return launch, functools.partial(unload_fn, compiled)
+    launch_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
+                                ptrs_t)(launch_ptr)
+    launch, tail = functools.partial(launch_c, function), ()
+  return launch, tail, functools.partial(unload_fn, compiled)
 
 
 # --------------------------------------------------------------------------
@@ -291,7 +291,8 @@ class DirectKernel:
     # The results fn returns that are not in-place state: the outputs.
     self._fresh = [i for i in outputs if aliases[i] is None]
     with torch.cuda.device(self.device_index):
-      self._launch, unload = _bind(module_asm, self.device_index)
+      self._launch, self._tail, unload = _bind(module_asm,
+                                               self.device_index)
     self._unload = unload
     self._n_buffers = len(operand_args) + len(aliases)
     self._buffers_t = ctypes.c_void_p * self._n_buffers
@@ -300,6 +301,7 @@ class DirectKernel:
     self.writes_outputs = any(a is None for a in aliases)
     self._order = list(operand_args) + [
         operand_args[a] for a in aliases if a is not None]
+    # (At least x, dy and the hyperparameters: a tuple of pointers.)
     self._gather = operator.itemgetter(*self._order)
 
   def launch_ptrs(self, stream: int, ptrs: Sequence[int]) -> None:
@@ -310,7 +312,7 @@ class DirectKernel:
     if self.writes_outputs:
       raise ValueError("launch_ptrs: this kernel writes fresh outputs; "
                        "call it with tensors instead")
-    self._launch(stream, self._buffers_t(*self._gather(ptrs)))
+    self._launch(stream, self._buffers_t(*self._gather(ptrs)), *self._tail)
 
   def __call__(self, stream: int, *args: torch.Tensor) -> list[torch.Tensor]:
     """Launches on the CUDA stream whose raw handle is ``stream`` (the
@@ -327,7 +329,7 @@ class DirectKernel:
         buffers[n_ops + j] = t.data_ptr()
       else:
         buffers[n_ops + j] = args[self._operand_args[alias]].data_ptr()
-    self._launch(stream, buffers)
+    self._launch(stream, buffers, *self._tail)
     return [fresh[j] for j in self._fresh]
 
   def __del__(self):

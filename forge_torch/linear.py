@@ -432,7 +432,8 @@ def _direct_apply(fn_cls):
   ``Function.apply``). The layer's forward calls it outside a transform only
   (checked again there, with ``_are_functorch_transforms_active``) and
   unwraps its tensors itself: the same work, without a few microseconds of
-  Python frames per layer call."""
+  Python frames per layer call. (Checked against torch 2.11 and 2.14; a
+  version in between is taken to wrap it alike.)"""
   raw = vars(torch._C._FunctionBase).get("apply")
   if (raw is None or vars(torch.autograd.Function).get("apply") is raw
       or _UNWRAP_IF_DEAD is None or _TRANSFORMS_ACTIVE is None):
@@ -452,7 +453,9 @@ def _bind_backward(fn_cls) -> None:
   ``apply``. torch's (``BackwardCFunction.apply``) looks the user's
   function up at every call: ``backward`` or ``vjp``, and in newer torch
   whether the gradients come boxed (``boxed_grads_call``); ``fn_cls``
-  defines ``backward`` alone, unboxed, so the lookup always finds it."""
+  defines ``backward`` alone, unboxed, so the lookup always finds it.
+  (Bound once, at import: a ``backward`` patched in later is not what the
+  engine calls.)"""
   node_cls = getattr(fn_cls, "_backward_cls", None)
   if (node_cls is not None and "apply" not in vars(node_cls)
       and "vjp" not in vars(fn_cls)

@@ -1348,6 +1348,47 @@ class _RecordingKernel:
     self.launches.append((stream, list(ptrs)))
 
 
+@pytest.mark.parametrize("abi_v2", [False, True])
+def test_the_runtimes_launch_gets_its_arguments_in_its_order(monkeypatch,
+                                                             abi_v2):
+  """``_direct._bind`` calls the Mosaic GPU runtime's launch with the
+  arguments of its ABI, in order: jaxlib 0.11's ``(function, stream,
+  ptrs)``, jaxlib 0.12's ``(kernel, function, stream, ptrs, device)``.
+  (The runtime stood in for by ctypes callbacks: the real one needs a
+  GPU.)"""
+  import ctypes  # noqa: PLC0415
+  from forge_torch import _direct  # noqa: PLC0415
+  calls, unloaded = [], []
+  ptrs_t = ctypes.POINTER(ctypes.c_void_p)
+  if abi_v2:
+    launch_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p, ptrs_t, ctypes.c_int)
+    record = lambda k, f, s, p, d: calls.append((k, f, s, p[0], p[1], d))
+  else:
+    launch_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
+                                ptrs_t)
+    record = lambda f, s, p: calls.append((f, s, p[0], p[1]))
+  launch_c = launch_t(record)
+  # What MosaicGpuCompile returns: the function, the launch, the kernel.
+  compiled = (ctypes.c_void_p * 3)(
+      0x1111, ctypes.cast(launch_c, ctypes.c_void_p).value, 0x2222)
+
+  def compile_fn(asm, size):
+    assert (asm.value, size.value) == (b"module", 6)
+    return ctypes.cast(compiled, ctypes.POINTER(ctypes.c_void_p))
+
+  monkeypatch.setattr(_direct, "_runtime", lambda: (
+      compile_fn, lambda handle: unloaded.append(handle), abi_v2))
+  launch, tail, unload = _direct._bind(b"module", 3)
+  launch(0x77, (ctypes.c_void_p * 2)(0xA0, 0xB0), *tail)
+  if abi_v2:
+    assert calls == [(0x2222, 0x1111, 0x77, 0xA0, 0xB0, 3)]
+  else:
+    assert calls == [(0x1111, 0x77, 0xA0, 0xB0)] and tail == ()
+  unload()
+  assert len(unloaded) == 1
+
+
 def test_direct_launch_cache_keys_each_operands_layout(monkeypatch):
   """A cached direct launch serves only operands laid out as the ones it
   was resolved for: a weight or slot of the same shape and dtype but other
