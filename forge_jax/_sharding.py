@@ -244,15 +244,23 @@ class _Undeclared(ValueError):
 def _spec_at(tree, keypath, where: str):
   """The spec of ``param_specs`` at ``keypath`` (a prefix leaf covers its
   subtree); raises if the path is missing."""
-  node = tree
+  node, path = tree, []
   for k in keypath:
     if _is_spec_leaf(node):
       break
-    if not isinstance(node, Mapping) or k.key not in node:
+    if not isinstance(node, Mapping):  # (a str, list, tuple...: malformed)
+      raise ValueError(
+          f"MeshLayout.param_specs at {'/'.join(path) or 'its root'} (a "
+          f"prefix of {where}) is a {type(node).__name__}, not a dict, "
+          "PartitionSpec or NamedSharding: give a PartitionSpec there "
+          "(e.g. PartitionSpec('model') rather than 'model'), or a dict of "
+          "them")
+    if k.key not in node:
       raise _Undeclared(
           f"MeshLayout.param_specs has no entry for {where}: give a "
           "PartitionSpec for it (or for a prefix of its path)")
     node = node[k.key]
+    path.append(str(k.key))
   if node is None:
     raise _Undeclared(
         f"MeshLayout.param_specs gives None for {where}: give its "
@@ -605,7 +613,10 @@ def plan_layers(mesh_layout: MeshLayout | None, boxed_params, layers,
           "forge_jax.DenseGeneral over several axes. Give that layer "
           "fused=False (its kernel then takes optax's update, which XLA "
           "partitions).")
-    spec = _kernel_spec(mesh_layout, boxed_params, kpaths[path], where)
+    try:
+      spec = _kernel_spec(mesh_layout, boxed_params, kpaths[path], where)
+    except _Undeclared as e:  # a FORGE kernel's spec is required
+      raise ValueError(str(e)) from None
     entries = tuple(spec) + (None,) * (2 - len(spec))
     if len(entries) != 2:
       raise ValueError(f"{where}: the kernel's PartitionSpec {spec} has more "

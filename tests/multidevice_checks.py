@@ -737,10 +737,13 @@ def tied(n: int) -> dict:
 
 
 def _message(fn):
+  """The message of the ValueError or TypeError ``fn`` raises (prefixed
+  with its type's name where that is a private subclass), else None."""
   try:
     fn()
   except (ValueError, TypeError) as e:
-    return str(e)
+    name = type(e).__name__
+    return f"{name}: {e}" if name.startswith("_") else str(e)
   return None
 
 
@@ -828,6 +831,13 @@ def refusals(n: int) -> dict:
   out["bias_spec_not_a_spec"] = attempt(forge_jax.MeshLayout(
       mesh, data_axes=D, param_specs={"up": {"kernel": P(), "bias": "tp"},
                                       "down": P()}))
+  # A prefix of a layer's parameters neither a dict nor a spec (an axis
+  # name where PartitionSpec(name) was meant).
+  out["spec_prefix_not_a_spec"] = attempt(forge_jax.MeshLayout(
+      mesh, data_axes=D, param_specs={"up": "tp", "down": P()}))
+  # No entry for a FORGE kernel (refused as a plain ValueError).
+  out["kernel_spec_missing"] = attempt(forge_jax.MeshLayout(
+      mesh, data_axes=D, param_specs={"down": P()}))
   out["indivisible_batch"] = attempt(
       forge_jax.MeshLayout(mesh, data_axes=D, param_specs=P()),
       args=(*args[:2], _abstract(short, rep)))

@@ -199,6 +199,10 @@ REFUSED = {
     "bias_spec_on_another_mesh": "NamedSharding on another mesh than the "
                                  "layout's (the same axes in another order",
     "bias_spec_not_a_spec": "is a str, not a PartitionSpec",
+    "spec_prefix_not_a_spec": "at up (a prefix of forge_jax layer 'up') is "
+                              "a str, not a dict, PartitionSpec",
+    "kernel_spec_missing": "MeshLayout.param_specs has no entry for "
+                           "forge_jax layer 'up'",
     "data_and_model_on_one_dim": "both data axes",
     "unknown_sharding": "sharding is unknown",
     "indivisible_kernel": "is not divisible by the 8 devices",
@@ -213,6 +217,7 @@ def test_unsupported_layouts_are_refused(report, case):
   msg = report["refusals"][case]
   assert msg is not None, f"{case} was not refused"
   assert REFUSED[case] in msg, msg
+  assert not msg.startswith("_"), msg  # a private exception type
 
 
 def test_check_vma_catches_a_missing_reduction(report):
