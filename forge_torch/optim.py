@@ -257,6 +257,10 @@ class _ForgeOptimizer:
   _forge_clip_phase: str | None = None
   # The step whose plans found the param groups unchanged (_forge_plans_hold).
   _forge_plans_checked: int | None = None
+  # The step whose first forward found each group's "params" unchanged
+  # (_forge_check_members), and those params when last read.
+  _forge_members_checked: int | None = None
+  _forge_members_seen: list | None = None
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -690,6 +694,19 @@ class _ForgeOptimizer:
     self._forge_scalars.clear()
     self._forge_capture_vecs.clear()
     self._forge_groups_seen = list(self.param_groups)
+    self._forge_members_seen = _members(self.param_groups)
+    self._forge_members_checked = self._forge_generation
+
+  def _forge_check_members(self) -> None:
+    """Once per step (the step's first managed forward): reads the param
+    groups again (:meth:`_forge_check_groups`) where a group's ``"params"``
+    changed since they were last read -- a weight moved to another group
+    or removed from every one by editing the lists, a list replaced --
+    which the groups' own identities do not show. (An edit between a
+    layer's forward and its backward is read at the next step's.)"""
+    self._forge_members_checked = self._forge_generation
+    if _members(self.param_groups) != self._forge_members_seen:
+      self._forge_check_groups()
 
   def _forge_step_count(self, step) -> tuple[float, _StepRecord | None]:
     """``state["step"]``'s value, and its :class:`_StepRecord` if this
@@ -704,6 +721,11 @@ class _ForgeOptimizer:
     if not isinstance(step, torch.Tensor):
       return _get_value(step), None
     known = self._forge_steps._values.get(_key(step))
+    if known is not None and known.ptr != step.data_ptr():
+      # Its memory replaced (``step.data = ...``): the record is another
+      # tensor's; the next write makes a new one.
+      self._forge_steps.pop(step, None)
+      known = None
     if known is not None and known.version == step._version:
       return known.value, known
     return _get_value(step), known
@@ -864,6 +886,8 @@ class _ForgeOptimizer:
     seen = self._forge_groups_seen
     if seen is None or len(seen) != len(self.param_groups):
       self._forge_check_groups()  # (a group added or removed)
+    elif self._forge_members_checked != self._forge_generation:
+      self._forge_check_members()
     if wk not in self._forge_managed._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
@@ -1057,7 +1081,8 @@ class _ForgeOptimizer:
     t = None
     if step is not None:  # (None: a family without a step count, SGD)
       if (self._forge_steps._values.get(_key(step)) is not record
-          or record.version != step._version or record.value is None):
+          or record.version != step._version or record.value is None
+          or record.ptr != step.data_ptr()):
         return False
       t = record.value + 1
     # The group's rule and scalars, shared by its weights: formed anew
@@ -1176,7 +1201,8 @@ class _ForgeOptimizer:
     # gets its own).
     record = self._forge_steps._values.get(_key(step))
     known = (record.value if record is not None
-             and record.version == step._version else None)
+             and record.version == step._version
+             and record.ptr == step.data_ptr() else None)
     cache_key = (index, known) if known is not None else (index, id(step))
     hparams = self._forge_capture_vecs.get(cache_key)
     if hparams is None:
@@ -1276,8 +1302,8 @@ class _ForgeOptimizer:
           f"forge_torch.Linear {layer}: stochastic_rounding=True needs a "
           f"bfloat16 weight; this one is {p.dtype} (was the model cast after "
           "the optimizer was built?)")
-    slots = []
-    shape, dtype = p.shape, p.dtype
+    slots, unlike = [], False  # unlike: a slot the weight's dtype, shape
+    shape, dtype = p.shape, p.dtype  # or device does not describe
     for name in (() if fmt is not None else rule.slots):
       s = state.get(name)
       if not isinstance(s, torch.Tensor):
@@ -1287,7 +1313,9 @@ class _ForgeOptimizer:
             "(e.g. momentum, centered, amsgrad) changed after its state was "
             "created?")
       if s.shape != shape or s.device != device or s.dtype != dtype:
+        # (Allowed or not by the group's options: no plan repeats it.)
         self._forge_check_slot(name, s, p, group, layer)
+        unlike = True
       slots.append(s)
     if fmt is not None:
       slots = self._forge_low_precision_slots(p, state, rule, fmt, layer)
@@ -1339,7 +1367,7 @@ class _ForgeOptimizer:
     plain = (plan and scalars is not None and kernel_rule is base_rule
              and values is base_values and fmt is None and sr is None
              and not sharded and not fresh and not scalar_updates
-             and self._forge_clip_phase is None
+             and self._forge_clip_phase is None and not unlike
              and self._forge_managed._values.get(pk) == index
              and self._forge_groups_seen is not None
              and weight.numel() > 0)
@@ -1600,25 +1628,26 @@ def _defers_step(step: torch.Tensor) -> bool:
 
 class _StepRecord:
   """A ``state["step"]`` tensor as an optimizer last wrote it: its version
-  counter and value then (``_forge_step_count``), and for a plain CPU
-  tensor a NumPy view of its memory (``array``), through which the next
-  update stores the new value instead of a torch ``fill_`` dispatch. The
-  view holds that memory alive, so while the tensor's ``data_ptr`` and dtype
-  equal ``ptr`` and ``dtype``, the view is its memory (set_ or ``.data =``
-  moves it elsewhere: then ``fill_``, and a new record)."""
+  counter, memory (``ptr``) and value then (``_forge_step_count``: an
+  in-place write bumps the version; ``.data =``, which does not, moves the
+  memory), and for a plain CPU tensor a NumPy view of its memory
+  (``array``), through which the next update stores the new value instead
+  of a torch ``fill_`` dispatch. The view holds that memory alive, so while
+  the tensor's ``data_ptr`` and dtype equal ``ptr`` and ``dtype``, the view
+  is its memory (set_ or ``.data =`` moves it elsewhere: then ``fill_``,
+  and a new record)."""
 
   __slots__ = ("version", "value", "array", "ptr", "dtype")
 
   def __init__(self, step: torch.Tensor):
-    self.version = self.value = None
-    self.array = self.ptr = self.dtype = None
+    self.version = self.value = self.array = None
+    self.ptr, self.dtype = step.data_ptr(), step.dtype
     if (type(step) is torch.Tensor and step.is_cpu
         and not step.requires_grad and step.numel() == 1):
       try:
         self.array = step.detach().numpy()
       except (RuntimeError, TypeError):  # a dtype NumPy lacks (bfloat16)
-        return
-      self.ptr, self.dtype = step.data_ptr(), step.dtype
+        pass
 
 
 class _UpdatePlan:
@@ -1645,6 +1674,11 @@ class _UpdatePlan:
     self.state, self.slots = state, tuple(slots)
     self.step, self.record = step, record
     self.launch, self.signature = launch, signature
+
+
+def _members(groups) -> list[tuple[int, ...]]:
+  """Which parameters each param group holds, by identity."""
+  return [tuple(map(_key, g["params"])) for g in groups]
 
 
 def _plan_signature(p: torch.Tensor, slots) -> tuple:

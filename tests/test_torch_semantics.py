@@ -1091,6 +1091,11 @@ def _reload(opt):
   opt.load_state_dict(copy.deepcopy(opt.state_dict()))
 
 
+def _step_memory_replaced(opt):  # .data =: no version bump, new memory
+  for st in opt.state.values():
+    st["step"].data = torch.full_like(st["step"], 50.0)
+
+
 def _new_group(opt):  # added first: the managed weights' group moves
   extra = nn.Parameter(torch.zeros(3))
   opt.add_param_group({"params": [extra], "lr": 1e-3})
@@ -1106,10 +1111,11 @@ def _accumulate_on(opt):  # each step then applies its one micro-batch
 
 
 @pytest.mark.parametrize("change", [
-    _scale_lr, _new_slots, _count_back, _reload, _new_group, _clip_on,
-    _accumulate_on,
-], ids=["lr", "slots-replaced", "step-count-written", "load_state_dict",
-        "group-added", "max_grad_norm", "accumulate_steps"])
+    _scale_lr, _new_slots, _count_back, _step_memory_replaced, _reload,
+    _new_group, _clip_on, _accumulate_on,
+], ids=["lr", "slots-replaced", "step-count-written", "step-count-data-set",
+        "load_state_dict", "group-added", "max_grad_norm",
+        "accumulate_steps"])
 def test_a_change_between_steps_is_seen_by_the_plan(monkeypatch, change):
   """What a plan repeats is checked before it runs: an lr set (a
   scheduler), state tensors replaced, a step count written, a loaded state
@@ -1128,6 +1134,9 @@ def test_a_change_between_steps_is_seen_by_the_plan(monkeypatch, change):
 
   planned, full = train(True), train(False)
   _assert_same_training(planned[:2], full[:2])
+  if change is _step_memory_replaced:  # counted on from 50, as torch does
+    assert all(st["step"].item() == 53.0
+               for st in planned[1].state.values())
   # Of the six steps, the first creates the state, the second makes the
   # plans and the third runs them; after the change the full path runs
   # once (making the plans again), then the plans (clipping, accumulation:
@@ -1230,6 +1239,59 @@ def test_a_group_dict_replaced_within_a_step_is_read_again(monkeypatch):
 
   ran = _same_as_the_full_path(train)
   assert ran[-1] is False and sum(ran) == 3
+
+
+def test_a_weight_moved_to_another_group_by_its_params_list_takes_it(
+    monkeypatch):
+  """A managed weight moved to another param group by editing the groups'
+  ``"params"`` lists between steps (the group dicts and the list the
+  same objects) is stepped with its new group's options from the next
+  step on, as torch.optim steps it, plans or not."""
+  def train(plans, family=forge_torch.AdamW, linear=forge_torch.Linear):
+    torch.manual_seed(0)
+    a, b = linear(7, 5, bias=False), linear(7, 5, bias=False)
+    opt = family([{"params": [a.weight]}, {"params": [b.weight], "lr": 0.3}],
+                 lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    with monkeypatch.context() as m:
+      ran = _count_plans(m, plans)
+      for i in range(5):
+        x = torch.randn(3, 7, generator=g)
+        if i == 2:
+          opt.param_groups[0]["params"].remove(a.weight)
+          opt.param_groups[1]["params"].append(a.weight)
+        (a(x).square().sum() + b(x).square().sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    return nn.Sequential(a, b), opt, ran
+
+  ran = _same_as_the_full_path(train)
+  # Steps 3 and 4: step 1's plans were dropped when step 2 read the
+  # groups again (its updates took the full path and made new ones).
+  assert sum(ran) == 2 * 2
+  ref = train(False, torch.optim.AdamW, nn.Linear)[0]
+  for pf, pr in zip(train(True)[0].parameters(), ref.parameters()):
+    assert rel(pf, pr) <= TOL
+
+
+def test_a_slot_refused_by_a_changed_option_is_refused_with_plans():
+  """A bfloat16 weight with float32 momentum (allowed unfused) and then
+  ``fused=True`` set on its group, which refuses that mix as torch's fused
+  SGD does: the next update raises, whether or not a plan was made for
+  the weight (none is made for a slot unlike its weight)."""
+  torch.manual_seed(0)
+  lin = forge_torch.Linear(7, 5, bias=False)
+  opt = forge_torch.SGD(lin.parameters(), lr=0.01, momentum=0.9)
+  x = torch.randn(3, 7)
+  lin(x).square().sum().backward()  # float32 momentum
+  opt.step()
+  lin.to(torch.bfloat16)
+  for _ in range(2):  # a plan would be made and run here
+    lin(x.bfloat16()).float().square().sum().backward()
+    opt.step()
+  opt.param_groups[0]["fused"] = True
+  with pytest.raises(RuntimeError, match="momentum_buffer' is torch.float32"):
+    lin(x.bfloat16()).float().square().sum().backward()
 
 
 def test_an_lr_set_during_a_backward_reaches_the_later_plans(monkeypatch):
