@@ -536,13 +536,16 @@ class ScannedBlocks(nn.Module):
                      split_rngs={True: True}, length=self.num_layers,
                      metadata_params=dict(self.metadata_params))(self, x, None)
     except TypeError as e:  # the scan's own words, without the module's name
-      if "carry input and carry output must have equal types" not in str(e):
+      said = " ".join(str(e).split())
+      if not any(f"carry input and carry output must have {what}" in said
+                 for what in ("equal types", "the same pytree structure")):
         raise
       raise ValueError(
-          f"{self._where()}: the block does not return a carry of its "
-          f"input's shape and dtype ({x.dtype}{list(x.shape)}); a scanned "
-          f"block maps h to an array like h. (jax: {' '.join(str(e).split())})"
-      ) from e
+          f"{self._where()}: a scan's carry changes type in this stack. A "
+          "scanned block must return one array of its input's shape, dtype "
+          f"and sharding ({jax.typeof(x).str_short()}), the next block's "
+          "input (e.g. return out.astype(h.dtype)); a scan inside the block "
+          f"must keep its own carry's type too. (jax: {said})") from e
     return y
 
   def _record(self, block, params, x) -> tuple[dict, bool]:

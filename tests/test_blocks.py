@@ -343,8 +343,9 @@ def test_unsupported_blocks_are_refused_in_a_step(block, match):
   loss = lambda v, b: jnp.mean(model.apply(v, b) ** 2)
   if block is Widen:  # refused at init already (the scan's carry)
     with pytest.raises(ValueError, match=(
-        r"ScannedBlocks at 'layers': the block does not return a carry of its "
-        r"input's shape and dtype \(float32\[4, 24\]\).*float32\[4,25\]")):
+        r"ScannedBlocks at 'layers': a scan's carry changes type in this "
+        r"stack\. .*its input's shape, dtype and sharding \(float32\[4,24\]\)"
+        r".*float32\[4,25\]")):
       model.init(jax.random.key(0), x)
     variables = {"params": {"layers": {"block": {"w": {
         "kernel": jnp.ones((2, D, D + 1)), "bias": jnp.ones((2, D + 1))}}}}}
@@ -704,8 +705,24 @@ def test_a_block_changing_the_carry_dtype_is_refused_at_init():
 
   blocks = forge_jax.ScannedBlocks(Cast, 2, name="layers")
   with pytest.raises(ValueError, match=(
-      r"the block does not return a carry of its input's shape and dtype "
-      r"\(float32\[3, 24\]\).*bfloat16")):
+      r"ScannedBlocks at '<root>': a scan's carry changes type .* "
+      r"\(float32\[3,24\]\).*bfloat16")):
+    blocks.init(jax.random.key(0), jnp.ones((3, D)))
+
+
+def test_a_block_returning_a_tuple_is_refused_at_init_naming_the_module():
+  """A block returning a tuple where its carry is one array: refused at
+  init naming the module (it was jax's scan error alone)."""
+  class Pair(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+      h = forge_jax.Dense(D, name="p")(h)
+      return h, h
+
+  blocks = forge_jax.ScannedBlocks(Pair, 2, name="layers")
+  with pytest.raises(ValueError, match=(
+      r"ScannedBlocks at '<root>': a scan's carry changes type .*one array"
+      r".*same pytree structure")):
     blocks.init(jax.random.key(0), jnp.ones((3, D)))
 
 
