@@ -69,8 +69,9 @@ def _axes(entry) -> Axes:
 
 def _check_known_axes(spec: P, mesh, what: str) -> None:
   """Refuses a PartitionSpec (``what``'s) naming an axis ``mesh`` lacks."""
-  unknown = [a for e in spec if isinstance(e, (str, tuple))
-             for a in _axes(e) if a not in mesh.axis_names]
+  unknown = list(dict.fromkeys(
+      a for e in spec if isinstance(e, (str, tuple))
+      for a in _axes(e) if a not in mesh.axis_names))
   if unknown:
     raise ValueError(f"{what}: the PartitionSpec {spec} names axes "
                      f"{unknown} that the mesh does not have (its axes: "

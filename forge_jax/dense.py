@@ -258,7 +258,8 @@ def refuse_dtype(kind: str, name: str, kernel_dtype, dtype, inputs,
   """Refuses a fused layer (``kind`` at ``name``) whose kernel or
   computation dtype (its ``kernel_dtype``, and its ``dtype`` or the
   promotion with ``inputs``) the fused kernel does not take (float64,
-  non-float), naming the layer, the dtype and the fix. ``spec``: the
+  8- and 4-bit floats, non-float), naming the layer, the dtype and the
+  fix. ``spec``: the
   step's ``ForgeSpec`` (``None``: a rule, regime 1); a deferred family
   (regime 3) forms ``G`` itself, in the kernel's own dtype (float64,
   complex), and runs no fused kernel: nothing is refused. Nothing is
@@ -416,9 +417,10 @@ class Dense(nn.Dense):
     return (jnp.shape(inputs)[-1],), (self.features,)
 
   def _refuse(self, name: str, kernel_ndim: int, spec, inputs) -> None:
-    """Refuses what cannot be fused (a custom dot, a float64 or non-float
-    kernel or computation dtype for ``inputs`` where the step's ``spec``
-    runs the fused kernel); ``kernel_ndim`` matters to
+    """Refuses what cannot be fused (a custom dot, a kernel or computation
+    dtype the fused kernel does not take for ``inputs``, e.g. float64, an
+    8-bit float or non-float, where the step's ``spec`` runs the fused
+    kernel); ``kernel_ndim`` matters to
     ``forge_jax.DenseGeneral`` only."""
     del kernel_ndim
     refuse_custom_dot(self, _KIND, name)
