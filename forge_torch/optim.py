@@ -1091,7 +1091,7 @@ class _ForgeOptimizer:
     # the plan's (a plan made before the options changed, its layer
     # skipped since, must not step with another rule's scalars).
     shared = self._forge_scalars.get(index)
-    if shared is None or not shared.holds(group):
+    if shared is None or not shared.valid_for(group, plan.device):
       shared = self._forge_shared_scalars(index, group, plan.device)
       if shared is None:
         return False
