@@ -92,8 +92,8 @@ plot does not read): each arm's ``step_time`` and ``loss_first``, and
 ``step_ratio`` (provider ``forge/torch``: the quantiles of each forge step
 over the torch step beside it). No memory rows (both models are resident);
 the torch arm then runs with JAX started in its process. With ``--plot
-PNG`` (or ``--replot --plot PNG``) it draws every paired process's ratio in
-the CSV instead, in the order they ran, by commit.
+PNG`` (or ``--replot --paired --plot PNG``) it draws every paired process's
+ratio in the CSV instead, in the order they ran, by commit.
 
 Without CUDA the benchmark refuses to run, exit status 1 (no figure would be
 a GPU figure); ``--device cpu`` runs it on the CPU as a smoke test (the fused

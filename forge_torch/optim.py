@@ -1302,8 +1302,9 @@ class _ForgeOptimizer:
           f"forge_torch.Linear {layer}: stochastic_rounding=True needs a "
           f"bfloat16 weight; this one is {p.dtype} (was the model cast after "
           "the optimizer was built?)")
-    slots, unlike = [], False  # unlike: a slot the weight's dtype, shape
-    shape, dtype = p.shape, p.dtype  # or device does not describe
+    # (unlike: a slot whose dtype, shape or device is not the weight's)
+    slots, unlike = [], False
+    shape, dtype = p.shape, p.dtype
     for name in (() if fmt is not None else rule.slots):
       s = state.get(name)
       if not isinstance(s, torch.Tensor):
