@@ -259,12 +259,11 @@ def refuse_dtype(kind: str, name: str, kernel_dtype, dtype, inputs,
   computation dtype (its ``kernel_dtype``, and its ``dtype`` or the
   promotion with ``inputs``) the fused kernel does not take (float64,
   8- and 4-bit floats, non-float), naming the layer, the dtype and the
-  fix. ``spec``: the
-  step's ``ForgeSpec`` (``None``: a rule, regime 1); a deferred family
-  (regime 3) forms ``G`` itself, in the kernel's own dtype (float64,
-  complex), and runs no fused kernel: nothing is refused. Nothing is
-  refused while the step discovers its layers either (its family is not
-  known there): the step's fused trace refuses."""
+  fix. ``spec``: the step's ``ForgeSpec`` (``None``: a rule, regime 1); a
+  deferred family (regime 3) forms ``G`` itself, in the kernel's own dtype
+  (float64, complex), and runs no fused kernel: nothing is refused.
+  Nothing is refused while the step discovers its layers either (its
+  family is not known there): the step's fused trace refuses."""
   ctx = _context.current()
   if (ctx is not None and ctx.mode == "discover") or (
       spec is not None and spec.regime == 3):
