@@ -142,11 +142,12 @@ def _check_each_step(name, data):
   optimizer-state leaf within ``F32_TOL`` of the reference's.
 
   The GPU compares so because a free-running comparison is not repeatable
-  there at that tolerance: XLA may compile a GEMM of either step with
-  another algorithm from one compilation to the next, and a trajectory such
-  as ``optax.adafactor()``'s default one on this MLP (loss 1.3, then 297)
-  grows that 1e-7 difference to 1e-3 in 20 steps. From the same state,
-  each step's error is the update's own. Returns the worst (error, where)."""
+  there at that tolerance: on an H100 the run came out one of two ways
+  from one process to the next, and a trajectory such as
+  ``optax.adafactor()``'s default one on this MLP (loss 1.3, then 297)
+  grows a difference of a few 1e-7 in one step to 1e-3 in 20 steps. From
+  the same state, each step's error is the update's own. Returns the worst
+  (error, where) of the state."""
   xs, ys, variables = data
   forge_tx, optax_tx = _transforms(name)
   ref_step = jax.jit(reference_step(_mse(MLP(nn.Dense)), optax_tx))
