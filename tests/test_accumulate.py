@@ -9,6 +9,8 @@
   mask), centered RMSprop with momentum, LAMB and Muon (regime 2), Adafactor
   (regime 3), a ScannedDenseStack; momentum mode: SGD with momentum.
 * A K schedule (a callable, as in optax), both modes.
+* An inf in a non-final micro-batch: the documented difference from optax
+  (FORGE's kernels unchanged until the cycle's last micro-step).
 * The kernel: each wrapped rule in the fused kernel (interpret mode) equals
   ``fused_wgrad_update_reference`` on final and non-final micro-steps, and
   lowers for CUDA (one Triton kernel) without a GPU.
@@ -342,6 +344,39 @@ def test_update_on_plain_gradients_is_optax_multisteps(mode, with_params, data):
     assert worst_leaf(_comparable(s, mode, final),
                       _comparable(s_ref, mode, final))[0] <= F32_TOL
   assert int(s.gradient_step) == 2
+
+
+@pytest.mark.parametrize("name", ["adamw_exact", "sgd_momentum_momentum"])
+def test_a_non_finite_micro_batch_shows_in_the_kernels_at_the_cycles_end(
+    name, data):
+  """The one documented difference from ``optax.MultiSteps``
+  (docs/accumulation.md): an inf in a non-final micro-batch. optax
+  multiplies that micro-step's update by zero, so its weights turn
+  non-finite at once (0 x inf is NaN); FORGE's kernels are written back
+  unchanged, bit for bit, and turn non-finite at the cycle's last
+  micro-step, from the non-finite mean (exact mode: the FORGE kernels'
+  running means are then 0, as after every cycle)."""
+  xs, ys, variables = data
+  forge_tx, _, optax_ms, mode = _transforms(name, every_k=2)
+  forge = jax.jit(forge_jax.make_step(_mse(MLP(forge_jax.Dense)), forge_tx))
+  ref = jax.jit(reference_step(_mse(MLP(nn.Dense)),
+                               optax_ms.gradient_transformation()))
+  batches = [(xs[0], ys[0].at[0, 0].set(jnp.inf)), (xs[1], ys[1])]
+  v, s = variables, forge_tx.init(variables["params"])
+  v_ref, s_ref = variables, optax_ms.init(variables["params"])
+  kernels = lambda t: [t[f"Dense_{i}"]["kernel"] for i in range(3)]
+  finite = lambda a: bool(jnp.all(jnp.isfinite(a)))
+  _, v, s = forge(v, s, batches[0])
+  _, v_ref, s_ref = ref(v_ref, s_ref, batches[0])
+  assert _same_bits(kernels(v["params"]), kernels(variables["params"]))
+  assert not any(map(finite, kernels(v_ref["params"])))
+  _, v, s = forge(v, s, batches[1])  # the cycle's last micro-step
+  _, v_ref, s_ref = ref(v_ref, s_ref, batches[1])
+  assert not any(map(finite, kernels(v["params"])))
+  assert not any(map(finite, kernels(v_ref["params"])))
+  if mode == "exact":
+    assert all(bool(jnp.all(a == 0)) for a in kernels(s.acc_grads))
+    assert not any(map(finite, kernels(s_ref.acc_grads)))
 
 
 def test_memory_exact_holds_fp32_accumulators_momentum_holds_none(data):
