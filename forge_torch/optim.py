@@ -616,6 +616,10 @@ class _ForgeOptimizer:
     # torch keeps defaults, state and param_groups; the managed-weight
     # registry is keyed by tensor identity, so record where the managed
     # weights sit in param_groups, and rebuild it from that on the copy.
+    # The step counts of updates already applied (the copy starts with no
+    # pending advance of its own). (A gradient-accumulation window is not
+    # carried, as torch's copy carries no parameter's .grad.)
+    self._forge_flush_steps()
     state = dict(super().__getstate__())
     state["_forge_accumulate_steps"] = self.accumulate_steps
     state["_forge_max_grad_norm"] = self.max_grad_norm
@@ -772,7 +776,27 @@ class _ForgeOptimizer:
     self._forge_flush_steps()  # the step counts of updates already applied
     return super().state_dict()
 
+  def _forge_refuse_open_window(self, what: str) -> None:
+    """Refuses ``what`` while micro-batches are accumulated into managed
+    weights' buffers and not yet applied (``accumulate_steps > 1``): torch
+    keeps such a window in the parameters' ``.grad`` through a load, but
+    FORGE's buffers belong to this optimizer's step, which a load starts
+    afresh."""
+    micro = self.__dict__.get("_forge_micro")
+    if not micro:
+      return
+    n = max(micro.values())
+    raise RuntimeError(
+        f"forge_torch.{type(self).__name__}: {what} in the middle of a "
+        f"gradient-accumulation step ({n} of accumulate_steps="
+        f"{self._forge_accumulate_steps} micro-batches accumulated into the "
+        "managed weights' buffers and not yet applied) would drop those "
+        "micro-batches for the managed weights only. Finish the step first "
+        "(optimizer.step(), which applies a step cut short), or discard it "
+        "(optimizer.zero_grad()).")
+
   def load_state_dict(self, state_dict) -> None:
+    self._forge_refuse_open_window("load_state_dict()")
     # The loaded groups' options must pass the checks add_param_group made
     # (capturable / differentiable refused, a fusable rule for managed ones).
     incoming = state_dict.get("param_groups", []) if isinstance(

@@ -210,6 +210,68 @@ def test_deferred_step_counts_on_the_cpu(monkeypatch):
     assert rel(a, b) <= tol(jnp.float32)
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["now", "deferred"])
+def test_a_copy_between_backward_and_step_counts_the_updates_applied(
+    deferred, monkeypatch):
+  """``copy.deepcopy`` (and pickle) of model and optimizer between
+  ``backward()`` and ``step()``: the copy's step counts include the updates
+  already applied, also where they are advanced at the step's end (a GPU;
+  forced here), so that training on from the copy is training on from the
+  original."""
+  from forge_torch import optim as forge_optim
+  if deferred:
+    monkeypatch.setattr(forge_optim, "_defers_step", lambda step: True)
+  # (No biases: torch's copy carries no .grad, so a bias's pending update
+  # is not the copy's.)
+  model = forge_copy(make_mlp(bias=False))
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2, fused=True)
+  data = batches(5)
+
+  def train(m, o, steps):
+    for x, y in steps:
+      F.mse_loss(m(x), y).backward()
+      o.step()
+      o.zero_grad()
+
+  train(model, opt, data[:2])
+  x, y = data[2]
+  F.mse_loss(model(x), y).backward()  # the third update, applied
+  model2, opt2 = copy.deepcopy((model, opt))
+  for m, o in ((model, opt), (model2, opt2)):
+    o.step()
+    o.zero_grad()
+    assert [o.state[l.weight]["step"].item() for l in m[::2]] == [3.0] * 3
+    train(m, o, data[3:])
+  for a, b in zip(model.parameters(), model2.parameters()):
+    assert torch.equal(a, b)
+
+
+def test_an_open_accumulation_window_refuses_a_load():
+  """torch keeps a gradient-accumulation window in ``.grad`` through
+  ``load_state_dict``; forge_torch's buffers of the managed weights would
+  be lost there, so a load is refused until the step is finished or
+  discarded, and then works. (A copy carries no window, as torch's copy
+  carries no ``.grad``: the copy's next micro-batch is its first.)"""
+  model = forge_copy(make_mlp())
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+  opt.accumulate_steps = 2
+  (x, y), = batches(1)
+  saved = copy.deepcopy(opt.state_dict())
+  F.mse_loss(model(x), y).backward()  # micro-batch 1 of 2
+  with pytest.raises(RuntimeError, match=r"in the middle of a gradient-"
+                     r"accumulation step \(1 of accumulate_steps=2 "
+                     r"micro-batches.*optimizer\.step\(\).*zero_grad"):
+    opt.load_state_dict(saved)
+  model2, opt2 = copy.deepcopy((model, opt))
+  assert not opt2._forge_micro
+  assert all(p.grad is None for p in model2.parameters())
+  opt.zero_grad()  # discarded: the load works
+  opt.load_state_dict(saved)
+  F.mse_loss(model(x), y).backward()
+  opt.step()  # a step cut short: applied
+  opt.load_state_dict(saved)
+
+
 @gpu[0]
 @gpu[1]
 def test_gpu_step_counts_advance_at_the_step_end():
