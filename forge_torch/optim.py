@@ -544,10 +544,11 @@ class _ForgeOptimizer:
     """Advances the GPU ``state["step"]`` tensors of the weights updated
     since the last flush by 1 (each holds ``t - 1``; its record says
     ``t``), in one ``foreach`` launch. Runs when ``step()`` starts and
-    ends, and in ``zero_grad()``, ``state_dict()`` and ``load_state_dict()``,
-    so that between two updates of a weight (a ``step()`` apart) its tensor
-    is flushed. A tensor written by anything else meanwhile (its version
-    counter moved) keeps what was written."""
+    ends, in ``zero_grad()``, ``state_dict()`` and ``load_state_dict()``,
+    and before a copy or pickle (``__getstate__``), so that between two
+    updates of a weight (a ``step()`` apart) its tensor is flushed. A
+    tensor written by anything else meanwhile (its version counter moved)
+    keeps what was written."""
     pending = self.__dict__.get("_forge_pending_steps")
     if not pending:
       return
