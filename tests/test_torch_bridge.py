@@ -213,11 +213,11 @@ def test_deferred_step_counts_on_the_cpu(monkeypatch):
 @pytest.mark.parametrize("deferred", [False, True], ids=["now", "deferred"])
 def test_a_copy_between_backward_and_step_counts_the_updates_applied(
     deferred, monkeypatch):
-  """``copy.deepcopy`` (and pickle) of model and optimizer between
-  ``backward()`` and ``step()``: the copy's step counts include the updates
-  already applied, also where they are advanced at the step's end (a GPU;
-  forced here), so that training on from the copy is training on from the
-  original."""
+  """``copy.deepcopy`` (pickling takes the same ``__getstate__``) of model
+  and optimizer between ``backward()`` and ``step()``: the copy's step
+  counts include the updates already applied, also where they are advanced
+  at the step's end (a GPU; forced here), so that training on from the copy
+  is training on from the original."""
   from forge_torch import optim as forge_optim
   if deferred:
     monkeypatch.setattr(forge_optim, "_defers_step", lambda step: True)
