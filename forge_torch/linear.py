@@ -13,7 +13,7 @@ import collections
 import functools
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -780,13 +780,19 @@ def _excluded(name: str, exclude: tuple[str, ...]) -> str | None:
   return None
 
 
-def _skip_reason(module: nn.Module, names_of_weight: list[str]) -> str | None:
-  """Why ``module`` (an ``nn.Linear`` or subclass) cannot be managed."""
+def _skip_reason(module: nn.Module, names_of: Mapping[int, list[str]]
+                 ) -> str | None:
+  """Why ``module`` (an ``nn.Linear`` or subclass) cannot be managed.
+  ``names_of``: the model's parameter names by identity. (The weight is
+  read only past the type check: a parametrized layer, e.g. under
+  ``spectral_norm``, is a subclass whose ``weight`` runs its
+  parametrization, a power iteration in training mode.)"""
   if type(module) is not nn.Linear:
     return (f"its type is {type(module).__name__}, a subclass of nn.Linear "
             "whose weight may be read outside its forward (e.g. "
             "MultiheadAttention.out_proj); only exact nn.Linear is converted")
   w = module.weight
+  names_of_weight = names_of[id(w)]
   if len(names_of_weight) > 1:
     return (f"its weight appears {len(names_of_weight)} times in the model "
             f"({', '.join(names_of_weight)}): it is tied to another module, "
@@ -878,7 +884,7 @@ def convert(model: nn.Module, *,
       skipped[name] = f"excluded (exclude={e!r})"
       excluded.add(name)
       continue
-    reason = _skip_reason(module, names_of[id(module.weight)])
+    reason = _skip_reason(module, names_of)
     if reason is not None:
       skipped[name] = reason
       continue

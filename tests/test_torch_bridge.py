@@ -594,6 +594,20 @@ def test_convert_leaves_tied_and_shared_weights_unmanaged():
     forge_torch.convert(nn.Linear(3, 3))
 
 
+def test_convert_leaves_a_parametrized_layer_and_its_state_alone():
+  """A parametrized ``nn.Linear`` (``spectral_norm``: its ``weight`` runs a
+  power iteration in training mode) is skipped without reading its weight,
+  so ``convert`` leaves its parametrization's state as it was."""
+  from torch.nn.utils.parametrizations import spectral_norm
+  torch.manual_seed(0)
+  model = nn.Sequential(nn.Linear(8, 16), spectral_norm(nn.Linear(16, 16)))
+  sn = model[1].parametrizations.weight[0]
+  u, v = sn._u.clone(), sn._v.clone()
+  with pytest.warns(forge_torch.ConvertSkipWarning, match="1"):
+    assert forge_torch.convert(model) == ["0"]
+  assert torch.equal(sn._u, u) and torch.equal(sn._v, v)
+
+
 # --- misuse ---------------------------------------------------------------------
 
 
