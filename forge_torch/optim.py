@@ -471,7 +471,9 @@ class _ForgeOptimizer:
     ``torch.nn.utils.clip_grad_norm_(<this optimizer's parameters>,
     max_grad_norm)`` then the torch optimizer's ``step()``, managed weights
     included, the closure running the forward and backward twice (first the
-    norms, then the clipped updates: ``docs/clipping.md``). ``None`` (the
+    norms, then the clipped updates: ``docs/clipping.md``), so that its
+    side effects (BatchNorm's running statistics, hooks) happen twice
+    too. ``None`` (the
     default): no clipping. Set it at construction or between steps; it is
     not part of ``state_dict()``. The last clipped step's global norm
     (before clipping, a 0-d tensor; ``None`` before one) is
