@@ -779,8 +779,8 @@ class _ForgeOptimizer:
     self._forge_flush_steps()  # the step counts of updates already applied
     return super().state_dict()
 
-  def _forge_refuse_open_window(self, what: str) -> None:
-    """Refuses ``what`` while micro-batches are accumulated into managed
+  def _forge_refuse_open_window(self) -> None:
+    """Refuses a load while micro-batches are accumulated into managed
     weights' buffers and not yet applied (``accumulate_steps > 1``): torch
     keeps such a window in the parameters' ``.grad`` through a load, but
     FORGE's buffers belong to this optimizer's step, which a load starts
@@ -790,8 +790,8 @@ class _ForgeOptimizer:
       return
     n = max(micro.values())
     raise RuntimeError(
-        f"forge_torch.{type(self).__name__}: {what} in the middle of a "
-        f"gradient-accumulation step ({n} of accumulate_steps="
+        f"forge_torch.{type(self).__name__}: load_state_dict() in the "
+        f"middle of a gradient-accumulation step ({n} of accumulate_steps="
         f"{self._forge_accumulate_steps} micro-batches accumulated into the "
         "managed weights' buffers and not yet applied) would drop those "
         "micro-batches for the managed weights only. Finish the step first "
@@ -799,7 +799,7 @@ class _ForgeOptimizer:
         "(optimizer.zero_grad()).")
 
   def load_state_dict(self, state_dict) -> None:
-    self._forge_refuse_open_window("load_state_dict()")
+    self._forge_refuse_open_window()
     # The loaded groups' options must pass the checks add_param_group made
     # (capturable / differentiable refused, a fusable rule for managed ones).
     incoming = state_dict.get("param_groups", []) if isinstance(
