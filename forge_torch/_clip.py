@@ -167,13 +167,18 @@ def set_max_grad_norm(opt, value) -> None:
   """The setter of the optimizers' ``max_grad_norm`` (between steps only)."""
   name = type(opt).__name__
   value = check_max_grad_norm(value, f"forge_torch.{name}")
+  _refuse_mid_step(opt, "max_grad_norm")
+  opt._forge_max_grad_norm = value
+
+
+def _refuse_mid_step(opt, option: str) -> None:
   calls = getattr(opt, "_forge_calls", None)
   if calls is not None and any(calls.values()):
     raise RuntimeError(
-        f"forge_torch.{name}.max_grad_norm cannot change in the middle of a "
-        "step: managed layers have already run forwards since the last "
-        "optimizer.step(). Set it at construction or right after step().")
-  opt._forge_max_grad_norm = value
+        f"forge_torch.{type(opt).__name__}.{option} cannot change in the "
+        "middle of a step: managed layers have already run forwards since "
+        "the last optimizer.step(). Set it at construction or right after "
+        "step().")
 
 
 def signature_with_options(base: type, options) -> inspect.Signature:
@@ -325,6 +330,45 @@ def _set_rng_state(state) -> None:
     torch.cuda.set_rng_state_all(cuda)
 
 
+def check_restore_buffers(value, where: str):
+  """A ``restore_buffers`` option: ``None`` or a ``torch.nn.Module``."""
+  if value is None or isinstance(value, torch.nn.Module):
+    return value
+  raise TypeError(
+      f"{where}: restore_buffers must be a torch.nn.Module (the model whose "
+      "buffers -- BatchNorm's running statistics, a spectral_norm's vectors "
+      "-- the first of the two passes of max_grad_norm must not advance) or "
+      f"None, not {type(value).__name__}.")
+
+
+def set_restore_buffers(opt, value) -> None:
+  """The setter of the optimizers' ``restore_buffers`` (between steps only)."""
+  name = type(opt).__name__
+  value = check_restore_buffers(value, f"forge_torch.{name}")
+  _refuse_mid_step(opt, "restore_buffers")
+  opt._forge_restore_buffers = value
+
+
+def _save_buffers(model) -> list:
+  """(module, name, tensor, copy) for each buffer of ``model`` and its
+  submodules: what :func:`_restore_buffers` puts back."""
+  if model is None:
+    return []
+  with torch.no_grad():
+    return [(mod, name, buf, buf.clone())
+            for mod in model.modules()
+            for name, buf in mod._buffers.items() if buf is not None]
+
+
+def _restore_buffers(saved: list) -> None:
+  """Each saved buffer back to its tensor and values: updated in place (or
+  reassigned) since :func:`_save_buffers`, it holds what it held then."""
+  with torch.no_grad():
+    for mod, name, buf, copy in saved:
+      buf.copy_(copy)
+      mod._buffers[name] = buf
+
+
 def _run(opt, closure, phase: str):
   opt._forge_clip_phase = phase
   try:
@@ -353,6 +397,11 @@ def two_pass_step(opt, closure, finish):
      the coefficient; then the other parameters' gradients are multiplied by
      it and the torch optimizer steps them (``finish()``: the rest of the
      optimizer's ``step()``, run once, in the update pass).
+
+  With ``restore_buffers=model``, every buffer of ``model`` (BatchNorm's
+  running statistics, a ``spectral_norm``'s vectors) is copied before the
+  first call and put back after it, so that the second call starts from
+  the same buffers and the step advances them once.
 
   Returns:
     The second call's loss.
@@ -389,8 +438,13 @@ def two_pass_step(opt, closure, finish):
   clear()
   opt._forge_clip_sq = WeakIdKeyDictionary()
   rng = _rng_state()
+  buffers = _save_buffers(getattr(opt, "_forge_restore_buffers", None))
   try:
-    _run(opt, closure, NORM_PASS)
+    try:
+      _run(opt, closure, NORM_PASS)
+    finally:
+      _restore_buffers(buffers)  # as before the first call, raised or not
+    del buffers
     with torch.no_grad():
       norm = total_norm(opt, params)
       coef = torch.clamp(opt._forge_max_grad_norm / (norm + TORCH_EPS),

@@ -151,8 +151,9 @@ def _with_second_moments(rule: UpdateRule, second: tuple[str, ...]
 
 # The keyword-only options a forge_torch optimizer adds to torch's
 # constructor, with their defaults (in its signature, in this order).
-FORGE_OPTIONS = (("max_grad_norm", None), ("moments", None),
-                 ("stochastic_rounding", False), ("seed", 0))
+FORGE_OPTIONS = (("max_grad_norm", None), ("restore_buffers", None),
+                 ("moments", None), ("stochastic_rounding", False),
+                 ("seed", 0))
 
 
 def _unhooked(fn: Callable) -> Callable:
@@ -254,6 +255,7 @@ class _ForgeOptimizer:
   # class defaults, so that the backward reads them without getattr.
   _forge_accumulate_steps: int = 1
   _forge_max_grad_norm: float | None = None
+  _forge_restore_buffers: torch.nn.Module | None = None
   _forge_clip_phase: str | None = None
   # The step whose plans found the param groups unchanged (_forge_plans_hold).
   _forge_plans_checked: int | None = None
@@ -274,12 +276,22 @@ class _ForgeOptimizer:
       cls.__signature__ = _clip.signature_with_options(base, FORGE_OPTIONS)
 
   def __init__(self, *args, max_grad_norm: float | None = None,
+               restore_buffers: torch.nn.Module | None = None,
                moments: str | None = None, stochastic_rounding: bool = False,
                seed: int = 0, **kwargs):
     # max_grad_norm: clip by the global norm, in two passes of a closure
-    # given to step() (forge_torch/_clip.py); moments, stochastic_rounding,
-    # seed: low-precision state of managed weights; the rest is torch's.
+    # given to step() (forge_torch/_clip.py), restore_buffers: the model
+    # whose buffers the first pass leaves as they were; moments,
+    # stochastic_rounding, seed: low-precision state of managed weights;
+    # the rest is torch's.
     self.max_grad_norm = max_grad_norm
+    if restore_buffers is not None and max_grad_norm is None:
+      raise ValueError(
+          f"forge_torch.{type(self).__name__}: restore_buffers applies to "
+          "the two passes of max_grad_norm, and max_grad_norm is None (each "
+          "step runs the forward once, so no buffer is advanced twice). "
+          "Pass max_grad_norm=..., or leave restore_buffers out.")
+    self.restore_buffers = restore_buffers
     self.last_grad_norm = None  # the last clipped step's norm (a tensor)
     self._forge_set_low_precision(moments, stochastic_rounding, seed)
     super().__init__(*args, **kwargs)
@@ -473,7 +485,8 @@ class _ForgeOptimizer:
     included, the closure running the forward and backward twice (first the
     norms, then the clipped updates: ``docs/clipping.md``), so that its
     side effects (BatchNorm's running statistics, hooks) happen twice
-    too. ``None`` (the
+    too, unless ``restore_buffers`` names the model (its buffers are put
+    back between the two calls). ``None`` (the
     default): no clipping. Set it at construction or between steps; it is
     not part of ``state_dict()``. The last clipped step's global norm
     (before clipping, a 0-d tensor; ``None`` before one) is
@@ -484,6 +497,25 @@ class _ForgeOptimizer:
   def max_grad_norm(self, value: float | None) -> None:
     _clip.set_max_grad_norm(self, value)
     self._forge_plans_checked = None  # (a mode the plans check)
+
+  @property
+  def restore_buffers(self) -> torch.nn.Module | None:
+    """The model whose buffers a clipped step (``max_grad_norm``) advances
+    once, as torch's loop does: every buffer of it and its submodules
+    (BatchNorm's running statistics and ``num_batches_tracked``, a
+    ``spectral_norm``'s power-iteration vectors) is copied before the
+    closure's first call and put back after it, so that the second call
+    starts from the same buffers (``docs/clipping.md``). ``None`` (the
+    default): the buffers are left to the closure's two calls. It acts
+    only while ``max_grad_norm`` is set; it costs one copy of the buffers
+    per step. Set it at construction or between steps; it is not part of
+    ``state_dict()``, and a ``copy.deepcopy`` of the optimizer copies the
+    model with it (copy the model and the optimizer together)."""
+    return self._forge_restore_buffers
+
+  @restore_buffers.setter
+  def restore_buffers(self, value: torch.nn.Module | None) -> None:
+    _clip.set_restore_buffers(self, value)
 
   # -- family hooks -----------------------------------------------------------
 
@@ -626,6 +658,7 @@ class _ForgeOptimizer:
     state = dict(super().__getstate__())
     state["_forge_accumulate_steps"] = self.accumulate_steps
     state["_forge_max_grad_norm"] = self.max_grad_norm
+    state["_forge_restore_buffers"] = self.restore_buffers
     state["_forge_low_precision"] = (self._forge_moments, self._forge_sr,
                                      self._forge_seed)
     state["_forge_last_grad_norm"] = getattr(self, "last_grad_norm", None)
@@ -642,6 +675,7 @@ class _ForgeOptimizer:
     at = state.pop("_forge_managed_at", None)
     k = state.pop("_forge_accumulate_steps", None)
     clip = state.pop("_forge_max_grad_norm", None)
+    buffers = state.pop("_forge_restore_buffers", None)
     low = state.pop("_forge_low_precision", None)
     norm = state.pop("_forge_last_grad_norm", None)
     super().__setstate__(state)
@@ -651,6 +685,8 @@ class _ForgeOptimizer:
       self._forge_set_low_precision(*low)
     if clip is not None:
       self._forge_max_grad_norm = clip
+    if buffers is not None:
+      self._forge_restore_buffers = buffers
     if k is not None:
       self._forge_accumulate_steps = k
     if at is None:  # torch's load_state_dict ends here: keep the registry

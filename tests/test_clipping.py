@@ -558,3 +558,114 @@ def test_torch_clip_guard_sees_accumulated_managed_weights():
   model(torch.randn(5, 8)).square().mean().backward()
   with pytest.raises(RuntimeError, match="accumulation buffer"):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+
+
+def _buffered_model(kind: str) -> torch.nn.Module:
+  """Two managed layers around a layer with buffers: BatchNorm1d (running
+  statistics, num_batches_tracked) or a spectral_norm-parametrized
+  nn.Linear (its power-iteration vectors, advanced by each forward)."""
+  if kind == "batchnorm":
+    mid = torch.nn.BatchNorm1d(WIDTHS[1])
+  else:
+    mid = torch.nn.utils.parametrizations.spectral_norm(
+        torch.nn.Linear(WIDTHS[1], WIDTHS[1]))
+  # (after the Tanh: a bias right before a BatchNorm has no gradient but
+  # rounding noise, which Adam's normalisation would amplify)
+  return torch.nn.Sequential(
+      torch.nn.Linear(WIDTHS[0], WIDTHS[1]), torch.nn.Tanh(), mid,
+      torch.nn.Linear(WIDTHS[1], WIDTHS[3]))
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "spectral_norm"])
+def test_torch_restore_buffers_advances_them_once_as_torch_does(kind):
+  """``restore_buffers=model``: each clipped step leaves the model's
+  buffers where torch's one-pass loop (clip_grad_norm_ + AdamW) leaves
+  them, so parameters, optimizer state, buffers and the eval-mode output
+  match torch's after 6 steps. Without it the first pass advances them
+  too: BatchNorm counts two batches a step, and spectral_norm's second
+  pass runs from other vectors than torch's."""
+  torch.manual_seed(0)
+  batches = _torch_batches(6, seed=2)
+  ref = _buffered_model(kind)
+  model, plain = copy.deepcopy(ref), copy.deepcopy(ref)
+  for m in (model, plain):
+    forge_torch.convert(m, exclude=["2"])
+  kw = dict(lr=2e-2, weight_decay=1e-2, max_grad_norm=0.5)
+  opt = forge_torch.AdamW(model.parameters(), **kw, restore_buffers=model)
+  plain_opt = forge_torch.AdamW(plain.parameters(), **kw)
+  assert opt.restore_buffers is model and plain_opt.restore_buffers is None
+  assert opt.managed_params == [model[0].weight, model[3].weight]
+  ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-2, weight_decay=1e-2)
+  clipped = []
+  for b in batches:
+    ref_opt.zero_grad()
+    l_ref = _torch_loss(ref, b)
+    l_ref.backward()
+    clipped.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(),
+                                                        0.5)) > 0.5)
+    ref_opt.step()
+    for o, m in ((opt, model), (plain_opt, plain)):
+      loss = o.step(lambda o=o, m=m, b=b: (
+          o.zero_grad(), l := _torch_loss(m, b), l.backward(), l)[-1])
+    assert rel_err(float(opt.last_grad_norm), float(
+        plain_opt.last_grad_norm)) <= F32 or kind == "spectral_norm"
+  assert any(clipped)  # the coefficient was applied
+  bufs = lambda m: dict(m.named_buffers())
+  assert bufs(model).keys() == bufs(ref).keys() and bufs(ref)
+  for name, want in bufs(ref).items():
+    assert_close(bufs(model)[name].double().numpy(), want.double().numpy(),
+                 F32, name)
+  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    assert_close(p.detach().numpy(), q.detach().numpy(), F32, name)
+    for key, want in ref_opt.state[q].items():
+      assert_close(opt.state[p][key].numpy(), want.numpy(), F32,
+                   f"{name} {key}")
+  x = batches[0][0]
+  outs = []
+  for m in (model, ref, plain):
+    m.eval()
+    with torch.no_grad():
+      outs.append(m(x).numpy())
+  assert_close(outs[0], outs[1], F32, "eval output")
+  # The default (no restore_buffers): the first pass advanced them too.
+  assert rel_err(outs[2], outs[1]) > 1e-3
+  if kind == "batchnorm":
+    assert int(plain[2].num_batches_tracked) == 2 * len(batches)
+    assert int(model[2].num_batches_tracked) == len(batches)
+
+
+def test_torch_restore_buffers_refusals_copies_and_a_raising_pass():
+  """restore_buffers takes a module or None, only with max_grad_norm (at
+  construction), not in the middle of a step; a deepcopy of the model and
+  the optimizer together restores the copied model's buffers; a first call
+  that raises leaves the buffers as the step found them."""
+  model = _buffered_model("batchnorm")
+  forge_torch.convert(model)
+  with pytest.raises(TypeError, match="restore_buffers must be a torch.nn"):
+    forge_torch.SGD(model.parameters(), lr=0.1, max_grad_norm=1.0,
+                    restore_buffers=list(model.buffers()))
+  with pytest.raises(ValueError, match="restore_buffers applies to the two"):
+    forge_torch.SGD(model.parameters(), lr=0.1, restore_buffers=model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1, max_grad_norm=1.0)
+  opt.restore_buffers = model
+  x, y = _torch_batches(1, seed=3)[0]
+  out = model(x)  # a forward of a managed layer, its graph kept: mid-step
+  with pytest.raises(RuntimeError, match="restore_buffers cannot change"):
+    opt.restore_buffers = None
+  del out  # (its graph freed without a backward: the step starts afresh)
+  model2, opt2 = copy.deepcopy((model, opt))
+  assert opt2.restore_buffers is model2 and opt2.max_grad_norm == 1.0
+  del opt
+  before = {k: v.clone() for k, v in model2.named_buffers()}
+
+  def failing():
+    _torch_loss(model2, (x, y)).backward()
+    raise ValueError("a bad batch (simulated)")
+
+  with pytest.raises(ValueError, match="simulated"):
+    opt2.step(failing)
+  for name, buf in model2.named_buffers():
+    assert torch.equal(buf, before[name]), name
+  opt2.step(lambda: _torch_loss(model2, (x, y)).backward())
+  assert int(model2[2].num_batches_tracked) == int(
+      before["2.num_batches_tracked"]) + 1

@@ -439,8 +439,9 @@ def test_subclass_signature_and_defaults_match_torch(family):
   # the low-precision state options.
   sig = inspect.signature(cls)
   params = dict(sig.parameters)
-  for name, default in (("max_grad_norm", None), ("moments", None),
-                        ("stochastic_rounding", False), ("seed", 0)):
+  for name, default in (("max_grad_norm", None), ("restore_buffers", None),
+                        ("moments", None), ("stochastic_rounding", False),
+                        ("seed", 0)):
     extra = params.pop(name)
     assert (extra.kind, extra.default) == (inspect.Parameter.KEYWORD_ONLY,
                                            default), name
