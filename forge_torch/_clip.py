@@ -337,7 +337,8 @@ def check_restore_buffers(value, where: str):
   raise TypeError(
       f"{where}: restore_buffers must be a torch.nn.Module (the model whose "
       "buffers -- BatchNorm's running statistics, a spectral_norm's vectors "
-      "-- the first of the two passes of max_grad_norm must not advance) or "
+      "-- the first of the two passes of max_grad_norm must not advance; "
+      "for several models, torch.nn.ModuleList([model_a, model_b])) or "
       f"None, not {type(value).__name__}.")
 
 
@@ -349,24 +350,73 @@ def set_restore_buffers(opt, value) -> None:
   opt._forge_restore_buffers = value
 
 
-def _save_buffers(model) -> list:
-  """(module, name, tensor, copy) for each buffer of ``model`` and its
-  submodules: what :func:`_restore_buffers` puts back."""
-  if model is None:
-    return []
-  with torch.no_grad():
-    return [(mod, name, buf, buf.clone())
-            for mod in model.modules()
-            for name, buf in mod._buffers.items() if buf is not None]
+class BufferSnapshot:
+  """A model's buffers as they are now, and :meth:`restore` to put them back.
 
+  Every buffer of ``model`` and its submodules is copied; a module's buffer
+  names are kept too, so that a buffer registered as ``None`` and filled
+  since, or one registered since, is undone. A buffer not yet materialised
+  (a lazy module's) is copied by a forward pre-hook of its module, right
+  after the module's own hook has materialised it.
+  """
 
-def _restore_buffers(saved: list) -> None:
-  """Each saved buffer back to its tensor and values: updated in place (or
-  reassigned) since :func:`_save_buffers`, it holds what it held then."""
-  with torch.no_grad():
-    for mod, name, buf, copy in saved:
-      buf.copy_(copy)
-      mod._buffers[name] = buf
+  def __init__(self, model: torch.nn.Module):
+    self._names = []    # (module, its buffer names)
+    self._saved = {}    # (module id, name) -> (module, name, tensor, copy)
+    self._hooks = []
+    with torch.no_grad():
+      for mod in model.modules():
+        self._names.append((mod, tuple(mod._buffers)))
+        if any(torch.nn.parameter.is_lazy(b) for b in mod._buffers.values()
+               if b is not None):
+          self._hooks.append(mod.register_forward_pre_hook(self._take))
+        self._take(mod)
+
+  def _take(self, mod: torch.nn.Module, *_) -> None:
+    """Copies ``mod``'s buffers not copied yet (but a lazy one)."""
+    with torch.no_grad():
+      for name, buf in mod._buffers.items():
+        if ((id(mod), name) not in self._saved
+            and (buf is None or not torch.nn.parameter.is_lazy(buf))):
+          self._saved[id(mod), name] = (
+              mod, name, buf, None if buf is None else buf.clone())
+
+  def restore(self) -> None:
+    """Each buffer back to its tensor and values: one updated in place,
+    reassigned, filled from ``None`` or registered since the snapshot holds
+    what it held then (is gone). Only a buffer whose tensor or values
+    changed is written (one host synchronisation per device, to compare)."""
+    for hook in self._hooks:
+      hook.remove()
+    self._hooks = []
+    for mod, names in self._names:
+      for name in [n for n in mod._buffers if n not in names]:
+        del mod._buffers[name]
+        mod._non_persistent_buffers_set.discard(name)
+    compare = []
+    with torch.no_grad():
+      for mod, name, buf, copy in self._saved.values():
+        if buf is None:
+          mod._buffers[name] = None
+          continue
+        if mod._buffers.get(name) is not buf:
+          mod._buffers[name] = buf
+        if (buf.shape != copy.shape or buf.dtype != copy.dtype
+            or buf.device != copy.device):
+          mod._buffers[name] = copy  # (resized or moved in place)
+          continue
+        compare.append((buf, copy))
+      by_device = {}
+      for buf, copy in compare:
+        # Differs: not equal, NaN in both counting as equal (x != x: NaN).
+        same = (buf == copy) | ((buf != buf) & (copy != copy))
+        by_device.setdefault(buf.device, []).append(
+            (buf, copy, ~same.all()))
+      for pairs in by_device.values():
+        differ = torch.stack([d for _, _, d in pairs]).tolist()
+        for (buf, copy, _), changed in zip(pairs, differ):
+          if changed:
+            buf.copy_(copy)
 
 
 def _run(opt, closure, phase: str):
@@ -400,8 +450,9 @@ def two_pass_step(opt, closure, finish):
 
   With ``restore_buffers=model``, every buffer of ``model`` (BatchNorm's
   running statistics, a ``spectral_norm``'s vectors) is copied before the
-  first call and put back after it, so that the second call starts from
-  the same buffers and the step advances them once.
+  first call and put back after it (:class:`BufferSnapshot`), so that the
+  second call starts from the same buffers and the step advances them
+  once.
 
   Returns:
     The second call's loss.
@@ -438,13 +489,15 @@ def two_pass_step(opt, closure, finish):
   clear()
   opt._forge_clip_sq = WeakIdKeyDictionary()
   rng = _rng_state()
-  buffers = _save_buffers(getattr(opt, "_forge_restore_buffers", None))
+  model = getattr(opt, "_forge_restore_buffers", None)
+  buffers = BufferSnapshot(model) if model is not None else None
   try:
     try:
       _run(opt, closure, NORM_PASS)
     finally:
-      _restore_buffers(buffers)  # as before the first call, raised or not
-    del buffers
+      if buffers is not None:  # as before the first call, raised or not
+        buffers.restore()
+        buffers = None
     with torch.no_grad():
       norm = total_norm(opt, params)
       coef = torch.clamp(opt._forge_max_grad_norm / (norm + TORCH_EPS),

@@ -285,12 +285,6 @@ class _ForgeOptimizer:
     # stochastic_rounding, seed: low-precision state of managed weights;
     # the rest is torch's.
     self.max_grad_norm = max_grad_norm
-    if restore_buffers is not None and max_grad_norm is None:
-      raise ValueError(
-          f"forge_torch.{type(self).__name__}: restore_buffers applies to "
-          "the two passes of max_grad_norm, and max_grad_norm is None (each "
-          "step runs the forward once, so no buffer is advanced twice). "
-          "Pass max_grad_norm=..., or leave restore_buffers out.")
     self.restore_buffers = restore_buffers
     self.last_grad_norm = None  # the last clipped step's norm (a tensor)
     self._forge_set_low_precision(moments, stochastic_rounding, seed)
@@ -507,10 +501,12 @@ class _ForgeOptimizer:
     closure's first call and put back after it, so that the second call
     starts from the same buffers (``docs/clipping.md``). ``None`` (the
     default): the buffers are left to the closure's two calls. It acts
-    only while ``max_grad_norm`` is set; it costs one copy of the buffers
-    per step. Set it at construction or between steps; it is not part of
-    ``state_dict()``, and a ``copy.deepcopy`` of the optimizer copies the
-    model with it (copy the model and the optimizer together)."""
+    only while ``max_grad_norm`` is set (without it the closure runs once:
+    nothing to restore); it costs one copy of the buffers per step and one
+    comparison of them. Set it at construction or between steps; it is
+    not part of ``state_dict()``, and a ``copy.deepcopy`` or pickle of the
+    optimizer copies the model with it (copy the model and the optimizer
+    together; checkpoint with ``state_dict()``)."""
     return self._forge_restore_buffers
 
   @restore_buffers.setter

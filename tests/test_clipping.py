@@ -635,8 +635,8 @@ def test_torch_restore_buffers_advances_them_once_as_torch_does(kind):
 
 
 def test_torch_restore_buffers_refusals_copies_and_a_raising_pass():
-  """restore_buffers takes a module or None, only with max_grad_norm (at
-  construction), not in the middle of a step; a deepcopy of the model and
+  """restore_buffers takes a module or None (inert without max_grad_norm),
+  not changed in the middle of a step; a deepcopy of the model and
   the optimizer together restores the copied model's buffers; a first call
   that raises leaves the buffers as the step found them."""
   model = _buffered_model("batchnorm")
@@ -644,11 +644,15 @@ def test_torch_restore_buffers_refusals_copies_and_a_raising_pass():
   with pytest.raises(TypeError, match="restore_buffers must be a torch.nn"):
     forge_torch.SGD(model.parameters(), lr=0.1, max_grad_norm=1.0,
                     restore_buffers=list(model.buffers()))
-  with pytest.raises(ValueError, match="restore_buffers applies to the two"):
-    forge_torch.SGD(model.parameters(), lr=0.1, restore_buffers=model)
-  opt = forge_torch.SGD(model.parameters(), lr=0.1, max_grad_norm=1.0)
-  opt.restore_buffers = model
+  with pytest.raises(TypeError, match=r"ModuleList\(\[model_a, model_b"):
+    forge_torch.SGD(model.parameters(), lr=0.1, restore_buffers=[model])
   x, y = _torch_batches(1, seed=3)[0]
+  # Without max_grad_norm the closure runs once: nothing to restore.
+  opt = forge_torch.SGD(model.parameters(), lr=0.1, restore_buffers=model)
+  _torch_loss(model, (x, y)).backward()
+  opt.step()
+  assert int(model[2].num_batches_tracked) == 1
+  opt.max_grad_norm = 1.0
   out = model(x)  # a forward of a managed layer, its graph kept: mid-step
   with pytest.raises(RuntimeError, match="restore_buffers cannot change"):
     opt.restore_buffers = None
@@ -669,3 +673,73 @@ def test_torch_restore_buffers_refusals_copies_and_a_raising_pass():
   opt2.step(lambda: _torch_loss(model2, (x, y)).backward())
   assert int(model2[2].num_batches_tracked) == int(
       before["2.num_batches_tracked"]) + 1
+
+
+class _OddBuffers(torch.nn.Module):
+  """Buffers a forward changes in each way a module may: one registered as
+  None and filled, one written through .data, one reassigned, one
+  registered by the forward, and a broadcast (stride-0) one only read."""
+
+  def __init__(self, width):
+    super().__init__()
+    self.register_buffer("first", None)
+    self.register_buffer("ema", torch.zeros(width))
+    self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+    self.register_buffer("scale", torch.ones(width).expand(4, width),
+                         persistent=False)
+
+  def forward(self, x):
+    # (first and seen start from the first batch, then move with each:
+    # a second pass that found them set would move them on.)
+    with torch.no_grad():
+      if self.first is None:
+        self.first = x.mean(0).clone()
+      else:
+        self.first = 0.5 * self.first + x.mean(0)
+      self.ema.data.mul_(0.5).add_(0.5 * x.mean(0))
+      self.count = self.count + 1
+      if not hasattr(self, "seen"):
+        self.register_buffer("seen", x[:1].clone())
+      else:
+        self.seen.mul_(0.5).add_(x[:1])
+    return (x * self.scale[0] + 0.1 * self.ema - 0.1 * self.first
+            + 0.1 * self.seen)
+
+
+def test_torch_restore_buffers_puts_back_every_kind_of_buffer_change():
+  """Against torch's one-pass loop (clip_grad_norm_ + AdamW), 3 steps: the
+  buffers of _OddBuffers and of a LazyBatchNorm1d (materialised by the
+  first forward, after the optimizer was built) end as torch's, and so do
+  losses and parameters; the read-only broadcast buffer is not written
+  (a write to it would raise)."""
+  torch.manual_seed(0)
+
+  def build():
+    return torch.nn.Sequential(
+        torch.nn.Linear(WIDTHS[0], WIDTHS[1]), torch.nn.Tanh(),
+        _OddBuffers(WIDTHS[1]), torch.nn.LazyBatchNorm1d(affine=False),
+        torch.nn.Linear(WIDTHS[1], WIDTHS[3]))
+
+  ref = build()
+  model = build()
+  model.load_state_dict(ref.state_dict())
+  forge_torch.convert(model)
+  opt = forge_torch.AdamW(model.parameters(), lr=2e-2, max_grad_norm=0.5,
+                          restore_buffers=model)
+  ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-2)
+  for b in _torch_batches(3, seed=4):
+    ref_opt.zero_grad()
+    l_ref = _torch_loss(ref, b)
+    l_ref.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    ref_opt.step()
+    loss = opt.step(lambda b=b: (
+        opt.zero_grad(), l := _torch_loss(model, b), l.backward(), l)[-1])
+    assert rel_err(float(loss.detach()), float(l_ref.detach())) <= F32
+  want = dict(ref.named_buffers())
+  got = dict(model.named_buffers())
+  assert got.keys() == want.keys() and "2.seen" in got and "3.running_mean" in got
+  for name, w in want.items():
+    assert_close(got[name].double().numpy(), w.double().numpy(), F32, name)
+  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    assert_close(p.detach().numpy(), q.detach().numpy(), F32, name)
