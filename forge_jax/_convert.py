@@ -29,6 +29,7 @@ import flax.linen as nn
 from flax.linen import dtypes as flax_dtypes
 
 from forge_jax import _context
+from forge_jax import dense as _dense
 from forge_jax.dense import Dense, dtype_reason, linen_kernel_dtype
 from forge_jax.dense_general import DenseGeneral
 
@@ -206,6 +207,42 @@ _ANOTHER_ARRAY = (
     "loss_fn (e.g. cast, or frozen with stop_gradient)")
 
 
+_LIFTED_OTHER = (
+    "it reads another kernel than the step's variables['params'] holds at "
+    "this path, and FORGE updates the kernel it reads: a lifted "
+    "transform's slice or function of it (nn.vmap or nn.scan over the "
+    "parameters, nn.map_variables; for blocks stacked with nn.scan, "
+    "forge_jax.ScannedBlocks fuses them), or another model applied inside "
+    "a module to its own variables")
+
+_UNDER_VMAP = (
+    "it runs under a vmap opened inside loss_fn (jax.vmap or nn.vmap): the "
+    "fused update would run once per mapped element; apply the model to "
+    "the whole batch (the mapped axis folded into the batch) to fuse it")
+
+
+def _traces_between(x, steps):
+  """The traces from ``x``'s (a tracer) up to, not including, the one the
+  step's parameter ``steps`` belongs to: those opened beneath it inside
+  ``loss_fn`` (empty where JAX's tracer internals are missing)."""
+  outer = getattr(steps, "_trace", None)
+  trace = getattr(x, "_trace", None)
+  found = []
+  while trace is not None and trace is not outer:
+    found.append(trace)
+    trace = getattr(trace, "parent_trace", None)
+  return found if trace is outer else []
+
+
+def _under_vmap(inputs, steps) -> bool:
+  """Whether the layer's ``inputs`` are batched by a vmap opened beneath
+  the step's trace (JAX's ``BatchTrace``, found by name)."""
+  if not isinstance(inputs, jax.core.Tracer):
+    return False
+  return any(type(t).__name__ == "BatchTrace"
+             for t in _traces_between(inputs, steps))
+
+
 def _traced_beneath(kernel, steps) -> bool:
   """Whether ``kernel`` is a tracer of a trace opened beneath the one the
   step's parameter ``steps`` belongs to: the parameters handed on as
@@ -301,9 +338,23 @@ class _Converter:
       kernel = module.get_variable("params", "kernel")
     else:  # a lifted transform's copies: the apply's variables at the path
       kernel = _kernel_at(_params_of(apply.root.variables()), path)
-    if kernel is steps or _traced_beneath(kernel, steps):
-      return None
-    return _ANOTHER_ARRAY
+    if not (kernel is steps or _traced_beneath(kernel, steps)):
+      return _ANOTHER_ARRAY
+    if scope.root is not apply.root:
+      # ... and the copy the layer reads: the same array, or the same values
+      # handed on by the transform (nn.remat, nn.jit: a tracer beneath the
+      # step's, of the kernel's shape). Another root's kernel of another
+      # shape or value (nn.vmap's or nn.scan's slice, nn.map_variables'
+      # function of it, a model applied inside a module to its own
+      # variables) is not the step's.
+      own = (nn.meta.unbox(module.get_variable("params", "kernel"))
+             if module.has_variable("params", "kernel") else None)
+      if own is None:
+        return _NOT_IN_PARAMS
+      if not (jnp.shape(own) == jnp.shape(steps)
+              and (own is steps or _traced_beneath(own, steps))):
+        return _LIFTED_OTHER
+    return None
 
   def _reason(self, module, kind: str, inputs, path, tap, next_fun,
               orig) -> str | None:
@@ -315,6 +366,11 @@ class _Converter:
     why = self._not_the_steps(module, path, tap)
     if why is not None:
       return why
+    steps = (_kernel_at(self.apply.params, path) if tap is None
+             and self.apply is not None and self.apply.params is not None
+             else None)
+    if steps is not None and _under_vmap(inputs, steps):
+      return _UNDER_VMAP
     if _custom_dot(module):
       return ("a custom dot_general, dot_general_cls or promote_dtype (e.g. "
               "quantisation) cannot be fused")
@@ -331,6 +387,24 @@ class _Converter:
       return (f"Muon orthogonalizes a matrix and this kernel has {len(shape)} "
               "axes: FORGE would orthogonalize its (in, out) view, which "
               "optax does not")
+    return self._blocks_reason(module, kind, shape)
+
+  def _blocks_reason(self, module, kind: str, shape) -> str | None:
+    """Why a ``nn.DenseGeneral`` kernel's quantized moments cannot be
+    stepped as its GEMM matrix's (``forge_jax.dense``'s refusal, a skip
+    here): several feature axes, the last not a multiple of a format's
+    block."""
+    lp = getattr(self.spec, "low_precision", None)
+    n_out = math.prod(_as_tuple(module.features)) if kind == (
+        "nn.DenseGeneral") else shape[-1]
+    if lp is None or shape[-1] == n_out:
+      return None
+    for fmt in _dense.quantized_formats(lp, None, tuple(shape)):
+      if shape[-1] % fmt.block:
+        return (f"its kernel {tuple(shape)} has several feature axes, the "
+                f"last of {shape[-1]} elements, not a multiple of "
+                f"{fmt.block}: the quantized moments' blocks along it are "
+                "not blocks of the fused kernel's matrix rows")
     return None
 
   def __call__(self, next_fun, args, kwargs, context):
@@ -397,8 +471,31 @@ def converting(enabled: bool, params, spec):
   try:
     with nn.intercept_methods(converter):
       yield report
+  except ValueError as e:
+    _note_converted(e, report)
+    raise
   finally:
     _ACTIVE.report, _ACTIVE.converter = prev
+
+
+def _note_converted(error: ValueError, report: Report) -> None:
+  """Adds to a FORGE layer's refusal that names a converted layer and
+  ``fused=False`` (an attribute of FORGE's layers) the fixes that apply to
+  a flax layer the step converted."""
+  if not (error.args and isinstance(error.args[0], str)):
+    return
+  message = error.args[0]
+  names = [n for n in report.converted if repr(n) in message]
+  if not names or "fused=False" not in message:
+    return
+  error.args = (message + (
+      f"\n(make_step(..., convert=True) ran {', '.join(map(repr, names))} "
+      "-- flax nn.Dense / nn.DenseGeneral layers of the model -- as FORGE "
+      "layers; such a layer has no fused attribute. Where this message says "
+      "fused=False, build the step with shared='standard' (it moves such "
+      "layers to the standard path and lists them in step.standard_layers)"
+      ", or write that layer as forge_jax.Dense(..., fused=False).)"),
+                *error.args[1:])
 
 
 def reading_params(loss_fn):

@@ -482,3 +482,151 @@ def test_convert_must_be_a_bool():
   with pytest.raises(TypeError, match="convert must be a bool"):
     forge_jax.make_step(mse(MLP(nn.Dense)), forge_jax.adamw(1e-2),
                         convert="yes")
+
+
+# --- Layers that read another kernel than the step's, or run under a vmap ----
+
+
+class _Encoder(nn.Module):
+  """A pretrained model with a layer of the student's first layer's name."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(x)  # Dense_0
+
+
+class _Lifted(nn.Module):
+  """A converted head beside a layer ``case`` keeps off the fused path."""
+  case: str
+  frozen: object = None  # the encoder's variables ("nested_apply")
+
+  @nn.compact
+  def __call__(self, x):
+    if self.case == "nn_vmap_stacked":  # an ensemble: a kernel per member
+      h = nn.vmap(nn.Dense, variable_axes={"params": 0},
+                  split_rngs={"params": True}, in_axes=None, out_axes=0,
+                  axis_size=2)(6, name="hidden")(x).mean(0)
+    elif self.case == "nn_vmap_broadcast":  # one kernel, mapped inputs
+      h = nn.vmap(nn.Dense, variable_axes={"params": None},
+                  split_rngs={"params": False}, in_axes=0,
+                  out_axes=0)(6, name="hidden")(x[None].repeat(2, 0)).mean(0)
+    elif self.case == "map_variables":  # the layer reads a function of it
+      h = nn.map_variables(
+          nn.Dense, "params", init=True,
+          trans_in_fn=lambda vs: jax.tree.map(lambda a: 0.5 * a, vs))(
+              6, name="hidden")(x)
+    elif self.case == "nested_apply":  # another model applied in a module
+      f = lax.stop_gradient(_Encoder().apply(self.frozen, x))
+      h = jnp.concatenate([nn.Dense(2)(x), f], -1)  # Dense_0: the student's
+    else:  # a quantized DenseGeneral whose last feature axis is 16 wide
+      h = nn.DenseGeneral((4, 16), name="hidden")(x).reshape(x.shape[0], 64)
+    return nn.Dense(3, name="head")(nn.tanh(h))
+
+
+@pytest.mark.parametrize("case,skipped,why", [
+    ("nn_vmap_stacked", "hidden", "slice or function of it"),
+    ("nn_vmap_broadcast", "hidden", "runs under a vmap"),
+    ("map_variables", "hidden", "slice or function of it"),
+    ("nested_apply", None, None),
+    ("int8_dense_general", "hidden", "not a multiple of 64"),
+])
+def test_a_layer_reading_another_kernel_or_vmapped_is_skipped(case, skipped,
+                                                              why):
+  """Each such layer is reported with its reason and steps on the standard
+  path, the head beside it fused, both as optax (2 steps): an nn.vmap
+  ensemble's member reads a slice of the kernel; a broadcast nn.vmap maps
+  the layer's inputs; nn.map_variables hands the layer a function of its
+  kernel; int8 moments of a DenseGeneral kernel (64, 4, 16) have blocks
+  that are not its matrix rows'. A pretrained encoder applied inside a
+  module to its own variables has a layer of the student's first layer's
+  name: the encoder's runs standard, unreported (it shares the name), the
+  student's is fused."""
+  x = jax.random.normal(jax.random.key(1), (6, 64))
+  bs = [(x, jnp.full((6, 3), 0.5)), (-x, jnp.full((6, 3), -0.5))]
+  frozen = _Encoder().init(jax.random.key(7), x)
+  model = _Lifted(case, frozen)
+  v = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables, batch):
+    return jnp.mean((model.apply(variables, batch[0]) - batch[1]) ** 2)
+
+  kw = dict(moments="int8") if case == "int8_dense_general" else {}
+  forge_tx = forge_jax.adamw(1e-2, **kw)
+  optax_tx = forge_tx if kw else optax.adamw(1e-2)
+  step = forge_jax.make_step(loss_fn, forge_tx, convert=True)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", forge_jax.ConvertSkipWarning)
+    traced, (lf, vf, sf), (lr, vr, sr) = train_side_by_side(
+        step, reference_step(loss_fn, optax_tx), v,
+        forge_tx.init(v["params"]), v, optax_tx.init(v["params"]), bs)
+  skips = [str(w.message) for w in caught
+           if w.category is forge_jax.ConvertSkipWarning]
+  if skipped is None:
+    assert step.skipped == {} and skips == []
+  else:
+    assert list(step.skipped) == [skipped]
+    assert why in step.skipped[skipped]
+    assert len(skips) == 1 and f"  {skipped}: " in skips[0]
+  want = ["Dense_0", "head"] if case == "nested_apply" else ["head"]
+  assert step.converted == want
+  assert fused_calls(traced) == len(want)
+  assert_close(lf, lr, RTOL, "last loss")
+  assert_trees_close(vf, vr, RTOL, "variables")
+  if not kw:
+    assert_trees_close(sf, sr, RTOL, "opt_state")
+  for name in {skipped or "Dense_0", "head"}:
+    assert rel_err(vf["params"][name]["kernel"],
+                   v["params"][name]["kernel"]) > 1e-3
+
+
+def test_a_model_applied_under_jax_vmap_is_refused_with_the_reason():
+  """jax.vmap of model.apply inside loss_fn (per-example application): no
+  layer can be fused, and the step's error lists each with the reason."""
+  x = jax.random.normal(jax.random.key(1), (4, 37))
+  model = MLP(nn.Dense)
+  v = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables, batch):
+    return jnp.mean(jax.vmap(lambda xi: model.apply(variables, xi))(batch)
+                    ** 2)
+
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(loss_fn, tx, convert=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", forge_jax.ConvertSkipWarning)
+    with pytest.raises(ValueError, match=r"'Dense_0' \(nn.Dense: it runs "
+                       r"under a vmap opened inside loss_fn"):
+      step(v, tx.init(v["params"]), x)
+
+
+def test_a_refusal_of_a_converted_layer_gives_the_fixes_that_apply():
+  """A converted layer refused by a FORGE check (an RNN cell's layers, run
+  at each time step) is a flax layer: the error adds that it has no fused
+  attribute and names shared='standard', which then trains it as optax."""
+  class Rnn(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3, name="head")(nn.RNN(nn.SimpleCell(6), name="rnn")(x))
+
+  x = jax.random.normal(jax.random.key(1), (2, 3, 5))
+  model = Rnn()
+  v = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables, batch):
+    return jnp.mean(model.apply(variables, batch) ** 2)
+
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(loss_fn, tx, convert=True)
+  with pytest.raises(ValueError, match=r"(?s)called more than once.*"
+                     r"convert=True\) ran 'SimpleCell_0/[hi]'.*no fused "
+                     r"attribute.*shared='standard'"):
+    step(v, tx.init(v["params"]), x)
+  step = forge_jax.make_step(loss_fn, tx, convert=True, shared="standard")
+  with pytest.warns(forge_jax.SharedWeightsWarning):
+    _, (lf, vf, _), (lr, vr, _) = train_side_by_side(
+        step, reference_step(loss_fn, optax.adamw(1e-2)), v,
+        tx.init(v["params"]), v, optax.adamw(1e-2).init(v["params"]), [x])
+  assert step.standard_layers == ["SimpleCell_0/h", "SimpleCell_0/i"]
+  assert step.converted == ["head"]
+  assert_close(lf, lr, RTOL, "loss")
+  assert_trees_close(vf, vr, RTOL, "variables")
