@@ -300,6 +300,9 @@ class _Converter:
     # them (reading_params), and the outermost module call in progress.
     self.trace_params = None
     self.apply: _Apply | None = None
+    # id of a subclass instance whose own __call__ runs -> whether it has
+    # reached nn.Dense's / nn.DenseGeneral's (super().__call__) yet.
+    self.overriding: dict[int, bool] = {}
 
   @contextlib.contextmanager
   def reading(self, variables):
@@ -407,6 +410,31 @@ class _Converter:
                 "not blocks of the fused kernel's matrix rows")
     return None
 
+  def _overridden(self, module, next_fun, args, kwargs):
+    """A subclass's own ``__call__``: converted where it calls nn.Dense's
+    (``super().__call__``); reported where it does not (a LoRA layer that
+    computes its own product)."""
+    key = id(module)
+    outer = self.overriding.get(key)
+    self.overriding[key] = False
+    try:
+      return next_fun(*args, **kwargs)
+    finally:
+      reached = self.overriding.pop(key)
+      if outer is not None:
+        self.overriding[key] = outer or reached
+      elif not reached:
+        base = ("nn.DenseGeneral" if isinstance(module, nn.DenseGeneral)
+                else "nn.Dense")
+        tap = _context.current_tap()
+        path = ((*tap.prefix, *module.path) if tap is not None
+                else tuple(module.path))
+        self.report.skipped[_context.layer_name(path)] = (
+            f"{type(module).__name__} (a subclass of {base}): its class "
+            f"overrides __call__ and does not call {base}.__call__ (e.g. a "
+            "LoRA layer computing its own product); only that __call__ "
+            "runs as a FORGE layer")
+
   def __call__(self, next_fun, args, kwargs, context):
     if self.apply is not None:
       return self._call(next_fun, args, kwargs, context)
@@ -423,9 +451,15 @@ class _Converter:
   def _call(self, next_fun, args, kwargs, context):
     target = _targets().get(getattr(context.orig_method, "func", None))
     module = context.module
-    if (target is None or context.method_name != "__call__"
+    if (context.method_name != "__call__"
         or isinstance(module, (Dense, DenseGeneral))):
       return next_fun(*args, **kwargs)
+    if target is None:
+      if isinstance(module, (nn.Dense, nn.DenseGeneral)):
+        return self._overridden(module, next_fun, args, kwargs)
+      return next_fun(*args, **kwargs)
+    if id(module) in self.overriding:
+      self.overriding[id(module)] = True
     cls, body, kind = target
     inputs = args[0] if args else kwargs.get("inputs")
     tap = _context.current_tap()

@@ -630,3 +630,51 @@ def test_a_refusal_of_a_converted_layer_gives_the_fixes_that_apply():
   assert step.converted == ["head"]
   assert_close(lf, lr, RTOL, "loss")
   assert_trees_close(vf, vr, RTOL, "variables")
+
+
+class _Lora(nn.Dense):
+  """A LoRA layer: its own product, nn.Dense's __call__ never called."""
+  rank: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", self.kernel_init,
+                        (x.shape[-1], self.features))
+    a = self.param("lora_a", nn.initializers.normal(0.1),
+                   (x.shape[-1], self.rank))
+    b = self.param("lora_b", nn.initializers.normal(0.1),
+                   (self.rank, self.features))
+    return x @ kernel + (x @ a) @ b
+
+
+def test_a_subclass_that_never_calls_nn_dense_is_reported():
+  """A subclass whose __call__ computes its own product runs as written and
+  is reported (it is not a FORGE layer); one that calls super().__call__
+  is converted; both train as optax."""
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.tanh(_Lora(6, name="lora")(x))
+      return WrappingSubclass(3, name="wrapping")(h)
+
+  x = jax.random.normal(jax.random.key(1), (5, 8))
+  bs = [(x, jnp.ones((5, 3))), (-x, -jnp.ones((5, 3)))]
+  model = Model()
+  v = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables, batch):
+    return jnp.mean((model.apply(variables, batch[0]) - batch[1]) ** 2)
+
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(loss_fn, tx, convert=True)
+  with pytest.warns(forge_jax.ConvertSkipWarning, match="lora: _Lora"):
+    traced, (lf, vf, sf), (lr, vr, sr) = train_side_by_side(
+        step, reference_step(loss_fn, optax.adamw(1e-2)), v,
+        tx.init(v["params"]), v, optax.adamw(1e-2).init(v["params"]), bs)
+  assert step.converted == ["wrapping"]
+  assert list(step.skipped) == ["lora"]
+  assert "does not call nn.Dense.__call__" in step.skipped["lora"]
+  assert fused_calls(traced) == 1
+  assert_close(lf, lr, RTOL, "last loss")
+  assert_trees_close(vf, vr, RTOL, "variables")
+  assert_trees_close(sf, sr, RTOL, "opt_state")
