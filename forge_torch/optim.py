@@ -432,6 +432,13 @@ class _ForgeOptimizer:
     scale_shape = fmt.scale_shape(tuple(p.shape))
     for name in rule.slots:
       q, scale = state.get(name), state.get(name + SCALE_SUFFIX)
+      if q is None and scale is None:
+        raise RuntimeError(
+            f"forge_torch.Linear {layer}: its optimizer state has no "
+            f"{name!r}, which this param group's options need: were the "
+            "group's options (e.g. momentum, centered, amsgrad) changed "
+            "after its state was created? torch.optim would not create the "
+            "missing state either; set them before the first step.")
       if (not isinstance(q, torch.Tensor)
           or not isinstance(scale, torch.Tensor) or q.dtype != dtype
           or q.shape != p.shape or q.device != p.device
@@ -631,6 +638,15 @@ class _ForgeOptimizer:
     self._forge_generation = getattr(self, "_forge_generation", 0) + 1
 
   def _forge_check_options(self, group: Mapping[str, Any]) -> None:
+    wide = [k for k, _ in FORGE_OPTIONS if k in group]
+    if wide:
+      name = type(self).__name__
+      raise ValueError(
+          f"forge_torch.{name}: {', '.join(wide)} in a param group: "
+          f"forge_torch's options ({', '.join(k for k, _ in FORGE_OPTIONS)})"
+          " apply to the whole optimizer, not to one group. Pass them to the "
+          f"constructor, forge_torch.{name}(params, ..., {wide[0]}=...); for "
+          "weights that need other settings, use a second optimizer.")
     bad = [k for k, (ok, _) in _REFUSED.items()
            if k in group and bool(group[k]) != ok
            and not (k == "capturable" and self._forge_capturable
@@ -854,6 +870,10 @@ class _ForgeOptimizer:
       for k, v in list(state.items()):
         if isinstance(v, _Raw):
           state[k] = v.tensor.to(device=p.device, copy=True)
+      if p not in self._forge_managed:
+        # torch's own step updates it (a weight saved managed, now a plain
+        # nn.Linear's): float moments of its dtype, as torch keeps.
+        _dequantize_unmanaged(p, state)
     for index, group in enumerate(self.param_groups):
       for p in group["params"]:
         if p in self._forge_managed and p in self.state:
@@ -866,11 +886,12 @@ class _ForgeOptimizer:
     self._forge_reset_step()
 
   def _forge_hold_raw(self, state_dict):
-    """``state_dict`` with managed weights' codes and scales wrapped so that
-    torch's loader keeps their dtypes (it casts floating-point parameters'
-    state to the parameter's dtype: int8 codes would become floats and
-    float32 scales of a bfloat16 weight would lose digits); and the
-    managed parameters concerned."""
+    """``state_dict`` with quantized moments' codes and scales wrapped so
+    that torch's loader keeps their dtypes (it casts floating-point
+    parameters' state to the parameter's dtype: int8 codes would become
+    floats and float32 scales of a bfloat16 weight would lose digits); and
+    the parameters concerned (managed weights, and parameters that torch's
+    own step updates, saved as a managed weight's)."""
     if not isinstance(state_dict, Mapping) or not isinstance(
         state_dict.get("state"), Mapping):
       return state_dict, []
@@ -881,7 +902,7 @@ class _ForgeOptimizer:
     raw = []
     for sid, p in zip(saved_ids, params):
       entry = state.get(sid)
-      if p not in self._forge_managed or not isinstance(entry, Mapping):
+      if not isinstance(entry, Mapping):
         continue
       wrapped = {
           k: _Raw(v) if isinstance(v, torch.Tensor) and (
@@ -1660,15 +1681,26 @@ class _ForgeOptimizer:
             "so it cannot add that gradient: keep the layers that share this "
             "weight as nn.Linear (forge_torch.convert() does so), and clear "
             "gradients with optimizer.zero_grad() after each step.")
-      if any(isinstance(k, str) and k.endswith(SCALE_SUFFIX)
-             for k in self.state.get(p, {})):
+      if (self._forge_moment_format(p) is not None
+          or any(isinstance(k, str) and k.endswith(SCALE_SUFFIX)
+                 for k in self.state.get(p, {}))):
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} received an "
-            "ordinary gradient (its layer ran with fused = False), but its "
-            f"moments are stored as {self._forge_moments} codes, which "
-            f"torch.optim.{type(self).__name__}'s own step cannot update. "
+            "ordinary gradient (its layer ran with fused = False), but "
+            f"with moments={self._forge_moments!r} its moments are "
+            f"{self._forge_moments} codes, which "
+            f"torch.optim.{type(self).__name__}'s own step cannot create or "
+            "update. "
             "Keep the layer fused, or build the optimizer with "
             "moments=None.")
+      if self._forge_sr and p.dtype == torch.bfloat16:
+        raise RuntimeError(
+            f"the FORGE-managed {_linear.weight_name(p)} received an "
+            "ordinary gradient (its layer ran with fused = False), but the "
+            "optimizer was built with stochastic_rounding=True, which "
+            f"torch.optim.{type(self).__name__}'s own step cannot apply (it "
+            "rounds to nearest). Keep the layer fused, or build the "
+            "optimizer with stochastic_rounding=False.")
     # DDP: ordinary gradients of prepared weights (a layer run unfused).
     # fully_shard with accumulate_steps > 1: the summed sharded gradients.
     _distributed.reduce_grads(self)
@@ -1748,6 +1780,29 @@ def _plan_signature(p: torch.Tensor, slots) -> tuple:
 
 _dist_initialized = (torch.distributed.is_initialized
                      if torch.distributed.is_available() else lambda: False)
+
+
+def _dequantize_unmanaged(p: torch.Tensor, state: dict) -> None:
+  """Loaded state of a parameter torch's own step updates: each quantized
+  moment (codes and ``<name>_scale``) dequantized to ``p``'s dtype, the
+  scales dropped; codes without their scales are refused."""
+  for key in [k for k in state if isinstance(k, str)
+              and k.endswith(SCALE_SUFFIX)]:
+    name = key[:-len(SCALE_SUFFIX)]
+    codes = state.get(name)
+    if isinstance(codes, torch.Tensor) and codes.dtype in (
+        _CODE_DTYPES.values()):
+      scale = state.pop(key)
+      state[name] = _dequantize_tensor(codes, scale.to(p.device)).to(
+          dtype=p.dtype)
+  codes = [k for k, v in state.items() if isinstance(v, torch.Tensor)
+           and v.dtype in _CODE_DTYPES.values()]
+  if codes:
+    raise ValueError(
+        f"forge_torch: the loaded state of a parameter of shape "
+        f"{tuple(p.shape)} holds {', '.join(map(repr, codes))} as "
+        f"{state[codes[0]].dtype} codes without their scales: not a "
+        "checkpoint this optimizer can read.")
 
 
 class _Scalars:
@@ -2026,6 +2081,17 @@ class RMSprop(_ForgeOptimizer, torch.optim.RMSprop):
   def _forge_rule(self, group, device=None):
     return _torch_rule("rmsprop", centered=bool(group["centered"]),
                        momentum=group["momentum"] > 0)
+
+  def _forge_check_low_precision(self, group, managed):
+    super()._forge_check_low_precision(group, managed)
+    if self._forge_moments is not None and managed and group["centered"]:
+      raise ValueError(
+          f"forge_torch.RMSprop: moments={self._forge_moments!r} with "
+          "centered=True is not supported: centered RMSprop divides by "
+          "sqrt(square_avg - grad_avg**2), a variance that is the difference "
+          "of two moments, and int8/fp8 codes of each cannot resolve it (it "
+          "rounds to zero or below: huge steps or NaN weights). Use "
+          "centered=False, or moments=None for this optimizer.")
 
   def _forge_init_state(self, p, group):
     state = {"step": _zero_step(p, group), "square_avg": _zeros(p)}

@@ -302,3 +302,91 @@ def test_gradient_accumulation_steps_the_quantized_state():
   q, scale = got["exp_avg_sq"], got["exp_avg_sq_scale"]
   live = scale.repeat_interleave(64, dim=1)[:, :q.shape[1]] > 0
   assert live.any() and (q[live] >= 1).all()
+
+
+def test_options_a_low_precision_run_cannot_honour_are_refused_in_words():
+  """Centered RMSprop (its variance a difference of two quantized moments)
+  with moments=; forge_torch's optimizer-wide options in a param group
+  (constructor, add_param_group, a loaded checkpoint); a group option
+  switched on after the quantized state exists (the slot it needs is
+  missing); a managed layer run unfused whose moments would be codes, or
+  whose bf16 weight is stochastically rounded."""
+  model = _mlp(torch.float32)
+  with pytest.raises(ValueError, match=r"centered=True is not supported.*"
+                     r"sqrt\(square_avg - grad_avg\*\*2\)"):
+    forge_torch.RMSprop(model.parameters(), centered=True, moments="int8")
+  opt = forge_torch.RMSprop(model.parameters(), moments="fp8")
+  with pytest.raises(ValueError, match="centered=True is not supported"):
+    opt.add_param_group({"params": [forge_torch.Linear(4, 4).weight],
+                         "centered": True})
+  assert len(opt.param_groups) == 1
+  for key, value in (("moments", "int8"), ("stochastic_rounding", True),
+                     ("seed", 3), ("max_grad_norm", 1.0)):
+    with pytest.raises(ValueError, match=rf"{key} in a param group.*apply "
+                       r"to the whole optimizer"):
+      forge_torch.AdamW([{"params": list(model.parameters()), key: value}])
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-3, moments="int8")
+  with pytest.raises(ValueError, match="moments in a param group"):
+    opt.add_param_group({"params": [forge_torch.Linear(4, 4).weight],
+                         "moments": None})
+  sd = opt.state_dict()
+  sd["param_groups"][0]["seed"] = 1
+  with pytest.raises(ValueError, match="seed in a param group"):
+    opt.load_state_dict(sd)
+
+  _train(model, opt, 2, torch.float32)
+  opt.param_groups[0]["amsgrad"] = True
+  with pytest.raises(RuntimeError, match=r"has no 'max_exp_avg_sq'.*options "
+                     r"\(e\.g\. momentum, centered, amsgrad\) changed"):
+    # (the quantized layer alone: the float one has its own such check)
+    model[0](_batch(3, torch.float32)[0]).square().sum().backward()
+  opt.param_groups[0]["amsgrad"] = False
+
+  for options, dtype, match in (
+      (dict(moments="int8"), torch.float32, "codes, which torch.optim.AdamW"),
+      (dict(stochastic_rounding=True), torch.bfloat16,
+       "stochastic_rounding=True, which torch.optim.AdamW")):
+    model = _mlp(dtype)
+    opt = forge_torch.AdamW(model.parameters(), lr=1e-3, **options)
+    model[0].fused = False  # from the first step: no state yet
+    _loss(model, 1, dtype).backward()
+    with pytest.raises(RuntimeError, match=rf"fused = False.*{match}"):
+      opt.step()
+    assert opt.state.get(model[0].weight, {}) == {}
+
+
+def test_a_quantized_checkpoint_loads_into_plain_layers_dequantized():
+  """A checkpoint of int8 moments loaded into a forge_torch optimizer over
+  the same model with plain nn.Linear layers (torch's own step updates
+  them): the codes are dequantized to the weight's dtype, the scales
+  dropped, with moments=None and moments='int8' alike; saved again, it
+  loads into torch.optim.AdamW."""
+  model = _mlp(torch.float32)
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-3, moments="int8")
+  _train(model, opt, 2, torch.float32)
+  saved = opt.state_dict()
+  codes = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+  assert codes["exp_avg"].dtype == torch.int8
+  plain = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.Tanh(),
+                              torch.nn.Linear(64, 7))
+  plain.load_state_dict(model.state_dict())
+  for moments in (None, "int8"):
+    other = forge_torch.AdamW(plain.parameters(), lr=1e-3, moments=moments) \
+        if moments is None else None
+    if other is None:
+      with pytest.warns(UserWarning, match="float moments"):
+        other = forge_torch.AdamW(plain.parameters(), lr=1e-3,
+                                  moments=moments)
+    other.load_state_dict(saved)
+    st = other.state[plain[0].weight]
+    assert sorted(st) == ["exp_avg", "exp_avg_sq", "step"]
+    for name in ("exp_avg", "exp_avg_sq"):
+      want = codes[name].float() * codes[name + "_scale"].repeat_interleave(
+          64, dim=-1)[:, :96]
+      assert st[name].dtype == torch.float32
+      assert torch.equal(st[name], want), name
+  topt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+  topt.load_state_dict(other.state_dict())
+  _loss(plain, 3, torch.float32).backward()
+  topt.step()
+  assert all(torch.isfinite(p).all() for p in plain.parameters())
