@@ -550,6 +550,17 @@ def rmsprop(
       nesterov=nesterov)
   count_state = (_ScaleByRStdDevWithCountState if centered
                  else _ScaleByRmsWithCountState)
+  low_precision = _lowp.make("rmsprop", rule, moments, stochastic_rounding,
+                             seed, (_param_dtype,) * len(rule.slots))
+  if centered and low_precision is not None and any(
+      f is not None for f in low_precision.formats):
+    raise ValueError(
+        f"forge_jax.rmsprop: moments={moments!r} with centered=True is not "
+        "supported: centered RMSprop divides by sqrt(nu - mu**2), a "
+        "variance that is the difference of two moments, and int8/fp8 codes "
+        "cannot resolve it (it rounds to zero or below: huge steps or NaN "
+        "weights). Use centered=False, or float moments (moments=None or a "
+        "float dtype such as jnp.bfloat16).")
 
   def hparams(state):
     h = dict(decay=decay, one_minus_decay=1 - decay, eps=eps)
@@ -560,10 +571,7 @@ def rmsprop(
     return h
 
   return _forge(inner, rule, rule.slots, learning_rate, hparams,
-                family="rmsprop",
-                low_precision=_lowp.make(
-                    "rmsprop", rule, moments, stochastic_rounding, seed,
-                    (_param_dtype,) * len(rule.slots)),
+                family="rmsprop", low_precision=low_precision,
                 init_values={"nu": initial_scale})
 
 

@@ -558,7 +558,7 @@ def test_families_with_moments_take_low_precision_state():
   for tx in [forge_jax.sgd(1e-2, momentum=0.9, moments="int8"),
              forge_jax.lion(1e-4, moments="int8"),
              forge_jax.adagrad(1e-2, moments="fp8"),
-             forge_jax.rmsprop(1e-3, centered=True, moments="int8")]:
+             forge_jax.rmsprop(1e-3, momentum=0.9, moments="int8")]:
     got, state = train(tx, v0, xs, ys, 2)
     loss_fn = ce_loss(Head(nn.Dense))
 
@@ -594,6 +594,11 @@ def test_unsupported_uses_are_refused_in_plain_words():
     forge_jax.adamw(1e-3, moments="int4")
   with pytest.raises(ValueError, match="plain SGD has no state"):
     forge_jax.sgd(1e-3, moments="int8")
+  for moments in ("int8", "fp8", ("int8", "fp8_e5m2")):
+    with pytest.raises(ValueError, match=r"centered=True is not supported.*"
+                       r"sqrt\(nu - mu\*\*2\)"):
+      forge_jax.rmsprop(1e-3, centered=True, moments=moments)
+  forge_jax.rmsprop(1e-3, centered=True, moments=jnp.bfloat16)  # floats
   tx = forge_jax.adamw(1e-3, moments="int8")
   with pytest.raises(ValueError, match="MultiSteps.*low-precision"):
     forge_jax.MultiSteps(tx, 2)
@@ -699,7 +704,8 @@ def test_low_precision_states_unpickle_in_a_fresh_process():
   txs = [forge_jax.adamw(1e-3, moments="int8"),
          forge_jax.sgd(1e-3, stochastic_rounding=True),
          forge_jax.sgd(1e-3, momentum=0.9, moments="fp8"),
-         forge_jax.rmsprop(1e-3, centered=True, momentum=0.9, moments="int8"),
+         forge_jax.rmsprop(1e-3, centered=True, momentum=0.9,
+                           moments=jnp.bfloat16),
          forge_jax.adagrad(1e-2, moments="int8"),
          forge_jax.lion(1e-4, moments="int8")]
   states = [jax.device_get(tx.init(params)) for tx in txs]
