@@ -2079,12 +2079,9 @@ class RMSprop(_ForgeOptimizer, torch.optim.RMSprop):
   _forge_fp32_slots = frozenset({"square_avg", "momentum_buffer"})
 
   def _forge_rule(self, group, device=None):
-    return _torch_rule("rmsprop", centered=bool(group["centered"]),
-                       momentum=group["momentum"] > 0)
-
-  def _forge_check_low_precision(self, group, managed):
-    super()._forge_check_low_precision(group, managed)
-    if self._forge_moments is not None and managed and group["centered"]:
+    # (Checked wherever a managed weight's rule is made: construction,
+    # add_param_group, load_state_dict, and a group changed between steps.)
+    if self._forge_moments is not None and group["centered"]:
       raise ValueError(
           f"forge_torch.RMSprop: moments={self._forge_moments!r} with "
           "centered=True is not supported: centered RMSprop divides by "
@@ -2092,6 +2089,8 @@ class RMSprop(_ForgeOptimizer, torch.optim.RMSprop):
           "of two moments, and int8/fp8 codes of each cannot resolve it (it "
           "rounds to zero or below: huge steps or NaN weights). Use "
           "centered=False, or moments=None for this optimizer.")
+    return _torch_rule("rmsprop", centered=bool(group["centered"]),
+                       momentum=group["momentum"] > 0)
 
   def _forge_init_state(self, p, group):
     state = {"step": _zero_step(p, group), "square_avg": _zeros(p)}

@@ -320,6 +320,13 @@ def test_options_a_low_precision_run_cannot_honour_are_refused_in_words():
     opt.add_param_group({"params": [forge_torch.Linear(4, 4).weight],
                          "centered": True})
   assert len(opt.param_groups) == 1
+  sd = opt.state_dict()
+  sd["param_groups"][0]["centered"] = True
+  with pytest.raises(ValueError, match="centered=True is not supported"):
+    opt.load_state_dict(sd)
+  opt.param_groups[0]["centered"] = True  # before the first step
+  with pytest.raises(ValueError, match="centered=True is not supported"):
+    _loss(model, 1, torch.float32).backward()
   for key, value in (("moments", "int8"), ("stochastic_rounding", True),
                      ("seed", 3), ("max_grad_norm", 1.0)):
     with pytest.raises(ValueError, match=rf"{key} in a param group.*apply "
