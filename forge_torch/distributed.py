@@ -124,8 +124,12 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
 
   A prepared layer run as ``nn.Linear`` in some step (``layer.fused =
   False``, a ``torch.func`` transform) gives its weight an ordinary
-  ``.grad``, which DDP ignores: the forge_torch optimizer's ``step()``
-  averages it over the ranks before applying it.
+  ``.grad``, which DDP ignores: a post-accumulate-grad hook averages it
+  over the ranks as soon as autograd has accumulated it (each backward's
+  addition: the mean of a sum already averaged plus this backward's part
+  is the sum's mean), so that whatever reads ``.grad`` before the step --
+  ``clip_grad_norm_``, a ``torch.optim`` optimizer -- sees DDP's averaged
+  gradient.
 
   Every rank must run each managed layer the same number of times per step
   (its backward joins a collective): DDP's ``find_unused_parameters=True``
@@ -183,6 +187,8 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
   ddp._set_params_and_buffers_to_ignore_for_model(
       module, ignored + [n for n in names if n not in ignored])
   for _, p in weights:
+    if p not in _GROUPS:  # once per weight
+      p.register_post_accumulate_grad_hook(_unfused_grad_ready)
     _GROUPS[p] = process_group
   if broadcast and weights:
     src = (0 if process_group is None
@@ -194,20 +200,24 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
 
 
 def _ddp_process_group(module: nn.Module, args: tuple, kwargs: dict):
-  """The ``process_group`` that ``DistributedDataParallel(module, *args,
-  **kwargs)`` would take, by keyword or by position (``None``: the default
-  group). Raises ``TypeError`` as DDP would for arguments it does not
-  take."""
+  """The process group that ``DistributedDataParallel(module, *args,
+  **kwargs)`` would reduce over: its ``process_group``, by keyword or by
+  position, or its ``device_mesh``'s group (``None``: the default group).
+  Raises ``TypeError`` as DDP would for arguments it does not take."""
   signature = inspect.signature(nn.parallel.DistributedDataParallel.__init__)
   bound = signature.bind_partial(None, module, *args, **kwargs)
+  mesh = bound.arguments.get("device_mesh")
+  if mesh is not None:
+    return mesh.get_group()
   return bound.arguments.get("process_group")
 
 
 def wrap_ddp(module: nn.Module, *args: Any,
              **kwargs: Any) -> nn.parallel.DistributedDataParallel:
   """``torch.nn.parallel.DistributedDataParallel(module, *args, **kwargs)``
-  after :func:`prepare_ddp` over the ``process_group`` DDP takes (by
-  keyword or by position; none: the default group)."""
+  after :func:`prepare_ddp` over the group DDP reduces over (its
+  ``process_group``, by keyword or by position, or its ``device_mesh``'s
+  group; none: the default group)."""
   prepare_ddp(module, _ddp_process_group(module, args, kwargs))
   return nn.parallel.DistributedDataParallel(module, *args, **kwargs)
 
@@ -436,24 +446,24 @@ def reduce_accumulated(optimizer, p: torch.Tensor, buffer: torch.Tensor
     _all_reduce_mean(buffer, p, _linear.weight_name(p))
 
 
-def reduce_grads(optimizer) -> None:
-  """Averages over the ranks the ordinary ``.grad`` of every weight that
-  :func:`prepare_ddp` registered (DDP ignores them) and ``optimizer``
-  manages, before its ``step()`` applies them: the gradient a prepared
-  layer forms when it runs as ``nn.Linear`` (``layer.fused = False``, a
-  ``torch.func`` transform). Called by the forge_torch optimizer's
-  ``step()``, in its ``param_groups`` order on every rank."""
-  if not _GROUPS._values:  # (no prepared weight: the usual case)
+def _unfused_grad_ready(p: torch.Tensor) -> None:
+  """The post-accumulate-grad hook of a weight :func:`prepare_ddp`
+  registered: its layer ran as ``nn.Linear`` (``layer.fused = False``, a
+  ``torch.func`` transform), so autograd accumulated an ordinary gradient
+  into ``p.grad``, which DDP ignores: averaged over the ranks now (in
+  backward order, the same on every rank)."""
+  if p not in _GROUPS or p.grad is None:
     return
-  params = [p for p in optimizer.managed_params
-            if p in _GROUPS and p.grad is not None]
-  if not params:
-    return
-  if optimizer.max_grad_norm is not None:
-    raise RuntimeError(_clip_refused(_linear.weight_name(params[0]),
-                                     "data parallelism", "prepare_ddp"))
-  for p in params:
-    _all_reduce_mean(p.grad, p, _linear.weight_name(p))
+  layer = _linear.weight_name(p)
+  optimizer = _linear.owner_of(p)
+  if optimizer is not None and optimizer.max_grad_norm is not None:
+    raise RuntimeError(_clip_refused(layer, "data parallelism",
+                                     "prepare_ddp"))
+  with torch.no_grad():
+    _all_reduce_mean(p.grad, p, layer)
+
+
+_unfused_grad_ready.forge_own = True  # (not a user's hook: linear.py)
 
 
 def _clip_refused(layer: str, how: str, prepare: str) -> str:
@@ -503,5 +513,5 @@ def check_single_process(params=()) -> None:
 __all__ = ["any_registered", "check_not_sharded", "check_single_process",
            "is_data_parallel", "is_fsdp_managed", "is_sharded", "local",
            "prepare_ddp", "prepare_fsdp", "reduce_accumulated",
-           "reduce_and_step", "reduce_grads", "step_shard", "step_sharded",
+           "reduce_and_step", "step_shard", "step_sharded",
            "wrap_ddp"]

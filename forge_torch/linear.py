@@ -319,8 +319,12 @@ def _refuse_double_backward(ctx) -> None:
 def check_no_grad_hooks(weight: torch.Tensor, layer: str) -> None:
   """A hook on a managed weight's gradient would never see it (FORGE forms
   none): refuse instead of calling it with ``None`` or silently skipping."""
-  if not (weight._backward_hooks or weight._post_accumulate_grad_hooks):
+  post = weight._post_accumulate_grad_hooks
+  if not (weight._backward_hooks or post):
     return  # the usual case
+  if not weight._backward_hooks and all(
+      getattr(h, "forge_own", False) for h in post.values()):
+    return  # forge_torch's own (prepare_ddp: for a step run unfused)
   hook_names = ("_backward_hooks", "_post_accumulate_grad_hooks")
   hooks = [name for name in hook_names if getattr(weight, name, None)]
   raise RuntimeError(

@@ -1701,9 +1701,9 @@ class _ForgeOptimizer:
             f"torch.optim.{type(self).__name__}'s own step cannot apply (it "
             "rounds to nearest). Keep the layer fused, or build the "
             "optimizer with stochastic_rounding=False.")
-    # DDP: ordinary gradients of prepared weights (a layer run unfused).
     # fully_shard with accumulate_steps > 1: the summed sharded gradients.
-    _distributed.reduce_grads(self)
+    # (DDP: ordinary gradients of prepared weights, from a layer run
+    # unfused, were averaged by their hooks in backward.)
     _distributed.step_sharded(self)
     self._forge_apply_accumulated()  # a step with fewer than K micro-batches
     _unhooked(self._forge_torch.step)(self)

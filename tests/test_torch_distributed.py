@@ -266,9 +266,11 @@ def _train(rank: int, micro_batches, accumulate: int, seed: int,
   opt = forge_torch.AdamW(ddp.parameters(), lr=LR, weight_decay=WD)
   opt.accumulate_steps = accumulate
   assert opt.managed_params == [model.fc1.weight, model.fc2.weight]
+  unfused_grads = []
   for s, step in enumerate(batches(micro_batches, seed, world)):
     # Plain DDP's second step runs fc2 as nn.Linear: its ordinary gradient,
-    # which DDP ignores, is averaged by opt.step().
+    # which DDP ignores, is averaged in backward by the hook prepare_ddp
+    # registered (before step(): what clip_grad_norm_ would read).
     model.fc2.fused = not (accumulate == 1 and s == 1)
     for i, micro in enumerate(step):
       x, y = (t.to(device) for t in micro[rank])
@@ -277,10 +279,13 @@ def _train(rank: int, micro_batches, accumulate: int, seed: int,
         F.mse_loss(ddp(x), y).backward()
     assert model.fc1.weight.grad is None
     assert (model.fc2.weight.grad is None) == model.fc2.fused
+    if not model.fc2.fused:
+      unfused_grads.append(model.fc2.weight.grad.detach().cpu().clone())
     opt.step()
     opt.zero_grad()
   return {
       "names": names,
+      "unfused_grads": unfused_grads,
       "params": {k: v.detach().cpu() for k, v in model.named_parameters()},
       "exp_avg_sq": {n: opt.state[model.get_parameter(n)]["exp_avg_sq"].cpu()
                      for n in managed_names(model, opt)},
@@ -438,6 +443,16 @@ def test_ddp_matches_single_process_adamw(reports, case):
   check_against_torch([r[case] for r in reports], case, "cpu")
 
 
+def test_an_unfused_layers_gradient_is_averaged_in_backward(reports):
+  """fc2 run as nn.Linear in plain DDP's second step: its .grad after the
+  backward, before step(), is the same on both ranks (averaged by the hook
+  prepare_ddp registered), and not zero."""
+  grads = [r["plain"]["unfused_grads"] for r in reports]
+  assert [len(g) for g in grads] == [1, 1]
+  assert torch.equal(grads[0][0], grads[1][0])
+  assert grads[0][0].abs().max() > 0
+
+
 def test_four_ranks_match_single_process_adamw(wide_reports):
   """DDP and fully_shard over four ranks: the same parity, every replica
   bit-identical; D = 13 rows shard 4 + 4 + 4 + 1 under FSDP2."""
@@ -544,3 +559,9 @@ def test_wrap_ddp_takes_ddps_process_group_by_keyword_or_position():
   assert take(model, (None,), {"process_group": group}) is group
   with pytest.raises(TypeError, match="process_group"):
     take(model, (*before, group), {"process_group": group})
+
+  class Mesh:  # a DeviceMesh's data-parallel dimension: its group
+    def get_group(self):
+      return group
+
+  assert take(model, (), {"device_mesh": Mesh()}) is group
