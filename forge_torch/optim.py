@@ -1681,6 +1681,8 @@ class _ForgeOptimizer:
             "so it cannot add that gradient: keep the layers that share this "
             "weight as nn.Linear (forge_torch.convert() does so), and clear "
             "gradients with optimizer.zero_grad() after each step.")
+      if _distributed.is_sharded(p):
+        continue  # fully_shard's gradient (its update refuses the options)
       if (self._forge_moment_format(p) is not None
           or any(isinstance(k, str) and k.endswith(SCALE_SUFFIX)
                  for k in self.state.get(p, {}))):
