@@ -487,26 +487,48 @@ def make_step(
     graphdef, trained, rest = nnx.split(model, optimizer.wrt, ..., graph=graph)
     trained, rest = nnx.as_pure(trained), nnx.as_pure(rest)
     opt_state = nnx.as_pure(optimizer.opt_state)
+    # NNX objects among the other arguments (an nnx.Rngs, a frozen teacher
+    # module): passed as their state, merged inside the loss, their new
+    # state (RNG counts, statistics) written back, as nnx.value_and_grad
+    # does for arguments it does not differentiate.
+    leaves, args_def = jax.tree.flatten((args, kwargs),
+                                        is_leaf=nnx.graph.is_graph_node)
+    nodes = {i: nnx.split(leaf) for i, leaf in enumerate(leaves)
+             if nnx.graph.is_graph_node(leaf)}
+    plain = [None if i in nodes else leaf for i, leaf in enumerate(leaves)]
+    node_states = {i: nnx.as_pure(st) for i, (_, st) in nodes.items()}
+    nodes = {i: graphdef_i for i, (graphdef_i, _) in nodes.items()}
 
     def forge_loss(variables, batch):
       params = variables["params"]
       merged = nnx.merge(graphdef, _like(trained, params), rest)
+      plain_leaves, states = batch
+      arg_nodes = {i: nnx.merge(nodes[i], st) for i, st in states.items()}
+      call_args, call_kwargs = jax.tree.unflatten(
+          args_def, [arg_nodes[i] if i in arg_nodes else leaf
+                     for i, leaf in enumerate(plain_leaves)])
       with _tracing(merged, params):
-        out = loss_fn(merged, *batch[0], **batch[1])
+        out = loss_fn(merged, *call_args, **call_kwargs)
       loss, aux = out if has_aux else (out, None)
       # The model's other state as loss_fn left it (batch statistics, RNG
-      # counts); the trained parameters come back from the step.
-      return loss, (aux, nnx.split(merged, optimizer.wrt, ..., graph=graph)[2])
+      # counts), and the argument objects'; the trained parameters come
+      # back from the step.
+      return loss, (aux, nnx.split(merged, optimizer.wrt, ..., graph=graph)[2],
+                    {i: nnx.as_pure(nnx.split(n)[1])
+                     for i, n in arg_nodes.items()})
 
     inner = _step.make_step(forge_loss, optimizer.tx, shared=shared,
                             has_aux=True, wgrad=wgrad)
     try:
-      (loss, (aux, new_rest)), new_vars, new_state = inner(
-          {"params": _str_keys(trained)}, _str_keys(opt_state), (args, kwargs))
+      (loss, (aux, new_rest, new_nodes)), new_vars, new_state = inner(
+          {"params": _str_keys(trained)}, _str_keys(opt_state),
+          (plain, node_states))
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
       raise _in_nnx_terms(e) from None
     standard_layers[:] = inner.standard_layers
     nnx.update(model, _like(trained, new_vars["params"]), new_rest)
+    for i, new in new_nodes.items():
+      nnx.update(leaves[i], new)
     nnx.update(optimizer.opt_state,
                nnx.state(_like(opt_state, new_state), graph=graph))
     optimizer.step[...] += 1

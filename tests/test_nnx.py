@@ -542,3 +542,60 @@ def test_mlp_trains_like_nnx_and_optax_compiled_on_gpu():
     ref_step(ref_model, ref_opt, *batch)
     forge_step(forge_model, forge_opt, *batch)
   assert_same_training(ref_model, forge_model, ref_opt, forge_opt, start)
+
+
+class _DropoutMLP(nnx.Module):
+  """Dropout that draws from an ``nnx.Rngs`` given at call time."""
+
+  def __init__(self, linear, rngs):
+    self.a = linear(5, 7, rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+    self.b = linear(7, 3, rngs=rngs)
+
+  def __call__(self, x, rngs=None):
+    return self.b(self.drop(nnx.relu(self.a(x)), rngs=rngs))
+
+
+def test_nnx_objects_among_the_arguments_are_merged_and_updated():
+  """An ``nnx.Rngs`` and a teacher module with its own dropout passed to
+  loss_fn as arguments, 3 jitted steps: losses, parameters, optimizer state
+  and both argument objects' RNG counts as nnx.value_and_grad +
+  nnx.Optimizer leaves them (the teacher untrained)."""
+  def loss_fn(model, teacher, x, y, rngs):
+    return jnp.mean((model(x, rngs=rngs) + teacher(x) - y) ** 2)
+
+  def teacher():
+    return nnx.Sequential(nnx.Linear(5, 3, rngs=nnx.Rngs(1)),
+                          nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=2)))
+
+  ref, got = _DropoutMLP(nnx.Linear, nnx.Rngs(0)), _DropoutMLP(fnx.Linear,
+                                                              nnx.Rngs(0))
+  start = jax.tree.leaves(nnx.as_pure(nnx.state(ref, nnx.Param)))
+  ref_opt = nnx.Optimizer(ref, optax.adamw(1e-2), wrt=nnx.Param)
+  got_opt = fnx.Optimizer(got, forge_jax.adamw(1e-2), wrt=nnx.Param)
+  step = fnx.make_step(loss_fn)
+
+  @nnx.jit
+  def ref_step(model, opt, teacher, x, y, rngs):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, teacher, x, y, rngs)
+    opt.update(model, grads)
+    return loss
+
+  @nnx.jit
+  def got_step(model, opt, teacher, x, y, rngs):
+    return step(model, opt, teacher, x, y, rngs)
+
+  ref_args = (teacher(), nnx.Rngs(dropout=5))
+  got_args = (teacher(), nnx.Rngs(dropout=5))
+  for i in range(3):
+    x = jax.random.normal(jax.random.key(i), (4, 5))
+    y = jnp.ones((4, 3))
+    lr = ref_step(ref, ref_opt, ref_args[0], x, y, ref_args[1])
+    lf = got_step(got, got_opt, got_args[0], x, y, got_args[1])
+    assert rel_err(lf, lr) <= tol(jnp.float32), i
+  for a, b in zip(got_args, ref_args):
+    err, where = worst_leaf(_state(a), _state(b))
+    assert err <= tol(jnp.float32), (err, where)
+  assert int(got_args[1].dropout.count[...]) == 3
+  assert int(got_args[0].layers[1].rngs.count[...]) == 3
+  assert_same_training(ref, got, ref_opt, got_opt, start)
