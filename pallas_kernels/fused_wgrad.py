@@ -324,7 +324,9 @@ def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
   """
   where = "describe_backend"
   # Only whether stochastic rounding is asked for is read: a stand-in
-  # (seed, step) for the checks.
+  # (seed, step) for the checks, once the value given passes the call's.
+  if stochastic_rounding is not None:
+    lowp._check_seed_step(stochastic_rounding, where)
   sr = None if stochastic_rounding is None else (0, 0)
   slots, plan, stand_ins = planned_slots(slots, rule, w, formats, sr,
                                          where=where)

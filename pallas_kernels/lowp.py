@@ -523,7 +523,7 @@ def apply(rule: UpdateRule, plan: StatePlan, g, w, slots, hparams, sr=None,
     vals.append(quant.dequantize(a, s.fmt) if s.fmt is not None
                 else a.astype(f32))
   h = rule.unpack(hparams, plan.logical_dtypes(slots_l))
-  w_new, new = rule.update(
+  w_new, new = rule.call(
       g.astype(f32), w_l.astype(f32) if rule.updates_weight else None,
       tuple(vals), h)
   n = len(slots)

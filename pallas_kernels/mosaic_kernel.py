@@ -910,10 +910,10 @@ def _kernel_body(*refs, rule: UpdateRule, cfg: MosaicConfig, ring: int,
                              * scales[q][...][:, None])
     old = [a.astype(jnp.float32) for a in old]
     if rule.updates_weight:
-      w_new, new = rule.update(g, old[0], tuple(old[1:]), h)
+      w_new, new = rule.call(g, old[0], tuple(old[1:]), h)
       new = [w_new, *new]
     else:
-      _, new = rule.update(g, None, tuple(old), h)
+      _, new = rule.call(g, None, tuple(old), h)
       new = list(new)
     for q, (k, fmt, second) in enumerate(quantized):  # requantize
       new[first_slot + k], scale = _quantize_rows(new[first_slot + k], fmt,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -114,6 +115,20 @@ class UpdateRule:
   second_moments: tuple[str, ...] = ()
 
   def __post_init__(self):
+    for field in ("slots", "hparams", "outputs", "second_moments"):
+      names = getattr(self, field)
+      if not (isinstance(names, tuple)
+              and all(isinstance(n, str) for n in names)):
+        raise TypeError(
+            f"rule {self.name!r}: {field} must be a tuple of names (str), "
+            f"got {names!r:.80}")
+    names = self.slots + self.hparams + self.outputs
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+      raise ValueError(
+          f"rule {self.name!r}: the names {repeated} are used more than once "
+          f"among its slots {self.slots}, hyperparameters {self.hparams} and "
+          f"outputs {self.outputs}; each must be distinct")
     unknown = [n for n in self.second_moments if n not in self.slots]
     if unknown:
       raise ValueError(f"rule {self.name!r}: second_moments {unknown} are "
@@ -212,6 +227,35 @@ class UpdateRule:
       h[ROUND_BY_CONVERT] = round_by_convert
     return h
 
+  def call(self, g, w, slots: Sequence[jax.Array], h) -> tuple:
+    """``update(g, w, slots, h)``, its result checked: a new weight (when
+    the rule updates it) and one array per slot and output, each of
+    ``g``'s shape (the tile's). A kernel's epilogue and :meth:`apply` call
+    the rule through this.
+
+    Raises:
+      ValueError: ``update`` returned another number of arrays, or an
+        array of another shape, naming the rule and the slot.
+    """
+    w_new, new = self.update(g, w, slots, h)
+    new = tuple(new)
+    want = self.slots + self.outputs
+    if len(new) != len(want):
+      raise ValueError(
+          f"rule {self.name!r}: update returned {len(new)} arrays after the "
+          f"weight; it must return one per slot and output, {want}")
+    shape = jnp.shape(g)
+    named = list(zip(want, new))
+    if self.updates_weight:
+      named.insert(0, ("the weight", w_new))
+    for name, a in named:
+      if jnp.shape(a) != shape:
+        raise ValueError(
+            f"rule {self.name!r}: update returned {name!r} of shape "
+            f"{tuple(jnp.shape(a))} for a tile of shape {tuple(shape)}; "
+            "return arrays of the tile's shape (broadcast a scalar)")
+    return w_new, new
+
   def apply(self, g, w, slots: Sequence[jax.Array], hparams: jax.Array):
     """The rule on whole arrays in fp32, cast back to the storage dtypes.
 
@@ -220,7 +264,7 @@ class UpdateRule:
     """
     f32 = jnp.float32
     slots = tuple(slots)
-    w_new, new = self.update(
+    w_new, new = self.call(
         g.astype(f32), w.astype(f32) if self.updates_weight else None,
         tuple(s.astype(f32) for s in slots),
         self.unpack(hparams, [s.dtype for s in slots]))
@@ -374,12 +418,34 @@ _ADAM_DEFAULTS = (("b1_m", "b1"),)
 _ADAM_STATIC = (("round_mu", 0.0),)
 
 
+def _one_per_variant(factory):
+  """``factory`` returning one rule object per variant however it is called
+  (positional or keyword arguments, ``True`` or ``1``): a rule's update is a
+  closure, so two calls would make unequal rules, and each new rule a new
+  kernel build."""
+  signature = inspect.signature(factory)
+  made = {}
+
+  @functools.wraps(factory)
+  def cached(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    key = tuple(bound.arguments.items())
+    rule = made.get(key)
+    if rule is None:
+      rule = made[key] = factory(*args, **kwargs)
+    return rule
+
+  return cached
+
+
 def rule_name(base: str, **flags: bool) -> str:
   """A rule's name: ``base`` followed by the names of the flags that are on,
   e.g. ``rule_name("adam", nesterov=True) == "adam_nesterov"``."""
   return "_".join([base, *(f for f, on in flags.items() if on)])
 
 
+@_one_per_variant
 def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
   """SGD as ``optax.sgd`` computes it: ``trace`` (if ``momentum``), then lr.
 
@@ -404,6 +470,7 @@ def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
       static=(("round_trace", 0.0),) if momentum else ())
 
 
+@_one_per_variant
 def adagrad_rule() -> UpdateRule:
   """Adagrad as ``optax.adagrad`` computes it (``scale_by_rss``, then lr).
 
@@ -422,6 +489,7 @@ def adagrad_rule() -> UpdateRule:
                     second_moments=("sum_of_squares",))
 
 
+@_one_per_variant
 def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
                  bias_correction: bool = False, momentum: bool = False,
                  nesterov: bool = False) -> UpdateRule:
@@ -473,6 +541,7 @@ def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
       update=update, second_moments=("nu",))
 
 
+@_one_per_variant
 def adam_rule(nesterov: bool = False) -> UpdateRule:
   """Adam as ``optax.adam`` computes it (``nesterov=True``: ``optax.nadam``).
 
@@ -491,6 +560,7 @@ def adam_rule(nesterov: bool = False) -> UpdateRule:
                     second_moments=("nu",))
 
 
+@_one_per_variant
 def adamw_rule(nesterov: bool = False) -> UpdateRule:
   """AdamW as ``optax.adamw`` computes it (``nesterov`` as in optax).
 
@@ -520,6 +590,7 @@ def adamw_rule(nesterov: bool = False) -> UpdateRule:
   )
 
 
+@_one_per_variant
 def adamax_rule() -> UpdateRule:
   """Adamax as ``optax.adamax`` computes it.
 
@@ -538,6 +609,7 @@ def adamax_rule() -> UpdateRule:
                     update=update, second_moments=("nu",))
 
 
+@_one_per_variant
 def radam_rule(nesterov: bool = False) -> UpdateRule:
   """RAdam as ``optax.radam`` computes it.
 
@@ -561,6 +633,7 @@ def radam_rule(nesterov: bool = False) -> UpdateRule:
                     static=_ADAM_STATIC, second_moments=("nu",))
 
 
+@_one_per_variant
 def lion_rule() -> UpdateRule:
   """Lion as ``optax.lion`` computes it (``scale_by_lion`` in its default
   ``'hard'`` mode, then decoupled weight decay, then lr).
@@ -589,6 +662,7 @@ def lion_rule() -> UpdateRule:
 # (``forge_jax``); these rules leave ``W`` untouched and never store ``G``.
 
 
+@_one_per_variant
 def lamb_rule() -> UpdateRule:
   """LAMB's state update (``optax.lamb``'s ``scale_by_adam`` moments) alone.
 
@@ -608,6 +682,7 @@ def lamb_rule() -> UpdateRule:
                     updates_weight=False, second_moments=("nu",))
 
 
+@_one_per_variant
 def muon_rule(nesterov: bool = True) -> UpdateRule:
   """Muon's state update (``optax.contrib.scale_by_muon``) alone.
 
@@ -644,6 +719,7 @@ def muon_rule(nesterov: bool = True) -> UpdateRule:
       defaults=(("b1_m", "b1"),), static=(("round_mu", 0.0),))
 
 
+@_one_per_variant
 def scion_rule() -> UpdateRule:
   """Scion's state update (``forge_jax.scion``) alone.
 

@@ -172,10 +172,10 @@ def _epilogue(rule, cfg, h_ref, in_refs, out_refs, gs, old, load_state,
     olds = old[j] if old[j] is not None else load_state(j)
     olds = [a.astype(jnp.float32) for a in olds]
     if rule.updates_weight:
-      w_new, new = rule.update(g, olds[0], tuple(olds[1:]), h)
+      w_new, new = rule.call(g, olds[0], tuple(olds[1:]), h)
       new = (w_new, *new)
     else:  # regime 2: the state only; W stays in HBM, untouched.
-      _, new = rule.update(g, None, tuple(olds), h)
+      _, new = rule.call(g, None, tuple(olds), h)
     for i, (r, v) in enumerate(zip(out_refs, new)):
       plgpu.store(r.at[state_tiles[j] if i < n_aliased else tiles[j]],
                   v.astype(r.dtype), mask=masks[j],
@@ -277,9 +277,9 @@ class _LowPrecisionState:
     for j, g in enumerate(gs):
       vals = old[j] if old[j] is not None else self.load(j)
       if rule.updates_weight:
-        w_new, new = rule.update(g, vals[0], tuple(vals[1:]), h)
+        w_new, new = rule.call(g, vals[0], tuple(vals[1:]), h)
       else:
-        _, new = rule.update(g, None, tuple(vals), h)
+        _, new = rule.call(g, None, tuple(vals), h)
       mask = self.masks[j]
       out = list(self.out_refs)
       if rule.updates_weight:

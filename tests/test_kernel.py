@@ -897,6 +897,44 @@ def test_static_settings_are_refused_where_they_do_not_belong():
   assert h["round_mu"] == 1.0 and isinstance(h["round_mu"], float)
 
 
+def test_a_rule_is_checked_where_it_is_made_and_where_it_runs():
+  """Its names: tuples of distinct strings (a string is not a tuple of
+  slot names). Its update's result, in the kernel and in the reference: one
+  array of the tile's shape per slot and output. A factory returns one
+  rule per variant (a new rule would be a new kernel build), and
+  describe_backend checks stochastic_rounding as the call does."""
+  update = lambda g, w, s, h: (w - h["lr"] * g, s)
+  with pytest.raises(TypeError, match="slots must be a tuple of names"):
+    pk.UpdateRule(name="bad", slots="mu", hparams=("lr",), update=update)
+  with pytest.raises(TypeError, match="hparams must be a tuple of names"):
+    pk.UpdateRule(name="bad", slots=("mu",), hparams="lr", update=update)
+  with pytest.raises(ValueError, match=r"\['mu'\] are used more than once"):
+    pk.UpdateRule(name="bad", slots=("mu",), hparams=("lr", "mu"),
+                  update=update)
+  F32 = (jnp.float32,) * 4
+  x, dy, w, (mu, nu) = make_case(0, (5,), 9, 7, F32)
+  for result, match in (
+      (lambda g, w, s, h: (w - h["lr"] * g, s[:1]), "returned 1 arrays"),
+      (lambda g, w, s, h: (w, (s[0], s[1], g)), "returned 3 arrays"),
+      (lambda g, w, s, h: (w, (s[0], jnp.float32(0))),
+       r"returned 'nu' of shape \(\) for a tile"),
+  ):
+    rule = pk.UpdateRule(name="custom", slots=("mu", "nu"), hparams=("lr",),
+                         update=result)
+    h = rule.pack(lr=0.1)
+    kernel = functools.partial(pk.fused_wgrad_update, interpret=True)
+    for fn in (kernel, pk.fused_wgrad_update_reference):
+      with pytest.raises(ValueError, match=match):
+        fn(x, dy, w, (mu, nu), h, rule=rule)
+  assert pk.adamw_rule() is pk.adamw_rule() is pk.ADAMW
+  assert pk.sgd_rule(True) is pk.sgd_rule(momentum=1)
+  assert pk.sgd_rule() is not pk.sgd_rule(momentum=True)
+  for bad in (False, 0, "no"):
+    with pytest.raises(TypeError, match="stochastic_rounding must be"):
+      pk.describe_backend(x, dy, w.astype(jnp.bfloat16), (mu, nu),
+                          rule=pk.ADAMW, stochastic_rounding=bad)
+
+
 # --- interpret mode without a GPU ---------------------------------------------
 
 
