@@ -162,7 +162,8 @@ class MomentFormat:
           f"MomentFormat kind {self.kind!r} is not one of {KINDS}: int8 is "
           "the symmetric 8-bit integer format, fp8_e4m3 and fp8_e5m2 the two "
           "8-bit float formats.")
-    if (not isinstance(self.block, int) or self.block < 1
+    if (not isinstance(self.block, int) or isinstance(self.block, bool)
+        or self.block < 1
         or self.block & (self.block - 1)):
       raise ValueError(
           f"MomentFormat block={self.block!r}: the block (elements per "

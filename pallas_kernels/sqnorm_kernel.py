@@ -170,7 +170,7 @@ def wgrad_sqnorm(x: jax.Array, dy: jax.Array, *,
   x2, dy2 = _checked(x, dy)
   bt, n_in = x2.shape
   n_out = dy2.shape[1]
-  check_block_config(config, "wgrad_sqnorm(config=...)")
+  check_block_config(config, "wgrad_sqnorm", "config")
   if config is not None:
     set_ = [n for n in _EPILOGUE_OPTIONS if getattr(config, n)
             != getattr(BlockConfig, n)]

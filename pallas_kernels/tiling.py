@@ -138,11 +138,12 @@ class BlockConfig:
     return cfg.fit(bt, n_in, n_out)
 
 
-def check_block_config(config, where: str) -> None:
+def check_block_config(config, where: str, name: str = "block_config"
+                       ) -> None:
   """Refuses a tiling that is neither ``None`` nor a :class:`BlockConfig`
   (a dict, a tuple, a label string) where it is given, rather than as an
-  AttributeError deep inside a backward."""
+  AttributeError deep inside a backward; ``name``: the argument's."""
   if config is not None and not isinstance(config, BlockConfig):
     raise TypeError(
-        f"{where}: block_config must be a pallas_kernels.BlockConfig or None, "
+        f"{where}: {name} must be a pallas_kernels.BlockConfig or None, "
         f"got {type(config).__name__} {config!r:.80}")

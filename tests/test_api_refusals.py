@@ -126,6 +126,12 @@ def test_x_and_dy_without_a_common_dtype_are_refused():
     pk.wgrad_sqnorm(x.astype(jnp.float8_e4m3fn), dy, interpret=True)
 
 
+def test_a_moment_formats_block_is_a_power_of_two_int():
+  for bad in (True, 0, 48, 64.0):
+    with pytest.raises(ValueError, match="must be a positive power of two"):
+      quant.MomentFormat("int8", block=bad)
+
+
 # --- describe_backend --------------------------------------------------------
 
 

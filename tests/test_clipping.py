@@ -63,7 +63,8 @@ def test_sqnorm_kernel_edge_cases_and_refusals():
   with pytest.raises(ValueError, match="split_out.*epilogue"):
     pk.wgrad_sqnorm(x, dy, interpret=True,
                     config=pk.BlockConfig(16, 32, 16, split_out=2))
-  with pytest.raises(TypeError, match="BlockConfig"):
+  with pytest.raises(TypeError, match="wgrad_sqnorm: config must be a "
+                     "pallas_kernels.BlockConfig"):
     pk.wgrad_sqnorm(x, dy, interpret=True, config={"block_in": 16})
   with pytest.raises(ValueError, match="leading"):
     pk.wgrad_sqnorm(x, dy[:5], interpret=True)
