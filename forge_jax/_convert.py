@@ -221,12 +221,19 @@ _UNDER_VMAP = (
     "the whole batch (the mapped axis folded into the batch) to fuse it")
 
 
-def _traces_between(x, steps):
-  """The traces from ``x``'s (a tracer) up to, not including, the one the
-  step's parameter ``steps`` belongs to: those opened beneath it inside
-  ``loss_fn`` (empty where JAX's tracer internals are missing)."""
+def _traces_beneath(x, steps):
+  """``x``'s trace and its parents up to, not including, the one the
+  step's parameter ``steps`` belongs to: the traces opened beneath the
+  step's inside ``loss_fn``, innermost first. Empty where ``x`` is not a
+  tracer of such a trace (an array, a tracer of the step's own or an
+  enclosing trace); ``None`` where JAX's tracer internals it reads (the
+  tracers' ``_trace``, the traces' ``parent_trace``) are missing."""
+  if not isinstance(x, jax.core.Tracer):
+    return []
   outer = getattr(steps, "_trace", None)
   trace = getattr(x, "_trace", None)
+  if outer is None or trace is None or not hasattr(trace, "parent_trace"):
+    return None
   found = []
   while trace is not None and trace is not outer:
     found.append(trace)
@@ -236,35 +243,24 @@ def _traces_between(x, steps):
 
 def _under_vmap(inputs, steps) -> bool:
   """Whether the layer's ``inputs`` are batched by a vmap opened beneath
-  the step's trace (JAX's ``BatchTrace``, found by name)."""
-  if not isinstance(inputs, jax.core.Tracer):
-    return False
+  the step's trace (JAX's ``BatchTrace``, found by name; where the tracer
+  internals are missing, it cannot tell: no)."""
   return any(type(t).__name__ == "BatchTrace"
-             for t in _traces_between(inputs, steps))
+             for t in _traces_beneath(inputs, steps) or ())
 
 
 def _traced_beneath(kernel, steps) -> bool:
   """Whether ``kernel`` is a tracer of a trace opened beneath the one the
-  step's parameter ``steps`` belongs to: the parameters handed on as
-  operands inside ``loss_fn`` (``jax.checkpoint(model.apply)``, a
-  ``custom_vjp``, a control-flow primitive), the same values under another
-  name, where the layer's path decides. A teacher's kernel (an array, or a
-  tracer of the step's own or an enclosing trace: passed in the batch,
-  frozen with ``stop_gradient``, cast) is not. Reads the tracers'
-  ``_trace`` and the traces' ``parent_trace`` (JAX's tracer internals);
-  where they are missing it cannot tell, and the path decides."""
-  if not isinstance(kernel, jax.core.Tracer):
-    return False
-  outer = getattr(steps, "_trace", None)
-  trace = getattr(kernel, "_trace", None)
-  if outer is None or trace is None or not hasattr(trace, "parent_trace"):
-    return True
-  trace = trace.parent_trace
-  while trace is not None:
-    if trace is outer:
-      return True
-    trace = getattr(trace, "parent_trace", None)
-  return False
+  step's parameter ``steps`` belongs to (:func:`_traces_beneath`): the
+  parameters handed on as operands inside ``loss_fn``
+  (``jax.checkpoint(model.apply)``, a ``custom_vjp``, a control-flow
+  primitive), the same values under another name, where the layer's path
+  decides. A teacher's kernel (an array, or a tracer of the step's own or
+  an enclosing trace: passed in the batch, frozen with ``stop_gradient``,
+  cast) is not. Where JAX's tracer internals are missing it cannot tell,
+  and the path decides."""
+  traces = _traces_beneath(kernel, steps)
+  return traces is None or bool(traces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,17 +394,17 @@ class _Converter:
     here): several feature axes, the last not a multiple of a format's
     block."""
     lp = getattr(self.spec, "low_precision", None)
-    n_out = math.prod(_as_tuple(module.features)) if kind == (
-        "nn.DenseGeneral") else shape[-1]
-    if lp is None or shape[-1] == n_out:
+    if lp is None or kind != "nn.DenseGeneral":
       return None
-    for fmt in _dense.quantized_formats(lp, None, tuple(shape)):
-      if shape[-1] % fmt.block:
-        return (f"its kernel {tuple(shape)} has several feature axes, the "
-                f"last of {shape[-1]} elements, not a multiple of "
-                f"{fmt.block}: the quantized moments' blocks along it are "
-                "not blocks of the fused kernel's matrix rows")
-    return None
+    fmt = _dense.misfit_block(
+        shape, math.prod(_as_tuple(module.features)),
+        _dense.quantized_formats(lp, None, tuple(shape)))
+    if fmt is None:
+      return None
+    return (f"its kernel {tuple(shape)} has several feature axes, the "
+            f"last of {shape[-1]} elements, not a multiple of {fmt.block}: "
+            "the quantized moments' blocks along it are not blocks of the "
+            "fused kernel's matrix rows")
 
   def _overridden(self, module, next_fun, args, kwargs):
     """A subclass's own ``__call__``: converted where it calls nn.Dense's

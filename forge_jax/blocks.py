@@ -224,18 +224,18 @@ def check_scale_view(rec, formats, name: str) -> None:
   quantized) have no blocks: nothing to refuse."""
   if rec.gemm is None:
     return
-  last, n_out = rec.kernel_shape[-1], rec.gemm[1]
-  for fmt in formats:
-    if last != n_out and last % fmt.block:
-      raise ValueError(
-          f"{rec.kind} at {name!r} (in a forge_jax.ScannedBlocks block): its "
-          f"kernel {tuple(rec.kernel_shape)} has several feature axes, the "
-          f"last of {last} elements, not a multiple of {fmt.block}: the "
-          f"quantized moments' blocks ({fmt.block} consecutive elements of "
-          "the kernel's last axis) are not blocks of the fused kernel's "
-          f"{tuple(rec.gemm)} matrix rows. Give this layer fused=False (the "
-          "standard path steps it with the same quantized state), or "
-          f"features whose last axis is a multiple of {fmt.block}.")
+  last = rec.kernel_shape[-1]
+  fmt = _dense.misfit_block(rec.kernel_shape, rec.gemm[1], formats)
+  if fmt is not None:
+    raise ValueError(
+        f"{rec.kind} at {name!r} (in a forge_jax.ScannedBlocks block): its "
+        f"kernel {tuple(rec.kernel_shape)} has several feature axes, the "
+        f"last of {last} elements, not a multiple of {fmt.block}: the "
+        f"quantized moments' blocks ({fmt.block} consecutive elements of "
+        "the kernel's last axis) are not blocks of the fused kernel's "
+        f"{tuple(rec.gemm)} matrix rows. Give this layer fused=False (the "
+        "standard path steps it with the same quantized state), or "
+        f"features whose last axis is a multiple of {fmt.block}.")
 
 
 def _as_gemm(a, views):

@@ -159,30 +159,41 @@ def quantized_formats(lp, layout, shape) -> set:
           if f is not None and d.num_leaves == 2}
 
 
+def misfit_block(shape, n_out: int, formats):
+  """The first of the quantized ``formats`` whose blocks along the last
+  axis of a kernel of ``shape`` are not blocks of its GEMM matrix's rows
+  (``n_out`` wide): several feature axes, the last not a multiple of the
+  block. ``None`` if every format fits."""
+  for fmt in formats:
+    if shape[-1] != n_out and shape[-1] % fmt.block:
+      return fmt
+  return None
+
+
 def _scale_views(static, shape, formats) -> dict:
   """``{scale shape of the kernel: scale shape of its GEMM matrix}`` for
   the quantized moments (of ``formats``) of a ``forge_jax.DenseGeneral``
   kernel; refuses a kernel whose blocks along its last axis are not blocks
-  of the matrix's rows (several feature axes, the last not a multiple of
-  the block). Float moments have no blocks: nothing to view or refuse."""
+  of the matrix's rows (:func:`misfit_block`). Float moments have no
+  blocks: nothing to view or refuse."""
   views = {}
+  n_out = static.gemm[1]
+  fmt = misfit_block(shape, n_out, formats)
+  if fmt is not None:
+    raise ValueError(
+        f"{static.kind} at {_context.layer_name(static.path)!r}: its "
+        f"kernel {tuple(shape)} has several feature axes, the last of "
+        f"{shape[-1]} elements, not a multiple of {fmt.block}: the "
+        f"quantized moments' blocks ({fmt.block} consecutive elements of "
+        "the kernel's last axis) are not blocks of the fused kernel's "
+        f"({static.gemm[0]}, {n_out}) matrix. Give this layer "
+        "fused=False (the standard path steps it with the same "
+        "quantized state), or features whose last axis is a multiple of "
+        f"{fmt.block}.")
   for fmt in formats:
     param = fmt.scale_shape(shape)
-    matrix = fmt.scale_shape(static.gemm)
-    n_out = static.gemm[1]
-    if shape[-1] != n_out and shape[-1] % fmt.block:
-      raise ValueError(
-          f"{static.kind} at {_context.layer_name(static.path)!r}: its "
-          f"kernel {tuple(shape)} has several feature axes, the last of "
-          f"{shape[-1]} elements, not a multiple of {fmt.block}: the "
-          f"quantized moments' blocks ({fmt.block} consecutive elements of "
-          "the kernel's last axis) are not blocks of the fused kernel's "
-          f"({static.gemm[0]}, {n_out}) matrix. Give this layer "
-          "fused=False (the standard path steps it with the same "
-          "quantized state), or features whose last axis is a multiple of "
-          f"{fmt.block}.")
     if param != tuple(shape):  # (else a one-column kernel: viewed as one)
-      views[param] = matrix
+      views[param] = fmt.scale_shape(static.gemm)
   return views
 
 
