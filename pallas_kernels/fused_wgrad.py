@@ -41,7 +41,8 @@ from pallas_kernels.checks import (
     flatten_tokens,
     planned_slots,
 )
-from pallas_kernels.interpret import default_interpret, warn_interpret_once
+from pallas_kernels.interpret import (check_interpret, default_interpret,
+                                      warn_interpret_once)
 from pallas_kernels.reference import apply_rule, fused_wgrad_update_reference
 from pallas_kernels.rules import HPARAM_VECTOR_LEN, UpdateRule
 from pallas_kernels.tiling import BlockConfig, check_block_config
@@ -59,10 +60,11 @@ __all__ = ["BackendChoice", "BlockConfig", "check_block_config",
            "stored_g_update", "unfused_wgrad_update"]
 
 
-def _interpret(interpret: bool | None) -> bool:
+def _interpret(interpret: bool | None, where: str) -> bool:
   """``interpret``, or when ``None`` whether there is no GPU; running in
   interpret mode for that reason gives the one-time
   :class:`~pallas_kernels.interpret.InterpretModeWarning`."""
+  interpret = check_interpret(interpret, where)
   if interpret is not None:
     return interpret
   interpret = default_interpret()
@@ -196,7 +198,7 @@ def fused_wgrad_update(
   stacked = layer is not None
   if stacked:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
-  interpret = _interpret(interpret)
+  interpret = _interpret(interpret, where)
   choice = _decide(bt, x2.dtype, w, slots, plan, rule, interpret=interpret,
                    stacked=stacked, config=config, backend=backend,
                    varying=_varying(x2, dy2, w, *jax.tree.leaves(slots)),
@@ -334,6 +336,7 @@ def describe_backend(x, dy, w, slots, *, rule: UpdateRule, config=None,
   check_inputs(x, dy, w, stand_ins,
                jax.ShapeDtypeStruct((HPARAM_VECTOR_LEN,), jnp.float32), rule,
                None if layer is None else 0)
+  interpret = check_interpret(interpret, where)
   if interpret is None:
     interpret = default_interpret()
   return _decide(math.prod(x.shape[:-1]), common_dtype(x, dy), w, slots,
@@ -456,7 +459,7 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
       layer, formats, stochastic_rounding, where=where)
   if layer is not None:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
-  interpret = _interpret(interpret)
+  interpret = _interpret(interpret, where)
   choice = _decide(0, g.dtype, w, slots, plan, rule, interpret=interpret,
                    stacked=layer is not None, config=config, backend=backend,
                    varying=_varying(g, w, *jax.tree.leaves(slots)),

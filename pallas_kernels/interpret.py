@@ -12,7 +12,8 @@ import warnings
 
 import jax
 
-__all__ = ["InterpretModeWarning", "default_interpret", "warn_interpret_once"]
+__all__ = ["InterpretModeWarning", "default_interpret", "check_interpret",
+           "warn_interpret_once"]
 
 
 class InterpretModeWarning(UserWarning):
@@ -25,6 +26,30 @@ _warned = False
 def default_interpret() -> bool:
   """Pallas interpret mode unless the default backend is a GPU."""
   return jax.default_backend() != "gpu"
+
+
+def check_interpret(interpret, where: str) -> bool | None:
+  """``interpret`` if it is ``True``, ``False`` or ``None``.
+
+  Args:
+    interpret: the caller's ``interpret=`` argument.
+    where: the function whose argument it is, for the error.
+
+  Returns:
+    ``interpret`` as a ``bool``, or ``None`` (interpret mode when there is no
+    GPU).
+
+  Raises:
+    TypeError: anything else (a string such as ``"false"``, a number), which
+      would otherwise be read by its truth.
+  """
+  if interpret is None:
+    return None
+  if type(interpret).__name__ not in ("bool", "bool_"):
+    raise TypeError(
+        f"{where}(interpret=...) takes True, False or None (None: interpret "
+        f"mode when there is no GPU); got {interpret!r}")
+  return bool(interpret)
 
 
 def warn_interpret_once() -> None:

@@ -28,7 +28,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.checks import (check_float_dtype, common_dtype,
                                    flatten_tokens)
-from pallas_kernels.interpret import default_interpret, warn_interpret_once
+from pallas_kernels.interpret import (check_interpret, default_interpret,
+                                      warn_interpret_once)
 from pallas_kernels.tiling import BlockConfig, check_block_config
 
 __all__ = ["default_config", "wgrad_sqnorm", "wgrad_sqnorm_reference"]
@@ -179,6 +180,7 @@ def wgrad_sqnorm(x: jax.Array, dy: jax.Array, *,
           f"wgrad_sqnorm(config=...): {set_} are options of the fused "
           "kernel's epilogue, which this kernel does not have; leave them "
           "at their defaults")
+  interpret = check_interpret(interpret, "wgrad_sqnorm")
   if interpret is None:
     interpret = default_interpret()
     if interpret:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import lowp, mosaic_kernel
 from pallas_kernels.checks import check_rule
-from pallas_kernels.interpret import default_interpret
+from pallas_kernels.interpret import check_interpret, default_interpret
 from pallas_kernels.mosaic_kernel import MosaicConfig
 from pallas_kernels.tiling import BlockConfig, next_pow2
 
@@ -415,6 +415,7 @@ def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
   Returns:
     A :class:`BlockConfig` fitted to the problem.
   """
+  interpret = check_interpret(interpret, "select_config")
   if interpret is None:
     interpret = default_interpret()
   if not interpret:
@@ -560,6 +561,7 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
     ValueError: ``backend`` or ``$FORGE_BACKEND`` names no backend.
     TypeError: ``config`` is not a tiling of the chosen backend.
   """
+  interpret = check_interpret(interpret, where)
   if interpret is None:
     interpret = default_interpret()
   if backend is not None and backend not in BACKENDS:

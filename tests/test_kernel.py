@@ -941,7 +941,7 @@ def test_a_rule_is_checked_where_it_is_made_and_where_it_runs():
 def test_interpret_mode_without_a_gpu_warns_once(monkeypatch):
   """The first kernel run in interpret mode because no GPU was found warns
   (InterpretModeWarning), once per process; an explicit interpret=True does
-  not."""
+  not. interpret= takes True, False or None, not a value's truth."""
   import warnings
 
   import pallas_kernels.fused_wgrad as fw
@@ -965,3 +965,13 @@ def test_interpret_mode_without_a_gpu_warns_once(monkeypatch):
   assert "interpret mode" in str(first.message)
   assert issubclass(pk.InterpretModeWarning, UserWarning)
   assert interpret_warnings() == []  # once per process
+  for bad in ("false", 0, 1.0):
+    for call in (lambda: pk.fused_wgrad_update(x, dy, w, slots, h,
+                                               rule=pk.ADAMW, interpret=bad),
+                 lambda: pk.stored_g_update(g, w, slots, h, rule=pk.ADAMW,
+                                            interpret=bad),
+                 lambda: pk.wgrad_sqnorm(x, dy, interpret=bad),
+                 lambda: pk.describe_backend(x, dy, w, slots, rule=pk.ADAMW,
+                                             interpret=bad)):
+      with pytest.raises(TypeError, match="takes True, False or None"):
+        call()
