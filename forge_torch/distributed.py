@@ -161,7 +161,8 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
   if isinstance(module, nn.parallel.DistributedDataParallel):
     inner = module.module
     missing = [name for name, p in _managed_weights(inner)
-               if name not in module.parameters_to_ignore or p not in _GROUPS]
+               if not set(_ddp_names([name])) <= module.parameters_to_ignore
+               or p not in _GROUPS]
     if missing:
       raise RuntimeError(
           "forge_torch.distributed.prepare_ddp was called on a "
@@ -182,14 +183,16 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
       check_not_sharded(layer, mod_name or type(module).__name__)
   weights = _managed_weights(module)
   names = [name for name, _ in weights]
+  for _, p in weights:
+    if p not in _GROUPS:  # once per weight
+      _register_grad_hook(p, _unfused_grad_ready)
+    _GROUPS[p] = process_group
+  # DDP names a parameter of the module it wraps ".weight" in some of its
+  # checks and "weight" in others; a nested one is "fc.weight" in both.
   ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
   ddp = nn.parallel.DistributedDataParallel
   ddp._set_params_and_buffers_to_ignore_for_model(
-      module, ignored + [n for n in names if n not in ignored])
-  for _, p in weights:
-    if p not in _GROUPS:  # once per weight
-      p.register_post_accumulate_grad_hook(_unfused_grad_ready)
-    _GROUPS[p] = process_group
+      module, ignored + [n for n in _ddp_names(names) if n not in ignored])
   if broadcast and weights:
     src = (0 if process_group is None
            else dist.get_global_rank(process_group, 0))
@@ -197,6 +200,28 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
       for _, p in weights:
         dist.broadcast(p.data, src=src, group=process_group)
   return names
+
+
+def _ddp_names(names: list[str]) -> list[str]:
+  """The names under which DDP looks up the parameters ``names`` in its
+  ignore list: a parameter of the wrapped module itself is ``"weight"`` to
+  some of DDP's checks and ``".weight"`` to others."""
+  return [m for n in names for m in ((n,) if "." in n else (n, "." + n))]
+
+
+def _register_grad_hook(p: torch.Tensor, hook) -> None:
+  """``p.register_post_accumulate_grad_hook(hook)``, also for a weight
+  frozen now (``requires_grad=False``), which torch refuses to hook: the
+  hook is registered with ``requires_grad`` on for the moment, so it is in
+  place if the weight is unfrozen later."""
+  if p.requires_grad:
+    p.register_post_accumulate_grad_hook(hook)
+    return
+  p.requires_grad_(True)
+  try:
+    p.register_post_accumulate_grad_hook(hook)
+  finally:
+    p.requires_grad_(False)
 
 
 def _ddp_process_group(module: nn.Module, args: tuple, kwargs: dict):
@@ -217,8 +242,13 @@ def wrap_ddp(module: nn.Module, *args: Any,
   """``torch.nn.parallel.DistributedDataParallel(module, *args, **kwargs)``
   after :func:`prepare_ddp` over the group DDP reduces over (its
   ``process_group``, by keyword or by position, or its ``device_mesh``'s
-  group; none: the default group)."""
-  prepare_ddp(module, _ddp_process_group(module, args, kwargs))
+  group; none: the default group). The managed weights are copied from the
+  group's first rank unless DDP is given ``init_sync=False``, which skips
+  its own copy of the other parameters."""
+  signature = inspect.signature(nn.parallel.DistributedDataParallel.__init__)
+  arguments = signature.bind_partial(None, module, *args, **kwargs).arguments
+  prepare_ddp(module, _ddp_process_group(module, args, kwargs),
+              broadcast=bool(arguments.get("init_sync", True)))
   return nn.parallel.DistributedDataParallel(module, *args, **kwargs)
 
 
@@ -289,9 +319,9 @@ def prepare_fsdp(module: nn.Module) -> list[str]:
       layer._set_path(mod_name)
     else:
       layer._set_path(layer._forge_path)
-    _linear._mark(w)
     if w not in _SHARDED:  # once per sharded parameter
-      w.register_post_accumulate_grad_hook(_sharded_grad_ready)
+      _register_grad_hook(w, _sharded_grad_ready)
+    _linear._mark(w)
     _SHARDED[w] = weakref.ref(layer)
     layer._forge_sharded = True
     names.append(f"{mod_name}.weight" if mod_name else "weight")

@@ -292,6 +292,77 @@ def _train(rank: int, micro_batches, accumulate: int, seed: int,
   }
 
 
+# fc1 frozen for the first steps of FROZEN (a fine-tuning's frozen base
+# layer, converted with the rest), then trained as nn.Linear (unfused) in
+# the last: the hook registered while it was frozen averages its gradient.
+FROZEN = [1, 1, 1]
+
+
+def _frozen(rank: int) -> dict:
+  """A managed weight frozen when DDP and fully_shard are prepared, and a
+  forge_torch.Linear given to DDP as the whole model."""
+  ddp_model = converted(make_net())
+  ddp_model.fc1.weight.requires_grad_(False)
+  ddp = forge_dist.wrap_ddp(ddp_model)
+  ddp_opt = forge_torch.AdamW(ddp.parameters(), lr=LR, weight_decay=WD)
+  fsdp_model = converted(make_net())
+  fsdp_model.fc1.weight.requires_grad_(False)
+  fully_shard(fsdp_model.fc1)
+  fully_shard(fsdp_model.fc2)
+  fully_shard(fsdp_model)
+  fsdp_names = forge_dist.prepare_fsdp(fsdp_model)
+  fsdp_opt = forge_torch.AdamW(fsdp_model.parameters(), lr=LR,
+                               weight_decay=WD)
+  for s, step in enumerate(batches(FROZEN, SEEDS["frozen"])):
+    last = s == len(FROZEN) - 1
+    ddp_model.fc1.weight.requires_grad_(last)
+    ddp_model.fc1.fused = not last
+    x, y = step[0][rank]
+    F.mse_loss(ddp(x), y).backward()
+    ddp_opt.step()
+    ddp_opt.zero_grad()
+    if not last:
+      F.mse_loss(fsdp_model(x), y).backward()
+      fsdp_opt.step()
+      fsdp_opt.zero_grad()
+  # A forge_torch.Linear wrapped whole: DDP leaves its weight to FORGE (no
+  # gradient allocated and reduced for it by DDP).
+  layer = converted(make_net()).fc2
+  root = forge_dist.wrap_ddp(layer)
+  root_opt = forge_torch.AdamW(root.parameters(), lr=LR)
+  root(torch.randn(ROWS, SEQ, D)).sum().backward()
+  # DDP told not to copy rank 0's parameters: nor does FORGE.
+  unsynced = converted(make_net())
+  with torch.no_grad():
+    unsynced.fc1.weight.add_(float(rank))
+  forge_dist.wrap_ddp(unsynced, init_sync=False)
+  return {
+      "unsynced": unsynced.fc1.weight - make_net().fc1.weight,
+      "ddp": {k: v.detach() for k, v in ddp_model.named_parameters()},
+      "fsdp": {k: v.full_tensor().detach()
+               for k, v in fsdp_model.named_parameters()},
+      "fsdp_names": fsdp_names,
+      "root_grad": layer.weight.grad,
+      "root_managed": root_opt.managed_params == [layer.weight],
+      "root_checked": forge_dist.prepare_ddp(root),
+  }
+
+
+def frozen_reference(steps: int) -> nn.Module:
+  """torch.optim.AdamW in one process over FROZEN's first ``steps`` steps,
+  fc1 frozen but in the last of FROZEN."""
+  net = make_net()
+  opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+  for s, step in enumerate(batches(FROZEN, SEEDS["frozen"])[:steps]):
+    net.fc1.weight.requires_grad_(s == len(FROZEN) - 1)
+    x = torch.cat([x for x, _ in step[0]])
+    y = torch.cat([y for _, y in step[0]])
+    F.mse_loss(net(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+  return net
+
+
 def _rank(rank: int, init: str, device: str, world: int = WORLD) -> dict:
   """What rank ``rank`` of ``world`` reports (an exception's traceback, if
   one ends it)."""
@@ -309,6 +380,7 @@ def _rank(rank: int, init: str, device: str, world: int = WORLD) -> dict:
               "fsdp_plain": (_train_fsdp(rank, PLAIN, 1, seed=3, world=world)
                              if cpu else None)}
     return {"misuses": _misuses(rank) if cpu else None,
+            "frozen": _frozen(rank) if cpu else None,
             "plain": _train(rank, PLAIN, 1, seed=1, device=device),
             "accumulated": _train(rank, ACCUMULATED, 2, seed=2, device=device),
             # FSDP2 over gloo: CPU tensors only.
@@ -408,7 +480,7 @@ def wide_reports(tmp_path_factory):
 
 
 SEEDS = {"plain": 1, "accumulated": 2, "fsdp_plain": 3, "fsdp_accumulated": 4,
-         "fsdp_tied": 5}
+         "fsdp_tied": 5, "frozen": 6}
 
 
 def check_against_torch(ranks: list[dict], case: str, device: str) -> None:
@@ -504,6 +576,29 @@ def test_fully_shard_tied_weight_matches_single_process_adamw(reports):
     assert r["fsdp_tied"]["local_rows"] == [r["fsdp_plain"]["local_rows"][0]]
     assert r["fsdp_tied"]["placements"] == [(True, True)]
     assert r["fsdp_tied"]["reloaded"] == [True]
+
+
+def test_a_frozen_managed_weight_and_a_wrapped_layer(reports):
+  """A managed weight frozen when DDP or fully_shard is prepared: prepared
+  (torch refuses a hook on a frozen tensor), left as it is while frozen,
+  and under DDP averaged by the hook once unfrozen and run unfused; both
+  match torch.optim.AdamW with the same weight frozen. A forge_torch.Linear
+  given to DDP as the whole model gets no DDP gradient. wrap_ddp(...,
+  init_sync=False) does not copy the managed weights either."""
+  ddp_ref, fsdp_ref = frozen_reference(len(FROZEN)), frozen_reference(2)
+  start = make_net()
+  for r, report in enumerate(reports):
+    got = report["frozen"]
+    for case, ref in (("ddp", ddp_ref), ("fsdp", fsdp_ref)):
+      for name, want in ref.named_parameters():
+        assert rel(got[case][name], want) <= FP32, (r, case, name)
+      moved = rel(got[case]["fc1.weight"], start.fc1.weight)
+      assert (moved > 1e3 * FP32) == (case == "ddp"), (r, case, moved)
+    assert got["fsdp_names"] == ["fc1.weight", "fc2.weight"]
+    assert got["root_managed"] and got["root_grad"] is None
+    assert torch.allclose(got["unsynced"], torch.full((D, D), float(r)),
+                          atol=1e-6), got["unsynced"]
+    assert got["root_checked"] == ["weight"]
 
 
 def test_misuse_is_refused(reports):
