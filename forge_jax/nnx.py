@@ -360,6 +360,33 @@ def _str_keys(tree):
                       is_leaf=lambda x: isinstance(x, Mapping))
 
 
+def _conform(state, like):
+  """``state`` (an optimizer state as ``nnx.Optimizer`` keeps it, whose
+  lists may have come back from an update as int-keyed ``nnx.State``
+  levels) laid out as ``like`` (the transform's ``init`` on the
+  string-keyed parameters): its mappings string-keyed dicts, its lists and
+  tuples (SM3's accumulators per axis, optax's named tuples) again lists
+  and tuples, so that the transform indexes them as it built them."""
+  if isinstance(like, Mapping):
+    by_str = {str(k): v for k, v in state.items()}
+    return {k: _conform(by_str[k], v) for k, v in like.items()}
+  if isinstance(like, (list, tuple)):
+    items = ([state[i] for i in range(len(like))]
+             if isinstance(state, Mapping) else list(state))
+    items = [_conform(a, b) for a, b in zip(items, like, strict=True)]
+    if hasattr(like, "_fields"):
+      return type(like)(*items)
+    return type(like)(items)
+  children, treedef = jax.tree_util.tree_flatten(
+      like, is_leaf=lambda node: node is not like)
+  if treedef.num_nodes == 1 and children and children[0] is like:
+    return state  # a leaf
+  own = jax.tree_util.tree_flatten(state, is_leaf=lambda node: node
+                                   is not state)[0]
+  return treedef.unflatten([_conform(a, b)
+                            for a, b in zip(own, children, strict=True)])
+
+
 def _key(k) -> str:
   for attr in ("key", "idx", "name"):
     if hasattr(k, attr):
@@ -517,11 +544,13 @@ def make_step(
                     {i: nnx.as_pure(nnx.split(n)[1])
                      for i, n in arg_nodes.items()})
 
+    str_trained = _str_keys(trained)
     inner = _step.make_step(forge_loss, optimizer.tx, shared=shared,
                             has_aux=True, wgrad=wgrad)
     try:
       (loss, (aux, new_rest, new_nodes)), new_vars, new_state = inner(
-          {"params": _str_keys(trained)}, _str_keys(opt_state),
+          {"params": str_trained}, _conform(
+              opt_state, jax.eval_shape(optimizer.tx.init, str_trained)),
           (plain, node_states))
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
       raise _in_nnx_terms(e) from None

@@ -143,7 +143,7 @@ GROUPS = (
                          "_in_other_regimes", "lamb-kwargs0")
                 + _cases(T + "test_nnx.py::test_mlp_trains_like_nnx_and"
                          "_optax", "adamw-schedule-mask",
-                         "clipped-adamw-mask"))),
+                         "clipped-adamw-mask", "sm3"))),
     Group("Kernel variants. Every kernel keeps its reference test over odd "
           "shapes and each dtype combination; the quick tier runs one case "
           "per schedule feature of the Mosaic GPU kernel (each runs in "
