@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import contextlib
+import re
 import threading
 from typing import Any, Callable
 
@@ -263,7 +264,7 @@ def _check_transform(tx, who: str) -> None:
   try:
     _step._check_step_arguments(tx, "error", False, "fused")
   except TypeError as e:
-    raise TypeError(f"{who}: {e}") from None
+    raise TypeError(f"{who}: {str(e).removeprefix('make_step: ')}") from None
   clipping = _clip.recognise(tx)  # optax.chain(clip_by_global_norm, tx)
   if clipping is not None:
     tx = clipping.member
@@ -307,7 +308,13 @@ class Optimizer(nnx.Optimizer):
 
 
 # Phrases in the messages of forge_jax.make_step (shared with the Flax linen
-# layers) and what they are for an NNX model.
+# layers) and what they are for an NNX model (tests/test_nnx.py checks that
+# the messages still hold each phrase).
+_NO_MESH_LAYOUT = (
+    "forge_jax.nnx.make_step takes no mesh layout: keep the model and the "
+    "batch on one device, or train a Flax linen model with "
+    "forge_jax.make_step(..., mesh_layout=forge_jax.MeshLayout(...)) "
+    "(docs/distributed.md).")
 _NO_LAYER_CALLED = (
     "no forge_jax.Dense layer (or ScannedDenseStack) was called by loss_fn")
 _RENAMES = (
@@ -316,9 +323,31 @@ _RENAMES = (
      "a jax.checkpoint made inside loss_fn or the model's __call__ is "
      "supported, nnx.remat is not (it calls copies of the layers); put "
      "nnx.jit around the whole step instead"),
+    # Parallelism: NNX steps take no mesh layout.
+    ("Build the step with forge_jax.make_step(..., mesh_layout=forge_jax."
+     "MeshLayout(mesh, data_axes=...)) (docs/distributed.md).",
+     _NO_MESH_LAYOUT),
+    ("For data, tensor or fully-sharded parallelism, place the arrays on a "
+     "mesh (jax.device_put with a NamedSharding), build the step with "
+     "make_step(..., mesh_layout=forge_jax.MeshLayout(mesh, data_axes=...)) "
+     "and jit it: each kernel's update then reads its complete gradient "
+     "(docs/distributed.md).", _NO_MESH_LAYOUT),
+    # Scanned stacks are linen modules.
+    ("(For scanned blocks use forge_jax.ScannedBlocks, or "
+     "forge_jax.ScannedDenseStack for a stack of Dense layers.)",
+     "(Scanned stacks of layers are supported in Flax linen only: "
+     "forge_jax.ScannedBlocks, docs/scanned.md.)"),
+    ("jax.vmap / nn.vmap over the model", "jax.vmap / nnx.vmap over the model"),
+    ("or the parameters transformed before model.apply (e.g. cast to "
+     "another dtype: give the model param_dtype/dtype instead)",
+     "or the kernel transformed before the layer reads it (e.g. cast to "
+     "another dtype: give the layer param_dtype/dtype instead)"),
     ("forge_jax.make_step", "forge_jax.nnx.make_step"),
     ("forge_jax.Dense", _KIND),
 )
+
+
+_RENAMED = re.compile("|".join(re.escape(old) for old, _ in _RENAMES))
 
 
 def _in_nnx_terms(e: Exception) -> Exception:
@@ -333,8 +362,8 @@ def _in_nnx_terms(e: Exception) -> Exception:
         "already traced at these shapes is replayed from JAX's cache, and the "
         "layers in it are never called: call them un-jitted and put nnx.jit "
         "around the whole step.")
-  for old, new in _RENAMES:
-    msg = msg.replace(old, new)
+  # One pass: a phrase put in is not renamed again.
+  msg = _RENAMED.sub(lambda m: dict(_RENAMES)[m.group(0)], msg)
   if msg == str(e):
     return e
   return type(e)(msg).with_traceback(e.__traceback__)

@@ -10,6 +10,7 @@ from flax import nnx
 
 import forge_jax
 import forge_jax.nnx as fnx
+from forge_jax import _sharding
 from tests import harness
 from tests.tolerances import rel_err, tol, worst_leaf
 
@@ -384,6 +385,53 @@ def test_a_linear_called_twice_is_refused_or_moved_to_the_standard_path():
         mse, batches, shared="standard")
   assert step.standard_layers == ["hidden"]
   assert_same_training(ref_model, forge_model, ref_opt, forge_opt, start)
+
+
+def test_refusals_give_nnx_advice(monkeypatch):
+  """Refusals shared with the linen step say what applies to an NNX model:
+  no mesh layout, no linen scanned stacks, nnx.vmap, the layer's dtype; and
+  the optimizer's refusal of optax.MultiSteps names its caller once."""
+  model = nnx.Sequential(fnx.Linear(3, 5, rngs=nnx.Rngs(0)),
+                         fnx.Linear(5, 2, rngs=nnx.Rngs(1)))
+  optimizer = fnx.Optimizer(model, forge_jax.adamw(1e-3), wrt=nnx.Param)
+  x, y = jnp.ones((4, 3)), jnp.ones((4, 2))
+  linen = ("ScannedDenseStack", "nn.vmap", "model.apply", "data_axes=",
+           "forge_jax.Dense")
+
+  def refusal(loss_fn, *args):
+    with pytest.raises(ValueError) as e:
+      fnx.make_step(loss_fn)(model, optimizer, *args)
+    msg = str(e.value)
+    assert not [w for w in linen if w in msg], msg
+    return msg
+
+  def looped(model, x, y):  # the model under control flow
+    return jax.lax.fori_loop(0, 2, lambda i, loss: loss + mse(model, x, y),
+                             0.0)
+
+  def per_example(model, x, y):  # the model under jax.vmap
+    return jnp.mean(jax.vmap(lambda r: mse(model, r[None], y[:1]))(x))
+
+  assert "supported in Flax linen only" in refusal(looped, x, y)
+  assert "jax.vmap / nnx.vmap over the model" in refusal(per_example, x, y)
+  assert "give the layer param_dtype" in refusal(per_example, x, y)
+  named = jax.vmap(lambda x, y: fnx.make_step(mse)(model, optimizer, x, y),
+                   axis_name="batch")
+  with pytest.raises(ValueError, match="takes no mesh layout") as e:
+    named(x[None], y[None])
+  assert not [w for w in linen if w in str(e.value)], str(e.value)
+
+  class Mesh:  # the step's arrays seen on a mesh of two devices
+    axis_names, axis_sizes = ("data",), (2,)
+
+  monkeypatch.setattr(_sharding, "_mesh_of", lambda leaf: Mesh())
+  assert "takes no mesh layout" in refusal(mse, x, y)
+  monkeypatch.undo()
+  with pytest.raises(TypeError) as e:
+    fnx.Optimizer(model, optax.MultiSteps(forge_jax.adamw(1e-3), 2),
+                  wrt=nnx.Param)
+  assert str(e.value).startswith(
+      "forge_jax.nnx.Optimizer: optax.MultiSteps cannot drive"), e.value
 
 
 def test_a_kernel_read_outside_its_layer_is_refused_in_nnx_terms():
