@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import contextlib
 import re
 import threading
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -78,6 +79,32 @@ def _tracing(model, params):
     yield
   finally:
     _FOUND.found = prev
+
+
+def _aliased_kernels(model, params: Mapping) -> list[tuple[Path, Path]]:
+  """``(layer path, kernel path)`` of each fused :class:`Linear` whose
+  trained kernel the model's graph reaches first at another path (an
+  attribute holding the same Variable, visited before the layer): the
+  layer does not find its kernel under its own path and runs unfused."""
+  first: dict[int, Path] = {}
+  layers = []
+  for path, node in nnx.iter_graph(model):
+    p = tuple(str(k) for k in path)
+    if isinstance(node, nnx.Variable):
+      first.setdefault(id(node), p)
+    elif isinstance(node, Linear) and node.fused:
+      layers.append((p, node))
+  # A kernel reached first as another layer's (tied layers) is left to
+  # the single-use check, which judges that layer.
+  owners = {(*p, "kernel") for p, layer in layers
+            if first.get(id(layer.kernel)) == (*p, "kernel")}
+  out = []
+  for p, layer in layers:
+    at = first.get(id(layer.kernel))
+    if (at is not None and at != (*p, "kernel") and at not in owners
+        and _has_leaf(params, at)):
+      out.append((p, at))
+  return out
 
 
 def _has_leaf(tree: Mapping, path: Path) -> bool:
@@ -520,7 +547,10 @@ def make_step(
     ``(loss, aux)``) and updating ``model`` and ``optimizer`` in place.
     ``step.standard_layers`` lists the fused :class:`Linear` layers (by path,
     e.g. ``"layers/0/attn/q"``) that the last trace moved to the standard
-    path (layers built with ``fused=False`` are not listed).
+    path: shared ones under ``shared="standard"``, and those whose kernel
+    the model's graph reaches first under another attribute (with a
+    ``forge_jax.SharedWeightsWarning``). Layers built with ``fused=False``
+    are not listed.
 
   Raises:
     ValueError: ``shared`` or ``wgrad`` is not one of the choices above.
@@ -583,7 +613,19 @@ def make_step(
           (plain, node_states))
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
       raise _in_nnx_terms(e) from None
-    standard_layers[:] = inner.standard_layers
+    aliased = _aliased_kernels(model, str_trained)
+    if aliased:
+      warnings.warn(_step.SharedWeightsWarning(
+          "forge_jax.nnx.make_step: the kernel of " + "; of ".join(
+              f"{_KIND} at {'/'.join(p)!r} is reached first at "
+              f"{'/'.join(at)!r}" for p, at in aliased)
+          + " in the model's graph (another attribute holds the same "
+          "Variable), where the step finds it, so the layer takes the "
+          "standard path (ordinary gradient and optax update). Remove the "
+          "other reference to fuse it, or give the layer fused=False."),
+          stacklevel=2)
+    standard_layers[:] = list(inner.standard_layers) + [
+        "/".join(p) for p, _ in aliased]
     nnx.update(model, _like(trained, new_vars["params"]), new_rest)
     for i, new in new_nodes.items():
       nnx.update(leaves[i], new)

@@ -434,6 +434,36 @@ def test_refusals_give_nnx_advice(monkeypatch):
       "forge_jax.nnx.Optimizer: optax.MultiSteps cannot drive"), e.value
 
 
+def test_a_kernel_reached_first_at_another_path_is_reported():
+  """A kernel Variable also held by an attribute that the graph visits
+  first: the step finds it there, not under its layer, so the layer runs
+  unfused; it is listed in standard_layers with a warning naming both
+  paths, and trains as optax does."""
+
+  class Aliased(nnx.Module):
+    def __init__(self, linear, rngs):
+      self.z = linear(5, 8, rngs=rngs)
+      self.out = linear(8, 3, rngs=rngs)
+      self.a_kernel = self.z.kernel  # visited before "z"
+
+    def __call__(self, x):
+      return self.out(nnx.relu(self.z(x)))
+
+  ref_model = Aliased(nnx.Linear, nnx.Rngs(0))
+  forge_model = Aliased(fnx.Linear, nnx.Rngs(0))
+  start = jax.tree.leaves(nnx.as_pure(nnx.state(ref_model, nnx.Param)))
+  key = jax.random.key(3)
+  batches = [(jax.random.normal(jax.random.fold_in(key, i), (6, 5)),
+              jnp.ones((6, 3))) for i in range(3)]
+  with pytest.warns(forge_jax.SharedWeightsWarning,
+                    match="'z' is reached first at 'a_kernel'"):
+    ref_opt, forge_opt, step = train_side_by_side(
+        ref_model, forge_model, optax.adam(1e-2), forge_jax.adam(1e-2), mse,
+        batches)
+  assert step.standard_layers == ["z"]
+  assert_same_training(ref_model, forge_model, ref_opt, forge_opt, start)
+
+
 def test_a_kernel_read_outside_its_layer_is_refused_in_nnx_terms():
   def tied(model, x, y):  # a penalty on the head's kernel: a second reader
     return mse(model, x, y) + jnp.sum(model.layers[2].kernel[...] ** 2)
