@@ -218,8 +218,10 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
 def has_updated(state: optax.MultiStepsState) -> jax.Array:
   """Whether the call that returned ``state`` updated the weights: as
   ``optax.MultiSteps.has_updated`` (also ``tx.has_updated`` of a
-  :func:`MultiSteps` transform)."""
-  return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+  :func:`MultiSteps` transform); ``state`` may be an NNX optimizer's
+  ``opt_state``, whose counts are ``nnx`` variables."""
+  return jnp.logical_and(jnp.asarray(state.mini_step) == 0,
+                         jnp.asarray(state.gradient_step) > 0)
 
 
 def _cycle_flags(state, every_k):

@@ -464,6 +464,34 @@ def test_a_kernel_reached_first_at_another_path_is_reported():
   assert_same_training(ref_model, forge_model, ref_opt, forge_opt, start)
 
 
+def test_accumulation_trains_like_optax_multisteps():
+  """forge_jax.MultiSteps(adamw, 2) in an NNX optimizer against
+  optax.MultiSteps: the same training, and tx.has_updated reads the NNX
+  optimizer's state as optax's does."""
+  ref_model = MLP(nnx.Linear, nnx.Rngs(0))
+  forge_model = MLP(fnx.Linear, nnx.Rngs(0))
+  start = jax.tree.leaves(nnx.as_pure(nnx.state(ref_model, nnx.Param)))
+  ref_tx = optax.MultiSteps(optax.adamw(2e-2), 2)
+  forge_tx = forge_jax.MultiSteps(forge_jax.adamw(2e-2), 2)
+  ref_opt = nnx.Optimizer(ref_model, ref_tx, wrt=nnx.Param)
+  forge_opt = fnx.Optimizer(forge_model, forge_tx, wrt=nnx.Param)
+  step = nnx.jit(fnx.make_step(mse))
+
+  @nnx.jit
+  def ref_step(model, optimizer, *batch):
+    optimizer.update(model, nnx.grad(mse)(model, *batch))
+
+  updated = []
+  for batch in mlp_data(4):
+    ref_step(ref_model, ref_opt, *batch)
+    step(forge_model, forge_opt, *batch)
+    updated.append(bool(forge_tx.has_updated(forge_opt.opt_state)))
+    assert updated[-1] == bool(
+        ref_tx.has_updated(nnx.as_pure(ref_opt.opt_state)))
+  assert updated == [False, True, False, True]
+  assert_same_training(ref_model, forge_model, ref_opt, forge_opt, start)
+
+
 def test_a_kernel_read_outside_its_layer_is_refused_in_nnx_terms():
   def tied(model, x, y):  # a penalty on the head's kernel: a second reader
     return mse(model, x, y) + jnp.sum(model.layers[2].kernel[...] ** 2)
