@@ -92,9 +92,17 @@ def this_step_hyperparams(inj: Injected, opt_state, params) -> dict:
   states. ``params`` is the whole parameter tree, as the optax reference
   step passes it.
   """
-  dtype = inj.hyperparam_dtype
-  if dtype is None:
-    dtype = optax.tree.dtype(params, "highest")
+  return _hyperparams(inj, opt_state, _hyperparam_dtype(inj, params))
+
+
+def _hyperparam_dtype(inj: Injected, params):
+  """``hyperparam_dtype``, or the widest float dtype of ``params``."""
+  if inj.hyperparam_dtype is not None:
+    return inj.hyperparam_dtype
+  return optax.tree.dtype(params, "highest")
+
+
+def _hyperparams(inj: Injected, opt_state, dtype) -> dict:
   hp = {k: optax_inject._convert_floats(v, dtype)
         for k, v in opt_state.hyperparams.items()}
   hp.update({k: optax_inject._convert_floats(
@@ -192,10 +200,23 @@ def spec_for(inj: Injected, opt_state, params) -> ForgeSpec:
     raise _not_forge(inj, inner)
   spec = inner.spec
   if spec.regime == 3:
-    # Deferred: the layer runs the injected update (which rebuilds the
-    # factory from the state slice's hyperparams) on its own slice.
+    # Deferred: the layer runs optax's injected update on its own slice of
+    # the state: the factory rebuilt from the slice's hyperparameters, cast
+    # to the whole tree's dtype as optax's own step casts them (optax's
+    # update would cast them to the one kernel's, bf16 for a bf16 kernel
+    # in an fp32 model). The slice's hyperparameters and schedule states
+    # are not written back (the other parameters' update advances them).
+    dtype = _hyperparam_dtype(inj, params)
+
+    def update(updates, state, params_one):
+      inner = inj.inner_factory(**inj.other_hps,
+                                **_hyperparams(inj, state, dtype))
+      updates, inner_state = inner.update(updates, state.inner_state,
+                                          params_one)
+      return updates, state._replace(inner_state=inner_state)
+
     return ForgeSpec(rule=None, slot_fields=None, hparams=lambda state: {},
-                     family=spec.family, update=inj.tx.update)
+                     family=spec.family, update=update)
   return ForgeSpec(
       rule=spec.rule, slot_fields=spec.slot_fields,
       hparams=lambda state: spec.hparams(state.inner_state),

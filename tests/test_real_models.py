@@ -18,7 +18,7 @@ import pytest
 
 import forge_jax
 from tests.harness import mse, reference_step
-from tests.tolerances import assert_trees_close, rel_err, tol
+from tests.tolerances import assert_close, assert_trees_close, rel_err, tol
 
 RTOL = tol(jnp.float32)
 
@@ -336,3 +336,52 @@ def test_injected_float_hyperparameters_with_narrower_other_params():
     assert np.isfinite(np.asarray(a, np.float32)).all()
     err = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()
     assert err <= tol(jnp.float32) * np.abs(np.asarray(b, np.float64)).max()
+
+
+class _HalfWide(nn.Module):
+  """A bf16 kernel (FORGE's, deferred under Adafactor) in an fp32 model."""
+  dense: Any = forge_jax.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(self.dense(24, param_dtype=jnp.bfloat16, use_bias=False)(x))
+    return self.dense(7)(x)
+
+
+def test_injected_deferred_family_casts_hyperparameters_as_optax():
+  """An injected regime-3 family (Adafactor, run by optax per kernel):
+  without hyperparam_dtype a scheduled learning rate is cast to the whole
+  tree's widest dtype, fp32, for the bf16 kernel too (0.0123 is
+  0.012268... in bf16), as in optax's own step: the same weights as with
+  hyperparam_dtype=jnp.float32, bit for bit, and optax's within bf16."""
+  x = jax.random.normal(jax.random.key(1), (6, 10))
+  y = jnp.linspace(-1, 1, 42).reshape(6, 7)
+  loss = lambda m: (lambda v, b: jnp.mean((m.apply(v, b[0]) - b[1]) ** 2))
+  v = _HalfWide(dense=nn.Dense).init(jax.random.key(0), x)
+
+  def run(forge, hyperparam_dtype):
+    tx = optax.inject_hyperparams(
+        forge_jax.adafactor if forge else optax.adafactor,
+        static_args=("min_dim_size_to_factor",),
+        hyperparam_dtype=hyperparam_dtype)(
+            learning_rate=optax.constant_schedule(0.0123),
+            min_dim_size_to_factor=4, multiply_by_parameter_scale=False)
+    model = _HalfWide() if forge else _HalfWide(dense=nn.Dense)
+    if forge:
+      step = jax.jit(forge_jax.make_step(loss(model), tx))
+    else:
+      def step(v, s, b):
+        g = jax.grad(loss(model))(v, b)["params"]
+        u, s = tx.update(g, s, v["params"])
+        return None, {"params": optax.apply_updates(v["params"], u)}, s
+    w, s = v, tx.init(v["params"])
+    for _ in range(2):
+      _, w, s = step(w, s, (x, y))
+    return w["params"]["Dense_0"]["kernel"]
+
+  got = run(True, None)
+  assert got.dtype == jnp.bfloat16
+  assert np.array_equal(np.asarray(got, np.float32),
+                        np.asarray(run(True, jnp.float32), np.float32))
+  assert_close(got, run(False, None))  # bf16 tolerance
+
