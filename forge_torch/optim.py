@@ -566,7 +566,10 @@ class _ForgeOptimizer:
     self._forge_check_options(group)
     if self._forge_hparams_per_weight:
       return None
-    if not all(_immutable(v) for k, v in group.items() if k != "params"):
+    # ("param_names", torch's record of named_parameters(), is a list but
+    # no option of the update.)
+    if not all(_immutable(v) for k, v in group.items()
+               if k not in ("params", "param_names")):
       self._forge_scalars.pop(index, None)
       return None
     names, options = tuple(group), tuple(group.values())

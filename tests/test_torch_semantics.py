@@ -987,17 +987,20 @@ def _count_plans(monkeypatch, plans=True) -> list:
   return ran
 
 
-def _train_planned(monkeypatch, family, kw, steps, between=None, plans=True):
+def _train_planned(monkeypatch, family, kw, steps, between=None, plans=True,
+                   named=False):
   """``steps`` steps of a three-layer converted MLP (odd widths, random
   data) with ``forge_torch.<family>(**kw)``; ``between(i, model, opt)``
   runs before step ``i`` (with ``max_grad_norm`` set, the step takes a
-  closure). ``plans=False``: every update takes the full path. Returns
-  the model, the optimizer and how many updates their plan ran."""
+  closure). ``plans=False``: every update takes the full path. ``named``:
+  the optimizer built from ``model.named_parameters()``. Returns the
+  model, the optimizer and how many updates their plan ran."""
   torch.manual_seed(3)
   model = nn.Sequential(nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 6),
                         nn.Tanh(), nn.Linear(6, 5))
   assert forge_torch.convert(model) == ["0", "2", "4"]
-  opt = getattr(forge_torch, family)(model.parameters(), **kw)
+  opt = getattr(forge_torch, family)(
+      model.named_parameters() if named else model.parameters(), **kw)
   with monkeypatch.context() as m:
     ran = _count_plans(m, plans)
     g = torch.Generator().manual_seed(4)
@@ -1055,6 +1058,16 @@ def test_repeated_updates_take_their_plan_bit_for_bit(monkeypatch, family,
   _assert_same_training(planned[:2], full[:2])
   expected = (steps - 1 if family == "Adagrad" else steps - 2) * 3
   assert planned[2] == expected
+
+
+def test_an_optimizer_of_named_parameters_takes_its_plans(monkeypatch):
+  """Built from named_parameters() (torch keeps the names in each group,
+  a list): the same plans, and bits, as from parameters()."""
+  kw, steps = dict(lr=1e-2, weight_decay=0.1), 4
+  named = _train_planned(monkeypatch, "AdamW", kw, steps, named=True)
+  plain = _train_planned(monkeypatch, "AdamW", kw, steps)
+  _assert_same_training(named[:2], plain[:2])
+  assert named[2] == plain[2] == (steps - 2) * 3
 
 
 def test_plans_advance_deferred_step_counts_as_the_full_path(monkeypatch):
