@@ -369,6 +369,9 @@ class _FusedLinearFn(torch.autograd.Function):
 
   @staticmethod
   def backward(ctx, grad_output):
+    if _is_compiling():  # loss.backward() inside a torch.compile'd function:
+      # the engine calls this frame, which Dynamo would trace; run it eagerly
+      return _backward_eagerly(ctx, grad_output)
     if _grad_enabled():  # create_graph=True
       _refuse_double_backward(ctx)
     handle = ctx.handle
@@ -761,6 +764,12 @@ def _forward_eagerly(layer: "Linear", input: torch.Tensor) -> torch.Tensor:
     # eager forward would hand itself back here; the standard layer instead
     return F.linear(input, layer.weight, layer.bias)
   return layer.forward(input)
+
+
+@getattr(torch, "_disable_dynamo", torch.compiler.disable)
+def _backward_eagerly(ctx, grad_output):
+  # (Dynamo leaves this function to Python: is_compiling() is False in it.)
+  return _FusedLinearFn.backward(ctx, grad_output)
 
 
 class Converted(list):

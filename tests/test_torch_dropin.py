@@ -140,6 +140,34 @@ def test_torch_compile_keeps_the_fused_update(backend, folded, monkeypatch):
     torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_a_compiled_step_holding_backward_keeps_the_fused_update():
+  """torch.compile of a whole training step (forward, loss.backward(),
+  step, zero_grad): the backward's fused update runs eagerly (Dynamo would
+  trace the update's Python from the engine's call), equal to torch's."""
+  torch._dynamo.reset()
+  ref, model = _model(), _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+  def train_step(model, opt, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+  compiled = torch.compile(train_step, backend="eager")
+  updates = forge_torch.bridge_stats.calls
+  for _ in range(2):
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(compiled(model, opt, x),
+                               train_step(ref, ref_opt, x))
+  assert forge_torch.bridge_stats.calls - updates == 2 * 3  # fused updates
+  for p, q in zip(model.parameters(), ref.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_torch_export_traces_the_standard_layer(strict):
   """torch.export (both modes) traces a managed layer as nn.Linear, with a
