@@ -796,8 +796,42 @@ class _ForgeOptimizer:
       previous._forge_managed.pop(p, None)
       previous._forge_views.pop(p, None)
       previous._forge_plans.pop(p, None)
+      # Its step() refuses to run while its groups still hold ``p``.
+      previous.__dict__.setdefault("_forge_taken", _linear.WeakIdMap())[
+          p] = True
+    taken = self.__dict__.get("_forge_taken")
+    if taken:
+      taken.pop(p, None)
     _linear._set_owner(p, self)
     self._forge_managed[p] = index
+
+  def _forge_refuse_taken(self) -> None:
+    """Refuses a step while this optimizer's groups hold managed weights
+    that a forge_torch optimizer given them later took over (built over
+    them, or given them by ``add_param_group``): their backward ran that
+    optimizer's update, not this one's."""
+    held = {_key(q) for g in self.param_groups for q in g["params"]}
+    taken = []
+    for p in list(self._forge_taken):
+      owner = _linear.owner_of(p)  # (a collected one hands it back here)
+      if owner is None or owner is self or _key(p) not in held:
+        self._forge_taken.pop(p, None)
+      else:
+        taken.append((p, type(owner).__name__))
+    if not taken:
+      return
+    names = ", ".join(_linear.weight_name(p) for p, _ in taken)
+    owners = ", ".join(sorted({f"forge_torch.{new}" for _, new in taken}))
+    raise RuntimeError(
+        f"forge_torch.{type(self).__name__}.step(): the managed weights "
+        f"{names} are in this optimizer's param groups, but a forge_torch "
+        f"optimizer given them later ({owners}) took them over. A managed "
+        "weight is updated inside its layer's backward by the one optimizer "
+        "that owns it, the last given it, so their backward applied that "
+        "optimizer's update with its options, not this one's. Build "
+        "one forge_torch optimizer over each managed weight (param groups "
+        "give weights their own options), or build a second only to "
+        "replace the first.")
 
   def add_param_group(self, param_group: dict[str, Any]) -> None:
     if "_forge_managed" not in self.__dict__:  # from torch's __init__
@@ -1631,6 +1665,8 @@ class _ForgeOptimizer:
     (:func:`forge_torch._clip.two_pass_step`).
     """
     self._forge_flush_steps()
+    if self.__dict__.get("_forge_taken"):
+      self._forge_refuse_taken()
     if self.max_grad_norm is not None and not _clip.in_update_pass(self):
       # The rest of this step (below) runs once, after the two passes,
       # without the step hooks running again.
@@ -1983,8 +2019,9 @@ _COMMON_DOC = """
   created so that the state lacks a tensor the update needs (e.g. RMSprop
   ``momentum`` turned on later).
 
-  If a managed weight is given to a second forge_torch optimizer, the newest
-  one owns it.
+  If a managed weight is given to a second forge_torch optimizer, the last
+  one given it owns it; the earlier one's ``step()`` raises
+  ``RuntimeError`` while its param groups still hold the weight.
 
   Low-precision state (keyword-only, beside torch's options): ``moments=``
   ``None`` (torch's float state), ``"int8"``, ``"fp8"`` (float8_e4m3fn) or

@@ -756,12 +756,31 @@ def test_add_param_group_registers_a_managed_weight():
 
 
 def test_newest_optimizer_owns_the_weight():
+  """The newest forge_torch optimizer over a managed weight owns it: its
+  backward runs that one's update. The older one's step() is refused while
+  its groups still hold the weight (it would step believing it had updated
+  it), naming the weight and the new owner; given the weight back (a
+  group added), it steps again, and the other one is refused."""
   layer, old = _layer_and_opt()
-  new = forge_torch.AdamW(layer.parameters(), lr=0.5)
+  new = forge_torch.SGD(layer.parameters(), lr=0.5, momentum=0.9)
   layer(torch.randn(3, 6)).sum().backward()
   new.step()
   assert layer.weight in new.state and len(old.state) == 0
   assert old.managed_params == []
+  with pytest.raises(RuntimeError, match=(
+      r"forge_torch.AdamW.step\(\): the managed weights weight of shape "
+      r"\(4, 6\) are in this "
+      r"optimizer's param groups, but a forge_torch optimizer given them "
+      r"later \(forge_torch.SGD\) took them over")):
+    old.step()
+  old.param_groups[0]["params"] = [layer.bias]  # torch's step: the bias
+  old.step()
+  old.add_param_group({"params": [layer.weight]})
+  assert new.managed_params == [] and old.managed_params == [layer.weight]
+  layer(torch.randn(3, 6)).sum().backward()
+  old.step()
+  with pytest.raises(RuntimeError, match=r"forge_torch.SGD.step\(\)"):
+    new.step()  # its groups hold the weight, now old's again
 
 
 # --- sync mode (how the fused update is ordered with torch's CUDA stream) -------
