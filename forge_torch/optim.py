@@ -3,8 +3,8 @@
 ``forge_torch.SGD``, ``Adagrad``, ``RMSprop``, ``Adam``, ``AdamW``,
 ``Adamax``, ``NAdam`` and ``RAdam`` each subclass their ``torch.optim``
 counterpart: same constructor (torch's signature and defaults, plus the
-keyword-only ``max_grad_norm``, ``moments``, ``stochastic_rounding`` and
-``seed``), ``param_groups``, ``state`` (torch's names, dtypes and devices)
+keyword-only ``max_grad_norm``, ``restore_buffers``, ``moments``,
+``stochastic_rounding`` and ``seed``), ``param_groups``, ``state`` (torch's names, dtypes and devices)
 and ``state_dict()``, so checkpoints interchange with the torch optimizer
 (with ``moments=None``: quantized state loads into forge_torch only).
 
@@ -1983,8 +1983,8 @@ _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 _COMMON_DOC = """
   Same constructor (torch's signature and defaults, plus the keyword-only
-  ``max_grad_norm``, ``moments``, ``stochastic_rounding`` and ``seed``),
-  ``param_groups``, ``state`` and ``state_dict()`` as ``torch.optim.{name}``,
+  ``max_grad_norm``, ``restore_buffers``, ``moments``,
+  ``stochastic_rounding`` and ``seed``), ``param_groups``, ``state`` and ``state_dict()`` as ``torch.optim.{name}``,
   whose checkpoints it loads and which loads its checkpoints when
   ``moments=None`` (quantized state, codes and ``*_scale`` tensors, loads
   into a forge_torch optimizer only). Parameters that are weights of
@@ -2018,6 +2018,12 @@ _COMMON_DOC = """
   layer an ``nn.Linear``); group options changed after a weight's state was
   created so that the state lacks a tensor the update needs (e.g. RMSprop
   ``momentum`` turned on later).
+
+  Global-norm clipping (keyword-only): ``max_grad_norm=`` clips by the
+  norm over every parameter's gradient, ``step(closure)`` running the
+  closure twice (a norm pass, then the update pass); ``restore_buffers=
+  model`` puts back the model's buffers that the norm pass changed
+  (BatchNorm statistics), inert without ``max_grad_norm``.
 
   If a managed weight is given to a second forge_torch optimizer, the last
   one given it owns it; the earlier one's ``step()`` raises
