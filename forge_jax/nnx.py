@@ -421,14 +421,21 @@ def _conform(state, like):
   lists may have come back from an update as int-keyed ``nnx.State``
   levels) laid out as ``like`` (the transform's ``init`` on the
   string-keyed parameters): its mappings string-keyed dicts, its lists and
-  tuples (SM3's accumulators per axis, optax's named tuples) again lists
+  tuples (SM3's accumulators per axis, optax's named tuples, a quantized
+  moment's pair, which NNX may hold as a state keyed by field) again lists
   and tuples, so that the transform indexes them as it built them."""
   if isinstance(like, Mapping):
     by_str = {str(k): v for k, v in state.items()}
     return {k: _conform(by_str[k], v) for k, v in like.items()}
   if isinstance(like, (list, tuple)):
-    items = ([state[i] for i in range(len(like))]
-             if isinstance(state, Mapping) else list(state))
+    if isinstance(state, Mapping):  # by index, or a named tuple's fields
+      by_str = {str(k): v for k, v in state.items()}
+      fields = getattr(like, "_fields", ())
+      keys = (fields if fields and all(f in by_str for f in fields)
+              else [str(i) for i in range(len(like))])
+      items = [by_str[k] for k in keys]
+    else:
+      items = list(state)
     items = [_conform(a, b) for a, b in zip(items, like, strict=True)]
     if hasattr(like, "_fields"):
       return type(like)(*items)
