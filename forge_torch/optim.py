@@ -4,9 +4,10 @@
 ``Adamax``, ``NAdam`` and ``RAdam`` each subclass their ``torch.optim``
 counterpart: same constructor (torch's signature and defaults, plus the
 keyword-only ``max_grad_norm``, ``restore_buffers``, ``moments``,
-``stochastic_rounding`` and ``seed``), ``param_groups``, ``state`` (torch's names, dtypes and devices)
-and ``state_dict()``, so checkpoints interchange with the torch optimizer
-(with ``moments=None``: quantized state loads into forge_torch only).
+``stochastic_rounding`` and ``seed``), ``param_groups``, ``state``
+(torch's names, dtypes and devices) and ``state_dict()``, so checkpoints
+interchange with the torch optimizer (with ``moments=None``: quantized
+state loads into forge_torch only).
 
 Semantics of a step. torch's loop is::
 
@@ -1984,8 +1985,9 @@ _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 _COMMON_DOC = """
   Same constructor (torch's signature and defaults, plus the keyword-only
   ``max_grad_norm``, ``restore_buffers``, ``moments``,
-  ``stochastic_rounding`` and ``seed``), ``param_groups``, ``state`` and ``state_dict()`` as ``torch.optim.{name}``,
-  whose checkpoints it loads and which loads its checkpoints when
+  ``stochastic_rounding`` and ``seed``), ``param_groups``, ``state`` and
+  ``state_dict()`` as ``torch.optim.{name}``, whose checkpoints it loads
+  and which loads its checkpoints when
   ``moments=None`` (quantized state, codes and ``*_scale`` tensors, loads
   into a forge_torch optimizer only). Parameters that are weights of
   :class:`forge_torch.Linear` layers (*managed* weights) are registered with
