@@ -29,10 +29,10 @@ layers). Here the whole stack is one ``jax.custom_vjp``:
   kernels) get ordinary gradients, stacked, for optax.
 
 Outside a FORGE step (and with ``fused=False``) the module *is*
-``nn.scan(nn.remat(block))`` over ``num_layers`` copies, parameters (and a
-BatchNorm's ``batch_stats``) stacked on axis 0 (``variable_axes={'params':
-0, 'batch_stats': 0}``, ``split_rngs={'params': True}``), under the name
-``block``.
+``nn.scan(nn.remat(block))`` over ``num_layers`` copies, parameters (and
+every other collection: a BatchNorm's ``batch_stats``, sown values, an
+attention cache) stacked on axis 0 (``variable_axes={True: 0}``,
+``split_rngs={'params': True}``), under the name ``block``.
 """
 
 from __future__ import annotations
@@ -477,8 +477,9 @@ class ScannedBlocks(nn.Module):
   (L, ...)>}`` in this module's scope: the tree (and the initial values) of
   ``nn.scan(nn.remat(body), variable_axes={'params': 0, 'batch_stats': 0},
   split_rngs={'params': True}, length=L)`` of a body that calls
-  ``block(name='block')``; a block's ``batch_stats`` (a BatchNorm's running
-  statistics) are stacked the same way. Outside a FORGE step (or with
+  ``block(name='block')``; a block's other collections (a BatchNorm's
+  ``batch_stats``, values it sows, an attention cache) are stacked the same
+  way. Outside a FORGE step (or with
   ``fused=False``) the module *is* that scan (with every rng split per
   layer, so that dropout differs from block to block).
 
@@ -532,7 +533,7 @@ class ScannedBlocks(nn.Module):
     # from block to block.
     try:
       y, _ = nn.scan(nn.remat(_scan_body),
-                     variable_axes={"params": 0, "batch_stats": 0},
+                     variable_axes={True: 0},  # every collection
                      split_rngs={True: True}, length=self.num_layers,
                      metadata_params=dict(self.metadata_params))(self, x, None)
     except TypeError as e:  # the scan's own words, without the module's name
@@ -561,10 +562,22 @@ class ScannedBlocks(nn.Module):
     # the block as keys of its own: a block that draws from them is refused.
     names = sorted(n for n in (self.scope.rngs or {}) if n != "params")
 
+    # The collections the caller's apply may write (sow's 'intermediates',
+    # 'batch_stats', an attention cache): those the block writes are
+    # refused below, as this path would not keep them.
+    mutable = self.scope.mutable
+    written = []
+
     def one(p, h, keys):
       with _context.block_tap(tap):
-        return block.apply({"params": p}, h,
-                           rngs=dict(zip(names, keys)) or None)
+        out = block.apply({"params": p}, h,
+                          rngs=dict(zip(names, keys)) or None,
+                          mutable=mutable)
+      if mutable is not False:
+        out, state = out
+        written.extend(c for c, v in state.items()
+                       if c != "params" and jax.tree.leaves(v))
+      return out
 
     layer = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
@@ -598,6 +611,19 @@ class ScannedBlocks(nn.Module):
           "the batch_stats stacked per layer as the parameters are (apply "
           "the model with mutable=['batch_stats'] and build the step with "
           "make_step(..., has_aux=True) to keep their new values).") from e
+    if written:
+      raise ValueError(
+          f"{self._where()}: the block writes the collections "
+          f"{sorted(set(written))} (self.sow, a BatchNorm's batch_stats, an "
+          "attention cache), which the apply around it asks for. In a FORGE "
+          "step ScannedBlocks runs each block with its parameters only and "
+          "keeps no other collection: their values would be lost. Give this "
+          "module fused=False: it then runs as flax's nn.scan, every layer "
+          "of the stack on the standard optax path, with the batch_stats "
+          "stacked per layer as the parameters are, and every other "
+          "collection too (build the step with make_step(..., has_aux=True) "
+          "to keep their new values); or apply the model without mutable= "
+          "for them.")
     keys = {id(v) for v in closed.jaxpr.invars[len(closed.jaxpr.invars)
                                                - len(names):]}
     if names and any(id(v) in keys for eqn in closed.jaxpr.eqns

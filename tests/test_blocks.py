@@ -1118,6 +1118,57 @@ def _bn_loss(model):
   return loss_fn
 
 
+class SowBlock(nn.Module):
+  """A residual block that sows a per-layer value (an auxiliary loss)."""
+  dense: type = nn.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    y = self.dense(D, name="p")(x)
+    self.sow("intermediates", "act", jnp.mean(y ** 2))
+    return x + y
+
+
+class SowModel(nn.Module):
+  forge: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    if self.forge:
+      return forge_jax.ScannedBlocks(functools.partial(SowBlock,
+                                                       forge_jax.Dense),
+                                     3, name="layers")(x)
+    return nn.scan(nn.remat(_FlaxBody),
+                   variable_axes={"params": 0, "intermediates": 0},
+                   split_rngs={"params": True}, length=3)(
+                       SowBlock, name="layers")(x, None)[0]
+
+
+def test_sown_values_are_stacked_per_layer_or_refused_in_a_step():
+  """A block's sown values are stacked per layer as flax's nn.scan stacks
+  every collection it lists (outside a step); a FORGE step whose apply
+  asks for them is refused (it keeps no collection but the parameters),
+  where they would be lost."""
+  x = jax.random.normal(jax.random.key(1), (2, D))
+  variables = SowModel().init(jax.random.key(0), x)
+  params = {"params": variables["params"]}
+  want = SowModel().apply(params, x, mutable=["intermediates"])
+  got = SowModel(True).apply(params, x, mutable=["intermediates"])
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.shape == b.shape and rel_err(a, b) <= tol(jnp.float32)
+
+  def loss_fn(v, x):
+    y, sown = SowModel(True).apply(v, x, mutable=["intermediates"])
+    return jnp.mean(y ** 2), sown
+
+  tx = forge_jax.adamw(1e-3)
+  with pytest.raises(ValueError, match=r"'layers': the block writes the "
+                     r"collections \['intermediates'\].*fused=False"):
+    forge_jax.make_step(loss_fn, tx, has_aux=True)(
+        params, tx.init(params["params"]), x)
+
+
 def test_a_block_with_batch_stats_is_refused_and_runs_with_fused_false():
   """A FORGE step runs each fused block with its parameters alone, so a
   block with batch_stats is refused, naming fused=False; with fused=False
