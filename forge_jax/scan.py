@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, Callable
 
 import jax
@@ -134,8 +135,9 @@ def _forward(static, x, kernels, biases, save):
 def check_stack_settings(where: str, num_layers, stack_update) -> None:
   """The settings a scanned stack (``ScannedDenseStack``, ``ScannedBlocks``)
   checks on every call."""
-  if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
-      or num_layers < 1):
+  # (An int or a NumPy integer, as nn.scan's length.)
+  if (isinstance(num_layers, bool)
+      or not isinstance(num_layers, numbers.Integral) or num_layers < 1):
     raise ValueError(f"{where}: num_layers={num_layers!r} must be an int >= 1")
   if stack_update not in ("auto", "layer", "slice"):
     raise ValueError(f"{where}: stack_update={stack_update!r} must be "

@@ -367,6 +367,13 @@ def test_bad_settings_are_refused_at_init(kw, exc, match):
     blocks.init(jax.random.key(0), jnp.ones((3, D)))
 
 
+def test_a_numpy_integer_number_of_layers_is_taken():
+  """As nn.scan's length: an int or a NumPy integer."""
+  got = forge_jax.ScannedBlocks(Block, np.int64(3)).init(
+      jax.random.key(0), jnp.ones((3, D)))
+  assert {a.shape[0] for a in jax.tree.leaves(got)} == {3}
+
+
 class DeadBlocks(nn.Module):
   """The blocks' output does not reach the loss (Remark 1)."""
   forge: bool = True
