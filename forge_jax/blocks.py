@@ -142,6 +142,23 @@ def _with(tree, paths, kernels):
   return tree
 
 
+def block_cls(block):
+  """The class ``block`` makes (a class, or ``functools.partial`` of one),
+  or ``None``."""
+  while isinstance(block, functools.partial):
+    block = block.func
+  return block if isinstance(block, type) else None
+
+
+def _lifted(cls) -> tuple[str, str] | None:
+  """``(its name, the class it lifts)`` for a block class that is a flax
+  transform of another (``nn.remat(Block)``: ``CheckpointBlock``)."""
+  if (cls is None or cls.__module__ != "flax.linen.transforms"
+      or len(cls.__mro__) < 2 or not issubclass(cls.__mro__[1], nn.Module)):
+    return None
+  return cls.__name__, cls.__mro__[1].__name__
+
+
 def _apply(static, params, h, tap):
   tap.prefix = (*static.path, _BLOCK)
   with _context.block_tap(tap):
@@ -652,11 +669,16 @@ class ScannedBlocks(nn.Module):
       readers = _readers(closed.jaxpr, var)
       others = [r for r in readers if r != "fused"]
       if "fused" not in readers:
+        lifted = _lifted(block_cls(self.block))
         rec.unfusable = (
             f"is read through {', '.join(dict.fromkeys(others))} inside the "
-            "block (the layer under a transform such as nn.remat, nn.jit or "
-            "nn.cond: ScannedBlocks already recomputes each block in its "
-            "backward, so remove that transform around the layer)")
+            + ("block: the block class given is flax's transform "
+               f"{lifted[0]} of {lifted[1]} (nn.remat({lifted[1]}), say); "
+               f"pass {lifted[1]} itself: ScannedBlocks already recomputes "
+               "each block in its backward" if lifted else
+               "block (the layer under a transform such as nn.remat, nn.jit "
+               "or nn.cond: ScannedBlocks already recomputes each block in "
+               "its backward, so remove that transform around the layer)"))
       elif others:
         rec.unfusable = (f"is also read inside the block (by: "
                          f"{', '.join(dict.fromkeys(others))})")

@@ -367,6 +367,21 @@ def test_bad_settings_are_refused_at_init(kw, exc, match):
     blocks.init(jax.random.key(0), jnp.ones((3, D)))
 
 
+def test_a_rematerialised_block_class_is_refused_naming_the_class():
+  """ScannedBlocks(nn.remat(Block)): every layer reads its kernel through
+  the remat; the refusal says to pass Block itself (the stack recomputes
+  each block already)."""
+  batches = _data(1)
+  model = _scanned_model(nn.remat(Block), True)
+  variables = _scanned_model(Block, False).init(jax.random.key(0),
+                                                batches[0][0])
+  tx = forge_jax.adamw(1e-2)
+  with pytest.raises(ValueError, match=r"transform CheckpointBlock of Block "
+                     r"\(nn.remat\(Block\), say\); pass Block itself"):
+    forge_jax.make_step(mse(model), tx)(variables, tx.init(
+        variables["params"]), batches[0])
+
+
 def test_a_numpy_integer_number_of_layers_is_taken():
   """As nn.scan's length: an int or a NumPy integer."""
   got = forge_jax.ScannedBlocks(Block, np.int64(3)).init(
