@@ -142,7 +142,7 @@ def _with(tree, paths, kernels):
   return tree
 
 
-def block_cls(block):
+def _block_cls(block):
   """The class ``block`` makes (a class, or ``functools.partial`` of one),
   or ``None``."""
   while isinstance(block, functools.partial):
@@ -669,7 +669,7 @@ class ScannedBlocks(nn.Module):
       readers = _readers(closed.jaxpr, var)
       others = [r for r in readers if r != "fused"]
       if "fused" not in readers:
-        lifted = _lifted(block_cls(self.block))
+        lifted = _lifted(_block_cls(self.block))
         rec.unfusable = (
             f"is read through {', '.join(dict.fromkeys(others))} inside the "
             + ("block: the block class given is flax's transform "
