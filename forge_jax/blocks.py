@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 from typing import Any, Callable
 
@@ -148,6 +149,28 @@ def _block_cls(block):
   while isinstance(block, functools.partial):
     block = block.func
   return block if isinstance(block, type) else None
+
+
+def _check_one_argument(where: str, cls) -> None:
+  """Refuses a block class whose ``__call__`` needs more than the carry (a
+  block written for ``nn.scan(..., in_axes=nn.broadcast)`` taking a mask,
+  or ``(carry, x)``), naming the fix."""
+  if cls is None:
+    return
+  try:
+    params = list(inspect.signature(cls.__call__).parameters.values())[1:]
+  except (TypeError, ValueError):
+    return
+  needed = [p.name for p in params
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  if len(needed) > 1:
+    raise TypeError(
+        f"{where}: {cls.__name__}.__call__ takes {needed}; ScannedBlocks "
+        "calls each block with the carry alone (h -> h). Make the other "
+        f"values attributes of the block (a field {needed[1]!r}, given as "
+        f"functools.partial({cls.__name__}, {needed[1]}=...): an array the "
+        "block reads, differentiated as such), or give them defaults.")
 
 
 def _lifted(cls) -> tuple[str, str] | None:
@@ -734,6 +757,7 @@ class ScannedBlocks(nn.Module):
       raise TypeError(
           f"{where}: the carry must be one array (got {type(x).__name__}); "
           "ScannedBlocks scans a block h -> h of one shape and dtype")
+    _check_one_argument(where, _block_cls(self.block))
     outer = _context.current_tap()
     if outer is not None:
       raise ValueError(

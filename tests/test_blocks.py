@@ -382,6 +382,23 @@ def test_a_rematerialised_block_class_is_refused_naming_the_class():
         variables["params"]), batches[0])
 
 
+class MaskedBlock(nn.Module):
+  """A block written for nn.scan(..., in_axes=nn.broadcast): a mask
+  argument."""
+
+  @nn.compact
+  def __call__(self, x, mask):
+    return x + forge_jax.Dense(D)(jnp.where(mask, x, 0.0))
+
+
+def test_a_block_taking_more_than_the_carry_is_refused_naming_the_fix():
+  with pytest.raises(TypeError, match=r"MaskedBlock.__call__ takes \['x', "
+                     r"'mask'\].*a field 'mask', given as functools.partial"
+                     r"\(MaskedBlock, mask=...\)"):
+    forge_jax.ScannedBlocks(MaskedBlock, 2).init(jax.random.key(0),
+                                                 jnp.ones((3, D)))
+
+
 def test_a_numpy_integer_number_of_layers_is_taken():
   """As nn.scan's length: an int or a NumPy integer."""
   got = forge_jax.ScannedBlocks(Block, np.int64(3)).init(
