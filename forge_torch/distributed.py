@@ -224,17 +224,29 @@ def _register_grad_hook(p: torch.Tensor, hook) -> None:
     p.requires_grad_(False)
 
 
+def _ddp_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+  """``DistributedDataParallel(module, *args, **kwargs)``'s arguments by
+  name. Raises ``TypeError`` as DDP would for arguments it does not take."""
+  signature = inspect.signature(nn.parallel.DistributedDataParallel.__init__)
+  return signature.bind_partial(None, module, *args, **kwargs).arguments
+
+
+def _group_of(arguments: dict):
+  """The process group DDP reduces over given ``arguments``: its
+  ``process_group`` or its ``device_mesh``'s group (``None``: the default
+  group)."""
+  mesh = arguments.get("device_mesh")
+  if mesh is not None:
+    return mesh.get_group()
+  return arguments.get("process_group")
+
+
 def _ddp_process_group(module: nn.Module, args: tuple, kwargs: dict):
   """The process group that ``DistributedDataParallel(module, *args,
   **kwargs)`` would reduce over: its ``process_group``, by keyword or by
   position, or its ``device_mesh``'s group (``None``: the default group).
   Raises ``TypeError`` as DDP would for arguments it does not take."""
-  signature = inspect.signature(nn.parallel.DistributedDataParallel.__init__)
-  bound = signature.bind_partial(None, module, *args, **kwargs)
-  mesh = bound.arguments.get("device_mesh")
-  if mesh is not None:
-    return mesh.get_group()
-  return bound.arguments.get("process_group")
+  return _group_of(_ddp_arguments(module, args, kwargs))
 
 
 def wrap_ddp(module: nn.Module, *args: Any,
@@ -245,9 +257,8 @@ def wrap_ddp(module: nn.Module, *args: Any,
   group; none: the default group). The managed weights are copied from the
   group's first rank unless DDP is given ``init_sync=False``, which skips
   its own copy of the other parameters."""
-  signature = inspect.signature(nn.parallel.DistributedDataParallel.__init__)
-  arguments = signature.bind_partial(None, module, *args, **kwargs).arguments
-  prepare_ddp(module, _ddp_process_group(module, args, kwargs),
+  arguments = _ddp_arguments(module, args, kwargs)
+  prepare_ddp(module, _group_of(arguments),
               broadcast=bool(arguments.get("init_sync", True)))
   return nn.parallel.DistributedDataParallel(module, *args, **kwargs)
 

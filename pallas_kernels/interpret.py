@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 
 import jax
+import numpy as np
 
 __all__ = ["InterpretModeWarning", "default_interpret", "check_interpret",
            "warn_interpret_once"]
@@ -45,7 +46,7 @@ def check_interpret(interpret, where: str) -> bool | None:
   """
   if interpret is None:
     return None
-  if type(interpret).__name__ not in ("bool", "bool_"):
+  if not isinstance(interpret, (bool, np.bool_)):
     raise TypeError(
         f"{where}(interpret=...) takes True, False or None (None: interpret "
         f"mode when there is no GPU); got {interpret!r}")
