@@ -603,12 +603,35 @@ class Linear(nn.Linear):
     super().__setstate__(state)
     self._mark_own_weight()
 
+  def _swap_refused(self, what: str) -> str:
+    """Why torch could not swap this layer's weight (``what`` did)."""
+    return (
+        f"forge_torch.Linear {self._layer_name()}: {what} swaps the weight's "
+        "tensor object (torch.utils.swap_tensors: torch.__future__."
+        "set_swap_module_params_on_conversion(True), or a tensor subclass), "
+        "which torch cannot do for a FORGE-managed weight: forge_torch keeps "
+        "weak references to it, to find its optimizer and layer. Turn that "
+        "flag off (torch's default) for this model; the weight's values are "
+        "then replaced in place.")
+
   def _load_from_state_dict(self, *args, **kwargs):
+    error_msgs = args[6] if len(args) > 6 else kwargs.get("error_msgs")
+    n = len(error_msgs) if isinstance(error_msgs, list) else None
     super()._load_from_state_dict(*args, **kwargs)
+    if n is not None:  # torch's "Cannot swap t1 because it has weakref"
+      for i in range(n, len(error_msgs)):
+        if "weakref" in str(error_msgs[i]):
+          error_msgs[i] = self._swap_refused("load_state_dict")
     self._mark_own_weight()
 
   def _apply(self, fn, recurse=True):
-    out = super()._apply(fn, recurse)
+    try:
+      out = super()._apply(fn, recurse)
+    except RuntimeError as e:
+      if "weakref" in f"{e} {e.__cause__}":
+        raise RuntimeError(self._swap_refused(
+            "a conversion (.to(), .cuda(), .half(), ...)")) from e
+      raise
     self._mark_own_weight()
     return out
 

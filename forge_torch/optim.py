@@ -727,6 +727,13 @@ class _ForgeOptimizer:
     # managed weight -> _UpdatePlan: its last plain update, which the next
     # one repeats after a few checks (_forge_run_plan)
     self._forge_plans = _linear.WeakIdMap()
+    # Managed weights whose torch counterpart would hold a .grad now (their
+    # layer ran a backward, or an ordinary gradient reached them, since the
+    # last zero_grad(set_to_none=True)), and those of them whose .grad
+    # would be a zero tensor (zero_grad(set_to_none=False) since): torch's
+    # step steps these from zero in a step their layer skips.
+    self._forge_grad_held = _linear.WeakIdMap()
+    self._forge_grad_zeroed = _linear.WeakIdMap()
     self._forge_reset_step()
 
   def _forge_check_groups(self) -> None:
@@ -866,11 +873,25 @@ class _ForgeOptimizer:
     return super().state_dict()
 
   def _forge_refuse_open_window(self) -> None:
-    """Refuses a load while micro-batches are accumulated into managed
-    weights' buffers and not yet applied (``accumulate_steps > 1``): torch
-    keeps such a window in the parameters' ``.grad`` through a load, but
-    FORGE's buffers belong to this optimizer's step, which a load starts
-    afresh."""
+    """Refuses a load in the middle of a step: after a backward updated
+    managed weights (torch would apply their gradients at ``step()`` from
+    the loaded state; FORGE applied them already, from the state the load
+    replaces), or while micro-batches are accumulated into managed weights'
+    buffers and not yet applied (``accumulate_steps > 1``): torch keeps such
+    a window in the parameters' ``.grad`` through a load, but FORGE's
+    buffers belong to this optimizer's step, which a load starts afresh."""
+    updated = self.__dict__.get("_forge_updated")
+    if updated:
+      names = sorted(_linear.weight_name(p) for p in updated)
+      raise RuntimeError(
+          f"forge_torch.{type(self).__name__}: load_state_dict() between a "
+          f"backward and optimizer.step(): that backward already updated "
+          f"the managed {', '.join(names[:3])}"
+          f"{f' and {len(names) - 3} more' if len(names) > 3 else ''} from "
+          "the state the load would replace (torch would apply those "
+          "gradients at step(), from the loaded state), so the loaded step "
+          "counts and moments would not match the weights. Load before the "
+          "forward, or after optimizer.step().")
     micro = self.__dict__.get("_forge_micro")
     if not micro:
       return
@@ -955,18 +976,25 @@ class _ForgeOptimizer:
 
   def zero_grad(self, set_to_none: bool = True) -> None:
     """torch's ``zero_grad``; a managed weight's ``grad`` becomes ``None``
-    even with ``set_to_none=False``: FORGE never forms it, and a zero tensor
-    left there (from a step its layer ran with ``fused = False``) would have
-    torch's step update the weight in a step its layer does not run (one in
-    which it runs drops such a zero tensor: :meth:`step`). With
+    even with ``set_to_none=False``: FORGE never forms it. What torch does
+    with the zero tensor it would leave there is done all the same: in a
+    step whose backward does not reach the weight, :meth:`step` steps it
+    from a zero gradient, as torch's step would. With
     ``accumulate_steps > 1`` it also discards the micro-batches accumulated
     into managed weights' buffers and not yet applied, as torch's discards
     their ``.grad``; an update already applied in backward stays."""
     super().zero_grad(set_to_none=set_to_none)
     self._forge_flush_steps()
+    held, zeroed = self._forge_grad_held, self._forge_grad_zeroed
+    if set_to_none:
+      held.clear()
+      zeroed.clear()
     for p in self.managed_params:
       if p.grad is not None:
         p.grad = None
+        held[p] = True
+      if not set_to_none and p in held:
+        zeroed[p] = True
     if self._forge_micro._values:
       self._forge_discard_accumulated()
 
@@ -1660,7 +1688,11 @@ class _ForgeOptimizer:
     False)`` after a step its layer ran unfused) has it set to ``None``:
     torch would step from ``0 + G``, the update already applied. A nonzero
     ``grad`` there (a tied weight's second use, or a leftover gradient)
-    raises ``RuntimeError``.
+    raises ``RuntimeError``. After this optimizer's ``zero_grad(set_to_none=
+    False)``, a managed weight updated since its last ``zero_grad()`` with
+    ``set_to_none=True`` and not reached by this step's backward is stepped
+    from a zero gradient, as torch steps a parameter whose ``grad`` is a
+    zero tensor.
 
     With ``max_grad_norm`` set, ``closure`` is required and runs twice
     (:func:`forge_torch._clip.two_pass_step`).
@@ -1700,6 +1732,7 @@ class _ForgeOptimizer:
             "step() would update the group's other parameters with the new "
             "ones. Set hyperparameters (and step lr schedulers) before the "
             "forward, or after step().")
+    ordinary = []  # managed weights with an ordinary gradient to step from
     for p in self.managed_params:
       if p.grad is None:  # the usual case: FORGE formed no gradient
         continue
@@ -1721,6 +1754,7 @@ class _ForgeOptimizer:
             "so it cannot add that gradient: keep the layers that share this "
             "weight as nn.Linear (forge_torch.convert() does so), and clear "
             "gradients with optimizer.zero_grad() after each step.")
+      ordinary.append(p)
       if _distributed.is_sharded(p):
         continue  # fully_shard's gradient (its update refuses the options)
       if (self._forge_moment_format(p) is not None
@@ -1748,9 +1782,50 @@ class _ForgeOptimizer:
     # unfused, were averaged by their hooks in backward.)
     _distributed.step_sharded(self)
     self._forge_apply_accumulated()  # a step with fewer than K micro-batches
+    from_zero = self._forge_step_from_zero()
     _unhooked(self._forge_torch.step)(self)
+    # What torch's .grad of each managed weight would be now: G (updated in
+    # backward, or an ordinary gradient) or still a zero tensor.
+    held, zeroed = self._forge_grad_held, self._forge_grad_zeroed
+    for p in (*self._forge_updated, *ordinary):
+      held[p] = True
+      if p not in from_zero:
+        zeroed.pop(p, None)
     self._forge_reset_step()
     return loss
+
+  def _forge_step_from_zero(self) -> "_linear.WeakIdMap":
+    """torch's step of a parameter whose ``.grad`` is a zero tensor, for
+    each managed weight that would hold one (``zero_grad(set_to_none=
+    False)`` after a step it was updated in) and that this step's backward
+    did not reach: the family's update from ``G = 0`` (Adam's moments decay
+    and the weight moves by them; weight decay applies). Returns the
+    weights so stepped."""
+    done = _linear.WeakIdMap()
+    zeroed = self._forge_grad_zeroed
+    if not zeroed:
+      return done
+    for p in zeroed:
+      if (p in self._forge_updated or p in self._forge_micro
+          or p.grad is not None or p not in self._forge_managed
+          or p.numel() == 0):
+        continue  # stepped from its gradient, or no longer this one's
+      name = _linear.weight_name(p)
+      if _distributed.is_sharded(p) or (p.is_cuda and _bridge._capturing()):
+        raise RuntimeError(
+            f"after zero_grad(set_to_none=False), torch's step would update "
+            f"the FORGE-managed {name} from its zero gradient in this step, "
+            "which its layer did not run; forge_torch cannot do so for a "
+            + ("fully_shard (FSDP2) weight" if _distributed.is_sharded(p)
+               else "step captured in a CUDA graph")
+            + ". Call optimizer.zero_grad() (set_to_none=True, torch's "
+            "default), which leaves a skipped layer's weight alone.")
+      n_out, n_in = p.shape
+      self._forge_step_weight(p, p.new_zeros((8, n_out)),
+                              p.new_zeros((8, n_in)), config=None,
+                              layer=name)
+      done[p] = True
+    return done
 
 
 def _defers_step(step: torch.Tensor) -> bool:

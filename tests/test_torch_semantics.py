@@ -261,22 +261,43 @@ def test_a_modules_zero_grad_then_a_step_without_the_layer_is_torchs():
   assert o_f.state[fm[2].weight]["step"] == 2
 
 
-def test_a_layer_without_backward_stays_untouched_even_without_set_to_none():
-  # Documented difference (docs/torch.md): with set_to_none=False torch
-  # keeps stepping a parameter whose .grad is a zero tensor (its moments
-  # decay); a managed weight never has a .grad, so it is not stepped.
-  _, fm = pair()
-  opt = forge_torch.Adam(fm.parameters(), lr=1e-2)
+@pytest.mark.parametrize("family,kwargs", [
+    ("Adam", dict(lr=1e-2, weight_decay=1e-2)),
+    ("SGD", dict(lr=0.1, momentum=0.9))])
+def test_zero_grad_without_set_to_none_steps_a_skipped_layer_as_torch(
+    family, kwargs):
+  """optimizer.zero_grad(set_to_none=False) leaves torch a zero .grad on
+  every parameter that had one: in a step a layer skips, torch steps its
+  weight from zero (Adam's moments decay and move it, weight decay
+  applies; SGD's momentum moves it), and so does forge_torch. After
+  zero_grad() (set_to_none=True) the weight's .grad is None, and neither
+  steps it until its layer runs again."""
+  ref, fm = pair()
+  o_r = getattr(torch.optim, family)(ref.parameters(), **kwargs)
+  o_f = getattr(forge_torch, family)(fm.parameters(), **kwargs)
   x, y = data()
-  F.mse_loss(fm(x), y).backward()
-  opt.step()
-  opt.zero_grad(set_to_none=False)
-  w2, step2 = fm[2].weight.detach().clone(), opt.state[fm[2].weight]["step"]
-  h = fm[1](fm[0](x))  # layer 2 not run in this step
-  F.mse_loss(h, torch.zeros_like(h)).backward()
-  opt.step()
-  assert torch.equal(fm[2].weight, w2)
-  assert opt.state[fm[2].weight]["step"] == step2 == 1
+  # (layer 2 runs, the zero_grad after the step sets to None)
+  plan = [(True, False), (False, False), (False, True), (False, False),
+          (False, False), (True, False), (False, False)]
+  moved = []
+  for run, to_none in plan:
+    w2 = fm[2].weight.detach().clone()
+    for m, o in ((ref, o_r), (fm, o_f)):
+      if run:
+        loss = F.mse_loss(m(x), y)
+      else:
+        h = m[1](m[0](x))
+        loss = F.mse_loss(h, torch.zeros_like(h))
+      loss.backward()
+      o.step()
+      o.zero_grad(set_to_none=to_none)
+    moved.append(not torch.equal(fm[2].weight, w2))
+    assert_models_close(fm, ref)
+  assert moved == [True, True, True, False, False, True, True]
+  for pf, pr in zip(fm.parameters(), ref.parameters()):
+    for k, v in o_r.state[pr].items():
+      assert rel(o_f.state[pf][k], v) <= TOL, k
+  assert fm[2].weight.grad is None
 
 
 # --- checkpoints and loss scaling --------------------------------------------
@@ -291,6 +312,58 @@ def test_load_state_dict_refuses_the_options_the_constructor_refuses(option):
   with pytest.raises(ValueError, match=option):
     opt.load_state_dict(sd)
   assert not opt.param_groups[0].get(option, False)
+
+
+def test_load_state_dict_in_the_middle_of_a_step_is_refused():
+  """A load between a backward that updated managed weights and step()
+  would leave them stepped from the replaced state (torch applies their
+  gradients at step(), from the loaded one): refused, naming the fix, and
+  so is a load inside a gradient-accumulation window. Between steps it
+  loads."""
+  _, fm = pair()
+  opt = forge_torch.AdamW(fm.parameters(), lr=1e-2)
+  x, y = data()
+  F.mse_loss(fm(x), y).backward()
+  opt.step()
+  opt.zero_grad()
+  ckpt = copy.deepcopy(opt.state_dict())
+  F.mse_loss(fm(x), y).backward()
+  with pytest.raises(RuntimeError, match=(
+      r"load_state_dict\(\) between a backward and optimizer\.step\(\).*"
+      r"managed 0\.weight, 2\.weight.*Load before the forward")):
+    opt.load_state_dict(ckpt)
+  assert opt.state[fm[0].weight]["step"] == 2  # nothing loaded
+  opt.step()
+  opt.zero_grad()
+  opt.load_state_dict(ckpt)
+  assert opt.state[fm[0].weight]["step"] == 1
+  opt.accumulate_steps = 2
+  F.mse_loss(fm(x), y).backward()
+  with pytest.raises(RuntimeError, match=(
+      r"middle of a gradient-accumulation step \(1 of accumulate_steps=2")):
+    opt.load_state_dict(ckpt)
+
+
+def test_the_swap_conversion_flag_is_refused_clearly():
+  """torch.__future__.set_swap_module_params_on_conversion(True) makes
+  .to() and load_state_dict swap each parameter's tensor object, which
+  torch refuses for a tensor with weak references (forge_torch keeps them
+  for its weights): both are refused naming the layer and the fix."""
+  _, fm = pair()
+  sd = {k: v.clone() for k, v in fm.state_dict().items()}
+  torch.__future__.set_swap_module_params_on_conversion(True)
+  try:
+    with pytest.raises(RuntimeError, match=(
+        r"Linear 0: a conversion .* swaps the weight's tensor object.*"
+        r"Turn that flag off")):
+      fm.to(torch.float64)
+    with pytest.raises(RuntimeError, match=(
+        r"Linear 2: load_state_dict swaps the weight's tensor object")):
+      fm.load_state_dict(sd)
+  finally:
+    torch.__future__.set_swap_module_params_on_conversion(False)
+  fm.load_state_dict(sd)  # the flag off: in place
+  assert fm[0].weight.dtype == torch.float32
 
 
 def test_grad_scaler_is_refused_clearly():
