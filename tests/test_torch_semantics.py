@@ -742,6 +742,41 @@ def test_gpu_a_fused_group_trains_without_host_synchronisation():
       forge_torch.bridge_stats.direct_unavailable)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_step_from_zero_launches_the_fused_update():
+  """After zero_grad(set_to_none=False), a bf16 layer skipped in a step is
+  stepped from a zero gradient by one fused update on the GPU: AdamW's
+  closed form from the state before, within bf16."""
+  torch.manual_seed(0)
+  model = nn.Sequential(nn.Linear(128, 256, bias=False), nn.Tanh(),
+                        nn.Linear(256, 128, bias=False)).cuda().bfloat16()
+  assert forge_torch.convert(model) == ["0", "2"]
+  lr, (b1, b2), eps, wd = 1e-2, (0.9, 0.99), 1e-8, 0.1
+  opt = forge_torch.AdamW(model.parameters(), lr=lr, betas=(b1, b2),
+                          eps=eps, weight_decay=wd, fused=True)
+  x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+  model(x).float().square().mean().backward()
+  opt.step()
+  opt.zero_grad(set_to_none=False)
+  w = model[2].weight
+  st = opt.state[w]
+  w0, m0, v0 = (t.detach().float().clone()
+                for t in (w, st["exp_avg"], st["exp_avg_sq"]))
+  calls = forge_torch.bridge_stats.calls
+  model[1](model[0](x)).float().square().mean().backward()  # 2 skipped
+  opt.step()
+  torch.cuda.synchronize()
+  assert forge_torch.bridge_stats.calls - calls == 2  # layer 0, then 2
+  m, v = b1 * m0, b2 * v0
+  expect = w0 * (1 - lr * wd) - lr * (m / (1 - b1 ** 2)) / (
+      (v / (1 - b2 ** 2)).sqrt() + eps)
+  assert rel(w, expect) <= tol(jnp.bfloat16)
+  assert rel(st["exp_avg"], m) <= tol(jnp.bfloat16)
+  assert rel(st["exp_avg_sq"], v) <= tol(jnp.bfloat16)
+  assert int(st["step"]) == 2 and not torch.equal(w.float(), w0)
+
+
 def test_meta_device_init_then_to_empty_keeps_the_layers_managed():
   """Build on the meta device, convert, materialise with to_empty(): the new
   weight Parameters are the layers' weights and stay FORGE-managed."""
