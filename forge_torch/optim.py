@@ -734,6 +734,11 @@ class _ForgeOptimizer:
     # step steps these from zero in a step their layer skips.
     self._forge_grad_held = _linear.WeakIdMap()
     self._forge_grad_zeroed = _linear.WeakIdMap()
+    # The weights updated in the last step (the map _forge_updated was
+    # then, kept by a swap at the step's end: no work per weight), and
+    # whether no zero_grad() has read it since.
+    self._forge_last_updated = _linear.WeakIdMap()
+    self._forge_last_unseen = False
     self._forge_reset_step()
 
   def _forge_check_groups(self) -> None:
@@ -986,15 +991,18 @@ class _ForgeOptimizer:
     super().zero_grad(set_to_none=set_to_none)
     self._forge_flush_steps()
     held, zeroed = self._forge_grad_held, self._forge_grad_zeroed
+    last = self._forge_last_updated if self._forge_last_unseen else ()
+    self._forge_last_unseen = False
     if set_to_none:
       held.clear()
       zeroed.clear()
     for p in self.managed_params:
-      if p.grad is not None:
+      had = p.grad is not None  # an ordinary gradient (run unfused)
+      if had:
         p.grad = None
-        held[p] = True
-      if not set_to_none and p in held:
-        zeroed[p] = True
+      if not set_to_none and (had or p in held or p in last
+                              or p in self._forge_updated):
+        held[p] = zeroed[p] = True
     if self._forge_micro._values:
       self._forge_discard_accumulated()
 
@@ -1732,7 +1740,6 @@ class _ForgeOptimizer:
             "step() would update the group's other parameters with the new "
             "ones. Set hyperparameters (and step lr schedulers) before the "
             "forward, or after step().")
-    ordinary = []  # managed weights with an ordinary gradient to step from
     for p in self.managed_params:
       if p.grad is None:  # the usual case: FORGE formed no gradient
         continue
@@ -1754,7 +1761,6 @@ class _ForgeOptimizer:
             "so it cannot add that gradient: keep the layers that share this "
             "weight as nn.Linear (forge_torch.convert() does so), and clear "
             "gradients with optimizer.zero_grad() after each step.")
-      ordinary.append(p)
       if _distributed.is_sharded(p):
         continue  # fully_shard's gradient (its update refuses the options)
       if (self._forge_moment_format(p) is not None
@@ -1782,34 +1788,35 @@ class _ForgeOptimizer:
     # unfused, were averaged by their hooks in backward.)
     _distributed.step_sharded(self)
     self._forge_apply_accumulated()  # a step with fewer than K micro-batches
-    from_zero = self._forge_step_from_zero()
+    self._forge_step_from_zero()
     _unhooked(self._forge_torch.step)(self)
-    # What torch's .grad of each managed weight would be now: G (updated in
-    # backward, or an ordinary gradient) or still a zero tensor.
-    held, zeroed = self._forge_grad_held, self._forge_grad_zeroed
-    for p in (*self._forge_updated, *ordinary):
-      held[p] = True
-      if p not in from_zero:
-        zeroed.pop(p, None)
-    self._forge_reset_step()
+    # This step's updated weights, kept for zero_grad(set_to_none=False);
+    # the last step's, if no zero_grad() read them, held from now on.
+    held, last = self._forge_grad_held, self._forge_last_updated
+    if self._forge_last_unseen:
+      for p in last:
+        held[p] = True
+    self._forge_last_updated, self._forge_updated = self._forge_updated, last
+    self._forge_last_unseen = True
+    self._forge_reset_step()  # (clears the map swapped in)
     return loss
 
-  def _forge_step_from_zero(self) -> "_linear.WeakIdMap":
+  def _forge_step_from_zero(self) -> None:
     """torch's step of a parameter whose ``.grad`` is a zero tensor, for
     each managed weight that would hold one (``zero_grad(set_to_none=
     False)`` after a step it was updated in) and that this step's backward
     did not reach: the family's update from ``G = 0`` (Adam's moments decay
-    and the weight moves by them; weight decay applies). Returns the
-    weights so stepped."""
-    done = _linear.WeakIdMap()
+    and the weight moves by them; weight decay applies)."""
     zeroed = self._forge_grad_zeroed
     if not zeroed:
-      return done
+      return
     for p in zeroed:
       if (p in self._forge_updated or p in self._forge_micro
           or p.grad is not None or p not in self._forge_managed
           or p.numel() == 0):
-        continue  # stepped from its gradient, or no longer this one's
+        # Its .grad in torch is G now (or it is no longer this one's).
+        zeroed.pop(p, None)
+        continue
       name = _linear.weight_name(p)
       if _distributed.is_sharded(p) or (p.is_cuda and _bridge._capturing()):
         raise RuntimeError(
@@ -1824,8 +1831,6 @@ class _ForgeOptimizer:
       self._forge_step_weight(p, p.new_zeros((8, n_out)),
                               p.new_zeros((8, n_in)), config=None,
                               layer=name)
-      done[p] = True
-    return done
 
 
 def _defers_step(step: torch.Tensor) -> bool:
