@@ -419,20 +419,50 @@ class BufferSnapshot:
             buf.copy_(copy)
 
 
+# The optimizers whose step(closure) is running its closure (either pass),
+# innermost last: another forge_torch optimizer's managed layer must not
+# update in it (:func:`refuse_other_optimizer`).
+RUNNING: list = []
+
+
 def _run(opt, closure, phase: str):
   opt._forge_clip_phase = phase
+  RUNNING.append(opt)
   try:
     with torch.enable_grad():
       return closure()
   finally:
+    RUNNING.pop()
     opt._forge_clip_phase = None
+
+
+def refuse_other_optimizer(opt, layer: str) -> None:
+  """Raises if a managed layer of ``opt`` is about to update inside the
+  closure of another optimizer's clipped ``step(closure)``, which runs the
+  closure twice: ``opt`` would update the layer in both passes (the second
+  forward then fails, the layer already updated once)."""
+  clipping = RUNNING[-1]
+  if clipping is opt:
+    return
+  raise RuntimeError(
+      f"forge_torch.Linear {layer}, managed by another "
+      f"forge_torch.{type(opt).__name__}, ran in the closure of a "
+      f"forge_torch.{type(clipping).__name__}.step(closure) with "
+      "max_grad_norm, which runs the closure twice (a pass that measures "
+      "the gradients' norm, then the pass that updates): the layer's own "
+      "optimizer would update it in both. Build one optimizer over all the "
+      "managed layers the closure runs (param groups can hold different "
+      "options; all of them are then clipped together), or run the other "
+      "optimizer's layers outside that closure.")
 
 
 def two_pass_step(opt, closure, finish):
   """``opt.step(closure)`` of an optimizer built with ``max_grad_norm``:
   ``clip_grad_norm_(params, max_grad_norm)`` then the torch step.
 
-  1. Every parameter's ``grad`` is set to ``None``; ``closure()`` runs with
+  1. Every parameter's ``grad`` tensor is zeroed (a ``grad`` of ``None``
+     stays so: the first pass starts from the gradients torch's
+     ``zero_grad(set_to_none=False)`` would leave); ``closure()`` runs with
      the managed layers measuring: each managed weight's squared gradient
      norm is kept, no weight is updated, the other parameters get their
      ``grad``.
@@ -440,7 +470,7 @@ def two_pass_step(opt, closure, finish):
      1e-6))`` are computed as ``clip_grad_norm_`` does (one host
      synchronisation, to read the coefficient into the kernels'
      hyperparameters); the norm is kept as ``opt.last_grad_norm``.
-  3. Every ``grad`` is set to ``None`` again, torch's default random
+  3. Every ``grad`` tensor is zeroed again, torch's default random
      generators are rewound to their state before the first call (so that
      dropout draws the same masks), and ``closure()`` runs a second time:
      each managed layer's backward applies its update from ``G`` times
@@ -483,8 +513,18 @@ def two_pass_step(opt, closure, finish):
   params = _params(opt)
 
   def clear():
+    # Each pass starts from the same gradients: zero where a tensor is
+    # (kept, as torch's zero_grad(set_to_none=False) keeps it, so that a
+    # closure that zeroes so leaves a parameter its backward does not reach
+    # with a zero gradient, which torch's step steps), none elsewhere.
     for p in params:
-      p.grad = None
+      g = p.grad
+      if g is not None:
+        if g.grad_fn is not None:
+          g.detach_()
+        else:
+          g.requires_grad_(False)
+        g.zero_()
 
   clear()
   opt._forge_clip_sq = WeakIdKeyDictionary()

@@ -1133,6 +1133,8 @@ class _ForgeOptimizer:
     (``accumulate_steps > 1``: ``G`` added to the weight's buffer, except on
     the step's last micro-batch, which steps from the sum). A plain update
     repeats the weight's plan where it holds (:meth:`_forge_run_plan`)."""
+    if _clip.RUNNING:  # inside a clipped step's closure: its optimizer's?
+      _clip.refuse_other_optimizer(self, layer)
     pk = _key(p)
     plan = self._forge_plans._values.get(pk)
     if plan is not None and self._forge_run_plan(plan, p, pk, grad_output,

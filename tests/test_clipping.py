@@ -455,6 +455,75 @@ def test_torch_max_grad_norm_refuses_misuse_with_the_fix():
   other_opt.step()
 
 
+def test_torch_max_grad_norm_keeps_zero_gradients_of_unreached_params():
+  """A closure zeroing with zero_grad(set_to_none=False) leaves torch a zero
+  .grad on a layer its backward no longer reaches, which torch's AdamW
+  steps from zero (decay and momentum): both passes start from such zero
+  tensors, so the plain bias and the managed weight of a layer used in the
+  first step only match torch's zero_grad / clip_grad_norm_ / step loop."""
+  torch.manual_seed(0)
+
+  class Net(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.fc, self.side = torch.nn.Linear(9, 7), torch.nn.Linear(9, 7)
+
+    def forward(self, x, use_side):
+      return self.fc(x) + self.side(x) if use_side else self.fc(x)
+
+  ref = Net()
+  model = copy.deepcopy(ref)
+  forge_torch.convert(model)
+  kw = dict(lr=1e-2, weight_decay=0.1)
+  opt = forge_torch.AdamW(model.parameters(), **kw, max_grad_norm=0.5)
+  ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+  x, y = torch.randn(8, 9), torch.randn(8, 7)
+  for use in (True, False, False):
+    ref_opt.zero_grad(set_to_none=False)
+    ((ref(x, use) - y) ** 2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    ref_opt.step()
+
+    def closure(use=use):
+      opt.zero_grad(set_to_none=False)
+      loss = ((model(x, use) - y) ** 2).mean()
+      loss.backward()
+      return loss
+
+    opt.step(closure)
+  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    assert_close(p.detach().numpy(), q.detach().numpy(), F32, name)
+  assert model.side.bias.grad is not None and not model.side.bias.grad.any()
+
+
+def test_torch_max_grad_norm_refuses_another_optimizers_layer_in_closure():
+  """A managed layer of a second forge_torch optimizer in the closure of a
+  clipped step would be updated by both passes: refused in the first
+  pass's backward, before any update, naming the layer and the fix."""
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(forge_torch.Linear(8, 6), torch.nn.Tanh(),
+                              forge_torch.Linear(6, 3))
+  opt_a = forge_torch.AdamW(model[0].parameters(), lr=1e-2,
+                            max_grad_norm=1.0)
+  opt_b = forge_torch.AdamW(model[2].parameters(), lr=1e-2)
+  w_b = model[2].weight.detach().clone()
+  x = torch.randn(5, 8)
+
+  def closure():
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss
+
+  with pytest.raises(RuntimeError, match=(
+      r"Linear\(6, 3\), managed by another forge_torch\.AdamW, ran in the "
+      r"closure of a forge_torch\.AdamW\.step\(closure\) with max_grad_norm"
+      r".*Build one optimizer")):
+    opt_a.step(closure)
+  assert torch.equal(model[2].weight, w_b) and len(opt_b.state) == 0
+
+
 # --- GPU --------------------------------------------------------------------------
 
 
