@@ -55,6 +55,28 @@ def slot_tuple(slots, rule: UpdateRule, where: str) -> tuple:
   raise TypeError(f"{where}: slots must be {want}; got {got}")
 
 
+def check_values(where: str, **arrays) -> None:
+  """Refuses, by name, an operand that is a shape-only stand-in
+  (``jax.ShapeDtypeStruct``: what :func:`describe_backend` takes) or a
+  torch tensor where the call needs JAX arrays' values. A sequence (the
+  slots) is checked entry by entry."""
+  for name, a in arrays.items():
+    items = (list(enumerate(a)) if isinstance(a, (list, tuple))
+             and not hasattr(a, "_fields") else [(None, a)])
+    for i, v in items:
+      label = name if i is None else f"{name}[{i}]"
+      if isinstance(v, jax.ShapeDtypeStruct):
+        raise TypeError(
+            f"{where}: {label} is a jax.ShapeDtypeStruct, a shape-only "
+            "stand-in (what describe_backend takes); the update needs the "
+            "array itself")
+      if type(v).__module__.split(".")[0] == "torch":
+        raise TypeError(
+            f"{where}: {label} is a {type(v).__name__} from torch; "
+            "pallas_kernels takes JAX arrays (forge_torch runs these kernels "
+            "on torch tensors, or convert with jax.dlpack.from_dlpack)")
+
+
 def check_float_dtype(name: str, a) -> None:
   """Refuses a non-array, non-float or float64 ``a`` (named ``name``)."""
   if not hasattr(a, "dtype") or not hasattr(a, "shape"):
@@ -197,14 +219,15 @@ def planned_slots(slots, rule: UpdateRule, w, formats, stochastic_rounding,
 
 def checked_state_inputs(x, dy, w, slots, hparams, rule: UpdateRule,
                          layer=None, formats=None, stochastic_rounding=None,
-                         *, where: str):
+                         *, where: str, stand_ins: bool = False):
   """:func:`checked_inputs` for a call whose slots may be quantized and
   whose weight may be stored by stochastic rounding
   (:func:`pallas_kernels.lowp.plan_state` checks those).
 
-  ``x`` and ``dy`` may be ``jax.ShapeDtypeStruct`` stand-ins of the right
-  widths (a stored gradient's call): they are checked and returned as
-  they are.
+  With ``stand_ins``, ``x`` and ``dy`` are ``jax.ShapeDtypeStruct``
+  stand-ins of the right widths (a stored gradient's call): they are
+  checked and returned as they are. Otherwise such a stand-in, or a torch
+  tensor, is refused (:func:`check_values`).
 
   Returns:
     ``(x, dy, w, slots, plan)``: ``plan`` ``None`` for plain state (the
@@ -212,13 +235,17 @@ def checked_state_inputs(x, dy, w, slots, hparams, rule: UpdateRule,
     :class:`~pallas_kernels.lowp.StatePlan`, with each quantized slot a
     ``Quantized`` pair of JAX arrays.
   """
-  slots, plan, stand_ins = planned_slots(slots, rule, w, formats,
-                                         stochastic_rounding, where=where)
-  if plan is None and not isinstance(x, jax.ShapeDtypeStruct):
+  if stand_ins:
+    check_values(where, w=w, slots=slots)
+  else:
+    check_values(where, x=x, dy=dy, w=w, slots=slots)
+  slots, plan, slot_stand_ins = planned_slots(
+      slots, rule, w, formats, stochastic_rounding, where=where)
+  if plan is None and not stand_ins:
     x, dy, w, slots = checked_inputs(x, dy, w, slots, hparams, rule, layer)
     return x, dy, w, slots, None
-  check_inputs(x, dy, w, stand_ins, hparams, rule, layer)
-  if isinstance(x, jax.ShapeDtypeStruct):  # stand-ins (stored_g_update)
+  check_inputs(x, dy, w, slot_stand_ins, hparams, rule, layer)
+  if stand_ins:  # (stored_g_update)
     return x, dy, jnp.asarray(w), state_arrays(slots), plan
   x, dy, w = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(w)
   common = common_dtype(x, dy)

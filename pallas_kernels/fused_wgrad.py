@@ -34,6 +34,7 @@ from jax import lax
 from pallas_kernels import lowp, mosaic_kernel, triton_kernel
 from pallas_kernels.checks import (
     check_float_dtype,
+    check_values,
     check_inputs,
     checked_inputs,
     checked_state_inputs,
@@ -443,6 +444,7 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   :func:`fused_wgrad_update`.
   """
   where = "stored_g_update"
+  check_values(where, g=g, w=w)
   g, w = jnp.asarray(g), jnp.asarray(w)
   check_float_dtype("g", g)
   if w.ndim < 2:
@@ -456,7 +458,7 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   _, _, w, slots, plan = checked_state_inputs(
       jax.ShapeDtypeStruct((1, n_in), g.dtype),
       jax.ShapeDtypeStruct((1, n_out), g.dtype), w, slots, hparams, rule,
-      layer, formats, stochastic_rounding, where=where)
+      layer, formats, stochastic_rounding, where=where, stand_ins=True)
   if layer is not None:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, w.shape[0] - 1)
   interpret = _interpret(interpret, where)

@@ -37,8 +37,13 @@ flat index (:func:`quant.global_index`; for layer ``l`` of a stack, rows
 correctly rounded ``div.rn.f32`` (Triton's ``/`` is approximate), int8
 codes are rounded to nearest even by ``cvt.rni.f32.f32`` and a dequantized
 value is the product ``mul.rn.f32``, which is never contracted into a
-following add. In interpret mode the same steps are XLA's (exact) ops: the
-quantized states equal the reference's bit for bit.
+following add. In interpret mode the same steps are XLA's (exact) ops:
+the quantized states equal the reference's bit for bit wherever XLA
+computes the rule's fp32 arithmetic before them alike in both programs
+(the cases ``tests/test_low_precision.py`` tests). It may contract that
+arithmetic into fused multiply-adds in one program and not the other (seen
+with Adagrad's e5m2 moments and torch's amsgrad Adam with int8 ones): a
+one-ulp difference in a moment then moves its block's scale by one ulp.
 
 **Mosaic GPU.** Asked for by name (``backend="mosaic_gpu"``, or a
 ``MosaicConfig``), or by ``backend=None`` where the autotune cache measured

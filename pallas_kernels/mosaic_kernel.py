@@ -113,6 +113,11 @@ def pingpong_registers(compute_wgs: int) -> int:
   return min(232, (65536 // 128 - _MEMORY_REGISTERS) // compute_wgs // 8 * 8)
 
 
+# MosaicConfig's True/False knobs (every other field is an int).
+_MOSAIC_FLAGS = frozenset(("prefetch_next", "pingpong", "rolled",
+                           "no_barriers", "approx_math"))
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """Tiling of the Mosaic GPU kernel.
@@ -230,17 +235,29 @@ class MosaicConfig:
   cluster: int = 1
 
   def __post_init__(self):
+    # Types first: a float, a bool or a NumPy scalar where a count goes
+    # would pass the range checks below and fail inside the kernel.
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name in _MOSAIC_FLAGS:
+        if not isinstance(v, bool):
+          raise ValueError(f"MosaicConfig: {f.name}={v!r} must be True or "
+                           "False")
+      elif not (v is None and f.name == "compute_wgs") and (
+          not isinstance(v, int) or isinstance(v, bool)):
+        raise ValueError(f"MosaicConfig: {f.name}={v!r} must be a Python "
+                         "int")
     for name in ("tile_m", "tile_n", "tile_k"):
       v = getattr(self, name)
-      if not isinstance(v, int) or v <= 0 or v % 64:
+      if v <= 0 or v % 64:
         raise ValueError(f"MosaicConfig: {name}={v!r} must be a positive "
                          "multiple of 64")
-    if not isinstance(self.steps, int) or self.steps < 1:
+    if self.steps < 1:
       raise ValueError(f"MosaicConfig: steps={self.steps!r} must be >= 1")
-    for name in ("pingpong", "rolled", "no_barriers", "approx_math"):
-      if not isinstance(getattr(self, name), bool):
+    for name in ("epi_m", "epi_n"):
+      if getattr(self, name) <= 0:
         raise ValueError(f"MosaicConfig: {name}={getattr(self, name)!r} "
-                         "must be True or False")
+                         "must be positive")
     if self.compute_wgs is None:
       object.__setattr__(self, "compute_wgs", self._default_compute_wgs())
     if self.cluster not in (1, 2) or (self.cluster > 1

@@ -114,6 +114,32 @@ def test_plain_slots_of_the_storage_dtypes_still_step(dtype):
                                atol=1e-5)
 
 
+def test_shape_only_stand_ins_and_torch_tensors_are_refused_by_name():
+  """describe_backend takes jax.ShapeDtypeStruct stand-ins; the update
+  itself needs values: a stand-in (or a torch tensor) for x, the weight or
+  a slot is refused naming the operand, where it failed deep inside."""
+  torch = pytest.importorskip("torch")
+  x, dy, w, slots = _case(0, 8, 16, 24)
+  sds = jax.ShapeDtypeStruct
+  cases = [
+      ("x", dict(x=sds(x.shape, x.dtype)), "x is a jax.ShapeDtypeStruct"),
+      ("w", dict(w=sds(w.shape, w.dtype)), "w is a jax.ShapeDtypeStruct"),
+      ("slot", dict(slots=(slots[0], sds(w.shape, w.dtype))),
+       r"slots\[1\] is a jax.ShapeDtypeStruct"),
+      ("torch", dict(x=torch.zeros(x.shape)), "x is a Tensor from torch"),
+  ]
+  for label, change, match in cases:
+    args = dict(x=x, dy=dy, w=w, slots=slots, hparams=_hparams())
+    args.update(change)
+    for fn in (pk.fused_wgrad_update, pk.fused_wgrad_update_reference):
+      with pytest.raises(TypeError, match=match):
+        fn(**args, rule=ADAMW, **({"interpret": True}
+                                   if fn is pk.fused_wgrad_update else {}))
+  with pytest.raises(TypeError, match="g is a jax.ShapeDtypeStruct"):
+    pk.stored_g_update(sds(w.shape, w.dtype), w, slots, _hparams(),
+                       rule=ADAMW, interpret=True)
+
+
 def test_x_and_dy_without_a_common_dtype_are_refused():
   x, dy, w, slots = _case(3, 8, 16, 32)
   with pytest.raises(TypeError, match="x is float8_e4m3fn and dy float32, "

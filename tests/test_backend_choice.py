@@ -9,6 +9,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_kernels as pk
@@ -139,6 +140,24 @@ def test_labels_round_trip_every_knob():
 def test_bad_labels_are_refused_in_plain_words(label, match):
   with pytest.raises(ValueError, match=match):
     M.from_label(label)
+
+
+@pytest.mark.parametrize("knobs,match", [
+    (dict(epi_m=0), "epi_m=0 must be positive"),
+    (dict(epi_n=-64), "epi_n=-64 must be positive"),
+    (dict(epi_n=64.0), "epi_n=64.0 must be a Python int"),
+    (dict(compute_wgs=2.0), "compute_wgs=2.0 must be a Python int"),
+    (dict(state_ring=True), "state_ring=True must be a Python int"),
+    (dict(band=np.int64(2)), "band=.*2.* must be a Python int"),
+    (dict(delay_release=0.0), "delay_release=0.0 must be a Python int"),
+    (dict(prefetch_next=1), "prefetch_next=1 must be True or False"),
+])
+def test_bad_knobs_are_refused_by_the_config_itself(knobs, match):
+  """Every count a Python int, every switch a bool, the epilogue sub-tile
+  positive: refused when the tiling is built, naming the knob, not deep in
+  the kernel (a float epilogue width, a zero that divides)."""
+  with pytest.raises(ValueError, match=match):
+    M(**knobs)
 
 
 def test_backends_benchmark_parses_with_the_shared_labels(capsys):
