@@ -811,7 +811,7 @@ class Converted(list):
 def _excluded(name: str, exclude: tuple[str, ...]) -> str | None:
   """The entry of ``exclude`` that names module ``name`` or a parent of it."""
   for e in exclude:
-    if name == e or name.startswith(e + "."):
+    if name == e or name.startswith(e + ".") or e == "":  # "": the root
       return e
   return None
 
@@ -823,12 +823,21 @@ def _skip_reason(module: nn.Module, names_of: Mapping[int, list[str]]
   read only past the type check: a parametrized layer, e.g. under
   ``spectral_norm``, is a subclass whose ``weight`` runs its
   parametrization, a power iteration in training mode.)"""
+  if isinstance(module, nn.modules.lazy.LazyModuleMixin):
+    return (f"it is an uninitialized {type(module).__name__}: run one "
+            "forward first (e.g. under torch.no_grad()), which makes it an "
+            "nn.Linear, then convert()")
   if type(module) is not nn.Linear:
     return (f"its type is {type(module).__name__}, a subclass of nn.Linear "
             "whose weight may be read outside its forward (e.g. "
             "MultiheadAttention.out_proj); only exact nn.Linear is converted")
   w = module.weight
-  names_of_weight = names_of[id(w)]
+  names_of_weight = names_of.get(id(w), [])
+  if not names_of_weight:
+    return ("its weight is not a parameter of the model but is formed from "
+            "others at each forward (torch.nn.utils.weight_norm, "
+            "spectral_norm or prune: their weight_g / weight_v / "
+            "weight_orig); FORGE updates a weight Parameter in place")
   if len(names_of_weight) > 1:
     return (f"its weight appears {len(names_of_weight)} times in the model "
             f"({', '.join(names_of_weight)}): it is tied to another module, "
@@ -862,8 +871,9 @@ def convert(model: nn.Module, *,
   Eligible: modules whose type is exactly ``nn.Linear`` (subclasses, e.g.
   ``MultiheadAttention``'s ``out_proj`` whose weight is read by functional
   code, are left alone), with a non-empty float32 or bfloat16 weight that
-  appears once in ``model.named_parameters(remove_duplicate=False)``, and not
-  named by ``exclude``. A weight appearing more than once -- tied to an
+  appears once in ``model.named_parameters(remove_duplicate=False)`` (not a
+  weight that ``weight_norm``, ``spectral_norm`` or ``prune`` forms from
+  other parameters), and not named by ``exclude``. A weight appearing more than once -- tied to an
   embedding, or one module registered under two names -- stays on the
   standard path: FORGE needs exactly one layer reading each weight per step.
 

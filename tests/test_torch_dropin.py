@@ -277,6 +277,31 @@ def test_convert_skips_a_non_contiguous_weight_with_the_fix():
   assert type(model[0]) is nn.Linear
 
 
+def test_convert_skips_weights_formed_at_each_forward_and_lazy_layers():
+  """weight_norm, spectral_norm and prune (torch.nn.utils' hook-based
+  forms) make the weight an attribute formed from other Parameters at each
+  forward, which no optimizer holds: skipped with the reason (they were
+  switched and reported converted, then trained unfused). A LazyLinear not
+  yet materialised is skipped saying to run a forward first."""
+  torch.manual_seed(0)
+  model = nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 6)),
+                        nn.utils.spectral_norm(nn.Linear(6, 6)),
+                        nn.Linear(6, 5), nn.LazyLinear(3))
+  from torch.nn.utils import prune
+  prune.l1_unstructured(model[2], "weight", amount=0.3)
+  with pytest.warns(forge_torch.ConvertSkipWarning):
+    names = forge_torch.convert(model)
+  assert names == []
+  for i in ("0", "1", "2"):
+    assert "formed from others at each forward" in names.skipped[i], i
+    assert type(model[int(i)]) is nn.Linear
+  assert "run one forward first" in names.skipped["3"]
+  with torch.no_grad():
+    model(torch.randn(2, 4))
+  with pytest.warns(forge_torch.ConvertSkipWarning):
+    assert forge_torch.convert(model) == ["3"]
+
+
 def test_convert_exclude():
   model = _model()
   with warnings.catch_warnings():
@@ -287,6 +312,9 @@ def test_convert_exclude():
   assert type(model[0].fc1) is nn.Linear
   with pytest.raises(ValueError, match=r"no module of the model: \['head'\]"):
     forge_torch.convert(_model(), exclude=["head"])
+  # "" names the model itself: every module is under it.
+  names = forge_torch.convert(_model(), exclude="")
+  assert names == [] and len(names.skipped) == 3
 
 
 def test_errors_name_the_layer_by_its_path():
