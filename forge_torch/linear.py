@@ -568,6 +568,8 @@ class Linear(nn.Linear):
   _is_fsdp_managed_module: bool = False
   # (in_features, out_features, "Linear(in, out)"): _layer_name's cache.
   _forge_default_name: tuple = (None, None, None)
+  # Whether the layer has warned that its weight is formed at each forward.
+  _forge_formed_warned: bool = False
 
   def __init__(self, in_features: int, out_features: int, bias: bool = True,
                device=None, dtype=None, *,
@@ -602,6 +604,24 @@ class Linear(nn.Linear):
   def __setstate__(self, state):
     super().__setstate__(state)
     self._mark_own_weight()
+
+  def _warn_formed_weight(self) -> None:
+    """Says once that this layer runs on the standard path: its weight is
+    no longer a Parameter of it but formed from others at each forward (a
+    parametrization, weight_norm, spectral_norm or prune applied after
+    convert()), which FORGE cannot update in place."""
+    self._forge_formed_warned = True
+    if not (self.fused and _grad_enabled()):
+      self._forge_formed_warned = False  # (not training: say it later)
+      return
+    warnings.warn(
+        f"forge_torch.Linear {self._layer_name()}: its weight is no longer a "
+        "Parameter of the layer but formed from other parameters at each "
+        "forward (torch.nn.utils.parametrize, weight_norm, spectral_norm or "
+        "prune applied after convert()), so the layer trains on the "
+        "standard path, its parameters stepped by the optimizer from their "
+        "gradients. Apply them before convert(), which leaves such a layer "
+        "nn.Linear.", ConvertSkipWarning, stacklevel=3)
 
   def _swap_refused(self, what: str) -> str:
     """Why torch could not swap this layer's weight (``what`` did)."""
@@ -687,6 +707,8 @@ class Linear(nn.Linear):
       w, bias = params["weight"], params["bias"]
     except KeyError:  # not parameters (e.g. parametrized): as attributes
       w, bias = self.weight, self.bias
+      if "weight" not in params and not self._forge_formed_warned:
+        self._warn_formed_weight()
     # (Under torch.jit.trace, the standard layer: its graph records torch's
     # ops, and its check reruns the forward without autograd, here too.)
     if not (self.fused and _grad_enabled()) or _jit_tracing() is not None:

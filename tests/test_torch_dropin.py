@@ -1,5 +1,6 @@
 """forge_torch in real training code: gradient clipping, torch.compile,
 convert()'s report of skipped layers, and errors that name layers by path."""
+import copy
 import os
 import subprocess
 import sys
@@ -300,6 +301,40 @@ def test_convert_skips_weights_formed_at_each_forward_and_lazy_layers():
     model(torch.randn(2, 4))
   with pytest.warns(forge_torch.ConvertSkipWarning):
     assert forge_torch.convert(model) == ["3"]
+
+
+def test_a_weight_reparametrized_after_convert_warns_once():
+  """prune (or a parametrization) applied after convert(): the layer's
+  weight is formed at each forward, so it trains on the standard path,
+  as torch would train it; the layer says so once, not silently."""
+  from torch.nn.utils import parametrize, prune
+  torch.manual_seed(0)
+  ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+  model = copy.deepcopy(ref)
+  assert forge_torch.convert(model) == ["0", "2"]
+  for m in (ref, model):
+    prune.l1_unstructured(m[0], "weight", amount=0.5)
+    parametrize.register_parametrization(m[2], "weight", _Double())
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+  ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+  x = torch.randn(5, 4)
+  with pytest.warns(forge_torch.ConvertSkipWarning) as record:
+    for _ in range(2):
+      for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.step()
+  said = [str(r.message) for r in record
+          if issubclass(r.category, forge_torch.ConvertSkipWarning)]
+  assert len(said) == 2 and "Linear 0: its weight is no longer" in said[0]
+  assert "Linear 2:" in said[1] and "before convert()" in said[1]
+  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+
+
+class _Double(nn.Module):
+  def forward(self, w):
+    return 2 * w
 
 
 def test_convert_exclude():
