@@ -611,9 +611,6 @@ class Linear(nn.Linear):
     parametrization, weight_norm, spectral_norm or prune applied after
     convert()), which FORGE cannot update in place."""
     self._forge_formed_warned = True
-    if not (self.fused and _grad_enabled()):
-      self._forge_formed_warned = False  # (not training: say it later)
-      return
     warnings.warn(
         f"forge_torch.Linear {self._layer_name()}: its weight is no longer a "
         "Parameter of the layer but formed from other parameters at each "
@@ -707,7 +704,8 @@ class Linear(nn.Linear):
       w, bias = params["weight"], params["bias"]
     except KeyError:  # not parameters (e.g. parametrized): as attributes
       w, bias = self.weight, self.bias
-      if "weight" not in params and not self._forge_formed_warned:
+      if ("weight" not in params and not self._forge_formed_warned
+          and self.fused and _grad_enabled()):
         self._warn_formed_weight()
     # (Under torch.jit.trace, the standard layer: its graph records torch's
     # ops, and its check reruns the forward without autograd, here too.)

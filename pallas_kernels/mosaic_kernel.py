@@ -282,11 +282,11 @@ class MosaicConfig:
     if self.prefetch_next and self.state_buffers != 2 and not self.pingpong:
       raise ValueError("MosaicConfig: prefetch_next needs state_buffers=2 "
                        "(or pingpong, whose ring then runs across tiles)")
-    if not isinstance(self.state_ring, int) or not 0 <= self.state_ring <= 8:
+    if not 0 <= self.state_ring <= 8:
       raise ValueError(f"MosaicConfig: state_ring={self.state_ring!r} must "
                        "be 0 (the whole state tile held; with pingpong, a "
                        "ring of as many sub-tiles as fit) to 8")
-    if not isinstance(self.band, int) or self.band < 1:
+    if self.band < 1:
       raise ValueError(f"MosaicConfig: band={self.band!r} must be a "
                        "positive number of tile columns")
     if self.rolled and not (self.pingpong or self.state_ring):
