@@ -489,7 +489,8 @@ def transform(lp: LowPrecision, rule: pallas_kernels.UpdateRule,
         for i, name in enumerate(rule.slots)}
     return cls(count=jnp.zeros([], jnp.int32), **slots)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args  # (optax.chain passes its members' extra arguments)
     if params is None:
       raise ValueError(
           f"forge_jax.{lp.family} with low-precision state needs the "
@@ -528,7 +529,7 @@ def transform(lp: LowPrecision, rule: pallas_kernels.UpdateRule,
         n: def_.unflatten(v) for n, v in zip(rule.slots, out_s)})
     return def_.unflatten(out_u), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def step_leaf(lp: LowPrecision, rule, g, p, slots, hparams, sr):

@@ -1109,6 +1109,27 @@ def _scion_direction(d, scale: float, ns_coeffs, ns_steps: int, eps: float):
   return scale * (d / (rms + eps))
 
 
+def _scion_check_ns(ns_coeffs, ns_steps) -> None:
+  """Refuses Newton-Schulz coefficients optax's muon would refuse: a name
+  (muon's presets are not taken here), a shape other than ``(3,)`` or
+  ``(n, 3)``, or more rows than ``ns_steps`` (a ``(n, 3)`` array runs its
+  ``n`` rows, one per step, whatever ``ns_steps`` says)."""
+  if isinstance(ns_coeffs, str):
+    raise ValueError(
+        f"forge_jax.scion: ns_coeffs={ns_coeffs!r}: named coefficient "
+        "presets are not supported here; pass the coefficients, (3,) or "
+        "(n, 3)")
+  shape = jnp.asarray(ns_coeffs).shape
+  if len(shape) not in (1, 2) or shape[-1] != 3:
+    raise ValueError(f"forge_jax.scion: ns_coeffs must have shape (3,) or "
+                     f"(n, 3), got {shape}")
+  if len(shape) == 2 and shape[0] > ns_steps:
+    raise ValueError(
+        f"forge_jax.scion: ns_coeffs has {shape[0]} rows, one per "
+        f"Newton-Schulz step, but ns_steps={ns_steps}: give at most ns_steps "
+        "rows (as optax.contrib.muon requires), or raise ns_steps")
+
+
 def scale_by_scion(
     momentum: float = 0.1,
     scale: float = 1.0,
@@ -1127,8 +1148,11 @@ def scale_by_scion(
   oracle reads the average as stored (the parameter's dtype).
 
   Raises:
-    ValueError: at ``init``, a parameter with more than two axes.
+    ValueError: ``ns_coeffs`` is not ``(3,)`` or ``(n, 3)`` with ``n <=
+      ns_steps`` (optax's muon's check); at ``init``, a parameter with
+      more than two axes.
   """
+  _scion_check_ns(ns_coeffs, ns_steps)
 
   def init_fn(params):
     _scion_check_params(params)
@@ -1194,8 +1218,9 @@ def scion(
       the average (1 minus the usual momentum; 1: no averaging).
     scale: :math:`\rho`, the radius of every parameter's norm ball.
     unconstrained: the uSCG variant (no :math:`(1-\gamma_t)` shrink).
-    ns_coeffs, ns_steps: Newton-Schulz coefficients (``(3,)`` or
-      ``(ns_steps, 3)``) and iterations, as in :func:`optax.contrib.muon`.
+    ns_coeffs, ns_steps: Newton-Schulz coefficients (``(3,)``, or
+      ``(n, 3)`` with ``n <= ns_steps``: one row per step, ``n`` steps)
+      and iterations, as in :func:`optax.contrib.muon`.
     eps: added to the Frobenius norm before Newton-Schulz and to the RMS
       of a vector.
 
@@ -1204,7 +1229,8 @@ def scion(
 
   Raises:
     ValueError: ``moments`` or ``stochastic_rounding`` is set
-      (low-precision state is for the regime-1 families); at ``init``, a
+      (low-precision state is for the regime-1 families); ``ns_coeffs`` of
+      another shape or with more than ``ns_steps`` rows; at ``init``, a
       parameter with more than two axes (its operator norm is not defined
       here).
 

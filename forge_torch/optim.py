@@ -2476,13 +2476,22 @@ class NAdam(_AdamMoments, torch.optim.NAdam):
     beta1, beta2, values = self._forge_betas(group)
     lr = _scalar(group["lr"])
     md = _scalar(group["momentum_decay"])
-    mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * md)))
-    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * md)))
-    mu_product = state["mu_product"] * mu  # torch: mu_product *= mu
+    # torch's expressions on torch's operands: a tensor beta1 forms mu, the
+    # coefficients and mu_product in its own dtype (float32), a float in
+    # double precision.
+    b1 = group["betas"][0]
+    if isinstance(b1, torch.Tensor):
+      b1 = b1.detach().cpu()
+    else:
+      b1 = beta1
+    mu = b1 * (1.0 - 0.5 * (0.96 ** (t * md)))
+    mu_next = b1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * md)))
+    mu_product = state["mu_product"].clone()
+    mu_product *= mu  # torch: mu_product *= mu (in place: its dtype kept)
     mp = _get_value(mu_product)
     values["bc2"] = 1 - beta2**t
-    values["c_grad"] = -lr * (1.0 - mu) / (1.0 - mp)
-    values["c_avg"] = (-lr * mu_next) / (1.0 - mp * mu_next)
+    values["c_grad"] = _scalar(-lr * (1.0 - mu) / (1.0 - mp))
+    values["c_avg"] = _scalar((-lr * mu_next) / (1.0 - mp * mu_next))
     return values, {"mu_product": mu_product}
 
 

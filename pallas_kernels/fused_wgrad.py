@@ -89,7 +89,7 @@ def fused_wgrad_update(
     hparams: jax.Array,
     *,
     rule: UpdateRule,
-    config: BlockConfig | None = None,
+    config: BlockConfig | mosaic_kernel.MosaicConfig | None = None,
     interpret: bool | None = None,
     layer: jax.Array | int | None = None,
     backend: str | None = None,

@@ -583,6 +583,28 @@ def test_families_with_moments_take_low_precision_state():
     assert isinstance(leaf, Quantized), family
 
 
+@pytest.mark.parametrize("make", [
+    lambda: forge_jax.adamw(1e-3, moments="int8"),
+    lambda: forge_jax.adamw(1e-3, moments=jnp.bfloat16),
+    lambda: forge_jax.sgd(1e-2, momentum=0.9, stochastic_rounding=True)],
+    ids=["int8", "bf16", "sr"])
+def test_low_precision_transforms_take_optax_extra_arguments(make):
+  """A low-precision transform is a GradientTransformationExtraArgs, as
+  its type says: optax.chain hands it the extra arguments another member
+  needs (reduce_on_plateau's value=), which it ignores."""
+  tx = make()
+  params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2),
+            "b": jnp.ones((2,))}
+  grads = jax.tree.map(lambda p: 0.1 * p + 0.05, params)
+  alone, _ = tx.update(grads, tx.init(params), params)
+  chained = optax.chain(tx, optax.contrib.reduce_on_plateau())
+  got, _ = chained.update(grads, chained.init(params), params,
+                          value=jnp.asarray(1.0))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(alone)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(got))
+
+
 def test_unsupported_uses_are_refused_in_plain_words():
   with pytest.raises(ValueError, match="forge_jax.lamb: moments='int8'.*"
                      "supported for the families whose whole step runs in "

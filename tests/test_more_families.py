@@ -459,6 +459,30 @@ def test_scion_refuses_a_kernel_of_more_than_two_axes_at_init():
     forge_jax.scion(0.1).init(params)
 
 
+@pytest.mark.parametrize("ns_coeffs,ns_steps,match", [
+    ("dion", 5, r"named coefficient presets"),
+    ((1.0, 2.0), 5, r"shape \(3,\) or \(n, 3\), got \(2,\)"),
+    (np.ones((2, 2, 3)), 5, r"got \(2, 2, 3\)"),
+    # optax.contrib.muon refuses this too: a (n, 3) array runs n steps.
+    (np.ones((5, 3)), 2, r"5 rows.*ns_steps=2"),
+])
+def test_scion_refuses_newton_schulz_coefficients_as_optax_does(
+    ns_coeffs, ns_steps, match):
+  with pytest.raises(ValueError, match=match):
+    forge_jax.scion(0.1, ns_coeffs=ns_coeffs, ns_steps=ns_steps)
+
+
+def test_scion_takes_fewer_coefficient_rows_than_steps():
+  # (2, 3) with ns_steps=5: two Newton-Schulz steps, as optax's muon runs.
+  coeffs = np.array([[3.4445, -4.7750, 2.0315], [3.0, -3.2, 1.2]])
+  tx = forge_jax.scion(0.1, ns_coeffs=coeffs, ns_steps=5)
+  params = {"kernel": jnp.arange(12.0).reshape(4, 3) / 10}
+  grads = {"kernel": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  assert bool(jnp.all(jnp.isfinite(updates["kernel"])))
+  assert float(jnp.abs(updates["kernel"]).max()) > 0
+
+
 @pytest.mark.parametrize("block_axes,match", [
     (None, r"\['attn'\]\['kernel'\].*3 axes.*no default block.*block_axes"),
     (lambda path, p: (0, 3) if p.ndim == 3 else None,

@@ -124,7 +124,8 @@ GROUPS = (
                          "_torch", "sgd-momentum-dampening-wd", "adagrad",
                          "rmsprop-centered-momentum-maximize", "adam-wd",
                          "adam-amsgrad-maximize", "adamw-fused-amsgrad-"
-                         "maximize", "nadam-decoupled", "radam-decoupled")
+                         "maximize", "nadam-decoupled", "nadam-tensor-betas",
+                         "radam-decoupled")
                 + _cases(T + "test_torch_low_precision.py::test_quantized"
                          "_steps_match_the_reference_rule", "adamw-int8-fp32")
                 + _cases(T + "test_accumulate.py::test_k_micro_steps_equal"
