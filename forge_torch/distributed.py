@@ -79,6 +79,11 @@ from forge_torch import linear as _linear
 # Managed weight -> the process group (None: the default group) whose ranks
 # average its gradient before each update. Set by prepare_ddp().
 _GROUPS = _linear.WeakIdMap()
+# Managed weight -> (its number among the weights its prepare_ddp call
+# registered, from 1; their names in that order), where that call was given
+# check_order=True: its reductions first check that every rank reduces the
+# same layer.
+_ORDER = _linear.WeakIdMap()
 # fully_shard's sharded weight (a DTensor Parameter) -> weakref to its
 # forge_torch.Linear. Set by prepare_fsdp().
 _SHARDED = _linear.WeakIdMap()
@@ -104,7 +109,8 @@ check_not_sharded = _linear.check_not_sharded
 
 
 def prepare_ddp(module: nn.Module, process_group=None, *,
-                broadcast: bool = True) -> list[str]:
+                broadcast: bool = True,
+                check_order: bool = False) -> list[str]:
   """Lets ``module``'s FORGE-managed weights train under DDP.
 
   Call it on every rank, after :func:`forge_torch.convert` and before
@@ -133,7 +139,13 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
 
   Every rank must run each managed layer the same number of times per step
   (its backward joins a collective): DDP's ``find_unused_parameters=True``
-  does not cover managed weights. ``model.no_sync()`` does not apply to
+  does not cover managed weights. That is not checked by default: a rank
+  that reduces another managed layer of the same shape instead (experts
+  routed differently per rank) averages the two silently. With
+  ``check_order=True`` every reduction of a managed weight first checks,
+  by one small collective and a host synchronisation, that every rank is
+  reducing the same weight, and raises on every rank where they are not.
+  ``model.no_sync()`` does not apply to
   them either: with ``optimizer.accumulate_steps = K`` they are reduced once
   per step, at the K-th micro-batch, which is what ``no_sync`` achieves for
   DDP's parameters.
@@ -144,6 +156,10 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
     process_group: the group DDP reduces over (``None``: the default group,
       DDP's default). Pass DDP's ``process_group`` if you give it one.
     broadcast: copy the managed weights from the group's first rank.
+    check_order: check at each managed weight's reduction that every rank
+      reduces the same weight (a collective of two integers and a host
+      synchronisation per managed layer and step: for finding a model
+      whose ranks run different managed layers, not for every run).
 
   Returns:
     The qualified names of the managed weights, now reduced by forge_torch.
@@ -152,7 +168,11 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
     RuntimeError: ``torch.distributed`` is not initialised; ``module`` is a
       ``DistributedDataParallel`` built before this was called on its
       module; a managed layer is sharded by FSDP.
+    TypeError: ``check_order`` is not a bool.
   """
+  if not isinstance(check_order, bool):
+    raise TypeError(f"prepare_ddp: check_order must be True or False, got "
+                    f"{check_order!r}")
   dist = _dist()
   if not dist.is_initialized():
     raise RuntimeError(
@@ -183,10 +203,14 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
       check_not_sharded(layer, mod_name or type(module).__name__)
   weights = _managed_weights(module)
   names = [name for name, _ in weights]
-  for _, p in weights:
+  for number, (_, p) in enumerate(weights, 1):
     if p not in _GROUPS:  # once per weight
       _register_grad_hook(p, _unfused_grad_ready)
     _GROUPS[p] = process_group
+    if check_order:
+      _ORDER[p] = (number, names)
+    else:
+      _ORDER.pop(p, None)
   # DDP names a parameter of the module it wraps ".weight" in some of its
   # checks and "weight" in others; a nested one is "fc.weight" in both.
   ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -249,17 +273,19 @@ def _ddp_process_group(module: nn.Module, args: tuple, kwargs: dict):
   return _group_of(_ddp_arguments(module, args, kwargs))
 
 
-def wrap_ddp(module: nn.Module, *args: Any,
+def wrap_ddp(module: nn.Module, *args: Any, check_order: bool = False,
              **kwargs: Any) -> nn.parallel.DistributedDataParallel:
   """``torch.nn.parallel.DistributedDataParallel(module, *args, **kwargs)``
   after :func:`prepare_ddp` over the group DDP reduces over (its
   ``process_group``, by keyword or by position, or its ``device_mesh``'s
   group; none: the default group). The managed weights are copied from the
   group's first rank unless DDP is given ``init_sync=False``, which skips
-  its own copy of the other parameters."""
+  its own copy of the other parameters. ``check_order``: as
+  :func:`prepare_ddp`'s."""
   arguments = _ddp_arguments(module, args, kwargs)
   prepare_ddp(module, _group_of(arguments),
-              broadcast=bool(arguments.get("init_sync", True)))
+              broadcast=bool(arguments.get("init_sync", True)),
+              check_order=check_order)
   return nn.parallel.DistributedDataParallel(module, *args, **kwargs)
 
 
@@ -437,10 +463,40 @@ def _all_reduce_mean(buffer: torch.Tensor, p: torch.Tensor,
         "parallelism (forge_torch.distributed.prepare_ddp) but "
         "torch.distributed is no longer initialised")
   group = _GROUPS[p]
+  order = _ORDER.get(p)
+  if order is not None:
+    _check_same_weight(dist, order, group, buffer.device, layer)
   dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
   world = dist.get_world_size(group)
   if world > 1:
     buffer.div_(world)
+
+
+def _check_same_weight(dist, order, group, device, layer: str) -> None:
+  """Raises on every rank of ``group`` unless all of them are reducing the
+  weight numbered ``order[0]`` now (``prepare_ddp(..., check_order=True)``):
+  the least and the greatest number over the ranks, by one collective."""
+  number, names = order
+  t = torch.tensor([number, -number], dtype=torch.int64, device=device)
+  dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+  high, low = t[0].item(), -t[1].item()
+  if high == low:
+    return
+  other = high if high != number else low
+
+  def named(n: int) -> str:
+    return (f"{names[n - 1]} (number {n})" if 1 <= n <= len(names)
+            else f"number {n}")
+
+  raise RuntimeError(
+      f"forge_torch.Linear {layer}: the ranks are reducing different "
+      f"managed weights (prepare_ddp(..., check_order=True)): this rank "
+      f"{named(number)}, another {named(other)}, of the {len(names)} "
+      "prepared in order. Every rank must run each managed layer the same "
+      "number of times per step, in the same order: its backward joins a "
+      "collective. Keep a layer that some ranks skip or route around "
+      "(experts chosen per rank) as nn.Linear "
+      "(forge_torch.convert(model, exclude=[...])).")
 
 
 def _forget_view(optimizer, p: torch.Tensor, buffer: torch.Tensor) -> None:

@@ -4,7 +4,8 @@ the full batch, a weight tied across two managed layers under fully_shard,
 and the misuses that must be refused (DDP without
 forge_torch.distributed.prepare_ddp, fully_shard without prepare_fsdp,
 global-norm clipping, a managed weight read twice under DDP, a tied weight
-split across FSDP groups).
+split across FSDP groups, ranks reducing different managed layers under
+``prepare_ddp(check_order=True)``).
 
 The ranks run once per test session and world size, rank 0 in the test
 process and the others in child processes (``torch.multiprocessing``),
@@ -184,6 +185,19 @@ def _misuses(rank: int) -> dict:
   forge_torch.AdamW(model.parameters())
   found["fsdp_tied_split"] = _error(lambda: model(x), (RuntimeError,
                                                       ValueError))
+  # The ranks running different managed layers of one shape (experts routed
+  # per rank): prepare_ddp(check_order=True) refuses it on every rank at the
+  # first reduction (unchecked, the two layers' gradients would be averaged
+  # together); wrap_ddp passes the option on.
+  model = converted(net)
+  forge_dist.prepare_ddp(model, check_order=True)
+  opt = forge_torch.AdamW(model.parameters())
+  layer = model.fc1 if rank == 0 else model.fc2
+  found["misrouted"] = _error(
+      lambda: F.mse_loss(model.head(layer(x)), y).backward())
+  found["check_order_type"] = _error(
+      lambda: forge_dist.wrap_ddp(converted(net), check_order="yes"),
+      TypeError)
   return found
 
 
@@ -259,7 +273,9 @@ def _train(rank: int, micro_batches, accumulate: int, seed: int,
   with torch.no_grad():  # prepare_ddp copies rank 0's managed weights
     model.fc1.weight.add_(float(rank))
   if accumulate == 1:
-    names = forge_dist.prepare_ddp(model)
+    # (Every managed reduction checked for the same weight on every rank:
+    # the check passes and changes nothing.)
+    names = forge_dist.prepare_ddp(model, check_order=True)
     ddp = nn.parallel.DistributedDataParallel(model)
   else:
     names, ddp = None, forge_dist.wrap_ddp(model)
@@ -628,6 +644,12 @@ def test_misuse_is_refused(reports):
       assert "same FSDP group" in found["fsdp_tied_split"]
     else:
       assert found["fsdp_tied_split"] == "", found["fsdp_tied_split"]
+    # Rank 0 reduces fc1, rank 1 fc2: both ranks refuse, naming both.
+    misrouted = found["misrouted"]
+    assert "reducing different managed weights" in misrouted, misrouted
+    assert "fc1.weight (number 1)" in misrouted, misrouted
+    assert "fc2.weight (number 2)" in misrouted, misrouted
+    assert "check_order must be True or False" in found["check_order_type"]
 
 
 def test_prepare_ddp_needs_a_process_group():
