@@ -74,9 +74,16 @@ _TRANSPORT = jnp.dtype(jnp.float8_e4m3fn)
 def param_seed(seed, keypath):
   """The stochastic-rounding seed of the parameter at ``keypath`` (a key
   path of the params tree): ``(seed + crc32(keystr(keypath))) mod 2**32``,
-  so that parameters draw independent bits. A Python int for an int
-  ``seed``, else a uint32 array."""
-  crc = zlib.crc32(jax.tree_util.keystr(tuple(keypath)).encode())
+  so that parameters draw independent bits. A dict key that is not a
+  string (an ``nnx.List`` index in an NNX state) is hashed as its string,
+  so that a state and its string-keyed form (``forge_jax.nnx``'s step)
+  seed a parameter alike. A Python int for an int ``seed``, else a uint32
+  array."""
+  keypath = tuple(
+      jax.tree_util.DictKey(str(k.key))
+      if isinstance(k, jax.tree_util.DictKey) and not isinstance(k.key, str)
+      else k for k in keypath)
+  crc = zlib.crc32(jax.tree_util.keystr(keypath).encode())
   if isinstance(seed, int):
     return (seed + crc) % 2 ** 32
   return jnp.asarray(seed).astype(jnp.uint32) + jnp.uint32(crc)

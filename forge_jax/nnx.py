@@ -396,6 +396,47 @@ def _in_nnx_terms(e: Exception) -> Exception:
   return type(e)(msg).with_traceback(e.__traceback__)
 
 
+def _refuse_shared_variables(model, args, kwargs) -> None:
+  """Refuses NNX objects among the step's other arguments that hold a
+  Variable of the model or of another such argument: each is passed apart
+  (as its own state), so its copy of the Variable would be written back
+  over the model's update (nnx.value_and_grad refuses such aliasing too)."""
+  found = [(kp, leaf) for kp, leaf in jax.tree_util.tree_flatten_with_path(
+      (args, kwargs), is_leaf=nnx.graph.is_graph_node)[0]
+           if nnx.graph.is_graph_node(leaf)]
+  if not found:
+    return
+
+  def variables(node) -> dict[int, str]:
+    return {id(v): "/".join(map(str, path)) or "(itself)"
+            for path, v in nnx.iter_graph(node)
+            if isinstance(v, nnx.Variable)}
+
+  def argument(kp) -> str:
+    head, index, rest = kp[0].idx, kp[1], kp[2:]
+    name = (f"loss_fn's argument {index.idx + 2} (the model is its first)"
+            if head == 0 else f"keyword argument {index.key!r}")
+    return name + (f" at {jax.tree_util.keystr(rest)}" if rest else "")
+
+  owners = {k: ("the model", path) for k, path in variables(model).items()}
+  for kp, node in found:
+    mine = variables(node)
+    for k, path in mine.items():
+      if k in owners:
+        other, other_path = owners[k]
+        raise ValueError(
+            f"forge_jax.nnx.make_step: {argument(kp)}, a "
+            f"{type(node).__name__}, holds the Variable at {path!r} that "
+            f"{other} holds at {other_path!r}. The step passes each NNX "
+            "object among loss_fn's other arguments apart from the model "
+            "(as its own state) and writes its new state back after the "
+            "model's, so its copy would overwrite the shared Variable's "
+            "update (nnx.value_and_grad refuses such aliasing too). Reach "
+            "the shared part through the model only, or give the argument "
+            "its own copy (nnx.clone).")
+    owners.update({k: (argument(kp), path) for k, path in mine.items()})
+
+
 def _str_keys(tree):
   """``tree`` with each mapping (an ``nnx.State`` level, a dict) a plain
   dict whose keys are strings (list indices become ``"0"``, ``"1"``, ...)."""
@@ -567,7 +608,9 @@ def make_step(
     ``nnx.Optimizer`` or its transform is not a forge_jax one; ``ValueError``
     if the model has no :class:`Linear` (its ``nnx.Linear`` layers not
     converted), a :class:`Linear` is shared (with ``shared="error"``), is not
-    part of the model passed to the step, or has a custom ``dot_general``.
+    part of the model passed to the step, or has a custom ``dot_general``,
+    or an NNX object among ``args`` / ``kwargs`` holds a Variable of the
+    model or of another such argument.
   """
   # The step's options are checked now, against a valid transform (the
   # optimizer, and with it the transform, comes with each call).
@@ -586,6 +629,7 @@ def make_step(
     # does for arguments it does not differentiate.
     leaves, args_def = jax.tree.flatten((args, kwargs),
                                         is_leaf=nnx.graph.is_graph_node)
+    _refuse_shared_variables(model, args, kwargs)
     nodes = {i: nnx.split(leaf) for i, leaf in enumerate(leaves)
              if nnx.graph.is_graph_node(leaf)}
     plain = [None if i in nodes else leaf for i, leaf in enumerate(leaves)]

@@ -714,3 +714,98 @@ def test_nnx_objects_among_the_arguments_are_merged_and_updated():
   assert int(got_args[1].dropout.count[...]) == 3
   assert int(got_args[0].layers[1].rngs.count[...]) == 3
   assert_same_training(ref, got, ref_opt, got_opt, start)
+
+
+class _Teacher(nnx.Module):
+  """A module that holds another module it is given (the student's own
+  LayerNorm, in the test below)."""
+
+  def __init__(self, norm):
+    self.norm = norm
+
+  def __call__(self, x):
+    return self.norm(x)
+
+
+class _Normed(nnx.Module):
+  def __init__(self, rngs):
+    self.a = fnx.Linear(6, 6, rngs=rngs)
+    self.norm = nnx.LayerNorm(6, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(self.a(x))
+
+
+@pytest.mark.parametrize("shared", ["module", "rngs", "two_arguments"])
+def test_an_argument_sharing_a_variable_is_refused(shared):
+  """An NNX object among loss_fn's arguments that holds a Variable of the
+  model (or of another such argument) is passed apart from it: its copy
+  would be written back over the model's update (silently, the shared
+  LayerNorm kept its old scale). Refused, naming both places, as
+  nnx.value_and_grad refuses such aliasing."""
+  model = _Normed(nnx.Rngs(0))
+  opt = fnx.Optimizer(model, forge_jax.sgd(0.5), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(1), (8, 6))
+  if shared == "module":
+    args, match = (_Teacher(model.norm),), (
+        r"argument 2 .*_Teacher.*'norm/(bias|scale)'.*the model holds at "
+        r"'norm/(bias|scale)'.*nnx.clone")
+  elif shared == "rngs":
+    rngs = nnx.Rngs(dropout=3)
+    model.rngs = rngs
+    args, match = (rngs,), (r"argument 2 .*Rngs.*'dropout/(count|key)'.*"
+                            r"'rngs/dropout/(count|key)'")
+  else:
+    teacher = _Teacher(nnx.LayerNorm(6, rngs=nnx.Rngs(1)))
+    args, match = (teacher, _Teacher(teacher.norm)), (
+        r"argument 3 .*that loss_fn's argument 2 .* holds")
+
+  def loss_fn(model, *teachers):
+    out = model(x)
+    for t in teachers:
+      out = out + t(x)
+    return jnp.mean(out ** 2)
+
+  with pytest.raises(ValueError, match=match):
+    nnx.jit(fnx.make_step(loss_fn))(model, opt, *args)
+
+
+def test_stochastic_rounding_seeds_list_items_as_the_optimizer_does():
+  """bf16 layers in an nnx.List (integer keys in the NNX state, string keys
+  in the step's tree): a step draws the stochastic-rounding bits that
+  nnx.Optimizer.update draws with the same transform (one seed per
+  parameter path, an integer key hashed as its string): bit for bit."""
+  class Stack(nnx.Module):
+    def __init__(self, linear, rngs):
+      self.layers = nnx.List([linear(24, 24, param_dtype=jnp.bfloat16,
+                                     rngs=rngs) for _ in range(2)])
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = nnx.relu(layer(x))
+      return x.astype(jnp.float32)
+
+  def make_tx():
+    return forge_jax.adamw(1e-2, weight_decay=0.1, stochastic_rounding=True)
+
+  ref, got = Stack(nnx.Linear, nnx.Rngs(0)), Stack(fnx.Linear, nnx.Rngs(0))
+  ref_opt = nnx.Optimizer(ref, make_tx(), wrt=nnx.Param)
+  got_opt = fnx.Optimizer(got, make_tx(), wrt=nnx.Param)
+
+  @nnx.jit
+  def ref_step(model, opt, x, y):
+    grads = nnx.grad(mse)(model, x, y)
+    opt.update(model, grads)
+
+  got_step = nnx.jit(fnx.make_step(mse))
+  x = jax.random.normal(jax.random.key(1), (8, 24))
+  y = jax.random.normal(jax.random.key(2), (8, 24))
+  start = np.asarray(ref.layers[0].kernel[...], np.float32)
+  ref_step(ref, ref_opt, x, y)
+  got_step(got, got_opt, x, y)
+  for i in range(2):
+    a = np.asarray(got.layers[i].kernel[...], np.float32)
+    b = np.asarray(ref.layers[i].kernel[...], np.float32)
+    np.testing.assert_array_equal(a, b)
+  assert np.abs(np.asarray(ref.layers[0].kernel[...], np.float32)
+                - start).max() > 0
