@@ -1076,11 +1076,31 @@ class _ForgeOptimizer:
       # backward first asked for other gradients only: autograd.grad, then
       # backward through the same graph): the step's uses are spent.
       n = k
-    if n >= k and k > 1:
+    if n >= k:
+      self._forge_refuse_another_use(w, layer, k)
+    calls[w] = n + 1
+    return self._forge_generation
+
+  def _forge_refuse_another_use(self, w: torch.Tensor, layer: str,
+                                k: int) -> None:
+    """Raises for a forward of managed weight ``w`` beyond the step's ``k``
+    uses, saying why it may have happened: the step's update applied
+    already (a skipped ``step()``), or, not yet, an earlier use whose graph
+    is still alive (a reused layer, or an output kept without a
+    backward)."""
+    updated = w in self._forge_updated
+    pending = (
+        "An earlier forward's output that is no longer wanted keeps its use "
+        "counted while it is referenced -- a loss skipped after a "
+        "non-finite check, an evaluation output computed with autograd on: "
+        "drop it before the next forward (del loss: a variable the next "
+        "forward reassigns is still alive while that forward runs), or "
+        "compute it under torch.no_grad(). ")
+    if k > 1:
       applied = (
           f" This step's update of the weight has been applied already (by "
           f"the backward of its use number {k}), with the gradients of the "
-          "uses so far." if w in self._forge_updated else "")
+          "uses so far." if updated else "")
       raise RuntimeError(
           f"forge_torch.Linear {layer} was called more than "
           f"accumulate_steps={k} times before optimizer.step().{applied} "
@@ -1089,29 +1109,33 @@ class _ForgeOptimizer:
           "the backward of the last one applies the update: a further "
           "forward would read the updated weight. Call optimizer.step() after "
           f"every {k} micro-batches (it also completes a step cut short, with "
-          "fewer). "
+          "fewer). " + ("" if updated else pending) +
           "A layer run twice per micro-batch counts twice: keep such a layer "
           "as nn.Linear (or set layer.fused = False). Evaluation forwards "
           "must run under torch.no_grad().")
-    if n >= k:
+    if updated:
       raise RuntimeError(
           f"forge_torch.Linear {layer} was called a second time before "
-          "optimizer.step(). FORGE updates the weight in place during the "
-          "layer's backward, so each managed layer may run one forward and one "
-          "backward per step (a second reader would see the already-updated "
-          "weight): no reuse of a layer within a "
-          "step, and evaluation forwards must run under torch.no_grad(). "
-          "Gradient accumulation over K micro-batches is opt-in: set "
-          "optimizer.accumulate_steps = K. Keep a reused layer as "
-          "nn.Linear (or set layer.fused = False). Or a step was skipped: "
-          "the last backward already updated this weight and "
-          "optimizer.step() was not called after it (e.g. a loop that skips "
-          "step() after a non-finite loss). Skipping step() does not undo "
-          "FORGE's update; check the loss before backward(), and end every "
-          "step with optimizer.step() (after optimizer.zero_grad() to drop "
-          "the other parameters' gradients).")
-    calls[w] = n + 1
-    return self._forge_generation
+          "optimizer.step(), after its backward had already applied this "
+          "step's update to the weight: a step was skipped (e.g. a loop that "
+          "skips step() after a non-finite loss), or the layer is reused "
+          "after the backward of its first use. Skipping step() does not "
+          "undo FORGE's update; check the loss before backward() (and drop "
+          "a skipped loss: del loss), and end every step with "
+          "optimizer.step() (after optimizer.zero_grad() to drop the other "
+          "parameters' gradients). Evaluation forwards must run under "
+          "torch.no_grad(). Gradient accumulation over K micro-batches is "
+          "opt-in: set optimizer.accumulate_steps = K.")
+    raise RuntimeError(
+        f"forge_torch.Linear {layer} was called a second time before "
+        "optimizer.step(), while the autograd graph of its first call in "
+        "this step is alive (no backward has reached it yet). FORGE updates "
+        "the weight in place during the layer's backward, so each managed "
+        "layer may run one forward and one backward per step (a second "
+        "reader would see the already-updated weight). " + pending +
+        "A layer reused within a step must stay nn.Linear (or set "
+        "layer.fused = False). Gradient accumulation over K micro-batches "
+        "is opt-in: set optimizer.accumulate_steps = K.")
 
   def _forge_release(self, w: torch.Tensor, generation: int | None) -> None:
     """A counted forward of ``w`` that will not update it (its graph was

@@ -919,9 +919,41 @@ def test_a_skipped_step_is_named_in_the_next_forwards_error():
   (F.mse_loss(fm(x), y) * float("nan")).backward()
   assert not torch.isfinite(fm[0].weight).all()  # updated in backward
   opt.zero_grad()  # ... and opt.step() skipped
-  with pytest.raises(RuntimeError, match="Or a step was skipped.*check the "
-                     "loss before backward"):
+  with pytest.raises(RuntimeError, match="already applied this step's "
+                     "update.*a step was skipped.*check the loss before "
+                     "backward"):
     fm(x)
+
+
+def test_a_skipped_loss_still_referenced_is_named_in_the_next_error():
+  """A loop that skips a non-finite loss before backward() but keeps the
+  variable: the next forward runs while the skipped loss (reassigned only
+  after it) still holds the first forward's graph. The error says so, and
+  not that a step was skipped (no backward ran, nothing was updated); with
+  the loss dropped the loop trains (test_a_skipped_batch_does_not_block_
+  the_next)."""
+  _, fm = pair()
+  opt = forge_torch.AdamW(fm.parameters(), lr=1e-3)
+  x, y = data()
+  before = fm[0].weight.detach().clone()
+  loss = F.mse_loss(fm(x), y)  # judged bad: skipped, but kept  # noqa: F841
+  with pytest.raises(RuntimeError, match=r"graph of its first call in this "
+                     r"step is alive.*a loss skipped after a non-finite "
+                     r"check.*del loss") as e:
+    loss = F.mse_loss(fm(x), y)
+  assert "step was skipped" not in str(e.value)
+  assert torch.equal(fm[0].weight, before)
+  del opt
+  # Under gradient accumulation the same hint.
+  _, fm = pair()
+  opt = forge_torch.AdamW(fm.parameters(), lr=1e-3)
+  opt.accumulate_steps = 2
+  F.mse_loss(fm(x), y).backward()
+  loss = F.mse_loss(fm(x), y)  # noqa: F841
+  with pytest.raises(RuntimeError, match=r"accumulate_steps=2 times.*a loss "
+                     r"skipped after a non-finite check.*del loss") as e:
+    loss = F.mse_loss(fm(x), y)
+  assert "applied already" not in str(e.value)
 
 
 def test_a_collected_throwaway_optimizer_hands_the_weights_back():
