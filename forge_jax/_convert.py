@@ -286,12 +286,15 @@ class _Converter:
     spec: the step's ``ForgeSpec`` (Muon cannot fuse a kernel of more than
       two axes).
     report: where the decisions are recorded.
+    on_mesh: the step runs on a device mesh (``MeshLayout``), where FORGE
+      steps 2-D kernels only.
   """
 
-  def __init__(self, params, spec, report: Report):
+  def __init__(self, params, spec, report: Report, on_mesh: bool = False):
     self.params = params
     self.spec = spec
     self.report = report
+    self.on_mesh = on_mesh
     # The step's parameters as the call of loss_fn being traced received
     # them (reading_params), and the outermost module call in progress.
     self.trace_params = None
@@ -386,6 +389,9 @@ class _Converter:
       return (f"Muon orthogonalizes a matrix and this kernel has {len(shape)} "
               "axes: FORGE would orthogonalize its (in, out) view, which "
               "optax does not")
+    if kind == "nn.DenseGeneral" and len(shape) > 2 and self.on_mesh:
+      return (f"its kernel has {len(shape)} axes, and on a device mesh "
+              "(mesh_layout) FORGE steps 2-D (in, out) kernels only")
     return self._blocks_reason(module, kind, shape)
 
   def _blocks_reason(self, module, kind: str, shape) -> str | None:
@@ -484,8 +490,9 @@ class _Converter:
 
 
 @contextlib.contextmanager
-def converting(enabled: bool, params, spec):
-  """While the step is traced: the conversion, if ``enabled``.
+def converting(enabled: bool, params, spec, on_mesh: bool = False):
+  """While the step is traced: the conversion, if ``enabled``
+  (``on_mesh``: the step has a ``MeshLayout``).
 
   Yields:
     The :class:`Report` the conversion fills, or None when not enabled.
@@ -495,7 +502,7 @@ def converting(enabled: bool, params, spec):
     return
   _targets()  # refuses a Flax it cannot convert for, before any trace
   report = Report()
-  converter = _Converter(params, spec, report)
+  converter = _Converter(params, spec, report, on_mesh)
   prev = active_report(), getattr(_ACTIVE, "converter", None)
   _ACTIVE.report, _ACTIVE.converter = report, converter
   try:

@@ -113,7 +113,8 @@ class MeshLayout:
       ``None``: read from Flax's partitioning boxes (``nn.with_partitioning``,
       ``nn.with_logical_partitioning`` with its rules), and a FORGE kernel
       without a box is refused. The optimizer slots of a kernel must be
-      sharded like it (``jax.jit(tx.init)`` of placed parameters keeps that).
+      sharded like it (``tx.init`` of placed parameters, run eagerly, keeps
+      that; a jitted ``tx.init`` needs its ``out_shardings``).
     bucket_bytes: where a layer's gradient must be reduced (data parallel,
       fully sharded), at most this many bytes of its local gradient are
       formed, reduced and consumed at once: the layer's rows are split into
@@ -179,16 +180,17 @@ def _mesh_size(mesh) -> int:
   return math.prod(mesh.axis_sizes)
 
 
-def check_placement(mesh_layout: MeshLayout | None, params, batch) -> None:
-  """At trace time: refuses parameters or a batch on a multi-device mesh
-  without a ``MeshLayout``, and a ``MeshLayout`` whose mesh differs from
-  theirs.
+def check_placement(mesh_layout: MeshLayout | None, params, batch,
+                    opt_state=()) -> None:
+  """At trace time: refuses parameters, optimizer state or a batch on a
+  multi-device mesh without a ``MeshLayout``, and a ``MeshLayout`` whose
+  mesh differs from that of any of them.
 
   Without a layout the fused kernels would be left to XLA, which cannot
   partition a Pallas call: it would gather every operand and run the whole
   kernel on each device (or refuse it, under Explicit axes).
   """
-  for leaf in jax.tree.leaves((params, batch)):
+  for leaf in jax.tree.leaves((params, opt_state, batch)):
     mesh = _mesh_of(leaf)
     if _mesh_size(mesh) <= 1:
       continue
@@ -210,7 +212,6 @@ def check_placement(mesh_layout: MeshLayout | None, params, batch) -> None:
           f"{axes}, but its MeshLayout's mesh has axes {want}"
           f"{_order_note(mesh, layout_mesh)}: place "
           "the parameters, optimizer state and batch on the layout's mesh")
-    return
 
 
 def _same_axes(a, b) -> bool:

@@ -740,7 +740,7 @@ def make_step(
     state_in = chain_state = _unbox(opt_state)
     if clipping is not None:  # the optimizer's own state in the chain's
       state_in = clipping.member_state(chain_state)
-    _sharding.check_placement(mesh_layout, params, batch)
+    _sharding.check_placement(mesh_layout, params, batch, chain_state)
     spec = (tx.spec if injected is None
             else _inject.spec_for(injected, state_in, params))
     if spec.low_precision is not None and mesh_layout is not None:
@@ -753,7 +753,8 @@ def make_step(
       spec = _clip.clipped_spec(spec)
     # convert=True: the model's nn.Dense / nn.DenseGeneral run as FORGE
     # layers in every trace of loss_fn (and of ScannedBlocks' backward).
-    with _convert.converting(convert, params, spec) as report:
+    with _convert.converting(convert, params, spec,
+                             mesh_layout is not None) as report:
       value, new_params, new_state = _plain_step(
           _with_params(variables, params), state_in, batch, params, spec,
           boxed_params)

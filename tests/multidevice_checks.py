@@ -841,6 +841,15 @@ def refusals(n: int) -> dict:
   out["indivisible_batch"] = attempt(
       forge_jax.MeshLayout(mesh, data_axes=D, param_specs=P()),
       args=(*args[:2], _abstract(short, rep)))
+  # The parameters on the layout's mesh and the batch, or the optimizer
+  # state, on another (every array is checked, not the first one met).
+  rep2 = NamedSharding(mesh2, P())
+  out["batch_on_another_mesh"] = attempt(
+      forge_jax.MeshLayout(mesh2, data_axes=D, param_specs=P()),
+      args=(_abstract(v, rep2), _abstract(s, rep2), args[2]))
+  out["state_on_another_mesh"] = attempt(
+      forge_jax.MeshLayout(mesh, data_axes=D, param_specs=P()),
+      args=(args[0], _abstract(s, rep2), args[2]))
 
   # A stacked kernel (ScannedDenseStack) on a mesh.
   class Stack(nn.Module):
@@ -856,6 +865,38 @@ def refusals(n: int) -> dict:
             _abstract(jax.eval_shape(tx.init, vs["params"]), rep), args[2]),
       fn=lambda v, b: jnp.mean(stack.apply(v, b[0]) ** 2))
   return out
+
+
+class _Attention(nn.Module):
+  """flax layers for make_step(convert=True): two nn.Dense and the
+  attention's nn.DenseGeneral projections, whose kernels have 3 axes."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(32, name="a")(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=4, name="att")(x)
+    return nn.Dense(OUT, name="c")(x)
+
+
+def converted_attention(n: int) -> dict:
+  """make_step(convert=True) on a mesh traced over a model with flax's
+  attention: its 3-axis DenseGeneral kernels stay on the standard path
+  (listed in step.skipped), the 2-D nn.Dense layers are converted."""
+  mesh = make_mesh("dp", n)
+  model, tx = _Attention(), forge_jax.adamw(1e-3)
+  x = jax.ShapeDtypeStruct((BATCH, SEQ, IN), jnp.float32)
+  y = jax.ShapeDtypeStruct((BATCH, SEQ, OUT), jnp.float32)
+  v = jax.eval_shape(model.init, jax.random.key(0), x)
+  s = jax.eval_shape(tx.init, v["params"])
+  rep = NamedSharding(mesh, P())
+  step = forge_jax.make_step(
+      loss_fn(model), tx, convert=True, mesh_layout=forge_jax.MeshLayout(
+          mesh, data_axes=D, param_specs=P()))
+  error = _message(lambda: jax.jit(step).trace(
+      _abstract(v, rep), _abstract(s, rep),
+      _abstract((x, y), NamedSharding(mesh, P(D)))))
+  return {"error": error, "converted": sorted(step.converted),
+          "skipped": {k: str(r) for k, r in sorted(step.skipped.items())}}
 
 
 def missing_reduction(n: int) -> dict:
@@ -897,6 +938,7 @@ def main() -> None:
     result["memory"] = memory(n)
     result["tied"] = tied(n)
     result["refusals"] = refusals(n)
+    result["converted_attention"] = converted_attention(n)
     result["missing_reduction"] = missing_reduction(n)
   print(json.dumps(result))
 

@@ -209,6 +209,10 @@ REFUSED = {
     "axis_on_both_dims": "names the mesh axes ['model'] more than once",
     "indivisible_batch": "batch) dimension 7 is not divisible",
     "stacked_kernel": "2-D (in, out) kernels only",
+    "batch_on_another_mesh": "place the parameters, optimizer state and "
+                             "batch on the layout's mesh",
+    "state_on_another_mesh": "place the parameters, optimizer state and "
+                             "batch on the layout's mesh",
 }
 
 
@@ -218,6 +222,20 @@ def test_unsupported_layouts_are_refused(report, case):
   assert msg is not None, f"{case} was not refused"
   assert REFUSED[case] in msg, msg
   assert not msg.startswith("_"), msg  # a private exception type
+
+
+def test_convert_on_a_mesh_skips_kernels_of_more_than_two_axes(report):
+  """make_step(convert=True) on a mesh over flax's attention: its 3-axis
+  DenseGeneral projections stay on the standard path, each with the reason
+  in step.skipped (they were refused, with a fix that does not apply to
+  them), and the 2-D nn.Dense layers are converted."""
+  got = report["converted_attention"]
+  assert got["error"] is None, got["error"]
+  assert got["converted"] == ["a", "c"], got
+  assert sorted(got["skipped"]) == [f"att/{p}" for p in
+                                    ("key", "out", "query", "value")], got
+  for why in got["skipped"].values():
+    assert "3 axes" in why and "on a device mesh" in why, why
 
 
 def test_check_vma_catches_a_missing_reduction(report):
