@@ -156,6 +156,18 @@ def _not_forge(inj: Injected, made) -> TypeError:
       "optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3).")
 
 
+def initial_product(inj: Injected):
+  """What the factory makes with the initial hyperparameters, or ``None``
+  where this optax keeps them where this module does not read them."""
+  try:
+    numeric = inspect.getclosurevars(inj.tx.init).nonlocals["numeric_hps"]
+  except (TypeError, ValueError, KeyError):
+    return None
+  hp = dict(numeric)
+  hp.update({k: f(f.init()) for k, f in inj.sched_hps.items()})
+  return inj.inner_factory(**inj.other_hps, **hp)
+
+
 def check_factory(inj: Injected) -> None:
   """Builds the factory once with the initial hyperparameters.
 
@@ -163,13 +175,9 @@ def check_factory(inj: Injected) -> None:
     TypeError: it does not make a forge_jax transform (e.g.
       ``optax.inject_hyperparams(optax.adamw)``).
   """
-  try:
-    numeric = inspect.getclosurevars(inj.tx.init).nonlocals["numeric_hps"]
-  except (TypeError, ValueError, KeyError):
-    return  # this optax keeps them elsewhere: checked at trace time
-  hp = dict(numeric)
-  hp.update({k: f(f.init()) for k, f in inj.sched_hps.items()})
-  made = inj.inner_factory(**inj.other_hps, **hp)
+  made = initial_product(inj)
+  if made is None:
+    return  # checked at trace time
   if not isinstance(made, ForgeTransformation):
     raise _not_forge(inj, made)
 

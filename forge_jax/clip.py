@@ -336,12 +336,23 @@ def recognise(tx) -> Optional[ClipChain]:
         "make_step: the global-norm clipping comes after the optimizer in "
         "this chain, so it would clip the optimizer's updates, not the "
         f"gradients. Put it first: {_FORM}.")
-  if getattr(members[index][1], "_forge_multi_steps", False):
+  if _accumulates(*members[index]):
     raise accumulation_refused("make_step")
   spec = getattr(member, "spec", None)
   if spec is not None:
     check_family(spec)
   return ClipChain(max_norm=max_norm, member=member, index=index)
+
+
+def _accumulates(init, update) -> bool:
+  """Whether the chain member ``(init, update)`` is a
+  ``forge_jax.MultiSteps``, itself or made by the factory of an
+  ``optax.inject_hyperparams``."""
+  if getattr(update, "_forge_multi_steps", False):
+    return True
+  injected = _inject.recognise(optax.GradientTransformation(init, update))
+  made = None if injected is None else _inject.initial_product(injected)
+  return getattr(getattr(made, "update", None), "_forge_multi_steps", False)
 
 
 def check_family(spec) -> None:

@@ -296,6 +296,13 @@ def test_clipped_scanned_stack_keeps_one_set_of_saved_activations():
                          forge_jax.MultiSteps(forge_jax.adamw(1e-3), 2)),
      "^make_step: global-norm clipping together with gradient accumulation "
      ".*not supported.*What runs"),
+    # The accumulation made by an injected factory: the same refusal.
+    (lambda: optax.chain(
+        forge_jax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(lambda learning_rate: forge_jax.MultiSteps(
+            forge_jax.adamw(learning_rate), 2))(learning_rate=1e-3)),
+     "^make_step: global-norm clipping together with gradient accumulation "
+     ".*not supported.*What runs"),
     (lambda: forge_jax.MultiSteps(
         optax.chain(forge_jax.clip_by_global_norm(1.0),
                     forge_jax.adamw(1e-3)), 2),
