@@ -467,6 +467,12 @@ class _ForgeOptimizer:
       scale = state.pop(name + SCALE_SUFFIX, None)
       if not isinstance(value, torch.Tensor):
         continue
+      if scale is None and value.dtype in _CODE_DTYPES.values():
+        raise ValueError(
+            f"forge_torch: the loaded state of the managed weight of shape "
+            f"{tuple(p.shape)} holds {name!r} as {value.dtype} codes without "
+            f"their scales ({name + SCALE_SUFFIX!r}): not a checkpoint this "
+            "optimizer can read.")
       if scale is not None:
         if fmt is not None and value.dtype == _CODE_DTYPES[fmt.kind]:
           state[name + SCALE_SUFFIX] = scale
@@ -925,6 +931,7 @@ class _ForgeOptimizer:
     self._forge_flush_steps()
     state_dict, raw = self._forge_hold_raw(state_dict)
     super().load_state_dict(state_dict)
+    self._forge_keep_scalar_dtypes(state_dict)
     for index, group in enumerate(self.param_groups):
       for p in group["params"]:
         if p in self._forge_managed:
@@ -948,6 +955,28 @@ class _ForgeOptimizer:
     self._forge_views = _linear.WeakIdMap()
     self._forge_plans = _linear.WeakIdMap()
     self._forge_reset_step()
+
+  def _forge_keep_scalar_dtypes(self, state_dict) -> None:
+    """The family's scalar state (NAdam's ``mu_product``) in the dtype it
+    was saved in: torch's loader casts it to the parameter's dtype, float32
+    to bfloat16 for a bfloat16 weight, and the run would not resume bit for
+    bit (torch's own NAdam loses those digits)."""
+    scalars = getattr(self, "_forge_extra_scalars", {})
+    if not scalars or not isinstance(state_dict, Mapping) or not isinstance(
+        state_dict.get("state"), Mapping):
+      return
+    saved_ids = [i for g in state_dict.get("param_groups", [])
+                 for i in g.get("params", [])]
+    params = [p for g in self.param_groups for p in g["params"]]
+    for sid, p in zip(saved_ids, params):
+      entry, state = state_dict["state"].get(sid), self.state.get(p)
+      if not (isinstance(entry, Mapping) and isinstance(state, dict)):
+        continue
+      for key in scalars:
+        saved, now = entry.get(key), state.get(key)
+        if (isinstance(saved, torch.Tensor) and isinstance(now, torch.Tensor)
+            and saved.dtype != now.dtype):
+          state[key] = saved.to(device=now.device, copy=True)
 
   def _forge_hold_raw(self, state_dict):
     """``state_dict`` with quantized moments' codes and scales wrapped so

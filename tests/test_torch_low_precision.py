@@ -12,6 +12,7 @@ kernel itself called from JAX. Plus the checkpoint round trip, loading a
 float checkpoint, and the refusals.
 """
 
+import copy
 import io
 import zlib
 
@@ -397,3 +398,46 @@ def test_a_quantized_checkpoint_loads_into_plain_layers_dequantized():
   _loss(plain, 3, torch.float32).backward()
   topt.step()
   assert all(torch.isfinite(p).all() for p in plain.parameters())
+
+
+@pytest.mark.parametrize("moments", [None, "int8"])
+def test_nadam_on_bfloat16_weights_resumes_bit_for_bit(moments):
+  """NAdam's float32 mu_product of a bfloat16 weight keeps its dtype
+  through load_state_dict (torch's loader casts it to bfloat16, and the
+  restored run drifted from the unbroken one): steps 3-4 after a restore
+  equal the unbroken run's bit for bit, every parameter's."""
+  dtype = torch.bfloat16
+  options = dict(lr=3e-3, moments=moments)
+  model = _mlp(dtype)
+  opt = forge_torch.NAdam(model.parameters(), **options)
+  _train(model, opt, 2, dtype)
+  saved_model = copy.deepcopy(model.state_dict())
+  saved = copy.deepcopy(opt.state_dict())
+  _train(model, opt, 2, dtype, first=3)
+  want = [p.detach().clone() for p in model.parameters()]
+
+  model2 = _mlp(dtype, seed=1)
+  model2.load_state_dict(saved_model)
+  opt2 = forge_torch.NAdam(model2.parameters(), **options)
+  opt2.load_state_dict(saved)
+  for p in model2.parameters():
+    assert opt2.state[p]["mu_product"].dtype == torch.float32
+  _train(model2, opt2, 2, dtype, first=3)
+  for a, b in zip(model2.parameters(), want):
+    assert torch.equal(a.detach().view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("moments", [None, "int8"])
+def test_codes_without_their_scales_are_refused_on_load(moments):
+  """A (damaged) checkpoint holding a managed weight's int8 codes without
+  their scales: refused by name, not read as float moments of up to 127
+  (moments=None) or quantized again as values (moments='int8')."""
+  model = _mlp(torch.float32)
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-3, moments="int8")
+  _train(model, opt, 2, torch.float32)
+  saved = copy.deepcopy(opt.state_dict())
+  del saved["state"][0]["exp_avg_scale"]
+  other = forge_torch.AdamW(model.parameters(), lr=1e-3, moments=moments)
+  with pytest.raises(ValueError, match=r"'exp_avg' as torch.int8 codes "
+                     r"without their scales \('exp_avg_scale'\)"):
+    other.load_state_dict(saved)
