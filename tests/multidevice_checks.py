@@ -764,17 +764,25 @@ def _abstract(tree, sharding):
       tree)
 
 
-def refusals(n: int) -> dict:
-  out = {}
-  mesh, mesh2 = make_mesh("dp", n), make_mesh("2d", n)
-  model, tx = Two(), forge_jax.adamw(1e-3)
+def _abstract_step(model, tx, mesh):
+  """``(x, y, variables, opt_state, args)``: the step's inputs as shapes,
+  ``args`` placed on ``mesh`` (parameters and state replicated, the batch
+  split over the data axis)."""
   x = jax.ShapeDtypeStruct((BATCH, SEQ, IN), jnp.float32)
   y = jax.ShapeDtypeStruct((BATCH, SEQ, OUT), jnp.float32)
   v = jax.eval_shape(model.init, jax.random.key(0), x)
   s = jax.eval_shape(tx.init, v["params"])
   rep = NamedSharding(mesh, P())
-  args = (_abstract(v, rep), _abstract(s, rep),
-          _abstract((x, y), NamedSharding(mesh, P(D))))
+  return x, y, v, s, (_abstract(v, rep), _abstract(s, rep),
+                      _abstract((x, y), NamedSharding(mesh, P(D))))
+
+
+def refusals(n: int) -> dict:
+  out = {}
+  mesh, mesh2 = make_mesh("dp", n), make_mesh("2d", n)
+  model, tx = Two(), forge_jax.adamw(1e-3)
+  x, y, v, s, args = _abstract_step(model, tx, mesh)
+  rep = NamedSharding(mesh, P())
   loss = loss_fn(model)
 
   def attempt(layout, args=args, fn=loss):
@@ -884,17 +892,11 @@ def converted_attention(n: int) -> dict:
   (listed in step.skipped), the 2-D nn.Dense layers are converted."""
   mesh = make_mesh("dp", n)
   model, tx = _Attention(), forge_jax.adamw(1e-3)
-  x = jax.ShapeDtypeStruct((BATCH, SEQ, IN), jnp.float32)
-  y = jax.ShapeDtypeStruct((BATCH, SEQ, OUT), jnp.float32)
-  v = jax.eval_shape(model.init, jax.random.key(0), x)
-  s = jax.eval_shape(tx.init, v["params"])
-  rep = NamedSharding(mesh, P())
+  *_, args = _abstract_step(model, tx, mesh)
   step = forge_jax.make_step(
       loss_fn(model), tx, convert=True, mesh_layout=forge_jax.MeshLayout(
           mesh, data_axes=D, param_specs=P()))
-  error = _message(lambda: jax.jit(step).trace(
-      _abstract(v, rep), _abstract(s, rep),
-      _abstract((x, y), NamedSharding(mesh, P(D)))))
+  error = _message(lambda: jax.jit(step).trace(*args))
   return {"error": error, "converted": sorted(step.converted),
           "skipped": {k: str(r) for k, r in sorted(step.skipped.items())}}
 
