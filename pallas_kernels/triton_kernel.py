@@ -217,8 +217,12 @@ class _LowPrecisionState:
         cols = pl.ds(first, nsc)
         tiles_j.append((rows, cols) if layer_ref is None
                        else (self.layer, rows, cols))
+        # Masked where a sub-tile's scale columns can pass the array's:
+        # one that splits a block column, or a tile running past the
+        # weight's edge (its last sub-tiles can lie wholly beyond it, and
+        # their columns would land in the next row's scales).
         cm = ((first + jnp.arange(nsc) < n_sc)[None, :]
-              if n_sc % nsc else None)
+              if n_sc % nsc or n_out % bo else None)
         masks_j.append(_and(row, cm))
       self.scale_tiles[block], self.scale_masks[block] = tiles_j, masks_j
 

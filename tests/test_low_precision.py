@@ -13,6 +13,7 @@ import os
 import pickle
 import subprocess
 import sys
+import types
 import zlib
 
 import flax.linen as nn
@@ -874,24 +875,70 @@ def test_compiled_stochastic_rounding_equals_reference_on_gpu():
     assert_same_bits(got, ref, f"layer {layer}")
 
 
+@pytest.mark.parametrize("bt", [512, 2048])
+def test_scale_stores_stay_inside_the_scale_array(bt, monkeypatch):
+  """A tile running past the weight's edge (out = 130 under the compiled
+  default tilings for a bf16 weight: 128 x 2 and 256 x 4 sub-tiles) has
+  sub-tiles wholly beyond it; their scale loads and stores must be masked,
+  or on a GPU they land in the next row's first scale (interpret mode
+  drops out-of-bounds stores, so the results alone cannot show it). Every
+  scale store is recorded: each unmasked one stays inside the array."""
+  from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+  from pallas_kernels import triton_kernel  # noqa: PLC0415
+  n_in, n_out = 16, 130
+  n_sc = -(-n_out // 64)
+  stores = []  # (masked, one past the last scale column written)
+
+  def store(ref, val, mask=None, **kw):
+    if tuple(getattr(ref, "ref", ref).shape) == (n_in, n_sc):
+      cols = ref.transforms[-1].indices[1]
+      jax.debug.callback(
+          lambda c, masked=mask is not None: stores.append(
+              (masked, int(c) + cols.size)), cols.start)
+    return plgpu.store(ref, val, mask=mask, **kw)
+
+  monkeypatch.setattr(triton_kernel, "plgpu", types.SimpleNamespace(**{
+      **{k: getattr(plgpu, k) for k in dir(plgpu) if not k.startswith("__")},
+      "store": store}))
+  rule = pk.ADAMW
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, n_in)).astype(np.float32)
+  dy = rng.standard_normal((8, n_out)).astype(np.float32)
+  w = rng.standard_normal((n_in, n_out)).astype(jnp.bfloat16)
+  slots = quantized_slots(moments(3, (n_in, n_out), rule), ("int8", "int8"),
+                          rule)
+  cfg = pk.BlockConfig.compiled_default(bt, n_in, n_out, jnp.bfloat16)
+  assert n_out % cfg.block_out and cfg.split_out > 1, cfg
+  out = pk.fused_wgrad_update(x, dy, w, slots, pack_host(rule, VALUES),
+                              rule=rule, interpret=True, config=cfg)
+  jax.block_until_ready(out)
+  assert stores, "no scale store recorded"
+  assert all(masked or end <= n_sc for masked, end in stores), (cfg, stores)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kinds,w_dtype,sr,backend", [
-    (("int8", "int8"), jnp.float32, False, None),
-    (("fp8_e4m3", "fp8_e4m3"), jnp.bfloat16, True, None),
-    (("int8", "int8"), jnp.float32, False, "mosaic_gpu"),
-], ids=["int8", "fp8-sr", "int8-mosaic"])
+@pytest.mark.parametrize("kinds,w_dtype,sr,backend,bt,n_out", [
+    (("int8", "int8"), jnp.float32, False, None, 512, 384),
+    (("fp8_e4m3", "fp8_e4m3"), jnp.bfloat16, True, None, 512, 384),
+    (("int8", "int8"), jnp.float32, False, "mosaic_gpu", 512, 384),
+    # A tile past the weight's edge (130 outputs): the default tilings for
+    # a bf16 weight have sub-tiles wholly beyond it.
+    (("int8", "int8"), jnp.bfloat16, False, None, 512, 130),
+    (("int8", "int8"), jnp.bfloat16, False, None, 2048, 130),
+], ids=["int8", "fp8-sr", "int8-mosaic", "int8-ragged-512",
+        "int8-ragged-2048"])
 def test_compiled_fused_kernel_matches_reference_on_gpu(kinds, w_dtype, sr,
-                                                        backend):
-  """The fused kernel compiled (BT 512, bf16 operands; the Triton kernel,
-  or the Mosaic GPU kernel asked for by name) against the reference:
-  weights fp32-tight, scales within fp32 rounding, codes equal but where
-  the compiled fp32 update (approximate division, fused multiply-adds)
-  moves a value across a rounding boundary (at most one code step, in
-  under 1% of elements)."""
+                                                        backend, bt, n_out):
+  """The fused kernel compiled (bf16 operands; the Triton kernel, or the
+  Mosaic GPU kernel asked for by name) against the reference: weights
+  fp32-tight (bf16: rare rounding flips), scales within fp32 rounding,
+  codes equal but where the compiled fp32 update (approximate division,
+  fused multiply-adds) moves a value across a rounding boundary (at most
+  one code step, in under 1% of elements)."""
   rng = np.random.default_rng(2)
-  n_in, n_out = 256, 384
-  x = rng.standard_normal((512, n_in)).astype(jnp.bfloat16)
-  dy = rng.standard_normal((512, n_out)).astype(jnp.bfloat16)
+  n_in = 256
+  x = rng.standard_normal((bt, n_in)).astype(jnp.bfloat16)
+  dy = rng.standard_normal((bt, n_out)).astype(jnp.bfloat16)
   w = rng.standard_normal((n_in, n_out)).astype(w_dtype)
   rule = pk.ADAMW
   slots = quantized_slots(moments(3, (n_in, n_out), rule), kinds, rule)
@@ -906,7 +953,7 @@ def test_compiled_fused_kernel_matches_reference_on_gpu(kinds, w_dtype, sr,
   if w_dtype == jnp.float32:
     assert np.linalg.norm(w_got - w_ref) <= tol(jnp.float32) * np.linalg.norm(
         w_ref)
-  else:  # stochastic rounding of nearly equal fp32 values: rare flips
+  else:  # rounding nearly equal fp32 values to bf16: rare flips
     assert (bits(got[0]) != bits(ref[0])).mean() < 0.01
   for (gq, gs), (rq, rs), k in zip(got[1], ref[1], kinds):
     # G summed in another order: the block maxima differ at fp32 rounding
