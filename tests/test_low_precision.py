@@ -31,7 +31,7 @@ from pallas_kernels import lowp, quant, torch_rules
 from pallas_kernels.quant import MomentFormat, Quantized
 from pallas_kernels.rules import pack_host
 from tests.harness import lower_for_cuda, triton_calls
-from tests.tolerances import SR_MEAN_ATOL, tol
+from tests.tolerances import RAGGED_SCALE_RTOL, SR_MEAN_ATOL, tol
 
 # Every hyperparameter name the rules below read (each takes its own).
 T = 3
@@ -955,11 +955,16 @@ def test_compiled_fused_kernel_matches_reference_on_gpu(kinds, w_dtype, sr,
         w_ref)
   else:  # rounding nearly equal fp32 values to bf16: rare flips
     assert (bits(got[0]) != bits(ref[0])).mean() < 0.01
+  whole = n_out // 64  # scale columns of whole 64-element blocks
   for (gq, gs), (rq, rs), k in zip(got[1], ref[1], kinds):
     # G summed in another order: the block maxima differ at fp32 rounding
-    # of G, amplified where a moment is a small difference.
-    np.testing.assert_allclose(np.asarray(gs), np.asarray(rs),
+    # of G, amplified where a moment is a small difference; a ragged last
+    # block's maximum is over a few entries (RAGGED_SCALE_RTOL).
+    gs, rs = np.asarray(gs), np.asarray(rs)
+    np.testing.assert_allclose(gs[:, :whole], rs[:, :whole],
                                rtol=tol(jnp.float32))
+    np.testing.assert_allclose(gs[:, whole:], rs[:, whole:],
+                               rtol=RAGGED_SCALE_RTOL)
     a = np.asarray(gq).astype(np.float32)
     b = np.asarray(rq).astype(np.float32)
     if k == "int8":
