@@ -396,13 +396,13 @@ def _in_nnx_terms(e: Exception) -> Exception:
   return type(e)(msg).with_traceback(e.__traceback__)
 
 
-def _refuse_shared_variables(model, args, kwargs) -> None:
-  """Refuses NNX objects among the step's other arguments that hold a
-  Variable of the model or of another such argument: each is passed apart
-  (as its own state), so its copy of the Variable would be written back
-  over the model's update (nnx.value_and_grad refuses such aliasing too)."""
-  found = [(kp, leaf) for kp, leaf in jax.tree_util.tree_flatten_with_path(
-      (args, kwargs), is_leaf=nnx.graph.is_graph_node)[0]
+def _refuse_shared_variables(model, args_with_paths) -> None:
+  """Refuses NNX objects among the step's other arguments (``(key path,
+  leaf)`` of ``(args, kwargs)``) that hold a Variable of the model or of
+  another such argument: each is passed apart (as its own state), so its
+  copy of the Variable would be written back over the model's update
+  (nnx.value_and_grad refuses such aliasing too)."""
+  found = [(kp, leaf) for kp, leaf in args_with_paths
            if nnx.graph.is_graph_node(leaf)]
   if not found:
     return
@@ -627,9 +627,10 @@ def make_step(
     # module): passed as their state, merged inside the loss, their new
     # state (RNG counts, statistics) written back, as nnx.value_and_grad
     # does for arguments it does not differentiate.
-    leaves, args_def = jax.tree.flatten((args, kwargs),
-                                        is_leaf=nnx.graph.is_graph_node)
-    _refuse_shared_variables(model, args, kwargs)
+    with_paths, args_def = jax.tree_util.tree_flatten_with_path(
+        (args, kwargs), is_leaf=nnx.graph.is_graph_node)
+    _refuse_shared_variables(model, with_paths)
+    leaves = [leaf for _, leaf in with_paths]
     nodes = {i: nnx.split(leaf) for i, leaf in enumerate(leaves)
              if nnx.graph.is_graph_node(leaf)}
     plain = [None if i in nodes else leaf for i, leaf in enumerate(leaves)]

@@ -962,21 +962,31 @@ class _ForgeOptimizer:
     to bfloat16 for a bfloat16 weight, and the run would not resume bit for
     bit (torch's own NAdam loses those digits)."""
     scalars = getattr(self, "_forge_extra_scalars", {})
-    if not scalars or not isinstance(state_dict, Mapping) or not isinstance(
-        state_dict.get("state"), Mapping):
+    if not scalars:
       return
-    saved_ids = [i for g in state_dict.get("param_groups", [])
-                 for i in g.get("params", [])]
-    params = [p for g in self.param_groups for p in g["params"]]
-    for sid, p in zip(saved_ids, params):
-      entry, state = state_dict["state"].get(sid), self.state.get(p)
-      if not (isinstance(entry, Mapping) and isinstance(state, dict)):
+    for _, p, entry in self._forge_saved_entries(state_dict):
+      state = self.state.get(p)
+      if not isinstance(state, dict):
         continue
       for key in scalars:
         saved, now = entry.get(key), state.get(key)
         if (isinstance(saved, torch.Tensor) and isinstance(now, torch.Tensor)
             and saved.dtype != now.dtype):
           state[key] = saved.to(device=now.device, copy=True)
+
+  def _forge_saved_entries(self, state_dict) -> list:
+    """``(saved id, parameter, saved state entry)`` of each parameter of
+    this optimizer that ``state_dict`` holds state for, paired in order as
+    torch's loader pairs them."""
+    if not isinstance(state_dict, Mapping) or not isinstance(
+        state_dict.get("state"), Mapping):
+      return []
+    saved_ids = [i for g in state_dict.get("param_groups", [])
+                 for i in g.get("params", [])]
+    params = [p for g in self.param_groups for p in g["params"]]
+    entries = [(sid, p, state_dict["state"].get(sid))
+               for sid, p in zip(saved_ids, params)]
+    return [e for e in entries if isinstance(e[2], Mapping)]
 
   def _forge_hold_raw(self, state_dict):
     """``state_dict`` with quantized moments' codes and scales wrapped so
@@ -985,18 +995,12 @@ class _ForgeOptimizer:
     floats and float32 scales of a bfloat16 weight would lose digits); and
     the parameters concerned (managed weights, and parameters that torch's
     own step updates, saved as a managed weight's)."""
-    if not isinstance(state_dict, Mapping) or not isinstance(
-        state_dict.get("state"), Mapping):
+    entries = self._forge_saved_entries(state_dict)
+    if not entries:
       return state_dict, []
-    saved_ids = [i for g in state_dict.get("param_groups", [])
-                 for i in g.get("params", [])]
-    params = [p for g in self.param_groups for p in g["params"]]
     state = dict(state_dict["state"])
     raw = []
-    for sid, p in zip(saved_ids, params):
-      entry = state.get(sid)
-      if not isinstance(entry, Mapping):
-        continue
+    for sid, p, entry in entries:
       wrapped = {
           k: _Raw(v) if isinstance(v, torch.Tensor) and (
               v.dtype in _CODE_DTYPES.values() or (
@@ -2533,10 +2537,7 @@ class NAdam(_AdamMoments, torch.optim.NAdam):
     # coefficients and mu_product in its own dtype (float32), a float in
     # double precision.
     b1 = group["betas"][0]
-    if isinstance(b1, torch.Tensor):
-      b1 = b1.detach().cpu()
-    else:
-      b1 = beta1
+    b1 = b1.detach().cpu() if isinstance(b1, torch.Tensor) else beta1
     mu = b1 * (1.0 - 0.5 * (0.96 ** (t * md)))
     mu_next = b1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * md)))
     mu_product = state["mu_product"].clone()
