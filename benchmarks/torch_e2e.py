@@ -95,6 +95,16 @@ the torch arm then runs with JAX started in its process. With ``--plot
 PNG`` (or ``--replot --paired --plot PNG``) it draws every paired process's
 ratio in the CSV instead, in the order they ran, by commit.
 
+``--paired --lean`` adds a third model to each process, timed in the same
+alternation: ``lean``, the decoder with every projection and the head a
+lean layer of forge_torch's form (benchmarks/lean_layer.py: the fused
+kernel launched in backward with only the per-layer work a path validated
+once per step would keep) and torch's fused AdamW for the rest. It is a
+bound, not an optimizer: the least host time an eager Python layer of
+FORGE's form with the real launch takes here (its hyperparameters are
+fixed, so its loss drifts from the others'). Its rows: provider ``lean``
+``step_time`` and ``step_ratio`` ``lean/torch``.
+
 Without CUDA the benchmark refuses to run, exit status 1 (no figure would be
 a GPU figure); ``--device cpu`` runs it on the CPU as a smoke test (the fused
 kernel in Pallas interpret mode: slow, for tiny ``--layers`` / ``--d-model``
@@ -483,7 +493,7 @@ def run_cell(arm: str, bt: int, cfg: e2e.Config, steps: int, warmup: int,
 
 
 def run_paired(bt: int, cfg: e2e.Config, steps: int, warmup: int,
-               device: str, seed: int = 0) -> dict:
+               device: str, seed: int = 0, lean: bool = False) -> dict:
   """Both arms in this process (``--paired``): two models from the same
   initialisation and one batch, warmed up, then timed step by step in
   alternation (torch then forge, then forge then torch, ...), so that the
@@ -491,24 +501,28 @@ def run_paired(bt: int, cfg: e2e.Config, steps: int, warmup: int,
   the quantiles of the per-pair ratios (forge's step over the torch step
   beside it). Memory is not measured: both models are resident. The torch
   arm runs with JAX started in the process (by forge_torch), which a torch
-  cell never does."""
+  cell never does. ``lean``: a third model, the lean bound (module
+  docstring), timed in the same alternation."""
   if bt % cfg.seq:
     raise ValueError(f"BT={bt} is not a multiple of seq={cfg.seq}")
   cuda = device == "cuda"
-  models = {arm: build_model(cfg, device, seed) for arm in ARMS}
+  arms = ARMS + (("lean",) if lean else ())
+  models = {arm: build_model(cfg, device, seed) for arm in arms}
   opts = {arm: make_optimizer(arm, models[arm]) for arm in ARMS}
+  if lean:
+    opts["lean"] = make_lean_optimizer(models["lean"], bt, device)
   tokens, targets = make_batch(cfg, bt // cfg.seq, device, seed)
 
   def step(arm):
     return train_step(models[arm], opts[arm], tokens, targets)
 
-  losses = {arm: [] for arm in ARMS}
+  losses = {arm: [] for arm in arms}
   for _ in range(warmup):
-    for arm in ARMS:
+    for arm in arms:
       losses[arm].append(step(arm).item())  # .item() waits for it
-  times = {arm: [] for arm in ARMS}
+  times = {arm: [] for arm in arms}
   for i in range(steps):
-    for arm in (ARMS if i % 2 == 0 else ARMS[::-1]):
+    for arm in (arms if i % 2 == 0 else arms[::-1]):
       if cuda:
         start, end = (torch.cuda.Event(enable_timing=True),
                       torch.cuda.Event(enable_timing=True))
@@ -523,12 +537,38 @@ def run_paired(bt: int, cfg: e2e.Config, steps: int, warmup: int,
         times[arm].append((time.perf_counter() - t0) * 1e3)
       losses[arm].append(loss.item())
   ratios = [f / t for f, t in zip(times["forge"], times["torch"])]
-  return dict(bt=bt, device=device_label(device), cuda=cuda,
-              params=sum(p.numel() for p in models["torch"].parameters()),
-              dtypes=(f"params={cfg.dtype},{_moment_dtypes(opts['torch'])},"
-                      "logits/loss=float32"),
-              step_ms={arm: common.quantiles(times[arm]) for arm in ARMS},
-              ratio=common.quantiles(ratios), losses=losses)
+  r = dict(bt=bt, device=device_label(device), cuda=cuda,
+           params=sum(p.numel() for p in models["torch"].parameters()),
+           dtypes=(f"params={cfg.dtype},{_moment_dtypes(opts['torch'])},"
+                   "logits/loss=float32"),
+           step_ms={arm: common.quantiles(times[arm]) for arm in arms},
+           ratio=common.quantiles(ratios), losses=losses)
+  if lean:
+    r["lean_ratio"] = common.quantiles(
+        [f / t for f, t in zip(times["lean"], times["torch"])])
+  return r
+
+
+def make_lean_optimizer(model: Decoder, bt: int, device: str):
+  """The lean bound's optimizer over ``model``, whose projections and head
+  it makes lean layers in place (benchmarks/lean_layer.py; on CUDA their
+  launches are compiled for ``bt`` rows): torch's fused AdamW with
+  :func:`make_optimizer`'s groups and options."""
+  from benchmarks import lean_layer  # noqa: PLC0415
+  _, lean_adamw, convert = lean_layer.make(device, bt)
+  expected = linear_names(model)
+  converted = convert(model)
+  if sorted(converted) != sorted(expected):
+    raise RuntimeError(f"the lean layer took {sorted(converted)}, expected "
+                       f"{sorted(expected)}")
+  h = e2e.HPARAMS
+  return lean_adamw(
+      [{"params": [p for p in model.parameters() if p.dim() >= 2],
+        "weight_decay": h["weight_decay"]},
+       {"params": [p for p in model.parameters() if p.dim() < 2],
+        "weight_decay": 0.0}],
+      lr=h["learning_rate"], betas=(h["b1"], h["b2"]), eps=h["eps"],
+      fused=device == "cuda")
 
 
 def check_parity(device: str, seed: int = 0) -> dict:
@@ -639,13 +679,16 @@ def write_paired_rows(path: str, cfg: e2e.Config, r: dict) -> None:
   res = common.Results(path, PAIRED_BENCHMARK, device=r["device"])
   case = case_of(cfg, r["bt"]) + " paired"
   shape = shape_of(cfg, r["bt"])
-  for arm in ARMS:
+  for arm in r["step_ms"]:
     res.add(case, arm, shape, r["dtypes"], "step_time",
             tuple(r["step_ms"][arm]), "ms")
     res.add(case, arm, shape, r["dtypes"], "loss_first", r["losses"][arm][0],
             "nats")
   res.add(case, "forge/torch", shape, r["dtypes"], "step_ratio",
           tuple(r["ratio"]), "forge step / the torch step beside it")
+  if "lean_ratio" in r:
+    res.add(case, "lean/torch", shape, r["dtypes"], "step_ratio",
+            tuple(r["lean_ratio"]), "lean step / the torch step beside it")
 
 
 def write_check_rows(path: str, r: dict) -> None:
@@ -678,6 +721,8 @@ def _cell_argv(args, cell: str, bt: int | None = None) -> list[str]:
            str(args.warmup), "--dtype", args.dtype]
   if args.graph:
     argv.append("--graph")
+  if cell == "paired" and args.lean:
+    argv.append("--lean")
   for flag in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "seq"):
     argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
   return argv
@@ -857,7 +902,7 @@ def plot_paired(csv_path: str, png_path: str) -> bool:
 
   rows = [r for r in common.read_rows(csv_path)
           if r["benchmark"] == PAIRED_BENCHMARK
-          and r["metric"] == "step_ratio"]
+          and r["metric"] == "step_ratio" and r["provider"] == "forge/torch"]
   if not rows:
     print(f"plot: {csv_path} has no {PAIRED_BENCHMARK} step_ratio rows; "
           "nothing plotted", file=sys.stderr)
@@ -961,6 +1006,11 @@ def parse_args(argv):
                  "each arm's step_time and the per-pair step_ratio (case "
                  "'... paired'); no memory rows; --plot draws every paired "
                  "process's ratio in the CSV")
+  p.add_argument("--lean", action="store_true",
+                 help="with --paired: a third model, the lean bound (a "
+                 "layer of forge_torch's form with only the per-layer work "
+                 "of a path validated once per step; see the module "
+                 "docstring), its step_time and step_ratio lean/torch")
   p.add_argument("--cell", choices=(*ARMS, "check", "paired"),
                  help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -983,6 +1033,8 @@ def parse_args(argv):
     p.error("--cell runs one BT")
   if args.paired and sorted(args.arms) != sorted(ARMS):
     p.error("--paired times both arms side by side: leave --arms out")
+  if args.lean and not (args.paired or args.cell == "paired"):
+    p.error("--lean is a third arm of --paired")
   if args.paired and (args.graph or args.check):
     p.error("--paired times eager steps only: not with --graph or --check")
   if args.graph and args.device != "cuda":
@@ -1054,6 +1106,11 @@ def _main_paired(args, cfg: e2e.Config) -> int:
       print(f"   step p50 torch {t[1]:.2f} ms, forge {f[1]:.2f} ms; per "
             f"pair forge/torch p20/p50/p80 {r['ratio'][0]:.3f} / "
             f"{r['ratio'][1]:.3f} / {r['ratio'][2]:.3f}", flush=True)
+      if "lean_ratio" in r:
+        q = r["lean_ratio"]
+        print(f"   lean bound: step p50 {r['step_ms']['lean'][1]:.2f} ms; "
+              f"per pair lean/torch p20/p50/p80 {q[0]:.3f} / {q[1]:.3f} / "
+              f"{q[2]:.3f}", flush=True)
       ok &= e2e.first_losses_agree(bt, "forge", r["losses"]["forge"][0],
                                    "torch", r["losses"]["torch"][0])
     if len(ratios) > 1:
@@ -1084,7 +1141,7 @@ def main(argv=None) -> int:
     return 0
   if args.cell == "paired":
     r = run_paired(args.bt[0], cfg, args.steps, args.warmup, args.device,
-                   args.seed)
+                   args.seed, lean=args.lean)
     print(RESULT_TAG + json.dumps(r), flush=True)
     return 0
   if args.cell:

@@ -12,12 +12,16 @@ trained ``--steps`` steps after ``--warmup`` steps, in two arms:
           costs: a minimal ``torch.autograd.Function`` whose forward is
           ``F.linear`` and whose backward forms the input's gradient and no
           update (``torch.optim.AdamW``, with no gradient to step);
-  lean    (``--arms ... lean``, CPU only) that Function with the per-layer
-          work a path validated once per step would keep (one use and one
-          update per step, the operands' shapes, the engine's will-execute
-          check, the launch's pointers with the launch stood in, the
-          version bumps; the step counts once per ``step()``): a measure of
-          such a design, which updates nothing.
+  lean    (``--arms ... lean``) that Function with the per-layer work a
+          path validated once per step would keep (one use and one update
+          per step, the operands' shapes, the engine's will-execute check,
+          the launch's pointers, the version bumps; the step counts once
+          per ``step()``; benchmarks/lean_layer.py): a measure of such a
+          design. On the CPU its launch is stood in; on CUDA it launches
+          forge_torch's compiled kernel on torch's current stream, so it
+          updates the weight and its slots with no check beyond these: the
+          least host time a Python layer of FORGE's form with the real
+          launch takes.
 
 On the CPU, ``--launch`` says what stands in for the fused update:
 
@@ -153,116 +157,6 @@ def _floor_linear():
   return FloorLinear
 
 
-def _lean_linear():
-  """``(LeanLinear, LeanAdamW)``: a layer of FORGE's form reduced to the
-  per-layer work that a path validated once per step would keep: in the
-  forward the compiling flag, grad mode, the weight's plan (one dict
-  lookup) and its one use per step; in the backward the input's gradient,
-  the engine's will-execute check, one update per step, the operands'
-  shapes (their dtypes and devices checked where the shapes change), the
-  launch's pointers in the kernel's order (the launch itself stood in) and
-  the version bumps of the weight and its two slots; the step counts
-  advanced once per ``step()`` in one op. It updates nothing: a measure of
-  what such a design would cost, not an optimizer (``LeanAdamW`` is torch's
-  AdamW for the other parameters, which here have none)."""
-  import torch  # noqa: PLC0415
-  import torch.nn.functional as F  # noqa: PLC0415,N812
-
-  is_compiling = torch.compiler.is_compiling
-  grad_enabled = torch.is_grad_enabled
-  will_execute = torch._C._will_engine_execute_node  # noqa: SLF001
-  bump = torch._C._increment_version  # noqa: SLF001
-  order = (0, 1, 2, 3, 4, 5, 3, 4, 5)  # operands, then in-place results
-  plans = {}
-
-  class Plan:
-    __slots__ = ("optimizer", "slots", "used", "updated", "x_shape",
-                 "dy_shape", "dtype", "device")
-
-  class LeanAdamW(torch.optim.AdamW):
-    def __init__(self, params, **kw):
-      params = list(params)
-      super().__init__(params, **kw)
-      self.generation = 0
-      managed = [w for w in params if id(w) in plans]
-      for w in managed:
-        plans[id(w)].optimizer = self
-      self.counts = torch.zeros(len(managed))
-
-    def step(self, closure=None):
-      self.generation += 1
-      self.counts.add_(1)
-      return super().step(closure)
-
-  def launch(buffers):
-    del buffers
-
-  class Fn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input, weight, plan):
-      ctx.save_for_backward(input, weight)
-      ctx.plan = plan
-      return F.linear(input, weight)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-      x, w = ctx.saved_tensors
-      plan = ctx.plan
-      grad_input = grad_output.matmul(w)
-      if not will_execute(ctx.next_functions[1][0]):
-        return grad_input, None, None
-      generation = plan.optimizer.generation
-      if plan.updated == generation:
-        raise RuntimeError("a second update in one step")
-      if grad_output.shape != plan.dy_shape or x.shape != plan.x_shape:
-        if not (grad_output.dtype == x.dtype == plan.dtype
-                and grad_output.device == x.device == plan.device):
-          raise TypeError("the operands' dtypes or devices differ")
-        plan.dy_shape, plan.x_shape = grad_output.shape, x.shape
-      x, dy = x.contiguous(), grad_output.contiguous()
-      m, v = plan.slots
-      ptrs = (dy.data_ptr(), x.data_ptr(), 4096, w.data_ptr(), m.data_ptr(),
-              v.data_ptr())
-      launch([ptrs[i] for i in order])
-      bump((w, m, v))
-      plan.updated = generation
-      return grad_input, None, None
-
-  def plan_for(w, plan=None):
-    plan = plan or Plan()
-    plan.used = plan.updated = -1
-    plan.x_shape = plan.dy_shape = None
-    plan.slots = (torch.zeros_like(w), torch.zeros_like(w))
-    plan.dtype, plan.device = w.dtype, w.device
-    plans[id(w)] = plan
-
-  class LeanLinear(torch.nn.Linear):
-    def __init__(self, *args, **kw):
-      super().__init__(*args, **kw)
-      plan_for(self.weight)
-
-    def _apply(self, fn, recurse=True):  # .to(dtype): the plan follows
-      old = id(self.weight)
-      out = super()._apply(fn, recurse)
-      plan_for(self.weight, plans.pop(old))
-      return out
-
-    def forward(self, input):
-      w = self._parameters["weight"]
-      if is_compiling() or not grad_enabled():
-        return F.linear(input, w)
-      plan = plans.get(id(w))
-      if plan is None or not w.requires_grad:
-        return F.linear(input, w)
-      generation = plan.optimizer.generation
-      if plan.used == generation:
-        raise RuntimeError("called a second time in one step")
-      plan.used = generation
-      return Fn.apply(input, w, plan)
-
-  return LeanLinear, LeanAdamW
-
-
 def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
             device: str = "cpu", bt: int = 4, profile: int = 0,
             launch: str = "stub") -> dict[str, float]:
@@ -279,7 +173,8 @@ def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
            else torch.float32)
   optimizer = forge_torch.AdamW if forge else torch.optim.AdamW
   if arm == "lean":
-    linear, optimizer = _lean_linear()
+    from benchmarks import lean_layer  # noqa: PLC0415
+    linear, optimizer, _ = lean_layer.make(device, bt)
   else:
     linear = (forge_torch.Linear if forge else _floor_linear()
               if arm == "floor" else torch.nn.Linear)
@@ -352,12 +247,11 @@ def main(argv=None) -> int:
   p.add_argument("--arms", nargs="+", choices=ARMS,
                  default=["torch", "forge"],
                  help="floor: a minimal autograd Function with no update; "
-                 "lean (CPU): that Function with the per-layer checks and "
-                 "launch work of a path validated once per step")
+                 "lean: that Function with the per-layer checks and "
+                 "launch of a path validated once per step (CUDA: the real "
+                 "launch)")
   args = p.parse_args(argv)
   cuda = args.device == "cuda"
-  if cuda and "lean" in args.arms:
-    p.error("--arms lean runs on the CPU only: its launch is stood in")
   if cuda and args.launch is not None:
     p.error("--launch is for the CPU: on CUDA the fused kernel is launched")
   args.launch = args.launch or "stub"

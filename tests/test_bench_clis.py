@@ -401,14 +401,14 @@ def test_torch_overhead_floor_arm_updates_nothing(tmp_path):
   assert {r["provider"] for r in rows} == {"torch", "floor"}
 
 
-def test_torch_overhead_lean_arm_keeps_its_checks(tmp_path, capsys):
-  """The lean arm updates nothing, returns the input's gradient, refuses a
-  second use in one step and (by its version bumps) a second backward
-  through one graph, steps its counts once per step(), writes its rows and
-  runs on the CPU only."""
+def test_torch_overhead_lean_arm_keeps_its_checks(tmp_path):
+  """The lean arm (on the CPU: its launch stood in) updates nothing,
+  returns the input's gradient, refuses a second use in one step and (by
+  its version bumps) a second backward through one graph, steps its counts
+  once per step() and writes its rows."""
   torch = pytest.importorskip("torch")
-  from benchmarks import torch_overhead
-  linear, optimizer = torch_overhead._lean_linear()
+  from benchmarks import lean_layer, torch_overhead
+  linear, optimizer, _ = lean_layer.make()
   layer = linear(4, 3, bias=False)
   opt = optimizer(layer.parameters(), lr=1e-3)
   before = layer.weight.detach().clone()
@@ -425,16 +425,35 @@ def test_torch_overhead_lean_arm_keeps_its_checks(tmp_path, capsys):
   opt.step()
   assert opt.counts.tolist() == [1.0]
   layer(x).sum().backward()  # a new step: used and updated once again
+  with pytest.raises(ValueError, match="no bias"):
+    linear(4, 3)
   out = tmp_path / "o.csv"
   assert torch_overhead.main(["--out", str(out), "--layers", "2", "--steps",
                               "2", "--warmup", "1", "--arms", "lean",
                               "floor"]) == 0
   with open(out) as f:
     assert {r["provider"] for r in csv.DictReader(f)} == {"floor", "lean"}
-  with pytest.raises(SystemExit) as e:
-    torch_overhead.main(["--device", "cuda", "--arms", "lean"])
-  assert e.value.code == 2
-  assert "--arms lean runs on the CPU only" in capsys.readouterr().err
+
+
+def test_lean_convert_takes_the_bias_free_linears():
+  """convert() makes every bias-free nn.Linear a lean layer (and those
+  alone), each with its plan: a model converted trains its input's
+  gradient through them."""
+  torch = pytest.importorskip("torch")
+  from benchmarks import lean_layer
+  linear, optimizer, convert = lean_layer.make()
+  model = torch.nn.Sequential(torch.nn.Linear(4, 5, bias=False),
+                              torch.nn.Linear(5, 3),
+                              torch.nn.Linear(3, 2, bias=False))
+  assert convert(model) == ["0", "2"]
+  assert [type(m) is linear for m in model] == [True, False, True]
+  opt = optimizer(model.parameters(), lr=1e-3)
+  x = torch.randn(2, 4, requires_grad=True)
+  model(x).sum().backward()
+  assert x.grad is not None and model[0].weight.grad is None
+  assert model[1].weight.grad is not None  # the standard layer's
+  opt.step()
+  assert opt.counts.tolist() == [1.0, 1.0]
 
 
 def test_torch_overhead_refuses_a_stand_in_on_cuda(capsys):

@@ -290,6 +290,40 @@ def test_paired_times_both_arms_in_one_process(tmp_path, monkeypatch,
   assert png.stat().st_size > 0
 
 
+def test_paired_lean_adds_the_bound_as_a_third_arm(tmp_path, monkeypatch,
+                                                  capsys):
+  """--paired --lean: a third model whose projections and head are lean
+  layers, timed in the same alternation; its step times and lean/torch
+  ratio written beside the others, the plot reading forge/torch alone."""
+  monkeypatch.setattr(torch_e2e.e2e, "run_tagged", _in_process)
+  from benchmarks import lean_layer  # noqa: F401
+  seen = []
+  step_of = torch_e2e.loss_of
+
+  def loss_of(model, tokens, targets):  # which arm steps, in order
+    head = type(model.lm_head)
+    seen.append("forge" if head is forge_torch.Linear else
+                "torch" if head is torch.nn.Linear else head.__name__)
+    return step_of(model, tokens, targets)
+
+  monkeypatch.setattr(torch_e2e, "loss_of", loss_of)
+  out, png = tmp_path / "t.csv", tmp_path / "p.png"
+  rc = torch_e2e.main(["--device", "cpu", *SMOKE_FLAGS, "--bt", "8",
+                       "--steps", "2", "--warmup", "1", "--paired", "--lean",
+                       "--out", str(out), "--plot", str(png)])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  arms = ["torch", "forge", "LeanLinear"]
+  assert seen == arms + arms + arms[::-1]
+  got = [(r["provider"], r["metric"]) for r in _rows(out)]
+  assert got == [("torch", "step_time"), ("torch", "loss_first"),
+                 ("forge", "step_time"), ("forge", "loss_first"),
+                 ("lean", "step_time"), ("lean", "loss_first"),
+                 ("forge/torch", "step_ratio"), ("lean/torch", "step_ratio")]
+  assert "lean bound: step p50" in text
+  assert png.stat().st_size > 0
+
+
 def test_a_paired_plot_of_a_csv_without_paired_rows_draws_nothing(
     tmp_path, capsys):
   out, png = tmp_path / "t.csv", tmp_path / "t.png"
@@ -305,6 +339,7 @@ def test_a_paired_plot_of_a_csv_without_paired_rows_draws_nothing(
     (["--paired", "--arms", "forge"], "--paired times both arms side by "
      "side: leave --arms out"),
     (["--paired", "--check"], "--paired times eager steps only"),
+    (["--lean"], "--lean is a third arm of --paired"),
     (["--bt", "12"], "--bt 12 is not a multiple of --seq 8"),
     (["--d-model", "30"], "d_model must be a multiple of heads"),
     (["--bt", "0"], "0 must be >= 1"),
