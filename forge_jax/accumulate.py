@@ -154,7 +154,10 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
 
   Returns:
     A :class:`forge_jax.ForgeTransformation` (an optax transform:
-    ``update`` on plain gradients is the same accumulation).
+    ``update`` on plain gradients is the same accumulation) with
+    ``optax.MultiSteps``' attributes: ``inner_opt`` (``tx``),
+    ``has_updated(state)`` and ``gradient_transformation()`` (the
+    transform itself).
 
   Raises:
     TypeError: ``tx`` is not a forge_jax transform (or is an
@@ -211,7 +214,11 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
     raise ValueError(_momentum_mode_reason(spec))
   else:
     out = _momentum(tx, spec, every_k)
+  # optax.MultiSteps' attributes: the wrapped transform, the has_updated
+  # reader and the transform itself as a GradientTransformation.
+  out.inner_opt = tx
   out.has_updated = has_updated
+  out.gradient_transformation = lambda: out
   return out
 
 

@@ -477,6 +477,22 @@ def test_forge_multisteps_has_optaxs_has_updated():
   assert seen == [False, True, False, True]
 
 
+def test_forge_multisteps_has_optaxs_attributes():
+  """inner_opt and gradient_transformation(), as optax.MultiSteps has:
+  code written for optax's reads them unchanged."""
+  inner = forge_jax.adam(1e-2)
+  tx = forge_jax.MultiSteps(inner, 2)
+  assert tx.inner_opt is inner
+  gt = tx.gradient_transformation()
+  assert isinstance(gt, optax.GradientTransformation)
+  assert gt.init is tx.init and gt.update is tx.update
+  x, _ = batches(1)[0]
+  params = MLP(forge_jax.Dense).init(jax.random.key(0), x)["params"]
+  ref = optax.MultiSteps(optax.adam(1e-2), 2)
+  assert (jax.tree.structure(gt.init(params))
+          == jax.tree.structure(ref.gradient_transformation().init(params)))
+
+
 def test_optax_multisteps_is_refused_naming_forge_multisteps():
   with pytest.raises(TypeError, match=r"forge_jax\.MultiSteps"):
     forge_jax.make_step(lambda v, b: 0.0,
