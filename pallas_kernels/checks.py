@@ -212,6 +212,7 @@ def planned_slots(slots, rule: UpdateRule, w, formats, stochastic_rounding,
 
   check_rule(rule, where)
   slots = slot_tuple(slots, rule, where)
+  check_float_dtype("w", w)  # (the plan reads its shape)
   plan, stand_ins = lowp.plan_state(slots, rule, w, formats,
                                     stochastic_rounding, where=where)
   return slots, plan, stand_ins

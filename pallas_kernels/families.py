@@ -93,8 +93,8 @@ class Family:
     return self.torch_factory(**options)
 
   @property
-  def tuned_as(self) -> str | None:
-    """The rule whose tuned tilings its default rule takes where the cache
+  def tuned_as(self) -> str | tuple[str, ...] | None:
+    """The rule(s) whose tuned tilings its default rule takes where the cache
     has none of its own (:attr:`UpdateRule.tuned_as`; set by the factory,
     since a variant with more state may differ), or ``None``."""
     if self.optax_factory is None:

@@ -445,6 +445,9 @@ def stored_g_update(g, w, slots, hparams, *, rule: UpdateRule,
   """
   where = "stored_g_update"
   check_values(where, g=g, w=w)
+  for name, v in (("g", g), ("w", w)):  # (nested lists are arrays here)
+    if v is None:
+      raise TypeError(f"{name} must be an array, got NoneType")
   g, w = jnp.asarray(g), jnp.asarray(w)
   check_float_dtype("g", g)
   if w.ndim < 2:

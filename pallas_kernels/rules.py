@@ -92,7 +92,9 @@ class UpdateRule:
       (:func:`pallas_kernels.tuning_cache.lookup`), for a rule whose kernel
       moves the same state as that rule's and does about the same
       arithmetic: the Adam variants and torch's Adam/AdamW formulas take
-      ``"adamw"``'s (the only family tuned). ``None``: its own entries and
+      ``"adamw"``'s (the only family tuned); or a tuple of such names, tried
+      in order (a clipped rule, :func:`grad_scaled`, takes its base rule's
+      and then the ones that rule takes). ``None``: its own entries and
       ``"any"`` ones only.
     second_moments: the slots that hold a second moment -- an average or
       sum of squares, or Adamax's infinity norm: non-negative values that
@@ -111,7 +113,7 @@ class UpdateRule:
   outputs: tuple[str, ...] = ()
   defaults: tuple[tuple[str, str], ...] = ()
   static: tuple[tuple[str, float], ...] = ()
-  tuned_as: str | None = None
+  tuned_as: str | tuple[str, ...] | None = None
   second_moments: tuple[str, ...] = ()
 
   def __post_init__(self):
@@ -133,10 +135,14 @@ class UpdateRule:
     if unknown:
       raise ValueError(f"rule {self.name!r}: second_moments {unknown} are "
                        f"not among its slots {self.slots}")
-    if self.tuned_as is not None and (not isinstance(self.tuned_as, str)
-                                      or self.tuned_as == self.name):
+    names = (self.tuned_as if type(self.tuned_as) is tuple
+             else (self.tuned_as,))
+    if self.tuned_as is not None and (
+        not names or not all(isinstance(n, str) for n in names)
+        or self.name in names or len(set(names)) != len(names)):
       raise ValueError(f"rule {self.name!r}: tuned_as must name another "
-                       f"rule, got {self.tuned_as!r}")
+                       "rule, or be a tuple of distinct other rules' names; "
+                       f"got {self.tuned_as!r}")
     if len(self.hparams) > HPARAM_VECTOR_LEN:
       raise ValueError(
           f"rule {self.name!r} has {len(self.hparams)} hyperparameters; at most"
@@ -874,6 +880,16 @@ def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
 GRAD_SCALE_HPARAMS = ("gscale_div", "gscale_mul")
 
 
+def tuned_names(rule) -> tuple[str, ...]:
+  """The names of the rules whose tilings ``rule`` takes where the cache
+  holds none of its own (:attr:`UpdateRule.tuned_as`), in order; ``()``
+  for none (or an object that is not a rule)."""
+  names = getattr(rule, "tuned_as", None)
+  if names is None:
+    return ()
+  return names if type(names) is tuple else (names,)
+
+
 @functools.lru_cache(maxsize=None)
 def grad_scaled(rule: UpdateRule) -> UpdateRule:
   """``rule`` stepping from ``G' = (G / gscale_div) * gscale_mul``.
@@ -905,5 +921,7 @@ def grad_scaled(rule: UpdateRule) -> UpdateRule:
       hparams=rule.hparams + GRAD_SCALE_HPARAMS, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
       defaults=rule.defaults, static=rule.static,
-      tuned_as=rule.tuned_as or rule.name,
+      # (The base rule's tilings, then those it takes.)
+      tuned_as=(rule.name if rule.tuned_as is None
+                else (rule.name, *tuned_names(rule))),
       second_moments=rule.second_moments)

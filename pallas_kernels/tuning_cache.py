@@ -35,6 +35,7 @@ from pallas_kernels import lowp, mosaic_kernel
 from pallas_kernels.checks import check_rule
 from pallas_kernels.interpret import check_interpret, default_interpret
 from pallas_kernels.mosaic_kernel import MosaicConfig
+from pallas_kernels.rules import tuned_names
 from pallas_kernels.tiling import BlockConfig, next_pow2
 
 SHIPPED_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -229,6 +230,13 @@ def validated(data: dict, where: str) -> dict:
       raise ValueError(
           f"{where}: devices[{kind!r}] must be an object whose \"entries\", "
           f"\"sources\" and \"{MOSAIC_GPU}\" (if present) are objects")
+    for key in (*entries, *mosaic_entries):
+      m = _KEY.fullmatch(key) if isinstance(key, str) else None
+      if m is None or not all(int(m[n]) >= 1 for n in ("bt", "n_in", "n_out")):
+        raise ValueError(
+            f"{where}: bad key {kind!r} / {key!r}: expected "
+            "'RULE|btBT|INxOUT|w=DTYPE|slots=DTYPES' with BT, IN and OUT "
+            "positive (pallas_kernels.tuning_cache.cache_key's form)")
     for key, entry in entries.items():
       try:
         configs[(kind, key)] = BlockConfig(**entry["config"])
@@ -277,7 +285,8 @@ def lookup(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes: Sequence,
 
   Tries the rule's own entry, then (an
   :class:`~pallas_kernels.rules.UpdateRule` with
-  ``tuned_as``) that rule's entry, then an ``"any"``-rule entry, in each
+  ``tuned_as``) the entries of the rules it names, in order, then an
+  ``"any"``-rule entry, in each
   file of ``paths`` (default :func:`cache_paths`). ``device_kind=None``
   means the current device, and on a CPU (or anything but a GPU) nothing
   matches.
@@ -303,9 +312,8 @@ def _lookup(table, bt, n_in, n_out, w_dtype, slot_dtypes, rule, device_kind,
     if device_kind is None:
       return None
   keys = [cache_key(rule, bt, n_in, n_out, w_dtype, slot_dtypes)]
-  tuned_as = getattr(rule, "tuned_as", None)
-  if tuned_as is not None:
-    keys.append(cache_key(tuned_as, bt, n_in, n_out, w_dtype, slot_dtypes))
+  for name in tuned_names(rule):
+    keys.append(cache_key(name, bt, n_in, n_out, w_dtype, slot_dtypes))
   if _rule_name(rule) != ANY_RULE:
     keys.append(cache_key(None, bt, n_in, n_out, w_dtype, slot_dtypes))
   for path in (cache_paths() if paths is None else paths):
@@ -327,7 +335,7 @@ def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
                    paths: Sequence[str] | None = None
                    ) -> list[tuple[str, MosaicEntry]]:
   """The cached Mosaic GPU entries of the same rule (its own, its
-  ``tuned_as``'s or ``"any"``), weight dtype and slot dtypes on
+  ``tuned_as`` rules' or ``"any"``), weight dtype and slot dtypes on
   ``device_kind``, at every BT bucket and shape, nearest first: by the
   distance of the BT buckets, then of the weights' sizes ``in * out``, then
   of their aspect ratios ``in / out`` (each on a log scale); on a tie the
@@ -343,10 +351,10 @@ def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
     return []
   # The rule's own entries first, then its tuned_as rule's, then "any"
   # (lookup's order) where the distances tie.
-  rules = {ANY_RULE: 2}
-  tuned_as = getattr(rule, "tuned_as", None)
-  if tuned_as is not None:
-    rules[_rule_name(tuned_as)] = 1
+  names = tuned_names(rule)
+  rules = {ANY_RULE: len(names) + 1}
+  for rank, name in reversed(list(enumerate(names, 1))):
+    rules[_rule_name(name)] = rank
   rules[_rule_name(rule)] = 0
   dtypes = _dtypes_key(w_dtype, slot_dtypes)
   log = math.log2

@@ -311,6 +311,27 @@ def test_a_quantized_slot_as_a_plain_tuple_is_refused():
       fn(x, dy, w, (mu, "nu"), _hparams(), rule=ADAMW, **kw)
 
 
+def test_a_weight_that_is_not_an_array_is_refused_in_plain_words():
+  """w as None or a list: the refusal x gets, from every entry point that
+  refuses a list x (the state's plan read w.shape first: an
+  AttributeError)."""
+  x, dy, w, _ = _case(13, 8, 16, 32)
+  sgd = pk.sgd_rule()
+  h = sgd.pack(lr=0.1)
+  for bad in (None, w.tolist()):
+    name = type(bad).__name__
+    for fn, kw in ((pk.fused_wgrad_update, dict(interpret=True)),
+                   (pk.fused_wgrad_update_reference, {}),
+                   (pk.unfused_wgrad_update, {})):
+      with pytest.raises(TypeError, match=f"w must be an array, got {name}"):
+        fn(x, dy, bad, (), h, rule=sgd, **kw)
+  # stored_g_update takes nested lists as arrays (its own test), not None.
+  with pytest.raises(TypeError, match="w must be an array, got NoneType"):
+    pk.stored_g_update(w, None, (), h, rule=sgd, interpret=True)
+  with pytest.raises(TypeError, match="g must be an array, got NoneType"):
+    pk.stored_g_update(None, w, (), h, rule=sgd, interpret=True)
+
+
 def test_slots_that_are_not_a_sequence_are_refused():
   x, dy, w, (mu, nu) = _case(12, 8, 16, 32)
   sgd = pk.sgd_rule()

@@ -4,6 +4,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -280,10 +281,10 @@ def test_a_rules_own_entry_wins_over_its_tuned_as(tmp_path):
 
 
 def test_tuned_as_must_name_another_rule():
-  with pytest.raises(ValueError, match="tuned_as must name another rule"):
-    dataclasses.replace(pk.ADAMW, tuned_as="adamw")
-  with pytest.raises(ValueError, match="tuned_as must name another rule"):
-    dataclasses.replace(pk.ADAMW, tuned_as=3)
+  for bad in ("adamw", 3, (), ("adam", "adam"), ("adam", "adamw"), ["adam"]):
+    with pytest.raises(ValueError, match="tuned_as must name another rule"):
+      dataclasses.replace(pk.ADAMW, tuned_as=bad)
+  assert dataclasses.replace(pk.ADAMW, tuned_as=("adam", "lion")).tuned_as
 
 
 @pytest.mark.parametrize("case", [
@@ -425,13 +426,64 @@ def test_missing_env_cache_fails_clearly(tmp_path, monkeypatch):
                         device_kind="NVIDIA H200")
 
 
+_KEY = tuning_cache.cache_key("adamw", 512, 64, 64, jnp.bfloat16, BF16)
+
+
 def test_bad_cache_entries_fail_clearly(tmp_path):
   path = tmp_path / "bad.json"
   data = autotune._empty_cache()
-  data["devices"]["X"] = {"entries": {"k": {"config": {"block_in": 48}}}}
+  data["devices"]["X"] = {"entries": {_KEY: {"config": {"block_in": 48}}}}
   path.write_text(json.dumps(data))
   with pytest.raises(ValueError, match="bad entry"):
     tuning_cache.load(str(path))
+
+
+@pytest.mark.parametrize("table", ["entries", "mosaic_gpu"])
+@pytest.mark.parametrize("key", [
+    "k", "adamw|bt0|64x64|w=bfloat16|slots=bfloat16,bfloat16",
+    "adamw|bt512|0x64|w=bfloat16|slots=bfloat16,bfloat16",
+    "adamw|bt512|64x64"])
+def test_malformed_cache_keys_fail_clearly(tmp_path, table, key):
+  """A key not of cache_key's form (a hand edit: a zero size, a missing
+  part) is refused when the file is read, naming the file and the key,
+  not met later as a math error in the nearest-entry search."""
+  path = tmp_path / "bad.json"
+  data = autotune._empty_cache()
+  data["devices"]["NVIDIA H200"] = {"entries": {}, table: {key: {
+      "config": {} if table == "mosaic_gpu" else dataclasses.asdict(
+          pk.BlockConfig(32, 64, 32))}}}
+  path.write_text(json.dumps(data))
+  tuning_cache.clear_cache()
+  try:
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: bad key "
+                       f".*{re.escape(repr(key))}"):
+      tuning_cache.nearest_mosaic(64, 64, 64, jnp.bfloat16, BF16, pk.ADAMW,
+                                  device_kind="NVIDIA H200",
+                                  paths=[str(path)])
+  finally:
+    tuning_cache.clear_cache()
+
+
+def test_a_clipped_rule_takes_its_base_rules_own_tilings(tmp_path):
+  """grad_scaled(rule) takes the entries rule takes, in rule's order: its
+  own (Adam's), then its tuned_as rule's (AdamW's), then "any"."""
+  own, aw = pk.BlockConfig(32, 64, 32), pk.BlockConfig(64, 128, 64)
+  key = lambda r: tuning_cache.cache_key(r, 512, 256, 256, jnp.bfloat16, BF16)
+  path = tmp_path / "cache.json"
+  path.write_text(json.dumps({"format": 1, "devices": {"NVIDIA H200": {
+      "entries": {key("adam"): {"config": dataclasses.asdict(own)},
+                  key("adamw"): {"config": dataclasses.asdict(aw)}}}}}))
+  clipped = pk.grad_scaled(pk.adam_rule())
+  assert clipped.tuned_as == ("adam", "adamw")
+  assert pk.grad_scaled(pk.ADAMW).tuned_as == "adamw"
+  tuning_cache.clear_cache()
+  try:
+    got = [tuning_cache.lookup(512, 256, 256, jnp.bfloat16, BF16, r,
+                               device_kind="NVIDIA H200", paths=[str(path)])
+           for r in (pk.adam_rule(), clipped, pk.grad_scaled(pk.ADAMW))]
+  finally:
+    tuning_cache.clear_cache()
+  assert got == [own, own, aw]
 
 
 # --- tune --------------------------------------------------------------------
@@ -1210,7 +1262,7 @@ def test_bad_mosaic_cache_entries_fail_clearly(tmp_path):
                        ({"config": {}, "triton_time_us": "fast"},
                         "positive number")):
     data = autotune._empty_cache()
-    data["devices"]["X"] = {"entries": {}, "mosaic_gpu": {"k": entry}}
+    data["devices"]["X"] = {"entries": {}, "mosaic_gpu": {_KEY: entry}}
     path.write_text(json.dumps(data))
     tuning_cache.clear_cache()
     with pytest.raises(ValueError, match=f"bad mosaic_gpu entry.*{match}"):
