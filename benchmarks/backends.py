@@ -15,8 +15,9 @@ moments="int8")``'s state; XLA's arm is then the GEMM followed by
 the Mosaic GPU kernel takes them in its streamed epilogue with sub-tiles 64
 columns wide, ``eMx64``), or ``mu-bf16`` moments (``m`` bf16 and ``v`` in
 ``W``'s dtype: ``optax.adamw(..., mu_dtype=jnp.bfloat16)``'s state over
-fp32 parameters). ``--rules`` adds SGD (``W`` alone) and SGD with
-momentum (``W`` and one slot) beside AdamW (``W`` and two): what each
+fp32 parameters). ``--rules`` alone adds SGD (``W`` alone) and SGD with
+momentum (``W`` and one slot) beside AdamW (``W`` and two; ``--rules sgd``
+names some): what each
 streamed state array costs. Each arm's result is compared with XLA's before
 it is timed (``W`` and the slots, int8 ones dequantized, within bf16
 rounding: 2 % relative to the largest element; and ``W``'s update, ``W``
@@ -518,8 +519,10 @@ def main(argv=None):
                  "in W's dtype (optax's mu_dtype=bfloat16)")
   p.add_argument("--weights", default="bf16", choices=sorted(WEIGHTS),
                  help="W's dtype (x and dy are bf16)")
-  p.add_argument("--rules", nargs="+", default=["adamw"], choices=RULES,
-                 help="the update rules timed (default AdamW)")
+  p.add_argument("--rules", nargs="*", default=["adamw"], choices=RULES,
+                 help="the update rules timed (default AdamW; --rules "
+                 "alone: all three, SGD and SGD with momentum beside "
+                 "AdamW)")
   p.add_argument("--auto", action="store_true",
                  help="also time backend=None (the backend and tiling a "
                  "call without them takes), named by its choice")
@@ -527,6 +530,8 @@ def main(argv=None):
                  help="Mosaic GPU tilings (none: no tiling of its own), "
                  f"{pk.MosaicConfig.LABEL_FORM}")
   args = p.parse_args(argv)
+  if not args.rules:  # --rules alone: every rule
+    args.rules = list(RULES)
   if args.table:
     if not os.path.exists(args.out):
       p.error(f"--table: no CSV at {args.out}")

@@ -259,6 +259,11 @@ def main(argv=None) -> int:
   bt = args.bt or (64 if cuda else 4)
   if cuda:
     import torch  # noqa: PLC0415
+    if not torch.cuda.is_available():
+      print("torch_overhead --device cuda: no CUDA device "
+            "(torch.cuda.is_available() is False); nothing measured. Leave "
+            "--device out for the CPU's figures.", file=sys.stderr)
+      return 1
     device_label = f"cuda:{torch.cuda.get_device_name()}"
   else:
     device_label = f"cpu:{platform.machine()}"

@@ -456,6 +456,17 @@ def test_lean_convert_takes_the_bias_free_linears():
   assert opt.counts.tolist() == [1.0, 1.0]
 
 
+def test_torch_overhead_on_cuda_without_a_gpu_measures_nothing(
+    tmp_path, capsys, monkeypatch):
+  torch = pytest.importorskip("torch")
+  from benchmarks import torch_overhead
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+  out = tmp_path / "o.csv"
+  assert torch_overhead.main(["--device", "cuda", "--out", str(out)]) == 1
+  assert "no CUDA device" in capsys.readouterr().err
+  assert not out.exists()
+
+
 def test_torch_overhead_refuses_a_stand_in_on_cuda(capsys):
   pytest.importorskip("torch")
   from benchmarks import torch_overhead

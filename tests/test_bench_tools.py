@@ -199,6 +199,17 @@ def test_commit_names_an_archived_tree_by_its_own_commit(tmp_path,
   assert common.commit() == "abc1234"
 
 
+def test_backends_rules_alone_times_every_rule(capsys):
+  """--rules alone (as the docs quote it) names all three rules: here
+  the mu-bf16 check then refuses the two without a slot mu."""
+  from benchmarks import backends
+  with pytest.raises(SystemExit) as e:
+    backends.main(["--rules", "--moments", "mu-bf16", "--weights", "fp32"])
+  assert e.value.code == 2
+  assert ("rule(s) sgd_momentum, sgd have no slot mu"
+          in capsys.readouterr().err)
+
+
 def test_backends_table_reads_the_csvs_rows_once():
   """--table reads the CSV's rows in one pass: the committed CSV's tables
   (those docs/benchmarks.md shows) from an iterable that can be walked once
