@@ -49,6 +49,10 @@ class Declaration:
   def __post_init__(self):
     for name in ("state_reads", "update_reads"):
       value = getattr(self, name)
+      if isinstance(value, (str, bytes)) or not (
+          isinstance(value, Reads) or hasattr(value, "__iter__")):
+        raise TypeError(f"Declaration.{name} must be a Reads member or a "
+                        f"collection of them, got {value!r}")
       value = frozenset([value] if isinstance(value, Reads) else value)
       bad = [r for r in value if not isinstance(r, Reads)]
       if bad:

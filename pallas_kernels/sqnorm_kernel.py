@@ -203,6 +203,11 @@ def wgrad_sqnorm_reference(x, dy, *, partials: bool = False,
   ``config.block_in`` / ``block_out``), as a ``(tiles_in, tiles_out)``
   array."""
   x2, dy2 = _checked(x, dy)
+  if partials:
+    for name, v in (("block_in", block_in), ("block_out", block_out)):
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"wgrad_sqnorm_reference: {name} must be a "
+                         f"positive int (a tile's width), got {v!r}")
   g = jnp.dot(x2.T, dy2, precision=lax.Precision.HIGHEST,
               preferred_element_type=jnp.float32)
   sq = g * g

@@ -70,6 +70,11 @@ def test_sqnorm_kernel_edge_cases_and_refusals():
     pk.wgrad_sqnorm(x, dy[:5], interpret=True)
   with pytest.raises(TypeError, match="floating"):
     pk.wgrad_sqnorm(x.astype(jnp.int32), dy, interpret=True)
+  for bad in (0, -16, 16.0, True):
+    with pytest.raises(ValueError, match="block_in must be a positive int"):
+      pk.wgrad_sqnorm_reference(x, dy, partials=True, block_in=bad)
+  with pytest.raises(ValueError, match="block_out must be a positive int"):
+    pk.wgrad_sqnorm_reference(x, dy, partials=True, block_out=0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -96,6 +96,10 @@ def test_declaration_is_frozen_and_validated():
   with pytest.raises(TypeError):
     Declaration({"coordinate"}, {C}, False, "")
   assert Declaration(C, LS, False, "").update_reads == frozenset({LS})
+  for bad in (None, "coordinate", 3):
+    with pytest.raises(TypeError, match=r"Declaration.state_reads must be a "
+                       r"Reads member or a collection of them"):
+      Declaration(bad, {C}, False, "")
 
 
 def test_affine_in_grad():
