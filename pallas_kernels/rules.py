@@ -457,9 +457,10 @@ def sgd_rule(momentum: bool = False, nesterov: bool = False) -> UpdateRule:
 
   Slots: ``("trace",)`` with momentum, none without. Hyperparameters: ``lr``,
   and ``decay`` (the momentum) with momentum. ``nesterov`` only matters with
-  momentum (as in optax).
+  momentum (as in optax): without it, the plain rule's object.
   """
-  nesterov = nesterov and momentum
+  if nesterov and not momentum:
+    return sgd_rule()  # (the cached plain rule: one kernel build)
 
   def update(g, w, slots, h):
     if not momentum:

@@ -929,6 +929,9 @@ def test_a_rule_is_checked_where_it_is_made_and_where_it_runs():
   assert pk.adamw_rule() is pk.adamw_rule() is pk.ADAMW
   assert pk.sgd_rule(True) is pk.sgd_rule(momentum=1)
   assert pk.sgd_rule() is not pk.sgd_rule(momentum=True)
+  # Nesterov without momentum is plain SGD (as in optax): the same object.
+  assert pk.sgd_rule(nesterov=True) is pk.sgd_rule()
+  assert pk.sgd_rule(False, 1) is pk.sgd_rule()
   for bad in (False, 0, "no"):
     with pytest.raises(TypeError, match="stochastic_rounding must be"):
       pk.describe_backend(x, dy, w.astype(jnp.bfloat16), (mu, nu),
