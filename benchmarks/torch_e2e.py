@@ -315,14 +315,7 @@ def make_optimizer(arm: str, model: Decoder, hparams: dict | None = None,
   ``capturable``: for a step recorded in a CUDA graph."""
   if arm not in ARMS:
     raise ValueError(f"unknown arm {arm!r}; expected one of {ARMS}")
-  h = dict(e2e.HPARAMS if hparams is None else hparams)
-  groups = [
-      {"params": [p for p in model.parameters() if p.dim() >= 2],
-       "weight_decay": h["weight_decay"]},
-      {"params": [p for p in model.parameters() if p.dim() < 2],
-       "weight_decay": 0.0}]
-  kw = dict(lr=h["learning_rate"], betas=(h["b1"], h["b2"]), eps=h["eps"],
-            fused=True, capturable=capturable)
+  groups, kw = _adamw_options(model, hparams, capturable)
   if arm == "torch":
     return torch.optim.AdamW(groups, **kw)
   import forge_torch  # noqa: PLC0415 -- the torch arm never starts JAX
@@ -334,6 +327,21 @@ def make_optimizer(arm: str, model: Decoder, hparams: dict | None = None,
         f"converted {sorted(converted)}, expected {sorted(expected)}, left on "
         f"the standard path {dict(converted.skipped)}")
   return forge_torch.AdamW(groups, **kw)
+
+
+def _adamw_options(model: nn.Module, hparams: dict | None = None,
+                   capturable: bool = False) -> tuple[list, dict]:
+  """``(param_groups, options)`` of every arm's AdamW over ``model``:
+  weight decay on matrices, none on the norm scales, ``fused=True``."""
+  h = dict(e2e.HPARAMS if hparams is None else hparams)
+  groups = [
+      {"params": [p for p in model.parameters() if p.dim() >= 2],
+       "weight_decay": h["weight_decay"]},
+      {"params": [p for p in model.parameters() if p.dim() < 2],
+       "weight_decay": 0.0}]
+  kw = dict(lr=h["learning_rate"], betas=(h["b1"], h["b2"]), eps=h["eps"],
+            fused=True, capturable=capturable)
+  return groups, kw
 
 
 def pool_bytes(model: nn.Module) -> tuple[int, int]:
@@ -552,8 +560,8 @@ def run_paired(bt: int, cfg: e2e.Config, steps: int, warmup: int,
 def make_lean_optimizer(model: Decoder, bt: int, device: str):
   """The lean bound's optimizer over ``model``, whose projections and head
   it makes lean layers in place (benchmarks/lean_layer.py; on CUDA their
-  launches are compiled for ``bt`` rows): torch's fused AdamW with
-  :func:`make_optimizer`'s groups and options."""
+  launches are compiled for ``bt`` rows): torch's fused AdamW with every
+  arm's groups and options (:func:`_adamw_options`)."""
   from benchmarks import lean_layer  # noqa: PLC0415
   _, lean_adamw, convert = lean_layer.make(device, bt)
   expected = linear_names(model)
@@ -561,14 +569,8 @@ def make_lean_optimizer(model: Decoder, bt: int, device: str):
   if sorted(converted) != sorted(expected):
     raise RuntimeError(f"the lean layer took {sorted(converted)}, expected "
                        f"{sorted(expected)}")
-  h = e2e.HPARAMS
-  return lean_adamw(
-      [{"params": [p for p in model.parameters() if p.dim() >= 2],
-        "weight_decay": h["weight_decay"]},
-       {"params": [p for p in model.parameters() if p.dim() < 2],
-        "weight_decay": 0.0}],
-      lr=h["learning_rate"], betas=(h["b1"], h["b2"]), eps=h["eps"],
-      fused=device == "cuda")
+  groups, kw = _adamw_options(model)
+  return lean_adamw(groups, **kw)
 
 
 def check_parity(device: str, seed: int = 0) -> dict:

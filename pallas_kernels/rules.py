@@ -46,6 +46,16 @@ UpdateFn = Callable[
 ]
 
 
+def tuned_names(rule) -> tuple[str, ...]:
+  """The names of the rules whose tilings ``rule`` takes where the cache
+  holds none of its own (:attr:`UpdateRule.tuned_as`), in order; ``()``
+  for none (or an object that is not a rule)."""
+  names = getattr(rule, "tuned_as", None)
+  if names is None:
+    return ()
+  return names if type(names) is tuple else (names,)
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateRule:
   """An elementwise optimizer step ``(g, w, slots, h) -> (w', slots')``.
@@ -135,8 +145,7 @@ class UpdateRule:
     if unknown:
       raise ValueError(f"rule {self.name!r}: second_moments {unknown} are "
                        f"not among its slots {self.slots}")
-    names = (self.tuned_as if type(self.tuned_as) is tuple
-             else (self.tuned_as,))
+    names = tuned_names(self)
     if self.tuned_as is not None and (
         not names or not all(isinstance(n, str) for n in names)
         or self.name in names or len(set(names)) != len(names)):
@@ -879,16 +888,6 @@ def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
 # kernel body stays the family's own.
 
 GRAD_SCALE_HPARAMS = ("gscale_div", "gscale_mul")
-
-
-def tuned_names(rule) -> tuple[str, ...]:
-  """The names of the rules whose tilings ``rule`` takes where the cache
-  holds none of its own (:attr:`UpdateRule.tuned_as`), in order; ``()``
-  for none (or an object that is not a rule)."""
-  names = getattr(rule, "tuned_as", None)
-  if names is None:
-    return ()
-  return names if type(names) is tuple else (names,)
 
 
 @functools.lru_cache(maxsize=None)
