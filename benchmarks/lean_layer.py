@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-# A launch's operands (x, dy, hyperparameters, w, exp_avg, exp_avg_sq),
+# A launch's operands (dy, x, hyperparameters, w, exp_avg, exp_avg_sq),
 # then its in-place results, as the compiled kernel takes them.
 _ORDER = (0, 1, 2, 3, 4, 5, 3, 4, 5)
 
@@ -39,10 +39,10 @@ _ORDER = (0, 1, 2, 3, 4, 5, 3, 4, 5)
 def real_launch(n_in: int, n_out: int, bt: int, dtype):
   """``(launch_ptrs, keep)``: ``launch_ptrs(stream, ptrs)`` enqueues the
   compiled direct kernel that forge_torch.AdamW's update of an
-  ``n_in -> n_out`` layer at ``bt`` rows takes on CUDA (``ptrs``: x, dy,
+  ``n_in -> n_out`` layer at ``bt`` rows takes on CUDA (``ptrs``: dy, x,
   hyperparameters, w, exp_avg, exp_avg_sq), resolved by two steps of such
-  a layer; ``keep`` is the device vector of that step's scalars (the
-  kernel reads it at ``keep.data_ptr()``)."""
+  a layer (and a third backward); ``keep`` is the device vector of that
+  step's scalars (the kernel reads it at ``keep.data_ptr()``)."""
   import forge_torch  # noqa: PLC0415
 
   layer = forge_torch.Linear(n_in, n_out, bias=False).to("cuda", dtype)
@@ -51,11 +51,16 @@ def real_launch(n_in: int, n_out: int, bt: int, dtype):
   for _ in range(2):
     layer(x).float().square().mean().backward()
     opt.step()
+  # A third backward: step() drops the step's scalars, the update forms
+  # them again (read here before the next step() drops them).
+  layer(x).float().square().mean().backward()
   plan = opt._forge_plans.get(layer.weight)  # noqa: SLF001
-  if plan is None or plan.launch is None:
+  shared = opt._forge_scalars.get(0)  # noqa: SLF001
+  if plan is None or plan.launch is None or shared is None or not (
+      shared.scalars):
     raise RuntimeError("lean on CUDA: forge_torch's update took no direct "
                        f"launch here ({forge_torch.bridge_stats})")
-  scalars = next(iter(opt._forge_scalars[0].scalars.values()))  # noqa: SLF001
+  scalars = next(iter(shared.scalars.values()))
   keep = torch.from_numpy(scalars.packed(plan.rule).copy()).cuda()
   return plan.launch.kernel.launch_ptrs, keep
 
@@ -139,7 +144,9 @@ def make(device: str = "cpu", bt: int = 0):
         plan.dy_shape, plan.x_shape = grad_output.shape, x.shape
       x, dy = x.contiguous(), grad_output.contiguous()
       m, v = plan.slots
-      ptrs = [x.data_ptr(), dy.data_ptr(), plan.h, w.data_ptr(),
+      # torch's weight is (out, in): the kernel forms its gradient
+      # dy^T x, so dy takes the kernel's x operand (as forge_torch's).
+      ptrs = [dy.data_ptr(), x.data_ptr(), plan.h, w.data_ptr(),
               m.data_ptr(), v.data_ptr()]
       if plan.launch is not None:
         plan.launch(raw_stream(plan.device_index), ptrs)
@@ -162,6 +169,11 @@ def make(device: str = "cpu", bt: int = 0):
       out = super()._apply(fn, recurse)
       plan_for(self.weight, plans.pop(old))
       return out
+
+    @property
+    def plan(self):
+      """The weight's plan (its slots: ``plan.slots``)."""
+      return plans[id(self.weight)]
 
     def forward(self, input):
       w = self._parameters["weight"]

@@ -456,6 +456,55 @@ def test_lean_convert_takes_the_bias_free_linears():
   assert opt.counts.tolist() == [1.0, 1.0]
 
 
+def _cuda():
+  try:
+    import torch  # noqa: PLC0415
+  except ImportError:
+    return False
+  return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device for torch")
+@pytest.mark.parametrize("n_in,n_out", [(256, 640), (640, 256), (384, 384)])
+def test_gpu_lean_layer_launches_forge_torchs_update(n_in, n_out):
+  """On CUDA the lean layer's backward launches forge_torch's compiled
+  kernel with its operands in forge_torch's order: from the same weight,
+  slots and batch, its update is forge_torch.AdamW's third step bit for
+  bit (the scalars real_launch fixed are that step's), on non-square
+  shapes both ways and a square one (where swapped operands give G^T)."""
+  import torch  # noqa: PLC0415
+
+  import forge_torch  # noqa: PLC0415
+  from benchmarks import lean_layer  # noqa: PLC0415
+  bt = 128
+  torch.manual_seed(0)
+  linear, optimizer, _ = lean_layer.make("cuda", bt)
+  x = torch.randn(bt, n_in, device="cuda", dtype=torch.bfloat16)
+  ref = forge_torch.Linear(n_in, n_out, bias=False).to("cuda", torch.bfloat16)
+  opt = forge_torch.AdamW(ref.parameters(), lr=1e-3, fused=True)
+  for _ in range(2):
+    ref(x).float().square().mean().backward()
+    opt.step()
+  state = opt.state[ref.weight]
+  lean = linear(n_in, n_out, bias=False).to("cuda", torch.bfloat16)
+  lean_opt = optimizer(lean.parameters(), lr=1e-3, fused=True)
+  plan = lean.plan
+  with torch.no_grad():
+    lean.weight.copy_(ref.weight)
+    plan.slots[0].copy_(state["exp_avg"])
+    plan.slots[1].copy_(state["exp_avg_sq"])
+  before = lean.weight.detach().clone()
+  ref(x).float().square().mean().backward()  # forge_torch's third update
+  lean(x).float().square().mean().backward()
+  torch.cuda.synchronize()
+  assert not torch.equal(lean.weight, before)
+  assert torch.equal(lean.weight, ref.weight)
+  assert torch.equal(plan.slots[0], state["exp_avg"])
+  assert torch.equal(plan.slots[1], state["exp_avg_sq"])
+  del lean_opt
+
+
 def test_torch_overhead_on_cuda_without_a_gpu_measures_nothing(
     tmp_path, capsys, monkeypatch):
   torch = pytest.importorskip("torch")
