@@ -103,7 +103,8 @@ once per step would keep) and torch's fused AdamW for the rest. It is a
 bound, not an optimizer: the least host time an eager Python layer of
 FORGE's form with the real launch takes here (its hyperparameters are
 fixed, so its loss drifts from the others'). Its rows: provider ``lean``
-``step_time`` and ``step_ratio`` ``lean/torch``.
+``step_time`` and ``step_ratio`` ``lean/torch``, which the paired plot
+draws beside the process's forge/torch ratio (hollow squares).
 
 Without CUDA the benchmark refuses to run, exit status 1 (no figure would be
 a GPU figure); ``--device cpu`` runs it on the CPU as a smoke test (the fused
@@ -675,9 +676,10 @@ def write_cell_rows(path: str, cfg: e2e.Config, r: dict) -> str:
 
 def write_paired_rows(path: str, cfg: e2e.Config, r: dict) -> None:
   """One ``--paired`` process's rows: each arm's ``step_time`` and the
-  per-pair ratio ``step_ratio`` (provider ``forge/torch``), case ``...
-  paired``, benchmark ``torch_e2e_paired`` (which the plot does not
-  read)."""
+  per-pair ratio ``step_ratio`` (provider ``forge/torch``; with the lean
+  bound also ``lean/torch``), case ``... paired``, benchmark
+  ``torch_e2e_paired`` (which the bar plot does not read;
+  :func:`plot_paired` does)."""
   res = common.Results(path, PAIRED_BENCHMARK, device=r["device"])
   case = case_of(cfg, r["bt"]) + " paired"
   shape = shape_of(cfg, r["bt"])
@@ -893,51 +895,83 @@ def plot(csv_path: str, png_path: str, pick: dict | None = None) -> bool:
   return True
 
 
+def paired_points(rows) -> dict[int, list[tuple]]:
+  """Per BT, the ``--paired`` processes' ratio rows in the order they ran:
+  ``(x, provider, commit, p20, p50, p80)``, ``x`` the process's index
+  (its ``forge/torch`` row's; a ``lean/torch`` row, written by the same
+  process with the same timestamp, takes that process's ``x``)."""
+  rows = [r for r in rows if r["benchmark"] == PAIRED_BENCHMARK
+          and r["metric"] == "step_ratio"
+          and r["provider"] in ("forge/torch", "lean/torch")]
+  rows.sort(key=lambda r: r["timestamp"])
+  points: dict[int, list[tuple]] = {}
+  where: dict[tuple, int] = {}
+  for r in rows:
+    if r["provider"] != "forge/torch":
+      continue
+    bt = int(r["case"].split("BT=")[1].split()[0])
+    mine = points.setdefault(bt, [])
+    x = len({p[0] for p in mine})
+    where[(r["timestamp"], r["case"])] = x
+    mine.append((x, "forge/torch", r["commit"],
+                 *(float(r[q]) for q in ("p20", "p50", "p80"))))
+  for r in rows:
+    x = where.get((r["timestamp"], r["case"]))
+    if r["provider"] == "lean/torch" and x is not None:
+      bt = int(r["case"].split("BT=")[1].split()[0])
+      points[bt].append((x, "lean/torch", r["commit"],
+                         *(float(r[q]) for q in ("p20", "p50", "p80"))))
+  return points
+
+
 def plot_paired(csv_path: str, png_path: str) -> bool:
   """Every ``--paired`` process's forge/torch ratio in a torch_e2e CSV, in
   the order they ran: the median of its pairs, with their p20-p80 range,
-  coloured by commit, one panel per BT. False (nothing written) without
+  coloured by commit, one panel per BT; a process run with ``--lean`` also
+  its lean/torch ratio (hollow squares). False (nothing written) without
   paired rows."""
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
-  rows = [r for r in common.read_rows(csv_path)
-          if r["benchmark"] == PAIRED_BENCHMARK
-          and r["metric"] == "step_ratio" and r["provider"] == "forge/torch"]
-  if not rows:
+  rows = common.read_rows(csv_path)
+  points = paired_points(rows)
+  if not points:
     print(f"plot: {csv_path} has no {PAIRED_BENCHMARK} step_ratio rows; "
           "nothing plotted", file=sys.stderr)
     return False
-  rows.sort(key=lambda r: r["timestamp"])
-  bts = sorted({int(r["case"].split("BT=")[1].split()[0]) for r in rows})
-  commits = list(dict.fromkeys(r["commit"] for r in rows))
+  bts = sorted(points)
+  commits = list(dict.fromkeys(p[2] for bt in bts for p in sorted(
+      points[bt])))
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-  fig, axes = plt.subplots(1, len(bts), figsize=(4.5 * len(bts) + 1, 3.6),
+  fig, axes = plt.subplots(1, len(bts), figsize=(6.5 * len(bts) + 1, 3.6),
                            squeeze=False)
   for ax, bt in zip(axes[0], bts):
-    mine = [r for r in rows if f"BT={bt} " in r["case"] + " "]
-    for commit in commits:
-      xs = [i for i, r in enumerate(mine) if r["commit"] == commit]
-      if not xs:
-        continue
-      p20, p50, p80 = ([float(mine[i][q]) for i in xs]
-                       for q in ("p20", "p50", "p80"))
-      ax.errorbar(xs, p50, yerr=[[m - lo for m, lo in zip(p50, p20)],
-                                 [hi - m for m, hi in zip(p50, p80)]],
-                  fmt="o", capsize=3, label=commit,
-                  color=colors[commits.index(commit) % len(colors)])
+    for provider in ("forge/torch", "lean/torch"):
+      lean = provider == "lean/torch"
+      for commit in commits:
+        mine = [p for p in points[bt] if p[1] == provider and p[2] == commit]
+        if not mine:
+          continue
+        xs, p20, p50, p80 = ([p[i] for p in mine] for i in (0, 3, 4, 5))
+        color = colors[commits.index(commit) % len(colors)]
+        ax.errorbar(xs, p50, yerr=[[m - lo for m, lo in zip(p50, p20)],
+                                   [hi - m for m, hi in zip(p50, p80)]],
+                    fmt="s" if lean else "o", capsize=3, color=color,
+                    mfc="none" if lean else color,
+                    label=f"{commit}, lean bound" if lean else commit)
     ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
     ax.set_xlabel("process, in the order run")
-    ax.set_ylabel("forge step / torch step beside it")
+    ax.set_ylabel("step / torch step beside it")
     ax.set_title(f"BT={bt}", fontsize=9)
-    ax.legend(fontsize=8, title="commit", title_fontsize=8)
-  first = rows[0]
+    ax.legend(fontsize=7, title="commit", title_fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.01, 1.0))
+  first = next(r for r in rows if r["benchmark"] == PAIRED_BENCHMARK)
   shape = first["shape"].rsplit(" B", 1)[0]
   fig.suptitle(f"Llama-style decoder's eager step in torch ({shape}),\n"
                f"both arms in one process, on {first['device']}: "
                "forge_torch / AdamW(fused=True),\nper process the median "
-               "pair ratio (p20-p80)", fontsize=8)
+               "pair ratio (p20-p80); squares: the lean bound", fontsize=8)
   common.save_figure(fig, png_path)
   return True
 

@@ -294,7 +294,7 @@ def test_paired_lean_adds_the_bound_as_a_third_arm(tmp_path, monkeypatch,
                                                   capsys):
   """--paired --lean: a third model whose projections and head are lean
   layers, timed in the same alternation; its step times and lean/torch
-  ratio written beside the others, the plot reading forge/torch alone."""
+  ratio written beside the others and drawn at its process's place."""
   monkeypatch.setattr(torch_e2e.e2e, "run_tagged", _in_process)
   from benchmarks import lean_layer  # noqa: F401
   seen = []
@@ -322,6 +322,10 @@ def test_paired_lean_adds_the_bound_as_a_third_arm(tmp_path, monkeypatch,
                  ("forge/torch", "step_ratio"), ("lean/torch", "step_ratio")]
   assert "lean bound: step p50" in text
   assert png.stat().st_size > 0
+  # The plot draws the lean ratio at its process's place, beside forge's.
+  points = torch_e2e.paired_points(_rows(out))
+  assert sorted(p[:2] for p in points[8]) == [(0, "forge/torch"),
+                                              (0, "lean/torch")]
 
 
 def test_a_paired_plot_of_a_csv_without_paired_rows_draws_nothing(
