@@ -911,8 +911,7 @@ def paired_points(rows) -> dict[int, list[tuple]]:
       continue
     bt = int(r["case"].split("BT=")[1].split()[0])
     mine = points.setdefault(bt, [])
-    x = len({p[0] for p in mine})
-    where[(r["timestamp"], r["case"])] = x
+    x = where[(r["timestamp"], r["case"])] = len(mine)
     mine.append((x, "forge/torch", r["commit"],
                  *(float(r[q]) for q in ("p20", "p50", "p80"))))
   for r in rows:
