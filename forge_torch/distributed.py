@@ -152,7 +152,8 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
 
   Args:
     module: the model (not yet wrapped), or a ``DistributedDataParallel``
-      already built over a prepared model (then only checked).
+      already built over a prepared model (then only checked: the other
+      arguments left at their defaults).
     process_group: the group DDP reduces over (``None``: the default group,
       DDP's default). Pass DDP's ``process_group`` if you give it one.
     broadcast: copy the managed weights from the group's first rank.
@@ -168,17 +169,37 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
     RuntimeError: ``torch.distributed`` is not initialised; ``module`` is a
       ``DistributedDataParallel`` built before this was called on its
       module; a managed layer is sharded by FSDP.
-    TypeError: ``check_order`` is not a bool.
+    TypeError: ``check_order`` or ``broadcast`` is not a bool;
+      ``process_group`` is neither ``None`` nor a ``ProcessGroup``.
+    ValueError: ``module`` is a ``DistributedDataParallel`` and
+      ``check_order`` or ``process_group`` is given (they apply to the
+      model's preparation, before wrapping).
   """
   if not isinstance(check_order, bool):
     raise TypeError(f"prepare_ddp: check_order must be True or False, got "
                     f"{check_order!r}")
+  if not isinstance(broadcast, bool):
+    raise TypeError(f"prepare_ddp: broadcast must be True or False, got "
+                    f"{broadcast!r}")
   dist = _dist()
   if not dist.is_initialized():
     raise RuntimeError(
         "forge_torch.distributed.prepare_ddp: torch.distributed is not "
         "initialised; call torch.distributed.init_process_group(...) first")
+  if process_group is not None and not isinstance(process_group,
+                                                  dist.ProcessGroup):
+    raise TypeError(
+        "prepare_ddp: process_group must be a torch.distributed "
+        "ProcessGroup (e.g. from torch.distributed.new_group(ranks)) or None "
+        f"for the default group, got {type(process_group).__name__}")
   if isinstance(module, nn.parallel.DistributedDataParallel):
+    if check_order or process_group is not None:
+      raise ValueError(
+          "forge_torch.distributed.prepare_ddp: given a "
+          "DistributedDataParallel, it only checks that its model was "
+          "prepared, so check_order and process_group would not apply. "
+          "Pass them to prepare_ddp(model) (or wrap_ddp(model, ...)) on the "
+          "model before wrapping it.")
     inner = module.module
     missing = [name for name, p in _managed_weights(inner)
                if not set(_ddp_names([name])) <= module.parameters_to_ignore
@@ -325,9 +346,11 @@ def prepare_fsdp(module: nn.Module) -> list[str]:
   Raises:
     RuntimeError: ``torch.distributed`` is not initialised; no
       ``forge_torch.Linear`` of ``module`` is sharded by ``fully_shard``
-      (called before ``fully_shard``?); a layer is sharded by
+      (called before ``fully_shard``, or ``fully_shard`` before
+      ``convert``: said so); a layer is sharded by
       ``FullyShardedDataParallel`` (FSDP1), whose flat parameters are not
-      supported.
+      supported; a forge_torch optimizer built before this call holds a
+      sharded weight as an ordinary parameter.
   """
   dist = _dist()
   if not dist.is_initialized():
@@ -335,7 +358,7 @@ def prepare_fsdp(module: nn.Module) -> list[str]:
         "forge_torch.distributed.prepare_fsdp: torch.distributed is not "
         "initialised; call torch.distributed.init_process_group(...) first")
   from torch.distributed.tensor import DTensor  # noqa: PLC0415
-  names = []
+  layers = []
   for mod_name, layer in module.named_modules():
     if not (isinstance(layer, _linear.Linear)
             and _linear.is_fsdp_managed(layer)):
@@ -352,6 +375,10 @@ def prepare_fsdp(module: nn.Module) -> list[str]:
           "as nn.Linear (layer.fused = False).")
     if w.numel() == 0:
       continue
+    _refuse_an_earlier_optimizer(w, label)
+    layers.append((mod_name, layer, w))
+  names = []
+  for mod_name, layer, w in layers:
     if getattr(layer, "_forge_path", None) is None:
       layer._set_path(mod_name)
     else:
@@ -363,12 +390,46 @@ def prepare_fsdp(module: nn.Module) -> list[str]:
     layer._forge_sharded = True
     names.append(f"{mod_name}.weight" if mod_name else "weight")
   if not names:
+    early = [mod_name or type(module).__name__
+             for mod_name, layer in module.named_modules()
+             if isinstance(layer, nn.Linear)
+             and not isinstance(layer, _linear.Linear)
+             and _linear.is_fully_sharded(layer)]
+    if early:
+      raise RuntimeError(
+          "forge_torch.distributed.prepare_fsdp: no forge_torch.Linear of "
+          "the model is sharded, but fully_shard has sharded nn.Linear "
+          f"layers ({', '.join(early[:8])}{', ...' if len(early) > 8 else ''})"
+          ", which forge_torch.convert cannot take once sharded: fully_shard "
+          "ran before convert. Call forge_torch.convert(model) first, then "
+          "fully_shard(...), then prepare_fsdp(model).")
     raise RuntimeError(
         "forge_torch.distributed.prepare_fsdp: no forge_torch.Linear of the "
         "model is sharded by torch.distributed.fsdp.fully_shard. Call it "
         "after forge_torch.convert(model) and after fully_shard(...) (per "
         "layer or block, and on the root).")
   return names
+
+
+def _refuse_an_earlier_optimizer(w: torch.Tensor, label: str) -> None:
+  """Refuses to mark sharded weight ``w`` as FORGE-managed when a live
+  forge_torch optimizer holds it already as an ordinary parameter (built
+  before :func:`prepare_fsdp`): that optimizer would never take it over,
+  and the layer would train unfused, with no sign of it."""
+  for optimizer in list(_linear._OPTIMIZERS):
+    managed = getattr(optimizer, "_forge_managed", None)
+    if managed is not None and w in managed:  # prepared again: it manages w
+      continue
+    if any(q is w for group in optimizer.param_groups
+           for q in group["params"]):
+      name = type(optimizer).__name__
+      raise RuntimeError(
+          f"forge_torch.Linear {label}: a forge_torch.{name} built before "
+          "prepare_fsdp holds its sharded weight as an ordinary parameter, "
+          "so the layer would train unfused (torch's gradient and update) "
+          "with no sign of it. Call "
+          "forge_torch.distributed.prepare_fsdp(model) after fully_shard "
+          "and before building the optimizer.")
 
 
 def is_sharded(p: torch.Tensor) -> bool:

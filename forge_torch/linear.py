@@ -114,6 +114,9 @@ _FORGE_WEIGHTS = WeakIdMap()
 _OWNERS = WeakIdMap()
 # FORGE weight -> the module path of its layer (set by convert()).
 _PATHS = WeakIdMap()
+# Every live forge_torch optimizer (prepare_fsdp refuses to mark a weight
+# one of them already holds as an ordinary parameter).
+_OPTIMIZERS = weakref.WeakSet()
 # Its entries by identity key, as the forward reads them (the dict is never
 # replaced: cleared in place).
 _FORGE_WEIGHT_KEYS = _FORGE_WEIGHTS._values
@@ -478,6 +481,19 @@ def is_fsdp_managed(layer: nn.Module) -> bool:
   ``FullyShardedDataParallel`` (FSDP1) mark every module they shard, or
   whose sharded ancestor covers, with ``_is_fsdp_managed_module``."""
   return bool(getattr(layer, "_is_fsdp_managed_module", False))
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+  """Whether ``torch.distributed.fsdp.fully_shard`` (FSDP2) was applied to
+  ``module`` itself (its class then is fully_shard's subclass of the
+  module's own, an ``FSDPModule``)."""
+  if not is_fsdp_managed(module):  # (no import of torch's FSDP otherwise)
+    return False
+  try:
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+  except ImportError:  # a torch without FSDP2
+    return False
+  return isinstance(module, FSDPModule)
 
 
 def is_prepared_sharded(layer: nn.Module) -> bool:
@@ -847,6 +863,11 @@ def _skip_reason(module: nn.Module, names_of: Mapping[int, list[str]]
     return (f"it is an uninitialized {type(module).__name__}: run one "
             "forward first (e.g. under torch.no_grad()), which makes it an "
             "nn.Linear, then convert()")
+  if type(module) is not nn.Linear and is_fully_sharded(module):
+    return (f"fully_shard has sharded it already (its type is "
+            f"{type(module).__name__}): convert the model before "
+            "fully_shard, then call "
+            "forge_torch.distributed.prepare_fsdp(model)")
   if type(module) is not nn.Linear:
     return (f"its type is {type(module).__name__}, a subclass of nn.Linear "
             "whose weight may be read outside its forward (e.g. "

@@ -721,6 +721,7 @@ class _ForgeOptimizer:
       self._forge_take(p, gi)
 
   def _forge_init_registry(self) -> None:
+    _linear._OPTIMIZERS.add(self)
     # The param_groups list's groups when _forge_managed's indices were last
     # read from it (_forge_check_groups).
     self._forge_groups_seen = None

@@ -21,6 +21,7 @@ import fcntl
 import gc
 import os
 import traceback
+import warnings
 
 import pytest
 
@@ -198,6 +199,48 @@ def _misuses(rank: int) -> dict:
   found["check_order_type"] = _error(
       lambda: forge_dist.wrap_ddp(converted(net), check_order="yes"),
       TypeError)
+  # Arguments of the wrong type, refused before anything is registered.
+  model = converted(net)
+  found["group_type"] = _error(
+      lambda: forge_dist.prepare_ddp(model, [0, 1]), TypeError)
+  found["broadcast_type"] = _error(
+      lambda: forge_dist.prepare_ddp(model, broadcast="no"), TypeError)
+  found["group_type_left"] = [forge_dist._GROUPS.get(p, "none")  # noqa: SLF001
+                              for p in (model.fc1.weight, model.fc2.weight)]
+  # check_order or a group given with a DDP already built: they would not
+  # apply (only prepare_ddp(model) registers them).
+  ddp = forge_dist.wrap_ddp(converted(net))
+  found["ddp_check_order"] = _error(
+      lambda: forge_dist.prepare_ddp(ddp, check_order=True), ValueError)
+  found["ddp_group"] = _error(
+      lambda: forge_dist.prepare_ddp(
+          ddp, torch.distributed.new_group([0, 1])), ValueError)
+  # A forge_torch optimizer built before prepare_fsdp holds the sharded
+  # weights as ordinary parameters: prepare_fsdp refuses to mark them
+  # (its layers would train unfused, silently); built after, accepted.
+  model = converted(net)
+  fully_shard(model)
+  early_opt = forge_torch.AdamW(model.parameters())
+  found["fsdp_opt_before"] = _error(lambda: forge_dist.prepare_fsdp(model))
+  found["fsdp_opt_before_marked"] = forge_torch.is_forge_weight(
+      model.fc1.weight)
+  del early_opt
+  found["fsdp_opt_after"] = forge_dist.prepare_fsdp(model)
+  opt = forge_torch.AdamW(model.parameters())
+  found["fsdp_prepared_again"] = forge_dist.prepare_fsdp(model)
+  # fully_shard before convert: convert skips the sharded layers and
+  # prepare_fsdp says which order it takes.
+  plain = copy.deepcopy(net)
+  for layer in (plain.fc1, plain.fc2, plain):
+    fully_shard(layer)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    found["shard_then_convert"] = list(forge_torch.convert(
+        plain, exclude=["head"]))
+  found["shard_then_convert_warning"] = " ".join(
+      str(w.message) for w in caught
+      if issubclass(w.category, forge_torch.ConvertSkipWarning))
+  found["shard_then_prepare"] = _error(lambda: forge_dist.prepare_fsdp(plain))
   return found
 
 
@@ -650,6 +693,24 @@ def test_misuse_is_refused(reports):
     assert "fc1.weight (number 1)" in misrouted, misrouted
     assert "fc2.weight (number 2)" in misrouted, misrouted
     assert "check_order must be True or False" in found["check_order_type"]
+    assert "process_group must be a torch.distributed" in found["group_type"]
+    assert "got list" in found["group_type"], found["group_type"]
+    assert "broadcast must be True or False" in found["broadcast_type"]
+    assert found["group_type_left"] == ["none", "none"]
+    for case in ("ddp_check_order", "ddp_group"):
+      assert "before wrapping" in found[case], found[case]
+    early = found["fsdp_opt_before"]
+    assert "built before prepare_fsdp" in early, early
+    assert "fc1" in early and "unfused" in early, early
+    assert found["fsdp_opt_before_marked"] is False
+    assert found["fsdp_opt_after"] == ["fc1.weight", "fc2.weight"]
+    assert found["fsdp_prepared_again"] == ["fc1.weight", "fc2.weight"]
+    assert found["shard_then_convert"] == []
+    assert "convert the model before fully_shard" in (
+        found["shard_then_convert_warning"])
+    late = found["shard_then_prepare"]
+    assert "fully_shard ran before convert" in late, late
+    assert "fc1" in late, late
 
 
 def test_prepare_ddp_needs_a_process_group():
