@@ -99,8 +99,10 @@ def check_clippable(params, what: str) -> None:
       "forge_torch.is_forge_weight(p)].")
 
 
-def _guard(fn):
-  """``fn`` (a torch clipping function), first checking its parameters."""
+def _guard(fn, name: str):
+  """``fn`` (a torch clipping function, ``torch.nn.utils.<name>``), first
+  checking its parameters (messages name it ``name``: torch's own name for
+  some of these functions is a private one)."""
   if getattr(fn, "__forge_guarded__", False):
     return fn
 
@@ -113,7 +115,7 @@ def _guard(fn):
       parameters = kwargs.pop("parameters")
     params = ([parameters] if isinstance(parameters, torch.Tensor)
               else list(parameters))  # a generator is read once, here
-    check_clippable(params, fn.__name__)
+    check_clippable(params, name)
     return fn(params, *args, **kwargs)
 
   guarded.__forge_guarded__ = True
@@ -132,7 +134,7 @@ def install() -> None:
     for name in WRAPPED:
       fn = getattr(module, name, None)
       if fn is not None:
-        setattr(module, name, _guard(fn))
+        setattr(module, name, _guard(fn, name))
 
 
 # --- max_grad_norm: global-norm clipping in two passes ------------------------

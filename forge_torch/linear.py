@@ -379,10 +379,7 @@ class _FusedLinearFn(torch.autograd.Function):
       _refuse_double_backward(ctx)
     handle = ctx.handle
     if handle is None:  # checked first: the saved weight's version moved on
-      raise RuntimeError(
-          "backward ran twice through the same forward of a FORGE-managed "
-          "forge_torch.Linear (retain_graph=True?). Its first backward already "
-          "applied the optimizer to the weight; a second one cannot be fused.")
+      raise RuntimeError(_second_backward_message())
     input, weight = ctx.saved_tensors
     # The graph's edge to the weight (input 1 of apply): its accumulator.
     mode = _weight_grad_mode(handle.weight, ctx.next_functions[1][0])
@@ -429,6 +426,26 @@ class _FusedLinearFn(torch.autograd.Function):
     handle.done = True  # this forward's use is consumed
     # No gradient for the weight: it has been updated already (grad stays None).
     return grad_input, None, grad_bias, None
+
+
+def _second_backward_message() -> str:
+  """Why a second backward through one forward of a managed layer is
+  refused: its first applied the update, or, in the norm pass of a clipped
+  step (``max_grad_norm``), measured the gradient's norm and applied
+  nothing."""
+  from forge_torch import _clip  # noqa: PLC0415  (it imports this module)
+  if _clip.RUNNING and getattr(_clip.RUNNING[-1], "_forge_clip_phase",
+                               None) == _clip.NORM_PASS:
+    return (
+        "backward ran twice through the same forward of a FORGE-managed "
+        "forge_torch.Linear (retain_graph=True?) in the first pass of a "
+        "clipped step (max_grad_norm), whose first backward measured the "
+        "gradient's norm: the closure must run one backward per call. "
+        "Nothing has been applied; the weights are unchanged.")
+  return ("backward ran twice through the same forward of a FORGE-managed "
+          "forge_torch.Linear (retain_graph=True?). Its first backward "
+          "already applied the optimizer to the weight; a second one cannot "
+          "be fused.")
 
 
 def _direct_apply(fn_cls):

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import operator
 import warnings
 import zlib
@@ -1034,8 +1035,11 @@ class _ForgeOptimizer:
       had = p.grad is not None  # an ordinary gradient (run unfused)
       if had:
         p.grad = None
+      # (A weight with micro-batches accumulated and not yet applied
+      # holds a .grad in torch too: zeroed, stepped from zero.)
       if not set_to_none and (had or p in held or p in last
-                              or p in self._forge_updated):
+                              or p in self._forge_updated
+                              or p in self._forge_micro):
         held[p] = zeroed[p] = True
     if self._forge_micro._values:
       self._forge_discard_accumulated()
@@ -1677,10 +1681,13 @@ class _ForgeOptimizer:
 
   @accumulate_steps.setter
   def accumulate_steps(self, k: int) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    # (Any integer type, a NumPy one included, as forge_jax.MultiSteps
+    # takes; not a bool.)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
       raise ValueError(
           f"{type(self).__name__}.accumulate_steps must be an int >= 1 (the "
           f"number of micro-batches per optimizer step), got {k!r}")
+    k = int(k)
     if any(self._forge_calls.values()) or self._forge_micro:
       raise RuntimeError(
           f"{type(self).__name__}.accumulate_steps cannot change in the "

@@ -629,6 +629,34 @@ def test_torch_a_closure_that_raised_leaves_the_step_callable():
     assert (a - b).norm() <= tol(jnp.float32) * b.norm()
 
 
+def test_torch_a_second_backward_in_the_norm_pass_says_nothing_applied():
+  """A closure that runs backward twice through one forward
+  (retain_graph=True) fails in the clipped step's first pass, whose first
+  backward only measured the norm: the message says so and that the
+  weights are unchanged (they are); a correct closure then steps."""
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(forge_torch.Linear(8, 6), torch.nn.Tanh(),
+                              forge_torch.Linear(6, 3))
+  x, y = torch.randn(5, 8), torch.randn(5, 3)
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.1)
+  before = [p.detach().clone() for p in model.parameters()]
+
+  def twice():
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+  with pytest.raises(RuntimeError, match=r"first pass of a clipped step "
+                     r"\(max_grad_norm\).*measured the gradient's norm.*"
+                     r"Nothing has been applied"):
+    opt.step(twice)
+  for a, b in zip(model.parameters(), before):
+    assert torch.equal(a, b)
+  opt.step(lambda: torch.nn.functional.mse_loss(model(x), y).backward())
+  assert opt.state[model[0].weight]["step"].item() == 1
+  assert not torch.equal(model[0].weight, before[0])
+
+
 def test_torch_clip_guard_sees_accumulated_managed_weights():
   """A step of accumulate_steps micro-batches cut short: the managed
   weights' gradients sit in their buffers, not in .grad, so torch's

@@ -6,6 +6,7 @@ tied to its embedding."""
 import copy
 import warnings
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -380,10 +381,11 @@ def test_accumulation_opt_in_limits_and_errors():
   with pytest.raises(RuntimeError, match="cannot change in the middle"):
     opt.accumulate_steps = 2
   opt.step()
-  for bad in (0, True, 2.0):
+  for bad in (0, True, 2.0, np.int64(0)):
     with pytest.raises(ValueError, match="int >= 1"):
       opt.accumulate_steps = bad
-  opt.accumulate_steps = 2
+  opt.accumulate_steps = np.int64(2)  # any integer type, stored as an int
+  assert type(opt.accumulate_steps) is int
   assert copy.deepcopy(opt).accumulate_steps == 2
   # A forward whose graph is dropped stops counting; the limit is K.
   layer(x)
@@ -422,6 +424,42 @@ def test_zero_grad_discards_the_accumulated_micro_batches_as_torch_does():
   assert rel(layer.weight, ref.weight) <= FP32
   assert rel(o_f.state[layer.weight]["momentum_buffer"],
              o_ref.state[ref.weight]["momentum_buffer"]) <= FP32
+
+
+@pytest.mark.parametrize("at_step", [0, 1])
+def test_zero_grad_keeping_zeros_mid_window_steps_from_zero_as_torch(
+    at_step):
+  """zero_grad(set_to_none=False) in the middle of an accumulation window:
+  torch keeps a zero .grad on every parameter a micro-batch reached and the
+  next step() steps it from zero (its step count, AdamW's decay, the
+  moments' decay); a managed weight with micro-batches accumulated does
+  the same, in the first step (no state yet) and in a later one."""
+  torch.manual_seed(0)
+  ref = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 5))
+  model = copy.deepcopy(ref)
+  assert forge_torch.convert(model) == ["0", "2"]
+  kw = dict(lr=0.1, weight_decay=0.5)
+  o_ref = torch.optim.AdamW(ref.parameters(), **kw)
+  o_f = forge_torch.AdamW(model.parameters(), **kw)
+  o_f.accumulate_steps = 3
+  g = torch.Generator().manual_seed(5)
+  for step in range(at_step + 2):
+    micro = 3 if step != at_step else 1
+    for _ in range(micro):
+      x = torch.randn(BT, D, generator=g)
+      for m in (ref, model):
+        m(x).square().mean().div(3).backward()
+    if step == at_step:  # one micro-batch in, its gradients zeroed
+      o_ref.zero_grad(set_to_none=False)
+      o_f.zero_grad(set_to_none=False)
+    o_ref.step()
+    o_f.step()
+    o_ref.zero_grad()
+    o_f.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+      assert rel(p, q) <= FP32, (step, name, rel(p, q))
+      for key, s in o_ref.state[q].items():
+        assert rel(o_f.state[p][key], s) <= FP32, (step, name, key)
 
 
 def test_a_tied_managed_weight_is_refused_with_accumulation():
