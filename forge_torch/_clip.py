@@ -140,7 +140,7 @@ def install() -> None:
 # --- max_grad_norm: global-norm clipping in two passes ------------------------
 
 # The pass an optimizer with max_grad_norm is in (its `_forge_clip_phase`).
-NORM_PASS, UPDATE_PASS = "norm", "update"
+NORM_PASS, UPDATE_PASS = _linear.NORM_PASS, "update"
 
 # torch.nn.utils.clip_grad_norm_'s guard against a zero norm.
 TORCH_EPS = 1e-6
@@ -424,7 +424,7 @@ class BufferSnapshot:
 # The optimizers whose step(closure) is running its closure (either pass),
 # innermost last: another forge_torch optimizer's managed layer must not
 # update in it (:func:`refuse_other_optimizer`).
-RUNNING: list = []
+RUNNING: list = _linear.CLIPPING
 
 
 def _run(opt, closure, phase: str):

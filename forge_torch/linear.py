@@ -117,6 +117,12 @@ _PATHS = WeakIdMap()
 # Every live forge_torch optimizer (prepare_fsdp refuses to mark a weight
 # one of them already holds as an ordinary parameter).
 _OPTIMIZERS = weakref.WeakSet()
+# The optimizers whose clipped step(closure) is running its closure,
+# innermost last, and the name of its first pass, which measures the norm:
+# forge_torch._clip's (RUNNING, NORM_PASS), kept here for the layer's
+# messages (_clip imports this module).
+CLIPPING: list = []
+NORM_PASS = "norm"
 # Its entries by identity key, as the forward reads them (the dict is never
 # replaced: cleared in place).
 _FORGE_WEIGHT_KEYS = _FORGE_WEIGHTS._values
@@ -433,9 +439,8 @@ def _second_backward_message() -> str:
   refused: its first applied the update, or, in the norm pass of a clipped
   step (``max_grad_norm``), measured the gradient's norm and applied
   nothing."""
-  from forge_torch import _clip  # noqa: PLC0415  (it imports this module)
-  if _clip.RUNNING and getattr(_clip.RUNNING[-1], "_forge_clip_phase",
-                               None) == _clip.NORM_PASS:
+  if CLIPPING and getattr(CLIPPING[-1], "_forge_clip_phase",
+                          None) == NORM_PASS:
     return (
         "backward ran twice through the same forward of a FORGE-managed "
         "forge_torch.Linear (retain_graph=True?) in the first pass of a "
