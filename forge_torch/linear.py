@@ -310,6 +310,13 @@ def _weight_grad_mode(weight: torch.Tensor, node=None) -> str:
     return RETURN
 
 
+def _layer_of(ctx) -> str:
+  """The layer name a backward's ``ctx`` holds: its handle's, or, once the
+  handle was consumed, the name left in its place."""
+  handle = ctx.handle
+  return handle if handle.__class__ is str else getattr(handle, "layer", "")
+
+
 def _refuse_double_backward(ctx) -> None:
   """Refuses double backward clearly (``once_differentiable``'s own error
   names neither forge_torch nor a fix): the fused backward is not itself
@@ -318,7 +325,7 @@ def _refuse_double_backward(ctx) -> None:
   ``create_graph=True``); past that check grad mode is off, so the
   backward records no graph, as under ``once_differentiable``."""
   raise RuntimeError(
-      f"forge_torch.Linear {getattr(ctx.handle, 'layer', '')}: a backward "
+      f"forge_torch.Linear {_layer_of(ctx)}: a backward "
       "with create_graph=True (a gradient penalty, double backward) "
       "cannot run through a FORGE-managed layer, whose backward updates "
       "the weight in place and is not itself differentiable. Keep this "
@@ -384,13 +391,16 @@ class _FusedLinearFn(torch.autograd.Function):
     if _grad_enabled():  # create_graph=True
       _refuse_double_backward(ctx)
     handle = ctx.handle
-    if handle is None:  # checked first: the saved weight's version moved on
-      raise RuntimeError(_second_backward_message())
+    if handle.__class__ is str:  # consumed (the layer's name), checked
+      # first: the saved weight's version moved on
+      raise RuntimeError(_second_backward_message(handle))
     input, weight = ctx.saved_tensors
     # The graph's edge to the weight (input 1 of apply): its accumulator.
     mode = _weight_grad_mode(handle.weight, ctx.next_functions[1][0])
     if mode == UPDATE:
-      ctx.handle = None  # a later backward through this graph cannot update
+      # A later backward through this graph cannot update: refused, naming
+      # the layer.
+      ctx.handle = handle.layer
     # (B, out) and (B, in) operands of G; already 2-d: as they are (a
     # reshape to the same shape would make a view of the same memory).
     g2 = (grad_output if grad_output.dim() == 2
@@ -434,23 +444,27 @@ class _FusedLinearFn(torch.autograd.Function):
     return grad_input, None, grad_bias, None
 
 
-def _second_backward_message() -> str:
-  """Why a second backward through one forward of a managed layer is
-  refused: its first applied the update, or, in the norm pass of a clipped
-  step (``max_grad_norm``), measured the gradient's norm and applied
-  nothing."""
+def _second_backward_message(layer: str) -> str:
+  """Why a second backward through one forward of managed layer ``layer``
+  is refused: its first took the weight's gradient (applied the update, or
+  added it to the accumulation buffer), or, in the norm pass of a clipped
+  step (``max_grad_norm``), measured its norm and applied nothing."""
   if CLIPPING and getattr(CLIPPING[-1], "_forge_clip_phase",
                           None) == NORM_PASS:
     return (
-        "backward ran twice through the same forward of a FORGE-managed "
-        "forge_torch.Linear (retain_graph=True?) in the first pass of a "
-        "clipped step (max_grad_norm), whose first backward measured the "
-        "gradient's norm: the closure must run one backward per call. "
-        "Nothing has been applied; the weights are unchanged.")
-  return ("backward ran twice through the same forward of a FORGE-managed "
-          "forge_torch.Linear (retain_graph=True?). Its first backward "
-          "already applied the optimizer to the weight; a second one cannot "
-          "be fused.")
+        f"forge_torch.Linear {layer}: backward ran twice through the same "
+        "forward (retain_graph=True?) in the first pass of a clipped step "
+        "(max_grad_norm), whose first backward measured the gradient's "
+        "norm: the closure must run one backward per call. Nothing has "
+        "been applied; the weights are unchanged.")
+  return (
+      f"forge_torch.Linear {layer}: backward ran twice through the same "
+      "forward (retain_graph=True?). Its first backward took the weight's "
+      "gradient already: it applied the optimizer's update or, with "
+      "accumulate_steps > 1, added the gradient to the weight's "
+      "accumulation buffer; a second one cannot be fused. For an input's "
+      "gradient as well, take it first (torch.autograd.grad(loss, inputs, "
+      "retain_graph=True)), then run the training backward.")
 
 
 def _direct_apply(fn_cls):
@@ -716,6 +730,17 @@ class Linear(nn.Linear):
   def extra_repr(self) -> str:
     return super().extra_repr() + f", fused={self.fused}"
 
+  def __prepare_scriptable__(self):
+    # torch.jit.script calls it first (and would put what it returns in
+    # the model's place, in the caller's model too).
+    raise RuntimeError(
+        f"forge_torch.Linear {self._forge_path or self._layer_name()}: "
+        "torch.jit.script cannot compile it (its backward, which applies "
+        "the optimizer, is Python). For an inference graph use "
+        "torch.jit.trace or torch.export, which record the layer as "
+        "nn.Linear, or script a model built without forge_torch.convert "
+        "that loads this one's state_dict.")
+
   def _layer_name(self) -> str:
     """Its module path (e.g. ``blocks.3.mlp.fc1``) once :func:`convert` has
     seen its model; else ``Linear(in, out)``."""
@@ -746,8 +771,11 @@ class Linear(nn.Linear):
           and self.fused and _grad_enabled()):
         self._warn_formed_weight()
     # (Under torch.jit.trace, the standard layer: its graph records torch's
-    # ops, and its check reruns the forward without autograd, here too.)
-    if not (self.fused and _grad_enabled()) or _jit_tracing() is not None:
+    # ops, and its check reruns the forward without autograd, here too;
+    # under an FX trace -- torch.fx.symbolic_trace, make_fx -- likewise: a
+    # traced graph holds no FORGE update, and the trace counts no use.)
+    if (not (self.fused and _grad_enabled()) or _jit_tracing() is not None
+        or _fx_tracing()):
       return F.linear(input, w, bias)
     if self._is_fsdp_managed_module:
       # FSDP2 swapped in a gathered copy of the weight. Unprepared: refused
@@ -837,6 +865,12 @@ def _exporting() -> bool:
 
 
 _jit_tracing = torch._C._get_tracing_state  # noqa: SLF001  (None: not tracing)
+# Whether an FX tracer (torch.fx.symbolic_trace, make_fx) is tracing: a
+# thread-local flag in newer torch, a module global in older (read without
+# is_fx_tracing(), which logs a warning at its first call).
+_fx_trace = torch.fx._symbolic_trace  # noqa: SLF001
+_fx_tracing = getattr(_fx_trace, "_get_is_fx_tracing", None) or (
+    lambda: getattr(_fx_trace, "_is_fx_tracing_flag", False))
 
 
 @getattr(torch, "_disable_dynamo", torch.compiler.disable)

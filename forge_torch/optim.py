@@ -1216,7 +1216,13 @@ class _ForgeOptimizer:
     if pk in self._forge_updated._values:
       raise RuntimeError(
           f"forge_torch.Linear {layer}: a second backward reached this weight "
-          "before optimizer.step(); FORGE applies one update per step")
+          "before optimizer.step(); FORGE applies one update per step (one "
+          "per accumulate_steps micro-batches). The layer ran more often "
+          "than that in this step -- reused, or its forwards recomputed by "
+          "reentrant torch.utils.checkpoint, which runs them without "
+          "autograd, so that they are counted at their backward only. Call "
+          "optimizer.step() after each step's backward, or keep a layer "
+          "reused within a step as nn.Linear (layer.fused = False).")
     if p.is_cuda and _bridge._capturing():
       self._forge_check_capture(p, layer)
       self._forge_captured_update(p, grad_output, input, config=config,

@@ -349,6 +349,21 @@ def test_activation_checkpointing_matches_torch(reentrant):
     assert o_f.state[pf]["step"].item() == 3
 
 
+def test_a_layer_reused_under_reentrant_checkpointing_is_refused_clearly():
+  """Reentrant checkpointing runs the forward without autograd, so a layer
+  reused within a step is not counted at its forwards: its second
+  backward is refused, saying so and naming the fixes."""
+  from torch.utils.checkpoint import checkpoint
+  layer, _ = _layer_and_opt()
+  x = torch.randn(3, 6, requires_grad=True)
+  y = checkpoint(layer, x, use_reentrant=True)
+  z = checkpoint(layer, x, use_reentrant=True)
+  with pytest.raises(RuntimeError, match=r"Linear\(6, 4\): a second backward"
+                     r".*reentrant torch.utils.checkpoint.*layer.fused = "
+                     r"False"):
+    (y + z).sum().backward()
+
+
 def test_no_grad_forwards_are_not_counted():
   """Evaluation forwards (no_grad, inference_mode) neither count towards the
   one use per step nor touch the weights or state: the step equals torch's
@@ -663,12 +678,24 @@ def test_gradient_accumulation_raises():
   assert opt.state[layer.weight]["step"].item() == 2
 
 
-def test_second_backward_through_one_graph_raises():
-  layer, _ = _layer_and_opt()
-  out = layer(torch.randn(3, 6)).sum()
+@pytest.mark.parametrize("k", [1, 2])
+def test_second_backward_through_one_graph_raises(k):
+  """A second backward through one forward: refused naming the layer,
+  saying what the first did with the gradient (applied, or with
+  accumulation added to the buffer) and how to take an input's gradient
+  too; a second forward-free autograd.grad(x) is refused alike."""
+  layer, opt = _layer_and_opt()
+  opt.accumulate_steps = k
+  x = torch.randn(3, 6, requires_grad=True)
+  out = layer(x).sum()
   out.backward(retain_graph=True)
-  with pytest.raises(RuntimeError, match="backward ran twice"):
+  words = (r"forge_torch.Linear Linear\(6, 4\): backward ran twice.*"
+           r"accumulate_steps > 1, added the gradient.*"
+           r"torch.autograd.grad\(loss, inputs, retain_graph=True\)")
+  with pytest.raises(RuntimeError, match=words):
     out.backward()
+  with pytest.raises(RuntimeError, match=words):
+    torch.autograd.grad(out, x)
 
 
 def test_unsupported_dtype_raises():

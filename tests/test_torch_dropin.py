@@ -216,6 +216,47 @@ def test_torch_jit_trace_records_the_standard_layer():
   opt.step()
 
 
+@pytest.mark.parametrize("tracer", ["symbolic_trace", "make_fx"])
+def test_fx_tracing_records_the_standard_layer(tracer):
+  """An FX trace (torch.fx.symbolic_trace, make_fx) of a converted model
+  with a live optimizer records torch's linear and counts no use: the
+  graph gives nn.Linear's output, and the training step after it is
+  FORGE's, equal to torch's."""
+  from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
+  ref, model = _model(), _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+  x = torch.randn(5, 8)
+  if tracer == "symbolic_trace":
+    graph = torch.fx.symbolic_trace(model)
+  else:
+    graph = make_fx(model)(x)
+  torch.testing.assert_close(graph(x), ref(x))
+  for m in (model, ref):
+    m(x).square().mean().backward()
+  assert model[0].fc1.weight.grad is None  # FORGE's update, not .grad
+  opt.step()
+  ref_opt.step()
+  for p, q in zip(model.parameters(), ref.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.*deprecated")
+def test_torch_jit_script_is_refused_in_plain_words():
+  """torch.jit.script cannot compile the layer (its backward is Python):
+  refused naming the layer and the tracers that work, and the model is
+  left as it was (script would otherwise put what the layer's
+  __prepare_scriptable__ returns in its place)."""
+  model = _model()
+  forge_torch.convert(model)
+  with pytest.raises(RuntimeError, match=r"forge_torch.Linear 0\.fc1: "
+                     r"torch.jit.script cannot compile it.*torch.jit.trace "
+                     r"or torch.export"):
+    torch.jit.script(model)
+  assert type(model[0].fc1) is forge_torch.Linear
+
+
 def test_import_does_not_load_dynamo():
   """Importing forge_torch leaves torch._dynamo (seconds to import) unloaded:
   the layer's compile guard above is applied at its first call, not at import.
