@@ -866,11 +866,18 @@ def _exporting() -> bool:
 
 _jit_tracing = torch._C._get_tracing_state  # noqa: SLF001  (None: not tracing)
 # Whether an FX tracer (torch.fx.symbolic_trace, make_fx) is tracing: a
-# thread-local flag in newer torch, a module global in older (read without
-# is_fx_tracing(), which logs a warning at its first call).
+# thread-local flag in newer torch, read from the thread's dict (its
+# getter's getattr of an unset flag raises and catches, ten times as
+# slow, at every forward), a module global in older torch (not through
+# is_fx_tracing(), which logs a warning).
 _fx_trace = torch.fx._symbolic_trace  # noqa: SLF001
-_fx_tracing = getattr(_fx_trace, "_get_is_fx_tracing", None) or (
-    lambda: getattr(_fx_trace, "_is_fx_tracing_flag", False))
+_FX_TLS = getattr(_fx_trace, "_is_fx_tracing_tls", None)
+
+
+def _fx_tracing() -> bool:
+  if _FX_TLS is not None:
+    return _FX_TLS.__dict__.get("flag", False)
+  return getattr(_fx_trace, "_is_fx_tracing_flag", False)
 
 
 @getattr(torch, "_disable_dynamo", torch.compiler.disable)
