@@ -932,12 +932,91 @@ class _ForgeOptimizer:
         self._forge_rule({**self.param_groups[index], **options})
     self._forge_flush_steps()
     state_dict, raw = self._forge_hold_raw(state_dict)
-    super().load_state_dict(state_dict)
+    # torch's loader installs new group dicts and a new state mapping; a
+    # load refused by the checks below puts the old ones back, so that a
+    # refused load changes nothing (as torch's own refusals, made before).
+    before = self.param_groups, self.state
+    try:
+      try:
+        super().load_state_dict(state_dict)
+      except KeyError as e:  # torch's loader reads a state entry it lacks
+        name = type(self).__name__
+        raise ValueError(
+            f"forge_torch.{name}.load_state_dict: the checkpoint's state "
+            f"has no {e.args[0]!r}, which torch.optim.{name}'s loader reads:"
+            " a checkpoint saved by another optimizer family?") from e
+      self._forge_after_load(state_dict, raw)
+    except BaseException:
+      self.param_groups, self.state = before
+      self._forge_check_groups()  # the managed weights' indices, as before
+      raise
+    # The loaded state tensors are new memory; drop the views of the old,
+    # and the plans that hold them.
+    self._forge_views = _linear.WeakIdMap()
+    self._forge_plans = _linear.WeakIdMap()
+    self._forge_reset_step()
+
+  def _forge_check_loaded(self) -> None:
+    """Refuses, after torch's loader ran, a checkpoint whose groups or
+    state do not fit this optimizer's managed weights: a group without an
+    option of this family (another family's checkpoint), a managed
+    weight's state with none of the rule's slots (likewise), or a state
+    tensor of another shape than the weight's (another model's checkpoint,
+    or param groups in another order). Left unchecked, each fails at the
+    layer's next backward with a message about casts or changed options."""
+    name = type(self).__name__
+    for index, group in enumerate(self.param_groups):
+      managed = [p for p in group["params"] if p in self._forge_managed]
+      if not managed:
+        continue
+      missing = [k for k in self.defaults if k not in group]
+      try:
+        rule = self._forge_rule(group)
+      except KeyError as e:
+        missing = missing or [e.args[0]]
+        raise ValueError(
+            f"forge_torch.{name}.load_state_dict: the checkpoint's "
+            f"param_groups[{index}] has no {', '.join(map(repr, missing))}"
+            f" option{'s' if len(missing) > 1 else ''}, which {name} needs: "
+            "a checkpoint saved by another optimizer family?") from None
+      for p in managed:
+        state = self.state.get(p)
+        if not state:
+          continue
+        held = sorted(k for k in state if isinstance(k, str) and k != "step"
+                      and not k.endswith(SCALE_SUFFIX))
+        # Another family's: none of the rule's slots, or some missing and
+        # others held in their place (a slot merely missing is an option
+        # changed after the state was made: the update says so).
+        foreign = set(held) - set(rule.slots) - set(
+            getattr(self, "_forge_extra_scalars", ()))
+        if held and rule.slots and (set(held).isdisjoint(rule.slots) or (
+            foreign and not set(rule.slots) <= set(held))):
+          raise ValueError(
+              f"forge_torch.{name}.load_state_dict: the checkpoint's state "
+              f"for {_linear.weight_name(p)} holds {held}, not {name}'s "
+              f"{sorted(rule.slots)}: a checkpoint saved by another "
+              "optimizer family?")
+        for k, v in state.items():
+          if (isinstance(v, torch.Tensor) and v.dim() > 0
+              and not (isinstance(k, str) and k.endswith(SCALE_SUFFIX))
+              and v.shape != p.shape):
+            raise ValueError(
+                f"forge_torch.{name}.load_state_dict: the checkpoint's "
+                f"{k!r} for {_linear.weight_name(p)} is of shape "
+                f"{tuple(v.shape)}, the weight {tuple(p.shape)}: a "
+                "checkpoint of another model, or of param groups in another "
+                "order (torch's loader pairs the saved parameters with this "
+                "optimizer's in order).")
+
+  def _forge_after_load(self, state_dict, raw) -> None:
+    """What :meth:`load_state_dict` does once torch's loader has run."""
     self._forge_keep_scalar_dtypes(state_dict)
     for index, group in enumerate(self.param_groups):
       for p in group["params"]:
         if p in self._forge_managed:
           self._forge_managed[p] = index
+    self._forge_check_loaded()
     for p in raw:  # codes and scales as saved, on the weight's device
       state = self.state[p]
       for k, v in list(state.items()):
@@ -952,11 +1031,6 @@ class _ForgeOptimizer:
         if p in self._forge_managed and p in self.state:
           self._forge_convert_state(p, self.state[p],
                                     self._forge_rule(group, p.device))
-    # The loaded state tensors are new memory; drop the views of the old,
-    # and the plans that hold them.
-    self._forge_views = _linear.WeakIdMap()
-    self._forge_plans = _linear.WeakIdMap()
-    self._forge_reset_step()
 
   def _forge_keep_scalar_dtypes(self, state_dict) -> None:
     """The family's scalar state (NAdam's ``mu_product``) in the dtype it

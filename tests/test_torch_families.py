@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jax.numpy as jnp  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 import forge_torch  # noqa: E402
 from forge_torch import optim as forge_optim  # noqa: E402
@@ -494,6 +495,84 @@ def test_state_dict_interchanges_with_torch(family):
     assert torch.equal(pb, pf)
     for k, v in o_f.state[pf].items():
       assert torch.equal(o_back.state[pb][k], v), k
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    ("AdamW", "SGD"), ("AdamW", "RMSprop"), ("AdamW", "Adamax"),
+    ("SGD", "AdamW")])
+def test_another_familys_checkpoint_is_refused_and_changes_nothing(saved,
+                                                                   loaded):
+  """A checkpoint of another family is refused at load in plain words
+  (not as a KeyError, nor later at the backward as a changed option), and
+  the refused load leaves the optimizer as it was: it trains on as if the
+  load had not been tried."""
+  data = batches(6)
+  fm = forge_copy(make_mlp())
+  o_saved = getattr(forge_torch, saved)(fm.parameters(), **MAIN[saved])
+  train(fm, o_saved, None, data[:2])
+  checkpoint = copy.deepcopy(o_saved.state_dict())
+  runs = []
+  for attempt in (False, True):
+    model = forge_copy(make_mlp())
+    opt = getattr(forge_torch, loaded)(model.parameters(), **MAIN[loaded])
+    train(model, opt, None, data[:2])
+    if attempt:
+      with pytest.raises(ValueError, match=r"load_state_dict: the "
+                         r"checkpoint's .*another optimizer family\?"):
+        opt.load_state_dict(copy.deepcopy(checkpoint))
+    train(model, opt, None, data[2:])
+    runs.append((model, opt))
+  (plain, o_plain), (tried, o_tried) = runs
+  for p, q in zip(tried.parameters(), plain.parameters()):
+    assert torch.equal(p, q)
+    assert o_tried.state[p].keys() == o_plain.state[q].keys()
+
+
+def test_a_checkpoint_of_another_shape_or_order_is_refused_at_load():
+  """A checkpoint of a model with another layer width, or of the same
+  model's param groups in another order (torch's loader pairs saved and
+  current parameters in order), is refused at load naming the state and
+  both shapes, and changes nothing."""
+  from torch import nn  # noqa: PLC0415
+  torch.manual_seed(0)
+
+  def net(width):
+    model = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 3))
+    forge_torch.convert(model)
+    return model
+
+  x, y = torch.randn(4, 8), torch.randn(4, 3)
+  other = net(6)
+  o_other = forge_torch.AdamW(other.parameters(), lr=1e-2)
+  F.mse_loss(other(x), y).backward()
+  o_other.step()
+  model = net(5)
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+  F.mse_loss(model(x), y).backward()
+  opt.step()
+  before = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+  with pytest.raises(ValueError, match=r"'exp_avg' for 0\.weight is of shape "
+                     r"\(6, 8\), the weight \(5, 8\): a checkpoint of "
+                     r"another model"):
+    opt.load_state_dict(copy.deepcopy(o_other.state_dict()))
+  for k, v in opt.state[model[0].weight].items():
+    assert torch.equal(v, before[k]), k
+  # The same model, its groups [weights], [biases] saved and loaded as
+  # [0.weight, 0.bias], [2.weight, 2.bias]: the biases' state would go to
+  # the weights.
+  twin = net(5)
+  by_kind = [{"params": [twin[0].weight, twin[2].weight]},
+             {"params": [twin[0].bias, twin[2].bias]}]
+  o_twin = forge_torch.AdamW(by_kind, lr=1e-2)
+  F.mse_loss(twin(x), y).backward()
+  o_twin.step()
+  by_layer = [{"params": [model[0].weight, model[0].bias]},
+              {"params": [model[2].weight, model[2].bias]}]
+  opt = forge_torch.AdamW(by_layer, lr=1e-2)
+  with pytest.raises(ValueError, match=r"param groups in another order"):
+    opt.load_state_dict(copy.deepcopy(o_twin.state_dict()))
+  F.mse_loss(model(x), y).backward()  # trains on
+  opt.step()
 
 
 def test_sgd_without_momentum_keeps_no_state():
