@@ -253,33 +253,45 @@ class LowPrecision:
 
 def make(family: str, rule: pallas_kernels.UpdateRule, moments,
          stochastic_rounding: bool, seed,
-         default_dtypes: tuple[Callable[[Any], Any], ...]
+         default_dtypes: tuple[Callable[[Any], Any], ...],
+         dtype_options: tuple[tuple[int, str, Any], ...] = ()
          ) -> Optional[LowPrecision]:
   """The :class:`LowPrecision` of a transform's arguments, or ``None`` when
   they ask for neither (``moments=None``, ``stochastic_rounding=False``):
-  the transform is then optax's own.
+  the transform is then optax's own. ``dtype_options``: the transform's
+  own options that set a slot's stored dtype, ``(slot index, name,
+  value)`` (``mu_dtype``: the first moment's), which ``moments`` must not
+  also set.
 
   Raises:
     TypeError: ``stochastic_rounding`` is not a bool, or ``seed`` not an
       integer.
     ValueError: ``moments`` is not a known kind, a float dtype or a
-      ``MomentFormat``, or does not fit the optimizer's moments.
+      ``MomentFormat``, or does not fit the optimizer's moments; ``moments``
+      sets the stored dtype of a slot that a ``dtype_options`` entry sets
+      too; ``seed`` without ``stochastic_rounding`` (it would do nothing).
   """
   where = f"forge_jax.{family}"
   if not isinstance(stochastic_rounding, (bool, np.bool_)):
     raise TypeError(f"{where}: stochastic_rounding must be True or False, "
                     f"got {stochastic_rounding!r}")
   stochastic_rounding = bool(stochastic_rounding)
+  if seed is not None:
+    # A Python int, or an integer scalar array (optax.inject_hyperparams
+    # passes numeric arguments as arrays).
+    if isinstance(seed, bool) or not (isinstance(seed, int) or (
+        hasattr(seed, "dtype") and jnp.issubdtype(seed.dtype, jnp.integer)
+        and jnp.ndim(seed) == 0)):
+      raise TypeError(f"{where}: seed must be an integer (the stochastic-"
+                      f"rounding seed), got {seed!r:.80}")
+    if not stochastic_rounding:
+      raise ValueError(
+          f"{where}: seed= is the stochastic-rounding seed and would do "
+          "nothing with stochastic_rounding=False; pass "
+          "stochastic_rounding=True, or leave seed out")
   if moments is None and not stochastic_rounding:
     return None
   seed = 0 if seed is None else seed
-  # A Python int, or an integer scalar array (optax.inject_hyperparams
-  # passes numeric arguments as arrays).
-  if isinstance(seed, bool) or not (isinstance(seed, int) or (
-      hasattr(seed, "dtype") and jnp.issubdtype(seed.dtype, jnp.integer)
-      and jnp.ndim(seed) == 0)):
-    raise TypeError(f"{where}: seed must be an integer (the stochastic-"
-                    f"rounding seed), got {seed!r:.80}")
   slots = rule.slots
   second = tuple(s in rule.second_moments for s in slots)
   n = len(slots)
@@ -301,6 +313,13 @@ def make(family: str, rule: pallas_kernels.UpdateRule, moments,
     float_dtypes = (jnp.dtype(moments),) * n
   else:
     formats = (_format_of(moments, where, moments),) * n
+  for i, option, value in dtype_options:
+    if value is not None and (formats[i] is not None
+                              or float_dtypes[i] is not None):
+      raise ValueError(
+          f"{where}: {option}={value!r} and moments={moments!r} both set "
+          f"how the moment {slots[i]!r} is stored; pass one of them "
+          f"({option} alone for that moment, moments= for all of them)")
   return LowPrecision(family=family, slots=slots, formats=formats,
                       float_dtypes=float_dtypes,
                       default_dtypes=tuple(default_dtypes),

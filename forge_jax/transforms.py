@@ -453,7 +453,9 @@ def sgd(
                                 and not nesterov else None),
                 low_precision=_lowp.make(
                     "sgd", rule, moments, stochastic_rounding, seed,
-                    (_dtype_or_param(accumulator_dtype),) * len(rule.slots)))
+                    (_dtype_or_param(accumulator_dtype),) * len(rule.slots),
+                    ((0, "accumulator_dtype", accumulator_dtype),)
+                    if rule.slots else ()))
 
 
 def adagrad(
@@ -625,7 +627,8 @@ def adam(
                 family=family,
                 low_precision=_lowp.make(
                     family, rule, moments, stochastic_rounding, seed,
-                    (_dtype_or_param(mu_dtype), _param_dtype)))
+                    (_dtype_or_param(mu_dtype), _param_dtype),
+                    ((0, "mu_dtype", mu_dtype),)))
 
 
 nadam = functools.partial(adam, nesterov=True)
@@ -713,7 +716,8 @@ def adamw(
                 low_precision=_lowp.make(
                     "nadamw" if nesterov else "adamw", rule, moments,
                     stochastic_rounding, seed,
-                    (_dtype_or_param(mu_dtype), _param_dtype)))
+                    (_dtype_or_param(mu_dtype), _param_dtype),
+                    ((0, "mu_dtype", mu_dtype),)))
 
 
 nadamw = functools.partial(adamw, nesterov=True)
@@ -874,7 +878,8 @@ def lion(
                          b2=_stored_decay(b2, mu_dtype), one_minus_b2=1 - b2),
       weight_decay=weight_decay, mask=mask, family="lion",
       low_precision=_lowp.make("lion", rule, moments, stochastic_rounding,
-                               seed, (_dtype_or_param(mu_dtype),)))
+                               seed, (_dtype_or_param(mu_dtype),),
+                               ((0, "mu_dtype", mu_dtype),)))
 
 
 # --- Regime 2: the epilogue advances the state, a layer pass updates W ---------

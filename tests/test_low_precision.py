@@ -622,6 +622,29 @@ def test_unsupported_uses_are_refused_in_plain_words():
                        r"sqrt\(nu - mu\*\*2\)"):
       forge_jax.rmsprop(1e-3, centered=True, moments=moments)
   forge_jax.rmsprop(1e-3, centered=True, moments=jnp.bfloat16)  # floats
+  # seed= does nothing without stochastic rounding: refused, as is a seed
+  # that is not an integer, whatever the other options.
+  for kw in ({}, {"moments": "int8"}):
+    with pytest.raises(ValueError, match=r"seed= is the stochastic-rounding "
+                       r"seed and would do nothing"):
+      forge_jax.adamw(1e-3, seed=3, **kw)
+  for bad in ("abc", 1.5):
+    with pytest.raises(TypeError, match="seed must be an integer"):
+      forge_jax.adamw(1e-3, seed=bad)
+  # mu_dtype (sgd: accumulator_dtype) and moments= both setting how the
+  # first moment is stored: refused, naming both (either alone is taken).
+  for make, option in ((forge_jax.adam, "mu_dtype"),
+                       (forge_jax.adamw, "mu_dtype"),
+                       (forge_jax.lion, "mu_dtype")):
+    for moments in (jnp.float32, "int8"):
+      with pytest.raises(ValueError, match=rf"{option}=.*and moments=.*both "
+                         r"set how the moment 'mu' is stored"):
+        make(1e-3, **{option: jnp.bfloat16}, moments=moments)
+    make(1e-3, **{option: jnp.bfloat16})
+    make(1e-3, moments=jnp.float32)
+  with pytest.raises(ValueError, match=r"accumulator_dtype=.*both set how"):
+    forge_jax.sgd(1e-3, momentum=0.9, accumulator_dtype=jnp.bfloat16,
+                  moments=jnp.float32)
   tx = forge_jax.adamw(1e-3, moments="int8")
   with pytest.raises(ValueError, match="MultiSteps.*low-precision"):
     forge_jax.MultiSteps(tx, 2)
