@@ -939,12 +939,12 @@ class _ForgeOptimizer:
     try:
       try:
         super().load_state_dict(state_dict)
-      except KeyError as e:  # torch's loader reads a state entry it lacks
+      except KeyError as e:  # torch's loader reads an entry it lacks
         name = type(self).__name__
         raise ValueError(
-            f"forge_torch.{name}.load_state_dict: the checkpoint's state "
-            f"has no {e.args[0]!r}, which torch.optim.{name}'s loader reads:"
-            " a checkpoint saved by another optimizer family?") from e
+            f"forge_torch.{name}.load_state_dict: the checkpoint has no "
+            f"{e.args[0]!r}, which torch.optim.{name}'s loader reads: a "
+            "checkpoint saved by another optimizer family?") from e
       self._forge_after_load(state_dict, raw)
     except BaseException:
       self.param_groups, self.state = before
