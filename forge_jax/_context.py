@@ -63,6 +63,10 @@ class LayerInfo:
   # Whether its first call read the step's own kernel at its path (None: not
   # known), to tell a second model's call of the path from this model's.
   own: bool | None = None
+  # The stored kernel's shape where it is not kernel_shape (a lifted
+  # transform that stacks it: a user's nn.scan); None: the same, or not
+  # known.
+  stacked: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -183,6 +187,32 @@ def _reads_own_kernel(ctx: StepContext, path: Path, kernel) -> bool | None:
   return node is kernel
 
 
+def _stacked_kernel_shape(ctx: StepContext, path: Path,
+                          kernel_shape: tuple[int, ...]
+                          ) -> tuple[int, ...] | None:
+  """The shape of the kernel stored at ``path`` where it is not
+  ``kernel_shape``, the one a call reads: the layer runs beneath a lifted
+  transform that stacks its kernel (a user's ``nn.scan``, whose body flax
+  traces more than once, so that the calls counted are traces, not uses);
+  None otherwise or where not known."""
+  node = ctx.params
+  for name in (*path, "kernel"):
+    if not isinstance(node, Mapping) or name not in node:
+      return None
+    node = node[name]
+  shape = tuple(getattr(node, "shape", ()))
+  return shape if shape and shape != tuple(kernel_shape) else None
+
+
+def shared_reason(info: "LayerInfo") -> str:
+  """Why a layer counted more than once takes the standard path."""
+  if info.stacked is not None:
+    return (f"inside a lifted transform that stacks its kernel, such as "
+            f"nn.scan: stored {info.stacked}, each call reads "
+            f"{tuple(info.kernel_shape)}")
+  return f"called {info.calls} times"
+
+
 def register_layer(ctx: StepContext, path: Path,
                    kernel_shape: tuple[int, ...], param_dtype, kind: str,
                    hint: str = "", kernel=None) -> LayerInfo:
@@ -198,12 +228,18 @@ def register_layer(ctx: StepContext, path: Path,
   info = ctx.layers.setdefault(
       path, LayerInfo(path, kernel_shape, param_dtype, kind=kind, own=own))
   info.calls += 1
+  if info.stacked is None:
+    info.stacked = _stacked_kernel_shape(ctx, path, kernel_shape)
   if info.calls > 1 and ctx.shared == "error":
     other = own is not None and info.own is not None and own != info.own
+    what = ("runs " + shared_reason(info) + ", whose body is traced more "
+            "than once and reads the stacked kernel at every step of the "
+            "loop" if info.stacked is not None
+            else "is called more than once in one step")
     raise ValueError(
-        f"{kind} at {layer_name(path)!r} is called more than once in one "
-        "step. FORGE updates a kernel in place during its backward, so each "
-        "kernel may have one consumer per step (paper Remark 2). "
+        f"{kind} at {layer_name(path)!r} {what}. FORGE updates a kernel in "
+        "place during its backward, so each kernel may have one consumer "
+        "per step (paper Remark 2). "
         + SHARED_FIX + (SECOND_MODEL_NOTE if other else "") + hint)
   return info
 

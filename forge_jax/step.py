@@ -324,7 +324,7 @@ def _split_by_policy(found: _context.StepContext):
     ``(fused, fallback)``: a :class:`_FusedLayers` without layouts or
     inputs yet, and ``{path: why}`` for the standard-path layers.
   """
-  fallback = {p: (f"called {info.calls} times" if info.calls > 1
+  fallback = {p: (_context.shared_reason(info) if info.calls > 1
                   else info.unfusable or _EMPTY)
               for p, info in found.layers.items()
               if info.calls > 1 or info.unfusable

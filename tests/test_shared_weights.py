@@ -314,7 +314,20 @@ def test_forge_dense_inside_users_nn_scan_falls_back():
   step, caught, _ = _run(model, forge_jax.adamw(**KW), model,
                          optax.adamw(**KW), batches, shared="standard")
   assert step.standard_layers == ["stack"]
-  assert "'stack' (called 2 times)" in str(caught[0].message)
+  # (The calls counted are flax's traces of the body: the reason says where
+  # the layer runs, not a count.)
+  message = str(caught[0].message)
+  assert "'stack' (inside a lifted transform that stacks its kernel, such " \
+         "as nn.scan: stored (" in message, message
+  assert "called 2 times" not in message
+  # shared="error": refused saying the same.
+  tx = forge_jax.adamw(**KW)
+  variables = model.init(jax.random.key(0), batches[0][0])
+  with pytest.raises(ValueError, match=r"'stack' runs inside a lifted "
+                     r"transform that stacks its kernel, such as nn.scan: "
+                     r"stored \(3, 64, 64\), each call reads \(64, 64\)"):
+    forge_jax.make_step(mse(model), tx)(
+        variables, tx.init(variables["params"]), batches[0])
 
 
 # --- a layer under control flow -----------------------------------------------
