@@ -176,18 +176,30 @@ def test_a_compiled_step_holding_backward_keeps_the_fused_update():
     torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strict", [False, True])
-def test_torch_export_traces_the_standard_layer(strict):
-  """torch.export (both modes) traces a managed layer as nn.Linear, with a
-  live optimizer and autograd on, and counts no use of its weight: the
-  training step after it is FORGE's, equal to torch's."""
+def _traced(tracer: str, model, x):
+  """``model`` traced by ``tracer``, as a callable graph."""
+  from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
+  if tracer.startswith("export"):
+    return torch.export.export(model, (x,),
+                               strict=tracer == "export-strict").module()
+  if tracer == "symbolic_trace":
+    return torch.fx.symbolic_trace(model)
+  return make_fx(model)(x)
+
+
+@pytest.mark.parametrize("tracer", ["export", "export-strict",
+                                    "symbolic_trace", "make_fx"])
+def test_tracers_record_the_standard_layer(tracer):
+  """torch.export (both modes) and the FX tracers (symbolic_trace,
+  make_fx) trace a managed layer as nn.Linear, with a live optimizer and
+  autograd on, and count no use of its weight: the graph gives nn.Linear's
+  output, and the training step after it is FORGE's, equal to torch's."""
   ref, model = _model(), _model()
   forge_torch.convert(model)
   opt = forge_torch.SGD(model.parameters(), lr=0.1)
   ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
   x = torch.randn(5, 8)
-  exported = torch.export.export(model, (x,), strict=strict).module()
-  torch.testing.assert_close(exported(x), ref(x))
+  torch.testing.assert_close(_traced(tracer, model, x)(x), ref(x))
   with torch.no_grad():
     torch.testing.assert_close(model(x), ref(x))
   for m in (model, ref):
@@ -214,32 +226,6 @@ def test_torch_jit_trace_records_the_standard_layer():
   assert model[1].weight.grad is None
   assert not torch.equal(model[1].weight, before)  # updated by its backward
   opt.step()
-
-
-@pytest.mark.parametrize("tracer", ["symbolic_trace", "make_fx"])
-def test_fx_tracing_records_the_standard_layer(tracer):
-  """An FX trace (torch.fx.symbolic_trace, make_fx) of a converted model
-  with a live optimizer records torch's linear and counts no use: the
-  graph gives nn.Linear's output, and the training step after it is
-  FORGE's, equal to torch's."""
-  from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
-  ref, model = _model(), _model()
-  forge_torch.convert(model)
-  opt = forge_torch.SGD(model.parameters(), lr=0.1)
-  ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-  x = torch.randn(5, 8)
-  if tracer == "symbolic_trace":
-    graph = torch.fx.symbolic_trace(model)
-  else:
-    graph = make_fx(model)(x)
-  torch.testing.assert_close(graph(x), ref(x))
-  for m in (model, ref):
-    m(x).square().mean().backward()
-  assert model[0].fc1.weight.grad is None  # FORGE's update, not .grad
-  opt.step()
-  ref_opt.step()
-  for p, q in zip(model.parameters(), ref.parameters()):
-    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore:.*torch.jit.script.*deprecated")
