@@ -622,6 +622,11 @@ class Linear(nn.Linear):
   _forge_default_name: tuple = (None, None, None)
   # Whether the layer has warned that its weight is formed at each forward.
   _forge_formed_warned: bool = False
+  # Whether its weight is the one it created or adopted (from_linear,
+  # convert, prepare_fsdp), which it marks again where torch replaces the
+  # Parameter; False once a weight was assigned by hand (`layer.weight =
+  # p`, a tied weight), which it never marks.
+  _forge_own_weight: bool = True
 
   def __init__(self, in_features: int, out_features: int, bias: bool = True,
                device=None, dtype=None, *,
@@ -632,6 +637,8 @@ class Linear(nn.Linear):
                      dtype=dtype)
     self.fused = True
     self.block_config = block_config
+    # Its own (nn.Linear's constructor assigned it, which cleared it).
+    self._forge_own_weight = True
     _mark(self.weight)
 
   # Ways the layer's own weight is replaced by a new Parameter: copy.deepcopy
@@ -639,11 +646,18 @@ class Linear(nn.Linear):
   # that do not keep the Parameter (_apply), load_state_dict(assign=True).
   # The new one is the same weight: mark it, as __init__ did the first.
   # (`layer.weight = p` assigns a tensor that may be used elsewhere -- a tied
-  # weight -- and is not marked: the layer then runs its standard path.)
+  # weight -- and is not marked: the layer then runs its standard path, and
+  # stays on it through those replacements: _forge_own_weight.)
   def _mark_own_weight(self) -> None:
-    if isinstance(self._parameters.get("weight"), torch.Tensor):
+    if self._forge_own_weight and isinstance(self._parameters.get("weight"),
+                                             torch.Tensor):
       _mark(self.weight)
       self._set_path(getattr(self, "_forge_path", None))
+
+  def __setattr__(self, name, value):
+    if name == "weight":  # assigned by hand: no longer the layer's own
+      self.__dict__["_forge_own_weight"] = False
+    super().__setattr__(name, value)
 
   def _set_path(self, path: str | None) -> None:
     """Records the module path by which messages name this layer."""
@@ -686,7 +700,11 @@ class Linear(nn.Linear):
   def _load_from_state_dict(self, *args, **kwargs):
     error_msgs = args[6] if len(args) > 6 else kwargs.get("error_msgs")
     n = len(error_msgs) if isinstance(error_msgs, list) else None
+    own = self._forge_own_weight
     super()._load_from_state_dict(*args, **kwargs)
+    # (assign=True sets the loaded Parameter by attribute: the same weight,
+    # not one assigned by hand.)
+    self._forge_own_weight = own
     if n is not None:  # torch's "Cannot swap t1 because it has weakref"
       for i in range(n, len(error_msgs)):
         if "weakref" in str(error_msgs[i]):
@@ -694,6 +712,7 @@ class Linear(nn.Linear):
     self._mark_own_weight()
 
   def _apply(self, fn, recurse=True):
+    own = self._forge_own_weight
     try:
       out = super()._apply(fn, recurse)
     except RuntimeError as e:
@@ -701,6 +720,7 @@ class Linear(nn.Linear):
         raise RuntimeError(self._swap_refused(
             "a conversion (.to(), .cuda(), .half(), ...)")) from e
       raise
+    self._forge_own_weight = own  # (a replacement of the same weight)
     self._mark_own_weight()
     return out
 
@@ -718,12 +738,24 @@ class Linear(nn.Linear):
     if not isinstance(linear, nn.Linear):
       raise TypeError(
           f"from_linear needs an nn.Linear, got {type(linear).__name__}")
+    if isinstance(linear, nn.modules.lazy.LazyModuleMixin):
+      raise ValueError(
+          f"from_linear: {linear!r} is an uninitialized "
+          f"{type(linear).__name__}: run one forward first (e.g. under "
+          "torch.no_grad()), which makes it an nn.Linear")
+    if not isinstance(linear._parameters.get("weight"), nn.Parameter):
+      raise ValueError(
+          "from_linear: the layer's weight is not a Parameter of it but "
+          "formed from others at each forward (torch.nn.utils.parametrize, "
+          "weight_norm, spectral_norm or prune); FORGE updates a weight "
+          "Parameter in place, so keep this layer an nn.Linear")
     new = cls(linear.in_features, linear.out_features,
               bias=linear.bias is not None, device="meta",
               dtype=linear.weight.dtype, block_config=block_config)
     new.weight = linear.weight
     new.bias = linear.bias
     new.train(linear.training)
+    new._forge_own_weight = True  # adopted (the assignment above cleared it)
     _mark(new.weight)
     return new
 
@@ -907,6 +939,25 @@ class Converted(list):
     self.skipped = dict(skipped or {})
 
 
+def _names(exclude) -> tuple[str, ...]:
+  """``convert``'s ``exclude`` as a tuple of module names: one name, or an
+  iterable of them (``None``: none)."""
+  if exclude is None:
+    return ()
+  if isinstance(exclude, str):
+    return (exclude,)
+  if not isinstance(exclude, (bytes, bytearray)):
+    try:
+      names = tuple(exclude)
+    except TypeError:
+      names = None
+    if names is not None and all(isinstance(n, str) for n in names):
+      return names
+  raise TypeError(
+      "forge_torch.convert: exclude must be a module name (a str) or an "
+      f"iterable of them, got {exclude!r:.80}")
+
+
 def _excluded(name: str, exclude: tuple[str, ...]) -> str | None:
   """The entry of ``exclude`` that names module ``name`` or a parent of it."""
   for e in exclude:
@@ -988,9 +1039,9 @@ def convert(model: nn.Module, *,
     model: the model, changed in place (not itself an ``nn.Linear``).
     block_config: kernel tiling for the converted layers (``None``: chosen
       per shape).
-    exclude: qualified module names (or one name) to leave as ``nn.Linear``;
-      a name also excludes the modules under it (``"head"`` excludes
-      ``head.fc``). Use it for layers whose gradient you need, e.g. to clip.
+    exclude: qualified module names (or one name; ``None``: none) to leave
+      as ``nn.Linear``; a name also excludes the modules under it
+      (``"head"`` excludes ``head.fc``). Use it for layers whose gradient you need, e.g. to clip.
       It stops conversion only: a layer that already is a
       ``forge_torch.Linear`` stays one (set its ``fused = False``).
 
@@ -1003,7 +1054,8 @@ def convert(model: nn.Module, *,
   Raises:
     ValueError: ``model`` is a bare ``nn.Linear``, or ``exclude`` names a
       module the model does not have.
-    TypeError: ``block_config`` is not a ``BlockConfig``.
+    TypeError: ``block_config`` is not a ``BlockConfig``; ``exclude`` is
+      neither a str nor an iterable of them.
   """
   if type(model) is nn.Linear:
     raise ValueError(
@@ -1011,7 +1063,7 @@ def convert(model: nn.Module, *,
         "forge_torch.Linear.from_linear(layer)")
   pallas_kernels.fused_wgrad.check_block_config(block_config,
                                                 "forge_torch.convert")
-  exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+  exclude = _names(exclude)
   modules = dict(model.named_modules())
   unknown = [e for e in exclude if e not in modules]
   if unknown:

@@ -558,6 +558,62 @@ def test_linear_is_a_drop_in_for_nn_linear():
   clone = copy.deepcopy(got)  # new Parameters, still FORGE weights
   assert clone.weight is not got.weight
   assert forge_torch.is_forge_weight(clone.weight)
+  # A layer whose weight is not (yet) a Parameter of it: refused in words.
+  with pytest.raises(ValueError, match="uninitialized LazyLinear"):
+    forge_torch.Linear.from_linear(nn.LazyLinear(3))
+  normed = torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))
+  with pytest.raises(ValueError, match="formed from others at each forward"):
+    forge_torch.Linear.from_linear(normed)
+
+
+class TiedAfterConvert(nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.emb = nn.Embedding(5, 3)
+    self.fc = nn.Linear(3, 3)
+    self.head = nn.Linear(3, 5, bias=False)
+
+  def forward(self, ids):
+    return self.head(torch.relu(self.fc(self.emb(ids))))
+
+
+@pytest.mark.parametrize("then", ["nothing", "float", "to", "load", "copy"])
+def test_a_weight_tied_by_hand_stays_unmanaged_through_replacements(then):
+  """A weight assigned by hand after convert() (a head tied to the
+  embedding) is not the layer's own: the layer runs its standard path,
+  and stays on it where torch replaces or copies the Parameters
+  (.float(), .to(), load_state_dict, deepcopy), which once marked the tied
+  weight as managed (its fused update applied, then refused): trains as
+  torch's model does."""
+  torch.manual_seed(0)
+  ref = TiedAfterConvert()
+  ref.head.weight = ref.emb.weight
+  torch.manual_seed(0)
+  model = TiedAfterConvert()
+  forge_torch.convert(model)
+  model.head.weight = model.emb.weight
+  assert not forge_torch.is_forge_weight(model.head.weight)
+  for m in (ref, model):
+    if then == "float":
+      m.float()
+    elif then == "to":
+      m.to("cpu", torch.float32)
+    elif then == "load":
+      m.load_state_dict(copy.deepcopy(m.state_dict()))
+  if then == "copy":
+    ref, model = copy.deepcopy(ref), copy.deepcopy(model)
+  assert not forge_torch.is_forge_weight(model.head.weight)
+  assert forge_torch.is_forge_weight(model.fc.weight)  # its own, still
+  o_ref = torch.optim.AdamW(ref.parameters(), lr=0.1)
+  o_f = forge_torch.AdamW(model.parameters(), lr=0.1)
+  ids = torch.tensor([[0, 1, 2], [3, 4, 0]])
+  for _ in range(2):
+    for m, o in ((ref, o_ref), (model, o_f)):
+      m(ids).square().mean().backward()
+      o.step()
+      o.zero_grad()
+  for p, q in zip(model.parameters(), ref.parameters()):
+    assert rel(p, q) <= FP32_TOL
 
 
 class Tied(nn.Module):

@@ -384,6 +384,13 @@ def test_convert_exclude():
   # "" names the model itself: every module is under it.
   names = forge_torch.convert(_model(), exclude="")
   assert names == [] and len(names.skipped) == 3
+  # None excludes nothing; anything else but names is refused as such.
+  assert forge_torch.convert(_model(), exclude=None) == ["0.fc1", "0.fc2",
+                                                         "1"]
+  for bad in (3, b"head", ["0", 1]):
+    with pytest.raises(TypeError, match=r"exclude must be a module name \(a "
+                       r"str\) or an iterable of them"):
+      forge_torch.convert(_model(), exclude=bad)
 
 
 def test_errors_name_the_layer_by_its_path():
