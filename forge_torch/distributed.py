@@ -386,7 +386,6 @@ def prepare_fsdp(module: nn.Module) -> list[str]:
     if w not in _SHARDED:  # once per sharded parameter
       _register_grad_hook(w, _sharded_grad_ready)
     _linear._mark(w)
-    layer._forge_own_weight = True  # (fully_shard assigned the shard)
     _SHARDED[w] = weakref.ref(layer)
     layer._forge_sharded = True
     names.append(f"{mod_name}.weight" if mod_name else "weight")

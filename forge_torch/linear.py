@@ -622,11 +622,6 @@ class Linear(nn.Linear):
   _forge_default_name: tuple = (None, None, None)
   # Whether the layer has warned that its weight is formed at each forward.
   _forge_formed_warned: bool = False
-  # Whether its weight is the one it created or adopted (from_linear,
-  # convert, prepare_fsdp), which it marks again where torch replaces the
-  # Parameter; False once a weight was assigned by hand (`layer.weight =
-  # p`, a tied weight), which it never marks.
-  _forge_own_weight: bool = True
 
   def __init__(self, in_features: int, out_features: int, bias: bool = True,
                device=None, dtype=None, *,
@@ -637,27 +632,23 @@ class Linear(nn.Linear):
                      dtype=dtype)
     self.fused = True
     self.block_config = block_config
-    # Its own (nn.Linear's constructor assigned it, which cleared it).
-    self._forge_own_weight = True
     _mark(self.weight)
 
   # Ways the layer's own weight is replaced by a new Parameter: copy.deepcopy
   # / pickle (__setstate__), to_empty() from the meta device and conversions
   # that do not keep the Parameter (_apply), load_state_dict(assign=True).
-  # The new one is the same weight: mark it, as __init__ did the first.
-  # (`layer.weight = p` assigns a tensor that may be used elsewhere -- a tied
-  # weight -- and is not marked: the layer then runs its standard path, and
-  # stays on it through those replacements: _forge_own_weight.)
-  def _mark_own_weight(self) -> None:
-    if self._forge_own_weight and isinstance(self._parameters.get("weight"),
-                                             torch.Tensor):
+  # Where the weight replaced was FORGE's, the new one is the same weight:
+  # mark it, as __init__ did the first. (`layer.weight = p` assigns a tensor
+  # that may be used elsewhere -- a tied weight -- and is not marked: the
+  # layer then runs its standard path, and stays on it through those
+  # replacements.)
+  def _has_forge_weight(self) -> bool:
+    return is_forge_weight(self._parameters.get("weight"))
+
+  def _mark_own_weight(self, own: bool) -> None:
+    if own and isinstance(self._parameters.get("weight"), torch.Tensor):
       _mark(self.weight)
       self._set_path(getattr(self, "_forge_path", None))
-
-  def __setattr__(self, name, value):
-    if name == "weight":  # assigned by hand: no longer the layer's own
-      self.__dict__["_forge_own_weight"] = False
-    super().__setattr__(name, value)
 
   def _set_path(self, path: str | None) -> None:
     """Records the module path by which messages name this layer."""
@@ -667,9 +658,16 @@ class Linear(nn.Linear):
     if isinstance(self._parameters.get("weight"), torch.Tensor):
       _PATHS[self.weight] = path
 
+  def __getstate__(self):
+    # (Whether the weight is FORGE's: the copy's new one is, then.)
+    return {**super().__getstate__(),
+            "_forge_own_weight": self._has_forge_weight()}
+
   def __setstate__(self, state):
+    state = dict(state)
+    own = state.pop("_forge_own_weight", True)  # (older pickles: their own)
     super().__setstate__(state)
-    self._mark_own_weight()
+    self._mark_own_weight(own)
 
   def _warn_formed_weight(self) -> None:
     """Says once that this layer runs on the standard path: its weight is
@@ -700,19 +698,16 @@ class Linear(nn.Linear):
   def _load_from_state_dict(self, *args, **kwargs):
     error_msgs = args[6] if len(args) > 6 else kwargs.get("error_msgs")
     n = len(error_msgs) if isinstance(error_msgs, list) else None
-    own = self._forge_own_weight
+    own = self._has_forge_weight()
     super()._load_from_state_dict(*args, **kwargs)
-    # (assign=True sets the loaded Parameter by attribute: the same weight,
-    # not one assigned by hand.)
-    self._forge_own_weight = own
     if n is not None:  # torch's "Cannot swap t1 because it has weakref"
       for i in range(n, len(error_msgs)):
         if "weakref" in str(error_msgs[i]):
           error_msgs[i] = self._swap_refused("load_state_dict")
-    self._mark_own_weight()
+    self._mark_own_weight(own)
 
   def _apply(self, fn, recurse=True):
-    own = self._forge_own_weight
+    own = self._has_forge_weight()
     try:
       out = super()._apply(fn, recurse)
     except RuntimeError as e:
@@ -720,8 +715,7 @@ class Linear(nn.Linear):
         raise RuntimeError(self._swap_refused(
             "a conversion (.to(), .cuda(), .half(), ...)")) from e
       raise
-    self._forge_own_weight = own  # (a replacement of the same weight)
-    self._mark_own_weight()
+    self._mark_own_weight(own)
     return out
 
   @classmethod
@@ -755,7 +749,6 @@ class Linear(nn.Linear):
     new.weight = linear.weight
     new.bias = linear.bias
     new.train(linear.training)
-    new._forge_own_weight = True  # adopted (the assignment above cleared it)
     _mark(new.weight)
     return new
 
