@@ -375,8 +375,9 @@ def prepare_fsdp(module: nn.Module) -> list[str]:
           "as nn.Linear (layer.fused = False).")
     if w.numel() == 0:
       continue
-    _refuse_an_earlier_optimizer(w, label)
     layers.append((mod_name, layer, w))
+  _refuse_an_earlier_optimizer(
+      [(mod_name or type(module).__name__, w) for mod_name, _, w in layers])
   names = []
   for mod_name, layer, w in layers:
     if getattr(layer, "_forge_path", None) is None:
@@ -411,18 +412,22 @@ def prepare_fsdp(module: nn.Module) -> list[str]:
   return names
 
 
-def _refuse_an_earlier_optimizer(w: torch.Tensor, label: str) -> None:
-  """Refuses to mark sharded weight ``w`` as FORGE-managed when a live
-  forge_torch optimizer holds it already as an ordinary parameter (built
-  before :func:`prepare_fsdp`): that optimizer would never take it over,
-  and the layer would train unfused, with no sign of it."""
+def _refuse_an_earlier_optimizer(weights) -> None:
+  """Refuses to mark the sharded weights ``weights`` (``(label, weight)``
+  pairs) as FORGE-managed where a live forge_torch optimizer holds one
+  already as an ordinary parameter (built before :func:`prepare_fsdp`):
+  that optimizer would never take it over, and the layer would train
+  unfused, with no sign of it."""
+  held = {}  # id of a parameter an optimizer holds unmanaged -> its name
   for optimizer in list(_linear._OPTIMIZERS):
-    managed = getattr(optimizer, "_forge_managed", None)
-    if managed is not None and w in managed:  # prepared again: it manages w
-      continue
-    if any(q is w for group in optimizer.param_groups
-           for q in group["params"]):
-      name = type(optimizer).__name__
+    managed = getattr(optimizer, "_forge_managed", ())
+    for group in optimizer.param_groups:
+      for q in group["params"]:
+        if q not in managed:  # (prepared again: it manages the weight)
+          held.setdefault(id(q), type(optimizer).__name__)
+  for label, w in weights:
+    name = held.get(id(w))
+    if name is not None:
       raise RuntimeError(
           f"forge_torch.Linear {label}: a forge_torch.{name} built before "
           "prepare_fsdp holds its sharded weight as an ordinary parameter, "
