@@ -225,11 +225,12 @@ def register_layer(ctx: StepContext, path: Path,
   lifted transform, nn.remat or nn.scan, a call reads the transform's copy,
   neither: no note.)"""
   own = _reads_own_kernel(ctx, path, kernel)
-  info = ctx.layers.setdefault(
-      path, LayerInfo(path, kernel_shape, param_dtype, kind=kind, own=own))
+  info = ctx.layers.get(path)
+  if info is None:
+    info = ctx.layers[path] = LayerInfo(
+        path, kernel_shape, param_dtype, kind=kind, own=own,
+        stacked=_stacked_kernel_shape(ctx, path, kernel_shape))
   info.calls += 1
-  if info.stacked is None:
-    info.stacked = _stacked_kernel_shape(ctx, path, kernel_shape)
   if info.calls > 1 and ctx.shared == "error":
     other = own is not None and info.own is not None and own != info.own
     what = ("runs " + shared_reason(info) + ", whose body is traced more "

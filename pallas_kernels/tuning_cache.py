@@ -352,10 +352,9 @@ def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
   # The rule's own entries first, then its tuned_as rule's, then "any"
   # (lookup's order) where the distances tie.
   names = tuned_names(rule)
-  rules = {ANY_RULE: len(names) + 1}
-  for rank, name in reversed(list(enumerate(names, 1))):
-    rules[_rule_name(name)] = rank
-  rules[_rule_name(rule)] = 0
+  rules = {ANY_RULE: len(names) + 1,
+           **{_rule_name(name): rank for rank, name in enumerate(names, 1)},
+           _rule_name(rule): 0}
   dtypes = _dtypes_key(w_dtype, slot_dtypes)
   log = math.log2
   found = {}
