@@ -176,6 +176,38 @@ def test_a_compiled_step_holding_backward_keeps_the_fused_update():
     torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_autograd_keeps_the_fused_update():
+  """Compiled autograd (each ``loss.backward()``'s graph captured and
+  compiled) calls the managed layer's backward from the captured graph;
+  it runs eagerly there, as under torch.compile, and applies FORGE's
+  update, equal to torch's."""
+  from torch._dynamo import compiled_autograd  # noqa: PLC0415
+  from torch._dynamo.utils import counters  # noqa: PLC0415
+  enable = getattr(compiled_autograd, "_enable", None)
+  if enable is None:
+    pytest.skip(f"torch {torch.__version__} has no "
+                "torch._dynamo.compiled_autograd._enable")
+  torch._dynamo.reset()
+  ref, model = _model(), _model()
+  forge_torch.convert(model)
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+  ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+  captures = counters["compiled_autograd"]["captures"]
+  updates = forge_torch.bridge_stats.calls
+  for _ in range(3):
+    x = torch.randn(5, 8)
+    for m, o in ((model, opt), (ref, ref_opt)):
+      with enable(torch.compile(backend="aot_eager")):
+        m(x).square().mean().backward()
+      o.step()
+      o.zero_grad()
+    assert model[0].fc1.weight.grad is None  # FORGE's update, not .grad
+  assert counters["compiled_autograd"]["captures"] > captures
+  assert forge_torch.bridge_stats.calls - updates == 3 * 3  # fused updates
+  for p, q in zip(model.parameters(), ref.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def _traced(tracer: str, model, x):
   """``model`` traced by ``tracer``, as a callable graph."""
   from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
