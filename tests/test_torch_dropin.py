@@ -6,12 +6,14 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import forge_torch  # noqa: E402
+from tests.tolerances import assert_close, tol  # noqa: E402
 
 
 class Block(nn.Module):
@@ -32,6 +34,14 @@ def _model():
 
 def _backward(model):
   model(torch.randn(5, 8)).square().mean().backward()
+
+
+def _assert_trained_alike(model, ref):
+  """Every parameter of ``model`` within the fp32 parity bar of
+  ``ref``'s (tests/tolerances.py), named where it is not."""
+  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    assert_close(p.detach().numpy(), q.detach().numpy(), tol(np.float32),
+                 what=name)
 
 
 # --- gradient clipping ------------------------------------------------------------
@@ -144,8 +154,7 @@ def test_torch_compile_keeps_the_fused_update(backend, folded, monkeypatch):
     opt.zero_grad()
     ref_opt.step()
     ref_opt.zero_grad()
-  for p, q in zip(model.parameters(), ref.parameters()):
-    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+  _assert_trained_alike(model, ref)
 
 
 def test_a_compiled_step_holding_backward_keeps_the_fused_update():
@@ -172,8 +181,7 @@ def test_a_compiled_step_holding_backward_keeps_the_fused_update():
     torch.testing.assert_close(compiled(model, opt, x),
                                train_step(ref, ref_opt, x))
   assert forge_torch.bridge_stats.calls - updates == 2 * 3  # fused updates
-  for p, q in zip(model.parameters(), ref.parameters()):
-    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+  _assert_trained_alike(model, ref)
 
 
 def test_compiled_autograd_keeps_the_fused_update():
@@ -204,8 +212,7 @@ def test_compiled_autograd_keeps_the_fused_update():
     assert model[0].fc1.weight.grad is None  # FORGE's update, not .grad
   assert counters["compiled_autograd"]["captures"] > captures
   assert forge_torch.bridge_stats.calls - updates == 3 * 3  # fused updates
-  for p, q in zip(model.parameters(), ref.parameters()):
-    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+  _assert_trained_alike(model, ref)
 
 
 def _traced(tracer: str, model, x):
@@ -239,8 +246,7 @@ def test_tracers_record_the_standard_layer(tracer):
   assert model[0].fc1.weight.grad is None  # FORGE's update, not .grad
   opt.step()
   ref_opt.step()
-  for p, q in zip(model.parameters(), ref.parameters()):
-    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+  _assert_trained_alike(model, ref)
 
 
 def test_torch_jit_trace_records_the_standard_layer():
@@ -394,8 +400,7 @@ def test_a_weight_reparametrized_after_convert_warns_once():
           if issubclass(r.category, forge_torch.ConvertSkipWarning)]
   assert len(said) == 2 and "Linear 0: its weight is no longer" in said[0]
   assert "Linear 2:" in said[1] and "before convert()" in said[1]
-  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-    assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+  _assert_trained_alike(model, ref)
 
 
 class _Double(nn.Module):
