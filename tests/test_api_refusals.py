@@ -110,7 +110,7 @@ def test_plain_slots_of_the_storage_dtypes_still_step(dtype):
                                          rule=ADAMW)
   olds = jax.tree.leaves((w, slots))
   for a, b, old, what in zip(jax.tree.leaves(got), jax.tree.leaves(want),
-                             olds, ("w", "mu", "nu")):
+                             olds, ("w", "mu", "nu"), strict=True):
     assert a.dtype == b.dtype == old.dtype, what
     # (The step against the reference's, at the stored dtype's tolerance.)
     assert_update_close(a, b, old, what=what)

@@ -39,7 +39,8 @@ def _backward(model):
 def _assert_trained_alike(model, ref):
   """Every parameter of ``model`` within the fp32 parity bar of
   ``ref``'s (tests/tolerances.py), named where it is not."""
-  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+  for (name, p), q in zip(model.named_parameters(), ref.parameters(),
+                          strict=True):
     assert_close(p.detach().numpy(), q.detach().numpy(), tol(np.float32),
                  what=name)
 
