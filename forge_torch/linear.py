@@ -733,16 +733,10 @@ class Linear(nn.Linear):
       raise TypeError(
           f"from_linear needs an nn.Linear, got {type(linear).__name__}")
     if isinstance(linear, nn.modules.lazy.LazyModuleMixin):
-      raise ValueError(
-          f"from_linear: {linear!r} is an uninitialized "
-          f"{type(linear).__name__}: run one forward first (e.g. under "
-          "torch.no_grad()), which makes it an nn.Linear")
+      raise ValueError(f"from_linear: {linear!r}: {_uninitialized(linear)}")
     if not isinstance(linear._parameters.get("weight"), nn.Parameter):
-      raise ValueError(
-          "from_linear: the layer's weight is not a Parameter of it but "
-          "formed from others at each forward (torch.nn.utils.parametrize, "
-          "weight_norm, spectral_norm or prune); FORGE updates a weight "
-          "Parameter in place, so keep this layer an nn.Linear")
+      raise ValueError(f"from_linear: {_FORMED_WEIGHT}, so keep this layer "
+                       "an nn.Linear")
     new = cls(linear.in_features, linear.out_features,
               bias=linear.bias is not None, device="meta",
               dtype=linear.weight.dtype, block_config=block_config)
@@ -959,6 +953,19 @@ def _excluded(name: str, exclude: tuple[str, ...]) -> str | None:
   return None
 
 
+def _uninitialized(module: nn.Module) -> str:
+  return (f"it is an uninitialized {type(module).__name__}: run one forward "
+          "first (e.g. under torch.no_grad()), which makes it an nn.Linear")
+
+
+# Why a layer whose weight is not its own Parameter cannot be managed.
+_FORMED_WEIGHT = (
+    "its weight is not a parameter of the model but is formed from others "
+    "at each forward (torch.nn.utils.parametrize, weight_norm, "
+    "spectral_norm or prune: their weight_g / weight_v / weight_orig); "
+    "FORGE updates a weight Parameter in place")
+
+
 def _skip_reason(module: nn.Module, names_of: Mapping[int, list[str]]
                  ) -> str | None:
   """Why ``module`` (an ``nn.Linear`` or subclass) cannot be managed.
@@ -967,9 +974,7 @@ def _skip_reason(module: nn.Module, names_of: Mapping[int, list[str]]
   ``spectral_norm``, is a subclass whose ``weight`` runs its
   parametrization, a power iteration in training mode.)"""
   if isinstance(module, nn.modules.lazy.LazyModuleMixin):
-    return (f"it is an uninitialized {type(module).__name__}: run one "
-            "forward first (e.g. under torch.no_grad()), which makes it an "
-            "nn.Linear, then convert()")
+    return f"{_uninitialized(module)}, then convert()"
   if type(module) is not nn.Linear and is_fully_sharded(module):
     return (f"fully_shard has sharded it already (its type is "
             f"{type(module).__name__}): convert the model before "
@@ -982,10 +987,7 @@ def _skip_reason(module: nn.Module, names_of: Mapping[int, list[str]]
   w = module.weight
   names_of_weight = names_of.get(id(w), [])
   if not names_of_weight:
-    return ("its weight is not a parameter of the model but is formed from "
-            "others at each forward (torch.nn.utils.weight_norm, "
-            "spectral_norm or prune: their weight_g / weight_v / "
-            "weight_orig); FORGE updates a weight Parameter in place")
+    return _FORMED_WEIGHT
   if len(names_of_weight) > 1:
     return (f"its weight appears {len(names_of_weight)} times in the model "
             f"({', '.join(names_of_weight)}): it is tied to another module, "
@@ -1034,7 +1036,8 @@ def convert(model: nn.Module, *,
       per shape).
     exclude: qualified module names (or one name; ``None``: none) to leave
       as ``nn.Linear``; a name also excludes the modules under it
-      (``"head"`` excludes ``head.fc``). Use it for layers whose gradient you need, e.g. to clip.
+      (``"head"`` excludes ``head.fc``). Use it for layers whose gradient
+      you need, e.g. to clip.
       It stops conversion only: a layer that already is a
       ``forge_torch.Linear`` stays one (set its ``fused = False``).
 
