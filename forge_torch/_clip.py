@@ -458,6 +458,7 @@ def refuse_other_optimizer(opt, layer: str) -> None:
       "optimizer's layers outside that closure.")
 
 
+@getattr(torch, "_disable_dynamo", torch.compiler.disable)
 def two_pass_step(opt, closure, finish):
   """``opt.step(closure)`` of an optimizer built with ``max_grad_norm``:
   ``clip_grad_norm_(params, max_grad_norm)`` then the torch step.
@@ -485,6 +486,11 @@ def two_pass_step(opt, closure, finish):
   first call and put back after it (:class:`BufferSnapshot`), so that the
   second call starts from the same buffers and the step advances them
   once.
+
+  Left to Python by Dynamo (a compiled function calling
+  ``step(closure)``: a graph break, as at a managed layer), which would
+  trace the closure's two passes and the optimizer's bookkeeping between
+  them; a compiled model the closure calls still runs its compiled code.
 
   Returns:
     The second call's loss.

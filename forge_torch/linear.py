@@ -776,9 +776,11 @@ class Linear(nn.Linear):
 
   def forward(self, input: torch.Tensor) -> torch.Tensor:
     if _is_compiling():  # traced: torch.compile, torch.export
-      if _exporting():
+      if _exporting() or not (self.fused and _grad_enabled()):
         # An exported program is the standard layer (FORGE's update happens
-        # in an eager backward, which no exported graph holds).
+        # in an eager backward, which no exported graph holds); so is a
+        # compiled layer that trains nothing (no_grad, inference_mode,
+        # fused = False): traced whole, as nn.Linear is.
         return F.linear(input, self.weight, self.bias)
       return _forward_eagerly(self, input)
     params = self._parameters

@@ -1933,9 +1933,7 @@ class _ForgeOptimizer:
     # fully_shard with accumulate_steps > 1: the summed sharded gradients.
     # (DDP: ordinary gradients of prepared weights, from a layer run
     # unfused, were averaged by their hooks in backward.)
-    _distributed.step_sharded(self)
-    self._forge_apply_accumulated()  # a step with fewer than K micro-batches
-    self._forge_step_from_zero()
+    _step_managed(self)
     _unhooked(self._forge_torch.step)(self)
     # This step's updated weights, kept for zero_grad(set_to_none=False);
     # the last step's, if no zero_grad() read them, held from now on.
@@ -1978,6 +1976,22 @@ class _ForgeOptimizer:
       self._forge_step_weight(p, p.new_zeros((8, n_out)),
                               p.new_zeros((8, n_in)), config=None,
                               layer=name)
+
+
+@getattr(torch, "_disable_dynamo", torch.compiler.disable)
+def _step_managed(opt: "_ForgeOptimizer") -> None:
+  """The fused updates ``step()`` itself applies: fully_shard's summed
+  gradients (:func:`forge_torch.distributed.step_sharded`), a step cut
+  short of its micro-batches, the zero-gradient steps after
+  ``zero_grad(set_to_none=False)``. Left to Python by Dynamo (a compiled
+  ``step()``, or a compiled function holding it), as the layer's backward
+  is: Dynamo cannot trace the kernel's call (its DLPack hand-off to JAX,
+  or its direct launch); the rest of ``step()`` is traced. (The disable
+  wrapper imports torch._dynamo at its first call; building a torch
+  optimizer has imported it already.)"""
+  _distributed.step_sharded(opt)
+  opt._forge_apply_accumulated()  # a step with fewer than K micro-batches
+  opt._forge_step_from_zero()
 
 
 def _defers_step(step: torch.Tensor) -> bool:

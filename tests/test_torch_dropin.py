@@ -41,8 +41,8 @@ def _assert_trained_alike(model, ref):
   ``ref``'s (tests/tolerances.py), named where it is not."""
   for (name, p), q in zip(model.named_parameters(), ref.parameters(),
                           strict=True):
-    assert_close(p.detach().numpy(), q.detach().numpy(), tol(np.float32),
-                 what=name)
+    assert_close(p.detach().cpu().numpy(), q.detach().cpu().numpy(),
+                 tol(np.float32), what=name)
 
 
 # --- gradient clipping ------------------------------------------------------------
@@ -185,11 +185,116 @@ def test_a_compiled_step_holding_backward_keeps_the_fused_update():
   _assert_trained_alike(model, ref)
 
 
-def test_compiled_autograd_keeps_the_fused_update():
+@pytest.mark.parametrize("case", ["cut_short", "from_zero"])
+def test_a_compiled_step_applies_its_own_fused_updates(case):
+  """A compiled ``step()`` that applies fused updates itself -- a step cut
+  short of its ``accumulate_steps`` micro-batches, or one after
+  ``zero_grad(set_to_none=False)`` whose backward skipped a layer (torch
+  steps it from a zero gradient) -- runs them eagerly (Dynamo cannot trace
+  the kernel's call), equal to torch's compiled step."""
+  torch._dynamo.reset()
+  ref, model = _model(), _model()
+  forge_torch.convert(model)
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+  ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+  pairs = ((model, opt), (ref, ref_opt))
+  if case == "cut_short":
+    opt.accumulate_steps = 3
+    for _ in range(2):  # two of three micro-batches
+      x = torch.randn(5, 8)
+      for m, _o in pairs:
+        (m(x).square().mean() / 3).backward()
+  else:
+    x = torch.randn(5, 8)
+    for m, o in pairs:
+      m(x).square().mean().backward()
+      o.step()
+      o.zero_grad(set_to_none=False)
+    for m, _o in pairs:  # the head skipped: stepped from zero
+      m[0](x).square().mean().backward()
+  updates = forge_torch.bridge_stats.calls
+  for _m, o in pairs:
+    torch.compile(o.step, backend="eager")()
+  assert forge_torch.bridge_stats.calls - updates == (
+      3 if case == "cut_short" else 1)  # the step's own fused updates
+  _assert_trained_alike(model, ref)
+
+
+def test_a_compiled_clipped_step_runs_its_passes_eagerly():
+  """``step(closure)`` with ``max_grad_norm`` inside a compiled function,
+  compiled from its first call: the two passes run eagerly (a graph
+  break), equal to torch's ``clip_grad_norm_`` + AdamW."""
+  torch._dynamo.reset()
+  ref, model = _model(), _model()
+  forge_torch.convert(model)
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.05)
+  ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+  def clipped_step(x):
+    def closure():
+      opt.zero_grad()
+      loss = model(x).square().mean()
+      loss.backward()
+      return loss
+    return opt.step(closure)
+
+  compiled = torch.compile(clipped_step, backend="eager")
+  for _ in range(2):
+    x = torch.randn(5, 8)
+    compiled(x)
+    ref_opt.zero_grad()
+    ref(x).square().mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ref_opt.step()
+    assert_close(float(opt.last_grad_norm), float(norm), tol(np.float32),
+                 what="the clipped step's gradient norm")
+  _assert_trained_alike(model, ref)
+
+
+def test_a_compiled_layer_that_trains_nothing_is_traced_whole():
+  """Compiled under ``torch.no_grad()`` or with ``fused = False``, a
+  managed layer is ``nn.Linear``: traced into the graph (``fullgraph=True``
+  compiles), no use counted; training afterwards is FORGE's."""
+  torch._dynamo.reset()
+  ref, model = _model(), _model()
+  forge_torch.convert(model)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+  x = torch.randn(5, 8)
+  with torch.no_grad():
+    torch.testing.assert_close(
+        torch.compile(model, backend="eager", fullgraph=True)(x), ref(x))
+  torch._dynamo.reset()
+  for m in model.modules():
+    if isinstance(m, forge_torch.Linear):
+      m.fused = False
+  out = torch.compile(model, backend="eager", fullgraph=True)(x)
+  torch.testing.assert_close(out, ref(x))
+  del out
+  for m in model.modules():
+    if isinstance(m, forge_torch.Linear):
+      m.fused = True
+  updates = forge_torch.bridge_stats.calls
+  for m, o in ((model, opt), (ref, ref_opt)):
+    m(x).square().mean().backward()
+    o.step()
+    o.zero_grad()
+  assert forge_torch.bridge_stats.calls - updates == 3  # fused updates
+  _assert_trained_alike(model, ref)
+
+
+@pytest.mark.parametrize("device,backend", [
+    ("cpu", "aot_eager"),
+    pytest.param("cuda", "inductor", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available(),
+            reason="needs a CUDA device for torch")])])
+def test_compiled_autograd_keeps_the_fused_update(device, backend):
   """Compiled autograd (each ``loss.backward()``'s graph captured and
   compiled) calls the managed layer's backward from the captured graph;
   it runs eagerly there, as under torch.compile, and applies FORGE's
-  update, equal to torch's."""
+  update, equal to torch's (on CUDA with the Inductor backend, which
+  generates the captured graph's kernels)."""
   from torch._dynamo import compiled_autograd  # noqa: PLC0415
   from torch._dynamo.utils import counters  # noqa: PLC0415
   enable = getattr(compiled_autograd, "_enable", None)
@@ -197,16 +302,16 @@ def test_compiled_autograd_keeps_the_fused_update():
     pytest.skip(f"torch {torch.__version__} has no "
                 "torch._dynamo.compiled_autograd._enable")
   torch._dynamo.reset()
-  ref, model = _model(), _model()
+  ref, model = _model().to(device), _model().to(device)
   forge_torch.convert(model)
   opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
   ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
   captures = counters["compiled_autograd"]["captures"]
   updates = forge_torch.bridge_stats.calls
   for _ in range(3):
-    x = torch.randn(5, 8)
+    x = torch.randn(5, 8, device=device)
     for m, o in ((model, opt), (ref, ref_opt)):
-      with enable(torch.compile(backend="aot_eager")):
+      with enable(torch.compile(backend=backend)):
         m(x).square().mean().backward()
       o.step()
       o.zero_grad()
