@@ -155,7 +155,7 @@ def _with_second_moments(rule: UpdateRule, second: tuple[str, ...]
 # constructor, with their defaults (in its signature, in this order).
 FORGE_OPTIONS = (("max_grad_norm", None), ("restore_buffers", None),
                  ("moments", None), ("stochastic_rounding", False),
-                 ("seed", 0))
+                 ("seed", None))
 
 
 def _unhooked(fn: Callable) -> Callable:
@@ -280,7 +280,7 @@ class _ForgeOptimizer:
   def __init__(self, *args, max_grad_norm: float | None = None,
                restore_buffers: torch.nn.Module | None = None,
                moments: str | None = None, stochastic_rounding: bool = False,
-               seed: int = 0, **kwargs):
+               seed: int | None = None, **kwargs):
     # max_grad_norm: clip by the global norm, in two passes of a closure
     # given to step() (forge_torch/_clip.py), restore_buffers: the model
     # whose buffers the first pass leaves as they were; moments,
@@ -311,9 +311,15 @@ class _ForgeOptimizer:
     if not isinstance(stochastic_rounding, (bool, np.bool_)):
       raise TypeError(f"{name}: stochastic_rounding must be True or False, "
                       f"got {stochastic_rounding!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    if seed is not None and (isinstance(seed, bool)
+                             or not isinstance(seed, (int, np.integer))):
       raise TypeError(f"{name}: seed must be an integer (the stochastic-"
                       f"rounding seed), got {seed!r:.80}")
+    if seed is not None and not stochastic_rounding:
+      raise ValueError(
+          f"{name}: seed={seed} without stochastic_rounding=True would do "
+          "nothing (it seeds stochastic rounding's random bits); pass "
+          "stochastic_rounding=True, or leave seed out")
     if stochastic_rounding and not self._forge_counts_steps:
       raise ValueError(
           f"{name}: stochastic_rounding=True draws its random bits from the "
@@ -323,7 +329,7 @@ class _ForgeOptimizer:
     self._forge_format = (None if moments is None
                           else MomentFormat(MOMENT_KINDS[moments]))
     self._forge_sr = bool(stochastic_rounding)
-    self._forge_seed = int(seed)
+    self._forge_seed = 0 if seed is None else int(seed)
     self._forge_plans_checked = None  # (modes the plans check)
 
   @property
@@ -342,9 +348,9 @@ class _ForgeOptimizer:
 
   @property
   def seed(self) -> int:
-    """The stochastic-rounding seed; a managed weight's own seed is
-    ``(seed + crc32("param_groups[g][i]")) mod 2**32`` for its position
-    ``i`` in param group ``g``."""
+    """The stochastic-rounding seed (0 unless given); a managed weight's
+    own seed is ``(seed + crc32("param_groups[g][i]")) mod 2**32`` for its
+    position ``i`` in param group ``g``."""
     return self._forge_seed
 
   def _forge_moment_format(self, p: torch.Tensor) -> MomentFormat | None:
@@ -705,7 +711,8 @@ class _ForgeOptimizer:
     if "last_grad_norm" not in self.__dict__:
       self.last_grad_norm = norm
     if low is not None:
-      self._forge_set_low_precision(*low)
+      moments, sr, seed = low
+      self._forge_set_low_precision(moments, sr, seed if sr else None)
     if clip is not None:
       self._forge_max_grad_norm = clip
     if buffers is not None:

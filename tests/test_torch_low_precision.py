@@ -269,6 +269,14 @@ def test_refusals_and_warnings():
     forge_torch.SGD(model.parameters(), lr=0.1, moments="int8")
   with pytest.raises(TypeError, match="seed must be an integer"):
     forge_torch.AdamW(model.parameters(), moments="int8", seed=1.5)
+  for seed in (0, 7):  # (an explicit 0 too: it seeds nothing either)
+    with pytest.raises(ValueError, match=rf"seed={seed} without "
+                       r"stochastic_rounding=True would do nothing"):
+      forge_torch.AdamW(model.parameters(), moments="int8", seed=seed)
+  # Left out: 0, and a copy of an optimizer without stochastic rounding
+  # builds again.
+  opt = forge_torch.AdamW(model.parameters(), moments="int8")
+  assert opt.seed == 0 and copy.deepcopy(opt).seed == 0
   # A large parameter torch's own step updates keeps float moments: named
   # in one warning (the managed weights and small parameters are not).
   emb = torch.nn.Embedding(100, 64)
