@@ -820,10 +820,15 @@ class Linear(nn.Linear):
       raise RuntimeError(
           f"forge_torch.Linear {layer} ran with autograd on, but "
           "its weight is not registered in a forge_torch optimizer. FORGE "
-          "updates the weight inside backward, so build the optimizer first "
-          "(e.g. forge_torch.AdamW(model.parameters())) over parameters that "
-          "include this weight (after forge_torch.convert(), not before); or "
-          "run under torch.no_grad(), or set layer.fused = False.")
+          "updates the weight inside backward: to train it, build the "
+          "optimizer first (e.g. forge_torch.AdamW(model.parameters())) "
+          "over parameters that include this weight (after "
+          "forge_torch.convert(), not before). To run it without training "
+          "it -- e.g. a copy of a converted model (copy.deepcopy, "
+          "torch.optim.swa_utils.AveragedModel), whose layers stay "
+          "FORGE-managed and whose weights no optimizer holds -- run under "
+          "torch.no_grad(), or set layer.fused = False on its "
+          "forge_torch.Linear modules (the standard nn.Linear path).")
     check_no_grad_hooks(w, layer)
     amp = (None if _ANY_AUTOCAST is not None and (w.is_cuda or w.is_cpu)
            and not _ANY_AUTOCAST() else autocast_dtype(w.device.type))

@@ -52,6 +52,7 @@ scalars from the group and the step.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import numbers
@@ -927,6 +928,18 @@ class _ForgeOptimizer:
 
   def load_state_dict(self, state_dict) -> None:
     self._forge_refuse_open_window()
+    # torch's load hooks run where torch's loader runs them, around this
+    # loader's own work: the pre-hooks first, on a shallow copy of the
+    # checkpoint (one may adapt it before the checks below read it), the
+    # post-hooks once the load has passed them (a refused load runs none).
+    pre = self._optimizer_load_state_dict_pre_hooks
+    post = self._optimizer_load_state_dict_post_hooks
+    if pre:
+      state_dict = state_dict.copy()
+      for hook in pre.values():
+        result = hook(self, state_dict)
+        if result is not None:
+          state_dict = result
     # The loaded groups' options must pass the checks add_param_group made
     # (capturable / differentiable refused, a fusable rule for managed ones).
     incoming = state_dict.get("param_groups", []) if isinstance(
@@ -945,6 +958,9 @@ class _ForgeOptimizer:
     before = self.param_groups, self.state
     try:
       try:
+        # (its hooks ran above, or run below)
+        self._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
         super().load_state_dict(state_dict)
       except KeyError as e:  # torch's loader reads an entry it lacks
         name = type(self).__name__
@@ -952,6 +968,9 @@ class _ForgeOptimizer:
             f"forge_torch.{name}.load_state_dict: the checkpoint has no "
             f"{e.args[0]!r}, which torch.optim.{name}'s loader reads: a "
             "checkpoint saved by another optimizer family?") from e
+      finally:
+        self._optimizer_load_state_dict_pre_hooks = pre
+        self._optimizer_load_state_dict_post_hooks = post
       self._forge_after_load(state_dict, raw)
     except BaseException:
       self.param_groups, self.state = before
@@ -962,6 +981,8 @@ class _ForgeOptimizer:
     self._forge_views = _linear.WeakIdMap()
     self._forge_plans = _linear.WeakIdMap()
     self._forge_reset_step()
+    for hook in post.values():
+      hook(self)
 
   def _forge_check_loaded(self) -> None:
     """Refuses, after torch's loader ran, a checkpoint whose groups or

@@ -804,6 +804,25 @@ def test_unregistered_layer_raises():
   assert layer.weight.grad is not None
 
 
+def test_a_copy_of_a_trained_model_says_how_to_evaluate_it():
+  """An averaged copy of a converted model (torch's SWA recipe) keeps its
+  layers managed, with weights no optimizer holds: evaluated with autograd
+  on it is refused, the message naming the copy and the ways to run it;
+  under no_grad it runs, equal to the model it averaged."""
+  from torch.optim import swa_utils  # noqa: PLC0415
+  layer, opt = _layer_and_opt()
+  x = torch.randn(3, 6)
+  layer(x).square().sum().backward()
+  opt.step()
+  swa = swa_utils.AveragedModel(layer)
+  with pytest.raises(RuntimeError, match=(
+      r"not registered in a forge_torch optimizer.*copy of a converted "
+      r"model.*AveragedModel.*torch\.no_grad\(\).*fused = False")):
+    swa(x)
+  with torch.no_grad():
+    torch.testing.assert_close(swa(x), layer(x))
+
+
 def test_tied_managed_weight_raises_at_step():
   layer, opt = _layer_and_opt()
   x = torch.randn(3, 6)

@@ -314,6 +314,52 @@ def test_load_state_dict_refuses_the_options_the_constructor_refuses(option):
   assert not opt.param_groups[0].get(option, False)
 
 
+def test_load_hooks_run_where_torchs_loader_runs_them():
+  """A load pre-hook sees the checkpoint before forge_torch's checks (one
+  that turns an option the constructor refuses off loads, as in torch),
+  with tensors in its state; a post-hook runs once the load has passed
+  them, and not for a refused load."""
+  ref, fm = pair()
+  x, y = data()
+  src = torch.optim.AdamW(ref.parameters(), lr=1e-2, capturable=True)
+  seen = []
+
+  def pre(opt, sd):
+    sd = copy.deepcopy(sd)
+    for g in sd["param_groups"]:
+      g["capturable"] = False
+    seen.append(("pre", sorted({type(v).__name__ for st in sd["state"].values()
+                                for v in st.values()})))
+    return sd
+
+  opt = forge_torch.AdamW(fm.parameters(), lr=1e-2)
+  opt.register_load_state_dict_pre_hook(pre)
+  opt.register_load_state_dict_post_hook(
+      lambda o: seen.append(("post", o.param_groups[0]["capturable"])))
+  opt.load_state_dict(src.state_dict())
+  assert seen == [("pre", []), ("post", False)]
+  # Quantized moments reach the hook as tensors (int8 codes, fp32 scales).
+  layer = forge_torch.Linear(64, 64)
+  q = forge_torch.AdamW(layer.parameters(), lr=1e-2, moments="int8")
+  layer(torch.randn(4, 64)).square().mean().backward()
+  q.step()
+  dtypes = []
+  q.register_load_state_dict_pre_hook(lambda o, sd: dtypes.extend(
+      v.dtype for st in sd["state"].values() for v in st.values()))
+  q.load_state_dict(q.state_dict())
+  assert torch.int8 in dtypes and torch.float32 in dtypes
+  # A refused load (another family's checkpoint) runs no post-hook.
+  F.mse_loss(fm(x), y).backward()
+  opt.step()
+  opt.zero_grad()
+  seen.clear()
+  other = forge_torch.Adamax(fm.parameters(), lr=1e-2)
+  other.register_load_state_dict_post_hook(lambda o: seen.append("post"))
+  with pytest.raises(ValueError, match="not Adamax's"):
+    other.load_state_dict(opt.state_dict())
+  assert seen == [] and not other.state
+
+
 def test_load_state_dict_in_the_middle_of_a_step_is_refused():
   """A load between a backward that updated managed weights and step()
   would leave them stepped from the replaced state (torch applies their
