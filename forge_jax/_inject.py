@@ -148,6 +148,18 @@ def check_dtype_of_the_rest(inj: Injected, opt_state, params,
 
 def _not_forge(inj: Injected, made) -> TypeError:
   name = getattr(inj.inner_factory, "__qualname__", repr(inj.inner_factory))
+  update = getattr(made, "update", None)
+  if getattr(update, "__qualname__", "").startswith("chain.") and not (
+      getattr(inj.inner_factory, "__module__", "") or "").startswith("optax"):
+    # (A factory of the caller's that makes an optax.chain: clipping and an
+    # optimizer, say. optax's own optimizers are chains too.)
+    return TypeError(
+        f"make_step: optax.inject_hyperparams wraps {name}, which makes an "
+        "optax.chain, not a forge_jax transform: inject the forge_jax "
+        "factory alone and keep the rest of the chain outside it, e.g. "
+        "optax.chain(forge_jax.clip_by_global_norm(max_norm), "
+        "optax.inject_hyperparams(forge_jax.adamw)(learning_rate=...)) "
+        "(max_norm then a number).")
   return TypeError(
       f"make_step: optax.inject_hyperparams wraps {name}, which makes "
       f"{type(made).__name__}, not a forge_jax transform: FORGE layers "

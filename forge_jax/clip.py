@@ -213,10 +213,25 @@ def _is_optax_clip(fn) -> bool:
 
 def _global_clip(update) -> tuple[bool, Any]:
   """``(True, max_norm)`` if a chain member is global-norm clipping
-  (:func:`clip_by_global_norm`, or optax's), else ``(False, None)``."""
+  (:func:`clip_by_global_norm`, or optax's), else ``(False, None)``.
+
+  Raises:
+    TypeError: the member is ``optax.inject_hyperparams`` of either
+      clipping (an injected or scheduled ``max_norm``)."""
   inner, fn = _unwrapped(update)
   if isinstance(inner, ClipByGlobalNorm):
     return True, inner.max_norm
+  injected = _inject.recognise(optax.GradientTransformationExtraArgs(
+      lambda params: None, fn))
+  if injected is not None and getattr(
+      injected.inner_factory, "__name__", "") == "clip_by_global_norm":
+    raise TypeError(
+        "make_step: global-norm clipping inside optax.inject_hyperparams "
+        "(an injected or scheduled max_norm) is not supported: the step's "
+        "norm pass takes max_norm as a constant. Give it as a number and "
+        "inject the optimizer's hyperparameters alone: optax.chain("
+        "forge_jax.clip_by_global_norm(max_norm), optax.inject_hyperparams("
+        "forge_jax.adamw)(learning_rate=...)).")
   if _is_optax_clip(fn):
     found = _nonlocals(fn)
     if "max_norm" not in found:

@@ -525,6 +525,13 @@ def _optax_update(tx, grads, params, opt_state, params_def, cut, injected):
       opt_state, params_def, lambda i, t: _state.replace_subtrees(t, cut))
   with _context.full_params(params):
     updates, new_state = tx.update(grads_rest, state_rest, params_rest)
+  if injected is not None and not jax.tree.leaves(params_rest):
+    # Every parameter is a FORGE kernel: optax cast the injected
+    # hyperparameters it keeps to the widest dtype of none (float32), where
+    # its reference step casts them to the whole tree's, as the kernels
+    # read them; the state keeps those, as optax's does.
+    new_state = new_state._replace(hyperparams=_inject.this_step_hyperparams(
+        injected, opt_state, params))
   return optax.apply_updates(params_rest, updates), new_state
 
 

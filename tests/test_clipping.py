@@ -318,6 +318,24 @@ def test_clipped_scanned_stack_keeps_one_set_of_saved_activations():
      "'adafactor'.*not supported"),
     (lambda: forge_jax.clip_by_global_norm(1.0),
      "make_step needs a forge_jax transform.*ClipByGlobalNorm"),
+    # An injected max_norm (either clipping), or a factory that makes the
+    # whole chain: named, with the form that runs.
+    (lambda: optax.chain(
+        optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=1.0),
+        forge_jax.adamw(1e-3)),
+     r"clipping inside optax.inject_hyperparams \(an injected or scheduled "
+     "max_norm\) is not supported"),
+    (lambda: optax.chain(
+        optax.inject_hyperparams(forge_jax.clip_by_global_norm)(max_norm=1.0),
+        forge_jax.adamw(1e-3)),
+     r"clipping inside optax.inject_hyperparams \(an injected or scheduled "
+     "max_norm\) is not supported"),
+    (lambda: optax.inject_hyperparams(
+        lambda learning_rate, max_norm: optax.chain(
+            forge_jax.clip_by_global_norm(max_norm),
+            forge_jax.adamw(learning_rate)))(learning_rate=1e-3, max_norm=1.0),
+     "makes an optax.chain, not a forge_jax transform: inject the forge_jax "
+     "factory alone"),
 ])
 def test_unsupported_clipping_forms_are_refused_with_the_fix(chain, match):
   with pytest.raises(TypeError, match=match) as e:

@@ -338,6 +338,57 @@ def test_injected_float_hyperparameters_with_narrower_other_params():
     assert err <= tol(jnp.float32) * np.abs(np.asarray(b, np.float64)).max()
 
 
+class _NoBiasBf16(nn.Module):
+  """Every parameter a bf16 FORGE kernel (no bias, no other parameter)."""
+  dense: Any = forge_jax.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(self.dense(16, use_bias=False, param_dtype=jnp.bfloat16)(x))
+    return self.dense(4, use_bias=False, param_dtype=jnp.bfloat16)(x)
+
+
+def test_injected_hyperparameters_of_an_all_forge_model_keep_their_dtype():
+  """Every parameter a bf16 FORGE kernel: optax, given none of them, would
+  keep the injected hyperparameters as float32 (the widest dtype of no
+  parameter); the state keeps them in bf16, as optax's own step does, so
+  that a learning rate set as a Python float (0.3, 0.30078125 in bf16)
+  steps the kernels as with hyperparam_dtype=jnp.bfloat16, bit for bit."""
+  x = jax.random.normal(jax.random.key(1), (8, 12))
+  y = jnp.linspace(-1, 1, 32).reshape(8, 4)
+  loss = lambda m: (lambda v, b: jnp.mean(
+      (m.apply(v, b[0]).astype(jnp.float32) - b[1]) ** 2))
+  v = _NoBiasBf16(dense=nn.Dense).init(jax.random.key(0), x)
+
+  def run(forge, **inject):
+    tx = optax.inject_hyperparams(
+        forge_jax.sgd if forge else optax.sgd, **inject)(
+            learning_rate=0.01, momentum=0.9)
+    model = _NoBiasBf16() if forge else _NoBiasBf16(dense=nn.Dense)
+    state, variables = tx.init(v["params"]), v
+    step = jax.jit(forge_jax.make_step(loss(model), tx)) if forge else None
+    for i in range(3):
+      if i == 1:
+        state.hyperparams["learning_rate"] = 0.3
+      if forge:
+        _, variables, state = step(variables, state, (x, y))
+      else:
+        g = jax.grad(loss(model))(variables, (x, y))["params"]
+        u, state = tx.update(g, state, variables["params"])
+        variables = {"params": optax.apply_updates(variables["params"], u)}
+    return variables["params"], state.hyperparams
+
+  got, hps = run(True)
+  _, want_hps = run(False)
+  for k, h in want_hps.items():
+    assert hps[k].dtype == h.dtype == jnp.bfloat16, k
+    assert float(hps[k]) == float(h), k
+  pinned, _ = run(True, hyperparam_dtype=jnp.bfloat16)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(pinned), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+
+
 class _HalfWide(nn.Module):
   """A bf16 kernel (FORGE's, deferred under Adafactor) in an fp32 model."""
   dense: Any = forge_jax.Dense
