@@ -17,14 +17,23 @@ time and the compiled step's memory.
 
 Run from the repository root (``./dev.sh train [flags]`` runs it too)::
 
-  python -m examples.train_digits                   # fp32: arms agree to 1e-4
+  python -m examples.train_digits                   # fp32: each step agrees
   python -m examples.train_digits --dtype bfloat16  # bf16 params: the gap
 
 Writes ``<out>/losses.csv`` (step, arm, loss) and ``<out>/losses.png``: the
 two arms' training losses, their per-step difference (parameters and loss,
-log scale) and both arms' test accuracy during training. The exit status is
-1 if fp32 arms differ by more than 1e-4 (relative, see :func:`param_diff`) or
-a loss is not finite.
+log scale) and both arms' test accuracy during training.
+
+What is checked (fp32): at every step, optax's step is also run from the
+forge arm's own state (its parameters and optimizer state, copied) on the
+same batch, and the two updated parameter trees must agree to the project's
+fp32 bar, 1e-5 relative (``norm_rel`` of :func:`param_diff`, leaf by leaf):
+FORGE's step is optax's. The
+two trajectories are reported too but not held to it: the arms' rounding
+differs (FORGE sums ``G`` in another order), and training compounds such
+differences, by orders of magnitude where the learning rate makes it
+unstable. The exit status is 1 if a step differs by more than 1e-5 or a
+loss is not finite.
 """
 
 from __future__ import annotations
@@ -57,7 +66,9 @@ import optax  # noqa: E402
 import forge_jax  # noqa: E402
 from benchmarks.common import timed_steps  # noqa: E402
 
-FP32_TOLERANCE = 1e-4
+# One step from the same state, forge against optax (param_diff's max_rel):
+# the project's fp32 parity bar.
+FP32_TOLERANCE = 1e-5
 ARMS = ("forge", "optax")
 
 
@@ -178,13 +189,20 @@ def param_diff(a, b) -> dict[str, Any]:
   ``max_rel``: the largest per-leaf ``max |a - b| / max |b|`` (a leaf's
   difference relative to its own scale; elementwise ratios are meaningless
   for entries that pass near zero). ``worst_leaf``: where ``max_rel`` is.
+  ``norm_rel``: the largest per-leaf ``||a - b|| / ||b||``, the relative
+  error tests/tolerances.py's table bounds (an element whose gradient is
+  near zero, which Adam's normalised step moves by about the learning rate
+  whatever its sign, weighs in it as one element).
   """
   flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
   flat_b = jax.tree.leaves(b)
-  max_abs, max_rel, worst = 0.0, 0.0, ""
+  max_abs, max_rel, worst, norm_rel = 0.0, 0.0, "", 0.0
   for (path, x), y in zip(flat_a, flat_b, strict=True):
-    x = np.asarray(x, np.float32)
-    y = np.asarray(y, np.float32)
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    n = float(np.linalg.norm(x - y)) / max(float(np.linalg.norm(y)), 1e-30)
+    if not math.isnan(norm_rel) and (math.isnan(n) or n > norm_rel):
+      norm_rel = n
     d = float(np.max(np.abs(x - y)))
     scale = float(np.max(np.abs(y)))
     r = d / (scale if math.isnan(scale) else max(scale, 1e-30))
@@ -193,7 +211,8 @@ def param_diff(a, b) -> dict[str, Any]:
       max_abs = d
     if not math.isnan(max_rel) and (math.isnan(r) or r >= max_rel):
       max_rel, worst = r, jax.tree_util.keystr(path)
-  return {"max_abs": max_abs, "max_rel": max_rel, "worst_leaf": worst}
+  return {"max_abs": max_abs, "max_rel": max_rel, "worst_leaf": worst,
+          "norm_rel": norm_rel}
 
 
 def accuracy(model, variables, x, y, apply=None) -> float:
@@ -260,7 +279,8 @@ def _positive(xs) -> np.ndarray:
 def write_plot(path: str, losses: dict[str, list[float]], title: str,
                param_rel: Sequence[float] | None = None,
                acc_curve: dict[str, list[tuple[int, float]]] | None = None,
-               tolerance: float | None = None) -> None:
+               tolerance: float | None = None,
+               step_rel: Sequence[float] | None = None) -> None:
   """Writes the demo's figure to ``path`` (PNG).
 
   Args:
@@ -273,7 +293,11 @@ def write_plot(path: str, losses: dict[str, list[float]], title: str,
       losses' difference only.
     acc_curve: each arm's ``(step, test accuracy)`` points; None: no
       accuracy panel.
-    tolerance: drawn as a line in the difference panel (the fp32 bar).
+    tolerance: drawn as a line in the difference panel (the fp32 bar,
+      which ``step_rel`` is held to).
+    step_rel: per step, the forge step's difference from the reference's
+      step from the same state (:func:`param_diff`'s ``norm_rel``); None:
+      not drawn.
   """
   import matplotlib
   matplotlib.use("Agg")
@@ -302,11 +326,15 @@ def write_plot(path: str, losses: dict[str, list[float]], title: str,
           label="|loss forge - loss optax| / loss")
   if param_rel is not None:
     ax.plot(np.arange(len(param_rel)), _positive(param_rel), lw=1.6,
-            color="tab:red", label="params: max over leaves of "
-            "max|forge - optax| / max|optax|")
+            color="tab:red", label="trajectories' params: max over leaves "
+            "of max|forge - optax| / max|optax|")
+  if step_rel is not None:
+    ax.plot(np.arange(len(step_rel)), _positive(step_rel), lw=1.0,
+            color="tab:green", label="one step from the same state: "
+            "max over leaves of ||forge - optax|| / ||optax||")
   if tolerance is not None:
     ax.axhline(tolerance, color="gray", ls=":", lw=1.0,
-               label=f"fp32 tolerance {tolerance:.0e}")
+               label=f"fp32 tolerance {tolerance:.0e} (one step)")
   ax.set_yscale("log")
   ax.set_ylabel("forge vs optax\n(relative; 0 not drawn)")
   ax.legend(fontsize=7)
@@ -339,7 +367,8 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
   p.add_argument("--hidden", type=int, default=128, help="MLP hidden width")
   p.add_argument("--dtype", choices=("float32", "bfloat16"),
                  default="float32", help="parameter (and optimizer state) "
-                 "dtype; fp32 runs must match to 1e-4 relative")
+                 "dtype; in fp32 each step must match optax's to 1e-5 "
+                 "relative")
   p.add_argument("--lr", type=float, default=3e-3,
                  help="peak learning rate (warmup-cosine schedule)")
   p.add_argument("--weight-decay", type=float, default=1e-2,
@@ -424,7 +453,8 @@ def _require_demo_extra() -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the demo; returns a summary (also printed). ``result["ok"]`` is
-  False if fp32 arms diverge beyond 1e-4 relative or a loss is not finite."""
+  False if an fp32 step differs from optax's beyond 1e-5 relative (from the
+  same state) or a loss is not finite."""
   args = parse_args(argv)
   _require_demo_extra()
   check_out_writable(args.out)
@@ -468,6 +498,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # For the plot: the arms' parameter difference after every step, and
     # both arms' test accuracy at a few steps (a small jitted forward each).
     param_rel: list[float] = []
+    # fp32: each step's difference (norm_rel) from optax's step taken from
+    # the forge arm's own state (copied: the steps donate their inputs).
+    step_rel: list[float] = []
+    fp32 = param_dtype == jnp.float32
     acc_curve: dict[str, list[tuple[int, float]]] = {arm: [] for arm in ARMS}
     acc_at = set(eval_steps(args.steps))
     apply = jax.jit(eval_model.apply)
@@ -478,6 +512,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                disable=args.no_progress, dynamic_ncols=True, leave=True)
     for i in range(args.steps):
       batch = (jnp.asarray(x_tr[idx[i]]), jnp.asarray(y_tr[idx[i]]))
+      if fp32:
+        _, probe, _ = arms["optax"][0](
+            *jax.tree.map(jnp.array, state["forge"]), batch)
       for arm in ARMS:
         step = arms[arm][0]
         loss, variables, opt_state = step(*state[arm], batch)
@@ -485,6 +522,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         losses[arm].append(float(loss))
       param_rel.append(param_diff(state["forge"][0]["params"],
                                   state["optax"][0]["params"])["max_rel"])
+      if fp32:
+        step_rel.append(param_diff(state["forge"][0]["params"],
+                                   probe["params"])["norm_rel"])
       if i in acc_at:
         for arm in ARMS:
           acc_curve[arm].append(
@@ -518,14 +558,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   csv_path = os.path.join(args.out, "losses.csv")
   png_path = os.path.join(args.out, "losses.png")
   write_csv(csv_path, losses)
-  fp32 = param_dtype == jnp.float32
   write_plot(png_path, losses,
              f"sklearn digits MLP, {args.dtype} params, {backend} ({mode}): "
              f"forge_jax vs optax", param_rel=param_rel, acc_curve=acc_curve,
-             tolerance=FP32_TOLERANCE if fp32 else None)
+             tolerance=FP32_TOLERANCE if fp32 else None,
+             step_rel=step_rel if fp32 else None)
 
   finite = all(np.isfinite(losses[a]).all() for a in ARMS)
-  ok = finite and (not fp32 or diff["max_rel"] <= FP32_TOLERANCE)
+  # (NaN-safe: a NaN difference fails)
+  worst_step = max(step_rel, default=0.0, key=lambda r: (math.isnan(r), r))
+  ok = finite and (not fp32 or worst_step <= FP32_TOLERANCE)
 
   print(f"trained {args.steps} steps x 2 arms in {train_s:.1f} s "
         f"(incl. compilation)")
@@ -554,9 +596,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"wrote {csv_path} and {png_path}")
   if fp32:
     verdict = "PASS" if ok else "FAIL"
-    print(f"{verdict}: fp32 arms differ by {diff['max_rel']:.1e} relative "
-          f"(tolerance {FP32_TOLERANCE:.0e})" + ("" if finite else
-                                                  "; a loss is not finite"))
+    print(f"{verdict}: each fp32 step within {worst_step:.1e} relative of "
+          f"optax's step from the same state (tolerance "
+          f"{FP32_TOLERANCE:.0e}); the trajectories after {args.steps} "
+          f"steps {diff['max_rel']:.1e} apart (rounding compounds in "
+          "training)" + ("" if finite else "; a loss is not finite"))
   else:
     print(f"bf16: arms differ by {diff['max_rel']:.1e} relative (not checked: "
           "FORGE reads the fp32 accumulator, optax a bf16-rounded gradient)"
@@ -568,6 +612,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           "max_rel_param_diff": diff["max_rel"],
           "worst_leaf": diff["worst_leaf"],
           "max_rel_param_diff_per_step": param_rel,
+          "max_rel_step_diff": worst_step if fp32 else None,
+          "max_rel_step_diff_per_step": step_rel,
           "test_accuracy_curve": acc_curve, "train_seconds": train_s,
           "bench": bench_res, "csv": csv_path, "png": png_path}
 

@@ -40,6 +40,9 @@ def test_csv_has_one_finite_falling_loss_per_step_per_arm(run):
 def test_fp32_arms_agree_and_every_weight_took_the_fused_update(run):
   _, result = run
   assert result["ok"] and result["dtype"] == "float32"
+  # Each step against torch's from the same state: what the demo checks.
+  assert len(result["max_rel_step_diff_per_step"]) == STEPS
+  assert result["max_rel_step_diff"] <= tol(jnp.float32)
   assert result["max_rel_param_diff"] <= tol(jnp.float32)
   assert result["max_abs_param_diff"] <= tol(jnp.float32)
   # Three weights per step, each updated by the fused kernel in backward.
@@ -59,3 +62,25 @@ def test_bad_arguments_are_usage_errors(argv, match, capsys):
     demo.main(argv)
   assert e.value.code == 2
   assert match in capsys.readouterr().err
+
+
+def test_the_step_check_fails_on_a_step_off_by_one_percent(monkeypatch,
+                                                          tmp_path):
+  """The demo's check can fail: a forge arm whose optimizer steps with a
+  learning rate 1 % high differs from torch's step from the same state
+  beyond the bar (and the copy torch steps is not the forge arm's own)."""
+  import forge_torch  # noqa: PLC0415
+  real = forge_torch.AdamW
+
+  class Off(real):
+    def _forge_hparams(self, group, *args, **kwargs):
+      return super()._forge_hparams({**group, "lr": 1.01 * group["lr"]},
+                                    *args, **kwargs)
+
+  monkeypatch.setattr(forge_torch, "AdamW", Off)
+  result = demo.main([
+      "--steps", "4", "--hidden", "32", "--batch-size", "32",
+      "--log-every", "0", "--seed", "1", "--device", "cpu",
+      "--out", str(tmp_path)])
+  assert not result["ok"]
+  assert result["max_rel_step_diff"] > tol(jnp.float32)
