@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import optax
 from optax.schedules import _inject as optax_inject
 
-from forge_jax.transforms import ForgeSpec, ForgeTransformation
+from forge_jax.transforms import (ForgeSpec, ForgeTransformation,
+                                  chain_member)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +147,24 @@ def check_dtype_of_the_rest(inj: Injected, opt_state, params,
         f"{jnp.dtype(whole).name}).")
 
 
+def _chain_holds_forge(made) -> bool:
+  """Whether ``made`` is an ``optax.chain`` with a forge_jax transform
+  among its members (optax's own optimizers are chains of optax's)."""
+  update = getattr(made, "update", None)
+  if getattr(update, "__qualname__", "") != "chain.<locals>.update_fn":
+    return False
+  try:
+    members = inspect.getclosurevars(update).nonlocals.get("update_fns", ())
+  except (TypeError, ValueError):
+    return False
+  return any(chain_member(fn) is not None for fn in members)
+
+
 def _not_forge(inj: Injected, made) -> TypeError:
   name = getattr(inj.inner_factory, "__qualname__", repr(inj.inner_factory))
-  update = getattr(made, "update", None)
-  if getattr(update, "__qualname__", "").startswith("chain.") and not (
-      getattr(inj.inner_factory, "__module__", "") or "").startswith("optax"):
-    # (A factory of the caller's that makes an optax.chain: clipping and an
-    # optimizer, say. optax's own optimizers are chains too.)
+  if _chain_holds_forge(made):
+    # (A factory that makes an optax.chain holding a forge_jax transform:
+    # clipping and the optimizer, say.)
     return TypeError(
         f"make_step: optax.inject_hyperparams wraps {name}, which makes an "
         "optax.chain, not a forge_jax transform: inject the forge_jax "

@@ -92,8 +92,14 @@ def test_injected_learning_rate_change_reaches_the_kernels():
   assert_trees_close(v2, v, 0.0, "variables")
 
 
-def test_inject_hyperparams_of_an_optax_factory_is_refused():
-  tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
+@pytest.mark.parametrize("factory", [
+    optax.adamw, functools.partial(optax.adamw, b1=0.8),
+    lambda learning_rate: optax.adamw(learning_rate)],
+    ids=["optax", "partial", "own"])
+def test_inject_hyperparams_of_an_optax_factory_is_refused(factory):
+  # (optax's optimizers are optax.chains: not the message for a chain
+  # holding a forge_jax transform)
+  tx = optax.inject_hyperparams(factory)(learning_rate=1e-3)
   with pytest.raises(TypeError, match="Wrap the forge_jax factory"):
     forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)
 
