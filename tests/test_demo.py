@@ -62,6 +62,16 @@ def test_fp32_arms_agree(run):
     assert 0.0 <= result["test_accuracy"][arm] <= 1.0
 
 
+def _assert_the_check_fails(out, steps: int) -> None:
+  """The demo, run ``steps`` steps with a broken forge arm, fails its
+  per-step check."""
+  result = demo.main([
+      "--steps", str(steps), "--hidden", "32", "--batch-size", "32",
+      "--log-every", "0", "--seed", "1", "--no-progress", "--out", str(out)])
+  assert not result["ok"]
+  assert result["step_diff"] > tol(jnp.float32)
+
+
 def test_the_step_check_fails_on_a_step_off_by_one_percent(monkeypatch,
                                                           tmp_path):
   """The demo's check can fail: a forge arm whose learning rate is 1 %
@@ -69,12 +79,7 @@ def test_the_step_check_fails_on_a_step_off_by_one_percent(monkeypatch,
   real = demo.forge_jax.adamw
   monkeypatch.setattr(demo.forge_jax, "adamw", lambda lr, **kw: real(
       lambda t: 1.01 * lr(t), **kw))
-  result = demo.main([
-      "--steps", str(STEPS), "--hidden", "32", "--batch-size", "32",
-      "--log-every", "0", "--seed", "1", "--no-progress",
-      "--out", str(tmp_path)])
-  assert not result["ok"]
-  assert result["step_diff"] > tol(jnp.float32)
+  _assert_the_check_fails(tmp_path, STEPS)
 
 
 def test_the_step_check_fails_on_a_state_not_advanced(monkeypatch,
@@ -97,12 +102,7 @@ def test_the_step_check_fails_on_a_state_not_advanced(monkeypatch,
     return arms, model
 
   monkeypatch.setattr(demo, "build_arms", build_arms)
-  result = demo.main([
-      "--steps", "4", "--hidden", "32", "--batch-size", "32",
-      "--log-every", "0", "--seed", "1", "--no-progress",
-      "--out", str(tmp_path)])
-  assert not result["ok"]
-  assert result["step_diff"] > tol(jnp.float32)
+  _assert_the_check_fails(tmp_path, 4)
 
 
 def test_plot_data_follow_the_run(run):

@@ -64,36 +64,16 @@ def test_bad_arguments_are_usage_errors(argv, match, capsys):
   assert match in capsys.readouterr().err
 
 
-def test_the_step_check_fails_on_a_step_off_by_one_percent(monkeypatch,
-                                                          tmp_path):
-  """The demo's check can fail: a forge arm whose optimizer steps with a
-  learning rate 1 % high differs from torch's step from the same state
-  beyond the bar (and the copy torch steps is not the forge arm's own)."""
-  import forge_torch  # noqa: PLC0415
-  real = forge_torch.AdamW
-
+def _lr_one_percent_high(real):
   class Off(real):
     def _forge_hparams(self, group, *args, **kwargs):
       return super()._forge_hparams({**group, "lr": 1.01 * group["lr"]},
                                     *args, **kwargs)
-
-  monkeypatch.setattr(forge_torch, "AdamW", Off)
-  result = demo.main([
-      "--steps", "4", "--hidden", "32", "--batch-size", "32",
-      "--log-every", "0", "--seed", "1", "--device", "cpu",
-      "--out", str(tmp_path)])
-  assert not result["ok"]
-  assert result["step_diff"] > tol(jnp.float32)
+  return Off
 
 
-def test_the_step_check_fails_on_moments_lost_after_a_step(monkeypatch,
-                                                          tmp_path):
-  """The check compares the optimizer state too: a forge arm whose moments
-  are wiped after each step (a storage bug both sides would otherwise
-  start the next comparison from) fails."""
+def _moments_wiped_after_each_step(real):
   import torch  # noqa: PLC0415
-  import forge_torch  # noqa: PLC0415
-  real = forge_torch.AdamW
 
   class Wiped(real):
     def step(self, *args, **kwargs):
@@ -104,8 +84,22 @@ def test_the_step_check_fails_on_moments_lost_after_a_step(monkeypatch,
             if key in st:
               st[key].zero_()
       return loss
+  return Wiped
 
-  monkeypatch.setattr(forge_torch, "AdamW", Wiped)
+
+@pytest.mark.parametrize("broken", [_lr_one_percent_high,
+                                    _moments_wiped_after_each_step],
+                         ids=["lr_1pct_high", "moments_wiped"])
+def test_the_step_check_fails_on_a_broken_forge_arm(broken, monkeypatch,
+                                                   tmp_path):
+  """The demo's check can fail: a forge arm whose optimizer steps with a
+  learning rate 1 % high, or whose moments are wiped after each step (a
+  storage bug both sides would otherwise start the next comparison from:
+  the check compares the optimizer state too), differs from torch's step
+  from the same state beyond the bar (and the copy torch steps is not the
+  forge arm's own)."""
+  import forge_torch  # noqa: PLC0415
+  monkeypatch.setattr(forge_torch, "AdamW", broken(forge_torch.AdamW))
   result = demo.main([
       "--steps", "4", "--hidden", "32", "--batch-size", "32",
       "--log-every", "0", "--seed", "1", "--device", "cpu",
