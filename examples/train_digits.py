@@ -182,6 +182,17 @@ def build_arms(hidden: int, classes: int, param_dtype, lr: float,
           optax_model)
 
 
+def rel_norm(a, b) -> float:
+  """``||a - b|| / ||b||`` of two arrays, in float64."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b)) / max(float(np.linalg.norm(b)), 1e-30)
+
+
+def worst(values) -> float:
+  """The largest of ``values`` (0.0 for none), NaN if any is NaN."""
+  return max(values, default=0.0, key=lambda r: (math.isnan(r), r))
+
+
 def param_diff(a, b) -> dict[str, Any]:
   """Largest difference between two parameter trees, over every leaf.
 
@@ -197,13 +208,11 @@ def param_diff(a, b) -> dict[str, Any]:
   """
   flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
   flat_b = jax.tree.leaves(b)
-  max_abs, max_rel, worst, norm_rel = 0.0, 0.0, "", 0.0
+  max_abs, max_rel, worst_leaf, norms = 0.0, 0.0, "", []
   for (path, x), y in zip(flat_a, flat_b, strict=True):
     x = np.asarray(x, np.float64)
     y = np.asarray(y, np.float64)
-    n = float(np.linalg.norm(x - y)) / max(float(np.linalg.norm(y)), 1e-30)
-    if not math.isnan(norm_rel) and (math.isnan(n) or n > norm_rel):
-      norm_rel = n
+    norms.append(rel_norm(x, y))
     d = float(np.max(np.abs(x - y)))
     scale = float(np.max(np.abs(y)))
     r = d / (scale if math.isnan(scale) else max(scale, 1e-30))
@@ -211,9 +220,9 @@ def param_diff(a, b) -> dict[str, Any]:
     if not math.isnan(max_abs) and (math.isnan(d) or d > max_abs):
       max_abs = d
     if not math.isnan(max_rel) and (math.isnan(r) or r >= max_rel):
-      max_rel, worst = r, jax.tree_util.keystr(path)
-  return {"max_abs": max_abs, "max_rel": max_rel, "worst_leaf": worst,
-          "norm_rel": norm_rel}
+      max_rel, worst_leaf = r, jax.tree_util.keystr(path)
+  return {"max_abs": max_abs, "max_rel": max_rel, "worst_leaf": worst_leaf,
+          "norm_rel": worst(norms)}
 
 
 def accuracy(model, variables, x, y, apply=None) -> float:
@@ -570,8 +579,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
              step_rel=step_rel if fp32 else None)
 
   finite = all(np.isfinite(losses[a]).all() for a in ARMS)
-  # (NaN-safe: a NaN difference fails)
-  worst_step = max(step_rel, default=0.0, key=lambda r: (math.isnan(r), r))
+  worst_step = worst(step_rel)  # (a NaN difference fails)
   ok = finite and (not fp32 or worst_step <= FP32_TOLERANCE)
 
   print(f"trained {args.steps} steps x 2 arms in {train_s:.1f} s "

@@ -47,7 +47,8 @@ import numpy as np
 
 from examples.train_digits import (FP32_TOLERANCE, add_training_args,
                                    batch_indices, check_training_args,
-                                   load_digits_split, make_schedule)
+                                   load_digits_split, make_schedule,
+                                   rel_norm, worst)
 
 ARMS = ("forge", "torch")
 
@@ -75,22 +76,20 @@ def param_diff(forge_model, torch_model) -> dict:
   the name of the parameter where it is, the largest ``max|a - b|``, and
   the largest per-parameter ``||a - b|| / ||b||`` (``norm_rel``: the
   relative error tests/tolerances.py's table bounds)."""
-  max_abs, max_rel, worst, norm_rel = 0.0, 0.0, "", 0.0
+  max_abs, max_rel, worst_name, norms = 0.0, 0.0, "", []
   b_params = dict(torch_model.named_parameters())
   for name, a in forge_model.named_parameters():
     a = a.detach().double().cpu().numpy()
     b = b_params[name].detach().double().cpu().numpy()
-    n = float(np.linalg.norm(a - b)) / max(float(np.linalg.norm(b)), 1e-30)
-    if not math.isnan(norm_rel) and (math.isnan(n) or n > norm_rel):
-      norm_rel = n
+    norms.append(rel_norm(a, b))
     d = float(np.max(np.abs(a - b)))
     r = d / max(float(np.max(np.abs(b))), 1e-30)
     if not math.isnan(max_abs) and (math.isnan(d) or d > max_abs):
       max_abs = d
     if not math.isnan(max_rel) and (math.isnan(r) or r >= max_rel):
-      max_rel, worst = r, name
-  return {"max_abs": max_abs, "max_rel": max_rel, "worst": worst,
-          "norm_rel": norm_rel}
+      max_rel, worst_name = r, name
+  return {"max_abs": max_abs, "max_rel": max_rel, "worst": worst_name,
+          "norm_rel": worst(norms)}
 
 
 def state_diff(opt_a, model_a, opt_b, model_b) -> float:
@@ -98,18 +97,14 @@ def state_diff(opt_a, model_a, opt_b, model_b) -> float:
   step counts) of corresponding parameters of two optimizers; a state
   entry one of them lacks counts as infinitely far."""
   import torch  # noqa: PLC0415
-  worst = 0.0
+  as_np = lambda t: torch.as_tensor(t).detach().double().cpu().numpy()
+  norms = []
   for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
     sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
     if set(sa) != set(sb):
       return math.inf
-    for k, b in sb.items():
-      a = torch.as_tensor(sa[k]).detach().double().cpu().numpy()
-      b = torch.as_tensor(b).detach().double().cpu().numpy()
-      n = float(np.linalg.norm(a - b)) / max(float(np.linalg.norm(b)), 1e-30)
-      if not math.isnan(worst) and (math.isnan(n) or n > worst):
-        worst = n
-  return worst
+    norms += [rel_norm(as_np(sa[k]), as_np(b)) for k, b in sb.items()]
+  return worst(norms)
 
 
 def accuracy(model, x, y) -> float:
@@ -223,8 +218,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
       w.writerows([i, arm, repr(l)] for i, l in enumerate(losses[arm]))
 
   finite = all(math.isfinite(l) for arm in ARMS for l in losses[arm])
-  # (NaN-safe: a NaN difference fails)
-  worst_step = max(step_rel, default=0.0, key=lambda r: (math.isnan(r), r))
+  worst_step = worst(step_rel)  # (a NaN difference fails)
   ok = finite and (not fp32 or worst_step <= FP32_TOLERANCE)
   print(f"trained {args.steps} steps x 2 arms on {device}; {fused} fused "
         f"updates ({direct} launched directly)")
