@@ -25,7 +25,7 @@ import optax
 from optax.schedules import _inject as optax_inject
 
 from forge_jax.transforms import (ForgeSpec, ForgeTransformation,
-                                  chain_member)
+                                  chain_member, chain_members)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,14 +150,8 @@ def check_dtype_of_the_rest(inj: Injected, opt_state, params,
 def _chain_holds_forge(made) -> bool:
   """Whether ``made`` is an ``optax.chain`` with a forge_jax transform
   among its members (optax's own optimizers are chains of optax's)."""
-  update = getattr(made, "update", None)
-  if getattr(update, "__qualname__", "") != "chain.<locals>.update_fn":
-    return False
-  try:
-    members = inspect.getclosurevars(update).nonlocals.get("update_fns", ())
-  except (TypeError, ValueError):
-    return False
-  return any(chain_member(fn) is not None for fn in members)
+  return any(chain_member(update) is not None
+             for _, update in chain_members(made) or ())
 
 
 def _not_forge(inj: Injected, made) -> TypeError:

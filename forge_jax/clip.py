@@ -36,7 +36,6 @@ recognised too. :func:`recognise` reads such a chain for ``make_step``.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import numbers
 from typing import Any, Callable, Optional
 
@@ -170,35 +169,13 @@ class ClipChain:
                              for i, s in enumerate(chain_state))
 
 
-def _nonlocals(fn) -> dict:
-  try:
-    return inspect.getclosurevars(fn).nonlocals
-  except (TypeError, ValueError):
-    return {}
-
-
-def _chain_members(tx) -> Optional[list[tuple[Callable, Callable]]]:
-  """``[(init, update), ...]`` of an ``optax.chain``, or ``None`` if ``tx``
-  is not one (or comes from an optax whose ``chain`` this does not know)."""
-  update, init = getattr(tx, "update", None), getattr(tx, "init", None)
-  if not isinstance(tx, optax.GradientTransformation) or not callable(update):
-    return None
-  if getattr(update, "__qualname__", "") != "chain.<locals>.update_fn":
-    return None
-  updates = _nonlocals(update).get("update_fns")
-  inits = _nonlocals(init).get("init_fns")
-  if updates is None or inits is None or len(updates) != len(inits):
-    return None
-  return list(zip(inits, updates))
-
-
 def _unwrapped(update):
   """``(transform, update)`` behind a chain member's update function:
   ``optax.chain`` wraps a plain ``GradientTransformation`` in a closure over
   it (``with_extra_args_support``); ``(None, update)`` otherwise."""
   if getattr(update, "__qualname__", "") == (
       "with_extra_args_support.<locals>.update"):
-    inner = _nonlocals(update).get("tx")
+    inner = _transforms.closure_vars(update).get("tx")
     if isinstance(inner, optax.GradientTransformation):
       return inner, inner.update
   return None, update
@@ -233,7 +210,7 @@ def _global_clip(update) -> tuple[bool, Any]:
         "forge_jax.clip_by_global_norm(max_norm), optax.inject_hyperparams("
         "forge_jax.adamw)(learning_rate=...)).")
   if _is_optax_clip(fn):
-    found = _nonlocals(fn)
+    found = _transforms.closure_vars(fn)
     if "max_norm" not in found:
       raise TypeError(
           "make_step: this optax's clip_by_global_norm keeps its max_norm "
@@ -268,7 +245,7 @@ def holds_clipping(tx) -> bool:
     return True
   if inner is not None:
     tx = inner
-  for init, update in _chain_members(tx) or ():
+  for init, update in _transforms.chain_members(tx) or ():
     inner, fn = _unwrapped(update)
     if isinstance(inner, ClipByGlobalNorm) or _is_optax_clip(fn):
       return True
@@ -319,7 +296,7 @@ def recognise(tx) -> Optional[ClipChain]:
       ``forge_jax.MultiSteps`` optimizer, or a deferred family (Adafactor,
       SM3, ...).
   """
-  members = _chain_members(tx)
+  members = _transforms.chain_members(tx)
   if members is None:
     return None
   clips = [(i, _global_clip(u)) for i, (_, u) in enumerate(members)]

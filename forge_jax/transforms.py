@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import operator
 from typing import Any, Callable, NamedTuple, Optional, Union
 import weakref
@@ -150,6 +151,30 @@ def _remember_member(update, spec: Optional[ForgeSpec]) -> None:
                               spec if spec.update is None else None)
   except TypeError:  # not weakly referenceable: not found inside a chain
     pass
+
+
+def closure_vars(fn) -> dict:
+  """The nonlocal names ``fn`` closes over (``{}`` where there are none to
+  read): how optax's closures are looked into."""
+  try:
+    return inspect.getclosurevars(fn).nonlocals
+  except (TypeError, ValueError):
+    return {}
+
+
+def chain_members(tx) -> Optional[list[tuple[Callable, Callable]]]:
+  """``[(init, update), ...]`` of an ``optax.chain``, or ``None`` if ``tx``
+  is not one (or comes from an optax whose ``chain`` this does not know)."""
+  update, init = getattr(tx, "update", None), getattr(tx, "init", None)
+  if not isinstance(tx, optax.GradientTransformation) or not callable(update):
+    return None
+  if getattr(update, "__qualname__", "") != "chain.<locals>.update_fn":
+    return None
+  updates = closure_vars(update).get("update_fns")
+  inits = closure_vars(init).get("init_fns")
+  if updates is None or inits is None or len(updates) != len(inits):
+    return None
+  return list(zip(inits, updates))
 
 
 def chain_member(update) -> Optional[tuple[str, Optional[ForgeSpec]]]:
