@@ -96,7 +96,11 @@ def _sqnorm_kernel(x_ref, dy_ref, out_ref, *, cfg: BlockConfig, bt: int,
               jnp.sum(acc * acc).reshape(1))
 
 
+@functools.partial(jax.jit, inline=jax.Inline.JAX_EARLY,
+                   static_argnames=("cfg", "interpret", "precision"))
 def _launch(x2, dy2, cfg: BlockConfig, interpret: bool, precision):
+  # (Jitted: one compile per case for eager calls, not one per call;
+  # inlined where traced inside another function.)
   bt, n_in = x2.shape
   n_out = dy2.shape[1]
   tiles_in, tiles_out = pl.cdiv(n_in, cfg.block_in), pl.cdiv(n_out,

@@ -370,6 +370,17 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
     ``(w_new, slots_new)`` as :func:`pallas_kernels.fused_wgrad_update`
     returns them.
   """
+  w_new, slots_new = _launch_compiled(
+      operands, w, slots, hparams, layer, sr, rule=rule, cfg=cfg,
+      interpret=bool(interpret), bt=bt, precision=precision, plan=plan)
+  # A rule that leaves the weight alone returns it as given (not passed
+  # through the jit, which would hand back another array).
+  return (w_new if rule.updates_weight else w), slots_new
+
+
+def _launch(operands, w, slots, hparams, layer, sr, *, rule: UpdateRule,
+            cfg: BlockConfig, interpret: bool, bt: int, precision, plan):
+  """:func:`launch`, traced once per case by :data:`_launch_compiled`."""
   g_stored = len(operands) == 1
   stacked = layer is not None
   n_in, n_out = w.shape[-2:]
@@ -422,3 +433,13 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
   else:
     w_new, out = w, tuple(out)
   return w_new, out if plan is None else plan.unflatten(out)
+
+
+# One compiled kernel per case for eager calls: ``pl.pallas_call`` makes a
+# new function at each call, which an eager call would compile again; the
+# static arguments are hashed by value. Traced inside another function the
+# call is inlined (its jaxpr holds the pallas_call itself). The aliased
+# state is not donated here: an eager call leaves its inputs as they were.
+_launch_compiled = jax.jit(
+    _launch, inline=jax.Inline.JAX_EARLY,
+    static_argnames=("rule", "cfg", "interpret", "bt", "precision", "plan"))

@@ -1,6 +1,7 @@
 """The fused weight-gradient kernel against its pure-jnp reference."""
 
 import functools
+import logging
 import re
 
 import jax
@@ -433,6 +434,29 @@ def test_hyperparameters_are_runtime_values():
   # w's, not the update's: the table's fp32 bound, relative to ||w||.
   bound = tol(jnp.float32) * np.linalg.norm(np.asarray(w)) / np.linalg.norm(d1)
   assert_close(d2, 2 * d1, bound, what="w' - w at twice the lr")
+
+
+def test_eager_calls_compile_once_per_case(caplog):
+  """Called outside jit, the kernels compile at their first call and not
+  again: neither for the same call nor for a new learning rate."""
+  x, dy, w, slots = make_case(6, (12,), 24, 40, DTYPES[0])
+  g = jnp.asarray(x).T @ jnp.asarray(dy)
+  calls = (
+      lambda h: pk.fused_wgrad_update(x, dy, w, slots, h, rule=pk.ADAMW,
+                                      interpret=True),
+      lambda h: pk.stored_g_update(g, w, slots, h, rule=pk.ADAMW,
+                                   interpret=True),
+      lambda h: pk.wgrad_sqnorm(x, dy, interpret=True))
+  first, second = adamw_hparams(lr=1e-2), adamw_hparams(lr=2e-2)
+  for call in calls:
+    jax.block_until_ready(call(first))
+  with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles(True):
+    for call in calls:
+      jax.block_until_ready(call(first))
+      jax.block_until_ready(call(second))
+  compiled = [r.getMessage()[:80] for r in caplog.records
+              if r.getMessage().startswith("Compiling")]
+  assert not compiled, compiled
 
 
 @pytest.mark.parametrize("kwargs,match", [
