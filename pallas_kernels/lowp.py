@@ -197,9 +197,11 @@ def plan_state(slots, rule: UpdateRule, w, formats=None,
     input checks.
 
   Raises:
-    ValueError: codes or scales of the wrong shape or dtype, ``formats``
-      that do not fit the slots, stochastic rounding of a weight that is
-      not bfloat16 or by a rule that does not write the weight.
+    ValueError: codes or scales of the wrong shape or dtype, quantized
+      slots for a rule that refuses them (``rule.no_quantized_state``),
+      ``formats`` that do not fit the slots, stochastic rounding of a
+      weight that is not bfloat16 or by a rule that does not write the
+      weight.
     TypeError: a seed or step that is not an integer scalar, a slot that is
       neither an array nor a ``Quantized`` pair, ``formats`` that is one
       format (not one per slot).
@@ -241,6 +243,11 @@ def plan_state(slots, rule: UpdateRule, w, formats=None,
       plan.append(SlotPlan(None, second))
       stand_ins.append(a)
       continue
+    if rule.no_quantized_state is not None:
+      raise ValueError(
+          f"{where}: slot {name!r} is quantized, but rule {rule.name!r} "
+          f"cannot keep quantized state: {rule.no_quantized_state}. Pass "
+          "its slots as float arrays")
     q, scale = a
     q_dtype = jnp.dtype(q.dtype)
     if q_dtype not in _KIND_OF_DTYPE:

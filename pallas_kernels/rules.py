@@ -113,6 +113,11 @@ class UpdateRule:
       (:mod:`pallas_kernels.lowp`), such a slot is clamped at zero and
       floored (:class:`~pallas_kernels.quant.MomentFormat`'s ``v_floor``);
       every other slot is quantized as a signed value.
+    no_quantized_state: ``None``, or why this rule's slots must not be
+      stored quantized (int8/fp8 codes, :mod:`pallas_kernels.lowp`): a
+      quantized slot passed to it is then refused with this reason (centered
+      RMSprop: its variance, a difference of two moments, is lost to the
+      codes' rounding).
   """
 
   name: str
@@ -125,6 +130,7 @@ class UpdateRule:
   static: tuple[tuple[str, float], ...] = ()
   tuned_as: str | tuple[str, ...] | None = None
   second_moments: tuple[str, ...] = ()
+  no_quantized_state: str | None = None
 
   def __post_init__(self):
     for field in ("slots", "hparams", "outputs", "second_moments"):
@@ -505,6 +511,13 @@ def adagrad_rule() -> UpdateRule:
                     second_moments=("sum_of_squares",))
 
 
+CENTERED_VARIANCE = (
+    "centered RMSprop divides by the square root of its variance, the "
+    "second moment less the squared mean: a difference of two moments that "
+    "int8/fp8 codes cannot resolve (it rounds to zero or below: huge steps "
+    "or NaN weights)")
+
+
 @_one_per_variant
 def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
                  bias_correction: bool = False, momentum: bool = False,
@@ -518,8 +531,12 @@ def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
   Slots: ``("nu",)`` or, centered, ``("mu", "nu")``; then ``"trace"`` with
   momentum. Hyperparameters: ``lr``, ``decay``, ``one_minus_decay``, ``eps``;
   ``bc = 1 - decay**t`` with ``bias_correction``; ``momentum`` with momentum.
+  ``nesterov`` only matters with momentum: without it, the plain rule's
+  object. Centered, its slots cannot be stored quantized
+  (:attr:`UpdateRule.no_quantized_state`).
   """
-  nesterov = nesterov and momentum
+  if nesterov and not momentum:
+    return rmsprop_rule(centered, eps_in_sqrt, bias_correction)
 
   def update(g, w, slots, h):
     mu, nu, *trace = slots if centered else (None, *slots)
@@ -554,7 +571,8 @@ def rmsprop_rule(centered: bool = False, eps_in_sqrt: bool = True,
       hparams=("lr", "decay", "one_minus_decay", "eps")
       + (("bc",) if bias_correction else ())
       + (("momentum",) if momentum else ()),
-      update=update, second_moments=("nu",))
+      update=update, second_moments=("nu",),
+      no_quantized_state=CENTERED_VARIANCE if centered else None)
 
 
 @_one_per_variant
@@ -828,7 +846,8 @@ def accumulating(rule: UpdateRule) -> UpdateRule:
       hparams=rule.hparams + ACCUMULATE_HPARAMS, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
       defaults=rule.defaults, static=rule.static,
-      second_moments=rule.second_moments)
+      second_moments=rule.second_moments,
+      no_quantized_state=rule.no_quantized_state)
 
 
 def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:

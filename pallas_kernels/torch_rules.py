@@ -45,8 +45,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.rules import (UpdateRule, lerp, pack_host, rule_name,
-                                  select)
+from pallas_kernels.rules import (CENTERED_VARIANCE, UpdateRule, lerp,
+                                  pack_host, rule_name, select)
 
 # --------------------------------------------------------------------------
 # Shared pieces.
@@ -192,7 +192,8 @@ def _rmsprop_rule(centered: bool, momentum: bool) -> UpdateRule:
       + (("grad_avg",) if centered else ()),
       hparams=_COUPLED + ("alpha", "one_minus_alpha", "eps", "neg_lr")
       + (("momentum",) if momentum else ()),
-      update=update, second_moments=("square_avg",))
+      update=update, second_moments=("square_avg",),
+      no_quantized_state=CENTERED_VARIANCE if centered else None)
 
 
 def adam_rule(amsgrad: bool = False, cuda_fused: bool = False

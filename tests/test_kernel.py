@@ -956,6 +956,9 @@ def test_a_rule_is_checked_where_it_is_made_and_where_it_runs():
   # Nesterov without momentum is plain SGD (as in optax): the same object.
   assert pk.sgd_rule(nesterov=True) is pk.sgd_rule()
   assert pk.sgd_rule(False, 1) is pk.sgd_rule()
+  assert pk.rmsprop_rule(nesterov=True) is pk.rmsprop_rule()  # (alike)
+  assert (pk.rmsprop_rule(centered=True, nesterov=True)
+          is pk.rmsprop_rule(centered=True))
   for bad in (False, 0, "no"):
     with pytest.raises(TypeError, match="stochastic_rounding must be"):
       pk.describe_backend(x, dy, w.astype(jnp.bfloat16), (mu, nu),

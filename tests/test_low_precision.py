@@ -622,6 +622,21 @@ def test_unsupported_uses_are_refused_in_plain_words():
                        r"sqrt\(nu - mu\*\*2\)"):
       forge_jax.rmsprop(1e-3, centered=True, moments=moments)
   forge_jax.rmsprop(1e-3, centered=True, moments=jnp.bfloat16)  # floats
+  # The kernel API refuses them too, for optax's and torch's formulas.
+  x, dy = jnp.ones((4, 8)), jnp.ones((4, 16))
+  w = jnp.zeros((8, 16))
+  codes = quant.quantize(w, MomentFormat("int8"))
+  for rule in (pk.rmsprop_rule(centered=True),
+               torch_rules.rmsprop_rule(centered=True)):
+    h = rule.pack(**dict.fromkeys(rule.hparams, 0.5))
+    slots = [jnp.zeros_like(w)] * len(rule.slots)
+    for i in range(len(slots)):
+      quantized = [*slots[:i], codes, *slots[i + 1:]]
+      with pytest.raises(ValueError, match=rf"slot {rule.slots[i]!r} is "
+                         f"quantized, but rule {rule.name!r} cannot keep "
+                         "quantized state: centered RMSprop"):
+        pk.fused_wgrad_update(x, dy, w, quantized, h, rule=rule,
+                              interpret=True)
   # seed= does nothing without stochastic rounding: refused, as is a seed
   # that is not an integer, whatever the other options.
   for kw in ({}, {"moments": "int8"}):
