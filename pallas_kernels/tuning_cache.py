@@ -231,12 +231,15 @@ def validated(data: dict, where: str) -> dict:
           f"{where}: devices[{kind!r}] must be an object whose \"entries\", "
           f"\"sources\" and \"{MOSAIC_GPU}\" (if present) are objects")
     for key in (*entries, *mosaic_entries):
-      m = _KEY.fullmatch(key) if isinstance(key, str) else None
-      if m is None or not all(int(m[n]) >= 1 for n in ("bt", "n_in", "n_out")):
+      canonical = _canonical_key(key)
+      if canonical != key:
+        hint = (f"; cache_key writes it {canonical!r}, which a lookup "
+                "would find" if canonical else "")
         raise ValueError(
             f"{where}: bad key {kind!r} / {key!r}: expected "
-            "'RULE|btBT|INxOUT|w=DTYPE|slots=DTYPES' with BT, IN and OUT "
-            "positive (pallas_kernels.tuning_cache.cache_key's form)")
+            "'RULE|btBT|INxOUT|w=DTYPE|slots=DTYPES' with BT a power of two, "
+            "IN and OUT positive and canonical dtype names "
+            f"(pallas_kernels.tuning_cache.cache_key's form){hint}")
     for key, entry in entries.items():
       try:
         configs[(kind, key)] = BlockConfig(**entry["config"])
@@ -326,7 +329,22 @@ def _lookup(table, bt, n_in, n_out, w_dtype, slot_dtypes, rule, device_kind,
 
 
 _KEY = re.compile(r"(?P<rule>[^|]+)\|bt(?P<bt>\d+)\|(?P<n_in>\d+)x"
-                  r"(?P<n_out>\d+)\|(?P<dtypes>w=.*)")
+                  r"(?P<n_out>\d+)\|w=(?P<w>[^|]+)\|slots=(?P<slots>[^|]*)")
+
+
+def _canonical_key(key) -> str | None:
+  """``key`` as :func:`cache_key` writes the case it names (a lookup finds
+  only that form), or ``None`` where it names none: not of the form, a size
+  below 1, a dtype that is no dtype."""
+  m = _KEY.fullmatch(key) if isinstance(key, str) else None
+  if m is None or not all(int(m[n]) >= 1 for n in ("bt", "n_in", "n_out")):
+    return None
+  try:
+    return cache_key(m["rule"], int(m["bt"]), int(m["n_in"]),
+                     int(m["n_out"]), m["w"],
+                     m["slots"].split(",") if m["slots"] else ())
+  except TypeError:  # not a dtype name
+    return None
 
 
 def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
@@ -362,7 +380,8 @@ def nearest_mosaic(bt: int, n_in: int, n_out: int, w_dtype,
     for (kind, key), entry in load(path)["mosaic"].items():
       m = _KEY.fullmatch(key)
       if (kind != device_kind or m is None or key in found
-          or m["rule"] not in rules or m["dtypes"] != dtypes):
+          or m["rule"] not in rules
+          or f"w={m['w']}|slots={m['slots']}" != dtypes):
         continue
       e_bt, e_in, e_out = int(m["bt"]), int(m["n_in"]), int(m["n_out"])
       found[key] = ((abs(log(bt_bucket(bt)) - log(e_bt)),

@@ -442,11 +442,16 @@ def test_bad_cache_entries_fail_clearly(tmp_path):
 @pytest.mark.parametrize("key", [
     "k", "adamw|bt0|64x64|w=bfloat16|slots=bfloat16,bfloat16",
     "adamw|bt512|0x64|w=bfloat16|slots=bfloat16,bfloat16",
-    "adamw|bt512|64x64"])
+    "adamw|bt512|64x64",
+    # Forms a lookup never finds: a dtype alias, BT not a bucket, no dtype.
+    "adamw|bt512|64x64|w=bf16|slots=bfloat16,bfloat16",
+    "adamw|bt500|64x64|w=bfloat16|slots=bfloat16,bfloat16",
+    "adamw|bt512|64x64|w=nonsense|slots="])
 def test_malformed_cache_keys_fail_clearly(tmp_path, table, key):
   """A key not of cache_key's form (a hand edit: a zero size, a missing
-  part) is refused when the file is read, naming the file and the key,
-  not met later as a math error in the nearest-entry search."""
+  part, a dtype alias, BT not a power of two) is refused when the file is
+  read, naming the file and the key, not met later as a math error in the
+  nearest-entry search or never found by a lookup."""
   path = tmp_path / "bad.json"
   data = autotune._empty_cache()
   data["devices"]["NVIDIA H200"] = {"entries": {}, table: {key: {
@@ -746,11 +751,12 @@ def test_merge_keeps_entries_without_a_source_record(tmp_path):
   """lookup() uses an entry with no (or an unknown) source, so --merge must
   carry it over rather than drop it and report 0 entries."""
   key = tuning_cache.cache_key(pk.ADAMW, 512, 64, 64, "bfloat16", BF16)
+  other = tuning_cache.cache_key(pk.ADAMW, 1024, 64, 64, "bfloat16", BF16)
   cfg = pk.BlockConfig(32, 32, 32)
   src = tmp_path / "hand.json"
   src.write_text(json.dumps({"format": 1, "devices": {"G": {"entries": {
       key: {"config": dataclasses.asdict(cfg)},
-      key + "x": {"config": dataclasses.asdict(cfg), "source": "nowhere"}}}}}))
+      other: {"config": dataclasses.asdict(cfg), "source": "nowhere"}}}}}))
   assert tuning_cache.lookup(512, 64, 64, "bfloat16", BF16, pk.ADAMW,
                              device_kind="G", paths=[str(src)]) == cfg
   out = tmp_path / "out.json"
