@@ -59,12 +59,19 @@ def check_values(where: str, **arrays) -> None:
   """Refuses, by name, an operand that is a shape-only stand-in
   (``jax.ShapeDtypeStruct``: what :func:`describe_backend` takes) or a
   torch tensor where the call needs JAX arrays' values. A sequence (the
-  slots) is checked entry by entry."""
+  slots) is checked entry by entry, a quantized slot's pair
+  (``quant.Quantized``) field by field."""
   for name, a in arrays.items():
-    items = (list(enumerate(a)) if isinstance(a, (list, tuple))
-             and not hasattr(a, "_fields") else [(None, a)])
-    for i, v in items:
-      label = name if i is None else f"{name}[{i}]"
+    items = ([(f"{name}[{i}]", v) for i, v in enumerate(a)]
+             if isinstance(a, (list, tuple)) and not hasattr(a, "_fields")
+             else [(name, a)])
+    flat = []
+    for label, v in items:
+      if hasattr(v, "_fields"):  # a quantized slot's (q, scale)
+        flat += [(f"{label}.{f}", getattr(v, f)) for f in v._fields]
+      else:
+        flat.append((label, v))
+    for label, v in flat:
       if isinstance(v, jax.ShapeDtypeStruct):
         raise TypeError(
             f"{where}: {label} is a jax.ShapeDtypeStruct, a shape-only "

@@ -26,8 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.checks import (check_float_dtype, common_dtype,
-                                   flatten_tokens)
+from pallas_kernels.checks import (check_float_dtype, check_values,
+                                   common_dtype, flatten_tokens)
 from pallas_kernels.interpret import (check_interpret, default_interpret,
                                       warn_interpret_once)
 from pallas_kernels.tiling import BlockConfig, check_block_config
@@ -119,11 +119,14 @@ def _launch(x2, dy2, cfg: BlockConfig, interpret: bool, precision):
   return out.reshape(tiles_in, tiles_out)
 
 
-def _checked(x, dy):
-  """``x`` and ``dy`` as ``(BT, in)``, ``(BT, out)`` arrays of one dtype."""
-  x, dy = jnp.asarray(x), jnp.asarray(dy)
+def _checked(x, dy, where: str):
+  """``x`` and ``dy`` as ``(BT, in)``, ``(BT, out)`` arrays of one dtype
+  (arrays, as the updates take them: not torch tensors or lists)."""
+  check_values(where, x=x, dy=dy)
   for name, a in (("x", x), ("dy", dy)):
     check_float_dtype(name, a)
+  x, dy = jnp.asarray(x), jnp.asarray(dy)
+  for name, a in (("x", x), ("dy", dy)):
     if a.ndim < 1:
       raise ValueError(f"{name} needs at least one dimension, got a scalar")
   if x.shape[:-1] != dy.shape[:-1]:
@@ -167,12 +170,13 @@ def wgrad_sqnorm(x: jax.Array, dy: jax.Array, *,
     token rows, zeros.
 
   Raises:
-    TypeError: a non-float or float64 operand, a ``config`` that is not a
-      ``BlockConfig``.
+    TypeError: an operand that is not an array (a torch tensor, a list, a
+      ``jax.ShapeDtypeStruct``), a non-float or float64 one, a ``config``
+      that is not a ``BlockConfig``.
     ValueError: shapes that do not fit, an epilogue option set in
       ``config``.
   """
-  x2, dy2 = _checked(x, dy)
+  x2, dy2 = _checked(x, dy, "wgrad_sqnorm")
   bt, n_in = x2.shape
   n_out = dy2.shape[1]
   check_block_config(config, "wgrad_sqnorm", "config")
@@ -206,7 +210,7 @@ def wgrad_sqnorm_reference(x, dy, *, partials: bool = False,
   ``partials``, over each ``(block_in, block_out)`` tile (the kernel's
   ``config.block_in`` / ``block_out``), as a ``(tiles_in, tiles_out)``
   array."""
-  x2, dy2 = _checked(x, dy)
+  x2, dy2 = _checked(x, dy, "wgrad_sqnorm_reference")
   if partials:
     for name, v in (("block_in", block_in), ("block_out", block_out)):
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:

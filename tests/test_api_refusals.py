@@ -2,6 +2,7 @@
 is wrong and what is taken instead; :func:`pallas_kernels.describe_backend`
 tells (and refuses) what the kernel call does. CPU, Pallas interpret mode,
 tiny shapes."""
+import functools
 import re
 
 import jax
@@ -130,6 +131,15 @@ def test_shape_only_stand_ins_and_torch_tensors_are_refused_by_name():
        r"slots\[1\] is a jax.ShapeDtypeStruct"),
       ("torch", dict(x=torch.zeros(x.shape)), "x is a Tensor from torch"),
   ]
+  # Inside a quantized slot's pair: its codes or its scale, by field.
+  q = quant.quantize(slots[0], quant.MomentFormat("int8"))
+  cases += [
+      ("codes", dict(slots=(q._replace(q=sds(q.q.shape, q.q.dtype)),
+                            slots[1])),
+       r"slots\[0\]\.q is a jax.ShapeDtypeStruct"),
+      ("scale", dict(slots=(q._replace(scale=torch.zeros(q.scale.shape)),
+                            slots[1])),
+       r"slots\[0\]\.scale is a Tensor from torch")]
   for label, change, match in cases:
     args = dict(x=x, dy=dy, w=w, slots=slots, hparams=_hparams())
     args.update(change)
@@ -140,6 +150,13 @@ def test_shape_only_stand_ins_and_torch_tensors_are_refused_by_name():
   with pytest.raises(TypeError, match="g is a jax.ShapeDtypeStruct"):
     pk.stored_g_update(sds(w.shape, w.dtype), w, slots, _hparams(),
                        rule=ADAMW, interpret=True)
+  # The clipping norm's kernel takes what the updates take.
+  for fn in (functools.partial(pk.wgrad_sqnorm, interpret=True),
+             pk.wgrad_sqnorm_reference):
+    with pytest.raises(TypeError, match="dy is a Tensor from torch"):
+      fn(x, torch.zeros(dy.shape))
+    with pytest.raises(TypeError, match="x must be an array, got list"):
+      fn(np.asarray(x).tolist(), dy)
 
 
 def test_x_and_dy_without_a_common_dtype_are_refused():
