@@ -45,6 +45,14 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+try:
+  import torch  # noqa: F401
+except ImportError as e:
+  raise ImportError(
+      "forge_torch needs PyTorch, an optional dependency of forge-jax: "
+      "install it with the torch extra (from a clone: pip install "
+      "'.[torch]'), or pip install torch") from e
+
 from forge_torch._bridge import STATS as bridge_stats  # noqa: E402
 from forge_torch._bridge import get_sync_mode, set_sync_mode  # noqa: E402
 from forge_torch._direct import set_enabled as set_direct_launch  # noqa: E402

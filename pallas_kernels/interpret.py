@@ -62,7 +62,9 @@ def warn_interpret_once() -> None:
   warnings.warn(
       f"no GPU found (JAX's default backend is {jax.default_backend()!r}): "
       "the pallas_kernels kernels run in Pallas interpret mode, which gives "
-      "the same results but is far slower. Run on a GPU for speed; to "
-      "silence this notice, pass interpret=True or filter "
+      "the same results but is far slower. Run on a GPU for speed (on an "
+      "NVIDIA GPU JAX needs its CUDA plugin: pip install 'jax[cuda13]', "
+      "or forge-jax's cuda extra); to silence this notice, pass "
+      "interpret=True or filter "
       "pallas_kernels.InterpretModeWarning.", InterpretModeWarning,
       stacklevel=4)

@@ -166,3 +166,17 @@ def test_importing_pallas_kernels_loads_no_framework():
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
                        capture_output=True, text=True)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_forge_torch_without_torch_says_how_to_install_it():
+  """torch is an optional dependency: without it, importing forge_torch
+  names the extra that installs it (a bare ModuleNotFoundError from a
+  module deep inside would not)."""
+  code = ("import sys; sys.modules['torch'] = None\n"  # (as if not installed)
+          "try:\n  import forge_torch\n"
+          "except ImportError as e:\n  print(e)\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
+                       capture_output=True, text=True)
+  assert out.stdout.startswith(
+      "forge_torch needs PyTorch, an optional dependency of forge-jax: "
+      "install it with the torch extra"), out.stdout + out.stderr
