@@ -737,6 +737,9 @@ class Linear(nn.Linear):
     if not isinstance(linear._parameters.get("weight"), nn.Parameter):
       raise ValueError(f"from_linear: {_FORMED_WEIGHT}, so keep this layer "
                        "an nn.Linear")
+    if type(linear) not in (nn.Linear, Linear):
+      raise TypeError(f"from_linear: {_subclass(linear)}: keep it as it is "
+                      "(convert() leaves it alike)")
     new = cls(linear.in_features, linear.out_features,
               bias=linear.bias is not None, device="meta",
               dtype=linear.weight.dtype, block_config=block_config)
@@ -973,6 +976,13 @@ _FORMED_WEIGHT = (
     "FORGE updates a weight Parameter in place")
 
 
+def _subclass(module: nn.Module) -> str:
+  return (f"its type is {type(module).__name__}, a subclass of nn.Linear "
+          "whose forward may differ or whose weight may be read outside its "
+          "forward (e.g. MultiheadAttention.out_proj); only exact nn.Linear "
+          "is converted")
+
+
 def _skip_reason(module: nn.Module, names_of: Mapping[int, list[str]]
                  ) -> str | None:
   """Why ``module`` (an ``nn.Linear`` or subclass) cannot be managed.
@@ -987,10 +997,10 @@ def _skip_reason(module: nn.Module, names_of: Mapping[int, list[str]]
             f"{type(module).__name__}): convert the model before "
             "fully_shard, then call "
             "forge_torch.distributed.prepare_fsdp(model)")
+  if not isinstance(module._parameters.get("weight"), nn.Parameter):
+    return _FORMED_WEIGHT  # (parametrized: read without running it)
   if type(module) is not nn.Linear:
-    return (f"its type is {type(module).__name__}, a subclass of nn.Linear "
-            "whose weight may be read outside its forward (e.g. "
-            "MultiheadAttention.out_proj); only exact nn.Linear is converted")
+    return _subclass(module)
   w = module.weight
   names_of_weight = names_of.get(id(w), [])
   if not names_of_weight:

@@ -565,6 +565,16 @@ def test_linear_is_a_drop_in_for_nn_linear():
   with pytest.raises(ValueError, match="formed from others at each forward"):
     forge_torch.Linear.from_linear(normed)
 
+  class Scaled(nn.Linear):  # a forward of its own, which FORGE's would drop
+    def forward(self, x):
+      return 2 * super().forward(x)
+
+  with pytest.raises(TypeError, match="from_linear: its type is Scaled, a "
+                     "subclass of nn.Linear whose forward may differ"):
+    forge_torch.Linear.from_linear(Scaled(4, 3))
+  with pytest.warns(forge_torch.ConvertSkipWarning, match="Scaled"):
+    assert forge_torch.convert(nn.Sequential(Scaled(4, 3))) == []
+
 
 class TiedAfterConvert(nn.Module):
   def __init__(self):
@@ -674,9 +684,13 @@ def test_convert_leaves_a_parametrized_layer_and_its_state_alone():
   model = nn.Sequential(nn.Linear(8, 16), spectral_norm(nn.Linear(16, 16)))
   sn = model[1].parametrizations.weight[0]
   u, v = sn._u.clone(), sn._v.clone()
-  with pytest.warns(forge_torch.ConvertSkipWarning, match="1"):
-    assert forge_torch.convert(model) == ["0"]
+  with pytest.warns(forge_torch.ConvertSkipWarning, match="1") as caught:
+    skipped = forge_torch.convert(model).skipped
+  assert list(skipped) == ["1"]
   assert torch.equal(sn._u, u) and torch.equal(sn._v, v)
+  # Its reason names parametrize, not its type (a subclass parametrize made).
+  assert "formed from others at each forward" in skipped["1"]
+  assert "a subclass of nn.Linear" not in str(caught[0].message)
 
 
 # --- misuse ---------------------------------------------------------------------
