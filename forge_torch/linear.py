@@ -155,6 +155,12 @@ def weight_name(p: torch.Tensor) -> str:
   return f"{path}.weight" if path else f"weight of shape {tuple(p.shape)}"
 
 
+def path_of(p: torch.Tensor) -> str | None:
+  """The module path of the layer FORGE weight ``p`` was last named for by
+  :func:`convert`, or ``None``."""
+  return _PATHS.get(p)
+
+
 def owner_of(p: torch.Tensor):
   """The live forge_torch optimizer that owns FORGE weight ``p``, or ``None``.
 
@@ -1045,7 +1051,11 @@ def convert(model: nn.Module, *,
   standard path: FORGE needs exactly one layer reading each weight per step.
 
   Every ``forge_torch.Linear`` of the model (converted now or before) is
-  given its module path, by which forge_torch's errors and warnings name it.
+  given its module path, by which forge_torch's errors and warnings name it;
+  one whose weight appears more than once (a ``forge_torch.Linear`` used
+  as a drop-in and tied to an embedding, or layers tied after an earlier
+  ``convert``) is put on the standard path (``fused = False``) and reported
+  among the skipped.
 
   Args:
     model: the model, changed in place (not itself an ``nn.Linear``).
@@ -1089,8 +1099,16 @@ def convert(model: nn.Module, *,
     names_of[id(p)].append(name)
   converted, skipped, excluded = [], {}, set()
   for name, module in modules.items():
-    if isinstance(module, Linear):  # already FORGE's: just name it
+    if isinstance(module, Linear):  # already FORGE's: name it
       module._set_path(name)
+      shared = names_of.get(id(module._parameters.get("weight")), ())
+      if module.fused and len(shared) > 1:  # tied since: standard path
+        module.fused = False
+        skipped[name] = (
+            f"a forge_torch.Linear whose weight appears {len(shared)} times "
+            f"in the model ({', '.join(shared)}): tied to another module; "
+            "FORGE needs a weight read by one layer only, so its fused is "
+            "set to False (it trains with ordinary gradients)")
       continue
     if not isinstance(module, nn.Linear):
       continue

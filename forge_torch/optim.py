@@ -1229,6 +1229,14 @@ class _ForgeOptimizer:
     is still alive (a reused layer, or an output kept without a
     backward)."""
     updated = w in self._forge_updated
+    owner = _linear.path_of(w)
+    tied = (
+        f" Its weight is also that of forge_torch.Linear {owner} (one "
+        "Parameter in two layers: a tie made after convert(), e.g. "
+        f"{layer}.weight = {owner}.weight), which reads it twice per step: "
+        "call forge_torch.convert(model) again, which puts tied layers on "
+        "the standard path, or set layer.fused = False on both."
+        if owner is not None and owner != layer else "")
     pending = (
         "An earlier forward's output that is no longer wanted keeps its use "
         "counted while it is referenced -- a loss skipped after a "
@@ -1252,7 +1260,7 @@ class _ForgeOptimizer:
           "fewer). " + ("" if updated else pending) +
           "A layer run twice per micro-batch counts twice: keep such a layer "
           "as nn.Linear (or set layer.fused = False). Evaluation forwards "
-          "must run under torch.no_grad().")
+          "must run under torch.no_grad()." + tied)
     if updated:
       raise RuntimeError(
           f"forge_torch.Linear {layer} was called a second time before "
@@ -1265,7 +1273,7 @@ class _ForgeOptimizer:
           "optimizer.step() (after optimizer.zero_grad() to drop the other "
           "parameters' gradients). Evaluation forwards must run under "
           "torch.no_grad(). Gradient accumulation over K micro-batches is "
-          "opt-in: set optimizer.accumulate_steps = K.")
+          "opt-in: set optimizer.accumulate_steps = K." + tied)
     raise RuntimeError(
         f"forge_torch.Linear {layer} was called a second time before "
         "optimizer.step(), while the autograd graph of its first call in "
@@ -1275,7 +1283,7 @@ class _ForgeOptimizer:
         "reader would see the already-updated weight). " + pending +
         "A layer reused within a step must stay nn.Linear (or set "
         "layer.fused = False). Gradient accumulation over K micro-batches "
-        "is opt-in: set optimizer.accumulate_steps = K.")
+        "is opt-in: set optimizer.accumulate_steps = K." + tied)
 
   def _forge_release(self, w: torch.Tensor, generation: int | None) -> None:
     """A counted forward of ``w`` that will not update it (its graph was

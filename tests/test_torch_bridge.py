@@ -626,6 +626,61 @@ def test_a_weight_tied_by_hand_stays_unmanaged_through_replacements(then):
     assert rel(p, q) <= FP32_TOL
 
 
+class TiedToTheHead(nn.Module):
+  """nanoGPT's tie, the embedding pointed at the head's weight, with
+  ``head`` a ``forge_torch.Linear`` used as a drop-in (``Lin``)."""
+
+  def __init__(self, lin):
+    super().__init__()
+    self.emb = nn.Embedding(5, 3)
+    self.fc = lin(3, 3)
+    self.head = lin(3, 5, bias=False)
+    self.emb.weight = self.head.weight
+
+  def forward(self, ids):
+    return self.head(torch.relu(self.fc(self.emb(ids))))
+
+
+def test_a_managed_weight_tied_to_another_module_leaves_its_fused_path():
+  """A tie that points another module at a managed weight (a drop-in
+  forge_torch.Linear head tied to the embedding; two layers tied after
+  convert) is found by convert(), which puts the layer on the standard
+  path (fused = False) and reports it: trains as torch's model does. Left
+  unconverted, two managed layers tied after convert() are refused naming
+  the tie, not a layer called twice."""
+  torch.manual_seed(0)
+  ref = TiedToTheHead(nn.Linear)
+  torch.manual_seed(0)
+  model = TiedToTheHead(forge_torch.Linear)
+  with pytest.warns(forge_torch.ConvertSkipWarning, match="head"):
+    names = forge_torch.convert(model)
+  assert "weight appears 2 times" in names.skipped["head"]
+  assert not model.head.fused and model.fc.fused
+  o_ref = torch.optim.AdamW(ref.parameters(), lr=0.1)
+  o_f = forge_torch.AdamW(model.parameters(), lr=0.1)
+  ids = torch.tensor([[0, 1, 2], [3, 4, 0]])
+  for _ in range(2):
+    for m, o in ((ref, o_ref), (model, o_f)):
+      m(ids).square().mean().backward()
+      o.step()
+      o.zero_grad()
+  for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+    assert rel(p, q) <= FP32_TOL
+
+  model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+  forge_torch.convert(model)
+  model[2].weight = model[0].weight  # tied after convert()
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  with pytest.raises(RuntimeError, match=r"forge_torch.Linear 2 was called a "
+                     r"second time.*Its weight is also that of "
+                     r"forge_torch.Linear 0 \(one Parameter in two layers"):
+    model(torch.randn(2, 4))
+  with pytest.warns(forge_torch.ConvertSkipWarning):
+    skipped = forge_torch.convert(model).skipped
+  assert sorted(skipped) == ["0", "2"]
+  del opt
+
+
 class Tied(nn.Module):
   def __init__(self):
     super().__init__()
