@@ -878,6 +878,9 @@ class _ForgeOptimizer:
         _bridge.check_dtype(p, f"forge_torch.Linear's {name}")
         _check_contiguous(p, name)
       if managed:
+        _check_own_memory(managed, [q for g in self.param_groups
+                                    for q in g["params"]])
+      if managed:
         self._forge_rule(group)  # refuses unfusable combinations now
       self._forge_check_low_precision(group, managed)
     except (TypeError, ValueError):
@@ -2197,6 +2200,47 @@ def _check_contiguous(w: torch.Tensor, what: str) -> None:
         "contiguous tensor (t.contiguous()), or assign layer.weight = "
         "nn.Parameter(layer.weight.detach().contiguous()) before building "
         "the optimizer.")
+
+
+def _storage_of(p: torch.Tensor) -> int | None:
+  """The address of ``p``'s memory block (``None`` for a tensor without
+  one: on the meta device, or a wrapper subclass such as a DTensor)."""
+  if p.device.type == "meta" or type(p) not in (torch.nn.Parameter,
+                                                torch.Tensor):
+    return None
+  try:
+    return p.untyped_storage().data_ptr() or None
+  except (RuntimeError, NotImplementedError):
+    return None
+
+
+def _check_own_memory(managed, params) -> None:
+  """Refuses a managed weight whose memory block also holds another of the
+  optimizer's parameters (slices of one tensor, e.g. a fused checkpoint
+  split and loaded with ``load_state_dict(..., assign=True)``): views share
+  autograd's version counter, so the in-place update of one weight in its
+  layer's backward would fail the backward of the other's layer, after
+  some updates were applied."""
+  by_storage = collections.defaultdict(list)
+  for q in params:
+    key = _storage_of(q)
+    if key is not None and not any(q is r for r in by_storage[key]):
+      by_storage[key].append(q)
+  for p in managed:
+    others = [q for q in by_storage.get(_storage_of(p), []) if q is not p]
+    if others:
+      names = ", ".join(_linear.weight_name(q) if _linear.is_forge_weight(q)
+                        else f"a parameter of shape {tuple(q.shape)}"
+                        for q in others)
+      raise ValueError(
+          f"forge_torch: the managed {_linear.weight_name(p)} shares one "
+          f"memory block with other parameters ({names}): slices of one "
+          "tensor, e.g. a fused checkpoint split and loaded with "
+          "load_state_dict(..., assign=True). Slices share autograd's "
+          "version counter, so FORGE's in-place update of one weight in "
+          "its layer's backward would fail the backward of the others. "
+          "Give each weight its own memory (load the slices' .clone(), or "
+          "load without assign=True) before building the optimizer.")
 
 
 def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:

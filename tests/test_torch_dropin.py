@@ -444,6 +444,29 @@ def test_a_weight_made_non_contiguous_after_convert_is_refused_by_name():
   del opt
 
 
+def test_weights_sliced_from_one_tensor_are_refused_by_the_optimizer():
+  """Weights loaded with assign=True as slices of one tensor (a fused
+  checkpoint split in two) share autograd's version counter: FORGE's
+  in-place update of one would fail the other's backward, after some
+  updates. The optimizer refuses them at construction, naming both; their
+  clones train."""
+  model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+  forge_torch.convert(model)
+  fused = torch.randn(16, 8)
+  sd = model.state_dict()
+  sd["0.weight"], sd["2.weight"] = fused[:8], fused[8:]
+  model.load_state_dict(sd, assign=True)
+  with pytest.raises(ValueError, match=r"the managed 0\.weight shares one "
+                     r"memory block with other parameters \(2\.weight\)"):
+    forge_torch.SGD(model.parameters(), lr=0.1)
+  sd["0.weight"], sd["2.weight"] = fused[:8].clone(), fused[8:].clone()
+  model.load_state_dict(sd, assign=True)
+  opt = forge_torch.SGD(model.parameters(), lr=0.1)
+  model(torch.randn(5, 8)).square().mean().backward()
+  opt.step()
+  assert not torch.equal(model[0].weight, fused[:8])
+
+
 def test_convert_skips_a_non_contiguous_weight_with_the_fix():
   """A transposed view assigned as the weight: torch.optim trains it, the
   in-place kernel cannot, so convert() leaves the layer nn.Linear and says
