@@ -445,7 +445,8 @@ def _check_torch_parity(device: str) -> None:
     assert rel_err(float(loss.detach()), float(l_ref.detach())) <= F32
     assert rel_err(float(opt.last_grad_norm), ref_norms[-1]) <= F32
   assert any(n >= m for n in ref_norms) and any(n < m for n in ref_norms)
-  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+  for (name, p), q in zip(model.named_parameters(), ref.parameters(),
+                          strict=True):
     assert_close(p.detach().cpu().numpy(), q.detach().cpu().numpy(), F32,
                  name)
     for key, want in ref_opt.state[q].items():
@@ -521,7 +522,8 @@ def test_torch_max_grad_norm_keeps_zero_gradients_of_unreached_params():
       return loss
 
     opt.step(closure)
-  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+  for (name, p), q in zip(model.named_parameters(), ref.parameters(),
+                          strict=True):
     assert_close(p.detach().numpy(), q.detach().numpy(), F32, name)
   assert model.side.bias.grad is not None and not model.side.bias.grad.any()
 
@@ -743,7 +745,8 @@ def test_torch_restore_buffers_advances_them_once_as_torch_does(kind):
   for name, want in bufs(ref).items():
     assert_close(bufs(model)[name].double().numpy(), want.double().numpy(),
                  F32, name)
-  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+  for (name, p), q in zip(model.named_parameters(), ref.parameters(),
+                          strict=True):
     assert_close(p.detach().numpy(), q.detach().numpy(), F32, name)
     for key, want in ref_opt.state[q].items():
       assert_close(opt.state[p][key].numpy(), want.numpy(), F32,
@@ -869,5 +872,6 @@ def test_torch_restore_buffers_puts_back_every_kind_of_buffer_change():
   assert got.keys() == want.keys() and "2.seen" in got and "3.running_mean" in got
   for name, w in want.items():
     assert_close(got[name].double().numpy(), w.double().numpy(), F32, name)
-  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+  for (name, p), q in zip(model.named_parameters(), ref.parameters(),
+                          strict=True):
     assert_close(p.detach().numpy(), q.detach().numpy(), F32, name)

@@ -145,7 +145,8 @@ LR = 3e-3
 
 
 def assert_gpt_parity(ref, model, o_ref, o_f, rtol):
-  for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+  for (name, p), q in zip(model.named_parameters(), ref.parameters(),
+                          strict=True):
     assert p.dtype == torch.float32, name
     assert rel(p, q) <= rtol, (name, rel(p, q))
     sf, sr = o_f.state[p], o_ref.state[q]
@@ -361,7 +362,8 @@ def test_accumulation_is_torchs_sum_then_step(family):
     o_f.step()
     o_ref.zero_grad()
     o_f.zero_grad()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(),
+                            strict=True):
       assert rel(p, q) <= FP32, (name, rel(p, q))
       for key, s in o_ref.state[q].items():
         assert rel(o_f.state[p][key], s) <= FP32, (name, key)
@@ -456,7 +458,8 @@ def test_zero_grad_keeping_zeros_mid_window_steps_from_zero_as_torch(
     o_f.step()
     o_ref.zero_grad()
     o_f.zero_grad()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(),
+                            strict=True):
       assert rel(p, q) <= FP32, (step, name, rel(p, q))
       for key, s in o_ref.state[q].items():
         assert rel(o_f.state[p][key], s) <= FP32, (step, name, key)

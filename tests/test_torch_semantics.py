@@ -40,7 +40,8 @@ def data(seed=1, n=5):
 
 
 def assert_models_close(fm, ref):
-  for (name, pf), pr in zip(fm.named_parameters(), ref.parameters()):
+  for (name, pf), pr in zip(fm.named_parameters(), ref.parameters(),
+                            strict=True):
     assert rel(pf, pr) <= TOL, (name, rel(pf, pr))
 
 
