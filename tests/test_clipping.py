@@ -324,12 +324,12 @@ def test_clipped_scanned_stack_keeps_one_set_of_saved_activations():
         optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=1.0),
         forge_jax.adamw(1e-3)),
      r"clipping inside optax.inject_hyperparams \(an injected or scheduled "
-     "max_norm\) is not supported"),
+     r"max_norm\) is not supported"),
     (lambda: optax.chain(
         optax.inject_hyperparams(forge_jax.clip_by_global_norm)(max_norm=1.0),
         forge_jax.adamw(1e-3)),
      r"clipping inside optax.inject_hyperparams \(an injected or scheduled "
-     "max_norm\) is not supported"),
+     r"max_norm\) is not supported"),
     (lambda: optax.inject_hyperparams(
         lambda learning_rate, max_norm: optax.chain(
             forge_jax.clip_by_global_norm(max_norm),
