@@ -68,7 +68,8 @@ def from_accumulator(rule: UpdateRule) -> UpdateRule:
       name=f"{rule.name}_from_acc", slots=(ACC, *rule.slots),
       hparams=rule.hparams, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
-      defaults=rule.defaults, static=rule.static)
+      defaults=rule.defaults, static=rule.static,
+      no_quantized_state=rule.no_quantized_state)
 
 
 __all__ = ["ACC", "from_accumulator", "sum_rule"]

@@ -897,7 +897,8 @@ def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
       hparams=rule.hparams + MOMENTUM_ACCUMULATE_HPARAMS, update=update,
       updates_weight=rule.updates_weight, outputs=rule.outputs,
       defaults=rule.defaults, static=rule.static,
-      second_moments=rule.second_moments)
+      second_moments=rule.second_moments,
+      no_quantized_state=rule.no_quantized_state)
 
 
 # --- Global-norm clipping (forge_jax.clip_by_global_norm, max_grad_norm=) -----
@@ -943,4 +944,5 @@ def grad_scaled(rule: UpdateRule) -> UpdateRule:
       # (The base rule's tilings, then those it takes.)
       tuned_as=(rule.name if rule.tuned_as is None
                 else (rule.name, *tuned_names(rule))),
-      second_moments=rule.second_moments)
+      second_moments=rule.second_moments,
+      no_quantized_state=rule.no_quantized_state)

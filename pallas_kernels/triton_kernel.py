@@ -370,16 +370,21 @@ def launch(operands, w, slots, hparams, *, rule: UpdateRule, cfg: BlockConfig,
     ``(w_new, slots_new)`` as :func:`pallas_kernels.fused_wgrad_update`
     returns them.
   """
+  # The seed's vector formed outside the jit, which would take a Python
+  # seed of 2**31 or more as an int32 and overflow.
+  sr_vec = (lowp.seed_step_vector(sr)
+            if plan is not None and plan.stochastic_rounding else None)
   w_new, slots_new = _launch_compiled(
-      operands, w, slots, hparams, layer, sr, rule=rule, cfg=cfg,
+      operands, w, slots, hparams, layer, sr_vec, rule=rule, cfg=cfg,
       interpret=bool(interpret), bt=bt, precision=precision, plan=plan)
   # A rule that leaves the weight alone returns it as given (not passed
   # through the jit, which would hand back another array).
   return (w_new if rule.updates_weight else w), slots_new
 
 
-def _launch(operands, w, slots, hparams, layer, sr, *, rule: UpdateRule,
-            cfg: BlockConfig, interpret: bool, bt: int, precision, plan):
+def _launch(operands, w, slots, hparams, layer, sr_vec, *,
+            rule: UpdateRule, cfg: BlockConfig, interpret: bool, bt: int,
+            precision, plan):
   """:func:`launch`, traced once per case by :data:`_launch_compiled`."""
   g_stored = len(operands) == 1
   stacked = layer is not None
@@ -408,7 +413,7 @@ def _launch(operands, w, slots, hparams, layer, sr, *, rule: UpdateRule,
                   for _ in rule.outputs)
   extra = (layer.reshape(1),) if stacked else ()
   if plan is not None and plan.stochastic_rounding:
-    extra += (lowp.seed_step_vector(sr),)
+    extra += (sr_vec,)
   # After the operands, hparams (and the layer index).
   first_state_arg = len(operands) + 1 + len(extra)
   out = pl.pallas_call(

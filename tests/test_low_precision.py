@@ -302,6 +302,25 @@ def test_quantized_kernel_lowers_for_cuda_without_a_gpu():
     assert asm in text, asm
 
 
+def test_a_seed_is_taken_modulo_2_to_the_32_in_eager_calls_too():
+  """A Python seed of 2**31 or more (forge_jax's per-parameter seeds are)
+  reaches the eager kernel as its uint32 (modulo 2**32), as under jit:
+  the reference's bits; 2**32 + 7 rounds as 7 does."""
+  rng = np.random.default_rng(3)
+  w = jnp.asarray(rng.standard_normal((64, 64)), jnp.bfloat16)
+  slots = (jnp.zeros((64, 64)), jnp.zeros((64, 64)))
+  x = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+  h = pack_host(pk.ADAMW, VALUES)
+  run = lambda fn, seed, **kw: fn(x, dy, w, slots, h, rule=pk.ADAMW,
+                                  stochastic_rounding=(seed, 11), **kw)
+  for seed in (2**31 + 7, 2**32 + 7):
+    got = run(pk.fused_wgrad_update, seed, interpret=True)
+    assert_same_bits(got, run(pk.fused_wgrad_update_reference, seed), seed)
+  assert_same_bits(run(pk.fused_wgrad_update, 2**32 + 7, interpret=True),
+                   run(pk.fused_wgrad_update, 7, interpret=True), "mod")
+
+
 def test_stochastic_rounding_in_the_kernel_is_unbiased_and_tiling_free():
   """The kernel's bf16 store of w' = w - 1 * g for two values a fraction f
   of a bf16 ulp (2**-9 at 0.3125) above 0.3125, 1e5 elements each: the
@@ -626,8 +645,14 @@ def test_unsupported_uses_are_refused_in_plain_words():
   x, dy = jnp.ones((4, 8)), jnp.ones((4, 16))
   w = jnp.zeros((8, 16))
   codes = quant.quantize(w, MomentFormat("int8"))
-  for rule in (pk.rmsprop_rule(centered=True),
-               torch_rules.rmsprop_rule(centered=True)):
+  centered = pk.rmsprop_rule(centered=True)
+  # Rules derived from it (clipping, accumulation) refuse alike.
+  for derived in (pk.grad_scaled(centered),
+                  pk.rules.accumulating(centered),
+                  pk.rules.momentum_accumulating(centered, "decay")):
+    assert derived.no_quantized_state == centered.no_quantized_state
+  for rule in (centered, torch_rules.rmsprop_rule(centered=True),
+               pk.grad_scaled(torch_rules.rmsprop_rule(centered=True))):
     h = rule.pack(**dict.fromkeys(rule.hparams, 0.5))
     slots = [jnp.zeros_like(w)] * len(rule.slots)
     for i in range(len(slots)):
