@@ -93,7 +93,8 @@ setup() {  # the extras to install: "demo" (train) or "demo,test,torch"
     "$py" -m venv "$VENV"
   fi
   # One stamp per set of extras: `train` needs no torch (a large CUDA
-  # build); `test` and `python` install everything.
+  # build); `test` and `python` add torch and the test tools (not the
+  # `cuda` extra: without a GPU the kernels run in interpret mode).
   local stamp="$VENV/.forge-installed-${extras//,/-}"
   local full="$VENV/.forge-installed-demo-test-torch"  # covers every command
   if [ -f "$full" ] && [ ! pyproject.toml -nt "$full" ]; then

@@ -1101,14 +1101,17 @@ def convert(model: nn.Module, *,
   for name, module in modules.items():
     if isinstance(module, Linear):  # already FORGE's: name it
       module._set_path(name)
-      shared = names_of.get(id(module._parameters.get("weight")), ())
-      if module.fused and len(shared) > 1:  # tied since: standard path
+      w = module._parameters.get("weight")
+      shared = names_of.get(id(w), ())
+      if (module.fused and len(shared) > 1 and is_forge_weight(w)
+          and not is_fsdp_managed(module)):  # tied: the standard path
         module.fused = False
         skipped[name] = (
             f"a forge_torch.Linear whose weight appears {len(shared)} times "
-            f"in the model ({', '.join(shared)}): tied to another module; "
-            "FORGE needs a weight read by one layer only, so its fused is "
-            "set to False (it trains with ordinary gradients)")
+            f"in the model ({', '.join(shared)}): tied to another module, or "
+            "the module is registered under several names; FORGE needs a "
+            "weight read by one layer only, so its fused is set to False "
+            "(it trains with ordinary gradients)")
       continue
     if not isinstance(module, nn.Linear):
       continue

@@ -877,9 +877,9 @@ class _ForgeOptimizer:
         name = _linear.weight_name(p)
         _bridge.check_dtype(p, f"forge_torch.Linear's {name}")
         _check_contiguous(p, name)
-      if managed:
-        _check_own_memory(managed, [q for g in self.param_groups
-                                    for q in g["params"]])
+      if managed or self._forge_managed._values:
+        _check_own_memory([q for g in self.param_groups
+                           for q in g["params"]])
       if managed:
         self._forge_rule(group)  # refuses unfusable combinations now
       self._forge_check_low_precision(group, managed)
@@ -1233,6 +1233,8 @@ class _ForgeOptimizer:
     backward)."""
     updated = w in self._forge_updated
     owner = _linear.path_of(w)
+    if owner == "":  # (how the layer names a converted model itself)
+      owner = "(the converted model itself)"
     tied = (
         f" Its weight is also that of forge_torch.Linear {owner} (one "
         "Parameter in two layers: a tie made after convert(), e.g. "
@@ -2214,33 +2216,48 @@ def _storage_of(p: torch.Tensor) -> int | None:
     return None
 
 
-def _check_own_memory(managed, params) -> None:
-  """Refuses a managed weight whose memory block also holds another of the
-  optimizer's parameters (slices of one tensor, e.g. a fused checkpoint
-  split and loaded with ``load_state_dict(..., assign=True)``): views share
-  autograd's version counter, so the in-place update of one weight in its
-  layer's backward would fail the backward of the other's layer, after
-  some updates were applied."""
+def _check_own_memory(params) -> None:
+  """Refuses a managed weight that shares autograd's version counter with
+  another of the optimizer's parameters: slices of one tensor made
+  Parameters without a copy (e.g. a fused checkpoint split and loaded with
+  ``load_state_dict(..., assign=True)``). FORGE's in-place update of one
+  weight in its layer's backward bumps that counter, which fails the
+  backward of every other layer that saved a tensor sharing it, after
+  some updates were applied. Parameters that only share a memory block
+  (read from one saved tensor by ``torch.load``; bound with ``p.data =
+  buf[i:j]``) keep counters of their own and are fine. The counters are
+  compared by bumping the managed weight's (only where a memory block is
+  shared: a tensor that a live graph saved would then refuse its
+  backward, as after any in-place write)."""
   by_storage = collections.defaultdict(list)
   for q in params:
     key = _storage_of(q)
     if key is not None and not any(q is r for r in by_storage[key]):
       by_storage[key].append(q)
-  for p in managed:
-    others = [q for q in by_storage.get(_storage_of(p), []) if q is not p]
-    if others:
+  for members in by_storage.values():
+    if len(members) < 2:
+      continue
+    for p in members:
+      if not _linear.is_forge_weight(p):
+        continue
+      others = [q for q in members if q is not p]
+      versions = [q._version for q in others]
+      torch.autograd.graph.increment_version(p)
+      linked = [q for q, v in zip(others, versions) if q._version != v]
+      if not linked:
+        continue
       names = ", ".join(_linear.weight_name(q) if _linear.is_forge_weight(q)
                         else f"a parameter of shape {tuple(q.shape)}"
-                        for q in others)
+                        for q in linked)
       raise ValueError(
-          f"forge_torch: the managed {_linear.weight_name(p)} shares one "
-          f"memory block with other parameters ({names}): slices of one "
-          "tensor, e.g. a fused checkpoint split and loaded with "
-          "load_state_dict(..., assign=True). Slices share autograd's "
-          "version counter, so FORGE's in-place update of one weight in "
-          "its layer's backward would fail the backward of the others. "
-          "Give each weight its own memory (load the slices' .clone(), or "
-          "load without assign=True) before building the optimizer.")
+          f"forge_torch: the managed {_linear.weight_name(p)} is a slice of "
+          f"one tensor with other parameters ({names}), sharing autograd's "
+          "version counter: e.g. a fused checkpoint split and loaded with "
+          "load_state_dict(..., assign=True). FORGE's in-place update of "
+          "one weight in its layer's backward would fail the backward of "
+          "the others. Give each weight its own memory (load the slices' "
+          ".clone(), or load without assign=True) before building the "
+          "optimizer.")
 
 
 def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:

@@ -679,6 +679,16 @@ def test_a_managed_weight_tied_to_another_module_leaves_its_fused_path():
     skipped = forge_torch.convert(model).skipped
   assert sorted(skipped) == ["0", "2"]
   del opt
+  # A layer called twice is not taken for a tie (here the converted model
+  # is the layer itself, whose path is "").
+  layer = forge_torch.Linear(4, 4)
+  forge_torch.convert(layer)
+  opt = forge_torch.SGD(layer.parameters(), lr=0.1)
+  out = layer(torch.randn(2, 4))
+  with pytest.raises(RuntimeError, match="called a second time") as e:
+    layer(out)
+  assert "Its weight is also" not in str(e.value)
+  del opt
 
 
 class Tied(nn.Module):

@@ -1,6 +1,7 @@
 """forge_torch in real training code: gradient clipping, torch.compile,
 convert()'s report of skipped layers, and errors that name layers by path."""
 import copy
+import io
 import os
 import subprocess
 import sys
@@ -456,10 +457,29 @@ def test_weights_sliced_from_one_tensor_are_refused_by_the_optimizer():
   sd = model.state_dict()
   sd["0.weight"], sd["2.weight"] = fused[:8], fused[8:]
   model.load_state_dict(sd, assign=True)
-  with pytest.raises(ValueError, match=r"the managed 0\.weight shares one "
-                     r"memory block with other parameters \(2\.weight\)"):
+  match = (r"the managed 0\.weight is a slice of one tensor with other "
+           r"parameters \(2\.weight\), sharing autograd's version counter")
+  with pytest.raises(ValueError, match=match):
     forge_torch.SGD(model.parameters(), lr=0.1)
-  sd["0.weight"], sd["2.weight"] = fused[:8].clone(), fused[8:].clone()
+  # Whatever the order of the groups: the managed weight first, then the
+  # other slice, a layer left unconverted, in a later group.
+  other = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+  forge_torch.convert(other, exclude="2")
+  other.load_state_dict({**other.state_dict(), "0.weight": fused[:8],
+                         "2.weight": fused[8:]}, assign=True)
+  with pytest.raises(ValueError, match=r"the managed 0\.weight is a slice "
+                     r"of one tensor with other parameters \(a parameter "
+                     r"of shape \(8, 8\)\)"):
+    forge_torch.SGD([{"params": [other[0].weight]},
+                     {"params": [other[2].weight]}], lr=0.1)
+  # Slices read from one saved tensor (torch.load) share its memory but
+  # not a version counter: they train, as torch's optimizer trains them.
+  buffer = io.BytesIO()
+  torch.save({"0.weight": fused[:8], "2.weight": fused[8:]}, buffer)
+  buffer.seek(0)
+  sd.update(torch.load(buffer))
+  assert (sd["0.weight"].untyped_storage().data_ptr()
+          == sd["2.weight"].untyped_storage().data_ptr())
   model.load_state_dict(sd, assign=True)
   opt = forge_torch.SGD(model.parameters(), lr=0.1)
   model(torch.randn(5, 8)).square().mean().backward()
