@@ -576,6 +576,21 @@ def test_linear_is_a_drop_in_for_nn_linear():
     assert forge_torch.convert(nn.Sequential(Scaled(4, 3))) == []
 
 
+def _assert_two_adamw_steps_alike(model, ref):
+  """Two AdamW steps of ``model`` (forge_torch) and ``ref`` (torch) on a
+  batch of token ids: every parameter within the fp32 bar."""
+  o_ref = torch.optim.AdamW(ref.parameters(), lr=0.1)
+  o_f = forge_torch.AdamW(model.parameters(), lr=0.1)
+  ids = torch.tensor([[0, 1, 2], [3, 4, 0]])
+  for _ in range(2):
+    for m, o in ((ref, o_ref), (model, o_f)):
+      m(ids).square().mean().backward()
+      o.step()
+      o.zero_grad()
+  for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+    assert rel(p, q) <= FP32_TOL
+
+
 class TiedAfterConvert(nn.Module):
   def __init__(self):
     super().__init__()
@@ -614,16 +629,7 @@ def test_a_weight_tied_by_hand_stays_unmanaged_through_replacements(then):
     ref, model = copy.deepcopy(ref), copy.deepcopy(model)
   assert not forge_torch.is_forge_weight(model.head.weight)
   assert forge_torch.is_forge_weight(model.fc.weight)  # its own, still
-  o_ref = torch.optim.AdamW(ref.parameters(), lr=0.1)
-  o_f = forge_torch.AdamW(model.parameters(), lr=0.1)
-  ids = torch.tensor([[0, 1, 2], [3, 4, 0]])
-  for _ in range(2):
-    for m, o in ((ref, o_ref), (model, o_f)):
-      m(ids).square().mean().backward()
-      o.step()
-      o.zero_grad()
-  for p, q in zip(model.parameters(), ref.parameters()):
-    assert rel(p, q) <= FP32_TOL
+  _assert_two_adamw_steps_alike(model, ref)
 
 
 class TiedToTheHead(nn.Module):
@@ -656,16 +662,7 @@ def test_a_managed_weight_tied_to_another_module_leaves_its_fused_path():
     names = forge_torch.convert(model)
   assert "weight appears 2 times" in names.skipped["head"]
   assert not model.head.fused and model.fc.fused
-  o_ref = torch.optim.AdamW(ref.parameters(), lr=0.1)
-  o_f = forge_torch.AdamW(model.parameters(), lr=0.1)
-  ids = torch.tensor([[0, 1, 2], [3, 4, 0]])
-  for _ in range(2):
-    for m, o in ((ref, o_ref), (model, o_f)):
-      m(ids).square().mean().backward()
-      o.step()
-      o.zero_grad()
-  for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-    assert rel(p, q) <= FP32_TOL
+  _assert_two_adamw_steps_alike(model, ref)
 
   model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
   forge_torch.convert(model)
