@@ -2242,7 +2242,7 @@ def _check_own_memory(params) -> None:
         continue
       others = [q for q in members if q is not p]
       versions = [q._version for q in others]
-      torch.autograd.graph.increment_version(p)
+      _increment_version([p])
       linked = [q for q, v in zip(others, versions) if q._version != v]
       if not linked:
         continue

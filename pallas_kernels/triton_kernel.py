@@ -412,7 +412,7 @@ def _launch(operands, w, slots, hparams, layer, sr_vec, *,
                                        manual_axis_type=mat)
                   for _ in rule.outputs)
   extra = (layer.reshape(1),) if stacked else ()
-  if plan is not None and plan.stochastic_rounding:
+  if sr_vec is not None:
     extra += (sr_vec,)
   # After the operands, hparams (and the layer index).
   first_state_arg = len(operands) + 1 + len(extra)
