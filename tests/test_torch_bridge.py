@@ -1817,6 +1817,99 @@ def test_a_plan_repeats_a_direct_launch_only_for_the_same_call(monkeypatch):
   assert again()
 
 
+@pytest.fixture
+def direct_on_cpu(monkeypatch):
+  """CPU tensors take the direct launch's path, the compiled kernel stood
+  in for by one that records its launches (and updates nothing): returns
+  it and the strides of the weight and slots of each launch resolved."""
+  from forge_torch import _bridge, _direct  # noqa: PLC0415
+  kernel, resolved = _RecordingKernel(), []
+  monkeypatch.setattr(_direct, "unavailable", lambda: None)
+  monkeypatch.setattr(_bridge, "_raw_stream", lambda index: 7)
+  monkeypatch.setattr(_bridge, "_current_device", lambda: -1)
+  monkeypatch.setattr(_bridge, "_stream_capturing", lambda: False)
+  monkeypatch.setattr(_bridge, "_LAUNCHES", {})
+
+  def resolve(x2, dy2, w, slots, n_hparams, rule, config, device_index,
+              stream):
+    resolved.append([t.stride() for t in (w, *slots)])
+    launch = _bridge._Launch(kernel, 1 + len(slots),
+                             (device_index, stream, n_hparams))
+    launch.ring = _FakeRing()
+    return launch
+
+  def fused_update(x, dy, w, slots, hparams, rule, config, views,
+                   stochastic_rounding=None):
+    assert _bridge._direct_update(x, dy, w, slots, hparams, rule, config,
+                                  stochastic_rounding)
+    return True
+
+  def resolved_launch(x2, dy2, w, slots, n_hparams, rule, config):
+    return _bridge._LAUNCHES.get(_bridge._launch_key(
+        x2, dy2, w, slots, -1, 7, n_hparams, rule, config)) or None
+
+  monkeypatch.setattr(_bridge, "_resolve", resolve)
+  monkeypatch.setattr(_bridge, "_fused_update", fused_update)
+  monkeypatch.setattr(_bridge, "resolved_launch", resolved_launch)
+  return kernel, resolved
+
+
+def test_a_plan_launches_only_the_state_laid_out_as_its_key_says(
+    monkeypatch, direct_on_cpu):
+  """An update plan's direct launch (``relaunch``) takes the weight and
+  slots wherever they are now, laid out as its key says (moved by
+  ``.data =`` to other memory of the same layout: launched there); one laid
+  out anew, at other memory or its own (transposed, in place; a view in
+  another dtype), is refused before any launch, and the full path says
+  why."""
+  from forge_torch import _bridge  # noqa: PLC0415
+  kernel, resolved = direct_on_cpu
+  ran = []
+  real = _bridge.relaunch
+
+  def counted(*args):
+    ran.append(real(*args))
+    return ran[-1]
+
+  monkeypatch.setattr(_bridge, "relaunch", counted)
+  changes = (  # (the change, whether in place, what the full path says)
+      (lambda m: setattr(m, "data", torch.zeros(
+          8, 8, dtype=torch.bfloat16).t()), False, ValueError, "contiguous"),
+      (lambda m: m.t_(), True, ValueError, "contiguous"),
+      (lambda m: setattr(m, "data", m.data.view(torch.float16)), True,
+       RuntimeError, "float16"))
+  for change, in_place, error, match in changes:
+    layer = forge_torch.Linear(8, 8, bias=False).bfloat16()
+    opt = forge_torch.AdamW(layer.parameters(), lr=1e-3)
+    x = torch.randn(8, 8, dtype=torch.bfloat16)
+
+    def step():
+      n = len(kernel.launches)
+      layer(x).float().square().mean().backward()
+      opt.step()
+      w = layer.weight
+      st = opt.state[w]
+      assert kernel.launches[n:] == [(7, [
+          kernel.launches[-1][1][0], x.data_ptr(), 4096, w.data_ptr(),
+          st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr()])]
+
+    for _ in range(3):  # the full path, then the plan's launch
+      step()
+    assert ran[-1] is True
+    m = opt.state[layer.weight]["exp_avg"]
+    m.data = m.data.clone()  # moved, laid out as before
+    layer.weight.data = layer.weight.data.clone()
+    step()
+    assert ran[-1] is True
+    n, ptr = len(kernel.launches), m.data_ptr()
+    change(m)
+    assert (m.data_ptr() == ptr) == in_place
+    with pytest.raises(error, match=match):
+      layer(x).float().square().mean().backward()
+    assert ran[-1] is False and len(kernel.launches) == n
+  assert resolved == [[(8, 1)] * 3]
+
+
 def test_direct_launch_is_resolved_only_for_dense_weight_and_slots():
   """The compiled kernel reads the weight and the slots by pointer as dense
   arrays of the weight's shape on its device: any other layout resolves to
