@@ -196,7 +196,7 @@ def check_factory(inj: Injected) -> None:
   made = initial_product(inj)
   if made is None:
     return  # checked at trace time
-  if not isinstance(made, ForgeTransformation):
+  if not isinstance(made, ForgeTransformation) or made.spec is None:
     raise _not_forge(inj, made)
 
 
@@ -222,7 +222,7 @@ def spec_for(inj: Injected, opt_state, params) -> ForgeSpec:
   check_state(opt_state)
   hp = this_step_hyperparams(inj, opt_state, params)
   inner = inj.inner_factory(**inj.other_hps, **hp)
-  if not isinstance(inner, ForgeTransformation):
+  if not isinstance(inner, ForgeTransformation) or inner.spec is None:
     raise _not_forge(inj, inner)
   spec = inner.spec
   if spec.regime == 3:

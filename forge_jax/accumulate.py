@@ -44,7 +44,7 @@ from optax._src import numerics
 from forge_jax import _inject
 from forge_jax import _state
 from forge_jax import clip as _clip
-from forge_jax.transforms import ForgeSpec, ForgeTransformation
+from forge_jax.transforms import ForgeSpec, ForgeTransformation, check_spec
 from pallas_kernels import rules as _rules
 
 MODES = ("exact", "momentum")
@@ -191,6 +191,7 @@ def MultiSteps(  # noqa: N802 -- named after optax.MultiSteps
         "forge_jax.MultiSteps wraps a forge_jax transform (e.g. "
         f"forge_jax.adamw(...)); got {type(tx).__name__}. For a plain optax "
         "transform use optax.MultiSteps.")
+  check_spec(tx, "forge_jax.MultiSteps")
   if getattr(tx.update, "_forge_multi_steps", False):
     raise ValueError(
         "forge_jax.MultiSteps: tx already accumulates gradients (it is a "

@@ -25,7 +25,7 @@ from forge_jax import _sharding
 from forge_jax import _state
 from forge_jax import _usage
 from forge_jax import low_precision as _low_precision
-from forge_jax.transforms import ForgeTransformation
+from forge_jax.transforms import ForgeTransformation, check_spec
 
 KeyPath = tuple[Any, ...]
 
@@ -197,6 +197,8 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
         "hyperparameter during training, wrap the forge_jax factory: "
         "optax.inject_hyperparams(forge_jax.adamw)(learning_rate=...), or "
         "pass a schedule, forge_jax.adamw(learning_rate=schedule, ...).)")
+  else:
+    check_spec(tx, "make_step")
   if not isinstance(shared, str) or shared not in SHARED_POLICIES:
     raise ValueError(
         f"make_step: shared={shared!r} must be one of {SHARED_POLICIES}: "

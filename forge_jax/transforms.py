@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import numbers
 import operator
 from typing import Any, Callable, NamedTuple, Optional, Union
 import weakref
@@ -207,6 +208,19 @@ class ForgeTransformation(optax.GradientTransformationExtraArgs):
   def __repr__(self) -> str:
     family = self.spec.family if self.spec is not None else None
     return f"ForgeTransformation(family={family!r})"
+
+
+def check_spec(tx: ForgeTransformation, who: str) -> None:
+  """Refuses a :class:`ForgeTransformation` that carries no
+  :class:`ForgeSpec` (one made by hand around an optax transform: the
+  constructor allows it, as copying and unpickling call it without one)."""
+  if tx.spec is None:
+    raise TypeError(
+        f"{who} needs a forge_jax transform made by a forge_jax factory "
+        "(e.g. forge_jax.adamw(...)); this ForgeTransformation carries no "
+        "ForgeSpec (spec=None), so FORGE layers cannot know the "
+        "optimizer's family. Build it with the factory instead of wrapping "
+        "an optax transform in ForgeTransformation.")
 
 
 def _holes_aware(mask):
@@ -1160,6 +1174,25 @@ def _scion_check_ns(ns_coeffs, ns_steps) -> None:
         "rows (as optax.contrib.muon requires), or raise ns_steps")
 
 
+def _scion_check_scalars(momentum, scale) -> None:
+  """Refuses a ``momentum`` outside ``(0, 1]`` or a ``scale`` that is not
+  positive, where they are plain numbers (under
+  ``optax.inject_hyperparams`` they are arrays of the state). With
+  ``momentum = 0`` no gradient ever enters the average; a negative
+  ``scale`` turns the oracle, and the step, up the gradient."""
+  if isinstance(momentum, numbers.Real) and not 0 < momentum <= 1:
+    raise ValueError(
+        f"forge_jax.scion: momentum={momentum!r} is outside (0, 1]: it is "
+        "the weight of the new gradient in the average (1 minus the usual "
+        "momentum; 1: no averaging), and at 0 no gradient would reach the "
+        "weights")
+  if isinstance(scale, numbers.Real) and not scale > 0:
+    raise ValueError(
+        f"forge_jax.scion: scale={scale!r} must be positive: it is the "
+        "radius of every parameter's norm ball (a negative one steps up "
+        "the gradient)")
+
+
 def scale_by_scion(
     momentum: float = 0.1,
     scale: float = 1.0,
@@ -1178,10 +1211,12 @@ def scale_by_scion(
   oracle reads the average as stored (the parameter's dtype).
 
   Raises:
-    ValueError: ``ns_coeffs`` is not ``(3,)`` or ``(n, 3)`` with ``n <=
-      ns_steps`` (optax's muon's check); at ``init``, a parameter with
-      more than two axes.
+    ValueError: ``momentum`` is outside ``(0, 1]`` or ``scale`` is not
+      positive (plain numbers); ``ns_coeffs`` is not ``(3,)`` or ``(n, 3)``
+      with ``n <= ns_steps`` (optax's muon's check); at ``init``, a
+      parameter with more than two axes.
   """
+  _scion_check_scalars(momentum, scale)
   _scion_check_ns(ns_coeffs, ns_steps)
 
   def init_fn(params):
@@ -1259,7 +1294,8 @@ def scion(
 
   Raises:
     ValueError: ``moments`` or ``stochastic_rounding`` is set
-      (low-precision state is for the regime-1 families); ``ns_coeffs`` of
+      (low-precision state is for the regime-1 families); ``momentum``
+      outside ``(0, 1]`` or ``scale`` not positive; ``ns_coeffs`` of
       another shape or with more than ``ns_steps`` rows; at ``init``, a
       parameter with more than two axes (its operator norm is not defined
       here).

@@ -499,6 +499,20 @@ def test_optax_multisteps_is_refused_naming_forge_multisteps():
                         optax.MultiSteps(forge_jax.adamw(1e-3), 2))
 
 
+def test_a_forge_transformation_without_a_spec_is_refused_plainly():
+  """ForgeTransformation wrapped around an optax transform by hand carries
+  no ForgeSpec: make_step and MultiSteps refuse it saying so (they raised
+  an AttributeError on its spec), and so does the NNX optimizer."""
+  from flax import nnx  # noqa: PLC0415
+  tx = forge_jax.ForgeTransformation(*optax.adamw(1e-3))
+  for build in (lambda: forge_jax.make_step(lambda v, b: 0.0, tx),
+                lambda: forge_jax.MultiSteps(tx, 2),
+                lambda: forge_jax.nnx.Optimizer(
+                    nnx.Linear(3, 2, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param)):
+    with pytest.raises(TypeError, match=r"no ForgeSpec \(spec=None\)"):
+      build()
+
+
 def test_a_frozen_layer_with_a_regulariser_on_its_kernel_is_optaxs_step():
   """The layer reads its kernel through stop_gradient and a loss term reads
   it directly (an L2 penalty): the standard path, as optax (it raised 'did

@@ -21,6 +21,7 @@ per layer, inside its backward), Adam-mini's per-head blocks on a
 ``DenseGeneral`` kernel, the registry entries and the refusals.
 """
 
+import functools
 import inspect
 
 import flax.linen as nn
@@ -470,6 +471,27 @@ def test_scion_refuses_newton_schulz_coefficients_as_optax_does(
     ns_coeffs, ns_steps, match):
   with pytest.raises(ValueError, match=match):
     forge_jax.scion(0.1, ns_coeffs=ns_coeffs, ns_steps=ns_steps)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(momentum=0.0), r"momentum=0.0 is outside \(0, 1\]"),
+    (dict(momentum=-0.5), r"momentum=-0.5"),
+    (dict(momentum=2.0), r"momentum=2.0"),
+    (dict(scale=0.0), r"scale=0.0 must be positive"),
+    (dict(scale=-1.0), r"scale=-1.0"),
+])
+def test_scion_refuses_a_momentum_or_scale_out_of_range(kw, match):
+  """Scion's alpha is the new gradient's weight in (0, 1] (at 0 no
+  gradient reaches the weights) and its radius is positive (a negative one
+  steps up the gradient): refused by the transform and its direction,
+  while the edges and an injected (array) momentum are taken."""
+  from forge_jax.transforms import scale_by_scion  # noqa: PLC0415
+  for make in (functools.partial(forge_jax.scion, 0.1), scale_by_scion):
+    with pytest.raises(ValueError, match=match):
+      make(**kw)
+  forge_jax.scion(0.1, momentum=1.0, scale=1e-3)
+  optax.inject_hyperparams(forge_jax.scion)(learning_rate=0.1,
+                                            momentum=0.5)
 
 
 def test_scion_takes_fewer_coefficient_rows_than_steps():
