@@ -144,6 +144,34 @@ def current_full_params():
   return getattr(_STATE, "full_params", None)
 
 
+@contextlib.contextmanager
+def user_keys(keys):
+  """Inside an NNX step: ``keys`` turns the step's string-keyed trees and
+  key paths back into the model state's own keys (list indices as ints),
+  so that the transform's user callables -- a weight-decay mask,
+  Adam-mini's ``block_axes`` -- see what ``nnx.Optimizer.update`` shows
+  them (``forge_jax.nnx``'s ``_OriginalKeys``)."""
+  prev = getattr(_STATE, "user_keys", None)
+  _STATE.user_keys = keys
+  try:
+    yield
+  finally:
+    _STATE.user_keys = prev
+
+
+def call_mask(mask, tree):
+  """``mask(tree)``, a user's callable weight-decay mask, given ``tree``
+  with the keys its model's state has and answering with the step's."""
+  keys = getattr(_STATE, "user_keys", None)
+  return mask(tree) if keys is None else keys.call_mask(mask, tree)
+
+
+def user_path(path):
+  """A key path of the step's trees as its model's state spells it."""
+  keys = getattr(_STATE, "user_keys", None)
+  return path if keys is None else keys.path(path)
+
+
 def layer_name(path: Path) -> str:
   return "/".join(path) or "<root>"
 

@@ -457,6 +457,49 @@ def _str_keys(tree):
                       is_leaf=lambda x: isinstance(x, Mapping))
 
 
+class _OriginalKeys:
+  """The model state's own keys for the step's string-keyed trees
+  (:func:`_str_keys`): what the transform's user callables see inside
+  the step -- a weight-decay mask, Adam-mini's ``block_axes`` -- as
+  ``nnx.Optimizer.update`` shows them (list indices as ints), their
+  answers keyed as the step's trees again."""
+
+  def __init__(self, state):
+    self.levels: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    def walk(node, at):
+      if isinstance(node, Mapping):
+        level = self.levels.setdefault(at, {})
+        for k, v in node.items():
+          level[str(k)] = k
+          walk(v, (*at, str(k)))
+
+    walk(state, ())
+
+  def tree(self, tree, at=()):
+    """``tree`` (a step's tree, or a part of one from its root) with each
+    mapping a dict keyed as the model's state is."""
+    if not isinstance(tree, Mapping):
+      return tree
+    level = self.levels.get(at, {})
+    return {level.get(k, k): self.tree(v, (*at, k))
+            for k, v in tree.items()}
+
+  def call_mask(self, mask, tree):
+    return _str_keys(mask(self.tree(tree)))
+
+  def path(self, path):
+    """A key path of the step's trees, its dict keys the state's own."""
+    out, at = [], ()
+    for entry in path:
+      key = getattr(entry, "key", None)
+      if isinstance(entry, jax.tree_util.DictKey) and isinstance(key, str):
+        entry = jax.tree_util.DictKey(self.levels.get(at, {}).get(key, key))
+        at = (*at, key)
+      out.append(entry)
+    return tuple(out)
+
+
 def _conform(state, like):
   """``state`` (an optimizer state as ``nnx.Optimizer`` keeps it, whose
   lists may have come back from an update as int-keyed ``nnx.State``
@@ -659,10 +702,11 @@ def make_step(
     inner = _step.make_step(forge_loss, optimizer.tx, shared=shared,
                             has_aux=True, wgrad=wgrad)
     try:
-      (loss, (aux, new_rest, new_nodes)), new_vars, new_state = inner(
-          {"params": str_trained}, _conform(
-              opt_state, jax.eval_shape(optimizer.tx.init, str_trained)),
-          (plain, node_states))
+      with _context.user_keys(_OriginalKeys(trained)):
+        (loss, (aux, new_rest, new_nodes)), new_vars, new_state = inner(
+            {"params": str_trained}, _conform(
+                opt_state, jax.eval_shape(optimizer.tx.init, str_trained)),
+            (plain, node_states))
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
       raise _in_nnx_terms(e) from None
     aliased = _aliased_kernels(model, str_trained)

@@ -99,7 +99,7 @@ def _slot_trees(state, fields) -> dict[Any, Any]:
 def _weight_decay_on(mask, params, keypath: KeyPath) -> bool:
   if mask is None:
     return True
-  tree = mask(params) if callable(mask) else mask
+  tree = _context.call_mask(mask, params) if callable(mask) else mask
   for k in keypath:  # `mask` may be a prefix of the params tree.
     if not isinstance(tree, Mapping):
       break

@@ -238,14 +238,15 @@ def _holes_aware(mask):
   def wrapped(tree):
     full = _context.current_full_params()
     if full is None:
-      return mask(tree)
+      return _context.call_mask(mask, tree)
     flat, _ = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: x is None)
     holes = {tuple(kp) for kp, v in flat if v is None}
     if not holes:
-      return mask(tree)
+      return _context.call_mask(mask, tree)
     return jax.tree_util.tree_map_with_path(
-        lambda kp, m: None if tuple(kp) in holes else m, mask(full))
+        lambda kp, m: None if tuple(kp) in holes else m,
+        _context.call_mask(mask, full))
 
   return wrapped
 
@@ -1422,7 +1423,8 @@ def _adam_mini_block_axes(path, leaf, block_axes) -> tuple[int, ...]:
   them, else the default -- a matrix ``(in, out)`` one block per output
   neuron (axis 0), a vector or scalar one block."""
   ndim = jnp.ndim(leaf)
-  axes = None if block_axes is None else block_axes(path, leaf)
+  axes = (None if block_axes is None
+          else block_axes(_context.user_path(path), leaf))
   where = jax.tree_util.keystr(path)
   if axes is None:
     if ndim <= 1:

@@ -112,6 +112,13 @@ def matrices_only(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
+def all_but_the_first_layer(params):
+  """A mask that reads the key path: no weight decay on ``layers[0]`` (as
+  ``nnx.Optimizer.update`` spells it: list index 0 an int)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda kp, p: kp[0].key != "layers" or kp[1].key != 0, params)
+
+
 def train_side_by_side(ref_model, forge_model, optax_tx, forge_tx, loss_fn,
                        batches, **step_kwargs):
   """Trains ``ref_model`` with ``nnx.value_and_grad`` + ``nnx.Optimizer``
@@ -191,11 +198,15 @@ def assert_same_training(ref_model, forge_model, ref_opt, forge_opt,
     # Its accumulators per axis are lists, which an nnx update writes back
     # as int-keyed states.
     lambda m: m.sm3(1e-1),
-], ids=["adamw-schedule-mask", "sgd-nesterov", "clipped-adamw-mask", "sm3"])
+    lambda m: m.adamw(2e-2, weight_decay=0.5, mask=all_but_the_first_layer),
+], ids=["adamw-schedule-mask", "sgd-nesterov", "clipped-adamw-mask", "sm3",
+        "adamw-path-mask"])
 def test_mlp_trains_like_nnx_and_optax(make_tx):
   """Families of the registry: AdamW with a schedule and a callable mask,
-  SGD with Nesterov momentum, SM3 (lists in its state); and AdamW with a
-  callable mask behind global-norm clipping."""
+  SGD with Nesterov momentum, SM3 (lists in its state); AdamW with a
+  callable mask behind global-norm clipping, and with one that reads the
+  key path (the step's trees are string-keyed: the mask sees list indices
+  as ints, as nnx.Optimizer shows them)."""
   ref_model = MLP(nnx.Linear, nnx.Rngs(0))
   forge_model = MLP(fnx.Linear, nnx.Rngs(0))
   start = jax.tree.leaves(nnx.as_pure(nnx.state(ref_model, nnx.Param)))
@@ -209,6 +220,33 @@ def test_mlp_trains_like_nnx_and_optax(make_tx):
   spec = getattr(make_tx(forge_jax), "spec", None)  # None: the AdamW chain
   if spec is None or spec.family == "adamw":
     assert rel_err(forge_model.dead.kernel[...], dead) > 1e-6
+
+
+def test_adam_mini_block_axes_reading_the_key_path_as_nnx_spells_it():
+  """Adam-mini's ``block_axes`` sees key paths as ``nnx.Optimizer`` shows
+  them (list index 0 an int), also inside the step, whose trees are
+  string-keyed: here one block per input row of ``layers[0]`` only, its
+  state laid out and trained as under ``nnx.Optimizer`` (the step raised
+  on the state's other layout)."""
+  def axes(path, p):
+    first = path[0].key == "layers" and path[1].key == 0
+    return (1,) if first and p.ndim == 2 else None
+
+  ref_model = MLP(nnx.Linear, nnx.Rngs(0))
+  forge_model = MLP(fnx.Linear, nnx.Rngs(0))
+  start = jax.tree.leaves(nnx.as_pure(nnx.state(ref_model, nnx.Param)))
+  make_tx = lambda: forge_jax.adam_mini(1e-2, block_axes=axes)
+  ref_opt, forge_opt, _ = train_side_by_side(
+      ref_model, forge_model, make_tx(), make_tx(), mse, mlp_data(3))
+  assert_same_training(ref_model, forge_model, ref_opt, forge_opt, start)
+  w = harness.WIDTHS
+  shapes = {jax.tree_util.keystr(kp): leaf.shape for kp, leaf in
+            jax.tree_util.tree_flatten_with_path(
+                nnx.as_pure(forge_opt.opt_state))[0]}
+  # (in, out) kernels: a second moment per input row of layers[0], per
+  # output column of layers[1] (the default).
+  assert shapes["[0].nu['layers'][0]['kernel']"] == (w[0],)
+  assert shapes["[0].nu['layers'][1]['kernel']"] == (w[2],)
 
 
 def test_converted_transformer_trains_like_nnx_and_optax():

@@ -108,10 +108,12 @@ GROUPS = (
                 T + "test_shared_weights.py::test_standard_fallback_in_other"
                 "_regimes",
                 T + "test_nnx.py::test_mlp_trains_like_nnx_and_optax"),
-          keep=(_cases(T + "test_families.py::test_mlp_training_matches_optax",
-                       "adamw-fused", "adamw-xla", "lion-fused",
-                       "sgd_nesterov-fused",
-                       "rmsprop_centered_momentum_bias_correction-fused")
+          keep=(_cases(T + "test_nnx.py::test_mlp_trains_like_nnx_and_optax",
+                       "adamw-path-mask")
+                + _cases(T + "test_families.py::test_mlp_training_matches"
+                         "_optax", "adamw-fused", "adamw-xla", "lion-fused",
+                         "sgd_nesterov-fused",
+                         "rmsprop_centered_momentum_bias_correction-fused")
                 + _cases(T + "test_regimes23.py::test_mlp_training_matches"
                          "_optax", "muon", "adafactor_default", "sm3")
                 + _cases(T + "test_regimes23.py::test_untouched_layer_gets"
