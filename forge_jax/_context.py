@@ -150,7 +150,7 @@ def user_keys(keys):
   key paths back into the model state's own keys (list indices as ints),
   so that the transform's user callables -- a weight-decay mask,
   Adam-mini's ``block_axes`` -- see what ``nnx.Optimizer.update`` shows
-  them (``forge_jax.nnx``'s ``_OriginalKeys``)."""
+  them (``forge_jax.nnx``'s ``_OriginalKeys``); ``None``: as they are."""
   prev = getattr(_STATE, "user_keys", None)
   _STATE.user_keys = keys
   try:

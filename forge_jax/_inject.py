@@ -25,7 +25,7 @@ import optax
 from optax.schedules import _inject as optax_inject
 
 from forge_jax.transforms import (ForgeSpec, ForgeTransformation,
-                                  chain_member, chain_members)
+                                  chain_member, chain_members, check_spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +196,9 @@ def check_factory(inj: Injected) -> None:
   made = initial_product(inj)
   if made is None:
     return  # checked at trace time
-  if not isinstance(made, ForgeTransformation) or made.spec is None:
+  if not isinstance(made, ForgeTransformation):
     raise _not_forge(inj, made)
+  check_spec(made, "optax.inject_hyperparams over a forge_jax factory")
 
 
 def spec_for(inj: Injected, opt_state, params) -> ForgeSpec:
@@ -222,8 +223,9 @@ def spec_for(inj: Injected, opt_state, params) -> ForgeSpec:
   check_state(opt_state)
   hp = this_step_hyperparams(inj, opt_state, params)
   inner = inj.inner_factory(**inj.other_hps, **hp)
-  if not isinstance(inner, ForgeTransformation) or inner.spec is None:
+  if not isinstance(inner, ForgeTransformation):
     raise _not_forge(inj, inner)
+  check_spec(inner, "optax.inject_hyperparams over a forge_jax factory")
   spec = inner.spec
   if spec.regime == 3:
     # Deferred: the layer runs optax's injected update on its own slice of

@@ -478,12 +478,12 @@ class _OriginalKeys:
 
   def tree(self, tree, at=()):
     """``tree`` (a step's tree, or a part of one from its root) with each
-    mapping a dict keyed as the model's state is."""
+    mapping an ``nnx.State`` keyed as the model's state is."""
     if not isinstance(tree, Mapping):
       return tree
     level = self.levels.get(at, {})
-    return {level.get(k, k): self.tree(v, (*at, k))
-            for k, v in tree.items()}
+    return nnx.State({level.get(k, k): self.tree(v, (*at, k))
+                      for k, v in tree.items()})
 
   def call_mask(self, mask, tree):
     return _str_keys(mask(self.tree(tree)))
@@ -688,7 +688,9 @@ def make_step(
       call_args, call_kwargs = jax.tree.unflatten(
           args_def, [arg_nodes[i] if i in arg_nodes else leaf
                      for i, leaf in enumerate(plain_leaves)])
-      with _tracing(merged, params):
+      # (The state's own keys are for the step's transform; a transform
+      # loss_fn runs on trees of its own sees them as they are.)
+      with _tracing(merged, params), _context.user_keys(None):
         out = loss_fn(merged, *call_args, **call_kwargs)
       loss, aux = out if has_aux else (out, None)
       # The model's other state as loss_fn left it (batch statistics, RNG

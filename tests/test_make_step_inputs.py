@@ -501,11 +501,16 @@ def test_optax_multisteps_is_refused_naming_forge_multisteps():
 
 def test_a_forge_transformation_without_a_spec_is_refused_plainly():
   """ForgeTransformation wrapped around an optax transform by hand carries
-  no ForgeSpec: make_step and MultiSteps refuse it saying so (they raised
-  an AttributeError on its spec), and so does the NNX optimizer."""
+  no ForgeSpec: make_step (also made by an injected factory) and
+  MultiSteps refuse it saying so (they raised an AttributeError on its
+  spec), and so does the NNX optimizer."""
   from flax import nnx  # noqa: PLC0415
   tx = forge_jax.ForgeTransformation(*optax.adamw(1e-3))
+  injected = optax.inject_hyperparams(
+      lambda learning_rate: forge_jax.ForgeTransformation(
+          *optax.adamw(learning_rate)))(learning_rate=1e-3)
   for build in (lambda: forge_jax.make_step(lambda v, b: 0.0, tx),
+                lambda: forge_jax.make_step(lambda v, b: 0.0, injected),
                 lambda: forge_jax.MultiSteps(tx, 2),
                 lambda: forge_jax.nnx.Optimizer(
                     nnx.Linear(3, 2, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param)):

@@ -491,7 +491,8 @@ def test_scion_refuses_a_momentum_or_scale_out_of_range(kw, match):
       make(**kw)
   forge_jax.scion(0.1, momentum=1.0, scale=1e-3)
   optax.inject_hyperparams(forge_jax.scion)(learning_rate=0.1,
-                                            momentum=0.5)
+                                            momentum=0.5).init(
+                                                {"w": jnp.ones((3, 2))})
 
 
 def test_scion_takes_fewer_coefficient_rows_than_steps():

@@ -113,10 +113,12 @@ def matrices_only(params):
 
 
 def all_but_the_first_layer(params):
-  """A mask that reads the key path: no weight decay on ``layers[0]`` (as
-  ``nnx.Optimizer.update`` spells it: list index 0 an int)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda kp, p: kp[0].key != "layers" or kp[1].key != 0, params)
+  """A mask written against the state as ``nnx.Optimizer.update`` passes
+  it (``nnx.State`` levels, list index 0 an int): no weight decay on
+  ``layers[0]``."""
+  mask = jax.tree.map(lambda p: True, params)
+  mask["layers"][0] = jax.tree.map(lambda p: False, params.layers[0])
+  return mask
 
 
 def train_side_by_side(ref_model, forge_model, optax_tx, forge_tx, loss_fn,
@@ -204,9 +206,9 @@ def assert_same_training(ref_model, forge_model, ref_opt, forge_opt,
 def test_mlp_trains_like_nnx_and_optax(make_tx):
   """Families of the registry: AdamW with a schedule and a callable mask,
   SGD with Nesterov momentum, SM3 (lists in its state); AdamW with a
-  callable mask behind global-norm clipping, and with one that reads the
-  key path (the step's trees are string-keyed: the mask sees list indices
-  as ints, as nnx.Optimizer shows them)."""
+  callable mask behind global-norm clipping, and with one written against
+  nnx.State (the step's trees are string-keyed dicts: the mask sees them
+  as nnx.Optimizer shows them)."""
   ref_model = MLP(nnx.Linear, nnx.Rngs(0))
   forge_model = MLP(fnx.Linear, nnx.Rngs(0))
   start = jax.tree.leaves(nnx.as_pure(nnx.state(ref_model, nnx.Param)))
@@ -220,6 +222,30 @@ def test_mlp_trains_like_nnx_and_optax(make_tx):
   spec = getattr(make_tx(forge_jax), "spec", None)  # None: the AdamW chain
   if spec is None or spec.family == "adamw":
     assert rel_err(forge_model.dead.kernel[...], dead) > 1e-6
+
+
+def test_a_transform_run_inside_loss_fn_sees_its_own_keys():
+  """The model state's keys are for the step's transform only: a forge_jax
+  transform that loss_fn runs on a tree of its own (int-keyed here) sees
+  that tree as it is (its mask's answer was string-keyed, and init
+  failed)."""
+  seen = []
+
+  def mask(p):
+    seen.append(list(p))
+    return jax.tree.map(lambda x: True, p)
+
+  inner_tx = forge_jax.adamw(1e-2, mask=mask)
+
+  def loss(model, x, y):
+    inner_tx.init({0: jnp.ones((3,))})
+    return mse(model, x, y)
+
+  model = MLP(fnx.Linear, nnx.Rngs(0))
+  opt = fnx.Optimizer(model, forge_jax.adamw(1e-2), wrt=nnx.Param)
+  x, y = mlp_data(1)[0]
+  assert np.isfinite(float(fnx.make_step(loss)(model, opt, x, y)))
+  assert seen and all(keys == [0] for keys in seen)
 
 
 def test_adam_mini_block_axes_reading_the_key_path_as_nnx_spells_it():
