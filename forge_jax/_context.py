@@ -128,35 +128,35 @@ def step_context(ctx: StepContext):
 
 
 @contextlib.contextmanager
+def _swapped(attr: str, value):
+  """Sets this thread's ``attr`` to ``value`` for the block, then back to
+  what it was (these contexts nest)."""
+  prev = getattr(_STATE, attr, None)
+  setattr(_STATE, attr, value)
+  try:
+    yield
+  finally:
+    setattr(_STATE, attr, prev)
+
+
 def full_params(params):
   """Inside a step: the step's whole parameter tree, for callable masks that
   optax evaluates on trees with the FORGE kernels cut out
   (``transforms._holes_aware``)."""
-  prev = getattr(_STATE, "full_params", None)
-  _STATE.full_params = params
-  try:
-    yield
-  finally:
-    _STATE.full_params = prev
+  return _swapped("full_params", params)
 
 
 def current_full_params():
   return getattr(_STATE, "full_params", None)
 
 
-@contextlib.contextmanager
 def user_keys(keys):
   """Inside an NNX step: ``keys`` turns the step's string-keyed trees and
   key paths back into the model state's own keys (list indices as ints),
   so that the transform's user callables -- a weight-decay mask,
   Adam-mini's ``block_axes`` -- see what ``nnx.Optimizer.update`` shows
   them (``forge_jax.nnx``'s ``_OriginalKeys``); ``None``: as they are."""
-  prev = getattr(_STATE, "user_keys", None)
-  _STATE.user_keys = keys
-  try:
-    yield
-  finally:
-    _STATE.user_keys = prev
+  return _swapped("user_keys", keys)
 
 
 def call_mask(mask, tree):
