@@ -290,8 +290,13 @@ def _check_transform(tx, who: str) -> None:
   optimizer of a clipping chain."""
   try:
     _step._check_step_arguments(tx, "error", False, "fused")
-  except TypeError as e:
-    raise TypeError(f"{who}: {str(e).removeprefix('make_step: ')}") from None
+  except TypeError as e:  # worded for linen's make_step: named as ``who``
+    message = str(e)
+    if message.startswith("make_step needs"):
+      message = who + message.removeprefix("make_step")
+    else:
+      message = f"{who}: {message.removeprefix('make_step: ')}"
+    raise TypeError(message) from None
   clipping = _clip.recognise(tx)  # optax.chain(clip_by_global_norm, tx)
   if clipping is not None:
     tx = clipping.member

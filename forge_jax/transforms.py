@@ -33,6 +33,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax._src import numerics
 # optax exports no names for these states.
@@ -1175,21 +1176,33 @@ def _scion_check_ns(ns_coeffs, ns_steps) -> None:
         "rows (as optax.contrib.muon requires), or raise ns_steps")
 
 
+def _concrete_number(x) -> float | None:
+  """``x`` as a Python float where it is one number known now (a plain
+  number, or a 0-d NumPy or JAX array outside a trace), else ``None``."""
+  if isinstance(x, numbers.Real):
+    return float(x)
+  if (isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0
+      and not isinstance(x, jax.core.Tracer)):
+    return float(x)
+  return None
+
+
 def _scion_check_scalars(momentum, scale) -> None:
   """Refuses a ``momentum`` outside ``(0, 1]`` or a ``scale`` that is not
-  positive, where they are plain numbers (under
-  ``optax.inject_hyperparams`` they are arrays of the state). With
+  positive, where they are known when the transform is built (under
+  ``optax.inject_hyperparams`` or ``jit`` they are traced arrays). With
   ``momentum = 0`` no gradient ever enters the average; a negative
   ``scale`` turns the oracle, and the step, up the gradient."""
-  if isinstance(momentum, numbers.Real) and not 0 < momentum <= 1:
+  m, r = _concrete_number(momentum), _concrete_number(scale)
+  if m is not None and not 0 < m <= 1:
     raise ValueError(
-        f"forge_jax.scion: momentum={momentum!r} is outside (0, 1]: it is "
+        f"forge_jax.scion: momentum={m!r} is outside (0, 1]: it is "
         "the weight of the new gradient in the average (1 minus the usual "
         "momentum; 1: no averaging), and at 0 no gradient would reach the "
         "weights")
-  if isinstance(scale, numbers.Real) and not scale > 0:
+  if r is not None and not r > 0:
     raise ValueError(
-        f"forge_jax.scion: scale={scale!r} must be positive: it is the "
+        f"forge_jax.scion: scale={r!r} must be positive: it is the "
         "radius of every parameter's norm ball (a negative one steps up "
         "the gradient)")
 

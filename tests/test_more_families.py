@@ -479,6 +479,9 @@ def test_scion_refuses_newton_schulz_coefficients_as_optax_does(
     (dict(momentum=2.0), r"momentum=2.0"),
     (dict(scale=0.0), r"scale=0.0 must be positive"),
     (dict(scale=-1.0), r"scale=-1.0"),
+    (dict(momentum=jnp.float32(0.0)), r"momentum=0.0 is outside"),
+    (dict(momentum=jnp.array(1.5)), r"momentum=1.5 is outside"),
+    (dict(scale=np.array(-2.0)), r"scale=-2.0 must be positive"),
 ])
 def test_scion_refuses_a_momentum_or_scale_out_of_range(kw, match):
   """Scion's alpha is the new gradient's weight in (0, 1] (at 0 no
