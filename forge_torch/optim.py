@@ -1029,6 +1029,8 @@ class _ForgeOptimizer:
               f"{sorted(rule.slots)}: a checkpoint saved by another "
               "optimizer family?")
         for k, v in state.items():
+          if isinstance(v, _Raw):  # quantized moments' codes, held as saved
+            v = v.tensor
           if (isinstance(v, torch.Tensor) and v.dim() > 0
               and not (isinstance(k, str) and k.endswith(SCALE_SUFFIX))
               and v.shape != p.shape):
@@ -1951,9 +1953,20 @@ class _ForgeOptimizer:
             "gradients with optimizer.zero_grad() after each step.")
       if _distributed.is_sharded(p):
         continue  # fully_shard's gradient (its update refuses the options)
-      if (self._forge_moment_format(p) is not None
-          or any(isinstance(k, str) and k.endswith(SCALE_SUFFIX)
-                 for k in self.state.get(p, {}))):
+      quantized = self._forge_moment_format(p) is not None or any(
+          isinstance(k, str) and k.endswith(SCALE_SUFFIX)
+          for k in self.state.get(p, {}))
+      rounded = self._forge_sr and p.dtype == torch.bfloat16
+      if (quantized or rounded) and not bool(torch.any(p.grad)):
+        # A zero tensor, which torch's step cannot apply to codes or round
+        # stochastically (torch.distributed.checkpoint forms a fresh
+        # optimizer's state by a step from zero gradients at lr 0): held
+        # as zero_grad(set_to_none=False) holds it, the step from G = 0
+        # applied fused (_step_managed).
+        p.grad = None
+        self._forge_grad_held[p] = self._forge_grad_zeroed[p] = True
+        continue
+      if quantized:
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} received an "
             "ordinary gradient (its layer ran with fused = False), but "
@@ -1963,7 +1976,7 @@ class _ForgeOptimizer:
             "update. "
             "Keep the layer fused, or build the optimizer with "
             "moments=None.")
-      if self._forge_sr and p.dtype == torch.bfloat16:
+      if rounded:
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} received an "
             "ordinary gradient (its layer ran with fused = False), but the "

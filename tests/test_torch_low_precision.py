@@ -449,3 +449,66 @@ def test_codes_without_their_scales_are_refused_on_load(moments):
   with pytest.raises(ValueError, match=r"'exp_avg' as torch.int8 codes "
                      r"without their scales \('exp_avg_scale'\)"):
     other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("moments", ["int8", "fp8", None])
+def test_a_quantized_checkpoint_in_another_order_is_refused_at_load(moments):
+  """int8 codes saved for a (64, 96) weight, loaded onto a (96, 64) one
+  (the optimizer lists the weights in another order): refused at the load
+  naming the shapes, as float moments are, whatever format the loading
+  optimizer keeps; its state is left as it was."""
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(
+      forge_torch.Linear(96, 64, bias=False), torch.nn.Tanh(),
+      forge_torch.Linear(64, 96, bias=False))
+  first, last = model[0].weight, model[2].weight
+  opt = forge_torch.AdamW([first, last], lr=1e-3, moments="int8")
+  x = torch.randn(8, 96)
+  model(x).square().mean().backward()
+  opt.step()
+  opt.zero_grad()
+  assert opt.state[first]["exp_avg"].dtype == torch.int8
+  saved = opt.state_dict()
+  other = forge_torch.AdamW([last, first], lr=1e-3, moments=moments)
+  with pytest.raises(ValueError, match=r"'exp_avg' for weight of shape "
+                     r"\(96, 64\) is of shape \(64, 96\)(.|\n)*another order"):
+    other.load_state_dict(copy.deepcopy(saved))
+  assert not other.state
+
+
+@pytest.mark.parametrize("options, dtype", [
+    (dict(moments="int8"), torch.float32),
+    (dict(stochastic_rounding=True, seed=5), torch.bfloat16),
+], ids=["int8", "stochastic-rounding"])
+def test_distributed_checkpoint_forms_and_restores_a_fresh_state(options,
+                                                                  dtype):
+  """torch.distributed.checkpoint's state-dict functions form a fresh
+  optimizer's state by a step from zero gradients at lr 0, which torch's
+  own step cannot take for codes or stochastic rounding: the step from
+  G = 0 is applied fused, leaving the weights as they were and the lr
+  restored; a run restored through them continues bit for bit."""
+  from torch.distributed.checkpoint import state_dict as dcp  # noqa: PLC0415
+  full = dcp.StateDictOptions(full_state_dict=True)
+  model = _mlp(dtype)
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-3, **options)
+  before = [p.detach().clone() for p in model.parameters()]
+  saved = dcp.get_optimizer_state_dict(model, opt, options=full)
+  assert saved["state"]["0.weight"]["exp_avg"].dtype == (
+      torch.int8 if "moments" in options else dtype)
+  for p, q in zip(model.parameters(), before):
+    assert torch.equal(p, q)
+    assert p.grad is None
+  assert opt.param_groups[0]["lr"] == 1e-3
+
+  _train(model, opt, 2, dtype)
+  saved = copy.deepcopy(dcp.get_optimizer_state_dict(model, opt,
+                                                      options=full))
+  restored = _mlp(dtype, seed=1)
+  restored.load_state_dict(model.state_dict())
+  opt2 = forge_torch.AdamW(restored.parameters(), lr=1e-3, **options)
+  dcp.set_optimizer_state_dict(restored, opt2, saved, options=full)
+  _train(model, opt, 2, dtype, first=3)
+  _train(restored, opt2, 2, dtype, first=3)
+  for p, q in zip(restored.parameters(), model.parameters()):
+    assert torch.equal(p.view(torch.int16) if dtype == torch.bfloat16 else p,
+                       q.view(torch.int16) if dtype == torch.bfloat16 else q)
