@@ -1110,11 +1110,18 @@ class _ForgeOptimizer:
     state = dict(state_dict["state"])
     raw = []
     for sid, p, entry in entries:
+      # A weight whose moments this optimizer quantizes: its float moments
+      # too (a torch checkpoint's float32 ones, quantized as saved rather
+      # than after torch's cast to a bfloat16 weight's dtype).
+      quantizes = (p in self._forge_managed
+                   and self._forge_moment_format(p) is not None)
       wrapped = {
           k: _Raw(v) if isinstance(v, torch.Tensor) and (
               v.dtype in _CODE_DTYPES.values() or (
                   isinstance(k, str) and k.endswith(SCALE_SUFFIX)
-                  and f"{k[:-len(SCALE_SUFFIX)]}" in entry)) else v
+                  and f"{k[:-len(SCALE_SUFFIX)]}" in entry) or (
+                      quantizes and k != "step" and v.dim() > 0
+                      and v.is_floating_point())) else v
           for k, v in entry.items()}
       if any(isinstance(v, _Raw) for v in wrapped.values()):
         state[sid] = wrapped

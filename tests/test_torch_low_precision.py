@@ -228,14 +228,18 @@ def test_a_checkpoint_restores_the_run_bit_for_bit():
                          sb[k].reshape(-1).view(torch.uint8)), k
 
 
-def test_a_float_checkpoint_is_quantized_on_load():
-  """torch.optim.AdamW's checkpoint loaded into forge_torch.AdamW(moments=
-  'int8'): the managed weight's moments become the quantizer's codes and
-  scales of the float moments; the small weight's stay float."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float_checkpoint_is_quantized_on_load(dtype):
+  """torch.optim.AdamW's (float32) checkpoint loaded into forge_torch.AdamW(
+  moments='int8'): the managed weight's moments become the quantizer's
+  codes and scales of the saved float32 moments, also for a bfloat16
+  model (not of torch's cast of them to the weight's dtype); the small
+  weight's stay float."""
   model = _mlp(torch.float32)
   ref = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.Tanh(),
                             torch.nn.Linear(64, 7))
   ref.load_state_dict(model.state_dict())
+  model.to(dtype)
   topt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
   for step in (1, 2):
     _loss(ref, step, torch.float32).backward()
@@ -251,7 +255,7 @@ def test_a_float_checkpoint_is_quantized_on_load():
     assert st[name].dtype == torch.int8
     assert (st[name].numpy() == np.asarray(want.q)).all()
     assert (st[name + "_scale"].numpy() == np.asarray(want.scale)).all()
-  assert opt.state[model[2].weight]["exp_avg"].dtype == torch.float32
+  assert opt.state[model[2].weight]["exp_avg"].dtype == dtype
 
 
 def test_refusals_and_warnings():
