@@ -160,6 +160,25 @@ def _check_params(params, paths) -> None:
       node = node[key]
 
 
+def _check_not_accumulation_state(tx, opt_state, params) -> None:
+  """Refuses gradient accumulation's state (``optax.MultiStepsState``, of
+  ``forge_jax.MultiSteps`` or ``optax.MultiSteps``) given to a step whose
+  transform does not accumulate (its ``init`` makes another state), naming
+  both, before its fields are read as the transform's."""
+  if not isinstance(opt_state, optax.MultiStepsState):
+    return
+  made = jax.eval_shape(tx.init, params)
+  if not isinstance(made, optax.MultiStepsState):
+    raise TypeError(
+        "make_step: opt_state is gradient accumulation's state (an "
+        "optax.MultiStepsState, made by forge_jax.MultiSteps(...).init or "
+        "optax.MultiSteps(...).init), but the step's transform does not "
+        "accumulate. Build the "
+        "step with the transform that made the state, "
+        "make_step(loss_fn, forge_jax.MultiSteps(forge_jax.adamw(...), k)), "
+        "or make the state with this transform's init().")
+
+
 def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
   """Checks ``make_step``'s arguments (see :func:`make_step`).
 
@@ -170,8 +189,12 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
     ValueError: ``shared`` is not in ``SHARED_POLICIES`` or ``wgrad`` not in
       ``_paths.WGRAD_MODES``.
   """
-  if isinstance(tx, optax.MultiSteps):
-    if _clip.holds_clipping(tx.inner_opt):
+  # optax.MultiSteps, or its .gradient_transformation() (its bound
+  # methods; forge_jax.MultiSteps' init is one too, of its inner object)
+  multi = tx if isinstance(tx, (optax.MultiSteps, ForgeTransformation)) else (
+      getattr(getattr(tx, "init", None), "__self__", None))
+  if isinstance(multi, optax.MultiSteps):
+    if _clip.holds_clipping(multi.inner_opt):
       raise _clip.accumulation_refused("make_step", "optax.MultiSteps")
     raise TypeError(
         "make_step: optax.MultiSteps cannot drive FORGE layers (they update "
@@ -750,6 +773,8 @@ def make_step(
     if clipping is not None:  # the optimizer's own state in the chain's
       state_in = clipping.member_state(chain_state)
     _sharding.check_placement(mesh_layout, params, batch, chain_state)
+    _check_not_accumulation_state(
+        clipping.member if clipping is not None else tx, state_in, params)
     spec = (tx.spec if injected is None
             else _inject.spec_for(injected, state_in, params))
     if spec.low_precision is not None and mesh_layout is not None:

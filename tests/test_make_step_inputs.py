@@ -494,9 +494,28 @@ def test_forge_multisteps_has_optaxs_attributes():
 
 
 def test_optax_multisteps_is_refused_naming_forge_multisteps():
-  with pytest.raises(TypeError, match=r"forge_jax\.MultiSteps"):
-    forge_jax.make_step(lambda v, b: 0.0,
-                        optax.MultiSteps(forge_jax.adamw(1e-3), 2))
+  """optax.MultiSteps, also as its gradient_transformation(), gets the
+  advice to use forge_jax.MultiSteps; accumulation's state given to a
+  step whose transform does not accumulate is refused naming both (it
+  was read as the transform's, and blamed on a layer's fusing)."""
+  ms = optax.MultiSteps(forge_jax.adamw(1e-3), 2)
+  for tx in (ms, ms.gradient_transformation()):
+    with pytest.raises(TypeError, match=r"use forge_jax\.MultiSteps"):
+      forge_jax.make_step(lambda v, b: 0.0, tx)
+  model = MLP(forge_jax.Dense)
+  (x, y), = batches(1)
+  variables = model.init(jax.random.key(0), x)
+  accumulating = forge_jax.MultiSteps(forge_jax.adamw(1e-3), 2)
+  step = forge_jax.make_step(mse(model), forge_jax.adamw(1e-3))
+  with pytest.raises(TypeError, match=(
+      r"opt_state is gradient accumulation's state \(an "
+      r"optax.MultiStepsState(.|\n)*does not accumulate")):
+    step(variables, accumulating.init(variables["params"]), (x, y))
+  # The accumulating step takes it.
+  loss, _, state = forge_jax.make_step(mse(model), accumulating)(
+      variables, accumulating.init(variables["params"]), (x, y))
+  assert isinstance(state, optax.MultiStepsState) and bool(
+      jnp.isfinite(loss))
 
 
 def test_a_forge_transformation_without_a_spec_is_refused_plainly():
