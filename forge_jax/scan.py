@@ -29,6 +29,7 @@ Outside a FORGE step (and with ``fused=False``) the module *is*
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import dataclasses
 import functools
 import numbers
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 import flax.linen as nn
 from flax.linen import dtypes as flax_dtypes
+from flax.core import FrozenDict
 from flax.linen import initializers
 
 import pallas_kernels
@@ -359,6 +361,12 @@ class ScannedDenseStack(nn.Module):
   (one layer's W and slots of temporaries); ``"auto"`` (default) -- ``"layer"``
   on a GPU, ``"slice"`` in Pallas interpret mode (CPU), whose interpreter
   copies every operand it is given and so would copy the whole stacks.
+
+  ``metadata_params``: as ``nn.scan``'s, passed to it: with a boxed
+  ``kernel_init`` (``nn.with_logical_partitioning(init, ('embed',
+  'mlp'))``), ``{nn.PARTITION_NAME: 'layers'}`` names the stacked axis 0 of
+  the boxes (without it flax cannot stack boxed parameters).
+  ``make_step`` trains the boxed tree and returns it boxed, names kept.
   """
 
   features: int
@@ -373,6 +381,7 @@ class ScannedDenseStack(nn.Module):
   fused: bool = True
   block_config: pallas_kernels.BlockConfig | None = None
   stack_update: str = "auto"
+  metadata_params: Mapping[Any, Any] = FrozenDict()
 
   def _act(self, y):
     return y if self.activation is None else self.activation(y)
@@ -396,7 +405,8 @@ class ScannedDenseStack(nn.Module):
   def _scanned(self, x):
     y, _ = nn.scan(_scan_body, variable_axes={'params': 0},
                    split_rngs={'params': True},
-                   length=self.num_layers)(self, x, None)
+                   length=self.num_layers,
+                   metadata_params=dict(self.metadata_params))(self, x, None)
     return y
 
   @nn.compact

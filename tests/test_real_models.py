@@ -442,3 +442,46 @@ def test_injected_deferred_family_casts_hyperparameters_as_optax():
                         np.asarray(run(True, jnp.float32), np.float32))
   assert_close(got, run(False, None))  # bf16 tolerance
 
+
+
+class StackTower(nn.Module):
+  fused: bool
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(D)(x)
+    h = forge_jax.ScannedDenseStack(
+        D, L, activation=jnp.tanh, fused=self.fused, metadata_params=LAYERS,
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("embed", "mlp")),
+        name="stack")(h)
+    return nn.Dense(3)(h)
+
+
+def test_scanned_dense_stack_metadata_params_box_and_train():
+  """A ScannedDenseStack with a boxed kernel_init: metadata_params names
+  the stacked axis as nn.scan's does (without it flax cannot stack the
+  boxes), and the fused step trains the boxed tree as optax trains the
+  stack's nn.scan (fused=False), boxes kept."""
+  bs = batches(3)
+  forge_v = StackTower(True).init(jax.random.key(0), bs[0][0])
+  kernel = forge_v["params"]["stack"]["kernel"]
+  assert kernel.names == ("layers", "embed", "mlp")
+  assert kernel.value.shape == (L, D, D)
+  tx_kw = dict(learning_rate=1e-2, weight_decay=0.1)
+  forge_tx, optax_tx = forge_jax.adamw(**tx_kw), optax.adamw(**tx_kw)
+  step = forge_jax.make_step(mse(StackTower(True)), forge_tx)
+  fs = jax.jit(step)
+  rs = jax.jit(reference_step(mse(StackTower(False)), optax_tx))
+  plain = flax.core.meta.unbox(forge_v)
+  vf, sf = forge_v, forge_tx.init(forge_v["params"])
+  vr, sr = plain, optax_tx.init(plain["params"])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  assert step.standard_layers == []
+  assert names_of(vf) == names_of(forge_v)
+  assert_trees_close(flax.core.meta.unbox(vf), vr, RTOL, "variables")
+  assert_trees_close(flax.core.meta.unbox(sf), sr, RTOL, "opt_state")
+  assert rel_err(flax.core.meta.unbox(kernel),
+                 vr["params"]["stack"]["kernel"]) > 1e-3
