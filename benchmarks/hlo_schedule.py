@@ -8,8 +8,9 @@ The input is ``compiled.as_text()`` of a jitted step (``e2e_paired.py
 the order they run. An *update* is a kernel (fusion or custom call) that
 reads a matrix slot of the optimizer state (an entry parameter named
 ``opt_state...`` of rank >= 2). Its *gradient GEMM* is an operand that is a
-GEMM's output (a ``__cublas`` custom call or a ``gemm_fusion``; through
-``get-tuple-element`` / ``bitcast``). Per file it prints: how many updates
+GEMM's output (a ``__cublas`` custom call, a ``gemm_fusion``, or a fusion
+whose computation's root is a ``dot``, as XLA:CPU's library fusions are;
+through ``get-tuple-element`` / ``bitcast``). Per file it prints: how many updates
 there are and how many read a GEMM-formed gradient; for those, how many
 kernels run between the GEMM and the update; where in the step the updates
 sit (fraction of the kernel sequence); the most gradients alive at once
@@ -162,15 +163,38 @@ def _rank(typ: str) -> int:
   return len([d for d in m.group(2).split(",") if d]) if m else 0
 
 
-def is_gemm(op: str, attrs: str) -> bool:
+def root_ops(text: str) -> dict[str, str]:
+  """The op of each computation's ``ROOT`` instruction, by computation."""
+  out, name = {}, None
+  for line in text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      head = line[6:] if line.startswith("ENTRY ") else line
+      m = re.match(r"%?([\w.\-]+)", head)
+      name = m.group(1) if m else None
+    elif name is not None and line.lstrip().startswith("ROOT "):
+      ins = parse_instruction(line)
+      if ins is not None:
+        out[name] = ins[2]
+  return out
+
+
+def is_gemm(op: str, attrs: str, roots: dict[str, str] | None = None
+            ) -> bool:
+  """Whether an instruction forms a GEMM: a ``dot``, a cuBLAS call, XLA:GPU's
+  ``gemm_fusion``, or (given ``roots``, :func:`root_ops`) a fusion whose
+  computation's root is a ``dot`` (XLA:CPU's library fusions)."""
+  if op == "fusion":
+    m = re.search(r"calls=%([\w.\-]+)", attrs)
+    return m is not None and (m.group(1).startswith("gemm_fusion") or (
+        roots is not None and roots.get(m.group(1)) == "dot"))
   return (op == "dot"
-          or (op == "custom-call" and 'custom_call_target="__cublas' in attrs)
-          or (op == "fusion" and "calls=%gemm_fusion" in attrs))
+          or (op == "custom-call" and 'custom_call_target="__cublas' in attrs))
 
 
 def analyse(text: str) -> dict:
   """The schedule figures of one HLO module (see the module docstring)."""
   instrs = entry_instructions(text)
+  roots = root_ops(text)
   by_name = {i[0]: i for i in instrs}
   slots = {n for n, typ, op, _, _ in instrs
            if op == "parameter" and n.startswith("opt_state")
@@ -192,12 +216,13 @@ def analyse(text: str) -> dict:
       continue
     gemms = sorted({s for s in sources
                     if s in by_name and is_gemm(by_name[s][2],
-                                                by_name[s][4])},
+                                                by_name[s][4], roots)},
                    key=lambda s: position.get(s, -1))
     loops = {s for s in sources if s in by_name and by_name[s][2] in _CALLS}
     updates.append(dict(name=name, position=position[name], gemms=gemms,
                         loops=bool(loops),
-                        custom=op == "custom-call" and not is_gemm(op, attrs)))
+                        custom=op == "custom-call" and not is_gemm(op,
+                                                                   attrs)))
 
   # The gradients: GEMM outputs some update reads; each lives from its GEMM
   # to the last update that reads it.
