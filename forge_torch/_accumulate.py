@@ -26,6 +26,7 @@ partial sum).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -64,12 +65,11 @@ def from_accumulator(rule: UpdateRule) -> UpdateRule:
     w_new, new = rule.update(acc + g, w, inner, h)
     return w_new, (acc, *new)
 
-  return UpdateRule(
-      name=f"{rule.name}_from_acc", slots=(ACC, *rule.slots),
-      hparams=rule.hparams, update=update,
-      updates_weight=rule.updates_weight, outputs=rule.outputs,
-      defaults=rule.defaults, static=rule.static,
-      no_quantized_state=rule.no_quantized_state)
+  # (Every other field is the rule's -- its second moments, which quantized
+  # slots are floored -- and its tilings are its own.)
+  return dataclasses.replace(rule, name=f"{rule.name}_from_acc",
+                             slots=(ACC, *rule.slots), update=update,
+                             tuned_as=None)
 
 
 __all__ = ["ACC", "from_accumulator", "sum_rule"]

@@ -53,7 +53,6 @@ scalars from the group and the step.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import numbers
 import operator
@@ -141,15 +140,6 @@ def _dequantize_tensor(q: torch.Tensor, scale: torch.Tensor,
   dequantization), float32."""
   full = scale.repeat_interleave(block, dim=-1)[..., :q.shape[-1]]
   return q.float() * full
-
-
-@functools.lru_cache(maxsize=None)
-def _with_second_moments(rule: UpdateRule, second: tuple[str, ...]
-                         ) -> UpdateRule:
-  """``rule`` naming ``second`` as its second moments (the gradient
-  accumulation rule wraps a family's without them): which quantized slots
-  are clamped at zero and floored."""
-  return dataclasses.replace(rule, second_moments=second)
 
 
 # The keyword-only options a forge_torch optimizer adds to torch's
@@ -1707,8 +1697,6 @@ class _ForgeOptimizer:
     kernel_rule, kernel_slots = rule, slots
     if acc is not None:  # G + the step's earlier micro-batches' sum
       kernel_rule = _accumulate.from_accumulator(rule)
-      if fmt is not None:
-        kernel_rule = _with_second_moments(kernel_rule, rule.second_moments)
       kernel_slots = [acc, *slots]
     sr = None
     if self._forge_sr:  # the step t this update is (1-based)

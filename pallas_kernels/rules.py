@@ -841,13 +841,11 @@ def accumulating(rule: UpdateRule) -> UpdateRule:
       w_new = select(final, w_new, w)
     return w_new, (select(final, 0.0, mean), *kept, *new[n_slots:])
 
-  return UpdateRule(
-      name=f"{rule.name}_accumulate", slots=("acc", *rule.slots),
+  # (Every other field is the rule's; its tilings are its own.)
+  return dataclasses.replace(
+      rule, name=f"{rule.name}_accumulate", slots=("acc", *rule.slots),
       hparams=rule.hparams + ACCUMULATE_HPARAMS, update=update,
-      updates_weight=rule.updates_weight, outputs=rule.outputs,
-      defaults=rule.defaults, static=rule.static,
-      second_moments=rule.second_moments,
-      no_quantized_state=rule.no_quantized_state)
+      tuned_as=None)
 
 
 def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
@@ -892,13 +890,10 @@ def momentum_accumulating(rule: UpdateRule, decay: str) -> UpdateRule:
       w_new = select(h["acc_final"] > 0, w_new, w)
     return w_new, new
 
-  return UpdateRule(
-      name=f"{rule.name}_momentum_accumulate", slots=rule.slots,
+  return dataclasses.replace(
+      rule, name=f"{rule.name}_momentum_accumulate",
       hparams=rule.hparams + MOMENTUM_ACCUMULATE_HPARAMS, update=update,
-      updates_weight=rule.updates_weight, outputs=rule.outputs,
-      defaults=rule.defaults, static=rule.static,
-      second_moments=rule.second_moments,
-      no_quantized_state=rule.no_quantized_state)
+      tuned_as=None)
 
 
 # --- Global-norm clipping (forge_jax.clip_by_global_norm, max_grad_norm=) -----
@@ -936,13 +931,9 @@ def grad_scaled(rule: UpdateRule) -> UpdateRule:
   def update(g, w, slots, h):
     return rule.update((g / h["gscale_div"]) * h["gscale_mul"], w, slots, h)
 
-  return UpdateRule(
-      name=f"{rule.name}_clipped", slots=rule.slots,
+  return dataclasses.replace(
+      rule, name=f"{rule.name}_clipped",
       hparams=rule.hparams + GRAD_SCALE_HPARAMS, update=update,
-      updates_weight=rule.updates_weight, outputs=rule.outputs,
-      defaults=rule.defaults, static=rule.static,
       # (The base rule's tilings, then those it takes.)
       tuned_as=(rule.name if rule.tuned_as is None
-                else (rule.name, *tuned_names(rule))),
-      second_moments=rule.second_moments,
-      no_quantized_state=rule.no_quantized_state)
+                else (rule.name, *tuned_names(rule))))
