@@ -245,6 +245,17 @@ def test_k_schedule(name, data):
 
 def test_scanned_stack_exact_mode():
   """A ScannedDenseStack's stacked kernel accumulates like any FORGE kernel."""
+  _scanned_stack_exact_mode()
+
+
+@pytest.mark.gpu
+def test_scanned_stack_exact_mode_on_gpu():
+  """The same with the compiled kernels (the stack stepped in place)."""
+  assert jax.default_backend() == "gpu"
+  _scanned_stack_exact_mode()
+
+
+def _scanned_stack_exact_mode():
   from tests.test_scan import Model
 
   class Scanned(nn.Module):

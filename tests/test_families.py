@@ -208,6 +208,20 @@ def optax_runs():
 @pytest.mark.parametrize("wgrad", ["fused", "xla"])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_mlp_training_matches_optax(name, wgrad, data, optax_runs):
+  _train_against_optax(name, wgrad, data, optax_runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_mlp_training_matches_optax_on_gpu(name, data):
+  """The same 20 steps with the compiled kernels, both sides' GEMMs in
+  full fp32 (no TF32)."""
+  assert jax.default_backend() == "gpu"
+  with jax.default_matmul_precision("highest"):
+    _train_against_optax(name, "fused", data, {})
+
+
+def _train_against_optax(name, wgrad, data, optax_runs):
   xs, ys, variables = data
   forge_tx, optax_tx = _transforms(name)
   ref_loss = _mse(MLP(nn.Dense))
