@@ -364,8 +364,8 @@ def _deferred(family: str) -> TypeError:
       f"make_step: global-norm clipping with {family!r} (a family whose "
       "layer forms its gradient and runs optax's update on it in the "
       "backward) is not supported; clipping is built for the families the "
-      f"fused kernel updates (SGD ... Lion, LAMB, Muon), as {_FORM}. Train "
-      "this chain with optax on the standard path.")
+      f"fused kernel updates (SGD ... Lion, LAMB, Muon, Scion), as {_FORM}. "
+      "Train this chain with optax on the standard path.")
 
 
 def check_mesh_layout(mesh_layout) -> None:

@@ -207,6 +207,25 @@ def test_jax_clipped_adamw_matches_optax_chain_without_a_weight_gradient():
       shapes)
 
 
+_REGIME_2 = {
+    "lamb": lambda lib: lib.lamb(3e-3, weight_decay=1e-2),
+    "muon": lambda lib: (optax.contrib if lib is optax else lib).muon(2e-2),
+    # No optax transform: forge_jax's own, run by optax on nn.Dense.
+    "scion": lambda lib: forge_jax.scion(2e-3),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_REGIME_2))
+def test_jax_clipped_regime_2_families_match_the_optax_chain(family):
+  """The regime-2 families (their layer pass reads the clipped moments),
+  clipped in some of 6 steps: every parameter and state leaf as the optax
+  chain's."""
+  got, ref, norms, m, losses, _ = _train_pair(
+      MLP(nn.Dense), MLP(forge_jax.Dense), _REGIME_2[family],
+      forge_jax.clip_by_global_norm, _batches(6))
+  _assert_clipped_parity(got, ref, norms, m, losses)
+
+
 class _Stacked(nn.Module):
   """Dense(37 -> 24), a scanned stack of three 24-wide layers, Dense(-> 5):
   forge_jax's layers and ScannedDenseStack, or flax's own nn.scan."""
