@@ -290,6 +290,15 @@ def in_update_pass(opt) -> bool:
   return getattr(opt, "_forge_clip_phase", None) == UPDATE_PASS
 
 
+def _zero_gradients_only(opt) -> bool:
+  """Whether no managed layer has run in this step and the parameters'
+  gradients are zero tensors (some) or ``None`` (the rest)."""
+  if opt.__dict__.get("_forge_updated") or opt.__dict__.get("_forge_micro"):
+    return False
+  grads = [p.grad for p in _params(opt) if p.grad is not None]
+  return bool(grads) and not any(bool(torch.any(g)) for g in grads)
+
+
 def _params(opt) -> list[torch.Tensor]:
   seen, out = set(), []
   for g in opt.param_groups:
@@ -502,7 +511,17 @@ def two_pass_step(opt, closure, finish):
   """
   name = type(opt).__name__
   if closure is None:
-    raise _no_closure(name)
+    if not _zero_gradients_only(opt):
+      raise _no_closure(name)
+    # No backward ran and every gradient is zero: a step from zero
+    # gradients, which clipping leaves as they are (their norm is 0) --
+    # torch.distributed.checkpoint forms a fresh optimizer's state so.
+    opt._forge_clip_phase = UPDATE_PASS  # the rest of step(), as below
+    try:
+      finish()
+    finally:
+      opt._forge_clip_phase = None
+    return None
   if getattr(opt, "accumulate_steps", 1) > 1:
     raise RuntimeError(
         f"forge_torch.{name}: max_grad_norm with accumulate_steps > 1 is not "
@@ -519,6 +538,18 @@ def two_pass_step(opt, closure, finish):
         "norms would differ from the averaged gradient's. Clip in a single "
         "process, or keep the clipped layers as nn.Linear.")
   params = _params(opt)
+  from forge_torch import distributed as _distributed  # noqa: PLC0415
+  prepared = [p for p in params if _distributed.is_data_parallel(p)
+              or _distributed.is_sharded(p)]
+  if prepared:  # (their reduction refuses clipping: refused before a pass)
+    names = ", ".join(_linear.weight_name(p) for p in prepared[:3])
+    raise RuntimeError(
+        f"forge_torch.{name}: max_grad_norm is not supported with the data "
+        f"parallelism of forge_torch.distributed.prepare_ddp / prepare_fsdp "
+        f"(here {names}{' ...' if len(prepared) > 3 else ''}), whatever "
+        "the process group's size: the norm must be taken over the ranks' "
+        "averaged gradients of the whole model before any update. Set "
+        "max_grad_norm=None, or keep the layers to clip as nn.Linear.")
 
   def clear():
     # Each pass starts from the same gradients: zero where a tensor is

@@ -824,6 +824,34 @@ class _ForgeOptimizer:
     _linear._set_owner(p, self)
     self._forge_managed[p] = index
 
+  def _forge_refuse_mid_step_takeover(self, managed) -> None:
+    """Refuses taking over managed weights in the middle of their owner's
+    step: updated by a backward whose ``step()`` has not run, or with
+    micro-batches accumulated in the owner's buffers. torch keeps either in
+    the parameters' ``.grad``, which a new optimizer's ``step()`` applies;
+    FORGE applied the one with the owner's state and keeps the other in the
+    owner's buffers, which this optimizer would never read."""
+    for p in managed:
+      previous = _linear.owner_of(p)
+      if previous is None or previous is self:
+        continue
+      updated = p in previous.__dict__.get("_forge_updated", ())
+      micro = previous.__dict__.get("_forge_micro", {}).get(p)
+      if not (updated or micro):
+        continue
+      owner = f"forge_torch.{type(previous).__name__}"
+      what = (f"its backward already applied {owner}'s update in a step "
+              "whose step() has not run" if updated else
+              f"{micro} micro-batch{'es' if micro > 1 else ''} of its "
+              f"accumulate_steps window are held in {owner}'s buffers")
+      raise RuntimeError(
+          f"forge_torch.{type(self).__name__}: given the managed "
+          f"{_linear.weight_name(p)} in the middle of a step of the "
+          f"optimizer that owns it ({what}). torch keeps that in .grad, "
+          "which the new optimizer's step() would apply; FORGE keeps it in "
+          "the owner, so the new optimizer would drop it. Call the owner's "
+          "step() first (and zero_grad()), then build the new optimizer.")
+
   def _forge_refuse_taken(self) -> None:
     """Refuses a step while this optimizer's groups hold managed weights
     that a forge_torch optimizer given them later took over (built over
@@ -873,7 +901,8 @@ class _ForgeOptimizer:
       if managed:
         self._forge_rule(group)  # refuses unfusable combinations now
       self._forge_check_low_precision(group, managed)
-    except (TypeError, ValueError):
+      self._forge_refuse_mid_step_takeover(managed)
+    except (TypeError, ValueError, RuntimeError):
       self.param_groups.pop()
       raise
     for p in managed:

@@ -505,6 +505,76 @@ def test_torch_max_grad_norm_refuses_misuse_with_the_fix():
   other_opt.step()
 
 
+def test_torch_max_grad_norm_forms_a_fresh_state_for_distributed_checkpoint():
+  """torch.distributed.checkpoint forms a fresh optimizer's state by
+  step() without a closure from zero gradients (at lr 0): with
+  max_grad_norm that step runs as is (clipping zeros changes nothing), so
+  saving and restoring a clipped run through it works and continues as
+  the unbroken run; a nonzero gradient without a closure is refused."""
+  from torch.distributed.checkpoint import state_dict as dcp  # noqa: PLC0415
+
+  def make():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(forge_torch.Linear(8, 6), torch.nn.Tanh(),
+                               torch.nn.Linear(6, 3))
+
+  x = torch.randn(5, 8)
+  model = make()
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5)
+  before = [p.detach().clone() for p in model.parameters()]
+  dcp.get_optimizer_state_dict(model, opt)  # a fresh optimizer's state
+  assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+  assert opt.param_groups[0]["lr"] == 1e-2 and opt.state
+
+  def closure(m, o):
+    def run():
+      o.zero_grad()
+      loss = m(x).square().mean()
+      loss.backward()
+      return loss
+    return run
+
+  opt.step(closure(model, opt))
+  saved = copy.deepcopy(dcp.get_optimizer_state_dict(model, opt))
+  restored = make()
+  restored.load_state_dict(model.state_dict())
+  new = forge_torch.AdamW(restored.parameters(), lr=1e-2, max_grad_norm=0.5)
+  dcp.set_optimizer_state_dict(restored, new, saved)
+  for m, o in ((model, opt), (restored, new)):
+    o.step(closure(m, o))
+  for p, q in zip(restored.parameters(), model.parameters()):
+    assert torch.equal(p, q)
+  model[2].weight.grad = torch.ones_like(model[2].weight)
+  with pytest.raises(RuntimeError, match=r"optimizer\.step\(closure\)"):
+    opt.step()
+
+
+def test_torch_max_grad_norm_refuses_prepared_weights_before_any_pass(
+    monkeypatch):
+  """Weights prepared for data parallelism (prepare_ddp / prepare_fsdp)
+  refuse clipping in their reduction whatever the group's size (a process
+  group of one rank included): refused by step(closure) up front, before
+  the closure runs, not after its two calls' side effects."""
+  model = torch.nn.Sequential(forge_torch.Linear(8, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 3))
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+  monkeypatch.setattr(forge_torch.distributed, "is_data_parallel",
+                      lambda p: p is model[0].weight)
+  calls = []
+
+  def closure():
+    calls.append(1)
+    loss = model(torch.randn(5, 8)).square().mean()
+    loss.backward()
+    return loss
+
+  with pytest.raises(RuntimeError, match=(
+      r"max_grad_norm is not supported with the data parallelism(.|\n)*"
+      r"whatever the process group's size")):
+    opt.step(closure)
+  assert calls == []
+
+
 def test_torch_max_grad_norm_keeps_zero_gradients_of_unreached_params():
   """A closure zeroing with zero_grad(set_to_none=False) leaves torch a zero
   .grad on a layer its backward no longer reaches, which torch's AdamW

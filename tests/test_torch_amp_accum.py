@@ -409,6 +409,34 @@ def test_accumulation_opt_in_limits_and_errors():
   assert "applied already" not in str(e.value) and len(alive) == 2
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_new_optimizer_in_the_middle_of_a_step_is_refused(k):
+  """An optimizer built over managed weights while their owner holds an
+  accumulation window (or after a backward applied its update, before its
+  step()): torch would step the new one from .grad, FORGE keeps these in
+  the owner, so the new one would drop them -- refused, nothing taken;
+  after the owner's step() it takes over."""
+  torch.manual_seed(0)
+  layer = forge_torch.Linear(D, D)
+  owner = forge_torch.AdamW(layer.parameters(), lr=1e-2)
+  owner.accumulate_steps = k
+  layer(torch.randn(BT, D)).square().sum().backward()
+  what = "micro-batch of its accumulate_steps" if k > 1 else "already applied"
+  with pytest.raises(RuntimeError, match=(
+      r"given the managed weight of shape \(\d+, \d+\) in the middle of a "
+      rf"step(.|\n)*{what}(.|\n)*Call the owner's step\(\) first")):
+    forge_torch.AdamW(layer.parameters(), lr=1e-2)
+  second = forge_torch.SGD([{"params": [layer.bias]}], lr=0.1)
+  with pytest.raises(RuntimeError, match="in the middle of a step"):
+    second.add_param_group({"params": [layer.weight]})
+  assert len(second.param_groups) == 1  # the refused group not kept
+  assert forge_torch.optim._linear.owner_of(layer.weight) is owner
+  owner.step()
+  owner.zero_grad()
+  new = forge_torch.AdamW(layer.parameters(), lr=1e-2)
+  assert forge_torch.optim._linear.owner_of(layer.weight) is new
+
+
 def test_zero_grad_discards_the_accumulated_micro_batches_as_torch_does():
   torch.manual_seed(0)
   ref = nn.Linear(D, D)
