@@ -10,10 +10,10 @@ reads a matrix slot of the optimizer state (an entry parameter named
 ``opt_state...`` of rank >= 2). Its *gradient GEMM* is an operand that is a
 GEMM's output (a ``__cublas`` custom call, a ``gemm_fusion``, or a fusion
 whose computation's root is a ``dot``, as XLA:CPU's library fusions are;
-through ``get-tuple-element`` / ``bitcast``). Per file it prints: how many updates
-there are and how many read a GEMM-formed gradient; for those, how many
-kernels run between the GEMM and the update; where in the step the updates
-sit (fraction of the kernel sequence); the most gradients alive at once
+through ``get-tuple-element`` / ``bitcast``). Per file it prints: how many
+updates there are and how many read a GEMM-formed gradient; for those, how
+many kernels run between the GEMM and the update; where in the step the
+updates sit (fraction of the kernel sequence); the most gradients alive at once
 (formed and not yet consumed by their update) with their bytes, and the
 most gradient bytes alive at once. A FORGE step with the fused kernel has
 updates that are custom calls reading no GEMM output: the gradient is never
