@@ -107,9 +107,13 @@ GROUPS = (
                 "_fallback",
                 T + "test_shared_weights.py::test_standard_fallback_in_other"
                 "_regimes",
-                T + "test_nnx.py::test_mlp_trains_like_nnx_and_optax"),
+                T + "test_nnx.py::test_mlp_trains_like_nnx_and_optax",
+                T + "test_clipping.py::test_jax_clipped_regime_2_families"
+                "_match_the_optax_chain"),
           keep=(_cases(T + "test_nnx.py::test_mlp_trains_like_nnx_and_optax",
                        "adamw-path-mask")
+                + _cases(T + "test_clipping.py::test_jax_clipped_regime_2"
+                         "_families_match_the_optax_chain", "muon")
                 + _cases(T + "test_families.py::test_mlp_training_matches"
                          "_optax", "adamw-fused", "adamw-xla", "lion-fused",
                          "sgd_nesterov-fused",
