@@ -575,8 +575,15 @@ class Plans(dict):
     self._last = None  # the last reducing layer's new kernel (traced)
 
   def after_previous_update(self, x):
-    """``x`` made to depend on the previous reducing layer's update."""
+    """``x`` made to depend on the previous reducing layer's update, where
+    both were traced in one trace; else (a layer under ``nn.remat`` /
+    ``jax.checkpoint`` traces its backward in the checkpoint's own trace,
+    whose values must not reach another) the chain restarts here."""
     if self._last is None:
+      return x
+    # (JAX's tracer internals; without them, chained as before.)
+    if getattr(self._last, "_trace", None) is not getattr(x, "_trace", None):
+      self._last = None
       return x
     x, _ = lax.optimization_barrier((x, self._last))
     return x

@@ -732,6 +732,41 @@ def tied(n: int) -> dict:
           "kernel_spec": _entries(got[0]["tied"]["kernel"].sharding.spec)}
 
 
+class Rematerialised(nn.Module):
+  """Two layers, the last under ``nn.remat`` (its backward traced in the
+  checkpoint's own trace), the first not."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(forge_jax.Dense(40, name="a")(x))
+    return nn.remat(forge_jax.Dense)(OUT, name="b")(h)
+
+
+def rematerialised(n: int) -> dict:
+  """A layer under ``nn.remat`` on a data-parallel mesh (the reductions'
+  chain must not carry a value of the checkpoint's trace into the outer
+  one), trained against the same step on one device."""
+  mesh = make_mesh("dp", n)
+  model, tx = Rematerialised(), forge_jax.adamw(1e-2, weight_decay=0.1)
+  data = batches(STEPS)
+  variables = host_init(model, data[0][0])
+  state = tx.init(variables["params"])
+  step = jax.jit(forge_jax.make_step(loss_fn(model), tx))
+  v, s = variables, state
+  for b in data:
+    _, v, s = step(v, s, b)
+  layout = forge_jax.MeshLayout(mesh, data_axes=D, param_specs=P())
+  replicated, batch_sh = NamedSharding(mesh, P()), NamedSharding(mesh, P(D))
+  step = jax.jit(forge_jax.make_step(loss_fn(model), tx, mesh_layout=layout))
+  got_v = jax.device_put(variables, replicated)
+  got_s = jax.device_put(state, replicated)
+  for b in data:
+    _, got_v, got_s = step(got_v, got_s, jax.device_put(b, batch_sh))
+  got = (got_v["params"], got_s)
+  return {"max_rel_err": max(jax.tree.leaves(jax.tree.map(
+      rel_err, got, (v["params"], s)))), "drift": _drift(got)}
+
+
 # --------------------------------------------------------------------------
 # Refused layouts: each gives the error message, or None if not refused.
 
@@ -939,6 +974,7 @@ def main() -> None:
                          for name in MODELS for layout in LAYOUTS}
     result["memory"] = memory(n)
     result["tied"] = tied(n)
+    result["rematerialised"] = rematerialised(n)
     result["refusals"] = refusals(n)
     result["converted_attention"] = converted_attention(n)
     result["missing_reduction"] = missing_reduction(n)

@@ -157,6 +157,16 @@ def test_tied_kernel_under_fsdp(report):
   assert got["drift"] == 0.0
 
 
+def test_a_rematerialised_layer_trains_on_a_data_parallel_mesh(report):
+  """The last layer under nn.remat traces its backward in the
+  checkpoint's trace; the reductions' chain restarts there instead of
+  carrying that trace's value into the outer one (UnexpectedTracerError),
+  and the step trains as on one device."""
+  got = report["rematerialised"]
+  assert got["max_rel_err"] <= SHARDED_RTOL, got
+  assert got["drift"] == 0.0, got
+
+
 def _matrices(collective):
   return [shape for shape in collective if len(shape) == 2]
 
