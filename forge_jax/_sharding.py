@@ -109,7 +109,8 @@ class MeshLayout:
     param_specs: the kernels' shardings: a ``PartitionSpec`` or
       ``NamedSharding`` for each leaf of ``variables["params"]``, as a tree
       or a prefix of it (``PartitionSpec()`` alone: every parameter
-      replicated); e.g. ``jax.tree.map(lambda a: a.sharding, params)``.
+      replicated); e.g. ``jax.tree.map(lambda a: a.sharding, params)`` of
+      unboxed parameters (boxed ones need none: ``None`` reads the boxes).
       ``None``: read from Flax's partitioning boxes (``nn.with_partitioning``,
       ``nn.with_logical_partitioning`` with its rules), and a FORGE kernel
       without a box is refused. The optimizer slots of a kernel must be
