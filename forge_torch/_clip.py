@@ -504,8 +504,13 @@ def two_pass_step(opt, closure, finish):
   Returns:
     The second call's loss.
 
+  Without a closure, a step from zero gradients (no managed layer run in
+  it: ``torch.distributed.checkpoint``'s state-forming step) is the rest of
+  ``step()`` as is, clipping leaving zeros as they are.
+
   Raises:
-    RuntimeError: no ``closure``; ``accumulate_steps > 1`` (the norm of an
+    RuntimeError: no ``closure`` (gradients other than zeros);
+      ``accumulate_steps > 1`` (the norm of an
       accumulated gradient needs the whole accumulation); a process group of
       more than one rank (the norms are measured before any reduction).
   """
@@ -516,6 +521,7 @@ def two_pass_step(opt, closure, finish):
     # No backward ran and every gradient is zero: a step from zero
     # gradients, which clipping leaves as they are (their norm is 0) --
     # torch.distributed.checkpoint forms a fresh optimizer's state so.
+    opt._forge_clip_coef = 1.0  # (what clip_grad_norm_ takes for a norm of 0)
     opt._forge_clip_phase = UPDATE_PASS  # the rest of step(), as below
     try:
       finish()

@@ -281,6 +281,7 @@ class _ForgeOptimizer:
     self.restore_buffers = restore_buffers
     self.last_grad_norm = None  # the last clipped step's norm (a tensor)
     self._forge_set_low_precision(moments, stochastic_rounding, seed)
+    args, kwargs = self._forge_check_takeover_first(args, kwargs)
     super().__init__(*args, **kwargs)
     self._forge_warn_unmanaged(self.param_groups)
     self._forge_constructed = True
@@ -617,7 +618,7 @@ class _ForgeOptimizer:
     # applied), and its fp32 accumulator. Cleared, not replaced: the maps
     # keep their weak references to the weights for the next step.
     for name in ("_forge_calls", "_forge_updated", "_forge_micro",
-                 "_forge_acc"):
+                 "_forge_acc", "_forge_cleared"):
       if name in self.__dict__:
         getattr(self, name).clear()
       else:
@@ -824,6 +825,38 @@ class _ForgeOptimizer:
     _linear._set_owner(p, self)
     self._forge_managed[p] = index
 
+  def _forge_check_takeover_first(self, args, kwargs):
+    """The constructor's ``params`` (made a list, as torch's constructor
+    makes it) checked by :meth:`_forge_refuse_mid_step_takeover` in every
+    group before torch's adds the first, so that a refused constructor
+    has taken no group's weights; ``(args, kwargs)`` with that list."""
+    if args:
+      params, args = args[0], (None, *args[1:])
+    elif "params" in kwargs:
+      params = kwargs["params"]
+    else:
+      return args, kwargs  # (torch's constructor says what is missing)
+    if not isinstance(params, torch.Tensor):  # (refused by torch's)
+      params = list(params)
+    groups = (params if isinstance(params, list) and params
+              and isinstance(params[0], dict) else [{"params": params}])
+    managed = []
+    for group in groups:
+      if not isinstance(group, dict):
+        continue
+      if not isinstance(group.get("params"),
+                        (torch.Tensor, list, tuple, set)):
+        group["params"] = list(group.get("params", ()))  # (as torch does)
+      members = group["params"]
+      for q in [members] if isinstance(members, torch.Tensor) else members:
+        q = q[1] if isinstance(q, tuple) and len(q) == 2 else q  # (named)
+        if isinstance(q, torch.Tensor) and _linear.is_forge_weight(q):
+          managed.append(q)
+    self._forge_refuse_mid_step_takeover(managed)
+    if args:
+      return (params, *args[1:]), kwargs
+    return args, {**kwargs, "params": params}
+
   def _forge_refuse_mid_step_takeover(self, managed) -> None:
     """Refuses taking over managed weights in the middle of their owner's
     step: updated by a backward whose ``step()`` has not run, or with
@@ -835,7 +868,10 @@ class _ForgeOptimizer:
       previous = _linear.owner_of(p)
       if previous is None or previous is self:
         continue
-      updated = p in previous.__dict__.get("_forge_updated", ())
+      # (An update a zero_grad() has cleared since: torch would apply
+      # nothing of it either.)
+      updated = (p in previous.__dict__.get("_forge_updated", ())
+                 and p not in previous.__dict__.get("_forge_cleared", ()))
       micro = previous.__dict__.get("_forge_micro", {}).get(p)
       if not (updated or micro):
         continue
@@ -843,7 +879,8 @@ class _ForgeOptimizer:
       what = (f"its backward already applied {owner}'s update in a step "
               "whose step() has not run" if updated else
               f"{micro} micro-batch{'es' if micro > 1 else ''} of its "
-              f"accumulate_steps window are held in {owner}'s buffers")
+              f"accumulate_steps window {'are' if micro > 1 else 'is'} "
+              f"held in {owner}'s buffers")
       raise RuntimeError(
           f"forge_torch.{type(self).__name__}: given the managed "
           f"{_linear.weight_name(p)} in the middle of a step of the "
@@ -1158,6 +1195,10 @@ class _ForgeOptimizer:
     their ``.grad``; an update already applied in backward stays."""
     super().zero_grad(set_to_none=set_to_none)
     self._forge_flush_steps()
+    # The step's updates applied so far: in torch's terms cleared (torch
+    # would apply none of their gradients now).
+    for p in self._forge_updated:
+      self._forge_cleared[p] = True
     held, zeroed = self._forge_grad_held, self._forge_grad_zeroed
     last = self._forge_last_updated if self._forge_last_unseen else ()
     self._forge_last_unseen = False
@@ -1904,8 +1945,9 @@ class _ForgeOptimizer:
     ``None``, so torch's step skips them). A managed weight that did *not* get
     a fused update in this step but has an ordinary ``grad`` (its layer ran
     with ``fused = False``, say) is updated by torch's step like any other
-    (with quantized moments, ``moments=``, this raises ``RuntimeError``:
-    torch's step has no quantized form). One that did get a fused update
+    (with quantized moments, ``moments=``, or stochastic rounding this
+    raises ``RuntimeError``: torch's step has neither form; a ``grad`` of
+    zeros is stepped from ``G = 0`` by the fused kernel instead). One that did get a fused update
     and has a ``grad`` of zeros (left by ``nn.Module.zero_grad(set_to_none=
     False)`` after a step its layer ran unfused) has it set to ``None``:
     torch would step from ``0 + G``, the update already applied. A nonzero

@@ -547,6 +547,18 @@ def test_torch_max_grad_norm_forms_a_fresh_state_for_distributed_checkpoint():
   model[2].weight.grad = torch.ones_like(model[2].weight)
   with pytest.raises(RuntimeError, match=r"optimizer\.step\(closure\)"):
     opt.step()
+  # With int8 moments (a weight of 4096 elements or more): the zero
+  # gradient's fused step, unclipped.
+  big = torch.nn.Sequential(forge_torch.Linear(96, 64))
+  for options in (dict(moments="int8"),
+                  dict(stochastic_rounding=True, seed=1)):
+    big.to(torch.bfloat16 if "seed" in options else torch.float32)
+    quantized = forge_torch.AdamW(big.parameters(), lr=1e-2,
+                                  max_grad_norm=0.5, **options)
+    dcp.get_optimizer_state_dict(big, quantized)
+    assert quantized.param_groups[0]["lr"] == 1e-2
+    assert quantized.state[big[0].weight]["exp_avg"].dtype == (
+        torch.int8 if "moments" in options else torch.bfloat16)
 
 
 def test_torch_max_grad_norm_refuses_prepared_weights_before_any_pass(

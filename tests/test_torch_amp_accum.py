@@ -431,7 +431,28 @@ def test_a_new_optimizer_in_the_middle_of_a_step_is_refused(k):
     second.add_param_group({"params": [layer.weight]})
   assert len(second.param_groups) == 1  # the refused group not kept
   assert forge_torch.optim._linear.owner_of(layer.weight) is owner
+  # Groups checked before any is taken: an idle layer of an earlier group
+  # stays its owner's while the refused constructor's error is alive.
+  idle = forge_torch.Linear(D, D)
+  idle_owner = forge_torch.AdamW(idle.parameters(), lr=1e-2)
+  with pytest.raises(RuntimeError, match="in the middle of a step") as e:
+    forge_torch.AdamW([{"params": [idle.weight]},
+                       {"params": [layer.weight]}], lr=1e-2)
+  assert e.value is not None
+  assert forge_torch.optim._linear.owner_of(idle.weight) is idle_owner
   owner.step()
+  owner.zero_grad()
+  new = forge_torch.AdamW(layer.parameters(), lr=1e-2)
+  assert forge_torch.optim._linear.owner_of(layer.weight) is new
+
+
+def test_a_new_optimizer_after_zero_grad_takes_over():
+  """After a backward and zero_grad() (a step skipped: torch would apply
+  nothing of it, and FORGE's update, already applied, stays), a new
+  optimizer takes the weights over."""
+  layer = forge_torch.Linear(D, D)
+  owner = forge_torch.AdamW(layer.parameters(), lr=1e-2)
+  layer(torch.randn(BT, D)).square().sum().backward()
   owner.zero_grad()
   new = forge_torch.AdamW(layer.parameters(), lr=1e-2)
   assert forge_torch.optim._linear.owner_of(layer.weight) is new
