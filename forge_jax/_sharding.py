@@ -573,24 +573,27 @@ class Plans(dict):
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    self._last = None  # the last reducing layer's new kernel (traced)
+    # The last reducing layer's new kernel in each trace the backward
+    # traced layers in: id(trace) -> (trace, value). (A layer under
+    # ``nn.remat`` / ``jax.checkpoint`` traces its backward in the
+    # checkpoint's own trace, whose values must not reach another: each
+    # trace keeps its own chain. JAX's tracer internals; without them, one
+    # chain, as before.)
+    self._last = {}
 
   def after_previous_update(self, x):
-    """``x`` made to depend on the previous reducing layer's update, where
-    both were traced in one trace; else (a layer under ``nn.remat`` /
-    ``jax.checkpoint`` traces its backward in the checkpoint's own trace,
-    whose values must not reach another) the chain restarts here."""
-    if self._last is None:
+    """``x`` made to depend on the previous reducing layer's update traced
+    in ``x``'s trace (none: ``x`` as it is)."""
+    trace = getattr(x, "_trace", None)
+    last = self._last.get(id(trace))
+    if last is None or last[0] is not trace:
       return x
-    # (JAX's tracer internals; without them, chained as before.)
-    if getattr(self._last, "_trace", None) is not getattr(x, "_trace", None):
-      self._last = None
-      return x
-    x, _ = lax.optimization_barrier((x, self._last))
+    x, _ = lax.optimization_barrier((x, last[1]))
     return x
 
   def updated(self, w_new) -> None:
-    self._last = w_new
+    trace = getattr(w_new, "_trace", None)
+    self._last[id(trace)] = (trace, w_new)
 
 
 def plan_layers(mesh_layout: MeshLayout | None, boxed_params, layers,
