@@ -101,23 +101,28 @@ def entry_instructions(text: str) -> list[tuple]:
   return out
 
 
-def computations(text: str) -> dict[str, list[tuple]]:
-  """Every computation's instructions by name (the entry's under its own
-  name too), in order."""
-  out, name = {}, None
+def _computation_lines(text: str):
+  """``(computation name, line)`` of each line inside a computation."""
+  name = None
   for line in text.splitlines():
     if line and not line[0].isspace() and line.rstrip().endswith("{"):
       head = line[6:] if line.startswith("ENTRY ") else line
       m = re.match(r"%?([\w.\-]+)", head)
       name = m.group(1) if m else None
-      if name is not None:
-        out[name] = []
     elif line.startswith("}"):
       name = None
     elif name is not None:
-      ins = parse_instruction(line)
-      if ins is not None:
-        out[name].append(ins)
+      yield name, line
+
+
+def computations(text: str) -> dict[str, list[tuple]]:
+  """Every computation's instructions by name (the entry's under its own
+  name too), in order."""
+  out = {}
+  for name, line in _computation_lines(text):
+    ins = parse_instruction(line)
+    if ins is not None:
+      out.setdefault(name, []).append(ins)
   return out
 
 
@@ -165,16 +170,11 @@ def _rank(typ: str) -> int:
 
 def root_ops(text: str) -> dict[str, str]:
   """The op of each computation's ``ROOT`` instruction, by computation."""
-  out, name = {}, None
-  for line in text.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      head = line[6:] if line.startswith("ENTRY ") else line
-      m = re.match(r"%?([\w.\-]+)", head)
-      name = m.group(1) if m else None
-    elif name is not None and line.lstrip().startswith("ROOT "):
-      ins = parse_instruction(line)
-      if ins is not None:
-        out[name] = ins[2]
+  out = {}
+  for name, line in _computation_lines(text):
+    ins = parse_instruction(line) if line.lstrip().startswith("ROOT ") else None
+    if ins is not None:
+      out[name] = ins[2]
   return out
 
 

@@ -221,23 +221,33 @@ def test_scanned_blocks_metadata_params_match_nn_scan_and_train():
   assert kernel.value.shape == (L, D, H)
   assert_trees_close(forge_v, flax_v, 0.0, "initial variables")
 
+  vr = _train_boxed_like_optax(Tower(True), Tower(False), forge_v,
+                               flax_v, bs)
+  assert rel_err(flax.core.meta.unbox(kernel),
+                 vr["params"]["blocks"]["block"]["Dense_0"]["kernel"]) > 1e-3
+
+
+def _train_boxed_like_optax(forge_model, ref_model, forge_v, ref_v, bs):
+  """AdamW steps of the boxed ``forge_v`` by the FORGE step of
+  ``forge_model`` (every kernel fused, boxes and names kept) against optax
+  on ``ref_model`` from the unboxed ``ref_v``: every variable and state
+  leaf within the fp32 tolerance. Returns the reference's variables."""
   tx_kw = dict(learning_rate=1e-2, weight_decay=0.1)
   forge_tx, optax_tx = forge_jax.adamw(**tx_kw), optax.adamw(**tx_kw)
-  step = forge_jax.make_step(mse(Tower(True)), forge_tx)
+  step = forge_jax.make_step(mse(forge_model), forge_tx)
   fs = jax.jit(step)
-  rs = jax.jit(reference_step(mse(Tower(False)), optax_tx))
-  plain = flax.core.meta.unbox(flax_v)
+  rs = jax.jit(reference_step(mse(ref_model), optax_tx))
+  plain = flax.core.meta.unbox(ref_v)
   vf, sf = forge_v, forge_tx.init(forge_v["params"])
   vr, sr = plain, optax_tx.init(plain["params"])
   for b in bs:
     _, vf, sf = fs(vf, sf, b)
     _, vr, sr = rs(vr, sr, b)
-  assert step.standard_layers == []  # the blocks' kernels took the fused path
+  assert step.standard_layers == []  # the kernels took the fused path
   assert names_of(vf) == names_of(forge_v)
   assert_trees_close(flax.core.meta.unbox(vf), vr, RTOL, "variables")
   assert_trees_close(flax.core.meta.unbox(sf), sr, RTOL, "opt_state")
-  assert rel_err(flax.core.meta.unbox(kernel),
-                 vr["params"]["blocks"]["block"]["Dense_0"]["kernel"]) > 1e-3
+  return vr
 
 
 def test_multisteps_of_an_injected_transform_is_refused_with_the_fix():
@@ -468,20 +478,7 @@ def test_scanned_dense_stack_metadata_params_box_and_train():
   kernel = forge_v["params"]["stack"]["kernel"]
   assert kernel.names == ("layers", "embed", "mlp")
   assert kernel.value.shape == (L, D, D)
-  tx_kw = dict(learning_rate=1e-2, weight_decay=0.1)
-  forge_tx, optax_tx = forge_jax.adamw(**tx_kw), optax.adamw(**tx_kw)
-  step = forge_jax.make_step(mse(StackTower(True)), forge_tx)
-  fs = jax.jit(step)
-  rs = jax.jit(reference_step(mse(StackTower(False)), optax_tx))
-  plain = flax.core.meta.unbox(forge_v)
-  vf, sf = forge_v, forge_tx.init(forge_v["params"])
-  vr, sr = plain, optax_tx.init(plain["params"])
-  for b in bs:
-    _, vf, sf = fs(vf, sf, b)
-    _, vr, sr = rs(vr, sr, b)
-  assert step.standard_layers == []
-  assert names_of(vf) == names_of(forge_v)
-  assert_trees_close(flax.core.meta.unbox(vf), vr, RTOL, "variables")
-  assert_trees_close(flax.core.meta.unbox(sf), sr, RTOL, "opt_state")
+  vr = _train_boxed_like_optax(StackTower(True), StackTower(False),
+                               forge_v, forge_v, bs)
   assert rel_err(flax.core.meta.unbox(kernel),
                  vr["params"]["stack"]["kernel"]) > 1e-3
