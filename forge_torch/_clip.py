@@ -41,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import pallas_kernels
 from forge_torch import _bridge
+from forge_torch import distributed as _distributed
 from forge_torch import linear as _linear
 from pallas_kernels.rules import UpdateRule
 
@@ -544,7 +545,6 @@ def two_pass_step(opt, closure, finish):
         "norms would differ from the averaged gradient's. Clip in a single "
         "process, or keep the clipped layers as nn.Linear.")
   params = _params(opt)
-  from forge_torch import distributed as _distributed  # noqa: PLC0415
   prepared = [p for p in params if _distributed.is_data_parallel(p)
               or _distributed.is_sharded(p)]
   if prepared:  # (their reduction refuses clipping: refused before a pass)

@@ -938,7 +938,8 @@ class _ForgeOptimizer:
       if managed:
         self._forge_rule(group)  # refuses unfusable combinations now
       self._forge_check_low_precision(group, managed)
-      self._forge_refuse_mid_step_takeover(managed)
+      if getattr(self, "_forge_constructed", False):  # (else checked first)
+        self._forge_refuse_mid_step_takeover(managed)
     except (TypeError, ValueError, RuntimeError):
       self.param_groups.pop()
       raise
