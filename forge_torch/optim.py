@@ -160,6 +160,16 @@ def _scalar(v) -> float:
   return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
 
 
+def _loop_operand(v):
+  """A hyperparameter as torch's for-loop step computes with it
+  (``torch.optim.optimizer._to_scalar``): a Tensor stays one (0-d,
+  detached), so that the step's scalar expressions of it run in its dtype
+  (float32) as torch's do; anything else is a float."""
+  if isinstance(v, torch.Tensor):
+    return v.detach().reshape(())
+  return float(v)
+
+
 def _zeros(p: torch.Tensor) -> torch.Tensor:
   return torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -667,6 +677,14 @@ class _ForgeOptimizer:
           f"{', '.join(f'{k}=True' for k in bad)}: "
           + "; ".join(f"{k}: {_REFUSED[k][1]}" for k in bad)
           + f" (use torch.optim.{name} for these options)")
+    eps = group.get("eps")
+    if type(eps) in (float, int) and 0 < abs(eps) < _F32_TINY:
+      raise ValueError(
+          f"forge_torch.{type(self).__name__}: eps={eps!r} is below "
+          f"float32's smallest normal number ({_F32_TINY:.4g}); the fused "
+          "update's float32 arithmetic may flush it to zero (XLA on the "
+          "CPU does, giving NaN where torch's step does not). Use eps=0 "
+          f"or eps >= {_F32_TINY:.4g}.")
 
   def __getstate__(self):
     # torch keeps defaults, state and param_groups; the managed-weight
@@ -2471,6 +2489,10 @@ def _doc(cls):
 # ----------------------------------------------------------------------------
 
 
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_ADAMW_IS_ADAM = issubclass(torch.optim.AdamW, torch.optim.Adam)
+
+
 def _torch_rule(family: str, **options) -> UpdateRule:
   """The registered ``family``'s rule in torch's operation order."""
   return families.REGISTRY[family].torch_rule(**options)
@@ -2671,10 +2693,13 @@ class Adam(_AdamMoments, torch.optim.Adam):
       values.update(_cuda_fused_adam_scalars(
           group, beta1, beta2, t, device, self._forge_decoupled(group)))
       return values, {}
-    bc1 = 1 - beta1**t
-    bc2 = 1 - beta2**t
-    values["bc2_sqrt"] = bc2**0.5
-    values["neg_step_size"] = -(_scalar(group["lr"]) / bc1)
+    # torch's expressions on torch's operands (tensor betas or lr: float32
+    # tensor arithmetic, as its for-loop step keeps them).
+    lr, b1, b2 = map(_loop_operand, (group["lr"], *group["betas"]))
+    bc1 = 1 - b1**t
+    bc2 = 1 - b2**t
+    values["bc2_sqrt"] = _scalar(bc2**0.5)
+    values["neg_step_size"] = -_scalar(lr / bc1)
     return values, {}
 
 
@@ -2762,13 +2787,19 @@ class AdamW(Adam, torch.optim.AdamW):
   All options: ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
   ``maximize``. State: ``step``, ``exp_avg``, ``exp_avg_sq``, and
   ``max_exp_avg_sq`` (amsgrad). (The Adam rule with decoupled weight decay,
-  as torch's AdamW is its Adam with ``decoupled_weight_decay=True``.)
+  as torch's AdamW is its Adam with ``decoupled_weight_decay=True``; a
+  param group that sets ``decoupled_weight_decay=False`` steps with L2
+  decay, as torch's does.)
   """
 
   _forge_family: ClassVar[str] = "adamw"
 
   def _forge_decoupled(self, group) -> bool:
-    return True
+    # torch's AdamW is its Adam with decoupled_weight_decay=True as the
+    # default, read per group: a group that sets it False steps as Adam with
+    # L2 decay. (An AdamW that is no Adam always decouples.)
+    return not _ADAMW_IS_ADAM or bool(
+        group.get("decoupled_weight_decay", True))
 
 
 @_doc
@@ -2787,8 +2818,9 @@ class Adamax(_AdamMoments, torch.optim.Adamax):
             "exp_inf": _zeros(p)}
 
   def _forge_hparams(self, group, state, t, fresh):
-    beta1, _, values = self._forge_betas(group)
-    values["neg_clr"] = -(_scalar(group["lr"]) / (1 - beta1**t))
+    _, _, values = self._forge_betas(group)
+    lr, b1 = _loop_operand(group["lr"]), _loop_operand(group["betas"][0])
+    values["neg_clr"] = -_scalar(lr / (1 - b1**t))
     return values, {}
 
 
@@ -2841,16 +2873,18 @@ class RAdam(_AdamMoments, torch.optim.RAdam):
     return _torch_rule("radam")
 
   def _forge_hparams(self, group, state, t, fresh):
-    beta1, beta2, values = self._forge_betas(group)
-    bc2 = 1 - beta2**t
-    rho_inf = 2 / (1 - beta2) - 1
-    rho_t = rho_inf - 2 * t * (beta2**t) / bc2
-    rectify = rho_t > 5.0
+    _, _, values = self._forge_betas(group)
+    # torch's expressions on torch's operands (as Adam's).
+    lr, b1, b2 = map(_loop_operand, (group["lr"], *group["betas"]))
+    bc2 = 1 - b2**t
+    rho_inf = 2 / (1 - b2) - 1
+    rho_t = rho_inf - 2 * t * (b2**t) / bc2
+    rectify = bool(rho_t > 5.0)
     values.update(
-        bc1=1 - beta1**t, lr=_scalar(group["lr"]), bc2_sqrt=bc2**0.5,
+        bc1=_scalar(1 - b1**t), lr=_scalar(lr), bc2_sqrt=_scalar(bc2**0.5),
         rectify=1.0 if rectify else 0.0,
-        rect=((rho_t - 4) * (rho_t - 2) * rho_inf
-              / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
+        rect=_scalar(((rho_t - 4) * (rho_t - 2) * rho_inf
+                      / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5)
         if rectify else 0.0)
     return values, {}
 

@@ -759,15 +759,19 @@ def test_convert_leaves_a_parametrized_layer_and_its_state_alone():
 
 
 # amsgrad and maximize are supported (fused exactly); their parity with torch
-# is tested in tests/test_torch_families.py.
-@pytest.mark.parametrize("kwargs", [dict(capturable=True),
-                                    dict(differentiable=True)])
-def test_unsupported_options_raise(kwargs):
+# is tested in tests/test_torch_families.py. A subnormal eps: float32
+# arithmetic that flushes subnormals (XLA on the CPU) would divide by zero.
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(capturable=True), "does not support"),
+    (dict(differentiable=True), "does not support"),
+    (dict(eps=1e-40), "eps=1e-40 is below float32's smallest normal")],
+    ids=["capturable", "differentiable", "subnormal-eps"])
+def test_unsupported_options_raise(kwargs, match):
   layer = forge_torch.Linear(4, 3)
-  with pytest.raises(ValueError, match="does not support"):
+  with pytest.raises(ValueError, match=match):
     forge_torch.AdamW(layer.parameters(), **kwargs)
   opt = forge_torch.AdamW([layer.bias])
-  with pytest.raises(ValueError, match="does not support"):
+  with pytest.raises(ValueError, match=match):
     opt.add_param_group({"params": [layer.weight], **kwargs})
   # Set on the group after construction: refused at the update, whose
   # weight is left alone (with and without a plan from an earlier update).
@@ -778,7 +782,7 @@ def test_unsupported_options_raise(kwargs):
       opt.step()
     opt.param_groups[0].update(kwargs)
     before = layer.weight.detach().clone()
-    with pytest.raises(ValueError, match="does not support"):
+    with pytest.raises(ValueError, match=match):
       layer(torch.randn(2, 4)).sum().backward()
     assert torch.equal(layer.weight, before)
 

@@ -107,6 +107,12 @@ CASES = [
                fused=True), sched="cosine"),
     _case("adamw-amsgrad", "AdamW", dict(lr=1e-2, amsgrad=True),
           sched="cosine"),
+    pytest.param("AdamW", dict(lr=1e-2, weight_decay=0.1), "coupled",
+                 "lambda", id="adamw-group-coupled",
+                 marks=pytest.mark.skipif(
+                     not issubclass(torch.optim.AdamW, torch.optim.Adam),
+                     reason="this torch's AdamW reads no "
+                     "decoupled_weight_decay")),
     _case("adamax-wd", "Adamax", dict(lr=1e-2, weight_decay=WD), split=True),
     _case("nadam-wd", "NAdam", dict(lr=1e-2, weight_decay=WD)),
     _case("nadam-decoupled", "NAdam",
@@ -117,6 +123,19 @@ CASES = [
     # torch 2.11's foreach NAdam, its CUDA default, refuses tensor betas.)
     _case("nadam-tensor-betas", "NAdam",
           dict(lr=1e-2, betas=(torch.tensor(0.8), torch.tensor(0.99)),
+               foreach=False)),
+    # Tensor betas in Adam, Adamax, RAdam: torch's for-loop step keeps them
+    # tensors, so its bias corrections (RAdam: rho too) are float32 tensor
+    # arithmetic (1 - 0.999**t loses digits there); forge_torch forms them
+    # the same way.
+    _case("adam-tensor-betas", "Adam",
+          dict(lr=0.3, betas=(torch.tensor(0.9), torch.tensor(0.999)),
+               foreach=False)),
+    _case("adamax-tensor-betas", "Adamax",
+          dict(lr=0.3, betas=(torch.tensor(0.9), torch.tensor(0.999)),
+               foreach=False)),
+    _case("radam-tensor-betas", "RAdam",
+          dict(lr=0.3, betas=(torch.tensor(0.9), torch.tensor(0.999)),
                foreach=False)),
     _case("radam-wd", "RAdam", dict(lr=1e-2, weight_decay=WD)),
     _case("radam-decoupled", "RAdam",
@@ -136,6 +155,9 @@ def groups(model, split, kwargs):
   ps = list(model.parameters())
   if not split:
     return ps
+  if split == "coupled":  # AdamW reads decoupled_weight_decay per group
+    return [{"params": ps[:2]},
+            {"params": ps[2:], "decoupled_weight_decay": False}]
   return [{"params": ps[:2]},
           {"params": ps[2:4], "lr": 2 * kwargs["lr"]},
           {"params": ps[4:], "weight_decay": 0.0}]

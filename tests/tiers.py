@@ -78,6 +78,8 @@ GROUPS = (
                 "_reduction",
                 T + "test_distributed.py::test_convert_on_a_mesh_skips_kernels"
                 "_of_more_than_two_axes",
+                T + "test_distributed.py::test_a_rematerialised_layer_trains"
+                "_on_a_data_parallel_mesh",
                 T + "test_torch_distributed.py::test_four_ranks_match_single"
                 "_process_adamw",
                 T + "test_torch_distributed.py::test_ddp_matches_single_process"
@@ -132,8 +134,9 @@ GROUPS = (
                          "_torch", "sgd-momentum-dampening-wd", "adagrad",
                          "rmsprop-centered-momentum-maximize", "adam-wd",
                          "adam-amsgrad-maximize", "adamw-fused-amsgrad-"
-                         "maximize", "nadam-decoupled", "nadam-tensor-betas",
-                         "radam-decoupled")
+                         "maximize", "adamw-group-coupled", "adam-tensor-betas",
+                         "nadam-decoupled", "nadam-tensor-betas",
+                         "radam-tensor-betas", "radam-decoupled")
                 + _cases(T + "test_torch_low_precision.py::test_quantized"
                          "_steps_match_the_reference_rule", "adamw-int8-fp32")
                 + _cases(T + "test_accumulate.py::test_k_micro_steps_equal"
