@@ -144,11 +144,18 @@ def train_gpt(run, opt, data, amp, managed=()):
 LR = 3e-3
 
 
-def assert_gpt_parity(ref, model, o_ref, o_f, rtol):
-  for (name, p), q in zip(model.named_parameters(), ref.parameters(),
-                          strict=True):
+def assert_gpt_parity(ref, model, o_ref, o_f, rtol, init=None):
+  """The weights (``init``: their updates since ``init``'s copy, which a
+  bf16 ``rtol`` must bound: the weights move a few % in these runs) and
+  the optimizer state within ``rtol`` of torch's."""
+  inits = init.parameters() if init is not None else ref.parameters()
+  for (name, p), q, p0 in zip(model.named_parameters(), ref.parameters(),
+                              inits, strict=True):
     assert p.dtype == torch.float32, name
-    assert rel(p, q) <= rtol, (name, rel(p, q))
+    if init is None:
+      assert rel(p, q) <= rtol, (name, rel(p, q))
+    else:
+      assert rel(p - p0, q - p0) <= rtol, (name, rel(p - p0, q - p0))
     sf, sr = o_f.state[p], o_ref.state[q]
     assert sf.keys() == sr.keys() == {"step", "exp_avg", "exp_avg_sq"}, name
     assert sf["step"].item() == sr["step"].item(), name
@@ -182,7 +189,14 @@ def test_gpt_parity_with_torch_amp_and_accumulation(amp, k, monkeypatch):
   assert operands == [(dtype, dtype)] * (12 * k * len(data))
   for p, p0 in zip(model.parameters(), init.parameters()):
     assert rel(p, p0) > 1e-3  # everything trained, the tied pair included
-  assert_gpt_parity(ref, model, o_ref, o_f, BF16 if amp else FP32)
+  # The updates themselves, except under autocast with accumulation:
+  # there bf16 rounding of torch's per-micro-batch G flips the sign of a
+  # few near-zero elements of the summed gradient (0.3-0.5 % of them),
+  # whose Adam steps then differ by 2 * LR, and the updates part by about
+  # 10 %; the moments (checked) agree to about 1.5e-3, the weights to the
+  # bf16 row.
+  assert_gpt_parity(ref, model, o_ref, o_f, BF16 if amp else FP32,
+                    None if amp and k > 1 else init)
 
 
 def test_gpt_under_torch_compile_alone_then_with_each_then_all(monkeypatch):

@@ -88,6 +88,24 @@ CASES = [
 ]
 
 
+def _torch_scalars(family, group, t):
+  """The rule's scalars for step ``t`` from torch's formulas (its for-loop
+  step), read from the group's options alone: the reference does not
+  share forge_torch's own scalar code."""
+  lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+  sign = -1.0 if group["maximize"] else 1.0
+  if family == "Adagrad":
+    return {"grad_sign": sign, "weight_decay": wd, "eps": eps,
+            "neg_clr": -lr / (1 + (t - 1) * group["lr_decay"])}
+  b1, b2 = group["betas"]
+  decoupled = family == "AdamW"
+  return {"grad_sign": sign, "weight_decay": 0.0 if decoupled else wd,
+          "decay": 1 - lr * wd if decoupled else 1.0,
+          "one_minus_b1": 1 - b1, "b2": b2, "one_minus_b2": 1 - b2,
+          "bc2_sqrt": (1 - b2**t) ** 0.5, "eps": eps,
+          "neg_step_size": -lr / (1 - b1**t)}
+
+
 def _parity(family, options, dtype, device, steps=3):
   model = _mlp(dtype).to(device)
   opt = getattr(forge_torch, family)(model.parameters(), **options)
@@ -118,9 +136,8 @@ def _parity(family, options, dtype, device, steps=3):
     _loss(model, step, dtype, device).backward()
     opt.step()
     opt.zero_grad()
-    values, _ = opt._forge_hparams(group, opt.state[big], float(step),
-                                   step == 1)
-    h = jnp.asarray(pack_host(rule, values))
+    h = jnp.asarray(pack_host(rule, _torch_scalars(family, group,
+                                                   float(step))))
     x, dy = _jax(captured["grad_output"]), _jax(captured["input"])
     sr = (sr_seed, step) if options.get("stochastic_rounding") else None
     reference = pallas_kernels.fused_wgrad_update_reference
