@@ -45,7 +45,10 @@ def sum_rule() -> UpdateRule:
   def update(g, w, slots, h):
     del w  # None: updates_weight=False
     (acc,) = slots
-    return None, (jnp.where(h["acc_first"] > 0, g, acc + g),)
+    # (The predicate broadcast explicitly: the Mosaic GPU kernel's
+    # warpgroup lowering takes no implicit broadcast in a select.)
+    first = jnp.broadcast_to(h["acc_first"] > 0, g.shape)
+    return None, (jnp.where(first, g, acc + g),)
 
   return UpdateRule(name="accumulate_sum_torch", slots=(ACC,),
                     hparams=("acc_first",), update=update,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import operator
 import os
 import threading
@@ -124,7 +125,30 @@ def _runtime():
   compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
   unload_fn.argtypes = [compile_fn.restype]
   unload_fn.restype = None
-  return compile_fn, unload_fn, bool(getattr(mgpu_core, "_ABI_V2", False))
+  return compile_fn, unload_fn, launch_abi_v2(mgpu_core, _jaxlib_version())
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+  import jaxlib  # noqa: PLC0415
+  parts = []
+  for p in jaxlib.__version__.split(".")[:3]:
+    digits = "".join(itertools.takewhile(str.isdigit, p))
+    if not digits:
+      break
+    parts.append(int(digits))
+  return tuple(parts)
+
+
+def launch_abi_v2(mgpu_core, jaxlib_version: tuple[int, ...]) -> bool:
+  """Whether the runtime's launch function takes ``(kernel, function,
+  stream, ptrs, device)`` (jaxlib 0.12 on) rather than ``(function,
+  stream, ptrs)``: ``mgpu_core._ABI_V2`` where jax defines it, else by
+  jaxlib's version (0.12 defines no such flag: the new form is its only
+  one)."""
+  flag = getattr(mgpu_core, "_ABI_V2", None)
+  if flag is not None:
+    return bool(flag)
+  return jaxlib_version >= (0, 12)
 
 
 def _bind(module_asm: bytes, device_index: int):
@@ -160,17 +184,22 @@ def _bind(module_asm: bytes, device_index: int):
 # --------------------------------------------------------------------------
 
 
-def _mosaic_call(fn, structs):
+def _mosaic_call(fn, structs, platforms=None):
   """Lowers ``fn`` (one Mosaic GPU kernel and nothing else) and returns its
   serialized module, the argument index of each kernel operand, and per
   kernel result the operand it aliases (or ``None``) and its shape and dtype;
-  plus which kernel results ``fn`` returns, in order."""
+  plus which kernel results ``fn`` returns, in order. ``platforms``: as
+  :func:`traced` takes them."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir import passmanager
   from jax._src.lib.mlir.dialects import func, hlo
   import jax.experimental.mosaic.gpu as mgpu
 
-  module = jax.jit(fn).trace(*structs).lower().compiler_ir()
+  # (keep_unused: the lowered main takes every argument of fn, so that its
+  # argument indices are fn's even where the kernel reads one not at all,
+  # the weight of a state-only rule.)
+  module = jax.jit(fn, keep_unused=True).trace(*structs).lower(
+      lowering_platforms=platforms).compiler_ir()
   with module.context:
     # jit outlines nested calls; inline them to see the kernel's operands.
     mgpu.dialect.register_inliner_extensions(module.context)
@@ -235,6 +264,46 @@ def _torch_dtype(element_type):
   raise _Unsupported(f"kernel result element type {element_type}")
 
 
+def traced(x_shape, dy_shape, x_dtype, state, hparams_size: int,
+           rule: UpdateRule, cfg: mosaic_kernel.MosaicConfig, num_sms: int,
+           platforms: tuple[str, ...] | None = None):
+  """The fused update lowered as one Mosaic GPU kernel taking ``(x, dy,
+  hparams, w, *slots)`` (``state``: ``(shape, torch dtype)`` of ``w`` and
+  each slot), as :func:`_mosaic_call` returns it; raises ``_Unsupported``
+  unless every state tensor the rule writes comes back as an alias of its
+  own argument (written in place). ``platforms``: where to lower for, as
+  ``jax.jit(...).lower(lowering_platforms=...)`` takes it (``None``: this
+  process's default backend; ``("cuda",)`` lowers for a GPU on any
+  machine)."""
+  updates_weight = rule.updates_weight
+
+  def fn(x, dy, h, *state_arrays):
+    w, *slots = state_arrays
+    w_new, rest = mosaic_kernel.launch(
+        (x, dy), w, tuple(slots), h, rule=rule, cfg=cfg, interpret=False,
+        num_sms=num_sms)
+    return (w_new, *rest) if updates_weight else tuple(rest)
+
+  x_dtype = jnp_dtype(x_dtype)
+  structs = [jax.ShapeDtypeStruct(tuple(x_shape), x_dtype),
+             jax.ShapeDtypeStruct(tuple(dy_shape), x_dtype),
+             jax.ShapeDtypeStruct((hparams_size,), jnp.float32)]
+  structs += [jax.ShapeDtypeStruct(tuple(shape), jnp_dtype(dtype))
+              for shape, dtype in state]
+  module_asm, operand_args, aliases, types, outputs = _mosaic_call(
+      fn, structs, platforms)
+  # The state the kernel writes in place must come back as aliases of its
+  # own arguments (fn's: the lowered main keeps every one), else the launch
+  # would write fresh buffers. (A state-only rule does not write w.)
+  first_state = 3 if updates_weight else 4
+  state_args = set(range(first_state, 3 + len(state)))
+  aliased = {operand_args[a] for a in aliases if a is not None}
+  if not state_args <= aliased:
+    raise _Unsupported("the kernel does not update every state tensor in "
+                       "place")
+  return module_asm, operand_args, aliases, types, outputs
+
+
 class DirectKernel:
   """One compiled fused update, launched on torch tensors.
 
@@ -253,38 +322,8 @@ class DirectKernel:
         torch.cuda.current_device())
     num_sms = torch.cuda.get_device_properties(
         self.device_index).multi_processor_count
-    updates_weight = rule.updates_weight
-
-    def fn(x, dy, h, *state_arrays):
-      if updates_weight:
-        w, *slots = state_arrays
-        w_new, rest = mosaic_kernel.launch(
-            (x, dy), w, tuple(slots), h, rule=rule, cfg=cfg,
-            interpret=False, num_sms=num_sms)
-        return (w_new, *rest)
-      (w, *slots) = state_arrays
-      _, rest = mosaic_kernel.launch((x, dy), w, tuple(slots), h, rule=rule,
-                                     cfg=cfg, interpret=False,
-                                     num_sms=num_sms)
-      return tuple(rest)
-
-    x_dtype = jnp_dtype(x_dtype)
-    structs = [jax.ShapeDtypeStruct(tuple(x_shape), x_dtype),
-               jax.ShapeDtypeStruct(tuple(dy_shape), x_dtype),
-               jax.ShapeDtypeStruct((hparams_size,), jnp.float32)]
-    structs += [jax.ShapeDtypeStruct(tuple(shape), jnp_dtype(dtype))
-                for shape, dtype in state]
-    module_asm, operand_args, aliases, types, outputs = _mosaic_call(
-        fn, structs)
-    n_state = len(state)
-    # The state the kernel writes in place must come back as aliases of
-    # its own arguments, else the launch would write fresh buffers.
-    first_state = 3 if updates_weight else 4
-    state_args = set(range(first_state, 3 + n_state))
-    aliased = {operand_args[a] for a in aliases if a is not None}
-    if not state_args <= aliased:
-      raise _Unsupported("the kernel does not update every state tensor in "
-                         "place")
+    module_asm, operand_args, aliases, types, outputs = traced(
+        x_shape, dy_shape, x_dtype, state, hparams_size, rule, cfg, num_sms)
     self._operand_args = operand_args
     self._aliases = aliases
     self._types = types

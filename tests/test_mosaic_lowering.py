@@ -85,6 +85,17 @@ def test_rule_lowers_for_cuda(name):
   assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_torch_accumulation_rules_lower_for_cuda():
+  """forge_torch's gradient accumulation: the state-only sum into the fp32
+  buffer (its select's predicate broadcast explicitly) and a family's rule
+  stepping from the buffer."""
+  pytest.importorskip("torch")
+  from forge_torch import _accumulate  # noqa: PLC0415
+  for rule in (_accumulate.sum_rule(),
+               _accumulate.from_accumulator(RULES["torch:adam[]"])):
+    assert "mosaic_gpu" in _lower(rule, jnp.float32).as_text(), rule.name
+
+
 @pytest.mark.parametrize("name", ["optax:adamw", "torch:adam[]"])
 def test_fp32_state_lowers_for_cuda(name):
   assert "mosaic_gpu" in _lower(RULES[name], jnp.float32).as_text()

@@ -1666,6 +1666,63 @@ def test_the_runtimes_launch_gets_its_arguments_in_its_order(monkeypatch,
   assert len(unloaded) == 1
 
 
+def test_the_launch_abi_is_the_installed_jaxlibs():
+  """``_direct.launch_abi_v2`` reads jax's ``_ABI_V2`` where it has one and
+  jaxlib's version where not (jaxlib 0.12 dropped the flag: its launch
+  takes the kernel and device always); on the installed jax, it picks the
+  argument list jax's own torch launcher passes."""
+  import inspect  # noqa: PLC0415
+  import types  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import core  # noqa: PLC0415
+  from forge_torch import _direct  # noqa: PLC0415
+  bare = types.SimpleNamespace()
+  assert not _direct.launch_abi_v2(bare, (0, 11, 2))
+  assert _direct.launch_abi_v2(bare, (0, 12, 1))
+  assert _direct.launch_abi_v2(bare, (1, 0))
+  for flag in (False, True):
+    assert _direct.launch_abi_v2(types.SimpleNamespace(_ABI_V2=flag),
+                                 (0, 12)) is flag
+  ours = _direct.launch_abi_v2(core, _direct._jaxlib_version())
+  own = getattr(core, "_compile_as_torch_gpu_kernel", None)
+  source = inspect.getsource(own) if own is not None else ""
+  if "launch_arg_types" not in source:
+    pytest.skip("this jax's torch launcher lists no launch_arg_types")
+  listed = source.split("launch_arg_types = [", 1)[1].split("]", 1)[0]
+  n_args = sum("ctypes." in line for line in listed.splitlines())
+  assert ours == (n_args == 5), listed
+
+
+@pytest.mark.parametrize("rule_name", ["adamw", "accumulate"])
+def test_a_direct_kernel_writes_its_state_in_place(rule_name):
+  """The direct launch's kernel, lowered for a GPU on this machine: every
+  state tensor the rule writes is an alias of its own argument, by fn's
+  argument positions (x, dy, hparams, w, *slots) -- also for gradient
+  accumulation's state-only rule, whose kernel never reads w (a lowering
+  that dropped the unused argument shifted the positions, and the build
+  refused the rule, switching direct launches off for the process)."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  from forge_torch import _accumulate, _direct  # noqa: PLC0415
+  from pallas_kernels import mosaic_kernel  # noqa: PLC0415
+  from pallas_kernels import rules as rules_lib  # noqa: PLC0415
+  rule, slots = {
+      "adamw": (rules_lib.ADAMW, [torch.bfloat16] * 2),
+      "accumulate": (_accumulate.sum_rule(), [torch.float32])}[rule_name]
+  bt, n_in, n_out = 64, 256, 128
+  cfg = mosaic_kernel.default_config(
+      jnp.bfloat16, [_direct.jnp_dtype(d) for d in slots], bt,
+      shape=(n_in, n_out))
+  state = [((n_in, n_out), torch.bfloat16)] + [((n_in, n_out), d)
+                                               for d in slots]
+  _, operand_args, aliases, _, outputs = _direct.traced(
+      (bt, n_in), (bt, n_out), torch.bfloat16, state,
+      len(rule.hparams), rule, cfg, num_sms=8, platforms=("cuda",))
+  first = 3 if rule.updates_weight else 4
+  assert [operand_args[a] for a in aliases] == list(range(first, 3 + len(
+      state)))
+  assert outputs == list(range(len(aliases)))
+  assert (3 in operand_args) == rule.updates_weight  # w read only if written
+
+
 def test_direct_launch_cache_keys_each_operands_layout(monkeypatch):
   """A cached direct launch serves only operands laid out as the ones it
   was resolved for: a weight or slot of the same shape and dtype but other
