@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 import os
 import threading
 import warnings
@@ -801,27 +802,32 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
       _LAUNCHES[key] = launch
   if launch is None:
     return False
-  _launch_on(launch, stream, x2, dy2, w, slots, vec, on_device)
-  return True
+  return _launch_on(launch, stream, x2, dy2, w, slots, vec, on_device)
 
 
 def _launch_on(launch: _Launch, stream: int, x2, dy2, w, slots, vec,
-               on_device: bool, fixed: bool = False) -> None:
+               on_device: bool, fixed: bool = False) -> bool:
   """Enqueues ``launch`` on ``stream``; ``vec``: a host vector (served from
   the pinned ring; ``fixed``: one never written, see
   :meth:`_HparamsRing.get`) or, ``on_device``, a CUDA tensor the kernel
-  reads."""
+  reads. ``False`` (nothing done) where an operand's address is not 16-byte
+  aligned (a view at an odd offset into a flat buffer): the kernel's TMA
+  copies need aligned ones (a misaligned one is a CUDA error that ends the
+  process's use of the GPU), so the DLPack path takes the call."""
   # Non-contiguous operands are copied (on this stream, before the launch).
   x2, dy2 = x2.contiguous(), dy2.contiguous()
+  ptrs = [x2.data_ptr(), dy2.data_ptr(), 0, w.data_ptr(),
+          *[s.data_ptr() for s in slots]]
+  if functools.reduce(operator.or_, ptrs) & 15:
+    return False
   ring = None if on_device else launch.host_ring()
   with _LOCK:
-    h = vec.data_ptr() if on_device else ring.get(vec, fixed)
-    launch.kernel.launch_ptrs(stream, [
-        x2.data_ptr(), dy2.data_ptr(), h, w.data_ptr(),
-        *[s.data_ptr() for s in slots]])
+    ptrs[2] = vec.data_ptr() if on_device else ring.get(vec, fixed)
+    launch.kernel.launch_ptrs(stream, ptrs)
     STATS.calls += 1
     STATS.direct += 1
     STATS.in_place += launch.n_state
+  return True
 
 
 def resolved_launch(x2, dy2, w, slots, n_hparams: int, rule, config):
@@ -864,8 +870,8 @@ def relaunch(launch: _Launch, x2, dy2, w, slots, vec: np.ndarray, rule,
   if launch.key != _launch_key(x2, dy2, w, slots, device_index, stream,
                                vec.shape[0], rule, config):
     return False
-  _launch_on(launch, stream, x2, dy2, w, slots, vec, False, fixed=True)
-  return True
+  return _launch_on(launch, stream, x2, dy2, w, slots, vec, False,
+                    fixed=True)
 
 
 def _capturing() -> bool:
@@ -897,7 +903,8 @@ def _captured_update(x, dy, w, slots, hparams, rule, config,
       "compute capability 9.0 or newer, bfloat16 or float16 operands of one "
       "dtype, plain (not quantized) state, no stochastic rounding, no "
       "Triton config, $FORGE_BACKEND not triton, BT a multiple of 8 and "
-      f"in, out of 64; here x {tuple(x.shape)} {x.dtype}, weight "
+      "in, out of 64, every operand at a 16-byte aligned address; here x "
+      f"{tuple(x.shape)} {x.dtype}, weight "
       f"{tuple(w.shape)} {w.dtype})")
   raise RuntimeError(
       "forge_torch: this fused update cannot be recorded in a CUDA graph: "

@@ -1767,6 +1767,45 @@ def test_direct_launch_cache_keys_each_operands_layout(monkeypatch):
       x, dy.bfloat16(), w, [m, v], 0, 7, 16, pk.ADAMW, None)
 
 
+def test_a_misaligned_operand_is_not_launched_directly(monkeypatch):
+  """An operand whose address is not 16-byte aligned (a view at an odd
+  offset into a flat buffer), which the kernel's TMA copies cannot read,
+  is not launched directly (the caller then takes the DLPack path), with
+  or without a cached launch for its layout; aligned ones are. (The
+  launch machinery stood in for on the CPU.)"""
+  from forge_torch import _bridge, _direct  # noqa: PLC0415
+  import pallas_kernels as pk  # noqa: PLC0415
+  monkeypatch.setattr(_direct, "unavailable", lambda: None)
+  monkeypatch.setattr(_bridge, "_raw_stream", lambda device_index: 7)
+  monkeypatch.setattr(_bridge, "_current_device", lambda: -1)
+  monkeypatch.setattr(_bridge, "_stream_capturing", lambda: False)
+  monkeypatch.setattr(_bridge, "_LAUNCHES", {})
+  kernel = _RecordingKernel()
+  monkeypatch.setattr(
+      _bridge, "_resolve", lambda x2, dy2, w, slots, n, rule, config, d, s:
+      _bridge._Launch(kernel, 1 + len(slots), (d, s, n)))
+  x, dy = torch.randn(8, 64), torch.randn(8, 64)
+  hparams = torch.zeros(16)
+  flat = torch.zeros(3 * 64 * 64 + 1)
+  w, m, v = (flat[1 + i * 4096:1 + (i + 1) * 4096].view(64, 64)
+             for i in range(3))
+  assert w.is_contiguous() and w.data_ptr() % 16 == 4
+  aligned = [torch.zeros(64, 64) for _ in range(3)]
+  for state in (w, m, v), (aligned[0], m, aligned[2]), (
+      aligned[0], aligned[1], v):
+    assert not _bridge._direct_update(x, dy, state[0], list(state[1:]),
+                                      hparams, pk.ADAMW, None)
+  assert not kernel.launches
+  assert _bridge._direct_update(x, dy, aligned[0], aligned[1:], hparams,
+                                pk.ADAMW, None)
+  assert len(kernel.launches) == 1
+  # A cached launch for the layout is not repeated on a misaligned input.
+  [launch] = [v for v in _bridge._LAUNCHES.values() if v]
+  odd = torch.zeros(8 * 64 + 2)[2:].view(8, 64)
+  assert not _bridge.relaunch(launch, odd, dy, aligned[0], aligned[1:],
+                              np.zeros(16, np.float32), pk.ADAMW, None)
+
+
 class _FakeRing:
   """Stands in for the pinned hyperparameter ring: one address."""
 
