@@ -129,9 +129,8 @@ class MosaicConfig:
     steps: K blocks in flight in the pipeline (>= 1); with ``pingpong``,
       the slots of the operand ring the compute warpgroups share.
     epi_m, epi_n: the epilogue's sub-tile (divide each compute warpgroup's
-      ``tile_m x tile_n / compute_wgs`` share; rows a multiple of 8,
-      columns of 32; with ``pingpong`` they divide the whole tile, rows a
-      multiple of 64).
+      ``tile_m x tile_n / compute_wgs`` share; rows a multiple of 64,
+      columns of 32; with ``pingpong`` they divide the whole tile).
     compute_wgs: compute warpgroups (1 to 4) splitting the tile's columns
       (each takes a multiple of 64); default 2 where ``tile_n`` is a
       multiple of 128, else 1. More warpgroups hide more of the epilogue's
@@ -298,11 +297,14 @@ class MosaicConfig:
                        "its own ring; leave state_buffers=1 and "
                        "prefetch_next=False with it")
     if (self.tile_m % self.epi_m or self.wg_n % self.epi_n
-        or self.epi_m % 8 or self.epi_n % 32):
+        or self.epi_m % 64 or self.epi_n % 32):
       raise ValueError(
           f"MosaicConfig: the epilogue sub-tile {self.epi_m}x{self.epi_n} "
           f"must divide each compute warpgroup's {self.tile_m}x{self.wg_n} "
-          "share of the tile (rows a multiple of 8, columns of 32)")
+          "share of the tile (rows a multiple of 64: a slice of fewer rows "
+          "of the warpgroup's accumulator does not lower -- Mosaic GPU's "
+          "layout inference finds no layout for it, jax 0.12 -- and "
+          "columns a multiple of 32)")
 
   def _default_compute_wgs(self) -> int:
     return 2 if self.pingpong or self.tile_n % 128 == 0 else 1

@@ -389,9 +389,9 @@ def test_backends_benchmark_arguments(capsys):
   from benchmarks import backends
   assert backends.parse_mosaic("64x128x64/2") == pk.MosaicConfig(
       tile_m=64, tile_n=128, tile_k=64, steps=2)
-  assert backends.parse_mosaic("64x128x64/4,wg1,d0,e32x64,b2,pn") == (
+  assert backends.parse_mosaic("64x128x64/4,wg1,d0,e64x64,b2,pn") == (
       pk.MosaicConfig(tile_m=64, tile_n=128, tile_k=64, steps=4,
-                      compute_wgs=1, delay_release=0, epi_m=32, epi_n=64,
+                      compute_wgs=1, delay_release=0, epi_m=64, epi_n=64,
                       state_buffers=2, prefetch_next=True))
   assert backends.parse_mosaic("128x256x64/2,e64x32,r4,s8") == (
       pk.MosaicConfig(tile_m=128, tile_n=256, tile_k=64, steps=2, epi_n=32,
@@ -923,13 +923,10 @@ def test_stored_tiling_for_a_weight_one_piece_wide():
       g_stored=True)
   _check_stored(pk.ADAMW, g, w, slots, _stored_hparams(pk.ADAMW), None,
                 backend="mosaic_gpu")
-  # Rows: 8 of them are one piece, as are 8-row sub-tiles.
-  g8, w8, slots8 = _stored_case(53, None, 8, 256, (BF16,) * 4, pk.ADAMW)
-  assert re.search(r"its 8 rows are one TMA piece", pk.mosaic_kernel
-                   .unsupported(0, 8, 256, BF16, w8, slots8, pk.ADAMW,
-                                pk.MosaicConfig(tile_m=64, tile_n=256,
-                                                epi_m=8, state_ring=1),
-                                stacked=False, g_stored=True))
+  # Sub-tiles of fewer than 64 rows are refused when the tiling is made:
+  # such a slice of the accumulator does not lower (jax 0.12).
+  with pytest.raises(ValueError, match="rows a multiple of 64"):
+    pk.MosaicConfig(tile_m=64, tile_n=256, epi_m=8, state_ring=1)
 
 
 def test_a_block_past_a_one_piece_edge_is_refused():
