@@ -569,3 +569,32 @@ def test_gpu_gpt_autocast_accumulation(compiled):
   assert stats.calls - calls == 12 * (4 + 4 + 3) + 12
   assert stats.copied == copied, "a fused update was copied back"
   assert_gpt_parity(ref, model, o_ref, o_f, BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+def test_gpu_accumulation_launches_directly():
+  """bf16 layers with accumulate_steps = 2 on a Hopper GPU: the micro-batch
+  sum into the fp32 buffer (a state-only kernel, which never reads the
+  weight) and the update from it both launch directly, and direct launches
+  stay on."""
+  torch.manual_seed(0)
+  fm = nn.Sequential(forge_torch.Linear(256, 512, bias=False), nn.Tanh(),
+                     forge_torch.Linear(512, 256, bias=False)
+                     ).cuda().bfloat16()
+  opt = forge_torch.AdamW(fm.parameters(), lr=1e-3)
+  opt.accumulate_steps = 2
+  stats = forge_torch.bridge_stats
+  stats.reset()
+  g = torch.Generator(device="cuda").manual_seed(1)
+  for _ in range(3):
+    for _ in range(2):
+      x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16,
+                      generator=g)
+      fm(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+  torch.cuda.synchronize()
+  assert stats.calls == 12 and stats.direct == 12, (
+      stats, stats.direct_unavailable)
+  assert stats.direct_unavailable is None
