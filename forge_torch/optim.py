@@ -2693,9 +2693,11 @@ class Adam(_AdamMoments, torch.optim.Adam):
       values.update(_cuda_fused_adam_scalars(
           group, beta1, beta2, t, device, self._forge_decoupled(group)))
       return values, {}
-    # torch's expressions on torch's operands (tensor betas or lr: float32
-    # tensor arithmetic, as its for-loop step keeps them).
-    lr, b1, b2 = map(_loop_operand, (group["lr"], *group["betas"]))
+    # torch's expressions on torch's operands: its for-loop step keeps a
+    # tensor lr or betas (float32 tensor arithmetic); its fused kernel
+    # (fused=True, here on the CPU) takes them as numbers.
+    operand = _scalar if group.get("fused") else _loop_operand
+    lr, b1, b2 = map(operand, (group["lr"], *group["betas"]))
     bc1 = 1 - b1**t
     bc2 = 1 - b2**t
     values["bc2_sqrt"] = _scalar(bc2**0.5)
