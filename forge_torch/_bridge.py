@@ -813,7 +813,8 @@ def _launch_on(launch: _Launch, stream: int, x2, dy2, w, slots, vec,
   reads. ``False`` (nothing done) where an operand's address is not 16-byte
   aligned (a view at an odd offset into a flat buffer): the kernel's TMA
   copies need aligned ones (a misaligned one is a CUDA error that ends the
-  process's use of the GPU), so the DLPack path takes the call."""
+  process's use of the GPU); the caller's DLPack path then takes the call
+  (which imports the same memory: not checked on a GPU)."""
   # Non-contiguous operands are copied (on this stream, before the launch).
   x2, dy2 = x2.contiguous(), dy2.contiguous()
   ptrs = [x2.data_ptr(), dy2.data_ptr(), 0, w.data_ptr(),

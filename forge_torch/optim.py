@@ -678,9 +678,10 @@ class _ForgeOptimizer:
           + "; ".join(f"{k}: {_REFUSED[k][1]}" for k in bad)
           + f" (use torch.optim.{name} for these options)")
     eps = group.get("eps")
-    if type(eps) in (float, int) and 0 < abs(eps) < _F32_TINY:
+    if (isinstance(eps, numbers.Real) and not isinstance(eps, bool)
+        and 0 < abs(float(eps)) < _F32_TINY):
       raise ValueError(
-          f"forge_torch.{type(self).__name__}: eps={eps!r} is below "
+          f"forge_torch.{type(self).__name__}: eps={float(eps)!r} is below "
           f"float32's smallest normal number ({_F32_TINY:.4g}); the fused "
           "update's float32 arithmetic may flush it to zero (XLA on the "
           "CPU does, giving NaN where torch's step does not). Use eps=0 "

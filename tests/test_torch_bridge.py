@@ -770,6 +770,9 @@ def test_unsupported_options_raise(kwargs, match):
   layer = forge_torch.Linear(4, 3)
   with pytest.raises(ValueError, match=match):
     forge_torch.AdamW(layer.parameters(), **kwargs)
+  if "eps" in kwargs:  # (a NumPy number too)
+    with pytest.raises(ValueError, match=match):
+      forge_torch.AdamW(layer.parameters(), eps=np.float64(kwargs["eps"]))
   opt = forge_torch.AdamW([layer.bias])
   with pytest.raises(ValueError, match=match):
     opt.add_param_group({"params": [layer.weight], **kwargs})
