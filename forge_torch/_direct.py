@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import operator
 import os
 import threading
@@ -125,30 +124,19 @@ def _runtime():
   compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
   unload_fn.argtypes = [compile_fn.restype]
   unload_fn.restype = None
-  return compile_fn, unload_fn, launch_abi_v2(mgpu_core, _jaxlib_version())
+  return compile_fn, unload_fn, launch_abi_v2(mgpu_core, jax.__version_info__)
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-  import jaxlib  # noqa: PLC0415
-  parts = []
-  for p in jaxlib.__version__.split(".")[:3]:
-    digits = "".join(itertools.takewhile(str.isdigit, p))
-    if not digits:
-      break
-    parts.append(int(digits))
-  return tuple(parts)
-
-
-def launch_abi_v2(mgpu_core, jaxlib_version: tuple[int, ...]) -> bool:
+def launch_abi_v2(mgpu_core, version: tuple[int, ...]) -> bool:
   """Whether the runtime's launch function takes ``(kernel, function,
   stream, ptrs, device)`` (jaxlib 0.12 on) rather than ``(function,
   stream, ptrs)``: ``mgpu_core._ABI_V2`` where jax defines it, else by
-  jaxlib's version (0.12 defines no such flag: the new form is its only
-  one)."""
+  ``version``, jax's (``jax.__version_info__``: jax and jaxlib release
+  together; 0.12 defines no such flag, the new form is its only one)."""
   flag = getattr(mgpu_core, "_ABI_V2", None)
   if flag is not None:
     return bool(flag)
-  return jaxlib_version >= (0, 12)
+  return version >= (0, 12)
 
 
 def _bind(module_asm: bytes, device_index: int):

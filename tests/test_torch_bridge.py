@@ -1671,7 +1671,7 @@ def test_the_runtimes_launch_gets_its_arguments_in_its_order(monkeypatch,
 
 def test_the_launch_abi_is_the_installed_jaxlibs():
   """``_direct.launch_abi_v2`` reads jax's ``_ABI_V2`` where it has one and
-  jaxlib's version where not (jaxlib 0.12 dropped the flag: its launch
+  jax's version where not (jaxlib 0.12 dropped the flag: its launch
   takes the kernel and device always); on the installed jax, it picks the
   argument list jax's own torch launcher passes."""
   import inspect  # noqa: PLC0415
@@ -1685,7 +1685,7 @@ def test_the_launch_abi_is_the_installed_jaxlibs():
   for flag in (False, True):
     assert _direct.launch_abi_v2(types.SimpleNamespace(_ABI_V2=flag),
                                  (0, 12)) is flag
-  ours = _direct.launch_abi_v2(core, _direct._jaxlib_version())
+  ours = _direct.launch_abi_v2(core, jax.__version_info__)
   own = getattr(core, "_compile_as_torch_gpu_kernel", None)
   source = inspect.getsource(own) if own is not None else ""
   if "launch_arg_types" not in source:
