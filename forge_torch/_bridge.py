@@ -478,6 +478,29 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
   if stochastic_rounding is not None:
     seed, step = stochastic_rounding
     stochastic_rounding = (int(seed) % 2**32, int(step) % 2**32)
+  staged = _aligned_stand_ins(x, dy, w, slots)
+  if staged is not None:
+    # An operand at an address the kernel's TMA copies cannot take: the
+    # update runs on aligned copies (no JAX views kept for them), and the
+    # tensors it writes are copied back, on torch's current stream.
+    x_run, dy_run, w_run, slots_run = staged
+    _update_on_device(x_run, dy_run, w_run, slots_run, hparams, rule, config,
+                      None, stochastic_rounding)
+    written = [*zip(slots, slots_run)]
+    if rule.updates_weight:
+      written.append((w, w_run))
+    with torch.no_grad():
+      for dst, src in written:
+        if src is not dst:
+          dst.copy_(src)
+          STATS.copied += 1
+    return False
+  return _update_on_device(x, dy, w, slots, hparams, rule, config, views,
+                           stochastic_rounding)
+
+
+def _update_on_device(x, dy, w, slots, hparams, rule, config, views,
+                      stochastic_rounding) -> bool:
   if w.is_cuda and w.device.index != torch.cuda.current_device():
     # torch's __dlpack__ exports only tensors of the current device, and
     # orders them with that device's current stream.
@@ -486,6 +509,32 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
                            stochastic_rounding)
   return _fused_update(x, dy, w, slots, hparams, rule, config, views,
                        stochastic_rounding)
+
+
+def _misaligned(t: torch.Tensor) -> bool:
+  """Whether ``t``'s data is not at a 16-byte aligned address (a view at an
+  odd offset into a flat buffer); an empty tensor never is."""
+  return bool(t.data_ptr() & 15) and t.numel() > 0
+
+
+def _aligned_stand_ins(x, dy, w, slots):
+  """``None`` where every plain operand is at a 16-byte aligned address
+  (the usual case: torch's allocators align every block); else the
+  operands ``(x, dy, w, slots)`` with each misaligned one replaced by an
+  aligned contiguous copy. The Mosaic GPU kernel's TMA copies cannot take
+  a misaligned address (a CUDA error that ends the process's use of the
+  GPU), launched directly or through DLPack alike. Quantized slots
+  (forge_torch's own allocations) are left as they are."""
+  plain = [s for s in slots if not isinstance(s, Quantized)]
+  if not any(map(_misaligned, (x, dy, w, *plain))):
+    return None
+
+  def aligned(t):
+    if isinstance(t, Quantized) or not _misaligned(t):
+      return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+  return aligned(x), aligned(dy), aligned(w), [aligned(s) for s in slots]
 
 
 def _plain_and_valid(x, dy, w, slots) -> bool:
@@ -797,9 +846,15 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
     launch = _resolve(x2, dy2, w, slots, n_hparams, rule, config,
                       device_index, stream)
     with _LOCK:
-      if launch is not None:
-        launch.key = key
-      _LAUNCHES[key] = launch
+      first = _LAUNCHES.get(key, False)
+      if first is False:
+        if launch is not None:
+          launch.key = key
+        _LAUNCHES[key] = launch
+      else:  # another thread resolved the case meanwhile: its launch is
+        # the one kept (this one, never launched, is unloaded when dropped;
+        # replacing that one could unload it with its launches queued)
+        launch = first
   if launch is None:
     return False
   return _launch_on(launch, stream, x2, dy2, w, slots, vec, on_device)
@@ -813,8 +868,9 @@ def _launch_on(launch: _Launch, stream: int, x2, dy2, w, slots, vec,
   reads. ``False`` (nothing done) where an operand's address is not 16-byte
   aligned (a view at an odd offset into a flat buffer): the kernel's TMA
   copies need aligned ones (a misaligned one is a CUDA error that ends the
-  process's use of the GPU); the caller's DLPack path then takes the call
-  (which imports the same memory: not checked on a GPU)."""
+  process's use of the GPU). :func:`fused_update` stages such operands
+  through aligned copies first (:func:`_aligned_stand_ins`), so only
+  :func:`relaunch` meets them here; its caller then takes that path."""
   # Non-contiguous operands are copied (on this stream, before the launch).
   x2, dy2 = x2.contiguous(), dy2.contiguous()
   ptrs = [x2.data_ptr(), dy2.data_ptr(), 0, w.data_ptr(),
@@ -904,7 +960,7 @@ def _captured_update(x, dy, w, slots, hparams, rule, config,
       "compute capability 9.0 or newer, bfloat16 or float16 operands of one "
       "dtype, plain (not quantized) state, no stochastic rounding, no "
       "Triton config, $FORGE_BACKEND not triton, BT a multiple of 8 and "
-      "in, out of 64, every operand at a 16-byte aligned address; here x "
+      "in, out of 64; here x "
       f"{tuple(x.shape)} {x.dtype}, weight "
       f"{tuple(w.shape)} {w.dtype})")
   raise RuntimeError(

@@ -1809,6 +1809,145 @@ def test_a_misaligned_operand_is_not_launched_directly(monkeypatch):
                               np.zeros(16, np.float32), pk.ADAMW, None)
 
 
+def test_a_case_resolved_by_two_threads_keeps_the_first_launch(
+    monkeypatch):
+  """Two threads resolving the same new case at once: the one storing its
+  launch second takes the first's (dropping its own, never launched),
+  rather than replacing a launch the first may have queued already (whose
+  module would be unloaded with it). (The launch machinery stood in for
+  on the CPU.)"""
+  from forge_torch import _bridge, _direct  # noqa: PLC0415
+  import pallas_kernels as pk  # noqa: PLC0415
+  monkeypatch.setattr(_direct, "unavailable", lambda: None)
+  monkeypatch.setattr(_bridge, "_raw_stream", lambda device_index: 7)
+  monkeypatch.setattr(_bridge, "_LAUNCHES", {})
+  first, second = _RecordingKernel(), _RecordingKernel()
+  kept = []
+
+  def resolve(x2, dy2, w, slots, n_hparams, rule, config, device_index,
+              stream):
+    # While this thread compiled, another resolved the case and stored it.
+    key = _bridge._launch_key(x2, dy2, w, slots, device_index, stream,
+                              n_hparams, rule, config)
+    other = _bridge._Launch(first, 1 + len(slots),
+                            (device_index, stream, n_hparams))
+    other.key = key
+    _bridge._LAUNCHES[key] = other
+    kept.append(other)
+    return _bridge._Launch(second, 1 + len(slots),
+                           (device_index, stream, n_hparams))
+
+  monkeypatch.setattr(_bridge, "_resolve", resolve)
+  x, dy = torch.randn(8, 6), torch.randn(8, 4)
+  w, m, v = (torch.randn(6, 4) for _ in range(3))
+  assert _bridge._direct_update(x, dy, w, [m, v], torch.zeros(16), pk.ADAMW,
+                                None)
+  assert len(first.launches) == 1 and not second.launches
+  assert list(_bridge._LAUNCHES.values()) == kept
+
+
+def _rebind_at_odd_offsets(tensors, fill=7.0):
+  """Each tensor's values moved to a view into one flat buffer at an odd
+  element offset (an address not 16-byte aligned), the buffer's other
+  elements set to ``fill``; returns ``(views, flat, gaps)``, ``gaps`` the
+  buffer's elements outside the views."""
+  n = sum(t.numel() + 5 for t in tensors)
+  t0 = tensors[0]
+  flat = torch.full((n + 1,), fill, dtype=t0.dtype, device=t0.device)
+  views, at, gaps = [], 1, torch.ones(n + 1, dtype=torch.bool)
+  for t in tensors:
+    v = flat[at:at + t.numel()].view(t.shape)
+    v.copy_(t.detach())
+    gaps[at:at + t.numel()] = False
+    views.append(v)
+    at += t.numel() + 3
+    at += 1 - at % 2  # odd: 4 or 12 (float32), 2 to 14 (bfloat16) mod 16
+  assert all(v.data_ptr() % 16 for v in views)
+  return views, flat, gaps.to(flat.device)
+
+
+def _odd_offset_parity(device, dtype, steps=4):
+  """Two-layer models trained by forge_torch.AdamW with every managed
+  weight, and from the second step its moments, viewed at odd offsets into
+  flat buffers, against torch.optim.AdamW on plain tensors. Returns the
+  largest relative error, whether the buffers' other elements stayed
+  untouched, and the operands' addresses each fused update's kernel got."""
+  from forge_torch import _bridge  # noqa: PLC0415
+  torch.manual_seed(0)
+  ref = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Tanh(),
+                      nn.Linear(128, 64, bias=False)).to(device, dtype)
+  model = copy.deepcopy(ref)
+  forge_torch.convert(model)
+  layers = (model[0], model[2])
+  views, flat, gaps = _rebind_at_odd_offsets([m.weight for m in layers])
+  for m, v in zip(layers, views):
+    m.weight.data = v
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+  o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+  seen = []
+  inner = _bridge._update_on_device
+
+  def recording(x, dy, w, slots, *args):
+    seen.append([t.data_ptr() % 16 for t in (x, dy, w, *slots)])
+    return inner(x, dy, w, slots, *args)
+
+  state_flat = None
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(_bridge, "_update_on_device", recording)
+    for step in range(steps):
+      x = torch.randn(32, 64, device=device, dtype=dtype)
+      for m, o in ((model, opt), (ref, o_ref)):
+        m(x).float().square().mean().backward()
+        o.step()
+        o.zero_grad()
+      if step == 0:  # the moments too, from here on
+        st = [opt.state[m.weight] for m in layers]
+        moments = [s[k] for s in st for k in ("exp_avg", "exp_avg_sq")]
+        mviews, state_flat, state_gaps = _rebind_at_odd_offsets(moments)
+        for s, (a, b) in zip(st, zip(mviews[::2], mviews[1::2])):
+          s["exp_avg"], s["exp_avg_sq"] = a, b
+  if device == "cuda":
+    torch.cuda.synchronize()
+  errs = [rel(a, b) for a, b in zip(model.parameters(), ref.parameters())]
+  errs += [rel(opt.state[a][k], o_ref.state[b][k])
+           for a, b in zip(model.parameters(), ref.parameters())
+           for k in ("exp_avg", "exp_avg_sq")]
+  untouched = (bool((flat[gaps] == 7.0).all())
+               and bool((state_flat[state_gaps] == 7.0).all())
+               and all(m.weight.data_ptr() == v.data_ptr()
+                       for m, v in zip(layers, views)))
+  return max(errs), untouched, seen
+
+
+def test_operands_at_odd_offsets_are_staged_through_aligned_copies():
+  """Managed weights and moments viewed at odd offsets into flat buffers
+  (addresses not 16-byte aligned, which the Mosaic GPU kernel's TMA copies
+  cannot take, launched directly or through DLPack) are updated through
+  aligned copies, copied back in place: every kernel call gets aligned
+  operands, the step matches torch's, and the buffers' other elements are
+  untouched."""
+  err, untouched, seen = _odd_offset_parity("cpu", torch.float32)
+  assert seen and all(not any(a) for a in seen), seen
+  assert len(seen) == 2 * 4
+  assert err <= FP32_TOL
+  assert untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+def test_gpu_operands_at_odd_offsets_launch_directly():
+  """As above on the GPU, in bfloat16: each update stages its misaligned
+  operands and launches directly (Hopper), never faulting."""
+  stats = forge_torch.bridge_stats
+  stats.reset()
+  err, untouched, seen = _odd_offset_parity("cuda", torch.bfloat16)
+  assert seen and all(not any(a) for a in seen), seen
+  assert err <= tol(jnp.bfloat16), err
+  assert untouched
+  if torch.cuda.get_device_capability() >= (9, 0):
+    assert stats.direct == stats.calls == 2 * 4, stats
+
+
 class _FakeRing:
   """Stands in for the pinned hyperparameter ring: one address."""
 
