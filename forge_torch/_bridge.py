@@ -481,20 +481,27 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
   staged = _aligned_stand_ins(x, dy, w, slots)
   if staged is not None:
     # An operand at an address the kernel's TMA copies cannot take: the
-    # update runs on aligned copies (no JAX views kept for them), and the
-    # tensors it writes are copied back, on torch's current stream.
+    # update runs on aligned copies, and the tensors it writes are copied
+    # back, on torch's current stream. The weight's cached JAX views (of
+    # memory this call does not use) are dropped: they would keep it alive.
+    if views is not None:
+      views.clear()
     x_run, dy_run, w_run, slots_run = staged
-    _update_on_device(x_run, dy_run, w_run, slots_run, hparams, rule, config,
-                      None, stochastic_rounding)
-    written = [*zip(slots, slots_run)]
+    written = [*zip(_slot_tensors(slots), _slot_tensors(slots_run))]
     if rule.updates_weight:
       written.append((w, w_run))
+    written = [(dst, src) for dst, src in written if src is not dst]
+    in_place = STATS.in_place
+    ok = _update_on_device(x_run, dy_run, w_run, slots_run, hparams, rule,
+                           config, None, stochastic_rounding)
     with torch.no_grad():
       for dst, src in written:
-        if src is not dst:
-          dst.copy_(src)
-          STATS.copied += 1
-    return False
+        dst.copy_(src)
+    with _LOCK:  # the copies written in place count as copied back
+      moved = min(len(written), STATS.in_place - in_place)
+      STATS.in_place -= moved
+      STATS.copied += moved
+    return ok and not written
   return _update_on_device(x, dy, w, slots, hparams, rule, config, views,
                            stochastic_rounding)
 
@@ -523,14 +530,15 @@ def _aligned_stand_ins(x, dy, w, slots):
   operands ``(x, dy, w, slots)`` with each misaligned one replaced by an
   aligned contiguous copy. The Mosaic GPU kernel's TMA copies cannot take
   a misaligned address (a CUDA error that ends the process's use of the
-  GPU), launched directly or through DLPack alike. Quantized slots
-  (forge_torch's own allocations) are left as they are."""
-  plain = [s for s in slots if not isinstance(s, Quantized)]
-  if not any(map(_misaligned, (x, dy, w, *plain))):
+  GPU), launched directly or through DLPack alike; a quantized slot's
+  codes and scales are replaced alike."""
+  if not any(map(_misaligned, (x, dy, w, *_slot_tensors(slots)))):
     return None
 
   def aligned(t):
-    if isinstance(t, Quantized) or not _misaligned(t):
+    if isinstance(t, Quantized):
+      return Quantized(aligned(t.q), aligned(t.scale))
+    if not _misaligned(t):
       return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -567,6 +575,12 @@ def _check_quantized(s: Quantized, w: torch.Tensor, what: str) -> None:
         f"{list(w.shape)} on {w.device} they must be int8, float8_e4m3fn or "
         f"float8_e5m2 codes of the weight's shape and float32 scales "
         f"{list(want)} (one per 64 elements of a row), on its device")
+
+
+def _slot_tensors(slots) -> list[torch.Tensor]:
+  """The slots' tensors, a quantized slot as its codes then its scales."""
+  return [t for s in slots
+          for t in (s if isinstance(s, Quantized) else (s,))]
 
 
 def _flat_slots(slots) -> list[torch.Tensor]:
