@@ -255,3 +255,36 @@ def spec_for(inj: Injected, opt_state, params) -> ForgeSpec:
       low_precision=spec.low_precision,
       sr_step=None if spec.sr_step is None else (
           lambda state: spec.sr_step(state.inner_state)))
+
+
+def widened_like_optax(inj: Injected, opt_state, params):
+  """``opt_state`` with each floating leaf that optax's injected update
+  returns in a wider dtype cast to it beforehand; the others as they are.
+
+  Injected hyperparameters are arrays that are not weakly typed, so
+  optax's step promotes the state it multiplies by them: a bfloat16
+  parameter's first moment (``b1 * mu``, no ``mu_dtype``) comes back
+  float32, and stays so. A FORGE kernel returns its slots in their own
+  dtypes (in place), so the slots are widened before the step, as optax's
+  arithmetic widens them (exactly: every bfloat16 value is a float32
+  one); from the first step on they are float32 already and nothing is
+  cast. Read from ``jax.eval_shape`` of the transform's own ``update``
+  (no computation), so whatever optax's promotion does is followed.
+  """
+  check_state(opt_state)  # (before optax's update reads it)
+  out = jax.eval_shape(lambda g, s, p: inj.tx.update(g, s, p)[1],
+                       params, opt_state, params)
+  leaves, treedef = jax.tree.flatten(opt_state)
+  want, want_def = jax.tree.flatten(out)
+  if treedef != want_def:  # (a state optax's update reshapes: left as is)
+    return opt_state
+
+  def widened(a, w):
+    dtype = getattr(a, "dtype", None)
+    if (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+        and jnp.issubdtype(w.dtype, jnp.floating)
+        and jnp.dtype(w.dtype).itemsize > jnp.dtype(dtype).itemsize):
+      return jnp.asarray(a).astype(w.dtype)
+    return a
+
+  return jax.tree.unflatten(treedef, list(map(widened, leaves, want)))

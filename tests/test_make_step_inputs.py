@@ -235,6 +235,39 @@ def test_inject_hyperparams_trains_and_an_optax_factory_is_refused():
     forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)
 
 
+def test_inject_hyperparams_widens_bf16_moments_as_optax():
+  """With ``hyperparam_dtype=float32`` optax's injected hyperparameters are
+  float32 arrays that are not weakly typed, so its step keeps a bfloat16
+  parameter's first moment in float32 from the first step on (no
+  mu_dtype; without it a bfloat16 model's hyperparameters are bfloat16,
+  b2 rounds to 1 and optax's step is NaN). The FORGE
+  kernels' state follows it: the same dtypes leaf by leaf (a checkpoint of
+  either fits the other), the values within the bf16 bar (FORGE's G is
+  float32, optax's gradient bfloat16)."""
+  kw = {"param_dtype": jnp.bfloat16}
+  hp = dict(learning_rate=1e-2, weight_decay=0.1)
+  forge_tx = optax.inject_hyperparams(
+      forge_jax.adamw, hyperparam_dtype=jnp.float32)(**hp)
+  optax_tx = optax.inject_hyperparams(
+      optax.adamw, hyperparam_dtype=jnp.float32)(**hp)
+  bs = batches(3)
+  mf, mr = MLP(forge_jax.Dense, kw), MLP(nn.Dense, kw)
+  v = mr.init(jax.random.key(0), bs[0][0])
+  fs = jax.jit(forge_jax.make_step(mse(mf), forge_tx))
+  rs = jax.jit(reference_step(mse(mr), optax_tx))
+  vf, sf = v, forge_tx.init(v["params"])
+  vr, sr = v, optax_tx.init(v["params"])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  dtypes = lambda t: jax.tree.map(lambda a: jnp.dtype(a.dtype), t)
+  assert dtypes(sf) == dtypes(sr)
+  mu = sr.inner_state[0].mu
+  assert mu["Dense_0"]["kernel"].dtype == jnp.float32  # (optax's widening)
+  assert_trees_close(vf, vr, tol(jnp.bfloat16), what="variables")
+  assert_trees_close(sf, sr, tol(jnp.bfloat16), what="opt_state")
+
+
 # --- has_aux: BatchNorm statistics, metrics -----------------------------------
 
 
