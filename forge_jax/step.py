@@ -423,11 +423,13 @@ def _gather_layer_inputs(fused: _FusedLayers, spec, opt_state, params,
         raise ValueError(
             f"optimizer state field {f.name!r} holds arrays for the kernel "
             f"of the FORGE layer at {_context.layer_name(p)!r} that this "
-            f"transform's FORGE path does not update ({spec.family}: optax "
-            "keeps that kernel in another part of its state, e.g. Muon's "
-            "AdamW branch for kernels of more than two axes, such as a "
-            "scanned stack's). Give that layer or stack fused=False "
-            "(standard optax path).")
+            f"transform's FORGE path does not update ({spec.family}). "
+            "Either the state was made by another transform's init (e.g. "
+            "sgd with momentum, given to sgd without): make it with this "
+            "transform's init; or optax keeps that kernel in another part "
+            "of its state (e.g. Muon's AdamW branch for kernels of more "
+            "than two axes, such as a scanned stack's): give that layer or "
+            "stack fused=False (standard optax path).")
     flat = [jax.tree.flatten(t) for t in subtrees]
     slots = tuple(a for leaves, _ in flat for a in leaves)
     leaf_dtypes, shared = None, shared_state

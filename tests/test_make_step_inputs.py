@@ -268,6 +268,18 @@ def test_inject_hyperparams_widens_bf16_moments_as_optax():
   assert_trees_close(sf, sr, tol(jnp.bfloat16), what="opt_state")
 
 
+def test_a_state_made_by_another_transforms_init_is_refused_naming_it():
+  """SGD with momentum's state given to SGD without: its trace holds arrays
+  for the kernels that this transform does not update; refused, naming
+  the init to use (optax ignores the extra field)."""
+  model = MLP(forge_jax.Dense)
+  (x, y), = batches(1)
+  v = model.init(jax.random.key(0), x)
+  step = forge_jax.make_step(mse(model), forge_jax.sgd(0.1))
+  with pytest.raises(ValueError, match="this transform's init"):
+    step(v, forge_jax.sgd(0.1, momentum=0.9).init(v["params"]), (x, y))
+
+
 # --- has_aux: BatchNorm statistics, metrics -----------------------------------
 
 
