@@ -272,9 +272,27 @@ def widened_like_optax(inj: Injected, opt_state, params):
   (no computation), so whatever optax's promotion does is followed.
   """
   check_state(opt_state)  # (before optax's update reads it)
-  out = jax.eval_shape(lambda g, s, p: inj.tx.update(g, s, p)[1],
-                       params, opt_state, params)
   leaves, treedef = jax.tree.flatten(opt_state)
+  widths = [jnp.dtype(h.dtype).itemsize
+            for h in jax.tree.leaves(opt_state.hyperparams)
+            if jnp.issubdtype(getattr(h, "dtype", jnp.int32), jnp.floating)]
+  if not widths or all(
+      jnp.dtype(a.dtype).itemsize >= max(widths)
+      for a in jax.tree.leaves(opt_state.inner_state)
+      if jnp.issubdtype(getattr(a, "dtype", jnp.int32), jnp.floating)):
+    return opt_state  # (nothing narrower than the hyperparameters)
+  def new_state(g, p):
+    return inj.tx.update(g, opt_state, p)[1]
+
+  try:
+    out = jax.eval_shape(new_state, params, params)
+  except jax.errors.ConcretizationTypeError:
+    # optax's update branches in Python on a hyperparameter: only an eager
+    # step (a concrete state) can run it (a traced one fails as optax's
+    # own jitted step does, without static_args), so it runs here.
+    if any(isinstance(a, jax.core.Tracer) for a in leaves):
+      raise
+    out = new_state(params, params)
   want, want_def = jax.tree.flatten(out)
   if treedef != want_def:  # (a state optax's update reshapes: left as is)
     return opt_state

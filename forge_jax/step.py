@@ -777,10 +777,11 @@ def make_step(
     _sharding.check_placement(mesh_layout, params, batch, chain_state)
     _check_not_accumulation_state(
         clipping.member if clipping is not None else tx, state_in, params)
-    if injected is not None:  # optax's promotion of the state, first
-      state_in = _inject.widened_like_optax(injected, state_in, params)
     spec = (tx.spec if injected is None
             else _inject.spec_for(injected, state_in, params))
+    if injected is not None and spec.regime != 3:  # (regime 3: optax's
+      # own update steps each kernel) optax's promotion of the state, first
+      state_in = _inject.widened_like_optax(injected, state_in, params)
     if spec.low_precision is not None and mesh_layout is not None:
       raise ValueError(
           f"forge_jax.make_step(mesh_layout=...): forge_jax.{spec.family} "

@@ -200,6 +200,10 @@ class BridgeStats:
 
 STATS = BridgeStats()
 _LOCK = threading.Lock()
+# Per thread, while a staged update runs (fused_update): the addresses of
+# the tensors its kernel call wrote in place, so that those of its aligned
+# copies count as copied back instead. ``None`` otherwise.
+_WRITTEN_IN_PLACE = threading.local()
 _DONATION_BROKEN = False
 _NOT_DONATED = "donated buffers were not usable"
 
@@ -491,14 +495,18 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     if rule.updates_weight:
       written.append((w, w_run))
     written = [(dst, src) for dst, src in written if src is not dst]
-    in_place = STATS.in_place
-    ok = _update_on_device(x_run, dy_run, w_run, slots_run, hparams, rule,
-                           config, None, stochastic_rounding)
+    _WRITTEN_IN_PLACE.ptrs = logged = set()
+    try:
+      ok = _update_on_device(x_run, dy_run, w_run, slots_run, hparams, rule,
+                             config, None, stochastic_rounding)
+    finally:
+      _WRITTEN_IN_PLACE.ptrs = None
     with torch.no_grad():
       for dst, src in written:
         dst.copy_(src)
-    with _LOCK:  # the copies written in place count as copied back
-      moved = min(len(written), STATS.in_place - in_place)
+    # A copy the kernel wrote in place was copied back all the same.
+    moved = sum(src.data_ptr() in logged for _, src in written)
+    with _LOCK:
       STATS.in_place -= moved
       STATS.copied += moved
     return ok and not written
@@ -898,6 +906,9 @@ def _launch_on(launch: _Launch, stream: int, x2, dy2, w, slots, vec,
     STATS.calls += 1
     STATS.direct += 1
     STATS.in_place += launch.n_state
+  logged = getattr(_WRITTEN_IN_PLACE, "ptrs", None)
+  if logged is not None:  # (a staged update: fused_update counts its copies)
+    logged.update(ptrs[3:])
   return True
 
 
@@ -1091,10 +1102,13 @@ def _fused_update(x, dy, w, slots, hparams, rule, config, views,
   all_in_place = True
   n_in_place = n_copied = 0
   kept = []  # the in-place results: the next call's inputs (ViewCache)
+  logged = getattr(_WRITTEN_IN_PLACE, "ptrs", None)
   for t, o in zip(tensors, outs):
     if donate and o.unsafe_buffer_pointer() == t.data_ptr():
       n_in_place += 1
       kept.append((t, o))
+      if logged is not None:
+        logged.add(t.data_ptr())
       continue
     all_in_place = False
     n_copied += 1

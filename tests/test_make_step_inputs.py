@@ -268,6 +268,31 @@ def test_inject_hyperparams_widens_bf16_moments_as_optax():
   assert_trees_close(sf, sr, tol(jnp.bfloat16), what="opt_state")
 
 
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_an_eager_injected_step_may_branch_on_a_hyperparameter(param_dtype):
+  """optax's Adafactor branches in Python on min_dim_size_to_factor, which
+  injection makes an array: an eager step (a concrete state) runs, as
+  optax's eager update does, and matches it (the widening of the state
+  never traces it)."""
+  kw = {"param_dtype": param_dtype}
+  make = lambda lib: optax.inject_hyperparams(  # noqa: E731
+      lib.adafactor, hyperparam_dtype=jnp.float32)(learning_rate=1e-2)
+  forge_tx, optax_tx = make(forge_jax), make(optax)
+  bs = batches(2)
+  mf, mr = MLP(forge_jax.Dense, kw), MLP(nn.Dense, kw)
+  v = mr.init(jax.random.key(0), bs[0][0])
+  fs = forge_jax.make_step(mse(mf), forge_tx)
+  rs = reference_step(mse(mr), optax_tx)
+  vf, sf = v, forge_tx.init(v["params"])
+  vr, sr = v, optax_tx.init(v["params"])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  bar = tol(param_dtype)
+  assert_trees_close(vf, vr, bar, what="variables")
+  assert_trees_close(sf, sr, bar, what="opt_state")
+
+
 def test_a_state_made_by_another_transforms_init_is_refused_naming_it():
   """SGD with momentum's state given to SGD without: its trace holds arrays
   for the kernels that this transform does not update; refused, naming

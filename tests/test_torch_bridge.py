@@ -1968,6 +1968,37 @@ def test_a_staged_update_counts_each_written_tensor_once():
       assert torch.equal(a, b), which
 
 
+def test_a_staged_direct_launch_counts_its_copies_as_copied(monkeypatch):
+  """On the direct launch (stood in for on the CPU: the kernel by pointer
+  needs a Hopper GPU) every state tensor is written in place; in a staged
+  update those of the aligned copies are copied back, and count so: with
+  the weight misaligned, one copied and two in place; the kernel gets
+  aligned addresses only."""
+  from forge_torch import _bridge, _direct  # noqa: PLC0415
+  import pallas_kernels as pk  # noqa: PLC0415
+  monkeypatch.setattr(_direct, "unavailable", lambda: None)
+  monkeypatch.setattr(_bridge, "_raw_stream", lambda device_index: 7)
+  monkeypatch.setattr(_bridge, "_LAUNCHES", {})
+  kernel = _RecordingKernel()
+  monkeypatch.setattr(
+      _bridge, "_resolve", lambda x2, dy2, w, slots, n, rule, config, d, s:
+      _bridge._Launch(kernel, 1 + len(slots), (d, s, n)))
+  monkeypatch.setattr(
+      _bridge, "_fused_update",
+      lambda x, dy, w, slots, hp, rule, config, views, sr=None:
+      _bridge._direct_update(x, dy, w, slots, hp, rule, config, sr))
+  x, dy = torch.randn(8, 64), torch.randn(8, 32)
+  [w], _, _ = _rebind_at_odd_offsets([torch.randn(64, 32)])
+  m, v = torch.zeros(64, 32), torch.zeros(64, 32)
+  stats = forge_torch.bridge_stats
+  stats.reset()
+  assert not _bridge.fused_update(x, dy, w, [m, v], torch.zeros(16),
+                                  rule=pk.ADAMW)
+  assert (stats.direct, stats.in_place, stats.copied) == (1, 2, 1), stats
+  [(_, ptrs)] = kernel.launches
+  assert not any(p % 16 for p in ptrs), ptrs
+
+
 def test_quantized_moments_at_odd_offsets_are_staged():
   """int8 moments whose codes and scales are views at odd offsets into a
   flat buffer (restored so, say) are staged too: every kernel call gets
@@ -2034,6 +2065,9 @@ def test_gpu_operands_at_odd_offsets_launch_directly():
   assert len(seen) == 2 * 4 and all(not any(a) for a in seen), seen
   assert err <= tol(jnp.bfloat16), err
   assert untouched
+  # The weights staged at every step, the moments from the second on.
+  assert stats.in_place + stats.copied == 3 * stats.calls, stats
+  assert stats.copied == 2 * 1 + 2 * 3 * 3, stats
   if torch.cuda.get_device_capability() >= (9, 0):
     assert stats.direct == stats.calls == 2 * 4, stats
 
