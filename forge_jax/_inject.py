@@ -288,10 +288,11 @@ def widened_like_optax(inj: Injected, opt_state, params):
     out = jax.eval_shape(new_state, params, params)
   except jax.errors.ConcretizationTypeError:
     # optax's update branches in Python on a hyperparameter: only an eager
-    # step (a concrete state) can run it (a traced one fails as optax's
-    # own jitted step does, without static_args), so it runs here.
+    # step (a concrete state) can run it, so it runs here; a traced one
+    # is left as it is (optax's own jitted step fails there too, without
+    # static_args, and so will the step's update of the other parameters).
     if any(isinstance(a, jax.core.Tracer) for a in leaves):
-      raise
+      return opt_state
     out = new_state(params, params)
   want, want_def = jax.tree.flatten(out)
   if treedef != want_def:  # (a state optax's update reshapes: left as is)
