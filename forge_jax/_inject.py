@@ -269,7 +269,10 @@ def widened_like_optax(inj: Injected, opt_state, params):
   arithmetic widens them (exactly: every bfloat16 value is a float32
   one); from the first step on they are float32 already and nothing is
   cast. Read from ``jax.eval_shape`` of the transform's own ``update``
-  (no computation), so whatever optax's promotion does is followed.
+  (no computation), so whatever optax's promotion does is followed; not
+  traced at all where no floating leaf of the state is narrower than the
+  hyperparameters (an fp32 model), and run instead in an eager step whose
+  update optax cannot trace.
   """
   check_state(opt_state)  # (before optax's update reads it)
   leaves, treedef = jax.tree.flatten(opt_state)
@@ -281,6 +284,7 @@ def widened_like_optax(inj: Injected, opt_state, params):
       for a in jax.tree.leaves(opt_state.inner_state)
       if jnp.issubdtype(getattr(a, "dtype", jnp.int32), jnp.floating)):
     return opt_state  # (nothing narrower than the hyperparameters)
+
   def new_state(g, p):
     return inj.tx.update(g, opt_state, p)[1]
 
