@@ -491,10 +491,11 @@ def fused_update(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor,
     if views is not None:
       views.clear()
     x_run, dy_run, w_run, slots_run = staged
-    written = [*zip(_slot_tensors(slots), _slot_tensors(slots_run))]
+    written = [*zip(_flat_slots(slots), _flat_slots(slots_run))]
     if rule.updates_weight:
       written.append((w, w_run))
-    written = [(dst, src) for dst, src in written if src is not dst]
+    written = [(dst, src) for dst, src in written
+               if src.data_ptr() != dst.data_ptr()]
     _WRITTEN_IN_PLACE.ptrs = logged = set()
     try:
       ok = _update_on_device(x_run, dy_run, w_run, slots_run, hparams, rule,
@@ -540,7 +541,7 @@ def _aligned_stand_ins(x, dy, w, slots):
   a misaligned address (a CUDA error that ends the process's use of the
   GPU), launched directly or through DLPack alike; a quantized slot's
   codes and scales are replaced alike."""
-  if not any(map(_misaligned, (x, dy, w, *_slot_tensors(slots)))):
+  if not any(map(_misaligned, (x, dy, w, *_flat_slots(slots)))):
     return None
 
   def aligned(t):
@@ -583,12 +584,6 @@ def _check_quantized(s: Quantized, w: torch.Tensor, what: str) -> None:
         f"{list(w.shape)} on {w.device} they must be int8, float8_e4m3fn or "
         f"float8_e5m2 codes of the weight's shape and float32 scales "
         f"{list(want)} (one per 64 elements of a row), on its device")
-
-
-def _slot_tensors(slots) -> list[torch.Tensor]:
-  """The slots' tensors, a quantized slot as its codes then its scales."""
-  return [t for s in slots
-          for t in (s if isinstance(s, Quantized) else (s,))]
 
 
 def _flat_slots(slots) -> list[torch.Tensor]:
@@ -877,9 +872,13 @@ def _direct_update(x, dy, w, slots, hparams, rule, config,
         # the one kept (this one, never launched, is unloaded when dropped;
         # replacing that one could unload it with its launches queued)
         launch = first
-  if launch is None:
+  if launch is None or not _launch_on(launch, stream, x2, dy2, w, slots,
+                                     vec, on_device):
     return False
-  return _launch_on(launch, stream, x2, dy2, w, slots, vec, on_device)
+  logged = getattr(_WRITTEN_IN_PLACE, "ptrs", None)
+  if logged is not None:  # (a staged update: fused_update counts its copies)
+    logged.update(t.data_ptr() for t in (w, *slots))
+  return True
 
 
 def _launch_on(launch: _Launch, stream: int, x2, dy2, w, slots, vec,
@@ -906,9 +905,6 @@ def _launch_on(launch: _Launch, stream: int, x2, dy2, w, slots, vec,
     STATS.calls += 1
     STATS.direct += 1
     STATS.in_place += launch.n_state
-  logged = getattr(_WRITTEN_IN_PLACE, "ptrs", None)
-  if logged is not None:  # (a staged update: fused_update counts its copies)
-    logged.update(ptrs[3:])
   return True
 
 
@@ -985,8 +981,7 @@ def _captured_update(x, dy, w, slots, hparams, rule, config,
       "compute capability 9.0 or newer, bfloat16 or float16 operands of one "
       "dtype, plain (not quantized) state, no stochastic rounding, no "
       "Triton config, $FORGE_BACKEND not triton, BT a multiple of 8 and "
-      "in, out of 64; here x "
-      f"{tuple(x.shape)} {x.dtype}, weight "
+      f"in, out of 64; here x {tuple(x.shape)} {x.dtype}, weight "
       f"{tuple(w.shape)} {w.dtype})")
   raise RuntimeError(
       "forge_torch: this fused update cannot be recorded in a CUDA graph: "

@@ -2018,7 +2018,7 @@ def test_quantized_moments_at_odd_offsets_are_staged():
 
   def recording(x, dy, w, slots, *args):
     seen.append([t.data_ptr() % 16 for t in
-                 (x, dy, w, *_bridge._slot_tensors(slots))])
+                 (x, dy, w, *_bridge._flat_slots(slots))])
     return inner(x, dy, w, slots, *args)
 
   with pytest.MonkeyPatch.context() as mp:
