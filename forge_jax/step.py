@@ -160,6 +160,26 @@ def _check_params(params, paths) -> None:
       node = node[key]
 
 
+def _containers(tree, made, at: str = "opt_state") -> str | None:
+  """Where ``tree``'s tuples (optax's states: ``NamedTuple`` s and the
+  tuples ``optax.chain`` makes) depart from ``made``'s, down to the first
+  node that is not one (a per-parameter tree, a count, a hyperparameter
+  dict: not compared); ``None`` where they match."""
+  def name(t):
+    return (f"{type(t).__name__} of {len(t)}"
+            if isinstance(t, tuple) else type(t).__name__)
+
+  if not isinstance(made, tuple):
+    return None
+  if type(tree) is not type(made) or len(tree) != len(made):
+    return f"{at} is a {name(tree)} where init() makes a {name(made)}"
+  for i, (a, b) in enumerate(zip(tree, made)):
+    found = _containers(a, b, f"{at}[{i}]")
+    if found is not None:
+      return found
+  return None
+
+
 def _check_not_accumulation_state(tx, opt_state, params) -> None:
   """Refuses gradient accumulation's state (``optax.MultiStepsState``, of
   ``forge_jax.MultiSteps`` or ``optax.MultiSteps``) given to a step whose
@@ -177,6 +197,27 @@ def _check_not_accumulation_state(tx, opt_state, params) -> None:
         "step with the transform that made the state, "
         "make_step(loss_fn, forge_jax.MultiSteps(forge_jax.adamw(...), k)), "
         "or make the state with this transform's init().")
+
+
+def _check_state_made_by(tx, opt_state, params, at: str) -> None:
+  """Refuses an ``opt_state`` whose chain of optax states differs from
+  what ``tx.init`` makes (a clipped chain's state given to a step without
+  clipping; another transform's state), before optax's update reads it
+  (whose own error would not say why). Not checked where ``tx.init``
+  branches in Python on what it is given (an injected hyperparameter
+  Adafactor reads, say), which its shapes alone cannot tell."""
+  try:
+    made = jax.eval_shape(tx.init, params)
+  except jax.errors.ConcretizationTypeError:
+    return
+  where = _containers(opt_state, made, at)
+  if where is not None:
+    raise TypeError(
+        f"make_step: opt_state is not the state the step's transform's "
+        f"init() makes: {where}. Was it made by another transform -- e.g. "
+        "a clipped chain, optax.chain(forge_jax.clip_by_global_norm(m), "
+        "...), given to a step built without the clipping? Make the state "
+        "with the step's transform: tx.init(variables[\"params\"]).")
 
 
 def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
@@ -853,6 +894,8 @@ def make_step(
     # Every other parameter: optax, with the FORGE kernels cut out; then
     # the FORGE kernels and their new state put back.
     cut = {kp: None for kp in fused.kpaths.values()}
+    _check_state_made_by(tx, opt_state, params, "opt_state" if clipping is None
+                         else f"the chain's opt_state[{clipping.index}]")
     new_params, new_state = _optax_update(tx, grads, params, opt_state,
                                           params_def, cut, injected)
     new_params = _replace_leaves(new_params, new_kernels)

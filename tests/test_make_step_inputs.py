@@ -305,6 +305,37 @@ def test_a_state_made_by_another_transforms_init_is_refused_naming_it():
     step(v, forge_jax.sgd(0.1, momentum=0.9).init(v["params"]), (x, y))
 
 
+@pytest.mark.parametrize("clipped_state", [True, False],
+                         ids=["clipped_state_plain_step",
+                              "plain_state_clipped_step"])
+def test_a_clipped_chains_state_and_a_plain_one_are_not_exchanged(
+    clipped_state):
+  """A clipped chain's state, optax.chain(clip_by_global_norm, adamw),
+  given to a step built with adamw alone is refused naming the cause
+  (optax's chain update would fail without it); the plain state given to
+  the clipped step is refused as a state of another form."""
+  model = MLP(forge_jax.Dense)
+  (x, y), = batches(1)
+  v = model.init(jax.random.key(0), x)
+  plain = forge_jax.adamw(1e-2)
+  clipped = optax.chain(forge_jax.clip_by_global_norm(1.0),
+                        forge_jax.adamw(1e-2))
+  if clipped_state:
+    step = forge_jax.make_step(mse(model), plain)
+    with pytest.raises(TypeError, match=(
+        r"opt_state is a tuple of 2 where init\(\) makes a tuple of 3"
+        r"(.|\n)*clipped chain")):
+      step(v, clipped.init(v["params"]), (x, y))
+  else:
+    step = forge_jax.make_step(mse(model), clipped)
+    with pytest.raises(ValueError, match="this transform's init"):
+      step(v, plain.init(v["params"]), (x, y))
+  # Each with its own state: runs.
+  tx = plain if clipped_state else clipped
+  loss, _, _ = step(v, tx.init(v["params"]), (x, y))
+  assert bool(jnp.isfinite(loss))
+
+
 # --- has_aux: BatchNorm statistics, metrics -----------------------------------
 
 
