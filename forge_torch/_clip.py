@@ -175,8 +175,7 @@ def set_max_grad_norm(opt, value) -> None:
 
 
 def _refuse_mid_step(opt, option: str) -> None:
-  calls = getattr(opt, "_forge_calls", None)
-  if calls is not None and any(calls.values()):
+  if getattr(opt, "_forge_calls", None) is not None and opt._forge_in_step():
     raise RuntimeError(
         f"forge_torch.{type(opt).__name__}.{option} cannot change in the "
         "middle of a step: managed layers have already run forwards since "

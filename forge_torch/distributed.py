@@ -498,6 +498,15 @@ def step_sharded(optimizer) -> None:
       step_shard(optimizer, p)
 
 
+def holds_sharded_grad(optimizer) -> bool:
+  """Whether a prepared sharded weight of ``optimizer`` holds a gradient
+  not yet applied (micro-batches FSDP summed, ``accumulate_steps > 1``)."""
+  if not _SHARDED._values:  # (no sharded weight: the usual case)
+    return False
+  return any(p.grad is not None and p in _SHARDED
+             for p in optimizer.managed_params)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
   """This rank's shard of ``t`` (a ``DTensor``: its local tensor, sharing
   its memory), or ``t`` itself."""

@@ -105,6 +105,12 @@ _LIST_AT_MOST = 8
 _key = _linear._map_key
 
 
+class _InputDtypeError(TypeError, RuntimeError):
+  """A managed layer's input in a dtype the layer does not compute in: a
+  ``TypeError``, and a ``RuntimeError`` as ``nn.Linear``'s dtype mismatch
+  is, so that code written for ``nn.Linear`` catches it alike."""
+
+
 class _Raw:
   """A state tensor that torch's ``load_state_dict`` must not cast to the
   parameter's dtype (codes and float32 scales): it casts ``torch.Tensor``
@@ -1287,12 +1293,12 @@ class _ForgeOptimizer:
           f"forge_torch.Linear {layer}: input is on {x.device} but the weight "
           f"is on {w.device}; move them to one device")
     if autocast_dtype is None and x.dtype != w.dtype:
-      raise TypeError(
+      raise _InputDtypeError(
           f"forge_torch.Linear {layer}: input dtype {x.dtype} differs from the "
           f"weight's {w.dtype}; cast the input, or run the forward under "
           "torch.autocast(device_type, dtype=torch.bfloat16)")
     if autocast_dtype is not None and x.dtype != autocast_dtype:
-      raise TypeError(
+      raise _InputDtypeError(
           f"forge_torch.Linear {layer}: input dtype {x.dtype} under "
           f"torch.autocast, which computes this layer in {autocast_dtype} and "
           "casts only float32, float16 and bfloat16 inputs; cast the input")
@@ -1896,7 +1902,7 @@ class _ForgeOptimizer:
           f"{type(self).__name__}.accumulate_steps must be an int >= 1 (the "
           f"number of micro-batches per optimizer step), got {k!r}")
     k = int(k)
-    if any(self._forge_calls.values()) or self._forge_micro:
+    if self._forge_in_step():
       raise RuntimeError(
           f"{type(self).__name__}.accumulate_steps cannot change in the "
           "middle of a step: managed layers have already run forwards since "
@@ -1904,6 +1910,15 @@ class _ForgeOptimizer:
           "(at construction, or right after optimizer.step()).")
     self._forge_accumulate_steps = k
     self._forge_plans_checked = None  # (a mode the plans check)
+
+  def _forge_in_step(self) -> bool:
+    """Whether a step is under way: managed layers ran forwards since the
+    last ``step()``, or applied updates or accumulated micro-batches, or a
+    prepared ``fully_shard`` weight (whose forwards are torch's, not
+    counted) holds its reduce-scattered gradient."""
+    return bool(any(self._forge_calls.values()) or self._forge_micro
+                or self._forge_updated
+                or _distributed.holds_sharded_grad(self))
 
   def _forge_accumulate(self, p: torch.Tensor, grad_output: torch.Tensor,
                         input: torch.Tensor, *,

@@ -301,8 +301,10 @@ def test_autocast_refusals_name_the_fix():
       layer(torch.randn(3, 6))
   with torch.autocast("cpu", dtype=torch.bfloat16):
     with pytest.raises(TypeError, match=r"input dtype torch.float64 under "
-                       "torch.autocast"):
+                       "torch.autocast") as e:
       layer(torch.randn(3, 6, dtype=torch.float64))
+    # Also what nn.Linear raises for mismatched dtypes.
+    assert isinstance(e.value, RuntimeError)
   # A bfloat16 model under bfloat16 autocast: nothing to cast, still fused.
   del opt
   bf = forge_torch.Linear(D, D, dtype=torch.bfloat16)

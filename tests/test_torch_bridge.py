@@ -852,8 +852,12 @@ def test_device_and_dtype_mismatch_raise():
   layer, _ = _layer_and_opt()
   with pytest.raises(RuntimeError, match="input is on meta"):
     layer(torch.empty(3, 6, device="meta"))
-  with pytest.raises(TypeError, match="input dtype"):
+  with pytest.raises(TypeError, match="input dtype") as e:
     layer(torch.randn(3, 6, dtype=torch.bfloat16))
+  # nn.Linear raises a RuntimeError for mismatched dtypes: caught alike.
+  assert isinstance(e.value, RuntimeError)
+  with pytest.raises(RuntimeError, match="input dtype torch.float64"):
+    layer(torch.randn(3, 6, dtype=torch.float64))
 
 
 @pytest.mark.gpu

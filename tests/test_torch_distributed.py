@@ -162,6 +162,26 @@ def _misuses(rank: int) -> dict:
   forge_dist.prepare_fsdp(model)
   opt = forge_torch.AdamW(model.parameters(), max_grad_norm=1.0)
   found["fsdp_clip"] = _error(lambda: F.mse_loss(model(x), y).backward())
+  # accumulate_steps changed in the middle of a step under fully_shard,
+  # whose forwards are torch's (not counted): refused as without it, once
+  # a micro-batch's gradient is held or the update applied; between steps
+  # accepted.
+  model = converted(net)
+  fully_shard(model)
+  forge_dist.prepare_fsdp(model)
+  opt = forge_torch.AdamW(model.parameters())
+  opt.accumulate_steps = 2
+  F.mse_loss(model(x), y).backward()  # micro-batch 1: summed in .grad
+  found["fsdp_k_held"] = _error(lambda: setattr(opt, "accumulate_steps", 1))
+  opt.step()
+  opt.zero_grad()
+  opt.accumulate_steps = 1
+  F.mse_loss(model(x), y).backward()  # the update applied in backward
+  found["fsdp_k_applied"] = _error(
+      lambda: setattr(opt, "accumulate_steps", 2))
+  opt.step()
+  opt.accumulate_steps = 2
+  found["fsdp_k_between"] = opt.accumulate_steps
   # A managed weight tied across two layers under DDP: read twice in the
   # step, refused at its second forward.
   model = tied_after_convert()
@@ -673,6 +693,10 @@ def test_misuse_is_refused(reports):
     assert "fc1" in found["fsdp"] and "prepare_fsdp(model)" in found["fsdp"]
     assert "after fully_shard" in found["fsdp_early"], found["fsdp_early"]
     assert "max_grad_norm" in found["fsdp_clip"], found["fsdp_clip"]
+    for case in ("fsdp_k_held", "fsdp_k_applied"):
+      assert "accumulate_steps cannot change in the middle of a step" in (
+          found[case]), (case, found[case])
+    assert found["fsdp_k_between"] == 2
     assert "fully_shard" in found["fsdp_clip"], found["fsdp_clip"]
     # A weight tied across two managed layers: under DDP its second reader
     # is refused; under fully_shard, split over two FSDP groups, fully_shard
