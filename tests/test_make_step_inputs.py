@@ -12,6 +12,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -334,6 +335,22 @@ def test_a_clipped_chains_state_and_a_plain_one_are_not_exchanged(
   tx = plain if clipped_state else clipped
   loss, _, _ = step(v, tx.init(v["params"]), (x, y))
   assert bool(jnp.isfinite(loss))
+
+
+def test_an_eager_step_whose_init_reads_arrays_with_numpy_matches_optax():
+  """A weight-decay mask that reads its leaves with NumPy works on concrete
+  arrays (an eager step) but not on shapes alone: the state check that
+  traces ``init`` skips it, and the eager step equals optax's."""
+  def mask(params):
+    return jax.tree.map(lambda a: bool(np.asarray(a).ndim > 1), params)
+
+  bs = batches(2)
+  mf, mr = MLP(forge_jax.Dense), MLP(nn.Dense)
+  v = mr.init(jax.random.key(0), bs[0][0])
+  forge_tx = forge_jax.adamw(1e-2, weight_decay=0.1, mask=mask)
+  optax_tx = optax.adamw(1e-2, weight_decay=0.1, mask=mask)
+  run_both(forge_jax.make_step(mse(mf), forge_tx), forge_tx,
+           reference_step(mse(mr), optax_tx), optax_tx, v, bs)
 
 
 # --- has_aux: BatchNorm statistics, metrics -----------------------------------
