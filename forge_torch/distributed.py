@@ -500,11 +500,19 @@ def step_sharded(optimizer) -> None:
 
 def holds_sharded_grad(optimizer) -> bool:
   """Whether a prepared sharded weight of ``optimizer`` holds a gradient
-  not yet applied (micro-batches FSDP summed, ``accumulate_steps > 1``)."""
+  its update has not applied yet (micro-batches FSDP summed,
+  ``accumulate_steps > 1``): what :func:`step_sharded` would apply. (A
+  layer run with ``fused = False`` keeps torch's ``.grad`` after
+  ``step()``: not one.)"""
   if not _SHARDED._values:  # (no sharded weight: the usual case)
     return False
-  return any(p.grad is not None and p in _SHARDED
-             for p in optimizer.managed_params)
+  for p in optimizer.managed_params:
+    ref = _SHARDED.get(p)
+    layer = ref() if ref is not None else None
+    if (layer is not None and layer.fused and p.grad is not None
+        and p not in optimizer._forge_updated):
+      return True
+  return False
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -182,6 +182,18 @@ def _misuses(rank: int) -> dict:
   opt.step()
   opt.accumulate_steps = 2
   found["fsdp_k_between"] = opt.accumulate_steps
+  # A layer run unfused keeps torch's .grad after step(), which no update
+  # of this optimizer waits for: options change right after step().
+  model = converted(net)
+  fully_shard(model)
+  forge_dist.prepare_fsdp(model)
+  model.fc1.fused = False
+  opt = forge_torch.AdamW(model.parameters())
+  F.mse_loss(model(x), y).backward()
+  opt.step()
+  found["fsdp_unfused_grad_kept"] = model.fc1.weight.grad is not None
+  found["fsdp_k_unfused"] = _error(
+      lambda: setattr(opt, "accumulate_steps", 2))
   # A managed weight tied across two layers under DDP: read twice in the
   # step, refused at its second forward.
   model = tied_after_convert()
@@ -697,6 +709,8 @@ def test_misuse_is_refused(reports):
       assert "accumulate_steps cannot change in the middle of a step" in (
           found[case]), (case, found[case])
     assert found["fsdp_k_between"] == 2
+    assert found["fsdp_unfused_grad_kept"] is True
+    assert found["fsdp_k_unfused"] == "", found["fsdp_k_unfused"]
     assert "fully_shard" in found["fsdp_clip"], found["fsdp_clip"]
     # A weight tied across two managed layers: under DDP its second reader
     # is refused; under fully_shard, split over two FSDP groups, fully_shard
