@@ -181,6 +181,22 @@ def owner_of(p: torch.Tensor):
   return None
 
 
+def _adopter(p: torch.Tensor, layer: str):
+  """The live forge_torch optimizer that registers FORGE weight ``p``,
+  owned by none, found in one of its param groups' ``"params"`` lists
+  (appended there after the group was added), or ``None``."""
+  holders = [o for o in list(_OPTIMIZERS)
+             if any(q is p for g in o.param_groups for q in g["params"])]
+  if len(holders) > 1:
+    raise RuntimeError(
+        f"forge_torch.Linear {layer}: its weight was appended to the param "
+        f"groups of {len(holders)} forge_torch optimizers, which would each "
+        "update it; keep it in one (optimizer.add_param_group).")
+  if holders and holders[0]._forge_adopt(p):
+    return holders[0]
+  return None
+
+
 def _set_owner(p: torch.Tensor, optimizer) -> None:
   refs = _OWNERS.setdefault(p, [])
   refs[:] = [r for r in refs if r() is not None and r() is not optimizer]
@@ -825,6 +841,8 @@ class Linear(nn.Linear):
       return F.linear(input, w, bias)
     layer = self._forge_path or self._layer_name()
     optimizer = owner_of(w)
+    if optimizer is None:
+      optimizer = _adopter(w, layer)
     if optimizer is None:
       raise RuntimeError(
           f"forge_torch.Linear {layer} ran with autograd on, but "

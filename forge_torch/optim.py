@@ -1264,6 +1264,28 @@ class _ForgeOptimizer:
         return True
     return False
 
+  def _forge_adopt(self, p: torch.Tensor) -> bool:
+    """Whether managed weight ``p``, owned by no optimizer, is in one of
+    this optimizer's param groups: appended to its ``"params"`` list after
+    the group was added (torch reads the lists at every step, so its
+    optimizers train such a parameter). Registered then, after the checks
+    :meth:`add_param_group` makes (which raise, naming the weight)."""
+    for index, group in enumerate(self.param_groups):
+      if any(q is p for q in group["params"]):
+        break
+    else:
+      return False
+    name = _linear.weight_name(p)
+    _check_single_process([p])
+    _bridge.check_dtype(p, f"forge_torch.Linear's {name}")
+    _check_contiguous(p, name)
+    _check_own_memory([q for g in self.param_groups for q in g["params"]])
+    self._forge_rule(group)  # refuses unfusable combinations now
+    self._forge_check_low_precision(group, [p])
+    self._forge_take(p, index)
+    self._forge_plans_checked = None  # (the groups changed)
+    return True
+
   # -- called by forge_torch.Linear -------------------------------------------
 
   def _forge_before_forward(self, w: torch.Tensor, x: torch.Tensor, *,

@@ -1474,6 +1474,46 @@ def test_a_weight_moved_to_another_group_by_its_params_list_takes_it(
     assert rel(pf, pr) <= TOL
 
 
+def test_a_weight_appended_to_a_groups_params_list_is_trained():
+  """A managed weight left out of the optimizer (frozen at first), then
+  appended to a param group's ``"params"`` list -- torch.optim trains such
+  a parameter from the next step on -- is registered at its layer's next
+  forward and trained as torch's; one appended to two forge_torch
+  optimizers' groups is refused, naming the fix."""
+  def train(family, linear):
+    torch.manual_seed(0)
+    body, head = linear(7, 6), linear(6, 5, bias=False)
+    head.weight.requires_grad_(False)
+    opt = family(body.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    for i in range(4):
+      if i == 2:
+        head.weight.requires_grad_(True)
+        opt.param_groups[0]["params"].append(head.weight)
+      head(torch.tanh(body(torch.randn(3, 7, generator=g)))).square().sum(
+          ).backward()
+      opt.step()
+      opt.zero_grad()
+    return nn.Sequential(body, head), opt
+
+  model, opt = train(forge_torch.AdamW, forge_torch.Linear)
+  ref, ref_opt = train(torch.optim.AdamW, nn.Linear)
+  assert any(p is model[1].weight for p in opt.managed_params)
+  for pf, pr in zip(model.parameters(), ref.parameters()):
+    assert rel(pf, pr) <= TOL
+  sf, sr = opt.state[model[1].weight], ref_opt.state[ref[1].weight]
+  assert rel(sf["exp_avg_sq"], sr["exp_avg_sq"]) <= TOL
+  assert float(sf["step"]) == float(sr["step"]) == 2.0
+
+  lin = forge_torch.Linear(7, 5)
+  first = forge_torch.SGD([lin.bias], lr=0.1)
+  second = forge_torch.SGD([lin.bias], lr=0.1)
+  for o in (first, second):
+    o.param_groups[0]["params"].append(lin.weight)
+  with pytest.raises(RuntimeError, match="groups of 2 forge_torch optimizers"):
+    lin(torch.randn(3, 7))
+
+
 def test_a_slot_refused_by_a_changed_option_is_refused_with_plans():
   """A bfloat16 weight with float32 momentum (allowed unfused) and then
   ``fused=True`` set on its group, which refuses that mix as torch's fused
