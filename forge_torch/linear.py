@@ -181,6 +181,11 @@ def owner_of(p: torch.Tensor):
   return None
 
 
+class NotOwnedError(RuntimeError):
+  """A managed layer's weight that its optimizer no longer holds in its
+  param groups (the layer's forward then looks for another that does)."""
+
+
 def _adopter(p: torch.Tensor, layer: str):
   """The live forge_torch optimizer that registers FORGE weight ``p``,
   owned by none, found in one of its param groups' ``"params"`` lists
@@ -875,8 +880,18 @@ class Linear(nn.Linear):
         input = input.to(amp)
       if _autocast_eligible(bias):
         bias = bias.to(amp)
-    generation = optimizer._forge_before_forward(
-        w, input, layer=layer, autocast_dtype=amp)
+    try:
+      generation = optimizer._forge_before_forward(
+          w, input, layer=layer, autocast_dtype=amp)
+    except NotOwnedError:
+      # Moved from that optimizer's groups to another's lists: registered
+      # there (else refused as it was).
+      adopter = _adopter(w, layer)
+      if adopter is None:
+        raise
+      optimizer = adopter
+      generation = optimizer._forge_before_forward(
+          w, input, layer=layer, autocast_dtype=amp)
     # A graph dropped without a backward (a skipped batch, an exception
     # later in the forward) frees the handle: the forward stops counting
     # (_Handle.__del__).

@@ -1013,6 +1013,13 @@ class _ForgeOptimizer:
 
   def load_state_dict(self, state_dict) -> None:
     self._forge_refuse_open_window()
+    # Managed weights appended to the groups' lists and not yet registered
+    # (their layers have not run since): registered first, so that their
+    # loaded state is read as managed state (low-precision codes kept).
+    for group in self.param_groups:
+      for q in group["params"]:
+        if _linear.is_forge_weight(q) and _linear.owner_of(q) is None:
+          self._forge_adopt(q)
     # torch's load hooks run where torch's loader runs them, around this
     # loader's own work: the pre-hooks first, on a shallow copy of the
     # checkpoint (one may adapt it before the checks below read it), the
@@ -1279,7 +1286,8 @@ class _ForgeOptimizer:
     _check_single_process([p])
     _bridge.check_dtype(p, f"forge_torch.Linear's {name}")
     _check_contiguous(p, name)
-    _check_own_memory([q for g in self.param_groups for q in g["params"]])
+    _check_own_memory([q for g in self.param_groups for q in g["params"]],
+                      only=[p])
     self._forge_rule(group)  # refuses unfusable combinations now
     self._forge_check_low_precision(group, [p])
     self._forge_take(p, index)
@@ -1303,7 +1311,7 @@ class _ForgeOptimizer:
     elif self._forge_members_checked != self._forge_generation:
       self._forge_check_members()
     if wk not in self._forge_managed._values:
-      raise RuntimeError(
+      raise _linear.NotOwnedError(
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
           "optimizer (it is in none of its param_groups)")
     if w.dtype not in _bridge.SUPPORTED_DTYPES:
@@ -2352,7 +2360,7 @@ def _storage_of(p: torch.Tensor) -> int | None:
     return None
 
 
-def _check_own_memory(params) -> None:
+def _check_own_memory(params, only=None) -> None:
   """Refuses a managed weight that shares autograd's version counter with
   another of the optimizer's parameters: slices of one tensor made
   Parameters without a copy (e.g. a fused checkpoint split and loaded with
@@ -2364,7 +2372,10 @@ def _check_own_memory(params) -> None:
   buf[i:j]``) keep counters of their own and are fine. The counters are
   compared by bumping the managed weight's (only where a memory block is
   shared: a tensor that a live graph saved would then refuse its
-  backward, as after any in-place write)."""
+  backward, as after any in-place write). ``only``: the managed weights to
+  check (default: every one in ``params``); the others' counters are not
+  bumped (a weight registered during a forward, whose earlier layers'
+  graphs saved theirs)."""
   by_storage = collections.defaultdict(list)
   for q in params:
     key = _storage_of(q)
@@ -2374,7 +2385,8 @@ def _check_own_memory(params) -> None:
     if len(members) < 2:
       continue
     for p in members:
-      if not _linear.is_forge_weight(p):
+      if not _linear.is_forge_weight(p) or (
+          only is not None and not any(p is q for q in only)):
         continue
       others = [q for q in members if q is not p]
       versions = [q._version for q in others]

@@ -1514,6 +1514,93 @@ def test_a_weight_appended_to_a_groups_params_list_is_trained():
     lin(torch.randn(3, 7))
 
 
+def test_appended_weights_in_a_shared_block_moved_and_resumed():
+  """Appended weights beyond the plain case: parameters bound to slices of
+  one memory block (their counters their own: registering one during a
+  forward must not bump the others', which earlier layers' graphs saved);
+  a weight moved from one optimizer's list to another's, its layer the
+  first to run (trained by the second from that forward on, as torch's
+  two optimizers train it); an int8 state resumed into an optimizer whose
+  list the weight was appended to before the load (its codes loaded as
+  codes, the step then equal to the uninterrupted one)."""
+  def block(family, linear):
+    torch.manual_seed(0)
+    body, head = linear(7, 6, bias=False), linear(6, 5, bias=False)
+    buf = torch.randn(72)
+    with torch.no_grad():
+      body.weight.data = buf[:42].view(6, 7)
+      head.weight.data = buf[42:].view(5, 6)
+    head.weight.requires_grad_(False)
+    opt = family([body.weight], lr=0.01)
+    for i in range(4):
+      if i == 2:
+        head.weight.requires_grad_(True)
+        opt.param_groups[0]["params"].append(head.weight)
+      head(torch.tanh(body(torch.ones(3, 7) * i))).square().sum().backward()
+      opt.step()
+      opt.zero_grad()
+    return body, head
+
+  for pf, pr in zip(block(forge_torch.AdamW, forge_torch.Linear),
+                    block(torch.optim.AdamW, nn.Linear)):
+    assert rel(pf.weight, pr.weight) <= TOL
+
+  def moved(family, linear):
+    torch.manual_seed(0)
+    head, body = linear(7, 6, bias=False), linear(6, 5)
+    a = family([head.weight, *body.parameters()], lr=0.01)
+    b = family([nn.Parameter(torch.zeros(1))], lr=0.05)
+    for i in range(4):
+      if i == 2:
+        a.param_groups[0]["params"].remove(head.weight)
+        b.param_groups[0]["params"].append(head.weight)
+      body(torch.tanh(head(torch.ones(3, 7) * i))).square().sum().backward()
+      for o in (a, b):
+        o.step()
+        o.zero_grad()
+    return head, b
+
+  (hf, bf), (hr, br) = (moved(forge_torch.AdamW, forge_torch.Linear),
+                        moved(torch.optim.AdamW, nn.Linear))
+  assert rel(hf.weight, hr.weight) <= TOL
+  assert float(bf.state[hf.weight]["step"]) == 2.0
+
+  def make():
+    torch.manual_seed(0)
+    body, head = forge_torch.Linear(8, 64), forge_torch.Linear(64, 64,
+                                                               bias=False)
+    head.weight.requires_grad_(False)
+    return body, head, forge_torch.AdamW(body.parameters(), lr=0.01,
+                                         moments="int8")
+
+  def train(body, head, opt, i):
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+    head(torch.tanh(body(x))).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+  body, head, opt = make()
+  for i in range(3):
+    if i == 1:
+      head.weight.requires_grad_(True)
+      opt.param_groups[0]["params"].append(head.weight)
+    train(body, head, opt, i)
+  saved = (copy.deepcopy(body.state_dict()), copy.deepcopy(head.state_dict()),
+           copy.deepcopy(opt.state_dict()))
+  train(body, head, opt, 3)
+  body2, head2, opt2 = make()
+  body2.load_state_dict(saved[0])
+  head2.load_state_dict(saved[1])
+  head2.weight.requires_grad_(True)
+  opt2.param_groups[0]["params"].append(head2.weight)
+  opt2.load_state_dict(saved[2])
+  assert opt2.state[head2.weight]["exp_avg"].dtype == torch.int8
+  train(body2, head2, opt2, 3)
+  assert torch.equal(head2.weight, head.weight)
+  for k, v in opt.state[head.weight].items():
+    assert torch.equal(opt2.state[head2.weight][k], v), k
+
+
 def test_a_slot_refused_by_a_changed_option_is_refused_with_plans():
   """A bfloat16 weight with float32 momentum (allowed unfused) and then
   ``fused=True`` set on its group, which refuses that mix as torch's fused
