@@ -505,6 +505,25 @@ class _OriginalKeys:
     return tuple(out)
 
 
+def _state_mismatch(keys, want) -> str:
+  """Why an optimizer's state cannot be this model's: the keys of one of
+  its levels (``keys``) are not the transform's ``init`` ones (``want``)."""
+  missing = [k for k in want if k not in keys]
+  extra = [k for k in keys if k not in want]
+  said = []
+  if missing:
+    said.append(f"it has no entry for {missing[:4]}")
+  if extra:
+    said.append(f"it has entries the model's trained parameters lack, "
+                f"{extra[:4]}")
+  return (
+      "forge_jax.nnx.make_step: the optimizer's state is not laid out as "
+      f"the model's trained parameters: {'; '.join(said)}. Was the "
+      "nnx.Optimizer made for this model (nnx.Optimizer(model, tx, "
+      "wrt=...)) -- not for one of its submodules, nor for a model that "
+      "holds it?")
+
+
 def _conform(state, like):
   """``state`` (an optimizer state as ``nnx.Optimizer`` keeps it, whose
   lists may have come back from an update as int-keyed ``nnx.State``
@@ -515,6 +534,8 @@ def _conform(state, like):
   and tuples, so that the transform indexes them as it built them."""
   if isinstance(like, Mapping):
     by_str = {str(k): v for k, v in state.items()}
+    if by_str.keys() != like.keys():
+      raise ValueError(_state_mismatch(by_str, like))
     return {k: _conform(by_str[k], v) for k, v in like.items()}
   if isinstance(like, (list, tuple)):
     if isinstance(state, Mapping):  # by index, or a named tuple's fields

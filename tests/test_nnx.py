@@ -617,6 +617,32 @@ def test_an_unconverted_model_is_refused_naming_its_linear_layers():
     fnx.make_step(mse)(model, optimizer, *mlp_data(1)[0])
 
 
+class _Holder(nnx.Module):
+  def __init__(self, rngs):
+    self.backbone = fnx.convert(MLP(nnx.Linear, rngs))
+
+  def __call__(self, x):
+    return self.backbone(x)
+
+
+@pytest.mark.parametrize("made_for", ["submodule", "holder"])
+def test_an_optimizer_made_for_another_module_is_refused(made_for):
+  """The optimizer built for a submodule and the step run on the model
+  holding it, or the reverse: refused in plain words (was a bare
+  KeyError), before anything is updated."""
+  holder = _Holder(nnx.Rngs(0))
+  model, other = ((holder, holder.backbone) if made_for == "submodule"
+                  else (holder.backbone, holder))
+  optimizer = fnx.Optimizer(other, forge_jax.adamw(1e-3), wrt=nnx.Param)
+  x, y = mlp_data(1)[0]
+  missing = "'backbone'" if made_for == "submodule" else "'dead', 'layers'"
+  with pytest.raises(ValueError, match=(
+      rf"optimizer's state is not laid out as the model's trained "
+      rf"parameters: it has no entry for \[{missing}(.|\n)*made for this "
+      "model")):
+    fnx.make_step(mse)(model, optimizer, x, y)
+
+
 _NOT_IN_MODEL = (r"forge_jax.nnx.Linear\(37, 70\) was called inside a FORGE "
                  r"step but is not a layer of the model passed to the step")
 
