@@ -799,6 +799,7 @@ class _ForgeOptimizer:
     self._forge_groups_seen = list(self.param_groups)
     self._forge_members_seen = _members(self.param_groups)
     self._forge_members_checked = self._forge_generation
+    self._forge_refuse_held_elsewhere()
 
   def _forge_check_members(self) -> None:
     """Once per step (the step's first managed forward): reads the param
@@ -941,6 +942,31 @@ class _ForgeOptimizer:
         "one forge_torch optimizer over each managed weight (param groups "
         "give weights their own options), or build a second only to "
         "replace the first.")
+
+  def _forge_refuse_held_elsewhere(self) -> None:
+    """Refuses a managed weight appended to one of this optimizer's
+    ``"params"`` lists while another forge_torch optimizer owns it (holds
+    it in its own groups): its backward applies the owner's update, once,
+    where torch's two optimizers would each step it. (A weight this one
+    gave up to a newer optimizer is :meth:`_forge_refuse_taken`'s.)"""
+    taken = self.__dict__.get("_forge_taken") or ()
+    for index, group in enumerate(self.param_groups):
+      for q in group["params"]:
+        if (not _linear.is_forge_weight(q) or q in self._forge_managed
+            or q in taken):
+          continue
+        owner = _linear.owner_of(q)
+        if owner is None or owner is self:
+          continue
+        raise RuntimeError(
+            f"forge_torch.{type(self).__name__}: the managed "
+            f"{_linear.weight_name(q)} is in this optimizer's "
+            f"param_groups[{index}] (appended to its \"params\" list), but "
+            f"a forge_torch.{type(owner).__name__} holds it in its own "
+            "groups and owns it: its layer's backward applies that "
+            "optimizer's update, once per step, where torch's two "
+            "optimizers would each step it. Keep it in one optimizer's "
+            "groups (to move it, remove it from the other's list).")
 
   def add_param_group(self, param_group: dict[str, Any]) -> None:
     if "_forge_managed" not in self.__dict__:  # from torch's __init__
@@ -2029,6 +2055,10 @@ class _ForgeOptimizer:
     self._forge_flush_steps()
     if self.__dict__.get("_forge_taken"):
       self._forge_refuse_taken()
+    if self._forge_members_checked != self._forge_generation:
+      # No managed forward read the groups in this step (this optimizer's
+      # layers did not run): its lists, if edited, read and checked now.
+      self._forge_check_members()
     if self.max_grad_norm is not None and not _clip.in_update_pass(self):
       # The rest of this step (below) runs once, after the two passes,
       # without the step hooks running again.

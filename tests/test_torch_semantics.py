@@ -1513,6 +1513,25 @@ def test_a_weight_appended_to_a_groups_params_list_is_trained():
   with pytest.raises(RuntimeError, match="groups of 2 forge_torch optimizers"):
     lin(torch.randn(3, 7))
 
+  # Appended to a second optimizer's list while the first still holds it
+  # (torch's two optimizers would each step it): refused by the second,
+  # at its step() when none of its layers ran, else at their forward.
+  held = forge_torch.Linear(7, 5)
+  owner = forge_torch.AdamW(held.parameters(), lr=0.01)
+  other = forge_torch.AdamW([nn.Parameter(torch.zeros(2))], lr=0.01)
+  other.param_groups[0]["params"].append(held.weight)
+  held(torch.randn(3, 7)).square().sum().backward()
+  owner.step()
+  with pytest.raises(RuntimeError, match=(
+      r"in this optimizer's param_groups\[0\] \(appended(.|\n)*"
+      "forge_torch.AdamW holds it in its own groups")):
+    other.step()
+  mine = forge_torch.Linear(7, 5)
+  other = forge_torch.AdamW(mine.parameters(), lr=0.01)
+  other.param_groups[0]["params"].append(held.weight)
+  with pytest.raises(RuntimeError, match="holds it in its own groups"):
+    mine(torch.randn(3, 7))
+
 
 def test_appended_weights_in_a_shared_block_moved_and_resumed():
   """Appended weights beyond the plain case: parameters bound to slices of
