@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     try:
       text = _read(path)
       r = analyse(text)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # not an HLO dump; unreadable
       print(f"{path}: {e}", file=sys.stderr)
       rc = 1
       continue

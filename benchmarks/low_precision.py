@@ -192,6 +192,8 @@ def main(argv=None) -> int:
       h, v = (int(n) for n in args.shape.lower().split("x"))
     except ValueError:
       p.error(f"--shape {args.shape!r}: give H x V, e.g. 4096x1024")
+    if h < 1 or v < 1:
+      p.error(f"--shape {args.shape!r}: H and V must be >= 1")
     rows = []
     for seed in range(args.seeds):
       for lr in args.lrs:

@@ -299,6 +299,8 @@ def main(argv=None) -> int:
   if args.replot:
     if not args.plot:
       p.error("--replot needs --plot PNG")
+    if not os.path.exists(args.out):
+      p.error(f"--replot: no CSV at {args.out}")
     return plot(args.out, args.plot)
   try:
     import torch  # noqa: PLC0415

@@ -64,7 +64,7 @@ FIELDS = ["arm", "device", "torch_version", "jax_version", "layers", "dim",
           "jax_peak_bytes", "grad_pool_bytes", "peak_saved_bytes",
           "peak_saved_frac", "pool_saved_frac", "step_time_median_ms",
           "bridge_in_place", "bridge_copied", "timestamp", "sync",
-          "sync_effective", "views"]
+          "sync_effective", "views", "commit"]
 SYNC_MODES = ("host", "stream")
 
 
@@ -266,8 +266,9 @@ def main() -> int:
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     mib = lambda b: f"{b / 2**20:8.1f} MiB"
     print(f"BT={bt}: grad pool {mib(pool)}")
+    from benchmarks import common  # noqa: PLC0415 -- (imports JAX)
     for r in (t, *forge):
-      r["timestamp"] = stamp
+      r["timestamp"], r["commit"] = stamp, common.commit()
       rows.append(r)
       label = _label(r["arm"], r["sync"], r["views"])
       print(f"  {label:22s} peak {mib(r['peak_bytes'])}  after backward "

@@ -369,16 +369,18 @@ def write_plot(path: str, losses: dict[str, list[float]], title: str,
 # Main
 
 
-def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
+def add_training_args(p: argparse.ArgumentParser, out: str,
+                      reference: str = "optax's") -> None:
   """The flags this example and its torch twin share (``out``: the default
-  output folder)."""
+  output folder; ``reference``: the optimizer its steps are checked
+  against, as the help names it)."""
   p.add_argument("--steps", type=int, default=200, help="training steps")
   p.add_argument("--batch-size", type=int, default=128)
   p.add_argument("--hidden", type=int, default=128, help="MLP hidden width")
   p.add_argument("--dtype", choices=("float32", "bfloat16"),
                  default="float32", help="parameter (and optimizer state) "
-                 "dtype; in fp32 each step must match optax's to 1e-5 "
-                 "relative")
+                 f"dtype; in fp32 each step must match {reference} to "
+                 "1e-5 relative")
   p.add_argument("--lr", type=float, default=3e-3,
                  help="peak learning rate (warmup-cosine schedule)")
   p.add_argument("--weight-decay", type=float, default=1e-2,

@@ -120,7 +120,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "(convert + AdamW) and with torch.optim.AdamW, from the "
                    "same init on the same batches, and compare."),
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  add_training_args(p, os.path.join("out", "demo_torch"))
+  add_training_args(p, os.path.join("out", "demo_torch"),
+                    reference="torch.optim.AdamW's")
   p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                  help="auto: cuda when torch has it, else cpu")
   args = p.parse_args(argv)

@@ -171,6 +171,60 @@ def test_torch_memory_append_rows_fixes_header(tmp_path, existing):
   assert header == torch_memory.FIELDS
 
 
+def test_torch_memory_keeps_the_committed_csvs_commit_column(tmp_path):
+  """Rows appended to the committed CSV keep its header, the commit column
+  included (an older FIELDS without it rewrote the file without it)."""
+  pytest.importorskip("torch")
+  from benchmarks import torch_memory
+  committed = os.path.join(ROOT, "benchmarks", "results", "h200",
+                           "torch_memory.csv")
+  out = tmp_path / "t.csv"
+  out.write_text(open(committed).read())
+  before = _rows(out)
+  torch_memory.append_rows(str(out), [{"arm": "torch", "bt": 128,
+                                       "commit": "abc1234"}])
+  after = _rows(out)
+  assert "commit" in torch_memory.FIELDS
+  assert [r["commit"] for r in after] == [r["commit"] for r in before] + [
+      "abc1234"]
+
+
+@pytest.mark.parametrize("module", ["launch_overhead", "torch_call"])
+def test_replot_of_a_missing_csv_is_a_usage_error(tmp_path, module):
+  if module == "torch_call":
+    pytest.importorskip("torch")
+  r = _run([PY, "-m", f"benchmarks.{module}", "--replot", "--out",
+            str(tmp_path / "none.csv"), "--plot", str(tmp_path / "x.png")])
+  assert r.returncode == 2, r.stderr
+  assert "--replot: no CSV at" in r.stderr and "Traceback" not in r.stderr
+  assert not (tmp_path / "x.png").exists()
+
+
+def test_hlo_schedule_missing_file_is_a_clean_error(tmp_path):
+  r = _run([PY, "-m", "benchmarks.hlo_schedule", str(tmp_path / "no.hlo")])
+  assert r.returncode == 1
+  assert "No such file" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("shape", ["0x32", "64x0"])
+def test_low_precision_error_rejects_nonpositive_shapes(tmp_path, shape):
+  out = tmp_path / "e.csv"
+  r = _run([PY, "-m", "benchmarks.low_precision", "error", "--shape", shape,
+            "--out", str(out)])
+  assert r.returncode == 2 and "must be >= 1" in r.stderr, r.stderr
+  assert not out.exists()
+
+
+def test_help_states_each_default_once():
+  """llama8b's flags whose help states their default (resolved after
+  parsing) are not followed by argparse's "(default: None)"; the torch
+  example's --dtype names the reference it is checked against."""
+  r = _run([PY, "-m", "benchmarks.llama8b", "--help"])
+  assert r.returncode == 0 and "(default: None)" not in r.stdout, r.stdout
+  r = _run([PY, "-m", "examples.train_digits_torch", "--help"])
+  assert r.returncode == 0 and "optax" not in r.stdout, r.stdout
+
+
 # --- 10. suite.sh on a machine without a GPU ---------------------------------
 def test_suite_without_gpu_says_so_cleanly(tmp_path):
   p = subprocess.run(["bash", "benchmarks/suite.sh", str(tmp_path / "suite")],
