@@ -956,8 +956,9 @@ class _ForgeOptimizer:
             or q in taken):
           continue
         owner = _linear.owner_of(q)
-        if owner is None or owner is self:
-          continue
+        if owner is None or owner is self or not any(
+            r is q for g in owner.param_groups for r in g["params"]):
+          continue  # (moved here from the owner's lists: its forward's)
         raise RuntimeError(
             f"forge_torch.{type(self).__name__}: the managed "
             f"{_linear.weight_name(q)} is in this optimizer's "

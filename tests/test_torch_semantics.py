@@ -1564,25 +1564,34 @@ def test_appended_weights_in_a_shared_block_moved_and_resumed():
                     block(torch.optim.AdamW, nn.Linear)):
     assert rel(pf.weight, pr.weight) <= TOL
 
-  def moved(family, linear):
+  def moved(family, linear, first):
+    # ``first``: the moved layer runs first in the step, else after a
+    # layer of the optimizer it moves to (which reads its lists first).
     torch.manual_seed(0)
     head, body = linear(7, 6, bias=False), linear(6, 5)
-    a = family([head.weight, *body.parameters()], lr=0.01)
-    b = family([nn.Parameter(torch.zeros(1))], lr=0.05)
+    own = [] if first else list(body.parameters())
+    a = family([head.weight, *([] if own else body.parameters())], lr=0.01)
+    b = family([nn.Parameter(torch.zeros(1)), *own], lr=0.05)
     for i in range(4):
       if i == 2:
         a.param_groups[0]["params"].remove(head.weight)
         b.param_groups[0]["params"].append(head.weight)
-      body(torch.tanh(head(torch.ones(3, 7) * i))).square().sum().backward()
+      x = torch.ones(3, 7) * (i + 1)
+      if first:
+        loss = head(x).square().sum() + body(x[:, :6]).square().sum()
+      else:
+        loss = body(x[:, :6]).square().sum() + head(x).square().sum()
+      loss.backward()
       for o in (a, b):
         o.step()
         o.zero_grad()
     return head, b
 
-  (hf, bf), (hr, br) = (moved(forge_torch.AdamW, forge_torch.Linear),
-                        moved(torch.optim.AdamW, nn.Linear))
-  assert rel(hf.weight, hr.weight) <= TOL
-  assert float(bf.state[hf.weight]["step"]) == 2.0
+  for first in (True, False):
+    (hf, bf), (hr, br) = (moved(forge_torch.AdamW, forge_torch.Linear, first),
+                          moved(torch.optim.AdamW, nn.Linear, first))
+    assert rel(hf.weight, hr.weight) <= TOL, first
+    assert float(bf.state[hf.weight]["step"]) == 2.0
 
   def make():
     torch.manual_seed(0)
