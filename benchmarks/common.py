@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import glob
@@ -63,6 +64,16 @@ CSV_FIELDS = ["benchmark", "case", "provider", "shape", "dtypes", "metric",
 
 # argparse ``type=``: an int >= 1 (a clean usage error otherwise).
 positive_int = autotune.positive_int
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Each flag's default in its help, except where the help states it
+  itself (a default of ``None``, resolved after parsing)."""
+
+  def _get_help_string(self, action):
+    if action.default is None:
+      return action.help
+    return super()._get_help_string(action)
 
 
 def versions() -> str:

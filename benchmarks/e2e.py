@@ -853,7 +853,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def parse_args(argv):
   p = argparse.ArgumentParser(
       description=__doc__.splitlines()[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=common.DefaultsFormatter)
   p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
   p.add_argument("--bt", type=common.positive_int, nargs="+", default=[512, 2048],
                  help="tokens per step (multiples of --seq)")

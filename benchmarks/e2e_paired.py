@@ -435,7 +435,7 @@ def plot(results: list[dict], png_path: str) -> None:
 def parse_args(argv):
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=common.DefaultsFormatter)
   p.add_argument("--arms", nargs="+", default=list(e2e.ARMS),
                  choices=e2e.ARMS, help="must include optax and one FORGE arm")
   p.add_argument("--bt", type=common.positive_int, default=512,

@@ -40,6 +40,7 @@ import gzip
 import re
 import statistics
 import sys
+import zlib
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _SHAPE = re.compile(r"([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
@@ -328,7 +329,8 @@ def main(argv=None) -> int:
     try:
       text = _read(path)
       r = analyse(text)
-    except (ValueError, OSError) as e:  # not an HLO dump; unreadable
+    except (ValueError, OSError, EOFError, zlib.error) as e:
+      # not an HLO dump; unreadable; a truncated or corrupt .gz
       print(f"{path}: {e}", file=sys.stderr)
       rc = 1
       continue

@@ -426,19 +426,9 @@ def config_of(args) -> e2e.Config:
   return dataclasses.replace(base, layers=args.layers, seq=args.seq)
 
 
-class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
-  """Each flag's default in its help, except where the help states it
-  itself (a default of ``None``, resolved after parsing)."""
-
-  def _get_help_string(self, action):
-    if action.default is None:
-      return action.help
-    return super()._get_help_string(action)
-
-
 def parse_args(argv):
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0], formatter_class=_Defaults)
+      description=__doc__.split("\n\n")[0], formatter_class=common.DefaultsFormatter)
   p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
   p.add_argument("--tokens", type=common.positive_int, default=None,
                  help="tokens per step, a multiple of --seq (default 512; "

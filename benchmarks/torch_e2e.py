@@ -979,7 +979,7 @@ def parse_args(argv):
   d = e2e.Config()
   p = argparse.ArgumentParser(
       description=__doc__.splitlines()[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=common.DefaultsFormatter)
   p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
   p.add_argument("--bt", type=common.positive_int, nargs="+",
                  default=[512, 2048], help="tokens per step (batch x seq; "

@@ -3,6 +3,7 @@ usage error or a clear message with a non-zero exit, never a traceback, and
 nothing written that looks like a result."""
 
 import csv
+import gzip
 import os
 import subprocess
 import sys
@@ -200,10 +201,14 @@ def test_replot_of_a_missing_csv_is_a_usage_error(tmp_path, module):
   assert not (tmp_path / "x.png").exists()
 
 
-def test_hlo_schedule_missing_file_is_a_clean_error(tmp_path):
+def test_hlo_schedule_missing_or_truncated_file_is_a_clean_error(tmp_path):
   r = _run([PY, "-m", "benchmarks.hlo_schedule", str(tmp_path / "no.hlo")])
   assert r.returncode == 1
   assert "No such file" in r.stderr and "Traceback" not in r.stderr
+  cut = tmp_path / "cut.hlo.gz"
+  cut.write_bytes(gzip.compress(b"HloModule m\n" * 100)[:24])
+  r = _run([PY, "-m", "benchmarks.hlo_schedule", str(cut)])
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("shape", ["0x32", "64x0"])
@@ -219,8 +224,10 @@ def test_help_states_each_default_once():
   """llama8b's flags whose help states their default (resolved after
   parsing) are not followed by argparse's "(default: None)"; the torch
   example's --dtype names the reference it is checked against."""
-  r = _run([PY, "-m", "benchmarks.llama8b", "--help"])
-  assert r.returncode == 0 and "(default: None)" not in r.stdout, r.stdout
+  for module in ("llama8b", "e2e", "e2e_paired", "torch_e2e"):
+    r = _run([PY, "-m", f"benchmarks.{module}", "--help"])
+    assert r.returncode == 0 and "(default: None)" not in r.stdout, (
+        module, r.stdout)
   r = _run([PY, "-m", "examples.train_digits_torch", "--help"])
   assert r.returncode == 0 and "optax" not in r.stdout, r.stdout
 
