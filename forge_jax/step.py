@@ -786,7 +786,9 @@ def make_step(
     (or on another mesh than its), or if low-precision state
     (``moments=``, ``stochastic_rounding=``) meets ``mesh_layout``;
     ``TypeError`` if an injected transform's ``opt_state`` is not the state
-    its ``init`` made; ``ValueError`` if its scheduled or Python-float
+    its ``init`` made, or if ``opt_state``'s chain of optax states is not
+    the one ``tx.init`` makes (a clipped chain's state given to a step
+    built without the clipping); ``ValueError`` if its scheduled or Python-float
     hyperparameters would be cast, without ``hyperparam_dtype``, to a
     narrower dtype than in optax's own step (the parameters beside the
     FORGE kernels narrower than the whole tree).
