@@ -47,6 +47,9 @@ GROUPS = (
                 "_for_optax_and_absent_for_forge",
                 T + "test_bench_clis.py::test_plot_help_is_not_a_traceback",
                 T + "test_bench_clis.py::test_plot_missing_args_is_usage_error",
+                T + "test_bench_clis.py::test_help_states_each_default_once",
+                T + "test_bench_clis.py::test_hlo_schedule_missing_or_truncated"
+                "_file_is_a_clean_error",
                 T + "test_cli_errors.py::test_plot_into_missing_directory",
                 T + "test_cli_errors.py::test_plot_non_kernel_csv_is_clean_error"),
           keep=(T + "test_e2e_bench.py::test_forge_arm_runs_fused_kernels",
