@@ -48,6 +48,10 @@ GROUPS = (
                 T + "test_bench_clis.py::test_plot_help_is_not_a_traceback",
                 T + "test_bench_clis.py::test_plot_missing_args_is_usage_error",
                 T + "test_bench_clis.py::test_help_states_each_default_once",
+                T + "test_bench_clis.py::test_replot_of_a_missing_csv_is_a"
+                "_usage_error",
+                T + "test_bench_clis.py::test_low_precision_error_rejects"
+                "_nonpositive_shapes",
                 T + "test_bench_clis.py::test_hlo_schedule_missing_or_truncated"
                 "_file_is_a_clean_error",
                 T + "test_cli_errors.py::test_plot_into_missing_directory",
