@@ -488,14 +488,8 @@ def step_sharded(optimizer) -> None:
   that has a reduce-scattered gradient not yet applied (gradient
   accumulation: the step's micro-batches summed by FSDP in ``.grad``).
   A no-op for others and for layers with ``fused = False``."""
-  if not _SHARDED._values:  # (no sharded weight: the usual case)
-    return
-  for p in optimizer.managed_params:
-    ref = _SHARDED.get(p)
-    layer = ref() if ref is not None else None
-    if (layer is not None and layer.fused and p.grad is not None
-        and p not in optimizer._forge_updated):
-      step_shard(optimizer, p)
+  for p in list(_pending_shards(optimizer)):
+    step_shard(optimizer, p)
 
 
 def holds_sharded_grad(optimizer) -> bool:
@@ -504,15 +498,20 @@ def holds_sharded_grad(optimizer) -> bool:
   ``accumulate_steps > 1``): what :func:`step_sharded` would apply. (A
   layer run with ``fused = False`` keeps torch's ``.grad`` after
   ``step()``: not one.)"""
+  return next(_pending_shards(optimizer), None) is not None
+
+
+def _pending_shards(optimizer):
+  """The prepared sharded weights of ``optimizer`` whose layer is fused
+  and whose reduce-scattered gradient its update has not applied yet."""
   if not _SHARDED._values:  # (no sharded weight: the usual case)
-    return False
+    return
   for p in optimizer.managed_params:
     ref = _SHARDED.get(p)
     layer = ref() if ref is not None else None
     if (layer is not None and layer.fused and p.grad is not None
         and p not in optimizer._forge_updated):
-      return True
-  return False
+      yield p
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

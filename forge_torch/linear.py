@@ -181,6 +181,15 @@ def owner_of(p: torch.Tensor):
   return None
 
 
+def group_index(groups, p: torch.Tensor) -> int | None:
+  """The index of the first of ``groups`` whose ``"params"`` hold ``p``
+  (by identity), or ``None``."""
+  for index, group in enumerate(groups):
+    if any(q is p for q in group["params"]):
+      return index
+  return None
+
+
 class NotOwnedError(RuntimeError):
   """A managed layer's weight that its optimizer no longer holds in its
   param groups (the layer's forward then looks for another that does)."""
@@ -191,7 +200,7 @@ def _adopter(p: torch.Tensor, layer: str):
   owned by none, found in one of its param groups' ``"params"`` lists
   (appended there after the group was added), or ``None``."""
   holders = [o for o in list(_OPTIMIZERS)
-             if any(q is p for g in o.param_groups for q in g["params"])]
+             if group_index(o.param_groups, p) is not None]
   if len(holders) > 1:
     raise RuntimeError(
         f"forge_torch.Linear {layer}: its weight was appended to the param "

@@ -103,6 +103,7 @@ SCALE_SUFFIX = "_scale"
 _LIST_AT_MOST = 8
 # Identity keys and writes of _linear.WeakIdMap, on the per-call paths.
 _key = _linear._map_key
+_group_index = _linear.group_index
 
 
 class _InputDtypeError(TypeError, RuntimeError):
@@ -956,8 +957,8 @@ class _ForgeOptimizer:
             or q in taken):
           continue
         owner = _linear.owner_of(q)
-        if owner is None or owner is self or not any(
-            r is q for g in owner.param_groups for r in g["params"]):
+        if (owner is None or owner is self
+            or _group_index(owner.param_groups, q) is None):
           continue  # (moved here from the owner's lists: its forward's)
         raise RuntimeError(
             f"forge_torch.{type(self).__name__}: the managed "
@@ -1292,11 +1293,11 @@ class _ForgeOptimizer:
     in one of this optimizer's param groups."""
     if p in self._forge_managed:
       return True
-    for index, group in enumerate(self.param_groups):
-      if any(q is p for q in group["params"]):
-        self._forge_managed[p] = index
-        return True
-    return False
+    index = _group_index(self.param_groups, p)
+    if index is None:
+      return False
+    self._forge_managed[p] = index
+    return True
 
   def _forge_adopt(self, p: torch.Tensor) -> bool:
     """Whether managed weight ``p``, owned by no optimizer, is in one of
@@ -1304,11 +1305,10 @@ class _ForgeOptimizer:
     the group was added (torch reads the lists at every step, so its
     optimizers train such a parameter). Registered then, after the checks
     :meth:`add_param_group` makes (which raise, naming the weight)."""
-    for index, group in enumerate(self.param_groups):
-      if any(q is p for q in group["params"]):
-        break
-    else:
+    index = _group_index(self.param_groups, p)
+    if index is None:
       return False
+    group = self.param_groups[index]
     name = _linear.weight_name(p)
     _check_single_process([p])
     _bridge.check_dtype(p, f"forge_torch.Linear's {name}")
