@@ -234,6 +234,8 @@ def main() -> int:
     args.sync = [env if env in SYNC_MODES else "stream"]
   syncs = list(dict.fromkeys(args.sync))  # in order, once each
 
+  from benchmarks import common  # noqa: PLC0415 -- (imports JAX)
+  commit = common.commit()  # (the parent's: children write no rows)
   rows, failures = [], []
   views = list(dict.fromkeys(args.views))
   arms = [("torch", "", "")] + [("forge", m, v) for m in syncs for v in views]
@@ -266,9 +268,8 @@ def main() -> int:
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     mib = lambda b: f"{b / 2**20:8.1f} MiB"
     print(f"BT={bt}: grad pool {mib(pool)}")
-    from benchmarks import common  # noqa: PLC0415 -- (imports JAX)
     for r in (t, *forge):
-      r["timestamp"], r["commit"] = stamp, common.commit()
+      r["timestamp"], r["commit"] = stamp, commit
       rows.append(r)
       label = _label(r["arm"], r["sync"], r["views"])
       print(f"  {label:22s} peak {mib(r['peak_bytes'])}  after backward "
