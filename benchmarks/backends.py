@@ -572,8 +572,9 @@ def main(argv=None):
       p.error(f"--moments mu-bf16: rule(s) {', '.join(no_mu)} have no "
               "slot mu; it is AdamW's")
   if jax.default_backend() != "gpu":
-    print("benchmarks.backends needs a GPU; nothing measured.")
-    return 0
+    print("benchmarks.backends needs a GPU; nothing measured.",
+          file=sys.stderr)
+    return 1
   if args.once:
     return _run_once(args, mosaic_cfgs, shapes)
   res = common.Results(args.out, "backends")

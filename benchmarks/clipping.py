@@ -246,8 +246,9 @@ def main(argv=None):
     args.width, args.layers, args.tokens = 48, 2, 24
     args.inner, args.outer = 2, 1
   elif jax.default_backend() != "gpu":
-    print("benchmarks/clipping.py needs a GPU (or --smoke); nothing measured.")
-    return 0
+    print("benchmarks/clipping.py needs a GPU (or --smoke); nothing "
+          "measured.", file=sys.stderr)
+    return 1
   res = common.Results(args.out, "clipping")
   bt, width = args.tokens, args.width
   x = jax.random.normal(jax.random.key(2), (bt, width), jnp.bfloat16)

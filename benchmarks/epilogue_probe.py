@@ -217,8 +217,9 @@ def main(argv=None):
     except ValueError as e:
       p.error(f"--config: {e}")
   if jax.default_backend() != "gpu":
-    print("benchmarks/epilogue_probe.py needs a GPU; nothing measured.")
-    return 0
+    print("benchmarks/epilogue_probe.py needs a GPU; nothing measured.",
+          file=sys.stderr)
+    return 1
   os.makedirs(args.out, exist_ok=True)
   res = common.Results(os.path.join(args.out, "probe.csv"), "epilogue_probe")
   print(f"device {res.device}; {res.versions}")

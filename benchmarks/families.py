@@ -33,8 +33,9 @@ def main(argv=None):
                  choices=list(common.LLAMA8B_SHAPES))
   args = p.parse_args(argv)
   if jax.default_backend() != "gpu":
-    print("benchmarks/families.py needs a GPU; nothing measured.")
-    return 0
+    print("benchmarks/families.py needs a GPU; nothing measured.",
+          file=sys.stderr)
+    return 1
   n_in, n_out = common.LLAMA8B_SHAPES[args.shape]
   bt = args.tokens
   res = common.Results(args.out, "families")

@@ -158,6 +158,23 @@ def test_kernel_without_gpu_exits_nonzero(tmp_path):
   assert _code(kernel.main, ["--out", str(tmp_path / "k.csv")]) not in (0, None)
 
 
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
+@pytest.mark.parametrize("name,args", [
+    ("families", []), ("clipping", []), ("epilogue_probe", []),
+    ("backends", ["--tokens", "64"])])
+def test_gpu_benchmarks_without_gpu_exit_nonzero(tmp_path, capsys, name,
+                                                 args):
+  """Every benchmark that needs a GPU says so on stderr and exits 1 without
+  one, as kernel.py does (a script, suite.sh among them, must not take
+  "nothing measured" for a run), and writes no CSV."""
+  import importlib
+  mod = importlib.import_module(f"benchmarks.{name}")
+  out = tmp_path / "o"
+  assert _code(mod.main, args + ["--out", str(out)]) == 1
+  assert "needs a GPU" in capsys.readouterr().err
+  assert not out.exists()
+
+
 def test_kernel_configs_beyond_curated_list_is_refused(tmp_path):
   """--configs beyond the curated tilings is refused (it was clamped)."""
   from benchmarks import kernel

@@ -404,10 +404,10 @@ def test_backends_benchmark_arguments(capsys):
     backends.main(["--mosaic", "64x128/2"])
   assert "expected MxNxK/STEPS" in capsys.readouterr().err
   if jax.default_backend() != "gpu":
-    assert backends.main(["--tokens", "512"]) == 0
-    assert "needs a GPU" in capsys.readouterr().out
-    assert backends.main(["--once", "--tokens", "512"]) == 0
-    assert "needs a GPU" in capsys.readouterr().out
+    assert backends.main(["--tokens", "512"]) == 1
+    assert "needs a GPU" in capsys.readouterr().err
+    assert backends.main(["--once", "--tokens", "512"]) == 1
+    assert "needs a GPU" in capsys.readouterr().err
 
 
 def test_backends_benchmark_mu_bf16_moments(capsys):
