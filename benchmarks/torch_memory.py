@@ -216,12 +216,13 @@ def main() -> int:
   try:
     import torch
   except ImportError:
-    print("torch_memory: torch is not installed; nothing to measure.")
-    return 0
+    print("torch_memory: torch is not installed; nothing measured.",
+          file=sys.stderr)
+    return 1
   if not torch.cuda.is_available():
     print("torch_memory: no CUDA device (torch.cuda.is_available() is False); "
-          "this benchmark needs the GPU. Nothing measured.")
-    return 0
+          "this benchmark needs a GPU. Nothing measured.", file=sys.stderr)
+    return 1
 
   if args.child:
     arm, bt = args.child[0], int(args.child[1])

@@ -175,6 +175,20 @@ def test_gpu_benchmarks_without_gpu_exit_nonzero(tmp_path, capsys, name,
   assert not out.exists()
 
 
+def test_torch_memory_without_cuda_exits_nonzero(tmp_path, capsys,
+                                                 monkeypatch):
+  """torch_memory, likewise, without CUDA (its children never start)."""
+  torch = pytest.importorskip("torch")
+  if torch.cuda.is_available():
+    pytest.skip("checks the no-GPU path")
+  from benchmarks import torch_memory
+  out = tmp_path / "t.csv"
+  monkeypatch.setattr(sys, "argv", ["torch_memory.py", "--out", str(out)])
+  assert _code(lambda argv: torch_memory.main(), None) == 1
+  assert "Nothing measured" in capsys.readouterr().err
+  assert not out.exists()
+
+
 def test_kernel_configs_beyond_curated_list_is_refused(tmp_path):
   """--configs beyond the curated tilings is refused (it was clamped)."""
   from benchmarks import kernel
