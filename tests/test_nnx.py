@@ -905,3 +905,30 @@ def test_stochastic_rounding_seeds_list_items_as_the_optimizer_does():
     np.testing.assert_array_equal(a, b)
   assert np.abs(np.asarray(ref.layers[0].kernel[...], np.float32)
                 - start).max() > 0
+
+
+def _message_texts() -> list[str]:
+  """Every string literal in forge_jax's modules other than nnx.py (implicit
+  concatenations joined; an f-string's literal parts each)."""
+  import ast
+  import pathlib
+  texts = []
+  for path in pathlib.Path(forge_jax.__file__).parent.glob("*.py"):
+    if path.name == "nnx.py":
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        texts.append(node.value)
+  return texts
+
+
+def test_the_phrases_nnx_rewords_are_in_make_steps_messages():
+  """forge_jax.nnx words make_step's refusals in NNX terms by replacing
+  phrases of them: each phrase must still be in a message make_step can
+  raise, or a rewording of that message would leave it in linen terms
+  unnoticed."""
+  texts = _message_texts()
+  phrases = [old for old, _ in fnx._RENAMES] + [fnx._NO_LAYER_CALLED,
+                                                "make_step needs"]
+  missing = [p for p in phrases if not any(p in t for t in texts)]
+  assert not missing, missing
