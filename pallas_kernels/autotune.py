@@ -39,6 +39,7 @@ Command line::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import datetime as _dt
@@ -48,8 +49,14 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable, Iterable, Mapping, Sequence
+
+try:
+  import fcntl
+except ImportError:  # (not POSIX: writes of the cache are not serialised)
+  fcntl = None
 
 import jax
 import jax.numpy as jnp
@@ -478,13 +485,55 @@ def merge_file(data: dict, path: str) -> int:
 
 
 def write(path: str, data: dict) -> None:
+  """Writes ``data`` to ``path`` whole or not at all: through a temporary
+  file of this call's own in the same folder, then renamed over ``path``
+  (a reader never sees half a file; two writers never share a
+  temporary)."""
   validated(data, path)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(data, f, indent=1)
-    f.write("\n")
-  os.replace(tmp, path)
+  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".",
+                             suffix=".tmp",
+                             dir=os.path.dirname(os.path.abspath(path)))
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(data, f, indent=1)
+      f.write("\n")
+    # (mkstemp makes it 0600: the mode of the file it replaces, or 0644)
+    os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path)
+             else 0o644)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
   clear_cache()
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+  """Holds an exclusive lock on ``path + ".lock"`` (where the platform has
+  ``fcntl``), so that one read-merge-write of the cache file at ``path``
+  at a time runs: two autotune runs sharing an ``--out`` keep both their
+  entries."""
+  if fcntl is None:
+    yield
+    return
+  with open(path + ".lock", "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def update_file(path: str, add) -> dict:
+  """Reads the cache at ``path`` (empty where there is none), calls
+  ``add(data)`` to put entries in, and writes it back, under
+  :func:`_locked`: what another process wrote there meanwhile is kept."""
+  with _locked(path):
+    data = _read_or_empty(path)
+    add(data)
+    write(path, data)
+  return data
 
 
 def _entry(cfg: BlockConfig | MosaicConfig, time_us: float,
@@ -1004,24 +1053,34 @@ def main(argv=None) -> int:
   out_dir = os.path.dirname(os.path.abspath(args.out))
   if not os.path.isdir(out_dir):
     p.error(f"--out {args.out}: folder {out_dir} does not exist")
+  if os.path.isdir(args.out):
+    p.error(f"--out {args.out} is a folder; give a JSON file's path")
+  if not os.access(out_dir, os.W_OK):
+    p.error(f"--out {args.out}: folder {out_dir} is not writable")
 
-  try:
-    data = _read_or_empty(args.out)
+  try:  # refused before anything is measured (read again at each write)
+    _read_or_empty(args.out)
   except (OSError, ValueError) as e:
     p.error(f"--out: {e}")
   if args.from_csv or args.merge:
-    for path in args.from_csv or ():
-      try:
-        print(f"{path}: {_import_csv(data, path, args)}")
-      except (OSError, ValueError) as e:
-        p.error(f"--from-csv {path}: {e}")
-    for path in args.merge or ():
-      try:
-        n = merge_file(data, path)
-      except (OSError, ValueError) as e:
-        p.error(str(e))
-      print(f"{path}: {n} entries merged")
-    write(args.out, data)
+    def add(data):
+      for path in args.from_csv or ():
+        try:
+          print(f"{path}: {_import_csv(data, path, args)}")
+        except (OSError, ValueError) as e:
+          p.error(f"--from-csv {path}: {e}")
+      for path in args.merge or ():
+        try:
+          n = merge_file(data, path)
+        except (OSError, ValueError) as e:
+          p.error(str(e))
+        print(f"{path}: {n} entries merged")
+    try:
+      update_file(args.out, add)
+    except (OSError, ValueError) as e:
+      print(f"error: could not write --out {args.out}: {e}",
+            file=sys.stderr)
+      return 2
     print(f"wrote {args.out}")
     return 0
 
@@ -1095,10 +1154,17 @@ def main(argv=None) -> int:
           print(f"  best mosaic_gpu {mres.best.label}: "
                 f"{mres.best_s * 1e6:.1f} us (triton "
                 f"{res.best_s * 1e6:.1f} us)", flush=True)
-      merge(data, kind, sid, source, entries)
-      if mosaic_entries:
-        merge(data, kind, sid, source, mosaic_entries, MOSAIC_GPU)
-      write(args.out, data)  # after every case: a long run keeps its results
+      def add(data):
+        merge(data, kind, sid, source, entries)
+        if mosaic_entries:
+          merge(data, kind, sid, source, mosaic_entries, MOSAIC_GPU)
+      try:  # after every case: a long run keeps its results (read again
+        # first: another run's entries written meanwhile are kept)
+        update_file(args.out, add)
+      except (OSError, ValueError) as e:
+        print(f"error: could not write --out {args.out}: {e}; stopped "
+              "after this case", file=sys.stderr)
+        return 2
   print(f"wrote {len(entries)} Triton and {len(mosaic_entries)} Mosaic GPU "
         f"entries for {kind!r} to {args.out}")
   return 0

@@ -155,9 +155,12 @@ def read_json(path: str):
   with open(path) as f:
     try:
       return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise ValueError(f"{describe(path)}: not a valid JSON file ({e}); "
-                       "not a forge autotune cache") from None
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError and
+      # UnicodeDecodeError are ValueErrors, as is an integer too long to
+      # read; nesting too deep for the parser is a RecursionError)
+      raise ValueError(f"{describe(path)}: not a valid JSON file "
+                       f"({type(e).__name__}: {str(e)[:200]}); not a forge "
+                       "autotune cache") from None
 
 
 def load(path: str) -> dict:
@@ -198,9 +201,10 @@ def _time(entry: dict, name: str) -> float | None:
   v = entry.get(name)
   if v is None:
     return None
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-    raise ValueError(f"{name} must be a positive number of microseconds, "
-                     f"got {v!r}")
+  if (isinstance(v, bool) or not isinstance(v, (int, float))
+      or not 0 < v < math.inf):
+    raise ValueError(f"{name} must be a positive, finite number of "
+                     f"microseconds, got {v!r}")
   return float(v)
 
 
@@ -212,7 +216,8 @@ def validated(data: dict, where: str) -> dict:
   Raises:
     ValueError: naming ``where``, when ``data`` is not a valid cache.
   """
-  if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
+  if (not isinstance(data, dict) or isinstance(data.get("format"), bool)
+      or data.get("format") != FORMAT_VERSION):
     raise ValueError(f"{where}: not a format-{FORMAT_VERSION} forge autotune "
                      "cache (a JSON object with \"format\": 1)")
   devices = data.get("devices", {})

@@ -1264,15 +1264,83 @@ def test_bad_backends_csvs_fail_clearly(tmp_path):
 def test_bad_mosaic_cache_entries_fail_clearly(tmp_path):
   path = tmp_path / "bad.json"
   for entry, match in (({"config": {"tile_m": 96}}, "tile_m=96"),
-                       ({"config": {}, "time_us": -1}, "positive number"),
+                       ({"config": {}, "time_us": -1}, "positive, finite"),
                        ({"config": {}, "triton_time_us": "fast"},
-                        "positive number")):
+                        "positive, finite"),
+                       # (json writes and reads inf as Infinity: every
+                       # lookup would take the Mosaic GPU tiling as faster)
+                       ({"config": {}, "triton_time_us": float("inf")},
+                        "positive, finite")):
     data = autotune._empty_cache()
     data["devices"]["X"] = {"entries": {}, "mosaic_gpu": {_KEY: entry}}
     path.write_text(json.dumps(data))
     tuning_cache.clear_cache()
     with pytest.raises(ValueError, match=f"bad mosaic_gpu entry.*{match}"):
       tuning_cache.load(str(path))
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[" * 100_000 + "]" * 100_000, "RecursionError"),
+    ('{"format": ' + "9" * 5000 + "}", "ValueError"),
+    ('{"format": true, "devices": {}}', "not a format-1"),
+])
+def test_a_foreign_cache_file_is_refused_naming_it(tmp_path, text, match):
+  """JSON the parser gives up on (nesting too deep, an integer too long) and
+  a "format" of true (equal to 1 in Python) are refused as not a cache,
+  naming the file, like any other foreign file."""
+  path = tmp_path / "foreign.json"
+  path.write_text(text)
+  tuning_cache.clear_cache()
+  with pytest.raises(ValueError, match=match) as e:
+    tuning_cache.load(str(path))
+  assert "foreign.json" in str(e.value)
+
+
+def test_two_writers_of_one_cache_keep_a_whole_file_and_both_entries(
+    tmp_path):
+  """Two autotune runs sharing an --out: each write reads the file again
+  under a lock and replaces it through its own temporary, so a reader
+  never meets half a file and neither run's entries are lost."""
+  import threading
+  path = str(tmp_path / "shared.json")
+  entry = json.loads(json.dumps(autotune._entry(
+      pk.BlockConfig.compiled_default(64, 64, 64, "bfloat16"), 1.0, {}, 64)))
+  errors, seen = [], []
+
+  def writer(n):
+    try:
+      for i in range(40):
+        autotune.update_file(path, lambda d: autotune.merge(
+            d, "X", f"run{n}", {"kind": "test"},
+            {tuning_cache.cache_key("adamw", 512, 1000 * n + i + 1, 64,
+                                    jnp.bfloat16, BF16): entry}))
+    except Exception as e:  # noqa: BLE001 -- collected, asserted below
+      errors.append(e)
+
+  def reader(stop):
+    while not stop.is_set():
+      if os.path.exists(path):
+        try:
+          with open(path) as f:
+            json.load(f)
+          seen.append(True)
+        except ValueError as e:
+          errors.append(e)
+
+  stop = threading.Event()
+  readers = [threading.Thread(target=reader, args=(stop,))]
+  writers = [threading.Thread(target=writer, args=(n,)) for n in range(2)]
+  for t in readers + writers:
+    t.start()
+  for t in writers:
+    t.join()
+  stop.set()
+  readers[0].join()
+  assert not errors, errors[:3]
+  tuning_cache.clear_cache()
+  data = tuning_cache.load(path)["data"]
+  assert len(data["devices"]["X"]["entries"]) == 80
+  assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
 def test_tune_mosaic_runs_the_mosaic_kernel_and_picks_the_fastest():

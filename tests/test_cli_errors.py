@@ -96,6 +96,28 @@ def test_autotune_out_in_missing_directory_is_usage_error(tmp_path,
                ["--from-csv", kernel_csv, "--out", str(out)]) == 2
 
 
+def test_autotune_out_that_cannot_be_written_is_a_plain_error(
+    tmp_path, kernel_csv, capsys, monkeypatch):
+  """--out naming a folder is a usage error; a write that fails (a full
+  disk, a folder the user cannot write) says so in one line, not a
+  traceback from write()."""
+  from pallas_kernels import autotune
+  assert _code(autotune.main, ["--from-csv", kernel_csv,
+                               "--out", str(tmp_path)]) == 2
+  assert "is a folder" in capsys.readouterr().err
+
+  def full(*a, **k):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(autotune.tempfile, "mkstemp", full)
+  out = tmp_path / "a.json"
+  assert _code(autotune.main, ["--from-csv", kernel_csv,
+                               "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert "could not write --out" in err and "No space left" in err
+  assert "Traceback" not in err and not out.exists()
+
+
 def test_autotune_from_csv_refuses_measurement_only_flags(tmp_path,
                                                           kernel_csv):
   """--rule lion (and --shapes/--tokens/--w-dtype/--slot-dtype) with
