@@ -147,6 +147,13 @@ class UpdateRule:
           f"rule {self.name!r}: the names {repeated} are used more than once "
           f"among its slots {self.slots}, hyperparameters {self.hparams} and "
           f"outputs {self.outputs}; each must be distinct")
+    reserved = sorted({STORED, ROUND_BY_CONVERT}.intersection(
+        self.hparams + tuple(n for n, _ in self.static)))
+    if reserved:
+      raise ValueError(
+          f"rule {self.name!r}: {reserved} are reserved: unpack() puts the "
+          "slots' storage dtypes and the rounding mode under those names in "
+          "the mapping the update reads; name the hyperparameter otherwise")
     unknown = [n for n in self.second_moments if n not in self.slots]
     if unknown:
       raise ValueError(f"rule {self.name!r}: second_moments {unknown} are "
@@ -187,6 +194,10 @@ class UpdateRule:
     if unknown:
       raise ValueError(f"rule {self.name!r} has no static settings {unknown}"
                        f" (it has {tuple(known)})")
+    for n, v in values.items():
+      if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise TypeError(f"rule {self.name!r}: static setting {n!r} must be "
+                        f"a Python number, got {v!r}")
     known.update({n: float(v) for n, v in values.items()})
     return dataclasses.replace(self, static=tuple(known.items()))
 
@@ -211,9 +222,16 @@ class UpdateRule:
           f"rule {self.name!r}: {differ} are static settings, fixed when the "
           f"kernel is built ({fixed}), not packed hyperparameters: use "
           "rule.with_static(...)")
-    for name, source in self.defaults:
-      if name not in values and source in values:
+    # A default may take its value from another default (a <- b <- lr):
+    # applied until none is left to fill.
+    pending = [d for d in self.defaults if d[0] not in values]
+    while pending:
+      ready = [(n, src) for n, src in pending if src in values]
+      if not ready:
+        break
+      for name, source in ready:
         values[name] = values[source]
+      pending = [d for d in pending if d[0] not in values]
     missing = [n for n in self.hparams if n not in values]
     extra = [n for n in values if n not in self.hparams]
     if missing or extra:
@@ -222,7 +240,20 @@ class UpdateRule:
           f"missing {missing}, unexpected {extra}")
     scalars = []
     for n in self.hparams:
-      a = jnp.asarray(values[n], jnp.float32)
+      v = values[n]
+      if isinstance(v, (str, bytes)) or v is None:
+        raise TypeError(
+            f"rule {self.name!r}: hyperparameter {n!r} must be a number or "
+            f"a one-element array, got {v!r:.80}")
+      try:
+        if jnp.iscomplexobj(v):  # (a NumPy array would drop its imaginary
+          # part with a warning)
+          raise TypeError("complex")
+        a = jnp.asarray(v, jnp.float32)
+      except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"rule {self.name!r}: hyperparameter {n!r} must be a real number "
+            f"or a one-element array, got {v!r:.80} ({e})") from None
       if a.size != 1:
         raise ValueError(
             f"rule {self.name!r}: hyperparameter {n!r} must be a scalar "

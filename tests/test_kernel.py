@@ -556,6 +556,39 @@ def test_pack_names_missing_and_unexpected_hyperparameters():
                   eps_root=1, weight_decay=1, bc1=1, bc2=1, beta=2)
 
 
+@pytest.mark.parametrize("bad", [None, "1e-8", 1j, np.array([1j]),
+                                 object()])
+def test_pack_refuses_a_value_that_is_not_a_real_number_naming_it(bad):
+  """A string, None, a complex or an object for a hyperparameter: refused
+  naming the rule and the hyperparameter (a string was packed as its
+  number; the rest failed inside JAX without either name)."""
+  base = {n: 0.5 for n in pk.ADAMW.hparams}
+  with pytest.raises(TypeError, match="rule 'adamw': hyperparameter 'eps'"):
+    pk.ADAMW.pack(**dict(base, eps=bad))
+  with pytest.raises(TypeError, match="static setting 'round_mu'"):
+    pk.ADAMW.with_static(round_mu="yes")
+
+
+def test_pack_fills_defaults_taken_from_other_defaults():
+  """``defaults`` (a <- b <- lr): a left-out name takes its source's value
+  also where the source is itself a default, whatever their order."""
+  rule = pk.UpdateRule(name="chained", slots=(), hparams=("lr", "a", "b"),
+                       update=lambda g, w, slots, h: (w - h["lr"] * g,),
+                       defaults=(("a", "b"), ("b", "lr")))
+  assert rule.pack(lr=3.0)[:3].tolist() == [3.0, 3.0, 3.0]
+  assert rule.pack(lr=3.0, b=2.0)[:3].tolist() == [3.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("name", ["__stored__", "__round_by_convert__"])
+def test_a_rule_may_not_name_a_hyperparameter_as_unpacks_own_keys(name):
+  """unpack() puts the slots' dtypes and the rounding mode under reserved
+  names, over a hyperparameter of that name (a rule reading it got False:
+  no update at all)."""
+  with pytest.raises(ValueError, match="reserved"):
+    pk.UpdateRule(name="bad", slots=(), hparams=("lr", name),
+                  update=lambda g, w, slots, h: (w - h["lr"] * g,))
+
+
 @pytest.mark.parametrize("dtypes", DTYPES[:2], ids=["f32", "bf16"])
 def test_lowers_for_cuda_without_a_gpu(dtypes):
   """Deviceless AOT lowering catches Triton lowering errors on the CPU."""
