@@ -30,12 +30,13 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import lowp, mosaic_kernel
 from pallas_kernels.checks import check_rule
 from pallas_kernels.interpret import check_interpret, default_interpret
 from pallas_kernels.mosaic_kernel import MosaicConfig
-from pallas_kernels.rules import tuned_names
+from pallas_kernels.rules import UpdateRule, tuned_names
 from pallas_kernels.tiling import BlockConfig, next_pow2
 
 SHIPPED_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -425,6 +426,36 @@ def compute_capability() -> tuple[int, int] | None:
   return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def _check_case(where: str, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
+                x_dtype=None) -> None:
+  """Refuses a case no kernel call could have, naming the argument, before
+  an answer is formed from it (in interpret mode nothing else reads the
+  dtypes): sizes that are not non-negative integers, names that are not
+  dtypes, a rule that is neither ``None``, a name nor an
+  :class:`~pallas_kernels.rules.UpdateRule`."""
+  for name, v in (("bt", bt), ("n_in", n_in), ("n_out", n_out)):
+    if (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+        or v < 0):
+      raise ValueError(f"{where}: {name}={v!r} must be a non-negative "
+                       "integer")
+  if rule is not None and not isinstance(rule, (str, UpdateRule)):
+    raise TypeError(f"{where}: rule={rule!r:.80} must be an UpdateRule, its "
+                    "name or None")
+  if isinstance(slot_dtypes, (str, bytes)):
+    raise TypeError(f"{where}: slot_dtypes={slot_dtypes!r} must be a "
+                    "sequence of dtypes, one per slot")
+  named = [("w_dtype", w_dtype)] + [(f"slot_dtypes[{i}]", d)
+                                    for i, d in enumerate(slot_dtypes)]
+  if x_dtype is not None:
+    named.append(("x_dtype", x_dtype))
+  for name, d in named:
+    try:
+      dtype_name(d)
+    except TypeError as e:
+      raise TypeError(f"{where}: {name}={d!r:.80} is not a dtype ({e})"
+                      ) from None
+
+
 def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
                   rule=None, *, interpret: bool | None = None) -> BlockConfig:
   """The tiling ``fused_wgrad_update`` uses when given no ``config``.
@@ -446,6 +477,7 @@ def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
   Returns:
     A :class:`BlockConfig` fitted to the problem.
   """
+  _check_case("select_config", bt, n_in, n_out, w_dtype, slot_dtypes, rule)
   interpret = check_interpret(interpret, "select_config")
   if interpret is None:
     interpret = default_interpret()
@@ -592,6 +624,7 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
     ValueError: ``backend`` or ``$FORGE_BACKEND`` names no backend.
     TypeError: ``config`` is not a tiling of the chosen backend.
   """
+  _check_case(where, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype)
   interpret = check_interpret(interpret, where)
   if interpret is None:
     interpret = default_interpret()

@@ -338,6 +338,28 @@ def test_select_config_is_the_heuristic_in_interpret_mode(monkeypatch):
                               512, 4096, 4097, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("fn", ["select_config", "select_backend"])
+@pytest.mark.parametrize("args,error,match", [
+    ((-5, 64, 64, "bfloat16", BF16, None), ValueError, "bt=-5"),
+    ((8, 4.5, 64, "bfloat16", BF16, None), ValueError, "n_in=4.5"),
+    ((8, 64, 64, "floatx", BF16, None), TypeError, "w_dtype='floatx'"),
+    ((8, 64, 64, "bfloat16", ("nope", "bfloat16"), None), TypeError,
+     r"slot_dtypes\[0\]='nope'"),
+    ((8, 64, 64, "bfloat16", BF16, 42), TypeError, "rule=42"),
+])
+def test_a_case_no_call_could_have_is_refused_in_interpret_mode(
+    fn, args, error, match):
+  """select_config / select_backend on a case with a negative or fractional
+  size, a name that is no dtype or a rule that is none: refused naming the
+  argument in interpret mode too (there an answer was formed from it; on a
+  GPU the dtype failed inside jnp.dtype)."""
+  extra = ("bfloat16",) if fn == "select_backend" else ()
+  rule_args = args if args[5] is not None or fn == "select_config" else (
+      args[:5] + (pk.ADAMW,))
+  with pytest.raises(error, match=match):
+    getattr(tuning_cache, fn)(*rule_args, *extra, interpret=True)
+
+
 def test_fused_wgrad_update_without_config_uses_select_config(monkeypatch):
   seen = []
   real = tuning_cache.lookup
