@@ -368,6 +368,10 @@ class _Converter:
     why = self._not_the_steps(module, path, tap)
     if why is not None:
       return why
+    if tap is not None and self.on_mesh:
+      return ("it runs inside forge_jax.ScannedBlocks, whose stacked "
+              "kernels FORGE does not step on a device mesh (mesh_layout) "
+              "yet")
     steps = (_kernel_at(self.apply.params, path) if tap is None
              and self.apply is not None and self.apply.params is not None
              else None)

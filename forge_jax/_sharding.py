@@ -58,13 +58,22 @@ from forge_jax import _state
 Axes = tuple[str, ...]
 
 
-def _axes(entry) -> Axes:
-  """A PartitionSpec entry as a tuple of mesh axis names."""
+def _axes(entry, what: str = "a PartitionSpec entry") -> Axes:
+  """A PartitionSpec entry as a tuple of mesh axis names; ``TypeError``
+  naming ``what`` for anything else (``P.UNCONSTRAINED``, a number, an
+  unordered set)."""
   if entry is None:
     return ()
   if isinstance(entry, str):
     return (entry,)
-  return tuple(entry)
+  if isinstance(entry, (tuple, list)) and all(isinstance(a, str)
+                                              for a in entry):
+    return tuple(entry)
+  raise TypeError(
+      f"{what}: {entry!r} is not a mesh axis name, a tuple of names or None"
+      + (" (PartitionSpec.UNCONSTRAINED leaves the sharding to XLA; a FORGE "
+         "kernel's update runs per shard of a sharding stated in full)"
+         if entry is P.UNCONSTRAINED else ""))
 
 
 def _check_known_axes(spec: P, mesh, what: str) -> None:
@@ -144,7 +153,7 @@ class MeshLayout:
           "XLA partitions (Auto); build the mesh with "
           "jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * n) or "
           "jax.sharding.Mesh(devices, names)")
-    data = _axes(self.data_axes)
+    data = _axes(self.data_axes, "MeshLayout: data_axes")
     object.__setattr__(self, "data_axes", data)
     unknown = [a for a in data if a not in self.mesh.axis_names]
     if unknown or len(set(data)) != len(data):
@@ -446,7 +455,12 @@ class KernelPlan:
       raise ValueError(
           f"forge_jax.Dense at {self.name!r}: its input's leading (batch) "
           f"dimension {x.shape[0]} is not divisible by the {n} devices of "
-          f"the data axes {self.data}; make the batch a multiple of {n}")
+          f"the data axes {self.data}. On a mesh a FORGE layer's input is "
+          "split over the data axes by its leading dimension: make the "
+          f"batch a multiple of {n}, or, where this layer reads something "
+          "other than the batch (a parameter table, a pooled or reshaped "
+          f"tensor), give its input a leading dimension divisible by {n} "
+          "or the layer fused=False")
 
   def _local_gradient(self, x, dy, precision):
     """This shard's partial ``G = x^T dy``, formed as ``jax.grad`` forms it
@@ -634,7 +648,8 @@ def plan_layers(mesh_layout: MeshLayout | None, boxed_params, layers,
     if len(entries) != 2:
       raise ValueError(f"{where}: the kernel's PartitionSpec {spec} has more "
                        "entries than the kernel's 2 dimensions")
-    w_in, w_out = (_axes(e) for e in entries)
+    w_in, w_out = (_axes(e, f"{where}: its kernel's PartitionSpec {spec}")
+                   for e in entries)
     twice = sorted({a for a in w_in + w_out if (w_in + w_out).count(a) > 1})
     if twice:
       raise ValueError(

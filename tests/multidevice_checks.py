@@ -936,6 +936,38 @@ def converted_attention(n: int) -> dict:
           "skipped": {k: str(r) for k, r in sorted(step.skipped.items())}}
 
 
+class _ScannedFlax(nn.Module):
+  """flax nn.Dense layers inside forge_jax.ScannedBlocks, and a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, h):
+        return h + nn.Dense(IN, use_bias=False)(
+            nn.gelu(nn.Dense(16, use_bias=False)(h)))
+
+    x = forge_jax.ScannedBlocks(Block, 2)(x)
+    return nn.Dense(OUT, name="head")(x)
+
+
+def converted_scanned(n: int) -> dict:
+  """make_step(convert=True) on a mesh over flax layers inside
+  ScannedBlocks, whose stacked kernels FORGE does not step on a mesh: they
+  stay on the standard path (listed in step.skipped), the head is
+  converted, and the step traces (it was refused, with a fix that failed
+  the same way)."""
+  mesh = make_mesh("dp", n)
+  model, tx = _ScannedFlax(), forge_jax.adamw(1e-3)
+  *_, args = _abstract_step(model, tx, mesh)
+  step = forge_jax.make_step(
+      loss_fn(model), tx, convert=True, mesh_layout=forge_jax.MeshLayout(
+          mesh, data_axes=D, param_specs=P()))
+  error = _message(lambda: jax.jit(step).trace(*args))
+  return {"error": error, "converted": sorted(step.converted),
+          "skipped": {k: str(r) for k, r in sorted(step.skipped.items())}}
+
+
 def missing_reduction(n: int) -> dict:
   """The check_vma safety net: a data-parallel plan with its reduction
   removed is refused by shard_map (fused: checked abstractly first; xla:
@@ -977,6 +1009,7 @@ def main() -> None:
     result["rematerialised"] = rematerialised(n)
     result["refusals"] = refusals(n)
     result["converted_attention"] = converted_attention(n)
+    result["converted_scanned"] = converted_scanned(n)
     result["missing_reduction"] = missing_reduction(n)
   print(json.dumps(result))
 

@@ -234,6 +234,18 @@ def test_unsupported_layouts_are_refused(report, case):
   assert not msg.startswith("_"), msg  # a private exception type
 
 
+def test_convert_on_a_mesh_skips_flax_layers_inside_scanned_blocks(report):
+  """make_step(convert=True) on a mesh: flax nn.Dense layers inside
+  forge_jax.ScannedBlocks (stacked kernels) stay on the standard path with
+  the reason in step.skipped, the head is converted, the step traces."""
+  got = report["converted_scanned"]
+  assert got["error"] is None, got["error"]
+  assert got["converted"] == ["head"], got
+  assert len(got["skipped"]) == 2, got
+  for why in got["skipped"].values():
+    assert "inside forge_jax.ScannedBlocks" in why, why
+
+
 def test_convert_on_a_mesh_skips_kernels_of_more_than_two_axes(report):
   """make_step(convert=True) on a mesh over flax's attention: its 3-axis
   DenseGeneral projections stay on the standard path, each with the reason
@@ -281,6 +293,24 @@ def test_mesh_layout_arguments_are_checked():
     forge_jax.make_step(lambda v, b: 0.0, forge_jax.adamw(1e-3),
                         mesh_layout=auto)
   assert forge_jax.MeshLayout(auto, data_axes="data").data_axes == ("data",)
+  # Not a name or a tuple of names (an int was a bare "'int' object is not
+  # iterable"; a set, unordered, was taken in its iteration order).
+  for bad in (0, {"data"}, ("data", 1)):
+    with pytest.raises(TypeError, match="MeshLayout: data_axes"):
+      forge_jax.MeshLayout(auto, data_axes=bad)
+  assert forge_jax.MeshLayout(auto, data_axes=["data"]).data_axes == (
+      "data",)
+
+
+def test_an_unconstrained_kernel_spec_is_refused_naming_the_layer():
+  """P.UNCONSTRAINED in a FORGE kernel's spec: refused naming the layer and
+  the spec (it was a bare TypeError from iterating it)."""
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  layout = forge_jax.MeshLayout(
+      mesh, data_axes="data",
+      param_specs={"w": {"kernel": P(P.UNCONSTRAINED, None)}})
+  with pytest.raises(TypeError, match="forge_jax layer 'w'.*UNCONSTRAINED"):
+    _plans(layout, None, {"w": (8, 8)})
 
 
 def _plans(layout, boxed_params, shapes):
