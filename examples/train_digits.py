@@ -375,7 +375,8 @@ def add_training_args(p: argparse.ArgumentParser, out: str,
   output folder; ``reference``: the optimizer its steps are checked
   against, as the help names it)."""
   p.add_argument("--steps", type=int, default=200, help="training steps")
-  p.add_argument("--batch-size", type=int, default=128)
+  p.add_argument("--batch-size", type=int, default=128,
+                 help="rows per training step")
   p.add_argument("--hidden", type=int, default=128, help="MLP hidden width")
   p.add_argument("--dtype", choices=("float32", "bfloat16"),
                  default="float32", help="parameter (and optimizer state) "
