@@ -201,6 +201,8 @@ def check_placement(mesh_layout: MeshLayout | None, params, batch,
   kernel on each device (or refuse it, under Explicit axes).
   """
   for leaf in jax.tree.leaves((params, opt_state, batch)):
+    if mesh_layout is not None:
+      _check_devices(leaf, mesh_layout.mesh)
     mesh = _mesh_of(leaf)
     if _mesh_size(mesh) <= 1:
       continue
@@ -222,6 +224,42 @@ def check_placement(mesh_layout: MeshLayout | None, params, batch,
           f"{axes}, but its MeshLayout's mesh has axes {want}"
           f"{_order_note(mesh, layout_mesh)}: place "
           "the parameters, optimizer state and batch on the layout's mesh")
+
+
+def _check_devices(leaf, layout_mesh) -> None:
+  """Refuses a concrete array (an eager step's; a jitted step's arguments
+  are traced, and their devices unknown) placed on other devices than the
+  layout's mesh, or on its devices in another order: committed to one
+  device (``jax.device_put(a, device)``), or sharded over a mesh of the
+  same axes whose devices are arranged otherwise. (An uncommitted array,
+  e.g. a fresh ``jnp.zeros``, goes where the step puts it.) JAX would
+  refuse the step's first ``shard_map`` without naming the array."""
+  if (not isinstance(layout_mesh, Mesh) or not isinstance(leaf, jax.Array)
+      or isinstance(leaf, jax.core.Tracer)
+      or not getattr(leaf, "committed", False)):
+    return
+  sharding = leaf.sharding
+  want = layout_mesh.devices
+  if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+    have = sharding.mesh.devices
+    if have.shape == want.shape and (have == want).all():
+      return
+    where = (f"a mesh of the same devices in another arrangement "
+             f"({[str(d) for d in have.flat]} where the layout has "
+             f"{[str(d) for d in want.flat]})"
+             if set(have.flat) == set(want.flat)
+             else f"other devices ({sorted(str(d) for d in have.flat)})")
+  else:
+    devices = sharding.device_set
+    if devices == set(want.flat):
+      return
+    where = f"the devices {sorted(str(d) for d in devices)}"
+  raise ValueError(
+      f"forge_jax.make_step: an array of shape {leaf.shape} of the step is "
+      f"placed on {where}, not on its MeshLayout's mesh: place the "
+      "parameters, optimizer state and batch on the layout's mesh "
+      "(jax.device_put(x, NamedSharding(mesh_layout.mesh, spec))), or "
+      "leave an array uncommitted (not put on one device)")
 
 
 def _same_axes(a, b) -> bool:

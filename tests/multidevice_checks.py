@@ -936,6 +936,37 @@ def converted_attention(n: int) -> dict:
           "skipped": {k: str(r) for k, r in sorted(step.skipped.items())}}
 
 
+def eager_placement(n: int) -> dict:
+  """An eager (un-jitted) step, whose arguments are concrete arrays: ones
+  on the layout's devices in another order, or committed to one device,
+  are refused by forge_jax's placement check (JAX refused them inside the
+  step's shard_map, naming no array); on the layout's mesh the step runs
+  and gives the jitted step's loss."""
+  mesh = make_mesh("dp", n)
+  model, tx = Two(), forge_jax.adamw(1e-3)
+  x = jnp.ones((BATCH, SEQ, IN), jnp.float32)
+  y = jnp.zeros((BATCH, SEQ, OUT), jnp.float32)
+  v = model.init(jax.random.key(0), x)
+  step = forge_jax.make_step(loss_fn(model), tx, mesh_layout=(
+      forge_jax.MeshLayout(mesh, data_axes=D, param_specs=P())))
+
+  def placed(m):
+    vs = jax.device_put(v, NamedSharding(m, P()))
+    return (vs, tx.init(vs["params"]),
+            jax.device_put((x, y), NamedSharding(m, P(D))))
+
+  reversed_mesh = Mesh(mesh.devices[::-1], (D,))
+  one = jax.device_put((v, (x, y)), jax.devices()[0])
+  out = {"reversed": _message(lambda: step(*placed(reversed_mesh))),
+         "one_device": _message(lambda: step(
+             one[0], tx.init(one[0]["params"]), one[1]))}
+  args = placed(mesh)
+  eager = step(*args)[0]
+  jitted = jax.jit(step)(*placed(mesh))[0]
+  out["loss_rel_err"] = rel_err(eager, jitted)
+  return out
+
+
 class _ScannedFlax(nn.Module):
   """flax nn.Dense layers inside forge_jax.ScannedBlocks, and a head."""
 
@@ -1010,6 +1041,7 @@ def main() -> None:
     result["refusals"] = refusals(n)
     result["converted_attention"] = converted_attention(n)
     result["converted_scanned"] = converted_scanned(n)
+    result["eager_placement"] = eager_placement(n)
     result["missing_reduction"] = missing_reduction(n)
   print(json.dumps(result))
 

@@ -234,6 +234,17 @@ def test_unsupported_layouts_are_refused(report, case):
   assert not msg.startswith("_"), msg  # a private exception type
 
 
+def test_an_eager_step_refuses_arrays_on_other_devices(report):
+  """Concrete arrays on the layout's devices in another order, or committed
+  to one device: refused in plain words (they were refused by JAX inside
+  the step's shard_map); on the layout's mesh the eager step gives the
+  jitted step's loss."""
+  got = report["eager_placement"]
+  assert "same devices in another arrangement" in (got["reversed"] or ""), got
+  assert "placed on the devices ['" in (got["one_device"] or ""), got
+  assert got["loss_rel_err"] <= 1e-6, got
+
+
 def test_convert_on_a_mesh_skips_flax_layers_inside_scanned_blocks(report):
   """make_step(convert=True) on a mesh: flax nn.Dense layers inside
   forge_jax.ScannedBlocks (stacked kernels) stay on the standard path with
