@@ -430,7 +430,17 @@ class _FusedLinearFn(torch.autograd.Function):
     if handle.__class__ is str:  # consumed (the layer's name), checked
       # first: the saved weight's version moved on
       raise RuntimeError(_second_backward_message(handle))
-    input, weight = ctx.saved_tensors
+    try:
+      input, weight = ctx.saved_tensors
+    except RuntimeError:
+      # The saved weight's version moved on. Where this step's update of it
+      # was applied already (a layer reused under reentrant checkpointing,
+      # whose forwards are counted at their backward only), FORGE's refusal
+      # instead of autograd's.
+      optimizer = handle.optimizer()
+      if optimizer is not None:
+        optimizer._forge_refuse_second_update(handle.weight, handle.layer)
+      raise
     # The graph's edge to the weight (input 1 of apply): its accumulator.
     mode = _weight_grad_mode(handle.weight, ctx.next_functions[1][0])
     if mode == UPDATE:

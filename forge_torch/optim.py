@@ -1442,6 +1442,14 @@ class _ForgeOptimizer:
         "layer.fused = False). Gradient accumulation over K micro-batches "
         "is opt-in: set optimizer.accumulate_steps = K." + tied)
 
+  def _forge_refuse_second_update(self, w: torch.Tensor, layer: str) -> None:
+    """Raises :func:`_second_update_message` where managed weight ``w`` had
+    its update of this step already (called where a backward of ``w``'s
+    layer failed to read its saved weight, whose version that update
+    moved on: autograd's message names neither the layer nor a fix)."""
+    if w in self._forge_updated:
+      raise RuntimeError(_second_update_message(layer)) from None
+
   def _forge_release(self, w: torch.Tensor, generation: int | None) -> None:
     """A counted forward of ``w`` that will not update it (its graph was
     freed without a backward, or the backward did not ask for the weight's
@@ -1481,15 +1489,7 @@ class _ForgeOptimizer:
           f"forge_torch.Linear {layer}: its weight is no longer owned by this "
           "optimizer (it is in none of its param_groups)")
     if pk in self._forge_updated._values:
-      raise RuntimeError(
-          f"forge_torch.Linear {layer}: a second backward reached this weight "
-          "before optimizer.step(); FORGE applies one update per step (one "
-          "per accumulate_steps micro-batches). The layer ran more often "
-          "than that in this step -- reused, or its forwards recomputed by "
-          "reentrant torch.utils.checkpoint, which runs them without "
-          "autograd, so that they are counted at their backward only. Call "
-          "optimizer.step() after each step's backward, or keep a layer "
-          "reused within a step as nn.Linear (layer.fused = False).")
+      raise RuntimeError(_second_update_message(layer))
     if p.is_cuda and _bridge._capturing():
       self._forge_check_capture(p, layer)
       self._forge_captured_update(p, grad_output, input, config=config,
@@ -2270,6 +2270,22 @@ class _UpdatePlan:
 def _members(groups) -> list[tuple[int, ...]]:
   """Which parameters each param group holds, by identity."""
   return [tuple(map(_key, g["params"])) for g in groups]
+
+
+def _second_update_message(layer: str) -> str:
+  """Why a backward of managed layer ``layer`` that would update its weight
+  a second time in one step is refused."""
+  return (
+      f"forge_torch.Linear {layer}: a second backward reached this weight "
+      "before optimizer.step(); FORGE applies one update per step (one "
+      "per accumulate_steps micro-batches). The layer ran more often "
+      "than that in this step -- reused, or its forwards recomputed by "
+      "reentrant torch.utils.checkpoint, which runs them without "
+      "autograd, so that they are counted at their backward only. The "
+      "backward of one use applied this step's update already, from that "
+      "use's gradient alone. Call "
+      "optimizer.step() after each step's backward, or keep a layer "
+      "reused within a step as nn.Linear (layer.fused = False).")
 
 
 def _plan_signature(p: torch.Tensor, slots) -> tuple:

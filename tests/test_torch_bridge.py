@@ -364,6 +364,53 @@ def test_a_layer_reused_under_reentrant_checkpointing_is_refused_clearly():
     (y + z).sum().backward()
 
 
+def test_a_layer_reused_in_one_reentrant_checkpoint_region_is_refused_clearly():
+  """A layer called twice inside one reentrant checkpoint region: both
+  forwards are recomputed before either backward, and the second backward
+  found the saved weight's version moved on by the first's update:
+  autograd's in-place error, naming neither the layer nor a fix. FORGE's
+  refusal instead."""
+  from torch.utils.checkpoint import checkpoint
+  torch.manual_seed(0)
+  layer = forge_torch.Linear(6, 6)
+  opt = forge_torch.AdamW(layer.parameters())  # noqa: F841 (kept alive)
+  x = torch.randn(3, 6, requires_grad=True)
+  y = checkpoint(lambda t: layer(torch.tanh(layer(t))), x, use_reentrant=True)
+  with pytest.raises(RuntimeError, match=r"Linear\(6, 6\): a second backward"
+                     r".*reentrant torch.utils.checkpoint"):
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("inner,outer", [(False, False), (True, True),
+                                         (False, True), (True, False)])
+def test_nested_activation_checkpointing_matches_torch(inner, outer):
+  """A checkpoint region inside another (each reentrant or not): the inner
+  layers' forwards are recomputed more than once in one backward, each
+  weight still updated once, as torch steps it."""
+  from torch.utils.checkpoint import checkpoint
+  ref = make_mlp()
+  fm = forge_copy(ref)
+  o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+  o_f = forge_torch.AdamW(fm.parameters(), lr=1e-2)
+
+  def fwd(m, x):
+    def region(t):
+      return m[2](checkpoint(lambda u: m[1](m[0](u)), t,
+                             use_reentrant=inner))
+    return m[4](m[3](checkpoint(region, x, use_reentrant=outer)))
+
+  for x, y in batches(2):
+    x = x.requires_grad_(True)
+    for m, o in ((ref, o_ref), (fm, o_f)):
+      F.mse_loss(fwd(m, x), y).backward()
+      o.step()
+      o.zero_grad()
+  for pf, pr in zip(fm.parameters(), ref.parameters()):
+    assert rel(pf, pr) <= FP32_TOL
+  assert all(o_f.state[p]["step"].item() == 2 for p in fm.parameters()
+             if forge_torch.is_forge_weight(p))
+
+
 def test_no_grad_forwards_are_not_counted():
   """Evaluation forwards (no_grad, inference_mode) neither count towards the
   one use per step nor touch the weights or state: the step equals torch's
