@@ -238,11 +238,16 @@ def _check_step_arguments(tx, shared, has_aux, wgrad) -> None:
   if isinstance(multi, optax.MultiSteps):
     if _clip.holds_clipping(multi.inner_opt):
       raise _clip.accumulation_refused("make_step", "optax.MultiSteps")
+    injected = (" It wraps an optax.inject_hyperparams transform, which "
+                "forge_jax.MultiSteps does not take: give the forge_jax "
+                "transform a schedule instead (forge_jax.adamw(learning_rate="
+                "optax.cosine_decay_schedule(...)))."
+                if _inject.recognise(multi.inner_opt) is not None else "")
     raise TypeError(
         "make_step: optax.MultiSteps cannot drive FORGE layers (they update "
         "in their own backward, so the accumulation must happen in the fused "
         "kernel): use forge_jax.MultiSteps(forge_jax.adamw(...), k), its "
-        "FORGE counterpart, with the same state and results.")
+        "FORGE counterpart, with the same state and results." + injected)
   clipping = _clip.recognise(tx)  # optax.chain(clip_by_global_norm, tx)
   if clipping is not None:
     tx = clipping.member

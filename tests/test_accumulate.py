@@ -510,6 +510,21 @@ def test_refusals(make, exc, match):
     make()
 
 
+def test_optax_multisteps_of_an_injected_transform_says_what_to_use():
+  """optax.MultiSteps around inject_hyperparams(forge_jax.adamw): the
+  refusal's advice, forge_jax.MultiSteps, would be refused in turn for the
+  injected transform; it says to give the transform a schedule."""
+  inner = optax.inject_hyperparams(forge_jax.adamw)(learning_rate=1e-3)
+  model = MLP(forge_jax.Dense)
+  with pytest.raises(TypeError, match="forge_jax.MultiSteps.*"
+                     "inject_hyperparams.*schedule"):
+    forge_jax.make_step(_mse(model), optax.MultiSteps(inner, K))
+  with pytest.raises(TypeError) as plain:
+    forge_jax.make_step(_mse(model), optax.MultiSteps(
+        forge_jax.adamw(1e-3), K))
+  assert "inject_hyperparams" not in str(plain.value)
+
+
 _CLIP_CHAINS = {
     "forge_clip": lambda: optax.chain(forge_jax.clip_by_global_norm(1.0),
                                       forge_jax.adamw(1e-3)),
