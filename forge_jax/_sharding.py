@@ -66,9 +66,13 @@ def _axes(entry, what: str = "a PartitionSpec entry") -> Axes:
     return ()
   if isinstance(entry, str):
     return (entry,)
-  if isinstance(entry, (tuple, list)) and all(isinstance(a, str)
-                                              for a in entry):
-    return tuple(entry)
+  if not isinstance(entry, (set, frozenset, Mapping)):  # (unordered)
+    try:
+      axes = tuple(entry)
+    except TypeError:  # not iterable: P.UNCONSTRAINED, a number
+      axes = None
+    if axes is not None and all(isinstance(a, str) for a in axes):
+      return axes
   raise TypeError(
       f"{what}: {entry!r} is not a mesh axis name, a tuple of names or None"
       + (" (PartitionSpec.UNCONSTRAINED leaves the sharding to XLA; a FORGE "

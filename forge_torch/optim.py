@@ -2281,9 +2281,8 @@ def _second_update_message(layer: str) -> str:
       "per accumulate_steps micro-batches). The layer ran more often "
       "than that in this step -- reused, or its forwards recomputed by "
       "reentrant torch.utils.checkpoint, which runs them without "
-      "autograd, so that they are counted at their backward only. The "
-      "backward of one use applied this step's update already, from that "
-      "use's gradient alone. Call "
+      "autograd, so that they are counted at their backward only. This "
+      "step's update of the weight has been applied already. Call "
       "optimizer.step() after each step's backward, or keep a layer "
       "reused within a step as nn.Linear (layer.fused = False).")
 

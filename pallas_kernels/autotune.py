@@ -497,9 +497,15 @@ def write(path: str, data: dict) -> None:
     with os.fdopen(fd, "w") as f:
       json.dump(data, f, indent=1)
       f.write("\n")
-    # (mkstemp makes it 0600: the mode of the file it replaces, or 0644)
-    os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path)
-             else 0o644)
+    # (mkstemp makes it 0600: the mode of the file it replaces, or what
+    # open() would have made, 0666 less the umask)
+    if os.path.exists(path):
+      mode = os.stat(path).st_mode & 0o777
+    else:
+      umask = os.umask(0)
+      os.umask(umask)
+      mode = 0o666 & ~umask
+    os.chmod(tmp, mode)
     os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(OSError):
@@ -510,19 +516,26 @@ def write(path: str, data: dict) -> None:
 
 @contextlib.contextmanager
 def _locked(path: str):
-  """Holds an exclusive lock on ``path + ".lock"`` (where the platform has
-  ``fcntl``), so that one read-merge-write of the cache file at ``path``
-  at a time runs: two autotune runs sharing an ``--out`` keep both their
-  entries."""
-  if fcntl is None:
+  """Holds an exclusive lock on ``path + ".lock"`` (where the platform and
+  filesystem support ``flock``; elsewhere none), so that one
+  read-merge-write of the cache file at ``path`` at a time runs: two
+  autotune runs sharing an ``--out`` keep both their entries."""
+  fd = None
+  if fcntl is not None:
+    try:  # (read-only: a lock file another user made can be locked too)
+      fd = os.open(path + ".lock", os.O_RDONLY | os.O_CREAT, 0o666)
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # a filesystem without flock (some network and FUSE
+      # mounts), or a lock file this user cannot open: unserialised, as
+      # where there is no fcntl, rather than no write at all
+      if fd is not None:
+        os.close(fd)
+      fd = None
+  try:
     yield
-    return
-  with open(path + ".lock", "a") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
+  finally:
+    if fd is not None:
+      os.close(fd)  # (releases the lock)
 
 
 def update_file(path: str, add) -> dict:

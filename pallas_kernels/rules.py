@@ -194,11 +194,17 @@ class UpdateRule:
     if unknown:
       raise ValueError(f"rule {self.name!r} has no static settings {unknown}"
                        f" (it has {tuple(known)})")
+    numbers = {}
     for n, v in values.items():
-      if not isinstance(v, (int, float)) or isinstance(v, bool):
+      try:  # (a NumPy or concrete JAX scalar too, True for 1.0; a
+        # string, a complex or an array of several values not)
+        if isinstance(v, (str, bytes, complex)) or v is None:
+          raise TypeError
+        numbers[n] = float(v)
+      except (TypeError, ValueError):
         raise TypeError(f"rule {self.name!r}: static setting {n!r} must be "
-                        f"a Python number, got {v!r}")
-    known.update({n: float(v) for n, v in values.items()})
+                        f"a real number, got {v!r:.80}") from None
+    known.update(numbers)
     return dataclasses.replace(self, static=tuple(known.items()))
 
   @staticmethod
@@ -246,8 +252,9 @@ class UpdateRule:
             f"rule {self.name!r}: hyperparameter {n!r} must be a number or "
             f"a one-element array, got {v!r:.80}")
       try:
-        if jnp.iscomplexobj(v):  # (a NumPy array would drop its imaginary
-          # part with a warning)
+        if isinstance(v, complex) or jnp.issubdtype(
+            getattr(v, "dtype", jnp.float32), jnp.complexfloating):
+          # (an array's imaginary part would be dropped with a warning)
           raise TypeError("complex")
         a = jnp.asarray(v, jnp.float32)
       except (TypeError, ValueError) as e:

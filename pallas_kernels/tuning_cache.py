@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
 import re
 from typing import NamedTuple, Sequence
@@ -427,23 +428,35 @@ def compute_capability() -> tuple[int, int] | None:
 
 
 def _check_case(where: str, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
-                x_dtype=None) -> None:
+                x_dtype=None) -> tuple:
   """Refuses a case no kernel call could have, naming the argument, before
   an answer is formed from it (in interpret mode nothing else reads the
   dtypes): sizes that are not non-negative integers, names that are not
   dtypes, a rule that is neither ``None``, a name nor an
-  :class:`~pallas_kernels.rules.UpdateRule`."""
+  :class:`~pallas_kernels.rules.UpdateRule`. Returns ``slot_dtypes`` as a
+  tuple (``None``: no slots)."""
   for name, v in (("bt", bt), ("n_in", n_in), ("n_out", n_out)):
-    if (isinstance(v, bool) or not isinstance(v, (int, np.integer))
-        or v < 0):
+    try:  # (a NumPy or concrete JAX integer too, and 512.0)
+      whole = (not isinstance(v, bool)
+               and (float(v).is_integer() if isinstance(v, float)
+                    else operator.index(v) == v))
+    except TypeError:
+      whole = False
+    if not whole or v < 0:
       raise ValueError(f"{where}: {name}={v!r} must be a non-negative "
                        "integer")
   if rule is not None and not isinstance(rule, (str, UpdateRule)):
     raise TypeError(f"{where}: rule={rule!r:.80} must be an UpdateRule, its "
                     "name or None")
-  if isinstance(slot_dtypes, (str, bytes)):
-    raise TypeError(f"{where}: slot_dtypes={slot_dtypes!r} must be a "
-                    "sequence of dtypes, one per slot")
+  if slot_dtypes is None:  # (taken as no slots, as before this check)
+    slot_dtypes = ()
+  try:
+    if isinstance(slot_dtypes, (str, bytes)):
+      raise TypeError
+    slot_dtypes = tuple(slot_dtypes)  # (a generator: read once, here)
+  except TypeError:
+    raise TypeError(f"{where}: slot_dtypes={slot_dtypes!r:.80} must be a "
+                    "sequence of dtypes, one per slot") from None
   named = [("w_dtype", w_dtype)] + [(f"slot_dtypes[{i}]", d)
                                     for i, d in enumerate(slot_dtypes)]
   if x_dtype is not None:
@@ -454,6 +467,7 @@ def _check_case(where: str, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
     except TypeError as e:
       raise TypeError(f"{where}: {name}={d!r:.80} is not a dtype ({e})"
                       ) from None
+  return slot_dtypes
 
 
 def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
@@ -477,7 +491,8 @@ def select_config(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
   Returns:
     A :class:`BlockConfig` fitted to the problem.
   """
-  _check_case("select_config", bt, n_in, n_out, w_dtype, slot_dtypes, rule)
+  slot_dtypes = _check_case("select_config", bt, n_in, n_out, w_dtype,
+                            slot_dtypes, rule)
   interpret = check_interpret(interpret, "select_config")
   if interpret is None:
     interpret = default_interpret()
@@ -624,7 +639,8 @@ def select_backend(bt: int, n_in: int, n_out: int, w_dtype, slot_dtypes,
     ValueError: ``backend`` or ``$FORGE_BACKEND`` names no backend.
     TypeError: ``config`` is not a tiling of the chosen backend.
   """
-  _check_case(where, bt, n_in, n_out, w_dtype, slot_dtypes, rule, x_dtype)
+  slot_dtypes = _check_case(where, bt, n_in, n_out, w_dtype, slot_dtypes,
+                            rule, x_dtype)
   interpret = check_interpret(interpret, where)
   if interpret is None:
     interpret = default_interpret()

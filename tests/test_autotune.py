@@ -360,6 +360,19 @@ def test_a_case_no_call_could_have_is_refused_in_interpret_mode(
     getattr(tuning_cache, fn)(*rule_args, *extra, interpret=True)
 
 
+def test_select_config_takes_the_values_it_took_before_its_checks():
+  """No slots given as None, a NumPy or JAX integer or an integral float
+  size, slot dtypes from a generator (read once): answered as before."""
+  want = tuning_cache.select_config(512, 64, 64, "bfloat16", BF16,
+                                    interpret=True)
+  for args in ((np.int64(512), 64, 64, "bfloat16", BF16),
+               (jnp.int32(512), 64.0, 64, "bfloat16", BF16),
+               (512, 64, 64, "bfloat16", (d for d in BF16))):
+    assert tuning_cache.select_config(*args, interpret=True) == want
+  assert isinstance(tuning_cache.select_config(
+      512, 64, 64, "bfloat16", None, interpret=True), pk.BlockConfig)
+
+
 def test_fused_wgrad_update_without_config_uses_select_config(monkeypatch):
   seen = []
   real = tuning_cache.lookup
@@ -1363,6 +1376,29 @@ def test_two_writers_of_one_cache_keep_a_whole_file_and_both_entries(
   data = tuning_cache.load(path)["data"]
   assert len(data["devices"]["X"]["entries"]) == 80
   assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_a_cache_write_where_files_cannot_be_locked_still_writes(
+    tmp_path, monkeypatch):
+  """A filesystem without flock (some network and FUSE mounts: ENOSYS):
+  the write goes on unserialised, as where there is no fcntl; a new file
+  takes open()'s mode, 0666 less the umask."""
+  import errno
+  if autotune.fcntl is None:
+    pytest.skip("no fcntl on this platform")
+
+  def no_flock(*a):
+    raise OSError(errno.ENOSYS, "Function not implemented")
+
+  monkeypatch.setattr(autotune.fcntl, "flock", no_flock)
+  path = str(tmp_path / "nolock.json")
+  old = os.umask(0o027)
+  try:
+    autotune.update_file(path, lambda d: None)
+  finally:
+    os.umask(old)
+  assert tuning_cache.load(path)["data"]["format"] == 1
+  assert os.stat(path).st_mode & 0o777 == 0o640
 
 
 def test_tune_mosaic_runs_the_mosaic_kernel_and_picks_the_fastest():

@@ -93,8 +93,8 @@ def test_plot_missing_csv_is_clean_error(tmp_path):
 def test_epilogue_probe_validates_flags(tmp_path, bad):
   from benchmarks import epilogue_probe
   with pytest.raises(SystemExit) as e:
-    epilogue_probe.main(["--out", str(tmp_path)] + bad)  # others return 0 here
-  assert e.value.code == 2                # and crash mid-run on the GPU
+    epilogue_probe.main(["--out", str(tmp_path)] + bad)  # (before the
+  assert e.value.code == 2  # GPU check: without one they would exit 1)
 
 
 # --- 7. ncu_summary.py: tracebacks, and a truncated --out --------------------

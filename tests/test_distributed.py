@@ -309,8 +309,8 @@ def test_mesh_layout_arguments_are_checked():
   for bad in (0, {"data"}, ("data", 1)):
     with pytest.raises(TypeError, match="MeshLayout: data_axes"):
       forge_jax.MeshLayout(auto, data_axes=bad)
-  assert forge_jax.MeshLayout(auto, data_axes=["data"]).data_axes == (
-      "data",)
+  for ok in (["data"], P("data"), np.array(["data"]), {"data": 1}.keys()):
+    assert forge_jax.MeshLayout(auto, data_axes=ok).data_axes == ("data",)
 
 
 def test_an_unconstrained_kernel_spec_is_refused_naming_the_layer():

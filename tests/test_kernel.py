@@ -569,6 +569,20 @@ def test_pack_refuses_a_value_that_is_not_a_real_number_naming_it(bad):
     pk.ADAMW.with_static(round_mu="yes")
 
 
+def test_pack_and_with_static_take_any_real_number():
+  """Fractions, Decimals, NumPy and JAX scalars pack as their value; a
+  static setting takes NumPy and JAX scalars (and True as 1.0)."""
+  from decimal import Decimal
+  from fractions import Fraction
+  base = {n: 0.5 for n in pk.ADAMW.hparams}
+  i = pk.ADAMW.hparams.index("eps")
+  for v, want in ((Fraction(1, 4), 0.25), (Decimal("0.5"), 0.5),
+                  (np.float32(2), 2.0), (jnp.float32(3), 3.0)):
+    assert float(pk.ADAMW.pack(**dict(base, eps=v))[i]) == want
+  for v in (np.float32(1), np.int64(1), jnp.float32(1), True):
+    assert dict(pk.ADAMW.with_static(round_mu=v).static)["round_mu"] == 1.0
+
+
 def test_pack_fills_defaults_taken_from_other_defaults():
   """``defaults`` (a <- b <- lr): a left-out name takes its source's value
   also where the source is itself a default, whatever their order."""
