@@ -129,7 +129,14 @@ import time
 _T_IMPORT = time.perf_counter()
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
+
+try:
+  import torch  # noqa: E402
+except ImportError as e:  # run as a command: one line, exit 1, as the rest
+  if __name__ == "__main__":
+    sys.exit(f"benchmarks/torch_e2e.py needs torch ({e}); install the "
+             "'torch' extra. Nothing measured.")
+  raise
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 

@@ -211,6 +211,18 @@ def test_torch_memory_without_cuda_exits_nonzero(tmp_path, capsys,
   assert not out.exists()
 
 
+def test_torch_e2e_without_torch_says_so_and_exits_1(monkeypatch):
+  """Run as a command without torch: one line naming the missing extra
+  and exit status 1 (a string exit code), not an ImportError traceback."""
+  import runpy
+  monkeypatch.setitem(sys.modules, "torch", None)
+  monkeypatch.delitem(sys.modules, "benchmarks.torch_e2e", raising=False)
+  with pytest.raises(SystemExit) as e:
+    runpy.run_module("benchmarks.torch_e2e", run_name="__main__")
+  assert isinstance(e.value.code, str)  # printed to stderr, status 1
+  assert "needs torch" in e.value.code and "Nothing measured" in e.value.code
+
+
 def test_kernel_configs_beyond_curated_list_is_refused(tmp_path):
   """--configs beyond the curated tilings is refused (it was clamped)."""
   from benchmarks import kernel
