@@ -72,7 +72,7 @@ def _axes(entry, what: str = "a PartitionSpec entry") -> Axes:
     except TypeError:  # not iterable: P.UNCONSTRAINED, a number
       axes = None
     if axes is not None and all(isinstance(a, str) for a in axes):
-      return axes
+      return tuple(map(str, axes))  # (NumPy's str_ as str)
   raise TypeError(
       f"{what}: {entry!r} is not a mesh axis name, a tuple of names or None"
       + (" (PartitionSpec.UNCONSTRAINED leaves the sharding to XLA; a FORGE "
@@ -157,7 +157,16 @@ class MeshLayout:
           "XLA partitions (Auto); build the mesh with "
           "jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * n) or "
           "jax.sharding.Mesh(devices, names)")
-    data = _axes(self.data_axes, "MeshLayout: data_axes")
+    given = self.data_axes
+    if isinstance(given, P):  # P("data"): its first entry, the batch's
+      if any(e is not None for e in tuple(given)[1:]):
+        raise TypeError(
+            f"MeshLayout: data_axes={given} shards more than the batch's "
+            "leading dimension; give the axes that dimension is split "
+            "over: a name or a tuple of names (the PartitionSpec's first "
+            "entry)")
+      given = given[0] if len(given) else None
+    data = _axes(given, "MeshLayout: data_axes")
     object.__setattr__(self, "data_axes", data)
     unknown = [a for a in data if a not in self.mesh.axis_names]
     if unknown or len(set(data)) != len(data):

@@ -49,8 +49,8 @@ import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
+import uuid
 from typing import Callable, Iterable, Mapping, Sequence
 
 try:
@@ -488,24 +488,24 @@ def write(path: str, data: dict) -> None:
   """Writes ``data`` to ``path`` whole or not at all: through a temporary
   file of this call's own in the same folder, then renamed over ``path``
   (a reader never sees half a file; two writers never share a
-  temporary)."""
+  temporary). The file keeps the mode of the one it replaces; a new one
+  gets ``open()``'s (0666 less the umask, which the system applies)."""
   validated(data, path)
-  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".",
-                             suffix=".tmp",
-                             dir=os.path.dirname(os.path.abspath(path)))
+  folder = os.path.dirname(os.path.abspath(path))
+  while True:
+    tmp = os.path.join(folder, f"{os.path.basename(path)}."
+                       f"{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+      break
+    except FileExistsError:  # (a name taken meanwhile: another one)
+      continue
   try:
     with os.fdopen(fd, "w") as f:
       json.dump(data, f, indent=1)
       f.write("\n")
-    # (mkstemp makes it 0600: the mode of the file it replaces, or what
-    # open() would have made, 0666 less the umask)
     if os.path.exists(path):
-      mode = os.stat(path).st_mode & 0o777
-    else:
-      umask = os.umask(0)
-      os.umask(umask)
-      mode = 0o666 & ~umask
-    os.chmod(tmp, mode)
+      os.chmod(tmp, os.stat(path).st_mode & 0o777)
     os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(OSError):
@@ -516,21 +516,30 @@ def write(path: str, data: dict) -> None:
 
 @contextlib.contextmanager
 def _locked(path: str):
-  """Holds an exclusive lock on ``path + ".lock"`` (where the platform and
-  filesystem support ``flock``; elsewhere none), so that one
+  """Holds an exclusive lock on ``path + ".lock"``, so that one
   read-merge-write of the cache file at ``path`` at a time runs: two
-  autotune runs sharing an ``--out`` keep both their entries."""
-  fd = None
+  autotune runs sharing an ``--out`` keep both their entries. The lock
+  file is opened for writing (NFS and CIFS clients lock only such files),
+  read-only where this user may not write it (one another user made).
+  Where no lock can be had (no ``fcntl``; a filesystem without locks) the
+  write goes on unserialised, with a warning on stderr."""
+  fd, why = None, "this platform has no fcntl"
   if fcntl is not None:
-    try:  # (read-only: a lock file another user made can be locked too)
-      fd = os.open(path + ".lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    lock = path + ".lock"
+    try:
+      try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+      except PermissionError:
+        fd = os.open(lock, os.O_RDONLY)
       fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:  # a filesystem without flock (some network and FUSE
-      # mounts), or a lock file this user cannot open: unserialised, as
-      # where there is no fcntl, rather than no write at all
+    except OSError as e:
       if fd is not None:
         os.close(fd)
-      fd = None
+      fd, why = None, f"{lock}: {e}"
+  if fd is None and fcntl is not None:
+    print(f"warning: {path} is written without a lock ({why}): another "
+          "run writing it at the same time may drop this run's entries or "
+          "its own", file=sys.stderr)
   try:
     yield
   finally:

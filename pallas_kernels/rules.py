@@ -56,6 +56,13 @@ def tuned_names(rule) -> tuple[str, ...]:
   return names if type(names) is tuple else (names,)
 
 
+def _is_complex(v) -> bool:
+  """Whether ``v`` is a complex number or array (Python's, NumPy's of any
+  width, JAX's), whose imaginary part a conversion to float would drop."""
+  return isinstance(v, complex) or jnp.issubdtype(
+      getattr(v, "dtype", jnp.float32), jnp.complexfloating)
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateRule:
   """An elementwise optimizer step ``(g, w, slots, h) -> (w', slots')``.
@@ -198,7 +205,7 @@ class UpdateRule:
     for n, v in values.items():
       try:  # (a NumPy or concrete JAX scalar too, True for 1.0; a
         # string, a complex or an array of several values not)
-        if isinstance(v, (str, bytes, complex)) or v is None:
+        if isinstance(v, (str, bytes)) or v is None or _is_complex(v):
           raise TypeError
         numbers[n] = float(v)
       except (TypeError, ValueError):
@@ -252,9 +259,8 @@ class UpdateRule:
             f"rule {self.name!r}: hyperparameter {n!r} must be a number or "
             f"a one-element array, got {v!r:.80}")
       try:
-        if isinstance(v, complex) or jnp.issubdtype(
-            getattr(v, "dtype", jnp.float32), jnp.complexfloating):
-          # (an array's imaginary part would be dropped with a warning)
+        if _is_complex(v):  # (an array's imaginary part would be dropped
+          # with a warning)
           raise TypeError("complex")
         a = jnp.asarray(v, jnp.float32)
       except (TypeError, ValueError) as e:

@@ -436,11 +436,14 @@ def _check_case(where: str, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
   :class:`~pallas_kernels.rules.UpdateRule`. Returns ``slot_dtypes`` as a
   tuple (``None``: no slots)."""
   for name, v in (("bt", bt), ("n_in", n_in), ("n_out", n_out)):
-    try:  # (a NumPy or concrete JAX integer too, and 512.0)
-      whole = (not isinstance(v, bool)
-               and (float(v).is_integer() if isinstance(v, float)
-                    else operator.index(v) == v))
-    except TypeError:
+    try:  # (a NumPy or concrete JAX integer too, and a whole float: 512.0)
+      if isinstance(v, (bool, np.bool_)):
+        raise TypeError
+      try:
+        whole = operator.index(v) == v
+      except TypeError:
+        whole = np.ndim(v) == 0 and float(v).is_integer()
+    except (TypeError, ValueError, OverflowError):
       whole = False
     if not whole or v < 0:
       raise ValueError(f"{where}: {name}={v!r} must be a non-negative "

@@ -366,6 +366,7 @@ def test_select_config_takes_the_values_it_took_before_its_checks():
   want = tuning_cache.select_config(512, 64, 64, "bfloat16", BF16,
                                     interpret=True)
   for args in ((np.int64(512), 64, 64, "bfloat16", BF16),
+               (np.float32(512), jnp.float32(64), 64, "bfloat16", BF16),
                (jnp.int32(512), 64.0, 64, "bfloat16", BF16),
                (512, 64, 64, "bfloat16", (d for d in BF16))):
     assert tuning_cache.select_config(*args, interpret=True) == want
@@ -1379,10 +1380,10 @@ def test_two_writers_of_one_cache_keep_a_whole_file_and_both_entries(
 
 
 def test_a_cache_write_where_files_cannot_be_locked_still_writes(
-    tmp_path, monkeypatch):
-  """A filesystem without flock (some network and FUSE mounts: ENOSYS):
-  the write goes on unserialised, as where there is no fcntl; a new file
-  takes open()'s mode, 0666 less the umask."""
+    tmp_path, monkeypatch, capsys):
+  """A filesystem without flock (some FUSE mounts: ENOSYS): the write goes
+  on unserialised, saying so on stderr; a new file takes open()'s mode,
+  0666 less the umask."""
   import errno
   if autotune.fcntl is None:
     pytest.skip("no fcntl on this platform")
@@ -1399,6 +1400,26 @@ def test_a_cache_write_where_files_cannot_be_locked_still_writes(
     os.umask(old)
   assert tuning_cache.load(path)["data"]["format"] == 1
   assert os.stat(path).st_mode & 0o777 == 0o640
+  assert "written without a lock" in capsys.readouterr().err
+
+
+def test_the_cache_lock_file_is_opened_for_writing(tmp_path, monkeypatch):
+  """NFS and CIFS clients take an exclusive flock only on a file opened for
+  writing (read-only: EBADF, and the lock was skipped); the lock file is
+  opened so where this user may write it."""
+  if autotune.fcntl is None:
+    pytest.skip("no fcntl on this platform")
+  fcntl = autotune.fcntl
+  modes = []
+  real = fcntl.flock
+
+  def flock(fd, op):
+    modes.append(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE)
+    return real(fd, op)
+
+  monkeypatch.setattr(autotune.fcntl, "flock", flock)
+  autotune.update_file(str(tmp_path / "c.json"), lambda d: None)
+  assert modes and all(m == os.O_RDWR for m in modes), modes
 
 
 def test_tune_mosaic_runs_the_mosaic_kernel_and_picks_the_fastest():

@@ -109,13 +109,14 @@ def test_autotune_out_that_cannot_be_written_is_a_plain_error(
   def full(*a, **k):
     raise OSError(28, "No space left on device")
 
-  monkeypatch.setattr(autotune.tempfile, "mkstemp", full)
+  monkeypatch.setattr(autotune.json, "dump", full)
   out = tmp_path / "a.json"
   assert _code(autotune.main, ["--from-csv", kernel_csv,
                                "--out", str(out)]) == 2
   err = capsys.readouterr().err
   assert "could not write --out" in err and "No space left" in err
   assert "Traceback" not in err and not out.exists()
+  assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
 def test_autotune_from_csv_refuses_measurement_only_flags(tmp_path,

@@ -309,8 +309,15 @@ def test_mesh_layout_arguments_are_checked():
   for bad in (0, {"data"}, ("data", 1)):
     with pytest.raises(TypeError, match="MeshLayout: data_axes"):
       forge_jax.MeshLayout(auto, data_axes=bad)
-  for ok in (["data"], P("data"), np.array(["data"]), {"data": 1}.keys()):
-    assert forge_jax.MeshLayout(auto, data_axes=ok).data_axes == ("data",)
+  for ok in (["data"], P("data"), P("data", None), np.array(["data"]),
+             {"data": 1}.keys()):
+    got = forge_jax.MeshLayout(auto, data_axes=ok).data_axes
+    assert got == ("data",) and type(got[0]) is str, got
+  assert forge_jax.MeshLayout(auto, data_axes=P()).data_axes == ()
+  # A spec that shards more than the batch's leading dimension: refused
+  # (P("data", "model") was read as the batch split over both axes).
+  with pytest.raises(TypeError, match="more than the batch's leading"):
+    forge_jax.MeshLayout(auto, data_axes=P("data", "data"))
 
 
 def test_an_unconstrained_kernel_spec_is_refused_naming_the_layer():

@@ -581,6 +581,9 @@ def test_pack_and_with_static_take_any_real_number():
     assert float(pk.ADAMW.pack(**dict(base, eps=v))[i]) == want
   for v in (np.float32(1), np.int64(1), jnp.float32(1), True):
     assert dict(pk.ADAMW.with_static(round_mu=v).static)["round_mu"] == 1.0
+  for v in (np.complex64(1 + 2j), 1j, "1"):  # (an imaginary part dropped)
+    with pytest.raises(TypeError, match="static setting 'round_mu'"):
+      pk.ADAMW.with_static(round_mu=v)
 
 
 def test_pack_fills_defaults_taken_from_other_defaults():
