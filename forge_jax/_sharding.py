@@ -65,7 +65,7 @@ def _axes(entry, what: str = "a PartitionSpec entry") -> Axes:
   if entry is None:
     return ()
   if isinstance(entry, str):
-    return (entry,)
+    return (str(entry),)  # (NumPy's str_ as str)
   if not isinstance(entry, (set, frozenset, Mapping)):  # (unordered)
     try:
       axes = tuple(entry)

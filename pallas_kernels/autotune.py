@@ -492,26 +492,34 @@ def write(path: str, data: dict) -> None:
   gets ``open()``'s (0666 less the umask, which the system applies)."""
   validated(data, path)
   folder = os.path.dirname(os.path.abspath(path))
+  try:  # (set before a byte is written: never more open than the file)
+    mode = os.stat(path).st_mode & 0o777
+  except FileNotFoundError:
+    mode = None
   while True:
     tmp = os.path.join(folder, f"{os.path.basename(path)}."
                        f"{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                   0o666 if mode is None else 0o600)
       break
     except FileExistsError:  # (a name taken meanwhile: another one)
       continue
   try:
+    if mode is not None:
+      os.fchmod(fd, mode)
     with os.fdopen(fd, "w") as f:
       json.dump(data, f, indent=1)
       f.write("\n")
-    if os.path.exists(path):
-      os.chmod(tmp, os.stat(path).st_mode & 0o777)
     os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
     raise
   clear_cache()
+
+
+_UNLOCKED: set = set()  # cache files written without a lock, warned of
 
 
 @contextlib.contextmanager
@@ -521,9 +529,10 @@ def _locked(path: str):
   autotune runs sharing an ``--out`` keep both their entries. The lock
   file is opened for writing (NFS and CIFS clients lock only such files),
   read-only where this user may not write it (one another user made).
-  Where no lock can be had (no ``fcntl``; a filesystem without locks) the
-  write goes on unserialised, with a warning on stderr."""
-  fd, why = None, "this platform has no fcntl"
+  Where no lock can be had (a filesystem without locks) the write goes on
+  unserialised, with a warning on stderr, once per file; without
+  ``fcntl`` (not POSIX) it goes on unserialised."""
+  fd, why = None, None
   if fcntl is not None:
     lock = path + ".lock"
     try:
@@ -536,7 +545,8 @@ def _locked(path: str):
       if fd is not None:
         os.close(fd)
       fd, why = None, f"{lock}: {e}"
-  if fd is None and fcntl is not None:
+  if why is not None and path not in _UNLOCKED:
+    _UNLOCKED.add(path)
     print(f"warning: {path} is written without a lock ({why}): another "
           "run writing it at the same time may drop this run's entries or "
           "its own", file=sys.stderr)

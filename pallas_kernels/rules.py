@@ -58,9 +58,14 @@ def tuned_names(rule) -> tuple[str, ...]:
 
 def _is_complex(v) -> bool:
   """Whether ``v`` is a complex number or array (Python's, NumPy's of any
-  width, JAX's), whose imaginary part a conversion to float would drop."""
-  return isinstance(v, complex) or jnp.issubdtype(
-      getattr(v, "dtype", jnp.float32), jnp.complexfloating)
+  width, JAX's, a list of them), whose imaginary part a conversion to
+  float would drop."""
+  if isinstance(v, complex):
+    return True
+  try:  # (an array's dtype, else NumPy's reading of the value)
+    return bool(np.iscomplexobj(v))
+  except Exception:  # noqa: BLE001 -- what NumPy cannot read is not one
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

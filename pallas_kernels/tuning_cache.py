@@ -441,8 +441,11 @@ def _check_case(where: str, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
         raise TypeError
       try:
         whole = operator.index(v) == v
-      except TypeError:
-        whole = np.ndim(v) == 0 and float(v).is_integer()
+      except TypeError:  # a real float of no dimensions only (not a
+        # string, a complex, a boolean array)
+        real = isinstance(v, float) or jnp.issubdtype(
+            getattr(v, "dtype", np.object_), jnp.floating)
+        whole = real and np.ndim(v) == 0 and float(v).is_integer()
     except (TypeError, ValueError, OverflowError):
       whole = False
     if not whole or v < 0:

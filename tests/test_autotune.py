@@ -372,6 +372,11 @@ def test_select_config_takes_the_values_it_took_before_its_checks():
     assert tuning_cache.select_config(*args, interpret=True) == want
   assert isinstance(tuning_cache.select_config(
       512, 64, 64, "bfloat16", None, interpret=True), pk.BlockConfig)
+  # Not sizes: a string, a complex, a boolean array.
+  for bad in ("512", np.complex64(512 + 3j), np.array(True)):
+    with pytest.raises(ValueError, match="bt=.*non-negative integer"):
+      tuning_cache.select_config(bad, 64, 64, "bfloat16", BF16,
+                                 interpret=True)
 
 
 def test_fused_wgrad_update_without_config_uses_select_config(monkeypatch):
@@ -1401,6 +1406,29 @@ def test_a_cache_write_where_files_cannot_be_locked_still_writes(
   assert tuning_cache.load(path)["data"]["format"] == 1
   assert os.stat(path).st_mode & 0o777 == 0o640
   assert "written without a lock" in capsys.readouterr().err
+
+
+def test_a_private_cache_is_never_written_more_open(tmp_path, monkeypatch):
+  """A cache file of mode 0600 is rewritten through a temporary that is
+  0600 before its first byte (0644 under umask 022 left a readable copy
+  where a write was cut short)."""
+  path = str(tmp_path / "private.json")
+  autotune.update_file(path, lambda d: None)
+  os.chmod(path, 0o600)
+  seen = []
+  real = autotune.json.dump
+
+  def dump(data, f, **kw):
+    seen.append(os.fstat(f.fileno()).st_mode & 0o777)
+    return real(data, f, **kw)
+
+  monkeypatch.setattr(autotune.json, "dump", dump)
+  old = os.umask(0o022)
+  try:
+    autotune.update_file(path, lambda d: None)
+  finally:
+    os.umask(old)
+  assert seen == [0o600] and os.stat(path).st_mode & 0o777 == 0o600
 
 
 def test_the_cache_lock_file_is_opened_for_writing(tmp_path, monkeypatch):

@@ -310,7 +310,7 @@ def test_mesh_layout_arguments_are_checked():
     with pytest.raises(TypeError, match="MeshLayout: data_axes"):
       forge_jax.MeshLayout(auto, data_axes=bad)
   for ok in (["data"], P("data"), P("data", None), np.array(["data"]),
-             {"data": 1}.keys()):
+             np.str_("data"), {"data": 1}.keys()):
     got = forge_jax.MeshLayout(auto, data_axes=ok).data_axes
     assert got == ("data",) and type(got[0]) is str, got
   assert forge_jax.MeshLayout(auto, data_axes=P()).data_axes == ()

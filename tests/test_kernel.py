@@ -584,6 +584,12 @@ def test_pack_and_with_static_take_any_real_number():
   for v in (np.complex64(1 + 2j), 1j, "1"):  # (an imaginary part dropped)
     with pytest.raises(TypeError, match="static setting 'round_mu'"):
       pk.ADAMW.with_static(round_mu=v)
+  with pytest.raises(TypeError, match="hyperparameter 'eps'"):
+    pk.ADAMW.pack(**dict(base, eps=[np.complex64(1 + 2j)]))
+  # A traced value packs (its dtype read, not its value).
+  traced = jax.jit(lambda e: pk.ADAMW.pack(**dict(base, eps=e)))(
+      jnp.float32(0.25))
+  assert float(traced[i]) == 0.25
 
 
 def test_pack_fills_defaults_taken_from_other_defaults():
