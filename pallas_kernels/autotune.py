@@ -507,7 +507,10 @@ def write(path: str, data: dict) -> None:
       continue
   try:
     if mode is not None:
-      os.fchmod(fd, mode)
+      if hasattr(os, "fchmod"):
+        os.fchmod(fd, mode)
+      else:  # (Windows before Python 3.13)
+        os.chmod(tmp, mode)
     with os.fdopen(fd, "w") as f:
       json.dump(data, f, indent=1)
       f.write("\n")
