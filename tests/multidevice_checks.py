@@ -921,12 +921,12 @@ class _Attention(nn.Module):
     return nn.Dense(OUT, name="c")(x)
 
 
-def converted_attention(n: int) -> dict:
-  """make_step(convert=True) on a mesh traced over a model with flax's
-  attention: its 3-axis DenseGeneral kernels stay on the standard path
-  (listed in step.skipped), the 2-D nn.Dense layers are converted."""
+def converted(model: nn.Module, n: int) -> dict:
+  """make_step(convert=True) on a data-parallel mesh, traced over
+  ``model``: the trace's error (None where it traces), the layers
+  converted, and those skipped with their reasons."""
   mesh = make_mesh("dp", n)
-  model, tx = _Attention(), forge_jax.adamw(1e-3)
+  tx = forge_jax.adamw(1e-3)
   *_, args = _abstract_step(model, tx, mesh)
   step = forge_jax.make_step(
       loss_fn(model), tx, convert=True, mesh_layout=forge_jax.MeshLayout(
@@ -982,23 +982,6 @@ class _ScannedFlax(nn.Module):
     return nn.Dense(OUT, name="head")(x)
 
 
-def converted_scanned(n: int) -> dict:
-  """make_step(convert=True) on a mesh over flax layers inside
-  ScannedBlocks, whose stacked kernels FORGE does not step on a mesh: they
-  stay on the standard path (listed in step.skipped), the head is
-  converted, and the step traces (it was refused, with a fix that failed
-  the same way)."""
-  mesh = make_mesh("dp", n)
-  model, tx = _ScannedFlax(), forge_jax.adamw(1e-3)
-  *_, args = _abstract_step(model, tx, mesh)
-  step = forge_jax.make_step(
-      loss_fn(model), tx, convert=True, mesh_layout=forge_jax.MeshLayout(
-          mesh, data_axes=D, param_specs=P()))
-  error = _message(lambda: jax.jit(step).trace(*args))
-  return {"error": error, "converted": sorted(step.converted),
-          "skipped": {k: str(r) for k, r in sorted(step.skipped.items())}}
-
-
 def missing_reduction(n: int) -> dict:
   """The check_vma safety net: a data-parallel plan with its reduction
   removed is refused by shard_map (fused: checked abstractly first; xla:
@@ -1039,8 +1022,11 @@ def main() -> None:
     result["tied"] = tied(n)
     result["rematerialised"] = rematerialised(n)
     result["refusals"] = refusals(n)
-    result["converted_attention"] = converted_attention(n)
-    result["converted_scanned"] = converted_scanned(n)
+    # flax's attention: its 3-axis DenseGeneral kernels skipped, the 2-D
+    # nn.Dense layers converted; flax layers inside ScannedBlocks (stacked
+    # kernels) skipped, the head converted.
+    result["converted_attention"] = converted(_Attention(), n)
+    result["converted_scanned"] = converted(_ScannedFlax(), n)
     result["eager_placement"] = eager_placement(n)
     result["missing_reduction"] = missing_reduction(n)
   print(json.dumps(result))
