@@ -259,14 +259,10 @@ class UpdateRule:
     scalars = []
     for n in self.hparams:
       v = values[n]
-      if isinstance(v, (str, bytes)) or v is None:
-        raise TypeError(
-            f"rule {self.name!r}: hyperparameter {n!r} must be a number or "
-            f"a one-element array, got {v!r:.80}")
-      try:
-        if _is_complex(v):  # (an array's imaginary part would be dropped
-          # with a warning)
-          raise TypeError("complex")
+      try:  # (a string would be parsed; a complex array's imaginary part
+        # dropped with a warning)
+        if isinstance(v, (str, bytes)) or v is None or _is_complex(v):
+          raise TypeError("not a real number")
         a = jnp.asarray(v, jnp.float32)
       except (TypeError, ValueError) as e:
         raise TypeError(
