@@ -555,6 +555,12 @@ class _ForgeOptimizer:
                         ) -> dict[str, torch.Tensor]:
     raise NotImplementedError
 
+  def _forge_fresh(self, state: Mapping[str, Any],
+                   group: Mapping[str, Any]) -> bool:
+    """Whether a weight's step starts its state anew, as torch's
+    ``_init_group`` decides: an empty state (SGD: no momentum buffer)."""
+    return len(state) == 0
+
   def _forge_hparams(self, group: Mapping[str, Any], state: Mapping[str, Any],
                      t: float | None, fresh: bool
                      ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
@@ -1773,7 +1779,7 @@ class _ForgeOptimizer:
     rule = shared.rule if shared is not None else self._forge_rule(
         group, device)
     state = self.state.get(p, {})  # (self.state is a defaultdict)
-    fresh = len(state) == 0
+    fresh = self._forge_fresh(state, group)
     new_state = None  # a fresh state, stored once the update has run
     if fresh:  # as torch's _init_group (which keeps no entry when it has none)
       init = self._forge_init_state(p, group)
@@ -2599,8 +2605,9 @@ class SGD(_ForgeOptimizer, torch.optim.SGD):
   """``torch.optim.SGD`` whose FORGE-managed weights update in backward.
 
   All options: ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``,
-  ``maximize``. State: ``momentum_buffer`` (with momentum; created by the
-  first step as ``grad``, as in torch), nothing otherwise.
+  ``maximize``. State: ``momentum_buffer`` (with momentum; formed as
+  ``grad`` by a step that finds none or ``None``, as in torch), nothing
+  otherwise.
   ``stochastic_rounding=True`` is refused (SGD keeps no step count).
   """
 
@@ -2613,6 +2620,15 @@ class SGD(_ForgeOptimizer, torch.optim.SGD):
 
   def _forge_init_state(self, p, group):
     return {"momentum_buffer": _zeros(p)} if group["momentum"] != 0 else {}
+
+  def _forge_fresh(self, state, group):
+    # torch's SGD starts the buffer from the gradient wherever it finds
+    # none (state.get("momentum_buffer") is None): a buffer reset to None,
+    # a checkpoint of torch <= 2.0 saved without momentum (which stored
+    # None), other keys beside it.
+    if group["momentum"] != 0:
+      return state.get("momentum_buffer") is None
+    return super()._forge_fresh(state, group)
 
   def _forge_hparams(self, group, state, t, fresh):
     momentum = _scalar(group["momentum"])

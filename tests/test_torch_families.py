@@ -793,3 +793,45 @@ def test_refused_options_raise(family, option):
   with pytest.raises(ValueError, match=f"does not support {option}=True"):
     opt.add_param_group({"params": [layer.weight], option: True})
   assert opt.managed_params == [] and len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("reset", ["none", "other_key", "old_checkpoint"])
+def test_sgd_starts_a_missing_momentum_buffer_from_the_gradient(reset):
+  """torch's SGD forms the momentum buffer from the gradient wherever the
+  weight's state holds none (``state.get("momentum_buffer") is None``): a
+  buffer reset to ``None`` between steps, a state holding other keys only,
+  or a checkpoint of torch <= 2.0 saved without momentum (its buffers
+  ``None``) resumed with momentum. forge_torch steps as torch does."""
+  ref = make_mlp()
+  fm = forge_copy(ref)
+  opts = []
+  for model, family in ((ref, torch.optim.SGD), (fm, forge_torch.SGD)):
+    momentum = 0.0 if reset == "old_checkpoint" else 0.9
+    opt = family(model.parameters(), lr=0.05, momentum=momentum,
+                 dampening=0.25)
+    if reset == "old_checkpoint":
+      saved = opt.state_dict()
+      saved["state"] = {i: {"momentum_buffer": None}
+                        for i in range(len(list(model.parameters())))}
+      opt.load_state_dict(saved)
+      opt.param_groups[0]["momentum"] = 0.9
+    elif reset == "other_key":
+      for p in model.parameters():
+        opt.state[p]["note"] = "kept"
+    opts.append(opt)
+  data = batches(3)
+  for i, (x, y) in enumerate(data):
+    for model, opt in zip((ref, fm), opts):
+      if reset == "none" and i == 2:
+        for p in model.parameters():
+          opt.state[p]["momentum_buffer"] = None
+      F.mse_loss(model(x), y).backward()
+      opt.step()
+      opt.zero_grad()
+  for r, f in zip(ref.parameters(), fm.parameters()):
+    assert_close(np32(f), np32(r), tol("float32"))
+  for p in fm.parameters():
+    state = opts[1].state[p]
+    assert isinstance(state["momentum_buffer"], torch.Tensor)
+    if reset == "other_key":
+      assert state["note"] == "kept"
