@@ -74,7 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from benchmarks import common
+from benchmarks import common, paths
 from pallas_kernels import lowp, quant
 
 RULE = pk.ADAMW
@@ -496,8 +496,9 @@ def plot(csv_path: str, png_path: str) -> bool:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/bench/backends.csv")
-  p.add_argument("--plot", metavar="PNG", help="also draw the CSV here")
+  p.add_argument("--out", type=paths.out_file, default="out/bench/backends.csv")
+  p.add_argument("--plot", type=paths.out_file,
+                 metavar="PNG", help="also draw the CSV here")
   p.add_argument("--replot", action="store_true",
                  help="draw --out to --plot without measuring")
   p.add_argument("--table", action="store_true",

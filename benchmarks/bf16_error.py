@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 import forge_jax
-from benchmarks import common
+from benchmarks import common, paths
 from tests.harness import mse
 from tests.test_forge_jax import MLP, data, optax_step
 
@@ -69,7 +69,8 @@ def common_rel(a, b):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/bench/bf16_error.csv")
+  p.add_argument("--out", type=paths.out_file,
+                 default="out/bench/bf16_error.csv")
   p.add_argument("--lrs", type=float, nargs="+", default=[1e-2, 1e-3, 1e-4])
   p.add_argument("--seeds", type=common.positive_int, default=6)
   p.add_argument("--steps", type=common.positive_int, default=20)

@@ -47,7 +47,7 @@ import optax
 
 import forge_jax
 import pallas_kernels as pk
-from benchmarks import common
+from benchmarks import common, paths
 from benchmarks.memory import weight_gradient_gemms
 
 ARMS = ("optax", "optax_clipped", "forge", "forge_clipped")
@@ -218,7 +218,7 @@ def plot(csv_path: str, png_path: str) -> int:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/bench/clipping.csv")
+  p.add_argument("--out", type=paths.out_file, default="out/bench/clipping.csv")
   p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
   p.add_argument("--width", type=common.positive_int, default=4096)
   p.add_argument("--layers", type=common.positive_int, default=4)
@@ -230,7 +230,7 @@ def main(argv=None):
   p.add_argument("--smoke", action="store_true",
                  help="tiny shapes, CPU allowed (Pallas interpret mode): a "
                  "test of this script; its times mean nothing")
-  p.add_argument("--plot", default=None, metavar="PNG",
+  p.add_argument("--plot", type=paths.out_file, default=None, metavar="PNG",
                  help="draw --out (after measuring) into this PNG")
   p.add_argument("--replot", action="store_true",
                  help="only draw an existing --out CSV into --plot; measure "

@@ -89,7 +89,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import forge_jax  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks import common, paths  # noqa: E402
 
 ARMS = ("forge", "forge-xla", "optax")
 # make_step's wgrad of each FORGE arm.
@@ -867,8 +867,8 @@ def parse_args(argv):
                  "median cell (of an even count the faster middle one: "
                  "prefer an odd N), and the per-cell p50s are listed")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default="out/bench/e2e.csv")
-  p.add_argument("--plot", default=None, metavar="PNG")
+  p.add_argument("--out", type=paths.out_file, default="out/bench/e2e.csv")
+  p.add_argument("--plot", type=paths.out_file, default=None, metavar="PNG")
   p.add_argument("--replot", action="store_true",
                  help="only plot --out into --plot; run nothing. Each BT's "
                  "bars come from one run: of the runs with the most of "

@@ -70,7 +70,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks import common, e2e
+from benchmarks import common, e2e, paths
 
 RESULT_TAG = "E2E_PAIRED_RESULT "
 BENCHMARK = "e2e_paired"
@@ -464,8 +464,9 @@ def parse_args(argv):
   p.add_argument("--timeout", type=e2e._seconds(True), default=300.0,
                  help="seconds per process")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default="out/bench/e2e_paired.csv")
-  p.add_argument("--plot", default=None, metavar="PNG")
+  p.add_argument("--out", type=paths.out_file,
+                 default="out/bench/e2e_paired.csv")
+  p.add_argument("--plot", type=paths.out_file, default=None, metavar="PNG")
   p.add_argument("--hlo-dir", default=None, metavar="DIR",
                  help="write each arm's compiled (scheduled) HLO text there "
                  "(DIR/p<i>/<arm>.hlo.txt per process)")

@@ -35,7 +35,7 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 import jax  # noqa: E402
 
-from benchmarks import common, e2e  # noqa: E402
+from benchmarks import common, e2e, paths  # noqa: E402
 
 # First match wins: a kernel's category from its name.
 CATEGORIES = (
@@ -168,7 +168,8 @@ def main(argv=None) -> int:
                  "back")
   p.add_argument("--keep-trace", metavar="DIR", default=None,
                  help="copy each arm's trace (Perfetto JSON) to DIR/ARM/")
-  p.add_argument("--out", default="out/bench/e2e_profile.csv")
+  p.add_argument("--out", type=paths.out_file,
+                 default="out/bench/e2e_profile.csv")
   args = p.parse_args(argv)
   if args.top < 0:
     p.error("--top must be >= 0")

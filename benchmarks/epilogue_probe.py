@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels as pk
-from benchmarks import common
+from benchmarks import common, paths
 from benchmarks.kernel import hparams, make_state
 
 # The tilings profiled for docs/perf_notes.md: 64 vs 32 accumulator elements
@@ -188,7 +188,7 @@ def probe_fused(res, n_in, n_out, tokens, labels, once=False):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/probe")
+  p.add_argument("--out", type=paths.out_dir, default="out/probe")
   p.add_argument("--shape", default="4096x4096")
   p.add_argument("--tokens", type=common.positive_int, nargs="+",
                  default=[16, 512, 2048])

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchmarks import common
+from benchmarks import common, paths
 
 # Every registered regime-1 rule and its named variants (the registry's
 # order), by family or variant name.
@@ -27,7 +27,7 @@ RULES = pk.families.optax_rules(regimes=(1,))
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/bench/families.csv")
+  p.add_argument("--out", type=paths.out_file, default="out/bench/families.csv")
   p.add_argument("--tokens", type=int, default=512)
   p.add_argument("--shape", default="q/o 4096x4096",
                  choices=list(common.LLAMA8B_SHAPES))

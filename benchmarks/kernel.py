@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchmarks import common
+from benchmarks import common, paths
 
 # G stored as the new "weight": the fused kernel's main loop alone.
 WGRAD_ONLY = pk.UpdateRule(name="wgrad_only", slots=(), hparams=(),
@@ -347,7 +347,7 @@ def bench_case(res, name, bt, n_in, n_out, moment_dtype, configs, ceiling,
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/bench/kernel.csv")
+  p.add_argument("--out", type=paths.out_file, default="out/bench/kernel.csv")
   p.add_argument("--tokens", type=common.positive_int, nargs="+", default=list(common.TOKENS))
   p.add_argument("--shapes", nargs="+", default=list(common.LLAMA8B_SHAPES))
   p.add_argument("--moments", nargs="+", default=["bfloat16", "float32"])

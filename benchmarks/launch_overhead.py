@@ -51,7 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks import common, paths  # noqa: E402
 from benchmarks.kernel import hparams  # noqa: E402
 
 METRICS = ("dispatch", "synced", "pipelined")
@@ -205,8 +205,9 @@ def main(argv=None) -> int:
   p.add_argument("--backend", choices=("mosaic_gpu", "triton"), default=None,
                  help="the fused arm's backend (default: mosaic_gpu on a "
                  "GPU, else triton)")
-  p.add_argument("--out", default="out/bench/launch_overhead.csv")
-  p.add_argument("--plot", metavar="PNG", default=None,
+  p.add_argument("--out", type=paths.out_file,
+                 default="out/bench/launch_overhead.csv")
+  p.add_argument("--plot", type=paths.out_file, metavar="PNG", default=None,
                  help="also plot the CSV (its launch_overhead rows)")
   p.add_argument("--replot", action="store_true",
                  help="only plot --out to --plot; measure nothing")

@@ -75,7 +75,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import forge_jax  # noqa: E402
-from benchmarks import common, e2e  # noqa: E402
+from benchmarks import common, e2e, paths  # noqa: E402
 
 ARMS = ("optax", "forge", "forge_int8")
 RESULT_TAG = "LLAMA8B_CELL_RESULT "
@@ -449,8 +449,8 @@ def parse_args(argv):
                  help="timed steps per cell")
   p.add_argument("--warmup", type=common.positive_int, default=2)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default="out/bench/llama8b.csv")
-  p.add_argument("--plot", default=None, metavar="PNG",
+  p.add_argument("--out", type=paths.out_file, default="out/bench/llama8b.csv")
+  p.add_argument("--plot", type=paths.out_file, default=None, metavar="PNG",
                  help="default: --out with .png")
   p.add_argument("--in-process", action="store_true",
                  help="run the cells in this process, one after another, "

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import forge_jax  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks import common, paths  # noqa: E402
 
 MOMENTS = ("int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3/fp8_e5m2")
 
@@ -176,13 +176,13 @@ def main(argv=None) -> int:
   e.add_argument("--tokens", type=int, default=2048)
   e.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 2.5e-4, 1e-3])
   e.add_argument("--seeds", type=int, default=1)
-  e.add_argument("--out", required=True)
+  e.add_argument("--out", type=paths.out_file, required=True)
   s = sub.add_parser("sr", help="stochastic rounding vs round-to-nearest")
   s.add_argument("--steps", type=int, default=200)
   s.add_argument("--lr", type=float, default=1e-4)
   s.add_argument("--hidden", type=int, default=128)
   s.add_argument("--seeds", type=int, default=3)
-  s.add_argument("--out", required=True)
+  s.add_argument("--out", type=paths.out_file, required=True)
   args = p.parse_args(argv)
   for name in ("seeds", "tokens", "steps", "hidden"):
     if getattr(args, name, 1) < 1:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 import forge_jax
-from benchmarks import common
+from benchmarks import common, paths
 
 
 class Stack(nn.Module):
@@ -97,7 +97,7 @@ def arms(width, layers, optimizer="adamw"):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/bench/memory.csv")
+  p.add_argument("--out", type=paths.out_file, default="out/bench/memory.csv")
   p.add_argument("--hlo-dir", default=None)
   p.add_argument("--width", type=common.positive_int, default=4096)
   p.add_argument("--layers", type=common.positive_int, nargs="+",

@@ -22,6 +22,8 @@ import csv
 import io
 import sys
 
+from benchmarks import paths
+
 
 def read_launches(path: str, kernels=()) -> list[dict]:
   """``[{"id", "kernel", "block", "grid", "device", "cc",
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
   p.add_argument("--device", default=None,
                  help="the profiled GPU's name, written before the device "
                  "column's cuda:<index> (ncu's CSV has only the index)")
-  p.add_argument("--out", default="-", help="CSV path (default: stdout)")
+  p.add_argument("--out", type=paths.out_file_or_stdout,
+                 default="-", help="CSV path (default: stdout)")
   args = p.parse_args(argv)
   try:
     launches = read_launches(args.log, args.kernels)

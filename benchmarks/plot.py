@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from benchmarks import common
+from benchmarks import common, paths
 
 PROVIDERS = ["xla_unfused", "xla_gemm", "xla_adamw", "forge_mainloop", "forge",
              "torch", "forge_torch"]
@@ -67,7 +67,7 @@ def plot(src: str, dst: str) -> int:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("csv", help="a benchmarks/kernel.py CSV")
-  p.add_argument("png", help="where to write the plot")
+  p.add_argument("png", type=paths.out_file, help="where to write the plot")
   args = p.parse_args(argv)
   if not os.path.exists(args.csv):
     p.error(f"no CSV at {args.csv}")

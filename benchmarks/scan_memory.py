@@ -28,6 +28,8 @@ import subprocess
 import sys
 import warnings
 
+from benchmarks import paths
+
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 # The cells run in the repository (``python -m benchmarks.scan_memory``).
@@ -67,7 +69,8 @@ def cell(arm: str, layers: int, width: int, tokens: int) -> dict:
 def main(argv=None):
   from benchmarks import common
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/bench/scan_memory.csv")
+  p.add_argument("--out", type=paths.out_file,
+                 default="out/bench/scan_memory.csv")
   p.add_argument("--layers", type=common.positive_int, default=16)
   p.add_argument("--width", type=common.positive_int, default=4096)
   p.add_argument("--tokens", type=common.positive_int, default=512)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import common
+from benchmarks import common, paths
 
 ARMS = ("torch", "forge_torch", "forge_torch_shared", "forge_torch_dlpack",
         "jax")
@@ -275,7 +275,8 @@ def plot(src: str, dst: str) -> int:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/bench/torch_call.csv")
+  p.add_argument("--out", type=paths.out_file,
+                 default="out/bench/torch_call.csv")
   p.add_argument("--tokens", type=common.positive_int, nargs="+",
                  default=[512, 2048])
   p.add_argument("--shapes", nargs="+", default=list(common.LLAMA8B_SHAPES),
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
                  help="calls per timed loop")
   p.add_argument("--reps", type=common.positive_int, default=7,
                  help="timed loops per arm")
-  p.add_argument("--plot", metavar="PNG", default=None,
+  p.add_argument("--plot", type=paths.out_file, metavar="PNG", default=None,
                  help="also plot the CSV (all its torch_call rows)")
   p.add_argument("--replot", action="store_true",
                  help="only plot --out to --plot; measure nothing")

@@ -140,7 +140,7 @@ except ImportError as e:  # run as a command: one line, exit 1, as the rest
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from benchmarks import common, e2e  # noqa: E402
+from benchmarks import common, e2e, paths  # noqa: E402
 
 BENCHMARK = "torch_e2e"
 PAIRED_BENCHMARK = "torch_e2e_paired"
@@ -1015,10 +1015,10 @@ def parse_args(argv):
                  help=f"first run both arms {CHECK_STEPS} steps on a tiny "
                  f"fp32 decoder and compare the parameters (<= {CHECK_RTOL:g}"
                  " relative)")
-  p.add_argument("--out", default=None,
+  p.add_argument("--out", type=paths.out_file, default=None,
                  help="CSV (appended; default out/bench/torch_e2e.csv)")
-  p.add_argument("--plot", default=None, metavar="PNG")
-  p.add_argument("--out-dir", default=None, metavar="DIR",
+  p.add_argument("--plot", type=paths.out_file, default=None, metavar="PNG")
+  p.add_argument("--out-dir", type=paths.out_dir, default=None, metavar="DIR",
                  help="write DIR/torch_e2e.csv and DIR/torch_e2e.png "
                  "(instead of --out and --plot)")
   p.add_argument("--replot", action="store_true",

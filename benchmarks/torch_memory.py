@@ -53,6 +53,8 @@ import subprocess
 import sys
 import warnings
 
+from benchmarks import paths
+
 # The children run in the repository (``python -m benchmarks.torch_memory``).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # JAX shares the GPU with torch: no 75% preallocation (before JAX starts).
@@ -173,7 +175,8 @@ def append_rows(path: str, rows: list[dict]) -> None:
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--out", required=True, help="CSV file (appended)")
+  ap.add_argument("--out", type=paths.out_file,
+                  required=True, help="CSV file (appended)")
   ap.add_argument("--layers", type=int, default=8)
   ap.add_argument("--dim", type=int, default=4096)
   ap.add_argument("--bt", default="2048,256,128",

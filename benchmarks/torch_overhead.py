@@ -54,7 +54,7 @@ import statistics
 import sys
 import time
 
-from benchmarks import common
+from benchmarks import common, paths
 
 PHASES = ("forward", "backward", "step", "zero_grad")
 ARMS = ("torch", "forge", "floor", "lean")
@@ -228,7 +228,8 @@ def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="out/bench/torch_overhead.csv")
+  p.add_argument("--out", type=paths.out_file,
+                 default="out/bench/torch_overhead.csv")
   p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
   p.add_argument("--launch", default=None, choices=("stub", "direct"),
                  help="on the CPU: what stands in for the fused update "

@@ -584,3 +584,118 @@ def test_torch_overhead_refuses_a_stand_in_on_cuda(capsys):
     torch_overhead.main(["--device", "cuda", "--launch", "direct"])
   assert e.value.code == 2
   assert "--launch is for the CPU" in capsys.readouterr().err
+
+
+# --- output paths: checked when the command line is parsed ----------------
+# (module, the arguments before the output flag, the flag); each module's
+# every flag that names a file or folder it writes.
+OUTPUTS = [
+    ("backends", [], "--out"), ("backends", [], "--plot"),
+    ("bf16_error", [], "--out"),
+    ("clipping", [], "--out"), ("clipping", [], "--plot"),
+    ("e2e", [], "--out"), ("e2e", [], "--plot"),
+    ("e2e_paired", [], "--out"), ("e2e_paired", [], "--plot"),
+    ("e2e_profile", [], "--out"),
+    ("epilogue_probe", [], "--out"),
+    ("families", [], "--out"),
+    ("kernel", [], "--out"),
+    ("launch_overhead", [], "--out"), ("launch_overhead", [], "--plot"),
+    ("llama8b", [], "--out"), ("llama8b", [], "--plot"),
+    ("low_precision", ["error"], "--out"), ("low_precision", ["sr"], "--out"),
+    ("memory", [], "--out"),
+    ("ncu_summary", ["ncu.csv"], "--out"),
+    ("plot", ["k.csv"], None),
+    ("scan_memory", [], "--out"),
+    ("torch_call", [], "--out"), ("torch_call", [], "--plot"),
+    ("torch_e2e", [], "--out"), ("torch_e2e", [], "--plot"),
+    ("torch_e2e", [], "--out-dir"),
+    ("torch_memory", [], "--out"),
+    ("torch_overhead", [], "--out"),
+]
+FOLDERS = {("epilogue_probe", "--out"), ("torch_e2e", "--out-dir")}
+
+
+def _parse_only(module, argv, monkeypatch):
+  """Runs ``module``'s main on ``argv`` with everything after the parse
+  refused: returns its exit code (argparse's 2) or fails."""
+  import argparse
+  import importlib
+  if module.startswith("torch_"):
+    pytest.importorskip("torch")
+  mod = importlib.import_module(f"benchmarks.{module}")
+  real = argparse.ArgumentParser.parse_args
+
+  def parse_args(self, args=None, namespace=None):
+    real(self, args, namespace)
+    raise AssertionError(f"{module}: {argv} parsed; the path was not refused")
+
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+  with pytest.raises(SystemExit) as e:
+    if module == "torch_memory":
+      monkeypatch.setattr(sys, "argv", ["torch_memory.py", *argv])
+      mod.main()
+    else:
+      mod.main(argv)
+  return e.value.code
+
+
+@pytest.mark.parametrize("module,before,flag", OUTPUTS)
+def test_an_output_path_that_cannot_be_written_is_refused_before_running(
+    tmp_path, monkeypatch, capsys, module, before, flag):
+  """A folder where a file goes (a file where a folder goes), and a path
+  under a regular file: one usage line naming the path, before anything is
+  measured (a benchmark used to run, then fail writing its CSV or plot)."""
+  blocker = tmp_path / "a-file"
+  blocker.write_text("")
+  folder_flag = (module, flag) in FOLDERS
+  wrong_kind = blocker if folder_flag else tmp_path
+  for path, says in ((wrong_kind, "a file" if folder_flag else "a folder"),
+                     (blocker / "sub" / "out.csv", "cannot write")):
+    argv = before + ([str(path)] if flag is None else [flag, str(path)])
+    if module == "plot":
+      argv = ["k.csv", str(path)]
+    assert _parse_only(module, argv, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert says in err and str(path) in err, err
+    assert "Traceback" not in err
+  assert sorted(os.listdir(tmp_path)) == ["a-file"]
+
+
+def test_an_output_path_check_leaves_no_file_behind(tmp_path):
+  """The check creates a missing file (and its missing folders) to learn
+  that it can be written, then removes them; an existing file is opened
+  for appending and kept as it was."""
+  from benchmarks import paths
+  new = tmp_path / "made" / "deeper" / "r.csv"
+  assert paths.out_file(str(new)) == str(new)
+  assert not (tmp_path / "made").exists()
+  old = tmp_path / "old.csv"
+  old.write_text("a,b\n1,2\n")
+  assert paths.out_file(str(old)) == str(old)
+  assert old.read_text() == "a,b\n1,2\n"
+  assert paths.out_file_or_stdout("-") == "-"
+  d = tmp_path / "d" / "e"
+  assert paths.out_dir(str(d)) == str(d) and not (tmp_path / "d").exists()
+  d.mkdir(parents=True)
+  assert paths.out_dir(str(d)) == str(d) and os.listdir(d) == []
+  assert sorted(os.listdir(tmp_path)) == ["d", "old.csv"]
+
+
+def test_every_output_flag_is_checked_when_parsed():
+  """Each benchmark flag named --out, --plot or --out-dir takes one of
+  benchmarks/paths.py's types, and the test above covers it."""
+  import re
+  found, unchecked = set(), []
+  bench = os.path.join(ROOT, "benchmarks")
+  for name in sorted(os.listdir(bench)):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(bench, name)) as f:
+      text = f.read()
+    for m in re.finditer(r'add_argument\(\s*"(--out|--plot|--out-dir)",'
+                         r'([^)]*)', text):
+      found.add((name[:-3], m.group(1)))
+      if "type=paths." not in m.group(2):
+        unchecked.append((name, m.group(1)))
+  assert not unchecked
+  assert found == {(m, f) for m, _, f in OUTPUTS if f is not None}

@@ -1,0 +1,76 @@
+"""argparse types for the files and folders a benchmark writes.
+
+Checked when the command line is parsed, before anything is measured: a
+path that cannot be written (a folder where a file goes, a read-only or
+missing place) is a one-line usage error instead of a traceback after the
+measurement. No JAX or torch import (the torch benchmarks use it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+
+
+def _why(e: OSError) -> str:
+  return e.strerror or str(e)
+
+
+def out_file(path: str) -> str:
+  """A file a benchmark writes (a CSV it appends to, a plot): opened for
+  appending once, its missing folders made for it; what this check made
+  (the file, the folders) is removed again."""
+  full = os.path.abspath(path)
+  if os.path.isdir(full):
+    raise argparse.ArgumentTypeError(f"{path!r} is a folder; give a file")
+  with _made_folders(path, os.path.dirname(full)):
+    try:
+      fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+      fd = os.open(full, os.O_WRONLY | os.O_APPEND)
+      os.close(fd)
+    else:
+      os.close(fd)
+      os.remove(full)
+  return path
+
+
+def out_file_or_stdout(path: str) -> str:
+  """:func:`out_file`, or ``-`` (standard output)."""
+  return path if path == "-" else out_file(path)
+
+
+def out_dir(path: str) -> str:
+  """A folder a benchmark writes files into: a file created in it once and
+  removed; the folder, if missing, made for that and removed again."""
+  full = os.path.abspath(path)
+  if os.path.exists(full) and not os.path.isdir(full):
+    raise argparse.ArgumentTypeError(f"{path!r} is a file; give a folder")
+  with _made_folders(path, full):
+    with tempfile.TemporaryFile(dir=full):
+      pass
+  return path
+
+
+@contextlib.contextmanager
+def _made_folders(path: str, folder: str):
+  """Makes ``folder`` (and its missing parents) for the body, then removes
+  the ones it made; an ``OSError`` of either becomes the usage error that
+  names ``path``."""
+  missing, f = [], folder
+  while not os.path.exists(f) and os.path.dirname(f) != f:
+    missing.append(f)
+    f = os.path.dirname(f)
+  try:
+    try:
+      os.makedirs(folder, exist_ok=True)
+      yield
+    finally:
+      for f in missing:  # deepest first
+        if os.path.isdir(f):
+          os.rmdir(f)
+  except OSError as e:
+    raise argparse.ArgumentTypeError(
+        f"cannot write {path!r}: {_why(e)}") from None
