@@ -362,6 +362,30 @@ class _ForgeOptimizer:
     position ``i`` in param group ``g``."""
     return self._forge_seed
 
+  @moments.setter
+  def moments(self, value) -> None:
+    self._forge_refuse_set("moments")
+
+  @stochastic_rounding.setter
+  def stochastic_rounding(self, value) -> None:
+    self._forge_refuse_set("stochastic_rounding")
+
+  @seed.setter
+  def seed(self, value) -> None:
+    self._forge_refuse_set("seed")
+
+  def _forge_refuse_set(self, name: str) -> None:
+    """A constructor-only option set afterwards: the state already held
+    was formed under the old one (codes, their scales, rounding seeds)."""
+    cls = type(self).__name__
+    raise AttributeError(
+        f"forge_torch.{cls}.{name} is set when the optimizer is built "
+        f"({cls}(params, ..., {name}=...)): the state it holds was formed "
+        "under the current one. Build a new optimizer with the new value "
+        "(load_state_dict converts a checkpoint's moments to its format). "
+        "max_grad_norm, accumulate_steps and restore_buffers can be set "
+        "between steps.")
+
   def _forge_moment_format(self, p: torch.Tensor) -> MomentFormat | None:
     """The format of managed weight ``p``'s moments, or ``None`` (float
     moments: ``moments=None``, or fewer than 4096 elements)."""
@@ -2109,6 +2133,20 @@ class _ForgeOptimizer:
           # step below does not update the weight a second time.
           p.grad = None
           continue
+        if p not in self._forge_updated:  # a micro-batch's G held
+          raise RuntimeError(
+              f"the FORGE-managed {_linear.weight_name(p)} has gradients of "
+              "this accumulation window (accumulate_steps="
+              f"{self._forge_accumulate_steps}) in FORGE's buffer, from "
+              "micro-batches its forge_torch.Linear ran fused, AND a "
+              "nonzero ordinary gradient: from a micro-batch of the window "
+              "that the layer ran with fused = False, another use of the "
+              "weight (a tied or shared one), or an earlier step that no "
+              "zero_grad() cleared. The two cannot be summed: change a "
+              "layer's fused only right after optimizer.step(), keep layers "
+              "that share a weight as nn.Linear (forge_torch.convert() does "
+              "so), and clear gradients with optimizer.zero_grad() after "
+              "each step. " + _STEP_LEFT_OPEN)
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} was updated by its "
             "forge_torch.Linear's backward AND has a nonzero ordinary "
@@ -2118,7 +2156,8 @@ class _ForgeOptimizer:
             "applies the update as soon as its layer's gradient is formed, "
             "so it cannot add that gradient: keep the layers that share this "
             "weight as nn.Linear (forge_torch.convert() does so), and clear "
-            "gradients with optimizer.zero_grad() after each step.")
+            "gradients with optimizer.zero_grad() after each step. "
+            + _STEP_LEFT_OPEN)
       if _distributed.is_sharded(p):
         continue  # fully_shard's gradient (its update refuses the options)
       quantized = self._forge_moment_format(p) is not None or any(
@@ -2143,7 +2182,7 @@ class _ForgeOptimizer:
             f"torch.optim.{type(self).__name__}'s own step cannot create or "
             "update. "
             "Keep the layer fused, or build the optimizer with "
-            "moments=None.")
+            "moments=None. " + _STEP_LEFT_OPEN)
       if rounded:
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} received an "
@@ -2151,7 +2190,7 @@ class _ForgeOptimizer:
             "optimizer was built with stochastic_rounding=True, which "
             f"torch.optim.{type(self).__name__}'s own step cannot apply (it "
             "rounds to nearest). Keep the layer fused, or build the "
-            "optimizer with stochastic_rounding=False.")
+            "optimizer with stochastic_rounding=False. " + _STEP_LEFT_OPEN)
     # fully_shard with accumulate_steps > 1: the summed sharded gradients.
     # (DDP: ordinary gradients of prepared weights, from a layer run
     # unfused, were averaged by their hooks in backward.)
@@ -2276,6 +2315,15 @@ class _UpdatePlan:
 def _members(groups) -> list[tuple[int, ...]]:
   """Which parameters each param group holds, by identity."""
   return [tuple(map(_key, g["params"])) for g in groups]
+
+
+# Said by step()'s refusals of an ordinary gradient on a managed weight,
+# which come before anything of the step is applied.
+_STEP_LEFT_OPEN = (
+    "This step() applied nothing, and the step stays open (the updates its "
+    "backward applied in place stand): to go on, clear the gradients "
+    "(optimizer.zero_grad()) and call optimizer.step() again, which closes "
+    "it without stepping the other parameters.")
 
 
 def _second_update_message(layer: str) -> str:

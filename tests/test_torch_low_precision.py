@@ -533,3 +533,21 @@ def test_distributed_checkpoint_forms_and_restores_a_fresh_state(options,
   for p, q in zip(restored.parameters(), model.parameters()):
     assert torch.equal(p.view(torch.int16) if dtype == torch.bfloat16 else p,
                        q.view(torch.int16) if dtype == torch.bfloat16 else q)
+
+
+@pytest.mark.parametrize("name,value", [("moments", "int8"),
+                                        ("stochastic_rounding", True),
+                                        ("seed", 3)])
+def test_constructor_only_options_set_later_are_refused_in_words(name, value):
+  """moments, stochastic_rounding and seed are read-only after
+  construction (the state was formed under them): setting one says so,
+  names the constructor argument and what can be set between steps,
+  instead of Python's bare 'property has no setter'."""
+  layer = forge_torch.Linear(8, 4)
+  opt = forge_torch.AdamW(layer.parameters())
+  before = getattr(opt, name)
+  with pytest.raises(AttributeError, match=(
+      rf"AdamW\.{name} is set when the optimizer is built.*{name}=\.\.\..*"
+      "max_grad_norm, accumulate_steps and restore_buffers")):
+    setattr(opt, name, value)
+  assert getattr(opt, name) == before

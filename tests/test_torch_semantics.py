@@ -237,6 +237,57 @@ def test_a_nonzero_leftover_grad_of_an_unfused_step_is_refused():
     opt.step()
 
 
+@pytest.mark.parametrize("case", ["leftover", "window", "int8"])
+def test_a_refused_ordinary_gradient_says_how_to_close_the_step(case):
+  """step()'s refusals of a managed weight's ordinary gradient: a
+  gradient left from an unfused step, a layer run unfused for one
+  micro-batch of an accumulation window (named as such, not as an update
+  applied), an unfused layer under quantized moments. Each says that the
+  step stays open and how to close it; doing so (zero_grad(), step())
+  lets training go on."""
+  torch.manual_seed(0)
+  width = 64 if case == "int8" else 8  # (int8 codes from 4096 elements)
+  model = nn.Sequential(nn.Linear(width, width), nn.Tanh(),
+                        nn.Linear(width, width))
+  forge_torch.convert(model)
+  g = torch.Generator().manual_seed(1)
+  x, y = torch.randn(4, width, generator=g), torch.randn(4, width, generator=g)
+  loss = lambda: F.mse_loss(model(x), y).backward()  # noqa: E731
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-2,
+                          moments="int8" if case == "int8" else None)
+  if case == "window":
+    opt.accumulate_steps = 2
+    loss()
+    model[2].fused = False
+    loss()
+    match = r"accumulation window \(accumulate_steps=2\).*fused = False"
+  elif case == "leftover":
+    model[2].fused = False
+    loss()
+    opt.step()  # (no zero_grad(): the unfused step's gradient stays)
+    model[2].fused = True
+    loss()
+    match = "nonzero ordinary gradient"
+  else:
+    loss()
+    opt.step()
+    opt.zero_grad()
+    model[2].fused = False
+    loss()
+    match = "int8 codes"
+  with pytest.raises(RuntimeError, match=match + r".*step stays open.*"
+                     r"optimizer\.zero_grad\(\).*optimizer\.step\(\)"):
+    opt.step()
+  opt.zero_grad()
+  opt.step()
+  model[2].fused = True
+  before = model[0].weight.detach().clone()
+  for _ in range(opt.accumulate_steps):
+    loss()
+  opt.step()
+  assert not torch.equal(model[0].weight, before)
+
+
 def test_a_modules_zero_grad_then_a_step_without_the_layer_is_torchs():
   """A zero .grad left by the module's zero_grad(set_to_none=False) on a
   managed weight whose layer then runs no backward: torch steps the weight
