@@ -265,17 +265,15 @@ def widened_like_optax(inj: Injected, opt_state, params):
   optax's step promotes the state it multiplies by them: a bfloat16
   parameter's first moment (``b1 * mu``, no ``mu_dtype``) comes back
   float32, and stays so. A FORGE kernel returns its slots in their own
-  dtypes (in place), so the slots are widened before the step, as optax's
-  arithmetic widens them (exactly: every bfloat16 value is a float32
-  one); from the first step on they are float32 already and nothing is
-  cast. Read from ``jax.eval_shape`` of the transform's own ``update``
-  (no computation), so whatever optax's promotion does is followed; not
-  traced at all where no floating leaf of the state is narrower than the
-  hyperparameters (an fp32 model), and run instead in an eager step whose
-  update optax cannot trace.
+  dtypes (in place; a regime-3 kernel's state, stepped by optax's update,
+  is stored back in its slots' dtypes too), so the slots are widened
+  before the step, as optax's arithmetic widens them (exactly: every
+  bfloat16 value is a float32 one); from the first step on they are
+  float32 already and nothing is cast. Not traced at all where no
+  floating leaf of the state is narrower than the hyperparameters (an
+  fp32 model); see :func:`widened_by`.
   """
   check_state(opt_state)  # (before optax's update reads it)
-  leaves, treedef = jax.tree.flatten(opt_state)
   widths = [jnp.dtype(h.dtype).itemsize
             for h in jax.tree.leaves(opt_state.hyperparams)
             if jnp.issubdtype(getattr(h, "dtype", jnp.int32), jnp.floating)]
@@ -284,9 +282,31 @@ def widened_like_optax(inj: Injected, opt_state, params):
       for a in jax.tree.leaves(opt_state.inner_state)
       if jnp.issubdtype(getattr(a, "dtype", jnp.int32), jnp.floating)):
     return opt_state  # (nothing narrower than the hyperparameters)
+  return widened_by(inj.tx.update, opt_state, params)
+
+
+def has_narrow_floats(opt_state) -> bool:
+  """Whether a floating leaf of ``opt_state`` is narrower than float32
+  (a bfloat16 or float16 model's state), which optax's update may widen
+  (:func:`widened_by`)."""
+  return any(jnp.issubdtype(getattr(a, "dtype", jnp.int32), jnp.floating)
+             and jnp.dtype(a.dtype).itemsize < 4
+             for a in jax.tree.leaves(opt_state))
+
+
+def widened_by(update, opt_state, params):
+  """``opt_state`` with each floating leaf that ``update`` (an optax
+  update: ``update(grads, state, params) -> (updates, state)``) returns
+  in a wider dtype cast to it beforehand. A hyperparameter that is not
+  weakly typed (injected, or a NumPy / JAX float32 scalar given to the
+  factory) promotes a bfloat16 moment it multiplies to float32, which
+  optax then keeps. Read from ``jax.eval_shape`` of ``update`` (no
+  computation), so whatever optax's promotion does is followed; run
+  instead in an eager step whose update optax cannot trace."""
+  leaves, treedef = jax.tree.flatten(opt_state)
 
   def new_state(g, p):
-    return inj.tx.update(g, opt_state, p)[1]
+    return update(g, opt_state, p)[1]
 
   try:
     out = jax.eval_shape(new_state, params, params)

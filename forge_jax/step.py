@@ -828,9 +828,14 @@ def make_step(
         clipping.member if clipping is not None else tx, state_in, params)
     spec = (tx.spec if injected is None
             else _inject.spec_for(injected, state_in, params))
-    if injected is not None and spec.regime != 3:  # (regime 3: optax's
-      # own update steps each kernel) optax's promotion of the state, first
+    # optax's promotion of the state, first (the kernels store their slots
+    # in the slots' own dtypes)
+    if injected is not None:
       state_in = _inject.widened_like_optax(injected, state_in, params)
+    elif spec.low_precision is None and _inject.has_narrow_floats(state_in):
+      state_in = _inject.widened_by(
+          (clipping.member if clipping is not None else tx).update, state_in,
+          params)
     if spec.low_precision is not None and mesh_layout is not None:
       raise ValueError(
           f"forge_jax.make_step(mesh_layout=...): forge_jax.{spec.family} "

@@ -269,6 +269,54 @@ def test_inject_hyperparams_widens_bf16_moments_as_optax():
   assert_trees_close(sf, sr, tol(jnp.bfloat16), what="opt_state")
 
 
+def _inject32(family):
+  return lambda lib, **kw: optax.inject_hyperparams(
+      getattr(lib, family), hyperparam_dtype=jnp.float32)(**kw)
+
+
+def _factory(family, **fixed):
+  return lambda lib, **kw: getattr(lib, family)(**fixed, **kw)
+
+
+@pytest.mark.parametrize("make,kw", [
+    # A hyperparameter that is not weakly typed (a NumPy float32 scalar)
+    # promotes a bf16 moment it multiplies to float32: regime 1 (the
+    # kernel's slots), regime 3 (optax's update, stored back in them).
+    (_factory("sgd", momentum=np.float32(0.9)), dict(learning_rate=5e-2)),
+    (_factory("adamw", b1=np.float32(0.9)), dict(learning_rate=1e-2)),
+    (_factory("rmsprop", decay=np.float32(0.9)), dict(learning_rate=1e-2)),
+    (_factory("lars", momentum=np.float32(0.9)), dict(learning_rate=5e-2)),
+    # Injected float32 hyperparameters, regime 3.
+    (_inject32("lars"), dict(learning_rate=5e-2)),
+    (_inject32("sm3"), dict(learning_rate=5e-2)),
+], ids=["sgd", "adamw", "rmsprop", "lars", "lars_injected", "sm3_injected"])
+def test_a_bf16_models_state_keeps_optaxs_promoted_dtypes(make, kw):
+  """Where optax's step promotes a bfloat16 parameter's state to float32
+  and keeps it there (a float32 hyperparameter that is not weakly typed,
+  no mu_dtype), the FORGE kernels' state does too: the same dtypes leaf
+  by leaf (they had stayed bfloat16, rounded at every step), the values
+  within the bf16 bar."""
+  model_kw = {"param_dtype": jnp.bfloat16}
+  forge_tx, optax_tx = make(forge_jax, **kw), make(optax, **kw)
+  bs = batches(3)
+  mf, mr = MLP(forge_jax.Dense, model_kw), MLP(nn.Dense, model_kw)
+  v = mr.init(jax.random.key(0), bs[0][0])
+  fs = jax.jit(forge_jax.make_step(mse(mf), forge_tx))
+  rs = jax.jit(reference_step(mse(mr), optax_tx))
+  vf, sf = v, forge_tx.init(v["params"])
+  vr, sr = v, optax_tx.init(v["params"])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  dtypes = lambda t: jax.tree.map(lambda a: jnp.dtype(a.dtype), t)
+  assert dtypes(sf) == dtypes(sr)
+  kernel_state = [a.dtype for k, a in jax.tree_util.tree_leaves_with_path(sr)
+                  if "kernel" in jax.tree_util.keystr(k)]
+  assert jnp.float32 in kernel_state  # (optax's widening)
+  assert_trees_close(vf, vr, tol(jnp.bfloat16), what="variables")
+  assert_trees_close(sf, sr, tol(jnp.bfloat16), what="opt_state")
+
+
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
 def test_an_eager_injected_step_may_branch_on_a_hyperparameter(param_dtype):
   """optax's Adafactor branches in Python on min_dim_size_to_factor, which
