@@ -179,14 +179,20 @@ def _run_cycles(forge_tx, optax_tx, optax_ms, mode, data, model=MLP,
         assert err <= F32_TOL, (
             f"call {call}: {what} vs optax.MultiSteps: worst {where}: {err:.3g}")
         worst_ms = max(worst_ms, err)
-    # The cycle equals one optax step on the concatenated micro-batches.
+    # The cycle equals one optax step on the concatenated micro-batches, up
+    # to the order of G's sums (a mean of micro-batch means against one
+    # mean; Adam's normalisation magnifies it where G's terms cancel):
+    # no further from it than optax.MultiSteps' own cycle is, within the
+    # fp32 bar.
     v_one, s_one = ref_cycles[cycle]
-    for what, a, e in (("params", v_f, v_one),
-                       ("inner state", s_f.inner_opt_state, s_one)):
+    for what, a, m, e in (
+        ("params", v_f, v_ms, v_one),
+        ("inner state", s_f.inner_opt_state, s_ms.inner_opt_state, s_one)):
       err, where = worst_leaf(a, e)
-      assert err <= F32_TOL, (
+      reordered, _ = worst_leaf(m, e)
+      assert err <= F32_TOL + reordered, (
           f"cycle {cycle}: {what} vs one step on the concatenated batch: "
-          f"worst {where}: {err:.3g}")
+          f"worst {where}: {err:.3g} (optax.MultiSteps: {reordered:.3g})")
       worst_one = max(worst_one, err)
   assert not _same_bits(v_f, variables), "training did not move the weights"
   if mode == "exact":  # the accumulators are reset at the end of a cycle
