@@ -285,6 +285,12 @@ def widened_like_optax(inj: Injected, opt_state, params):
   return widened_by(inj.tx.update, opt_state, params)
 
 
+# What tracing an update that needs concrete values raises.
+_NEEDS_VALUES = (jax.errors.ConcretizationTypeError,
+                 jax.errors.TracerArrayConversionError,
+                 jax.errors.TracerIntegerConversionError)
+
+
 def has_narrow_floats(opt_state) -> bool:
   """Whether a floating leaf of ``opt_state`` is narrower than float32
   (a bfloat16 or float16 model's state), which optax's update may widen
@@ -310,11 +316,12 @@ def widened_by(update, opt_state, params):
 
   try:
     out = jax.eval_shape(new_state, params, params)
-  except jax.errors.ConcretizationTypeError:
-    # optax's update branches in Python on a hyperparameter: only an eager
-    # step (a concrete state) can run it, so it runs here; a traced one
-    # is left as it is (optax's own jitted step fails there too, without
-    # static_args, and so will the step's update of the other parameters).
+  except _NEEDS_VALUES:
+    # optax's update branches in Python on a hyperparameter, or reads an
+    # array with NumPy (a weight-decay mask, say): only an eager step (a
+    # concrete state) can run it, so it runs here; a traced one is left as
+    # it is (optax's own jitted step fails there too, and so will the
+    # step's update of the other parameters).
     if any(isinstance(a, jax.core.Tracer) for a in leaves):
       return opt_state
     out = new_state(params, params)

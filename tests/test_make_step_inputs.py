@@ -385,20 +385,37 @@ def test_a_clipped_chains_state_and_a_plain_one_are_not_exchanged(
   assert bool(jnp.isfinite(loss))
 
 
-def test_an_eager_step_whose_init_reads_arrays_with_numpy_matches_optax():
+@pytest.mark.parametrize("param_dtype,b1", [
+    (jnp.float32, 0.9), (jnp.bfloat16, 0.9), (jnp.bfloat16, np.float32(0.9))],
+    ids=["fp32", "bf16", "bf16_promoted"])
+def test_an_eager_step_whose_init_reads_arrays_with_numpy_matches_optax(
+    param_dtype, b1):
   """A weight-decay mask that reads its leaves with NumPy works on concrete
   arrays (an eager step) but not on shapes alone: the state check that
-  traces ``init`` skips it, and the eager step equals optax's."""
+  traces ``init`` skips it, and so does the reading of a bf16 model's
+  state dtypes from optax's update (which then runs it); the eager step
+  equals optax's, in optax's dtypes (a float32 b1 promotes ``mu``)."""
   def mask(params):
     return jax.tree.map(lambda a: bool(np.asarray(a).ndim > 1), params)
 
   bs = batches(2)
-  mf, mr = MLP(forge_jax.Dense), MLP(nn.Dense)
+  kw = {"param_dtype": param_dtype}
+  mf, mr = MLP(forge_jax.Dense, kw), MLP(nn.Dense, kw)
   v = mr.init(jax.random.key(0), bs[0][0])
-  forge_tx = forge_jax.adamw(1e-2, weight_decay=0.1, mask=mask)
-  optax_tx = optax.adamw(1e-2, weight_decay=0.1, mask=mask)
-  run_both(forge_jax.make_step(mse(mf), forge_tx), forge_tx,
-           reference_step(mse(mr), optax_tx), optax_tx, v, bs)
+  forge_tx = forge_jax.adamw(1e-2, b1=b1, weight_decay=0.1, mask=mask)
+  optax_tx = optax.adamw(1e-2, b1=b1, weight_decay=0.1, mask=mask)
+  fs, rs = forge_jax.make_step(mse(mf), forge_tx), reference_step(mse(mr),
+                                                                  optax_tx)
+  vf, sf = v, forge_tx.init(v["params"])
+  vr, sr = v, optax_tx.init(v["params"])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  dtypes = lambda t: jax.tree.map(lambda a: jnp.dtype(a.dtype), t)
+  assert dtypes(sf) == dtypes(sr)
+  bar = tol(param_dtype)
+  assert_trees_close(vf, vr, bar, what="variables")
+  assert_trees_close(sf, sr, bar, what="opt_state")
 
 
 # --- has_aux: BatchNorm statistics, metrics -----------------------------------
