@@ -19,21 +19,19 @@ def _why(e: OSError) -> str:
 
 
 def out_file(path: str) -> str:
-  """A file a benchmark writes (a CSV it appends to, a plot): opened for
-  appending once, its missing folders made for it; what this check made
-  (the file, the folders) is removed again."""
+  """A file a benchmark writes (a CSV it appends to, a plot). An existing
+  file is taken as it is (``--replot`` and ``--table`` only read it, also
+  where it cannot be written); a missing one is created once, its missing
+  folders made for it, and what this check made is removed again."""
   full = os.path.abspath(path)
   if os.path.isdir(full):
     raise argparse.ArgumentTypeError(f"{path!r} is a folder; give a file")
+  if os.path.exists(full):
+    return path
   with _made_folders(path, os.path.dirname(full)):
-    try:
-      fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except FileExistsError:
-      fd = os.open(full, os.O_WRONLY | os.O_APPEND)
-      os.close(fd)
-    else:
-      os.close(fd)
-      os.remove(full)
+    fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    os.close(fd)
+    os.remove(full)
   return path
 
 

@@ -87,7 +87,7 @@ def main(argv=None):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.scan_memory", "--cell", arm,
          "--layers", str(args.layers), "--width", str(args.width),
-         "--tokens", str(args.tokens)],
+         "--tokens", str(args.tokens), "--out", os.path.abspath(args.out)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode or not line:

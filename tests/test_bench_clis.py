@@ -661,17 +661,22 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_running(
   assert sorted(os.listdir(tmp_path)) == ["a-file"]
 
 
-def test_an_output_path_check_leaves_no_file_behind(tmp_path):
+def test_an_output_path_check_leaves_no_file_behind(tmp_path, monkeypatch):
   """The check creates a missing file (and its missing folders) to learn
-  that it can be written, then removes them; an existing file is opened
-  for appending and kept as it was."""
+  that it can be written, then removes them; an existing file is taken as
+  it is, never opened (--replot and --table only read it, also where it
+  cannot be written: a read-only copy of the results)."""
   from benchmarks import paths
   new = tmp_path / "made" / "deeper" / "r.csv"
   assert paths.out_file(str(new)) == str(new)
   assert not (tmp_path / "made").exists()
   old = tmp_path / "old.csv"
   old.write_text("a,b\n1,2\n")
-  assert paths.out_file(str(old)) == str(old)
+  with monkeypatch.context() as m:
+    def refused(*a, **k):
+      raise PermissionError(30, "Read-only file system")
+    m.setattr(paths.os, "open", refused)
+    assert paths.out_file(str(old)) == str(old)
   assert old.read_text() == "a,b\n1,2\n"
   assert paths.out_file_or_stdout("-") == "-"
   d = tmp_path / "d" / "e"
@@ -699,3 +704,35 @@ def test_every_output_flag_is_checked_when_parsed():
         unchecked.append((name, m.group(1)))
   assert not unchecked
   assert found == {(m, f) for m, _, f in OUTPUTS if f is not None}
+
+
+def test_scan_memory_cells_check_the_parents_out_not_the_default(
+    tmp_path, monkeypatch):
+  """scan_memory's cells get the parent's --out (absolute): a cell's
+  command line is checked like the parent's, so a cell left with the
+  default would check out/bench/ in the repository, failing where that
+  cannot be written though the parent's --out can."""
+  from benchmarks import scan_memory
+  calls = []
+
+  class Done:
+    returncode = 0
+    stdout = ('RESULT {"arm": "a", "temp": 1, "base": 1, "peak": 2, '
+              '"step_peak": 1, "losses": [1.0], "device": "cpu:cpu"}')
+    stderr = ""
+
+  real = scan_memory.subprocess.run
+
+  def run(cmd, **kw):
+    if cmd[:3] != [sys.executable, "-m", "benchmarks.scan_memory"]:
+      return real(cmd, **kw)  # (the CSV's commit column: git)
+    calls.append(cmd)
+    return Done()
+
+  monkeypatch.setattr(scan_memory.subprocess, "run", run)
+  out = tmp_path / "s.csv"
+  scan_memory.main(["--out", str(out), "--layers", "2", "--width", "64",
+                    "--tokens", "16"])
+  assert len(calls) == 2 and out.exists()
+  for cmd in calls:
+    assert cmd[cmd.index("--out") + 1] == str(out)
