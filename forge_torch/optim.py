@@ -2146,7 +2146,7 @@ class _ForgeOptimizer:
               "layer's fused only right after optimizer.step(), keep layers "
               "that share a weight as nn.Linear (forge_torch.convert() does "
               "so), and clear gradients with optimizer.zero_grad() after "
-              "each step. " + _STEP_LEFT_OPEN)
+              "each step. " + _step_left_open(self))
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} was updated by its "
             "forge_torch.Linear's backward AND has a nonzero ordinary "
@@ -2157,7 +2157,7 @@ class _ForgeOptimizer:
             "so it cannot add that gradient: keep the layers that share this "
             "weight as nn.Linear (forge_torch.convert() does so), and clear "
             "gradients with optimizer.zero_grad() after each step. "
-            + _STEP_LEFT_OPEN)
+            + _step_left_open(self))
       if _distributed.is_sharded(p):
         continue  # fully_shard's gradient (its update refuses the options)
       quantized = self._forge_moment_format(p) is not None or any(
@@ -2182,7 +2182,7 @@ class _ForgeOptimizer:
             f"torch.optim.{type(self).__name__}'s own step cannot create or "
             "update. "
             "Keep the layer fused, or build the optimizer with "
-            "moments=None. " + _STEP_LEFT_OPEN)
+            "moments=None. " + _step_left_open(self))
       if rounded:
         raise RuntimeError(
             f"the FORGE-managed {_linear.weight_name(p)} received an "
@@ -2190,7 +2190,8 @@ class _ForgeOptimizer:
             "optimizer was built with stochastic_rounding=True, which "
             f"torch.optim.{type(self).__name__}'s own step cannot apply (it "
             "rounds to nearest). Keep the layer fused, or build the "
-            "optimizer with stochastic_rounding=False. " + _STEP_LEFT_OPEN)
+            "optimizer with stochastic_rounding=False. "
+            + _step_left_open(self))
     # fully_shard with accumulate_steps > 1: the summed sharded gradients.
     # (DDP: ordinary gradients of prepared weights, from a layer run
     # unfused, were averaged by their hooks in backward.)
@@ -2317,13 +2318,19 @@ def _members(groups) -> list[tuple[int, ...]]:
   return [tuple(map(_key, g["params"])) for g in groups]
 
 
-# Said by step()'s refusals of an ordinary gradient on a managed weight,
-# which come before anything of the step is applied.
-_STEP_LEFT_OPEN = (
-    "This step() applied nothing, and the step stays open (the updates its "
-    "backward applied in place stand): to go on, clear the gradients "
-    "(optimizer.zero_grad()) and call optimizer.step() again, which closes "
-    "it without stepping the other parameters.")
+def _step_left_open(opt) -> str:
+  """Said by step()'s refusals of an ordinary gradient on a managed
+  weight, which come before anything else of the step is applied: how to
+  close the step (with max_grad_norm a step takes a closure; one that runs
+  no backward closes it)."""
+  again = ("optimizer.step(lambda: None) (with max_grad_norm a step takes "
+           "a closure; this one runs no backward)"
+           if opt._forge_max_grad_norm is not None
+           else "optimizer.step() again")
+  return ("This step() applied nothing else, and the step stays open (the "
+          "updates its backward applied in place stand): to go on, clear "
+          f"the gradients (optimizer.zero_grad()) and call {again}, which "
+          "closes it without stepping the other parameters.")
 
 
 def _second_update_message(layer: str) -> str:

@@ -237,14 +237,15 @@ def test_a_nonzero_leftover_grad_of_an_unfused_step_is_refused():
     opt.step()
 
 
-@pytest.mark.parametrize("case", ["leftover", "window", "int8"])
+@pytest.mark.parametrize("case", ["leftover", "window", "int8", "clipped"])
 def test_a_refused_ordinary_gradient_says_how_to_close_the_step(case):
   """step()'s refusals of a managed weight's ordinary gradient: a
   gradient left from an unfused step, a layer run unfused for one
   micro-batch of an accumulation window (named as such, not as an update
-  applied), an unfused layer under quantized moments. Each says that the
-  step stays open and how to close it; doing so (zero_grad(), step())
-  lets training go on."""
+  applied), an unfused layer under quantized moments, a weight used twice
+  in a clipped step's closure. Each says that the step stays open and how
+  to close it; doing so (zero_grad(), then step(), or with max_grad_norm
+  step(lambda: None)) lets training go on."""
   torch.manual_seed(0)
   width = 64 if case == "int8" else 8  # (int8 codes from 4096 elements)
   model = nn.Sequential(nn.Linear(width, width), nn.Tanh(),
@@ -254,8 +255,19 @@ def test_a_refused_ordinary_gradient_says_how_to_close_the_step(case):
   x, y = torch.randn(4, width, generator=g), torch.randn(4, width, generator=g)
   loss = lambda: F.mse_loss(model(x), y).backward()  # noqa: E731
   opt = forge_torch.AdamW(model.parameters(), lr=1e-2,
-                          moments="int8" if case == "int8" else None)
-  if case == "window":
+                          moments="int8" if case == "int8" else None,
+                          max_grad_norm=1.0 if case == "clipped" else None)
+  close = opt.step
+  if case == "clipped":
+    def twice():  # the managed weight read again beside its layer
+      opt.zero_grad()
+      out = F.mse_loss(model(x), y) + model[2].weight.square().sum()
+      out.backward()
+      return out
+    match = "nonzero ordinary gradient"
+    step = lambda: opt.step(twice)  # noqa: E731
+    close = lambda: opt.step(lambda: None)  # noqa: E731
+  elif case == "window":
     opt.accumulate_steps = 2
     loss()
     model[2].fused = False
@@ -275,16 +287,23 @@ def test_a_refused_ordinary_gradient_says_how_to_close_the_step(case):
     model[2].fused = False
     loss()
     match = "int8 codes"
+  if case != "clipped":
+    step = opt.step
+  how = (r"optimizer\.step\(lambda: None\)" if case == "clipped"
+         else r"optimizer\.step\(\) again")
   with pytest.raises(RuntimeError, match=match + r".*step stays open.*"
-                     r"optimizer\.zero_grad\(\).*optimizer\.step\(\)"):
-    opt.step()
+                     r"optimizer\.zero_grad\(\).*" + how):
+    step()
   opt.zero_grad()
-  opt.step()
+  close()
   model[2].fused = True
   before = model[0].weight.detach().clone()
-  for _ in range(opt.accumulate_steps):
-    loss()
-  opt.step()
+  if case == "clipped":
+    opt.step(lambda: (opt.zero_grad(), loss()))
+  else:
+    for _ in range(opt.accumulate_steps):
+      loss()
+    opt.step()
   assert not torch.equal(model[0].weight, before)
 
 
