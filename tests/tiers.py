@@ -118,9 +118,14 @@ GROUPS = (
                 "_regimes",
                 T + "test_nnx.py::test_mlp_trains_like_nnx_and_optax",
                 T + "test_clipping.py::test_jax_clipped_regime_2_families"
-                "_match_the_optax_chain"),
-          keep=(_cases(T + "test_nnx.py::test_mlp_trains_like_nnx_and_optax",
-                       "adamw-path-mask")
+                "_match_the_optax_chain",
+                T + "test_make_step_inputs.py::test_a_bf16_models_state"
+                "_keeps_optaxs_promoted_dtypes"),
+          keep=(_cases(T + "test_make_step_inputs.py::test_a_bf16_models"
+                       "_state_keeps_optaxs_promoted_dtypes", "adamw",
+                       "lars_injected")
+                + _cases(T + "test_nnx.py::test_mlp_trains_like_nnx_and"
+                         "_optax", "adamw-path-mask")
                 + _cases(T + "test_clipping.py::test_jax_clipped_regime_2"
                          "_families_match_the_optax_chain", "muon")
                 + _cases(T + "test_families.py::test_mlp_training_matches"
