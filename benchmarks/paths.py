@@ -1,9 +1,13 @@
 """argparse types for the files and folders a benchmark writes.
 
 Checked when the command line is parsed, before anything is measured: a
-path that cannot be written (a folder where a file goes, a read-only or
-missing place) is a one-line usage error instead of a traceback after the
-measurement. No JAX or torch import (the torch benchmarks use it too).
+folder where a file goes (a file where a folder goes), or a new file or
+folder that cannot be made where it is named (a read-only or missing
+place), is a one-line usage error instead of a traceback after the
+measurement. An existing file is taken as it is, not opened: ``--replot``
+and ``--table`` only read it, also from a read-only copy (so an existing
+file that cannot be written still fails when it is written). No JAX or
+torch import (the torch benchmarks use it too).
 """
 
 from __future__ import annotations
