@@ -824,8 +824,8 @@ def make_step(
     if clipping is not None:  # the optimizer's own state in the chain's
       state_in = clipping.member_state(chain_state)
     _sharding.check_placement(mesh_layout, params, batch, chain_state)
-    _check_not_accumulation_state(
-        clipping.member if clipping is not None else tx, state_in, params)
+    member = clipping.member if clipping is not None else tx
+    _check_not_accumulation_state(member, state_in, params)
     spec = (tx.spec if injected is None
             else _inject.spec_for(injected, state_in, params))
     # optax's promotion of the state, first (the kernels store their slots
@@ -833,9 +833,7 @@ def make_step(
     if injected is not None:
       state_in = _inject.widened_like_optax(injected, state_in, params)
     elif spec.low_precision is None and _inject.has_narrow_floats(state_in):
-      state_in = _inject.widened_by(
-          (clipping.member if clipping is not None else tx).update, state_in,
-          params)
+      state_in = _inject.widened_by(member.update, state_in, params)
     if spec.low_precision is not None and mesh_layout is not None:
       raise ValueError(
           f"forge_jax.make_step(mesh_layout=...): forge_jax.{spec.family} "
