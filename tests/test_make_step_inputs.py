@@ -236,6 +236,36 @@ def test_inject_hyperparams_trains_and_an_optax_factory_is_refused():
     forge_jax.make_step(mse(MLP(forge_jax.Dense)), tx)
 
 
+def train_in_dtype(forge_tx, optax_tx, param_dtype, steps, jit=True):
+  """FORGE's step and optax's reference step of the MLP with
+  ``param_dtype`` parameters, each ``steps`` batches from one
+  initialisation (jitted, or eager); returns ``(vf, sf, vr, sr)``."""
+  kw = {"param_dtype": param_dtype}
+  bs = batches(steps)
+  mf, mr = MLP(forge_jax.Dense, kw), MLP(nn.Dense, kw)
+  v = mr.init(jax.random.key(0), bs[0][0])
+  wrap = jax.jit if jit else (lambda f: f)
+  fs = wrap(forge_jax.make_step(mse(mf), forge_tx))
+  rs = wrap(reference_step(mse(mr), optax_tx))
+  vf, sf = v, forge_tx.init(v["params"])
+  vr, sr = v, optax_tx.init(v["params"])
+  for b in bs:
+    _, vf, sf = fs(vf, sf, b)
+    _, vr, sr = rs(vr, sr, b)
+  return vf, sf, vr, sr
+
+
+def assert_like_optax(vf, sf, vr, sr, param_dtype, same_dtypes=True):
+  """Variables and state within ``param_dtype``'s bar of optax's; with
+  ``same_dtypes``, the state's dtypes optax's leaf by leaf."""
+  if same_dtypes:
+    dtypes = lambda t: jax.tree.map(lambda a: jnp.dtype(a.dtype), t)
+    assert dtypes(sf) == dtypes(sr)
+  bar = tol(param_dtype)
+  assert_trees_close(vf, vr, bar, what="variables")
+  assert_trees_close(sf, sr, bar, what="opt_state")
+
+
 def test_inject_hyperparams_widens_bf16_moments_as_optax():
   """With ``hyperparam_dtype=float32`` optax's injected hyperparameters are
   float32 arrays that are not weakly typed, so its step keeps a bfloat16
@@ -245,28 +275,15 @@ def test_inject_hyperparams_widens_bf16_moments_as_optax():
   kernels' state follows it: the same dtypes leaf by leaf (a checkpoint of
   either fits the other), the values within the bf16 bar (FORGE's G is
   float32, optax's gradient bfloat16)."""
-  kw = {"param_dtype": jnp.bfloat16}
   hp = dict(learning_rate=1e-2, weight_decay=0.1)
   forge_tx = optax.inject_hyperparams(
       forge_jax.adamw, hyperparam_dtype=jnp.float32)(**hp)
   optax_tx = optax.inject_hyperparams(
       optax.adamw, hyperparam_dtype=jnp.float32)(**hp)
-  bs = batches(3)
-  mf, mr = MLP(forge_jax.Dense, kw), MLP(nn.Dense, kw)
-  v = mr.init(jax.random.key(0), bs[0][0])
-  fs = jax.jit(forge_jax.make_step(mse(mf), forge_tx))
-  rs = jax.jit(reference_step(mse(mr), optax_tx))
-  vf, sf = v, forge_tx.init(v["params"])
-  vr, sr = v, optax_tx.init(v["params"])
-  for b in bs:
-    _, vf, sf = fs(vf, sf, b)
-    _, vr, sr = rs(vr, sr, b)
-  dtypes = lambda t: jax.tree.map(lambda a: jnp.dtype(a.dtype), t)
-  assert dtypes(sf) == dtypes(sr)
+  vf, sf, vr, sr = train_in_dtype(forge_tx, optax_tx, jnp.bfloat16, 3)
   mu = sr.inner_state[0].mu
   assert mu["Dense_0"]["kernel"].dtype == jnp.float32  # (optax's widening)
-  assert_trees_close(vf, vr, tol(jnp.bfloat16), what="variables")
-  assert_trees_close(sf, sr, tol(jnp.bfloat16), what="opt_state")
+  assert_like_optax(vf, sf, vr, sr, jnp.bfloat16)
 
 
 def _inject32(family):
@@ -296,25 +313,12 @@ def test_a_bf16_models_state_keeps_optaxs_promoted_dtypes(make, kw):
   no mu_dtype), the FORGE kernels' state does too: the same dtypes leaf
   by leaf (they had stayed bfloat16, rounded at every step), the values
   within the bf16 bar."""
-  model_kw = {"param_dtype": jnp.bfloat16}
   forge_tx, optax_tx = make(forge_jax, **kw), make(optax, **kw)
-  bs = batches(3)
-  mf, mr = MLP(forge_jax.Dense, model_kw), MLP(nn.Dense, model_kw)
-  v = mr.init(jax.random.key(0), bs[0][0])
-  fs = jax.jit(forge_jax.make_step(mse(mf), forge_tx))
-  rs = jax.jit(reference_step(mse(mr), optax_tx))
-  vf, sf = v, forge_tx.init(v["params"])
-  vr, sr = v, optax_tx.init(v["params"])
-  for b in bs:
-    _, vf, sf = fs(vf, sf, b)
-    _, vr, sr = rs(vr, sr, b)
-  dtypes = lambda t: jax.tree.map(lambda a: jnp.dtype(a.dtype), t)
-  assert dtypes(sf) == dtypes(sr)
+  vf, sf, vr, sr = train_in_dtype(forge_tx, optax_tx, jnp.bfloat16, 3)
   kernel_state = [a.dtype for k, a in jax.tree_util.tree_leaves_with_path(sr)
                   if "kernel" in jax.tree_util.keystr(k)]
   assert jnp.float32 in kernel_state  # (optax's widening)
-  assert_trees_close(vf, vr, tol(jnp.bfloat16), what="variables")
-  assert_trees_close(sf, sr, tol(jnp.bfloat16), what="opt_state")
+  assert_like_optax(vf, sf, vr, sr, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
@@ -323,23 +327,11 @@ def test_an_eager_injected_step_may_branch_on_a_hyperparameter(param_dtype):
   injection makes an array: an eager step (a concrete state) runs, as
   optax's eager update does, and matches it (the widening of the state
   never traces it)."""
-  kw = {"param_dtype": param_dtype}
   make = lambda lib: optax.inject_hyperparams(  # noqa: E731
       lib.adafactor, hyperparam_dtype=jnp.float32)(learning_rate=1e-2)
-  forge_tx, optax_tx = make(forge_jax), make(optax)
-  bs = batches(2)
-  mf, mr = MLP(forge_jax.Dense, kw), MLP(nn.Dense, kw)
-  v = mr.init(jax.random.key(0), bs[0][0])
-  fs = forge_jax.make_step(mse(mf), forge_tx)
-  rs = reference_step(mse(mr), optax_tx)
-  vf, sf = v, forge_tx.init(v["params"])
-  vr, sr = v, optax_tx.init(v["params"])
-  for b in bs:
-    _, vf, sf = fs(vf, sf, b)
-    _, vr, sr = rs(vr, sr, b)
-  bar = tol(param_dtype)
-  assert_trees_close(vf, vr, bar, what="variables")
-  assert_trees_close(sf, sr, bar, what="opt_state")
+  assert_like_optax(*train_in_dtype(make(forge_jax), make(optax),
+                                    param_dtype, 2, jit=False),
+                    param_dtype, same_dtypes=False)
 
 
 def test_a_state_made_by_another_transforms_init_is_refused_naming_it():
@@ -398,24 +390,10 @@ def test_an_eager_step_whose_init_reads_arrays_with_numpy_matches_optax(
   def mask(params):
     return jax.tree.map(lambda a: bool(np.asarray(a).ndim > 1), params)
 
-  bs = batches(2)
-  kw = {"param_dtype": param_dtype}
-  mf, mr = MLP(forge_jax.Dense, kw), MLP(nn.Dense, kw)
-  v = mr.init(jax.random.key(0), bs[0][0])
   forge_tx = forge_jax.adamw(1e-2, b1=b1, weight_decay=0.1, mask=mask)
   optax_tx = optax.adamw(1e-2, b1=b1, weight_decay=0.1, mask=mask)
-  fs, rs = forge_jax.make_step(mse(mf), forge_tx), reference_step(mse(mr),
-                                                                  optax_tx)
-  vf, sf = v, forge_tx.init(v["params"])
-  vr, sr = v, optax_tx.init(v["params"])
-  for b in bs:
-    _, vf, sf = fs(vf, sf, b)
-    _, vr, sr = rs(vr, sr, b)
-  dtypes = lambda t: jax.tree.map(lambda a: jnp.dtype(a.dtype), t)
-  assert dtypes(sf) == dtypes(sr)
-  bar = tol(param_dtype)
-  assert_trees_close(vf, vr, bar, what="variables")
-  assert_trees_close(sf, sr, bar, what="opt_state")
+  assert_like_optax(*train_in_dtype(forge_tx, optax_tx, param_dtype, 2,
+                                    jit=False), param_dtype)
 
 
 # --- has_aux: BatchNorm statistics, metrics -----------------------------------
