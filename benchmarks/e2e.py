@@ -62,6 +62,7 @@ its commit written under the BT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import datetime as _dt
@@ -72,6 +73,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from typing import Any
@@ -581,6 +583,26 @@ def _kill_group(proc) -> None:
     pass
 
 
+@contextlib.contextmanager
+def _terminate_as_exit():
+  """SIGTERM raises ``SystemExit`` (status 143) while a cell runs, so the
+  driver killed by it leaves through the cell's cleanup as on Ctrl-C,
+  instead of dying at once with the cell still running. (The main thread
+  only: elsewhere Python cannot set a handler, and nothing changes.)"""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def leave(signum, frame):
+    raise SystemExit(128 + signum)
+
+  before = signal.signal(signal.SIGTERM, leave)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, before)
+
+
 def run_tagged(argv: list[str], env: dict, timeout: float, label: str,
                tag: str):
   """Runs ``argv`` in the repository in its own process group under
@@ -588,9 +610,11 @@ def run_tagged(argv: list[str], env: dict, timeout: float, label: str,
   that starts with ``tag``, whose JSON rest is the result. Returns
   ``(result or None, reason)``; ``label`` names it in the closing line."""
   t0 = time.perf_counter()
-  with tempfile.TemporaryFile("w+") as logf:
+  with tempfile.TemporaryFile("w+") as logf, _terminate_as_exit():
     # Its own process group: a timeout kills the process and everything it
-    # started (compiler subprocesses), not the process alone.
+    # started (compiler subprocesses), not the process alone. (Its own
+    # session also keeps a terminal's Ctrl-C from reaching it: the driver,
+    # interrupted or terminated, kills the group as it leaves.)
     proc = subprocess.Popen(argv, env=env, stdout=logf,
                             stderr=subprocess.STDOUT, cwd=REPO,
                             start_new_session=True)
@@ -601,7 +625,8 @@ def run_tagged(argv: list[str], env: dict, timeout: float, label: str,
       _kill_group(proc)
       rc = proc.wait()
       reason = f"timeout after {timeout:.0f} s"
-    _kill_group(proc)  # whatever it left running
+    finally:
+      _kill_group(proc)  # whatever it left running
     logf.seek(0)
     log = logf.read()
   result = None

@@ -736,3 +736,56 @@ def test_scan_memory_cells_check_the_parents_out_not_the_default(
   assert len(calls) == 2 and out.exists()
   for cmd in calls:
     assert cmd[cmd.index("--out") + 1] == str(out)
+
+
+_DRIVER = """
+import signal, sys
+from benchmarks import e2e
+signal.signal(signal.SIGINT, signal.default_int_handler)
+e2e.run_tagged([sys.executable, "-c",
+                "import os, time; print(os.getpid(), flush=True); "
+                "open(sys.argv[1], 'w').write(str(os.getpid())); "
+                "time.sleep(120)", sys.argv[1]],
+               None, 300, "cell", "TAG ")
+"""
+
+
+def _running(pid: int) -> bool:
+  """Whether process ``pid`` runs (a zombie, killed and not yet reaped,
+  does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_driver_stopped_by_a_signal_stops_its_cell(tmp_path, sig):
+  """A cell runs in its own session, out of reach of a terminal's Ctrl-C:
+  the driver interrupted (SIGINT) or terminated (SIGTERM) while it waits
+  kills the cell's process group as it leaves."""
+  import signal  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  pid_file = tmp_path / "cell.pid"
+  driver = subprocess.Popen(
+      [PY, "-c", _DRIVER.replace("sys.argv[1]", repr(str(pid_file)))],
+      cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+      assert driver.poll() is None and time.monotonic() < deadline, (
+          driver.stdout.read() if driver.poll() is not None else "no cell")
+      time.sleep(0.05)
+    cell = int(pid_file.read_text())
+    driver.send_signal(getattr(signal, sig))
+    driver.wait(timeout=30)
+    assert driver.returncode != 0
+    deadline = time.monotonic() + 10
+    while _running(cell) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not _running(cell), "the cell is still running"
+  finally:
+    if driver.poll() is None:
+      driver.kill()
