@@ -403,19 +403,55 @@ class ScannedDenseStack(nn.Module):
     return self._act(y)
 
   def _scanned(self, x):
-    y, _ = nn.scan(_scan_body, variable_axes={'params': 0},
-                   split_rngs={'params': True},
-                   length=self.num_layers,
-                   metadata_params=dict(self.metadata_params))(self, x, None)
+    try:
+      y, _ = nn.scan(_scan_body, variable_axes={'params': 0},
+                     split_rngs={'params': True},
+                     length=self.num_layers,
+                     metadata_params=dict(self.metadata_params))(self, x,
+                                                                 None)
+    except TypeError as e:  # the scan's own words, without the module's name
+      said = " ".join(str(e).split())
+      if "carry input and carry output must have equal types" not in said:
+        raise
+      raise ValueError(
+          f"{self._where()}: a layer's output is not of its input's type "
+          f"({jax.typeof(x).str_short()}), which the next layer takes: the "
+          "activation must keep its input's shape and dtype. "
+          f"(jax: {said})") from e
     return y
+
+  def _where(self) -> str:
+    return (f"forge_jax.ScannedDenseStack at "
+            f"{_context.layer_name(tuple(self.path))!r}")
+
+  def _check_input(self, x) -> None:
+    """The input a stack of ``features -> features`` layers takes: its last
+    dimension ``features``, its dtype the layers' computation dtype (each
+    layer's output is the next one's input, the scan's carry)."""
+    if jnp.ndim(x) == 0 or jnp.shape(x)[-1] != self.features:
+      raise ValueError(
+          f"{self._where()}: the input's last dimension must equal features "
+          f"({self.features}), each layer's output being the next one's "
+          f"input; got an input of shape {jnp.shape(x)}")
+    dtype = flax_dtypes.canonicalize_dtype(
+        x, jnp.zeros((), self.param_dtype), dtype=self.dtype)
+    if jnp.result_type(x) != dtype:
+      raise ValueError(
+          f"{self._where()}: the input's dtype ({jnp.result_type(x)}) must "
+          f"be the layers' computation dtype ({jnp.dtype(dtype)}: "
+          + ("dtype=" if self.dtype is not None else
+             "the input's promoted with param_dtype=")
+          + f"{jnp.dtype(self.dtype or self.param_dtype)}), each layer's "
+          "output being the next one's input; cast the input "
+          f"(x.astype(jnp.{jnp.dtype(dtype)})) or set dtype")
 
   @nn.compact
   def __call__(self, x):
     # Checked on every call (init, eval, either path), not only where a
     # fused step reads them.
-    where = (f"forge_jax.ScannedDenseStack at "
-             f"{_context.layer_name(tuple(self.path))!r}")
+    where = self._where()
     check_stack_settings(where, self.num_layers, self.stack_update)
+    self._check_input(x)
     fused_wgrad.check_block_config(self.block_config, where)
     if _context.current_tap() is not None:
       raise ValueError(
@@ -454,10 +490,6 @@ class ScannedDenseStack(nn.Module):
           f"forge_jax.ScannedDenseStack at {name!r}: expected a 'kernel' "
           f"param of shape {want}, got "
           f"{None if kernels is None else kernels.shape}")
-    if x.shape[-1] != self.features:
-      raise ValueError(
-          f"forge_jax.ScannedDenseStack at {name!r}: the input's last "
-          f"dimension ({x.shape[-1]}) must equal features ({self.features})")
     in_place_layer = updates_in_place(self.stack_update)
     dtype = flax_dtypes.canonicalize_dtype(x, kernels, biases,
                                            dtype=self.dtype)

@@ -285,6 +285,43 @@ def test_bad_settings_are_refused_at_init_on_either_path(kw, exc, match, fused):
     stack.init(jax.random.key(0), jnp.ones((3, 7)))
 
 
+@pytest.mark.parametrize("kw,x,match", [
+    (dict(), jnp.ones((3, 8)), r"last dimension must equal features \(7\)"),
+    (dict(), jnp.ones(()), r"last dimension must equal features"),
+    (dict(dtype=jnp.bfloat16), jnp.ones((3, 7)),
+     r"input's dtype \(float32\) must be the layers' computation dtype "
+     r"\(bfloat16: dtype=bfloat16\).*x.astype\(jnp.bfloat16\)"),
+    (dict(), jnp.ones((3, 7), jnp.int32),
+     r"input's dtype \(int32\).*\(float32: the input's promoted with "
+     r"param_dtype=float32\)"),
+    (dict(activation=lambda y: y.astype(jnp.bfloat16)), jnp.ones((3, 7)),
+     r"ScannedDenseStack at '<root>': a layer's output is not of its "
+     r"input's type \(float32\[3,7\]\).*activation must keep"),
+])
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_input_the_stack_cannot_carry_is_refused_in_words(kw, x, match,
+                                                             fused):
+  """Each layer's output is the next one's input (the scan's carry): an
+  input of another width or dtype, or an activation that changes the
+  dtype, is refused naming the stack and the fix, not with the scan's
+  carry-type error."""
+  stack = forge_jax.ScannedDenseStack(features=7, num_layers=2, fused=fused,
+                                      **kw)
+  with pytest.raises(ValueError, match=match):
+    stack.init(jax.random.key(0), x)
+
+
+def test_a_wrong_width_inside_a_step_is_refused_in_words():
+  """The same check where a step traces the stack (its discovery first)."""
+  stack = forge_jax.ScannedDenseStack(features=7, num_layers=2)
+  variables = stack.init(jax.random.key(0), jnp.ones((3, 7)))
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(mse(stack), tx)
+  with pytest.raises(ValueError, match="last dimension must equal features"):
+    step(variables, tx.init(variables["params"]),
+         (jnp.ones((3, 8)), jnp.ones((3, 7))))
+
+
 def test_non_regime_1_family_is_refused_with_the_fix():
   model = Model(True)
   with pytest.raises(ValueError, match="regime-1 families only.*fused=False"):
