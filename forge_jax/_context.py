@@ -202,17 +202,30 @@ SECOND_MODEL_NOTE = (
     "unfused by itself (docs/shared_weights.md).")
 
 
-def _reads_own_kernel(ctx: StepContext, path: Path, kernel) -> bool | None:
-  """Whether ``kernel`` is the step's own kernel at ``path`` (the very traced
-  value ``loss_fn`` received); None where either is not known."""
+_NO_KERNEL = object()  # variables['params'] holds no kernel at the path
+
+
+def _kernel_at(ctx: StepContext, path: Path):
+  """The step's own kernel at ``path`` (the very traced value ``loss_fn``
+  received), ``_NO_KERNEL`` where its params hold none there, ``None``
+  where they are not known."""
   node = ctx.params
-  if kernel is None or node is None:
+  if node is None:
     return None
   for name in (*path, "kernel"):
     if not isinstance(node, Mapping) or name not in node:
-      return None
+      return _NO_KERNEL
     node = node[name]
-  return node is kernel
+  return node
+
+
+def _reads_own_kernel(ctx: StepContext, path: Path, kernel) -> bool | None:
+  """Whether ``kernel`` is the step's own kernel at ``path``; None where
+  either is not known."""
+  own = _kernel_at(ctx, path)
+  if kernel is None or own is None or own is _NO_KERNEL:
+    return None
+  return own is kernel
 
 
 def _stacked_kernel_shape(ctx: StepContext, path: Path,
@@ -223,11 +236,9 @@ def _stacked_kernel_shape(ctx: StepContext, path: Path,
   transform that stacks its kernel (a user's ``nn.scan``, whose body flax
   traces more than once, so that the calls counted are traces, not uses);
   None otherwise or where not known."""
-  node = ctx.params
-  for name in (*path, "kernel"):
-    if not isinstance(node, Mapping) or name not in node:
-      return None
-    node = node[name]
+  node = _kernel_at(ctx, path)
+  if node is None or node is _NO_KERNEL:
+    return None
   shape = tuple(getattr(node, "shape", ()))
   return shape if shape and shape != tuple(kernel_shape) else None
 
@@ -259,7 +270,12 @@ def register_layer(ctx: StepContext, path: Path,
         path, kernel_shape, param_dtype, kind=kind, own=own,
         stacked=_stacked_kernel_shape(ctx, path, kernel_shape))
   info.calls += 1
-  if info.calls > 1 and ctx.shared == "error":
+  # (A path with no kernel in the step's params is not counted as shared:
+  # two calls there are most likely two applies of a model to parts of the
+  # variables, whose layer paths are relative to each apply; the step
+  # refuses such a path once discovery ends, saying so.)
+  if (info.calls > 1 and ctx.shared == "error"
+      and _kernel_at(ctx, path) is not _NO_KERNEL):
     other = own is not None and info.own is not None and own != info.own
     what = ("runs " + shared_reason(info) + ", whose body is traced more "
             "than once and reads the stacked kernel at every step of the "

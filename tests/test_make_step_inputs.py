@@ -155,6 +155,35 @@ def test_forge_layer_of_a_second_model_is_refused_clearly():
     forge_jax.make_step(loss_fn, tx)(vs, tx.init(vs["params"]), (x, y))
 
 
+def test_one_model_applied_to_two_parts_of_the_variables_is_named():
+  """A model applied to two sub-trees of ``variables["params"]`` names its
+  layers from each part, so both applies find their kernels at paths the
+  step's params do not hold: refused as such, with the fix, not as one
+  layer called twice (whose fix, ``shared="standard"``, fails there too)."""
+  class One(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return forge_jax.Dense(5)(x)
+
+  one = One()
+  (x, y), = batches(1)
+  x = x[:, :5]
+  v = {"params": {"a": one.init(jax.random.key(0), x)["params"],
+                  "b": one.init(jax.random.key(1), x)["params"]}}
+
+  def loss_fn(variables, batch):
+    h = one.apply({"params": variables["params"]["a"]}, batch[0])
+    return jnp.mean(one.apply({"params": variables["params"]["b"]}, h) ** 2)
+
+  tx = forge_jax.adamw(1e-2)
+  with pytest.raises(ValueError, match=(
+      r"'Dense_0' was called by loss_fn, but variables\['params'\] has no "
+      r"kernel at that path.*applied to part of the variables.*submodules "
+      r"of one model")) as info:
+    forge_jax.make_step(loss_fn, tx)(v, tx.init(v["params"]), (x, y))
+  assert "more than once" not in str(info.value)
+
+
 @pytest.mark.parametrize("how", ["vmap", "cast"])
 def test_kernel_reaching_its_layer_transformed_names_the_reader(how):
   model = MLP(forge_jax.Dense)
