@@ -44,6 +44,7 @@ import csv
 import dataclasses
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -460,7 +461,7 @@ def merge_file(data: dict, path: str) -> int:
   """
   if not os.path.exists(path):
     raise FileNotFoundError(f"--merge: no such cache file {path!r}")
-  other = _read_or_empty(path)
+  other = _read_or_empty(path)  # (validated: sources are objects)
   n = 0
   for kind, dev in other["devices"].items():
     sources = dict(dev.get("sources", {}))
@@ -598,14 +599,47 @@ def _put(entries: dict, key: str, entry: dict, where: str) -> None:
 _SHAPE = re.compile(r"^BT=(\d+) (\d+)x(\d+)$")
 
 
+def _csv_shape(shape: str, path: str) -> tuple[int, int, int]:
+  """``"BT=512 4096x1024"`` -> ``(512, 4096, 1024)``, each at least 1."""
+  sm = _SHAPE.match(shape)
+  if not sm or min(int(v) for v in sm.groups()) < 1:
+    raise ValueError(f"{path}: unexpected shape {shape!r} (expected "
+                     "'BT=<tokens> <in>x<out>', each at least 1)")
+  return tuple(int(v) for v in sm.groups())
+
+
 def _csv_dtypes(field: str) -> tuple[str, tuple[str, ...]]:
   """``"w=bf16,m/v=bfloat16"`` -> ``("bfloat16", ("bfloat16", "bfloat16"))``."""
-  parts = dict(p.split("=", 1) for p in field.split(","))
-  w = dtype_name(parts.pop("w"))
-  slots = []
-  for names, d in parts.items():
-    slots += [dtype_name(d)] * len(names.split("/"))
+  try:
+    parts = dict(p.split("=", 1) for p in field.split(","))
+    w = dtype_name(parts.pop("w"))
+    slots = []
+    for names, d in parts.items():
+      slots += [dtype_name(d)] * len(names.split("/"))
+  except (ValueError, TypeError, KeyError):
+    raise ValueError(f"dtypes {field!r} is not of the form "
+                     "'w=bf16,m/v=bf16' (dtype names jax knows)") from None
   return w, tuple(slots)
+
+
+def _row_time(r: Mapping, metric: str, path: str) -> float:
+  """A CSV row's ``metric`` in microseconds: a positive, finite number in
+  a unit the benchmarks write (us, ms, s); ``ValueError`` naming the row
+  otherwise (a NaN would never lose a comparison, nor a negative time
+  ever win one honestly)."""
+  value, unit = r.get(metric), r.get("unit")
+  try:
+    t = float(value) * _to_us(unit)
+  except (TypeError, ValueError, KeyError):
+    t = None
+  if t is None or not 0 < t < math.inf:
+    raise ValueError(
+        f"{path}: row {r.get('provider')!r} / {r.get('shape')!r}: "
+        + (f"no {metric} or unit (a row of too few fields)"
+           if value is None or unit is None else
+           f"{metric}={value!r} {unit!r} is not a positive, finite time "
+           "in us, ms or s"))
+  return t
 
 
 def _read_csv(path: str, what: str, need: set, commit: str | None):
@@ -653,7 +687,7 @@ def winners_from_csv(path: str, rule: str = "adamw", metric: str = "p50",
     if r["benchmark"] != "kernel" or r["metric"] != "time" or not m:
       continue
     groups.setdefault((r["shape"], r["dtypes"]), []).append(
-        (parse_label(m.group(1)), float(r[metric]) * _to_us(r["unit"])))
+        (parse_label(m.group(1)), _row_time(r, metric, path)))
     devices.add(r["device"])
     versions.add(r["versions"])
     stamps.add(r["timestamp"])
@@ -665,11 +699,11 @@ def winners_from_csv(path: str, rule: str = "adamw", metric: str = "p50",
   device_kind = device.split(":", 1)[1] if ":" in device else device
   entries = {}
   for (shape, dtypes), rows in groups.items():
-    sm = _SHAPE.match(shape)
-    if not sm:
-      raise ValueError(f"{path}: unexpected shape {shape!r}")
-    bt, n_in, n_out = (int(v) for v in sm.groups())
-    w, slots = _csv_dtypes(dtypes)
+    bt, n_in, n_out = _csv_shape(shape, path)
+    try:
+      w, slots = _csv_dtypes(dtypes)
+    except ValueError as e:
+      raise ValueError(f"{path}: {e}") from None
     best_cfg, best_t = None, None
     for cfg, t in rows:
       if best_t is None or t < best_t:
@@ -787,7 +821,7 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
       continue
     case = (r["case"], r["shape"], r["dtypes"])
     run = (r["timestamp"], r.get("commit"))
-    t = float(r[metric]) * _to_us(r["unit"])
+    t = _row_time(r, metric, path)
     if r["provider"] == "forge_triton":
       triton[(case, run)] = t
     elif r["provider"].startswith(_MOSAIC_ARMS):
@@ -817,10 +851,7 @@ def mosaic_winners_from_csv(path: str, rule: str | None = None,
     if not measured:
       continue  # no Triton time of the same run to compare with
     case_rule, shape, dtypes = case
-    sm = _SHAPE.match(shape)
-    if not sm:
-      raise ValueError(f"{path}: unexpected shape {shape!r}")
-    bt, n_in, n_out = (int(v) for v in sm.groups())
+    bt, n_in, n_out = _csv_shape(shape, path)
     act, w, slots = _backends_dtypes(dtypes)
     quantized = any(not jnp.issubdtype(jnp.dtype(d), jnp.floating)
                     for d in slots)

@@ -237,6 +237,17 @@ def validated(data: dict, where: str) -> dict:
       raise ValueError(
           f"{where}: devices[{kind!r}] must be an object whose \"entries\", "
           f"\"sources\" and \"{MOSAIC_GPU}\" (if present) are objects")
+    for sid, record in sources.items():
+      if not isinstance(record, dict):
+        raise ValueError(
+            f"{where}: devices[{kind!r}] sources[{sid!r}] must be an object "
+            f"(the source's record), got {type(record).__name__}")
+    for key, entry in (*entries.items(), *mosaic_entries.items()):
+      source = entry.get("source") if isinstance(entry, dict) else None
+      if source is not None and not isinstance(source, str):
+        raise ValueError(
+            f"{where}: bad entry {kind!r} / {key!r}: \"source\" must name "
+            f"a record of \"sources\" (a string), got {source!r}")
     for key in (*entries, *mosaic_entries):
       canonical = _canonical_key(key)
       if canonical != key:
@@ -250,6 +261,7 @@ def validated(data: dict, where: str) -> dict:
     for key, entry in entries.items():
       try:
         configs[(kind, key)] = BlockConfig(**entry["config"])
+        _time(entry, "time_us")
       except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: bad entry {kind!r} / {key!r}: {e}") from e
     for key, entry in mosaic_entries.items():

@@ -1302,6 +1302,80 @@ def test_bad_backends_csvs_fail_clearly(tmp_path):
     autotune.mosaic_winners_from_csv(str(path))
 
 
+_KERNEL_HEADER = ("benchmark,provider,shape,dtypes,metric,p50,unit,device,"
+                  "versions,timestamp")
+_KERNEL_ROW = 'kernel,"forge[64x128x64,g1,w4,s3]",{shape},"{dtypes}",time'
+
+
+@pytest.mark.parametrize("shape,dtypes,rest,match", [
+    ("BT=512 64x64", "w=bf16,m/v=bf16", "10,min", r"p50='10' 'min' is not a "
+     "positive, finite time in us, ms or s"),
+    ("BT=512 64x64", "w=bf16,m/v=bf16", "nan,us", "p50='nan' 'us' is not"),
+    ("BT=512 64x64", "w=bf16,m/v=bf16", "-5,us", "p50='-5' 'us' is not"),
+    ("BT=512 64x64", "w=bf16,m/v=bf16", None, "no p50 or unit"),
+    ("BT=512 64x64", "m/v=bf16", "10,us", "dtypes 'm/v=bf16' is not of the "
+     "form 'w=bf16,m/v=bf16'"),
+    ("BT=512 64x64", "w=bogus,m/v=bf16", "10,us", "dtypes 'w=bogus"),
+    ("BT=0 64x64", "w=bf16,m/v=bf16", "10,us", "unexpected shape 'BT=0 "
+     "64x64'.*each at least 1"),
+])
+def test_a_kernel_csv_row_it_cannot_read_is_refused_naming_it(
+    tmp_path, shape, dtypes, rest, match):
+  """A row whose time is not a positive, finite number in a known unit,
+  whose dtypes or shape cannot be read, is refused naming the file and the
+  row (it was a KeyError or TypeError traceback; a NaN time, which no
+  comparison replaces, became the case's winner, a negative one won)."""
+  path = tmp_path / "k.csv"
+  row = _KERNEL_ROW.format(shape=shape, dtypes=dtypes)
+  if rest is not None:
+    row += f",{rest},gpu:Fake GPU,v,t1"
+  path.write_text(f"{_KERNEL_HEADER}\n{row}\n")
+  with pytest.raises(ValueError, match=f"{re.escape(str(path))}: .*{match}"):
+    autotune.winners_from_csv(str(path))
+  out = tmp_path / "out.json"
+  with pytest.raises(SystemExit) as e:
+    autotune.main(["--from-csv", str(path), "--out", str(out)])
+  assert e.value.code == 2 and not out.exists()
+
+
+def test_a_nan_time_in_a_backends_csv_is_refused(tmp_path):
+  path = tmp_path / "b.csv"
+  _backends_csv(path, [(1, "c1", "BT=512 64x64", "bf16", "forge_triton", 1.0),
+                       (1, "c1", "BT=512 64x64", "bf16",
+                        "forge_mosaic_64x128x64/2", float("nan"))])
+  with pytest.raises(ValueError, match="'forge_mosaic_64x128x64/2'.*p50='nan'"):
+    autotune.mosaic_winners_from_csv(str(path))
+
+
+@pytest.mark.parametrize("device,match", [
+    ({"entries": {_KEY: {"config": {}, "time_us": -5.0}}},
+     "bad entry.*time_us must be a positive, finite number"),
+    ({"entries": {_KEY: {"config": {}, "time_us": "fast"}}},
+     "bad entry.*time_us must be a positive, finite number"),
+    ({"entries": {_KEY: {"config": {}, "source": ["x"]}}},
+     "bad entry.*\"source\" must name a record of \"sources\""),
+    ({"entries": {_KEY: {"config": {}, "source": "s"}},
+      "sources": {"s": "notadict"}},
+     r"sources\['s'\] must be an object"),
+])
+def test_a_triton_entry_or_source_record_it_cannot_use_is_refused(
+    tmp_path, device, match):
+  """Triton entries' times are checked as Mosaic GPU entries' are, and an
+  entry's source must name a record that is an object: a cache file given
+  to --merge with either was written as it was, or a TypeError traceback."""
+  path = tmp_path / "bad.json"
+  data = autotune._empty_cache()
+  data["devices"]["X"] = {"entries": {}, "sources": {}, **device}
+  path.write_text(json.dumps(data))
+  tuning_cache.clear_cache()
+  with pytest.raises(ValueError, match=match):
+    tuning_cache.load(str(path))
+  out = tmp_path / "out.json"
+  with pytest.raises(SystemExit) as e:
+    autotune.main(["--merge", str(path), "--out", str(out)])
+  assert e.value.code == 2 and not out.exists()
+
+
 def test_bad_mosaic_cache_entries_fail_clearly(tmp_path):
   path = tmp_path / "bad.json"
   for entry, match in (({"config": {"tile_m": 96}}, "tile_m=96"),
