@@ -67,6 +67,7 @@ details.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import weakref
 from typing import Any
@@ -87,6 +88,51 @@ _ORDER = _linear.WeakIdMap()
 # fully_shard's sharded weight (a DTensor Parameter) -> weakref to its
 # forge_torch.Linear. Set by prepare_fsdp().
 _SHARDED = _linear.WeakIdMap()
+# A prepared weight -> weak references to the DistributedDataParallel
+# instances over it, found at its first reduction (_wrapping).
+_WRAPPERS = _linear.WeakIdMap()
+
+
+def _ddps_over(weights) -> list:
+  """The ``DistributedDataParallel`` instances alive whose module holds
+  one of ``weights``. torch keeps no registry of them: a scan of the
+  objects the garbage collector tracks (tens of milliseconds in a large
+  program), made by :func:`prepare_ddp` and at a weight's first reduction
+  only."""
+  ddp = nn.parallel.DistributedDataParallel
+  ids = {id(p) for p in weights}
+  return [o for o in gc.get_objects() if isinstance(o, ddp)
+          and any(id(q) in ids for q in o.module.parameters())]
+
+
+def _wrapping(p: torch.Tensor) -> list:
+  """The ``DistributedDataParallel`` instances over prepared weight ``p``,
+  found once (again only where all of those found have gone)."""
+  refs = _WRAPPERS.get(p)
+  found = [] if refs is None else [r() for r in refs]
+  if refs is None or (refs and all(d is None for d in found)):
+    found = _ddps_over([p])
+    _WRAPPERS[p] = [weakref.ref(d) for d in found]
+  return [d for d in found if d is not None]
+
+
+def _refuse_join(p: torch.Tensor, layer: str) -> None:
+  """Raises where a ``DistributedDataParallel`` over ``p`` runs under
+  ``join()`` (uneven inputs): a rank out of inputs shadows DDP's own
+  all-reduces only, so this weight's reduction would meet another
+  collective (a crash, or under NCCL a hang)."""
+  for d in _wrapping(p):
+    if getattr(getattr(d, "_join_config", None), "enable", False):
+      raise RuntimeError(
+          f"forge_torch.Linear {layer}: DistributedDataParallel.join() "
+          "(uneven inputs across ranks) is not supported for FORGE-managed "
+          "weights: a rank that has run out of inputs shadows DDP's own "
+          "all-reduces, not the reduction forge_torch runs in each managed "
+          "layer's backward, so the ranks' collectives would no longer "
+          "match (a crash or a hang). Give every rank the same number of "
+          "batches (e.g. DistributedSampler(..., drop_last=True)), or keep "
+          "these layers as nn.Linear (forge_torch.convert(model, "
+          "exclude=[...])).")
 
 
 def _dist():
@@ -144,7 +190,10 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
   routed differently per rank) averages the two silently. With
   ``check_order=True`` every reduction of a managed weight first checks,
   by one small collective and a host synchronisation, that every rank is
-  reducing the same weight, and raises on every rank where they are not.
+  reducing the same weight, and raises on every rank where they are not
+  (a rank that skips the last managed layer reduced in the backward joins
+  no such check, so the other ranks' check meets DDP's own all-reduce
+  there: the backend's error or hang, not this one).
   ``model.no_sync()`` does not apply to
   them either: with ``optimizer.accumulate_steps = K`` they are reduced once
   per step, at the K-th micro-batch, which is what ``no_sync`` achieves for
@@ -168,7 +217,9 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
   Raises:
     RuntimeError: ``torch.distributed`` is not initialised; ``module`` is a
       ``DistributedDataParallel`` built before this was called on its
-      module; a managed layer is sharded by FSDP.
+      module, or a module such a ``DistributedDataParallel`` wraps; a
+      managed layer is sharded by FSDP. (Later, a managed weight's
+      reduction inside ``ddp.join()`` raises on every rank.)
     TypeError: ``check_order`` or ``broadcast`` is not a bool;
       ``process_group`` is neither ``None`` nor a ``ProcessGroup``.
     ValueError: ``module`` is a ``DistributedDataParallel`` and
@@ -224,6 +275,17 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
       check_not_sharded(layer, mod_name or type(module).__name__)
   weights = _managed_weights(module)
   names = [name for name, _ in weights]
+  if any(not set(_ddp_names(names)) <= set(d.parameters_to_ignore)
+         for d in _ddps_over([p for _, p in weights])):
+    raise RuntimeError(
+        "forge_torch.distributed.prepare_ddp(model) was called after "
+        "DistributedDataParallel(model) was built: that DDP reduces the "
+        "FORGE-managed weights itself (a full-size .grad of each, "
+        "all-reduced every step, which FORGE never needs) and cannot be "
+        "told to leave them alone once built. Call prepare_ddp(model) "
+        "before DistributedDataParallel(model), or build it with "
+        "forge_torch.distributed.wrap_ddp(model, ...); then build the "
+        "optimizer.")
   for number, (_, p) in enumerate(weights, 1):
     if p not in _GROUPS:  # once per weight
       _register_grad_hook(p, _unfused_grad_ready)
@@ -544,6 +606,7 @@ def _all_reduce_mean(buffer: torch.Tensor, p: torch.Tensor,
         f"forge_torch.Linear {layer}: its weight was prepared for data "
         "parallelism (forge_torch.distributed.prepare_ddp) but "
         "torch.distributed is no longer initialised")
+  _refuse_join(p, layer)
   group = _GROUPS[p]
   order = _ORDER.get(p)
   if order is not None:

@@ -138,16 +138,36 @@ def _misuses(rank: int) -> dict:
   model = converted(net)
   ddp = nn.parallel.DistributedDataParallel(model)
   found["no_prepare"] = _error(lambda: forge_torch.AdamW(ddp.parameters()))
-  # prepare_ddp after DDP was built (DDP already expects those gradients).
+  # prepare_ddp after DDP was built (DDP already expects those gradients),
+  # given the DDP or the model it wraps.
   found["late_prepare"] = _error(lambda: forge_dist.prepare_ddp(ddp))
+  found["late_prepare_model"] = _error(lambda: forge_dist.prepare_ddp(model))
+  found["late_prepare_left"] = forge_dist.is_data_parallel(model.fc1.weight)
+  del ddp
   # Global-norm clipping: the norm would be this rank's, not the average's.
   model = converted(net)
   ddp = forge_dist.wrap_ddp(model)
   found["checked"] = forge_dist.prepare_ddp(ddp)  # built in order: accepted
+  found["prepared_again"] = forge_dist.prepare_ddp(model)  # in order too
   opt = forge_torch.AdamW(ddp.parameters(), max_grad_norm=1.0)
   x, y = batches([1], seed=9)[0][0][rank]
   found["clip"] = _error(lambda: opt.step(
       lambda: F.mse_loss(ddp(x), y).backward()))
+  # DDP's join() (uneven inputs): a rank out of inputs would shadow DDP's
+  # all-reduces only; refused on every rank at the first managed reduction
+  # inside it (the DDP built by the user after prepare_ddp, or by wrap_ddp).
+  for how in ("user", "wrap_ddp"):
+    model = converted(net)
+    if how == "user":
+      forge_dist.prepare_ddp(model)
+      ddp = nn.parallel.DistributedDataParallel(model)
+    else:
+      ddp = forge_dist.wrap_ddp(model)
+    join_opt = forge_torch.AdamW(ddp.parameters())
+    with ddp.join():
+      found[f"join_{how}"] = _error(
+          lambda: F.mse_loss(ddp(x), y).backward())
+    del join_opt, ddp
   # FSDP2 shards the managed layers without prepare_fsdp: refused at the
   # forward; prepare_fsdp before fully_shard: nothing to prepare.
   model = converted(net)
@@ -698,7 +718,18 @@ def test_misuse_is_refused(reports):
     assert "one of 2" in found["no_prepare"], found["no_prepare"]
     assert "forge_torch.distributed.prepare_ddp(model)" in found["no_prepare"]
     assert "built before" in found["late_prepare"], found["late_prepare"]
+    late = found["late_prepare_model"]
+    assert "prepare_ddp(model) was called after DistributedDataParallel" in (
+        late), late
+    assert "wrap_ddp" in late, late
+    assert found["late_prepare_left"] is False
     assert found["checked"] == ["fc1.weight", "fc2.weight"]
+    assert found["prepared_again"] == ["fc1.weight", "fc2.weight"]
+    for how in ("user", "wrap_ddp"):
+      joined = found[f"join_{how}"]
+      assert "DistributedDataParallel.join() (uneven inputs" in joined, (
+          how, joined)
+      assert "fc" in joined and "drop_last=True" in joined, (how, joined)
     assert "max_grad_norm" in found["clip"], found["clip"]
     assert "data parallelism" in found["clip"], found["clip"]
     assert "fully_shard" in found["fsdp"], found["fsdp"]
