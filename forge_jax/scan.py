@@ -433,15 +433,23 @@ class ScannedDenseStack(nn.Module):
           f"{self._where()}: the input's last dimension must equal features "
           f"({self.features}), each layer's output being the next one's "
           f"input; got an input of shape {jnp.shape(x)}")
+    # The parameters' own dtypes where they exist (cast after init, say),
+    # else param_dtype's: what the layers promote the input with.
+    params = [nn.meta.unbox(self.get_variable("params", name))
+              if self.has_variable("params", name)
+              else jnp.zeros((), self.param_dtype)
+              for name in ("kernel", "bias")[:1 + self.use_bias]]
     dtype = flax_dtypes.canonicalize_dtype(
-        x, jnp.zeros((), self.param_dtype), dtype=self.dtype)
+        x, *(jnp.zeros((), jnp.result_type(p)) for p in params),
+        dtype=self.dtype)
     if jnp.result_type(x) != dtype:
       raise ValueError(
           f"{self._where()}: the input's dtype ({jnp.result_type(x)}) must "
           f"be the layers' computation dtype ({jnp.dtype(dtype)}: "
           + ("dtype=" if self.dtype is not None else
-             "the input's promoted with param_dtype=")
-          + f"{jnp.dtype(self.dtype or self.param_dtype)}), each layer's "
+             "the input's promoted with the parameters' ")
+          + f"{jnp.dtype(self.dtype or jnp.result_type(*params))}), each "
+          "layer's "
           "output being the next one's input; cast the input "
           f"(x.astype(jnp.{jnp.dtype(dtype)})) or set dtype")
 

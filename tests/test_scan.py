@@ -293,7 +293,7 @@ def test_bad_settings_are_refused_at_init_on_either_path(kw, exc, match, fused):
      r"\(bfloat16: dtype=bfloat16\).*x.astype\(jnp.bfloat16\)"),
     (dict(), jnp.ones((3, 7), jnp.int32),
      r"input's dtype \(int32\).*\(float32: the input's promoted with "
-     r"param_dtype=float32\)"),
+     r"the parameters' float32\)"),
     (dict(activation=lambda y: y.astype(jnp.bfloat16)), jnp.ones((3, 7)),
      r"ScannedDenseStack at '<root>': a layer's output is not of its "
      r"input's type \(float32\[3,7\]\).*activation must keep"),
@@ -309,6 +309,28 @@ def test_an_input_the_stack_cannot_carry_is_refused_in_words(kw, x, match,
                                       **kw)
   with pytest.raises(ValueError, match=match):
     stack.init(jax.random.key(0), x)
+
+
+def test_parameters_cast_after_init_set_the_dtype_the_stack_carries():
+  """bf16 parameters cast from a float32 init take a bf16 input, as the
+  nn.scan they are does (the layers promote with the parameters' own
+  dtype, not param_dtype's), on either path; an int input is refused."""
+  stack = forge_jax.ScannedDenseStack(features=7, num_layers=2)
+  x = jnp.ones((3, 7), jnp.bfloat16)
+  variables = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
+                           stack.init(jax.random.key(0), x.astype(jnp.float32)))
+  assert stack.apply(variables, x).dtype == jnp.bfloat16
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(mse(stack), tx)
+  loss, _, _ = step(variables, tx.init(variables["params"]),
+                    (x, jnp.ones((3, 7), jnp.bfloat16)))
+  assert jnp.isfinite(loss)
+  # (A float32 input promotes them: float32 throughout, as nn.scan.)
+  assert stack.apply(variables, x.astype(jnp.float32)).dtype == jnp.float32
+  with pytest.raises(ValueError, match=r"input's dtype \(int32\).*"
+                     r"\(bfloat16: the input's promoted with the parameters' "
+                     r"bfloat16\)"):
+    stack.apply(variables, x.astype(jnp.int32))
 
 
 def test_a_wrong_width_inside_a_step_is_refused_in_words():
