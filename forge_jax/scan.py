@@ -348,8 +348,10 @@ class ScannedDenseStack(nn.Module):
   in place; stochastic rounding hashes each element's index in the whole
   stacked leaf, as the standard path does.
 
-  The input's last dimension must be ``features`` and its dtype the
-  computation dtype (as for ``nn.scan``, whose carry keeps one dtype).
+  The input's last dimension must be ``features``, and each layer's output
+  (computed in ``dtype``, or the input's dtype promoted with the
+  parameters', then the activation) must have the input's dtype, as for
+  ``nn.scan``, whose carry keeps one type.
 
   ``stack_update`` says how the backward loop reaches layer ``i``'s kernel
   and slots: ``"layer"`` -- the fused kernel reads and writes them inside the
@@ -415,43 +417,38 @@ class ScannedDenseStack(nn.Module):
         raise
       raise ValueError(
           f"{self._where()}: a layer's output is not of its input's type "
-          f"({jax.typeof(x).str_short()}), which the next layer takes: the "
-          "activation must keep its input's shape and dtype. "
+          f"({jax.typeof(x).str_short()}), which the next layer takes. The "
+          f"layers compute in {self._compute_dtype(x)} ("
+          + ("dtype" if self.dtype is not None else
+             "the input promoted with the parameters' dtype")
+          + "), then apply the activation: give the input the dtype the "
+          "activation returns, or make the activation return the input's. "
           f"(jax: {said})") from e
     return y
+
+  def _compute_dtype(self, x) -> str:
+    """The dtype the layers compute in for input ``x``: ``dtype``, or the
+    input's promoted with the parameters' own dtypes where they exist
+    (cast after init, say), else ``param_dtype``'s."""
+    params = [jnp.result_type(nn.meta.unbox(self.get_variable("params", n)))
+              if self.has_variable("params", n) else self.param_dtype
+              for n in ("kernel", "bias")[:1 + self.use_bias]]
+    return str(jnp.dtype(flax_dtypes.canonicalize_dtype(
+        x, *(jnp.zeros((), d) for d in params), dtype=self.dtype)))
 
   def _where(self) -> str:
     return (f"forge_jax.ScannedDenseStack at "
             f"{_context.layer_name(tuple(self.path))!r}")
 
-  def _check_input(self, x) -> None:
-    """The input a stack of ``features -> features`` layers takes: its last
-    dimension ``features``, its dtype the layers' computation dtype (each
-    layer's output is the next one's input, the scan's carry)."""
+  def _check_width(self, x) -> None:
+    """The input of a stack of ``features -> features`` layers: its last
+    dimension ``features`` (each layer's output is the next one's input,
+    the scan's carry)."""
     if jnp.ndim(x) == 0 or jnp.shape(x)[-1] != self.features:
       raise ValueError(
           f"{self._where()}: the input's last dimension must equal features "
           f"({self.features}), each layer's output being the next one's "
           f"input; got an input of shape {jnp.shape(x)}")
-    # The parameters' own dtypes where they exist (cast after init, say),
-    # else param_dtype's: what the layers promote the input with.
-    params = [nn.meta.unbox(self.get_variable("params", name))
-              if self.has_variable("params", name)
-              else jnp.zeros((), self.param_dtype)
-              for name in ("kernel", "bias")[:1 + self.use_bias]]
-    dtype = flax_dtypes.canonicalize_dtype(
-        x, *(jnp.zeros((), jnp.result_type(p)) for p in params),
-        dtype=self.dtype)
-    if jnp.result_type(x) != dtype:
-      raise ValueError(
-          f"{self._where()}: the input's dtype ({jnp.result_type(x)}) must "
-          f"be the layers' computation dtype ({jnp.dtype(dtype)}: "
-          + ("dtype=" if self.dtype is not None else
-             "the input's promoted with the parameters' ")
-          + f"{jnp.dtype(self.dtype or jnp.result_type(*params))}), each "
-          "layer's "
-          "output being the next one's input; cast the input "
-          f"(x.astype(jnp.{jnp.dtype(dtype)})) or set dtype")
 
   @nn.compact
   def __call__(self, x):
@@ -459,7 +456,7 @@ class ScannedDenseStack(nn.Module):
     # fused step reads them.
     where = self._where()
     check_stack_settings(where, self.num_layers, self.stack_update)
-    self._check_input(x)
+    self._check_width(x)
     fused_wgrad.check_block_config(self.block_config, where)
     if _context.current_tap() is not None:
       raise ValueError(

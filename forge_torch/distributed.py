@@ -89,31 +89,56 @@ _ORDER = _linear.WeakIdMap()
 # forge_torch.Linear. Set by prepare_fsdp().
 _SHARDED = _linear.WeakIdMap()
 # A prepared weight -> weak references to the DistributedDataParallel
-# instances over it, found at its first reduction (_wrapping).
+# instances over it: those wrap_ddp built, and those a scan found at the
+# first reduction of a weight it had not recorded (_wrapping).
 _WRAPPERS = _linear.WeakIdMap()
 
 
 def _ddps_over(weights) -> list:
   """The ``DistributedDataParallel`` instances alive whose module holds
-  one of ``weights``. torch keeps no registry of them: a scan of the
-  objects the garbage collector tracks (tens of milliseconds in a large
-  program), made by :func:`prepare_ddp` and at a weight's first reduction
-  only."""
+  one of ``weights``. torch keeps no registry of them: one scan of the
+  objects the garbage collector tracks (about 0.1 s in a process holding
+  torch and jax), read without touching anything else (a dead weak proxy
+  or a half-built DDP among them is passed over)."""
   ddp = nn.parallel.DistributedDataParallel
   ids = {id(p) for p in weights}
-  return [o for o in gc.get_objects() if isinstance(o, ddp)
-          and any(id(q) in ids for q in o.module.parameters())]
+  found = []
+  for o in gc.get_objects():
+    if not issubclass(type(o), ddp):  # (type(): no attribute lookup)
+      continue
+    module = vars(o).get("_modules", {}).get("module")
+    if module is not None and any(id(q) in ids
+                                  for q in module.parameters()):
+      found.append(o)
+  return found
+
+
+def _record_wrapper(ddp_module, weights) -> None:
+  """Records ``ddp_module`` as a ``DistributedDataParallel`` over
+  ``weights`` (:func:`wrap_ddp`: no scan needed)."""
+  for p in weights:
+    refs = [r for r in _WRAPPERS.get(p) or () if r() is not None]
+    _WRAPPERS[p] = [*refs, weakref.ref(ddp_module)]
 
 
 def _wrapping(p: torch.Tensor) -> list:
-  """The ``DistributedDataParallel`` instances over prepared weight ``p``,
-  found once (again only where all of those found have gone)."""
-  refs = _WRAPPERS.get(p)
-  found = [] if refs is None else [r() for r in refs]
-  if refs is None or (refs and all(d is None for d in found)):
-    found = _ddps_over([p])
-    _WRAPPERS[p] = [weakref.ref(d) for d in found]
-  return [d for d in found if d is not None]
+  """The ``DistributedDataParallel`` instances over prepared weight ``p``:
+  recorded by :func:`wrap_ddp`, else found by one scan, for every prepared
+  weight with none recorded (or only DDPs gone since), at the first
+  reduction of such a weight. A DDP built over the model after that scan
+  found one (a second DDP beside the first) or none (a step run on the
+  bare model first) is not seen."""
+  def unknown(q) -> bool:  # none recorded, or all those recorded gone
+    refs = _WRAPPERS.get(q)
+    return refs is None or (refs and all(r() is None for r in refs))
+
+  if unknown(p):
+    prepared = [q for q in _GROUPS.keys() if unknown(q)]
+    found = _ddps_over(prepared)
+    for q in prepared:
+      _WRAPPERS[q] = [weakref.ref(d) for d in found
+                      if any(r is q for r in d.module.parameters())]
+  return [d for d in (r() for r in _WRAPPERS[p]) if d is not None]
 
 
 def _refuse_join(p: torch.Tensor, layer: str) -> None:
@@ -275,8 +300,10 @@ def prepare_ddp(module: nn.Module, process_group=None, *,
       check_not_sharded(layer, mod_name or type(module).__name__)
   weights = _managed_weights(module)
   names = [name for name, _ in weights]
-  if any(not set(_ddp_names(names)) <= set(d.parameters_to_ignore)
-         for d in _ddps_over([p for _, p in weights])):
+  ignored_by = [vars(d).get("parameters_to_ignore")
+                for d in _ddps_over([p for _, p in weights])]
+  if any(i is not None and not set(_ddp_names(names)) <= set(i)
+         for i in ignored_by):  # (None: a DDP whose construction failed)
     raise RuntimeError(
         "forge_torch.distributed.prepare_ddp(model) was called after "
         "DistributedDataParallel(model) was built: that DDP reduces the "
@@ -369,7 +396,9 @@ def wrap_ddp(module: nn.Module, *args: Any, check_order: bool = False,
   prepare_ddp(module, _group_of(arguments),
               broadcast=bool(arguments.get("init_sync", True)),
               check_order=check_order)
-  return nn.parallel.DistributedDataParallel(module, *args, **kwargs)
+  wrapped = nn.parallel.DistributedDataParallel(module, *args, **kwargs)
+  _record_wrapper(wrapped, [p for _, p in _managed_weights(module)])
+  return wrapped
 
 
 def prepare_fsdp(module: nn.Module) -> list[str]:

@@ -285,18 +285,22 @@ def test_bad_settings_are_refused_at_init_on_either_path(kw, exc, match, fused):
     stack.init(jax.random.key(0), jnp.ones((3, 7)))
 
 
+_CARRY = (r"ScannedDenseStack at '<root>': a layer's output is not of its "
+          r"input's type \({}\[3,7\]\), which the next layer takes. The "
+          r"layers compute in {} \({}\), then apply the activation")
+
+
 @pytest.mark.parametrize("kw,x,match", [
     (dict(), jnp.ones((3, 8)), r"last dimension must equal features \(7\)"),
     (dict(), jnp.ones(()), r"last dimension must equal features"),
     (dict(dtype=jnp.bfloat16), jnp.ones((3, 7)),
-     r"input's dtype \(float32\) must be the layers' computation dtype "
-     r"\(bfloat16: dtype=bfloat16\).*x.astype\(jnp.bfloat16\)"),
+     _CARRY.format("float32", "bfloat16", "dtype")),
     (dict(), jnp.ones((3, 7), jnp.int32),
-     r"input's dtype \(int32\).*\(float32: the input's promoted with "
-     r"the parameters' float32\)"),
+     _CARRY.format("int32", "float32",
+                   "the input promoted with the parameters' dtype")),
     (dict(activation=lambda y: y.astype(jnp.bfloat16)), jnp.ones((3, 7)),
-     r"ScannedDenseStack at '<root>': a layer's output is not of its "
-     r"input's type \(float32\[3,7\]\).*activation must keep"),
+     _CARRY.format("float32", "float32",
+                   "the input promoted with the parameters' dtype")),
 ])
 @pytest.mark.parametrize("fused", [True, False])
 def test_an_input_the_stack_cannot_carry_is_refused_in_words(kw, x, match,
@@ -327,10 +331,21 @@ def test_parameters_cast_after_init_set_the_dtype_the_stack_carries():
   assert jnp.isfinite(loss)
   # (A float32 input promotes them: float32 throughout, as nn.scan.)
   assert stack.apply(variables, x.astype(jnp.float32)).dtype == jnp.float32
-  with pytest.raises(ValueError, match=r"input's dtype \(int32\).*"
-                     r"\(bfloat16: the input's promoted with the parameters' "
-                     r"bfloat16\)"):
+  with pytest.raises(ValueError, match=_CARRY.format(
+      "int32", "bfloat16", "the input promoted with the parameters' dtype")):
     stack.apply(variables, x.astype(jnp.int32))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_activation_returning_the_inputs_dtype_carries_it(fused):
+  """Layers computing in bf16 whose activation casts back to the float32
+  input keep the scan's carry: taken, as nn.scan takes it."""
+  stack = forge_jax.ScannedDenseStack(
+      features=7, num_layers=2, dtype=jnp.bfloat16, fused=fused,
+      activation=lambda y: nn.relu(y).astype(jnp.float32))
+  x = jnp.ones((3, 7))
+  variables = stack.init(jax.random.key(0), x)
+  assert stack.apply(variables, x).dtype == jnp.float32
 
 
 def test_a_wrong_width_inside_a_step_is_refused_in_words():

@@ -22,6 +22,7 @@ import gc
 import os
 import traceback
 import warnings
+import weakref
 
 import pytest
 
@@ -153,6 +154,40 @@ def _misuses(rank: int) -> dict:
   x, y = batches([1], seed=9)[0][0][rank]
   found["clip"] = _error(lambda: opt.step(
       lambda: F.mse_loss(ddp(x), y).backward()))
+  # The scan for DDPs (prepare_ddp; a weight's first reduction under a DDP
+  # the user built) passes over what it cannot read: a dead weak proxy
+  # here. One scan serves every prepared weight (not one per weight), and
+  # wrap_ddp's DDP needs none.
+  class Gone:
+    pass
+
+  gone = Gone()
+  dead = weakref.proxy(gone)
+  del gone
+  scans = []
+  scan = forge_dist._ddps_over  # noqa: SLF001
+
+  def counted(weights):
+    scans.append(len(weights))
+    return scan(weights)
+
+  forge_dist._ddps_over = counted  # noqa: SLF001
+  try:
+    model = converted(net)
+    found["scan_prepared"] = forge_dist.prepare_ddp(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    scan_opt = forge_torch.AdamW(ddp.parameters())
+    F.mse_loss(ddp(x), y).backward()
+    found["scans_user"] = list(scans)
+    scans.clear()
+    model = converted(net)
+    ddp = forge_dist.wrap_ddp(model)
+    scan_opt = forge_torch.AdamW(ddp.parameters())
+    F.mse_loss(ddp(x), y).backward()
+    found["scans_wrap_ddp"] = list(scans)
+  finally:
+    forge_dist._ddps_over = scan  # noqa: SLF001
+  del dead, scan_opt, ddp
   # DDP's join() (uneven inputs): a rank out of inputs would shadow DDP's
   # all-reduces only; refused on every rank at the first managed reduction
   # inside it (the DDP built by the user after prepare_ddp, or by wrap_ddp).
@@ -725,6 +760,13 @@ def test_misuse_is_refused(reports):
     assert found["late_prepare_left"] is False
     assert found["checked"] == ["fc1.weight", "fc2.weight"]
     assert found["prepared_again"] == ["fc1.weight", "fc2.weight"]
+    assert found["scan_prepared"] == ["fc1.weight", "fc2.weight"]
+    # prepare_ddp's scan, then one at the first reduction for both weights
+    # (and those of the models prepared before, alive or not, in this
+    # process); wrap_ddp: prepare_ddp's only.
+    assert len(found["scans_user"]) == 2, found["scans_user"]
+    assert found["scans_user"][0] == 2, found["scans_user"]
+    assert len(found["scans_wrap_ddp"]) == 1, found["scans_wrap_ddp"]
     for how in ("user", "wrap_ddp"):
       joined = found[f"join_{how}"]
       assert "DistributedDataParallel.join() (uneven inputs" in joined, (
