@@ -73,7 +73,8 @@ def _matmul(x, kernel, precision):
 
 
 def _layer(static, h, w, b):
-  """One layer, exactly as nn.Dense then the activation: ``(y, z)``."""
+  """One layer, exactly as nn.Dense then the activation: ``(y, z)``. ``h``:
+  the layer's input in the computation dtype (nn.Dense casts it so)."""
   z = _matmul(h, w.astype(static.dtype), static.precision)
   if b is not None:
     z += jnp.reshape(b.astype(static.dtype), (1,) * (z.ndim - 1) + (-1,))
@@ -126,7 +127,10 @@ def _forward(static, x, kernels, biases, save):
   """``(y, None)``, or with ``save`` ``(y, (xs, zs))``: each layer's input and
   pre-activation, stacked over the layers."""
   def body(h, wb):
+    # The carry keeps the input's dtype, as nn.scan's (each layer's output,
+    # after the activation, has it); the layer computes in static.dtype.
     w, b = wb
+    h = h.astype(static.dtype)
     y, z = _layer(static, h, w, b)
     return y, ((h, z) if save else None)
   if save:
@@ -255,6 +259,7 @@ def _fused_stack_bwd(static, res, dy):
   cotangents."""
   xs, zs, kernels, biases, inputs = res
   num_layers = kernels.shape[0]
+  carried = dy.dtype  # the stack's input's and output's (xs: computed in)
   # The norm pass of a clipped step (forge_jax/clip.py): the layers' squared
   # gradient norms are summed into the carry; nothing is updated, and the
   # stacks are read, not carried (a carried stack that pass 2 reads again
@@ -266,8 +271,8 @@ def _fused_stack_bwd(static, res, dy):
     i, x_i, z_i = per_layer
     w_i = lax.dynamic_index_in_dim(kernels if norm_pass else w_stack, i,
                                    keepdims=False)
-    _, act_vjp = jax.vjp(static.activation, z_i)
-    (dz,) = act_vjp(dy.astype(z_i.dtype))
+    y_i, act_vjp = jax.vjp(static.activation, z_i)
+    (dz,) = act_vjp(dy.astype(y_i.dtype))
     db = (jnp.sum(dz, axis=tuple(range(dz.ndim - 1))) if biases is not None
           else None)
     # dx reads the pre-update slice; the barrier orders that read before the
@@ -295,12 +300,12 @@ def _fused_stack_bwd(static, res, dy):
         (jnp.arange(num_layers), xs, zs), reverse=True)
   dbias = None if biases is None else dbs.astype(biases.dtype)
   if norm_pass:
-    return (dx.astype(xs.dtype), jnp.zeros_like(kernels), dbias,
+    return (dx.astype(carried), jnp.zeros_like(kernels), dbias,
             _clip.norm_pass_inputs(inputs, sqnorm))
   ctx = _context.current()
   if ctx is not None:
     ctx.bwd_traced.add(static.path)
-  return dx.astype(xs.dtype), new_kernels, dbias, _context.LayerInputs(
+  return dx.astype(carried), new_kernels, dbias, _context.LayerInputs(
       slots=new_slots,
       hparams=jax.tree.map(jnp.zeros_like, inputs.hparams),
       touched=jnp.ones_like(inputs.touched),
@@ -503,5 +508,4 @@ class ScannedDenseStack(nn.Module):
                      precision=self.precision, config=self.block_config,
                      spec=spec, layout=ctx.layouts.get(path),
                      in_place_layer=in_place_layer, wgrad=ctx.wgrad)
-    return _fused_stack(static, x.astype(dtype), kernels, biases,
-                        ctx.inputs[path])
+    return _fused_stack(static, x, kernels, biases, ctx.inputs[path])
