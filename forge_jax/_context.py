@@ -202,44 +202,24 @@ SECOND_MODEL_NOTE = (
     "unfused by itself (docs/shared_weights.md).")
 
 
-_NO_KERNEL = object()  # variables['params'] holds no kernel at the path
-
-
-def _kernel_at(ctx: StepContext, path: Path):
-  """The step's own kernel at ``path`` (the very traced value ``loss_fn``
-  received), ``_NO_KERNEL`` where its params hold none there, ``None``
-  where they are not known."""
-  node = ctx.params
-  if node is None:
-    return None
-  for name in (*path, "kernel"):
-    if not isinstance(node, Mapping) or name not in node:
-      return _NO_KERNEL
-    node = node[name]
+def kernel_at(params, path: Path):
+  """The ``kernel`` leaf of ``params`` at the layer's ``path``, or None."""
+  node = params
+  for key in (*path, "kernel"):
+    if not isinstance(node, Mapping) or key not in node:
+      return None
+    node = node[key]
   return node
 
 
-def _reads_own_kernel(ctx: StepContext, path: Path, kernel) -> bool | None:
-  """Whether ``kernel`` is the step's own kernel at ``path``; None where
-  either is not known."""
-  own = _kernel_at(ctx, path)
-  if kernel is None or own is None or own is _NO_KERNEL:
-    return None
-  return own is kernel
-
-
-def _stacked_kernel_shape(ctx: StepContext, path: Path,
-                          kernel_shape: tuple[int, ...]
+def _stacked_kernel_shape(stored, kernel_shape: tuple[int, ...]
                           ) -> tuple[int, ...] | None:
-  """The shape of the kernel stored at ``path`` where it is not
-  ``kernel_shape``, the one a call reads: the layer runs beneath a lifted
-  transform that stacks its kernel (a user's ``nn.scan``, whose body flax
-  traces more than once, so that the calls counted are traces, not uses);
-  None otherwise or where not known."""
-  node = _kernel_at(ctx, path)
-  if node is None or node is _NO_KERNEL:
-    return None
-  shape = tuple(getattr(node, "shape", ()))
+  """The shape of ``stored``, the kernel at a layer's path, where it is
+  not ``kernel_shape``, the one a call reads: the layer runs beneath a
+  lifted transform that stacks its kernel (a user's ``nn.scan``, whose body
+  flax traces more than once, so that the calls counted are traces, not
+  uses); None otherwise or where not known."""
+  shape = tuple(getattr(stored, "shape", ()))
   return shape if shape and shape != tuple(kernel_shape) else None
 
 
@@ -263,19 +243,23 @@ def register_layer(ctx: StepContext, path: Path,
   likely a second model's (a teacher), and the error says so. (Beneath a
   lifted transform, nn.remat or nn.scan, a call reads the transform's copy,
   neither: no note.)"""
-  own = _reads_own_kernel(ctx, path, kernel)
+  # The step's own kernel at the path (the very traced value loss_fn
+  # received); None where the params are not known or hold none there.
+  stored = None if ctx.params is None else kernel_at(ctx.params, path)
+  # Whether this call reads it (None: not known).
+  own = None if kernel is None or stored is None else stored is kernel
   info = ctx.layers.get(path)
   if info is None:
     info = ctx.layers[path] = LayerInfo(
         path, kernel_shape, param_dtype, kind=kind, own=own,
-        stacked=_stacked_kernel_shape(ctx, path, kernel_shape))
+        stacked=_stacked_kernel_shape(stored, kernel_shape))
   info.calls += 1
   # (A path with no kernel in the step's params is not counted as shared:
   # two calls there are most likely two applies of a model to parts of the
   # variables, whose layer paths are relative to each apply; the step
   # refuses such a path once discovery ends, saying so.)
   if (info.calls > 1 and ctx.shared == "error"
-      and _kernel_at(ctx, path) is not _NO_KERNEL):
+      and (ctx.params is None or stored is not None)):
     other = own is not None and info.own is not None and own != info.own
     what = ("runs " + shared_reason(info) + ", whose body is traced more "
             "than once and reads the stacked kernel at every step of the "

@@ -173,18 +173,8 @@ def _kernel_shape(module, kind: str, inputs) -> tuple[tuple, str | None]:
   return shape[ndim - len(axis):] + _as_tuple(module.features), None
 
 
-def _kernel_at(params, path):
-  """The ``kernel`` leaf of ``params`` at the layer's ``path``, or None."""
-  node = params
-  for key in (*path, "kernel"):
-    if not isinstance(node, Mapping) or key not in node:
-      return None
-    node = node[key]
-  return node
-
-
 def _has_kernel(params, path) -> bool:
-  return _kernel_at(params, path) is not None
+  return _context.kernel_at(params, path) is not None
 
 
 def _params_of(variables):
@@ -330,7 +320,7 @@ class _Converter:
     apply = self.apply
     if tap is not None or apply is None or apply.params is None:
       return None if _has_kernel(self.params, path) else _NOT_IN_PARAMS
-    steps = _kernel_at(apply.params, path)
+    steps = _context.kernel_at(apply.params, path)
     if steps is None:
       return _NOT_IN_PARAMS
     scope = module.scope
@@ -339,7 +329,7 @@ class _Converter:
         return _NOT_IN_PARAMS
       kernel = module.get_variable("params", "kernel")
     else:  # a lifted transform's copies: the apply's variables at the path
-      kernel = _kernel_at(_params_of(apply.root.variables()), path)
+      kernel = _context.kernel_at(_params_of(apply.root.variables()), path)
     if not (kernel is steps or _traced_beneath(kernel, steps)):
       return _ANOTHER_ARRAY
     if scope.root is not apply.root:
@@ -372,7 +362,7 @@ class _Converter:
       return ("it runs inside forge_jax.ScannedBlocks, whose stacked "
               "kernels FORGE does not step on a device mesh (mesh_layout) "
               "yet")
-    steps = (_kernel_at(self.apply.params, path) if tap is None
+    steps = (_context.kernel_at(self.apply.params, path) if tap is None
              and self.apply is not None and self.apply.params is not None
              else None)
     if steps is not None and _under_vmap(inputs, steps):

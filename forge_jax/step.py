@@ -148,20 +148,17 @@ def _named_axes() -> list:
 def _check_params(params, paths) -> None:
   """Clear errors for parameter trees make_step cannot drive."""
   for path in paths:
-    node = params
-    for key in (*path, "kernel"):
-      if not isinstance(node, Mapping) or key not in node:
-        raise ValueError(
-            f"forge_jax.Dense at {_context.layer_name(path)!r} was called by "
-            "loss_fn, but variables['params'] has no kernel at that path: a "
-            "FORGE layer must belong to the model whose variables the step "
-            "receives, applied to all of them (a second model applied inside "
-            "loss_fn, e.g. a frozen teacher, must use nn.Dense or "
-            "forge_jax.Dense(fused=False); a model applied to part of the "
-            "variables, model.apply({'params': params['a']}, x), names its "
-            "layers from that part: make the parts submodules of one model "
-            "applied to the whole variables).")
-      node = node[key]
+    if _context.kernel_at(params, path) is None:
+      raise ValueError(
+          f"forge_jax.Dense at {_context.layer_name(path)!r} was called by "
+          "loss_fn, but variables['params'] has no kernel at that path: a "
+          "FORGE layer must belong to the model whose variables the step "
+          "receives, applied to all of them (a second model applied inside "
+          "loss_fn, e.g. a frozen teacher, must use nn.Dense or "
+          "forge_jax.Dense(fused=False); a model applied to part of the "
+          "variables, model.apply({'params': params['a']}, x), names its "
+          "layers from that part: make the parts submodules of one model "
+          "applied to the whole variables).")
 
 
 def _containers(tree, made, at: str = "opt_state") -> str | None:
