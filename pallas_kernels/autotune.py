@@ -608,8 +608,9 @@ def _csv_shape(shape: str, path: str) -> tuple[int, int, int]:
   return tuple(int(v) for v in sm.groups())
 
 
-def _csv_dtypes(field: str) -> tuple[str, tuple[str, ...]]:
-  """``"w=bf16,m/v=bfloat16"`` -> ``("bfloat16", ("bfloat16", "bfloat16"))``."""
+def _csv_dtypes(field: str, path: str) -> tuple[str, tuple[str, ...]]:
+  """``"w=bf16,m/v=bfloat16"`` -> ``("bfloat16", ("bfloat16", "bfloat16"))``
+  (``path``: the CSV, named where the field cannot be read)."""
   try:
     parts = dict(p.split("=", 1) for p in field.split(","))
     w = dtype_name(parts.pop("w"))
@@ -617,7 +618,7 @@ def _csv_dtypes(field: str) -> tuple[str, tuple[str, ...]]:
     for names, d in parts.items():
       slots += [dtype_name(d)] * len(names.split("/"))
   except (ValueError, TypeError, KeyError):
-    raise ValueError(f"dtypes {field!r} is not of the form "
+    raise ValueError(f"{path}: dtypes {field!r} is not of the form "
                      "'w=bf16,m/v=bf16' (dtype names jax knows)") from None
   return w, tuple(slots)
 
@@ -700,10 +701,7 @@ def winners_from_csv(path: str, rule: str = "adamw", metric: str = "p50",
   entries = {}
   for (shape, dtypes), rows in groups.items():
     bt, n_in, n_out = _csv_shape(shape, path)
-    try:
-      w, slots = _csv_dtypes(dtypes)
-    except ValueError as e:
-      raise ValueError(f"{path}: {e}") from None
+    w, slots = _csv_dtypes(dtypes, path)
     best_cfg, best_t = None, None
     for cfg, t in rows:
       if best_t is None or t < best_t:
@@ -766,7 +764,7 @@ def _backends_dtypes(field: str) -> tuple[str, str, tuple[str, ...]]:
   except (ValueError, TypeError):
     act = None
   if act is None or w is None:
-    raise ValueError(f"dtypes {field!r} is not of the form "
+    raise ValueError(f"{path}: dtypes {field!r} is not of the form "
                      "'x,dy,W bf16; m,v fp32' (or '...; N slot(s) fp32')")
   return act, w, tuple(slots)
 

@@ -1302,6 +1302,15 @@ def test_bad_backends_csvs_fail_clearly(tmp_path):
     autotune.mosaic_winners_from_csv(str(path))
 
 
+def _assert_cli_refuses(tmp_path, flag: str, path) -> None:
+  """The CLI given ``flag path`` exits with a usage error, writing no
+  ``--out``."""
+  out = tmp_path / "out.json"
+  with pytest.raises(SystemExit) as e:
+    autotune.main([flag, str(path), "--out", str(out)])
+  assert e.value.code == 2 and not out.exists()
+
+
 _KERNEL_HEADER = ("benchmark,provider,shape,dtypes,metric,p50,unit,device,"
                   "versions,timestamp")
 _KERNEL_ROW = 'kernel,"forge[64x128x64,g1,w4,s3]",{shape},"{dtypes}",time'
@@ -1332,10 +1341,7 @@ def test_a_kernel_csv_row_it_cannot_read_is_refused_naming_it(
   path.write_text(f"{_KERNEL_HEADER}\n{row}\n")
   with pytest.raises(ValueError, match=f"{re.escape(str(path))}: .*{match}"):
     autotune.winners_from_csv(str(path))
-  out = tmp_path / "out.json"
-  with pytest.raises(SystemExit) as e:
-    autotune.main(["--from-csv", str(path), "--out", str(out)])
-  assert e.value.code == 2 and not out.exists()
+  _assert_cli_refuses(tmp_path, "--from-csv", path)
 
 
 def test_a_nan_time_in_a_backends_csv_is_refused(tmp_path):
@@ -1370,10 +1376,7 @@ def test_a_triton_entry_or_source_record_it_cannot_use_is_refused(
   tuning_cache.clear_cache()
   with pytest.raises(ValueError, match=match):
     tuning_cache.load(str(path))
-  out = tmp_path / "out.json"
-  with pytest.raises(SystemExit) as e:
-    autotune.main(["--merge", str(path), "--out", str(out)])
-  assert e.value.code == 2 and not out.exists()
+  _assert_cli_refuses(tmp_path, "--merge", path)
 
 
 def test_bad_mosaic_cache_entries_fail_clearly(tmp_path):
