@@ -181,15 +181,14 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
   return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _zero_step(p: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+def _zero_step(p: torch.Tensor, fused) -> torch.Tensor:
   """``state["step"]`` as torch's ``_init_group`` creates it.
 
-  On the parameter's device in fp32 for ``fused`` groups (Adam, AdamW,
-  Adagrad), else a CPU scalar of torch's default scalar dtype.
-  (``capturable``, torch's other on-device case, is taken only with
-  ``fused``.)
+  On the parameter's device in fp32 for a ``fused`` group (the group's
+  option, in the families that have it: SGD, Adagrad, Adam, AdamW), else a
+  CPU scalar of torch's default scalar dtype. (``capturable``, torch's
+  other on-device case, is taken only with ``fused``.)
   """
-  fused = group.get("fused")
   if fused:
     return torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused),
                        device=p.device)
@@ -569,6 +568,14 @@ class _ForgeOptimizer:
 
   # -- family hooks -----------------------------------------------------------
 
+  def _forge_option(self, group: Mapping[str, Any], name: str,
+                    default: Any = None) -> Any:
+    """``group[name]`` where this family has the option ``name`` (a key of
+    its ``defaults``), else ``default``: torch's family reads no key it
+    does not define (one left in a group built from a config shared with
+    another family), and neither does FORGE."""
+    return group.get(name, default) if name in self.defaults else default
+
   def _forge_rule(self, group: Mapping[str, Any],
                   device: torch.device | None = None) -> UpdateRule:
     """``device``: the weight's, at update time (``None`` when only checking
@@ -704,7 +711,7 @@ class _ForgeOptimizer:
           f"constructor, forge_torch.{name}(params, ..., {wide[0]}=...); for "
           "weights that need other settings, use a second optimizer.")
     bad = [k for k, (ok, _) in _REFUSED.items()
-           if k in group and bool(group[k]) != ok
+           if k in group and k in self.defaults and bool(group[k]) != ok
            and not (k == "capturable" and self._forge_capturable
                     and group.get("fused"))]
     if bad:
@@ -1619,7 +1626,7 @@ class _ForgeOptimizer:
     if shared.rule is not plan.rule and shared.rule != plan.rule:
       return False
     if index not in self._forge_used:  # (as the full path: step() checks)
-      self._forge_used[index] = _options_snapshot(group)
+      self._forge_used[index] = _options_snapshot(group, self.defaults)
     scalars = shared.scalars.get((t, False))
     if scalars is None:  # the step's first update in the group
       values, scalar_updates = self._forge_hparams(group, state, t, False)
@@ -1706,7 +1713,7 @@ class _ForgeOptimizer:
     group = self.param_groups[index]
     self._forge_check_options(group)  # (as _forge_shared_scalars)
     if index not in self._forge_used:
-      self._forge_used[index] = _options_snapshot(group)
+      self._forge_used[index] = _options_snapshot(group, self.defaults)
     rule = self._forge_rule(group, p.device)
     state = self.state[p]
     step = state["step"]
@@ -1756,7 +1763,7 @@ class _ForgeOptimizer:
           f"{s.dtype}{list(s.shape)} on {s.device}, the weight "
           f"{p.dtype}{list(p.shape)} on {p.device} (was the model moved or "
           "cast after the optimizer state was created?)")
-    fused = bool(group.get("fused"))
+    fused = bool(self._forge_option(group, "fused"))
     if (s.dtype == torch.float32 and p.dtype == torch.bfloat16
         and name in self._forge_fp32_slots and not fused):
       return
@@ -1795,7 +1802,7 @@ class _ForgeOptimizer:
       index = self._forge_managed[p]  # (raises KeyError)
     group = self.param_groups[index]
     if index not in self._forge_used:
-      self._forge_used[index] = _options_snapshot(group)
+      self._forge_used[index] = _options_snapshot(group, self.defaults)
     device = p.device
     shared = self._forge_scalars.get(index)
     if not (shared is not None and shared.valid_for(group, device)):
@@ -2109,7 +2116,7 @@ class _ForgeOptimizer:
       with torch.enable_grad():
         loss = closure()
     for index, used in self._forge_used.items():
-      now = _options_snapshot(self.param_groups[index])
+      now = _options_snapshot(self.param_groups[index], self.defaults)
       if now == used:  # the usual case: nothing changed
         continue
       changed = sorted(k for k in set(used) | set(now)
@@ -2515,10 +2522,12 @@ def _check_own_memory(params, only=None) -> None:
           "optimizer.")
 
 
-def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
-  """A group's options, comparable across a step without reading any device
-  value: a tensor (e.g. a tensor ``lr``) by identity and version counter,
-  which an in-place change bumps."""
+def _options_snapshot(group: Mapping[str, Any],
+                      options: Mapping[str, Any]) -> dict[str, Any]:
+  """A group's options (its keys that are in ``options``, the family's
+  defaults: torch reads no other key), comparable across a step without
+  reading any device value: a tensor (e.g. a tensor ``lr``) by identity
+  and version counter, which an in-place change bumps."""
   def snap(v):
     if isinstance(v, torch.Tensor):
       return ("tensor", id(v), v._version)
@@ -2527,7 +2536,7 @@ def _options_snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
     return v
   # (A plain number, string or None is its own snapshot: taken as is.)
   return {k: v if type(v) in _IMMUTABLE else snap(v)
-          for k, v in group.items() if k != "params"}
+          for k, v in group.items() if k in options}
 
 
 def _describe(t) -> str:
@@ -2714,7 +2723,7 @@ class Adagrad(_ForgeOptimizer, torch.optim.Adagrad):
 
   def _forge_init_state(self, p, group):
     # torch reads the initial value from the defaults, not the group.
-    return {"step": _zero_step(p, group),
+    return {"step": _zero_step(p, self._forge_option(group, "fused")),
             "sum": torch.full_like(p, self.defaults["initial_accumulator_value"],
                                    memory_format=torch.preserve_format)}
 
@@ -2750,7 +2759,8 @@ class RMSprop(_ForgeOptimizer, torch.optim.RMSprop):
                        momentum=group["momentum"] > 0)
 
   def _forge_init_state(self, p, group):
-    state = {"step": _zero_step(p, group), "square_avg": _zeros(p)}
+    state = {"step": _zero_step(p, self._forge_option(group, "fused")),
+             "square_avg": _zeros(p)}
     if group["momentum"] > 0:
       state["momentum_buffer"] = _zeros(p)
     if group["centered"]:
@@ -2770,7 +2780,7 @@ class _AdamMoments(_ForgeOptimizer):
   _forge_extra_scalars: ClassVar[dict[str, float]] = {}
 
   def _forge_init_state(self, p, group):
-    state = {"step": _zero_step(p, group)}
+    state = {"step": _zero_step(p, self._forge_option(group, "fused"))}
     for name, value in self._forge_extra_scalars.items():
       state[name] = torch.tensor(value, dtype=_get_scalar_dtype())
     state["exp_avg"] = _zeros(p)
@@ -2785,7 +2795,7 @@ class _AdamMoments(_ForgeOptimizer):
         "eps": _scalar(group["eps"])}
 
   def _forge_decoupled(self, group) -> bool:
-    return bool(group.get("decoupled_weight_decay", False))
+    return bool(self._forge_option(group, "decoupled_weight_decay", False))
 
 
 @_doc
@@ -2983,7 +2993,8 @@ class Adamax(_AdamMoments, torch.optim.Adamax):
     return _torch_rule("adamax")
 
   def _forge_init_state(self, p, group):
-    return {"step": _zero_step(p, group), "exp_avg": _zeros(p),
+    return {"step": _zero_step(p, self._forge_option(group, "fused")),
+            "exp_avg": _zeros(p),
             "exp_inf": _zeros(p)}
 
   def _forge_hparams(self, group, state, t, fresh):

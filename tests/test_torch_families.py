@@ -155,6 +155,8 @@ def groups(model, split, kwargs):
   ps = list(model.parameters())
   if not split:
     return ps
+  if isinstance(split, dict):  # one group with these keys added
+    return [{"params": ps, **split}]
   if split == "coupled":  # AdamW reads decoupled_weight_decay per group
     return [{"params": ps[:2]},
             {"params": ps[2:], "decoupled_weight_decay": False}]
@@ -215,6 +217,30 @@ def test_fp32_parity_with_torch(family, kwargs, split, sched):
   errs = run_family(family, kwargs, split, sched)
   worst = max(errs, key=errs.get)
   print(f"{family} {kwargs}: worst relative error {errs[worst]:.3g} ({worst})")
+
+
+# Every torch family's options, at values other than their defaults.
+OTHER_OPTIONS = dict(
+    momentum=0.5, dampening=0.5, nesterov=True, lr_decay=0.5,
+    initial_accumulator_value=0.5, alpha=0.5, centered=True, amsgrad=True,
+    betas=(0.5, 0.5), eps=0.5, momentum_decay=0.5, fused=True,
+    capturable=True, decoupled_weight_decay=True, differentiable=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_groups_keys_the_family_does_not_define_are_ignored_as_torch_does(
+    family):
+  """A param group holding options of other families (a config shared
+  between them: Adamax has no decoupled_weight_decay, RMSprop no fused,
+  SGD no capturable): torch's family reads none of them, nor does
+  forge_torch's -- it trains as torch's, with its state where torch keeps
+  it, and none is refused."""
+  defaults = getattr(torch.optim, family)(
+      [torch.nn.Parameter(torch.zeros(1))]).defaults
+  foreign = {k: v for k, v in OTHER_OPTIONS.items() if k not in defaults}
+  assert foreign
+  lr = 0.05 if family in ("SGD", "Adagrad") else 1e-2
+  run_family(family, dict(lr=lr, weight_decay=WD), split=foreign)
 
 
 @pytest.mark.gpu

@@ -746,6 +746,23 @@ def test_hyperparameters_changed_between_backward_and_step_are_refused(change):
     opt.step()
 
 
+def test_keys_the_family_does_not_read_may_change_between_backward_and_step():
+  """A key torch's family does not define (a tag, a scheduler's note) set
+  between backward and step() changes no update: step() runs on, as
+  torch's does, and the training matches torch's."""
+  ref, fm = pair()
+  o_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+  o_f = forge_torch.Adam(fm.parameters(), lr=1e-2)
+  for m, o in ((ref, o_r), (fm, o_f)):
+    for i in range(3):
+      x, y = data(seed=i + 1)
+      F.mse_loss(m(x), y).backward()
+      o.param_groups[0]["tag"] = f"encoder {i}"
+      o.step()
+      o.zero_grad()
+  assert_models_close(fm, ref)
+
+
 def test_hyperparameters_changed_before_the_forward_match_torch():
   """The supported place: set them before the forward (a warmup)."""
   ref, fm = pair()
