@@ -4,7 +4,9 @@
     ./dev.sh python -m benchmarks.torch_overhead --device cuda --out O.csv
 
 A stack of ``--layers`` small ``--width x --width`` linear layers (no bias)
-trained ``--steps`` steps after ``--warmup`` steps, in two arms:
+trained ``--steps`` steps after ``--warmup`` steps (on ``--bt`` rows, 2-d;
+with ``--seq S`` 3-d, ``BT / S`` sequences of ``S`` rows, as a
+transformer's layers take them), in two arms:
 
   torch   ``nn.Linear`` + ``torch.optim.AdamW`` (``fused=True`` on CUDA);
   forge   ``forge_torch.Linear`` + ``forge_torch.AdamW`` (the same);
@@ -159,8 +161,9 @@ def _floor_linear():
 
 def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
             device: str = "cpu", bt: int = 4, profile: int = 0,
-            launch: str = "stub") -> dict[str, float]:
-  """Seconds per layer per step for each phase (median over ``steps``)."""
+            launch: str = "stub", seq: int = 0) -> dict[str, float]:
+  """Seconds per layer per step for each phase (median over ``steps``).
+  ``seq``: the input is ``(bt // seq, seq, width)`` (0: ``(bt, width)``)."""
   import torch  # noqa: PLC0415
   import forge_torch  # noqa: PLC0415
   from forge_torch import _direct  # noqa: PLC0415
@@ -182,7 +185,8 @@ def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
                                 for _ in range(layers)]).to(device, dtype)
   opt = optimizer(model.parameters(), lr=1e-3,
                   **({"fused": True} if cuda else {}))
-  x = torch.randn(bt, width, device=device, dtype=dtype)
+  x = torch.randn(*((bt // seq, seq) if seq else (bt,)), width,
+                  device=device, dtype=dtype)
   real = forge_optim._bridge.fused_update  # noqa: SLF001
   undo = None
   if not cuda and launch == "stub":
@@ -239,6 +243,10 @@ def main(argv=None) -> int:
                  help="16 on the CPU, 256 on CUDA")
   p.add_argument("--bt", type=common.positive_int, default=None,
                  help="rows of the batch: 4 on the CPU, 64 on CUDA")
+  p.add_argument("--seq", type=common.positive_int, default=None,
+                 help="the batch as BT / SEQ sequences of SEQ rows: 3-d "
+                 "activations (batch, sequence, width), as a transformer's "
+                 "layers take them (default: 2-d, BT x width)")
   p.add_argument("--steps", type=common.positive_int, default=200)
   p.add_argument("--warmup", type=common.positive_int, default=5)
   p.add_argument("--repeat", type=common.positive_int, default=1,
@@ -258,6 +266,9 @@ def main(argv=None) -> int:
   args.launch = args.launch or "stub"
   width = args.width or (256 if cuda else 16)
   bt = args.bt or (64 if cuda else 4)
+  seq = args.seq or 0
+  if seq and bt % seq:
+    p.error(f"--seq {seq} must divide the batch's rows (--bt {bt})")
   if cuda:
     import torch  # noqa: PLC0415
     if not torch.cuda.is_available():
@@ -273,7 +284,8 @@ def main(argv=None) -> int:
           else "per layer per step, fused update stubbed"
           if args.launch == "stub" else
           "per layer per step, direct launch path, kernel launch stood in")
-  shape = f"{args.layers} x Linear({width}, {width}), BT {bt}"
+  shape = (f"{args.layers} x Linear({width}, {width}), BT {bt}"
+           + (f" ({bt // seq} x {seq})" if seq else ""))
   dtypes = "bfloat16" if cuda or args.launch == "direct" else "float32"
   arms = [a for a in ARMS if a in args.arms]
   runs = {arm: [] for arm in arms}
@@ -282,7 +294,7 @@ def main(argv=None) -> int:
       runs[arm].append(run_arm(arm, args.layers, width, args.steps,
                                args.warmup, args.device, bt,
                                args.profile if r == args.repeat - 1 else 0,
-                               args.launch))
+                               args.launch, seq))
   totals = {}
   for arm, rs in runs.items():
     t = {k: min(r[k] for r in rs) for k in rs[0]}

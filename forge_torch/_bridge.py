@@ -768,11 +768,23 @@ def _launch_key(x2, dy2, w, slots, device_index: int, stream: int,
   device, which :func:`_resolve` checks once per key: a weight or slot laid
   out otherwise has a key of its own, never another layout's launch.
   (``x2`` and ``dy2`` are made contiguous before every launch, so their
-  strides do not matter.)"""
-  return (x2.shape, dy2.shape, x2.dtype, dy2.dtype, w.shape, w.stride(),
+  strides do not matter; a ``(..., n)`` one, which :func:`relaunch` takes,
+  is keyed by the 2-d shape it has as the kernel reads it, ``(rows, n)``.)"""
+  return (_rows_shape(x2), _rows_shape(dy2), x2.dtype, dy2.dtype, w.shape,
+          w.stride(),
           w.dtype, *[(s.shape, s.stride(), s.dtype, s.get_device())
                      for s in slots],
           device_index, stream, n_hparams, rule, config)
+
+
+def _rows_shape(t: torch.Tensor):
+  """``t``'s shape as a ``(rows, n)`` operand: its own where 2-d, else
+  ``(numel / n, n)`` (equal to the ``torch.Size`` of its 2-d reshape; no
+  reshape formed), or ``None`` for an empty last dimension."""
+  s = t.shape
+  if len(s) == 2:
+    return s
+  return (t.numel() // s[-1], s[-1]) if s and s[-1] else None
 
 
 def _direct_layout_ok(x2, dy2, w, slots, device_index: int) -> bool:
@@ -935,7 +947,9 @@ def relaunch(launch: _Launch, x2, dy2, w, slots, vec: np.ndarray, rule,
   devices and stream, direct launches on, not capturing, the weight's
   device current. ``False`` (nothing done) otherwise: the caller then takes
   :func:`fused_update`'s path. ``vec``: the plan's packed scalars, which
-  are never written (the ring serves them from their row: ``fixed``)."""
+  are never written (the ring serves them from their row: ``fixed``).
+  ``x2``, ``dy2`` may be ``(..., n)``: taken as ``(rows, n)`` (the
+  kernel reads them at their pointers, made contiguous)."""
   device_index = launch.ring_key[0]
   if (_direct.unavailable() is not None
       or _current_device() != device_index

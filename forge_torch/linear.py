@@ -388,14 +388,23 @@ def check_no_grad_hooks(weight: torch.Tensor, layer: str) -> None:
       "False).")
 
 
-def _other_grads(grad_output, g2, x2, w_op, w_dtype, needs, mode):
+def rows(t: torch.Tensor, n: int) -> torch.Tensor:
+  """``t`` (``(..., n)``: a layer's input or output gradient) as the 2-d
+  ``(rows, n)`` operand of ``G``; a 2-d one as it is (a reshape to the
+  same shape would make a view of the same memory, for a microsecond)."""
+  return t if t.dim() == 2 else t.reshape(-1, n)
+
+
+def _other_grads(grad_output, input, w_op, w_dtype, needs, mode):
   """The backward's gradients other than the update: the input's (from
   ``w_op``, the weight as the forward's GEMM read it), the weight's when the
   caller asked for it (``mode == RETURN``, in ``w_dtype``) and the bias's,
-  each ``None`` where not needed. ``g2``, ``x2``: the 2-d operands of G."""
+  each ``None`` where not needed."""
   grad_input = grad_output.matmul(w_op) if needs[0] else None
-  grad_weight = (g2.t().matmul(x2).to(w_dtype) if mode == RETURN else None)
-  grad_bias = g2.sum(0) if needs[2] else None
+  n_out = w_op.shape[0]
+  grad_weight = (rows(grad_output, n_out).t().matmul(
+      rows(input, w_op.shape[1])).to(w_dtype) if mode == RETURN else None)
+  grad_bias = rows(grad_output, n_out).sum(0) if needs[2] else None
   return grad_input, grad_weight, grad_bias
 
 
@@ -447,11 +456,6 @@ class _FusedLinearFn(torch.autograd.Function):
       # A later backward through this graph cannot update: refused, naming
       # the layer.
       ctx.handle = handle.layer
-    # (B, out) and (B, in) operands of G; already 2-d: as they are (a
-    # reshape to the same shape would make a view of the same memory).
-    g2 = (grad_output if grad_output.dim() == 2
-          else grad_output.reshape(-1, weight.shape[0]))
-    x2 = input if input.dim() == 2 else input.reshape(-1, weight.shape[1])
     # (needs_input_grad is False for an absent bias.)
     needs = ctx.needs_input_grad
     amp = handle.amp
@@ -463,12 +467,12 @@ class _FusedLinearFn(torch.autograd.Function):
     # here (under autocast: in its dtype, then cast, as torch does).
     if amp is None:
       grad_input, grad_weight, grad_bias = _other_grads(
-          grad_output, g2, x2, weight, weight.dtype, needs, mode)
+          grad_output, input, weight, weight.dtype, needs, mode)
     else:
       with torch.autocast(grad_output.device.type, enabled=False):
         # As the forward's GEMM read it (cast again, the same values).
         grad_input, grad_weight, grad_bias = _other_grads(
-            grad_output, g2, x2, weight.to(amp), weight.dtype, needs, mode)
+            grad_output, input, weight.to(amp), weight.dtype, needs, mode)
     if mode != UPDATE:
       # This forward no longer counts towards the one use per step.
       handle.release()
@@ -483,8 +487,10 @@ class _FusedLinearFn(torch.autograd.Function):
     # `weight` (unpacked) may be an alias of the Parameter, e.g. under
     # activation checkpointing; the optimizer keys its state by the Parameter.
     # Updates the weight, or (gradient accumulation) adds G to its buffer.
-    optimizer._forge_fused_update(w, g2, x2, config=handle.config,
-                                  layer=handle.layer)
+    # (The (..., out) and (..., in) operands of G as they are: an update
+    # that repeats its plan takes them by rows, the others make them 2-d.)
+    optimizer._forge_fused_update(w, grad_output, input,
+                                  config=handle.config, layer=handle.layer)
     handle.done = True  # this forward's use is consumed
     # No gradient for the weight: it has been updated already (grad stays None).
     return grad_input, None, grad_bias, None

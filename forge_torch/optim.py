@@ -1506,7 +1506,8 @@ class _ForgeOptimizer:
     """This family's step on managed weight ``p``, ``G = grad_output^T input``
     (``accumulate_steps > 1``: ``G`` added to the weight's buffer, except on
     the step's last micro-batch, which steps from the sum). A plain update
-    repeats the weight's plan where it holds (:meth:`_forge_run_plan`)."""
+    repeats the weight's plan where it holds (:meth:`_forge_run_plan`).
+    ``grad_output``, ``input``: ``(..., out)`` and ``(..., in)``."""
     if _clip.RUNNING:  # inside a clipped step's closure: its optimizer's?
       _clip.refuse_other_optimizer(self, layer)
     pk = _key(p)
@@ -1514,6 +1515,9 @@ class _ForgeOptimizer:
     if plan is not None and self._forge_run_plan(plan, p, pk, grad_output,
                                                  input, config):
       return
+    # (The full path's operands: 2-d.)
+    grad_output = _linear.rows(grad_output, p.shape[0])
+    input = _linear.rows(input, p.shape[1])
     # The group index the weight was registered with must still name its
     # group (param_groups edited since: read again).
     index, groups = self._forge_managed._values.get(pk), self.param_groups
@@ -1646,8 +1650,9 @@ class _ForgeOptimizer:
       views = self._forge_views._values.get(pk)
       if views is None:
         views = self._forge_views[p] = _bridge.ViewCache()
-      _bridge.fused_update(grad_output, input, p.data, slots, vec, rule=rule,
-                           config=config, views=views)
+      _bridge.fused_update(_linear.rows(grad_output, p.shape[0]),
+                           _linear.rows(input, p.shape[1]), p.data, slots,
+                           vec, rule=rule, config=config, views=views)
     self._forge_advance_step(state, step, record, t, [p, *slots])
     self._forge_updated[p] = True
     return True

@@ -2220,6 +2220,15 @@ def test_a_plan_repeats_a_direct_launch_only_for_the_same_call(monkeypatch):
   assert again(x=xt)
   assert kernel.launches[-1][1][0] != xt.data_ptr()
   assert not again(x=x[:4], dy=dy[:4])
+  # A layer's (..., n) operands, taken as (rows, n) with no reshape: the
+  # same launch where the rows are the same, at their own pointers.
+  x3, dy3 = x.reshape(2, 4, 6).clone(), dy.reshape(4, 1, 2, 4).clone()
+  assert again(x=x3, dy=dy3)
+  assert kernel.launches[-1][1][:2] == [x3.data_ptr(), dy3.data_ptr()]
+  assert not again(x=x3[:1], dy=dy3[:2])
+  assert again(x=torch.randn(2, 2, 2, 6), dy=dy3)  # (any leading dims)
+  assert not again(x=torch.randn(3, 2, 6), dy=dy3)
+  assert not again(x=torch.randn(8, 0), dy=dy)
   assert not again(w=torch.randn(4, 6).t())
   assert not again(slots=(m, v.bfloat16()))
   assert not again(slots=(m,))

@@ -1460,6 +1460,29 @@ def _same_as_the_full_path(train) -> list:
   return planned[2]
 
 
+def test_a_layer_on_3d_inputs_repeats_its_plan(monkeypatch):
+  """A transformer's (batch, sequence, features) activations: each update
+  after a weight's first repeats its plan (taking the operands as rows),
+  with the bits of the full path."""
+  def train(plans):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 3))
+    forge_torch.convert(model)
+    opt = forge_torch.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    with monkeypatch.context() as m:
+      ran = _count_plans(m, plans)
+      for _ in range(4):
+        x = torch.randn(2, 5, 6, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt, ran
+
+  ran = _same_as_the_full_path(train)
+  assert ran == [True] * 4  # (the third step on: as for 2-d inputs)
+
+
 @pytest.mark.parametrize("option,value", [("momentum", 0.0),
                                           ("nesterov", True)],
                          ids=["momentum-off", "nesterov-on"])
