@@ -292,11 +292,16 @@ def in_update_pass(opt) -> bool:
 
 def _zero_gradients_only(opt) -> bool:
   """Whether no managed layer has run in this step and the parameters'
-  gradients are zero tensors (some) or ``None`` (the rest)."""
+  gradients are zero tensors (some) or ``None`` (the rest). A managed
+  weight zeroed by ``zero_grad(set_to_none=False)`` holds such a zero
+  tensor in torch's terms (``.grad`` stays ``None``: FORGE forms none),
+  which the step steps from (:meth:`_ForgeOptimizer._forge_step_from_zero`)."""
   if opt.__dict__.get("_forge_updated") or opt.__dict__.get("_forge_micro"):
     return False
   grads = [p.grad for p in _params(opt) if p.grad is not None]
-  return bool(grads) and not any(bool(torch.any(g)) for g in grads)
+  zeroed = bool(opt.__dict__.get("_forge_grad_zeroed"))
+  return (bool(grads) or zeroed) and not any(bool(torch.any(g))
+                                             for g in grads)
 
 
 def _params(opt) -> list[torch.Tensor]:

@@ -629,6 +629,41 @@ def test_torch_max_grad_norm_keeps_zero_gradients_of_unreached_params():
   assert model.side.bias.grad is not None and not model.side.bias.grad.any()
 
 
+def test_torch_max_grad_norm_steps_managed_weights_alone_from_zero():
+  """An optimizer over managed weights alone, stepped without a closure
+  after zero_grad(set_to_none=False) (no layer run): torch's step from
+  those zero gradients (Adam's momentum moves the weight), as with other
+  parameters beside them, not a refusal asking for a closure."""
+  torch.manual_seed(0)
+  ref = torch.nn.Sequential(torch.nn.Linear(6, 5, bias=False))
+  model = copy.deepcopy(ref)
+  forge_torch.convert(model)
+  ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+  opt = forge_torch.Adam(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+  x = torch.randn(4, 6)
+  ref_opt.zero_grad(set_to_none=False)
+  ref(x).sum().backward()
+  torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+  ref_opt.step()
+
+  def closure():
+    opt.zero_grad(set_to_none=False)
+    loss = model(x).sum()
+    loss.backward()
+    return loss
+
+  opt.step(closure)
+  before = model[0].weight.detach().clone()
+  for o in (ref_opt, opt):
+    o.zero_grad(set_to_none=False)
+    o.step()
+  assert not torch.equal(model[0].weight, before)
+  assert_close(model[0].weight.detach().numpy(),
+               ref[0].weight.detach().numpy(), F32, "weight")
+  assert torch.equal(opt.state[model[0].weight]["step"],
+                     ref_opt.state[ref[0].weight]["step"])
+
+
 def test_torch_max_grad_norm_refuses_another_optimizers_layer_in_closure():
   """A managed layer of a second forge_torch optimizer in the closure of a
   clipped step would be updated by both passes: refused in the first
