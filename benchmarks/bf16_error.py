@@ -71,7 +71,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", type=paths.out_file,
                  default="out/bench/bf16_error.csv")
-  p.add_argument("--lrs", type=float, nargs="+", default=[1e-2, 1e-3, 1e-4])
+  p.add_argument("--lrs", type=common.positive_float, nargs="+",
+                 default=[1e-2, 1e-3, 1e-4])
   p.add_argument("--seeds", type=common.positive_int, default=6)
   p.add_argument("--steps", type=common.positive_int, default=20)
   args = p.parse_args(argv)

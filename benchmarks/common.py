@@ -66,6 +66,29 @@ CSV_FIELDS = ["benchmark", "case", "provider", "shape", "dtypes", "metric",
 positive_int = autotune.positive_int
 
 
+def non_negative_int(s: str) -> int:
+  """argparse ``type=``: an int >= 0 (a clean usage error otherwise)."""
+  try:
+    v = int(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+  if v < 0:
+    raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+  return v
+
+
+def positive_float(s: str) -> float:
+  """argparse ``type=``: a finite float > 0, as a learning rate (a clean
+  usage error otherwise)."""
+  try:
+    v = float(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+  if not math.isfinite(v) or v <= 0:
+    raise argparse.ArgumentTypeError(f"{s} must be a finite number > 0")
+  return v
+
+
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
   """Each flag's default in its help, except where the help states it
   itself (a default of ``None``, resolved after parsing)."""

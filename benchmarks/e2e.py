@@ -903,7 +903,8 @@ def parse_args(argv):
   p.add_argument("--budget", type=_seconds(False), default=0.0,
                  help="seconds for all cells (0: none); a cell gets at most "
                  "what is left, and one with < 10 s left is recorded failed")
-  p.add_argument("--autotune-cache", metavar="DIR", default=None,
+  p.add_argument("--autotune-cache", type=paths.out_dir, metavar="DIR",
+                 default=None,
                  help="XLA's per-fusion GEMM autotune cache for every cell, "
                  "shared by all arms: the first compile of a fusion "
                  "autotunes it and writes its choice, later cells (and "

@@ -467,10 +467,11 @@ def parse_args(argv):
   p.add_argument("--out", type=paths.out_file,
                  default="out/bench/e2e_paired.csv")
   p.add_argument("--plot", type=paths.out_file, default=None, metavar="PNG")
-  p.add_argument("--hlo-dir", default=None, metavar="DIR",
+  p.add_argument("--hlo-dir", type=paths.out_dir, default=None, metavar="DIR",
                  help="write each arm's compiled (scheduled) HLO text there "
                  "(DIR/p<i>/<arm>.hlo.txt per process)")
-  p.add_argument("--autotune-cache", metavar="DIR", default=None,
+  p.add_argument("--autotune-cache", type=paths.out_dir, metavar="DIR",
+                 default=None,
                  help="as e2e.py's: XLA's per-fusion GEMM autotune cache, "
                  "shared by every process")
   p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)

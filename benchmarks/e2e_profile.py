@@ -159,14 +159,15 @@ def main(argv=None) -> int:
                  "nn.scan(nn.remat) + optax), as e2e.py --scan")
   p.add_argument("--steps", type=common.positive_int, default=5)
   p.add_argument("--warmup", type=common.positive_int, default=3)
-  p.add_argument("--top", type=int, default=25,
+  p.add_argument("--top", type=common.positive_int, default=25,
                  help="kernels listed (those differing most between arms); "
                  "also the idle gaps listed per arm, at most 10")
   p.add_argument("--synced", action="store_true",
                  help="block on every step's result (as e2e_paired's "
                  "synced steps) instead of dispatching the steps back to "
                  "back")
-  p.add_argument("--keep-trace", metavar="DIR", default=None,
+  p.add_argument("--keep-trace", type=paths.out_dir, metavar="DIR",
+                 default=None,
                  help="copy each arm's trace (Perfetto JSON) to DIR/ARM/")
   p.add_argument("--out", type=paths.out_file,
                  default="out/bench/e2e_profile.csv")

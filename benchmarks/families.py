@@ -28,7 +28,7 @@ RULES = pk.families.optax_rules(regimes=(1,))
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", type=paths.out_file, default="out/bench/families.csv")
-  p.add_argument("--tokens", type=int, default=512)
+  p.add_argument("--tokens", type=common.positive_int, default=512)
   p.add_argument("--shape", default="q/o 4096x4096",
                  choices=list(common.LLAMA8B_SHAPES))
   args = p.parse_args(argv)

@@ -27,7 +27,7 @@ output is counted as such, not followed into the loop. Inside while-loop
 bodies it lists the copies of large arrays (``--min-copy-bytes``, default
 1 MiB), which run on every iteration.
 
-It answers one question of issue #4 without a GPU (given the dumps): does
+It answers one question without a GPU (given the dumps): does
 XLA already schedule optax's jitted step the way FORGE would, each gradient
 consumed right after it is formed? Exit status 1 if a file has no entry
 computation.

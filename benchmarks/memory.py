@@ -98,7 +98,7 @@ def arms(width, layers, optimizer="adamw"):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", type=paths.out_file, default="out/bench/memory.csv")
-  p.add_argument("--hlo-dir", default=None)
+  p.add_argument("--hlo-dir", type=paths.out_dir, default=None)
   p.add_argument("--width", type=common.positive_int, default=4096)
   p.add_argument("--layers", type=common.positive_int, nargs="+",
                  default=[1, 16])

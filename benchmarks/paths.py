@@ -4,10 +4,12 @@ Checked when the command line is parsed, before anything is measured: a
 folder where a file goes (a file where a folder goes), or a new file or
 folder that cannot be made where it is named (a read-only or missing
 place), is a one-line usage error instead of a traceback after the
-measurement. An existing file is taken as it is, not opened: ``--replot``
-and ``--table`` only read it, also from a read-only copy (so an existing
-file that cannot be written still fails when it is written). No JAX or
-torch import (the torch benchmarks use it too).
+measurement. An existing file must be one that can be written (appended
+to) where it is: a read-only one (or one like ``/proc/version``) is
+refused too, though ``--replot`` and ``--table`` only read it (copy a
+read-only results file somewhere writable to draw it). The check writes
+nothing into an existing file. No JAX or torch import (the torch
+benchmarks use it too).
 """
 
 from __future__ import annotations
@@ -24,13 +26,28 @@ def _why(e: OSError) -> str:
 
 def out_file(path: str) -> str:
   """A file a benchmark writes (a CSV it appends to, a plot). An existing
-  file is taken as it is (``--replot`` and ``--table`` only read it, also
-  where it cannot be written); a missing one is created once, its missing
-  folders made for it, and what this check made is removed again."""
+  file must be writable: one ``os.access`` says is not is refused, and one
+  it passes is opened for appending, sought to its end (where an append
+  starts) and closed, nothing written, as root may pass ``os.access`` on
+  a file that takes no writes (``/proc/version``). A missing one is
+  created once, its missing folders made for it, and what this check made
+  is removed again."""
   full = os.path.abspath(path)
   if os.path.isdir(full):
     raise argparse.ArgumentTypeError(f"{path!r} is a folder; give a file")
   if os.path.exists(full):
+    if not os.access(full, os.W_OK):
+      raise argparse.ArgumentTypeError(
+          f"cannot write {path!r}: the file exists and is not writable")
+    try:  # O_NONBLOCK: a FIFO without a reader is refused, not waited on
+      fd = os.open(full, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+      try:
+        os.lseek(fd, 0, os.SEEK_END)
+      finally:
+        os.close(fd)
+    except OSError as e:
+      raise argparse.ArgumentTypeError(
+          f"cannot write {path!r}: {_why(e)}") from None
     return path
   with _made_folders(path, os.path.dirname(full)):
     fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark suite of issue #4 in one command, on a GPU machine:
+# The benchmark suite (docs/benchmarks.md) in one command, on a GPU machine:
 #
 #   benchmarks/suite.sh [OUT_DIR [PART...]]
 #
@@ -55,6 +55,17 @@
 # lost a cell, so give each suite run its own OUT.
 # The e2e part stops starting cells after --budget seconds.
 set -euo pipefail
+for arg in "$@"; do
+  case "$arg" in  # the usage: the comment above, without its "# "
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+  esac
+done
+case "${1:-}" in
+  -*) echo "suite.sh: the output folder '$1' starts with '-'; this script" \
+           "takes no flags but -h/--help (usage: suite.sh [OUT_DIR" \
+           "[PART...]])" >&2
+      exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 OUT="${1:-out/suite}"
 PARTS=("${@:2}")

@@ -252,7 +252,8 @@ def main(argv=None) -> int:
   p.add_argument("--repeat", type=common.positive_int, default=1,
                  help="runs of each arm, alternating; the figures are each "
                  "phase's least median over them")
-  p.add_argument("--profile", type=int, default=0, metavar="N")
+  p.add_argument("--profile", type=common.non_negative_int, default=0,
+                 metavar="N")
   p.add_argument("--arms", nargs="+", choices=ARMS,
                  default=["torch", "forge"],
                  help="floor: a minimal autograd Function with no update; "

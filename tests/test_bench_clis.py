@@ -2,6 +2,7 @@
 usage error or a clear message with a non-zero exit, never a traceback, and
 nothing written that looks like a result."""
 
+import argparse
 import csv
 import gzip
 import os
@@ -611,8 +612,18 @@ OUTPUTS = [
     ("torch_e2e", [], "--out-dir"),
     ("torch_memory", [], "--out"),
     ("torch_overhead", [], "--out"),
+    ("memory", [], "--hlo-dir"),
+    ("e2e_paired", [], "--hlo-dir"), ("e2e_paired", [], "--autotune-cache"),
+    ("e2e", [], "--autotune-cache"),
+    ("e2e_profile", [], "--keep-trace"),
 ]
-FOLDERS = {("epilogue_probe", "--out"), ("torch_e2e", "--out-dir")}
+FOLDERS = {("epilogue_probe", "--out"), ("torch_e2e", "--out-dir"),
+           ("memory", "--hlo-dir"), ("e2e_paired", "--hlo-dir"),
+           ("e2e_paired", "--autotune-cache"), ("e2e", "--autotune-cache"),
+           ("e2e_profile", "--keep-trace")}
+# The flags that name a file or folder a benchmark writes.
+OUTPUT_FLAGS = ("--out", "--plot", "--out-dir", "--hlo-dir", "--keep-trace",
+                "--autotune-cache")
 
 
 def _parse_only(module, argv, monkeypatch):
@@ -663,9 +674,9 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_running(
 
 def test_an_output_path_check_leaves_no_file_behind(tmp_path, monkeypatch):
   """The check creates a missing file (and its missing folders) to learn
-  that it can be written, then removes them; an existing file is taken as
-  it is, never opened (--replot and --table only read it, also where it
-  cannot be written: a read-only copy of the results)."""
+  that it can be written, then removes them; an existing file is opened
+  for appending and left as it was, and one that cannot be opened so (a
+  read-only file system) is refused."""
   from benchmarks import paths
   new = tmp_path / "made" / "deeper" / "r.csv"
   assert paths.out_file(str(new)) == str(new)
@@ -676,7 +687,10 @@ def test_an_output_path_check_leaves_no_file_behind(tmp_path, monkeypatch):
     def refused(*a, **k):
       raise PermissionError(30, "Read-only file system")
     m.setattr(paths.os, "open", refused)
-    assert paths.out_file(str(old)) == str(old)
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match="cannot write .*Read-only file system"):
+      paths.out_file(str(old))
+  assert paths.out_file(str(old)) == str(old)
   assert old.read_text() == "a,b\n1,2\n"
   assert paths.out_file_or_stdout("-") == "-"
   d = tmp_path / "d" / "e"
@@ -687,8 +701,9 @@ def test_an_output_path_check_leaves_no_file_behind(tmp_path, monkeypatch):
 
 
 def test_every_output_flag_is_checked_when_parsed():
-  """Each benchmark flag named --out, --plot or --out-dir takes one of
-  benchmarks/paths.py's types, and the test above covers it."""
+  """Each benchmark flag that names a file or folder it writes (--out,
+  --plot, --out-dir, --hlo-dir, --keep-trace, --autotune-cache) takes one
+  of benchmarks/paths.py's types, and the test above covers it."""
   import re
   found, unchecked = set(), []
   bench = os.path.join(ROOT, "benchmarks")
@@ -697,13 +712,102 @@ def test_every_output_flag_is_checked_when_parsed():
       continue
     with open(os.path.join(bench, name)) as f:
       text = f.read()
-    for m in re.finditer(r'add_argument\(\s*"(--out|--plot|--out-dir)",'
+    flags = "|".join(OUTPUT_FLAGS)
+    for m in re.finditer(r'add_argument\(\s*"(' + flags + r')",'
                          r'([^)]*)', text):
       found.add((name[:-3], m.group(1)))
       if "type=paths." not in m.group(2):
         unchecked.append((name, m.group(1)))
   assert not unchecked
   assert found == {(m, f) for m, _, f in OUTPUTS if f is not None}
+
+
+@pytest.mark.parametrize("module,flag", sorted(
+    (m, f) for m, f in FOLDERS if f not in ("--out", "--out-dir")))
+def test_an_impossible_output_folder_is_refused_when_parsed(
+    monkeypatch, capsys, module, flag):
+  """--hlo-dir, --keep-trace and --autotune-cache (a folder XLA reads and
+  writes its autotune results in) name folders the run writes into: one
+  that cannot be made (/proc/x) is a usage line, not a traceback after the
+  measurement."""
+  assert _parse_only(module, [flag, "/proc/x"], monkeypatch) == 2
+  err = capsys.readouterr().err
+  assert "cannot write '/proc/x'" in err and flag in err, err
+  assert "Traceback" not in err
+
+
+def test_an_existing_file_that_cannot_be_written_is_refused(
+    tmp_path, monkeypatch, capsys):
+  """An existing --out that takes no rows (/proc/version; a read-only file
+  where the user is not root) is refused in words when parsed, not after
+  the measurement with a traceback from the CSV append."""
+  from benchmarks import paths
+  if os.path.exists("/proc/version"):
+    assert _parse_only("bf16_error", ["--out", "/proc/version"],
+                       monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert "cannot write '/proc/version'" in err, err
+    assert "Traceback" not in err
+  ro = tmp_path / "ro.csv"
+  ro.write_text("a,b\n")
+  with monkeypatch.context() as m:  # (root passes os.access on a 0o444 file)
+    m.setattr(paths.os, "access", lambda path, mode: False)
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match="exists and is not writable"):
+      paths.out_file(str(ro))
+  assert ro.read_text() == "a,b\n"
+
+
+def test_families_tokens_must_be_positive(monkeypatch, capsys):
+  for bad in ("0", "-512"):
+    assert _parse_only("families", ["--tokens", bad], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert "--tokens" in err and "must be >= 1" in err, err
+
+
+def test_torch_overhead_profile_must_not_be_negative(monkeypatch, capsys):
+  assert _parse_only("torch_overhead", ["--profile", "-1"], monkeypatch) == 2
+  err = capsys.readouterr().err
+  assert "--profile" in err and "must be >= 0" in err, err
+  from benchmarks import common
+  assert common.non_negative_int("0") == 0
+
+
+@pytest.mark.parametrize("module,argv", [
+    ("bf16_error", ["--lrs", "-0.1"]), ("bf16_error", ["--lrs", "0"]),
+    ("bf16_error", ["--lrs", "1e-3", "nan"]),
+    ("low_precision", ["sr", "--out", "OUT", "--lr", "-1"]),
+    ("low_precision", ["error", "--out", "OUT", "--lrs", "0"]),
+])
+def test_learning_rates_must_be_positive(tmp_path, monkeypatch, capsys,
+                                         module, argv):
+  argv = [str(tmp_path / "o.csv") if a == "OUT" else a for a in argv]
+  assert _parse_only(module, argv, monkeypatch) == 2
+  err = capsys.readouterr().err
+  assert "must be a finite number > 0" in err and "Traceback" not in err, err
+  assert os.listdir(tmp_path) == []
+
+
+def test_suite_help_prints_its_usage_and_refuses_a_flag_for_a_folder(
+    tmp_path):
+  """suite.sh -h / --help prints its header comment (exit 0) instead of
+  taking "--help" as the output folder; any other OUT_DIR starting with '-'
+  is refused in words (exit 2); neither makes a folder or measures."""
+  for flag in ("-h", "--help"):
+    p = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "suite.sh"),
+                        flag], cwd=tmp_path, env=dict(ENV, PYTHON=PY),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "benchmarks/suite.sh [OUT_DIR [PART...]]" in p.stdout, p.stdout
+    assert "set -euo" not in p.stdout and "sees no GPU" not in p.stderr
+  p = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "suite.sh"),
+                      "--out"], cwd=tmp_path, env=dict(ENV, PYTHON=PY),
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 2, (p.returncode, p.stderr)
+  assert "'--out' starts with '-'" in p.stderr, p.stderr
+  assert os.listdir(tmp_path) == []
+  assert not os.path.exists(os.path.join(ROOT, "--help"))
+  assert not os.path.exists(os.path.join(ROOT, "--out"))
 
 
 def test_scan_memory_cells_check_the_parents_out_not_the_default(
