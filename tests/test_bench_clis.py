@@ -765,6 +765,15 @@ def test_families_tokens_must_be_positive(monkeypatch, capsys):
     assert "--tokens" in err and "must be >= 1" in err, err
 
 
+@pytest.mark.parametrize("flag", ["--layers", "--dim", "--steps"])
+def test_torch_memory_counts_must_be_positive(monkeypatch, capsys, flag,
+                                             tmp_path):
+  assert _parse_only("torch_memory", ["--out", str(tmp_path / "m.csv"),
+                                      flag, "0"], monkeypatch) == 2
+  err = capsys.readouterr().err
+  assert flag in err and "must be >= 1" in err, err
+
+
 def test_torch_overhead_profile_must_not_be_negative(monkeypatch, capsys):
   assert _parse_only("torch_overhead", ["--profile", "-1"], monkeypatch) == 2
   err = capsys.readouterr().err
