@@ -243,6 +243,26 @@ def test_a_groups_keys_the_family_does_not_define_are_ignored_as_torch_does(
   run_family(family, dict(lr=lr, weight_decay=WD), split=foreign)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_count_is_on_the_weights_device_only_where_fused_is_an_option(
+    family):
+  """``fused=True`` in a group puts a new step count on the weight's
+  device (torch's fused kernels read it there) in the families that have
+  the option; the others keep it on the CPU, as torch does, whatever the
+  group holds. (A ``meta`` weight stands in for a GPU one.)"""
+  defaults = getattr(torch.optim, family)(
+      [torch.nn.Parameter(torch.zeros(1))]).defaults
+  opt = getattr(forge_torch, family)([torch.nn.Parameter(torch.zeros(3, 2))],
+                                     lr=1e-3)
+  p = torch.nn.Parameter(torch.zeros(3, 2, device="meta"))
+  state = opt._forge_init_state(p, {**opt.param_groups[0], "fused": True,
+                                    "momentum": 0.9})
+  if "step" not in state:  # (SGD keeps none)
+    return
+  want = "meta" if "fused" in defaults else "cpu"
+  assert state["step"].device.type == want, (family, state["step"].device)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
 def test_gpu_fp32_parity_all_families():
