@@ -721,7 +721,7 @@ class _ForgeOptimizer:
           f"{', '.join(f'{k}=True' for k in bad)}: "
           + "; ".join(f"{k}: {_REFUSED[k][1]}" for k in bad)
           + f" (use torch.optim.{name} for these options)")
-    eps = group.get("eps")
+    eps = self._forge_option(group, "eps")
     if (isinstance(eps, numbers.Real) and not isinstance(eps, bool)
         and 0 < abs(float(eps)) < _F32_TINY):
       raise ValueError(

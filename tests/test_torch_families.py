@@ -241,6 +241,9 @@ def test_a_groups_keys_the_family_does_not_define_are_ignored_as_torch_does(
   assert foreign
   lr = 0.05 if family in ("SGD", "Adagrad") else 1e-2
   run_family(family, dict(lr=lr, weight_decay=WD), split=foreign)
+  if "eps" not in defaults:  # a check of an option it has not: not made
+    getattr(forge_torch, family)(
+        [{"params": [torch.nn.Parameter(torch.zeros(2))], "eps": 1e-40}])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
