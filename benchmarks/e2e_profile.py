@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                  "nn.scan(nn.remat) + optax), as e2e.py --scan")
   p.add_argument("--steps", type=common.positive_int, default=5)
   p.add_argument("--warmup", type=common.positive_int, default=3)
-  p.add_argument("--top", type=common.positive_int, default=25,
+  p.add_argument("--top", type=common.non_negative_int, default=25,
                  help="kernels listed (those differing most between arms); "
                  "also the idle gaps listed per arm, at most 10")
   p.add_argument("--synced", action="store_true",
@@ -172,8 +172,6 @@ def main(argv=None) -> int:
   p.add_argument("--out", type=paths.out_file,
                  default="out/bench/e2e_profile.csv")
   args = p.parse_args(argv)
-  if args.top < 0:
-    p.error("--top must be >= 0")
   cfg = e2e.Config(layers=args.layers, scan=args.scan)
   if args.bt % cfg.seq:
     p.error(f"--bt {args.bt} is not a multiple of seq={cfg.seq}")

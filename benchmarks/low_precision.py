@@ -185,9 +185,6 @@ def main(argv=None) -> int:
   s.add_argument("--seeds", type=common.positive_int, default=3)
   s.add_argument("--out", type=paths.out_file, required=True)
   args = p.parse_args(argv)
-  for name in ("seeds", "tokens", "steps", "hidden"):
-    if getattr(args, name, 1) < 1:
-      p.error(f"--{name} must be >= 1")
   if args.cmd == "error":
     try:
       h, v = (int(n) for n in args.shape.lower().split("x"))

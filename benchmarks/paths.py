@@ -4,12 +4,14 @@ Checked when the command line is parsed, before anything is measured: a
 folder where a file goes (a file where a folder goes), or a new file or
 folder that cannot be made where it is named (a read-only or missing
 place), is a one-line usage error instead of a traceback after the
-measurement. An existing file must be one that can be written (appended
-to) where it is: a read-only one (or one like ``/proc/version``) is
-refused too, though ``--replot`` and ``--table`` only read it (copy a
-read-only results file somewhere writable to draw it). The check writes
-nothing into an existing file. No JAX or torch import (the torch
-benchmarks use it too).
+measurement. An existing regular file must be one that can be written
+(appended to) where it is: a read-only one (or one like
+``/proc/version``) is refused too, though ``--replot`` and ``--table``
+only read it (copy a read-only results file somewhere writable to draw
+it); the check writes nothing into it. Other existing targets (a pipe,
+``/dev/stdout``, ``/dev/null``) are taken as they are, not opened. A
+leading ``~`` is expanded (``--out=~/x.csv``, where the shell does not).
+No JAX or torch import (the torch benchmarks use it too).
 """
 
 from __future__ import annotations
@@ -25,22 +27,26 @@ def _why(e: OSError) -> str:
 
 
 def out_file(path: str) -> str:
-  """A file a benchmark writes (a CSV it appends to, a plot). An existing
-  file must be writable: one ``os.access`` says is not is refused, and one
-  it passes is opened for appending, sought to its end (where an append
-  starts) and closed, nothing written, as root may pass ``os.access`` on
-  a file that takes no writes (``/proc/version``). A missing one is
-  created once, its missing folders made for it, and what this check made
-  is removed again."""
+  """A file a benchmark writes (a CSV it appends to, a plot), ``~``
+  expanded. An existing regular file must be writable: one ``os.access``
+  says is not is refused, and one it passes is opened for appending,
+  sought to its end (where an append starts) and closed, nothing written,
+  as root may pass ``os.access`` on a file that takes no writes
+  (``/proc/version``); another existing target (a pipe, a device) is
+  taken as it is. A missing one is created once, its missing folders made
+  for it, and what this check made is removed again."""
+  path = os.path.expanduser(path)
   full = os.path.abspath(path)
   if os.path.isdir(full):
     raise argparse.ArgumentTypeError(f"{path!r} is a folder; give a file")
   if os.path.exists(full):
+    if not os.path.isfile(full):  # (a pipe, /dev/stdout: not opened)
+      return path
     if not os.access(full, os.W_OK):
       raise argparse.ArgumentTypeError(
           f"cannot write {path!r}: the file exists and is not writable")
-    try:  # O_NONBLOCK: a FIFO without a reader is refused, not waited on
-      fd = os.open(full, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+    try:
+      fd = os.open(full, os.O_WRONLY | os.O_APPEND)
       try:
         os.lseek(fd, 0, os.SEEK_END)
       finally:
@@ -62,8 +68,10 @@ def out_file_or_stdout(path: str) -> str:
 
 
 def out_dir(path: str) -> str:
-  """A folder a benchmark writes files into: a file created in it once and
-  removed; the folder, if missing, made for that and removed again."""
+  """A folder a benchmark writes files into (``~`` expanded): a file
+  created in it once and removed; the folder, if missing, made for that
+  and removed again."""
+  path = os.path.expanduser(path)
   full = os.path.abspath(path)
   if os.path.exists(full) and not os.path.isdir(full):
     raise argparse.ArgumentTypeError(f"{path!r} is a file; give a folder")

@@ -765,6 +765,48 @@ def test_families_tokens_must_be_positive(monkeypatch, capsys):
     assert "--tokens" in err and "must be >= 1" in err, err
 
 
+def test_a_pipe_or_device_given_as_output_is_taken_unopened(tmp_path):
+  """An existing target that is no regular file (a FIFO, /dev/null) is
+  taken as it is: never opened by the check (a reader waiting on a FIFO
+  would get an end of file)."""
+  from benchmarks import paths
+  fifo = tmp_path / "fifo"
+  os.mkfifo(fifo)
+  assert paths.out_file(str(fifo)) == str(fifo)  # (opening it would block)
+  assert paths.out_file(os.devnull) == os.devnull
+
+
+def test_a_leading_tilde_is_expanded_before_the_check(tmp_path, monkeypatch):
+  """``--out=~/x.csv`` (the shell expands no ``~`` after ``=``): the path
+  checked and returned is the home folder's, and no ``./~`` is made."""
+  from benchmarks import paths
+  home, cwd = tmp_path / "home", tmp_path / "cwd"
+  home.mkdir()
+  cwd.mkdir()
+  monkeypatch.setenv("HOME", str(home))
+  monkeypatch.chdir(cwd)
+  assert paths.out_file("~/r/x.csv") == str(home / "r" / "x.csv")
+  assert paths.out_dir("~/cache") == str(home / "cache")
+  assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def test_e2e_profile_top_zero_lists_no_kernels(monkeypatch):
+  """``--top 0`` (only the totals) is a valid count."""
+  import argparse
+  from benchmarks import e2e_profile
+  real = argparse.ArgumentParser.parse_args
+  got = {}
+
+  def parse_args(self, args=None, namespace=None):
+    got["args"] = real(self, args, namespace)
+    raise SystemExit(0)
+
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+  with pytest.raises(SystemExit) as e:
+    e2e_profile.main(["--top", "0"])
+  assert e.value.code == 0 and got["args"].top == 0
+
+
 @pytest.mark.parametrize("flag", ["--layers", "--dim", "--steps"])
 def test_torch_memory_counts_must_be_positive(monkeypatch, capsys, flag,
                                              tmp_path):
