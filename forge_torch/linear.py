@@ -1198,7 +1198,30 @@ def convert(model: nn.Module, *,
         "\n(The returned list's .skipped holds these reasons; pass "
         "exclude=[...] to leave layers out on purpose.)",
         ConvertSkipWarning, stacklevel=2)
+  if not (converted or skipped or any(isinstance(m, Linear)
+                                      for m in modules.values())):
+    warnings.warn(_nothing_converted(model, modules), ConvertSkipWarning,
+                  stacklevel=2)
   return Converted(converted, skipped)
+
+
+def _nothing_converted(model: nn.Module, modules: Mapping[str, nn.Module]
+                       ) -> str:
+  """Why a model holding no ``nn.Linear`` trains as it did: its layers of
+  other types with a 2-d weight (e.g. transformers' ``Conv1D`` in GPT-2,
+  which computes ``x @ W + b``) counted by type."""
+  kinds = collections.Counter(
+      type(m).__name__ for m in modules.values()
+      if not isinstance(m, (nn.Linear, nn.Embedding, nn.EmbeddingBag))
+      and getattr(m._parameters.get("weight"), "ndim", 0) == 2)
+  found = (" It has layers of other types with a 2-d weight: " + ", ".join(
+      f"{k} ({n})" for k, n in kinds.most_common()) + "; FORGE converts "
+      "exact nn.Linear only (a layer computing x @ W + b can be replaced "
+      "by a forge_torch.Linear by hand, its weight transposed)."
+      if kinds else "")
+  return (f"forge_torch.convert found no nn.Linear in this "
+          f"{type(model).__name__}: nothing was converted, and the whole "
+          f"model trains with ordinary gradients.{found}")
 
 
 __all__ = ["ConvertSkipWarning", "Converted", "Linear", "convert",

@@ -419,6 +419,33 @@ def test_convert_reports_skipped_layers_with_reasons():
   assert "0.fc2:" in message and "2: its weight is torch.float64" in message
 
 
+def test_convert_says_so_when_the_model_has_no_linear_layer():
+  """A model whose linear maps are another type (GPT-2's ``Conv1D``,
+  ``x @ W + b`` with a 2-d weight) converts nothing: one warning says so,
+  counting those layers by type; a model already holding forge_torch
+  layers, or whose linears were all excluded, gets none."""
+  class Conv1D(nn.Module):  # as transformers writes it
+    def __init__(self, nf, nx):
+      super().__init__()
+      self.weight = nn.Parameter(torch.randn(nx, nf))
+      self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+      return x @ self.weight + self.bias
+
+  model = nn.Sequential(nn.Embedding(10, 4), Conv1D(8, 4), nn.GELU(),
+                        Conv1D(4, 8), nn.LayerNorm(4))
+  with pytest.warns(forge_torch.ConvertSkipWarning,
+                    match=r"found no nn.Linear in this Sequential") as rec:
+    assert forge_torch.convert(model) == []
+  assert "Conv1D (2)" in str(rec[0].message)
+  assert "Embedding" not in str(rec[0].message)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    forge_torch.convert(nn.Sequential(forge_torch.Linear(3, 3), nn.Tanh()))
+    forge_torch.convert(nn.Sequential(nn.Linear(3, 3)), exclude="0")
+
+
 def test_a_weight_made_non_contiguous_after_convert_is_refused_by_name():
   """A transposed tensor loaded with assign=True after convert(): the
   optimizer refuses it at construction, naming the weight; one swapped in
