@@ -30,6 +30,7 @@ from flax.linen import dtypes as flax_dtypes
 
 from forge_jax import _context
 from forge_jax import dense as _dense
+from forge_jax._usage import NOT_READ_BY_FUSED_OP
 from forge_jax.dense import Dense, dtype_reason, linen_kernel_dtype
 from forge_jax.dense_general import DenseGeneral
 
@@ -518,6 +519,17 @@ def _note_converted(error: ValueError, report: Report) -> None:
   message = error.args[0]
   names = [n for n in report.converted if repr(n) in message]
   if not names or "fused=False" not in message:
+    return
+  if NOT_READ_BY_FUSED_OP in message:  # (shared="standard" moves not it)
+    error.args = (message + (
+        f"\n(make_step(..., convert=True) ran {', '.join(map(repr, names))} "
+        "-- flax nn.Dense / nn.DenseGeneral layers of the model -- as FORGE "
+        "layers; such a layer has no fused attribute, and this refusal holds "
+        "under shared='standard' too. Write that layer as "
+        "forge_jax.Dense(..., fused=False), which trains it on the standard "
+        "path. A layer beneath nn.remat or nn.jit that reads a function of "
+        "its kernel -- nn.map_variables, say -- or beneath nn.vjp / nn.jvp "
+        "is converted and then refused so.)"), *error.args[1:])
     return
   error.args = (message + (
       f"\n(make_step(..., convert=True) ran {', '.join(map(repr, names))} "

@@ -433,6 +433,37 @@ def test_a_layer_given_changed_parameters_stays_nn_dense():
   assert_trees_close(sf, sr, RTOL, "opt_state")
 
 
+class HalvedUnderRemat(nn.Module):
+  """A layer reading half its kernel (nn.map_variables) beneath nn.remat."""
+
+  @nn.compact
+  def __call__(self, x):
+    half = lambda vs: jax.tree.map(lambda a: 0.5 * a if a.ndim == 2 else a,
+                                   vs)
+    layer = nn.remat(nn.map_variables(nn.Dense, "params", trans_in_fn=half,
+                                      init=True))
+    return nn.Dense(5, name="head")(layer(8, name="mv")(x))
+
+
+@pytest.mark.parametrize("shared", ["error", "standard"])
+def test_a_converted_layer_its_fused_op_does_not_read_names_the_fix_that_works(
+    shared):
+  """A converted layer that reads a function of its kernel beneath
+  nn.remat is refused under either shared policy: the note names the fix
+  that works (forge_jax.Dense(..., fused=False)), not shared='standard'."""
+  model = HalvedUnderRemat()
+  x, y = jax.random.normal(jax.random.key(1), (6, 7)), jnp.ones((6, 5))
+  v = model.init(jax.random.key(0), x)
+  tx = forge_jax.adamw(1e-2)
+  step = forge_jax.make_step(mse(model), tx, convert=True, shared=shared)
+  with pytest.raises(ValueError, match="'mv' did not read its kernel") as e:
+    jax.jit(step)(v, tx.init(v["params"]), (x, y))
+  note = str(e.value).split("make_step(..., convert=True) ran")[-1]
+  assert "holds under shared='standard' too" in note
+  assert "forge_jax.Dense(..., fused=False)" in note
+  assert "build the step with shared='standard'" not in str(e.value)
+
+
 class Twice(nn.Module):
   """A converted layer called twice (shared), beside one called once."""
 
