@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks import paths
 from pallas_kernels import autotune, tuning_cache
 
 # Llama-3.1-8B projection shapes (in, out), one place for tests and benches.
@@ -63,18 +64,8 @@ CSV_FIELDS = ["benchmark", "case", "provider", "shape", "dtypes", "metric",
 
 
 # argparse ``type=``: an int >= 1 (a clean usage error otherwise).
-positive_int = autotune.positive_int
-
-
-def non_negative_int(s: str) -> int:
-  """argparse ``type=``: an int >= 0 (a clean usage error otherwise)."""
-  try:
-    v = int(s)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-  if v < 0:
-    raise argparse.ArgumentTypeError(f"{v} must be >= 0")
-  return v
+positive_int = paths.int_at_least(1)
+non_negative_int = paths.int_at_least(0)
 
 
 def positive_float(s: str) -> float:

@@ -22,6 +22,21 @@ import os
 import tempfile
 
 
+def int_at_least(lo: int):
+  """An argparse ``type=``: an int >= ``lo`` (a clean usage error
+  otherwise). The benchmarks' counts take it from here, which imports no
+  JAX (pallas_kernels' own CLI has its ``autotune.positive_int``)."""
+  def parse(s: str) -> int:
+    try:
+      v = int(s)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < lo:
+      raise argparse.ArgumentTypeError(f"{v} must be >= {lo}")
+    return v
+  return parse
+
+
 def _why(e: OSError) -> str:
   return e.strerror or str(e)
 

@@ -173,27 +173,18 @@ def append_rows(path: str, rows: list[dict]) -> None:
     w.writerows(old + rows)
 
 
-def _count(s: str) -> int:
-  """argparse ``type=``: an int >= 1 (this driver imports no JAX, so not
-  ``benchmarks.common.positive_int``)."""
-  try:
-    v = int(s)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-  if v < 1:
-    raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-  return v
+_COUNT = paths.int_at_least(1)
 
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", type=paths.out_file,
                   required=True, help="CSV file (appended)")
-  ap.add_argument("--layers", type=_count, default=8)
-  ap.add_argument("--dim", type=_count, default=4096)
+  ap.add_argument("--layers", type=_COUNT, default=8)
+  ap.add_argument("--dim", type=_COUNT, default=4096)
   ap.add_argument("--bt", default="2048,256,128",
                   help="comma-separated token counts (rows of the batch)")
-  ap.add_argument("--steps", type=_count, default=20, help="timed steps")
+  ap.add_argument("--steps", type=_COUNT, default=20, help="timed steps")
   ap.add_argument("--min-saved", type=float, default=0.9)
   # BT 256 saves 87.5 % of the pool on the H200 (8 x 4096^2), BT 128
   # >= 90 %: the bar holds where the activations are small next to the pool.

@@ -928,8 +928,7 @@ def _parse_shape(s: str) -> tuple[int, int]:
 
 
 def positive_int(s: str) -> int:
-  """argparse ``type=``: an int >= 1 (a clean usage error otherwise); the
-  benchmark CLIs use it too."""
+  """argparse ``type=``: an int >= 1 (a clean usage error otherwise)."""
   try:
     v = int(s)
   except ValueError:
