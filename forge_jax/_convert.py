@@ -30,7 +30,7 @@ from flax.linen import dtypes as flax_dtypes
 
 from forge_jax import _context
 from forge_jax import dense as _dense
-from forge_jax._usage import NOT_READ_BY_FUSED_OP
+from forge_jax._usage import KernelNotReadError
 from forge_jax.dense import Dense, dtype_reason, linen_kernel_dtype
 from forge_jax.dense_general import DenseGeneral
 
@@ -520,7 +520,7 @@ def _note_converted(error: ValueError, report: Report) -> None:
   names = [n for n in report.converted if repr(n) in message]
   if not names or "fused=False" not in message:
     return
-  if NOT_READ_BY_FUSED_OP in message:  # (shared="standard" moves not it)
+  if isinstance(error, KernelNotReadError):  # (shared="standard" or not)
     error.args = (message + (
         f"\n(make_step(..., convert=True) ran {', '.join(map(repr, names))} "
         "-- flax nn.Dense / nn.DenseGeneral layers of the model -- as FORGE "

@@ -95,9 +95,14 @@ def describe_reader(paths, text: str) -> None:
 # stop_gradient: a frozen layer, which make_step moves to the standard path
 # without a warning (nothing is shared).
 FROZEN = "kernel read by its layer through stop_gradient (frozen)"
-# The refusal of a layer whose fused op does not read its kernel (under
-# either shared policy); forge_jax._convert adds a converted layer's fix.
-NOT_READ_BY_FUSED_OP = "did not read its kernel through its fused op"
+
+
+class KernelNotReadError(ValueError):
+  """A FORGE layer whose fused op does not read its kernel, refused under
+  either ``shared`` policy (forge_jax._convert adds a converted layer's
+  fix to it)."""
+
+
 # Reads that pass no cotangent back to the kernel: not a second consumer.
 NO_COTANGENT = {"stop_gradient"}
 # Control flow whose branches / body the trace does not follow: a layer inside
@@ -251,9 +256,9 @@ def check_single_use(fn, params, inputs, kpaths: dict[_context.Path, Any],
     if all_foreign and "fused" not in uses:
       # The layer was seen at discovery but its fused op does not read the
       # kernel: something between the two changed what the layer receives.
-      raise ValueError(
-          f"{kind} at {_context.layer_name(path)!r} {NOT_READ_BY_FUSED_OP} "
-          f"inside the FORGE step (the kernel is "
+      raise KernelNotReadError(
+          f"{kind} at {_context.layer_name(path)!r} did not read its "
+          f"kernel through its fused op inside the FORGE step (the kernel is "
           f"read by: {', '.join(dict.fromkeys(all_foreign))}). Causes: a JAX "
           "transform inside loss_fn that caches traces (jax.checkpoint or "
           "jax.jit: apply remat per module with flax.linen.remat, supported, "

@@ -401,10 +401,13 @@ def _other_grads(grad_output, input, w_op, w_dtype, needs, mode):
   caller asked for it (``mode == RETURN``, in ``w_dtype``) and the bias's,
   each ``None`` where not needed."""
   grad_input = grad_output.matmul(w_op) if needs[0] else None
-  n_out = w_op.shape[0]
-  grad_weight = (rows(grad_output, n_out).t().matmul(
-      rows(input, w_op.shape[1])).to(w_dtype) if mode == RETURN else None)
-  grad_bias = rows(grad_output, n_out).sum(0) if needs[2] else None
+  grad_weight = grad_bias = None
+  if mode == RETURN or needs[2]:
+    g2 = rows(grad_output, w_op.shape[0])
+    if mode == RETURN:
+      grad_weight = g2.t().matmul(rows(input, w_op.shape[1])).to(w_dtype)
+    if needs[2]:
+      grad_bias = g2.sum(0)
   return grad_input, grad_weight, grad_bias
 
 
