@@ -214,8 +214,11 @@ class UpdateRule:
           raise TypeError
         numbers[n] = float(v)
       except (TypeError, ValueError):
+        traced = (" (a traced value: a static setting is part of the kernel "
+                  "build, fixed when tracing; pass a Python number)"
+                  if isinstance(v, jax.core.Tracer) else "")
         raise TypeError(f"rule {self.name!r}: static setting {n!r} must be "
-                        f"a real number, got {v!r:.80}") from None
+                        f"a real number, got {v!r:.80}{traced}") from None
     known.update(numbers)
     return dataclasses.replace(self, static=tuple(known.items()))
 

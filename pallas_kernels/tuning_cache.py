@@ -461,8 +461,11 @@ def _check_case(where: str, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
     except (TypeError, ValueError, OverflowError):
       whole = False
     if not whole or v < 0:
+      traced = (" (a traced value: the tiling is chosen when tracing, from "
+                "the static shapes; pass the Python int, e.g. x.shape[0])"
+                if isinstance(v, jax.core.Tracer) else "")
       raise ValueError(f"{where}: {name}={v!r} must be a non-negative "
-                       "integer")
+                       f"integer{traced}")
   if rule is not None and not isinstance(rule, (str, UpdateRule)):
     raise TypeError(f"{where}: rule={rule!r:.80} must be an UpdateRule, its "
                     "name or None")

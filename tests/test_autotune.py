@@ -379,6 +379,31 @@ def test_select_config_takes_the_values_it_took_before_its_checks():
                                  interpret=True)
 
 
+def test_a_traced_size_or_static_setting_is_refused_saying_so():
+  """Under jax.jit a size or a rule's static setting given as a traced
+  value is refused with what to pass instead (the tiling and the kernel
+  build are fixed when tracing), not only as "not a number"."""
+  @jax.jit
+  def choose(bt):
+    tuning_cache.select_config(bt, 64, 64, "bfloat16", BF16, interpret=True)
+    return bt
+
+  with pytest.raises(ValueError, match=r"bt=.*traced value.*x\.shape\[0\]"):
+    choose(512)
+
+  @jax.jit
+  def build(round_mu):
+    pk.adam_rule().with_static(round_mu=round_mu)
+    return round_mu
+
+  with pytest.raises(TypeError, match="round_mu.*traced value.*Python number"):
+    build(1.0)
+  # (Concrete values as before: no such words.)
+  with pytest.raises(TypeError) as e:
+    pk.adam_rule().with_static(round_mu="1")
+  assert "traced" not in str(e.value)
+
+
 def test_fused_wgrad_update_without_config_uses_select_config(monkeypatch):
   seen = []
   real = tuning_cache.lookup
