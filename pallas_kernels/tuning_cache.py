@@ -461,8 +461,9 @@ def _check_case(where: str, bt, n_in, n_out, w_dtype, slot_dtypes, rule,
     except (TypeError, ValueError, OverflowError):
       whole = False
     if not whole or v < 0:
-      traced = (" (a traced value: the tiling is chosen when tracing, from "
-                "the static shapes; pass the Python int, e.g. x.shape[0])"
+      traced = (" (a traced value: the kernel and its tiling are chosen "
+                "when tracing, from the static shapes; pass the Python int, "
+                "e.g. x.shape[0])"
                 if isinstance(v, jax.core.Tracer) else "")
       raise ValueError(f"{where}: {name}={v!r} must be a non-negative "
                        f"integer{traced}")
