@@ -143,12 +143,21 @@ for _slots in _family_slot_tuples():
   state_class(_slots)
 
 
-def _is_float_dtype(moments) -> bool:
+def _float_dtype(moments):
+  """``moments`` as a float dtype of two bytes or more -- given as a dtype,
+  a scalar type (``jnp.bfloat16``) or a dtype's name (``'bfloat16'``) --
+  else ``None``. A value (an array, a NumPy or JAX scalar) is not one,
+  though ``jnp.dtype`` would take it for its dtype; nor is a mapping, which
+  NumPy would read as a structured dtype's fields."""
+  if isinstance(moments, (np.ndarray, np.generic, jax.Array, Mapping)):
+    return None
   try:
     dtype = jnp.dtype(moments)
-  except TypeError:
-    return False
-  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2
+  except (TypeError, ValueError):
+    return None
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2:
+    return dtype
+  return None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -309,8 +318,9 @@ def make(family: str, rule: pallas_kernels.UpdateRule, moments,
           f"optimizer keeps {n} moments {slots} (one entry per moment, in "
           "that order, or one for all)")
     formats = tuple(_format_of(m, where, moments) for m in moments)
-  elif not isinstance(moments, str) and _is_float_dtype(moments):
-    float_dtypes = (jnp.dtype(moments),) * n
+  elif (not (isinstance(moments, str) and moments in MOMENT_KINDS)
+        and _float_dtype(moments) is not None):
+    float_dtypes = (_float_dtype(moments),) * n
   else:
     formats = (_format_of(moments, where, moments),) * n
   for i, option, value in dtype_options:
@@ -333,19 +343,30 @@ def _format_of(kind, where: str, moments) -> MomentFormat:
     return kind
   if isinstance(kind, str) and kind in MOMENT_KINDS:
     return MomentFormat("fp8_e4m3" if kind == "fp8" else kind)
+  shown = repr(moments)
+  if isinstance(kind, (np.ndarray, np.generic, jax.Array)):
+    shown = (
+        f"<a {jnp.result_type(kind)}{list(np.shape(kind))} value> is a "
+        "value, not a format or dtype (under optax.inject_hyperparams a "
+        "dtype such as jnp.bfloat16 is callable: the wrapper takes it for a "
+        "schedule and passes its value; give the dtype's name there, "
+        "moments='bfloat16')")
   raise ValueError(
-      f"{where}: moments={moments!r}; use 'int8' (8-bit integer codes), "
+      f"{where}: moments={shown:.400}; use 'int8' (8-bit integer codes), "
       "'fp8' or 'fp8_e4m3' (float8_e4m3fn codes), 'fp8_e5m2' "
       "(float8_e5m2 codes) -- each with one float32 scale per 64 elements "
       "-- a pallas_kernels.quant.MomentFormat, a tuple of those with one "
       "per moment (e.g. ('fp8_e4m3', 'fp8_e5m2') for Adam's mu and nu), a "
-      "float dtype such as jnp.bfloat16 (every moment stored in it), or "
-      "None (the dtypes optax gives them)")
+      "float dtype such as jnp.bfloat16 or its name 'bfloat16' (every "
+      "moment stored in it), or None (the dtypes optax gives them)")
 
 
 def refuse(family: str, moments, stochastic_rounding) -> None:
   """Refuses ``moments=`` or ``stochastic_rounding=`` for a family that
   does not take them (regimes 2 and 3), in plain words."""
+  if not isinstance(stochastic_rounding, (bool, np.bool_)):
+    raise TypeError(f"forge_jax.{family}: stochastic_rounding must be True "
+                    f"or False, got {stochastic_rounding!r:.80}")
   if moments is None and not stochastic_rounding:
     return
   raise ValueError(

@@ -170,12 +170,14 @@ class MomentFormat:
           "scale) must be a positive power of two such as 64, so that a "
           "block never straddles a kernel tile.")
     top = 127 if self.kind == "int8" else _FP8_LAYOUT[self.kind][2]
-    if not isinstance(self.v_floor, int) or not 0 <= self.v_floor <= top:
+    if (not isinstance(self.v_floor, int) or isinstance(self.v_floor, bool)
+        or not 0 <= self.v_floor <= top):
       raise ValueError(
           f"MomentFormat v_floor={self.v_floor!r}: the second-moment floor "
           f"is a number of codes between 0 (no floor) and {top} for "
           f"{self.kind}; 1 is the usual choice.")
-    if not isinstance(self.min_size, int) or self.min_size < 0:
+    if (not isinstance(self.min_size, int) or isinstance(self.min_size, bool)
+        or self.min_size < 0):
       raise ValueError(
           f"MomentFormat min_size={self.min_size!r} must be a non-negative "
           "integer (the smallest weight, in elements, whose moments are "

@@ -700,6 +700,49 @@ def test_unsupported_uses_are_refused_in_plain_words():
         variables, tx.init(variables["params"]), x)
 
 
+def test_moments_takes_dtypes_and_their_names_but_not_values():
+  """moments= takes a float dtype as a dtype, a scalar type or its name
+  (the form optax.inject_hyperparams leaves alone: a dtype is callable, so
+  the wrapper would take it for a schedule); a value that has a dtype (an
+  array, a NumPy or JAX scalar) and a mapping are refused with the
+  moments= message, not taken as float32 moments or failed inside NumPy.
+  stochastic_rounding= and MomentFormat's counts refuse a non-bool and a
+  bool alike in the families that do not take them."""
+  params = {"w": jnp.ones((64, 70))}
+  for given in (jnp.bfloat16, jnp.dtype("bfloat16"), "bfloat16"):
+    state = forge_jax.adamw(1e-3, moments=given).init(params)
+    assert state.mu["w"].dtype == state.nu["w"].dtype == jnp.bfloat16
+  for value in (np.float32(2.0), jnp.asarray(0.0), jnp.zeros((64, 70)),
+                jnp.zeros((), jnp.bfloat16)):
+    with pytest.raises(ValueError, match=r"moments=.* is a value, not a "
+                       r"format or dtype.*moments='bfloat16'"):
+      forge_jax.adamw(1e-3, moments=value)
+  with pytest.raises(ValueError, match=r"moments=\{'mu'.*; use 'int8'"):
+    forge_jax.adamw(1e-3, moments={"mu": "int8", "nu": "int8"})
+  for name in ("float8_e4m3fn", "int4", "bfloat17"):  # not a kind or float
+    with pytest.raises(ValueError, match=f"moments='{name}'; use 'int8'"):
+      forge_jax.adamw(1e-3, moments=name)
+  # Under optax.inject_hyperparams: the name works, the dtype is refused
+  # naming the name.
+  inject = optax.inject_hyperparams(forge_jax.adamw)
+  state = inject(learning_rate=1e-3, moments="bfloat16").init(params)
+  assert "moments" not in state.hyperparams
+  assert state.inner_state.mu["w"].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match="give the dtype's name there, "
+                     "moments='bfloat16'"):
+    inject(learning_rate=1e-3, moments=jnp.bfloat16).init(params)
+  # A non-bool stochastic_rounding= is a TypeError in every family.
+  for make in (forge_jax.lamb, forge_jax.lars, forge_jax.adamw):
+    for bad in (0, "no"):
+      with pytest.raises(TypeError, match="stochastic_rounding must be True "
+                         "or False"):
+        make(1e-3, stochastic_rounding=bad)
+  forge_jax.lamb(1e-3, stochastic_rounding=False)
+  for field in ("v_floor", "min_size", "block"):
+    with pytest.raises(ValueError, match=f"MomentFormat {field}=True"):
+      MomentFormat("int8", **{field: True})
+
+
 # Parameters with no elements: the bias of a Dense(0), its (n, 0) kernel, ...
 EMPTY_SHAPES = {"cols": (4, 0), "bias": (0,), "rows": (0, 4), "mid": (2, 0, 3)}
 
