@@ -997,9 +997,19 @@ def _captured_update(x, dy, w, slots, hparams, rule, config,
       "Triton config, $FORGE_BACKEND not triton, BT a multiple of 8 and "
       f"in, out of 64; here x {tuple(x.shape)} {x.dtype}, weight "
       f"{tuple(w.shape)} {w.dtype})")
-  raise RuntimeError(
-      "forge_torch: this fused update cannot be recorded in a CUDA graph: "
+  raise CaptureRefused(
       "only a direct launch of the Mosaic GPU kernel can be, and " + why)
+
+
+class CaptureRefused(RuntimeError):
+  """A fused update that cannot be recorded in the CUDA graph being
+  captured; ``reason`` says why (a managed layer's update re-raises it
+  naming the layer)."""
+
+  def __init__(self, reason: str):
+    super().__init__("forge_torch: this fused update cannot be recorded in "
+                     "a CUDA graph: " + reason)
+    self.reason = reason
 
 
 def _fused_update(x, dy, w, slots, hparams, rule, config, views,

@@ -1744,8 +1744,14 @@ class _ForgeOptimizer:
     views = self._forge_views._values.get(_key(p))
     if views is None:
       views = self._forge_views[p] = _bridge.ViewCache()
-    _bridge.fused_update(grad_output, input, p.data, slots, hparams,
-                         rule=rule, config=config, views=views)
+    try:
+      _bridge.fused_update(grad_output, input, p.data, slots, hparams,
+                           rule=rule, config=config, views=views)
+    except _bridge.CaptureRefused as e:  # (the case the kernel does not
+      # cover: found at the launch, after the checks above)
+      raise RuntimeError(
+          f"forge_torch.Linear {layer}: its fused update cannot be "
+          f"recorded in this CUDA graph: {e.reason}") from None
     if record is None:
       record = self._forge_steps[step] = _StepRecord(step)
     # Advanced by the (recorded) flush when the step ends.

@@ -111,6 +111,42 @@ def test_a_captured_update_refuses_differentiable_set_later():
                                torch.randn(2, 4), config=None, layer="l")
 
 
+def test_a_capture_the_kernel_does_not_cover_is_refused_naming_the_layer(
+    monkeypatch):
+  """The case found only at the launch (the Mosaic GPU kernel does not
+  cover it, so no direct launch can be recorded) is refused as the other
+  capture refusals are, naming the layer (the bridge's own message names
+  none); nothing is marked updated."""
+  from forge_torch import _bridge  # noqa: PLC0415
+
+  layer = forge_torch.Linear(4, 3)
+  opt = forge_torch.AdamW(layer.parameters(), fused=True, capturable=True)
+  layer(torch.randn(2, 4)).square().sum().backward()
+  opt.step()
+
+  def refuse(*args, **kwargs):
+    raise _bridge.CaptureRefused("only a direct launch can be, and "
+                                 "the case is not covered")
+
+  monkeypatch.setattr(_bridge, "fused_update", refuse)
+  # (The GPU forms the captured vector; here the launch refuses first.)
+  monkeypatch.setattr(opt, "_forge_captured_hparams",
+                      lambda group, rule, step: torch.zeros(1))
+  with pytest.raises(RuntimeError, match=r"^forge_torch.Linear blocks\.0: "
+                     "its fused update cannot be recorded in this CUDA "
+                     "graph: only a direct launch can be, and the case is "
+                     "not covered$"):
+    opt._forge_captured_update(layer.weight, torch.randn(2, 3),
+                               torch.randn(2, 4), config=None,
+                               layer="blocks.0")
+  assert layer.weight not in opt._forge_updated
+  # The bridge's own message, for a direct caller of fused_update.
+  e = _bridge.CaptureRefused("why")
+  assert isinstance(e, RuntimeError) and e.reason == "why"
+  assert str(e) == ("forge_torch: this fused update cannot be recorded in "
+                    "a CUDA graph: why")
+
+
 # --- GPU --------------------------------------------------------------------
 
 
@@ -215,6 +251,34 @@ def test_gpu_capture_of_a_non_capturable_group_is_refused():
   with pytest.raises(RuntimeError, match="cannot be recorded in this CUDA "
                      "graph: its param group was not built with fused=True, "
                      "capturable=True"):
+    with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph()):
+      _train_step(model, opt, x, y)
+  torch.cuda.synchronize()
+  assert torch.equal(model[0].weight, w0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
+def test_gpu_capture_of_a_case_the_kernel_does_not_cover_names_the_layer():
+  """A layer given a Triton tiling takes no direct launch, so its update
+  cannot be recorded: refused inside the capture naming the layer, the
+  weight left as it was."""
+  import pallas_kernels  # noqa: PLC0415
+
+  model = _model(0)
+  model[0].block_config = pallas_kernels.BlockConfig.default(512, 256, 512)
+  opt = forge_torch.AdamW(model.parameters(), lr=1e-3, fused=True,
+                          capturable=True)
+  (x, y), = _batches(1)
+  _train_step(model, opt, x, y)  # eagerly: state and kernels exist
+  opt.zero_grad(set_to_none=True)
+  w0 = model[0].weight.detach().clone()
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with pytest.raises(RuntimeError, match=r"forge_torch.Linear 0: its fused "
+                     "update cannot be recorded in this CUDA graph: only a "
+                     "direct launch of the Mosaic GPU kernel can be, and the "
+                     "Mosaic GPU kernel does not cover this case"):
     with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph()):
       _train_step(model, opt, x, y)
   torch.cuda.synchronize()
