@@ -318,9 +318,8 @@ def make(family: str, rule: pallas_kernels.UpdateRule, moments,
           f"optimizer keeps {n} moments {slots} (one entry per moment, in "
           "that order, or one for all)")
     formats = tuple(_format_of(m, where, moments) for m in moments)
-  elif (not (isinstance(moments, str) and moments in MOMENT_KINDS)
-        and _float_dtype(moments) is not None):
-    float_dtypes = (_float_dtype(moments),) * n
+  elif (dtype := _float_dtype(moments)) is not None:
+    float_dtypes = (dtype,) * n
   else:
     formats = (_format_of(moments, where, moments),) * n
   for i, option, value in dtype_options:
