@@ -950,6 +950,8 @@ def plot_paired(csv_path: str, png_path: str) -> bool:
   commits = list(dict.fromkeys(p[2] for bt in bts for p in sorted(
       points[bt])))
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  if len(commits) > len(colors):  # (no two commits in one colour)
+    colors = [plt.get_cmap("tab20")(i % 20) for i in range(len(commits))]
   fig, axes = plt.subplots(1, len(bts), figsize=(6.5 * len(bts) + 1, 3.6),
                            squeeze=False)
   for ax, bt in zip(axes[0], bts):
