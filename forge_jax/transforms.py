@@ -722,7 +722,8 @@ def adamw(
       parameters of at least 4096 elements (smaller ones keep float
       moments); a ``pallas_kernels.quant.MomentFormat``; a tuple with one
       of those per moment (``("fp8_e4m3", "fp8_e5m2")``: ``mu`` e4m3, ``nu``
-      e5m2); or a float dtype (every moment stored in it). The state is
+      e5m2); or a float dtype or its name (``jnp.bfloat16``,
+      ``"bfloat16"``: every moment stored in it). The state is
       then a ``forge_jax.low_precision`` NamedTuple (docs/optimizers.md,
       low-precision state).
     stochastic_rounding: store bfloat16 parameters by stochastic rounding
