@@ -2571,12 +2571,16 @@ def test_gpu_autocast_training_launches_directly():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
 @pytest.mark.parametrize("side_stream", [False, True], ids=["default",
                                                             "side-stream"])
-def test_gpu_update_plans_relaunch_bit_for_bit(monkeypatch, side_stream):
+@pytest.mark.parametrize("shape", [(512, 256), (4, 128, 256)],
+                         ids=["2d", "3d"])
+def test_gpu_update_plans_relaunch_bit_for_bit(monkeypatch, side_stream,
+                                               shape):
   """From each weight's third update on, its plan launches the compiled
   kernel again (``_bridge.relaunch``) on torch's current stream: the same
   bits as the full path (plans turned off), weights and AdamW state
   (fused=True: the step counts on the GPU, advanced at each step's end),
-  on the default stream and on a side stream."""
+  on the default stream and on a side stream, with 2-d inputs and 3-d
+  ones (taken by rows, not reshaped, where a plan repeats)."""
   from forge_torch import _bridge
   cls = forge_torch.optim._ForgeOptimizer
   run_plan, real_relaunch = cls._forge_run_plan, _bridge.relaunch
@@ -2604,7 +2608,7 @@ def test_gpu_update_plans_relaunch_bit_for_bit(monkeypatch, side_stream):
     with torch.cuda.stream(stream), monkeypatch.context() as m:
       m.setattr(_bridge, "relaunch", relaunch)
       for _ in range(6):
-        x = torch.randn(512, 256, device="cuda", generator=g).bfloat16()
+        x = torch.randn(*shape, device="cuda", generator=g).bfloat16()
         model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
