@@ -237,24 +237,31 @@ def test_gpu_cuda_graph_replays_equal_eager_steps():
   print("bitwise equal per parameter:", bitwise)
 
 
+def _assert_capture_refused(model, opt, match):
+  """One eager step (state and kernels exist), then a step captured on a
+  side stream: refused with ``match``, the first layer's weight left as it
+  was."""
+  (x, y), = _batches(1)
+  _train_step(model, opt, x, y)
+  opt.zero_grad(set_to_none=True)
+  w0 = model[0].weight.detach().clone()
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with pytest.raises(RuntimeError, match=match):
+    with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph()):
+      _train_step(model, opt, x, y)
+  torch.cuda.synchronize()
+  assert torch.equal(model[0].weight, w0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device for torch")
 def test_gpu_capture_of_a_non_capturable_group_is_refused():
   model = _model(0)
   opt = forge_torch.AdamW(model.parameters(), lr=1e-3, fused=True)
-  (x, y), = _batches(1)
-  _train_step(model, opt, x, y)  # state and kernels exist
-  opt.zero_grad(set_to_none=True)
-  w0 = model[0].weight.detach().clone()
-  side = torch.cuda.Stream()
-  side.wait_stream(torch.cuda.current_stream())
-  with pytest.raises(RuntimeError, match="cannot be recorded in this CUDA "
-                     "graph: its param group was not built with fused=True, "
-                     "capturable=True"):
-    with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph()):
-      _train_step(model, opt, x, y)
-  torch.cuda.synchronize()
-  assert torch.equal(model[0].weight, w0)
+  _assert_capture_refused(
+      model, opt, "cannot be recorded in this CUDA graph: its param group "
+      "was not built with fused=True, capturable=True")
 
 
 @pytest.mark.gpu
@@ -269,17 +276,7 @@ def test_gpu_capture_of_a_case_the_kernel_does_not_cover_names_the_layer():
   model[0].block_config = pallas_kernels.BlockConfig.default(512, 256, 512)
   opt = forge_torch.AdamW(model.parameters(), lr=1e-3, fused=True,
                           capturable=True)
-  (x, y), = _batches(1)
-  _train_step(model, opt, x, y)  # eagerly: state and kernels exist
-  opt.zero_grad(set_to_none=True)
-  w0 = model[0].weight.detach().clone()
-  side = torch.cuda.Stream()
-  side.wait_stream(torch.cuda.current_stream())
-  with pytest.raises(RuntimeError, match=r"forge_torch.Linear 0: its fused "
-                     "update cannot be recorded in this CUDA graph: only a "
-                     "direct launch of the Mosaic GPU kernel can be, and the "
-                     "Mosaic GPU kernel does not cover this case"):
-    with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph()):
-      _train_step(model, opt, x, y)
-  torch.cuda.synchronize()
-  assert torch.equal(model[0].weight, w0)
+  _assert_capture_refused(
+      model, opt, "forge_torch.Linear 0: its fused update cannot be "
+      "recorded in this CUDA graph: only a direct launch of the Mosaic GPU "
+      "kernel can be, and the Mosaic GPU kernel does not cover this case")
