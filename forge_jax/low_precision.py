@@ -143,13 +143,23 @@ for _slots in _family_slot_tuples():
   state_class(_slots)
 
 
+# What has a dtype without being one: jnp.dtype would take its dtype.
+_VALUES = (np.ndarray, np.generic, jax.Array)
+
+
+def _check_flag(where: str, stochastic_rounding) -> None:
+  if not isinstance(stochastic_rounding, (bool, np.bool_)):
+    raise TypeError(f"{where}: stochastic_rounding must be True or False, "
+                    f"got {stochastic_rounding!r:.80}")
+
+
 def _float_dtype(moments):
   """``moments`` as a float dtype of two bytes or more -- given as a dtype,
   a scalar type (``jnp.bfloat16``) or a dtype's name (``'bfloat16'``) --
   else ``None``. A value (an array, a NumPy or JAX scalar) is not one,
   though ``jnp.dtype`` would take it for its dtype; nor is a mapping, which
   NumPy would read as a structured dtype's fields."""
-  if isinstance(moments, (np.ndarray, np.generic, jax.Array, Mapping)):
+  if isinstance(moments, (*_VALUES, Mapping)):
     return None
   try:
     dtype = jnp.dtype(moments)
@@ -281,9 +291,7 @@ def make(family: str, rule: pallas_kernels.UpdateRule, moments,
       too; ``seed`` without ``stochastic_rounding`` (it would do nothing).
   """
   where = f"forge_jax.{family}"
-  if not isinstance(stochastic_rounding, (bool, np.bool_)):
-    raise TypeError(f"{where}: stochastic_rounding must be True or False, "
-                    f"got {stochastic_rounding!r}")
+  _check_flag(where, stochastic_rounding)
   stochastic_rounding = bool(stochastic_rounding)
   if seed is not None:
     # A Python int, or an integer scalar array (optax.inject_hyperparams
@@ -343,7 +351,7 @@ def _format_of(kind, where: str, moments) -> MomentFormat:
   if isinstance(kind, str) and kind in MOMENT_KINDS:
     return MomentFormat("fp8_e4m3" if kind == "fp8" else kind)
   shown = repr(moments)
-  if isinstance(kind, (np.ndarray, np.generic, jax.Array)):
+  if isinstance(kind, _VALUES):
     shown = (
         f"<a {jnp.result_type(kind)}{list(np.shape(kind))} value> is a "
         "value, not a format or dtype (under optax.inject_hyperparams a "
@@ -363,9 +371,7 @@ def _format_of(kind, where: str, moments) -> MomentFormat:
 def refuse(family: str, moments, stochastic_rounding) -> None:
   """Refuses ``moments=`` or ``stochastic_rounding=`` for a family that
   does not take them (regimes 2 and 3), in plain words."""
-  if not isinstance(stochastic_rounding, (bool, np.bool_)):
-    raise TypeError(f"forge_jax.{family}: stochastic_rounding must be True "
-                    f"or False, got {stochastic_rounding!r:.80}")
+  _check_flag(f"forge_jax.{family}", stochastic_rounding)
   if moments is None and not stochastic_rounding:
     return
   raise ValueError(
