@@ -46,6 +46,8 @@ GROUPS = (
                 T + "test_memory_bench.py::test_weight_gradient_gemms_found"
                 "_for_optax_and_absent_for_forge",
                 T + "test_bench_clis.py::test_plot_help_is_not_a_traceback",
+                T + "test_bench_clis.py::test_plan_checks_times_both_arms"
+                "_taking_every_plan",
                 T + "test_bench_clis.py::test_plot_missing_args_is_usage_error",
                 T + "test_bench_clis.py::test_help_states_each_default_once",
                 T + "test_bench_clis.py::test_replot_of_a_missing_csv_is_a"
