@@ -605,6 +605,7 @@ OUTPUTS = [
     ("low_precision", ["error"], "--out"), ("low_precision", ["sr"], "--out"),
     ("memory", [], "--out"),
     ("ncu_summary", ["ncu.csv"], "--out"),
+    ("plan_checks", [], "--out"), ("plan_checks", [], "--build-dir"),
     ("plot", ["k.csv"], None),
     ("scan_memory", [], "--out"),
     ("torch_call", [], "--out"), ("torch_call", [], "--plot"),
@@ -620,10 +621,10 @@ OUTPUTS = [
 FOLDERS = {("epilogue_probe", "--out"), ("torch_e2e", "--out-dir"),
            ("memory", "--hlo-dir"), ("e2e_paired", "--hlo-dir"),
            ("e2e_paired", "--autotune-cache"), ("e2e", "--autotune-cache"),
-           ("e2e_profile", "--keep-trace")}
+           ("e2e_profile", "--keep-trace"), ("plan_checks", "--build-dir")}
 # The flags that name a file or folder a benchmark writes.
 OUTPUT_FLAGS = ("--out", "--plot", "--out-dir", "--hlo-dir", "--keep-trace",
-                "--autotune-cache")
+                "--autotune-cache", "--build-dir")
 
 
 def _parse_only(module, argv, monkeypatch):
@@ -702,7 +703,8 @@ def test_an_output_path_check_leaves_no_file_behind(tmp_path, monkeypatch):
 
 def test_every_output_flag_is_checked_when_parsed():
   """Each benchmark flag that names a file or folder it writes (--out,
-  --plot, --out-dir, --hlo-dir, --keep-trace, --autotune-cache) takes one
+  --plot, --out-dir, --hlo-dir, --keep-trace, --autotune-cache,
+  --build-dir) takes one
   of benchmarks/paths.py's types, and the test above covers it."""
   import re
   found, unchecked = set(), []
