@@ -704,8 +704,8 @@ def test_an_output_path_check_leaves_no_file_behind(tmp_path, monkeypatch):
 def test_every_output_flag_is_checked_when_parsed():
   """Each benchmark flag that names a file or folder it writes (--out,
   --plot, --out-dir, --hlo-dir, --keep-trace, --autotune-cache,
-  --build-dir) takes one
-  of benchmarks/paths.py's types, and the test above covers it."""
+  --build-dir) takes one of benchmarks/paths.py's types, and the test
+  above covers it."""
   import re
   found, unchecked = set(), []
   bench = os.path.join(ROOT, "benchmarks")
