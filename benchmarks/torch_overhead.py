@@ -10,6 +10,10 @@ transformer's layers take them), in two arms:
 
   torch   ``nn.Linear`` + ``torch.optim.AdamW`` (``fused=True`` on CUDA);
   forge   ``forge_torch.Linear`` + ``forge_torch.AdamW`` (the same);
+  python  (``--arms ... python``) forge with its native host path off
+          (``forge_torch.set_native_path(False)``): the update plan's
+          checks and launch in Python, as a machine without a C++
+          compiler runs them;
   floor   (``--arms ... floor``) the least a Python layer of FORGE's form
           costs: a minimal ``torch.autograd.Function`` whose forward is
           ``F.linear`` and whose backward forms the input's gradient and no
@@ -59,13 +63,14 @@ import time
 from benchmarks import common, paths
 
 PHASES = ("forward", "backward", "step", "zero_grad")
-ARMS = ("torch", "forge", "floor", "lean")
+ARMS = ("torch", "forge", "python", "floor", "lean")
 
 
 class _StandInKernel:
   """A compiled direct kernel's launch, done nothing."""
 
   writes_outputs = False
+  c_launch = None  # (launched through launch_ptrs)
 
   def launch_ptrs(self, stream, ptrs):
     del stream, ptrs
@@ -169,8 +174,12 @@ def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
   from forge_torch import _direct  # noqa: PLC0415
   from forge_torch import optim as forge_optim  # noqa: PLC0415
 
+  from forge_torch import _hot  # noqa: PLC0415
+
   torch.manual_seed(0)
-  forge = arm == "forge"
+  # ("python": forge_torch with its native host path off.)
+  forge = arm in ("forge", "python")
+  native = _hot.set_enabled(arm == "forge")
   cuda = device == "cuda"
   dtype = (torch.bfloat16 if cuda or launch == "direct"
            else torch.float32)
@@ -219,6 +228,7 @@ def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
       torch.cuda.synchronize()
   finally:
     forge_optim._bridge.fused_update = real  # noqa: SLF001
+    _hot.set_enabled(native)
     if undo is not None:
       undo()
     if profiler is not None:
@@ -256,7 +266,9 @@ def main(argv=None) -> int:
                  metavar="N")
   p.add_argument("--arms", nargs="+", choices=ARMS,
                  default=["torch", "forge"],
-                 help="floor: a minimal autograd Function with no update; "
+                 help="python: forge with its native host path off "
+                 "(forge_torch.set_native_path(False)); "
+                 "floor: a minimal autograd Function with no update; "
                  "lean: that Function with the per-layer checks and "
                  "launch of a path validated once per step (CUDA: the real "
                  "launch)")

@@ -9,6 +9,12 @@
   launched straight on the torch tensors, without JAX at call time (on by
   default; ``$FORGE_TORCH_DIRECT=0`` or ``set_direct_launch(False)`` turns it
   off);
+* :func:`set_native_path` -- an update that repeats its weight's last one
+  (every update of a managed layer from its third step on, but a param
+  group's first in each step) runs its checks and direct launch in C++,
+  compiled with the first direct launch (on by default where it can be
+  built; ``$FORGE_TORCH_NATIVE=0`` or ``set_native_path(False)`` keeps them
+  in Python);
 * :class:`SGD`, :class:`Adagrad`, :class:`RMSprop`, :class:`Adam`,
   :class:`AdamW`, :class:`Adamax`, :class:`NAdam`, :class:`RAdam` -- the
   ``torch.optim`` optimizers of those names, driving those layers (gradient
@@ -56,6 +62,7 @@ except ImportError as e:
 from forge_torch._bridge import STATS as bridge_stats  # noqa: E402
 from forge_torch._bridge import get_sync_mode, set_sync_mode  # noqa: E402
 from forge_torch._direct import set_enabled as set_direct_launch  # noqa: E402
+from forge_torch._hot import set_enabled as set_native_path  # noqa: E402
 from forge_torch import _clip  # noqa: E402
 from forge_torch import distributed  # noqa: E402
 from forge_torch.linear import (  # noqa: E402
@@ -81,4 +88,4 @@ __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Adamax", "ConvertSkipWarning",
            "Linear", "NAdam", "RAdam", "RMSprop", "bridge_stats", "convert",
            "distributed",
            "get_sync_mode", "is_forge_weight", "set_direct_launch",
-           "set_sync_mode"]
+           "set_native_path", "set_sync_mode"]

@@ -33,6 +33,7 @@ import torch
 
 import pallas_kernels
 from forge_torch import _direct
+from forge_torch import _hot
 from pallas_kernels import mosaic_kernel, torch_rules, tuning_cache
 from pallas_kernels.quant import Quantized
 from pallas_kernels.rules import UpdateRule
@@ -179,6 +180,11 @@ class BridgeStats:
     direct_unavailable: why no call launches directly in this process
       (``None`` while direct launches are possible; they also need a Hopper
       GPU and a case the Mosaic GPU kernel covers, see ``docs/torch.md``).
+    native: of ``direct``, those launched by the native host path (an
+      update repeating its plan, checked and launched in C++:
+      :mod:`forge_torch._hot`); the others ran their host work in Python.
+    native_unavailable: why updates do not take the native host path
+      (``None`` while they can: built, and on).
   """
 
   calls: int = 0
@@ -187,15 +193,20 @@ class BridgeStats:
   not_donated_warnings: int = 0
   donation_errors: int = 0
   direct: int = 0
+  native: int = 0
 
   @property
   def direct_unavailable(self) -> str | None:
     return _direct.unavailable()
 
+  @property
+  def native_unavailable(self) -> str | None:
+    return _hot.unavailable()
+
   def reset(self) -> None:
     self.calls = self.in_place = self.copied = 0
     self.not_donated_warnings = self.donation_errors = 0
-    self.direct = 0
+    self.direct = self.native = 0
 
 
 STATS = BridgeStats()
@@ -666,9 +677,12 @@ class _HparamsRing:
 
   SIZE = 64
 
-  def __init__(self, device, length: int, stream: torch.cuda.Stream):
+  def __init__(self, device, length: int, stream: torch.cuda.Stream,
+               pin_memory: bool = True):
+    # (pin_memory=False: a ring of ordinary host memory, which no kernel
+    # can read; for the tests of its bookkeeping on a machine without CUDA.)
     self.host = torch.empty((self.SIZE, length), dtype=torch.float32,
-                            pin_memory=True)
+                            pin_memory=pin_memory)
     self.host_np = self.host.numpy()
     base, row = self.host.data_ptr(), self.host.stride(0) * 4
     self.ptrs = [base + i * row for i in range(self.SIZE)]

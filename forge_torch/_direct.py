@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from forge_torch import _hot
 from pallas_kernels import mosaic_kernel
 from pallas_kernels.rules import UpdateRule
 
@@ -145,7 +146,9 @@ def _bind(module_asm: bytes, device_index: int):
   tail, unload)``: ``launch(stream, ptrs, *tail)`` enqueues the kernel (the
   ``ctypes`` function with its leading arguments bound, no Python frame of
   its own; ``tail`` is ``(device_index,)`` where the runtime's launch takes
-  the device, else empty) and ``unload()`` frees the module."""
+  the device, else empty), ``unload()`` frees the module and ``c_entry``
+  holds the launch's addresses for a caller in C++
+  (:attr:`DirectKernel.c_launch`)."""
   compile_fn, unload_fn, abi_v2 = _runtime()
   compiled = compile_fn(ctypes.c_char_p(module_asm),
                         ctypes.c_int(len(module_asm)))
@@ -164,7 +167,11 @@ def _bind(module_asm: bytes, device_index: int):
     launch_c = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
                                 ptrs_t)(launch_ptr)
     launch, tail = functools.partial(launch_c, function), ()
-  return launch, tail, functools.partial(unload_fn, compiled)
+  # The same launch as addresses, for a caller in C++: (launch function,
+  # abi_v2, kernel or None, function, device).
+  c_entry = (launch_ptr, abi_v2, compiled[2] if abi_v2 else None, function,
+             device_index)
+  return launch, tail, functools.partial(unload_fn, compiled), c_entry
 
 
 # --------------------------------------------------------------------------
@@ -318,8 +325,8 @@ class DirectKernel:
     # The results fn returns that are not in-place state: the outputs.
     self._fresh = [i for i in outputs if aliases[i] is None]
     with torch.cuda.device(self.device_index):
-      self._launch, self._tail, unload = _bind(module_asm,
-                                               self.device_index)
+      self._launch, self._tail, unload, self._c_entry = _bind(
+          module_asm, self.device_index)
     self._unload = unload
     self._n_buffers = len(operand_args) + len(aliases)
     self._buffers_t = ctypes.c_void_p * self._n_buffers
@@ -330,6 +337,11 @@ class DirectKernel:
         operand_args[a] for a in aliases if a is not None]
     # (At least x, dy and the hyperparameters: a tuple of pointers.)
     self._gather = operator.itemgetter(*self._order)
+    # What the native host path (forge_torch/_hot.cpp) calls launch_ptrs's
+    # launch with: (launch function, abi_v2, kernel, function, device,
+    # order); none for a kernel with write-only outputs.
+    self.c_launch = None if self.writes_outputs else (
+        *self._c_entry, tuple(self._order))
 
   def launch_ptrs(self, stream: int, ptrs: Sequence[int]) -> None:
     """Launches on the CUDA stream whose raw handle is ``stream`` with the
@@ -387,6 +399,9 @@ def kernel_for(key, build) -> DirectKernel | None:
     return None
   with _LOCK:
     _KERNELS[key] = k
+  # The updates that will repeat this kernel's launch take the native host
+  # path from now on, where it can be built (once per process).
+  _hot.ensure_built()
   return k
 
 

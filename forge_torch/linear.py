@@ -24,6 +24,7 @@ from torch.utils.weak import WeakIdRef
 
 import pallas_kernels
 from forge_torch import _bridge
+from forge_torch import _hot
 
 
 # A key for an object that no other live object shares, as ``id(obj)``:
@@ -492,8 +493,13 @@ class _FusedLinearFn(torch.autograd.Function):
     # Updates the weight, or (gradient accumulation) adds G to its buffer.
     # (The (..., out) and (..., in) operands of G as they are: an update
     # that repeats its plan takes them by rows, the others make them 2-d.)
-    optimizer._forge_fused_update(w, grad_output, input,
-                                  config=handle.config, layer=handle.layer)
+    # The plan's update in C++ where the native host path is on and holds;
+    # else (False: nothing done) the optimizer's Python path.
+    native = _hot.run_plan
+    if native is None or not native(optimizer, w, grad_output, input,
+                                    handle.config):
+      optimizer._forge_fused_update(w, grad_output, input,
+                                    config=handle.config, layer=handle.layer)
     handle.done = True  # this forward's use is consumed
     # No gradient for the weight: it has been updated already (grad stays None).
     return grad_input, None, grad_bias, None
@@ -908,9 +914,15 @@ class Linear(nn.Linear):
         input = input.to(amp)
       if _autocast_eligible(bias):
         bias = bias.to(amp)
+    # (Counted by the native host path where it is on and the forward is
+    # a plain one; NotImplemented: the Python method decides.)
+    native = _hot.before_forward
+    generation = (NotImplemented if native is None
+                  else native(optimizer, w, input, amp))
     try:
-      generation = optimizer._forge_before_forward(
-          w, input, layer=layer, autocast_dtype=amp)
+      if generation is NotImplemented:
+        generation = optimizer._forge_before_forward(
+            w, input, layer=layer, autocast_dtype=amp)
     except NotOwnedError:
       # Moved from that optimizer's groups to another's lists: registered
       # there (else refused as it was).

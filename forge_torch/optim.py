@@ -1367,7 +1367,10 @@ class _ForgeOptimizer:
     """Checks a forward of managed weight ``w`` and counts it; returns the
     step it is counted in (``None``: a recomputation, not counted).
     ``autocast_dtype``: the dtype ``torch.autocast`` runs the layer in
-    (``x`` is cast to it already), or ``None`` outside autocast."""
+    (``x`` is cast to it already), or ``None`` outside autocast. (The
+    native host path's ``before_forward`` does the same in C++ for a plain
+    counted forward, before the layer calls this method: see
+    :mod:`forge_torch._hot`.)"""
     wk = _key(w)
     seen = self._forge_groups_seen
     if seen is None or len(seen) != len(self.param_groups):
@@ -1592,7 +1595,10 @@ class _ForgeOptimizer:
     optimizer wrote) and the operands' shapes, dtypes, layouts and devices
     (the direct launch's key and stream, or the plan's signature on the
     DLPack path). (The weight's index in the groups is the plan's: what
-    changes it drops the plans.)"""
+    changes it drops the plans.) The native host path
+    (:mod:`forge_torch._hot`) does the same in C++ where it is on, from the
+    layer's backward before this method's caller; this is its reference
+    and its fallback."""
     index, groups = plan.index, self.param_groups
     group = plan.seen[index]
     # (The group list checked once per step; a group dict replaced since,

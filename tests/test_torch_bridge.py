@@ -1710,12 +1710,15 @@ def test_the_runtimes_launch_gets_its_arguments_in_its_order(monkeypatch,
 
   monkeypatch.setattr(_direct, "_runtime", lambda: (
       compile_fn, lambda handle: unloaded.append(handle), abi_v2))
-  launch, tail, unload = _direct._bind(b"module", 3)
+  launch, tail, unload, c_entry = _direct._bind(b"module", 3)
   launch(0x77, (ctypes.c_void_p * 2)(0xA0, 0xB0), *tail)
   if abi_v2:
     assert calls == [(0x2222, 0x1111, 0x77, 0xA0, 0xB0, 3)]
   else:
     assert calls == [(0x1111, 0x77, 0xA0, 0xB0)] and tail == ()
+  # The same launch's addresses, as the native host path calls it.
+  assert c_entry == (compiled[1], abi_v2, 0x2222 if abi_v2 else None,
+                     0x1111, 3)
   unload()
   assert len(unloaded) == 1
 
@@ -2573,17 +2576,24 @@ def test_gpu_autocast_training_launches_directly():
                                                             "side-stream"])
 @pytest.mark.parametrize("shape", [(512, 256), (4, 128, 256)],
                          ids=["2d", "3d"])
+@pytest.mark.parametrize("path", ["python", "native"])
 def test_gpu_update_plans_relaunch_bit_for_bit(monkeypatch, side_stream,
-                                               shape):
+                                               shape, path):
   """From each weight's third update on, its plan launches the compiled
-  kernel again (``_bridge.relaunch``) on torch's current stream: the same
-  bits as the full path (plans turned off), weights and AdamW state
-  (fused=True: the step counts on the GPU, advanced at each step's end),
-  on the default stream and on a side stream, with 2-d inputs and 3-d
-  ones (taken by rows, not reshaped, where a plan repeats)."""
-  from forge_torch import _bridge
+  kernel again on torch's current stream -- in Python
+  (``_bridge.relaunch``), or, on the native host path, in C++ for every
+  update but the param group's first of each step (``forge_torch._hot``,
+  built here if it was not) -- with the same bits as the full path (plans
+  turned off), weights and AdamW state (fused=True: the step counts on the
+  GPU, advanced at each step's end), on the default stream and on a side
+  stream, with 2-d inputs and 3-d ones (taken by rows, not reshaped, where
+  a plan repeats)."""
+  from forge_torch import _bridge, _hot
   cls = forge_torch.optim._ForgeOptimizer
   run_plan, real_relaunch = cls._forge_run_plan, _bridge.relaunch
+  if path == "native":
+    assert _hot.ensure_built(), _hot.unavailable()
+  native = _hot.run_plan if path == "native" else None
 
   def train(plans):
     torch.manual_seed(0)
@@ -2599,6 +2609,9 @@ def test_gpu_update_plans_relaunch_bit_for_bit(monkeypatch, side_stream,
 
     monkeypatch.setattr(cls, "_forge_run_plan", run_plan if plans else (
         lambda *a: False))
+    # (Off, the first kernel's build does not turn it on.)
+    monkeypatch.setattr(_hot, "run_plan", native if plans else None)
+    monkeypatch.setattr(_hot, "_OFF", None if native and plans else "off")
     stats = forge_torch.bridge_stats
     stats.reset()
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -2615,11 +2628,15 @@ def test_gpu_update_plans_relaunch_bit_for_bit(monkeypatch, side_stream,
     torch.cuda.synchronize()
     assert stats.calls == 12 and stats.direct == 12, (
         stats, stats.direct_unavailable)
-    return model, opt, relaunched
+    return model, opt, relaunched, stats.native
 
   planned, full = train(True), train(False)
   monkeypatch.setattr(cls, "_forge_run_plan", run_plan)
-  assert planned[2] == [True] * 8 and full[2] == []
+  # Steps 3 to 6 repeat both layers' plans; natively, all but the step's
+  # first update (the last layer's: it forms the group's scalars).
+  assert full[2:] == ([], 0)
+  assert planned[2:] == (([True] * 8, 0) if native is None
+                         else ([True] * 4, 4))
   for (name, a), b in zip(planned[0].named_parameters(),
                           full[0].parameters()):
     assert torch.equal(a, b), name
