@@ -23,6 +23,7 @@ Python path, with the reason in ``forge_torch.bridge_stats.native_unavailable``;
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -52,16 +53,20 @@ def unavailable() -> str | None:
   """Why updates do not take the native host path, or ``None``."""
   if run_plan is not None:
     return None
-  return _OFF or _FAILED or ("not built yet (it is built when the first "
-                             "kernel is launched directly)")
+  if _OFF or _FAILED:
+    return _OFF or _FAILED
+  return ("off within forge_torch._hot.using(False)" if _MODULE is not None
+          else "not built yet (it is built when the first kernel is "
+          "launched directly)")
 
 
 def ensure_built(build_directory: str | None = None) -> bool:
-  """Builds and binds the native path once per process, unless it is off
-  (a later call returns at once); whether it is in use. A build that fails
-  leaves the Python path in use and says why (:func:`unavailable`)."""
+  """Builds and binds the native path, once per process and unless it is
+  off, and puts it in use; whether it is in use. A later call changes
+  nothing (:func:`set_enabled` and :func:`using` switch it); a build that
+  fails leaves the Python path in use and says why (:func:`unavailable`)."""
   global run_plan, before_forward, _MODULE, _FAILED
-  if run_plan is not None or _OFF is not None or _FAILED is not None:
+  if _MODULE is not None or _FAILED is not None or _OFF is not None:
     return run_plan is not None
   with _LOCK:
     if _MODULE is None and _FAILED is None:
@@ -75,9 +80,18 @@ def ensure_built(build_directory: str | None = None) -> bool:
                    f"({type(e).__name__}: {str(e).strip()[:400]})")
         return False
       _MODULE = module
-    if _OFF is None and _MODULE is not None:
-      run_plan, before_forward = _MODULE.run_plan, _MODULE.before_forward
+      run_plan, before_forward = module.run_plan, module.before_forward
   return run_plan is not None
+
+
+def _switch(on: bool, build_directory: str | None = None) -> None:
+  global run_plan, before_forward
+  if not on:
+    run_plan = before_forward = None
+  elif _MODULE is None:
+    ensure_built(build_directory)
+  else:
+    run_plan, before_forward = _MODULE.run_plan, _MODULE.before_forward
 
 
 def _load(build_directory: str | None):
@@ -105,17 +119,28 @@ def _load(build_directory: str | None):
 
 def set_enabled(enabled: bool) -> bool:
   """Turns the native path on or off for this process (off: the Python path
-  runs every update); returns whether it was in use. Turning it on builds
-  it now if it was not built yet; a build that failed stays failed."""
-  global run_plan, before_forward, _OFF
+  runs every call); returns whether it was in use. Turning it on builds it
+  now if it was not built yet; a build that failed stays failed."""
+  global _OFF
   if not isinstance(enabled, bool):
     raise TypeError(f"set_native_path takes True or False, got {enabled!r}")
   was = run_plan is not None
-  if enabled:
-    _OFF = None
-    ensure_built()
-  else:
-    with _LOCK:
-      run_plan = before_forward = None
-      _OFF = "turned off by forge_torch.set_native_path"
+  with _LOCK:
+    _OFF = None if enabled else "turned off by forge_torch.set_native_path"
+  _switch(enabled)
   return was
+
+
+@contextlib.contextmanager
+def using(enabled: bool, build_directory: str | None = None):
+  """Within the block, the native path on (built first if it was not, where
+  it can be and is not turned off: the block gets whether it is on) or
+  off; after it, as it was before (for benchmarks and tests that compare
+  the two paths in one process)."""
+  global run_plan, before_forward
+  saved = run_plan, before_forward
+  _switch(enabled and _OFF is None, build_directory)
+  try:
+    yield run_plan is not None
+  finally:
+    run_plan, before_forward = saved

@@ -2591,9 +2591,11 @@ def test_gpu_update_plans_relaunch_bit_for_bit(monkeypatch, side_stream,
   from forge_torch import _bridge, _hot
   cls = forge_torch.optim._ForgeOptimizer
   run_plan, real_relaunch = cls._forge_run_plan, _bridge.relaunch
+  native = None
   if path == "native":
-    assert _hot.ensure_built(), _hot.unavailable()
-  native = _hot.run_plan if path == "native" else None
+    with _hot.using(True) as on:
+      assert on, _hot.unavailable()
+      native = _hot.run_plan
 
   def train(plans):
     torch.manual_seed(0)

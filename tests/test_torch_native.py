@@ -51,15 +51,13 @@ def native(tmp_path_factory):
       and importlib.util.find_spec("ninja") is None):
     pytest.skip("the native host path is built with ninja: neither the "
                 "ninja package (the torch extra's) nor one on the PATH")
-  saved = _hot.run_plan, _hot.before_forward
   # (xdist: each worker's base directory is under the session's)
   build = tmp_path_factory.getbasetemp().parent / "forge_torch_native"
-  assert _hot.ensure_built(str(build)), _hot.unavailable()
-  fns = types.SimpleNamespace(run_plan=_hot.run_plan,
-                              before_forward=_hot.before_forward)
-  _hot.run_plan, _hot.before_forward = saved
-  yield fns
-  _hot.run_plan, _hot.before_forward = saved
+  with _hot.using(True, str(build)) as on:
+    assert on, _hot.unavailable()
+    fns = types.SimpleNamespace(run_plan=_hot.run_plan,
+                                before_forward=_hot.before_forward)
+  return fns
 
 
 class _Event:
@@ -504,3 +502,59 @@ def test_the_native_path_leaves_a_held_lock_to_python(monkeypatch, native,
   # held; in step 2 it was native.
   assert updates[9:] == [(True, False), (True, True), (True, False)]
   assert updates[6:9] == [(True, False), (True, True), (True, True)]
+
+
+def _hot_state(monkeypatch):
+  """The native path's module state, restored after the test."""
+  for name in ("run_plan", "before_forward", "_MODULE", "_FAILED", "_OFF"):
+    monkeypatch.setattr(_hot, name, getattr(_hot, name))
+
+
+def test_a_failed_build_keeps_the_python_path_and_says_why(monkeypatch):
+  """Where the extension cannot be built (no compiler, say), the build's
+  error is kept as the reason, every call stays on the Python path, and
+  later calls do not try again."""
+  _hot_state(monkeypatch)
+  for name, value in (("run_plan", None), ("before_forward", None),
+                      ("_MODULE", None), ("_FAILED", None), ("_OFF", None)):
+    monkeypatch.setattr(_hot, name, value)
+  tries = []
+
+  def load(build_directory):
+    tries.append(build_directory)
+    raise RuntimeError("Error building extension: c++: command not found")
+
+  monkeypatch.setattr(_hot, "_load", load)
+  assert _hot.ensure_built() is False and _hot.ensure_built() is False
+  assert len(tries) == 1
+  why = forge_torch.bridge_stats.native_unavailable
+  assert why.startswith("the native host path could not be built")
+  assert "c++: command not found" in why
+  assert _hot.run_plan is None and _hot.before_forward is None
+  assert forge_torch.set_native_path(True) is False  # (still failed)
+  assert forge_torch.bridge_stats.native_unavailable == why
+
+
+def test_set_native_path_switches_it_and_says_so(monkeypatch, native):
+  """``forge_torch.set_native_path`` turns the built path off (the reason
+  in ``bridge_stats.native_unavailable``) and on again, returning whether
+  it was on; it takes only True or False."""
+  _hot_state(monkeypatch)
+  monkeypatch.setattr(_hot, "_OFF", None)
+  with _hot.using(True):
+    pass
+  forge_torch.set_native_path(True)
+  assert forge_torch.bridge_stats.native_unavailable is None
+  assert forge_torch.set_native_path(False) is True
+  assert _hot.run_plan is None and _hot.before_forward is None
+  assert forge_torch.bridge_stats.native_unavailable == (
+      "turned off by forge_torch.set_native_path")
+  with _hot.using(True) as on:  # (off: a comparison cannot turn it on)
+    assert not on
+  assert forge_torch.set_native_path(True) is False
+  assert _hot.run_plan is not None and _hot.before_forward is not None
+  with _hot.using(False) as on:
+    assert not on and _hot.run_plan is None
+  assert _hot.run_plan is not None
+  with pytest.raises(TypeError, match="True or False"):
+    forge_torch.set_native_path(1)

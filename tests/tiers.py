@@ -57,7 +57,9 @@ GROUPS = (
                 T + "test_bench_clis.py::test_hlo_schedule_missing_or_truncated"
                 "_file_is_a_clean_error",
                 T + "test_cli_errors.py::test_plot_into_missing_directory",
-                T + "test_cli_errors.py::test_plot_non_kernel_csv_is_clean_error"),
+                T + "test_cli_errors.py::test_plot_non_kernel_csv_is_clean_error",
+                T + "test_bench_clis.py::test_torch_overhead_writes_rows_and"
+                "_restores_the_bridge[direct]"),
           keep=(T + "test_e2e_bench.py::test_forge_arm_runs_fused_kernels",
                 T + "test_e2e_bench.py::test_replot_draws_each_bts_bars_from_one"
                 "_run",
@@ -70,6 +72,14 @@ GROUPS = (
                 "_arms_compute_the_same_step",
                 T + "test_memory_bench.py::test_weight_gradient_gemms_found"
                 "_for_optax_and_absent_for_forge[adamw]")),
+    Group("forge_torch's native host path against its Python path: each "
+          "case builds the C++ extension first (20-30 s on two cores), as "
+          "does torch_overhead's direct-launch stand-in. The quick tier "
+          "keeps a failed build's fallback, which builds nothing; on the "
+          "GPU the plans' bit-for-bit test runs both paths.",
+          full=(T + "test_torch_native.py",),
+          keep=(T + "test_torch_native.py::test_a_failed_build_keeps_the"
+                "_python_path_and_says_why",)),
     Group("The multi-device checks: one process on eight simulated CPU "
           "devices training every layout (about a minute). The quick tier "
           "keeps the layout planning, argument checks and the lowering for "
