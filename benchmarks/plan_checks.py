@@ -1,43 +1,34 @@
-"""An update plan's per-update checks in Python and in C++, on the CPU.
+"""An update plan's per-update path in Python and natively, on the CPU.
 
     ./dev.sh python -m benchmarks.plan_checks --out O.csv
 
-forge_torch's managed layer spends most of its backward's host time in the
-checks an update plan makes before it launches the fused kernel again
-(``_ForgeOptimizer._forge_run_plan``, its relaunch and step advance). This
-probe times that path on one ``Linear(16, 16)`` bf16 weight with
-``(4, 8, 16)`` operands, the direct launch stood in for (as
-``benchmarks.torch_overhead --launch direct`` does), against a C++
-function (``benchmarks/plan_checks.cpp``, built by
-``torch.utils.cpp_extension.load``: it needs a C++ compiler and ninja)
-that reads what the Python path reads for its checks -- the updated mark,
-the group list and dict, the state dict, step and slots by identity, the
-step count's version and pointer, the group's options by identity under
-the same names, the operands' rows, columns and dtypes, the weight's and
-slots' shapes, density and dtype, the pointers and their alignment --
-bumps the versions and sets the mark. It leaves out the scalars' lookup
-and hyperparameter ring, the group's device, the first-update snapshot,
-the current-device and capture checks and the launch call: a lower bound
-for a C++ path, not one. Each arm runs on its own optimizer (their step
-counts apart); every timed call must take its plan (each call's updated
-mark is dropped first). Rows: ``plan_checks``, metric ``call_time``, per
-arm (``python``, ``c++``, ``loop``: the mark's drop alone), p20/p50/p80
-over ``--rounds`` rounds of ``--calls`` calls.
+forge_torch's managed layer spends most of its backward's host time on
+an update that repeats its weight's plan: the checks the plan makes, the
+relaunch of the fused kernel and the step count's advance. This times that
+path on one ``Linear(16, 16)`` bf16 weight with ``(4, 8, 16)`` operands,
+the direct launch stood in for (as ``benchmarks.torch_overhead --launch
+direct`` does: the kernel's launch and the hyperparameter ring are Python
+stand-ins, which both arms call), in Python
+(``_ForgeOptimizer._forge_run_plan``) and on the native host path
+(``forge_torch/_hot.cpp``'s ``run_plan``, built into ``--build-dir`` by
+``torch.utils.cpp_extension``: it needs a C++ compiler and ninja). Each arm
+runs on its own optimizer; before every call the weight's updated mark is
+dropped and its step count's record set back, so that every timed call
+takes its plan for the same step (it raises otherwise). Rows:
+``plan_checks``, metric ``call_time``, per arm (``python``, ``native``,
+``loop``: the resets alone), p20/p50/p80 over ``--rounds`` rounds of
+``--calls`` calls.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
 import time
 
 from benchmarks import common, paths
-
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                      "plan_checks.cpp")
 
 
 def _quantiles(v):
@@ -46,18 +37,22 @@ def _quantiles(v):
   return pick(0.2), statistics.median(v), pick(0.8)
 
 
+class _Unbuilt(RuntimeError):
+  """The native path could not be built (or is turned off)."""
+
+
 def measure(rounds: int, calls: int, build_dir: str | None) -> dict:
   """Microseconds per call of each arm, one list entry per round."""
   import torch  # noqa: PLC0415
-  from torch.utils import cpp_extension  # noqa: PLC0415
 
   import forge_torch  # noqa: PLC0415
-  from forge_torch import _direct, optim as fo  # noqa: PLC0415
+  from forge_torch import _direct, _hot, optim as fo  # noqa: PLC0415
   from benchmarks import torch_overhead  # noqa: PLC0415
 
-  hot = cpp_extension.load(name="forge_plan_checks", sources=[SOURCE],
-                           extra_cflags=["-O2"], build_directory=build_dir,
-                           verbose=False)
+  with _hot.using(True, build_dir) as on:
+    if not on:
+      raise _Unbuilt(_hot.unavailable())
+    native = _hot.run_plan
   undo = torch_overhead._direct_stand_in(fo._bridge, _direct)  # noqa: SLF001
   try:
     x = torch.randn(4, 8, 16, dtype=torch.bfloat16)
@@ -76,35 +71,36 @@ def measure(rounds: int, calls: int, build_dir: str | None) -> dict:
       if plan is None or plan.launch is None:
         raise RuntimeError("the weight has no direct-launch plan "
                            f"({forge_torch.bridge_stats})")
-      return layer, opt, p, pk, plan, opt._forge_updated._values  # noqa: SLF001
+      upd, record = opt._forge_updated._values, plan.record  # noqa: SLF001
+      value = record.value
 
-    _, opt, p, pk, plan, upd = made()
-    _, opt2, p2, pk2, plan2, upd2 = made()
-    st, group = opt2.state[p2], opt2.param_groups[0]
-    c = hot.Plan()
-    c.config, c.group, c.state, c.step, c.updated = (None, group, st,
-                                                     st["step"], upd2)
-    c.names, c.options = tuple(group), tuple(group.values())
-    c.slot_names = list(plan2.rule.slots)
-    c.slots = [st[n] for n in plan2.rule.slots]
-    c.index, c.n_in, c.n_out, c.rows_x, c.rows_dy = 0, 16, 16, 32, 32
-    c.set_dtype(x)
-    c.set_step_ptr()
-    c.step_version, c.step_value = st["step"]._version, 0
+      def reset():
+        upd.pop(pk, None)
+        record.value = value
+
+      # The step's first update forms its scalars (Python); later ones,
+      # timed, find them.
+      reset()
+      if not opt._forge_run_plan(plan, p, pk, dy, x, None):  # noqa: SLF001
+        raise RuntimeError("the plan did not hold")
+      return opt, p, pk, plan, reset
+
+    opt, p, pk, plan, reset = made()
+    opt2, p2, _, _, reset2 = made()
 
     def python():
-      upd.pop(pk, None)
+      reset()
       return opt._forge_run_plan(plan, p, pk, dy, x, None)  # noqa: SLF001
 
-    def cpp():
-      upd2.pop(pk2, None)
-      return hot.run_plan(c, opt2, p2, pk2, dy, x, None, None)
+    def native_arm():
+      reset2()
+      return native(opt2, p2, dy, x, None)
 
     def loop():
-      upd.pop(pk, None)
+      reset()
       return True
 
-    arms = {"python": python, "c++": cpp, "loop": loop}
+    arms = {"python": python, "native": native_arm, "loop": loop}
     out = {name: [] for name in arms}
     for _ in range(rounds):
       for name, f in arms.items():
@@ -126,7 +122,7 @@ def main(argv=None) -> int:
   p.add_argument("--rounds", type=common.positive_int, default=7)
   p.add_argument("--calls", type=common.positive_int, default=20000)
   p.add_argument("--build-dir", type=paths.out_dir, default=None,
-                 help="where the C++ extension is built (default: torch's "
+                 help="where the native path is built (default: torch's "
                       "extensions cache)")
   args = p.parse_args(argv)
   try:
@@ -137,19 +133,15 @@ def main(argv=None) -> int:
     return 2
   try:
     runs = measure(args.rounds, args.calls, args.build_dir)
-  except (OSError, RuntimeError, ImportError) as e:
-    if "ninja" in str(e).lower() or "compil" in str(e).lower() or (
-        "command" in str(e).lower()):
-      print("benchmarks/plan_checks.py: the C++ arm could not be built "
-            f"(it needs a C++ compiler and ninja): {e}. Nothing measured.",
-            file=sys.stderr)
-      return 2
-    raise
+  except _Unbuilt as e:
+    print(f"benchmarks/plan_checks.py: {e}. Nothing measured.",
+          file=sys.stderr)
+    return 2
   res = common.Results(args.out, "plan_checks",
                        device=f"cpu:{platform.machine()}")
   for arm, v in runs.items():
     q = _quantiles(v)
-    res.add("an update plan's per-update checks, launch stood in", arm,
+    res.add("an update plan's per-update path, launch stood in", arm,
             "Linear(16, 16) weight, (4, 8, 16) operands", "bfloat16",
             "call_time", q, "us per call")
     print(f"{arm:7s} p50 {q[1]:6.2f} us per call "
