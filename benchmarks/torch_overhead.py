@@ -12,8 +12,9 @@ transformer's layers take them), in two arms:
   forge   ``forge_torch.Linear`` + ``forge_torch.AdamW`` (the same);
   python  (``--arms ... python``) forge with its native host path off
           (``forge_torch.set_native_path(False)``): the update plan's
-          checks and launch in Python, as a machine without a C++
-          compiler runs them;
+          checks and launch, and the forward's checks, in Python, as a
+          machine without a C++ compiler runs them (forge takes the native
+          path on CUDA and with ``--launch direct``, building it first);
   floor   (``--arms ... floor``) the least a Python layer of FORGE's form
           costs: a minimal ``torch.autograd.Function`` whose forward is
           ``F.linear`` and whose backward forms the input's gradient and no
@@ -169,17 +170,25 @@ def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
             launch: str = "stub", seq: int = 0) -> dict[str, float]:
   """Seconds per layer per step for each phase (median over ``steps``).
   ``seq``: the input is ``(bt // seq, seq, width)`` (0: ``(bt, width)``)."""
+  from forge_torch import _hot  # noqa: PLC0415
+
+  # The native host path is built by the first direct launch: on CUDA, and
+  # on the CPU for the direct launch's stand-in ("python": off; with the
+  # update stubbed, off too, as on a machine without a GPU).
+  with _hot.using(arm == "forge" and (device == "cuda" or launch == "direct")):
+    return _run_arm(arm, layers, width, steps, warmup, device, bt, profile,
+                    launch, seq)
+
+
+def _run_arm(arm, layers, width, steps, warmup, device, bt, profile, launch,
+             seq):
   import torch  # noqa: PLC0415
   import forge_torch  # noqa: PLC0415
   from forge_torch import _direct  # noqa: PLC0415
   from forge_torch import optim as forge_optim  # noqa: PLC0415
 
-  from forge_torch import _hot  # noqa: PLC0415
-
   torch.manual_seed(0)
-  # ("python": forge_torch with its native host path off.)
   forge = arm in ("forge", "python")
-  native = _hot.set_enabled(arm == "forge")
   cuda = device == "cuda"
   dtype = (torch.bfloat16 if cuda or launch == "direct"
            else torch.float32)
@@ -228,7 +237,6 @@ def run_arm(arm: str, layers: int, width: int, steps: int, warmup: int,
       torch.cuda.synchronize()
   finally:
     forge_optim._bridge.fused_update = real  # noqa: SLF001
-    _hot.set_enabled(native)
     if undo is not None:
       undo()
     if profiler is not None:
