@@ -63,8 +63,9 @@ from forge_torch._bridge import STATS as bridge_stats  # noqa: E402
 from forge_torch._bridge import get_sync_mode, set_sync_mode  # noqa: E402
 from forge_torch._direct import set_enabled as set_direct_launch  # noqa: E402
 from forge_torch._hot import set_enabled as set_native_path  # noqa: E402
-from forge_torch import _clip  # noqa: E402
+from forge_torch import _bridge, _clip, _direct, _hot  # noqa: E402
 from forge_torch import distributed  # noqa: E402
+from forge_torch import optim  # noqa: E402
 from forge_torch.linear import (  # noqa: E402
     ConvertSkipWarning,
     Linear,
@@ -83,6 +84,7 @@ from forge_torch.optim import (  # noqa: E402
 )
 
 _clip.install()
+_hot.bind(_clip, _bridge, _direct, optim)
 
 __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Adamax", "ConvertSkipWarning",
            "Linear", "NAdam", "RAdam", "RMSprop", "bridge_stats", "convert",

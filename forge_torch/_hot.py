@@ -49,6 +49,20 @@ _OFF: str | None = (f"${ENV_VAR}=0" if os.environ.get(ENV_VAR, "1").strip()
                     == "0" else None)
 
 
+# (clip, bridge, direct, optim, ring type): the modules whose objects the
+# native path reads, bound by the forge_torch package (this module imports
+# none of them).
+_BOUND: tuple | None = None
+
+
+def bind(clip, bridge, direct, optim) -> None:
+  """Names the modules the native path reads: ``forge_torch._clip``,
+  ``_bridge``, ``_direct`` and ``optim`` (called once, by the package's
+  ``__init__``)."""
+  global _BOUND
+  _BOUND = (clip, bridge, direct, optim, bridge._HparamsRing)
+
+
 def unavailable() -> str | None:
   """Why updates do not take the native host path, or ``None``."""
   if run_plan is not None:
@@ -71,10 +85,11 @@ def ensure_built(build_directory: str | None = None) -> bool:
   with _LOCK:
     if _MODULE is None and _FAILED is None:
       try:
+        if _BOUND is None:
+          raise RuntimeError("forge_torch._hot.bind() was not called (the "
+                             "forge_torch package calls it on import)")
         module = _load(build_directory)
-        from forge_torch import _bridge, _clip, _direct  # noqa: PLC0415
-        from forge_torch import optim  # noqa: PLC0415
-        module.setup(_clip, _bridge, _direct, optim, _bridge._HparamsRing)
+        module.setup(*_BOUND)
       except Exception as e:  # noqa: BLE001 -- no compiler, ninja, headers
         _FAILED = (f"the native host path could not be built "
                    f"({type(e).__name__}: {str(e).strip()[:400]})")
