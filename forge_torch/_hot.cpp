@@ -141,6 +141,33 @@ int add_to(PyObject* obj, PyObject* name, PyObject* delta) {
 
 constexpr int kMaxSlots = 8;
 
+// The bridge's lock, acquired: released by release() or, on any other way
+// out (a C++ exception), when it goes out of scope. An error raised before
+// the release is kept, and chained to the release's own if it fails (as a
+// `with` block's would be).
+struct LockHeld {
+  PyObject* lock;  // (held by the caller)
+  bool held = true;
+  int release() {
+    if (!held) return 0;
+    held = false;
+    PyObject* pending = PyErr_GetRaisedException();
+    PyObject* done = PyObject_CallMethodNoArgs(lock, s_release);
+    if (done == nullptr) {
+      if (pending != nullptr) {
+        PyObject* now = PyErr_GetRaisedException();
+        PyException_SetContext(now, pending);  // (steals pending)
+        PyErr_SetRaisedException(now);
+      }
+      return -1;
+    }
+    Py_DECREF(done);
+    if (pending != nullptr) PyErr_SetRaisedException(pending);
+    return 0;
+  }
+  ~LockHeld() { release(); }
+};
+
 // 1: done; 0: not taken (nothing done); -1: a Python error is set.
 int run(PyObject* opt, PyObject* p, PyObject* grad_output, PyObject* input,
         PyObject* config) {
@@ -202,7 +229,10 @@ int run(PyObject* opt, PyObject* p, PyObject* grad_output, PyObject* input,
   if (!PyList_Check(seen.get()) || index < 0 ||
       index >= PyList_GET_SIZE(seen.get()))
     return 0;
-  PyObject* group = PyList_GET_ITEM(seen.get(), index);  // borrowed
+  // (Held: Python code runs below, the stand-ins' and Tensor.__hash__.)
+  Ref group_ref(PyList_GET_ITEM(seen.get(), index));
+  Py_INCREF(group_ref.get());
+  PyObject* group = group_ref.get();
   Ref groups(attr(opt, s_param_groups));
   if (!groups) return -1;
   if (!PyList_Check(groups.get()) || index >= PyList_GET_SIZE(groups.get()) ||
@@ -459,10 +489,23 @@ int run(PyObject* opt, PyObject* p, PyObject* grad_output, PyObject* input,
   if (!kernel) return -1;
   Ref n_state(attr(launch.get(), s_n_state));
   if (!n_state) return -1;
-  // The kernel's launch as addresses (DirectKernel.c_launch), or None: a
-  // kernel launched through its launch_ptrs method.
+  // The kernel's launch as addresses (DirectKernel.c_launch), or None (or
+  // none at all): a kernel launched through its launch_ptrs method.
   Ref c_launch(attr(kernel.get(), s_c_launch));
-  if (!c_launch) return -1;
+  if (!c_launch) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+    PyErr_Clear();
+    Py_INCREF(Py_None);
+    c_launch.o = Py_None;
+  }
+  // torch._C._increment_version, the Python path's, skips inference
+  // tensors, which impl::bump_version refuses: such state is left to it.
+  if (w.is_inference()) return 0;
+  for (Py_ssize_t i = 0; i < n_slots; ++i)
+    if (THPVariable_Unpack(PyTuple_GET_ITEM(slots.get(), i)).is_inference())
+      return 0;
+  if (!is_none(step.get()) && THPVariable_Unpack(step.get()).is_inference())
+    return 0;
   // The operands made contiguous (copied on the stream, before the launch).
   at::Tensor xc = x.contiguous(), dyc = dy.contiguous();
   uintptr_t ptrs[4 + kMaxSlots];
@@ -486,6 +529,7 @@ int run(PyObject* opt, PyObject* p, PyObject* grad_output, PyObject* input,
     r = PyObject_IsTrue(got.get());
     if (r != 1) return r < 0 ? -1 : 0;  // held elsewhere: Python waits
   }
+  LockHeld held{lock.get()};
   int result = -1;
   do {
     // ring.get(vec, fixed=True): the row that served this vector last, in
@@ -568,6 +612,9 @@ int run(PyObject* opt, PyObject* p, PyObject* grad_output, PyObject* input,
       }
       void* raw_stream = PyLong_AsVoidPtr(stream.get());
       if (PyErr_Occurred()) break;
+      // (Without the GIL, as ctypes calls it: a launch may wait for room
+      // in the GPU's queue.)
+      Py_BEGIN_ALLOW_THREADS
       if (abi_v2) {
         using Fn = void (*)(void*, void*, void*, void**, int);
         reinterpret_cast<Fn>(fn)(kern, function, raw_stream, buffers,
@@ -576,6 +623,7 @@ int run(PyObject* opt, PyObject* p, PyObject* grad_output, PyObject* input,
         using Fn = void (*)(void*, void*, void**);
         reinterpret_cast<Fn>(fn)(function, raw_stream, buffers);
       }
+      Py_END_ALLOW_THREADS
     } else {
       Ref list(PyList_New(n_ptrs));
       if (!list) break;
@@ -599,17 +647,7 @@ int run(PyObject* opt, PyObject* p, PyObject* grad_output, PyObject* input,
       break;
     result = 1;
   } while (false);
-  {  // (released whatever happened; an error set meanwhile is kept)
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    Ref released(PyObject_CallMethodNoArgs(lock.get(), s_release));
-    if (!released) {
-      Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
-      return -1;
-    }
-    PyErr_Restore(type, value, tb);
-  }
-  if (result != 1) return -1;
+  if (held.release() < 0 || result != 1) return -1;
   // --- _forge_advance_step ---
   if (!is_none(step.get())) {
     const at::Tensor& st = THPVariable_Unpack(step.get());
@@ -722,16 +760,16 @@ PyObject* before(PyObject* opt, PyObject* w_o, PyObject* x_o, PyObject* amp) {
   r = PyDict_Contains(calls_refs.get(), wk.get());
   if (r < 0) return nullptr;
   if (r == 0) Py_RETURN_NOTIMPLEMENTED;
-  PyObject* n = dget(calls.get(), wk.get(), &err);
+  Ref n(dget(calls.get(), wk.get(), &err));
   if (err) return nullptr;
+  if (!n) n.o = PyLong_FromLong(0);  // (absent: no use counted yet)
+  else Py_INCREF(n.get());
+  if (!n) return nullptr;
   Ref k(attr(opt, s__forge_accumulate_steps));
   if (!k) return nullptr;
-  Ref zero(PyLong_FromLong(0));
-  if (!zero) return nullptr;
-  if (n == nullptr) n = zero.get();
   // n < k: else refused (Python says why); with the weight updated in this
   // step already, Python's check.
-  r = PyObject_RichCompareBool(n, k.get(), Py_LT);
+  r = PyObject_RichCompareBool(n.get(), k.get(), Py_LT);
   if (r < 0) return nullptr;
   if (r == 0) Py_RETURN_NOTIMPLEMENTED;
   {
@@ -743,7 +781,7 @@ PyObject* before(PyObject* opt, PyObject* w_o, PyObject* x_o, PyObject* amp) {
     if (r < 0) return nullptr;
     if (r == 1) Py_RETURN_NOTIMPLEMENTED;
   }
-  Ref next(PyNumber_Add(n, g_one));
+  Ref next(PyNumber_Add(n.get(), g_one));
   if (!next) return nullptr;
   if (PyDict_SetItem(calls.get(), wk.get(), next.get()) < 0) return nullptr;
   return attr(opt, s__forge_generation);

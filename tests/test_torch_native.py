@@ -278,9 +278,12 @@ def _bookkeeping(model, opt, start):
     state = []
     for k in sorted(st):
       v = st[k]
-      state.append((k, (v.item() if isinstance(v, torch.Tensor)
-                        and v.numel() == 1 else v._version
-                        if isinstance(v, torch.Tensor) else v)))
+      if not isinstance(v, torch.Tensor):
+        state.append((k, v))
+      elif v.numel() == 1:
+        state.append((k, v.item()))
+      else:  # (an inference tensor has no version counter)
+        state.append((k, "inference" if v.is_inference() else v._version))
     step = st.get("step")
     record = (opt._forge_steps.get(step) if isinstance(step, torch.Tensor)
               else None)
@@ -320,6 +323,18 @@ def _new_slots(model, opt):
     for k in list(st):
       if k != "step" and isinstance(st[k], torch.Tensor):
         st[k] = st[k].clone()
+
+
+def _slots_made_in_inference_mode(model, opt):
+  """The managed weights' state tensors made under torch.inference_mode():
+  their version counters are not bumped (torch skips inference tensors),
+  which the native path leaves to the Python path."""
+  for p in opt.managed_params:
+    st = opt.state[p]
+    for k in list(st):
+      if k != "step" and isinstance(st[k], torch.Tensor):
+        with torch.inference_mode():
+          st[k] = st[k].clone()
 
 
 def _count_written(model, opt):
@@ -379,7 +394,7 @@ def _transposed_input(model, opt):
 _transposed_input.transposed = True
 
 _CHANGES = [_nothing, _scale_lr, _weight_decay_set, _new_slots,
-            _count_written, _count_memory_replaced, _reload,
+            _slots_made_in_inference_mode, _count_written, _count_memory_replaced, _reload,
             _group_added_first, _clip_on, _accumulate_on, _lr_in_backward,
             _transposed_input]
 
