@@ -77,21 +77,29 @@ class _Stream:
 
 
 class _Recorder:
-  """The runtime's launch: a ctypes callback (the ABI of jaxlib 0.12:
-  ``(kernel, function, stream, buffers, device)``) recording each call's
-  arguments as ``log`` entries, the buffers named by ``names(address)``."""
+  """The runtime's launch: a ctypes callback recording each call's
+  arguments as ``log`` entries ``(kernel, function, stream, device, buffer
+  names)``, in the ABI of jaxlib 0.12 (``(kernel, function, stream, buffers,
+  device)``) or, ``abi_v2=False``, 0.11's (``(function, stream, buffers)``:
+  kernel and device logged as None)."""
 
   KERNEL, FUNCTION = 0x2222, 0x1111
 
-  def __init__(self):
+  def __init__(self, abi_v2: bool = True):
+    self.abi_v2 = abi_v2
     self.log = []
     self.tensors: dict[int, str] = {}  # address -> weight or state name
     self.rings: list = []
     self.sizes: dict[int, int] = {}  # function handle -> buffers
     ptrs_t = ctypes.POINTER(ctypes.c_void_p)
-    self.c_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_void_p, ptrs_t, ctypes.c_int)(
-                                     self._record)
+    if abi_v2:
+      self.c_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_void_p, ptrs_t, ctypes.c_int)(
+                                       self._record)
+    else:
+      self.c_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
+                                   ptrs_t)(
+          lambda f, s, b: self._record(None, f, s, b, None))
     self.address = ctypes.cast(self.c_fn, ctypes.c_void_p).value
 
   def name(self, address: int):
@@ -117,21 +125,26 @@ class _Recorder:
     self.sizes[function] = len(order)
     k = object.__new__(_direct.DirectKernel)
     k.writes_outputs = False
-    k._launch = functools.partial(self.c_fn, self.KERNEL, function)
-    k._tail = (DEVICE,)
+    if self.abi_v2:
+      k._launch = functools.partial(self.c_fn, self.KERNEL, function)
+      k._tail = (DEVICE,)
+    else:
+      k._launch, k._tail = functools.partial(self.c_fn, function), ()
     k._buffers_t = ctypes.c_void_p * len(order)
     k._gather = operator.itemgetter(*order)
     k._unload = None
-    k.c_launch = (self.address, True, self.KERNEL, function, DEVICE,
+    k.c_launch = (self.address, self.abi_v2,
+                  self.KERNEL if self.abi_v2 else None, function, DEVICE,
                   tuple(order))
     return k
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
+def stand_in(monkeypatch, request):
   """The direct launch's path on the CPU (see the module's docstring);
-  returns the launch recorder."""
-  rec = _Recorder()
+  returns the launch recorder (indirectly parametrized: the launch's ABI,
+  jaxlib 0.12's by default)."""
+  rec = _Recorder(getattr(request, "param", True))
   rings = {}  # ring key -> ring
 
   def resolve(x2, dy2, w, slots, n_hparams, rule, config, device_index,
@@ -460,17 +473,24 @@ def test_every_family_takes_the_same_path_natively(monkeypatch, native,
   assert sum(u[1] for u in updates) >= 2 * 2
 
 
+@pytest.mark.parametrize("stand_in", [True, False], indirect=True,
+                         ids=["abi-jaxlib-0.12", "abi-jaxlib-0.11"])
 def test_the_native_path_launches_the_kernels_buffers_in_order(
     monkeypatch, native, stand_in):
-  """A native launch passes the kernel its buffers in the kernel's own
-  order (operands, then the in-place outputs): the weight, the input, the
+  """A native launch calls the runtime's launch function with the
+  arguments of its ABI and the kernel's buffers in the kernel's own order
+  (operands, then the in-place outputs): the weight, the input, the
   hyperparameters' row, the gradient, the slots, then the weight and the
-  slots again."""
+  slots again; as the Python path's launch does."""
   updates, log, _, _ = _train(monkeypatch, stand_in, native, "AdamW",
-                           dict(lr=1e-2), 4, _at(99, _nothing), 99)
-  assert updates[-1] == (True, True)
+                              dict(lr=1e-2), 4, _at(99, _nothing), 99)
+  # (The step's updates: the last layer's in Python, then the others'.)
+  assert updates[-3:] == [(True, False), (True, True), (True, True)]
   kernel, function, stream, device, buffers = log[-1]
-  assert (kernel, stream, device) == (_Recorder.KERNEL, STREAM, DEVICE)
+  assert (kernel, stream, device) == ((_Recorder.KERNEL, STREAM, DEVICE)
+                                      if stand_in.abi_v2
+                                      else (None, STREAM, None))
+  assert log[-3][:4] == log[-1][:4]  # (the Python path's launch)
   name = buffers[0]
   assert name.endswith(".weight")
   assert buffers[1] == "operand" and buffers[3] == "operand"
