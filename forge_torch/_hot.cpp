@@ -1,17 +1,21 @@
 // forge_torch's native host path: a managed weight's update repeating its
 // plan, the Python path of forge_torch/optim.py (_forge_fused_update's
 // plan branch: _forge_run_plan, _bridge.relaunch and _launch_on,
-// _forge_advance_step) done in C++ where it holds.
+// _forge_advance_step), and a managed layer's forward count
+// (_forge_before_forward), done in C++ where they hold.
 //
 // run_plan(optimizer, weight, grad_output, input, config) returns True once
 // it has launched the update and done its bookkeeping, exactly as the Python
 // path would have; False, having done nothing, wherever any check fails or
 // a case is not one it takes (the first update of a param group in a step,
-// the DLPack path, a step count it does not store, a lock held elsewhere):
-// the Python path then runs, from its own checks. It reads every object
-// the Python path reads, live, and caches nothing between calls. The
-// Python objects it reads are named in forge_torch/_hot.py, which builds
-// this file (torch.utils.cpp_extension) and binds it (setup()).
+// the DLPack path, a step count it does not store, inference-tensor state,
+// a lock held elsewhere): the Python path then runs, from its own checks.
+// before_forward(optimizer, weight, input, amp) likewise returns the step
+// the forward is counted in, None (a recomputation), or NotImplemented.
+// Both read every object the Python path reads, live, and cache nothing
+// between calls. forge_torch/_hot.py builds this file
+// (torch.utils.cpp_extension) and hands it the modules whose objects it
+// reads (setup(), with what the forge_torch package binds).
 #include <Python.h>
 
 #include <torch/csrc/DynamicTypes.h>
