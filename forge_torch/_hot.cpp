@@ -94,6 +94,16 @@ inline PyObject* dget(PyObject* d, PyObject* key, int* err) {
 
 inline bool is_none(PyObject* o) { return o == Py_None; }
 
+// obj.<name>._values: the dict of one of the optimizer's WeakIdMaps (a new
+// reference, or nullptr with an error set).
+PyObject* map_values(PyObject* obj, PyObject* name) {
+  PyObject* map = attr(obj, name);
+  if (map == nullptr) return nullptr;
+  PyObject* values = attr(map, s__values);
+  Py_DECREF(map);
+  return values;
+}
+
 // An int object equal to v (False where o is not an int).
 inline int int_equals(PyObject* o, long long v) {
   if (!PyLong_Check(o)) return 0;
@@ -189,9 +199,7 @@ int run(PyObject* opt, PyObject* p, PyObject* grad_output, PyObject* input,
     return 0;
   Ref pk(id_key(p));
   if (!pk) return -1;
-  Ref plans_map(attr(opt, s__forge_plans));
-  if (!plans_map) return -1;
-  Ref plans(attr(plans_map.get(), s__values));
+  Ref plans(map_values(opt, s__forge_plans));
   if (!plans) return -1;
   if (!PyDict_Check(plans.get())) return 0;
   PyObject* plan_b = dget(plans.get(), pk.get(), &err);
@@ -287,9 +295,7 @@ int run(PyObject* opt, PyObject* p, PyObject* grad_output, PyObject* input,
   if (!is_none(step.get())) {
     if (!THPVariable_Check(step.get())) return 0;
     const at::Tensor& st = THPVariable_Unpack(step.get());
-    Ref steps_map(attr(opt, s__forge_steps));
-    if (!steps_map) return -1;
-    Ref steps(attr(steps_map.get(), s__values));
+    Ref steps(map_values(opt, s__forge_steps));
     if (!steps) return -1;
     Ref step_key(id_key(step.get()));
     if (!step_key) return -1;
@@ -720,9 +726,7 @@ PyObject* before(PyObject* opt, PyObject* w_o, PyObject* x_o, PyObject* amp) {
     if (r == 0) Py_RETURN_NOTIMPLEMENTED;
   }
   {
-    Ref managed_map(attr(opt, s__forge_managed));
-    if (!managed_map) return nullptr;
-    Ref managed(attr(managed_map.get(), s__values));
+    Ref managed(map_values(opt, s__forge_managed));
     if (!managed) return nullptr;
     r = PySequence_Contains(managed.get(), wk.get());
     if (r < 0) return nullptr;
@@ -777,9 +781,7 @@ PyObject* before(PyObject* opt, PyObject* w_o, PyObject* x_o, PyObject* amp) {
   if (r < 0) return nullptr;
   if (r == 0) Py_RETURN_NOTIMPLEMENTED;
   {
-    Ref updated_map(attr(opt, s__forge_updated));
-    if (!updated_map) return nullptr;
-    Ref updated(attr(updated_map.get(), s__values));
+    Ref updated(map_values(opt, s__forge_updated));
     if (!updated) return nullptr;
     r = PySequence_Contains(updated.get(), wk.get());
     if (r < 0) return nullptr;
@@ -791,10 +793,14 @@ PyObject* before(PyObject* opt, PyObject* w_o, PyObject* x_o, PyObject* amp) {
   return attr(opt, s__forge_generation);
 }
 
-PyObject* before_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError,
-                    "before_forward(optimizer, weight, input, amp)");
+// An entry point's call of body(args): its argument count checked (usage
+// says what it takes), setup() done, a C++ exception raised as a
+// RuntimeError.
+template <typename Body>
+PyObject* entry(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t n,
+                const char* usage, Body body) {
+  if (nargs != n) {
+    PyErr_SetString(PyExc_TypeError, usage);
     return nullptr;
   }
   if (g_optim == nullptr) {
@@ -802,31 +808,27 @@ PyObject* before_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   try {
-    return before(args[0], args[1], args[2], args[3]);
+    return body(args);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
 }
 
+PyObject* before_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return entry(args, nargs, 4, "before_forward(optimizer, weight, input, amp)",
+               [](PyObject* const* a) {
+                 return before(a[0], a[1], a[2], a[3]);
+               });
+}
+
 PyObject* run_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError,
-                    "run_plan(optimizer, weight, grad_output, input, config)");
-    return nullptr;
-  }
-  if (g_clip == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "forge_torch: setup() not called");
-    return nullptr;
-  }
-  try {
-    int r = run(args[0], args[1], args[2], args[3], args[4]);
-    if (r < 0) return nullptr;
-    return PyBool_FromLong(r);
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  return entry(args, nargs, 5,
+               "run_plan(optimizer, weight, grad_output, input, config)",
+               [](PyObject* const* a) -> PyObject* {
+                 int r = run(a[0], a[1], a[2], a[3], a[4]);
+                 return r < 0 ? nullptr : PyBool_FromLong(r);
+               });
 }
 
 void set(PyObject** slot, PyObject* v) {
