@@ -90,22 +90,27 @@ class _StandInRing:
     return 4096
 
 
-def _direct_stand_in(bridge, direct):
+def _direct_stand_in(bridge, direct, kernel=None, ring=None, stream=0):
   """Patches ``forge_torch._bridge`` so that CPU tensors take the direct
   launch's path, the launch and the ring stood in for; returns a function
-  that undoes it. (Names an older commit lacks are set, then removed: the
-  same command measures it too.)"""
+  that undoes it. ``kernel(n_slots)`` and ``ring(ring_key)`` make a
+  resolved launch's kernel and hyperparameter ring (default: the stand-ins
+  above, which do nothing); ``stream``: the raw stream the path sees, on
+  device -1. (Names an older commit lacks are set, then removed: the same
+  command measures it too.)"""
   missing = object()
   saved = {name: getattr(bridge, name, missing) for name in (
       "_raw_stream", "_resolve", "_fused_update", "resolved_launch",
       "_current_device", "_stream_capturing", "_LAUNCHES")}
   unavailable = direct.unavailable
+  kernel = kernel or (lambda n_slots: _StandInKernel())
+  ring = ring or (lambda ring_key: _StandInRing())
 
   def resolve(x2, dy2, w, slots, n_hparams, rule, config, device_index,
               stream):
-    launch = bridge._Launch(_StandInKernel(), 1 + len(slots),
+    launch = bridge._Launch(kernel(len(slots)), 1 + len(slots),
                             (device_index, stream, n_hparams))
-    launch.ring = _StandInRing()
+    launch.ring = ring(launch.ring_key)
     return launch
 
   def fused_update(x, dy, w, slots, hparams, rule, config, views,
@@ -118,10 +123,10 @@ def _direct_stand_in(bridge, direct):
 
   def resolved_launch(x2, dy2, w, slots, n_hparams, rule, config):
     return bridge._LAUNCHES.get(bridge._launch_key(
-        x2, dy2, w, slots, -1, 0, n_hparams, rule, config)) or None
+        x2, dy2, w, slots, -1, stream, n_hparams, rule, config)) or None
 
   direct.unavailable = lambda: None
-  bridge._raw_stream = lambda device_index: 0
+  bridge._raw_stream = lambda device_index: stream
   bridge._resolve = resolve
   bridge._fused_update = fused_update
   bridge.resolved_launch = resolved_launch

@@ -21,9 +21,9 @@ import copy
 import ctypes
 import functools
 import importlib.util
-import types
 import operator
 import shutil
+import types
 
 import pytest
 
@@ -34,6 +34,7 @@ from torch import nn  # noqa: E402
 import forge_torch  # noqa: E402
 from forge_torch import _bridge, _direct, _hot  # noqa: E402
 from forge_torch import optim as forge_optim  # noqa: E402
+from benchmarks import torch_overhead  # noqa: E402
 
 STREAM, DEVICE = 0x5000, -1
 
@@ -141,45 +142,25 @@ class _Recorder:
 
 @pytest.fixture
 def stand_in(monkeypatch, request):
-  """The direct launch's path on the CPU (see the module's docstring);
-  returns the launch recorder (indirectly parametrized: the launch's ABI,
-  jaxlib 0.12's by default)."""
+  """The direct launch's path on the CPU (see the module's docstring:
+  ``benchmarks.torch_overhead``'s stand-in, with the recorder's kernels and
+  real rings); returns the launch recorder (indirectly parametrized: the
+  launch's ABI, jaxlib 0.12's by default)."""
   rec = _Recorder(getattr(request, "param", True))
   rings = {}  # ring key -> ring
 
-  def resolve(x2, dy2, w, slots, n_hparams, rule, config, device_index,
-              stream):
-    launch = _bridge._Launch(rec.kernel(len(slots)), 1 + len(slots),
-                             (device_index, stream, n_hparams))
-    key = launch.ring_key
+  def ring(key):
     if key not in rings:
-      rings[key] = _bridge._HparamsRing(None, n_hparams, _Stream(),
+      rings[key] = _bridge._HparamsRing(None, key[2], _Stream(),
                                         pin_memory=False)
       rec.rings.append(rings[key])
-    launch.ring = rings[key]
-    return launch
+    return rings[key]
 
-  def fused_update(x, dy, w, slots, hparams, rule, config, views,
-                   stochastic_rounding=None):
-    del views
-    assert _bridge._direct_update(x, dy, w, slots, hparams, rule, config,
-                                  stochastic_rounding), "not launched"
-    return True
-
-  def resolved_launch(x2, dy2, w, slots, n_hparams, rule, config):
-    return _bridge._LAUNCHES.get(_bridge._launch_key(
-        x2, dy2, w, slots, DEVICE, STREAM, n_hparams, rule, config)) or None
-
-  monkeypatch.setattr(_direct, "unavailable", lambda: None)
-  monkeypatch.setattr(_bridge, "_raw_stream", lambda device_index: STREAM)
-  monkeypatch.setattr(_bridge, "_current_device", lambda: DEVICE)
-  monkeypatch.setattr(_bridge, "_stream_capturing", lambda: False)
-  monkeypatch.setattr(_bridge, "_resolve", resolve)
-  monkeypatch.setattr(_bridge, "_fused_update", fused_update)
-  monkeypatch.setattr(_bridge, "resolved_launch", resolved_launch)
-  monkeypatch.setattr(_bridge, "_LAUNCHES", {})
   monkeypatch.setattr(torch.cuda, "Event", _Event)
-  return rec
+  undo = torch_overhead._direct_stand_in(_bridge, _direct, kernel=rec.kernel,
+                                         ring=ring, stream=STREAM)
+  yield rec
+  undo()
 
 
 def _tensor_names(model, opt):
